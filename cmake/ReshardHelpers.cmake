@@ -1,0 +1,35 @@
+# Small helpers in the spirit of abseil's absl_cc_library / absl_cc_test.
+
+set(RESHARD_WARNINGS -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wimplicit-fallthrough)
+
+function(reshard_apply_warnings target)
+  target_compile_options(${target} PRIVATE ${RESHARD_WARNINGS})
+  if(RESHARD_WERROR)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
+endfunction()
+
+# reshard_cc_library(NAME ir SRCS a.cc b.cc DEPS reshard::base fmt::fmt)
+# Defines target reshard_<NAME>, aliased reshard::<NAME>.
+function(reshard_cc_library)
+  cmake_parse_arguments(ARG "" "NAME" "SRCS;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(reshard_${ARG_NAME} STATIC ${ARG_SRCS})
+  add_library(reshard::${ARG_NAME} ALIAS reshard_${ARG_NAME})
+  target_include_directories(reshard_${ARG_NAME} PUBLIC ${PROJECT_SOURCE_DIR}/src)
+  target_link_libraries(reshard_${ARG_NAME} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  set_target_properties(reshard_${ARG_NAME} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  reshard_apply_warnings(reshard_${ARG_NAME})
+endfunction()
+
+# reshard_cc_test(NAME ir_param_map_test SRCS param_map_test.cc DEPS reshard::ir)
+function(reshard_cc_test)
+  if(NOT RESHARD_BUILD_TESTS)
+    return()
+  endif()
+  cmake_parse_arguments(ARG "" "NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SRCS})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  reshard_apply_warnings(${ARG_NAME})
+  add_test(NAME ${ARG_NAME} COMMAND ${ARG_NAME})
+  set_tests_properties(${ARG_NAME} PROPERTIES ENVIRONMENT "RESHARD_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+endfunction()

@@ -1,0 +1,2 @@
+// Placeholder: the JSON reader and writer are being written.
+#include "reshard/ir/map_json.h"

@@ -1,0 +1,76 @@
+// JSON form of param maps (DESIGN.md 6.1) and map documents (6.2).
+//
+// A param map:
+//   {"logical_shape": [48, 8], "valid_shape": [40, 8]?,
+//    "ranks": {"0": {"shard_shape": [24, 8],
+//                    "pieces": [{"shape": [8, 8], "source": [0, [8, 1]], "dest": [0, [8, 1]],
+//                                "locations": [0], "scale": 0.5?}, ...]}, ...}}
+// Interchangeable with DeepSpeed's `ParamAffineMap.to_dict()` (which has no valid_shape).
+// `scale` is written only when it is not 1. Rank keys are decimal strings "0".."N-1", all
+// present. Unknown keys are ignored.
+//
+// A map document: {"version": 1, "<key>": <param map>, ...}, where a key is a parameter name
+// or an exact-match pattern `^<regex-escaped name>$` as DeepSpeed emits them; both read to
+// the same name. Any other regular expression is refused, as is a version other than 1.
+//
+// Reading is strict and two-staged, because the CLI must tell malformed input (exit 2) from
+// a well-formed map that breaks an invariant (exit 1): `ParseParamMapJson` checks syntax,
+// types and structure and returns an unvalidated builder; `ParamMapBuilder::Finalize`
+// validates. Errors carry the JSON path: `ranks["3"].pieces[1].source[1][0]: expected an
+// integer, got 2.5`.
+#ifndef RESHARD_IR_MAP_JSON_H_
+#define RESHARD_IR_MAP_JSON_H_
+
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "reshard/base/result.h"
+#include "reshard/ir/param_map.h"
+
+namespace reshard {
+
+inline constexpr int kMapDocumentVersion = 1;
+
+/// One parameter of a map document, before validation.
+struct NamedMapBuilder {
+  std::string name;
+  ParamMapBuilder builder;
+};
+
+/// A map document, before validation, in file order.
+struct MapDocumentBuilder {
+  std::vector<NamedMapBuilder> params;
+};
+
+/// A validated map document, in file order.
+struct MapDocument {
+  std::vector<std::pair<std::string, ParamMap>> params;
+};
+
+/// Parses one param map. InvalidArgument (with the JSON path) for malformed JSON, wrong
+/// types, missing keys, non-integers where integers belong, integers outside int64, rank
+/// keys that are not "0".."N-1".
+Result<ParamMapBuilder> ParseParamMapJson(std::string_view text);
+
+/// Parses a map document; also accepts a bare param map, read as one parameter named "".
+/// Duplicate names (after decoding `^...$` keys) are refused.
+Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text);
+
+/// Parse then validate every parameter; errors are annotated with the parameter name.
+Result<MapDocument> ReadMapDocumentJson(std::string_view text);
+
+/// Deterministic, compact-per-piece JSON: the same map always gives the same bytes. Keys in
+/// the order of DESIGN.md 6.1, ranks in numeric order, one piece per line, doubles in the
+/// shortest form that reads back exactly. Ends with a newline.
+std::string ParamMapToJson(const ParamMap& map);
+std::string MapDocumentToJson(const MapDocument& doc);
+
+/// `^<escaped>$` -> name for an exact-match pattern; plain names are returned unchanged;
+/// InvalidArgument for a pattern that matches anything but one literal name.
+Result<std::string> DecodeParamKey(std::string_view key);
+
+}  // namespace reshard
+
+#endif  // RESHARD_IR_MAP_JSON_H_
