@@ -1,0 +1,112 @@
+#include "reshard/layouts/basic.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace reshard {
+
+namespace {
+
+Status CheckDim(const Shape& shape, int dim) {
+  if (dim < 0 || static_cast<size_t>(dim) >= shape.size()) {
+    return InvalidArgumentError(
+        fmt::format("dimension {} is outside shape {}", dim, FormatShape(shape)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ParamMap> ReplicatedMap(const Shape& shape, int world_size, double scale) {
+  if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
+  ParamMapBuilder b;
+  b.set_logical_shape(shape).set_world_size(world_size);
+  std::vector<Rank> all;
+  for (Rank r = 0; r < world_size; ++r) all.push_back(r);
+  const Shape strides = RowMajorStrides(shape);
+  for (Rank r = 0; r < world_size; ++r) {
+    b.set_shard_shape(r, shape);
+    b.add_piece(r, Piece{shape, {0, strides}, {0, strides}, all, scale});
+  }
+  return b.Finalize();
+}
+
+std::vector<Index> EvenSplitSizes(Index extent, int world_size) {
+  std::vector<Index> sizes(static_cast<size_t>(std::max(world_size, 0)), 0);
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    sizes[r] = extent / world_size + (static_cast<Index>(r) < extent % world_size ? 1 : 0);
+  }
+  return sizes;
+}
+
+Result<ParamMap> SplitMap(const Shape& shape, int dim, const std::vector<Index>& sizes) {
+  return SegmentedMap(shape, dim, {Segment{dim >= 0 && static_cast<size_t>(dim) < shape.size()
+                                               ? shape[static_cast<size_t>(dim)]
+                                               : 0,
+                                           false, sizes}},
+                      static_cast<int>(sizes.size()));
+}
+
+Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Segment>& segments,
+                              int world_size) {
+  RESHARD_RETURN_IF_ERROR(CheckDim(shape, dim));
+  if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
+  const auto d = static_cast<size_t>(dim);
+  Index total = 0;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const Segment& seg = segments[s];
+    if (seg.size < 0) return InvalidArgumentError(fmt::format("segment {} has a negative size", s));
+    total += seg.size;
+    if (seg.replicated) continue;
+    Index sum = 0;
+    for (Index w : seg.widths) {
+      if (w < 0) return InvalidArgumentError(fmt::format("segment {} has a negative width", s));
+      sum += w;
+    }
+    if (seg.widths.size() != static_cast<size_t>(world_size) || sum != seg.size) {
+      return InvalidArgumentError(
+          fmt::format("segment {} of {} indices is split as {} across {} ranks", s, seg.size,
+                      fmt::join(seg.widths, "+"), world_size));
+    }
+  }
+  if (total != shape[d]) {
+    return InvalidArgumentError(fmt::format("segments cover {} indices of dimension {} but it has {}",
+                                            total, dim, shape[d]));
+  }
+  std::vector<Rank> all;
+  for (Rank r = 0; r < world_size; ++r) all.push_back(r);
+  const Shape full_strides = RowMajorStrides(shape);
+  ParamMapBuilder b;
+  b.set_logical_shape(shape).set_world_size(world_size);
+  for (Rank r = 0; r < world_size; ++r) {
+    Shape shard = shape;
+    shard[d] = 0;
+    for (const Segment& seg : segments) shard[d] += seg.replicated ? seg.size : seg.widths[static_cast<size_t>(r)];
+    const Shape shard_strides = RowMajorStrides(shard);
+    b.set_shard_shape(r, shard);
+    Index seg_start = 0;
+    Index dest_start = 0;
+    for (const Segment& seg : segments) {
+      Index start = seg_start;
+      Index width = seg.size;
+      if (!seg.replicated) {
+        for (Rank q = 0; q < r; ++q) start += seg.widths[static_cast<size_t>(q)];
+        width = seg.widths[static_cast<size_t>(r)];
+      }
+      if (width > 0) {
+        Shape piece_shape = shape;
+        piece_shape[d] = width;
+        b.add_piece(r, Piece{piece_shape,
+                             {start * full_strides[d], full_strides},
+                             {dest_start * shard_strides[d], shard_strides},
+                             seg.replicated ? all : std::vector<Rank>{r},
+                             1.0});
+      }
+      dest_start += width;
+      seg_start += seg.size;
+    }
+  }
+  return b.Finalize();
+}
+
+}  // namespace reshard
