@@ -1,0 +1,75 @@
+#include "reshard/io/file.h"
+
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+class FileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("reshard_file_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+  size_t FileCount() const {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++n;
+    return n;
+  }
+  fs::path dir_;
+};
+
+TEST_F(FileTest, WriteThenReadRoundTrips) {
+  ASSERT_TRUE(WriteFileAtomically(Path("a.json"), "{\"x\": 1}\n").ok());
+  Result<std::string> back = ReadFileToString(Path("a.json"));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, "{\"x\": 1}\n");
+  EXPECT_EQ(FileCount(), 1u);
+}
+
+TEST_F(FileTest, ExistingOutputIsKeptWithoutOverwrite) {
+  ASSERT_TRUE(WriteFileAtomically(Path("a.json"), "old").ok());
+  Status s = WriteFileAtomically(Path("a.json"), "new");
+  EXPECT_EQ(s.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("pass --force"), std::string::npos);
+  EXPECT_EQ(*ReadFileToString(Path("a.json")), "old");
+  ASSERT_TRUE(WriteFileAtomically(Path("a.json"), "new", {.overwrite = true}).ok());
+  EXPECT_EQ(*ReadFileToString(Path("a.json")), "new");
+  EXPECT_EQ(FileCount(), 1u);
+}
+
+TEST_F(FileTest, MissingFileAndDirectoryAreNamed) {
+  Result<std::string> missing = ReadFileToString(Path("nope.json"));
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("nope.json"), std::string::npos);
+  EXPECT_EQ(ReadFileToString(dir_.string()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(WriteFileAtomically(Path("no/such/dir/a.json"), "x").code(), StatusCode::kNotFound);
+}
+
+TEST_F(FileTest, FailedWriteLeavesNothingBehind) {
+  // A file size limit makes write() fail part-way (SIGXFSZ ignored so it returns EFBIG).
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 1024;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  Status s = WriteFileAtomically(Path("big.bin"), std::string(4096, 'x'));
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_EQ(FileCount(), 0u);
+}
+
+}  // namespace
+}  // namespace reshard

@@ -1,0 +1,22 @@
+// Each command registers itself on the app; its callback stores the exit status.
+#ifndef RESHARD_TOOLS_COMMANDS_H_
+#define RESHARD_TOOLS_COMMANDS_H_
+
+#include <CLI/CLI.hpp>
+#include <string>
+#include <string_view>
+
+#include "reshard/base/status.h"
+
+namespace reshard::cli {
+
+void RegisterVerify(CLI::App& app, int& exit_status);
+void RegisterShow(CLI::App& app, int& exit_status);
+void RegisterDemo(CLI::App& app, int& exit_status);
+
+/// Prints "reshard <command>: <message>" to stderr and returns `exit_status`.
+int Report(std::string_view command, const Status& status, int exit_status);
+
+}  // namespace reshard::cli
+
+#endif  // RESHARD_TOOLS_COMMANDS_H_
