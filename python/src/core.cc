@@ -1,0 +1,120 @@
+// reshard._core: the C++ library's maps and executor, exposed on raw buffers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/exec/executor.h"
+#include "reshard/ir/map_json.h"
+
+namespace py = pybind11;
+
+namespace reshard {
+namespace {
+
+// Raised for a map that does not parse or does not validate; ValueError for bad arguments.
+PyObject* g_map_error = nullptr;
+
+[[noreturn]] void Raise(const Status& status) {
+  const std::string text = std::string(StatusCodeName(status.code())) + ": " + status.message();
+  if (status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kOutOfRange) {
+    PyErr_SetString(g_map_error, text.c_str());
+    throw py::error_already_set();
+  }
+  throw py::value_error(text);
+}
+
+ParamMap LoadMap(const std::string& json) {
+  Result<ParamMapBuilder> builder = ParseParamMapJson(json);
+  if (!builder.ok()) Raise(builder.status());
+  Result<ParamMap> map = builder->Finalize();
+  if (!map.ok()) Raise(map.status());
+  return *std::move(map);
+}
+
+DType LoadDType(const std::string& name) {
+  std::optional<DType> dtype = DTypeFromName(name);
+  if (!dtype) throw py::value_error("unknown dtype \"" + name + "\"");
+  return *dtype;
+}
+
+// A read-only view of a C-contiguous buffer, in elements of `dtype`.
+ConstBuffer ViewOf(const py::buffer_info& info, DType dtype, const char* what) {
+  const size_t bytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  if (bytes % DTypeSize(dtype) != 0) {
+    throw py::value_error(std::string(what) + " is not a whole number of elements");
+  }
+  return {static_cast<const std::byte*>(info.ptr), static_cast<Index>(bytes / DTypeSize(dtype))};
+}
+
+py::bytes Extract(const std::string& map_json, py::buffer full, const std::string& dtype_name,
+                  Rank rank, int scale_power, bool allow_scaled_optimizer_state) {
+  const ParamMap map = LoadMap(map_json);
+  const DType dtype = LoadDType(dtype_name);
+  if (rank < 0 || rank >= map.world_size()) throw py::value_error("rank outside the map's world");
+  py::buffer_info info = full.request();
+  const ConstBuffer in = ViewOf(info, dtype, "full");
+  std::string out(static_cast<size_t>(map.shard_num_elements(rank)) * DTypeSize(dtype), '\0');
+  ExecOptions options;
+  options.scale_power = scale_power;
+  options.allow_scaled_optimizer_state = allow_scaled_optimizer_state;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = reshard::Extract(map, dtype, rank, in,
+                         {reinterpret_cast<std::byte*>(out.data()), map.shard_num_elements(rank)},
+                         options);
+  }
+  if (!s.ok()) Raise(s);
+  return py::bytes(out);
+}
+
+py::bytes Rebuild(const std::string& map_json, const std::vector<py::buffer>& shards,
+                  const std::string& dtype_name, int scale_power, bool verify_replicas,
+                  bool allow_scaled_optimizer_state) {
+  const ParamMap map = LoadMap(map_json);
+  const DType dtype = LoadDType(dtype_name);
+  std::vector<py::buffer_info> infos;
+  std::vector<ConstBuffer> views;
+  for (const py::buffer& b : shards) infos.push_back(b.request());
+  for (const py::buffer_info& info : infos) views.push_back(ViewOf(info, dtype, "shard"));
+  std::string out(static_cast<size_t>(map.num_elements()) * DTypeSize(dtype), '\0');
+  ExecOptions options;
+  options.scale_power = scale_power;
+  options.verify_replicas = verify_replicas;
+  options.allow_scaled_optimizer_state = allow_scaled_optimizer_state;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = reshard::Rebuild(map, dtype, views,
+                         {reinterpret_cast<std::byte*>(out.data()), map.num_elements()}, options);
+  }
+  if (!s.ok()) Raise(s);
+  return py::bytes(out);
+}
+
+}  // namespace
+}  // namespace reshard
+
+PYBIND11_MODULE(_core, m) {
+  using namespace reshard;
+  m.doc() = "reshard core: validate param maps and run extract / rebuild on raw buffers.";
+  g_map_error = PyErr_NewException("reshard._core.MapError", PyExc_ValueError, nullptr);
+  m.attr("MapError") = py::handle(g_map_error);
+  m.def(
+      "validate", [](const std::string& json) { LoadMap(json); }, py::arg("map_json"),
+      "Parse and validate a param map (JSON text); raises MapError naming the violation.");
+  m.def(
+      "canonical_json", [](const std::string& json) { return ParamMapToJson(LoadMap(json)); },
+      py::arg("map_json"), "The map as reshard writes it (deterministic JSON).");
+  m.def("extract", &Extract, py::arg("map_json"), py::arg("full"), py::arg("dtype"),
+        py::arg("rank"), py::arg("scale_power") = 1,
+        py::arg("allow_scaled_optimizer_state") = false,
+        "F (a buffer of the map's full element count) -> rank's shard, as bytes.");
+  m.def("rebuild", &Rebuild, py::arg("map_json"), py::arg("shards"), py::arg("dtype"),
+        py::arg("scale_power") = 1, py::arg("verify_replicas") = true,
+        py::arg("allow_scaled_optimizer_state") = false,
+        "Shards (one buffer per rank) -> F, as bytes, checking replicas.");
+}

@@ -1,0 +1,29 @@
+"""Shared fixtures: where the build is, the compiled module, the CLI binary, seeds."""
+
+import os
+import pathlib
+import random
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("RESHARD_BUILD_DIR", REPO / "build")).resolve()
+sys.path.insert(0, str(BUILD / "python"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+SHARED_DATA = pathlib.Path(os.environ.get("RESHARD_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def reshard_bin():
+    path = BUILD / "tools" / "reshard" / "reshard"
+    assert path.exists(), f"build the CLI first: {path} is missing"
+    return str(path)
+
+
+@pytest.fixture
+def rng(request):
+    """A random.Random seeded per test; replay with RESHARD_SEED=<seed>."""
+    seed = int(os.environ.get("RESHARD_SEED", random.SystemRandom().randrange(2**32)))
+    print(f"\nseed {seed} (replay with RESHARD_SEED={seed})")
+    return random.Random(seed)

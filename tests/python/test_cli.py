@@ -1,0 +1,114 @@
+"""The command-line contract (DESIGN 7): exit statuses, stderr messages, --json output."""
+
+import json
+import subprocess
+
+import pytest
+
+from maps import split_map, segmented_map
+
+
+def run(reshard_bin, *args):
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def bigcode(tmp_path):
+    m = segmented_map([48, 8], 0, [(32, [8, 8, 8, 8]), (16, None)], 4)
+    path = tmp_path / "bigcode.json"
+    path.write_text(json.dumps(m))
+    return path
+
+
+def test_verify_accepts_a_valid_map(reshard_bin, bigcode):
+    r = run(reshard_bin, "verify", bigcode)
+    assert r.returncode == 0, r.stderr
+    assert "1 of 1 parameter(s) valid" in r.stdout
+
+
+def test_verify_names_the_first_violation_per_parameter(reshard_bin, tmp_path):
+    doc = {"version": 1,
+           "good": split_map([8, 2], 0, [4, 4]),
+           "^h\\.0\\.gap$": split_map([8, 2], 0, [4, 3]),
+           "bad.bounds": split_map([8, 2], 0, [4, 4])}
+    doc["bad.bounds"]["ranks"]["1"]["pieces"][0]["source"][0] = 10
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "verify", path)
+    assert r.returncode == 1
+    assert 'parameter "h.0.gap": element [7, 0] of F (shape [8, 2]) is held by no rank' in r.stderr
+    assert ('parameter "bad.bounds": ranks["1"].pieces[0]: source view ends at offset 18 but F '
+            'has 16 elements') in r.stderr
+    assert str(path) in r.stderr
+    r = run(reshard_bin, "verify", path, "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["valid"] is False and report["num_invalid"] == 2
+    assert [p["valid"] for p in report["params"]] == [True, False, False]
+    assert report["params"][0]["pieces"] == 2
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{not json", "parse"),
+    ('{"version": 2}', "version 2"),
+    ('{"logical_shape": [4], "ranks": {"0": {"shard_shape": [4.0], "pieces": []}}}', "integer"),
+    ('[]', "object"),
+])
+def test_verify_malformed_input_exits_2(reshard_bin, tmp_path, content, fragment):
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    r = run(reshard_bin, "verify", path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert fragment in r.stderr.lower(), r.stderr
+    assert r.stdout == ""
+
+
+def test_missing_file_and_usage_errors_exit_2(reshard_bin, tmp_path):
+    r = run(reshard_bin, "verify", tmp_path / "absent.json")
+    assert r.returncode == 2 and "absent.json" in r.stderr
+    assert run(reshard_bin, "verify").returncode == 2
+    assert run(reshard_bin, "frobnicate").returncode == 2
+    assert run(reshard_bin, "show", "--rows", "0", tmp_path / "x.json").returncode == 2
+    r = run(reshard_bin, "--help")
+    assert r.returncode == 0 and "verify" in r.stdout
+    for command in ["verify", "show", "demo"]:
+        r = run(reshard_bin, command, "--help")
+        assert r.returncode == 0 and command in r.stdout
+
+
+def test_show_draws_holders_and_counts_bytes(reshard_bin, bigcode):
+    r = run(reshard_bin, "show", bigcode, "--rows", "6", "--cols", "8")
+    assert r.returncode == 0, r.stderr
+    lines = [line.strip() for line in r.stdout.splitlines()]
+    assert "|00000000|" in lines and "|33333333|" in lines and "|********|" in lines
+    r = run(reshard_bin, "show", bigcode, "--json", "--dtype", "F32")
+    summary = json.loads(r.stdout)[0]
+    assert summary["pieces"] == 8
+    assert summary["ranks"][2]["bytes"] == 24 * 8 * 4
+    assert summary["ranks"][2]["replicated_bytes"] == 16 * 8 * 4
+    assert summary["held_bytes"] == 4 * 24 * 8 * 4
+
+
+def test_show_refuses_an_invalid_map_with_exit_1(reshard_bin, tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(split_map([8, 2], 0, [4, 3])))
+    r = run(reshard_bin, "show", path)
+    assert r.returncode == 1 and "held by no rank" in r.stderr
+
+
+def test_demo_round_trips_and_writes_its_maps(reshard_bin, tmp_path):
+    out = tmp_path / "demo"
+    r = run(reshard_bin, "demo", out)
+    assert r.returncode == 0, r.stderr
+    assert "all parameters round-tripped bit for bit" in r.stdout
+    assert r.stdout.count("bit-identical") == 4
+    maps = out / "maps.json"
+    before = maps.read_bytes()
+    assert run(reshard_bin, "verify", maps).returncode == 0
+    # An existing output is never touched without --force.
+    r = run(reshard_bin, "demo", out)
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert maps.read_bytes() == before
+    assert run(reshard_bin, "demo", out, "--force").returncode == 0
+    assert maps.read_bytes() == before  # deterministic
