@@ -1,0 +1,307 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "reshard/ir/canonicalize.h"
+#include "reshard/ir/fold.h"
+
+namespace reshard {
+
+using internal::FoldItem;
+
+namespace {
+
+std::string ObservedPath(size_t i, Rank rank) {
+  return fmt::format("ranks[{}] (rank {})", i, rank);
+}
+
+// Holder sets, interned: set 0 is empty; a set's members are ascending, so adding ranks in
+// increasing order only ever appends.
+class HolderSets {
+ public:
+  HolderSets() : sets_(1) {}
+
+  // The set `id` plus `rank` (rank is above every member).
+  uint32_t With(uint32_t id, Rank rank) {
+    const uint64_t key = (static_cast<uint64_t>(id) << 32) | static_cast<uint32_t>(rank);
+    auto [it, inserted] = next_.try_emplace(key, static_cast<uint32_t>(sets_.size()));
+    if (inserted) {
+      std::vector<Rank> members = sets_[id];
+      members.push_back(rank);
+      sets_.push_back(std::move(members));
+    }
+    return it->second;
+  }
+  const std::vector<Rank>& members(uint32_t id) const { return sets_[id]; }
+
+ private:
+  std::vector<std::vector<Rank>> sets_;
+  std::unordered_map<uint64_t, uint32_t> next_;
+};
+
+}  // namespace
+
+Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
+  auto numel = CheckedProduct(observed.logical_shape);
+  if (!numel.ok()) return numel.status().Annotate("logical_shape");
+  const Index n = *numel;
+  if (observed.ranks.empty()) return InvalidArgumentError("ranks is empty: observe at least one rank");
+  const int world = static_cast<int>(observed.ranks.size());
+  std::vector<const ObservedShard*> by_rank(static_cast<size_t>(world), nullptr);
+  for (size_t i = 0; i < observed.ranks.size(); ++i) {
+    const ObservedShard& s = observed.ranks[i];
+    if (s.rank < 0 || s.rank >= world) {
+      return InvalidArgumentError(fmt::format(
+          "{}: rank {} is outside 0..{}; ranks must be numbered 0 to N-1", ObservedPath(i, s.rank),
+          s.rank, world - 1));
+    }
+    if (by_rank[static_cast<size_t>(s.rank)] != nullptr) {
+      return InvalidArgumentError(fmt::format("{}: rank {} is listed twice", ObservedPath(i, s.rank), s.rank));
+    }
+    by_rank[static_cast<size_t>(s.rank)] = &s;
+    auto shard_elems = CheckedProduct(s.shard_shape);
+    if (!shard_elems.ok()) return shard_elems.status().Annotate(ObservedPath(i, s.rank) + ".shard_shape");
+    const auto entries = static_cast<Index>(s.index_map.size());
+    if (*shard_elems != entries) {
+      return InvalidArgumentError(fmt::format(
+          "{}: shard_shape {} has {} elements but index_map has {} entries ({})",
+          ObservedPath(i, s.rank), FormatShape(s.shard_shape), *shard_elems, entries,
+          entries < *shard_elems ? "shard elements are missing" : "extra shard elements are listed"));
+    }
+    if (s.scale.size() > 1 && s.scale.size() != s.index_map.size()) {
+      return InvalidArgumentError(fmt::format(
+          "{}: scale has {} values; give one number or one per index_map entry ({})",
+          ObservedPath(i, s.rank), s.scale.size(), entries));
+    }
+    for (size_t k = 0; k < s.scale.size(); ++k) {
+      if (!std::isfinite(s.scale[k]) || s.scale[k] == 0.0) {
+        return InvalidArgumentError(fmt::format("{}: scale[{}] = {} is not a finite non-zero number",
+                                                ObservedPath(i, s.rank), k, s.scale[k]));
+      }
+    }
+  }
+  // Pass 1: the holder set of every element of F.
+  HolderSets sets;
+  std::vector<uint32_t> holders(static_cast<size_t>(n), 0);
+  for (Rank r = 0; r < world; ++r) {
+    const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
+    uint32_t cached_from = UINT32_MAX;
+    uint32_t cached_to = 0;
+    for (size_t k = 0; k < s.index_map.size(); ++k) {
+      const Index e = s.index_map[k];
+      if (e < 0 || e >= n) {
+        return InvalidArgumentError(fmt::format(
+            "rank {}: index_map[{}] = {} is outside F (shape {}, {} elements)", r, k, e,
+            FormatShape(observed.logical_shape), n));
+      }
+      uint32_t& h = holders[static_cast<size_t>(e)];
+      if (h != cached_from) {
+        const std::vector<Rank>& m = sets.members(h);
+        if (!m.empty() && m.back() == r) {
+          return InvalidArgumentError(fmt::format(
+              "rank {}: index_map[{}] = {} repeats element {} of F, which the shard already "
+              "holds; a shard holds each element of F at most once",
+              r, k, e, FormatShape(UnravelIndex(e, observed.logical_shape))));
+        }
+        cached_from = h;
+        cached_to = sets.With(h, r);
+      }
+      h = cached_to;
+    }
+  }
+  ParamMapBuilder builder;
+  builder.set_logical_shape(observed.logical_shape);
+  builder.set_valid_shape(observed.valid_shape);
+  builder.set_world_size(world);
+  if (!options.allow_uncovered) {
+    const Shape valid = observed.valid_shape.value_or(observed.logical_shape);
+    for (Index e = 0; e < n; ++e) {
+      if (holders[static_cast<size_t>(e)] != 0) continue;
+      const Shape where = UnravelIndex(e, observed.logical_shape);
+      bool padding = false;
+      for (size_t k = 0; k < where.size() && k < valid.size(); ++k) padding |= where[k] >= valid[k];
+      if (padding) continue;
+      return InvalidArgumentError(fmt::format(
+          "element {} of F (shape {}) is held by no rank; pass --allow-uncovered if the "
+          "observation is deliberately partial",
+          FormatShape(where), FormatShape(observed.logical_shape)));
+    }
+  }
+  // Pass 2: per rank, runs of equal holders and scale, folded.
+  for (Rank r = 0; r < world; ++r) {
+    const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
+    builder.set_shard_shape(r, s.shard_shape);
+    struct Run {
+      Index offset, extent, stride;
+    };
+    const size_t count = s.index_map.size();
+    size_t k = 0;
+    Index dest = 0;
+    while (k < count) {
+      const uint32_t key_holders = holders[static_cast<size_t>(s.index_map[k])];
+      const double key_scale = s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
+      std::vector<FoldItem> items;
+      // Maximal arithmetic runs inside the segment.
+      while (k < count) {
+        const Index e = s.index_map[k];
+        const double sc = s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
+        if (holders[static_cast<size_t>(e)] != key_holders || sc != key_scale) break;
+        Run run{e, 1, 0};
+        size_t j = k + 1;
+        if (j < count) {
+          const Index step = s.index_map[j] - e;
+          while (j < count && s.index_map[j] - s.index_map[j - 1] == step && step > 0 &&
+                 holders[static_cast<size_t>(s.index_map[j])] == key_holders &&
+                 (s.scale.size() <= 1 || s.scale[j] == key_scale)) {
+            ++j;
+          }
+          run.extent = static_cast<Index>(j - k);
+          run.stride = step;
+        }
+        FoldItem item{run.offset, {}};
+        if (run.extent > 1) item.dims.push_back({run.extent, run.stride});
+        items.push_back(std::move(item));
+        k = j;
+      }
+      const Shape logical_strides = RowMajorStrides(observed.logical_shape);
+      for (const internal::FoldedPiece& folded : internal::FoldSequence(items)) {
+        Piece p;
+        for (const internal::FoldDim& d : folded.dims) {
+          p.shape.push_back(d.extent);
+          p.source.strides.push_back(d.stride);
+        }
+        p.source.offset = folded.source_offset;
+        p.dest.offset = dest;
+        p.dest.strides = RowMajorStrides(p.shape);
+        p.locations = sets.members(key_holders);
+        p.scale = key_scale;
+        builder.add_piece(r, std::move(p));
+        dest += folded.num_elements;
+      }
+    }
+  }
+  RESHARD_ASSIGN_OR_RETURN(ParamMap folded, builder.Finalize({.require_coverage = !options.allow_uncovered}));
+  return Canonicalize(folded);
+}
+
+IndexMaps ToIndexMaps(const ParamMap& map) {
+  IndexMaps out;
+  out.logical_shape = map.logical_shape();
+  if (map.has_padding()) out.valid_shape = map.valid_shape();
+  bool scaled = false;
+  for (const RankShard& shard : map.ranks()) {
+    for (const Piece& p : shard.pieces) scaled |= p.scale != 1.0;
+  }
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const RankShard& shard = map.rank(r);
+    ObservedShard s;
+    s.rank = r;
+    s.shard_shape = shard.shard_shape;
+    s.index_map.assign(static_cast<size_t>(ProductOf(shard.shard_shape)), -1);
+    if (scaled) s.scale.assign(s.index_map.size(), 1.0);
+    for (const Piece& p : shard.pieces) {
+      if (p.num_elements() == 0) continue;
+      std::vector<Index> index(p.shape.size(), 0);
+      while (true) {
+        Index src = p.source.offset;
+        Index dst = p.dest.offset;
+        for (size_t k = 0; k < index.size(); ++k) {
+          src += index[k] * p.source.strides[k];
+          dst += index[k] * p.dest.strides[k];
+        }
+        s.index_map[static_cast<size_t>(dst)] = src;
+        if (scaled) s.scale[static_cast<size_t>(dst)] = p.scale;
+        size_t k = index.size();
+        while (k > 0) {
+          if (++index[k - 1] < p.shape[k - 1]) break;
+          index[k - 1] = 0;
+          --k;
+        }
+        if (k == 0) break;
+      }
+    }
+    out.ranks.push_back(std::move(s));
+  }
+  return out;
+}
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string TypeName(const Json& j) { return j.type_name(); }
+
+Result<Index> ReadIndex(const Json& j, const std::string& path) {
+  if (j.is_number_integer()) {
+    if (j.is_number_unsigned() && j.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return InvalidArgumentError(fmt::format("{}: integer {} is out of range", path, j.dump()));
+    }
+    return j.get<Index>();
+  }
+  return InvalidArgumentError(
+      fmt::format("{}: expected an integer, got {}", path, j.is_number() ? j.dump() : TypeName(j)));
+}
+
+Result<Shape> ReadShape(const Json& j, const std::string& path) {
+  if (!j.is_array()) return InvalidArgumentError(fmt::format("{}: expected an array of integers, got {}", path, TypeName(j)));
+  Shape out;
+  out.reserve(j.size());
+  for (size_t i = 0; i < j.size(); ++i) {
+    RESHARD_ASSIGN_OR_RETURN(Index v, ReadIndex(j[i], fmt::format("{}[{}]", path, i)));
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<IndexMaps> ParseIndexMapsJson(std::string_view text) {
+  Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return InvalidArgumentError("not valid JSON (parse error)");
+  if (!doc.is_object()) return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
+  IndexMaps out;
+  auto shape = doc.find("logical_shape");
+  if (shape == doc.end()) return InvalidArgumentError("missing key \"logical_shape\"");
+  RESHARD_ASSIGN_OR_RETURN(out.logical_shape, ReadShape(*shape, "logical_shape"));
+  if (auto valid = doc.find("valid_shape"); valid != doc.end() && !valid->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(Shape v, ReadShape(*valid, "valid_shape"));
+    out.valid_shape = std::move(v);
+  }
+  auto ranks = doc.find("ranks");
+  if (ranks == doc.end()) return InvalidArgumentError("missing key \"ranks\"");
+  if (!ranks->is_array()) return InvalidArgumentError(fmt::format("ranks: expected an array, got {}", TypeName(*ranks)));
+  for (size_t i = 0; i < ranks->size(); ++i) {
+    const Json& r = (*ranks)[i];
+    const std::string path = fmt::format("ranks[{}]", i);
+    if (!r.is_object()) return InvalidArgumentError(fmt::format("{}: expected an object, got {}", path, TypeName(r)));
+    ObservedShard s;
+    for (const char* key : {"rank", "shard_shape", "index_map"}) {
+      if (!r.contains(key)) return InvalidArgumentError(fmt::format("{}: missing key \"{}\"", path, key));
+    }
+    RESHARD_ASSIGN_OR_RETURN(Index rank, ReadIndex(r["rank"], path + ".rank"));
+    if (rank < 0 || rank > INT32_MAX) return InvalidArgumentError(fmt::format("{}.rank: {} is not a rank", path, rank));
+    s.rank = static_cast<Rank>(rank);
+    RESHARD_ASSIGN_OR_RETURN(s.shard_shape, ReadShape(r["shard_shape"], path + ".shard_shape"));
+    RESHARD_ASSIGN_OR_RETURN(s.index_map, ReadShape(r["index_map"], path + ".index_map"));
+    if (auto sc = r.find("scale"); sc != r.end() && !sc->is_null()) {
+      if (sc->is_number()) {
+        s.scale.push_back(sc->get<double>());
+      } else if (sc->is_array()) {
+        for (size_t k = 0; k < sc->size(); ++k) {
+          const Json& v = (*sc)[k];
+          if (!v.is_number()) return InvalidArgumentError(fmt::format("{}.scale[{}]: expected a number, got {}", path, k, TypeName(v)));
+          s.scale.push_back(v.get<double>());
+        }
+      } else {
+        return InvalidArgumentError(fmt::format("{}.scale: expected a number or an array of numbers, got {}", path, TypeName(*sc)));
+      }
+    }
+    out.ranks.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace reshard
