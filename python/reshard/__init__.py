@@ -7,9 +7,11 @@ and param maps given as JSON text (DESIGN 6.1); see ``reshard._core`` for the fu
 from ._core import (  # noqa: F401
     MapError,
     canonical_json,
+    canonicalize,
     extract,
+    infer,
     rebuild,
     validate,
 )
 
-__all__ = ["MapError", "canonical_json", "extract", "rebuild", "validate"]
+__all__ = ["MapError", "canonical_json", "canonicalize", "extract", "infer", "rebuild", "validate"]

@@ -7,6 +7,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/exec/executor.h"
+#include "reshard/ir/canonicalize.h"
 #include "reshard/ir/map_json.h"
 
 namespace py = pybind11;
@@ -49,7 +50,7 @@ ConstBuffer ViewOf(const py::buffer_info& info, DType dtype, const char* what) {
   return {static_cast<const std::byte*>(info.ptr), static_cast<Index>(bytes / DTypeSize(dtype))};
 }
 
-py::bytes Extract(const std::string& map_json, py::buffer full, const std::string& dtype_name,
+py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::string& dtype_name,
                   Rank rank, int scale_power, bool allow_scaled_optimizer_state) {
   const ParamMap map = LoadMap(map_json);
   const DType dtype = LoadDType(dtype_name);
@@ -71,7 +72,7 @@ py::bytes Extract(const std::string& map_json, py::buffer full, const std::strin
   return py::bytes(out);
 }
 
-py::bytes Rebuild(const std::string& map_json, const std::vector<py::buffer>& shards,
+py::bytes PyRebuild(const std::string& map_json, const std::vector<py::buffer>& shards,
                   const std::string& dtype_name, int scale_power, bool verify_replicas,
                   bool allow_scaled_optimizer_state) {
   const ParamMap map = LoadMap(map_json);
@@ -95,6 +96,20 @@ py::bytes Rebuild(const std::string& map_json, const std::vector<py::buffer>& sh
   return py::bytes(out);
 }
 
+std::string InferJson(const std::string& index_maps_json, bool allow_uncovered) {
+  Result<IndexMaps> observed = ParseIndexMapsJson(index_maps_json);
+  if (!observed.ok()) Raise(observed.status());
+  Result<ParamMap> map = Infer(*observed, {.allow_uncovered = allow_uncovered});
+  if (!map.ok()) Raise(map.status());
+  return ParamMapToJson(*map);
+}
+
+std::string CanonicalizeJson(const std::string& map_json) {
+  Result<ParamMap> map = Canonicalize(LoadMap(map_json));
+  if (!map.ok()) Raise(map.status());
+  return ParamMapToJson(*map);
+}
+
 }  // namespace
 }  // namespace reshard
 
@@ -109,11 +124,15 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "canonical_json", [](const std::string& json) { return ParamMapToJson(LoadMap(json)); },
       py::arg("map_json"), "The map as reshard writes it (deterministic JSON).");
-  m.def("extract", &Extract, py::arg("map_json"), py::arg("full"), py::arg("dtype"),
+  m.def("infer", &InferJson, py::arg("index_maps_json"), py::arg("allow_uncovered") = false,
+        "The canonical param map (JSON) explaining observed index maps (DESIGN 6.3 JSON).");
+  m.def("canonicalize", &CanonicalizeJson, py::arg("map_json"),
+        "The canonical form of a param map (JSON in, JSON out).");
+  m.def("extract", &PyExtract, py::arg("map_json"), py::arg("full"), py::arg("dtype"),
         py::arg("rank"), py::arg("scale_power") = 1,
         py::arg("allow_scaled_optimizer_state") = false,
         "F (a buffer of the map's full element count) -> rank's shard, as bytes.");
-  m.def("rebuild", &Rebuild, py::arg("map_json"), py::arg("shards"), py::arg("dtype"),
+  m.def("rebuild", &PyRebuild, py::arg("map_json"), py::arg("shards"), py::arg("dtype"),
         py::arg("scale_power") = 1, py::arg("verify_replicas") = true,
         py::arg("allow_scaled_optimizer_state") = false,
         "Shards (one buffer per rank) -> F, as bytes, checking replicas.");

@@ -28,6 +28,8 @@ def to_bytes(t):
 
 
 def from_bytes(b, name):
+    if len(b) == 0:
+        return torch.empty(0, dtype=TORCH_DTYPES[name])
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(TORCH_DTYPES[name])
 
 

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   int exit_status = kExitOk;
   RegisterVerify(app, exit_status);
   RegisterShow(app, exit_status);
+  RegisterInfer(app, exit_status);
   RegisterDemo(app, exit_status);
   try {
     app.parse(argc, argv);

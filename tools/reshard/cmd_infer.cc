@@ -1,0 +1,61 @@
+// reshard infer INDEX_MAPS.json [-o MAP.json] [--force] [--allow-uncovered]
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "exit_status.h"
+#include "reshard/io/file.h"
+#include "reshard/ir/canonicalize.h"
+#include "reshard/ir/map_json.h"
+
+namespace reshard::cli {
+
+namespace {
+
+struct InferArgs {
+  std::string path;
+  std::string output;
+  bool force = false;
+  bool allow_uncovered = false;
+};
+
+int RunInfer(const InferArgs& args) {
+  Result<std::string> text = ReadFileToString(args.path);
+  if (!text.ok()) return Report("infer", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  Result<IndexMaps> observed = ParseIndexMapsJson(*text);
+  if (!observed.ok()) {
+    Status s = observed.status().Annotate(fmt::format("error reading \"{}\"", args.path));
+    return Report("infer", s, ExitStatusFor(s, Stage::kReading));
+  }
+  Result<ParamMap> map = Infer(*observed, {.allow_uncovered = args.allow_uncovered});
+  if (!map.ok()) {
+    Status s = map.status().Annotate(fmt::format("\"{}\"", args.path));
+    return Report("infer", s, ExitStatusFor(s, Stage::kChecking));
+  }
+  const std::string json = ParamMapToJson(*map);
+  if (args.output.empty()) {
+    fmt::print("{}", json);
+    return kExitOk;
+  }
+  Status s = WriteFileAtomically(args.output, json, {.overwrite = args.force});
+  if (!s.ok()) return Report("infer", s, ExitStatusFor(s, Stage::kReading));
+  return kExitOk;
+}
+
+}  // namespace
+
+void RegisterInfer(CLI::App& app, int& exit_status) {
+  auto args = std::make_shared<InferArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "infer",
+      "Derive the canonical param map from index maps: for each rank, the flat offset in F of "
+      "every shard element (obtained by running a framework's partition function on "
+      "arange(F.numel())). Prints the map, or writes it with -o.");
+  cmd->add_option("INDEX_MAPS", args->path, "index maps (JSON, DESIGN 6.3)")->required();
+  cmd->add_option("-o,--output", args->output, "write the map here (atomically) instead of stdout");
+  cmd->add_flag("--force", args->force, "replace an existing output");
+  cmd->add_flag("--allow-uncovered", args->allow_uncovered,
+                "accept elements of F that no rank holds (a deliberately partial observation)");
+  cmd->callback([args, &exit_status] { exit_status = RunInfer(*args); });
+}
+
+}  // namespace reshard::cli
