@@ -1,0 +1,186 @@
+#include "reshard/exec/executor.h"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "reshard/exec/strided_copy.h"
+
+namespace reshard {
+namespace {
+
+// The element-wise ops a piece needs: extract applies scale^p, rebuild undoes it.
+struct PieceOps {
+  ScaleOp extract;
+  ScaleOp rebuild;
+};
+
+// scale^|p| is applied as one factor; a negative power divides where a positive one
+// multiplies, so a power of -1 divides by the scale itself rather than multiplying by a
+// rounded reciprocal.
+Result<PieceOps> OpsFor(const Piece& piece, Rank rank, size_t index, DType dtype,
+                        const ExecOptions& options) {
+  const int p = options.scale_power;
+  if (piece.scale == 1.0 || p == 0) return PieceOps{};
+  if (p != 1 && !options.allow_scaled_optimizer_state) {
+    return FailedPreconditionError(fmt::format(
+        "{}: refusing to move a tensor of scale power {} through a piece of scale {}: an "
+        "optimizer's learning rate and epsilon stay in the source coordinate, so a resumed run "
+        "would silently diverge (allow scaled optimizer state to move it anyway)",
+        PiecePath(rank, index), p, piece.scale));
+  }
+  double magnitude = 1.0;
+  for (int i = 0; i < std::abs(p); ++i) magnitude *= piece.scale;
+  PieceOps ops;
+  ops.extract = p > 0 ? ScaleOp::Multiply(magnitude) : ScaleOp::Divide(magnitude);
+  ops.rebuild = p > 0 ? ScaleOp::Divide(magnitude) : ScaleOp::Multiply(magnitude);
+  RESHARD_RETURN_IF_ERROR(CheckScaleOp(dtype, ops.extract).Annotate(PiecePath(rank, index)));
+  RESHARD_RETURN_IF_ERROR(CheckScaleOp(dtype, ops.rebuild).Annotate(PiecePath(rank, index)));
+  return ops;
+}
+
+Status CheckFull(const ParamMap& map, Index given, const void* data) {
+  const Index expected = map.num_elements();
+  if (given != expected) {
+    return FailedPreconditionError(
+        fmt::format("the F buffer has {} elements but the map's logical shape {} has {}", given,
+                    FormatShape(map.logical_shape()), expected));
+  }
+  if (data == nullptr && expected != 0) {
+    return InvalidArgumentError(fmt::format("the F buffer is null but holds {} elements", given));
+  }
+  return Status::Ok();
+}
+
+Status CheckShard(const ParamMap& map, Rank rank, Index given, const void* data) {
+  const Index expected = map.shard_num_elements(rank);
+  if (given != expected) {
+    return FailedPreconditionError(fmt::format(
+        "the shard buffer of rank {} has {} elements but the map gives rank {} a shard of "
+        "shape {} ({} elements)",
+        rank, given, rank, FormatShape(map.rank(rank).shard_shape), expected));
+  }
+  if (data == nullptr && expected != 0) {
+    return InvalidArgumentError(
+        fmt::format("the shard buffer of rank {} is null but holds {} elements", rank, given));
+  }
+  return Status::Ok();
+}
+
+// Zeroes the padding of F: for each padded dimension k, the box with dimensions before k
+// inside valid_shape, dimension k past it, and dimensions after k whole. The boxes are
+// disjoint and together are exactly the padding.
+Status ZeroPadding(const ParamMap& map, DType dtype, std::byte* full, int num_threads) {
+  const Shape& logical = map.logical_shape();
+  const Shape& valid = map.valid_shape();
+  const Shape strides = RowMajorStrides(logical);
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+  for (size_t k = 0; k < logical.size(); ++k) {
+    if (valid[k] >= logical[k]) continue;
+    Shape box = logical;
+    for (size_t j = 0; j < k; ++j) box[j] = valid[j];
+    box[k] = logical[k] - valid[k];
+    RESHARD_RETURN_IF_ERROR(
+        StridedZero(dtype, box, full + valid[k] * strides[k] * es, strides, num_threads));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, MutableBuffer shard,
+               const ExecOptions& options) {
+  if (rank < 0 || rank >= map.world_size()) {
+    return InvalidArgumentError(
+        fmt::format("rank {} is outside the map's world of size {}", rank, map.world_size()));
+  }
+  RESHARD_RETURN_IF_ERROR(CheckFull(map, full.num_elements, full.data));
+  RESHARD_RETURN_IF_ERROR(CheckShard(map, rank, shard.num_elements, shard.data));
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+  const std::vector<Piece>& pieces = map.rank(rank).pieces;
+  std::vector<StridedMove> moves;
+  moves.reserve(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Piece& piece = pieces[i];
+    RESHARD_ASSIGN_OR_RETURN(const PieceOps ops, OpsFor(piece, rank, i, dtype, options));
+    if (piece.num_elements() == 0) continue;
+    moves.push_back({piece.shape, full.data + piece.source.offset * es, piece.source.strides,
+                     shard.data + piece.dest.offset * es, piece.dest.strides, ops.extract});
+  }
+  return StridedCopy(dtype, moves, options.num_threads);
+}
+
+Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
+               MutableBuffer full, const ExecOptions& options) {
+  if (shards.size() != static_cast<size_t>(map.world_size())) {
+    return FailedPreconditionError(fmt::format("{} shard buffers given for a map of world size {}",
+                                               shards.size(), map.world_size()));
+  }
+  RESHARD_RETURN_IF_ERROR(CheckFull(map, full.num_elements, full.data));
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const ConstBuffer& s = shards[static_cast<size_t>(r)];
+    RESHARD_RETURN_IF_ERROR(CheckShard(map, r, s.num_elements, s.data));
+  }
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+
+  // Every piece is read (written from, or verified) before anything is written, so a refusal
+  // leaves F untouched.
+  struct Check {
+    Rank rank;
+    Rank holder;
+    const Piece* piece;
+  };
+  std::vector<StridedMove> writes;
+  std::vector<StridedCompareMove> checks;
+  std::vector<Check> check_info;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const std::vector<Piece>& pieces = map.rank(r).pieces;
+    const std::byte* shard = shards[static_cast<size_t>(r)].data;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& piece = pieces[i];
+      const bool primary = piece.locations.empty() || piece.locations.front() == r;
+      if (!primary && !options.verify_replicas) continue;
+      RESHARD_ASSIGN_OR_RETURN(const PieceOps ops, OpsFor(piece, r, i, dtype, options));
+      if (piece.num_elements() == 0) continue;
+      const std::byte* src = shard + piece.dest.offset * es;
+      std::byte* dst = full.data + piece.source.offset * es;
+      if (primary) {
+        writes.push_back(
+            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
+      } else {
+        checks.push_back(
+            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
+        check_info.push_back({r, piece.locations.front(), &piece});
+      }
+    }
+  }
+
+  // Padding first, so pieces that do hold padding overwrite the zeros.
+  if (map.has_padding()) {
+    RESHARD_RETURN_IF_ERROR(ZeroPadding(map, dtype, full.data, options.num_threads));
+  }
+  // The lowest-ranked holders' pieces are disjoint in F: one pass, in parallel.
+  RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, writes, options.num_threads));
+  if (checks.empty()) return Status::Ok();
+
+  auto offset_in_f = [&](const CompareMismatch& m) {
+    return check_info[m.move_index].piece->source.offset + m.ref_offset;
+  };
+  RESHARD_ASSIGN_OR_RETURN(
+      const std::optional<CompareMismatch> mismatch,
+      StridedCompare(
+          dtype, checks, [&](const CompareMismatch& m) { return !map.IsPadding(offset_in_f(m)); },
+          options.num_threads));
+  if (!mismatch) return Status::Ok();
+  const Check& info = check_info[mismatch->move_index];
+  const Index offset = offset_in_f(*mismatch);
+  return FailedPreconditionError(fmt::format(
+      "ranks {} and {} hold different data for element {} of F (offset {}): {} vs {}", info.holder,
+      info.rank, FormatShape(UnravelIndex(offset, map.logical_shape())), offset,
+      FormatElement(dtype, mismatch->ref_value), FormatElement(dtype, mismatch->value)));
+}
+
+}  // namespace reshard
