@@ -16,8 +16,19 @@ using internal::Radix;
 
 namespace {
 
-// Beyond this many contiguous blocks a map is refused as too fragmented to validate.
-constexpr size_t kMaxBoxes = size_t{1} << 24;
+// Validation stores one [lo, hi) pair per radix digit for each box and sweeps the boxes, so
+// both its memory and its time grow with boxes x digits. They are bounded per map: all checks
+// together may build at most kMaxBoxDigits box-digits (64 MB of bounds, about a second of
+// sweeping); beyond that the map is refused as too fragmented. (A count of boxes per check
+// bounded neither: a 300-byte map with a 40-digit radix, or with many fragmented ranks,
+// needed gigabytes and minutes.)
+constexpr size_t kMaxBoxDigits = size_t{1} << 22;
+
+// How many boxes of `radix` fit in what is left of the budget.
+size_t BoxLimit(const Radix& radix, size_t used_digits) {
+  if (used_digits >= kMaxBoxDigits) return 0;
+  return (kMaxBoxDigits - used_digits) / static_cast<size_t>(std::max(radix.rank(), 1));
+}
 
 std::string FormatRanks(std::span<const Rank> ranks) {
   return fmt::format("[{}]", fmt::join(ranks, ", "));
@@ -120,7 +131,7 @@ Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index sh
 }
 
 // Exact shards: every element of the rank's shard is written by exactly one piece element.
-Status CheckShardExact(const RankShard& shard, Rank rank) {
+Status CheckShardExact(const RankShard& shard, Rank rank, size_t& used_digits) {
   const Index n = ProductOf(shard.shard_shape);
   Index held = 0;
   for (const Piece& p : shard.pieces) held += p.num_elements();
@@ -134,9 +145,11 @@ Status CheckShardExact(const RankShard& shard, Rank rank) {
   for (size_t i = 0; i < shard.pieces.size(); ++i) {
     const Piece& p = shard.pieces[i];
     RESHARD_RETURN_IF_ERROR(boxes.AddView(p.dest.offset, p.shape, p.dest.strides,
-                                          static_cast<int32_t>(i), kMaxBoxes)
+                                          static_cast<int32_t>(i),
+                                          BoxLimit(radix, used_digits))
                                 .Annotate(RankPath(rank)));
   }
+  used_digits += boxes.size() * static_cast<size_t>(radix.rank());
   std::vector<Index> digits(static_cast<size_t>(radix.rank()));
   return internal::SweepCells(
       boxes, PaddingSpec{},
@@ -159,7 +172,8 @@ Status CheckShardExact(const RankShard& shard, Rank rank) {
 
 // Coverage (P1), homogeneity, and that no rank holds an element of F twice.
 Status CheckSourceCover(const Shape& logical, const Shape& valid,
-                        const std::vector<RankShard>& ranks, bool require_coverage) {
+                        const std::vector<RankShard>& ranks, bool require_coverage,
+                        size_t used_digits) {
   const Index n = ProductOf(logical);
   if (n == 0) return Status::Ok();
   std::vector<Index> candidates;
@@ -181,7 +195,8 @@ Status CheckSourceCover(const Shape& logical, const Shape& valid,
       const auto tag = static_cast<int32_t>(refs.size());
       refs.push_back({static_cast<Rank>(r), static_cast<int32_t>(i)});
       RESHARD_RETURN_IF_ERROR(
-          boxes.AddView(p.source.offset, p.shape, p.source.strides, tag, kMaxBoxes));
+          boxes.AddView(p.source.offset, p.shape, p.source.strides, tag,
+                        BoxLimit(radix, used_digits)));
     }
   }
   const PaddingSpec padding = MakePaddingSpec(radix, logical, valid);
@@ -328,11 +343,12 @@ Result<ParamMap> ParamMapBuilder::Finalize(const ValidateOptions& options) const
           RankPath(r), held, FormatShape(shard.shard_shape), shard_elems));
     }
   }
+  size_t used_digits = 0;  // of kMaxBoxDigits, over all checks
   for (Rank r = 0; r < world; ++r) {
-    RESHARD_RETURN_IF_ERROR(CheckShardExact(map.ranks_[static_cast<size_t>(r)], r));
+    RESHARD_RETURN_IF_ERROR(CheckShardExact(map.ranks_[static_cast<size_t>(r)], r, used_digits));
   }
   RESHARD_RETURN_IF_ERROR(CheckSourceCover(map.logical_shape_, map.valid_shape_, map.ranks_,
-                                           options.require_coverage));
+                                           options.require_coverage, used_digits));
   return map;
 }
 
