@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (clang, RESHARD_FUZZ=ON) and runs each for a bounded time.
+#
+#   fuzz/run_fuzzers.sh SECONDS [BUILD_DIR]
+#
+# Each fuzzer runs over a temporary copy of fuzz/corpus/<name> (the committed corpus is
+# never modified). Exits non-zero if any fuzzer finds a crash, a leak, a timeout or an
+# out-of-memory; the offending inputs are left in BUILD_DIR/fuzz-artifacts/<name>/ - keep
+# them, once fixed, under fuzz/regressions/<name>/.
+set -euo pipefail
+
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+  echo "usage: $0 SECONDS [BUILD_DIR]" >&2
+  exit 2
+fi
+seconds=$1
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${2:-$root/build-fuzz}
+
+if [[ ! -f "$build/build.ninja" ]]; then
+  CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja -DRESHARD_FUZZ=ON \
+    -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_BENCH=OFF -DRESHARD_BUILD_PYTHON=OFF
+fi
+
+names=()
+for dir in "$root"/fuzz/corpus/*/; do
+  names+=("$(basename "$dir")")
+done
+targets=()
+for name in "${names[@]}"; do targets+=("${name}_fuzzer"); done
+ninja -C "$build" "${targets[@]}"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+status=0
+for name in "${names[@]}"; do
+  corpus="$work/$name"
+  artifacts="$build/fuzz-artifacts/$name"
+  mkdir -p "$corpus" "$artifacts"
+  cp -r "$root/fuzz/corpus/$name/." "$corpus/"
+  if [[ -d "$root/fuzz/regressions/$name" ]]; then
+    cp -r "$root/fuzz/regressions/$name/." "$corpus/"
+  fi
+  echo "== $name: ${seconds}s"
+  dict=()
+  if [[ -f "$root/fuzz/$name.dict" ]]; then dict=(-dict="$root/fuzz/$name.dict"); fi
+  if ! "$build/fuzz/${name}_fuzzer" "${dict[@]}" -max_total_time="$seconds" -max_len=4096 -timeout=10 \
+      -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" "$corpus" \
+      > "$work/$name.log" 2>&1; then
+    tail -n 60 "$work/$name.log"
+    echo "== $name: FAILED; inputs in $artifacts" >&2
+    status=1
+  else
+    grep -E '^stat::number_of_executed_units|^Done' "$work/$name.log" || true
+  fi
+done
+exit $status
