@@ -183,4 +183,84 @@ Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> sh
       FormatElement(dtype, mismatch->ref_value), FormatElement(dtype, mismatch->value)));
 }
 
+namespace {
+
+// Checks that the view of `shape` at `view` lies inside a buffer of `size` elements.
+Status CheckView(std::span<const Index> shape, const StridedView& view, Index size,
+                 std::string_view what) {
+  if (ProductOf(shape) == 0) return Status::Ok();
+  for (Index s : view.strides) {
+    if (s < 0) return OutOfRangeError(fmt::format("{} has a negative stride", what));
+  }
+  auto last = LastOffset(view.offset, shape, view.strides);
+  if (view.offset < 0 || !last || *last >= size) {
+    return OutOfRangeError(fmt::format("{} reaches past the end of a shard of {} elements", what, size));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuffer> sources,
+                   std::span<const MutableBuffer> targets, const ExecOptions& options) {
+  if (static_cast<int>(sources.size()) != plan.source_world ||
+      static_cast<int>(targets.size()) != plan.target_world) {
+    return FailedPreconditionError(fmt::format(
+        "the plan moves {} source shards to {} target shards but {} and {} were given",
+        plan.source_world, plan.target_world, sources.size(), targets.size()));
+  }
+  const size_t elem = DTypeSize(dtype);
+  std::vector<StridedMove> moves;
+  moves.reserve(plan.moves.size());
+  for (size_t i = 0; i < plan.moves.size(); ++i) {
+    const Move& m = plan.moves[i];
+    const std::string what = fmt::format("moves[{}]", i);
+    if (m.src_rank < 0 || m.src_rank >= plan.source_world || m.dst_rank < 0 ||
+        m.dst_rank >= plan.target_world) {
+      return OutOfRangeError(what + " names a rank outside the plan's worlds");
+    }
+    const ConstBuffer& src = sources[static_cast<size_t>(m.src_rank)];
+    const MutableBuffer& dst = targets[static_cast<size_t>(m.dst_rank)];
+    RESHARD_RETURN_IF_ERROR(CheckView(m.shape, m.src, src.num_elements, what + ".src"));
+    RESHARD_RETURN_IF_ERROR(CheckView(m.shape, m.dst, dst.num_elements, what + ".dst"));
+    ScaleOp op;
+    const int p = options.scale_power;
+    if (m.factor != 1.0 && p != 0) {
+      if (p != 1 && !options.allow_scaled_optimizer_state) {
+        return FailedPreconditionError(fmt::format(
+            "{}: refusing to move a tensor of scale power {} through a factor of {}: an "
+            "optimizer's learning rate and epsilon stay in the source coordinate, so a resumed "
+            "run would silently diverge (allow scaled optimizer state to move it anyway)",
+            what, p, m.factor));
+      }
+      double magnitude = 1.0;
+      for (int k = 0; k < std::abs(p); ++k) magnitude *= m.factor;
+      op = p > 0 ? ScaleOp::Multiply(magnitude) : ScaleOp::Divide(magnitude);
+      RESHARD_RETURN_IF_ERROR(CheckScaleOp(dtype, op).Annotate(what));
+    }
+    if (m.num_elements() == 0) continue;
+    moves.push_back(StridedMove{m.shape, src.data + static_cast<size_t>(m.src.offset) * elem,
+                                m.src.strides, dst.data + static_cast<size_t>(m.dst.offset) * elem,
+                                m.dst.strides, op});
+  }
+  for (size_t i = 0; i < plan.unwritten.size(); ++i) {
+    const UnwrittenBlock& u = plan.unwritten[i];
+    if (u.dst_rank < 0 || u.dst_rank >= plan.target_world) {
+      return OutOfRangeError(fmt::format("unwritten[{}] names a rank outside the target world", i));
+    }
+    const MutableBuffer& dst = targets[static_cast<size_t>(u.dst_rank)];
+    RESHARD_RETURN_IF_ERROR(
+        CheckView(u.shape, u.dst, dst.num_elements, fmt::format("unwritten[{}]", i)));
+  }
+  RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, moves, options.num_threads));
+  for (const UnwrittenBlock& u : plan.unwritten) {
+    if (ProductOf(u.shape) == 0) continue;
+    const MutableBuffer& dst = targets[static_cast<size_t>(u.dst_rank)];
+    RESHARD_RETURN_IF_ERROR(StridedZero(dtype, u.shape,
+                                        dst.data + static_cast<size_t>(u.dst.offset) * elem,
+                                        u.dst.strides, options.num_threads));
+  }
+  return Status::Ok();
+}
+
 }  // namespace reshard

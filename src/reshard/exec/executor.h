@@ -20,6 +20,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/base/status.h"
+#include "reshard/ir/compose.h"
 #include "reshard/ir/param_map.h"
 
 namespace reshard {
@@ -62,6 +63,15 @@ Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, Mu
 /// and the multi-index where they disagree. Disagreement inside padding is ignored.
 Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
                MutableBuffer full, const ExecOptions& options = {});
+
+/// Runs a transfer plan (source shards -> target shards, no full tensor). `sources[r]` is
+/// source rank r's shard (plan.source_world entries), `targets[r]` target rank r's
+/// (plan.target_world entries). Every move is checked against the buffers before anything is
+/// copied (OutOfRange naming the move). Blocks the plan leaves unwritten (target padding) are
+/// set to zero. A move's factor applies as factor^p (p = options.scale_power); p != 1 through a
+/// factor other than 1 is refused unless allowed, as for Extract.
+Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuffer> sources,
+                   std::span<const MutableBuffer> targets, const ExecOptions& options = {});
 
 }  // namespace reshard
 

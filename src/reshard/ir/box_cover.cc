@@ -134,6 +134,27 @@ Status BoxSet::AddView(Index offset, std::span<const Index> shape, std::span<con
   return AddDims(offset, merged, tag, max_boxes);
 }
 
+PaddingSpec MakePaddingSpec(const Radix& radix, const Shape& logical, const Shape& valid) {
+  PaddingSpec spec;
+  if (valid == logical) return spec;
+  const Shape strides = RowMajorStrides(logical);
+  for (size_t k = 0; k < logical.size(); ++k) {
+    int first = radix.rank();
+    int last = -1;
+    for (int j = 0; j < radix.rank(); ++j) {
+      const Index s = radix.dim(j).stride;
+      if (s >= strides[k] && s < strides[k] * logical[k]) {
+        first = std::min(first, j);
+        last = std::max(last, j);
+      }
+    }
+    spec.first_digit.push_back(first);
+    spec.last_digit.push_back(last);
+  }
+  spec.valid = valid;
+  return spec;
+}
+
 namespace {
 
 struct KeyHash {

@@ -93,6 +93,10 @@ struct PaddingSpec {
   Shape valid;
 };
 
+/// The padding spec of a tensor of shape `logical` whose elements at or beyond `valid` are
+/// padding, in `radix` (which must contain the logical strides). Empty when there is none.
+PaddingSpec MakePaddingSpec(const Radix& radix, const Shape& logical, const Shape& valid);
+
 /// Visited for each maximal cell (a box of digits on which the set of covering boxes is
 /// constant): `cell_lo` holds the cell's smallest digits (the smallest offset in it),
 /// `active` the covering boxes (indices into the BoxSet), and `padding` whether the whole

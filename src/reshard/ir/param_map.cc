@@ -34,27 +34,6 @@ std::string FormatRanks(std::span<const Rank> ranks) {
   return fmt::format("[{}]", fmt::join(ranks, ", "));
 }
 
-PaddingSpec MakePaddingSpec(const Radix& radix, const Shape& logical, const Shape& valid) {
-  PaddingSpec spec;
-  if (valid == logical) return spec;
-  const Shape strides = RowMajorStrides(logical);
-  for (size_t k = 0; k < logical.size(); ++k) {
-    int first = radix.rank();
-    int last = -1;
-    for (int j = 0; j < radix.rank(); ++j) {
-      const Index s = radix.dim(j).stride;
-      if (s >= strides[k] && s < strides[k] * logical[k]) {
-        first = std::min(first, j);
-        last = std::max(last, j);
-      }
-    }
-    spec.first_digit.push_back(first);
-    spec.last_digit.push_back(last);
-  }
-  spec.valid = valid;
-  return spec;
-}
-
 Status CheckShape(const Shape& shape, std::string_view what) {
   auto n = CheckedProduct(shape);
   if (!n.ok()) return n.status().Annotate(what);
@@ -199,7 +178,7 @@ Status CheckSourceCover(const Shape& logical, const Shape& valid,
                         BoxLimit(radix, used_digits)));
     }
   }
-  const PaddingSpec padding = MakePaddingSpec(radix, logical, valid);
+  const PaddingSpec padding = internal::MakePaddingSpec(radix, logical, valid);
   std::vector<Rank> holders;
   return internal::SweepCells(
       boxes, padding,

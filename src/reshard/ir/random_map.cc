@@ -37,14 +37,17 @@ class Generator {
       largest = (largest + 1) / 2;
     }
     if (Chance(0.03)) logical_[Pick(dims)] = 0;  // F with no elements at all
+    if (options_.logical_shape) logical_ = *options_.logical_shape;
     strides_ = RowMajorStrides(logical_);
     valid_ = logical_;
-    if (options_.padding && ProductOf(logical_) > 0 && Chance(0.2)) {
-      for (size_t k = 0; k < dims; ++k) {
+    if (options_.valid_shape) {
+      valid_ = *options_.valid_shape;
+    } else if (options_.padding && ProductOf(logical_) > 0 && Chance(0.2)) {
+      for (size_t k = 0; k < logical_.size(); ++k) {
         if (Chance(0.5)) valid_[k] = logical_[k] - Uniform(0, std::min<Index>(3, logical_[k]));
       }
     }
-    if (ProductOf(logical_) > 0) Layout(Box{Shape(dims, 0), logical_}, 0);
+    if (ProductOf(logical_) > 0) Layout(Box{Shape(logical_.size(), 0), logical_}, 0);
     DropSomeUnheldPadding();
 
     ParamMapBuilder builder;

@@ -14,6 +14,7 @@
 #define RESHARD_IR_RANDOM_MAP_H_
 
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct RandomMapOptions {
   bool padding = true;        // sometimes valid_shape < logical_shape
   bool scales = true;         // sometimes scale != 1
   bool replication = true;    // sometimes pieces with several locations
+  /// When set, F has exactly this shape (and this valid shape, when given) instead of a
+  /// random one: for pairs of maps of one tensor.
+  std::optional<Shape> logical_shape;
+  std::optional<Shape> valid_shape;
 };
 
 /// The unvalidated map `RandomParamMap` would return (for tests of the generator itself).

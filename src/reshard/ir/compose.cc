@@ -1,0 +1,484 @@
+#include "reshard/ir/compose.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "reshard/ir/box_cover.h"
+
+namespace reshard {
+
+using internal::PaddingSpec;
+using internal::Radix;
+
+namespace {
+
+// Beyond this many boxes (per map) planning is refused as too fragmented.
+constexpr size_t kMaxPlanBoxes = size_t{1} << 22;
+
+// A piece (or part of one) as a box of digits of F, with the affine map from digits to the
+// shard: shard offset = base + sum_j (digit_j - lo_j) * coef_j.
+struct AffineBox {
+  Rank rank;
+  int32_t piece;
+  Index base;
+  std::vector<Index> lo, hi, coef;
+};
+
+struct BoxDim {
+  Index extent;
+  Index src;  // stride in F
+  Index dst;  // stride in the shard
+};
+
+class BoxBuilder {
+ public:
+  explicit BoxBuilder(const Radix& radix) : radix_(radix), digits_(static_cast<size_t>(radix.rank())) {}
+
+  Status AddPiece(const Piece& p, Rank rank, int32_t index, std::vector<AffineBox>& out) {
+    if (p.num_elements() == 0) return Status::Ok();
+    std::vector<BoxDim> dims;
+    for (size_t k = 0; k < p.shape.size(); ++k) {
+      if (p.shape[k] > 1) dims.push_back({p.shape[k], p.source.strides[k], p.dest.strides[k]});
+    }
+    std::stable_sort(dims.begin(), dims.end(),
+                     [](const BoxDim& a, const BoxDim& b) { return a.src > b.src; });
+    return Add(p.source.offset, p.dest.offset, dims, rank, index, out);
+  }
+
+ private:
+  Status Add(Index src, Index dst, const std::vector<BoxDim>& dims, Rank rank, int32_t index,
+             std::vector<AffineBox>& out) {
+    if (out.size() >= kMaxPlanBoxes) {
+      return ResourceExhaustedError(fmt::format(
+          "the maps are too fragmented to plan: more than {} blocks", kMaxPlanBoxes));
+    }
+    const int failed = TryBox(src, dst, dims, rank, index, out);
+    if (failed < 0) return Status::Ok();
+    const BoxDim walked = dims[static_cast<size_t>(failed)];
+    std::vector<BoxDim> rest = dims;
+    rest.erase(rest.begin() + failed);
+    for (Index i = 0; i < walked.extent; ++i) {
+      RESHARD_RETURN_IF_ERROR(Add(src + i * walked.src, dst + i * walked.dst, rest, rank, index, out));
+    }
+    return Status::Ok();
+  }
+
+  // Appends the box and returns -1, or returns the index of the first dim that does not fit.
+  int TryBox(Index src, Index dst, const std::vector<BoxDim>& dims, Rank rank, int32_t index,
+             std::vector<AffineBox>& out) {
+    const int n = radix_.rank();
+    radix_.Digits(src, digits_.data());
+    AffineBox box{rank, index, dst, std::vector<Index>(digits_.begin(), digits_.end()), {}, std::vector<Index>(static_cast<size_t>(n), 0)};
+    box.hi = box.lo;
+    for (Index& h : box.hi) ++h;
+    std::vector<bool> used(static_cast<size_t>(n), false);
+    for (size_t k = 0; k < dims.size(); ++k) {
+      int j = radix_.DigitOfStride(dims[k].src);
+      if (j < 0) return static_cast<int>(k);
+      Index remaining = dims[k].extent;
+      while (true) {
+        const auto J = static_cast<size_t>(j);
+        if (used[J]) return static_cast<int>(k);
+        const Index extent = radix_.dim(j).extent;
+        const Index coef = dims[k].dst * (radix_.dim(j).stride / dims[k].src);
+        if (digits_[J] + remaining <= extent) {
+          box.hi[J] = digits_[J] + remaining;
+          box.coef[J] = coef;
+          used[J] = true;
+          break;
+        }
+        if (digits_[J] != 0 || remaining % extent != 0 || j == 0) return static_cast<int>(k);
+        box.lo[J] = 0;
+        box.hi[J] = extent;
+        box.coef[J] = coef;
+        used[J] = true;
+        remaining /= extent;
+        --j;
+        if (remaining == 1) break;
+      }
+    }
+    out.push_back(std::move(box));
+    return -1;
+  }
+
+  const Radix& radix_;
+  std::vector<Index> digits_;
+};
+
+// A box of digits.
+struct Region {
+  std::vector<Index> lo, hi;
+  Index size() const {
+    Index n = 1;
+    for (size_t j = 0; j < lo.size(); ++j) n *= hi[j] - lo[j];
+    return n;
+  }
+};
+
+bool Intersect(const Region& a, const AffineBox& b, Region& out) {
+  out.lo.resize(a.lo.size());
+  out.hi.resize(a.lo.size());
+  for (size_t j = 0; j < a.lo.size(); ++j) {
+    out.lo[j] = std::max(a.lo[j], b.lo[j]);
+    out.hi[j] = std::min(a.hi[j], b.hi[j]);
+    if (out.lo[j] >= out.hi[j]) return false;
+  }
+  return true;
+}
+
+// Splits `r` along one padded logical dimension into the part that is valid (index < valid)
+// or the part that is padding, as disjoint boxes.
+void SplitAlong(const Region& r, const Radix& radix, int first, int last, Index valid, bool keep_valid,
+                std::vector<Region>& out) {
+  // valid's digits over [first, last].
+  std::vector<Index> q(static_cast<size_t>(radix.rank()), 0);
+  Index rest = valid;
+  for (int j = last; j >= first; --j) {
+    const Index e = radix.dim(j).extent;
+    q[static_cast<size_t>(j)] = j == first ? rest : rest % e;
+    rest /= e;
+  }
+  Region prefix = r;
+  for (int j = first; j <= last; ++j) {
+    const auto J = static_cast<size_t>(j);
+    // digits before j equal q's: d_j < q_j is valid whatever follows, d_j > q_j is padding.
+    Region below = prefix;
+    below.hi[J] = std::min(r.hi[J], q[J]);
+    Region above = prefix;
+    above.lo[J] = std::max(r.lo[J], q[J] + 1);
+    if (keep_valid && below.lo[J] < below.hi[J]) out.push_back(below);
+    if (!keep_valid && above.lo[J] < above.hi[J]) out.push_back(above);
+    if (q[J] < r.lo[J] || q[J] >= r.hi[J]) return;
+    prefix.lo[J] = q[J];
+    prefix.hi[J] = q[J] + 1;
+  }
+  // Every digit equal to valid's: index == valid, which is padding.
+  if (!keep_valid) out.push_back(prefix);
+}
+
+// The valid part (or the padding part) of a region, as disjoint boxes.
+std::vector<Region> Clip(const Region& r, const Radix& radix, const PaddingSpec& padding,
+                         bool keep_valid) {
+  if (padding.valid.empty()) return keep_valid ? std::vector<Region>{r} : std::vector<Region>{};
+  std::vector<Region> valid_so_far = {r};
+  std::vector<Region> padded;
+  for (size_t k = 0; k < padding.valid.size(); ++k) {
+    const int first = padding.first_digit[k];
+    const int last = padding.last_digit[k];
+    if (first > last) {
+      // A dimension of extent 1: index 0 is padding only when valid is 0.
+      if (padding.valid[k] == 0) {
+        if (!keep_valid) padded.insert(padded.end(), valid_so_far.begin(), valid_so_far.end());
+        valid_so_far.clear();
+      }
+      continue;
+    }
+    std::vector<Region> next;
+    for (const Region& v : valid_so_far) {
+      if (!keep_valid) SplitAlong(v, radix, first, last, padding.valid[k], false, padded);
+      SplitAlong(v, radix, first, last, padding.valid[k], true, next);
+    }
+    valid_so_far = std::move(next);
+  }
+  return keep_valid ? valid_so_far : padded;
+}
+
+Index ShardOffset(const AffineBox& b, const Region& r) {
+  Index offset = b.base;
+  for (size_t j = 0; j < r.lo.size(); ++j) offset += (r.lo[j] - b.lo[j]) * b.coef[j];
+  return offset;
+}
+
+// Drops extent-1 dims, orders dims by destination stride (outermost first) and merges dims
+// contiguous on both sides.
+void NormalizeMove(Move& m) {
+  struct D {
+    Index n, s, d;
+  };
+  std::vector<D> dims;
+  for (size_t k = 0; k < m.shape.size(); ++k) {
+    if (m.shape[k] != 1) dims.push_back({m.shape[k], m.src.strides[k], m.dst.strides[k]});
+  }
+  std::stable_sort(dims.begin(), dims.end(), [](const D& a, const D& b) {
+    return a.d != b.d ? a.d > b.d : a.s > b.s;
+  });
+  std::vector<D> merged;
+  for (const D& d : dims) {
+    if (!merged.empty() && merged.back().s == d.n * d.s && merged.back().d == d.n * d.d) {
+      merged.back() = {merged.back().n * d.n, d.s, d.d};
+    } else {
+      merged.push_back(d);
+    }
+  }
+  m.shape.clear();
+  m.src.strides.clear();
+  m.dst.strides.clear();
+  for (const D& d : merged) {
+    m.shape.push_back(d.n);
+    m.src.strides.push_back(d.s);
+    m.dst.strides.push_back(d.d);
+  }
+}
+
+bool SameDims(const Move& a, const Move& b) {
+  return a.shape == b.shape && a.src.strides == b.src.strides && a.dst.strides == b.dst.strides;
+}
+
+// Folds a group of moves with one (src_rank, dst_rank, factor) into as few as it can: runs of
+// equal moves at constant offset steps become one move with an extra dimension, and a move
+// that continues another's outermost dimension extends it.
+void FoldGroup(std::vector<Move>& group) {
+  bool changed = true;
+  while (changed && group.size() > 1) {
+    changed = false;
+    std::sort(group.begin(), group.end(), [](const Move& a, const Move& b) {
+      return std::tie(a.dst.offset, a.src.offset) < std::tie(b.dst.offset, b.src.offset);
+    });
+    std::vector<Move> out;
+    size_t i = 0;
+    while (i < group.size()) {
+      Move cur = group[i];
+      size_t j = i + 1;
+      if (j < group.size() && SameDims(cur, group[j])) {
+        const Index ds = group[j].src.offset - cur.src.offset;
+        const Index dd = group[j].dst.offset - cur.dst.offset;
+        size_t k = j + 1;
+        while (k < group.size() && SameDims(cur, group[k]) &&
+               group[k].src.offset - group[k - 1].src.offset == ds &&
+               group[k].dst.offset - group[k - 1].dst.offset == dd) {
+          ++k;
+        }
+        if (ds > 0 && dd > 0) {
+          cur.shape.insert(cur.shape.begin(), static_cast<Index>(k - i));
+          cur.src.strides.insert(cur.src.strides.begin(), ds);
+          cur.dst.strides.insert(cur.dst.strides.begin(), dd);
+          NormalizeMove(cur);
+          out.push_back(std::move(cur));
+          i = k;
+          changed = true;
+          continue;
+        }
+      }
+      // cur's outermost dim continued by the next move (same inner dims).
+      if (j < group.size() && !cur.shape.empty()) {
+        const Move& next = group[j];
+        const Index n = cur.shape[0];
+        const Index s = cur.src.strides[0];
+        const Index d = cur.dst.strides[0];
+        const bool inner_equal =
+            std::equal(cur.shape.begin() + 1, cur.shape.end(), next.shape.begin() + (next.shape.size() + 1 == cur.shape.size() ? 0 : 1),
+                       next.shape.end()) &&
+            (next.shape.size() + 1 == cur.shape.size() ||
+             (next.shape.size() == cur.shape.size() && next.src.strides[0] == s && next.dst.strides[0] == d));
+        if (inner_equal && next.src.offset == cur.src.offset + n * s &&
+            next.dst.offset == cur.dst.offset + n * d) {
+          const size_t off = next.shape.size() + 1 == cur.shape.size() ? 0 : 1;
+          bool strides_equal = std::equal(cur.src.strides.begin() + 1, cur.src.strides.end(),
+                                          next.src.strides.begin() + static_cast<std::ptrdiff_t>(off)) &&
+                               std::equal(cur.dst.strides.begin() + 1, cur.dst.strides.end(),
+                                          next.dst.strides.begin() + static_cast<std::ptrdiff_t>(off));
+          if (strides_equal) {
+            cur.shape[0] += off == 0 ? 1 : next.shape[0];
+            NormalizeMove(cur);
+            out.push_back(std::move(cur));
+            i = j + 1;
+            changed = true;
+            continue;
+          }
+        }
+      }
+      out.push_back(std::move(cur));
+      ++i;
+    }
+    group = std::move(out);
+  }
+}
+
+Status CheckSameTensor(const ParamMap& target, const ParamMap& source) {
+  const Shape& a = target.logical_shape();
+  const Shape& b = source.logical_shape();
+  bool ok = a.size() == b.size() && target.valid_shape() == source.valid_shape();
+  for (size_t k = 1; ok && k < a.size(); ++k) ok = a[k] == b[k];
+  if (!ok) {
+    return FailedPreconditionError(fmt::format(
+        "the maps describe different tensors: source F {} (valid {}), target F {} (valid {}); "
+        "they must have the same valid shape and may differ only in the padding of the first "
+        "dimension",
+        FormatShape(b), FormatShape(source.valid_shape()), FormatShape(a),
+        FormatShape(target.valid_shape())));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Index ParamPlan::num_moved_elements() const {
+  Index n = 0;
+  for (const Move& m : moves) n += m.num_elements();
+  return n;
+}
+
+Rank PreferSameRankThenBalance(Rank dst_rank, std::span<const Rank> holders, Index,
+                               std::span<const Index> assigned) {
+  if (std::binary_search(holders.begin(), holders.end(), dst_rank)) return dst_rank;
+  Rank best = holders.front();
+  for (Rank h : holders) {
+    if (assigned[static_cast<size_t>(h)] < assigned[static_cast<size_t>(best)]) best = h;
+  }
+  return best;
+}
+
+Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
+                          const ComposeOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckSameTensor(target, source));
+  ParamPlan plan;
+  plan.source_world = source.world_size();
+  plan.target_world = target.world_size();
+  Shape logical = target.logical_shape();
+  if (!logical.empty()) logical[0] = std::max(logical[0], source.logical_shape()[0]);
+  const Index n = ProductOf(logical);
+  if (n == 0) return plan;
+  std::vector<Index> candidates;
+  for (const ParamMap* m : {&target, &source}) {
+    for (const RankShard& shard : m->ranks()) {
+      for (const Piece& p : shard.pieces) {
+        candidates.insert(candidates.end(), p.source.strides.begin(), p.source.strides.end());
+      }
+    }
+  }
+  const Radix radix = Radix::Build(n, RowMajorStrides(logical), candidates);
+  const PaddingSpec padding = internal::MakePaddingSpec(radix, logical, target.valid_shape());
+  BoxBuilder builder(radix);
+  std::vector<AffineBox> source_boxes;
+  std::vector<AffineBox> target_boxes;
+  for (Rank r = 0; r < source.world_size(); ++r) {
+    for (size_t i = 0; i < source.rank(r).pieces.size(); ++i) {
+      RESHARD_RETURN_IF_ERROR(
+          builder.AddPiece(source.rank(r).pieces[i], r, static_cast<int32_t>(i), source_boxes));
+    }
+  }
+  for (Rank r = 0; r < target.world_size(); ++r) {
+    for (size_t i = 0; i < target.rank(r).pieces.size(); ++i) {
+      RESHARD_RETURN_IF_ERROR(
+          builder.AddPiece(target.rank(r).pieces[i], r, static_cast<int32_t>(i), target_boxes));
+    }
+  }
+  auto source_piece = [&](const AffineBox& b) -> const Piece& {
+    return source.rank(b.rank).pieces[static_cast<size_t>(b.piece)];
+  };
+  std::vector<Index> assigned(static_cast<size_t>(source.world_size()), 0);
+  std::map<std::tuple<Rank, Rank, double>, std::vector<Move>> groups;
+  Region t_region;
+  Region inter;
+  for (const AffineBox& t : target_boxes) {
+    const Piece& tp = target.rank(t.rank).pieces[static_cast<size_t>(t.piece)];
+    t_region.lo = t.lo;
+    t_region.hi = t.hi;
+    // Source boxes that meet t, grouped by their holder set.
+    std::map<std::vector<Rank>, std::vector<size_t>> by_holders;
+    for (size_t s = 0; s < source_boxes.size(); ++s) {
+      if (Intersect(t_region, source_boxes[s], inter)) {
+        by_holders[source_piece(source_boxes[s]).locations].push_back(s);
+      }
+    }
+    Index covered = 0;
+    for (const auto& [holders, boxes] : by_holders) {
+      // The size of the block is measured on one holder's boxes (each holder tiles it).
+      Index elements = 0;
+      for (size_t s : boxes) {
+        if (source_boxes[s].rank != holders.front()) continue;
+        Intersect(t_region, source_boxes[s], inter);
+        for (const Region& v : Clip(inter, radix, padding, true)) elements += v.size();
+      }
+      if (elements == 0) continue;
+      covered += elements;
+      const Rank chosen = options.policy(t.rank, holders, elements, assigned);
+      if (!std::binary_search(holders.begin(), holders.end(), chosen)) {
+        return InternalError(fmt::format("the replica policy chose rank {}, which does not hold the block (holders {})", chosen, fmt::join(holders, ", ")));
+      }
+      assigned[static_cast<size_t>(chosen)] += elements;
+      for (size_t s : boxes) {
+        const AffineBox& sb = source_boxes[s];
+        if (sb.rank != chosen) continue;
+        Intersect(t_region, sb, inter);
+        for (const Region& v : Clip(inter, radix, padding, true)) {
+          Move m;
+          m.src_rank = sb.rank;
+          m.dst_rank = t.rank;
+          m.src.offset = ShardOffset(sb, v);
+          m.dst.offset = ShardOffset(t, v);
+          for (size_t j = 0; j < v.lo.size(); ++j) {
+            if (v.hi[j] - v.lo[j] == 1) continue;
+            m.shape.push_back(v.hi[j] - v.lo[j]);
+            m.src.strides.push_back(sb.coef[j]);
+            m.dst.strides.push_back(t.coef[j]);
+          }
+          m.factor = tp.scale / source_piece(sb).scale;
+          NormalizeMove(m);
+          groups[{m.src_rank, m.dst_rank, m.factor}].push_back(std::move(m));
+        }
+      }
+    }
+    Index needed = 0;
+    for (const Region& v : Clip(t_region, radix, padding, true)) needed += v.size();
+    if (covered != needed) {
+      // Find the first non-padding element of t that no source holds.
+      for (const Region& v : Clip(t_region, radix, padding, true)) {
+        std::vector<Index> digits = v.lo;
+        while (true) {
+          bool held = false;
+          for (const AffineBox& sb : source_boxes) {
+            bool inside = true;
+            for (size_t j = 0; j < digits.size() && inside; ++j) inside = sb.lo[j] <= digits[j] && digits[j] < sb.hi[j];
+            if (inside) {
+              held = true;
+              break;
+            }
+          }
+          if (!held) {
+            return FailedPreconditionError(fmt::format(
+                "element {} of F is held by target rank {} but by no source rank",
+                FormatShape(UnravelIndex(internal::OffsetOfDigits(radix, digits), logical)), t.rank));
+          }
+          size_t j = digits.size();
+          while (j > 0) {
+            if (++digits[j - 1] < v.hi[j - 1]) break;
+            digits[j - 1] = v.lo[j - 1];
+            --j;
+          }
+          if (j == 0) break;
+        }
+      }
+      return InternalError("a target block is not covered but no uncovered element was found");
+    }
+    for (const Region& v : Clip(t_region, radix, padding, false)) {
+      UnwrittenBlock u;
+      u.dst_rank = t.rank;
+      u.dst.offset = ShardOffset(t, v);
+      for (size_t j = 0; j < v.lo.size(); ++j) {
+        if (v.hi[j] - v.lo[j] == 1) continue;
+        u.shape.push_back(v.hi[j] - v.lo[j]);
+        u.dst.strides.push_back(t.coef[j]);
+      }
+      plan.unwritten.push_back(std::move(u));
+    }
+  }
+  for (auto& [key, moves] : groups) {
+    FoldGroup(moves);
+    for (Move& m : moves) plan.moves.push_back(std::move(m));
+  }
+  std::sort(plan.moves.begin(), plan.moves.end(), [](const Move& a, const Move& b) {
+    return std::tie(a.src_rank, a.dst_rank, a.dst.offset, a.src.offset) <
+           std::tie(b.src_rank, b.dst_rank, b.dst.offset, b.src.offset);
+  });
+  std::sort(plan.unwritten.begin(), plan.unwritten.end(), [](const UnwrittenBlock& a, const UnwrittenBlock& b) {
+    return std::tie(a.dst_rank, a.dst.offset) < std::tie(b.dst_rank, b.dst.offset);
+  });
+  return plan;
+}
+
+}  // namespace reshard
