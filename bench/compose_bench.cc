@@ -1,0 +1,94 @@
+// Planning speed (DESIGN 9): composing the maps of a Llama-3-70B-shaped model (80 layers,
+// hidden 8192, 64 heads, 8 key/value heads, intermediate 28672, vocabulary 128256: 723
+// tensors) from TP 8 to TP 2 and back must take well under 50 ms for the whole model.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "reshard/ir/compose.h"
+#include "reshard/ir/plan_json.h"
+#include "reshard/layouts/basic.h"
+
+namespace reshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Tensor {
+  std::string name;
+  Shape shape;
+  int split_dim;  // -1: replicated
+};
+
+std::vector<Tensor> Llama70B() {
+  const Index hidden = 8192, kv = 8 * 128, inter = 28672, vocab = 128256;
+  std::vector<Tensor> t;
+  t.push_back({"model.embed_tokens.weight", {vocab, hidden}, 0});
+  for (int l = 0; l < 80; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    t.push_back({p + "self_attn.q_proj.weight", {hidden, hidden}, 0});
+    t.push_back({p + "self_attn.k_proj.weight", {kv, hidden}, 0});
+    t.push_back({p + "self_attn.v_proj.weight", {kv, hidden}, 0});
+    t.push_back({p + "self_attn.o_proj.weight", {hidden, hidden}, 1});
+    t.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, 0});
+    t.push_back({p + "mlp.up_proj.weight", {inter, hidden}, 0});
+    t.push_back({p + "mlp.down_proj.weight", {hidden, inter}, 1});
+    t.push_back({p + "input_layernorm.weight", {hidden}, -1});
+    t.push_back({p + "post_attention_layernorm.weight", {hidden}, -1});
+  }
+  t.push_back({"model.norm.weight", {hidden}, -1});
+  t.push_back({"lm_head.weight", {vocab, hidden}, 0});
+  return t;
+}
+
+std::vector<ParamMap> Maps(const std::vector<Tensor>& model, int tp) {
+  std::vector<ParamMap> maps;
+  for (const Tensor& t : model) {
+    maps.push_back(t.split_dim < 0 ? *ReplicatedMap(t.shape, tp)
+                                   : *SplitMap(t.shape, t.split_dim,
+                                               EvenSplitSizes(t.shape[static_cast<size_t>(t.split_dim)], tp)));
+  }
+  return maps;
+}
+
+void Bench(const std::vector<Tensor>& model, int from, int to) {
+  const std::vector<ParamMap> src = Maps(model, from);
+  const std::vector<ParamMap> dst = Maps(model, to);
+  double best = 1e30;
+  PlanDocument doc;
+  for (int rep = 0; rep < 10; ++rep) {
+    PlanDocument d;
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < model.size(); ++i) {
+      Result<ParamPlan> plan = Compose(dst[i], src[i]);
+      if (!plan.ok()) {
+        fmt::print(stderr, "{}: {}\n", model[i].name, plan.status().message());
+        std::exit(1);
+      }
+      d.params.emplace_back(model[i].name, *std::move(plan));
+    }
+    best = std::min(best, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    doc = std::move(d);
+  }
+  size_t moves = 0;
+  for (const auto& [name, plan] : doc.params) moves += plan.moves.size();
+  const std::string json = PlanDocumentToJson(doc);
+  fmt::print("compose Llama-3-70B shape, {} tensors, TP {} -> {}: {:6.2f} ms (bar 50 ms: {}), {} "
+             "moves, plan JSON {} bytes\n",
+             model.size(), from, to, best, best < 50 ? "PASS" : "MISS", moves, json.size());
+}
+
+}  // namespace
+}  // namespace reshard
+
+int main() {
+  using namespace reshard;
+  const auto model = Llama70B();
+  Bench(model, 8, 2);
+  Bench(model, 2, 8);
+  Bench(model, 8, 3);
+  return 0;
+}
