@@ -109,4 +109,57 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
   return b.Finalize();
 }
 
+Result<ParamMap> BlockGatherMap(const Shape& shape, int dim, Index num_blocks,
+                                const std::vector<std::vector<Index>>& rank_blocks) {
+  RESHARD_RETURN_IF_ERROR(CheckDim(shape, dim));
+  const int world_size = static_cast<int>(rank_blocks.size());
+  if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
+  const auto d = static_cast<size_t>(dim);
+  if (num_blocks < 1 || shape[d] % num_blocks != 0) {
+    return InvalidArgumentError(fmt::format("dimension {} of {} indices cannot be cut into {} equal blocks",
+                                            dim, shape[d], num_blocks));
+  }
+  const Index block = shape[d] / num_blocks;
+  std::vector<std::vector<Rank>> holders(static_cast<size_t>(num_blocks));
+  for (Rank r = 0; r < world_size; ++r) {
+    for (Index id : rank_blocks[static_cast<size_t>(r)]) {
+      if (id < 0 || id >= num_blocks) {
+        return InvalidArgumentError(
+            fmt::format("rank {} lists block {}, outside 0..{}", r, id, num_blocks - 1));
+      }
+      std::vector<Rank>& h = holders[static_cast<size_t>(id)];
+      if (!h.empty() && h.back() == r) {
+        return InvalidArgumentError(fmt::format("rank {} lists block {} twice", r, id));
+      }
+      h.push_back(r);
+    }
+  }
+  for (Index id = 0; id < num_blocks; ++id) {
+    if (holders[static_cast<size_t>(id)].empty()) {
+      return InvalidArgumentError(fmt::format("block {} of {} is held by no rank", id, num_blocks));
+    }
+  }
+  const Shape full_strides = RowMajorStrides(shape);
+  ParamMapBuilder b;
+  b.set_logical_shape(shape).set_world_size(world_size);
+  for (Rank r = 0; r < world_size; ++r) {
+    const std::vector<Index>& ids = rank_blocks[static_cast<size_t>(r)];
+    Shape shard = shape;
+    shard[d] = static_cast<Index>(ids.size()) * block;
+    const Shape shard_strides = RowMajorStrides(shard);
+    b.set_shard_shape(r, shard);
+    Shape piece_shape = shape;
+    piece_shape[d] = block;
+    if (block == 0) continue;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      b.add_piece(r, Piece{piece_shape,
+                           {ids[k] * block * full_strides[d], full_strides},
+                           {static_cast<Index>(k) * block * shard_strides[d], shard_strides},
+                           holders[static_cast<size_t>(ids[k])],
+                           1.0});
+    }
+  }
+  return b.Finalize();
+}
+
 }  // namespace reshard

@@ -36,6 +36,15 @@ struct Segment {
 Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Segment>& segments,
                               int world_size);
 
+/// F's `dim` cut into `num_blocks` equal blocks; rank r's shard holds the blocks
+/// `rank_blocks[r]` in that order (Yuan's shared-QK value heads, CodeGen's interleaved QKV).
+/// A block listed by several ranks is replicated among them (its locations are every rank
+/// that lists it). One piece per block: canonicalise to fold runs. InvalidArgument for a
+/// block id out of range, a block listed twice by one rank, a block no rank holds, or an
+/// extent that `num_blocks` does not divide.
+Result<ParamMap> BlockGatherMap(const Shape& shape, int dim, Index num_blocks,
+                                const std::vector<std::vector<Index>>& rank_blocks);
+
 }  // namespace reshard
 
 #endif  // RESHARD_LAYOUTS_BASIC_H_
