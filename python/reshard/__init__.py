@@ -8,10 +8,13 @@ from ._core import (  # noqa: F401
     MapError,
     canonical_json,
     canonicalize,
+    compose,
     extract,
     infer,
     rebuild,
+    transfer,
     validate,
 )
 
-__all__ = ["MapError", "canonical_json", "canonicalize", "extract", "infer", "rebuild", "validate"]
+__all__ = ["MapError", "canonical_json", "canonicalize", "compose", "extract", "infer", "rebuild",
+           "transfer", "validate"]

@@ -8,7 +8,9 @@
 #include "reshard/base/dtype.h"
 #include "reshard/exec/executor.h"
 #include "reshard/ir/canonicalize.h"
+#include "reshard/ir/compose.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/ir/plan_json.h"
 
 namespace py = pybind11;
 
@@ -110,6 +112,49 @@ std::string CanonicalizeJson(const std::string& map_json) {
   return ParamMapToJson(*map);
 }
 
+std::string ComposeJson(const std::string& target_json, const std::string& source_json) {
+  const ParamMap target = LoadMap(target_json);
+  const ParamMap source = LoadMap(source_json);
+  Result<ParamPlan> plan = Compose(target, source);
+  if (!plan.ok()) Raise(plan.status());
+  return PlanDocumentToJson({{{"", *plan}}});
+}
+
+// Composes the plan and runs it on the source shards: target shards as bytes.
+std::vector<py::bytes> Transfer(const std::string& target_json, const std::string& source_json,
+                                const std::vector<py::buffer>& shards,
+                                const std::string& dtype_name, int scale_power) {
+  const ParamMap target = LoadMap(target_json);
+  const ParamMap source = LoadMap(source_json);
+  const DType dtype = LoadDType(dtype_name);
+  Result<ParamPlan> plan = Compose(target, source);
+  if (!plan.ok()) Raise(plan.status());
+  std::vector<py::buffer_info> infos;
+  std::vector<ConstBuffer> views;
+  for (const py::buffer& b : shards) infos.push_back(b.request());
+  for (const py::buffer_info& info : infos) views.push_back(ViewOf(info, dtype, "shard"));
+  std::vector<std::string> outs;
+  std::vector<MutableBuffer> targets;
+  for (Rank r = 0; r < target.world_size(); ++r) {
+    outs.emplace_back(static_cast<size_t>(target.shard_num_elements(r)) * DTypeSize(dtype), '\0');
+  }
+  for (Rank r = 0; r < target.world_size(); ++r) {
+    targets.push_back({reinterpret_cast<std::byte*>(outs[static_cast<size_t>(r)].data()),
+                       target.shard_num_elements(r)});
+  }
+  ExecOptions options;
+  options.scale_power = scale_power;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = ExecutePlan(*plan, dtype, views, targets, options);
+  }
+  if (!s.ok()) Raise(s);
+  std::vector<py::bytes> result;
+  for (const std::string& o : outs) result.emplace_back(o);
+  return result;
+}
+
 }  // namespace
 }  // namespace reshard
 
@@ -128,6 +173,11 @@ PYBIND11_MODULE(_core, m) {
         "The canonical param map (JSON) explaining observed index maps (DESIGN 6.3 JSON).");
   m.def("canonicalize", &CanonicalizeJson, py::arg("map_json"),
         "The canonical form of a param map (JSON in, JSON out).");
+  m.def("compose", &ComposeJson, py::arg("target_map_json"), py::arg("source_map_json"),
+        "The transfer plan (plan document JSON, one parameter named \"\") from source to target.");
+  m.def("transfer", &Transfer, py::arg("target_map_json"), py::arg("source_map_json"),
+        py::arg("shards"), py::arg("dtype"), py::arg("scale_power") = 1,
+        "Composes the plan and executes it on the source shards; returns the target shards.");
   m.def("extract", &PyExtract, py::arg("map_json"), py::arg("full"), py::arg("dtype"),
         py::arg("rank"), py::arg("scale_power") = 1,
         py::arg("allow_scaled_optimizer_state") = false,
