@@ -112,3 +112,47 @@ def test_demo_round_trips_and_writes_its_maps(reshard_bin, tmp_path):
     assert maps.read_bytes() == before
     assert run(reshard_bin, "demo", out, "--force").returncode == 0
     assert maps.read_bytes() == before  # deterministic
+
+
+def test_infer_prints_or_writes_the_canonical_map(reshard_bin, tmp_path):
+    doc = {"logical_shape": [4, 6],
+           "ranks": [{"rank": r, "shard_shape": [4, 3],
+                      "index_map": [row * 6 + 3 * r + c for row in range(4) for c in range(3)]}
+                     for r in range(2)]}
+    path = tmp_path / "obs.json"
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "infer", path)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)
+    assert m["ranks"]["1"]["pieces"] == [{"shape": [4, 3], "source": [3, [6, 1]],
+                                          "dest": [0, [3, 1]], "locations": [1]}]
+    out = tmp_path / "map.json"
+    assert run(reshard_bin, "infer", path, "-o", out).returncode == 0
+    assert out.read_text() == r.stdout
+    assert run(reshard_bin, "verify", out).returncode == 0
+    # An element nobody holds: exit 1 naming it, unless the observation is declared partial.
+    doc["ranks"][1]["index_map"][0] = 3  # element 9 ([1, 3]) is now held by nobody
+    doc["ranks"][1]["index_map"][3] = 4
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "infer", path)
+    assert r.returncode == 1
+    assert "repeats element" in r.stderr or "held by no rank" in r.stderr
+    doc["ranks"][1]["index_map"] = doc["ranks"][1]["index_map"][:-1]
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "infer", path)
+    assert r.returncode == 1 and "index_map has 11 entries" in r.stderr
+    path.write_text('{"logical_shape": [4, 6], "ranks": [{"rank": 0}]}')
+    r = run(reshard_bin, "infer", path)
+    assert r.returncode == 2 and 'missing key "shard_shape"' in r.stderr
+
+
+def test_infer_allows_partial_observations_when_asked(reshard_bin, tmp_path):
+    doc = {"logical_shape": [2, 3],
+           "ranks": [{"rank": 0, "shard_shape": [3], "index_map": [0, 1, 2]}]}
+    path = tmp_path / "obs.json"
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "infer", path)
+    assert r.returncode == 1 and "element [1, 0] of F (shape [2, 3]) is held by no rank" in r.stderr
+    r = run(reshard_bin, "infer", path, "--allow-uncovered")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ranks"]["0"]["pieces"][0]["source"] == [0, [1]]
