@@ -66,3 +66,50 @@ def index_maps(shape, partition):
             "ranks": [{"rank": r, "shard_shape": list(s.shape),
                        "index_map": s.reshape(-1).to(torch.int64).tolist()}
                       for r, s in enumerate(shards)]}
+
+
+def conv2d(full, tp, shard_by_oc, bias=None):
+    """TensorParallelOcShardConv2d / TensorParallelIcShardConv2d: the weight's output (or
+    input) channels split with the extra channels on the last ranks; the input-channel form
+    holds the bias on every rank divided by the world size. Returns (weights, biases)."""
+    from deepspeed.module_inject.layers import TensorParallelConv2d
+    oc, ic, kh, kw = full.shape
+    conv = torch.nn.Conv2d(ic, oc, (kh, kw), bias=bias is not None, dtype=full.dtype)
+    weights, biases = [], []
+    for r in range(tp):
+        with torch.no_grad():
+            conv.weight.copy_(full)
+            if bias is not None:
+                conv.bias.copy_(bias)
+        layer = TensorParallelConv2d(conv, r, tp, shard_by_oc)
+        weights.append(layer.conv.weight.data.contiguous())
+        if bias is not None:
+            biases.append(layer.conv.bias.data.contiguous())
+    return weights, biases
+
+
+def subparam_split(full, tp, subparam_sizes, name=None, **meta_fields):
+    """SubParamColumnParallel layers (GateUpPack, fused q/k/v): every sub-parameter cut at
+    the widths `_subparam_shard_widths` resolves, a rank's pieces concatenated."""
+    from deepspeed.module_inject.layers import _partition_logical_tensor, _subparam_shard_widths
+    widths = _subparam_shard_widths(subparam_sizes, tp, AutoTPMeta(**meta_fields), name)
+    return [_partition_logical_tensor(full, 0, tp, r, widths, subparam_sizes=subparam_sizes).contiguous()
+            for r in range(tp)], widths
+
+
+class _FakeGroup:
+    """Stands for a process group: the layers only ask it for the world size and the rank."""
+
+
+def ds_layer(cls, module, tp, rank, **kwargs):
+    """A real AutoTP layer built as rank `rank` of `tp`, without a distributed backend: the
+    layer's two questions to torch.distributed are answered here. Returns the layer, whose
+    parameters are that rank's shards and carry DeepSpeed's universal-checkpoint metadata."""
+    import deepspeed.module_inject.layers as layers
+    saved = layers.dist.get_world_size, layers.dist.get_rank
+    layers.dist.get_world_size = lambda group=None: tp
+    layers.dist.get_rank = lambda group=None: rank
+    try:
+        return cls(module, _FakeGroup(), **kwargs)
+    finally:
+        layers.dist.get_world_size, layers.dist.get_rank = saved

@@ -14,6 +14,7 @@ void RegisterVerify(CLI::App& app, int& exit_status);
 void RegisterShow(CLI::App& app, int& exit_status);
 void RegisterDemo(CLI::App& app, int& exit_status);
 void RegisterInfer(CLI::App& app, int& exit_status);
+void RegisterLayout(CLI::App& app, int& exit_status);
 void RegisterCompose(CLI::App& app, int& exit_status);
 
 /// Prints "reshard <command>: <message>" to stderr and returns `exit_status`.

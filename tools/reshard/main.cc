@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   RegisterVerify(app, exit_status);
   RegisterShow(app, exit_status);
   RegisterInfer(app, exit_status);
+  RegisterLayout(app, exit_status);
   RegisterCompose(app, exit_status);
   RegisterDemo(app, exit_status);
   try {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "reshard/ir/canonicalize.h"
@@ -404,7 +405,26 @@ Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
     if (conversion != meta.end() && conversion->is_object()) {
       auto map = conversion->find("affine_map");
       if (map != conversion->end() && !map->is_null()) {
-        Result<ParamMapBuilder> b = ParseParamMapJson(map->dump());
+        // DeepSpeed's builders give a rank that holds nothing a zero-element piece whose shard
+        // strides can repeat an index (shard [12, 0] has strides [0, 1]); it holds nothing
+        // either way, so it is dropped before validation.
+        Json cleaned = *map;
+        if (auto ranks = cleaned.find("ranks"); ranks != cleaned.end() && ranks->is_object()) {
+          for (auto& rank : *ranks) {
+            auto pieces = rank.is_object() ? rank.find("pieces") : rank.end();
+            if (pieces == rank.end() || !pieces->is_array()) continue;
+            Json kept = Json::array();
+            for (const Json& piece : *pieces) {
+              auto shape = piece.is_object() ? piece.find("shape") : piece.end();
+              const bool empty = shape != piece.end() && shape->is_array() &&
+                                 std::any_of(shape->begin(), shape->end(),
+                                             [](const Json& e) { return e.is_number_integer() && e == 0; });
+              if (!empty) kept.push_back(piece);
+            }
+            *pieces = std::move(kept);
+          }
+        }
+        Result<ParamMapBuilder> b = ParseParamMapJson(cleaned.dump());
         if (!b.ok()) return b.status().Annotate("conversion.affine_map");
         Result<ParamMap> m = b->Finalize();
         if (!m.ok()) return m.status().Annotate("conversion.affine_map");
