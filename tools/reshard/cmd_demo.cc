@@ -1,6 +1,7 @@
 // reshard demo [DIR]: the embedded default. Builds the maps of a small transformer block at
-// TP 4 with every layout the foundation knows, extracts each rank's shard from random data,
-// rebuilds the full tensors from the shards and proves the round trip is bit-exact.
+// TP 4 from layout descriptors, one parameter per family, extracts each rank's shard from
+// random data, rebuilds the full tensors from the shards and proves the round trip is
+// bit-exact.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -15,7 +16,7 @@
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/map_summary.h"
-#include "reshard/layouts/basic.h"
+#include "reshard/layouts/descriptor.h"
 
 namespace reshard::cli {
 
@@ -24,7 +25,8 @@ namespace {
 constexpr int kWorld = 4;
 constexpr Index kHidden = 512;
 constexpr Index kHeadDim = 64;
-constexpr Index kIntermediate = 1536;
+constexpr Index kIntermediate = 1024;
+constexpr Index kVocab = 1001;  // not a multiple of the world size: padded to 1004
 
 struct DemoArgs {
   std::string dir;
@@ -35,29 +37,36 @@ struct DemoArgs {
 struct DemoParam {
   std::string name;
   std::string layout;
+  std::string descriptor;  // JSON, docs/layouts.md
+  Shape shape;
   DType dtype;
-  Result<ParamMap> map;
 };
 
+// One parameter per layout family (split twice: column- and row-parallel).
 std::vector<DemoParam> DemoParams() {
-  std::vector<DemoParam> params;
-  params.push_back({"block.attn.c_attn.weight",
-                    "multi-query fused QKV: query rows split, key/value block on every rank",
-                    DType::kBF16,
-                    SegmentedMap({kHidden + 2 * kHeadDim, kHidden}, 0,
-                                 {{kHidden, false, EvenSplitSizes(kHidden, kWorld)},
-                                  {2 * kHeadDim, true, {}}},
-                                 kWorld)});
-  params.push_back({"block.mlp.up_proj.weight", "column-parallel: split along dim 0 (rows)",
-                    DType::kBF16,
-                    SplitMap({kIntermediate, kHidden}, 0, EvenSplitSizes(kIntermediate, kWorld))});
-  params.push_back({"block.mlp.down_proj.weight", "row-parallel: split along dim 1 (columns)",
-                    DType::kBF16,
-                    SplitMap({kHidden, kIntermediate}, 1, EvenSplitSizes(kIntermediate, kWorld))});
-  params.push_back({"block.mlp.down_proj.bias",
-                    "row-parallel bias: replicated, pre-divided by the world size",
-                    DType::kF32, ReplicatedMap({kHidden}, kWorld, 1.0 / kWorld)});
-  return params;
+  const Index kv = 4 * kHeadDim;  // 4 key/value heads
+  return {
+      {"block.attn.c_attn.weight", "segmented: multi-query QKV, query rows split, key/value on every rank",
+       R"({"family": "segmented", "dim": 0, "parts": [{"size": 512, "heads": 8}, {"size": 128, "replicated": true}]})",
+       {kHidden + 2 * kHeadDim, kHidden}, DType::kBF16},
+      {"block.attn.qkv_proj.weight", "fused: q (8 heads), k and v (4 heads each) split together",
+       R"({"family": "fused", "dim": 0, "parts": [{"size": 512, "heads": 8}, {"size": 256, "heads": 4}, {"size": 256, "heads": 4}]})",
+       {kHidden + 2 * kv, kHidden}, DType::kBF16},
+      {"block.attn.v_proj.weight", "block_gather: Yuan's shared-QK value heads, two runs per rank",
+       R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": 8})", {kHidden, kHidden},
+       DType::kBF16},
+      {"block.attn.codegen_qkv.weight", "codegen_qkv: CodeGen's fused QKV, interleaved over ranks",
+       R"({"family": "codegen_qkv", "dim": 0, "mp_num": 4, "heads": 16})", {3 * kHidden, kHidden / 2},
+       DType::kBF16},
+      {"block.mlp.up_proj.weight", "split: column-parallel along dim 0 (rows)",
+       R"({"family": "split", "dim": 0})", {kIntermediate, kHidden}, DType::kBF16},
+      {"block.mlp.down_proj.weight", "split: row-parallel along dim 1 (columns)",
+       R"({"family": "split", "dim": 1})", {kHidden, kIntermediate}, DType::kBF16},
+      {"block.mlp.down_proj.bias", "replicated: row-parallel bias, pre-divided by the world size",
+       R"({"family": "replicated", "pre_divided": true})", {kHidden}, DType::kF32},
+      {"embed_tokens.weight", "padded_vocab: vocabulary padded to divide, split by rows",
+       R"({"family": "padded_vocab", "dim": 0})", {kVocab, kHidden / 2}, DType::kBF16},
+  };
 }
 
 // Random weights of a plausible magnitude (normal, sigma 0.02), so that scaling by a power
@@ -91,13 +100,20 @@ int RunDemo(const DemoArgs& args) {
   std::mt19937_64 rng(args.seed);
   MapDocument doc;
   bool all_exact = true;
-  for (DemoParam& p : DemoParams()) {
-    if (!p.map.ok()) {
-      return Report("demo", p.map.status().Annotate(p.name), kExitInternal);
-    }
-    const ParamMap& map = *p.map;
+  for (const DemoParam& p : DemoParams()) {
+    Result<LayoutDescriptor> descriptor = ParseLayoutJson(p.descriptor);
+    Result<ParamMap> built =
+        descriptor.ok() ? BuildMap(*descriptor, p.shape, kWorld) : Result<ParamMap>(descriptor.status());
+    if (!built.ok()) return Report("demo", built.status().Annotate(p.name), kExitInternal);
+    const ParamMap& map = *built;
     const size_t elem = DTypeSize(p.dtype);
     std::vector<std::byte> full = RandomTensor(p.dtype, map.num_elements(), rng);
+    // Padding is not data: a rebuilt F has zeros there, so the original does too.
+    if (map.has_padding()) {
+      for (Index i = 0; i < map.num_elements(); ++i) {
+        if (map.IsPadding(i)) std::memset(full.data() + static_cast<size_t>(i) * elem, 0, elem);
+      }
+    }
     std::vector<std::vector<std::byte>> shards(static_cast<size_t>(map.world_size()));
     const auto t0 = Clock::now();
     for (Rank r = 0; r < map.world_size(); ++r) {
@@ -119,8 +135,9 @@ int RunDemo(const DemoArgs& args) {
     const bool exact = rebuilt == full;
     all_exact = all_exact && exact;
     const MapSummary summary = Summarize(map);
-    fmt::print("{}\n  layout   {}\n  F        {} {} ({} bytes)\n", p.name, p.layout,
-               DTypeName(p.dtype), FormatShape(map.logical_shape()), full.size());
+    fmt::print("{}\n  layout   {}\n           {}\n  F        {} {} ({} bytes){}\n", p.name, p.layout,
+               LayoutToJson(*descriptor), DTypeName(p.dtype), FormatShape(map.logical_shape()), full.size(),
+               map.has_padding() ? fmt::format(", real rows {}", FormatShape(map.valid_shape())) : "");
     std::string pieces;
     for (const RankSummary& rs : summary.ranks) pieces += fmt::format(" {}", rs.pieces);
     fmt::print("  pieces   per rank:{}; shards hold {} bytes ({} replicated, {} scaled)\n",
@@ -155,9 +172,10 @@ void RegisterDemo(CLI::App& app, int& exit_status) {
   auto args = std::make_shared<DemoArgs>();
   CLI::App* cmd = app.add_subcommand(
       "demo",
-      "Run the embedded example: build the maps of a small model at TP 4 (row and column "
-      "splits, a multi-query fused QKV, a pre-divided bias), extract shards from random data, "
-      "rebuild and prove bit-exactness. With DIR, also write DIR/maps.json.");
+      "Run the embedded example: build the maps of a small model at TP 4 from layout "
+      "descriptors, one parameter per family (splits, fused and multi-query QKV, Yuan's "
+      "shared-QK heads, CodeGen's QKV, a pre-divided bias, a padded vocabulary), extract shards "
+      "from random data, rebuild and prove bit-exactness. With DIR, also write DIR/maps.json.");
   cmd->add_option("DIR", args->dir, "directory for the outputs (optional)");
   cmd->add_flag("--force", args->force, "replace existing outputs in DIR");
   cmd->add_option("--seed", args->seed, "random seed for the weights")->capture_default_str();
