@@ -46,26 +46,46 @@ struct DemoParam {
 std::vector<DemoParam> DemoParams() {
   const Index kv = 4 * kHeadDim;  // 4 key/value heads
   return {
-      {"block.attn.c_attn.weight", "segmented: multi-query QKV, query rows split, key/value on every rank",
+      {"block.attn.c_attn.weight",
+       "segmented: multi-query QKV, query rows split, key/value on every rank",
        R"({"family": "segmented", "dim": 0, "parts": [{"size": 512, "heads": 8}, {"size": 128, "replicated": true}]})",
-       {kHidden + 2 * kHeadDim, kHidden}, DType::kBF16},
-      {"block.attn.qkv_proj.weight", "fused: q (8 heads), k and v (4 heads each) split together",
+       {kHidden + 2 * kHeadDim, kHidden},
+       DType::kBF16},
+      {"block.attn.qkv_proj.weight",
+       "fused: q (8 heads), k and v (4 heads each) split together",
        R"({"family": "fused", "dim": 0, "parts": [{"size": 512, "heads": 8}, {"size": 256, "heads": 4}, {"size": 256, "heads": 4}]})",
-       {kHidden + 2 * kv, kHidden}, DType::kBF16},
-      {"block.attn.v_proj.weight", "block_gather: Yuan's shared-QK value heads, two runs per rank",
-       R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": 8})", {kHidden, kHidden},
+       {kHidden + 2 * kv, kHidden},
        DType::kBF16},
-      {"block.attn.codegen_qkv.weight", "codegen_qkv: CodeGen's fused QKV, interleaved over ranks",
-       R"({"family": "codegen_qkv", "dim": 0, "mp_num": 4, "heads": 16})", {3 * kHidden, kHidden / 2},
+      {"block.attn.v_proj.weight",
+       "block_gather: Yuan's shared-QK value heads, two runs per rank",
+       R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": 8})",
+       {kHidden, kHidden},
        DType::kBF16},
-      {"block.mlp.up_proj.weight", "split: column-parallel along dim 0 (rows)",
-       R"({"family": "split", "dim": 0})", {kIntermediate, kHidden}, DType::kBF16},
-      {"block.mlp.down_proj.weight", "split: row-parallel along dim 1 (columns)",
-       R"({"family": "split", "dim": 1})", {kHidden, kIntermediate}, DType::kBF16},
-      {"block.mlp.down_proj.bias", "replicated: row-parallel bias, pre-divided by the world size",
-       R"({"family": "replicated", "pre_divided": true})", {kHidden}, DType::kF32},
-      {"embed_tokens.weight", "padded_vocab: vocabulary padded to divide, split by rows",
-       R"({"family": "padded_vocab", "dim": 0})", {kVocab, kHidden / 2}, DType::kBF16},
+      {"block.attn.codegen_qkv.weight",
+       "codegen_qkv: CodeGen's fused QKV, interleaved over ranks",
+       R"({"family": "codegen_qkv", "dim": 0, "mp_num": 4, "heads": 16})",
+       {3 * kHidden, kHidden / 2},
+       DType::kBF16},
+      {"block.mlp.up_proj.weight",
+       "split: column-parallel along dim 0 (rows)",
+       R"({"family": "split", "dim": 0})",
+       {kIntermediate, kHidden},
+       DType::kBF16},
+      {"block.mlp.down_proj.weight",
+       "split: row-parallel along dim 1 (columns)",
+       R"({"family": "split", "dim": 1})",
+       {kHidden, kIntermediate},
+       DType::kBF16},
+      {"block.mlp.down_proj.bias",
+       "replicated: row-parallel bias, pre-divided by the world size",
+       R"({"family": "replicated", "pre_divided": true})",
+       {kHidden},
+       DType::kF32},
+      {"embed_tokens.weight",
+       "padded_vocab: vocabulary padded to divide, split by rows",
+       R"({"family": "padded_vocab", "dim": 0})",
+       {kVocab, kHidden / 2},
+       DType::kBF16},
   };
 }
 
@@ -102,8 +122,8 @@ int RunDemo(const DemoArgs& args) {
   bool all_exact = true;
   for (const DemoParam& p : DemoParams()) {
     Result<LayoutDescriptor> descriptor = ParseLayoutJson(p.descriptor);
-    Result<ParamMap> built =
-        descriptor.ok() ? BuildMap(*descriptor, p.shape, kWorld) : Result<ParamMap>(descriptor.status());
+    Result<ParamMap> built = descriptor.ok() ? BuildMap(*descriptor, p.shape, kWorld)
+                                             : Result<ParamMap>(descriptor.status());
     if (!built.ok()) return Report("demo", built.status().Annotate(p.name), kExitInternal);
     const ParamMap& map = *built;
     const size_t elem = DTypeSize(p.dtype);

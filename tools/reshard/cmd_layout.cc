@@ -35,7 +35,8 @@ Result<Shape> ParseShapeFlag(std::string_view text) {
     if (item.empty() || ec != std::errc() || end != item.data() + item.size() || value < 0 ||
         value > (Index{1} << 62)) {
       return InvalidArgumentError(fmt::format(
-          "--shape \"{}\": expected non-negative integers separated by commas, e.g. 4096,1024", text));
+          "--shape \"{}\": expected non-negative integers separated by commas, e.g. 4096,1024",
+          text));
     }
     shape.push_back(value);
     start = comma + 1;
@@ -45,23 +46,30 @@ Result<Shape> ParseShapeFlag(std::string_view text) {
 
 int RunLayout(const LayoutArgs& args) {
   if (args.descriptor.empty() == args.deepspeed_meta.empty()) {
-    return Report("layout", InvalidArgumentError("give a DESCRIPTOR.json or --from-deepspeed META.json (one of them)"),
-                  kExitUsage);
+    return Report(
+        "layout",
+        InvalidArgumentError("give a DESCRIPTOR.json or --from-deepspeed META.json (one of them)"),
+        kExitUsage);
   }
   if (args.descriptor.empty() != args.shape.empty()) {
-    return Report("layout",
-                  InvalidArgumentError(args.shape.empty()
-                                           ? "a descriptor needs --shape D0,D1,... (the parameter's shape)"
-                                           : "--shape goes with a descriptor; DeepSpeed's metadata records the shape"),
-                  kExitUsage);
+    return Report(
+        "layout",
+        InvalidArgumentError(
+            args.shape.empty()
+                ? "a descriptor needs --shape D0,D1,... (the parameter's shape)"
+                : "--shape goes with a descriptor; DeepSpeed's metadata records the shape"),
+        kExitUsage);
   }
   if (args.world < 1) {
-    return Report("layout", InvalidArgumentError(fmt::format("--world {}: expected a positive number of ranks", args.world)),
+    return Report("layout",
+                  InvalidArgumentError(
+                      fmt::format("--world {}: expected a positive number of ranks", args.world)),
                   kExitUsage);
   }
   const std::string& path = args.descriptor.empty() ? args.deepspeed_meta : args.descriptor;
   Result<std::string> text = ReadFileToString(path);
-  if (!text.ok()) return Report("layout", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  if (!text.ok())
+    return Report("layout", text.status(), ExitStatusFor(text.status(), Stage::kReading));
 
   Result<ParamMap> map = InternalError("unset");
   if (!args.descriptor.empty()) {

@@ -116,8 +116,9 @@ Result<ParamMap> BlockGatherMap(const Shape& shape, int dim, Index num_blocks,
   if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
   const auto d = static_cast<size_t>(dim);
   if (num_blocks < 1 || shape[d] % num_blocks != 0) {
-    return InvalidArgumentError(fmt::format("dimension {} of {} indices cannot be cut into {} equal blocks",
-                                            dim, shape[d], num_blocks));
+    return InvalidArgumentError(
+        fmt::format("dimension {} of {} indices cannot be cut into {} equal blocks", dim, shape[d],
+                    num_blocks));
   }
   const Index block = shape[d] / num_blocks;
   std::vector<std::vector<Rank>> holders(static_cast<size_t>(num_blocks));

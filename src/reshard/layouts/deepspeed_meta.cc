@@ -72,12 +72,14 @@ struct SubParamShape {
   std::optional<Index> partition_dim;      // from the SubparamShape form
 };
 
-Result<SubParamShape> ReadSubParamShape(const Json& j, std::string_view path, std::optional<Index> dim) {
+Result<SubParamShape> ReadSubParamShape(const Json& j, std::string_view path,
+                                        std::optional<Index> dim) {
   SubParamShape out;
   const Json* spec = &j;
   std::string spec_path(path);
   if (j.is_object()) {
-    RESHARD_RETURN_IF_ERROR(CheckKeys(j, path, {"shape", "partition_dim", "patterns"}, "a SubparamShape"));
+    RESHARD_RETURN_IF_ERROR(
+        CheckKeys(j, path, {"shape", "partition_dim", "patterns"}, "a SubparamShape"));
     const Json* pd = Get(j, "partition_dim");
     if (pd == nullptr) return ErrorAt(path, "missing key \"partition_dim\"");
     RESHARD_ASSIGN_OR_RETURN(Index d, ReadInt(*pd, Member(path, "partition_dim"), 0));
@@ -90,7 +92,8 @@ Result<SubParamShape> ReadSubParamShape(const Json& j, std::string_view path, st
   if (!spec->is_array()) return TypeError(spec_path, "an array (a view spec)", *spec);
   if (!dim) return ErrorAt(path, "a sub_param_shape needs \"partition_dim\"");
   if (*dim >= static_cast<Index>(spec->size())) {
-    return ErrorAt(path, fmt::format("partition_dim {} is outside a spec of {} dimensions", *dim, spec->size()));
+    return ErrorAt(path, fmt::format("partition_dim {} is outside a spec of {} dimensions", *dim,
+                                     spec->size()));
   }
   for (size_t k = 0; k < spec->size(); ++k) {
     const Json& e = (*spec)[k];
@@ -118,13 +121,15 @@ Result<SubParamShape> ReadSubParamShape(const Json& j, std::string_view path, st
 }
 
 Result<std::vector<std::vector<Index>>> ReadWidths(const Json& j, std::string_view path) {
-  if (!j.is_array() || j.empty()) return TypeError(path, "one array of per-rank widths per sub-parameter", j);
+  if (!j.is_array() || j.empty())
+    return TypeError(path, "one array of per-rank widths per sub-parameter", j);
   std::vector<std::vector<Index>> out;
   for (size_t k = 0; k < j.size(); ++k) {
     RESHARD_ASSIGN_OR_RETURN(std::vector<Index> w, ReadIntArray(j[k], Element(path, k), 0));
     if (w.empty() || (!out.empty() && w.size() != out[0].size())) {
-      return ErrorAt(Element(path, k), fmt::format("has widths for {} ranks, but {} has {}", w.size(),
-                                                   Element(path, 0), out.empty() ? 0 : out[0].size()));
+      return ErrorAt(Element(path, k),
+                     fmt::format("has widths for {} ranks, but {} has {}", w.size(),
+                                 Element(path, 0), out.empty() ? 0 : out[0].size()));
     }
     out.push_back(std::move(w));
   }
@@ -133,7 +138,8 @@ Result<std::vector<std::vector<Index>>> ReadWidths(const Json& j, std::string_vi
 
 Status CheckDimInShape(Index dim, const Shape& shape, std::string_view key) {
   if (dim >= static_cast<Index>(shape.size())) {
-    return ErrorAt(key, fmt::format("dimension {} is outside the shape {}", dim, FormatShape(shape)));
+    return ErrorAt(key,
+                   fmt::format("dimension {} is outside the shape {}", dim, FormatShape(shape)));
   }
   return Status::Ok();
 }
@@ -145,16 +151,18 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
 
   // DeepSpeed's own verdict that it cannot describe the layout.
   const Json* conversion = Get(meta, "conversion");
-  if (conversion != nullptr && !conversion->is_object()) return TypeError("conversion", "an object", *conversion);
+  if (conversion != nullptr && !conversion->is_object())
+    return TypeError("conversion", "an object", *conversion);
   for (const Json* where : {&meta, conversion}) {
     if (where == nullptr) continue;
     if (const Json* reason = Get(*where, "unsupported_reason")) {
       const std::string p = where == &meta ? "unsupported_reason" : "conversion.unsupported_reason";
       if (!reason->is_string()) return TypeError(p, "a string", *reason);
-      return FailedPreconditionError(fmt::format(
-          "DeepSpeed recorded that it cannot describe this parameter's layout ({}: {}); no map can be "
-          "derived from its metadata",
-          p, *reason->get_ptr<const Json::string_t*>()));
+      return FailedPreconditionError(
+          fmt::format("DeepSpeed recorded that it cannot describe this parameter's layout ({}: "
+                      "{}); no map can be "
+                      "derived from its metadata",
+                      p, *reason->get_ptr<const Json::string_t*>()));
     }
   }
 
@@ -176,7 +184,8 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
   RESHARD_ASSIGN_OR_RETURN(std::optional<Index> cat_dim, OptInt(meta, "cat_dim", 0));
   RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n_sub, OptInt(meta, "param_n_sub_params", 1));
   RESHARD_ASSIGN_OR_RETURN(bool vocab, OptBool(meta, "vocab_tensor"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> original_vocab, OptInt(meta, "original_vocab_size", 1));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> original_vocab,
+                           OptInt(meta, "original_vocab_size", 1));
   RESHARD_ASSIGN_OR_RETURN(std::optional<Index> padded_vocab, OptInt(meta, "padded_vocab_size", 1));
   for (const char* key : {"is_bias"}) RESHARD_RETURN_IF_ERROR(OptBool(meta, key).status());
   for (const char* key : {"output_shape", "target_partition_shape"}) {
@@ -189,11 +198,13 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
   }
   std::optional<SubParamShape> sub_shape;
   if (const Json* s = Get(meta, "sub_param_shape")) {
-    RESHARD_ASSIGN_OR_RETURN(SubParamShape parsed, ReadSubParamShape(*s, "sub_param_shape", partition_dim));
+    RESHARD_ASSIGN_OR_RETURN(SubParamShape parsed,
+                             ReadSubParamShape(*s, "sub_param_shape", partition_dim));
     if (parsed.partition_dim) {
       if (partition_dim && *partition_dim != *parsed.partition_dim) {
         return ErrorAt("sub_param_shape.partition_dim",
-                       fmt::format("{} disagrees with partition_dim {}", *parsed.partition_dim, *partition_dim));
+                       fmt::format("{} disagrees with partition_dim {}", *parsed.partition_dim,
+                                   *partition_dim));
       }
       partition_dim = parsed.partition_dim;
     }
@@ -210,34 +221,40 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     Shape s;
     for (size_t k = 0; k < sub_shape->dims.size(); ++k) {
       if (!sub_shape->dims[k]) {
-        return ErrorAt("sub_param_shape", fmt::format("dimension {} is inferred (-1 or a count), so the "
-                                                      "metadata needs \"logical_shape\"", k));
+        return ErrorAt("sub_param_shape",
+                       fmt::format("dimension {} is inferred (-1 or a count), so the "
+                                   "metadata needs \"logical_shape\"",
+                                   k));
       }
       s.push_back(*sub_shape->dims[k]);
     }
     shape = s;
   }
   if (!shape) {
-    return ErrorAt("", "missing key \"logical_shape\" (or \"original_shape\"): the parameter's shape");
+    return ErrorAt("",
+                   "missing key \"logical_shape\" (or \"original_shape\"): the parameter's shape");
   }
   out.shape = *shape;
 
   if (average) {
     if (autotp || cat_dim || n_sub || vocab) {
-      return ErrorAt("average", "an averaged parameter is held whole by every rank; it cannot also be "
-                                "partitioned");
+      return ErrorAt("average",
+                     "an averaged parameter is held whole by every rank; it cannot also be "
+                     "partitioned");
     }
     out.descriptor.family = LayoutFamily::kReplicated;
     out.notes.push_back(
-        "DeepSpeed's converter averages this parameter across ranks, which no map can express; it is "
+        "DeepSpeed's converter averages this parameter across ranks, which no map can express; it "
+        "is "
         "lowered to a replicated map, so reading its shards checks that the replicas agree (and "
         "refuses them if they differ) instead of averaging");
     return out;
   }
   if (replicated) {
     if (partition_dim || partition_sizes || widths) {
-      return ErrorAt("replicated", "a replicated parameter has no partition_dim, partition_sizes or "
-                                   "sub_param_shard_widths");
+      return ErrorAt("replicated",
+                     "a replicated parameter has no partition_dim, partition_sizes or "
+                     "sub_param_shard_widths");
     }
     out.descriptor.family = LayoutFamily::kReplicated;
     return out;
@@ -246,19 +263,21 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
   if (autotp) {
     if (original_vocab && *original_vocab != (*shape)[0]) {
       return ErrorAt("original_vocab_size",
-                     fmt::format("{} disagrees with the {} rows of {} {}", *original_vocab, (*shape)[0],
-                                 shape_key, FormatShape(*shape)));
+                     fmt::format("{} disagrees with the {} rows of {} {}", *original_vocab,
+                                 (*shape)[0], shape_key, FormatShape(*shape)));
     }
-    if (!partition_dim) return ErrorAt("", "partition sizes or sub-parameters need \"partition_dim\"");
+    if (!partition_dim)
+      return ErrorAt("", "partition sizes or sub-parameters need \"partition_dim\"");
     RESHARD_RETURN_IF_ERROR(CheckDimInShape(*partition_dim, *shape, "partition_dim"));
     const Index extent = (*shape)[static_cast<size_t>(*partition_dim)];
     out.descriptor.dim = static_cast<int>(*partition_dim);
     if (sub_shape) {
-      for (size_t k = 0; k < sub_shape->dims.size() && sub_shape->dims.size() == shape->size(); ++k) {
+      for (size_t k = 0; k < sub_shape->dims.size() && sub_shape->dims.size() == shape->size();
+           ++k) {
         if (sub_shape->dims[k] && *sub_shape->dims[k] != (*shape)[k]) {
-          return ErrorAt("sub_param_shape", fmt::format("dimension {} is {} but {} {} has {}", k,
-                                                        *sub_shape->dims[k], shape_key,
-                                                        FormatShape(*shape), (*shape)[k]));
+          return ErrorAt("sub_param_shape",
+                         fmt::format("dimension {} is {} but {} {} has {}", k, *sub_shape->dims[k],
+                                     shape_key, FormatShape(*shape), (*shape)[k]));
         }
       }
     }
@@ -267,10 +286,11 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     if (!sizes && sub_shape && !sub_shape->sizes.empty()) sizes = sub_shape->sizes;
     if (!sizes && sub_shape && sub_shape->count) {
       if (extent % *sub_shape->count != 0) {
-        return ErrorAt("sub_param_shape", fmt::format("{} indices are not {} equal sub-parameters", extent,
-                                                      *sub_shape->count));
+        return ErrorAt("sub_param_shape", fmt::format("{} indices are not {} equal sub-parameters",
+                                                      extent, *sub_shape->count));
       }
-      sizes = std::vector<Index>(static_cast<size_t>(*sub_shape->count), extent / *sub_shape->count);
+      sizes =
+          std::vector<Index>(static_cast<size_t>(*sub_shape->count), extent / *sub_shape->count);
     }
     if (!sizes && widths) {
       sizes.emplace();
@@ -279,23 +299,25 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     if (sizes) {
       const Index sum = std::accumulate(sizes->begin(), sizes->end(), Index{0});
       if (sum != extent) {
-        return ErrorAt(sub_sizes ? "sub_param_sizes" : "sub_param_shape",
-                       fmt::format("sub-parameter sizes [{}] sum to {}, but dimension {} of {} has {}",
-                                   fmt::join(*sizes, ", "), sum, *partition_dim, FormatShape(*shape), extent));
+        return ErrorAt(
+            sub_sizes ? "sub_param_sizes" : "sub_param_shape",
+            fmt::format("sub-parameter sizes [{}] sum to {}, but dimension {} of {} has {}",
+                        fmt::join(*sizes, ", "), sum, *partition_dim, FormatShape(*shape), extent));
       }
       out.descriptor.family = LayoutFamily::kFused;
       if (widths) {
         if (widths->size() != sizes->size()) {
-          return ErrorAt("sub_param_shard_widths", fmt::format("has {} entries for {} sub-parameters",
-                                                               widths->size(), sizes->size()));
+          return ErrorAt(
+              "sub_param_shard_widths",
+              fmt::format("has {} entries for {} sub-parameters", widths->size(), sizes->size()));
         }
         for (size_t k = 0; k < sizes->size(); ++k) {
           const auto& w = (*widths)[k];
           const Index wsum = std::accumulate(w.begin(), w.end(), Index{0});
           if (wsum != (*sizes)[k]) {
             return ErrorAt(Element("sub_param_shard_widths", k),
-                           fmt::format("widths [{}] sum to {}, but sub-parameter {} has {}", fmt::join(w, ", "),
-                                       wsum, k, (*sizes)[k]));
+                           fmt::format("widths [{}] sum to {}, but sub-parameter {} has {}",
+                                       fmt::join(w, ", "), wsum, k, (*sizes)[k]));
           }
           LayoutPart part;
           part.size = (*sizes)[k];
@@ -305,9 +327,10 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
         out.recorded_world_size = static_cast<int>((*widths)[0].size());
       } else {
         if (uc_version >= 0.4) {
-          return ErrorAt("", fmt::format("universal checkpoint version {} records sub-parameters without "
-                                         "\"sub_param_shard_widths\"; their per-rank widths are unknown",
-                                         uc_version));
+          return ErrorAt(
+              "", fmt::format("universal checkpoint version {} records sub-parameters without "
+                              "\"sub_param_shard_widths\"; their per-rank widths are unknown",
+                              uc_version));
         }
         // Before 0.4 sub-parameters could only be split evenly.
         out.descriptor.rule.remainder = Remainder::kExact;
@@ -324,8 +347,9 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
       const Index sum = std::accumulate(partition_sizes->begin(), partition_sizes->end(), Index{0});
       if (partition_sizes->empty() || sum != extent) {
         return ErrorAt("partition_sizes",
-                       fmt::format("[{}] sum to {}, but dimension {} of {} has {}", fmt::join(*partition_sizes, ", "),
-                                   sum, *partition_dim, FormatShape(*shape), extent));
+                       fmt::format("[{}] sum to {}, but dimension {} of {} has {}",
+                                   fmt::join(*partition_sizes, ", "), sum, *partition_dim,
+                                   FormatShape(*shape), extent));
       }
       out.descriptor.rule.sizes = *partition_sizes;
       out.recorded_world_size = static_cast<int>(partition_sizes->size());
@@ -341,18 +365,20 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
   out.descriptor.dim = static_cast<int>(dim);
   out.descriptor.rule.remainder = Remainder::kExact;
   if (vocab) {
-    if (dim != 0) return ErrorAt("cat_dim", "a vocabulary tensor is padded and split along dimension 0");
+    if (dim != 0)
+      return ErrorAt("cat_dim", "a vocabulary tensor is padded and split along dimension 0");
     Index rows = (*shape)[0];
     if (original_vocab) {
       if (*original_vocab > rows) {
-        return ErrorAt("original_vocab_size", fmt::format("{} is more than the {} rows of {} {}", *original_vocab,
-                                                          rows, shape_key, FormatShape(*shape)));
+        return ErrorAt("original_vocab_size",
+                       fmt::format("{} is more than the {} rows of {} {}", *original_vocab, rows,
+                                   shape_key, FormatShape(*shape)));
       }
       // A shape with more rows than the vocabulary is the padded one.
       if (rows > *original_vocab) {
         if (padded_vocab && *padded_vocab != rows) {
-          return ErrorAt("padded_vocab_size", fmt::format("{} disagrees with the {} rows of {}", *padded_vocab,
-                                                          rows, shape_key));
+          return ErrorAt("padded_vocab_size", fmt::format("{} disagrees with the {} rows of {}",
+                                                          *padded_vocab, rows, shape_key));
         }
         padded_vocab = rows;
       }
@@ -360,7 +386,8 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     }
     if (padded_vocab && *padded_vocab < out.shape[0]) {
       return ErrorAt("padded_vocab_size",
-                     fmt::format("{} is less than the {} rows of the vocabulary", *padded_vocab, out.shape[0]));
+                     fmt::format("{} is less than the {} rows of the vocabulary", *padded_vocab,
+                                 out.shape[0]));
     }
     out.descriptor.family = LayoutFamily::kPaddedVocab;
     out.descriptor.rule = {};
@@ -384,9 +411,11 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     out.descriptor.family = LayoutFamily::kSplit;
     return out;
   }
-  return ErrorAt("", "the metadata does not say how the parameter is laid out: expected \"replicated\", "
-                     "\"average\", \"partition_dim\" (with partition_sizes or sub-parameters), \"cat_dim\" "
-                     "or \"vocab_tensor\"");
+  return ErrorAt(
+      "",
+      "the metadata does not say how the parameter is laid out: expected \"replicated\", "
+      "\"average\", \"partition_dim\" (with partition_sizes or sub-parameters), \"cat_dim\" "
+      "or \"vocab_tensor\"");
 }
 
 }  // namespace
@@ -417,8 +446,9 @@ Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
             for (const Json& piece : *pieces) {
               auto shape = piece.is_object() ? piece.find("shape") : piece.end();
               const bool empty = shape != piece.end() && shape->is_array() &&
-                                 std::any_of(shape->begin(), shape->end(),
-                                             [](const Json& e) { return e.is_number_integer() && e == 0; });
+                                 std::any_of(shape->begin(), shape->end(), [](const Json& e) {
+                                   return e.is_number_integer() && e == 0;
+                                 });
               if (!empty) kept.push_back(piece);
             }
             *pieces = std::move(kept);
@@ -440,19 +470,21 @@ Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
     if (recorded && recorded->world_size() == world_size) return *recorded;
     return lowered.status();
   }
-  const bool has_rule = lowered->descriptor.family != LayoutFamily::kSplit ||
-                        !lowered->descriptor.rule.sizes.empty();
+  const bool has_rule =
+      lowered->descriptor.family != LayoutFamily::kSplit || !lowered->descriptor.rule.sizes.empty();
   if (recorded && !has_rule) {
     if (recorded->world_size() == world_size) return *recorded;
     return FailedPreconditionError(fmt::format(
-        "DeepSpeed describes this parameter only by an affine map for {} ranks, with no rule to lay it "
+        "DeepSpeed describes this parameter only by an affine map for {} ranks, with no rule to "
+        "lay it "
         "out at {}; write a layout descriptor for it (docs/layouts.md) and use `reshard layout "
         "DESCRIPTOR.json`",
         recorded->world_size(), world_size));
   }
   if (notes != nullptr) *notes = lowered->notes;
   RESHARD_ASSIGN_OR_RETURN(ParamMap map, BuildMap(lowered->descriptor, lowered->shape, world_size));
-  if (recorded && recorded->world_size() == world_size && ParamMapToJson(*recorded) != ParamMapToJson(map)) {
+  if (recorded && recorded->world_size() == world_size &&
+      ParamMapToJson(*recorded) != ParamMapToJson(map)) {
     return InvalidArgumentError(
         "the metadata's fields and its recorded conversion.affine_map describe different layouts");
   }

@@ -32,21 +32,25 @@ TEST(DeepSpeedMetaTest, ColumnParallelWithPartitionSizesKeepsTheRecordedSizes) {
 }
 
 TEST(DeepSpeedMetaTest, SubParametersWithWidthsBecomeAFusedLayout) {
-  const char* meta = R"({"partition_dim": 0, "logical_shape": [48, 8], "sub_param_shape": [[32, 8, 8], 8],
+  const char* meta =
+      R"({"partition_dim": 0, "logical_shape": [48, 8], "sub_param_shape": [[32, 8, 8], 8],
                          "sub_param_sizes": [32, 8, 8],
                          "sub_param_shard_widths": [[16, 16], [4, 4], [4, 4]], "universal_checkpoint_version": 0.4})";
   Result<LoweredDeepSpeedMeta> l = LowerDeepSpeedMeta(meta);
   ASSERT_TRUE(l.ok()) << l.status().message();
-  EXPECT_EQ(LayoutToJson(l->descriptor),
-            R"({"family":"fused","dim":0,"remainder":"front","parts":[{"size":32,"widths":[16,16]},)"
-            R"({"size":8,"widths":[4,4]},{"size":8,"widths":[4,4]}]})");
+  EXPECT_EQ(
+      LayoutToJson(l->descriptor),
+      R"({"family":"fused","dim":0,"remainder":"front","parts":[{"size":32,"widths":[16,16]},)"
+      R"({"size":8,"widths":[4,4]},{"size":8,"widths":[4,4]}]})");
   EXPECT_EQ(MapOf(meta, 2).rank(1).pieces.size(), 2u);  // q, then k and v folded
 }
 
 TEST(DeepSpeedMetaTest, LegacyCategoriesLowerToExactSplits) {
-  EXPECT_EQ(LayoutToJson(LowerDeepSpeedMeta(R"({"cat_dim": 1, "logical_shape": [4, 8]})")->descriptor),
-            R"({"family":"split","dim":1,"remainder":"exact"})");
-  EXPECT_EQ(LayoutToJson(LowerDeepSpeedMeta(R"({"cat_dim": 0, "param_n_sub_params": 2, "logical_shape": [8, 4]})")
+  EXPECT_EQ(
+      LayoutToJson(LowerDeepSpeedMeta(R"({"cat_dim": 1, "logical_shape": [4, 8]})")->descriptor),
+      R"({"family":"split","dim":1,"remainder":"exact"})");
+  EXPECT_EQ(LayoutToJson(LowerDeepSpeedMeta(
+                             R"({"cat_dim": 0, "param_n_sub_params": 2, "logical_shape": [8, 4]})")
                              ->descriptor),
             R"({"family":"fused","dim":0,"remainder":"exact","parts":2})");
   Result<ParamMap> m = DeepSpeedMetaMap(R"({"cat_dim": 0, "logical_shape": [10, 4]})", 4);
@@ -54,14 +58,17 @@ TEST(DeepSpeedMetaTest, LegacyCategoriesLowerToExactSplits) {
 }
 
 TEST(DeepSpeedMetaTest, VocabularyIsPaddedAndRecordsItsRealRows) {
-  const char* meta = R"({"cat_dim": 0, "vocab_tensor": true, "original_vocab_size": 13, "logical_shape": [13, 4]})";
+  const char* meta =
+      R"({"cat_dim": 0, "vocab_tensor": true, "original_vocab_size": 13, "logical_shape": [13, 4]})";
   ParamMap m = MapOf(meta, 4);
   EXPECT_EQ(m.logical_shape(), (Shape{16, 4}));
   EXPECT_EQ(m.valid_shape(), (Shape{13, 4}));
   // The padded shape (from the shards) with the original size gives the same layout.
-  ParamMap same = MapOf(R"({"vocab_tensor": true, "original_vocab_size": 13, "logical_shape": [16, 4]})", 4);
+  ParamMap same =
+      MapOf(R"({"vocab_tensor": true, "original_vocab_size": 13, "logical_shape": [16, 4]})", 4);
   EXPECT_EQ(same, m);
-  Result<ParamMap> bad = DeepSpeedMetaMap(R"({"vocab_tensor": true, "padded_vocab_size": 16, "logical_shape": [13, 4]})", 3);
+  Result<ParamMap> bad = DeepSpeedMetaMap(
+      R"({"vocab_tensor": true, "padded_vocab_size": 16, "logical_shape": [13, 4]})", 3);
   EXPECT_EQ(bad.status().code(), StatusCode::kFailedPrecondition);
 }
 
@@ -83,11 +90,14 @@ TEST(DeepSpeedMetaTest, InconsistentMetadataIsRefusedWithThePath) {
        "sub_param_shard_widths[2]: widths [4, 3] sum to 7, but sub-parameter 2 has 8"},
       {R"({"partition_dim": 0, "logical_shape": [48, 8], "sub_param_shard_widths": [[16, 16], [4, 4, 0]]})",
        "sub_param_shard_widths[1]: has widths for 3 ranks"},
-      {R"({"replicated": true, "partition_dim": 0, "logical_shape": [4]})", "replicated: a replicated parameter"},
-      {R"({"partition_dim": 2, "logical_shape": [4, 4]})", "partition_dim: dimension 2 is outside the shape [4, 4]"},
+      {R"({"replicated": true, "partition_dim": 0, "logical_shape": [4]})",
+       "replicated: a replicated parameter"},
+      {R"({"partition_dim": 2, "logical_shape": [4, 4]})",
+       "partition_dim: dimension 2 is outside the shape [4, 4]"},
       {R"({"logical_shape": [4, 4]})", "does not say how the parameter is laid out"},
       {R"({"cat_dim": 0})", "missing key \"logical_shape\""},
-      {R"({"cat_dim": 0, "logical_shape": [4], "padding": 3})", "padding: unknown key for DeepSpeed parameter metadata"},
+      {R"({"cat_dim": 0, "logical_shape": [4], "padding": 3})",
+       "padding: unknown key for DeepSpeed parameter metadata"},
       {R"({"vocab_tensor": true, "original_vocab_size": 20, "logical_shape": [16, 4]})",
        "original_vocab_size: 20 is more than the 16 rows"},
   };
@@ -95,13 +105,15 @@ TEST(DeepSpeedMetaTest, InconsistentMetadataIsRefusedWithThePath) {
     Result<LoweredDeepSpeedMeta> l = LowerDeepSpeedMeta(meta);
     ASSERT_FALSE(l.ok()) << meta;
     EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument) << meta;
-    EXPECT_NE(l.status().message().find(message), std::string::npos) << meta << " -> " << l.status().message();
+    EXPECT_NE(l.status().message().find(message), std::string::npos)
+        << meta << " -> " << l.status().message();
   }
 }
 
 TEST(DeepSpeedMetaTest, UnsupportedLayoutsAreRefusedWithDeepSpeedsReason) {
   Result<ParamMap> m = DeepSpeedMetaMap(
-      R"({"partition_dim": 1, "logical_shape": [4, 8], "conversion": {"unsupported_reason": "pre-divided bias"}})", 2);
+      R"({"partition_dim": 1, "logical_shape": [4, 8], "conversion": {"unsupported_reason": "pre-divided bias"}})",
+      2);
   EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(m.status().message().find("pre-divided bias"), std::string::npos);
 }

@@ -45,7 +45,9 @@ const std::vector<FamilyInfo>& Families() {
        "block_gather",
        {"family", "dim", "pairing", "heads", "blocks", "rank_blocks"}},
       {LayoutFamily::kCodegenQkv, "codegen_qkv", {"family", "dim", "mp_num", "heads"}},
-      {LayoutFamily::kPaddedVocab, "padded_vocab", {"family", "dim", "padded_size", "pad_multiple"}},
+      {LayoutFamily::kPaddedVocab,
+       "padded_vocab",
+       {"family", "dim", "padded_size", "pad_multiple"}},
   };
   return families;
 }
@@ -59,7 +61,8 @@ constexpr std::pair<Remainder, std::string_view> kRemainders[] = {
 
 std::string NamesOf(auto&& range) {
   std::string out;
-  for (const auto& [value, name] : range) out += fmt::format("{}\"{}\"", out.empty() ? "" : ", ", name);
+  for (const auto& [value, name] : range)
+    out += fmt::format("{}\"{}\"", out.empty() ? "" : ", ", name);
   return out;
 }
 
@@ -86,8 +89,9 @@ Status ReadRule(const Json& object, std::string_view path, SplitRule& rule) {
   RESHARD_ASSIGN_OR_RETURN(rule.heads, OptionalInt(object, path, "heads", 1));
   RESHARD_ASSIGN_OR_RETURN(rule.grain, OptionalInt(object, path, "grain", 1));
   if (rule.heads && rule.grain) {
-    return ErrorAt(path, "give \"heads\" or \"grain\", not both (heads align to whole heads, "
-                         "grain to multiples of the grain)");
+    return ErrorAt(path,
+                   "give \"heads\" or \"grain\", not both (heads align to whole heads, "
+                   "grain to multiples of the grain)");
   }
   return Status::Ok();
 }
@@ -110,7 +114,8 @@ Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d)
     if (!j.is_object()) return TypeError(pp, "an object", j);
     std::vector<std::string> keys = {"size", "heads", "grain", "widths"};
     if (d.family == LayoutFamily::kSegmented) keys.push_back("replicated");
-    RESHARD_RETURN_IF_ERROR(CheckKeys(j, pp, keys, fmt::format("a {} part", LayoutFamilyName(d.family))));
+    RESHARD_RETURN_IF_ERROR(
+        CheckKeys(j, pp, keys, fmt::format("a {} part", LayoutFamilyName(d.family))));
     LayoutPart part;
     auto size = j.find("size");
     if (size == j.end()) return ErrorAt(pp, "missing key \"size\"");
@@ -122,12 +127,14 @@ Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d)
     RESHARD_ASSIGN_OR_RETURN(part.grain, OptionalInt(j, pp, "grain", 1));
     if (auto w = j.find("widths"); w != j.end()) {
       RESHARD_ASSIGN_OR_RETURN(part.widths, ReadIntArray(*w, Member(pp, "widths"), 0));
-      if (part.widths.empty()) return ErrorAt(Member(pp, "widths"), "expected one width per rank, got none");
+      if (part.widths.empty())
+        return ErrorAt(Member(pp, "widths"), "expected one width per rank, got none");
     }
     const int rules = (part.heads ? 1 : 0) + (part.grain ? 1 : 0) + (part.widths.empty() ? 0 : 1);
     if (rules > 1) return ErrorAt(pp, "give at most one of \"heads\", \"grain\" and \"widths\"");
     if (part.replicated && rules > 0) {
-      return ErrorAt(pp, "a replicated part is held whole by every rank: it takes no heads, grain or widths");
+      return ErrorAt(
+          pp, "a replicated part is held whole by every rank: it takes no heads, grain or widths");
     }
     d.parts.push_back(std::move(part));
   }
@@ -139,19 +146,22 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
   auto fam = root.find("family");
   if (fam == root.end()) return ErrorAt("", "missing key \"family\"");
   std::string families;
-  for (const FamilyInfo& f : Families()) families += fmt::format("{}\"{}\"", families.empty() ? "" : ", ", f.name);
+  for (const FamilyInfo& f : Families())
+    families += fmt::format("{}\"{}\"", families.empty() ? "" : ", ", f.name);
   if (!fam->is_string()) return TypeError("family", fmt::format("one of {}", families), *fam);
   const auto& name = *fam->get_ptr<const Json::string_t*>();
   auto info = std::find_if(Families().begin(), Families().end(),
                            [&](const FamilyInfo& f) { return f.name == name; });
-  if (info == Families().end()) return TypeError("family", fmt::format("one of {}", families), *fam);
+  if (info == Families().end())
+    return TypeError("family", fmt::format("one of {}", families), *fam);
   RESHARD_RETURN_IF_ERROR(CheckKeys(root, "", info->keys, fmt::format("family \"{}\"", name)));
 
   LayoutDescriptor d;
   d.family = info->family;
   if (auto it = root.find("dim"); it != root.end()) {
     RESHARD_ASSIGN_OR_RETURN(Index dim, ReadInt(*it, "dim", 0));
-    if (dim > 64) return ErrorAt("dim", fmt::format("dimension {} is beyond any tensor's rank", dim));
+    if (dim > 64)
+      return ErrorAt("dim", fmt::format("dimension {} is beyond any tensor's rank", dim));
     d.dim = static_cast<int>(dim);
   }
   switch (d.family) {
@@ -184,8 +194,9 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       auto pairing = root.find("pairing");
       auto ranks = root.find("rank_blocks");
       if ((pairing == root.end()) == (ranks == root.end())) {
-        return ErrorAt("", "give either \"pairing\": \"shared_qk\" with \"heads\", or \"blocks\" "
-                           "with \"rank_blocks\"");
+        return ErrorAt("",
+                       "give either \"pairing\": \"shared_qk\" with \"heads\", or \"blocks\" "
+                       "with \"rank_blocks\"");
       }
       if (pairing != root.end()) {
         if (!pairing->is_string() || *pairing->get_ptr<const Json::string_t*>() != "shared_qk") {
@@ -195,7 +206,8 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
         if (d.num_blocks) return ErrorAt("blocks", "the shared_qk pairing has one block per head");
         d.shared_qk = true;
       } else {
-        if (!d.num_blocks) return ErrorAt("", "\"rank_blocks\" needs \"blocks\" (how many equal blocks)");
+        if (!d.num_blocks)
+          return ErrorAt("", "\"rank_blocks\" needs \"blocks\" (how many equal blocks)");
         if (d.rule.heads) return ErrorAt("heads", "\"heads\" belongs to the shared_qk pairing");
         if (!ranks->is_array() || ranks->empty()) {
           return TypeError("rank_blocks", "an array with one list of block ids per rank", *ranks);
@@ -218,7 +230,8 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
     case LayoutFamily::kPaddedVocab: {
       RESHARD_ASSIGN_OR_RETURN(d.padded_size, OptionalInt(root, "", "padded_size", 0));
       if (auto it = root.find("pad_multiple"); it != root.end()) {
-        if (d.padded_size) return ErrorAt("pad_multiple", "give \"padded_size\" or \"pad_multiple\", not both");
+        if (d.padded_size)
+          return ErrorAt("pad_multiple", "give \"padded_size\" or \"pad_multiple\", not both");
         RESHARD_ASSIGN_OR_RETURN(d.pad_multiple, ReadInt(*it, "pad_multiple", 1));
       }
       break;
@@ -255,18 +268,20 @@ SplitRule PartRule(const SplitRule& layout, const LayoutPart& part) {
 
 Status CheckDim(const Shape& shape, int dim) {
   if (dim < 0 || static_cast<size_t>(dim) >= shape.size()) {
-    return InvalidArgumentError(fmt::format("dimension {} is outside shape {}", dim, FormatShape(shape)));
+    return InvalidArgumentError(
+        fmt::format("dimension {} is outside shape {}", dim, FormatShape(shape)));
   }
   return Status::Ok();
 }
 
-Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape& shape, int world) {
+Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape& shape,
+                                          int world) {
   const Index extent = shape[static_cast<size_t>(d.dim)];
   std::vector<LayoutPart> parts = d.parts;
   if (d.equal_parts) {
     if (extent % *d.equal_parts != 0) {
-      return InvalidArgumentError(fmt::format("dimension {} of {} indices is not {} equal parts", d.dim,
-                                              extent, *d.equal_parts));
+      return InvalidArgumentError(fmt::format("dimension {} of {} indices is not {} equal parts",
+                                              d.dim, extent, *d.equal_parts));
     }
     LayoutPart equal;
     equal.size = extent / *d.equal_parts;
@@ -277,8 +292,9 @@ Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape
   if (total != extent) {
     std::vector<Index> sizes;
     for (const LayoutPart& p : parts) sizes.push_back(p.size);
-    return InvalidArgumentError(fmt::format("the parts ({}) cover {} indices but dimension {} has {}",
-                                            fmt::join(sizes, " + "), total, d.dim, extent));
+    return InvalidArgumentError(
+        fmt::format("the parts ({}) cover {} indices but dimension {} has {}",
+                    fmt::join(sizes, " + "), total, d.dim, extent));
   }
   std::vector<Segment> segments;
   for (size_t k = 0; k < parts.size(); ++k) {
@@ -334,16 +350,17 @@ Result<std::vector<std::vector<Index>>> CodegenBlocks(Index rows, const LayoutDe
                                                       int world, Index& num_blocks) {
   const Index mp = d.mp_num;
   if (d.rule.heads && *d.rule.heads % (mp * world) != 0) {
-    return FailedPreconditionError(fmt::format(
-        "CodeGen's fused QKV needs the head count to be a multiple of {} x the world size: {} heads "
-        "do not split over {} ranks; use a world size w with {} divisible by {}w",
-        mp, *d.rule.heads, world, *d.rule.heads, mp));
+    return FailedPreconditionError(
+        fmt::format("CodeGen's fused QKV needs the head count to be a multiple of {} x the world "
+                    "size: {} heads "
+                    "do not split over {} ranks; use a world size w with {} divisible by {}w",
+                    mp, *d.rule.heads, world, *d.rule.heads, mp));
   }
   num_blocks = 3 * mp * world;
   if (rows % num_blocks != 0) {
     return FailedPreconditionError(fmt::format(
-        "CodeGen's fused QKV of {} rows cannot be cut into 3 x {} x {} equal blocks at {} ranks", rows,
-        mp, world, world));
+        "CodeGen's fused QKV of {} rows cannot be cut into 3 x {} x {} equal blocks at {} ranks",
+        rows, mp, world, world));
   }
   std::vector<std::vector<Index>> ids(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -381,16 +398,18 @@ Result<ParamMap> BuildUncanonical(const LayoutDescriptor& d, const Shape& shape,
       if (d.shared_qk) {
         const Index heads = *d.rule.heads;
         if (extent % heads != 0) {
-          return InvalidArgumentError(fmt::format(
-              "dimension {} of {} indices is not a whole number of {} heads", d.dim, extent, heads));
+          return InvalidArgumentError(
+              fmt::format("dimension {} of {} indices is not a whole number of {} heads", d.dim,
+                          extent, heads));
         }
         RESHARD_ASSIGN_OR_RETURN(auto ids, SharedQkBlocks(heads, world));
         return BlockGatherMap(shape, d.dim, heads, ids);
       }
       if (d.rank_blocks.size() != static_cast<size_t>(world)) {
-        return FailedPreconditionError(fmt::format(
-            "the descriptor lists the blocks of {} ranks, not {}: explicit rank_blocks fix the world size",
-            d.rank_blocks.size(), world));
+        return FailedPreconditionError(
+            fmt::format("the descriptor lists the blocks of {} ranks, not {}: explicit rank_blocks "
+                        "fix the world size",
+                        d.rank_blocks.size(), world));
       }
       return BlockGatherMap(shape, d.dim, *d.num_blocks, d.rank_blocks);
     }
@@ -404,12 +423,14 @@ Result<ParamMap> BuildUncanonical(const LayoutDescriptor& d, const Shape& shape,
       if (d.padded_size) {
         padded = *d.padded_size;
         if (padded < extent) {
-          return InvalidArgumentError(fmt::format(
-              "the padded size {} is smaller than the {} real indices of dimension {}", padded, extent, d.dim));
+          return InvalidArgumentError(
+              fmt::format("the padded size {} is smaller than the {} real indices of dimension {}",
+                          padded, extent, d.dim));
         }
         if (padded % world != 0) {
           return FailedPreconditionError(fmt::format(
-              "a vocabulary padded to {} does not split evenly over {} ranks; use a world size that "
+              "a vocabulary padded to {} does not split evenly over {} ranks; use a world size "
+              "that "
               "divides {}, or give \"pad_multiple\" so the padding follows the world size",
               padded, world, padded));
         }
@@ -420,8 +441,8 @@ Result<ParamMap> BuildUncanonical(const LayoutDescriptor& d, const Shape& shape,
       Shape padded_shape = shape;
       padded_shape[static_cast<size_t>(d.dim)] = padded;
       RESHARD_ASSIGN_OR_RETURN(
-          ParamMap map,
-          SplitMap(padded_shape, d.dim, std::vector<Index>(static_cast<size_t>(world), padded / world)));
+          ParamMap map, SplitMap(padded_shape, d.dim,
+                                 std::vector<Index>(static_cast<size_t>(world), padded / world)));
       ParamMapBuilder b(map);
       b.set_valid_shape(padded == extent ? std::nullopt : std::optional<Shape>(shape));
       return b.Finalize();
@@ -581,13 +602,15 @@ Result<ParamMap> BuildMap(const LayoutDescriptor& descriptor, const Shape& shape
         fmt::format("world size {} is outside 1..{}", world_size, kMaxWorldSize));
   }
   for (Index e : shape) {
-    if (e < 0) return InvalidArgumentError(fmt::format("shape {} has a negative extent", FormatShape(shape)));
+    if (e < 0)
+      return InvalidArgumentError(
+          fmt::format("shape {} has a negative extent", FormatShape(shape)));
   }
   Result<ParamMap> map = BuildUncanonical(descriptor, shape, world_size);
   if (!map.ok()) {
     return map.status().Annotate(
-        fmt::format("{} layout of {} at {} rank{}", LayoutFamilyName(descriptor.family), FormatShape(shape),
-                    world_size, world_size == 1 ? "" : "s"));
+        fmt::format("{} layout of {} at {} rank{}", LayoutFamilyName(descriptor.family),
+                    FormatShape(shape), world_size, world_size == 1 ? "" : "s"));
   }
   return Canonicalize(*map);
 }

@@ -99,8 +99,9 @@ TEST(DescriptorTest, PreDividedReplicaIsHeldAtOneOverWorld) {
 TEST(DescriptorTest, FusedQkvWithNarrowKeyValueSplitsEachPart) {
   // q 32 rows, k and v 8 rows each, at TP 4: 8 + 2 + 2 rows per rank. The k and v blocks
   // fold into one piece of shape [2 (k, v), 2 rows, 6].
-  ParamMap m = Build(R"({"family": "fused", "dim": 0, "parts": [{"size": 32}, {"size": 8}, {"size": 8}]})",
-                     {48, 6}, 4);
+  ParamMap m =
+      Build(R"({"family": "fused", "dim": 0, "parts": [{"size": 32}, {"size": 8}, {"size": 8}]})",
+            {48, 6}, 4);
   EXPECT_EQ(ShardExtents(m, 0), (std::vector<Index>{12, 12, 12, 12}));
   const RankShard& r1 = m.rank(1);
   ASSERT_EQ(r1.pieces.size(), 2u);
@@ -151,12 +152,13 @@ TEST(DescriptorTest, SharedQkAtEvenHeadsIsOnePiecePerRank) {
 }
 
 TEST(DescriptorTest, SharedQkRefusesAWorldItCannotPair) {
-  Result<ParamMap> m = BuildMap(Parse(R"({"family": "block_gather", "pairing": "shared_qk", "heads": 8})"),
-                                {16, 2}, 3);
+  Result<ParamMap> m = BuildMap(
+      Parse(R"({"family": "block_gather", "pairing": "shared_qk", "heads": 8})"), {16, 2}, 3);
   EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(m.status().message().find("8 heads cannot be split over 3 ranks"), std::string::npos)
       << m.status().message();
-  m = BuildMap(Parse(R"({"family": "block_gather", "pairing": "shared_qk", "heads": 8})"), {16, 2}, 8);
+  m = BuildMap(Parse(R"({"family": "block_gather", "pairing": "shared_qk", "heads": 8})"), {16, 2},
+               8);
   EXPECT_NE(m.status().message().find("8 heads allow at most 4 ranks"), std::string::npos)
       << m.status().message();
 }
@@ -168,7 +170,8 @@ TEST(DescriptorTest, CodegenIsOneFourDimensionalPiecePerRank) {
 }
 
 TEST(DescriptorTest, CodegenRefusesHeadsThatDoNotDivide) {
-  Result<ParamMap> m = BuildMap(Parse(R"({"family": "codegen_qkv", "dim": 0, "heads": 16})"), {96, 8}, 8);
+  Result<ParamMap> m =
+      BuildMap(Parse(R"({"family": "codegen_qkv", "dim": 0, "heads": 16})"), {96, 8}, 8);
   EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(m.status().message().find("16 heads do not split over 8 ranks"), std::string::npos)
       << m.status().message();
@@ -215,7 +218,9 @@ TEST(DescriptorTest, EveryFamilyIsCanonicalAndEqualsInferenceOnItsShards) {
       {R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": 16})",
        {32, 3},
        {1, 2, 4, 8}},
-      {R"({"family": "block_gather", "dim": 1, "pairing": "shared_qk", "heads": 12})", {2, 24}, {1, 2, 3, 4}},
+      {R"({"family": "block_gather", "dim": 1, "pairing": "shared_qk", "heads": 12})",
+       {2, 24},
+       {1, 2, 3, 4}},
       {R"({"family": "codegen_qkv", "dim": 0, "heads": 96})", {288, 2}, {1, 2, 3, 4, 8}},
       {R"({"family": "padded_vocab", "dim": 0})", {13, 3}, {1, 2, 3, 4, 8}},
       {R"({"family": "padded_vocab", "dim": 0, "pad_multiple": 8})", {13, 3}, {1, 2, 3, 4, 8}},
@@ -245,14 +250,18 @@ TEST(DescriptorJsonTest, MalformedDescriptorsNameTheJsonPath) {
   const std::vector<std::pair<const char*, const char*>> cases = {
       {R"({"dim": 0})", "missing key \"family\""},
       {R"({"family": "sharded"})", "family: expected one of \"replicated\""},
-      {R"({"family": "split", "dim": 0, "pre_divided": true})", "pre_divided: unknown key for family \"split\""},
+      {R"({"family": "split", "dim": 0, "pre_divided": true})",
+       "pre_divided: unknown key for family \"split\""},
       {R"({"family": "split", "dim": -1})", "dim: -1 is outside 0..2^62"},
       {R"({"family": "split", "heads": 2, "grain": 4})", "give \"heads\" or \"grain\", not both"},
-      {R"({"family": "split", "remainder": "middle"})", "remainder: expected one of \"front\", \"back\""},
-      {R"({"family": "split", "sizes": [2, 2], "remainder": "ceil"})", "sizes: explicit sizes take no"},
+      {R"({"family": "split", "remainder": "middle"})",
+       "remainder: expected one of \"front\", \"back\""},
+      {R"({"family": "split", "sizes": [2, 2], "remainder": "ceil"})",
+       "sizes: explicit sizes take no"},
       {R"({"family": "fused", "parts": [{"size": 4}, {"size": 4, "replicated": true}]})",
        "parts[1].replicated: unknown key for a fused part"},
-      {R"({"family": "fused", "parts": [{"size": 4.5}]})", "parts[0].size: expected a non-negative integer, got 4.5"},
+      {R"({"family": "fused", "parts": [{"size": 4.5}]})",
+       "parts[0].size: expected a non-negative integer, got 4.5"},
       {R"({"family": "segmented", "parts": [{"size": 4, "replicated": true, "heads": 2}]})",
        "parts[0]: a replicated part is held whole by every rank"},
       {R"({"family": "block_gather", "heads": 4})", "give either \"pairing\""},
@@ -273,10 +282,12 @@ TEST(DescriptorJsonTest, MalformedDescriptorsNameTheJsonPath) {
 TEST(DescriptorTest, ShapeMismatchesAreInvalidArguments) {
   Result<ParamMap> m = BuildMap(Parse(R"({"family": "split", "dim": 2})"), {4, 4}, 2);
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(m.status().message(), "split layout of [4, 4] at 2 ranks: dimension 2 is outside shape [4, 4]");
-  m = BuildMap(Parse(R"({"family": "fused", "parts": [{"size": 4}, {"size": 2}]})"), {8, 2}, 2);
   EXPECT_EQ(m.status().message(),
-            "fused layout of [8, 2] at 2 ranks: the parts (4 + 2) cover 6 indices but dimension 0 has 8");
+            "split layout of [4, 4] at 2 ranks: dimension 2 is outside shape [4, 4]");
+  m = BuildMap(Parse(R"({"family": "fused", "parts": [{"size": 4}, {"size": 2}]})"), {8, 2}, 2);
+  EXPECT_EQ(
+      m.status().message(),
+      "fused layout of [8, 2] at 2 ranks: the parts (4 + 2) cover 6 indices but dimension 0 has 8");
 }
 
 }  // namespace

@@ -108,9 +108,9 @@ Result<Index> ReadInt(const Json& j, std::string_view path, Index min) {
   } else if (const auto* i = j.get_ptr<const Json::number_integer_t*>()) {
     if (*i <= kMaxInt && *i >= -kMaxInt) value = Index{*i};
   } else {
-    return TypeError(path, min >= 0 ? (min == 0 ? "a non-negative integer" : "a positive integer")
-                                    : "an integer",
-                     j);
+    return TypeError(
+        path,
+        min >= 0 ? (min == 0 ? "a non-negative integer" : "a positive integer") : "an integer", j);
   }
   if (!value || *value < min || *value > kMaxInt) {
     return ErrorAt(path, fmt::format("{} is outside {}..2^62", Describe(j), min));
