@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <map>
 #include <unordered_map>
 
 #include "reshard/ir/fold.h"
@@ -14,31 +15,23 @@ namespace reshard {
 using internal::FoldDim;
 using internal::FoldedPiece;
 using internal::FoldItem;
+using internal::Pair;
 
 namespace {
-
-// A run of consecutive shard elements sharing one key (holders and scale).
-struct Segment {
-  std::vector<Rank> locations;
-  double scale = 1.0;
-  Index dest_start = 0;
-  std::vector<FoldItem> items;
-};
 
 // Splits dims that cross a dimension of F, for readable pieces.
 std::vector<FoldDim> SplitAtLogicalStrides(const std::vector<FoldDim>& dims,
                                            const Shape& logical_strides) {
   std::vector<FoldDim> out;
   for (FoldDim d : dims) {
-    std::vector<FoldDim> parts;
     bool split = true;
     while (split) {
       split = false;
       for (Index l : logical_strides) {
-        if (l > d.stride && l < d.stride * d.extent && l % d.stride == 0 &&
-            d.extent % (l / d.stride) == 0) {
-          const Index inner = l / d.stride;
-          out.push_back({d.extent / inner, l});
+        const Index s = d.stride.src;
+        if (l > s && l < s * d.extent && l % s == 0 && d.extent % (l / s) == 0) {
+          const Index inner = l / s;
+          out.push_back({d.extent / inner, d.stride * inner});
           d = {inner, d.stride};
           split = true;
           break;
@@ -50,117 +43,187 @@ std::vector<FoldDim> SplitAtLogicalStrides(const std::vector<FoldDim>& dims,
   return out;
 }
 
-Piece MakePiece(const FoldedPiece& folded, Index dest_offset, const Shape& logical_strides,
+Piece MakePiece(const FoldedPiece& folded, const Shape& logical_strides,
                 const std::vector<Rank>& locations, double scale) {
   const std::vector<FoldDim> dims = SplitAtLogicalStrides(folded.dims, logical_strides);
   Piece p;
   for (const FoldDim& d : dims) {
     p.shape.push_back(d.extent);
-    p.source.strides.push_back(d.stride);
+    p.source.strides.push_back(d.stride.src);
+    p.dest.strides.push_back(d.stride.dst);
   }
   if (p.shape.empty()) {  // a single element: keep the rank of F for readability
     p.shape.assign(logical_strides.size(), 1);
     p.source.strides = logical_strides;
+    p.dest.strides.assign(logical_strides.size(), 1);
   }
-  p.source.offset = folded.source_offset;
-  p.dest.offset = dest_offset;
-  p.dest.strides = RowMajorStrides(p.shape);
+  p.source.offset = folded.offset.src;
+  p.dest.offset = folded.offset.dst;
   p.locations = locations;
   p.scale = scale;
   return p;
 }
 
-// Folds every segment of a rank and adds the pieces to the builder.
-void EmitSegments(std::vector<Segment>& segments, Rank rank, const Shape& logical_strides,
-                  ParamMapBuilder& builder) {
-  for (Segment& seg : segments) {
-    Index dest = seg.dest_start;
-    for (const FoldedPiece& folded : internal::FoldSequence(seg.items)) {
-      builder.add_piece(rank, MakePiece(folded, dest, logical_strides, seg.locations, seg.scale));
-      dest += folded.num_elements;
+}  // namespace
+
+namespace internal {
+
+void EmitFolded(const std::vector<KeyedSequence>& sequences, Rank rank,
+                const Shape& logical_strides, ParamMapBuilder& builder) {
+  std::vector<Piece> pieces;
+  for (const KeyedSequence& seq : sequences) {
+    for (const FoldedPiece& folded : FoldSequence(seq.items)) {
+      pieces.push_back(MakePiece(folded, logical_strides, seq.locations, seq.scale));
     }
   }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.dest.offset < b.dest.offset; });
+  for (Piece& p : pieces) builder.add_piece(rank, std::move(p));
 }
 
-void AddToSegments(std::vector<Segment>& segments, const std::vector<Rank>& locations,
-                   double scale, Index dest_offset, FoldItem item) {
-  if (segments.empty() || segments.back().locations != locations ||
-      segments.back().scale != scale) {
-    segments.push_back({locations, scale, dest_offset, {}});
-  }
-  internal::AppendItem(segments.back().items, std::move(item));
-}
+}  // namespace internal
 
-// One dest-contiguous block of a piece.
-struct Chunk {
-  Index dest_offset;
-  FoldItem item;
-  size_t piece;
+namespace {
+
+struct PieceDim {
+  Index extent, src, dst;
 };
+
+// The piece's dims (extent > 1) in the shard's row-major order.
+std::vector<PieceDim> DestOrdered(const Piece& p) {
+  std::vector<PieceDim> dims;
+  for (size_t k = 0; k < p.shape.size(); ++k) {
+    if (p.shape[k] > 1) dims.push_back({p.shape[k], p.source.strides[k], p.dest.strides[k]});
+  }
+  std::sort(dims.begin(), dims.end(),
+            [](const PieceDim& a, const PieceDim& b) { return a.dst > b.dst; });
+  return dims;
+}
+
+// The piece as items of its key's sequence: one item (`whole`), or its blocks that are
+// contiguous in the shard (to be interleaved in shard order with other pieces' blocks).
+void AddPieceItems(const Piece& p, bool whole, std::vector<std::pair<Index, FoldItem>>& out) {
+  const std::vector<PieceDim> dims = DestOrdered(p);
+  size_t inner = 0;
+  if (!whole) {
+    inner = dims.size();
+    Index span = 1;
+    while (inner > 0 && dims[inner - 1].dst == span) {
+      span *= dims[inner - 1].extent;
+      --inner;
+    }
+  }
+  FoldItem base;
+  for (size_t k = inner; k < dims.size(); ++k) {
+    base.dims.push_back({dims[k].extent, {dims[k].dst, dims[k].src}});
+  }
+  std::vector<Index> index(inner, 0);
+  while (true) {
+    Pair offset{p.dest.offset, p.source.offset};
+    for (size_t k = 0; k < inner; ++k) offset = offset + Pair{dims[k].dst, dims[k].src} * index[k];
+    FoldItem item = base;
+    item.offset = offset;
+    out.emplace_back(offset.dst, std::move(item));
+    size_t k = inner;
+    while (k > 0) {
+      if (++index[k - 1] < dims[k - 1].extent) break;
+      index[k - 1] = 0;
+      --k;
+    }
+    if (k == 0) break;
+  }
+}
 
 }  // namespace
 
-Result<ParamMap> Canonicalize(const ParamMap& map) {
+namespace {
+
+// One pass: each key's sequence folded, partitioned at the input's piece boundaries where it
+// does not fold whole.
+Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
   const Shape logical_strides = RowMajorStrides(map.logical_shape());
   ParamMapBuilder builder;
   builder.set_logical_shape(map.logical_shape());
   if (map.has_padding()) builder.set_valid_shape(map.valid_shape());
   builder.set_world_size(map.world_size());
+  using Key = std::pair<std::vector<Rank>, double>;
   for (Rank r = 0; r < map.world_size(); ++r) {
     const RankShard& shard = map.rank(r);
     builder.set_shard_shape(r, shard.shard_shape);
-    std::vector<Chunk> chunks;
+    // Pieces by key, with their spans in the shard.
+    std::map<Key, std::vector<size_t>> by_key;
     for (size_t i = 0; i < shard.pieces.size(); ++i) {
-      const Piece& p = shard.pieces[i];
-      if (p.num_elements() == 0) continue;
-      struct Dim {
-        Index extent, src, dst;
+      if (shard.pieces[i].num_elements() == 0) continue;
+      by_key[{shard.pieces[i].locations, shard.pieces[i].scale}].push_back(i);
+    }
+    std::vector<internal::KeyedSequence> sequences;
+    for (auto& [key, indices] : by_key) {
+      struct Span {
+        Index first, last;
+        size_t piece;
       };
-      std::vector<Dim> dims;
-      for (size_t k = 0; k < p.shape.size(); ++k) {
-        if (p.shape[k] > 1) dims.push_back({p.shape[k], p.source.strides[k], p.dest.strides[k]});
+      std::vector<Span> spans;
+      for (size_t i : indices) {
+        const Piece& p = shard.pieces[i];
+        spans.push_back({p.dest.offset, *LastOffset(p.dest.offset, p.shape, p.dest.strides), i});
       }
-      std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.dst > b.dst; });
-      // The innermost dims that are row-major contiguous in the shard form one chunk; the
-      // others are walked.
-      size_t inner = dims.size();
-      Index span = 1;
-      while (inner > 0 && dims[inner - 1].dst == span) {
-        span *= dims[inner - 1].extent;
-        --inner;
-      }
-      FoldItem base{0, {}};
-      for (size_t k = inner; k < dims.size(); ++k) base.dims.push_back({dims[k].extent, dims[k].src});
-      std::vector<Index> index(inner, 0);
-      while (true) {
-        Index src = p.source.offset;
-        Index dst = p.dest.offset;
-        for (size_t k = 0; k < inner; ++k) {
-          src += index[k] * dims[k].src;
-          dst += index[k] * dims[k].dst;
+      std::sort(spans.begin(), spans.end(),
+                [](const Span& a, const Span& b) { return a.first < b.first; });
+      // Pieces whose spans in the shard overlap interleave: their blocks join the key's
+      // sequence in shard order when that folds to no more pieces than they are (column
+      // blocks of one matrix do), else each stays a piece of its own (pieces interleaved
+      // element by element, which no contiguous cut of the sequence describes as well).
+      std::vector<std::pair<Index, FoldItem>> joined;
+      size_t s = 0;
+      while (s < spans.size()) {
+        size_t e = s + 1;
+        Index reach = spans[s].last;
+        while (e < spans.size() && spans[e].first <= reach) reach = std::max(reach, spans[e++].last);
+        std::vector<std::pair<Index, FoldItem>> blocks;
+        for (size_t c = s; c < e; ++c) AddPieceItems(shard.pieces[spans[c].piece], e - s == 1, blocks);
+        bool join = e - s == 1;
+        if (!join) {
+          std::stable_sort(blocks.begin(), blocks.end(),
+                           [](const auto& a, const auto& b) { return a.first < b.first; });
+          std::vector<FoldItem> trial;
+          for (const auto& b : blocks) internal::AppendItem(trial, b.second);
+          join = internal::FoldSequence(trial).size() <= e - s;
         }
-        FoldItem item = base;
-        item.offset = src;
-        chunks.push_back({dst, std::move(item), i});
-        size_t k = inner;
-        while (k > 0) {
-          if (++index[k - 1] < dims[k - 1].extent) break;
-          index[k - 1] = 0;
-          --k;
+        if (join) {
+          for (auto& b : blocks) joined.push_back(std::move(b));
+        } else {
+          for (size_t c = s; c < e; ++c) {
+            std::vector<std::pair<Index, FoldItem>> alone;
+            AddPieceItems(shard.pieces[spans[c].piece], true, alone);
+            sequences.push_back({key.first, key.second, {std::move(alone[0].second)}});
+          }
         }
-        if (k == 0) break;
+        s = e;
       }
+      std::stable_sort(joined.begin(), joined.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      internal::KeyedSequence merged{key.first, key.second, {}};
+      for (auto& b : joined) internal::AppendItem(merged.items, std::move(b.second));
+      if (!merged.items.empty()) sequences.push_back(std::move(merged));
     }
-    std::sort(chunks.begin(), chunks.end(),
-              [](const Chunk& a, const Chunk& b) { return a.dest_offset < b.dest_offset; });
-    std::vector<Segment> segments;
-    for (Chunk& c : chunks) {
-      const Piece& p = shard.pieces[c.piece];
-      AddToSegments(segments, p.locations, p.scale, c.dest_offset, std::move(c.item));
-    }
-    EmitSegments(segments, r, logical_strides, builder);
+    internal::EmitFolded(sequences, r, logical_strides, builder);
   }
   return builder.Finalize({.require_coverage = false});
+}
+
+}  // namespace
+
+Result<ParamMap> Canonicalize(const ParamMap& map) {
+  // A pass only ever merges pieces; repeat until nothing changes, so the result is a fixed
+  // point (canonicalising it again is the identity) even where a partition's greedy choice
+  // depended on how the input was cut.
+  RESHARD_ASSIGN_OR_RETURN(ParamMap current, CanonicalizeOnce(map));
+  for (int pass = 0; pass < 32; ++pass) {
+    RESHARD_ASSIGN_OR_RETURN(ParamMap next, CanonicalizeOnce(current));
+    if (next == current) return current;
+    current = std::move(next);
+  }
+  return current;
 }
 
 }  // namespace reshard

@@ -8,6 +8,9 @@
 #include <sstream>
 
 #include "reshard/ir/map_json.h"
+#include "reshard/ir/random_map.h"
+
+#include <random>
 
 namespace reshard {
 namespace {
@@ -253,6 +256,43 @@ TEST(CanonicalizeTest, TransposedShardIsOnePiece) {
   EXPECT_EQ(p.shape, (Shape{2, 3}));
   EXPECT_EQ(p.source, (StridedView{2, {1, 4}}));
   EXPECT_EQ(p.dest, (StridedView{0, {3, 1}}));
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+
+// Canonicalising random valid maps: every element stays where it was, the result is a fixed
+// point (byte-identical JSON) and never has more pieces than the input; inference from the
+// expanded index maps gives a canonical map of the same elements.
+TEST(CanonicalizePropertyTest, PreservesElementsIsIdempotentAndAgreesWithInfer) {
+  for (uint64_t seed : PropertyTestSeeds(1500)) {
+    std::mt19937_64 rng(seed);
+    const ParamMap map = RandomParamMap(rng);
+    SCOPED_TRACE(testing::Message() << "replay with RESHARD_SEED=" << seed << "\n" << ParamMapToJson(map));
+    Result<ParamMap> canonical = Canonicalize(map);
+    ASSERT_TRUE(canonical.ok()) << canonical.status().ToString();
+    ASSERT_EQ(ExpandSourceOffsets(*canonical), ExpandSourceOffsets(map));
+    ASSERT_EQ(ExpandScales(*canonical), ExpandScales(map));
+    for (Rank r = 0; r < map.world_size(); ++r) {
+      ASSERT_LE(canonical->rank(r).pieces.size(), std::max<size_t>(map.rank(r).pieces.size(), 1))
+          << "rank " << r;
+    }
+    const std::string json = ParamMapToJson(*canonical);
+    Result<ParamMap> again = Canonicalize(*canonical);
+    ASSERT_TRUE(again.ok());
+    ASSERT_EQ(ParamMapToJson(*again), json);
+    // Inference from the expanded observation: the same elements, and itself canonical.
+    Result<ParamMap> inferred = Infer(ToIndexMaps(map), {.allow_uncovered = true});
+    ASSERT_TRUE(inferred.ok()) << inferred.status().ToString();
+    ASSERT_EQ(ExpandSourceOffsets(*inferred), ExpandSourceOffsets(map));
+    ASSERT_EQ(ExpandScales(*inferred), ExpandScales(map));
+    Result<ParamMap> reinferred = Canonicalize(*inferred);
+    ASSERT_TRUE(reinferred.ok());
+    ASSERT_EQ(ParamMapToJson(*reinferred), ParamMapToJson(*inferred));
+  }
 }
 
 }  // namespace

@@ -42,6 +42,27 @@ class HolderSets {
   std::unordered_map<uint64_t, uint32_t> next_;
 };
 
+// The holder set of every element of F: a dense array when F is not much larger than the
+// observation, a hash table otherwise (a deliberately partial observation of a huge F must
+// not cost memory in proportion to F).
+class HolderTable {
+ public:
+  HolderTable(Index n, Index entries) : dense_(n <= 4 * entries + 4096) {
+    if (dense_) values_.assign(static_cast<size_t>(n), 0);
+  }
+  uint32_t& operator[](Index e) { return dense_ ? values_[static_cast<size_t>(e)] : sparse_[e]; }
+  uint32_t at(Index e) const {
+    if (dense_) return values_[static_cast<size_t>(e)];
+    auto it = sparse_.find(e);
+    return it == sparse_.end() ? 0 : it->second;
+  }
+
+ private:
+  bool dense_;
+  std::vector<uint32_t> values_;
+  std::unordered_map<Index, uint32_t> sparse_;
+};
+
 }  // namespace
 
 Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
@@ -49,6 +70,15 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
   if (!numel.ok()) return numel.status().Annotate("logical_shape");
   const Index n = *numel;
   if (observed.ranks.empty()) return InvalidArgumentError("ranks is empty: observe at least one rank");
+  if (observed.valid_shape) {
+    const Shape& v = *observed.valid_shape;
+    bool fits = v.size() == observed.logical_shape.size();
+    for (size_t k = 0; fits && k < v.size(); ++k) fits = v[k] >= 0 && v[k] <= observed.logical_shape[k];
+    if (!fits) {
+      return InvalidArgumentError(fmt::format("valid_shape {} does not fit inside logical_shape {}",
+                                              FormatShape(v), FormatShape(observed.logical_shape)));
+    }
+  }
   const int world = static_cast<int>(observed.ranks.size());
   std::vector<const ObservedShard*> by_rank(static_cast<size_t>(world), nullptr);
   for (size_t i = 0; i < observed.ranks.size(); ++i) {
@@ -84,8 +114,10 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
     }
   }
   // Pass 1: the holder set of every element of F.
+  Index entries = 0;
+  for (const ObservedShard& s : observed.ranks) entries += static_cast<Index>(s.index_map.size());
   HolderSets sets;
-  std::vector<uint32_t> holders(static_cast<size_t>(n), 0);
+  HolderTable holders(n, entries);
   for (Rank r = 0; r < world; ++r) {
     const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
     uint32_t cached_from = UINT32_MAX;
@@ -97,7 +129,7 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
             "rank {}: index_map[{}] = {} is outside F (shape {}, {} elements)", r, k, e,
             FormatShape(observed.logical_shape), n));
       }
-      uint32_t& h = holders[static_cast<size_t>(e)];
+      uint32_t& h = holders[e];
       if (h != cached_from) {
         const std::vector<Rank>& m = sets.members(h);
         if (!m.empty() && m.back() == r) {
@@ -117,71 +149,66 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
   builder.set_valid_shape(observed.valid_shape);
   builder.set_world_size(world);
   if (!options.allow_uncovered) {
-    const Shape valid = observed.valid_shape.value_or(observed.logical_shape);
-    for (Index e = 0; e < n; ++e) {
-      if (holders[static_cast<size_t>(e)] != 0) continue;
-      const Shape where = UnravelIndex(e, observed.logical_shape);
-      bool padding = false;
-      for (size_t k = 0; k < where.size() && k < valid.size(); ++k) padding |= where[k] >= valid[k];
-      if (padding) continue;
-      return InvalidArgumentError(fmt::format(
-          "element {} of F (shape {}) is held by no rank; pass --allow-uncovered if the "
-          "observation is deliberately partial",
-          FormatShape(where), FormatShape(observed.logical_shape)));
+    // Walk the non-padding elements in order; the first one without a holder is named. At
+    // most one more step than there are entries, whatever the size of F.
+    const Shape& shape = observed.logical_shape;
+    const Shape valid = observed.valid_shape.value_or(shape);
+    const Shape strides = RowMajorStrides(shape);
+    bool any = true;
+    for (size_t k = 0; k < valid.size(); ++k) any &= k < shape.size() && valid[k] > 0;
+    std::vector<Index> index(shape.size(), 0);
+    while (any && n > 0) {
+      Index e = 0;
+      for (size_t k = 0; k < index.size(); ++k) e += index[k] * strides[k];
+      if (holders.at(e) == 0) {
+        return InvalidArgumentError(fmt::format(
+            "element {} of F (shape {}) is held by no rank; pass --allow-uncovered if the "
+            "observation is deliberately partial",
+            FormatShape(index), FormatShape(shape)));
+      }
+      size_t k = index.size();
+      while (k > 0) {
+        if (++index[k - 1] < std::min(valid[k - 1], shape[k - 1])) break;
+        index[k - 1] = 0;
+        --k;
+      }
+      if (k == 0) break;
     }
   }
-  // Pass 2: per rank, runs of equal holders and scale, folded.
+  // Pass 2: per rank, the sequence of each key (holders and scale) as arithmetic runs, folded.
+  const Shape logical_strides = RowMajorStrides(observed.logical_shape);
   for (Rank r = 0; r < world; ++r) {
     const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
     builder.set_shard_shape(r, s.shard_shape);
-    struct Run {
-      Index offset, extent, stride;
+    auto scale_at = [&](size_t k) {
+      return s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
     };
+    std::map<std::pair<uint32_t, double>, std::vector<FoldItem>> by_key;
     const size_t count = s.index_map.size();
     size_t k = 0;
-    Index dest = 0;
     while (k < count) {
-      const uint32_t key_holders = holders[static_cast<size_t>(s.index_map[k])];
-      const double key_scale = s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
-      std::vector<FoldItem> items;
-      // Maximal arithmetic runs inside the segment.
-      while (k < count) {
-        const Index e = s.index_map[k];
-        const double sc = s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
-        if (holders[static_cast<size_t>(e)] != key_holders || sc != key_scale) break;
-        Run run{e, 1, 0};
-        size_t j = k + 1;
-        if (j < count) {
-          const Index step = s.index_map[j] - e;
-          while (j < count && s.index_map[j] - s.index_map[j - 1] == step && step > 0 &&
-                 holders[static_cast<size_t>(s.index_map[j])] == key_holders &&
-                 (s.scale.size() <= 1 || s.scale[j] == key_scale)) {
-            ++j;
-          }
-          run.extent = static_cast<Index>(j - k);
-          run.stride = step;
+      const Index e = s.index_map[k];
+      const uint32_t holder = holders.at(e);
+      const double scale = scale_at(k);
+      size_t j = k + 1;
+      Index step = 0;
+      if (j < count) {
+        step = s.index_map[j] - e;
+        while (j < count && step > 0 && s.index_map[j] - s.index_map[j - 1] == step &&
+               holders.at(s.index_map[j]) == holder && scale_at(j) == scale) {
+          ++j;
         }
-        FoldItem item{run.offset, {}};
-        if (run.extent > 1) item.dims.push_back({run.extent, run.stride});
-        items.push_back(std::move(item));
-        k = j;
       }
-      const Shape logical_strides = RowMajorStrides(observed.logical_shape);
-      for (const internal::FoldedPiece& folded : internal::FoldSequence(items)) {
-        Piece p;
-        for (const internal::FoldDim& d : folded.dims) {
-          p.shape.push_back(d.extent);
-          p.source.strides.push_back(d.stride);
-        }
-        p.source.offset = folded.source_offset;
-        p.dest.offset = dest;
-        p.dest.strides = RowMajorStrides(p.shape);
-        p.locations = sets.members(key_holders);
-        p.scale = key_scale;
-        builder.add_piece(r, std::move(p));
-        dest += folded.num_elements;
-      }
+      FoldItem item{{static_cast<Index>(k), e}, {}};
+      if (j - k > 1) item.dims.push_back({static_cast<Index>(j - k), {1, step}});
+      internal::AppendItem(by_key[{holder, scale}], std::move(item));
+      k = std::max(j, k + 1);
     }
+    std::vector<internal::KeyedSequence> sequences;
+    for (auto& [key, items] : by_key) {
+      sequences.push_back({sets.members(key.first), key.second, std::move(items)});
+    }
+    internal::EmitFolded(sequences, r, logical_strides, builder);
   }
   RESHARD_ASSIGN_OR_RETURN(ParamMap folded, builder.Finalize({.require_coverage = !options.allow_uncovered}));
   return Canonicalize(folded);

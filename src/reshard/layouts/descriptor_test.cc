@@ -136,12 +136,16 @@ TEST(DescriptorTest, SharedQkWithOddHeadsPerRankSharesAHeadBetweenNeighbours) {
   ParamMap m = Build(R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": 6})",
                      {12, 3}, 2);
   EXPECT_EQ(ShardExtents(m, 0), (std::vector<Index>{8, 8}));
+  // Per holder set, the two heads fold into one piece whose rows are strided in the shard
+  // too: heads 0 and 3 (rank 0 alone) at shard rows 0-1 and 4-5, heads 1 and 4 (shared).
   const RankShard& r0 = m.rank(0);
-  ASSERT_EQ(r0.pieces.size(), 4u);
+  ASSERT_EQ(r0.pieces.size(), 2u);
   EXPECT_EQ(r0.pieces[0].locations, (std::vector<Rank>{0}));
+  EXPECT_EQ(r0.pieces[0].source, (StridedView{0, {18, 3, 1}}));
+  EXPECT_EQ(r0.pieces[0].dest, (StridedView{0, {12, 3, 1}}));
   EXPECT_EQ(r0.pieces[1].locations, (std::vector<Rank>{0, 1}));
   EXPECT_EQ(r0.pieces[1].source.offset, 2 * 3);
-  EXPECT_EQ(r0.pieces[2].source.offset, 3 * 2 * 3);
+  EXPECT_EQ(r0.pieces[1].dest.offset, 2 * 3);
 }
 
 TEST(DescriptorTest, SharedQkAtEvenHeadsIsOnePiecePerRank) {
