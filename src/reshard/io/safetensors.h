@@ -1,0 +1,106 @@
+// safetensors files, exactly as the reference implementation reads and writes them.
+//
+// Layout, byte by byte:
+//   [0, 8)          N: the header length, u64 little-endian
+//   [8, 8 + N)      the header: UTF-8 JSON object, padded at the end with spaces (0x20) so
+//                   that 8 + N is a multiple of 8 (writers pad; readers accept any N)
+//   [8 + N, end)    the data section: every tensor's bytes, contiguous, no gaps
+// The header maps each tensor name to {"dtype": "BF16", "shape": [..], "data_offsets":
+// [begin, end]} (byte offsets relative to the data section, end - begin = numel * dtype size),
+// plus an optional "__metadata__": {string: string}. Readers refuse: N > 100 MB, a header
+// past the end of the file, invalid UTF-8 or JSON, a non-object, an unknown dtype, a shape
+// whose byte size disagrees with its offsets, offsets that overlap or leave gaps or do not
+// start at 0, a data section longer or shorter than the tensors (trailing bytes, truncated
+// data), duplicate names, and a __metadata__ that is not a string-to-string map.
+#ifndef RESHARD_IO_SAFETENSORS_H_
+#define RESHARD_IO_SAFETENSORS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/base/index.h"
+#include "reshard/base/result.h"
+
+namespace reshard {
+
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  uint64_t data_begin = 0;  // bytes, relative to the data section
+  uint64_t data_end = 0;    // bytes, relative to the data section
+  uint64_t num_bytes() const { return data_end - data_begin; }
+};
+
+struct SafetensorsHeader {
+  /// In data order (ascending data_begin).
+  std::vector<TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  /// Absolute offset of the data section in the file: 8 + header length.
+  uint64_t data_offset = 0;
+  /// Total bytes of the data section.
+  uint64_t data_size = 0;
+  const TensorInfo* Find(std::string_view name) const;
+};
+
+/// Parses and validates a header given the file's first bytes (at least 8 + N of them, or the
+/// whole file) and the file's total size. DataLoss for every corruption above, with a message
+/// naming the rule, the tensor and the offending values.
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> prefix,
+                                                 uint64_t file_size);
+
+/// Reads only the header of a file (names, dtypes, shapes, offsets): no weights are read.
+Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
+
+/// A safetensors file opened read-only and memory-mapped: tensor data is zero-copy.
+class SafetensorsFile {
+ public:
+  static Result<SafetensorsFile> Open(const std::string& path);
+  SafetensorsFile(SafetensorsFile&&) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  const SafetensorsHeader& header() const { return header_; }
+  /// The bytes of `tensor` (one of header().tensors), in the mapping.
+  std::span<const std::byte> data(const TensorInfo& tensor) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  SafetensorsHeader header_;
+  const std::byte* map_ = nullptr;
+  size_t map_size_ = 0;
+};
+
+/// One tensor to write: its bytes are produced on demand (so a writer can stream tensors
+/// without holding the whole file in memory).
+struct TensorToWrite {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+  /// Fills `out` (exactly numel * dtype size bytes) with the tensor's data.
+  std::function<Status(std::span<std::byte> out)> fill;
+};
+
+/// Writes a safetensors file atomically (temporary name in the same directory, fsync, rename),
+/// tensors in the given order, header keys sorted as the reference writer does, padded with
+/// spaces to 8 bytes. AlreadyExists if `path` exists and !overwrite; ResourceExhausted on a
+/// full disk; nothing is left behind on failure.
+Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
+                        const std::map<std::string, std::string>& metadata = {},
+                        bool overwrite = false);
+
+}  // namespace reshard
+
+#endif  // RESHARD_IO_SAFETENSORS_H_
