@@ -1,6 +1,7 @@
 #include "reshard/io/file.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,25 +10,28 @@
 #include <filesystem>
 #include <random>
 
-#include <fmt/format.h>
-
 namespace reshard {
 
-namespace {
-
-Status ErrnoError(int err, std::string_view what, const std::string& path) {
+Status ErrnoStatus(int err, std::string_view what, const std::string& path) {
   std::string message = fmt::format("{} \"{}\": {}", what, path, std::strerror(err));
   switch (err) {
-    case ENOENT: return NotFoundError(std::move(message));
-    case EEXIST: return AlreadyExistsError(std::move(message));
+    case ENOENT:
+      return NotFoundError(std::move(message));
+    case EEXIST:
+      return AlreadyExistsError(std::move(message));
     case EISDIR:
-    case ENOTDIR: return InvalidArgumentError(std::move(message));
+    case ENOTDIR:
+      return InvalidArgumentError(std::move(message));
     case ENOSPC:
     case EDQUOT:
-    case EFBIG: return ResourceExhaustedError(std::move(message));
-    default: return UnavailableError(std::move(message));
+    case EFBIG:
+      return ResourceExhaustedError(std::move(message));
+    default:
+      return UnavailableError(std::move(message));
   }
 }
+
+namespace {
 
 class Fd {
  public:
@@ -52,9 +56,9 @@ class Fd {
 
 Result<std::string> ReadFileToString(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoError(errno, "cannot open", path);
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, "cannot stat", path);
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
   if (S_ISDIR(st.st_mode)) {
     return InvalidArgumentError(fmt::format("\"{}\" is a directory, not a file", path));
   }
@@ -65,7 +69,7 @@ Result<std::string> ReadFileToString(const std::string& path) {
     ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoError(errno, "cannot read", path);
+      return ErrnoStatus(errno, "cannot read", path);
     }
     if (n == 0) break;
     contents.append(buffer, static_cast<size_t>(n));
@@ -73,8 +77,8 @@ Result<std::string> ReadFileToString(const std::string& path) {
   return contents;
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view contents,
-                           const WriteOptions& options) {
+Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
+                                                  const WriteOptions& options) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!options.overwrite && fs::exists(fs::path(path), ec)) {
@@ -84,33 +88,78 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents,
   fs::path target(path);
   fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   std::random_device rd;
-  const std::string tmp =
+  std::string tmp =
       (dir / fmt::format(".{}.tmp-{:08x}", target.filename().string(), rd())).string();
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoError(errno, "cannot create", tmp);
-  auto fail = [&](int err, std::string_view what) {
-    ::unlink(tmp.c_str());
-    return ErrnoError(err, what, tmp);
-  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
+  return AtomicFileWriter(path, std::move(tmp), fd);
+}
+
+AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
+    : path_(std::move(other.path_)), tmp_(std::move(other.tmp_)), fd_(other.fd_) {
+  other.fd_ = -1;
+}
+
+AtomicFileWriter::~AtomicFileWriter() { Abandon(); }
+
+void AtomicFileWriter::Abandon() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(tmp_.c_str());
+  fd_ = -1;
+}
+
+Status AtomicFileWriter::Append(std::string_view bytes) {
+  return Append(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())));
+}
+
+Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
+  if (fd_ < 0) return InternalError(fmt::format("\"{}\" is no longer open for writing", tmp_));
   size_t done = 0;
-  while (done < contents.size()) {
-    ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return fail(errno, "cannot write");
+      const int err = errno;
+      Abandon();
+      return ErrnoStatus(err, "cannot write", tmp_);
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd.get()) != 0) return fail(errno, "cannot sync");
-  if (::close(fd.release()) != 0) return fail(errno, "cannot close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::Commit() {
+  if (fd_ < 0) return InternalError(fmt::format("\"{}\" is no longer open for writing", tmp_));
+  auto fail = [&](int err, std::string_view what) {
+    Abandon();
+    return ErrnoStatus(err, what, tmp_);
+  };
+  if (::fsync(fd_) != 0) return fail(errno, "cannot sync");
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
     const int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoError(err, "cannot rename into place", path);
+    ::unlink(tmp_.c_str());
+    return ErrnoStatus(err, "cannot close", tmp_);
   }
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    return ErrnoStatus(err, "cannot rename into place", path_);
+  }
+  const std::filesystem::path target(path_);
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() >= 0) ::fsync(dir_fd.get());
   return Status::Ok();
+}
+
+Status WriteFileAtomically(const std::string& path, std::string_view contents,
+                           const WriteOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(AtomicFileWriter writer, AtomicFileWriter::Create(path, options));
+  RESHARD_RETURN_IF_ERROR(writer.Append(contents));
+  return writer.Commit();
 }
 
 }  // namespace reshard

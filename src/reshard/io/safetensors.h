@@ -12,6 +12,16 @@
 // whose byte size disagrees with its offsets, offsets that overlap or leave gaps or do not
 // start at 0, a data section longer or shorter than the tensors (trailing bytes, truncated
 // data), duplicate names, and a __metadata__ that is not a string-to-string map.
+// Like the reference, readers ignore unknown keys inside a tensor entry and read
+// "__metadata__": null as no metadata. Dtypes outside base/dtype.h's table (the reference
+// also knows F4, F6_*, F8_E8M0, C64) are refused as unknown.
+//
+// Writers produce the reference writer's exact bytes: tensors laid out by descending dtype in
+// its ranking (U64 I64 F64 F32 U32 I32 BF16 F16 U16 I16 F8_E4M3 F8_E5M2 I8 U8 BOOL), then by
+// name (bytewise); header keys in that same order after "__metadata__"; compact JSON with
+// only '"', '\\' and control characters escaped. The reference keeps metadata in a hash map,
+// so with two or more metadata keys its order varies from run to run; ours is sorted, one of
+// the orders it produces. An empty metadata map is omitted, as the reference does for None.
 #ifndef RESHARD_IO_SAFETENSORS_H_
 #define RESHARD_IO_SAFETENSORS_H_
 
@@ -62,7 +72,9 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> pref
 /// Reads only the header of a file (names, dtypes, shapes, offsets): no weights are read.
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
 
-/// A safetensors file opened read-only and memory-mapped: tensor data is zero-copy.
+/// A safetensors file opened read-only and memory-mapped (MAP_PRIVATE): tensor data is
+/// zero-copy. As with any mapping, another process truncating the file while it is open makes
+/// reads of the lost pages fault (SIGBUS); checkpoints are not rewritten in place.
 class SafetensorsFile {
  public:
   static Result<SafetensorsFile> Open(const std::string& path);
@@ -94,9 +106,13 @@ struct TensorToWrite {
 };
 
 /// Writes a safetensors file atomically (temporary name in the same directory, fsync, rename),
-/// tensors in the given order, header keys sorted as the reference writer does, padded with
-/// spaces to 8 bytes. AlreadyExists if `path` exists and !overwrite; ResourceExhausted on a
-/// full disk; nothing is left behind on failure.
+/// tensors and header keys in the reference writer's order (above, whatever the order of
+/// `tensors`), header padded with spaces to 8 bytes. Each `fill` is called once, in file
+/// order, on one reused buffer as large as the largest tensor: that buffer is the writer's
+/// peak memory. InvalidArgument for duplicate or non-UTF-8 names, "__metadata__" as a name,
+/// a bad shape or a missing fill (checked before anything is written); AlreadyExists if
+/// `path` exists and !overwrite; ResourceExhausted on a full disk; a failing fill's Status is
+/// returned. Nothing is left behind on failure.
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
                         const std::map<std::string, std::string>& metadata = {},
                         bool overwrite = false);
