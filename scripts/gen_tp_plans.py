@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Write src/reshard/hf/tp_plans.json: the tensor-parallel plans of the installed transformers.
+
+    .venv/bin/python scripts/gen_tp_plans.py [-o PATH] [--check]
+
+The degree planner and the model-map generator (src/reshard/hf) read this file, compiled into
+the binary, instead of importing transformers. It records, from the installed package:
+
+  transformers_version     the release it was read from
+  styles                   every style name registered in transformers' parallel-style registry
+                           (a plan entry naming anything else fails at load in transformers)
+  distributed_config_keys  the fields of transformers' DistributedConfig (the dict form it accepts)
+  model_types              per model type with a plan of its own or through its text sub-config:
+    tp_plan, ep_plan       the config class's base_model_tp_plan / base_model_ep_plan, in order
+    head_plan              the plan the task head class adds (the LM head), read from the class
+                           attribute in the modeling source without importing torch models
+    attribute_map          the config's aliases (standard name -> key stored in config.json)
+    defaults               the config class's defaults for the keys the counts need
+    text_config            {"key", "model_type"} of the text sub-config of a composite model
+
+--check compares a fresh generation with the file and exits 1 on any difference (drift after a
+transformers upgrade: regenerate and commit).
+"""
+
+import argparse
+import ast
+import dataclasses
+import json
+import pathlib
+import sys
+
+import transformers
+from transformers.models.auto import configuration_auto, modeling_auto
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "src" / "reshard" / "hf" / "tp_plans.json"
+
+# The config keys the divisibility counts are read from (standard names; attribute_map aliases
+# are resolved by the reader).
+COUNT_KEYS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "n_shared_experts", "num_experts", "num_local_experts",
+    "n_routed_experts", "tie_word_embeddings",
+)
+
+# Head classes whose `_tp_plan` is the LM head's entry, most specific first.
+HEAD_MAPPINGS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+)
+
+
+def registered_styles():
+    from transformers.distributed import expert_parallel, tensor_parallel  # noqa: F401 (registers)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    return sorted(ALL_PARALLEL_STYLES.keys())
+
+
+def distributed_config_keys():
+    from transformers.distributed.configuration_utils import DistributedConfig
+    return [f.name for f in dataclasses.fields(DistributedConfig)]
+
+
+def class_default(cls, stored_key):
+    value = getattr(cls, stored_key, None)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value
+    return None  # a property, a descriptor or a non-integer: no usable default
+
+
+def head_class_plan(model_type, models_dir):
+    """The `_tp_plan` literal of the model type's LM-head class, from its source."""
+    for mapping_name in HEAD_MAPPINGS:
+        mapping = getattr(modeling_auto, mapping_name, {})
+        name = mapping.get(model_type)
+        if isinstance(name, (tuple, list)):
+            name = name[0] if name else None
+        if not name:
+            continue
+        module = configuration_auto.model_type_to_module_name(model_type)
+        for path in sorted((models_dir / module).glob("modeling_*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef) and node.name == name:
+                    for stmt in node.body:
+                        targets = (stmt.targets if isinstance(stmt, ast.Assign)
+                                   else [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
+                        if any(isinstance(t, ast.Name) and t.id == "_tp_plan" for t in targets):
+                            plan = ast.literal_eval(stmt.value)
+                            return dict(plan) if plan else None
+                    return None
+    return None
+
+
+def text_sub_config(cls):
+    """(key, model_type) of a composite config's text sub-config, or None."""
+    subs = dict(getattr(cls, "sub_configs", None) or {})
+    if not subs:
+        return None
+    try:
+        config = cls()
+        text = config.get_text_config()
+    except Exception:  # a composite that cannot be built from defaults alone
+        text = None
+    if text is not None and text is not config:
+        for key in subs:
+            if getattr(config, key, None) is text:
+                return key, text.model_type
+    for key in ("text_config", "language_config", "llm_config"):
+        if key in subs and getattr(subs[key], "model_type", ""):
+            return key, subs[key].model_type
+    return None
+
+
+def generate():
+    models_dir = pathlib.Path(transformers.__file__).parent / "models"
+    entries = {}
+    composites = {}
+    for model_type in sorted(configuration_auto.CONFIG_MAPPING_NAMES):
+        cls = configuration_auto.CONFIG_MAPPING[model_type]
+        tp_plan = getattr(cls, "base_model_tp_plan", None) or {}
+        ep_plan = getattr(cls, "base_model_ep_plan", None) or {}
+        entry = {}
+        if tp_plan:
+            entry["tp_plan"] = dict(tp_plan)
+        if ep_plan:
+            entry["ep_plan"] = dict(ep_plan)
+        head = head_class_plan(model_type, models_dir)
+        if head:
+            entry["head_plan"] = head
+        attribute_map = dict(getattr(cls, "attribute_map", None) or {})
+        aliases = {k: v for k, v in attribute_map.items() if k in COUNT_KEYS}
+        if aliases:
+            entry["attribute_map"] = aliases
+        entry["defaults"] = {k: class_default(cls, attribute_map.get(k, k)) for k in COUNT_KEYS
+                             if hasattr(cls, attribute_map.get(k, k))}
+        sub = text_sub_config(cls)
+        if sub and sub[1] != model_type:
+            entry["text_config"] = {"key": sub[0], "model_type": sub[1]}
+            composites[model_type] = sub[1]
+        entries[model_type] = entry
+    with_plan = {mt for mt, e in entries.items() if "tp_plan" in e or "ep_plan" in e}
+    keep = set(with_plan)
+    keep |= {mt for mt, text in composites.items() if text in with_plan}
+    model_types = {mt: entries[mt] for mt in sorted(keep)}
+    return {
+        "generator": "scripts/gen_tp_plans.py",
+        "transformers_version": transformers.__version__,
+        "styles": registered_styles(),
+        "distributed_config_keys": distributed_config_keys(),
+        "model_types": model_types,
+    }
+
+
+def dump(registry):
+    return json.dumps(registry, indent=1, sort_keys=False, ensure_ascii=True) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the file instead of writing it; exit 1 on drift")
+    args = parser.parse_args()
+    text = dump(generate())
+    if args.check:
+        old = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
+        if old != text:
+            print(f"{args.output} is out of date for transformers {transformers.__version__}: "
+                  f"run scripts/gen_tp_plans.py and commit the result", file=sys.stderr)
+            return 1
+        return 0
+    args.output.write_text(text, encoding="utf-8")
+    reg = json.loads(text)
+    print(f"wrote {args.output}: transformers {reg['transformers_version']}, "
+          f"{len(reg['model_types'])} model types, {len(reg['styles'])} styles")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

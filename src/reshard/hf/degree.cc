@@ -1,0 +1,579 @@
+#include "reshard/hf/degree.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+
+namespace reshard {
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+using Values = std::map<std::string, std::optional<int64_t>>;
+
+// The config keys the counts are read from (scripts/gen_tp_plans.py records their defaults).
+constexpr std::string_view kCountKeys[] = {
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "intermediate_size_mlp",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "tie_word_embeddings",
+};
+
+std::optional<int64_t> Get(const Values& values, std::string_view key) {
+  auto it = values.find(std::string(key));
+  if (it == values.end()) return std::nullopt;
+  return it->second;
+}
+
+Result<Values> ReadValues(const Json& object, const ModelTypeInfo* info, std::string_view path) {
+  Values values;
+  for (std::string_view key_view : kCountKeys) {
+    const std::string key(key_view);
+    std::string stored = key;
+    if (info != nullptr) {
+      if (auto it = info->attribute_map.find(key); it != info->attribute_map.end())
+        stored = it->second;
+    }
+    const Json* found = nullptr;
+    if (object.contains(stored)) {
+      found = &object[stored];
+    } else if (object.contains(key)) {
+      found = &object[key];
+    }
+    if (found == nullptr) {
+      if (info != nullptr) {
+        if (auto it = info->defaults.find(key); it != info->defaults.end())
+          values[key] = it->second;
+      }
+      continue;
+    }
+    if (found->is_null()) {
+      values[key] = std::nullopt;
+    } else if (found->is_boolean()) {
+      values[key] = found->get<bool>() ? 1 : 0;
+    } else if (found->is_number_integer()) {
+      const int64_t v = found->get<int64_t>();
+      if (v < 0)
+        return InvalidArgumentError(
+            fmt::format("{}{}: expected a non-negative integer, got {}", path, stored, v));
+      values[key] = v;
+    } else {
+      return InvalidArgumentError(
+          fmt::format("{}{}: expected an integer, got {}", path, stored, found->dump()));
+    }
+  }
+  return values;
+}
+
+bool Gathered(const ResolvedEntry& e, Engine engine) {
+  return engine == Engine::kTransformers &&
+         (e.style == "colwise_gather_output" || e.style == "colwise_rep" ||
+          e.style == "rowwise_split_input" || e.style == "rowwise_rep");
+}
+
+bool In(std::string_view s, std::initializer_list<std::string_view> set) {
+  return std::find(set.begin(), set.end(), s) != set.end();
+}
+
+int64_t PaddedVocab(int64_t vocab) { return (vocab + 63) / 64 * 64; }
+
+// Sets e.count and e.meaning from the pattern's module names and the config; returns false
+// when a split entry's count cannot be derived.
+bool Classify(ResolvedEntry& e, const Values& v, Engine engine) {
+  if (e.effect == StyleEffect::kNone) return true;
+  std::vector<std::string_view> parts;
+  std::string_view rest = e.pattern;
+  while (!rest.empty()) {
+    const size_t dot = std::min(rest.find('.'), rest.size());
+    if (rest.substr(0, dot) != "*") parts.push_back(rest.substr(0, dot));
+    rest = dot == rest.size() ? std::string_view() : rest.substr(dot + 1);
+  }
+  if (parts.empty()) return false;
+  const std::string_view last = parts.back();
+  auto has = [&](std::initializer_list<std::string_view> names) {
+    return std::any_of(parts.begin(), parts.end(),
+                       [&](std::string_view p) { return In(p, names); });
+  };
+  auto set = [&](std::optional<int64_t> count, std::string meaning) {
+    if (!count || *count <= 0) return false;
+    e.count = count;
+    e.meaning = std::move(meaning);
+    return true;
+  };
+  const std::optional<int64_t> vocab = Get(v, "vocab_size");
+  auto vocab_count = [&]() {
+    if (engine == Engine::kVllm && vocab) {
+      return set(PaddedVocab(*vocab),
+                 fmt::format("vocabulary entries (padded to a multiple of 64 from {})", *vocab));
+    }
+    return set(vocab, "vocabulary entries");
+  };
+  if (e.effect == StyleEffect::kExperts) {
+    std::optional<int64_t> experts = Get(v, "num_local_experts");
+    if (!experts) experts = Get(v, "num_experts");
+    if (!experts) experts = Get(v, "n_routed_experts");
+    return set(experts, "experts");
+  }
+  if (e.effect == StyleEffect::kEmbeddingVocab) return vocab_count();
+  if (e.effect == StyleEffect::kEmbeddingHidden) return false;
+  if (last == "lm_head") return vocab_count();
+
+  const std::optional<int64_t> heads = Get(v, "num_attention_heads");
+  std::optional<int64_t> kv = Get(v, "num_key_value_heads");
+  if (!kv) kv = heads;
+  std::optional<int64_t> head_dim = Get(v, "head_dim");
+  if (!head_dim && heads && *heads > 0 && Get(v, "hidden_size"))
+    head_dim = *Get(v, "hidden_size") / *heads;
+  const bool gathered = Gathered(e, engine);
+
+  if (has({"self_attn", "attn", "attention", "self_attention"})) {
+    if (In(last, {"k_proj", "v_proj"})) {
+      if (gathered) {
+        if (!kv || !head_dim) return false;
+        return set(*kv * *head_dim,
+                   fmt::format("output features ({} key/value heads x {})", *kv, *head_dim));
+      }
+      e.replicate_above = engine == Engine::kVllm;
+      return set(kv, "key/value heads");
+    }
+    if (In(last, {"qkv_proj", "query_key_value", "c_attn", "Wqkv"})) {
+      if (gathered) {
+        if (!heads || !kv || !head_dim) return false;
+        return set((*heads + 2 * *kv) * *head_dim,
+                   fmt::format("output features ({} + 2 x {} heads x {})", *heads, *kv, *head_dim));
+      }
+      return set(heads, "attention heads");
+    }
+    if (In(last, {"q_proj", "o_proj", "q_b_proj", "kv_b_proj", "sinks", "gate_proj", "g_proj",
+                  "q_gate_proj", "gate_bias", "dense", "out_proj", "proj", "c_proj"})) {
+      if (gathered) {
+        if (!heads || !head_dim) return false;
+        return set(*heads * *head_dim,
+                   fmt::format("features ({} attention heads x {})", *heads, *head_dim));
+      }
+      return set(heads, "attention heads");
+    }
+    return false;
+  }
+  if (In(last, {"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "fc_in", "fc_out", "c_fc",
+                "c_proj", "dense_h_to_4h", "dense_4h_to_h", "gate_up_proj", "w1", "w2", "w3"})) {
+    std::optional<int64_t> size;
+    std::string what;
+    if (has({"experts"})) {
+      size = Get(v, "moe_intermediate_size");
+      if (!size) size = Get(v, "intermediate_size");
+      what = "expert intermediate features";
+    } else if (has({"shared_expert", "shared_experts"})) {
+      size = Get(v, "shared_expert_intermediate_size");
+      const std::optional<int64_t> moe = Get(v, "moe_intermediate_size");
+      const std::optional<int64_t> shared = Get(v, "n_shared_experts");
+      if (!size && moe && shared) size = *moe * *shared;
+      if (!size) size = Get(v, "intermediate_size");
+      what = "shared-expert intermediate features";
+    } else {
+      size = Get(v, "intermediate_size_mlp");
+      if (!size) size = Get(v, "intermediate_size");
+      if (!size && Get(v, "hidden_size")) size = 4 * *Get(v, "hidden_size");
+      what = "intermediate features";
+    }
+    if (last == "gate_up_proj" && e.effect == StyleEffect::kSplitOut && size)
+      return set(2 * *size, fmt::format("output features (gate and up, 2 x {})", *size));
+    return set(size, what);
+  }
+  return false;
+}
+
+bool CoveredBy(std::string_view pattern, const Plan& plan) {
+  for (const PlanEntry& e : plan) {
+    if (pattern == e.pattern) return true;
+    if (pattern.size() > e.pattern.size() && pattern.starts_with(e.pattern) &&
+        pattern[e.pattern.size()] == '.')
+      return true;
+  }
+  return false;
+}
+
+Plan Merge(Plan base, const Plan& override_plan) {
+  for (const PlanEntry& o : override_plan) {
+    auto it = std::find_if(base.begin(), base.end(),
+                           [&](const PlanEntry& e) { return e.pattern == o.pattern; });
+    if (it != base.end()) {
+      it->style = o.style;
+    } else {
+      base.push_back(o);
+    }
+  }
+  return base;
+}
+
+std::string JoinDegrees(const std::vector<int64_t>& degrees) {
+  return fmt::format("{}", fmt::join(degrees, ", "));
+}
+
+Result<Plan> ParsePlanObject(const Json& j, std::string_view key) {
+  Plan plan;
+  for (const auto& [pattern, style] : j.items()) {
+    if (!style.is_string()) {
+      return InvalidArgumentError(
+          fmt::format("distributed config: {}[\"{}\"]: expected a style name, got {}", key, pattern,
+                      style.dump()));
+    }
+    plan.push_back({pattern, style.get<std::string>()});
+  }
+  return plan;
+}
+
+}  // namespace
+
+Result<Version> ParseVersion(std::string_view text) {
+  Version v;
+  int* fields[] = {&v.major, &v.minor, &v.patch};
+  size_t i = 0;
+  int n = 0;
+  while (n < 3) {
+    size_t start = i;
+    int64_t value = 0;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) &&
+           value < 1'000'000) {
+      value = value * 10 + (text[i] - '0');
+      ++i;
+    }
+    if (i == start) break;
+    *fields[n++] = static_cast<int>(value);
+    if (i < text.size() && text[i] == '.' && i + 1 < text.size() &&
+        std::isdigit(static_cast<unsigned char>(text[i + 1]))) {
+      ++i;
+    } else {
+      break;
+    }
+  }
+  if (n == 0) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" is not a release number (expected e.g. 5.15 or 4.57.1)", text));
+  }
+  return v;
+}
+
+Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
+                                                     std::string_view text) {
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgumentError("distributed config: not valid JSON");
+  if (!j.is_object()) {
+    return InvalidArgumentError(
+        "distributed config: expected a JSON object, e.g. {\"tp_size\": 4}");
+  }
+  std::vector<std::string> unknown;
+  for (const auto& [key, value] : j.items()) {
+    if (std::find(registry.distributed_config_keys.begin(), registry.distributed_config_keys.end(),
+                  key) == registry.distributed_config_keys.end())
+      unknown.push_back(key);
+  }
+  if (!unknown.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "distributed config: unknown key(s) \"{}\"; transformers {}'s DistributedConfig accepts "
+        "{} (its from_dict would drop the others silently, and the model would be split in a "
+        "way you did not ask for). Fix the spelling or remove them.",
+        fmt::join(unknown, "\", \""), registry.transformers_version,
+        fmt::join(registry.distributed_config_keys, ", ")));
+  }
+  DistributedConfig config;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "tp_size" || key == "ep_size" || key == "pp_size" || key == "fsdp_size" ||
+        key == "dp_replicate_size") {
+      if (value.is_null()) continue;
+      if (!value.is_number_integer() || value.get<int64_t>() < 1) {
+        return InvalidArgumentError(fmt::format(
+            "distributed config: {}: expected a positive integer, got {}", key, value.dump()));
+      }
+      if (key == "tp_size") config.tp_size = value.get<int64_t>();
+      if (key == "ep_size") config.ep_size = value.get<int64_t>();
+    } else if (key == "enable_expert_parallel" || key == "enable_sequence_parallel" ||
+               key == "fsdp_cpu_offload" || key == "fsdp_mixed_precision") {
+      if (!value.is_boolean()) {
+        return InvalidArgumentError(fmt::format(
+            "distributed config: {}: expected true or false, got {}", key, value.dump()));
+      }
+      if (key == "enable_expert_parallel") config.enable_expert_parallel = value.get<bool>();
+    } else if (key == "tp_plan" || key == "ep_plan") {
+      if (value.is_null() || (key == "tp_plan" && value == "auto")) continue;
+      if (!value.is_object()) {
+        return InvalidArgumentError(
+            fmt::format("distributed config: {}: expected an object of module -> style{}, got {}",
+                        key, key == "tp_plan" ? ", \"auto\" or null" : " or null", value.dump()));
+      }
+      RESHARD_ASSIGN_OR_RETURN(Plan plan, ParsePlanObject(value, key));
+      (key == "tp_plan" ? config.tp_plan : config.ep_plan) = std::move(plan);
+    }
+  }
+  return config;
+}
+
+Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_view text) {
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return InvalidArgumentError("not valid JSON");
+  if (!j.is_object()) return InvalidArgumentError("expected a JSON object (a config.json)");
+  if (!j.contains("model_type") || !j["model_type"].is_string()) {
+    return InvalidArgumentError(
+        "model_type: missing or not a string (a transformers config.json names its model type)");
+  }
+  ModelConfig config;
+  config.model_type = j["model_type"].get<std::string>();
+  config.info = registry.Find(config.model_type);
+  RESHARD_ASSIGN_OR_RETURN(config.values, ReadValues(j, config.info, ""));
+  if (config.info != nullptr && !config.info->text_config_key.empty()) {
+    const std::string& key = config.info->text_config_key;
+    Json sub = j.contains(key) && j[key].is_object() ? j[key] : Json::object();
+    config.text_model_type = sub.contains("model_type") && sub["model_type"].is_string()
+                                 ? sub["model_type"].get<std::string>()
+                                 : config.info->text_model_type;
+    config.text_info = registry.Find(config.text_model_type);
+    RESHARD_ASSIGN_OR_RETURN(config.text_values, ReadValues(sub, config.text_info, key + "."));
+  }
+  return config;
+}
+
+bool ResolvedEntry::degree_ok(int64_t degree) const {
+  if (!count) return true;
+  if (*count % degree == 0) return true;
+  return replicate_above && degree % *count == 0;
+}
+
+ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
+                      const PlanOptions& options) {
+  ModelPlan plan;
+  plan.registry = &registry;
+  plan.engine = options.engine;
+  const Result<Version> parsed_version = ParseVersion(registry.transformers_version);
+  const Version registry_version = parsed_version.ok() ? *parsed_version : Version{999, 0, 0};
+  const Version version = options.transformers_version.value_or(registry_version);
+  const DistributedConfig& dist = options.distributed;
+  const bool expert_parallel = options.engine == Engine::kTransformers && dist.expert_parallel();
+
+  auto refuse_no_plan = [&](std::string why) {
+    plan.refusal = PlanRefusal{
+        "no_tp_plan",
+        fmt::format("{}. Asked for tensor parallelism, transformers would not split it: it would "
+                    "load a full copy of the model on every rank, silently, at N times the "
+                    "memory. Spread it another way (pipeline parallelism or FSDP), or pass a "
+                    "tp_plan in the distributed config.",
+                    why)};
+    return plan;
+  };
+  if (config.info == nullptr) {
+    return refuse_no_plan(
+        fmt::format("model type \"{}\" has no tensor-parallel plan in transformers {} (and no text "
+                    "sub-config with one)",
+                    config.model_type, registry.transformers_version));
+  }
+
+  struct Scope {
+    const ModelTypeInfo* info;
+    const Values* values;
+  };
+  std::vector<Scope> scopes = {{config.info, &config.values}};
+  if (config.text_info != nullptr) scopes.push_back({config.text_info, &config.text_values});
+  // Overrides name the modules of the model that carries the layers: the text model.
+  const size_t main_scope = scopes.size() - 1;
+
+  std::vector<std::pair<PlanEntry, size_t>> entries;  // entry, scope
+  bool any_tp = false;
+  for (size_t s = 0; s < scopes.size(); ++s) {
+    Plan tp = scopes[s].info->tp_plan;
+    Plan ep = scopes[s].info->ep_plan;
+    if (s == main_scope && options.engine == Engine::kTransformers) {
+      if (dist.tp_plan) tp = dist.tp_plan->empty() ? Plan{} : Merge(tp, *dist.tp_plan);
+      if (dist.ep_plan) ep = Merge(ep, *dist.ep_plan);
+      // The deprecated flag alone means "experts only": tp_plan={} across tp_size ranks.
+      if (dist.enable_expert_parallel && !dist.ep_size && !dist.tp_plan) tp.clear();
+    }
+    if (expert_parallel) {
+      std::erase_if(tp, [&](const PlanEntry& e) { return CoveredBy(e.pattern, ep); });
+      for (const PlanEntry& e : ep) entries.push_back({e, s});
+    }
+    if (!tp.empty()) any_tp = true;
+    for (const PlanEntry& e : tp) entries.push_back({e, s});
+  }
+  if (expert_parallel &&
+      std::none_of(scopes.begin(), scopes.end(),
+                   [](const Scope& s) { return !s.info->ep_plan.empty(); }) &&
+      !dist.ep_plan) {
+    plan.refusal = PlanRefusal{
+        "no_ep_plan",
+        fmt::format("model type \"{}\" has no expert-parallel plan in transformers {}: asked for "
+                    "expert parallelism, transformers refuses to load it. Drop "
+                    "enable_expert_parallel/ep_size, or pass an ep_plan.",
+                    config.model_type, registry.transformers_version)};
+    return plan;
+  }
+  if (entries.empty()) {
+    return refuse_no_plan(fmt::format(
+        "model type \"{}\" has no tensor-parallel plan in transformers {}{}", config.model_type,
+        registry.transformers_version,
+        dist.tp_plan && dist.tp_plan->empty() ? " (the distributed config's tp_plan is empty)"
+                                              : ""));
+  }
+
+  const Scope& vocab_scope = scopes[main_scope];
+  auto has_style = [&](std::string_view style) {
+    return std::any_of(entries.begin(), entries.end(),
+                       [&](const auto& e) { return e.first.style == style; });
+  };
+  auto has_pattern = [&](std::string_view pattern) {
+    return std::any_of(entries.begin(), entries.end(),
+                       [&](const auto& e) { return e.first.pattern == pattern; });
+  };
+  if (options.engine == Engine::kVllm) {
+    // vLLM always splits the vocabulary: VocabParallelEmbedding and ParallelLMHead.
+    if (!has_style("embedding_rowwise"))
+      entries.insert(entries.begin(), {{"embed_tokens", "embedding_rowwise"}, main_scope});
+    if (!has_pattern("lm_head"))
+      entries.push_back({{"lm_head", "colwise_gather_output"}, main_scope});
+  } else if (version >= kHeadPlanVersion && any_tp) {
+    std::optional<int64_t> tied = Get(*vocab_scope.values, "tie_word_embeddings");
+    if (!tied) tied = Get(config.values, "tie_word_embeddings");
+    if (tied.value_or(0) != 0 && !has_style("embedding_rowwise") && !has_pattern("embed_tokens"))
+      entries.insert(entries.begin(), {{"embed_tokens", "embedding_rowwise"}, main_scope});
+    const Plan* head = &config.info->head_plan;
+    if (head->empty() && config.text_info != nullptr) head = &config.text_info->head_plan;
+    for (const PlanEntry& e : *head) {
+      if (!has_pattern(e.pattern)) entries.push_back({e, main_scope});
+    }
+  }
+
+  for (const auto& [entry, s] : entries) {
+    ResolvedEntry r;
+    r.pattern = entry.pattern;
+    r.style = entry.style;
+    Result<StyleEffect> effect = ResolveStyle(registry, entry.style);
+    if (!effect.ok()) {
+      plan.refusal = PlanRefusal{
+          "unregistered_style",
+          fmt::format("{} ({}): {}. transformers would fail when it applies the plan at load, "
+                      "after the weights were fetched. Map the entry to a registered style in "
+                      "the distributed config's tp_plan, or use a transformers release that "
+                      "registers it.",
+                      entry.pattern, entry.style, effect.status().message())};
+      plan.entries.clear();
+      return plan;
+    }
+    r.effect = *effect;
+    if (!Classify(r, *scopes[s].values, options.engine)) {
+      plan.notes.push_back(fmt::format(
+          "{} ({}) is split, but reshard cannot tell from the config what it counts; it is not "
+          "checked",
+          entry.pattern, entry.style));
+    }
+    plan.entries.push_back(std::move(r));
+  }
+  return plan;
+}
+
+std::optional<std::string> BrokenConstraint(const ModelPlan& plan, int64_t degree) {
+  for (const ResolvedEntry& e : plan.entries) {
+    if (e.degree_ok(degree)) continue;
+    if (e.replicate_above) {
+      return fmt::format(
+          "{} ({}) splits {} {}; vLLM splits them when the degree divides {} and replicates "
+          "them when it is a multiple of {}: {} is neither",
+          e.pattern, e.style, *e.count, e.meaning, *e.count, *e.count, degree);
+    }
+    return fmt::format("{} ({}) splits {} {}; {} does not divide {}", e.pattern, e.style, *e.count,
+                       e.meaning, degree, *e.count);
+  }
+  return std::nullopt;
+}
+
+DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested) {
+  DegreeAnswer answer;
+  answer.requested = requested;
+  answer.notes = plan.notes;
+  if (plan.refusal) {
+    answer.refusal = plan.refusal;
+    return answer;
+  }
+  int64_t g = 0;
+  int64_t g_all = 0;
+  for (const ResolvedEntry& e : plan.entries) {
+    if (!e.count) continue;
+    answer.constraints.push_back(e);
+    g_all = std::gcd(g_all, *e.count);
+    if (!e.replicate_above) g = std::gcd(g, *e.count);
+  }
+  if (answer.constraints.empty()) {
+    answer.refusal = PlanRefusal{
+        "nothing_split", "the plan splits no weight reshard can count: it cannot answer for it"};
+    return answer;
+  }
+  if (g == 0) g = g_all;
+  for (int64_t d = 1; d * d <= g; ++d) {
+    if (g % d != 0) continue;
+    for (int64_t c : {d, g / d}) {
+      if (std::all_of(answer.constraints.begin(), answer.constraints.end(),
+                      [&](const ResolvedEntry& e) { return e.degree_ok(c); }) &&
+          std::find(answer.degrees.begin(), answer.degrees.end(), c) == answer.degrees.end())
+        answer.degrees.push_back(c);
+    }
+  }
+  std::sort(answer.degrees.begin(), answer.degrees.end());
+  answer.max_tp_degree = answer.degrees.back();
+  const int64_t max = *answer.max_tp_degree;
+
+  if (requested) {
+    const int64_t n = *requested;
+    if (std::optional<std::string> broken = BrokenConstraint(plan, n)) {
+      for (int64_t d : answer.degrees) {
+        if (d >= n) {
+          answer.chosen = d;
+          break;
+        }
+      }
+      std::string next =
+          answer.chosen
+              ? fmt::format("The smallest degree >= {} that works is {} (working degrees: {}).", n,
+                            *answer.chosen, JoinDegrees(answer.degrees))
+              : fmt::format(
+                    "No degree >= {} works (the largest is {}): spread the model another "
+                    "way (pipeline or expert parallelism), or use {} ranks for tensor "
+                    "parallelism.",
+                    n, max, max);
+      const std::string consequence =
+          plan.engine == Engine::kVllm
+              ? fmt::format("vLLM would refuse the model at tp {}.", n)
+              : fmt::format(
+                    "At tp {} transformers would load the weights and then fail in the "
+                    "first forward with a reshape error that does not mention tensor "
+                    "parallelism.",
+                    n);
+      answer.refusal = PlanRefusal{"degree_does_not_divide",
+                                   fmt::format("{}. {} {}", *broken, consequence, next)};
+    } else {
+      answer.chosen = n;
+    }
+  } else if (max == 1) {
+    std::vector<std::string> counts;
+    for (const ResolvedEntry& e : answer.constraints)
+      counts.push_back(fmt::format("{} {}", *e.count, e.meaning));
+    answer.refusal = PlanRefusal{
+        "indivisible",
+        fmt::format("no degree above 1 divides every count ({}): the model cannot be split by "
+                    "tensor parallelism; spread it another way (pipeline or expert parallelism)",
+                    fmt::join(counts, ", "))};
+  }
+  return answer;
+}
+
+}  // namespace reshard

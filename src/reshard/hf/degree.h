@@ -1,0 +1,141 @@
+// The degree planner (DESIGN.md 8): the largest tensor-parallel degree a model supports,
+// decided from its config.json and the plan registry before any weight is loaded.
+//
+// Every split entry of a model's plan contributes a count the degree must divide: attention
+// projections their head counts, the MLP its intermediate size (the expert or shared-expert
+// size inside a mixture of experts), the LM head and a vocabulary-parallel embedding the
+// vocabulary, expert-parallel entries the expert count. Replicated and communication-only
+// styles contribute nothing. The working degrees are the divisors of the counts' gcd that pass
+// every constraint; the answer is the largest.
+//
+// Which entries apply:
+//  - the model type's base_model_tp_plan, or with expert parallelism its base_model_ep_plan
+//    (the TP entries under an EP module give way to it);
+//  - a composite model's own entries plus its text sub-config's, each counted from its own
+//    config;
+//  - from transformers 5.15 on, the LM-head class's entry (`lm_head`: colwise_gather_output)
+//    and, for tied word embeddings, `embed_tokens`: embedding_rowwise;
+//  - the distributed config's `tp_plan` / `ep_plan` overrides, merged as transformers does.
+// Missing config keys take the config class's defaults from the registry.
+//
+// `Engine::kVllm` answers for vLLM: its layers split heads and the intermediate size alike,
+// but key/value heads are replicated when the degree exceeds them (so the degree must be a
+// multiple of them, or divide them) and the vocabulary is padded to a multiple of 64.
+#ifndef RESHARD_HF_DEGREE_H_
+#define RESHARD_HF_DEGREE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/base/result.h"
+#include "reshard/hf/registry.h"
+
+namespace reshard {
+
+enum class Engine { kTransformers, kVllm };
+
+/// A release number, compared component-wise ("5.15" == "5.15.0").
+struct Version {
+  int major = 0, minor = 0, patch = 0;
+  friend auto operator<=>(const Version&, const Version&) = default;
+};
+/// "5", "5.15", "5.15.1", tolerating a suffix such as ".dev0" or "rc1". InvalidArgument else.
+Result<Version> ParseVersion(std::string_view text);
+
+/// The first release whose plans include the LM head and the tied-embedding entry.
+inline constexpr Version kHeadPlanVersion{5, 15, 0};
+
+/// The dict form of transformers' DistributedConfig, as far as the degree depends on it.
+struct DistributedConfig {
+  std::optional<int64_t> tp_size;
+  std::optional<int64_t> ep_size;
+  bool enable_expert_parallel = false;
+  /// Overrides merged into the model's plans; an empty tp_plan applies no TP rule.
+  std::optional<Plan> tp_plan;
+  std::optional<Plan> ep_plan;
+
+  bool expert_parallel() const { return enable_expert_parallel || ep_size.value_or(1) > 1; }
+};
+
+/// Parses the JSON object form. Keys outside `registry.distributed_config_keys` are refused
+/// (InvalidArgument naming them and the accepted keys) rather than dropped.
+Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
+                                                     std::string_view text);
+
+/// A config.json read against the registry: the model type and the count keys, defaults
+/// applied. Values are integers (booleans 0/1); nullopt where the config derives the value.
+struct ModelConfig {
+  std::string model_type;
+  const ModelTypeInfo* info = nullptr;  // null: transformers has no plan for this model type
+  std::map<std::string, std::optional<int64_t>> values;
+  /// Composite models: the text sub-config, read the same way (empty model_type if none).
+  std::string text_model_type;
+  const ModelTypeInfo* text_info = nullptr;
+  std::map<std::string, std::optional<int64_t>> text_values;
+};
+
+/// InvalidArgument for malformed JSON, a missing model_type, or a count key of the wrong type.
+Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_view text);
+
+struct PlanOptions {
+  Engine engine = Engine::kTransformers;
+  /// The rules of this release; the registry's own when unset.
+  std::optional<Version> transformers_version;
+  DistributedConfig distributed;
+};
+
+/// One entry of the plan that applies, with the count it contributes (if any).
+struct ResolvedEntry {
+  std::string pattern;  // relative to the (sub-)model the plan belongs to
+  std::string style;
+  StyleEffect effect = StyleEffect::kNone;
+  std::optional<int64_t> count;
+  std::string meaning;           // "attention heads", "vocabulary entries", ...
+  bool replicate_above = false;  // vLLM's key/value heads: a multiple of count works too
+  bool degree_ok(int64_t degree) const;
+};
+
+struct PlanRefusal {
+  std::string reason;  // no_tp_plan, unregistered_style, degree_does_not_divide, ...
+  std::string message;
+};
+
+/// The plan that applies to a model, or why there is none.
+struct ModelPlan {
+  const TpRegistry* registry = nullptr;
+  Engine engine = Engine::kTransformers;
+  std::vector<ResolvedEntry> entries;
+  std::vector<std::string> notes;      // split entries whose count reshard cannot derive
+  std::optional<PlanRefusal> refusal;  // no_tp_plan or unregistered_style
+};
+
+ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
+                      const PlanOptions& options);
+
+/// The degree question's answer (the fields of `reshard degree --json`).
+struct DegreeAnswer {
+  std::optional<int64_t> max_tp_degree;
+  std::vector<int64_t> degrees;
+  std::optional<int64_t> requested;
+  std::optional<int64_t> chosen;           // the smallest working degree >= requested
+  std::vector<ResolvedEntry> constraints;  // entries that contribute a count
+  std::optional<PlanRefusal> refusal;
+  std::vector<std::string> notes;
+};
+
+/// The degrees `plan` supports and the verdict on `requested` (when given). A refusal means
+/// the model cannot be split as asked (exit 1): no plan, an unregistered style, a requested
+/// degree that fails a constraint, or counts that share no factor.
+DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested);
+
+/// The first constraint `degree` breaks, phrased for a person:
+/// "layers.*.self_attn.q_proj (colwise) splits 9 attention heads; 2 does not divide 9".
+std::optional<std::string> BrokenConstraint(const ModelPlan& plan, int64_t degree);
+
+}  // namespace reshard
+
+#endif  // RESHARD_HF_DEGREE_H_

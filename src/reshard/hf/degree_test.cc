@@ -1,0 +1,148 @@
+#include "reshard/hf/degree.h"
+
+#include <gtest/gtest.h>
+
+namespace reshard {
+namespace {
+
+constexpr const char* kSmolLM135M = R"({"model_type": "llama", "hidden_size": 576,
+  "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+  "tie_word_embeddings": true, "vocab_size": 49152})";
+
+DegreeAnswer Answer(std::string_view config_json, std::optional<int64_t> tp = std::nullopt,
+                    PlanOptions options = {}) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  Result<ModelConfig> config = ReadModelConfigJson(reg, config_json);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  if (!config.ok()) return {};
+  return PlanDegree(ResolvePlan(reg, *config, options), tp);
+}
+
+TEST(DegreeTest, SmolLM135MSplitsThreeWaysAndRefusesTwoNamingTheHeads) {
+  DegreeAnswer a = Answer(kSmolLM135M);
+  EXPECT_EQ(a.max_tp_degree, 3);
+  EXPECT_EQ(a.degrees, (std::vector<int64_t>{1, 3}));
+  EXPECT_FALSE(a.refusal);
+
+  a = Answer(kSmolLM135M, 2);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_EQ(a.refusal->reason, "degree_does_not_divide");
+  EXPECT_NE(
+      a.refusal->message.find(
+          "layers.*.self_attn.q_proj (colwise) splits 9 attention heads; 2 does not divide 9"),
+      std::string::npos)
+      << a.refusal->message;
+  EXPECT_EQ(a.chosen, 3);
+
+  a = Answer(kSmolLM135M, 4);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_FALSE(a.chosen);
+  EXPECT_NE(a.refusal->message.find("pipeline or expert parallelism"), std::string::npos);
+}
+
+TEST(DegreeTest, MissingKeysTakeTheConfigClassDefaults) {
+  // llama defaults: 32 heads, key/value heads = heads, intermediate 11008, vocab 32000.
+  DegreeAnswer a = Answer(R"({"model_type": "llama"})");
+  EXPECT_EQ(a.max_tp_degree, 32);  // gcd(32, 11008 = 2^8 * 43, 32000 = 2^8 * 125)
+}
+
+TEST(DegreeTest, TiedEmbeddingAndLmHeadOnlyFromTheirRelease) {
+  // A vocabulary of 49155 (odd) only matters where the LM head counts it.
+  const char* config = R"({"model_type": "llama", "num_attention_heads": 8,
+    "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 49155,
+    "tie_word_embeddings": true})";
+  EXPECT_EQ(Answer(config).max_tp_degree, 1);
+  PlanOptions old;
+  old.transformers_version = Version{5, 14, 0};
+  EXPECT_EQ(Answer(config, std::nullopt, old).max_tp_degree, 8);
+}
+
+TEST(DegreeTest, NoPlanIsRefused) {
+  DegreeAnswer a = Answer(R"({"model_type": "gpt2", "n_head": 12})");
+  ASSERT_TRUE(a.refusal);
+  EXPECT_EQ(a.refusal->reason, "no_tp_plan");
+  EXPECT_NE(a.refusal->message.find("full copy of the model on every rank"), std::string::npos);
+  EXPECT_FALSE(a.max_tp_degree);
+}
+
+TEST(DegreeTest, UnregisteredStyleFromAnOverrideIsRefused) {
+  PlanOptions options;
+  options.distributed.tp_plan = Plan{{"layers.*.mlp.up_proj", "local_colwise"}};
+  DegreeAnswer a = Answer(kSmolLM135M, 3, options);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_EQ(a.refusal->reason, "unregistered_style");
+  EXPECT_NE(a.refusal->message.find("layers.*.mlp.up_proj (local_colwise)"), std::string::npos);
+}
+
+TEST(DegreeTest, VllmReplicatesKeyValueHeadsAboveTheirCountAndPadsTheVocabulary) {
+  // 32 heads, 8 kv heads, vocab 32001 (padded to 32064 = 2^6 * 501).
+  const char* config = R"({"model_type": "llama", "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32001})";
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  DegreeAnswer a = Answer(config, 16, vllm);
+  EXPECT_FALSE(a.refusal) << a.refusal->message;
+  EXPECT_EQ(a.max_tp_degree, 32);
+  EXPECT_EQ(a.degrees, (std::vector<int64_t>{1, 2, 4, 8, 16, 32}));
+  EXPECT_TRUE(Answer(config, 16).refusal);  // transformers: 16 does not divide 8 kv heads
+}
+
+TEST(DegreeTest, VllmKeyValueRuleRefusesADegreeThatIsNeitherDivisorNorMultiple) {
+  const char* config = R"({"model_type": "llama", "num_attention_heads": 24,
+    "num_key_value_heads": 4, "intermediate_size": 96, "vocab_size": 192})";
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  DegreeAnswer a = Answer(config, 6, vllm);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_NE(a.refusal->message.find("6 is neither"), std::string::npos) << a.refusal->message;
+  EXPECT_EQ(a.degrees, (std::vector<int64_t>{1, 2, 4, 8, 12, 24}));
+}
+
+TEST(DegreeTest, ExpertParallelUsesTheEpPlanCountingExperts) {
+  const char* mixtral = R"({"model_type": "mixtral", "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
+    "vocab_size": 32000})";
+  EXPECT_EQ(Answer(mixtral).max_tp_degree, 8);
+  PlanOptions ep;
+  ep.distributed.enable_expert_parallel = true;  // legacy: experts only, tp_plan = {}
+  DegreeAnswer a = Answer(mixtral, std::nullopt, ep);
+  ASSERT_FALSE(a.refusal) << a.refusal->message;
+  ASSERT_FALSE(a.constraints.empty());
+  for (const ResolvedEntry& e : a.constraints) EXPECT_EQ(e.meaning, "experts") << e.pattern;
+  EXPECT_EQ(a.max_tp_degree, 8);
+}
+
+TEST(DegreeTest, CompositeModelUsesItsTextSubConfig) {
+  const char* llama4 = R"({"model_type": "llama4", "text_config": {"model_type": "llama4_text",
+    "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "vocab_size": 202048}})";
+  DegreeAnswer a = Answer(llama4);
+  EXPECT_EQ(a.max_tp_degree, 8);
+  bool saw_heads = false;
+  for (const ResolvedEntry& e : a.constraints)
+    saw_heads |= e.pattern == "layers.*.self_attn.q_proj" && e.count == 40;
+  EXPECT_TRUE(saw_heads);
+}
+
+TEST(DistributedConfigTest, UnknownKeysAreRefusedNotDropped) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  Result<DistributedConfig> c = ParseDistributedConfigJson(reg, R"({"tp_sise": 4})");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("unknown key(s) \"tp_sise\""), std::string::npos);
+  c = ParseDistributedConfigJson(reg, R"({"tp_size": 4, "enable_expert_parallel": true})");
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->tp_size, 4);
+  EXPECT_TRUE(c->expert_parallel());
+  EXPECT_FALSE(ParseDistributedConfigJson(reg, R"({"tp_size": 0})").ok());
+  EXPECT_FALSE(ParseDistributedConfigJson(reg, R"({"tp_plan": {"a": 3}})").ok());
+}
+
+TEST(VersionTest, ParsesReleasesAndDevSuffixes) {
+  EXPECT_EQ(*ParseVersion("5.15"), (Version{5, 15, 0}));
+  EXPECT_EQ(*ParseVersion("4.51.0.dev0"), (Version{4, 51, 0}));
+  EXPECT_LT(*ParseVersion("5.14.9"), kHeadPlanVersion);
+  EXPECT_FALSE(ParseVersion("five").ok());
+}
+
+}  // namespace
+}  // namespace reshard

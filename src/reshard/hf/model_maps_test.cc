@@ -1,0 +1,139 @@
+#include "reshard/hf/model_maps.h"
+
+#include <gtest/gtest.h>
+
+#include "reshard/layouts/descriptor.h"
+
+namespace reshard {
+namespace {
+
+// A small llama: 4 heads of 8, 2 key/value heads, MLP 32, vocab 64, untied.
+constexpr const char* kTinyLlama = R"({"model_type": "llama", "hidden_size": 32,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+  "intermediate_size": 32, "vocab_size": 64, "tie_word_embeddings": false})";
+
+ModelPlan Plan(std::string_view config_json, PlanOptions options = {}) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  Result<ModelConfig> config = ReadModelConfigJson(reg, config_json);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  return ResolvePlan(reg, *config, options);
+}
+
+std::vector<std::pair<std::string, Shape>> TinyLlamaTensors() {
+  return {{"model.embed_tokens.weight", {64, 32}},
+          {"model.layers.0.self_attn.q_proj.weight", {32, 32}},
+          {"model.layers.0.self_attn.k_proj.weight", {16, 32}},
+          {"model.layers.0.self_attn.o_proj.weight", {32, 32}},
+          {"model.layers.0.mlp.down_proj.weight", {32, 32}},
+          {"model.layers.11.mlp.up_proj.weight", {32, 32}},
+          {"model.layers.0.input_layernorm.weight", {32}},
+          {"model.norm.weight", {32}},
+          {"lm_head.weight", {64, 32}}};
+}
+
+TEST(ModelMapsTest, WildcardsOnlyWholeLayerNumbers) {
+  EXPECT_EQ(WildcardLayerNumbers("model.layers.12.mlp.w1.weight"), "model.layers.*.mlp.w1.weight");
+  EXPECT_EQ(WildcardLayerNumbers("h.3"), "h.*");
+  EXPECT_EQ(WildcardLayerNumbers("a.1b.c"), "a.1b.c");
+}
+
+TEST(ModelMapsTest, LlamaTensorsTakeTheirPlanLayouts) {
+  ModelPlan plan = Plan(kTinyLlama);
+  Result<MapDocument> doc = ModelMaps(plan, 2, TinyLlamaTensors());
+  ASSERT_TRUE(doc.ok()) << doc.status().message();
+  ASSERT_EQ(doc->params.size(), 9u);
+  auto expect = [&](size_t i, const LayoutDescriptor& d, const Shape& shape) {
+    Result<ParamMap> want = BuildMap(d, shape, 2);
+    ASSERT_TRUE(want.ok());
+    EXPECT_EQ(ParamMapToJson(doc->params[i].second), ParamMapToJson(*want)) << doc->params[i].first;
+  };
+  LayoutDescriptor rows;
+  rows.family = LayoutFamily::kSplit;
+  rows.rule.remainder = Remainder::kExact;
+  LayoutDescriptor cols = rows;
+  cols.dim = 1;
+  LayoutDescriptor replicated;
+  // embed_tokens: not in the plan of an untied llama -> replicated.
+  expect(0, replicated, {64, 32});
+  expect(1, rows, {32, 32});  // q_proj colwise
+  expect(2, rows, {16, 32});  // k_proj colwise
+  expect(3, cols, {32, 32});  // o_proj rowwise
+  expect(4, cols, {32, 32});  // down_proj rowwise
+  expect(5, rows, {32, 32});  // layer 11 matched through the wildcard
+  expect(6, replicated, {32});
+  expect(7, replicated, {32});
+  expect(8, rows, {64, 32});  // lm_head colwise_gather_output
+}
+
+TEST(ModelMapsTest, RowwiseBiasIsReplicatedColwiseBiasIsSplit) {
+  ModelPlan plan = Plan(kTinyLlama);
+  const ResolvedEntry* o = MatchPlanEntry(plan, "model.layers.3.self_attn.o_proj.bias");
+  const ResolvedEntry* q = MatchPlanEntry(plan, "model.layers.3.self_attn.q_proj.bias");
+  ASSERT_NE(o, nullptr);
+  ASSERT_NE(q, nullptr);
+  EXPECT_EQ(TensorLayout(o, "o.bias", {32})->family, LayoutFamily::kReplicated);
+  EXPECT_EQ(TensorLayout(q, "q.bias", {32})->family, LayoutFamily::kSplit);
+}
+
+TEST(ModelMapsTest, ShapeThatDisagreesWithTheConfigIsAnError) {
+  ModelPlan plan = Plan(kTinyLlama);
+  Result<MapDocument> doc =
+      ModelMaps(plan, 2, {{"model.layers.0.self_attn.k_proj.weight", {15, 32}}});
+  ASSERT_FALSE(doc.ok());
+  EXPECT_EQ(doc.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(doc.status().message().find("splits 2 key/value heads"), std::string::npos)
+      << doc.status().message();
+}
+
+TEST(ModelMapsTest, DegreeThatBreaksAConstraintIsRefusedLikeThePlanner) {
+  ModelPlan plan = Plan(kTinyLlama);
+  Result<MapDocument> doc = ModelMaps(plan, 4, TinyLlamaTensors());
+  ASSERT_FALSE(doc.ok());
+  EXPECT_EQ(doc.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(doc.status().message().find("4 does not divide 2"), std::string::npos);
+}
+
+TEST(ModelMapsTest, PackedExpertsAreFusedHalves) {
+  ModelPlan plan = Plan(R"({"model_type": "mixtral", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
+    "intermediate_size": 6, "num_local_experts": 4, "vocab_size": 16})");
+  const ResolvedEntry* e = MatchPlanEntry(plan, "model.layers.0.mlp.experts.gate_up_proj");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->style, "packed_colwise");
+  Result<LayoutDescriptor> d = TensorLayout(e, "gate_up", {4, 12, 8});
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->family, LayoutFamily::kFused);
+  EXPECT_EQ(d->dim, 1);
+  EXPECT_EQ(d->equal_parts, 2);
+}
+
+// The planner and the map generator read one registry of styles: for every style name,
+// registered or not, either both accept a plan using it or both refuse it.
+TEST(ModelMapsTest, PlannerAndMapGeneratorRefuseTheSameStyles) {
+  std::vector<std::string> names = BuiltinTpRegistry().styles;
+  for (const char* extra : {"local_colwise", "local_rowwise", "gather", "colwise_repp", ""})
+    names.push_back(extra);
+  for (const std::string& style : names) {
+    PlanOptions options;
+    options.distributed.tp_plan = ::reshard::Plan{{"layers.*.mlp.up_proj", style}};
+    ModelPlan plan = Plan(kTinyLlama, options);
+    DegreeAnswer answer = PlanDegree(plan, 2);
+    const bool planner_refuses_style =
+        answer.refusal && answer.refusal->reason == "unregistered_style";
+    Result<MapDocument> maps = ModelMaps(plan, 2, TinyLlamaTensors());
+    const bool maps_refuse_style =
+        !maps.ok() && maps.status().message().find("not registered") != std::string::npos;
+    EXPECT_EQ(planner_refuses_style, maps_refuse_style) << style;
+    EXPECT_EQ(planner_refuses_style, !BuiltinTpRegistry().IsRegistered(style)) << style;
+  }
+}
+
+TEST(ModelMapsTest, VllmMapsAreNotGenerated) {
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  EXPECT_EQ(ModelMaps(Plan(kTinyLlama, vllm), 2, TinyLlamaTensors()).status().code(),
+            StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace reshard
