@@ -11,10 +11,14 @@ from ._core import (  # noqa: F401
     compose,
     extract,
     infer,
+    read_safetensors,
     rebuild,
+    safetensors_metadata,
     transfer,
     validate,
+    write_safetensors,
 )
 
-__all__ = ["MapError", "canonical_json", "canonicalize", "compose", "extract", "infer", "rebuild",
-           "transfer", "validate"]
+__all__ = ["MapError", "canonical_json", "canonicalize", "compose", "extract", "infer",
+           "read_safetensors", "rebuild", "safetensors_metadata", "transfer", "validate",
+           "write_safetensors"]

@@ -2,11 +2,16 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <map>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "reshard/base/dtype.h"
 #include "reshard/exec/executor.h"
+#include "reshard/io/safetensors.h"
 #include "reshard/ir/canonicalize.h"
 #include "reshard/ir/compose.h"
 #include "reshard/ir/map_json.h"
@@ -155,6 +160,70 @@ std::vector<py::bytes> Transfer(const std::string& target_json, const std::strin
   return result;
 }
 
+// name -> (dtype, shape, bytes), in file order (the dict keeps it).
+py::dict ReadSafetensors(const std::string& path) {
+  Result<SafetensorsFile> file = SafetensorsFile::Open(path);
+  if (!file.ok()) Raise(file.status());
+  py::dict out;
+  for (const TensorInfo& t : file->header().tensors) {
+    std::span<const std::byte> data = file->data(t);
+    out[py::str(t.name)] =
+        py::make_tuple(std::string(DTypeName(t.dtype)), py::tuple(py::cast(t.shape)),
+                       py::bytes(reinterpret_cast<const char*>(data.data()), data.size()));
+  }
+  return out;
+}
+
+std::map<std::string, std::string> SafetensorsMetadata(const std::string& path) {
+  Result<SafetensorsHeader> header = ReadSafetensorsHeader(path);
+  if (!header.ok()) Raise(header.status());
+  return header->metadata;
+}
+
+// tensors: name -> (dtype, shape, C-contiguous buffer of exactly the tensor's bytes).
+void PyWriteSafetensors(const std::string& path, const py::dict& tensors,
+                        const std::optional<std::map<std::string, std::string>>& metadata,
+                        bool overwrite) {
+  std::vector<TensorToWrite> to_write;
+  std::vector<py::buffer_info> buffers;
+  buffers.reserve(tensors.size());
+  for (const auto& [key, value] : tensors) {
+    const std::string name = py::cast<std::string>(key);
+    const auto [dtype_name, shape, buffer] =
+        py::cast<std::tuple<std::string, Shape, py::buffer>>(value);
+    const DType dtype = LoadDType(dtype_name);
+    py::buffer_info& info = buffers.emplace_back(buffer.request());
+    Index stride = info.itemsize;
+    for (size_t d = info.shape.size(); d-- > 0;) {
+      if (info.shape[d] > 1 && info.strides[d] != stride) {
+        throw py::value_error("tensor \"" + name + "\": buffer is not C-contiguous");
+      }
+      stride *= info.shape[d];
+    }
+    const size_t bytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    Result<Index> numel = CheckedProduct(shape);
+    if (!numel.ok()) Raise(numel.status().Annotate("tensor \"" + name + "\""));
+    if (static_cast<size_t>(*numel) * DTypeSize(dtype) != bytes) {
+      throw py::value_error("tensor \"" + name + "\": buffer has " + std::to_string(bytes) +
+                            " bytes, shape " + FormatShape(shape) + " of " + dtype_name +
+                            " needs " + std::to_string(*numel * DTypeSize(dtype)));
+    }
+    const void* ptr = info.ptr;
+    to_write.push_back(
+        {.name = name, .dtype = dtype, .shape = shape, .fill = [ptr](std::span<std::byte> out) {
+           if (!out.empty()) std::memcpy(out.data(), ptr, out.size());
+           return Status::Ok();
+         }});
+  }
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = WriteSafetensors(path, std::move(to_write),
+                         metadata.value_or(std::map<std::string, std::string>{}), overwrite);
+  }
+  if (!s.ok()) Raise(s);
+}
+
 }  // namespace
 }  // namespace reshard
 
@@ -186,4 +255,12 @@ PYBIND11_MODULE(_core, m) {
         py::arg("scale_power") = 1, py::arg("verify_replicas") = true,
         py::arg("allow_scaled_optimizer_state") = false,
         "Shards (one buffer per rank) -> F, as bytes, checking replicas.");
+  m.def("read_safetensors", &ReadSafetensors, py::arg("path"),
+        "A safetensors file as {name: (dtype, shape, bytes)} in file order; ValueError naming "
+        "the rule for a corrupt file.");
+  m.def("safetensors_metadata", &SafetensorsMetadata, py::arg("path"),
+        "The __metadata__ string map of a safetensors file (header only).");
+  m.def("write_safetensors", &PyWriteSafetensors, py::arg("path"), py::arg("tensors"),
+        py::arg("metadata") = py::none(), py::arg("overwrite") = false,
+        "Writes {name: (dtype, shape, buffer)} as the safetensors package would, atomically.");
 }
