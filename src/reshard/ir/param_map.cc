@@ -57,7 +57,8 @@ Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index sh
           fmt::format("negative stride on dimension {} (source {}, dest {})", k,
                       piece.source.strides[k], piece.dest.strides[k]));
     }
-    if (piece.shape[k] > 1 && (piece.source.strides[k] == 0 || piece.dest.strides[k] == 0)) {
+    if (*numel > 0 && piece.shape[k] > 1 &&
+        (piece.source.strides[k] == 0 || piece.dest.strides[k] == 0)) {
       return InvalidArgumentError(fmt::format(
           "stride 0 on dimension {} of extent {} repeats one element; replication is said "
           "with locations, not with a zero stride",

@@ -1,0 +1,134 @@
+// Checkpoint directories (DESIGN.md 6.5).
+//
+// Full (what Hugging Face transformers, vLLM and friends load):
+//   model.safetensors
+//   or model-00001-of-0000N.safetensors ... plus model.safetensors.index.json:
+//     {"metadata": {"total_size": <bytes of tensor data>}, "weight_map": {name: file}}
+//
+// Sharded (reshard's own):
+//   reshard.json                              the manifest
+//   model-rank-{r}-part-{p}.safetensors       rank r's shards (the naming vLLM's
+//                                             sharded-state loader uses)
+//   reshard.json: {"format": "reshard", "version": 1, "world_size": N,
+//                  "files": {"<rank>": [file, ...]},
+//                  "params": {"<name>": {"dtype": "BF16", "map": <param map>,
+//                                        "layout": <layout descriptor>?, "scale_power": -1?}}}
+//   Each rank's files hold one tensor per parameter, named like the parameter, of the map's
+//   shard shape (a rank with nothing stores a zero-element tensor). `scale_power` (default 1)
+//   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
+//   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
+//   another world size.
+#ifndef RESHARD_IO_CHECKPOINT_H_
+#define RESHARD_IO_CHECKPOINT_H_
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/base/result.h"
+#include "reshard/io/safetensors.h"
+#include "reshard/ir/param_map.h"
+#include "reshard/layouts/descriptor.h"
+
+namespace reshard {
+
+inline constexpr char kManifestName[] = "reshard.json";
+inline constexpr int kManifestVersion = 1;
+
+/// One parameter of a sharded checkpoint.
+struct ShardedParam {
+  std::string name;
+  DType dtype;
+  ParamMap map;
+  std::optional<LayoutDescriptor> layout;
+  int scale_power = 1;
+};
+
+struct Manifest {
+  int world_size = 0;
+  std::vector<std::vector<std::string>> files;  // per rank
+  std::vector<ShardedParam> params;             // in file order
+};
+
+/// The file name of part `part` of rank `rank`: "model-rank-{r}-part-{p}.safetensors".
+std::string ShardFileName(Rank rank, int part);
+
+/// Strict parse of reshard.json (InvalidArgument with the JSON path; maps validated).
+Result<Manifest> ParseManifestJson(std::string_view text);
+std::string ManifestToJson(const Manifest& manifest);
+
+/// A tensor of an opened checkpoint: its header entry and its (memory-mapped) bytes.
+struct TensorRef {
+  const TensorInfo* info = nullptr;
+  std::span<const std::byte> data;
+};
+
+/// A full checkpoint opened read-only: single file or index + parts, headers validated, the
+/// weight map checked against the files (every listed tensor present in its file, no tensor
+/// twice, none unlisted).
+class FullCheckpoint {
+ public:
+  static Result<FullCheckpoint> Open(const std::string& dir);
+  const std::vector<TensorRef>& tensors() const { return tensors_; }
+  const TensorRef* Find(const std::string& name) const;
+  uint64_t total_bytes() const;
+
+ private:
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::vector<TensorRef> tensors_;
+  std::map<std::string, size_t> by_name_;
+};
+
+/// A sharded checkpoint opened read-only: the manifest and every rank's shard of every
+/// parameter, each checked against the manifest (present, dtype, shard shape).
+class ShardedCheckpoint {
+ public:
+  static Result<ShardedCheckpoint> Open(const std::string& dir);
+  const Manifest& manifest() const { return manifest_; }
+  /// The bytes of rank `rank`'s shard of parameter `param` (an index into manifest().params).
+  std::span<const std::byte> shard(size_t param, Rank rank) const {
+    return shards_[param][static_cast<size_t>(rank)];
+  }
+  uint64_t total_bytes() const;
+
+ private:
+  Manifest manifest_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::vector<std::vector<std::span<const std::byte>>> shards_;  // [param][rank]
+};
+
+/// An output directory that appears atomically: files are written into a temporary sibling
+/// directory, and `Commit` renames it into place (replacing an existing directory only when
+/// `overwrite`). If it is destroyed without a successful Commit, the temporary directory is
+/// removed: a failed run leaves nothing that looks like a result.
+class OutputDirectory {
+ public:
+  /// AlreadyExists when `path` exists and !overwrite (checked again at Commit).
+  static Result<OutputDirectory> Create(const std::string& path, bool overwrite);
+  OutputDirectory(OutputDirectory&& other) noexcept;
+  OutputDirectory& operator=(OutputDirectory&&) = delete;
+  ~OutputDirectory();
+
+  /// Where to write file `name` before the commit.
+  std::string FilePath(const std::string& name) const;
+  Status Commit();
+
+ private:
+  OutputDirectory() = default;
+  std::string path_;
+  std::string temp_;
+  bool overwrite_ = false;
+  bool committed_ = false;
+};
+
+/// Parses "5GB", "500MB", "1.5GiB", "1048576" into bytes (decimal units as transformers' and
+/// safetensors' tools use them: 1 GB = 10^9 bytes; GiB = 2^30).
+Result<uint64_t> ParseByteSize(std::string_view text);
+
+}  // namespace reshard
+
+#endif  // RESHARD_IO_CHECKPOINT_H_

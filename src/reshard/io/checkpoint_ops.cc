@@ -1,0 +1,335 @@
+#include "reshard/io/checkpoint_ops.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <nlohmann/json.hpp>
+
+#include "reshard/exec/executor.h"
+#include "reshard/exec/strided_copy.h"
+#include "reshard/io/file.h"
+#include "reshard/ir/compose.h"
+
+namespace reshard {
+
+namespace {
+
+const std::map<std::string, std::string> kFullMetadata = {{"format", "pt"}};
+
+// Counts written bytes and reports them.
+class ProgressCounter {
+ public:
+  ProgressCounter(const CheckpointOptions& options, uint64_t total)
+      : report_(options.progress), total_(total) {
+    if (report_) report_(0, total_);
+  }
+  void Add(uint64_t bytes) {
+    done_ += bytes;
+    if (report_) report_(done_, total_);
+  }
+
+ private:
+  std::function<void(uint64_t, uint64_t)> report_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+};
+
+uint64_t Bytes(const TensorToWrite& t) {
+  return static_cast<uint64_t>(ProductOf(t.shape)) * DTypeSize(t.dtype);
+}
+
+// Splits tensors, in order, into parts of at most `max_bytes` (0: one part).
+std::vector<std::vector<TensorToWrite>> SplitIntoParts(std::vector<TensorToWrite> tensors,
+                                                       uint64_t max_bytes) {
+  std::vector<std::vector<TensorToWrite>> parts(1);
+  uint64_t in_part = 0;
+  for (TensorToWrite& t : tensors) {
+    const uint64_t b = Bytes(t);
+    if (max_bytes > 0 && !parts.back().empty() && in_part + b > max_bytes) {
+      parts.emplace_back();
+      in_part = 0;
+    }
+    in_part += b;
+    parts.back().push_back(std::move(t));
+  }
+  return parts;
+}
+
+// Writes rank `rank`'s tensors as model-rank-{r}-part-{p}.safetensors; returns the names.
+Result<std::vector<std::string>> WriteRankFiles(const OutputDirectory& out, Rank rank,
+                                                std::vector<TensorToWrite> tensors,
+                                                uint64_t max_bytes) {
+  std::vector<std::string> names;
+  auto parts = SplitIntoParts(std::move(tensors), max_bytes);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const std::string name = ShardFileName(rank, static_cast<int>(p));
+    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+    names.push_back(name);
+  }
+  return names;
+}
+
+// Copies the valid region of a padded F (logical shape) to or from a dense tensor of the
+// valid shape.
+Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, std::byte* dst,
+                       bool padded_to_valid, int num_threads) {
+  const Shape valid_strides = RowMajorStrides(map.valid_shape());
+  const Shape full_strides = RowMajorStrides(map.logical_shape());
+  StridedMove move{map.valid_shape(), src, padded_to_valid ? full_strides : valid_strides, dst,
+                   padded_to_valid ? valid_strides : full_strides, ScaleOp::None()};
+  return StridedCopy(dtype, std::span<const StridedMove>(&move, 1), num_threads);
+}
+
+ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
+  ExecOptions e;
+  e.scale_power = scale_power;
+  e.allow_scaled_optimizer_state = options.allow_scaled_optimizer_state;
+  e.verify_replicas = options.verify_replicas;
+  e.num_threads = options.num_threads;
+  return e;
+}
+
+Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
+  return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m));
+}
+
+}  // namespace
+
+MapProvider MapsFromDocument(const MapDocument& doc) {
+  auto by_name = std::make_shared<std::map<std::string, ParamMap>>();
+  for (const auto& [name, map] : doc.params) by_name->emplace(name, map);
+  return [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
+    auto it = by_name->find(name);
+    if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
+    return ProvidedMap{it->second, std::nullopt};
+  };
+}
+
+MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int world_size) {
+  auto shared = std::make_shared<std::map<std::string, LayoutDescriptor>>(std::move(layouts));
+  return [shared, world_size](const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+    auto it = shared->find(name);
+    if (it == shared->end()) it = shared->find("*");
+    if (it == shared->end()) return NotFoundError(fmt::format("no layout for \"{}\"", name));
+    Result<ParamMap> map = BuildMap(it->second, shape, world_size);
+    if (!map.ok()) return map.status().Annotate(fmt::format("layout of \"{}\"", name));
+    return ProvidedMap{*std::move(map), it->second};
+  };
+}
+
+Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
+               const std::string& out_dir, const CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
+  Manifest manifest;
+  manifest.world_size = world_size;
+  manifest.files.resize(static_cast<size_t>(world_size));
+  std::vector<const TensorRef*> sources;
+  for (const TensorRef& t : full.tensors()) {
+    const std::string& name = t.info->name;
+    int power = 1;
+    Result<ProvidedMap> provided = maps(name, t.info->shape);
+    if (!provided.ok() && provided.status().code() == StatusCode::kNotFound) {
+      for (auto [suffix, p] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
+        const std::string s(suffix);
+        if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) {
+          Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), t.info->shape);
+          if (base.ok() || base.status().code() != StatusCode::kNotFound) {
+            provided = std::move(base);
+            power = p;
+          }
+          break;
+        }
+      }
+    }
+    if (!provided.ok()) {
+      if (provided.status().code() == StatusCode::kNotFound) {
+        return FailedPreconditionError(fmt::format(
+            "tensor \"{}\" (shape {}) has no map; give it one in the maps or layouts (a "
+            "layouts file may set a default with the key \"*\")",
+            name, FormatShape(t.info->shape)));
+      }
+      return provided.status();
+    }
+    const ParamMap& map = provided->map;
+    if (map.world_size() != world_size) {
+      return FailedPreconditionError(fmt::format("the map of \"{}\" has {} ranks, not {}", name, map.world_size(), world_size));
+    }
+    if (map.valid_shape() != t.info->shape) {
+      return FailedPreconditionError(fmt::format(
+          "the map of \"{}\" is for a tensor of shape {} but the checkpoint stores {}", name,
+          FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
+    }
+    manifest.params.push_back(ShardedParam{name, t.info->dtype, map, provided->layout, power});
+    sources.push_back(&t);
+  }
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  uint64_t total = 0;
+  for (const ShardedParam& p : manifest.params) {
+    for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
+  }
+  ProgressCounter progress(options, total);
+  for (Rank r = 0; r < world_size; ++r) {
+    std::vector<TensorToWrite> tensors;
+    for (size_t i = 0; i < manifest.params.size(); ++i) {
+      const ShardedParam& p = manifest.params[i];
+      const TensorRef* src = sources[i];
+      tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape,
+                         [&, r, i, src](std::span<std::byte> buffer) -> Status {
+                           const ShardedParam& param = manifest.params[i];
+                           const ParamMap& map = param.map;
+                           std::vector<std::byte> padded;
+                           ConstBuffer f{src->data.data(), map.num_elements()};
+                           if (map.has_padding()) {
+                             padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype), std::byte{0});
+                             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, options.num_threads));
+                             f.data = padded.data();
+                           }
+                           Status s = Extract(map, param.dtype, r, f,
+                                              {buffer.data(), map.shard_num_elements(r)},
+                                              ExecOptionsFor(options, param.scale_power));
+                           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+                           progress.Add(buffer.size());
+                           return Status::Ok();
+                         }});
+    }
+    RESHARD_ASSIGN_OR_RETURN(manifest.files[static_cast<size_t>(r)],
+                             WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
+  }
+  RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
+  return out.Commit();
+}
+
+Status Gather(const std::string& sharded_dir, const std::string& out_dir,
+              const CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
+  const Manifest& m = ckpt.manifest();
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  uint64_t total = 0;
+  for (const ShardedParam& p : m.params) total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
+  ProgressCounter progress(options, total);
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const ShardedParam& p = m.params[i];
+    tensors.push_back({p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
+                         const ShardedParam& param = m.params[i];
+                         const ParamMap& map = param.map;
+                         std::vector<ConstBuffer> shards;
+                         for (Rank r = 0; r < map.world_size(); ++r) {
+                           shards.push_back({ckpt.shard(i, r).data(), map.shard_num_elements(r)});
+                         }
+                         std::vector<std::byte> padded;
+                         MutableBuffer f{buffer.data(), map.num_elements()};
+                         if (map.has_padding()) {
+                           padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
+                           f.data = padded.data();
+                         }
+                         Status s = Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power));
+                         if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+                         if (map.has_padding()) {
+                           RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
+                         }
+                         progress.Add(buffer.size());
+                         return Status::Ok();
+                       }});
+  }
+  if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
+    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors), kFullMetadata));
+  } else {
+    auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
+    nlohmann::json weight_map = nlohmann::json::object();
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
+      for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
+      RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+    }
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n"));
+  }
+  return out.Commit();
+}
+
+Status Convert(const std::string& sharded_dir, int world_size,
+               const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+               const CheckpointOptions& options) {
+  if (world_size < 1) return InvalidArgumentError(fmt::format("--tp {} is not a world size", world_size));
+  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
+  const Manifest& src = ckpt.manifest();
+  std::map<std::string, const ParamMap*> given;
+  if (target_maps) {
+    for (const auto& [name, map] : target_maps->params) given[name] = &map;
+  }
+  Manifest dst;
+  dst.world_size = world_size;
+  dst.files.resize(static_cast<size_t>(world_size));
+  std::vector<ParamPlan> plans;
+  for (const ShardedParam& p : src.params) {
+    const std::string where = fmt::format("parameter \"{}\"", p.name);
+    std::optional<ParamMap> target;
+    if (target_maps) {
+      auto it = given.find(p.name);
+      if (it == given.end()) return FailedPreconditionError(fmt::format("{} has no map in the target maps", where));
+      target = *it->second;
+      given.erase(it);
+    } else if (p.layout) {
+      Result<ParamMap> built = BuildMap(*p.layout, p.map.valid_shape(), world_size);
+      if (!built.ok()) return built.status().Annotate(where);
+      target = *std::move(built);
+    } else {
+      return FailedPreconditionError(fmt::format(
+          "{} has no layout descriptor in the manifest, so its map at {} ranks is unknown; give "
+          "the target maps with --target-maps",
+          where, world_size));
+    }
+    if (target->world_size() != world_size) {
+      return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where, target->world_size(), world_size));
+    }
+    Result<ParamPlan> plan = Compose(*target, p.map);
+    if (!plan.ok()) return plan.status().Annotate(where);
+    plans.push_back(*std::move(plan));
+    dst.params.push_back(ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
+  }
+  if (!given.empty()) {
+    return FailedPreconditionError(fmt::format("the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
+  }
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  uint64_t total = 0;
+  for (const ShardedParam& p : dst.params) {
+    for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
+  }
+  ProgressCounter progress(options, total);
+  for (Rank r = 0; r < world_size; ++r) {
+    std::vector<TensorToWrite> tensors;
+    for (size_t i = 0; i < dst.params.size(); ++i) {
+      const ShardedParam& p = dst.params[i];
+      tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape, [&, r, i](std::span<std::byte> buffer) -> Status {
+                           const ShardedParam& param = dst.params[i];
+                           const ParamPlan& plan = plans[i];
+                           ParamPlan mine;
+                           mine.source_world = plan.source_world;
+                           mine.target_world = plan.target_world;
+                           for (const Move& mv : plan.moves) {
+                             if (mv.dst_rank == r) mine.moves.push_back(mv);
+                           }
+                           for (const UnwrittenBlock& u : plan.unwritten) {
+                             if (u.dst_rank == r) mine.unwritten.push_back(u);
+                           }
+                           std::vector<ConstBuffer> sources;
+                           for (Rank s = 0; s < plan.source_world; ++s) {
+                             sources.push_back({ckpt.shard(i, s).data(), src.params[i].map.shard_num_elements(s)});
+                           }
+                           std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
+                           targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
+                           Status s = ExecutePlan(mine, param.dtype, sources, targets, ExecOptionsFor(options, param.scale_power));
+                           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+                           progress.Add(buffer.size());
+                           return Status::Ok();
+                         }});
+    }
+    RESHARD_ASSIGN_OR_RETURN(dst.files[static_cast<size_t>(r)],
+                             WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
+  }
+  RESHARD_RETURN_IF_ERROR(WriteManifest(out, dst));
+  return out.Commit();
+}
+
+}  // namespace reshard

@@ -1,0 +1,79 @@
+// The checkpoint commands as library functions: scatter (full -> sharded), gather (sharded ->
+// full) and convert (sharded -> sharded through transfer plans, never building F).
+//
+// All three stream: tensors are produced one at a time straight into the output file's write
+// buffer, reading inputs through memory maps, so peak memory is set by the largest tensor (for
+// gather, the largest full tensor; for scatter and convert, the largest shard), not by the
+// checkpoint. Outputs appear atomically (OutputDirectory): a failure leaves nothing behind and
+// an existing output is replaced only with `overwrite`. Inputs are opened read-only.
+#ifndef RESHARD_IO_CHECKPOINT_OPS_H_
+#define RESHARD_IO_CHECKPOINT_OPS_H_
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "reshard/base/result.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/ir/map_json.h"
+#include "reshard/layouts/descriptor.h"
+
+namespace reshard {
+
+struct CheckpointOptions {
+  /// Replace an existing output directory.
+  bool overwrite = false;
+  /// Split each output (a full checkpoint, or each rank's files) into parts of at most this
+  /// many bytes (a tensor larger than that gets a part of its own). 0: one file.
+  uint64_t max_shard_bytes = 0;
+  /// gather: compare every replica against the first holder's data (P2).
+  bool verify_replicas = true;
+  /// Move tensors of scale power != 1 through scaled pieces anyway (see ExecOptions).
+  bool allow_scaled_optimizer_state = false;
+  int num_threads = 0;
+  /// Called after each tensor with the bytes written so far and the total to write.
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+/// A tensor's layout for scatter: its map at the target world size, and the descriptor it came
+/// from (recorded in the manifest so the checkpoint can be converted later), if any.
+struct ProvidedMap {
+  ParamMap map;
+  std::optional<LayoutDescriptor> layout;
+};
+
+/// Gives scatter the map of a tensor (name, dtype, shape as stored in the full checkpoint).
+/// NotFound when the tensor has no layout; scatter then tries the optimizer-state convention:
+/// a tensor named "<param>.exp_avg" or "<param>.exp_avg_sq" takes <param>'s map with scale
+/// power -1 or -2.
+using MapProvider = std::function<Result<ProvidedMap>(const std::string& name, const Shape& shape)>;
+
+/// Maps by name from a map document (exact names).
+MapProvider MapsFromDocument(const MapDocument& doc);
+
+/// Maps from layout descriptors by name at `world_size`; the key "*", when present, is the
+/// descriptor of every tensor not named.
+MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int world_size);
+
+/// Full checkpoint -> sharded checkpoint at the maps' world size. Padding (a padded
+/// vocabulary) is filled with zeros. FailedPrecondition when a map does not fit its tensor.
+Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
+               const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// Sharded checkpoint -> full checkpoint (model.safetensors, or parts and an index with
+/// max_shard_bytes), verifying replicas unless told not to, dropping padding.
+Status Gather(const std::string& sharded_dir, const std::string& out_dir,
+              const CheckpointOptions& options = {});
+
+/// Sharded checkpoint -> sharded checkpoint at `world_size`, through transfer plans. Target
+/// maps come from `target_maps` (by parameter name) or, when absent, from the layout
+/// descriptors recorded in the manifest.
+Status Convert(const std::string& sharded_dir, int world_size,
+               const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+               const CheckpointOptions& options = {});
+
+}  // namespace reshard
+
+#endif  // RESHARD_IO_CHECKPOINT_OPS_H_
