@@ -565,8 +565,10 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
     }
   } else if (max == 1) {
     std::vector<std::string> counts;
-    for (const ResolvedEntry& e : answer.constraints)
-      counts.push_back(fmt::format("{} {}", *e.count, e.meaning));
+    for (const ResolvedEntry& e : answer.constraints) {
+      std::string c = fmt::format("{} {}", *e.count, e.meaning);
+      if (std::find(counts.begin(), counts.end(), c) == counts.end()) counts.push_back(c);
+    }
     answer.refusal = PlanRefusal{
         "indivisible",
         fmt::format("no degree above 1 divides every count ({}): the model cannot be split by "
