@@ -48,7 +48,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Require(header->Find(t.name) == &t, "Find does not find the tensor", t.name);
     end = t.data_end;
   }
-  Require(end == header->data_size, "data size is not the last tensor's end",
-          std::to_string(end));
+  Require(end == header->data_size, "data size is not the last tensor's end", std::to_string(end));
   return 0;
 }
