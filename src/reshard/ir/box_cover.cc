@@ -94,6 +94,30 @@ int BoxSet::TryAddBox(Index offset, const std::vector<Dim>& dims, int32_t tag) {
   return -1;
 }
 
+Index AlignedPrefix(const Radix& radix, const Index* digits, int j, Index n) {
+  // Walk up from digit j with `unit` = steps per unit of digit k; the run starts aligned to
+  // `unit` as long as the digits below k are zero.
+  Index unit = 1;
+  for (int k = j; k >= 0; --k) {
+    const Index e = radix.dim(k).extent;
+    const Index d = digits[k];
+    if (d != 0) {
+      // Cut where digit k wraps, or else after the whole units of this level.
+      const Index until_wrap = unit * (e - d);
+      if (until_wrap < n) return until_wrap;
+      const Index whole = n / unit * unit;
+      return whole > 0 && whole < n ? whole : n;
+    }
+    if (unit > n / e) {
+      // Digit k cannot be covered whole: cut after the whole units of the level below it.
+      const Index whole = n / unit * unit;
+      return whole > 0 && whole < n ? whole : n;
+    }
+    unit *= e;
+  }
+  return n;
+}
+
 Status BoxSet::AddDims(Index offset, std::vector<Dim>& dims, int32_t tag, size_t max_boxes) {
   if (tags_.size() >= max_boxes) {
     return ResourceExhaustedError(fmt::format(
@@ -101,8 +125,22 @@ Status BoxSet::AddDims(Index offset, std::vector<Dim>& dims, int32_t tag, size_t
   }
   const int failed = TryAddBox(offset, dims, tag);
   if (failed < 0) return Status::Ok();
-  // The dimension that is not a box in the radix is walked explicitly.
+  // A run along a digit that is not a box as a whole is cut where it aligns: a few boxes.
   const Dim walked = dims[static_cast<size_t>(failed)];
+  if (const int j = radix_->DigitOfStride(walked.stride); j >= 0 && walked.extent > 1) {
+    Index digits[64];
+    radix_->Digits(offset, digits);
+    const Index prefix = AlignedPrefix(*radix_, digits, j, walked.extent);
+    if (prefix > 0 && prefix < walked.extent) {
+      std::vector<Dim> head = dims;
+      head[static_cast<size_t>(failed)].extent = prefix;
+      RESHARD_RETURN_IF_ERROR(AddDims(offset, head, tag, max_boxes));
+      std::vector<Dim> tail = dims;
+      tail[static_cast<size_t>(failed)].extent = walked.extent - prefix;
+      return AddDims(offset + prefix * walked.stride, tail, tag, max_boxes);
+    }
+  }
+  // Otherwise the dimension is walked explicitly.
   std::vector<Dim> rest = dims;
   rest.erase(rest.begin() + failed);
   for (Index i = 0; i < walked.extent; ++i) {

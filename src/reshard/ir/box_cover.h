@@ -51,6 +51,13 @@ class Radix {
   std::vector<RadixDim> dims_;
 };
 
+/// For a run of `n` steps of the digit `j` starting at `digits` (the digits of its first
+/// offset) that is not a box as a whole: the length of a prefix after which the rest is better
+/// aligned (up to where digit j, or the first non-zero digit above it, wraps; or the largest
+/// multiple of digit j's extent). Cutting runs there decomposes any interval into O(digits)
+/// boxes instead of one box per step. Returns n when no cut helps.
+Index AlignedPrefix(const Radix& radix, const Index* digits, int j, Index n);
+
 /// Boxes in a radix: per box, an interval [lo, hi) per digit, and an integer tag.
 class BoxSet {
  public:

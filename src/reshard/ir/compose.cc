@@ -59,6 +59,19 @@ class BoxBuilder {
     const int failed = TryBox(src, dst, dims, rank, index, out);
     if (failed < 0) return Status::Ok();
     const BoxDim walked = dims[static_cast<size_t>(failed)];
+    // A run along a digit that is not a box as a whole is cut where it aligns.
+    if (const int j = radix_.DigitOfStride(walked.src); j >= 0 && walked.extent > 1) {
+      radix_.Digits(src, digits_.data());
+      const Index prefix = internal::AlignedPrefix(radix_, digits_.data(), j, walked.extent);
+      if (prefix > 0 && prefix < walked.extent) {
+        std::vector<BoxDim> head = dims;
+        head[static_cast<size_t>(failed)].extent = prefix;
+        RESHARD_RETURN_IF_ERROR(Add(src, dst, head, rank, index, out));
+        std::vector<BoxDim> tail = dims;
+        tail[static_cast<size_t>(failed)].extent = walked.extent - prefix;
+        return Add(src + prefix * walked.src, dst + prefix * walked.dst, tail, rank, index, out);
+      }
+    }
     std::vector<BoxDim> rest = dims;
     rest.erase(rest.begin() + failed);
     for (Index i = 0; i < walked.extent; ++i) {
