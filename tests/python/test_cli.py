@@ -1,6 +1,7 @@
 """The command-line contract (DESIGN 7): exit statuses, stderr messages, --json output."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -97,22 +98,35 @@ def test_show_refuses_an_invalid_map_with_exit_1(reshard_bin, tmp_path):
     assert r.returncode == 1 and "held by no rank" in r.stderr
 
 
-def test_demo_round_trips_and_writes_its_maps(reshard_bin, tmp_path):
+def test_demo_runs_the_whole_pipeline_and_keeps_its_outputs(reshard_bin, tmp_path):
     out = tmp_path / "demo"
-    r = run(reshard_bin, "demo", out)
+    r = run(reshard_bin, "demo", out, "--layers", 2)
     assert r.returncode == 0, r.stderr
-    assert "all parameters round-tripped bit for bit" in r.stdout
-    assert r.stdout.count("bit-identical") == 8  # one parameter per layout family, split twice
-    maps = out / "maps.json"
-    before = maps.read_bytes()
-    assert run(reshard_bin, "verify", maps).returncode == 0
-    # An existing output is never touched without --force.
-    r = run(reshard_bin, "demo", out)
+    for step in ("1. wrote the full checkpoint", "2. scattered to TP 4", "3. converted TP 4 -> TP 2",
+                 "4. converted TP 2 -> TP 3", "5. gathered TP 3"):
+        assert step in r.stdout
+    assert "bit-identical to the original" in r.stdout
+    assert "every parameter round-tripped" in r.stdout
+    # The pre-divided bias goes through a factor of 2/3 at TP 3, and the demo says so.
+    assert "not a power of two" in r.stdout
+    for d in ("full", "tp4", "tp2", "tp3", "gathered"):
+        assert (out / d).is_dir()
+    manifest = (out / "tp4" / "reshard.json").read_bytes()
+    assert run(reshard_bin, "show", out / "layouts.json").returncode == 2  # not a map document
+    # An existing output is never touched without --force; with it, the run is deterministic.
+    r = run(reshard_bin, "demo", out, "--layers", 2)
     assert r.returncode == 2 and "--force" in r.stderr
-    assert maps.read_bytes() == before
-    assert run(reshard_bin, "demo", out, "--force").returncode == 0
-    assert maps.read_bytes() == before  # deterministic
+    assert (out / "tp4" / "reshard.json").read_bytes() == manifest
+    assert run(reshard_bin, "demo", out, "--layers", 2, "--force").returncode == 0
+    assert (out / "tp4" / "reshard.json").read_bytes() == manifest
 
+
+def test_demo_without_a_directory_leaves_nothing(reshard_bin, tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    r = subprocess.run([reshard_bin, "demo", "--layers", "1"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path) == []
 
 def test_infer_prints_or_writes_the_canonical_map(reshard_bin, tmp_path):
     doc = {"logical_shape": [4, 6],

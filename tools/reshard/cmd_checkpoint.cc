@@ -35,6 +35,9 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   o.overwrite = args.force;
   o.allow_scaled_optimizer_state = args.allow_scaled_optimizer_state;
   o.progress = bar.Callback();
+  o.warn = [](const std::string& parameter, const std::string& message) {
+    fmt::print(stderr, "reshard: warning: parameter \"{}\": {}\n", parameter, message);
+  };
   if (!args.max_shard_size.empty()) {
     RESHARD_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(args.max_shard_size));
   }

@@ -16,6 +16,7 @@ void RegisterDemo(CLI::App& app, int& exit_status);
 void RegisterInfer(CLI::App& app, int& exit_status);
 void RegisterLayout(CLI::App& app, int& exit_status);
 void RegisterCompose(CLI::App& app, int& exit_status);
+void RegisterCheckpointCommands(CLI::App& app, int& exit_status);
 void RegisterDegree(CLI::App& app, int& exit_status);
 
 /// Prints "reshard <command>: <message>" to stderr and returns `exit_status`.

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   RegisterInfer(app, exit_status);
   RegisterLayout(app, exit_status);
   RegisterCompose(app, exit_status);
+  RegisterCheckpointCommands(app, exit_status);
   RegisterDegree(app, exit_status);
   RegisterDemo(app, exit_status);
   try {

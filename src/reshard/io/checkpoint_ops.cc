@@ -2,6 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <sys/mman.h>
+
+#include <cmath>
+#include <unistd.h>
+
 #include <atomic>
 #include <nlohmann/json.hpp>
 
@@ -33,6 +38,39 @@ class ProgressCounter {
   uint64_t total_;
   uint64_t done_ = 0;
 };
+
+// Drops the pages of a read-only mapped range from this process (they stay in the page cache
+// and fault back in on the next read), so resident memory follows the tensor being worked
+// on rather than everything read so far.
+void ReleasePages(std::span<const std::byte> range) {
+  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  auto begin = reinterpret_cast<uintptr_t>(range.data());
+  auto end = begin + range.size();
+  begin = (begin + page - 1) / page * page;
+  end = end / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+bool IsPowerOfTwo(double x) {
+  int exponent = 0;
+  return std::frexp(std::abs(x), &exponent) == 0.5;
+}
+
+// Warns about a parameter held at a scale that is not a power of two (scatter and gather
+// apply it; the values are rounded).
+void WarnAboutScales(const CheckpointOptions& options, const ShardedParam& p, const char* verb) {
+  if (!options.warn || DTypeKindOf(p.dtype) != DTypeKind::kFloat) return;
+  for (const RankShard& shard : p.map.ranks()) {
+    for (const Piece& piece : shard.pieces) {
+      if (!IsPowerOfTwo(piece.scale)) {
+        options.warn(p.name, fmt::format("{} a scale of {} (not a power of two): the values are "
+                                         "rounded, so a round trip is exact only to the last bit",
+                                         verb, piece.scale));
+        return;
+      }
+    }
+  }
+}
 
 uint64_t Bytes(const TensorToWrite& t) {
   return static_cast<uint64_t>(ProductOf(t.shape)) * DTypeSize(t.dtype);
@@ -160,6 +198,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
           FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
     }
     manifest.params.push_back(ShardedParam{name, t.info->dtype, map, provided->layout, power});
+    WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
@@ -188,6 +227,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
                                               {buffer.data(), map.shard_num_elements(r)},
                                               ExecOptionsFor(options, param.scale_power));
                            if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+                           ReleasePages(src->data);
                            progress.Add(buffer.size());
                            return Status::Ok();
                          }});
@@ -203,6 +243,7 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
               const CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& m = ckpt.manifest();
+  for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
   uint64_t total = 0;
   for (const ShardedParam& p : m.params) total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
@@ -228,6 +269,7 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
                          if (map.has_padding()) {
                            RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
                          }
+                         for (Rank r = 0; r < map.world_size(); ++r) ReleasePages(ckpt.shard(i, r));
                          progress.Add(buffer.size());
                          return Status::Ok();
                        }});
@@ -285,6 +327,16 @@ Status Convert(const std::string& sharded_dir, int world_size,
     }
     Result<ParamPlan> plan = Compose(*target, p.map);
     if (!plan.ok()) return plan.status().Annotate(where);
+    if (options.warn && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
+      for (const Move& mv : plan->moves) {
+        if (!IsPowerOfTwo(mv.factor)) {
+          options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
+                                           "the values are rounded, so a round trip is exact only "
+                                           "to the last bit", mv.factor));
+          break;
+        }
+      }
+    }
     plans.push_back(*std::move(plan));
     dst.params.push_back(ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
   }
@@ -321,6 +373,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
                            targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
                            Status s = ExecutePlan(mine, param.dtype, sources, targets, ExecOptionsFor(options, param.scale_power));
                            if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+                           for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
                            progress.Add(buffer.size());
                            return Status::Ok();
                          }});

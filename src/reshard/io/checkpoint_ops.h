@@ -35,6 +35,9 @@ struct CheckpointOptions {
   int num_threads = 0;
   /// Called after each tensor with the bytes written so far and the total to write.
   std::function<void(uint64_t done, uint64_t total)> progress;
+  /// Called once per parameter that is moved through a scale (or a ratio of scales) that is
+  /// not a power of two: its values are rounded, so the round trip is not bit-exact.
+  std::function<void(const std::string& parameter, const std::string& message)> warn;
 };
 
 /// A tensor's layout for scatter: its map at the target world size, and the descriptor it came
