@@ -53,8 +53,10 @@ def test_our_maps_load_in_deepspeed_and_rebuild_our_data(rng):
         mask = valid_mask(m)
         ours_rebuilt = from_bytes(reshard.rebuild(ours, [to_bytes(s) for s in shards.values()], dtype), dtype)
         assert to_bytes(rebuilt[mask]) == to_bytes(ours_rebuilt[mask]), f"{kind}: {ours}"
-        if all(math.frexp(p.get("scale", 1.0))[0] == 0.5 for r in m["ranks"].values() for p in r["pieces"]):
-            # Powers of two are exact both ways (barring underflow, absent here).
+        if dtype != "F16" and all(math.frexp(p.get("scale", 1.0))[0] == 0.5
+                                  for r in m["ranks"].values() for p in r["pieces"]):
+            # Powers of two are exact both ways barring underflow, which F32 and BF16 (with
+            # float's exponent range) do not reach here; F16's small values can.
             assert to_bytes(rebuilt[mask]) == to_bytes(full[mask]), f"{kind}: {ours}"
 
 
