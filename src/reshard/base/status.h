@@ -90,10 +90,12 @@ inline Status UnavailableError(std::string m) {
 #define RESHARD_STATUS_CONCAT_(a, b) RESHARD_STATUS_CONCAT_INNER_(a, b)
 
 /// Returns from the enclosing function if `expr` (a Status) is not ok.
-#define RESHARD_RETURN_IF_ERROR(expr)                                        \
-  do {                                                                       \
-    ::reshard::Status reshard_status_ = (expr);                              \
-    if (!reshard_status_.ok()) return reshard_status_;                       \
+#define RESHARD_RETURN_IF_ERROR(expr) \
+  RESHARD_RETURN_IF_ERROR_IMPL_(RESHARD_STATUS_CONCAT_(reshard_status_, __COUNTER__), expr)
+#define RESHARD_RETURN_IF_ERROR_IMPL_(name, expr) \
+  do {                                            \
+    ::reshard::Status name = (expr);              \
+    if (!name.ok()) return name;                  \
   } while (0)
 
 #endif  // RESHARD_BASE_STATUS_H_

@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
@@ -29,11 +31,13 @@ class ProgressCounter {
     if (report_) report_(0, total_);
   }
   void Add(uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
     done_ += bytes;
     if (report_) report_(done_, total_);
   }
 
  private:
+  std::mutex mu_;
   std::function<void(uint64_t, uint64_t)> report_;
   uint64_t total_;
   uint64_t done_ = 0;
@@ -116,6 +120,37 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
   StridedMove move{map.valid_shape(), src, padded_to_valid ? full_strides : valid_strides, dst,
                    padded_to_valid ? valid_strides : full_strides, ScaleOp::None()};
   return StridedCopy(dtype, std::span<const StridedMove>(&move, 1), num_threads);
+}
+
+// Runs fn(rank) for every rank, on up to one thread per core: each rank's files are written
+// by one thread, so the kernel's copies into the page cache and the memory copies of several
+// ranks overlap. Returns the first error (ranks not yet started are then skipped).
+Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>& fn) {
+  int threads = num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
+  threads = std::max(1, std::min(threads, world));
+  std::atomic<int> next{0};
+  std::mutex mu;
+  Status first;
+  auto worker = [&] {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first.ok()) return;
+      }
+      const int r = next.fetch_add(1);
+      if (r >= world) return;
+      Status s = fn(static_cast<Rank>(r));
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first.ok()) first = std::move(s);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return first;
 }
 
 ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
@@ -207,7 +242,10 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
     for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
   }
   ProgressCounter progress(options, total);
-  for (Rank r = 0; r < world_size; ++r) {
+  // Ranks run in parallel; each copies on its own thread.
+  CheckpointOptions per_rank = options;
+  per_rank.num_threads = 1;
+  RESHARD_RETURN_IF_ERROR(ForEachRank(world_size, options.num_threads, [&](Rank r) -> Status {
     std::vector<TensorToWrite> tensors;
     for (size_t i = 0; i < manifest.params.size(); ++i) {
       const ShardedParam& p = manifest.params[i];
@@ -220,12 +258,12 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
                            ConstBuffer f{src->data.data(), map.num_elements()};
                            if (map.has_padding()) {
                              padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype), std::byte{0});
-                             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, options.num_threads));
+                             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
                              f.data = padded.data();
                            }
                            Status s = Extract(map, param.dtype, r, f,
                                               {buffer.data(), map.shard_num_elements(r)},
-                                              ExecOptionsFor(options, param.scale_power));
+                                              ExecOptionsFor(per_rank, param.scale_power));
                            if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
                            ReleasePages(src->data);
                            progress.Add(buffer.size());
@@ -234,7 +272,8 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
     }
     RESHARD_ASSIGN_OR_RETURN(manifest.files[static_cast<size_t>(r)],
                              WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
-  }
+    return Status::Ok();
+  }));
   RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
   return out.Commit();
 }
@@ -349,7 +388,9 @@ Status Convert(const std::string& sharded_dir, int world_size,
     for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
   }
   ProgressCounter progress(options, total);
-  for (Rank r = 0; r < world_size; ++r) {
+  CheckpointOptions per_rank = options;
+  per_rank.num_threads = 1;
+  RESHARD_RETURN_IF_ERROR(ForEachRank(world_size, options.num_threads, [&](Rank r) -> Status {
     std::vector<TensorToWrite> tensors;
     for (size_t i = 0; i < dst.params.size(); ++i) {
       const ShardedParam& p = dst.params[i];
@@ -371,7 +412,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
                            }
                            std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
                            targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
-                           Status s = ExecutePlan(mine, param.dtype, sources, targets, ExecOptionsFor(options, param.scale_power));
+                           Status s = ExecutePlan(mine, param.dtype, sources, targets, ExecOptionsFor(per_rank, param.scale_power));
                            if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
                            for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
                            progress.Add(buffer.size());
@@ -380,7 +421,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
     }
     RESHARD_ASSIGN_OR_RETURN(dst.files[static_cast<size_t>(r)],
                              WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
-  }
+    return Status::Ok();
+  }));
   RESHARD_RETURN_IF_ERROR(WriteManifest(out, dst));
   return out.Commit();
 }
