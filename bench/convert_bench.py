@@ -72,9 +72,13 @@ def main():
                            capture_output=True)
             shutil.rmtree(full)
             size = dir_bytes(tp8)
-            # Warm the page cache the same way for both: read once.
+            # Warm the page cache the same way for both (read once), and start each measurement
+            # with no dirty pages. reshard syncs its outputs before renaming them into place,
+            # so the like-for-like reference is a copy that is synced too (cp, then sync).
             subprocess.run(["cat"] + [os.path.join(tp8, f) for f in os.listdir(tp8)], stdout=subprocess.DEVNULL, check=True)
-            t_cp, _ = timed(["cp", "-r", tp8, os.path.join(work, "copy")])
+            subprocess.run(["sync"], check=True)
+            t_cp, _ = timed(["sh", "-c", f"cp -r {tp8} {os.path.join(work, 'copy')} && sync"])
+            subprocess.run(["sync"], check=True)
             t_cv, peak = timed([args.reshard, "convert", tp8, "--tp", "2", "-o", os.path.join(work, "tp2")])
             shutil.rmtree(os.path.join(work, "copy"))
             shutil.rmtree(os.path.join(work, "tp2"))
@@ -82,7 +86,7 @@ def main():
             cp_rate = size / t_cp / 1e9
             cv_rate = size / t_cv / 1e9
             results[factor] = peak
-            print(f"{factor}x checkpoint {size / 1e9:5.2f} GB: cp {t_cp:6.2f} s ({cp_rate:5.2f} GB/s), "
+            print(f"{factor}x checkpoint {size / 1e9:5.2f} GB: cp+sync {t_cp:6.2f} s ({cp_rate:5.2f} GB/s), "
                   f"convert TP 8 -> 2 {t_cv:6.2f} s ({cv_rate:5.2f} GB/s) = {cv_rate / cp_rate:4.2f}x cp "
                   f"(bar 0.5x: {'PASS' if cv_rate >= 0.5 * cp_rate else 'MISS'}); "
                   f"convert peak RSS {peak / 1024:7.1f} MiB")

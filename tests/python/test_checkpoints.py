@@ -277,3 +277,62 @@ def test_usage_errors(reshard_bin, tmp_path, full):
     r = run(reshard_bin, "scatter", full, "--layouts", tmp_path / "bad.json", "--tp", 2, "-o", tmp_path / "x")
     assert r.returncode in (1, 2) and "layout of" in r.stderr and "dimension 3" in r.stderr
     assert siblings(tmp_path / "x") == []
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 96,
+              "num_hidden_layers": 2, "tie_word_embeddings": False}
+
+
+def tiny_llama_checkpoint(path):
+    g = torch.Generator().manual_seed(11)
+    h, kv, inter, vocab = 64, 2 * 16, 128, 96
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g),
+         "model.norm.weight": torch.randn(h, generator=g), "lm_head.weight": torch.randn(vocab, h, generator=g)}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        t[p + "self_attn.q_proj.weight"] = torch.randn(h, h, generator=g)
+        t[p + "self_attn.k_proj.weight"] = torch.randn(kv, h, generator=g)
+        t[p + "self_attn.v_proj.weight"] = torch.randn(kv, h, generator=g)
+        t[p + "self_attn.o_proj.weight"] = torch.randn(h, h, generator=g)
+        t[p + "mlp.gate_proj.weight"] = torch.randn(inter, h, generator=g)
+        t[p + "mlp.up_proj.weight"] = torch.randn(inter, h, generator=g)
+        t[p + "mlp.down_proj.weight"] = torch.randn(h, inter, generator=g)
+        t[p + "input_layernorm.weight"] = torch.randn(h, generator=g)
+        t[p + "post_attention_layernorm.weight"] = torch.randn(h, generator=g)
+    path.mkdir()
+    save_file(t, str(path / "model.safetensors"))
+    return t
+
+
+def test_scatter_by_config_uses_the_models_tp_plan(reshard_bin, tmp_path):
+    tensors = tiny_llama_checkpoint(tmp_path / "full")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    r = run(reshard_bin, "scatter", tmp_path / "full", "--config", tmp_path / "config.json", "--tp", 2,
+            "-o", tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    q = manifest["params"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["map"]["ranks"]["1"]["shard_shape"] == [32, 64]           # colwise: output rows
+    o = manifest["params"]["model.layers.1.self_attn.o_proj.weight"]
+    assert o["map"]["ranks"]["1"]["shard_shape"] == [64, 32]           # rowwise: input columns
+    norm = manifest["params"]["model.norm.weight"]["map"]
+    assert norm["ranks"]["0"]["pieces"][0]["locations"] == [0, 1]      # not in the plan: replicated
+    # The same maps as `reshard degree --emit-maps`.
+    r = run(reshard_bin, "degree", tmp_path / "config.json", "--tp", 2, "--emit-maps", tmp_path / "maps.json",
+            "--weights", tmp_path / "full")
+    assert r.returncode == 0, r.stderr
+    emitted = json.loads((tmp_path / "maps.json").read_text())
+    for name, p in manifest["params"].items():
+        assert emitted[name] == p["map"], name
+    # The recorded layouts let it convert, and everything comes back.
+    assert run(reshard_bin, "convert", tmp_path / "tp2", "--tp", 1, "-o", tmp_path / "tp1").returncode == 0
+    assert run(reshard_bin, "gather", tmp_path / "tp1", "-o", tmp_path / "back").returncode == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    for name, t in tensors.items():
+        assert back[name].equal(t), name
+    # A degree the plan cannot take is refused before anything is written.
+    r = run(reshard_bin, "scatter", tmp_path / "full", "--config", tmp_path / "config.json", "--tp", 3,
+            "-o", tmp_path / "tp3")
+    assert r.returncode == 1 and "attention heads" in r.stderr
+    assert siblings(tmp_path / "tp3") == []

@@ -7,6 +7,9 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "progress.h"
+#include "reshard/hf/degree.h"
+#include "reshard/hf/model_maps.h"
+#include "reshard/hf/registry.h"
 #include "reshard/io/checkpoint_ops.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -89,6 +92,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     struct Args : CommonArgs {
       std::string maps;
       std::string layouts;
+      std::string config;
       int tp = 0;
     };
     auto args = std::make_shared<Args>();
@@ -101,8 +105,11 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     cmd->add_option("FULL_DIR", args->input, "full checkpoint directory")->required();
     auto maps = cmd->add_option("--maps", args->maps, "map document: the map of every tensor, by name");
     auto layouts = cmd->add_option("--layouts", args->layouts, "layouts file: {\"version\": 1, \"<name>\" or \"*\": <layout descriptor>}");
+    auto config = cmd->add_option("--config", args->config, "config.json: maps from the model's tensor-parallel plan (as reshard degree --emit-maps)");
     maps->excludes(layouts);
-    cmd->add_option("--tp", args->tp, "world size (with --layouts)")->check(CLI::Range(1, 1 << 20));
+    maps->excludes(config);
+    layouts->excludes(config);
+    cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")->check(CLI::Range(1, 1 << 20));
     cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")->required();
     cmd->add_option("--max-shard-size", args->max_shard_size, "split each rank's file into parts of at most this size (e.g. 5GB)");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
@@ -124,8 +131,31 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
         Result<std::map<std::string, LayoutDescriptor>> layouts_doc = ReadLayouts(args->layouts);
         if (!layouts_doc.ok()) { exit_status = Fail("scatter", layouts_doc.status()); return; }
         provider = MapsFromLayouts(*std::move(layouts_doc), world);
+      } else if (!args->config.empty()) {
+        if (world < 1) { exit_status = Report("scatter", InvalidArgumentError("--config needs --tp N"), kExitUsage); return; }
+        const TpRegistry& registry = BuiltinTpRegistry();
+        Result<std::string> text = ReadFileToString(args->config);
+        if (!text.ok()) { exit_status = Fail("scatter", text.status()); return; }
+        Result<ModelConfig> model = ReadModelConfigJson(registry, *text);
+        if (!model.ok()) {
+          exit_status = Report("scatter", model.status().Annotate(fmt::format("error reading \"{}\"", args->config)), kExitUsage);
+          return;
+        }
+        auto plan = std::make_shared<ModelPlan>(ResolvePlan(registry, *model, PlanOptions{}));
+        const DegreeAnswer answer = PlanDegree(*plan, world);
+        if (answer.refusal) {
+          exit_status = Report("scatter", FailedPreconditionError(fmt::format("\"{}\": {}", args->config, answer.refusal->message)), kExitCheckFailed);
+          return;
+        }
+        provider = [plan, world](const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+          Result<LayoutDescriptor> layout = TensorLayout(MatchPlanEntry(*plan, name), name, shape);
+          if (!layout.ok()) return FailedPreconditionError(layout.status().Annotate(fmt::format("tensor \"{}\"", name)).message());
+          Result<ParamMap> map = BuildMap(*layout, shape, world);
+          if (!map.ok()) return map.status().Annotate(fmt::format("tensor \"{}\"", name));
+          return ProvidedMap{*std::move(map), *std::move(layout)};
+        };
       } else {
-        exit_status = Report("scatter", InvalidArgumentError("give --maps MAPS.json, or --layouts LAYOUTS.json --tp N"), kExitUsage);
+        exit_status = Report("scatter", InvalidArgumentError("give --maps MAPS.json, --layouts LAYOUTS.json --tp N, or --config config.json --tp N"), kExitUsage);
         return;
       }
       const auto t0 = std::chrono::steady_clock::now();
