@@ -47,9 +47,10 @@ std::vector<Tensor> Llama70B() {
 std::vector<ParamMap> Maps(const std::vector<Tensor>& model, int tp) {
   std::vector<ParamMap> maps;
   for (const Tensor& t : model) {
-    maps.push_back(t.split_dim < 0 ? *ReplicatedMap(t.shape, tp)
-                                   : *SplitMap(t.shape, t.split_dim,
-                                               EvenSplitSizes(t.shape[static_cast<size_t>(t.split_dim)], tp)));
+    maps.push_back(t.split_dim < 0
+                       ? *ReplicatedMap(t.shape, tp)
+                       : *SplitMap(t.shape, t.split_dim,
+                                   EvenSplitSizes(t.shape[static_cast<size_t>(t.split_dim)], tp)));
   }
   return maps;
 }
@@ -76,9 +77,10 @@ void Bench(const std::vector<Tensor>& model, int from, int to) {
   size_t moves = 0;
   for (const auto& [name, plan] : doc.params) moves += plan.moves.size();
   const std::string json = PlanDocumentToJson(doc);
-  fmt::print("compose Llama-3-70B shape, {} tensors, TP {} -> {}: {:6.2f} ms (bar 50 ms: {}), {} "
-             "moves, plan JSON {} bytes\n",
-             model.size(), from, to, best, best < 50 ? "PASS" : "MISS", moves, json.size());
+  fmt::print(
+      "compose Llama-3-70B shape, {} tensors, TP {} -> {}: {:6.2f} ms (bar 50 ms: {}), {} "
+      "moves, plan JSON {} bytes\n",
+      model.size(), from, to, best, best < 50 ? "PASS" : "MISS", moves, json.size());
 }
 
 }  // namespace

@@ -46,7 +46,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   reshard::Result<reshard::IndexMaps> observed = reshard::ParseIndexMapsJson(text);
   if (!observed.ok()) return 0;
   for (bool partial : {false, true}) {
-    reshard::Result<reshard::ParamMap> map = reshard::Infer(*observed, {.allow_uncovered = partial});
+    reshard::Result<reshard::ParamMap> map =
+        reshard::Infer(*observed, {.allow_uncovered = partial});
     if (map.ok()) Check(*observed, *map);
   }
   return 0;

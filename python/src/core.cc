@@ -58,7 +58,7 @@ ConstBuffer ViewOf(const py::buffer_info& info, DType dtype, const char* what) {
 }
 
 py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::string& dtype_name,
-                  Rank rank, int scale_power, bool allow_scaled_optimizer_state) {
+                    Rank rank, int scale_power, bool allow_scaled_optimizer_state) {
   const ParamMap map = LoadMap(map_json);
   const DType dtype = LoadDType(dtype_name);
   if (rank < 0 || rank >= map.world_size()) throw py::value_error("rank outside the map's world");
@@ -80,8 +80,8 @@ py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::str
 }
 
 py::bytes PyRebuild(const std::string& map_json, const std::vector<py::buffer>& shards,
-                  const std::string& dtype_name, int scale_power, bool verify_replicas,
-                  bool allow_scaled_optimizer_state) {
+                    const std::string& dtype_name, int scale_power, bool verify_replicas,
+                    bool allow_scaled_optimizer_state) {
   const ParamMap map = LoadMap(map_json);
   const DType dtype = LoadDType(dtype_name);
   std::vector<py::buffer_info> infos;

@@ -29,7 +29,8 @@ struct CommonArgs {
 
 // Exit status of a failed operation: malformed inputs are 2, failed checks 1, environment 3.
 int Fail(std::string_view command, const Status& s) {
-  const Stage stage = s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
+  const Stage stage =
+      s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
   return Report(command, s, ExitStatusFor(s, stage));
 }
 
@@ -55,7 +56,9 @@ Result<MapDocument> ReadMaps(const std::string& path) {
   for (NamedMapBuilder& p : parsed->params) {
     Result<ParamMap> map = p.builder.Finalize();
     // A map that parses but is invalid is a failed check.
-    if (!map.ok()) return FailedPreconditionError(map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", path, p.name)).message());
+    if (!map.ok())
+      return FailedPreconditionError(
+          map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", path, p.name)).message());
     doc.params.emplace_back(p.name, *std::move(map));
   }
   return doc;
@@ -66,7 +69,8 @@ Result<std::map<std::string, LayoutDescriptor>> ReadLayouts(const std::string& p
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   const std::string where = fmt::format("error reading \"{}\"", path);
   nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
-  if (doc.is_discarded() || !doc.is_object()) return InvalidArgumentError(where + ": expected a JSON object of name -> layout descriptor");
+  if (doc.is_discarded() || !doc.is_object())
+    return InvalidArgumentError(where + ": expected a JSON object of name -> layout descriptor");
   auto version = doc.find("version");
   if (version == doc.end() || !version->is_number_integer() || version->get<int64_t>() != 1) {
     return InvalidArgumentError(where + ": version: expected 1");
@@ -75,7 +79,8 @@ Result<std::map<std::string, LayoutDescriptor>> ReadLayouts(const std::string& p
   for (auto it = doc.begin(); it != doc.end(); ++it) {
     if (it.key() == "version") continue;
     Result<LayoutDescriptor> d = ParseLayoutJson(it.value().dump());
-    if (!d.ok()) return d.status().Annotate(fmt::format("{}: [{}]", where, nlohmann::json(it.key()).dump()));
+    if (!d.ok())
+      return d.status().Annotate(fmt::format("{}: [{}]", where, nlohmann::json(it.key()).dump()));
     out.emplace(it.key(), *std::move(d));
   }
   return out;
@@ -103,65 +108,113 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
         "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
         "map with scale power -1 / -2.");
     cmd->add_option("FULL_DIR", args->input, "full checkpoint directory")->required();
-    auto maps = cmd->add_option("--maps", args->maps, "map document: the map of every tensor, by name");
-    auto layouts = cmd->add_option("--layouts", args->layouts, "layouts file: {\"version\": 1, \"<name>\" or \"*\": <layout descriptor>}");
-    auto config = cmd->add_option("--config", args->config, "config.json: maps from the model's tensor-parallel plan (as reshard degree --emit-maps)");
+    auto maps =
+        cmd->add_option("--maps", args->maps, "map document: the map of every tensor, by name");
+    auto layouts =
+        cmd->add_option("--layouts", args->layouts,
+                        "layouts file: {\"version\": 1, \"<name>\" or \"*\": <layout descriptor>}");
+    auto config = cmd->add_option(
+        "--config", args->config,
+        "config.json: maps from the model's tensor-parallel plan (as reshard degree --emit-maps)");
     maps->excludes(layouts);
     maps->excludes(config);
     layouts->excludes(config);
-    cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")->check(CLI::Range(1, 1 << 20));
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size, "split each rank's file into parts of at most this size (e.g. 5GB)");
+    cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
+        ->check(CLI::Range(1, 1 << 20));
+    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
+        ->required();
+    cmd->add_option("--max-shard-size", args->max_shard_size,
+                    "split each rank's file into parts of at most this size (e.g. 5GB)");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state, "move optimizer states through scaled pieces anyway");
+    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
+                  "move optimizer states through scaled pieces anyway");
     cmd->callback([args, &exit_status] {
       ProgressBar bar("scatter");
       Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) { exit_status = Fail("scatter", options.status()); return; }
+      if (!options.ok()) {
+        exit_status = Fail("scatter", options.status());
+        return;
+      }
       MapProvider provider;
       int world = args->tp;
       if (!args->maps.empty()) {
         Result<MapDocument> doc = ReadMaps(args->maps);
-        if (!doc.ok()) { exit_status = Fail("scatter", doc.status()); return; }
-        if (doc->params.empty()) { exit_status = Report("scatter", InvalidArgumentError("the map document is empty"), kExitUsage); return; }
+        if (!doc.ok()) {
+          exit_status = Fail("scatter", doc.status());
+          return;
+        }
+        if (doc->params.empty()) {
+          exit_status =
+              Report("scatter", InvalidArgumentError("the map document is empty"), kExitUsage);
+          return;
+        }
         world = doc->params.front().second.world_size();
         provider = MapsFromDocument(*doc);
       } else if (!args->layouts.empty()) {
-        if (world < 1) { exit_status = Report("scatter", InvalidArgumentError("--layouts needs --tp N"), kExitUsage); return; }
+        if (world < 1) {
+          exit_status =
+              Report("scatter", InvalidArgumentError("--layouts needs --tp N"), kExitUsage);
+          return;
+        }
         Result<std::map<std::string, LayoutDescriptor>> layouts_doc = ReadLayouts(args->layouts);
-        if (!layouts_doc.ok()) { exit_status = Fail("scatter", layouts_doc.status()); return; }
+        if (!layouts_doc.ok()) {
+          exit_status = Fail("scatter", layouts_doc.status());
+          return;
+        }
         provider = MapsFromLayouts(*std::move(layouts_doc), world);
       } else if (!args->config.empty()) {
-        if (world < 1) { exit_status = Report("scatter", InvalidArgumentError("--config needs --tp N"), kExitUsage); return; }
+        if (world < 1) {
+          exit_status =
+              Report("scatter", InvalidArgumentError("--config needs --tp N"), kExitUsage);
+          return;
+        }
         const TpRegistry& registry = BuiltinTpRegistry();
         Result<std::string> text = ReadFileToString(args->config);
-        if (!text.ok()) { exit_status = Fail("scatter", text.status()); return; }
+        if (!text.ok()) {
+          exit_status = Fail("scatter", text.status());
+          return;
+        }
         Result<ModelConfig> model = ReadModelConfigJson(registry, *text);
         if (!model.ok()) {
-          exit_status = Report("scatter", model.status().Annotate(fmt::format("error reading \"{}\"", args->config)), kExitUsage);
+          exit_status = Report(
+              "scatter", model.status().Annotate(fmt::format("error reading \"{}\"", args->config)),
+              kExitUsage);
           return;
         }
         auto plan = std::make_shared<ModelPlan>(ResolvePlan(registry, *model, PlanOptions{}));
         const DegreeAnswer answer = PlanDegree(*plan, world);
         if (answer.refusal) {
-          exit_status = Report("scatter", FailedPreconditionError(fmt::format("\"{}\": {}", args->config, answer.refusal->message)), kExitCheckFailed);
+          exit_status = Report("scatter",
+                               FailedPreconditionError(fmt::format("\"{}\": {}", args->config,
+                                                                   answer.refusal->message)),
+                               kExitCheckFailed);
           return;
         }
-        provider = [plan, world](const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+        provider = [plan, world](const std::string& name,
+                                 const Shape& shape) -> Result<ProvidedMap> {
           Result<LayoutDescriptor> layout = TensorLayout(MatchPlanEntry(*plan, name), name, shape);
-          if (!layout.ok()) return FailedPreconditionError(layout.status().Annotate(fmt::format("tensor \"{}\"", name)).message());
+          if (!layout.ok())
+            return FailedPreconditionError(
+                layout.status().Annotate(fmt::format("tensor \"{}\"", name)).message());
           Result<ParamMap> map = BuildMap(*layout, shape, world);
           if (!map.ok()) return map.status().Annotate(fmt::format("tensor \"{}\"", name));
           return ProvidedMap{*std::move(map), *std::move(layout)};
         };
       } else {
-        exit_status = Report("scatter", InvalidArgumentError("give --maps MAPS.json, --layouts LAYOUTS.json --tp N, or --config config.json --tp N"), kExitUsage);
+        exit_status = Report("scatter",
+                             InvalidArgumentError("give --maps MAPS.json, --layouts LAYOUTS.json "
+                                                  "--tp N, or --config config.json --tp N"),
+                             kExitUsage);
         return;
       }
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Scatter(args->input, world, provider, args->output, *options);
-      if (!s.ok()) { exit_status = Fail("scatter", s); return; }
-      fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, world, args->output, Seconds(t0));
+      if (!s.ok()) {
+        exit_status = Fail("scatter", s);
+        return;
+      }
+      fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, world,
+                 args->output, Seconds(t0));
     });
   }
   {
@@ -174,20 +227,31 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
         "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
         "naming the ranks and element where they differ) and dropping padding.");
     cmd->add_option("SHARDED_DIR", args->input, "sharded checkpoint directory")->required();
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size, "write parts of at most this size and an index (e.g. 5GB)");
+    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
+        ->required();
+    cmd->add_option("--max-shard-size", args->max_shard_size,
+                    "write parts of at most this size and an index (e.g. 5GB)");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--no-verify-replicas", args->no_verify, "take replicated data from the lowest rank without comparing");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state, "move optimizer states through scaled pieces anyway");
+    cmd->add_flag("--no-verify-replicas", args->no_verify,
+                  "take replicated data from the lowest rank without comparing");
+    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
+                  "move optimizer states through scaled pieces anyway");
     cmd->callback([args, &exit_status] {
       ProgressBar bar("gather");
       Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) { exit_status = Fail("gather", options.status()); return; }
+      if (!options.ok()) {
+        exit_status = Fail("gather", options.status());
+        return;
+      }
       options->verify_replicas = !args->no_verify;
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Gather(args->input, args->output, *options);
-      if (!s.ok()) { exit_status = Fail("gather", s); return; }
-      fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args->input, args->output, Seconds(t0));
+      if (!s.ok()) {
+        exit_status = Fail("gather", s);
+        return;
+      }
+      fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args->input, args->output,
+                 Seconds(t0));
     });
   }
   {
@@ -202,26 +266,41 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
         "building any full tensor. Target maps come from --target-maps or from the layout "
         "descriptors in the manifest.");
     cmd->add_option("SHARDED_DIR", args->input, "sharded checkpoint directory")->required();
-    cmd->add_option("--tp", args->tp, "target world size")->required()->check(CLI::Range(1, 1 << 20));
+    cmd->add_option("--tp", args->tp, "target world size")
+        ->required()
+        ->check(CLI::Range(1, 1 << 20));
     cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size, "split each rank's file into parts of at most this size");
+    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
+        ->required();
+    cmd->add_option("--max-shard-size", args->max_shard_size,
+                    "split each rank's file into parts of at most this size");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state, "move optimizer states through scaled pieces anyway");
+    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
+                  "move optimizer states through scaled pieces anyway");
     cmd->callback([args, &exit_status] {
       ProgressBar bar("convert");
       Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) { exit_status = Fail("convert", options.status()); return; }
+      if (!options.ok()) {
+        exit_status = Fail("convert", options.status());
+        return;
+      }
       std::optional<MapDocument> target;
       if (!args->target_maps.empty()) {
         Result<MapDocument> doc = ReadMaps(args->target_maps);
-        if (!doc.ok()) { exit_status = Fail("convert", doc.status()); return; }
+        if (!doc.ok()) {
+          exit_status = Fail("convert", doc.status());
+          return;
+        }
         target = *std::move(doc);
       }
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Convert(args->input, args->tp, target, args->output, *options);
-      if (!s.ok()) { exit_status = Fail("convert", s); return; }
-      fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, args->tp, args->output, Seconds(t0));
+      if (!s.ok()) {
+        exit_status = Fail("convert", s);
+        return;
+      }
+      fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, args->tp,
+                 args->output, Seconds(t0));
     });
   }
 }

@@ -27,7 +27,8 @@ struct ComposeArgs {
 // Reads and validates a map document; on failure reports and returns the exit status.
 int LoadDocument(const std::string& path, MapDocument& doc) {
   Result<std::string> text = ReadFileToString(path);
-  if (!text.ok()) return Report("compose", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  if (!text.ok())
+    return Report("compose", text.status(), ExitStatusFor(text.status(), Stage::kReading));
   Result<MapDocumentBuilder> parsed = ParseMapDocumentJson(*text);
   if (!parsed.ok()) {
     Status s = parsed.status().Annotate(fmt::format("error reading \"{}\"", path));
@@ -52,10 +53,11 @@ int RunCompose(const ComposeArgs& args) {
   for (const auto& [name, map] : source.params) by_name[name] = &map;
   for (const auto& [name, map] : target.params) {
     if (!by_name.count(name)) {
-      return Report("compose", FailedPreconditionError(fmt::format(
-                                   "parameter \"{}\" is in \"{}\" but not in \"{}\"; both map "
-                                   "documents must describe the same parameters",
-                                   name, args.to, args.from)),
+      return Report("compose",
+                    FailedPreconditionError(
+                        fmt::format("parameter \"{}\" is in \"{}\" but not in \"{}\"; both map "
+                                    "documents must describe the same parameters",
+                                    name, args.to, args.from)),
                     kExitCheckFailed);
     }
   }
@@ -64,10 +66,11 @@ int RunCompose(const ComposeArgs& args) {
       bool found = false;
       for (const auto& t : target.params) found |= t.first == name;
       if (!found) {
-        return Report("compose", FailedPreconditionError(fmt::format(
-                                     "parameter \"{}\" is in \"{}\" but not in \"{}\"", name,
-                                     args.from, args.to)),
-                      kExitCheckFailed);
+        return Report(
+            "compose",
+            FailedPreconditionError(fmt::format("parameter \"{}\" is in \"{}\" but not in \"{}\"",
+                                                name, args.from, args.to)),
+            kExitCheckFailed);
       }
     }
   }

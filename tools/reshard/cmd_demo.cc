@@ -41,8 +41,8 @@ struct DemoArgs {
 };
 
 struct DemoParam {
-  std::string name;     // within a layer (or of the model)
-  std::string layout;   // what it is
+  std::string name;        // within a layer (or of the model)
+  std::string layout;      // what it is
   std::string descriptor;  // JSON, docs/layouts.md
   Shape shape;
   DType dtype;
@@ -52,30 +52,55 @@ struct DemoParam {
 std::vector<DemoParam> LayerParams() {
   const Index kv = kKvHeads * kHeadDim;
   return {
-      {"attn.c_attn.weight", "segmented: multi-query QKV, query rows split, key/value on every rank",
-       fmt::format(R"({{"family": "segmented", "dim": 0, "parts": [{{"size": {}, "heads": {}}}, {{"size": {}, "replicated": true}}]}})", kHidden, kHeads, 2 * kHeadDim),
-       {kHidden + 2 * kHeadDim, kHidden}, DType::kBF16},
-      {"attn.qkv_proj.weight", "fused: q, k and v split together, each by its heads",
-       fmt::format(R"({{"family": "fused", "dim": 0, "parts": [{{"size": {}, "heads": {}}}, {{"size": {}, "heads": {}}}, {{"size": {}, "heads": {}}}]}})", kHidden, kHeads, kv, kKvHeads, kv, kKvHeads),
-       {kHidden + 2 * kv, kHidden}, DType::kBF16},
-      {"attn.v_proj.weight", "block_gather: Yuan's shared-QK value heads",
-       fmt::format(R"({{"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": {}}})", kHeads),
-       {kHidden, kHidden}, DType::kBF16},
-      {"attn.codegen_qkv.weight", "codegen_qkv: CodeGen's fused QKV, interleaved over ranks",
+      {"attn.c_attn.weight",
+       "segmented: multi-query QKV, query rows split, key/value on every rank",
+       fmt::format(
+           R"({{"family": "segmented", "dim": 0, "parts": [{{"size": {}, "heads": {}}}, {{"size": {}, "replicated": true}}]}})",
+           kHidden, kHeads, 2 * kHeadDim),
+       {kHidden + 2 * kHeadDim, kHidden},
+       DType::kBF16},
+      {"attn.qkv_proj.weight",
+       "fused: q, k and v split together, each by its heads",
+       fmt::format(
+           R"({{"family": "fused", "dim": 0, "parts": [{{"size": {}, "heads": {}}}, {{"size": {}, "heads": {}}}, {{"size": {}, "heads": {}}}]}})",
+           kHidden, kHeads, kv, kKvHeads, kv, kKvHeads),
+       {kHidden + 2 * kv, kHidden},
+       DType::kBF16},
+      {"attn.v_proj.weight",
+       "block_gather: Yuan's shared-QK value heads",
+       fmt::format(R"({{"family": "block_gather", "dim": 0, "pairing": "shared_qk", "heads": {}}})",
+                   kHeads),
+       {kHidden, kHidden},
+       DType::kBF16},
+      {"attn.codegen_qkv.weight",
+       "codegen_qkv: CodeGen's fused QKV, interleaved over ranks",
        R"({"family": "codegen_qkv", "dim": 0, "mp_num": 4, "heads": 48})",
-       {3 * kHidden, kHidden / 2}, DType::kBF16},
-      {"mlp.up_proj.weight", "split: column-parallel along dim 0",
-       R"({"family": "split", "dim": 0})", {kIntermediate, kHidden}, DType::kBF16},
-      {"mlp.down_proj.weight", "split: row-parallel along dim 1",
-       R"({"family": "split", "dim": 1})", {kHidden, kIntermediate}, DType::kBF16},
-      {"mlp.down_proj.bias", "replicated: row-parallel bias, pre-divided by the world size",
-       R"({"family": "replicated", "pre_divided": true})", {kHidden}, DType::kF32},
+       {3 * kHidden, kHidden / 2},
+       DType::kBF16},
+      {"mlp.up_proj.weight",
+       "split: column-parallel along dim 0",
+       R"({"family": "split", "dim": 0})",
+       {kIntermediate, kHidden},
+       DType::kBF16},
+      {"mlp.down_proj.weight",
+       "split: row-parallel along dim 1",
+       R"({"family": "split", "dim": 1})",
+       {kHidden, kIntermediate},
+       DType::kBF16},
+      {"mlp.down_proj.bias",
+       "replicated: row-parallel bias, pre-divided by the world size",
+       R"({"family": "replicated", "pre_divided": true})",
+       {kHidden},
+       DType::kF32},
   };
 }
 
 DemoParam Embedding() {
-  return {"embed_tokens.weight", "padded_vocab: vocabulary padded to divide, split by rows",
-          R"({"family": "padded_vocab", "dim": 0})", {kVocab, kHidden / 2}, DType::kBF16};
+  return {"embed_tokens.weight",
+          "padded_vocab: vocabulary padded to divide, split by rows",
+          R"({"family": "padded_vocab", "dim": 0})",
+          {kVocab, kHidden / 2},
+          DType::kBF16};
 }
 
 // Random weights of a plausible magnitude (normal, sigma 0.02), so that scaling by a power
@@ -103,7 +128,9 @@ double Seconds(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string Mb(uint64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
+std::string Mb(uint64_t bytes) {
+  return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6);
+}
 
 uint64_t DirBytes(const std::filesystem::path& dir) {
   uint64_t n = 0;
@@ -115,7 +142,8 @@ uint64_t DirBytes(const std::filesystem::path& dir) {
 }
 
 int Fail(const Status& s) {
-  const Stage stage = s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
+  const Stage stage =
+      s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
   return Report("demo", s, ExitStatusFor(s, stage));
 }
 
@@ -131,11 +159,20 @@ int RunDemo(const DemoArgs& args) {
   } else {
     root = args.dir;
     if (fs::exists(root, ec) && !fs::is_empty(root, ec) && !args.force) {
-      return Report("demo", AlreadyExistsError(fmt::format("\"{}\" already exists and is not empty; pass --force to replace its contents", args.dir)), kExitUsage);
+      return Report(
+          "demo",
+          AlreadyExistsError(fmt::format(
+              "\"{}\" already exists and is not empty; pass --force to replace its contents",
+              args.dir)),
+          kExitUsage);
     }
   }
   fs::create_directories(root, ec);
-  if (ec) return Report("demo", UnavailableError(fmt::format("cannot create \"{}\": {}", root.string(), ec.message())), kExitInternal);
+  if (ec)
+    return Report(
+        "demo",
+        UnavailableError(fmt::format("cannot create \"{}\": {}", root.string(), ec.message())),
+        kExitInternal);
   struct Cleanup {
     fs::path path;
     bool active;
@@ -145,15 +182,17 @@ int RunDemo(const DemoArgs& args) {
     }
   } cleanup{root, temporary};
 
-  fmt::print("reshard demo: a {}-layer model (hidden {}, {} heads of {}, {} key/value heads, "
-             "intermediate {}, vocabulary {}), one parameter per layout family in each layer\n\n",
-             args.layers, kHidden, kHeads, kHeadDim, kKvHeads, kIntermediate, kVocab);
+  fmt::print(
+      "reshard demo: a {}-layer model (hidden {}, {} heads of {}, {} key/value heads, "
+      "intermediate {}, vocabulary {}), one parameter per layout family in each layer\n\n",
+      args.layers, kHidden, kHeads, kHeadDim, kKvHeads, kIntermediate, kVocab);
 
   // 1. The full checkpoint.
   std::map<std::string, LayoutDescriptor> layouts;
   std::vector<std::pair<std::string, DemoParam>> params = {{Embedding().name, Embedding()}};
   for (int l = 0; l < args.layers; ++l) {
-    for (const DemoParam& p : LayerParams()) params.emplace_back(fmt::format("layers.{}.{}", l, p.name), p);
+    for (const DemoParam& p : LayerParams())
+      params.emplace_back(fmt::format("layers.{}.{}", l, p.name), p);
   }
   for (const auto& [name, p] : params) {
     Result<LayoutDescriptor> d = ParseLayoutJson(p.descriptor);
@@ -176,15 +215,21 @@ int RunDemo(const DemoArgs& args) {
   {
     Result<OutputDirectory> out = OutputDirectory::Create(full.string(), true);
     if (!out.ok()) return Fail(out.status());
-    Status s = WriteSafetensors(out->FilePath("model.safetensors"), std::move(tensors), {{"format", "pt"}});
+    Status s = WriteSafetensors(out->FilePath("model.safetensors"), std::move(tensors),
+                                {{"format", "pt"}});
     if (s.ok()) s = out->Commit();
     if (!s.ok()) return Fail(s);
   }
-  fmt::print("1. wrote the full checkpoint       {:<28} {} tensors, {}, {:.2f} s\n", (full / "model.safetensors").string(), params.size(), Mb(DirBytes(full)), Seconds(t0));
+  fmt::print("1. wrote the full checkpoint       {:<28} {} tensors, {}, {:.2f} s\n",
+             (full / "model.safetensors").string(), params.size(), Mb(DirBytes(full)), Seconds(t0));
   std::string layouts_json = "{\"version\": 1";
-  for (const auto& [name, d] : layouts) layouts_json += fmt::format(",\n  \"{}\": {}", name, LayoutToJson(d));
+  for (const auto& [name, d] : layouts)
+    layouts_json += fmt::format(",\n  \"{}\": {}", name, LayoutToJson(d));
   layouts_json += "\n}\n";
-  if (Status s = WriteFileAtomically((root / "layouts.json").string(), layouts_json, {.overwrite = true}); !s.ok()) return Fail(s);
+  if (Status s =
+          WriteFileAtomically((root / "layouts.json").string(), layouts_json, {.overwrite = true});
+      !s.ok())
+    return Fail(s);
 
   // 2-4. scatter, convert, convert.
   CheckpointOptions options;
@@ -194,23 +239,40 @@ int RunDemo(const DemoArgs& args) {
     warned.emplace(parameter, message);
   };
   t0 = Clock::now();
-  if (Status s = Scatter(full.string(), 4, MapsFromLayouts(layouts, 4), (root / "tp4").string(), options); !s.ok()) return Fail(s);
-  fmt::print("2. scattered to TP 4               {:<28} {}, {:.2f} s\n", (root / "tp4").string(), Mb(DirBytes(root / "tp4")), Seconds(t0));
+  if (Status s =
+          Scatter(full.string(), 4, MapsFromLayouts(layouts, 4), (root / "tp4").string(), options);
+      !s.ok())
+    return Fail(s);
+  fmt::print("2. scattered to TP 4               {:<28} {}, {:.2f} s\n", (root / "tp4").string(),
+             Mb(DirBytes(root / "tp4")), Seconds(t0));
   t0 = Clock::now();
-  if (Status s = Convert((root / "tp4").string(), 2, std::nullopt, (root / "tp2").string(), options); !s.ok()) return Fail(s);
-  fmt::print("3. converted TP 4 -> TP 2          {:<28} {}, {:.2f} s (no full tensor built)\n", (root / "tp2").string(), Mb(DirBytes(root / "tp2")), Seconds(t0));
+  if (Status s =
+          Convert((root / "tp4").string(), 2, std::nullopt, (root / "tp2").string(), options);
+      !s.ok())
+    return Fail(s);
+  fmt::print("3. converted TP 4 -> TP 2          {:<28} {}, {:.2f} s (no full tensor built)\n",
+             (root / "tp2").string(), Mb(DirBytes(root / "tp2")), Seconds(t0));
   t0 = Clock::now();
-  if (Status s = Convert((root / "tp2").string(), 3, std::nullopt, (root / "tp3").string(), options); !s.ok()) return Fail(s);
-  fmt::print("4. converted TP 2 -> TP 3          {:<28} {}, {:.2f} s\n", (root / "tp3").string(), Mb(DirBytes(root / "tp3")), Seconds(t0));
+  if (Status s =
+          Convert((root / "tp2").string(), 3, std::nullopt, (root / "tp3").string(), options);
+      !s.ok())
+    return Fail(s);
+  fmt::print("4. converted TP 2 -> TP 3          {:<28} {}, {:.2f} s\n", (root / "tp3").string(),
+             Mb(DirBytes(root / "tp3")), Seconds(t0));
   t0 = Clock::now();
-  if (Status s = Gather((root / "tp3").string(), (root / "gathered").string(), options); !s.ok()) return Fail(s);
-  fmt::print("5. gathered TP 3 (replicas checked) {:<27} {}, {:.2f} s\n\n", (root / "gathered").string(), Mb(DirBytes(root / "gathered")), Seconds(t0));
+  if (Status s = Gather((root / "tp3").string(), (root / "gathered").string(), options); !s.ok())
+    return Fail(s);
+  fmt::print("5. gathered TP 3 (replicas checked) {:<27} {}, {:.2f} s\n\n",
+             (root / "gathered").string(), Mb(DirBytes(root / "gathered")), Seconds(t0));
 
   // Pieces per rank of layer 0's parameters at each degree.
   std::vector<Result<ShardedCheckpoint>> ckpts;
-  for (int tp : {4, 2, 3}) ckpts.push_back(ShardedCheckpoint::Open((root / fmt::format("tp{}", tp)).string()));
-  for (const auto& c : ckpts) if (!c.ok()) return Fail(c.status());
-  fmt::print("{:<36} {:<8} {:<8} {:<8}  layout\n", "parameter (pieces per rank)", "TP 4", "TP 2", "TP 3");
+  for (int tp : {4, 2, 3})
+    ckpts.push_back(ShardedCheckpoint::Open((root / fmt::format("tp{}", tp)).string()));
+  for (const auto& c : ckpts)
+    if (!c.ok()) return Fail(c.status());
+  fmt::print("{:<36} {:<8} {:<8} {:<8}  layout\n", "parameter (pieces per rank)", "TP 4", "TP 2",
+             "TP 3");
   for (const auto& [name, p] : params) {
     if (name.rfind("layers.0.", 0) != 0 && name != Embedding().name) continue;
     std::vector<std::string> cells;
@@ -222,7 +284,8 @@ int RunDemo(const DemoArgs& args) {
         cells.push_back(cell);
       }
     }
-    fmt::print("{:<36} {:<8} {:<8} {:<8}  {}\n", name, cells.size() > 0 ? cells[0] : "", cells.size() > 1 ? cells[1] : "", cells.size() > 2 ? cells[2] : "", p.layout);
+    fmt::print("{:<36} {:<8} {:<8} {:<8}  {}\n", name, cells.size() > 0 ? cells[0] : "",
+               cells.size() > 1 ? cells[1] : "", cells.size() > 2 ? cells[2] : "", p.layout);
   }
 
   // 6. Bit-exactness against the original weights.
@@ -233,13 +296,15 @@ int RunDemo(const DemoArgs& args) {
   bool ok = true;
   for (const auto& [name, data] : weights) {
     const TensorRef* t = back->Find(name);
-    if (t && t->data.size() == data.size() && std::memcmp(t->data.data(), data.data(), data.size()) == 0) {
+    if (t && t->data.size() == data.size() &&
+        std::memcmp(t->data.data(), data.data(), data.size()) == 0) {
       ++exact;
       continue;
     }
     // A parameter moved through a scale that is not a power of two is rounded, as warned:
     // accept it within 4 units in the last place.
-    bool close = t && t->data.size() == data.size() && warned.count(name) && t->info->dtype == DType::kF32;
+    bool close =
+        t && t->data.size() == data.size() && warned.count(name) && t->info->dtype == DType::kF32;
     for (size_t i = 0; close && i + 4 <= data.size(); i += 4) {
       int32_t a, b;
       std::memcpy(&a, data.data() + i, 4);
@@ -253,17 +318,22 @@ int RunDemo(const DemoArgs& args) {
       fmt::print("MISMATCH: {} differs from the original\n", name);
     }
   }
-  fmt::print("\n6. {} of {} tensors are bit-identical to the original after TP 4 -> 2 -> 3 -> full", exact, weights.size());
+  fmt::print("\n6. {} of {} tensors are bit-identical to the original after TP 4 -> 2 -> 3 -> full",
+             exact, weights.size());
   if (rounded > 0) {
-    fmt::print(";\n   {} are within 4 units in the last place: {}", rounded, warned.begin()->second);
+    fmt::print(";\n   {} are within 4 units in the last place: {}", rounded,
+               warned.begin()->second);
   }
   fmt::print("\n");
   if (!temporary) {
-    fmt::print("   outputs in {} (try: reshard show {}/tp4/reshard.json)\n", root.string(), root.string());
+    fmt::print("   outputs in {} (try: reshard show {}/tp4/reshard.json)\n", root.string(),
+               root.string());
   }
-  fmt::print("{}\n", !ok ? "some parameters did not round-trip"
-                     : rounded == 0 ? "all parameters round-tripped bit for bit"
-                                    : "every parameter round-tripped: bit for bit, or as exactly as its scales allow");
+  fmt::print("{}\n",
+             !ok ? "some parameters did not round-trip"
+             : rounded == 0
+                 ? "all parameters round-tripped bit for bit"
+                 : "every parameter round-tripped: bit for bit, or as exactly as its scales allow");
   return ok ? kExitOk : kExitCheckFailed;
 }
 
@@ -280,7 +350,9 @@ void RegisterDemo(CLI::App& app, int& exit_status) {
       "temporary directory (removed).");
   cmd->add_option("DIR", args->dir, "directory for the outputs (optional)");
   cmd->add_flag("--force", args->force, "replace existing outputs in DIR");
-  cmd->add_option("--layers", args->layers, "number of layers")->capture_default_str()->check(CLI::Range(1, 64));
+  cmd->add_option("--layers", args->layers, "number of layers")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--seed", args->seed, "random seed for the weights")->capture_default_str();
   cmd->callback([args, &exit_status] { exit_status = RunDemo(*args); });
 }

@@ -20,7 +20,8 @@ struct InferArgs {
 
 int RunInfer(const InferArgs& args) {
   Result<std::string> text = ReadFileToString(args.path);
-  if (!text.ok()) return Report("infer", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  if (!text.ok())
+    return Report("infer", text.status(), ExitStatusFor(text.status(), Stage::kReading));
   Result<IndexMaps> observed = ParseIndexMapsJson(*text);
   if (!observed.ok()) {
     Status s = observed.status().Annotate(fmt::format("error reading \"{}\"", args.path));

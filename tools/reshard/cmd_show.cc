@@ -45,18 +45,23 @@ void PrintText(const std::string& name, const ParamMap& map, const MapSummary& s
   for (Rank r = 0; r < map.world_size(); ++r) {
     const RankSummary& rs = s.ranks[static_cast<size_t>(r)];
     fmt::print("  {:>4}  {:>6}  {:>16}  {:>12}  {:>12}  {:>12}\n", r, rs.pieces,
-               FormatShape(map.rank(r).shard_shape), HumanBytes(rs.elements * static_cast<Index>(elem)),
+               FormatShape(map.rank(r).shard_shape),
+               HumanBytes(rs.elements * static_cast<Index>(elem)),
                HumanBytes(rs.replicated_elements * static_cast<Index>(elem)),
                HumanBytes(rs.scaled_elements * static_cast<Index>(elem)));
   }
   fmt::print("  total held {} for {} of F ({:.2f}x); replicated {}; scaled {}\n",
              HumanBytes(s.held_elements * static_cast<Index>(elem)),
              HumanBytes(s.valid_elements * static_cast<Index>(elem)),
-             s.valid_elements ? static_cast<double>(s.held_elements) / static_cast<double>(s.valid_elements) : 0.0,
+             s.valid_elements
+                 ? static_cast<double>(s.held_elements) / static_cast<double>(s.valid_elements)
+                 : 0.0,
              HumanBytes(s.replicated_elements * static_cast<Index>(elem)),
              HumanBytes(s.scaled_elements * static_cast<Index>(elem)));
   if (!picture.empty()) {
-    fmt::print("  holders (rows x columns of F, sampled; digit = rank, * = all ranks, + = several, . = padding):\n");
+    fmt::print(
+        "  holders (rows x columns of F, sampled; digit = rank, * = all ranks, + = several, . = "
+        "padding):\n");
     for (const std::string& line : picture) fmt::print("    |{}|\n", line);
   }
 }
@@ -64,10 +69,15 @@ void PrintText(const std::string& name, const ParamMap& map, const MapSummary& s
 int RunShow(const ShowArgs& args) {
   std::optional<DType> dtype = DTypeFromName(args.dtype);
   if (!dtype) {
-    return Report("show", InvalidArgumentError(fmt::format("unknown dtype \"{}\"; use a safetensors name such as BF16, F16, F32", args.dtype)), kExitUsage);
+    return Report(
+        "show",
+        InvalidArgumentError(fmt::format(
+            "unknown dtype \"{}\"; use a safetensors name such as BF16, F16, F32", args.dtype)),
+        kExitUsage);
   }
   Result<std::string> text = ReadFileToString(args.path);
-  if (!text.ok()) return Report("show", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  if (!text.ok())
+    return Report("show", text.status(), ExitStatusFor(text.status(), Stage::kReading));
   Result<MapDocumentBuilder> doc = ParseMapDocumentJson(*text);
   if (!doc.ok()) {
     Status s = doc.status().Annotate(fmt::format("error reading \"{}\"", args.path));
@@ -81,7 +91,9 @@ int RunShow(const ShowArgs& args) {
     if (!map.ok()) {
       const int code = ExitStatusFor(map.status(), Stage::kChecking);
       status = std::max(status, code);
-      Report("show", map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", args.path, p.name)) , code);
+      Report("show",
+             map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", args.path, p.name)),
+             code);
       continue;
     }
     MapSummary s = Summarize(*map);
@@ -98,20 +110,22 @@ int RunShow(const ShowArgs& args) {
                          {"replicated_bytes", rs.replicated_elements * static_cast<Index>(elem)},
                          {"scaled_bytes", rs.scaled_elements * static_cast<Index>(elem)}});
       }
-      nlohmann::ordered_json entry = {{"name", p.name},
-                                      {"logical_shape", map->logical_shape()},
-                                      {"valid_shape", map->valid_shape()},
-                                      {"world_size", map->world_size()},
-                                      {"pieces", map->num_pieces()},
-                                      {"dtype", args.dtype},
-                                      {"held_bytes", s.held_elements * static_cast<Index>(elem)},
-                                      {"replicated_bytes", s.replicated_elements * static_cast<Index>(elem)},
-                                      {"scaled_bytes", s.scaled_elements * static_cast<Index>(elem)},
-                                      {"ranks", std::move(ranks)}};
+      nlohmann::ordered_json entry = {
+          {"name", p.name},
+          {"logical_shape", map->logical_shape()},
+          {"valid_shape", map->valid_shape()},
+          {"world_size", map->world_size()},
+          {"pieces", map->num_pieces()},
+          {"dtype", args.dtype},
+          {"held_bytes", s.held_elements * static_cast<Index>(elem)},
+          {"replicated_bytes", s.replicated_elements * static_cast<Index>(elem)},
+          {"scaled_bytes", s.scaled_elements * static_cast<Index>(elem)},
+          {"ranks", std::move(ranks)}};
       if (picture.ok()) entry["picture"] = *picture;
       out.push_back(std::move(entry));
     } else {
-      PrintText(p.name, *map, s, elem, args.dtype, picture.ok() ? *picture : std::vector<std::string>{});
+      PrintText(p.name, *map, s, elem, args.dtype,
+                picture.ok() ? *picture : std::vector<std::string>{});
       fmt::print("\n");
     }
   }
@@ -130,8 +144,12 @@ void RegisterShow(CLI::App& app, int& exit_status) {
   cmd->add_option("MAP", args->path, "param map or map document (JSON)")->required();
   cmd->add_option("--dtype", args->dtype, "element type used to count bytes (safetensors name)")
       ->capture_default_str();
-  cmd->add_option("--rows", args->rows, "picture height in characters")->capture_default_str()->check(CLI::Range(1, 1000));
-  cmd->add_option("--cols", args->cols, "picture width in characters")->capture_default_str()->check(CLI::Range(1, 1000));
+  cmd->add_option("--rows", args->rows, "picture height in characters")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--cols", args->cols, "picture width in characters")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   cmd->add_flag("--json", args->json, "print a machine-readable summary on stdout");
   cmd->callback([args, &exit_status] { exit_status = RunShow(*args); });
 }

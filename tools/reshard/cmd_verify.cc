@@ -23,7 +23,8 @@ std::string ParamLabel(const std::string& name) {
 
 int RunVerify(const VerifyArgs& args) {
   Result<std::string> text = ReadFileToString(args.path);
-  if (!text.ok()) return Report("verify", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  if (!text.ok())
+    return Report("verify", text.status(), ExitStatusFor(text.status(), Stage::kReading));
   Result<MapDocumentBuilder> doc = ParseMapDocumentJson(*text);
   if (!doc.ok()) {
     Status s = doc.status().Annotate(fmt::format("error reading \"{}\"", args.path));

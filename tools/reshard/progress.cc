@@ -22,8 +22,10 @@ std::string Human(double bytes) {
 }  // namespace
 
 ProgressBar::ProgressBar(std::string label)
-    : label_(std::move(label)), active_(::isatty(STDERR_FILENO) == 1),
-      start_(std::chrono::steady_clock::now()), last_(start_) {}
+    : label_(std::move(label)),
+      active_(::isatty(STDERR_FILENO) == 1),
+      start_(std::chrono::steady_clock::now()),
+      last_(start_) {}
 
 ProgressBar::~ProgressBar() {
   if (drawn_) std::fputc('\n', stderr);
@@ -47,7 +49,8 @@ void ProgressBar::Draw(uint64_t done, uint64_t total, bool final) {
   bar.resize(width, ' ');
   const double left = rate > 0 ? static_cast<double>(total - done) / rate : 0;
   fmt::print(stderr, "\r{} [{}] {} / {}  {}/s  {:.0f}s left   ", label_, bar,
-             Human(static_cast<double>(done)), Human(static_cast<double>(total)), Human(rate), left);
+             Human(static_cast<double>(done)), Human(static_cast<double>(total)), Human(rate),
+             left);
   std::fflush(stderr);
   drawn_ = true;
 }

@@ -18,20 +18,20 @@ enum class DTypeKind {
 };
 
 // X(enumerator, safetensors name, size in bytes, kind)
-#define RESHARD_DTYPES(X)                    \
-  X(kF64, "F64", 8, DTypeKind::kFloat)       \
-  X(kF32, "F32", 4, DTypeKind::kFloat)       \
-  X(kF16, "F16", 2, DTypeKind::kFloat)       \
-  X(kBF16, "BF16", 2, DTypeKind::kFloat)     \
-  X(kI64, "I64", 8, DTypeKind::kInt)         \
-  X(kI32, "I32", 4, DTypeKind::kInt)         \
-  X(kI16, "I16", 2, DTypeKind::kInt)         \
-  X(kI8, "I8", 1, DTypeKind::kInt)           \
-  X(kU64, "U64", 8, DTypeKind::kInt)         \
-  X(kU32, "U32", 4, DTypeKind::kInt)         \
-  X(kU16, "U16", 2, DTypeKind::kInt)         \
-  X(kU8, "U8", 1, DTypeKind::kInt)           \
-  X(kBool, "BOOL", 1, DTypeKind::kBool)      \
+#define RESHARD_DTYPES(X)                      \
+  X(kF64, "F64", 8, DTypeKind::kFloat)         \
+  X(kF32, "F32", 4, DTypeKind::kFloat)         \
+  X(kF16, "F16", 2, DTypeKind::kFloat)         \
+  X(kBF16, "BF16", 2, DTypeKind::kFloat)       \
+  X(kI64, "I64", 8, DTypeKind::kInt)           \
+  X(kI32, "I32", 4, DTypeKind::kInt)           \
+  X(kI16, "I16", 2, DTypeKind::kInt)           \
+  X(kI8, "I8", 1, DTypeKind::kInt)             \
+  X(kU64, "U64", 8, DTypeKind::kInt)           \
+  X(kU32, "U32", 4, DTypeKind::kInt)           \
+  X(kU16, "U16", 2, DTypeKind::kInt)           \
+  X(kU8, "U8", 1, DTypeKind::kInt)             \
+  X(kBool, "BOOL", 1, DTypeKind::kBool)        \
   X(kF8E4M3, "F8_E4M3", 1, DTypeKind::kFloat8) \
   X(kF8E5M2, "F8_E5M2", 1, DTypeKind::kFloat8)
 

@@ -16,7 +16,7 @@ class [[nodiscard]] Result {
  public:
   // Implicit from a value and from a non-ok Status, so `return value;` and
   // `return InvalidArgumentError(...)` both read naturally.
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (status_.ok()) status_ = InternalError("Result constructed from an ok Status");
   }

@@ -30,9 +30,7 @@ TEST(StatusTest, AnnotatePrependsContextOuterToInner) {
   EXPECT_EQ(s.ToString(), "INVALID_ARGUMENT: ranks[\"3\"]: pieces[1]: bad stride");
 }
 
-TEST(StatusTest, AnnotateKeepsOkStatusOk) {
-  EXPECT_TRUE(Status::Ok().Annotate("context").ok());
-}
+TEST(StatusTest, AnnotateKeepsOkStatusOk) { EXPECT_TRUE(Status::Ok().Annotate("context").ok()); }
 
 TEST(ResultTest, AssignOrReturnPropagatesTheFirstError) {
   EXPECT_EQ(*Quarter(8), 2);

@@ -194,7 +194,8 @@ Status CheckView(std::span<const Index> shape, const StridedView& view, Index si
   }
   auto last = LastOffset(view.offset, shape, view.strides);
   if (view.offset < 0 || !last || *last >= size) {
-    return OutOfRangeError(fmt::format("{} reaches past the end of a shard of {} elements", what, size));
+    return OutOfRangeError(
+        fmt::format("{} reaches past the end of a shard of {} elements", what, size));
   }
   return Status::Ok();
 }
@@ -205,9 +206,9 @@ Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuff
                    std::span<const MutableBuffer> targets, const ExecOptions& options) {
   if (static_cast<int>(sources.size()) != plan.source_world ||
       static_cast<int>(targets.size()) != plan.target_world) {
-    return FailedPreconditionError(fmt::format(
-        "the plan moves {} source shards to {} target shards but {} and {} were given",
-        plan.source_world, plan.target_world, sources.size(), targets.size()));
+    return FailedPreconditionError(
+        fmt::format("the plan moves {} source shards to {} target shards but {} and {} were given",
+                    plan.source_world, plan.target_world, sources.size(), targets.size()));
   }
   const size_t elem = DTypeSize(dtype);
   std::vector<StridedMove> moves;

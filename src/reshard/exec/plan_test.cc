@@ -166,8 +166,12 @@ ParamMap CodeGen(Index hidden, Index cols, int tp) {
   for (Rank r = 0; r < tp; ++r) {
     const Shape shape = {blocks, quarter, 3, cols};
     b.set_shard_shape(r, {3 * hidden / tp, cols});
-    b.add_piece(r, Piece{shape, {r * blocks * 3 * quarter * cols, {3 * quarter * cols, cols, quarter * cols, 1}},
-                         {0, RowMajorStrides(shape)}, {r}, 1.0});
+    b.add_piece(
+        r, Piece{shape,
+                 {r * blocks * 3 * quarter * cols, {3 * quarter * cols, cols, quarter * cols, 1}},
+                 {0, RowMajorStrides(shape)},
+                 {r},
+                 1.0});
   }
   return *b.Finalize();
 }
@@ -182,8 +186,11 @@ ParamMap YuanOProj(Index rows, Index heads, Index head_dim, int tp) {
   for (Rank r = 0; r < tp; ++r) {
     const Shape shape = {rows, 2, per * head_dim};
     b.set_shard_shape(r, {rows, 2 * per * head_dim});
-    b.add_piece(r, Piece{shape, {r * per * head_dim, {cols, heads / 2 * head_dim, 1}},
-                         {0, RowMajorStrides(shape)}, {r}, 1.0});
+    b.add_piece(r, Piece{shape,
+                         {r * per * head_dim, {cols, heads / 2 * head_dim, 1}},
+                         {0, RowMajorStrides(shape)},
+                         {r},
+                         1.0});
   }
   return *b.Finalize();
 }
@@ -202,9 +209,11 @@ TEST(PlanTest, MoveCountsDoNotGrowWithTheHiddenSize) {
     EXPECT_EQ(Moves(YuanOProj(64, 8, 16, to), YuanOProj(64, 8, 16, from)),
               Moves(YuanOProj(512, 8, 128, to), YuanOProj(512, 8, 128, from)));
     auto bigcode = [](Index h, int tp) {
-      return *SegmentedMap({h + h / 4, h}, 0, {{h, false, EvenSplitSizes(h, tp)}, {h / 4, true, {}}}, tp);
+      return *SegmentedMap({h + h / 4, h}, 0,
+                           {{h, false, EvenSplitSizes(h, tp)}, {h / 4, true, {}}}, tp);
     };
-    EXPECT_EQ(Moves(bigcode(64, to), bigcode(64, from)), Moves(bigcode(512, to), bigcode(512, from)));
+    EXPECT_EQ(Moves(bigcode(64, to), bigcode(64, from)),
+              Moves(bigcode(512, to), bigcode(512, from)));
     for (int dim : {0, 1}) {
       EXPECT_EQ(Moves(*SplitMap({64, 64}, dim, EvenSplitSizes(64, to)),
                       *SplitMap({64, 64}, dim, EvenSplitSizes(64, from))),

@@ -60,7 +60,8 @@ std::string ShardFileName(Rank rank, int part) {
 Result<Manifest> ParseManifestJson(std::string_view text) {
   Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgumentError("not valid JSON");
-  if (!doc.is_object()) return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
+  if (!doc.is_object())
+    return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
   auto format = doc.find("format");
   if (format == doc.end() || !format->is_string() || format->get<std::string>() != "reshard") {
     return InvalidArgumentError("format: expected \"reshard\"; this is not a reshard manifest");
@@ -69,46 +70,58 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
   if (version == doc.end()) return InvalidArgumentError("missing key \"version\"");
   RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(*version, "version"));
   if (v != kManifestVersion) {
-    return InvalidArgumentError(fmt::format("version {} is not supported; this reader knows version {}", v, kManifestVersion));
+    return InvalidArgumentError(fmt::format(
+        "version {} is not supported; this reader knows version {}", v, kManifestVersion));
   }
   Manifest m;
   auto world = doc.find("world_size");
   if (world == doc.end()) return InvalidArgumentError("missing key \"world_size\"");
   RESHARD_ASSIGN_OR_RETURN(Index w, ReadInt(*world, "world_size"));
-  if (w < 1 || w > (1 << 20)) return InvalidArgumentError(fmt::format("world_size: {} is not a world size", w));
+  if (w < 1 || w > (1 << 20))
+    return InvalidArgumentError(fmt::format("world_size: {} is not a world size", w));
   m.world_size = static_cast<int>(w);
   auto files = doc.find("files");
-  if (files == doc.end() || !files->is_object()) return InvalidArgumentError("files: expected an object of rank -> [file names]");
+  if (files == doc.end() || !files->is_object())
+    return InvalidArgumentError("files: expected an object of rank -> [file names]");
   m.files.resize(static_cast<size_t>(m.world_size));
   for (Rank r = 0; r < m.world_size; ++r) {
     const std::string key = std::to_string(r);
     auto list = files->find(key);
     const std::string path = fmt::format("files[\"{}\"]", r);
-    if (list == files->end()) return InvalidArgumentError(fmt::format("{}: missing; every rank needs its files", path));
-    if (!list->is_array() || list->empty()) return InvalidArgumentError(fmt::format("{}: expected a non-empty array of file names", path));
+    if (list == files->end())
+      return InvalidArgumentError(fmt::format("{}: missing; every rank needs its files", path));
+    if (!list->is_array() || list->empty())
+      return InvalidArgumentError(
+          fmt::format("{}: expected a non-empty array of file names", path));
     for (size_t i = 0; i < list->size(); ++i) {
       const Json& f = (*list)[i];
-      if (!f.is_string()) return InvalidArgumentError(fmt::format("{}[{}]: expected a file name", path, i));
+      if (!f.is_string())
+        return InvalidArgumentError(fmt::format("{}[{}]: expected a file name", path, i));
       const std::string name = f.get<std::string>();
       if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
-        return InvalidArgumentError(fmt::format("{}[{}]: \"{}\" is not a plain file name in the checkpoint directory", path, i, name));
+        return InvalidArgumentError(fmt::format(
+            "{}[{}]: \"{}\" is not a plain file name in the checkpoint directory", path, i, name));
       }
       m.files[static_cast<size_t>(r)].push_back(name);
     }
   }
   if (files->size() != static_cast<size_t>(m.world_size)) {
-    return InvalidArgumentError(fmt::format("files: {} entries for a world of {} ranks", files->size(), m.world_size));
+    return InvalidArgumentError(
+        fmt::format("files: {} entries for a world of {} ranks", files->size(), m.world_size));
   }
   auto params = doc.find("params");
-  if (params == doc.end() || !params->is_object()) return InvalidArgumentError("params: expected an object of name -> parameter");
+  if (params == doc.end() || !params->is_object())
+    return InvalidArgumentError("params: expected an object of name -> parameter");
   for (auto it = params->begin(); it != params->end(); ++it) {
     const std::string path = fmt::format("params[{}]", Json(it.key()).dump());
     const Json& p = it.value();
     if (!p.is_object()) return InvalidArgumentError(fmt::format("{}: expected an object", path));
     auto dtype = p.find("dtype");
-    if (dtype == p.end() || !dtype->is_string()) return InvalidArgumentError(fmt::format("{}.dtype: expected a dtype name", path));
+    if (dtype == p.end() || !dtype->is_string())
+      return InvalidArgumentError(fmt::format("{}.dtype: expected a dtype name", path));
     std::optional<DType> d = DTypeFromName(dtype->get<std::string>());
-    if (!d) return InvalidArgumentError(fmt::format("{}.dtype: unknown dtype {}", path, dtype->dump()));
+    if (!d)
+      return InvalidArgumentError(fmt::format("{}.dtype: unknown dtype {}", path, dtype->dump()));
     auto map = p.find("map");
     if (map == p.end()) return InvalidArgumentError(fmt::format("{}: missing key \"map\"", path));
     Result<ParamMapBuilder> builder = ParseParamMapJson(map->dump());
@@ -116,7 +129,8 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     Result<ParamMap> built = builder->Finalize();
     if (!built.ok()) return built.status().Annotate(path + ".map");
     if (built->world_size() != m.world_size) {
-      return InvalidArgumentError(fmt::format("{}.map: has {} ranks but world_size is {}", path, built->world_size(), m.world_size));
+      return InvalidArgumentError(fmt::format("{}.map: has {} ranks but world_size is {}", path,
+                                              built->world_size(), m.world_size));
     }
     std::optional<LayoutDescriptor> layout_desc;
     int scale_power = 1;
@@ -127,24 +141,28 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     }
     if (auto power = p.find("scale_power"); power != p.end()) {
       RESHARD_ASSIGN_OR_RETURN(Index pw, ReadInt(*power, path + ".scale_power"));
-      if (pw < -8 || pw > 8) return InvalidArgumentError(fmt::format("{}.scale_power: {} is out of range", path, pw));
+      if (pw < -8 || pw > 8)
+        return InvalidArgumentError(fmt::format("{}.scale_power: {} is out of range", path, pw));
       scale_power = static_cast<int>(pw);
     }
-    m.params.push_back(ShardedParam{it.key(), *d, *std::move(built), std::move(layout_desc), scale_power});
+    m.params.push_back(
+        ShardedParam{it.key(), *d, *std::move(built), std::move(layout_desc), scale_power});
   }
   return m;
 }
 
 std::string ManifestToJson(const Manifest& m) {
-  std::string out = fmt::format("{{\n  \"format\": \"reshard\",\n  \"version\": {},\n  \"world_size\": {},\n  \"files\": {{",
-                                kManifestVersion, m.world_size);
+  std::string out = fmt::format(
+      "{{\n  \"format\": \"reshard\",\n  \"version\": {},\n  \"world_size\": {},\n  \"files\": {{",
+      kManifestVersion, m.world_size);
   for (size_t r = 0; r < m.files.size(); ++r) {
     out += fmt::format("{}\n    \"{}\": {}", r ? "," : "", r, Json(m.files[r]).dump());
   }
   out += "\n  },\n  \"params\": {";
   for (size_t i = 0; i < m.params.size(); ++i) {
     const ShardedParam& p = m.params[i];
-    out += fmt::format("{}\n    {}: {{\n      \"dtype\": \"{}\",", i ? "," : "", Json(p.name).dump(), DTypeName(p.dtype));
+    out += fmt::format("{}\n    {}: {{\n      \"dtype\": \"{}\",", i ? "," : "",
+                       Json(p.name).dump(), DTypeName(p.dtype));
     if (p.scale_power != 1) out += fmt::format("\n      \"scale_power\": {},", p.scale_power);
     if (p.layout) out += fmt::format("\n      \"layout\": {},", LayoutToJson(*p.layout));
     out += fmt::format("\n      \"map\": {}\n    }}", Indent(ParamMapToJson(p.map), 6));
@@ -176,16 +194,22 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
   const bool has_single = fs::exists(single, ec);
   const bool has_index = fs::exists(index, ec);
   if (has_single && has_index) {
-    return InvalidArgumentError(fmt::format("\"{}\" has both model.safetensors and model.safetensors.index.json; which one is the checkpoint is ambiguous", dir));
+    return InvalidArgumentError(
+        fmt::format("\"{}\" has both model.safetensors and model.safetensors.index.json; which one "
+                    "is the checkpoint is ambiguous",
+                    dir));
   }
   auto add_file = [&](const fs::path& path, const std::set<std::string>* expected) -> Status {
     RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, OpenShared(path.string()));
     for (const TensorInfo& t : file->header().tensors) {
       if (expected && !expected->count(t.name)) {
-        return DataLossError(fmt::format("\"{}\": tensor \"{}\" is not listed for this file in model.safetensors.index.json", path.string(), t.name));
+        return DataLossError(fmt::format(
+            "\"{}\": tensor \"{}\" is not listed for this file in model.safetensors.index.json",
+            path.string(), t.name));
       }
       if (ckpt.by_name_.count(t.name)) {
-        return DataLossError(fmt::format("\"{}\": tensor \"{}\" is stored twice in the checkpoint", path.string(), t.name));
+        return DataLossError(fmt::format("\"{}\": tensor \"{}\" is stored twice in the checkpoint",
+                                         path.string(), t.name));
       }
       ckpt.by_name_[t.name] = ckpt.tensors_.size();
       ckpt.tensors_.push_back({&t, file->data(t)});
@@ -199,28 +223,40 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
     RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(index.string()));
     Json doc = Json::parse(text, nullptr, false);
     const std::string where = fmt::format("error reading \"{}\"", index.string());
-    if (doc.is_discarded() || !doc.is_object()) return InvalidArgumentError(where + ": not a JSON object");
+    if (doc.is_discarded() || !doc.is_object())
+      return InvalidArgumentError(where + ": not a JSON object");
     auto wm = doc.find("weight_map");
-    if (wm == doc.end() || !wm->is_object()) return InvalidArgumentError(where + ": weight_map: expected an object of tensor name -> file");
+    if (wm == doc.end() || !wm->is_object())
+      return InvalidArgumentError(where +
+                                  ": weight_map: expected an object of tensor name -> file");
     std::map<std::string, std::set<std::string>> by_file;
     for (auto it = wm->begin(); it != wm->end(); ++it) {
-      if (!it.value().is_string()) return InvalidArgumentError(fmt::format("{}: weight_map[{}]: expected a file name", where, Json(it.key()).dump()));
+      if (!it.value().is_string())
+        return InvalidArgumentError(
+            fmt::format("{}: weight_map[{}]: expected a file name", where, Json(it.key()).dump()));
       const std::string file = it.value().get<std::string>();
       if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
-        return InvalidArgumentError(fmt::format("{}: weight_map[{}]: \"{}\" is not a file in the checkpoint directory", where, Json(it.key()).dump(), file));
+        return InvalidArgumentError(
+            fmt::format("{}: weight_map[{}]: \"{}\" is not a file in the checkpoint directory",
+                        where, Json(it.key()).dump(), file));
       }
       by_file[file].insert(it.key());
     }
-    for (const auto& [file, names] : by_file) RESHARD_RETURN_IF_ERROR(add_file(root / file, &names));
+    for (const auto& [file, names] : by_file)
+      RESHARD_RETURN_IF_ERROR(add_file(root / file, &names));
     for (const auto& [file, names] : by_file) {
       for (const std::string& name : names) {
         if (!ckpt.by_name_.count(name)) {
-          return DataLossError(fmt::format("\"{}\": tensor \"{}\" is listed in model.safetensors.index.json but not stored in it", (root / file).string(), name));
+          return DataLossError(
+              fmt::format("\"{}\": tensor \"{}\" is listed in model.safetensors.index.json but not "
+                          "stored in it",
+                          (root / file).string(), name));
         }
       }
     }
   } else {
-    return NotFoundError(fmt::format("\"{}\" holds neither model.safetensors nor model.safetensors.index.json", dir));
+    return NotFoundError(fmt::format(
+        "\"{}\" holds neither model.safetensors nor model.safetensors.index.json", dir));
   }
   return ckpt;
 }
@@ -236,23 +272,27 @@ uint64_t ShardedCheckpoint::total_bytes() const {
 Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
   const fs::path root(dir);
   std::error_code ec;
-  if (!fs::is_directory(root, ec)) return NotFoundError(fmt::format("\"{}\" is not a directory", dir));
+  if (!fs::is_directory(root, ec))
+    return NotFoundError(fmt::format("\"{}\" is not a directory", dir));
   const std::string manifest_path = (root / kManifestName).string();
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest_path));
   Result<Manifest> manifest = ParseManifestJson(text);
-  if (!manifest.ok()) return manifest.status().Annotate(fmt::format("error reading \"{}\"", manifest_path));
+  if (!manifest.ok())
+    return manifest.status().Annotate(fmt::format("error reading \"{}\"", manifest_path));
   ShardedCheckpoint ckpt;
   ckpt.manifest_ = *std::move(manifest);
   const Manifest& m = ckpt.manifest_;
   // Per rank: tensor name -> (file, info).
-  std::vector<std::map<std::string, std::pair<SafetensorsFile*, const TensorInfo*>>> found(static_cast<size_t>(m.world_size));
+  std::vector<std::map<std::string, std::pair<SafetensorsFile*, const TensorInfo*>>> found(
+      static_cast<size_t>(m.world_size));
   for (Rank r = 0; r < m.world_size; ++r) {
     for (const std::string& name : m.files[static_cast<size_t>(r)]) {
       const std::string path = (root / name).string();
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, OpenShared(path));
       for (const TensorInfo& t : file->header().tensors) {
         if (!found[static_cast<size_t>(r)].emplace(t.name, std::make_pair(file.get(), &t)).second) {
-          return DataLossError(fmt::format("\"{}\": rank {} stores tensor \"{}\" twice", path, r, t.name));
+          return DataLossError(
+              fmt::format("\"{}\": rank {} stores tensor \"{}\" twice", path, r, t.name));
         }
       }
       ckpt.files_.push_back(std::move(file));
@@ -264,14 +304,21 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
     for (Rank r = 0; r < m.world_size; ++r) {
       auto it = found[static_cast<size_t>(r)].find(p.name);
       if (it == found[static_cast<size_t>(r)].end()) {
-        return DataLossError(fmt::format("\"{}\": parameter \"{}\" has no shard in rank {}'s files {}", dir, p.name, r, Json(m.files[static_cast<size_t>(r)]).dump()));
+        return DataLossError(
+            fmt::format("\"{}\": parameter \"{}\" has no shard in rank {}'s files {}", dir, p.name,
+                        r, Json(m.files[static_cast<size_t>(r)]).dump()));
       }
       const auto [file, info] = it->second;
       if (info->dtype != p.dtype) {
-        return DataLossError(fmt::format("\"{}\": rank {}'s shard of \"{}\" is {} but the manifest says {}", file->path(), r, p.name, DTypeName(info->dtype), DTypeName(p.dtype)));
+        return DataLossError(
+            fmt::format("\"{}\": rank {}'s shard of \"{}\" is {} but the manifest says {}",
+                        file->path(), r, p.name, DTypeName(info->dtype), DTypeName(p.dtype)));
       }
       if (info->shape != p.map.rank(r).shard_shape) {
-        return DataLossError(fmt::format("\"{}\": rank {}'s shard of \"{}\" has shape {} but the manifest's map says {}", file->path(), r, p.name, FormatShape(info->shape), FormatShape(p.map.rank(r).shard_shape)));
+        return DataLossError(fmt::format(
+            "\"{}\": rank {}'s shard of \"{}\" has shape {} but the manifest's map says {}",
+            file->path(), r, p.name, FormatShape(info->shape),
+            FormatShape(p.map.rank(r).shard_shape)));
       }
       ckpt.shards_[i].push_back(file->data(*info));
       found[static_cast<size_t>(r)].erase(it);
@@ -279,7 +326,9 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
   }
   for (Rank r = 0; r < m.world_size; ++r) {
     if (!found[static_cast<size_t>(r)].empty()) {
-      return DataLossError(fmt::format("\"{}\": rank {}'s files hold tensor \"{}\", which the manifest does not list", dir, r, found[static_cast<size_t>(r)].begin()->first));
+      return DataLossError(fmt::format(
+          "\"{}\": rank {}'s files hold tensor \"{}\", which the manifest does not list", dir, r,
+          found[static_cast<size_t>(r)].begin()->first));
     }
   }
   return ckpt;
@@ -290,16 +339,19 @@ Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool ov
   fs::path target(path);
   if (target.filename().empty()) target = target.parent_path();
   if (fs::exists(target, ec) && !overwrite) {
-    return AlreadyExistsError(fmt::format("\"{}\" already exists; pass --force to replace it", path));
+    return AlreadyExistsError(
+        fmt::format("\"{}\" already exists; pass --force to replace it", path));
   }
   fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
   if (!fs::is_directory(parent, ec)) {
-    return NotFoundError(fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
+    return NotFoundError(
+        fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
   }
   std::random_device rd;
   fs::path temp = parent / fmt::format(".{}.tmp-{:08x}", target.filename().string(), rd());
   fs::create_directory(temp, ec);
-  if (ec) return UnavailableError(fmt::format("cannot create \"{}\": {}", temp.string(), ec.message()));
+  if (ec)
+    return UnavailableError(fmt::format("cannot create \"{}\": {}", temp.string(), ec.message()));
   OutputDirectory out;
   out.path_ = target.string();
   out.temp_ = temp.string();
@@ -308,7 +360,10 @@ Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool ov
 }
 
 OutputDirectory::OutputDirectory(OutputDirectory&& other) noexcept
-    : path_(std::move(other.path_)), temp_(std::move(other.temp_)), overwrite_(other.overwrite_), committed_(other.committed_) {
+    : path_(std::move(other.path_)),
+      temp_(std::move(other.temp_)),
+      overwrite_(other.overwrite_),
+      committed_(other.committed_) {
   other.committed_ = true;  // the moved-from object owns nothing
 }
 
@@ -326,16 +381,22 @@ Status OutputDirectory::Commit() {
   std::error_code ec;
   fs::path old;
   if (fs::exists(path_, ec)) {
-    if (!overwrite_) return AlreadyExistsError(fmt::format("\"{}\" already exists; pass --force to replace it", path_));
+    if (!overwrite_)
+      return AlreadyExistsError(
+          fmt::format("\"{}\" already exists; pass --force to replace it", path_));
     std::random_device rd;
-    old = fs::path(path_).parent_path() / fmt::format(".{}.old-{:08x}", fs::path(path_).filename().string(), rd());
+    old = fs::path(path_).parent_path() /
+          fmt::format(".{}.old-{:08x}", fs::path(path_).filename().string(), rd());
     fs::rename(path_, old, ec);
-    if (ec) return UnavailableError(fmt::format("cannot move the old \"{}\" aside: {}", path_, ec.message()));
+    if (ec)
+      return UnavailableError(
+          fmt::format("cannot move the old \"{}\" aside: {}", path_, ec.message()));
   }
   fs::rename(temp_, path_, ec);
   if (ec) {
     if (!old.empty()) fs::rename(old, path_, ec);
-    return UnavailableError(fmt::format("cannot rename the output into \"{}\": {}", path_, ec.message()));
+    return UnavailableError(
+        fmt::format("cannot rename the output into \"{}\": {}", path_, ec.message()));
   }
   committed_ = true;
   if (!old.empty()) fs::remove_all(old, ec);
@@ -353,10 +414,16 @@ Result<uint64_t> ParseByteSize(std::string_view text) {
   }
   std::string unit = s.substr(pos);
   for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  static const std::map<std::string, double> kUnits = {
-      {"", 1},       {"B", 1},         {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9},
-      {"TB", 1e12},  {"KIB", 1024.0},  {"MIB", 1048576.0}, {"GIB", 1073741824.0},
-      {"TIB", 1099511627776.0}};
+  static const std::map<std::string, double> kUnits = {{"", 1},
+                                                       {"B", 1},
+                                                       {"KB", 1e3},
+                                                       {"MB", 1e6},
+                                                       {"GB", 1e9},
+                                                       {"TB", 1e12},
+                                                       {"KIB", 1024.0},
+                                                       {"MIB", 1048576.0},
+                                                       {"GIB", 1073741824.0},
+                                                       {"TIB", 1099511627776.0}};
   auto it = kUnits.find(unit);
   if (it == kUnits.end() || !(value > 0) || !std::isfinite(value)) {
     return InvalidArgumentError(fmt::format("\"{}\" is not a size (e.g. 5GB, 500MB, 2GiB)", text));

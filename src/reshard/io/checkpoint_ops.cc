@@ -1,13 +1,11 @@
 #include "reshard/io/checkpoint_ops.h"
 
 #include <fmt/format.h>
-
 #include <sys/mman.h>
-
-#include <cmath>
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -105,7 +103,8 @@ Result<std::vector<std::string>> WriteRankFiles(const OutputDirectory& out, Rank
   auto parts = SplitIntoParts(std::move(tensors), max_bytes);
   for (size_t p = 0; p < parts.size(); ++p) {
     const std::string name = ShardFileName(rank, static_cast<int>(p));
-    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+    RESHARD_RETURN_IF_ERROR(
+        WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
     names.push_back(name);
   }
   return names;
@@ -117,8 +116,12 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
                        bool padded_to_valid, int num_threads) {
   const Shape valid_strides = RowMajorStrides(map.valid_shape());
   const Shape full_strides = RowMajorStrides(map.logical_shape());
-  StridedMove move{map.valid_shape(), src, padded_to_valid ? full_strides : valid_strides, dst,
-                   padded_to_valid ? valid_strides : full_strides, ScaleOp::None()};
+  StridedMove move{map.valid_shape(),
+                   src,
+                   padded_to_valid ? full_strides : valid_strides,
+                   dst,
+                   padded_to_valid ? valid_strides : full_strides,
+                   ScaleOp::None()};
   return StridedCopy(dtype, std::span<const StridedMove>(&move, 1), num_threads);
 }
 
@@ -126,7 +129,8 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
 // by one thread, so the kernel's copies into the page cache and the memory copies of several
 // ranks overlap. Returns the first error (ranks not yet started are then skipped).
 Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>& fn) {
-  int threads = num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
+  int threads =
+      num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
   threads = std::max(1, std::min(threads, world));
   std::atomic<int> next{0};
   std::mutex mu;
@@ -225,21 +229,24 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
     }
     const ParamMap& map = provided->map;
     if (map.world_size() != world_size) {
-      return FailedPreconditionError(fmt::format("the map of \"{}\" has {} ranks, not {}", name, map.world_size(), world_size));
+      return FailedPreconditionError(fmt::format("the map of \"{}\" has {} ranks, not {}", name,
+                                                 map.world_size(), world_size));
     }
     if (map.valid_shape() != t.info->shape) {
-      return FailedPreconditionError(fmt::format(
-          "the map of \"{}\" is for a tensor of shape {} but the checkpoint stores {}", name,
-          FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
+      return FailedPreconditionError(
+          fmt::format("the map of \"{}\" is for a tensor of shape {} but the checkpoint stores {}",
+                      name, FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
     }
     manifest.params.push_back(ShardedParam{name, t.info->dtype, map, provided->layout, power});
     WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite));
   uint64_t total = 0;
   for (const ShardedParam& p : manifest.params) {
-    for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
+    for (Rank r = 0; r < world_size; ++r)
+      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
   }
   ProgressCounter progress(options, total);
   // Ranks run in parallel; each copies on its own thread.
@@ -250,25 +257,27 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
     for (size_t i = 0; i < manifest.params.size(); ++i) {
       const ShardedParam& p = manifest.params[i];
       const TensorRef* src = sources[i];
-      tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape,
-                         [&, r, i, src](std::span<std::byte> buffer) -> Status {
-                           const ShardedParam& param = manifest.params[i];
-                           const ParamMap& map = param.map;
-                           std::vector<std::byte> padded;
-                           ConstBuffer f{src->data.data(), map.num_elements()};
-                           if (map.has_padding()) {
-                             padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype), std::byte{0});
-                             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
-                             f.data = padded.data();
-                           }
-                           Status s = Extract(map, param.dtype, r, f,
-                                              {buffer.data(), map.shard_num_elements(r)},
-                                              ExecOptionsFor(per_rank, param.scale_power));
-                           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
-                           ReleasePages(src->data);
-                           progress.Add(buffer.size());
-                           return Status::Ok();
-                         }});
+      tensors.push_back(
+          {p.name, p.dtype, p.map.rank(r).shard_shape,
+           [&, r, i, src](std::span<std::byte> buffer) -> Status {
+             const ShardedParam& param = manifest.params[i];
+             const ParamMap& map = param.map;
+             std::vector<std::byte> padded;
+             ConstBuffer f{src->data.data(), map.num_elements()};
+             if (map.has_padding()) {
+               padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype),
+                             std::byte{0});
+               RESHARD_RETURN_IF_ERROR(
+                   CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
+               f.data = padded.data();
+             }
+             Status s = Extract(map, param.dtype, r, f, {buffer.data(), map.shard_num_elements(r)},
+                                ExecOptionsFor(per_rank, param.scale_power));
+             if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+             ReleasePages(src->data);
+             progress.Add(buffer.size());
+             return Status::Ok();
+           }});
     }
     RESHARD_ASSIGN_OR_RETURN(manifest.files[static_cast<size_t>(r)],
                              WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
@@ -283,48 +292,57 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& m = ckpt.manifest();
   for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite));
   uint64_t total = 0;
-  for (const ShardedParam& p : m.params) total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
+  for (const ShardedParam& p : m.params)
+    total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
   ProgressCounter progress(options, total);
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < m.params.size(); ++i) {
     const ShardedParam& p = m.params[i];
-    tensors.push_back({p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
-                         const ShardedParam& param = m.params[i];
-                         const ParamMap& map = param.map;
-                         std::vector<ConstBuffer> shards;
-                         for (Rank r = 0; r < map.world_size(); ++r) {
-                           shards.push_back({ckpt.shard(i, r).data(), map.shard_num_elements(r)});
-                         }
-                         std::vector<std::byte> padded;
-                         MutableBuffer f{buffer.data(), map.num_elements()};
-                         if (map.has_padding()) {
-                           padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
-                           f.data = padded.data();
-                         }
-                         Status s = Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power));
-                         if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
-                         if (map.has_padding()) {
-                           RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
-                         }
-                         for (Rank r = 0; r < map.world_size(); ++r) ReleasePages(ckpt.shard(i, r));
-                         progress.Add(buffer.size());
-                         return Status::Ok();
-                       }});
+    tensors.push_back(
+        {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
+           const ShardedParam& param = m.params[i];
+           const ParamMap& map = param.map;
+           std::vector<ConstBuffer> shards;
+           for (Rank r = 0; r < map.world_size(); ++r) {
+             shards.push_back({ckpt.shard(i, r).data(), map.shard_num_elements(r)});
+           }
+           std::vector<std::byte> padded;
+           MutableBuffer f{buffer.data(), map.num_elements()};
+           if (map.has_padding()) {
+             padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
+             f.data = padded.data();
+           }
+           Status s =
+               Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power));
+           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+           if (map.has_padding()) {
+             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(),
+                                                     true, options.num_threads));
+           }
+           for (Rank r = 0; r < map.world_size(); ++r) ReleasePages(ckpt.shard(i, r));
+           progress.Add(buffer.size());
+           return Status::Ok();
+         }});
   }
   if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
-    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors), kFullMetadata));
+    RESHARD_RETURN_IF_ERROR(
+        WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors), kFullMetadata));
   } else {
     auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
     nlohmann::json weight_map = nlohmann::json::object();
     for (size_t p = 0; p < parts.size(); ++p) {
-      const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
+      const std::string name =
+          fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
       for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
-      RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+      RESHARD_RETURN_IF_ERROR(
+          WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
     }
     nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n"));
+    RESHARD_RETURN_IF_ERROR(
+        WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n"));
   }
   return out.Commit();
 }
@@ -332,7 +350,8 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
 Status Convert(const std::string& sharded_dir, int world_size,
                const std::optional<MapDocument>& target_maps, const std::string& out_dir,
                const CheckpointOptions& options) {
-  if (world_size < 1) return InvalidArgumentError(fmt::format("--tp {} is not a world size", world_size));
+  if (world_size < 1)
+    return InvalidArgumentError(fmt::format("--tp {} is not a world size", world_size));
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& src = ckpt.manifest();
   std::map<std::string, const ParamMap*> given;
@@ -348,7 +367,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
     std::optional<ParamMap> target;
     if (target_maps) {
       auto it = given.find(p.name);
-      if (it == given.end()) return FailedPreconditionError(fmt::format("{} has no map in the target maps", where));
+      if (it == given.end())
+        return FailedPreconditionError(fmt::format("{} has no map in the target maps", where));
       target = *it->second;
       given.erase(it);
     } else if (p.layout) {
@@ -362,7 +382,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
           where, world_size));
     }
     if (target->world_size() != world_size) {
-      return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where, target->world_size(), world_size));
+      return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where,
+                                                 target->world_size(), world_size));
     }
     Result<ParamPlan> plan = Compose(*target, p.map);
     if (!plan.ok()) return plan.status().Annotate(where);
@@ -371,21 +392,26 @@ Status Convert(const std::string& sharded_dir, int world_size,
         if (!IsPowerOfTwo(mv.factor)) {
           options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
                                            "the values are rounded, so a round trip is exact only "
-                                           "to the last bit", mv.factor));
+                                           "to the last bit",
+                                           mv.factor));
           break;
         }
       }
     }
     plans.push_back(*std::move(plan));
-    dst.params.push_back(ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
+    dst.params.push_back(
+        ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
   }
   if (!given.empty()) {
-    return FailedPreconditionError(fmt::format("the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
+    return FailedPreconditionError(fmt::format(
+        "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(out_dir, options.overwrite));
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite));
   uint64_t total = 0;
   for (const ShardedParam& p : dst.params) {
-    for (Rank r = 0; r < world_size; ++r) total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
+    for (Rank r = 0; r < world_size; ++r)
+      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
   }
   ProgressCounter progress(options, total);
   CheckpointOptions per_rank = options;
@@ -394,30 +420,34 @@ Status Convert(const std::string& sharded_dir, int world_size,
     std::vector<TensorToWrite> tensors;
     for (size_t i = 0; i < dst.params.size(); ++i) {
       const ShardedParam& p = dst.params[i];
-      tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape, [&, r, i](std::span<std::byte> buffer) -> Status {
-                           const ShardedParam& param = dst.params[i];
-                           const ParamPlan& plan = plans[i];
-                           ParamPlan mine;
-                           mine.source_world = plan.source_world;
-                           mine.target_world = plan.target_world;
-                           for (const Move& mv : plan.moves) {
-                             if (mv.dst_rank == r) mine.moves.push_back(mv);
-                           }
-                           for (const UnwrittenBlock& u : plan.unwritten) {
-                             if (u.dst_rank == r) mine.unwritten.push_back(u);
-                           }
-                           std::vector<ConstBuffer> sources;
-                           for (Rank s = 0; s < plan.source_world; ++s) {
-                             sources.push_back({ckpt.shard(i, s).data(), src.params[i].map.shard_num_elements(s)});
-                           }
-                           std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
-                           targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
-                           Status s = ExecutePlan(mine, param.dtype, sources, targets, ExecOptionsFor(per_rank, param.scale_power));
-                           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
-                           for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
-                           progress.Add(buffer.size());
-                           return Status::Ok();
-                         }});
+      tensors.push_back(
+          {p.name, p.dtype, p.map.rank(r).shard_shape,
+           [&, r, i](std::span<std::byte> buffer) -> Status {
+             const ShardedParam& param = dst.params[i];
+             const ParamPlan& plan = plans[i];
+             ParamPlan mine;
+             mine.source_world = plan.source_world;
+             mine.target_world = plan.target_world;
+             for (const Move& mv : plan.moves) {
+               if (mv.dst_rank == r) mine.moves.push_back(mv);
+             }
+             for (const UnwrittenBlock& u : plan.unwritten) {
+               if (u.dst_rank == r) mine.unwritten.push_back(u);
+             }
+             std::vector<ConstBuffer> sources;
+             for (Rank s = 0; s < plan.source_world; ++s) {
+               sources.push_back(
+                   {ckpt.shard(i, s).data(), src.params[i].map.shard_num_elements(s)});
+             }
+             std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
+             targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
+             Status s = ExecutePlan(mine, param.dtype, sources, targets,
+                                    ExecOptionsFor(per_rank, param.scale_power));
+             if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+             for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
+             progress.Add(buffer.size());
+             return Status::Ok();
+           }});
     }
     RESHARD_ASSIGN_OR_RETURN(dst.files[static_cast<size_t>(r)],
                              WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));

@@ -49,7 +49,8 @@ void Radix::Digits(Index offset, Index* digits) const {
 
 Index OffsetOfDigits(const Radix& radix, std::span<const Index> digits) {
   Index offset = 0;
-  for (int k = 0; k < radix.rank(); ++k) offset += digits[static_cast<size_t>(k)] * radix.dim(k).stride;
+  for (int k = 0; k < radix.rank(); ++k)
+    offset += digits[static_cast<size_t>(k)] * radix.dim(k).stride;
   return offset;
 }
 
@@ -263,10 +264,9 @@ class Sweeper {
     size_t next = 0;
     for (size_t s = 0; s + 1 < breaks.size(); ++s) {
       const Index a = breaks[s];
-      current.erase(std::remove_if(current.begin(), current.end(),
-                                   [&](int32_t id) {
-                                     return boxes_.hi(static_cast<size_t>(id), level) <= a;
-                                   }),
+      current.erase(std::remove_if(
+                        current.begin(), current.end(),
+                        [&](int32_t id) { return boxes_.hi(static_cast<size_t>(id), level) <= a; }),
                     current.end());
       while (next < by_lo.size() && boxes_.lo(static_cast<size_t>(by_lo[next]), level) <= a) {
         current.push_back(by_lo[next++]);
@@ -275,7 +275,8 @@ class Sweeper {
       std::sort(sorted.begin(), sorted.end());
       cell_lo_[L] = a;
       if (level + 1 == radix_.rank()) {
-        RESHARD_RETURN_IF_ERROR(visit_(cell_lo_, sorted, !padding_.valid.empty() && CellIsPadding()));
+        RESHARD_RETURN_IF_ERROR(
+            visit_(cell_lo_, sorted, !padding_.valid.empty() && CellIsPadding()));
         continue;
       }
       std::vector<Index> key(sorted.begin(), sorted.end());

@@ -108,9 +108,8 @@ PaddingSpec MakePaddingSpec(const Radix& radix, const Shape& logical, const Shap
 /// constant): `cell_lo` holds the cell's smallest digits (the smallest offset in it),
 /// `active` the covering boxes (indices into the BoxSet), and `padding` whether the whole
 /// cell is padding (a cell is either all padding or starts with a non-padding element).
-using CellVisitor =
-    std::function<Status(std::span<const Index> cell_lo, std::span<const int32_t> active,
-                         bool padding)>;
+using CellVisitor = std::function<Status(std::span<const Index> cell_lo,
+                                         std::span<const int32_t> active, bool padding)>;
 
 /// Visits every maximal cell of [0, n), uncovered cells included, in increasing order of
 /// their smallest offset, and stops at the first error the visitor returns. Cells whose

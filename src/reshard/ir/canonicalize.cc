@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <map>
+#include <numeric>
 #include <unordered_map>
 
 #include "reshard/ir/fold.h"
@@ -178,9 +178,11 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
       while (s < spans.size()) {
         size_t e = s + 1;
         Index reach = spans[s].last;
-        while (e < spans.size() && spans[e].first <= reach) reach = std::max(reach, spans[e++].last);
+        while (e < spans.size() && spans[e].first <= reach)
+          reach = std::max(reach, spans[e++].last);
         std::vector<std::pair<Index, FoldItem>> blocks;
-        for (size_t c = s; c < e; ++c) AddPieceItems(shard.pieces[spans[c].piece], e - s == 1, blocks);
+        for (size_t c = s; c < e; ++c)
+          AddPieceItems(shard.pieces[spans[c].piece], e - s == 1, blocks);
         bool join = e - s == 1;
         if (!join) {
           std::stable_sort(blocks.begin(), blocks.end(),

@@ -5,12 +5,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/random_map.h"
-
-#include <random>
 
 namespace reshard {
 namespace {
@@ -46,8 +45,11 @@ void ExpectSameIndexMaps(const IndexMaps& want, const ParamMap& got) {
 
 Piece P(Shape shape, Index src, Shape src_strides, Index dst, Shape dst_strides,
         std::vector<Rank> locs, double scale = 1.0) {
-  return Piece{std::move(shape), {src, std::move(src_strides)}, {dst, std::move(dst_strides)},
-               std::move(locs), scale};
+  return Piece{std::move(shape),
+               {src, std::move(src_strides)},
+               {dst, std::move(dst_strides)},
+               std::move(locs),
+               scale};
 }
 
 // CodeGen's fused QKV as DeepSpeed shards it (3 * hidden rows, mp_num 4): F is 4 blocks of
@@ -63,8 +65,9 @@ IndexMaps CodeGenObservation(Index hidden, int tp, Index cols) {
   for (Rank r = 0; r < tp; ++r) {
     b.set_shard_shape(r, {rows / tp, cols});
     const Shape shape = {blocks, quarter, 3, cols};
-    b.add_piece(r, P(shape, r * blocks * 3 * quarter * cols, {3 * quarter * cols, cols, quarter * cols, 1},
-                     0, RowMajorStrides(shape), {r}));
+    b.add_piece(
+        r, P(shape, r * blocks * 3 * quarter * cols, {3 * quarter * cols, cols, quarter * cols, 1},
+             0, RowMajorStrides(shape), {r}));
   }
   Result<ParamMap> m = b.Finalize();
   EXPECT_TRUE(m.ok()) << m.status().message();
@@ -137,8 +140,10 @@ TEST(InferTest, ScaleConstantPerBlockBecomesAPieceScale) {
   IndexMaps obs;
   obs.logical_shape = {8};
   for (Rank r = 0; r < 2; ++r) {
-    obs.ranks.push_back({r, {8}, {0, 1, 2, 3, 4, 5, 6, 7}, r == 0 ? std::vector<double>{0.5}
-                                                                  : std::vector<double>(8, 0.5)});
+    obs.ranks.push_back({r,
+                         {8},
+                         {0, 1, 2, 3, 4, 5, 6, 7},
+                         r == 0 ? std::vector<double>{0.5} : std::vector<double>(8, 0.5)});
   }
   Result<ParamMap> m = Infer(obs);
   ASSERT_TRUE(m.ok()) << m.status().message();
@@ -271,7 +276,8 @@ TEST(CanonicalizePropertyTest, PreservesElementsIsIdempotentAndAgreesWithInfer) 
   for (uint64_t seed : PropertyTestSeeds(1500)) {
     std::mt19937_64 rng(seed);
     const ParamMap map = RandomParamMap(rng);
-    SCOPED_TRACE(testing::Message() << "replay with RESHARD_SEED=" << seed << "\n" << ParamMapToJson(map));
+    SCOPED_TRACE(testing::Message() << "replay with RESHARD_SEED=" << seed << "\n"
+                                    << ParamMapToJson(map));
     Result<ParamMap> canonical = Canonicalize(map);
     ASSERT_TRUE(canonical.ok()) << canonical.status().ToString();
     ASSERT_EQ(ExpandSourceOffsets(*canonical), ExpandSourceOffsets(map));

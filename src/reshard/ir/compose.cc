@@ -36,7 +36,8 @@ struct BoxDim {
 
 class BoxBuilder {
  public:
-  explicit BoxBuilder(const Radix& radix) : radix_(radix), digits_(static_cast<size_t>(radix.rank())) {}
+  explicit BoxBuilder(const Radix& radix)
+      : radix_(radix), digits_(static_cast<size_t>(radix.rank())) {}
 
   Status AddPiece(const Piece& p, Rank rank, int32_t index, std::vector<AffineBox>& out) {
     if (p.num_elements() == 0) return Status::Ok();
@@ -53,8 +54,8 @@ class BoxBuilder {
   Status Add(Index src, Index dst, const std::vector<BoxDim>& dims, Rank rank, int32_t index,
              std::vector<AffineBox>& out) {
     if (out.size() >= kMaxPlanBoxes) {
-      return ResourceExhaustedError(fmt::format(
-          "the maps are too fragmented to plan: more than {} blocks", kMaxPlanBoxes));
+      return ResourceExhaustedError(
+          fmt::format("the maps are too fragmented to plan: more than {} blocks", kMaxPlanBoxes));
     }
     const int failed = TryBox(src, dst, dims, rank, index, out);
     if (failed < 0) return Status::Ok();
@@ -75,7 +76,8 @@ class BoxBuilder {
     std::vector<BoxDim> rest = dims;
     rest.erase(rest.begin() + failed);
     for (Index i = 0; i < walked.extent; ++i) {
-      RESHARD_RETURN_IF_ERROR(Add(src + i * walked.src, dst + i * walked.dst, rest, rank, index, out));
+      RESHARD_RETURN_IF_ERROR(
+          Add(src + i * walked.src, dst + i * walked.dst, rest, rank, index, out));
     }
     return Status::Ok();
   }
@@ -85,7 +87,9 @@ class BoxBuilder {
              std::vector<AffineBox>& out) {
     const int n = radix_.rank();
     radix_.Digits(src, digits_.data());
-    AffineBox box{rank, index, dst, std::vector<Index>(digits_.begin(), digits_.end()), {}, std::vector<Index>(static_cast<size_t>(n), 0)};
+    AffineBox box{rank, index,
+                  dst,  std::vector<Index>(digits_.begin(), digits_.end()),
+                  {},   std::vector<Index>(static_cast<size_t>(n), 0)};
     box.hi = box.lo;
     for (Index& h : box.hi) ++h;
     std::vector<bool> used(static_cast<size_t>(n), false);
@@ -145,8 +149,8 @@ bool Intersect(const Region& a, const AffineBox& b, Region& out) {
 
 // Splits `r` along one padded logical dimension into the part that is valid (index < valid)
 // or the part that is padding, as disjoint boxes.
-void SplitAlong(const Region& r, const Radix& radix, int first, int last, Index valid, bool keep_valid,
-                std::vector<Region>& out) {
+void SplitAlong(const Region& r, const Radix& radix, int first, int last, Index valid,
+                bool keep_valid, std::vector<Region>& out) {
   // valid's digits over [first, last].
   std::vector<Index> q(static_cast<size_t>(radix.rank()), 0);
   Index rest = valid;
@@ -216,9 +220,8 @@ void NormalizeMove(Move& m) {
   for (size_t k = 0; k < m.shape.size(); ++k) {
     if (m.shape[k] != 1) dims.push_back({m.shape[k], m.src.strides[k], m.dst.strides[k]});
   }
-  std::stable_sort(dims.begin(), dims.end(), [](const D& a, const D& b) {
-    return a.d != b.d ? a.d > b.d : a.s > b.s;
-  });
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const D& a, const D& b) { return a.d != b.d ? a.d > b.d : a.s > b.s; });
   std::vector<D> merged;
   for (const D& d : dims) {
     if (!merged.empty() && merged.back().s == d.n * d.s && merged.back().d == d.n * d.d) {
@@ -283,17 +286,20 @@ void FoldGroup(std::vector<Move>& group) {
         const Index s = cur.src.strides[0];
         const Index d = cur.dst.strides[0];
         const bool inner_equal =
-            std::equal(cur.shape.begin() + 1, cur.shape.end(), next.shape.begin() + (next.shape.size() + 1 == cur.shape.size() ? 0 : 1),
+            std::equal(cur.shape.begin() + 1, cur.shape.end(),
+                       next.shape.begin() + (next.shape.size() + 1 == cur.shape.size() ? 0 : 1),
                        next.shape.end()) &&
             (next.shape.size() + 1 == cur.shape.size() ||
-             (next.shape.size() == cur.shape.size() && next.src.strides[0] == s && next.dst.strides[0] == d));
+             (next.shape.size() == cur.shape.size() && next.src.strides[0] == s &&
+              next.dst.strides[0] == d));
         if (inner_equal && next.src.offset == cur.src.offset + n * s &&
             next.dst.offset == cur.dst.offset + n * d) {
           const size_t off = next.shape.size() + 1 == cur.shape.size() ? 0 : 1;
-          bool strides_equal = std::equal(cur.src.strides.begin() + 1, cur.src.strides.end(),
-                                          next.src.strides.begin() + static_cast<std::ptrdiff_t>(off)) &&
-                               std::equal(cur.dst.strides.begin() + 1, cur.dst.strides.end(),
-                                          next.dst.strides.begin() + static_cast<std::ptrdiff_t>(off));
+          bool strides_equal =
+              std::equal(cur.src.strides.begin() + 1, cur.src.strides.end(),
+                         next.src.strides.begin() + static_cast<std::ptrdiff_t>(off)) &&
+              std::equal(cur.dst.strides.begin() + 1, cur.dst.strides.end(),
+                         next.dst.strides.begin() + static_cast<std::ptrdiff_t>(off));
           if (strides_equal) {
             cur.shape[0] += off == 0 ? 1 : next.shape[0];
             NormalizeMove(cur);
@@ -411,7 +417,9 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
       covered += elements;
       const Rank chosen = options.policy(t.rank, holders, elements, assigned);
       if (!std::binary_search(holders.begin(), holders.end(), chosen)) {
-        return InternalError(fmt::format("the replica policy chose rank {}, which does not hold the block (holders {})", chosen, fmt::join(holders, ", ")));
+        return InternalError(fmt::format(
+            "the replica policy chose rank {}, which does not hold the block (holders {})", chosen,
+            fmt::join(holders, ", ")));
       }
       assigned[static_cast<size_t>(chosen)] += elements;
       for (size_t s : boxes) {
@@ -446,7 +454,8 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
           bool held = false;
           for (const AffineBox& sb : source_boxes) {
             bool inside = true;
-            for (size_t j = 0; j < digits.size() && inside; ++j) inside = sb.lo[j] <= digits[j] && digits[j] < sb.hi[j];
+            for (size_t j = 0; j < digits.size() && inside; ++j)
+              inside = sb.lo[j] <= digits[j] && digits[j] < sb.hi[j];
             if (inside) {
               held = true;
               break;
@@ -455,7 +464,8 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
           if (!held) {
             return FailedPreconditionError(fmt::format(
                 "element {} of F is held by target rank {} but by no source rank",
-                FormatShape(UnravelIndex(internal::OffsetOfDigits(radix, digits), logical)), t.rank));
+                FormatShape(UnravelIndex(internal::OffsetOfDigits(radix, digits), logical)),
+                t.rank));
           }
           size_t j = digits.size();
           while (j > 0) {
@@ -488,9 +498,10 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
     return std::tie(a.src_rank, a.dst_rank, a.dst.offset, a.src.offset) <
            std::tie(b.src_rank, b.dst_rank, b.dst.offset, b.src.offset);
   });
-  std::sort(plan.unwritten.begin(), plan.unwritten.end(), [](const UnwrittenBlock& a, const UnwrittenBlock& b) {
-    return std::tie(a.dst_rank, a.dst.offset) < std::tie(b.dst_rank, b.dst.offset);
-  });
+  std::sort(plan.unwritten.begin(), plan.unwritten.end(),
+            [](const UnwrittenBlock& a, const UnwrittenBlock& b) {
+              return std::tie(a.dst_rank, a.dst.offset) < std::tie(b.dst_rank, b.dst.offset);
+            });
   return plan;
 }
 

@@ -163,8 +163,9 @@ void Partition(const std::vector<FoldItem>& items, std::vector<FoldedPiece>& out
   while (start < items.size()) {
     const size_t remaining = items.size() - start;
     auto fold_prefix = [&](size_t len) {
-      return FoldOne(std::vector<FoldItem>(items.begin() + static_cast<std::ptrdiff_t>(start),
-                                           items.begin() + static_cast<std::ptrdiff_t>(start + len)));
+      return FoldOne(
+          std::vector<FoldItem>(items.begin() + static_cast<std::ptrdiff_t>(start),
+                                items.begin() + static_cast<std::ptrdiff_t>(start + len)));
     };
     size_t best_len = 1;
     std::optional<FoldedPiece> best;

@@ -69,11 +69,13 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
   auto numel = CheckedProduct(observed.logical_shape);
   if (!numel.ok()) return numel.status().Annotate("logical_shape");
   const Index n = *numel;
-  if (observed.ranks.empty()) return InvalidArgumentError("ranks is empty: observe at least one rank");
+  if (observed.ranks.empty())
+    return InvalidArgumentError("ranks is empty: observe at least one rank");
   if (observed.valid_shape) {
     const Shape& v = *observed.valid_shape;
     bool fits = v.size() == observed.logical_shape.size();
-    for (size_t k = 0; fits && k < v.size(); ++k) fits = v[k] >= 0 && v[k] <= observed.logical_shape[k];
+    for (size_t k = 0; fits && k < v.size(); ++k)
+      fits = v[k] >= 0 && v[k] <= observed.logical_shape[k];
     if (!fits) {
       return InvalidArgumentError(fmt::format("valid_shape {} does not fit inside logical_shape {}",
                                               FormatShape(v), FormatShape(observed.logical_shape)));
@@ -84,32 +86,36 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
   for (size_t i = 0; i < observed.ranks.size(); ++i) {
     const ObservedShard& s = observed.ranks[i];
     if (s.rank < 0 || s.rank >= world) {
-      return InvalidArgumentError(fmt::format(
-          "{}: rank {} is outside 0..{}; ranks must be numbered 0 to N-1", ObservedPath(i, s.rank),
-          s.rank, world - 1));
+      return InvalidArgumentError(
+          fmt::format("{}: rank {} is outside 0..{}; ranks must be numbered 0 to N-1",
+                      ObservedPath(i, s.rank), s.rank, world - 1));
     }
     if (by_rank[static_cast<size_t>(s.rank)] != nullptr) {
-      return InvalidArgumentError(fmt::format("{}: rank {} is listed twice", ObservedPath(i, s.rank), s.rank));
+      return InvalidArgumentError(
+          fmt::format("{}: rank {} is listed twice", ObservedPath(i, s.rank), s.rank));
     }
     by_rank[static_cast<size_t>(s.rank)] = &s;
     auto shard_elems = CheckedProduct(s.shard_shape);
-    if (!shard_elems.ok()) return shard_elems.status().Annotate(ObservedPath(i, s.rank) + ".shard_shape");
+    if (!shard_elems.ok())
+      return shard_elems.status().Annotate(ObservedPath(i, s.rank) + ".shard_shape");
     const auto entries = static_cast<Index>(s.index_map.size());
     if (*shard_elems != entries) {
-      return InvalidArgumentError(fmt::format(
-          "{}: shard_shape {} has {} elements but index_map has {} entries ({})",
-          ObservedPath(i, s.rank), FormatShape(s.shard_shape), *shard_elems, entries,
-          entries < *shard_elems ? "shard elements are missing" : "extra shard elements are listed"));
+      return InvalidArgumentError(
+          fmt::format("{}: shard_shape {} has {} elements but index_map has {} entries ({})",
+                      ObservedPath(i, s.rank), FormatShape(s.shard_shape), *shard_elems, entries,
+                      entries < *shard_elems ? "shard elements are missing"
+                                             : "extra shard elements are listed"));
     }
     if (s.scale.size() > 1 && s.scale.size() != s.index_map.size()) {
-      return InvalidArgumentError(fmt::format(
-          "{}: scale has {} values; give one number or one per index_map entry ({})",
-          ObservedPath(i, s.rank), s.scale.size(), entries));
+      return InvalidArgumentError(
+          fmt::format("{}: scale has {} values; give one number or one per index_map entry ({})",
+                      ObservedPath(i, s.rank), s.scale.size(), entries));
     }
     for (size_t k = 0; k < s.scale.size(); ++k) {
       if (!std::isfinite(s.scale[k]) || s.scale[k] == 0.0) {
-        return InvalidArgumentError(fmt::format("{}: scale[{}] = {} is not a finite non-zero number",
-                                                ObservedPath(i, s.rank), k, s.scale[k]));
+        return InvalidArgumentError(
+            fmt::format("{}: scale[{}] = {} is not a finite non-zero number",
+                        ObservedPath(i, s.rank), k, s.scale[k]));
       }
     }
   }
@@ -125,9 +131,9 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
     for (size_t k = 0; k < s.index_map.size(); ++k) {
       const Index e = s.index_map[k];
       if (e < 0 || e >= n) {
-        return InvalidArgumentError(fmt::format(
-            "rank {}: index_map[{}] = {} is outside F (shape {}, {} elements)", r, k, e,
-            FormatShape(observed.logical_shape), n));
+        return InvalidArgumentError(
+            fmt::format("rank {}: index_map[{}] = {} is outside F (shape {}, {} elements)", r, k, e,
+                        FormatShape(observed.logical_shape), n));
       }
       uint32_t& h = holders[e];
       if (h != cached_from) {
@@ -210,7 +216,8 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
     }
     internal::EmitFolded(sequences, r, logical_strides, builder);
   }
-  RESHARD_ASSIGN_OR_RETURN(ParamMap folded, builder.Finalize({.require_coverage = !options.allow_uncovered}));
+  RESHARD_ASSIGN_OR_RETURN(ParamMap folded,
+                           builder.Finalize({.require_coverage = !options.allow_uncovered}));
   return Canonicalize(folded);
 }
 
@@ -273,7 +280,9 @@ Result<Index> ReadIndex(const Json& j, const std::string& path) {
 }
 
 Result<Shape> ReadShape(const Json& j, const std::string& path) {
-  if (!j.is_array()) return InvalidArgumentError(fmt::format("{}: expected an array of integers, got {}", path, TypeName(j)));
+  if (!j.is_array())
+    return InvalidArgumentError(
+        fmt::format("{}: expected an array of integers, got {}", path, TypeName(j)));
   Shape out;
   out.reserve(j.size());
   for (size_t i = 0; i < j.size(); ++i) {
@@ -288,7 +297,8 @@ Result<Shape> ReadShape(const Json& j, const std::string& path) {
 Result<IndexMaps> ParseIndexMapsJson(std::string_view text) {
   Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return InvalidArgumentError("not valid JSON (parse error)");
-  if (!doc.is_object()) return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
+  if (!doc.is_object())
+    return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
   IndexMaps out;
   auto shape = doc.find("logical_shape");
   if (shape == doc.end()) return InvalidArgumentError("missing key \"logical_shape\"");
@@ -299,17 +309,21 @@ Result<IndexMaps> ParseIndexMapsJson(std::string_view text) {
   }
   auto ranks = doc.find("ranks");
   if (ranks == doc.end()) return InvalidArgumentError("missing key \"ranks\"");
-  if (!ranks->is_array()) return InvalidArgumentError(fmt::format("ranks: expected an array, got {}", TypeName(*ranks)));
+  if (!ranks->is_array())
+    return InvalidArgumentError(fmt::format("ranks: expected an array, got {}", TypeName(*ranks)));
   for (size_t i = 0; i < ranks->size(); ++i) {
     const Json& r = (*ranks)[i];
     const std::string path = fmt::format("ranks[{}]", i);
-    if (!r.is_object()) return InvalidArgumentError(fmt::format("{}: expected an object, got {}", path, TypeName(r)));
+    if (!r.is_object())
+      return InvalidArgumentError(fmt::format("{}: expected an object, got {}", path, TypeName(r)));
     ObservedShard s;
     for (const char* key : {"rank", "shard_shape", "index_map"}) {
-      if (!r.contains(key)) return InvalidArgumentError(fmt::format("{}: missing key \"{}\"", path, key));
+      if (!r.contains(key))
+        return InvalidArgumentError(fmt::format("{}: missing key \"{}\"", path, key));
     }
     RESHARD_ASSIGN_OR_RETURN(Index rank, ReadIndex(r["rank"], path + ".rank"));
-    if (rank < 0 || rank > INT32_MAX) return InvalidArgumentError(fmt::format("{}.rank: {} is not a rank", path, rank));
+    if (rank < 0 || rank > INT32_MAX)
+      return InvalidArgumentError(fmt::format("{}.rank: {} is not a rank", path, rank));
     s.rank = static_cast<Rank>(rank);
     RESHARD_ASSIGN_OR_RETURN(s.shard_shape, ReadShape(r["shard_shape"], path + ".shard_shape"));
     RESHARD_ASSIGN_OR_RETURN(s.index_map, ReadShape(r["index_map"], path + ".index_map"));
@@ -319,11 +333,14 @@ Result<IndexMaps> ParseIndexMapsJson(std::string_view text) {
       } else if (sc->is_array()) {
         for (size_t k = 0; k < sc->size(); ++k) {
           const Json& v = (*sc)[k];
-          if (!v.is_number()) return InvalidArgumentError(fmt::format("{}.scale[{}]: expected a number, got {}", path, k, TypeName(v)));
+          if (!v.is_number())
+            return InvalidArgumentError(
+                fmt::format("{}.scale[{}]: expected a number, got {}", path, k, TypeName(v)));
           s.scale.push_back(v.get<double>());
         }
       } else {
-        return InvalidArgumentError(fmt::format("{}.scale: expected a number or an array of numbers, got {}", path, TypeName(*sc)));
+        return InvalidArgumentError(fmt::format(
+            "{}.scale: expected a number or an array of numbers, got {}", path, TypeName(*sc)));
       }
     }
     out.ranks.push_back(std::move(s));

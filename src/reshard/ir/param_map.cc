@@ -45,9 +45,9 @@ Status CheckShape(const Shape& shape, std::string_view what) {
 Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index shard_elems) {
   const size_t nd = piece.shape.size();
   if (piece.source.strides.size() != nd || piece.dest.strides.size() != nd) {
-    return InvalidArgumentError(fmt::format(
-        "shape has {} dimensions but source has {} strides and dest has {}", nd,
-        piece.source.strides.size(), piece.dest.strides.size()));
+    return InvalidArgumentError(
+        fmt::format("shape has {} dimensions but source has {} strides and dest has {}", nd,
+                    piece.source.strides.size(), piece.dest.strides.size()));
   }
   auto numel = CheckedProduct(piece.shape);
   if (!numel.ok()) return numel.status();
@@ -66,8 +66,8 @@ Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index sh
     }
   }
   if (piece.source.offset < 0 || piece.dest.offset < 0) {
-    return OutOfRangeError(fmt::format("negative offset (source {}, dest {})",
-                                       piece.source.offset, piece.dest.offset));
+    return OutOfRangeError(fmt::format("negative offset (source {}, dest {})", piece.source.offset,
+                                       piece.dest.offset));
   }
   if (!std::isfinite(piece.scale) || piece.scale == 0.0) {
     return InvalidArgumentError(
@@ -95,10 +95,10 @@ Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index sh
   if (*numel == 0) return Status::Ok();
   auto source_end = LastOffset(piece.source.offset, piece.shape, piece.source.strides);
   if (!source_end || *source_end >= full_elems) {
-    return OutOfRangeError(
-        source_end ? fmt::format("source view ends at offset {} but F has {} elements",
-                                 *source_end + 1, full_elems)
-                   : std::string("source view overflows 2^62 elements"));
+    return OutOfRangeError(source_end
+                               ? fmt::format("source view ends at offset {} but F has {} elements",
+                                             *source_end + 1, full_elems)
+                               : std::string("source view overflows 2^62 elements"));
   }
   auto dest_end = LastOffset(piece.dest.offset, piece.shape, piece.dest.strides);
   if (!dest_end || *dest_end >= shard_elems) {
@@ -124,9 +124,9 @@ Status CheckShardExact(const RankShard& shard, Rank rank, size_t& used_digits) {
   BoxSet boxes(radix);
   for (size_t i = 0; i < shard.pieces.size(); ++i) {
     const Piece& p = shard.pieces[i];
-    RESHARD_RETURN_IF_ERROR(boxes.AddView(p.dest.offset, p.shape, p.dest.strides,
-                                          static_cast<int32_t>(i),
-                                          BoxLimit(radix, used_digits))
+    RESHARD_RETURN_IF_ERROR(boxes
+                                .AddView(p.dest.offset, p.shape, p.dest.strides,
+                                         static_cast<int32_t>(i), BoxLimit(radix, used_digits))
                                 .Annotate(RankPath(rank)));
   }
   used_digits += boxes.size() * static_cast<size_t>(radix.rank());
@@ -135,18 +135,18 @@ Status CheckShardExact(const RankShard& shard, Rank rank, size_t& used_digits) {
       boxes, PaddingSpec{},
       [&](std::span<const Index> cell_lo, std::span<const int32_t> active, bool) -> Status {
         if (active.size() == 1) return Status::Ok();
-        const Shape where = UnravelIndex(internal::OffsetOfDigits(radix, cell_lo), shard.shard_shape);
+        const Shape where =
+            UnravelIndex(internal::OffsetOfDigits(radix, cell_lo), shard.shard_shape);
         if (active.empty()) {
-          return InvalidArgumentError(
-              fmt::format("{}: shard element {} (shard shape {}) is written by no piece; its "
-                          "pieces account for {} of {} elements",
-                          RankPath(rank), FormatShape(where), FormatShape(shard.shard_shape),
-                          held, n));
+          return InvalidArgumentError(fmt::format(
+              "{}: shard element {} (shard shape {}) is written by no piece; its "
+              "pieces account for {} of {} elements",
+              RankPath(rank), FormatShape(where), FormatShape(shard.shard_shape), held, n));
         }
-        return InvalidArgumentError(fmt::format(
-            "{}: shard element {} is written by pieces {} and {}", RankPath(rank),
-            FormatShape(where), boxes.tag(static_cast<size_t>(active[0])),
-            boxes.tag(static_cast<size_t>(active[1]))));
+        return InvalidArgumentError(
+            fmt::format("{}: shard element {} is written by pieces {} and {}", RankPath(rank),
+                        FormatShape(where), boxes.tag(static_cast<size_t>(active[0])),
+                        boxes.tag(static_cast<size_t>(active[1]))));
       });
 }
 
@@ -174,9 +174,8 @@ Status CheckSourceCover(const Shape& logical, const Shape& valid,
       const Piece& p = ranks[r].pieces[i];
       const auto tag = static_cast<int32_t>(refs.size());
       refs.push_back({static_cast<Rank>(r), static_cast<int32_t>(i)});
-      RESHARD_RETURN_IF_ERROR(
-          boxes.AddView(p.source.offset, p.shape, p.source.strides, tag,
-                        BoxLimit(radix, used_digits)));
+      RESHARD_RETURN_IF_ERROR(boxes.AddView(p.source.offset, p.shape, p.source.strides, tag,
+                                            BoxLimit(radix, used_digits)));
     }
   }
   const PaddingSpec padding = internal::MakePaddingSpec(radix, logical, valid);
@@ -190,11 +189,12 @@ Status CheckSourceCover(const Shape& logical, const Shape& valid,
         };
         if (active.empty()) {
           if (is_padding || !require_coverage) return Status::Ok();
-          return InvalidArgumentError(fmt::format(
-              "element {} of F (shape {}) is held by no rank", where(), FormatShape(logical)));
+          return InvalidArgumentError(fmt::format("element {} of F (shape {}) is held by no rank",
+                                                  where(), FormatShape(logical)));
         }
         holders.clear();
-        for (int32_t box : active) holders.push_back(refs[static_cast<size_t>(boxes.tag(box))].rank);
+        for (int32_t box : active)
+          holders.push_back(refs[static_cast<size_t>(boxes.tag(box))].rank);
         std::sort(holders.begin(), holders.end());
         for (size_t i = 1; i < holders.size(); ++i) {
           if (holders[i] != holders[i - 1]) continue;
@@ -210,13 +210,14 @@ Status CheckSourceCover(const Shape& logical, const Shape& valid,
         }
         for (int32_t box : active) {
           const Ref& ref = refs[static_cast<size_t>(boxes.tag(box))];
-          const Piece& p = ranks[static_cast<size_t>(ref.rank)].pieces[static_cast<size_t>(ref.piece)];
+          const Piece& p =
+              ranks[static_cast<size_t>(ref.rank)].pieces[static_cast<size_t>(ref.piece)];
           if (p.locations != holders) {
             return InvalidArgumentError(fmt::format(
                 "{}: element {} of F is held by ranks {} but the piece's locations are {}; a "
                 "piece must not span elements with different holders",
-                PiecePath(ref.rank, static_cast<size_t>(ref.piece)), where(),
-                FormatRanks(holders), FormatRanks(p.locations)));
+                PiecePath(ref.rank, static_cast<size_t>(ref.piece)), where(), FormatRanks(holders),
+                FormatRanks(p.locations)));
           }
         }
         return Status::Ok();
@@ -267,13 +268,15 @@ ParamMapBuilder& ParamMapBuilder::set_world_size(int n) {
 }
 
 ParamMapBuilder& ParamMapBuilder::set_shard_shape(Rank rank, Shape shape) {
-  if (rank >= 0 && static_cast<size_t>(rank) >= ranks_.size()) ranks_.resize(static_cast<size_t>(rank) + 1);
+  if (rank >= 0 && static_cast<size_t>(rank) >= ranks_.size())
+    ranks_.resize(static_cast<size_t>(rank) + 1);
   if (rank >= 0) ranks_[static_cast<size_t>(rank)].shard_shape = std::move(shape);
   return *this;
 }
 
 ParamMapBuilder& ParamMapBuilder::add_piece(Rank rank, Piece piece) {
-  if (rank >= 0 && static_cast<size_t>(rank) >= ranks_.size()) ranks_.resize(static_cast<size_t>(rank) + 1);
+  if (rank >= 0 && static_cast<size_t>(rank) >= ranks_.size())
+    ranks_.resize(static_cast<size_t>(rank) + 1);
   if (rank >= 0) ranks_[static_cast<size_t>(rank)].pieces.push_back(std::move(piece));
   return *this;
 }
@@ -291,27 +294,27 @@ Result<ParamMap> ParamMapBuilder::Finalize(const ValidateOptions& options) const
     }
     for (size_t k = 0; k < logical_shape_.size(); ++k) {
       if ((*valid_shape_)[k] < 0 || (*valid_shape_)[k] > logical_shape_[k]) {
-        return InvalidArgumentError(fmt::format(
-            "valid_shape {} is not within logical_shape {} (dimension {})",
-            FormatShape(*valid_shape_), FormatShape(logical_shape_), k));
+        return InvalidArgumentError(
+            fmt::format("valid_shape {} is not within logical_shape {} (dimension {})",
+                        FormatShape(*valid_shape_), FormatShape(logical_shape_), k));
       }
     }
     map.valid_shape_ = *valid_shape_;
   } else {
     map.valid_shape_ = logical_shape_;
   }
-  if (map.ranks_.empty()) return InvalidArgumentError("ranks is empty: a map needs at least one rank");
+  if (map.ranks_.empty())
+    return InvalidArgumentError("ranks is empty: a map needs at least one rank");
   const int world = static_cast<int>(map.ranks_.size());
   const Index full_elems = ProductOf(map.logical_shape_);
   for (Rank r = 0; r < world; ++r) {
     RankShard& shard = map.ranks_[static_cast<size_t>(r)];
-    RESHARD_RETURN_IF_ERROR(
-        CheckShape(shard.shard_shape, RankPath(r) + ".shard_shape"));
+    RESHARD_RETURN_IF_ERROR(CheckShape(shard.shard_shape, RankPath(r) + ".shard_shape"));
     const Index shard_elems = ProductOf(shard.shard_shape);
     Index held = 0;
     for (size_t i = 0; i < shard.pieces.size(); ++i) {
-      RESHARD_RETURN_IF_ERROR(CheckPiece(shard.pieces[i], r, world, full_elems, shard_elems)
-                                  .Annotate(PiecePath(r, i)));
+      RESHARD_RETURN_IF_ERROR(
+          CheckPiece(shard.pieces[i], r, world, full_elems, shard_elems).Annotate(PiecePath(r, i)));
       auto sum = CheckedAdd(held, shard.pieces[i].num_elements());
       if (!sum) return InvalidArgumentError(RankPath(r) + ": pieces hold more than 2^62 elements");
       held = *sum;

@@ -11,8 +11,11 @@ namespace {
 
 Piece MakePiece(Shape shape, Index src_off, Shape src_strides, Index dst_off, Shape dst_strides,
                 std::vector<Rank> locations, double scale = 1.0) {
-  return Piece{std::move(shape), {src_off, std::move(src_strides)}, {dst_off, std::move(dst_strides)},
-               std::move(locations), scale};
+  return Piece{std::move(shape),
+               {src_off, std::move(src_strides)},
+               {dst_off, std::move(dst_strides)},
+               std::move(locations),
+               scale};
 }
 
 // Contiguous split of `shape` along `dim` into `sizes`, one piece per rank.
@@ -120,7 +123,8 @@ TEST(ParamMapTest, PaddingAlongAnInnerDimension) {
 TEST(ParamMapTest, SourceViewPastTheEndIsNamed) {
   ParamMapBuilder b = Split({16, 4}, 0, {8, 8});
   b.add_piece(1, MakePiece({1, 4}, 62, {4, 1}, 0, {4, 1}, {1}));
-  EXPECT_EQ(Error(b), "ranks[\"1\"].pieces[1]: source view ends at offset 66 but F has 64 elements");
+  EXPECT_EQ(Error(b),
+            "ranks[\"1\"].pieces[1]: source view ends at offset 66 but F has 64 elements");
   EXPECT_EQ(b.Finalize().status().code(), StatusCode::kOutOfRange);
 }
 
@@ -129,7 +133,8 @@ TEST(ParamMapTest, DestViewPastTheEndIsNamed) {
   b.set_logical_shape({8});
   b.set_shard_shape(0, {8});
   b.add_piece(0, MakePiece({8}, 0, {1}, 1, {1}, {0}));
-  EXPECT_EQ(Error(b), "ranks[\"0\"].pieces[0]: dest view ends at offset 9 but the shard has 8 elements");
+  EXPECT_EQ(Error(b),
+            "ranks[\"0\"].pieces[0]: dest view ends at offset 9 but the shard has 8 elements");
 }
 
 TEST(ParamMapTest, ShardGapIsNamedWithItsMultiIndex) {
@@ -163,8 +168,8 @@ TEST(ParamMapTest, InhomogeneousPieceIsRefused) {
   for (Rank r = 0; r < 2; ++r) {
     b.set_shard_shape(r, {32, 8});
     b.add_piece(r, MakePiece({16, 8}, r * 128, {8, 1}, 0, {8, 1}, {r}));
-    b.add_piece(r, MakePiece({16, 8}, 256, {8, 1}, 128, {8, 1}, r == 0 ? std::vector<Rank>{0}
-                                                                       : std::vector<Rank>{0, 1}));
+    b.add_piece(r, MakePiece({16, 8}, 256, {8, 1}, 128, {8, 1},
+                             r == 0 ? std::vector<Rank>{0} : std::vector<Rank>{0, 1}));
   }
   EXPECT_EQ(Error(b),
             "ranks[\"0\"].pieces[1]: element [32, 0] of F is held by ranks [0, 1] but the "
@@ -254,19 +259,23 @@ TEST(ParamMapTest, BadScalesStridesAndLengthsAreRefused) {
             "replication is said with locations, not with a zero stride");
   EXPECT_EQ(one(MakePiece({8}, 0, {-1}, 0, {1}, {0})),
             "ranks[\"0\"].pieces[0]: negative stride on dimension 0 (source -1, dest 1)");
-  EXPECT_EQ(one(MakePiece({8}, 0, {1, 1}, 0, {1}, {0})),
-            "ranks[\"0\"].pieces[0]: shape has 1 dimensions but source has 2 strides and dest has 1");
+  EXPECT_EQ(
+      one(MakePiece({8}, 0, {1, 1}, 0, {1}, {0})),
+      "ranks[\"0\"].pieces[0]: shape has 1 dimensions but source has 2 strides and dest has 1");
   EXPECT_EQ(one(MakePiece({8}, -3, {1}, 0, {1}, {0})),
             "ranks[\"0\"].pieces[0]: negative offset (source -3, dest 0)");
   EXPECT_EQ(one(MakePiece({2, 4}, 0, {1, 2}, 0, {4, 1}, {0})), "OK");  // a transposed source
-  EXPECT_EQ(one(MakePiece({2, 4}, 0, {1, 1}, 0, {4, 1}, {0})).rfind("ranks[\"0\"]: holds element [1] of F twice", 0), 0u);
+  EXPECT_EQ(one(MakePiece({2, 4}, 0, {1, 1}, 0, {4, 1}, {0}))
+                .rfind("ranks[\"0\"]: holds element [1] of F twice", 0),
+            0u);
 }
 
 TEST(ParamMapTest, OverflowingShapesAndOffsetsAreRefused) {
   ParamMapBuilder b;
   b.set_logical_shape({Index{1} << 40, Index{1} << 40});
   b.set_shard_shape(0, {1});
-  EXPECT_EQ(Error(b), "logical_shape: shape [1099511627776, 1099511627776] has more than 2^62 elements");
+  EXPECT_EQ(Error(b),
+            "logical_shape: shape [1099511627776, 1099511627776] has more than 2^62 elements");
   ParamMapBuilder far;
   far.set_logical_shape({8});
   far.set_shard_shape(0, {8});

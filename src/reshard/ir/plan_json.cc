@@ -31,7 +31,8 @@ std::string PlanDocumentToJson(const PlanDocument& doc) {
     for (size_t m = 0; m < plan.moves.size(); ++m) {
       const Move& mv = plan.moves[m];
       out += fmt::format(
-          "{}\n    {{\"src_rank\": {}, \"dst_rank\": {}, \"shape\": [{}], \"src\": {}, \"dst\": {}{}}}",
+          "{}\n    {{\"src_rank\": {}, \"dst_rank\": {}, \"shape\": [{}], \"src\": {}, \"dst\": "
+          "{}{}}}",
           m ? "," : "", mv.src_rank, mv.dst_rank, fmt::join(mv.shape, ", "), View(mv.src),
           View(mv.dst), mv.factor == 1.0 ? "" : ", \"factor\": " + Number(mv.factor));
     }

@@ -40,11 +40,12 @@ std::vector<Index> EvenSplitSizes(Index extent, int world_size) {
 }
 
 Result<ParamMap> SplitMap(const Shape& shape, int dim, const std::vector<Index>& sizes) {
-  return SegmentedMap(shape, dim, {Segment{dim >= 0 && static_cast<size_t>(dim) < shape.size()
-                                               ? shape[static_cast<size_t>(dim)]
-                                               : 0,
-                                           false, sizes}},
-                      static_cast<int>(sizes.size()));
+  return SegmentedMap(
+      shape, dim,
+      {Segment{
+          dim >= 0 && static_cast<size_t>(dim) < shape.size() ? shape[static_cast<size_t>(dim)] : 0,
+          false, sizes}},
+      static_cast<int>(sizes.size()));
 }
 
 Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Segment>& segments,
@@ -70,8 +71,8 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
     }
   }
   if (total != shape[d]) {
-    return InvalidArgumentError(fmt::format("segments cover {} indices of dimension {} but it has {}",
-                                            total, dim, shape[d]));
+    return InvalidArgumentError(fmt::format(
+        "segments cover {} indices of dimension {} but it has {}", total, dim, shape[d]));
   }
   std::vector<Rank> all;
   for (Rank r = 0; r < world_size; ++r) all.push_back(r);
@@ -81,7 +82,8 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
   for (Rank r = 0; r < world_size; ++r) {
     Shape shard = shape;
     shard[d] = 0;
-    for (const Segment& seg : segments) shard[d] += seg.replicated ? seg.size : seg.widths[static_cast<size_t>(r)];
+    for (const Segment& seg : segments)
+      shard[d] += seg.replicated ? seg.size : seg.widths[static_cast<size_t>(r)];
     const Shape shard_strides = RowMajorStrides(shard);
     b.set_shard_shape(r, shard);
     Index seg_start = 0;

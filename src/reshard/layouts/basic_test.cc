@@ -35,10 +35,12 @@ TEST(BasicLayoutsTest, MultiQueryQkvMatchesTheDesignExample) {
 }
 
 TEST(BasicLayoutsTest, BadSegmentsAreRefused) {
-  EXPECT_EQ(SegmentedMap({48, 8}, 0, {{32, false, {8, 8, 8}}, {16, true, {}}}, 4).status().message(),
-            "segment 0 of 32 indices is split as 8+8+8 across 4 ranks");
-  EXPECT_EQ(SegmentedMap({48, 8}, 0, {{30, false, {8, 8, 7, 7}}, {16, true, {}}}, 4).status().message(),
-            "segments cover 46 indices of dimension 0 but it has 48");
+  EXPECT_EQ(
+      SegmentedMap({48, 8}, 0, {{32, false, {8, 8, 8}}, {16, true, {}}}, 4).status().message(),
+      "segment 0 of 32 indices is split as 8+8+8 across 4 ranks");
+  EXPECT_EQ(
+      SegmentedMap({48, 8}, 0, {{30, false, {8, 8, 7, 7}}, {16, true, {}}}, 4).status().message(),
+      "segments cover 46 indices of dimension 0 but it has 48");
   EXPECT_EQ(SplitMap({4}, 1, {4}).status().message(), "dimension 1 is outside shape [4]");
 }
 
