@@ -170,6 +170,48 @@ Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
   return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m));
 }
 
+// Writes a sharded checkpoint: for every rank (ranks in parallel), one tensor per parameter
+// of `manifest`, each produced by fill(param index, rank, buffer) straight into the writer's
+// buffer; then the manifest, then the commit. The manifest's file lists are filled in.
+using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
+
+Status WriteSharded(const std::string& out_dir, Manifest& manifest,
+                    const CheckpointOptions& options, const ShardFill& fill) {
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite));
+  uint64_t total = 0;
+  for (const ShardedParam& p : manifest.params) {
+    for (Rank r = 0; r < manifest.world_size; ++r) {
+      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
+    }
+  }
+  ProgressCounter progress(options, total);
+  manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
+  RESHARD_RETURN_IF_ERROR(
+      ForEachRank(manifest.world_size, options.num_threads, [&](Rank r) -> Status {
+        std::vector<TensorToWrite> tensors;
+        for (size_t i = 0; i < manifest.params.size(); ++i) {
+          const ShardedParam& p = manifest.params[i];
+          tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape,
+                             [&, r, i](std::span<std::byte> buffer) -> Status {
+                               Status s = fill(i, r, buffer);
+                               if (!s.ok()) {
+                                 return s.Annotate(
+                                     fmt::format("parameter \"{}\"", manifest.params[i].name));
+                               }
+                               progress.Add(buffer.size());
+                               return Status::Ok();
+                             }});
+        }
+        RESHARD_ASSIGN_OR_RETURN(
+            manifest.files[static_cast<size_t>(r)],
+            WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
+        return Status::Ok();
+      }));
+  RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
+  return out.Commit();
+}
+
 }  // namespace
 
 MapProvider MapsFromDocument(const MapDocument& doc) {
@@ -199,7 +241,6 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
   Manifest manifest;
   manifest.world_size = world_size;
-  manifest.files.resize(static_cast<size_t>(world_size));
   std::vector<const TensorRef*> sources;
   for (const TensorRef& t : full.tensors()) {
     const std::string& name = t.info->name;
@@ -241,50 +282,29 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
     WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite));
-  uint64_t total = 0;
-  for (const ShardedParam& p : manifest.params) {
-    for (Rank r = 0; r < world_size; ++r)
-      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
-  }
-  ProgressCounter progress(options, total);
   // Ranks run in parallel; each copies on its own thread.
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
-  RESHARD_RETURN_IF_ERROR(ForEachRank(world_size, options.num_threads, [&](Rank r) -> Status {
-    std::vector<TensorToWrite> tensors;
-    for (size_t i = 0; i < manifest.params.size(); ++i) {
-      const ShardedParam& p = manifest.params[i];
-      const TensorRef* src = sources[i];
-      tensors.push_back(
-          {p.name, p.dtype, p.map.rank(r).shard_shape,
-           [&, r, i, src](std::span<std::byte> buffer) -> Status {
-             const ShardedParam& param = manifest.params[i];
-             const ParamMap& map = param.map;
-             std::vector<std::byte> padded;
-             ConstBuffer f{src->data.data(), map.num_elements()};
-             if (map.has_padding()) {
-               padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype),
-                             std::byte{0});
-               RESHARD_RETURN_IF_ERROR(
-                   CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
-               f.data = padded.data();
-             }
-             Status s = Extract(map, param.dtype, r, f, {buffer.data(), map.shard_num_elements(r)},
-                                ExecOptionsFor(per_rank, param.scale_power));
-             if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
-             ReleasePages(src->data);
-             progress.Add(buffer.size());
-             return Status::Ok();
-           }});
-    }
-    RESHARD_ASSIGN_OR_RETURN(manifest.files[static_cast<size_t>(r)],
-                             WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
-    return Status::Ok();
-  }));
-  RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
-  return out.Commit();
+  return WriteSharded(
+      out_dir, manifest, options, [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        const ShardedParam& param = manifest.params[i];
+        const ParamMap& map = param.map;
+        const TensorRef* src = sources[i];
+        std::vector<std::byte> padded;
+        ConstBuffer f{src->data.data(), map.num_elements()};
+        if (map.has_padding()) {
+          padded.assign(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype),
+                        std::byte{0});
+          RESHARD_RETURN_IF_ERROR(
+              CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
+          f.data = padded.data();
+        }
+        RESHARD_RETURN_IF_ERROR(Extract(map, param.dtype, r, f,
+                                        {buffer.data(), map.shard_num_elements(r)},
+                                        ExecOptionsFor(per_rank, param.scale_power)));
+        ReleasePages(src->data);
+        return Status::Ok();
+      });
 }
 
 Status Gather(const std::string& sharded_dir, const std::string& out_dir,
@@ -360,7 +380,6 @@ Status Convert(const std::string& sharded_dir, int world_size,
   }
   Manifest dst;
   dst.world_size = world_size;
-  dst.files.resize(static_cast<size_t>(world_size));
   std::vector<ParamPlan> plans;
   for (const ShardedParam& p : src.params) {
     const std::string where = fmt::format("parameter \"{}\"", p.name);
@@ -406,55 +425,32 @@ Status Convert(const std::string& sharded_dir, int world_size,
     return FailedPreconditionError(fmt::format(
         "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite));
-  uint64_t total = 0;
-  for (const ShardedParam& p : dst.params) {
-    for (Rank r = 0; r < world_size; ++r)
-      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
-  }
-  ProgressCounter progress(options, total);
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
-  RESHARD_RETURN_IF_ERROR(ForEachRank(world_size, options.num_threads, [&](Rank r) -> Status {
-    std::vector<TensorToWrite> tensors;
-    for (size_t i = 0; i < dst.params.size(); ++i) {
-      const ShardedParam& p = dst.params[i];
-      tensors.push_back(
-          {p.name, p.dtype, p.map.rank(r).shard_shape,
-           [&, r, i](std::span<std::byte> buffer) -> Status {
-             const ShardedParam& param = dst.params[i];
-             const ParamPlan& plan = plans[i];
-             ParamPlan mine;
-             mine.source_world = plan.source_world;
-             mine.target_world = plan.target_world;
-             for (const Move& mv : plan.moves) {
-               if (mv.dst_rank == r) mine.moves.push_back(mv);
-             }
-             for (const UnwrittenBlock& u : plan.unwritten) {
-               if (u.dst_rank == r) mine.unwritten.push_back(u);
-             }
-             std::vector<ConstBuffer> sources;
-             for (Rank s = 0; s < plan.source_world; ++s) {
-               sources.push_back(
-                   {ckpt.shard(i, s).data(), src.params[i].map.shard_num_elements(s)});
-             }
-             std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
-             targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
-             Status s = ExecutePlan(mine, param.dtype, sources, targets,
-                                    ExecOptionsFor(per_rank, param.scale_power));
-             if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
-             for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
-             progress.Add(buffer.size());
-             return Status::Ok();
-           }});
-    }
-    RESHARD_ASSIGN_OR_RETURN(dst.files[static_cast<size_t>(r)],
-                             WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
-    return Status::Ok();
-  }));
-  RESHARD_RETURN_IF_ERROR(WriteManifest(out, dst));
-  return out.Commit();
+  return WriteSharded(
+      out_dir, dst, options, [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        const ShardedParam& param = dst.params[i];
+        const ParamPlan& plan = plans[i];
+        ParamPlan mine;  // the moves into rank r
+        mine.source_world = plan.source_world;
+        mine.target_world = plan.target_world;
+        for (const Move& mv : plan.moves) {
+          if (mv.dst_rank == r) mine.moves.push_back(mv);
+        }
+        for (const UnwrittenBlock& u : plan.unwritten) {
+          if (u.dst_rank == r) mine.unwritten.push_back(u);
+        }
+        std::vector<ConstBuffer> sources;
+        for (Rank q = 0; q < plan.source_world; ++q) {
+          sources.push_back({ckpt.shard(i, q).data(), src.params[i].map.shard_num_elements(q)});
+        }
+        std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
+        targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
+        RESHARD_RETURN_IF_ERROR(ExecutePlan(mine, param.dtype, sources, targets,
+                                            ExecOptionsFor(per_rank, param.scale_power)));
+        for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
+        return Status::Ok();
+      });
 }
 
 }  // namespace reshard
