@@ -32,14 +32,7 @@ int RunInfer(const InferArgs& args) {
     Status s = map.status().Annotate(fmt::format("\"{}\"", args.path));
     return Report("infer", s, ExitStatusFor(s, Stage::kChecking));
   }
-  const std::string json = ParamMapToJson(*map);
-  if (args.output.empty()) {
-    fmt::print("{}", json);
-    return kExitOk;
-  }
-  Status s = WriteFileAtomically(args.output, json, {.overwrite = args.force});
-  if (!s.ok()) return Report("infer", s, ExitStatusFor(s, Stage::kReading));
-  return kExitOk;
+  return EmitText("infer", args.output, ParamMapToJson(*map), args.force);
 }
 
 }  // namespace

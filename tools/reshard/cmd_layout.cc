@@ -95,14 +95,7 @@ int RunLayout(const LayoutArgs& args) {
     }
     for (const std::string& note : notes) fmt::print(stderr, "reshard layout: note: {}\n", note);
   }
-  const std::string json = ParamMapToJson(*map);
-  if (args.output.empty()) {
-    fmt::print("{}", json);
-    return kExitOk;
-  }
-  Status s = WriteFileAtomically(args.output, json, {.overwrite = args.force});
-  if (!s.ok()) return Report("layout", s, ExitStatusFor(s, Stage::kReading));
-  return kExitOk;
+  return EmitText("layout", args.output, ParamMapToJson(*map), args.force);
 }
 
 }  // namespace

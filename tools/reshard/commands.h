@@ -19,6 +19,11 @@ void RegisterCompose(CLI::App& app, int& exit_status);
 void RegisterCheckpointCommands(CLI::App& app, int& exit_status);
 void RegisterDegree(CLI::App& app, int& exit_status);
 
+/// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
+/// (replacing an existing file only with `force`); returns the exit status.
+int EmitText(std::string_view command, const std::string& output, const std::string& text,
+             bool force);
+
 /// Prints "reshard <command>: <message>" to stderr and returns `exit_status`.
 int Report(std::string_view command, const Status& status, int exit_status);
 

@@ -3,12 +3,25 @@
 #include <cstdio>
 
 #include "commands.h"
+#include "exit_status.h"
+#include "reshard/io/file.h"
 
 namespace reshard::cli {
 
 int Report(std::string_view command, const Status& status, int exit_status) {
   fmt::print(stderr, "reshard {}: {}\n", command, status.message());
   return exit_status;
+}
+
+int EmitText(std::string_view command, const std::string& output, const std::string& text,
+             bool force) {
+  if (output.empty()) {
+    fmt::print("{}", text);
+    return kExitOk;
+  }
+  Status s = WriteFileAtomically(output, text, {.overwrite = force});
+  if (!s.ok()) return Report(command, s, ExitStatusFor(s, Stage::kReading));
+  return kExitOk;
 }
 
 }  // namespace reshard::cli
