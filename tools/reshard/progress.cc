@@ -51,8 +51,12 @@ void ProgressBar::Draw(uint64_t done, uint64_t total, bool final) {
   fmt::print(stderr, "\r{} [{}] {} / {}  {}/s  {:.0f}s left   ", label_, bar,
              Human(static_cast<double>(done)), Human(static_cast<double>(total)), Human(rate),
              left);
-  std::fflush(stderr);
   drawn_ = true;
+  if (final) {
+    std::fputc('\n', stderr);
+    drawn_ = false;
+  }
+  std::fflush(stderr);
 }
 
 }  // namespace reshard::cli
