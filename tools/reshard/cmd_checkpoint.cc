@@ -1,4 +1,4 @@
-// reshard scatter / gather / convert: the checkpoint commands (logic in io/checkpoint_ops.h).
+// reshard scatter / gather / convert: the checkpoint commands (logic in checkpoint/checkpoint_ops.h).
 #include <fmt/format.h>
 
 #include <chrono>
@@ -10,7 +10,7 @@
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/hf/registry.h"
-#include "reshard/io/checkpoint_ops.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/descriptor.h"

@@ -1,27 +1,56 @@
 #include "exit_status.h"
 
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <utility>
+
 namespace reshard::cli {
 
-int ExitStatusFor(const Status& status, Stage stage) {
+int ExitStatusFor(const Status& status) {
   switch (status.code()) {
     case StatusCode::kOk:
       return kExitOk;
+    case StatusCode::kFailedPrecondition:
+      return kExitCheckFailed;
     case StatusCode::kInvalidArgument:
     case StatusCode::kOutOfRange:
     case StatusCode::kDataLoss:
-      return stage == Stage::kReading ? kExitUsage : kExitCheckFailed;
     case StatusCode::kNotFound:
     case StatusCode::kAlreadyExists:
     case StatusCode::kUnimplemented:
       return kExitUsage;
-    case StatusCode::kFailedPrecondition:
-      return kExitCheckFailed;
     case StatusCode::kResourceExhausted:
     case StatusCode::kInternal:
     case StatusCode::kUnavailable:
       return kExitInternal;
   }
   return kExitInternal;
+}
+
+Status CheckFailed(Status status) {
+  if (status.ok()) return status;
+  return Status(StatusCode::kFailedPrecondition, status.message());
+}
+
+Status AlreadyReportedCheckFailure() { return Status(StatusCode::kFailedPrecondition, ""); }
+
+int Finish(std::string_view command, const Status& status) {
+  if (!status.ok() && !status.message().empty()) {
+    fmt::print(stderr, "reshard {}: {}\n", command, status.message());
+  }
+  return ExitStatusFor(status);
+}
+
+int ExitStatusFor(const Status& status, Stage stage) {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kDataLoss:
+      return stage == Stage::kReading ? kExitUsage : kExitCheckFailed;
+    default:
+      return ExitStatusFor(status);
+  }
 }
 
 }  // namespace reshard::cli

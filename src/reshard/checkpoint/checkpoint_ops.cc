@@ -1,4 +1,4 @@
-#include "reshard/io/checkpoint_ops.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
 
 #include <fmt/format.h>
 #include <sys/mman.h>

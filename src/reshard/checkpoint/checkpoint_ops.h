@@ -6,8 +6,8 @@
 // gather, the largest full tensor; for scatter and convert, the largest shard), not by the
 // checkpoint. Outputs appear atomically (OutputDirectory): a failure leaves nothing behind and
 // an existing output is replaced only with `overwrite`. Inputs are opened read-only.
-#ifndef RESHARD_IO_CHECKPOINT_OPS_H_
-#define RESHARD_IO_CHECKPOINT_OPS_H_
+#ifndef RESHARD_CHECKPOINT_CHECKPOINT_OPS_H_
+#define RESHARD_CHECKPOINT_CHECKPOINT_OPS_H_
 
 #include <functional>
 #include <map>
@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "reshard/base/result.h"
-#include "reshard/io/checkpoint.h"
+#include "reshard/checkpoint/checkpoint.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/descriptor.h"
 
@@ -79,4 +79,4 @@ Status Convert(const std::string& sharded_dir, int world_size,
 
 }  // namespace reshard
 
-#endif  // RESHARD_IO_CHECKPOINT_OPS_H_
+#endif  // RESHARD_CHECKPOINT_CHECKPOINT_OPS_H_

@@ -1,4 +1,4 @@
-#include "reshard/io/checkpoint.h"
+#include "reshard/checkpoint/checkpoint.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

@@ -18,8 +18,8 @@
 //   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
 //   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
 //   another world size.
-#ifndef RESHARD_IO_CHECKPOINT_H_
-#define RESHARD_IO_CHECKPOINT_H_
+#ifndef RESHARD_CHECKPOINT_CHECKPOINT_H_
+#define RESHARD_CHECKPOINT_CHECKPOINT_H_
 
 #include <map>
 #include <memory>
@@ -131,4 +131,4 @@ Result<uint64_t> ParseByteSize(std::string_view text);
 
 }  // namespace reshard
 
-#endif  // RESHARD_IO_CHECKPOINT_H_
+#endif  // RESHARD_CHECKPOINT_CHECKPOINT_H_
