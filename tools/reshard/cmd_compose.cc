@@ -88,7 +88,8 @@ int RunCompose(const ComposeArgs& args) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const std::string json = PlanDocumentToJson(plans);
   if (!args.output.empty()) {
-    Status s = WriteFileAtomically(args.output, json, {.overwrite = args.force});
+    Status s = WithForceHint(WriteFileAtomically(args.output, json, {.overwrite = args.force}),
+                             args.force);
     if (!s.ok()) return Report("compose", s, ExitStatusFor(s, Stage::kReading));
   }
   size_t total_moves = 0;

@@ -200,8 +200,9 @@ int RunDegree(const DegreeArgs& args) {
     Status s = maps.status().Annotate(fmt::format("\"{}\"", args.weights));
     return Report("degree", s, ExitStatusFor(s, Stage::kChecking));
   }
-  Status s =
-      WriteFileAtomically(args.emit_maps, MapDocumentToJson(*maps), {.overwrite = args.force});
+  Status s = WithForceHint(
+      WriteFileAtomically(args.emit_maps, MapDocumentToJson(*maps), {.overwrite = args.force}),
+      args.force);
   if (!s.ok()) return Report("degree", s, ExitStatusFor(s, Stage::kReading));
   return kExitOk;
 }

@@ -13,13 +13,18 @@ int Report(std::string_view command, const Status& status, int exit_status) {
   return exit_status;
 }
 
+Status WithForceHint(Status status, bool force) {
+  if (force || status.code() != StatusCode::kAlreadyExists) return status;
+  return Status(status.code(), status.message() + "; pass --force to replace it");
+}
+
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force) {
   if (output.empty()) {
     fmt::print("{}", text);
     return kExitOk;
   }
-  Status s = WriteFileAtomically(output, text, {.overwrite = force});
+  Status s = WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
   if (!s.ok()) return Report(command, s, ExitStatusFor(s, Stage::kReading));
   return kExitOk;
 }
