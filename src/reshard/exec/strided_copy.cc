@@ -208,29 +208,37 @@ void ScaledCopyRow(const Byte* src, Index src_stride, Byte* dst, Index dst_strid
   }
 }
 
-// Round-trip checked scaling: out = op(in), and each value of out taken back through the
-// inverse op must give the bits of in again. Bits are compared as integers so the loop stays
-// branch-free and vectorises; returns false when some element may not have survived (NaNs,
-// whose bits may change, are sorted out by FirstInexact).
+// Round-trip checked scaling: dst = op(src), and each result taken back through the inverse op
+// must give the source again. When the inverse is a multiplication by a power of two
+// (`kExactInverse`) it is exact in the compute type, so comparing widen(result) * g with the
+// widened source decides it without narrowing again; otherwise the result is narrowed back and
+// compared bit for bit. The loop is branch-free and vectorises; it returns false when some
+// element may not have survived (NaNs, whose bits may change, are sorted out by FirstInexact).
 template <typename S>
 using BitsOf = std::conditional_t<sizeof(S) == 2, uint16_t,
                                   std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>>;
 
-template <typename Codec, bool kDivide, bool kInverseDivide>
-RESHARD_TARGET_CLONES bool ScaleBlockExact(const typename Codec::Storage* __restrict in,
-                                           typename Codec::Storage* __restrict out, Index m,
-                                           typename Codec::Compute f, typename Codec::Compute g) {
+template <typename Codec, bool kDivide, bool kInverseDivide, bool kExactInverse>
+RESHARD_TARGET_CLONES bool ScaleRunExact(const Byte* __restrict src, Byte* __restrict dst, Index m,
+                                         typename Codec::Compute f, typename Codec::Compute g) {
   using S = typename Codec::Storage;
-  BitsOf<S> diff = 0;
+  constexpr Index kSize = static_cast<Index>(sizeof(S));
+  unsigned lost = 0;
   for (Index j = 0; j < m; ++j) {
-    const typename Codec::Compute v = Codec::Widen(in[j]);
+    S x;
+    std::memcpy(&x, src + j * kSize, sizeof(S));
+    const typename Codec::Compute v = Codec::Widen(x);
     const S y = Codec::Narrow(kDivide ? v / f : v * f);
-    out[j] = y;
+    std::memcpy(dst + j * kSize, &y, sizeof(S));
     const typename Codec::Compute w = Codec::Widen(y);
-    const S back = Codec::Narrow(kInverseDivide ? w / g : w * g);
-    diff |= std::bit_cast<BitsOf<S>>(back) ^ std::bit_cast<BitsOf<S>>(in[j]);
+    if constexpr (kExactInverse) {
+      lost |= static_cast<unsigned>(w * g != v);
+    } else {
+      const S back = Codec::Narrow(kInverseDivide ? w / g : w * g);
+      lost |= static_cast<unsigned>(std::bit_cast<BitsOf<S>>(back) != std::bit_cast<BitsOf<S>>(x));
+    }
   }
-  return diff == 0;
+  return lost == 0;
 }
 
 // The first element of a block whose round trip changed it (a NaN that stays a NaN counts as
@@ -249,23 +257,33 @@ Index FirstInexact(const typename Codec::Storage* in, const typename Codec::Stor
   return -1;
 }
 
-template <typename Codec, bool kDivide, bool kInverseDivide>
+template <typename Codec, bool kDivide, bool kInverseDivide, bool kExactInverse>
 Index ExactScaledCopyRow(const Byte* src, Index src_stride, Byte* dst, Index dst_stride, Index n,
                          double factor, double inverse) {
   using S = typename Codec::Storage;
+  constexpr Index kSize = static_cast<Index>(sizeof(S));
   const auto f = static_cast<typename Codec::Compute>(factor);
   const auto g = static_cast<typename Codec::Compute>(inverse);
+  const bool contiguous = src_stride == kSize && dst_stride == kSize;
   alignas(64) S in[kBlock];
   alignas(64) S out[kBlock];
   for (Index i = 0; i < n; i += kBlock) {
     const Index m = std::min(kBlock, n - i);
-    LoadBlock(in, src + i * src_stride, src_stride, m);
-    const bool exact = ScaleBlockExact<Codec, kDivide, kInverseDivide>(in, out, m, f, g);
-    StoreBlock(dst + i * dst_stride, dst_stride, out, m);
-    if (!exact) {
-      const Index j = FirstInexact<Codec, kInverseDivide>(in, out, m, g);
-      if (j >= 0) return i + j;
+    bool exact;
+    if (contiguous) {
+      exact = ScaleRunExact<Codec, kDivide, kInverseDivide, kExactInverse>(
+          src + i * kSize, dst + i * kSize, m, f, g);
+    } else {
+      LoadBlock(in, src + i * src_stride, src_stride, m);
+      exact = ScaleRunExact<Codec, kDivide, kInverseDivide, kExactInverse>(
+          reinterpret_cast<const Byte*>(in), reinterpret_cast<Byte*>(out), m, f, g);
+      StoreBlock(dst + i * dst_stride, dst_stride, out, m);
     }
+    if (exact) continue;
+    LoadBlock(in, src + i * src_stride, src_stride, m);
+    LoadBlock(out, dst + i * dst_stride, dst_stride, m);
+    const Index j = FirstInexact<Codec, kInverseDivide>(in, out, m, g);
+    if (j >= 0) return i + j;
   }
   return -1;
 }
@@ -354,28 +372,32 @@ RowCopyFn SelectZero(DType dtype, bool contiguous) {
 }
 
 template <typename Codec>
-RowExactFn SelectExactFor(bool divide, bool inverse_divide) {
+RowExactFn SelectExactFor(bool divide, bool inverse_divide, bool exact_inverse) {
   if (divide) {
-    return inverse_divide ? ExactScaledCopyRow<Codec, true, true>
-                          : ExactScaledCopyRow<Codec, true, false>;
+    return exact_inverse ? ExactScaledCopyRow<Codec, true, false, true>
+                         : ExactScaledCopyRow<Codec, true, false, false>;
   }
-  return inverse_divide ? ExactScaledCopyRow<Codec, false, true>
-                        : ExactScaledCopyRow<Codec, false, false>;
+  return inverse_divide ? ExactScaledCopyRow<Codec, false, true, false>
+                        : ExactScaledCopyRow<Codec, false, false, true>;
 }
 
-// The checked kernel for a (normalised, non-identity) op and its inverse.
+// The checked kernel for a (normalised, non-identity) op and its inverse (InverseOp: a
+// division undoes a multiplication unless the reciprocal is an exact power of two, and a
+// multiplication undoes a division).
 RowExactFn SelectExact(DType dtype, const ScaleOp& op, const ScaleOp& inverse) {
   const bool div = op.kind == ScaleOp::Kind::kDivide;
   const bool inv_div = inverse.kind == ScaleOp::Kind::kDivide;
+  int exponent = 0;
+  const bool exact_inverse = !inv_div && std::abs(std::frexp(inverse.factor, &exponent)) == 0.5;
   switch (dtype) {
     case DType::kF64:
-      return SelectExactFor<F64Codec>(div, inv_div);
+      return SelectExactFor<F64Codec>(div, inv_div, exact_inverse);
     case DType::kF32:
-      return SelectExactFor<F32Codec>(div, inv_div);
+      return SelectExactFor<F32Codec>(div, inv_div, exact_inverse);
     case DType::kF16:
-      return SelectExactFor<F16Codec>(div, inv_div);
+      return SelectExactFor<F16Codec>(div, inv_div, exact_inverse);
     case DType::kBF16:
-      return SelectExactFor<BF16Codec>(div, inv_div);
+      return SelectExactFor<BF16Codec>(div, inv_div, exact_inverse);
     default:
       return nullptr;  // refused earlier by CheckScaleOp
   }
