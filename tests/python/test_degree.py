@@ -390,3 +390,25 @@ def test_out_of_range_or_malformed_degree_is_a_usage_error(reshard_bin, tp):
     r = run(reshard_bin, CONFIGS / "Qwen--Qwen2-72B.json", "--tp", tp)
     assert r.returncode == 2, (tp, r.stdout, r.stderr)
     assert "works" not in r.stdout
+
+
+@pytest.mark.parametrize("weight_map", [
+    {"model.norm.weight": "part.safetensors"},                                  # lm_head unlisted
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": ".."},
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": ""},
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": "part.safetensors",
+     "model.gone.weight": "part.safetensors"}])                                # listed, not stored
+def test_emit_maps_reads_the_index_as_the_checkpoint_reader_does(reshard_bin, tmp_path, weight_map):
+    config = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 8, "vocab_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = tmp_path / "ckpt"
+    weights.mkdir()
+    save_file({"model.norm.weight": np.zeros(16, np.float32),
+               "lm_head.weight": np.zeros((32, 16), np.float32)}, str(weights / "part.safetensors"))
+    (weights / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "maps.json"
+    r = run(reshard_bin, tmp_path / "config.json", "--tp", 2, "--emit-maps", out, "--weights", weights)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert not out.exists()
