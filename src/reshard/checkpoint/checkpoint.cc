@@ -180,7 +180,9 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     Result<ParamMapBuilder> builder = ParseParamMapJson(map->dump());
     if (!builder.ok()) return builder.status().Annotate(path + ".map");
     Result<ParamMap> built = builder->Finalize();
-    if (!built.ok()) return built.status().Annotate(path + ".map");
+    // A map that parses but breaks an invariant is well-formed input failing a check.
+    if (!built.ok())
+      return FailedPreconditionError(built.status().Annotate(path + ".map").message());
     if (built->world_size() != m.world_size) {
       return InvalidArgumentError(fmt::format("{}.map: has {} ranks but world_size is {}", path,
                                               built->world_size(), m.world_size));
