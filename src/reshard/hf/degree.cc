@@ -370,7 +370,11 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   for (const Scope& s : scopes) {
     for (const LoadConversion& c : s.info->load_conversions)
       plan.load_conversions.push_back({s.model_type, c});
+    plan.load_renames.insert(plan.load_renames.end(), s.info->load_renames.begin(),
+                             s.info->load_renames.end());
   }
+  plan.load_renames.insert(plan.load_renames.end(), registry.load_renames.begin(),
+                           registry.load_renames.end());
   ClassifyEntries(registry, entries, scopes, options.engine, plan);
   return plan;
 }

@@ -84,6 +84,8 @@ struct ModelPlan {
   /// The checkpoint conversions transformers applies at load, with the model type they are
   /// registered for: a checkpoint tensor they consume is not what transformers splits.
   std::vector<std::pair<std::string, LoadConversion>> load_conversions;
+  /// The renamings transformers applies to checkpoint names before it matches the plan.
+  std::vector<LoadRename> load_renames;
 };
 
 ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
