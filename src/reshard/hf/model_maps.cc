@@ -108,7 +108,9 @@ Result<LayoutDescriptor> TensorLayout(const ResolvedEntry* entry, std::string_vi
   }
   LayoutDescriptor d;
   d.dim = dim;
-  d.rule.remainder = Remainder::kExact;
+  // transformers' DTensor shards: ceil(extent / world) per rank, a short or empty last rank
+  // (identical to an exact split whenever the count divides the degree).
+  d.rule.remainder = entry->uneven ? Remainder::kCeil : Remainder::kExact;
   if (packed) {
     d.family = LayoutFamily::kFused;
     d.equal_parts = 2;

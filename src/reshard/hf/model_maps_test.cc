@@ -136,6 +136,25 @@ TEST(ModelMapsTest, QwenMoeExpertsAreRefusedButItsDenseMlpIsNot) {
   EXPECT_TRUE(ModelMaps(plan, 2, {{"model.layers.1.mlp.down_proj.weight", {8, 6}}}).ok());
 }
 
+TEST(ModelMapsTest, UnevenVocabularyAndMlpTakeCeilChunksAsTransformersDoes) {
+  ModelPlan plan = Plan(R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 129, "vocab_size": 251})");
+  Result<MapDocument> doc = ModelMaps(plan, 2,
+                                      {{"model.embed_tokens.weight", {251, 64}},
+                                       {"model.layers.0.mlp.up_proj.weight", {129, 64}},
+                                       {"model.layers.0.mlp.down_proj.weight", {64, 129}},
+                                       {"lm_head.weight", {251, 64}}});
+  ASSERT_TRUE(doc.ok()) << doc.status().message();
+  auto shards = [&](size_t i) {
+    return std::vector<Shape>{doc->params[i].second.rank(0).shard_shape,
+                              doc->params[i].second.rank(1).shard_shape};
+  };
+  EXPECT_EQ(shards(0), (std::vector<Shape>{{126, 64}, {125, 64}}));
+  EXPECT_EQ(shards(1), (std::vector<Shape>{{65, 64}, {64, 64}}));
+  EXPECT_EQ(shards(2), (std::vector<Shape>{{64, 65}, {64, 64}}));
+  EXPECT_EQ(shards(3), (std::vector<Shape>{{126, 64}, {125, 64}}));
+}
+
 // transformers renames checkpoint keys before it matches its plan; reshard matches the renamed
 // key and keeps the stored name.
 TEST(ModelMapsTest, CheckpointNamesAreMatchedAsTransformersRenamesThem) {
