@@ -550,10 +550,23 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> pref
     return DataLossError(fmt::format("header is not valid UTF-8: byte 0x{:02x} at offset {}",
                                      static_cast<unsigned char>(text[*bad]), 8 + *bad));
   }
+  // The JSON reader takes a NUL byte for the end of its input, so whatever follows one would
+  // go unread: the header is parsed up to the first NUL, and a NUL is then refused.
+  const size_t nul = text.find('\0');
+  const std::string_view json_text = text.substr(0, nul);
   HeaderHandler handler;
-  const bool parsed = json::sax_parse(text.begin(), text.end(), &handler,
+  const bool parsed = json::sax_parse(json_text.begin(), json_text.end(), &handler,
                                       json::input_format_t::json, /*strict=*/true,
                                       /*ignore_comments=*/false);
+  if (nul != std::string_view::npos) {
+    if (parsed && handler.error.ok() && handler.done()) {
+      return DataLossError(fmt::format(
+          "header has {} bytes after its JSON object, from a NUL byte at offset {}; only "
+          "whitespace may follow the object",
+          n - nul, 8 + nul));
+    }
+    return DataLossError(fmt::format("header is not valid JSON: a NUL byte at offset {}", 8 + nul));
+  }
   if (!handler.error.ok()) return handler.error;
   if (!parsed || !handler.done()) return DataLossError("header is not valid JSON");
   return Validate(std::move(handler.tensors), std::move(handler.metadata), n, file_size);
