@@ -356,3 +356,49 @@ def test_inspect_reads_safetensors_files(tmp_path, reshard_bin):
     assert info["tensors"] == [{"name": "a", "dtype": "BF16", "shape": [2, 3],
                                 "data_offsets": [0, 12], "bytes": 12}]
     assert info["metadata"] == {"k": "v"}
+
+
+# --- writing .pt files ----------------------------------------------------------------------
+
+def test_safetensors_exported_to_pt_load_in_torch_weights_only(tmp_path, rng, reshard_bin):
+    from safetensors.torch import save_file
+    shapes = [(3, 5), (), (0, 4), (300,), (2, 3, 4, 5), (70000,)]
+    tensors = {}
+    for i, d in enumerate(d for d in DTYPES if not d.is_complex):
+        tensors[f"model.layers.{i}.{DTYPES[d]}"] = random_tensor(rng, d, shapes[i % len(shapes)])
+    tensors["ünïcode.名前"] = random_tensor(rng, torch.float32, (2, 2))
+    st = tmp_path / "in.safetensors"
+    save_file(tensors, st, metadata={"format": "pt"})
+    pt = tmp_path / "out.pt"
+    r = run(reshard_bin, "export", st, "-o", pt)
+    assert r.returncode == 0, r.stderr
+
+    for mmap in (False, True):
+        loaded = torch.load(pt, weights_only=True, mmap=mmap)
+        assert isinstance(loaded, collections.OrderedDict)
+        assert set(loaded) == set(tensors)
+        for name, t in tensors.items():
+            assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape, name
+            assert bits(loaded[name]) == bits(t), name
+    with zipfile.ZipFile(pt) as z:
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+        assert z.testzip() is None  # every CRC-32 agrees
+
+    # Back to safetensors: the very file we started from.
+    back = tmp_path / "back.safetensors"
+    assert run(reshard_bin, "export", pt, "-o", back).returncode == 0
+    assert back.read_bytes() == st.read_bytes()
+
+
+def test_pt_storages_are_64_byte_aligned_like_torch(tmp_path, reshard_bin):
+    from safetensors.torch import save_file
+    st = tmp_path / "in.safetensors"
+    save_file({"a": torch.ones(3), "bb": torch.ones(5, dtype=torch.int8)}, st)
+    pt = tmp_path / "out.pt"
+    assert run(reshard_bin, "export", st, "-o", pt).returncode == 0
+    raw = pt.read_bytes()
+    with zipfile.ZipFile(pt) as z:
+        for info in z.infolist():
+            name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+            assert (info.header_offset + 30 + name_len + extra_len) % 64 == 0, info.filename
+    assert run(reshard_bin, "export", st, "-o", pt).returncode == 2  # exists, no --force

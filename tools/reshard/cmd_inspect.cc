@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <cmath>
-#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -178,10 +177,7 @@ ordered_json SafetensorsJson(const SafetensorsHeader& h) {
 
 Status RunInspect(const InspectArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
-  const std::span<const std::byte> b = mapped.bytes();
-  const bool zip = b.size() >= 4 && std::memcmp(b.data(), "PK\x03\x04", 4) == 0;
-  const bool pickle = b.size() >= 2 && static_cast<unsigned char>(b[0]) == 0x80;
-  if (zip || pickle || (b.size() >= 262 && std::memcmp(b.data() + 257, "ustar", 5) == 0)) {
+  if (LooksLikeTorchFile(mapped.bytes())) {
     RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(args.path));
     if (args.json) {
       fmt::print("{}\n", TorchJson(f).dump(2));

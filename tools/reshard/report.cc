@@ -18,6 +18,14 @@ Status WithForceHint(Status status, bool force) {
   return Status(status.code(), status.message() + "; pass --force to replace it");
 }
 
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force) {
+  if (output.empty()) {
+    fmt::print("{}", text);
+    return Status::Ok();
+  }
+  return WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
+}
+
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force) {
   if (output.empty()) {

@@ -726,6 +726,8 @@ Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOpt
   return machine.Run();
 }
 
+bool IsValidPickleString(std::string_view s) { return DecodeUtf8(s).has_value(); }
+
 bool IsAllowedPickleGlobal(std::string_view name, const std::vector<std::string>& extra) {
   return RoleOf(name, extra).has_value();
 }

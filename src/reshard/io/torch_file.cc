@@ -87,6 +87,10 @@ Result<std::string> FindRoot(const ZipArchive& zip) {
 
 }  // namespace
 
+bool LooksLikeTorchFile(std::span<const std::byte> bytes) {
+  return (bytes.size() >= 4 && std::memcmp(bytes.data(), "PK\x03\x04", 4) == 0) || IsLegacy(bytes);
+}
+
 std::optional<TorchDType> TorchDTypeOf(std::string_view global) {
   for (const DTypeRow& row : kDTypes) {
     if (row.global == global) return TorchDType{row.name, row.size, row.dtype};

@@ -116,6 +116,10 @@ class TorchFile {
   friend class TorchTreeReader;
 };
 
+/// Whether `bytes` (a file's first bytes, or all of it) look like a torch.save file of any
+/// age: a zip archive, the pickle magic of pre-1.6 files, or a tar archive.
+bool LooksLikeTorchFile(std::span<const std::byte> bytes);
+
 /// Writes every tensor of `file` to a safetensors file at `path` (atomically, io/safetensors.h)
 /// under its dotted name, bit for bit; a view is written as its own contiguous tensor, and a
 /// tensor reached under two names is written under each. Metadata {"format": "pt"}, as
