@@ -22,6 +22,10 @@ void RegisterInspect(CLI::App& app, int& exit_status);
 void RegisterExport(CLI::App& app, int& exit_status);
 
 /// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
+/// (replacing an existing file only with `force`).
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force);
+
+/// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
 /// (replacing an existing file only with `force`); returns the exit status.
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force);
