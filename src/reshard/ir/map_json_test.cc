@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "reshard/ir/fixtures.h"
 #include "reshard/ir/random_map.h"
 
 namespace reshard {
@@ -51,18 +52,7 @@ constexpr std::string_view kBigCodeJson = R"({
 }
 )";
 
-ParamMap BigCode() {
-  ParamMapBuilder b;
-  b.set_logical_shape({48, 8});
-  for (Rank r = 0; r < 4; ++r) {
-    b.set_shard_shape(r, {24, 8});
-    b.add_piece(r, Piece{{8, 8}, {r * 64, {8, 1}}, {0, {8, 1}}, {r}, 1.0});
-    b.add_piece(r, Piece{{16, 8}, {256, {8, 1}}, {64, {8, 1}}, {0, 1, 2, 3}, 1.0});
-  }
-  Result<ParamMap> m = b.Finalize();
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  return *m;
-}
+ParamMap BigCode() { return *fixtures::BigCodeBuilder(4).Finalize(); }
 
 Result<ParamMap> ReadOne(std::string_view text) {
   RESHARD_ASSIGN_OR_RETURN(ParamMapBuilder b, ParseParamMapJson(text));
