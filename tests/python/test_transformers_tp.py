@@ -1,0 +1,243 @@
+"""reshard against transformers' own tensor parallelism.
+
+Toy models (2 layers, hidden 64, seeded random weights) of the architectures the plan registry
+covers are saved with `save_pretrained`. One `torchrun --nproc_per_node 2` launch (gloo, CPU,
+loopback) loads every one with `from_pretrained(dir, tp_plan="auto")` and dumps each rank's
+local tensors (tp_load_worker.py). Then:
+
+- `reshard scatter DIR --config DIR/config.json --tp 2` must put on every rank exactly those
+  tensors, bit for bit, under the same names (after the checkpoint renames transformers applies
+  when it loads, such as Mixtral's `block_sparse_moe` -> `mlp`).
+- `reshard degree CONFIG --tp 2` must say "works" (exit 0) exactly when transformers loads the
+  model and runs a forward pass at TP 2, and refuse (exit 1) when it does not.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TP = 2
+SEED = 20260601
+WORKER = pathlib.Path(__file__).resolve().parent / "tp_load_worker.py"
+
+# Every toy model starts from this; token ids stay inside the vocabulary.
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
+           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model_type: str
+    overrides: dict = dataclasses.field(default_factory=dict)
+    works: bool = True  # transformers loads it and runs a forward pass at TP 2
+
+
+# Architectures at toy size, each at a degree that works.
+ARCHITECTURES = {
+    "llama": Case("llama"),
+    "mistral": Case("mistral"),
+    "qwen2": Case("qwen2"),
+    "qwen3": Case("qwen3"),
+    "gemma2": Case("gemma2"),
+    "phi3": Case("phi3"),
+    "starcoder2": Case("starcoder2"),
+    "granite": Case("granite"),
+    "olmo2": Case("olmo2"),
+    "mixtral": Case("mixtral", dict(num_local_experts=4, **MOE)),
+    "qwen3_moe": Case("qwen3_moe", dict(num_experts=4, **MOE)),
+}
+
+# Degrees at the edge: heads must divide the degree; the vocabulary and the intermediate size
+# need not (transformers gives the last rank a shorter slice).
+DEGREE_CASES = {
+    "llama_3_heads": Case("llama", dict(hidden_size=48, num_attention_heads=3,
+                                        num_key_value_heads=3), works=False),
+    "llama_1_kv_head": Case("llama", dict(num_key_value_heads=1), works=False),
+    "llama_vocab_251": Case("llama", dict(vocab_size=251)),
+    "llama_intermediate_129": Case("llama", dict(intermediate_size=129)),
+}
+
+CASES = {**ARCHITECTURES, **DEGREE_CASES}
+WORKING = sorted(name for name, case in CASES.items() if case.works)
+
+
+def build_toy_model(case, seed, out_dir):
+    """Save a toy model of `case` with seeded random weights (every parameter, norms too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(case.model_type, **{**TOY, **case.overrides})
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    model.save_pretrained(out_dir)
+
+
+def free_loopback_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TransformersRun:
+    """What transformers put on each rank, per case (the worker's output)."""
+
+    def __init__(self, models, dumps):
+        self.models = models
+        self.dumps = dumps
+
+    def model_dir(self, name):
+        return self.models / name
+
+    def statuses(self, name):
+        return [json.loads((self.dumps / name / f"rank-{r}.json").read_text()) for r in range(TP)]
+
+    def works(self, name):
+        return all(s["loaded"] and s["forward"] for s in self.statuses(name))
+
+    def tensors(self, name, rank):
+        return load_file(str(self.dumps / name / f"rank-{rank}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def transformers_tp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transformers_tp")
+    models, dumps = root / "models", root / "dumps"
+    for i, (name, case) in enumerate(sorted(CASES.items())):
+        build_toy_model(case, SEED + i, models / name)
+    cases = root / "cases.json"
+    cases.write_text(json.dumps([{"name": n, "dir": str(models / n)} for n in sorted(CASES)]))
+    # Loopback only: gloo binds the interface named here, the rendezvous the address below.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GLOO_SOCKET_IFNAME="lo",
+               OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(TP),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
+           str(WORKER), str(cases), str(dumps)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stderr[-4000:]}"
+    return TransformersRun(models, dumps)
+
+
+def checkpoint_renames(model_type):
+    """The plain key renames transformers applies to `model_type`'s checkpoint names at load
+    (not the fusing conversions), as (pattern, replacement) pairs."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [(src, dst) for t in get_checkpoint_conversion_mapping(model_type) or []
+            if type(t) is WeightRenaming
+            for src, dst in zip(t.source_patterns, t.target_patterns)]
+
+
+def reshard_rank_tensors(sharded_dir, rank, renames=()):
+    """Rank `rank`'s tensors in a reshard sharded directory, under the names transformers gives
+    them."""
+    manifest = json.loads((sharded_dir / "reshard.json").read_text())
+    out = {}
+    for file in manifest["files"][str(rank)]:
+        for name, tensor in load_file(str(sharded_dir / file)).items():
+            for pattern, replacement in renames:
+                name = re.sub(pattern, replacement, name)
+            out[name] = tensor
+    return out
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def rank_differences(expected, actual):
+    """Every way `actual` (reshard's tensors of one rank) differs from `expected`
+    (transformers' tensors of that rank), one line each; empty when they agree bit for bit."""
+    lines = [f"{n}: transformers holds {tuple(expected[n].shape)} {expected[n].dtype}, "
+             f"reshard nothing" for n in sorted(expected.keys() - actual.keys())]
+    lines += [f"{n}: reshard holds {tuple(actual[n].shape)}, transformers nothing"
+              for n in sorted(actual.keys() - expected.keys())]
+    for n in sorted(expected.keys() & actual.keys()):
+        e, a = expected[n], actual[n]
+        if e.dtype != a.dtype or e.shape != a.shape:
+            lines.append(f"{n}: transformers holds {tuple(e.shape)} {e.dtype}, "
+                         f"reshard {tuple(a.shape)} {a.dtype}")
+        elif not same_bits(e, a):
+            flat_e, flat_a = e.reshape(-1), a.reshape(-1)
+            first = int((flat_e.view(torch.uint8) != flat_a.view(torch.uint8)).nonzero()[0])
+            first //= e.element_size()
+            lines.append(f"{n}: element {first} differs: transformers {flat_e[first].item()}, "
+                         f"reshard {flat_a[first].item()}")
+    return lines
+
+
+def reshard(reshard_bin, *args):
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("name", WORKING)
+def test_scatter_puts_on_each_rank_what_transformers_loads(name, transformers_tp, reshard_bin,
+                                                          tmp_path):
+    assert transformers_tp.works(name), transformers_tp.statuses(name)
+    model_dir = transformers_tp.model_dir(name)
+    out = tmp_path / "sharded"
+    r = reshard(reshard_bin, "scatter", model_dir, "--config", model_dir / "config.json",
+                "--tp", TP, "-o", out)
+    assert r.returncode == 0, r.stderr
+    renames = checkpoint_renames(CASES[name].model_type)
+    diffs = {rank: rank_differences(transformers_tp.tensors(name, rank),
+                                    reshard_rank_tensors(out, rank, renames))
+             for rank in range(TP)}
+    assert not any(diffs.values()), "\n".join(
+        f"rank {rank}: {line}" for rank, lines in diffs.items() for line in lines)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_degree_verdict_matches_what_transformers_does(name, transformers_tp, reshard_bin):
+    statuses = transformers_tp.statuses(name)
+    works = transformers_tp.works(name)
+    # The case table says what transformers does; a new release that changes it shows here.
+    assert works == CASES[name].works, statuses
+    if not works:
+        assert all(s["loaded"] for s in statuses), statuses  # it fails in the forward pass
+    config = transformers_tp.model_dir(name) / "config.json"
+    r = reshard(reshard_bin, "degree", config, "--tp", TP)
+    assert r.returncode == (0 if works else 1), (
+        f"transformers {'serves' if works else 'fails'} at tp {TP} "
+        f"({[s['error'] for s in statuses]}); reshard degree exit {r.returncode}: {r.stderr}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if not c.works))
+def test_scatter_refuses_a_degree_transformers_cannot_run(name, transformers_tp, reshard_bin,
+                                                         tmp_path):
+    model_dir = transformers_tp.model_dir(name)
+    r = reshard(reshard_bin, "scatter", model_dir, "--config", model_dir / "config.json",
+                "--tp", TP, "-o", tmp_path / "sharded")
+    assert r.returncode == 1, r.stderr
+    assert not (tmp_path / "sharded").exists()
+
+
+def test_rank_differences_names_each_kind_of_difference():
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = a.clone()
+    b[1, 2] = 7.0
+    assert rank_differences({"w": a}, {"w": a.clone()}) == []
+    assert rank_differences({"w": a}, {"w": b}) == ["w: element 5 differs: transformers 5.0, "
+                                                    "reshard 7.0"]
+    assert rank_differences({"w": a}, {"w": a[:1]}) == [
+        "w: transformers holds (2, 3) torch.float32, reshard (1, 3) torch.float32"]
+    assert rank_differences({"w": a}, {}) == ["w: transformers holds (2, 3) torch.float32, "
+                                              "reshard nothing"]
+    assert rank_differences({}, {"w": a}) == ["w: reshard holds (2, 3), transformers nothing"]
+    # -0.0 == 0.0 numerically, but not bit for bit.
+    assert rank_differences({"z": torch.zeros(2)}, {"z": -torch.zeros(2)}) != []
