@@ -30,18 +30,27 @@ from torch.distributed.tensor import DTensor
 PROMPT = [[1, 2, 3, 4, 5]]
 
 
+def checkpoint_tensors(model):
+    """The model's tensors a checkpoint holds: parameters (a tied one once) and persistent
+    buffers (such as a router's score-correction bias), by name."""
+    saved = model.state_dict().keys()
+    params = dict(model.named_parameters())
+    buffers = {name: b for name, b in model.named_buffers() if name in saved}
+    return {**params, **buffers}
+
+
 def local_tensors(model):
-    """Every parameter's local tensor on this rank, keyed by the parameter's name."""
+    """Every checkpoint tensor's local part on this rank."""
     out = {}
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
+    for name, tensor in checkpoint_tensors(model).items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         out[name] = local.detach().to("cpu").contiguous().clone()
     return out
 
 
 def placements(model):
-    return {name: (str(param.placements) if isinstance(param, DTensor) else "local")
-            for name, param in model.named_parameters()}
+    return {name: (str(t.placements) if isinstance(t, DTensor) else "local")
+            for name, t in checkpoint_tensors(model).items()}
 
 
 def run_case(case, out_dir, rank):
@@ -59,7 +68,7 @@ def run_case(case, out_dir, rank):
         status["placements"] = placements(model)
         save_file(local_tensors(model), str(case_dir / f"rank-{rank}.safetensors"))
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor(PROMPT)).logits
+            logits = model(input_ids=torch.tensor(PROMPT), use_cache=False).logits
         status["forward"] = bool(torch.isfinite(logits).all())
         if not status["forward"]:
             status["error"] = "the forward pass gave non-finite logits"
