@@ -7,6 +7,9 @@ The degree planner and the model-map generator (src/reshard/hf) read this file, 
 the binary, instead of importing transformers. It records, from the installed package:
 
   transformers_version     the release it was read from
+  input_embedding          the entry transformers adds to a base model's plan for its input
+                           embedding ({"module", "style", "applies": "always" | "tied"}), found
+                           by building a small model on the meta device and reading its plan
   styles                   every style name registered in transformers' parallel-style registry
                            (a plan entry naming anything else fails at load in transformers)
   distributed_config_keys  the fields of transformers' DistributedConfig (the dict form it accepts)
@@ -17,6 +20,11 @@ the binary, instead of importing transformers. It records, from the installed pa
     attribute_map          the config's aliases (standard name -> key stored in config.json)
     defaults               the config class's defaults for the keys the counts need
     text_config            {"key", "model_type"} of the text sub-config of a composite model
+    embed_tokens           true when the model type's base model holds an nn.Embedding named
+                           `embed_tokens` (read from its __init__ source), the module the
+                           input-embedding entry names
+    load_conversions       the checkpoint conversions transformers applies at load (tensors
+                           merged, split or permuted): {"sources", "target", "operations"}
 
 --check compares a fresh generation with the file and exits 1 on any difference (drift after a
 transformers upgrade: regenerate and commit).
@@ -61,6 +69,73 @@ def registered_styles():
 def distributed_config_keys():
     from transformers.distributed.configuration_utils import DistributedConfig
     return [f.name for f in dataclasses.fields(DistributedConfig)]
+
+
+def input_embedding_rule():
+    """The entry transformers adds for the input embedding, and when: built on the meta device."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+    found = {}
+    for tied in (False, True):
+        config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2,
+                             tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = LlamaModel(config)
+        plan = dict(model.tp_plan or {})
+        found[tied] = plan.get("embed_tokens")
+    if found[False]:
+        return {"module": "embed_tokens", "style": found[False], "applies": "always"}
+    if found[True]:
+        return {"module": "embed_tokens", "style": found[True], "applies": "tied"}
+    return None
+
+
+def has_embed_tokens(model_type):
+    """Whether the base model's __init__ assigns an nn.Embedding (or a subclass) to embed_tokens."""
+    import importlib
+    import inspect
+    import textwrap
+    import torch
+    name = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    if isinstance(name, (tuple, list)):
+        name = name[0] if name else None
+    if not name:
+        return False
+    try:
+        cls = getattr(transformers, name)
+        init = next(c.__dict__["__init__"] for c in cls.__mro__ if "__init__" in c.__dict__)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        namespace = vars(importlib.import_module(init.__module__))
+    except Exception:  # a model whose module or source cannot be read: no claim
+        return False
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        if not any(isinstance(t, ast.Attribute) and t.attr == "embed_tokens"
+                   and isinstance(t.value, ast.Name) and t.value.id == "self" for t in node.targets):
+            continue
+        try:
+            callee = eval(compile(ast.Expression(node.value.func), "<callee>", "eval"), namespace)
+        except Exception:
+            continue
+        if isinstance(callee, type) and issubclass(callee, torch.nn.Embedding):
+            return True
+    return False
+
+
+def load_conversions(model_type):
+    """The WeightConverter entries of the model type's checkpoint conversion mapping."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+    out = []
+    for c in get_checkpoint_conversion_mapping(model_type) or []:
+        if not isinstance(c, WeightConverter):
+            continue  # a renaming moves no element
+        target = c.target_patterns if isinstance(c.target_patterns, list) else [c.target_patterns]
+        out.append({"sources": list(c.source_patterns), "target": ", ".join(target),
+                    "operations": [type(op).__name__ for op in c.operations]})
+    return out
 
 
 def class_default(cls, stored_key):
@@ -147,9 +222,21 @@ def generate():
     keep = set(with_plan)
     keep |= {mt for mt, text in composites.items() if text in with_plan}
     model_types = {mt: entries[mt] for mt in sorted(keep)}
-    return {
+    for mt, entry in model_types.items():
+        if "tp_plan" in entry and has_embed_tokens(mt):
+            entry["embed_tokens"] = True
+        conversions = load_conversions(mt)
+        if conversions:
+            entry["load_conversions"] = conversions
+    registry = {
         "generator": "scripts/gen_tp_plans.py",
         "transformers_version": transformers.__version__,
+    }
+    rule = input_embedding_rule()
+    if rule:
+        registry["input_embedding"] = rule
+    return {
+        **registry,
         "styles": registered_styles(),
         "distributed_config_keys": distributed_config_keys(),
         "model_types": model_types,

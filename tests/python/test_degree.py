@@ -295,7 +295,7 @@ def test_emit_maps_from_safetensors_headers(reshard_bin, tmp_path):
     assert shard("model.layers.0.mlp.down_proj.weight") == [[16, 4]] * 2
     assert shard("lm_head.weight") == [[16, 16]] * 2
     assert shard("model.norm.weight") == [[16]] * 2
-    assert shard("model.embed_tokens.weight") == [[32, 16]] * 2
+    assert shard("model.embed_tokens.weight") == [[16, 16]] * 2    # embedding_rowwise
     # A shape that disagrees with the config is an error, and nothing is written.
     tensors["model.layers.0.self_attn.k_proj.weight"] = z(7, 16)
     save_file(tensors, str(weights / "model.safetensors"))
@@ -304,3 +304,54 @@ def test_emit_maps_from_safetensors_headers(reshard_bin, tmp_path):
             "--weights", weights)
     assert r.returncode == 1 and "disagrees with the config" in r.stderr
     assert not out2.exists()
+
+
+def qwen2_checkpoint(path, kv_heads=2):
+    """A tiny Qwen2: 4 heads of 4, `kv_heads` key/value heads, MLP 8, vocabulary 32."""
+    config = {"model_type": "qwen2", "hidden_size": 16, "num_attention_heads": 4,
+              "num_key_value_heads": kv_heads, "head_dim": 4, "intermediate_size": 8,
+              "vocab_size": 32, "num_hidden_layers": 1, "tie_word_embeddings": False}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(3)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    kv = kv_heads * 4
+    tensors = {"model.embed_tokens.weight": r(32, 16),
+               "model.layers.0.self_attn.q_proj.weight": r(16, 16),
+               "model.layers.0.self_attn.q_proj.bias": r(16),
+               "model.layers.0.self_attn.k_proj.weight": r(kv, 16),
+               "model.layers.0.self_attn.k_proj.bias": r(kv),
+               "model.layers.0.self_attn.v_proj.weight": r(kv, 16),
+               "model.layers.0.self_attn.v_proj.bias": r(kv),
+               "model.layers.0.self_attn.o_proj.weight": r(16, 16),
+               "model.layers.0.mlp.gate_proj.weight": r(8, 16),
+               "model.layers.0.mlp.up_proj.weight": r(8, 16),
+               "model.layers.0.mlp.down_proj.weight": r(16, 8),
+               "model.norm.weight": r(16),
+               "lm_head.weight": r(32, 16)}
+    save_file(tensors, str(path / "model.safetensors"))
+    return path / "config.json", tensors
+
+
+def test_convert_refuses_a_degree_the_models_plan_cannot_take(reshard_bin, tmp_path):
+    config, _ = qwen2_checkpoint(tmp_path / "full")
+    r = subprocess.run([reshard_bin, "scatter", tmp_path / "full", "--config", config, "--tp", "2",
+                        "-o", tmp_path / "tp2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    kv = {"module": "layers.*.self_attn.k_proj", "style": "colwise", "count": 2,
+          "meaning": "key/value heads"}
+    assert kv in manifest["constraints"]
+    # convert --tp 8 would split 2 key/value heads in 8: refused as `degree` refuses it.
+    r = subprocess.run([reshard_bin, "convert", tmp_path / "tp2", "--tp", "8", "-o", tmp_path / "tp8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert not (tmp_path / "tp8").exists()
+    refusal = json.loads(run(reshard_bin, config, "--tp", 8, "--json").stdout)["refusal"]["message"]
+    assert refusal in r.stderr
+    # A degree the plan takes converts, and the constraints travel with the checkpoint.
+    r = subprocess.run([reshard_bin, "convert", tmp_path / "tp2", "--tp", "1", "-o", tmp_path / "tp1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "tp1" / "reshard.json").read_text())["constraints"] == \
+        manifest["constraints"]

@@ -1,4 +1,5 @@
-// reshard scatter / gather / convert: the checkpoint commands (logic in checkpoint/checkpoint_ops.h).
+// reshard scatter / gather / convert: the checkpoint commands (logic in
+// checkpoint/checkpoint_ops.h).
 #include <fmt/format.h>
 
 #include <chrono>
@@ -7,10 +8,8 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "progress.h"
-#include "reshard/hf/degree.h"
-#include "reshard/hf/model_maps.h"
-#include "reshard/hf/registry.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/descriptor.h"
@@ -168,37 +167,23 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
               Report("scatter", InvalidArgumentError("--config needs --tp N"), kExitUsage);
           return;
         }
-        const TpRegistry& registry = BuiltinTpRegistry();
         Result<std::string> text = ReadFileToString(args->config);
         if (!text.ok()) {
           exit_status = Fail("scatter", text.status());
           return;
         }
-        Result<ModelConfig> model = ReadModelConfigJson(registry, *text);
-        if (!model.ok()) {
-          exit_status = Report(
-              "scatter", model.status().Annotate(fmt::format("error reading \"{}\"", args->config)),
-              kExitUsage);
+        Result<ConfigMaps> from_config =
+            ConfigMaps::FromConfigJson(BuiltinTpRegistry(), *text, world);
+        if (!from_config.ok()) {
+          exit_status =
+              Finish("scatter", from_config.status().Annotate(fmt::format("\"{}\"", args->config)));
           return;
         }
-        auto plan = std::make_shared<ModelPlan>(ResolvePlan(registry, *model, PlanOptions{}));
-        const DegreeAnswer answer = PlanDegree(*plan, world);
-        if (answer.refusal) {
-          exit_status = Report("scatter",
-                               FailedPreconditionError(fmt::format("\"{}\": {}", args->config,
-                                                                   answer.refusal->message)),
-                               kExitCheckFailed);
-          return;
-        }
-        provider = [plan, world](const std::string& name,
-                                 const Shape& shape) -> Result<ProvidedMap> {
-          Result<LayoutDescriptor> layout = TensorLayout(MatchPlanEntry(*plan, name), name, shape);
-          if (!layout.ok())
-            return FailedPreconditionError(
-                layout.status().Annotate(fmt::format("tensor \"{}\"", name)).message());
-          Result<ParamMap> map = BuildMap(*layout, shape, world);
-          if (!map.ok()) return map.status().Annotate(fmt::format("tensor \"{}\"", name));
-          return ProvidedMap{*std::move(map), *std::move(layout)};
+        options->degree_constraints = DegreeConstraints(from_config->plan());
+        provider = [maps = std::make_shared<ConfigMaps>(*std::move(from_config))](
+                       const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+          RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps->Map(name, shape));
+          return ProvidedMap{std::move(m.map), std::move(m.layout)};
         };
       } else {
         exit_status = Report("scatter",

@@ -45,6 +45,55 @@ std::string Indent(const std::string& text, int spaces) {
   return out;
 }
 
+Result<std::string> ReadString(const Json& object, const char* key, const std::string& path) {
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_string() || it->get<std::string>().empty())
+    return InvalidArgumentError(fmt::format("{}.{}: expected a non-empty string", path, key));
+  return it->get<std::string>();
+}
+
+// "constraints": [{"module", "style", "count", "meaning", "replicate_above"?}, ...]
+Result<std::vector<DegreeConstraint>> ReadConstraints(const Json& list) {
+  if (!list.is_array())
+    return InvalidArgumentError(
+        fmt::format("constraints: expected an array, got {}", TypeName(list)));
+  std::vector<DegreeConstraint> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string path = fmt::format("constraints[{}]", i);
+    const Json& c = list[i];
+    if (!c.is_object()) return InvalidArgumentError(fmt::format("{}: expected an object", path));
+    DegreeConstraint k;
+    RESHARD_ASSIGN_OR_RETURN(k.module, ReadString(c, "module", path));
+    RESHARD_ASSIGN_OR_RETURN(k.style, ReadString(c, "style", path));
+    RESHARD_ASSIGN_OR_RETURN(k.meaning, ReadString(c, "meaning", path));
+    auto count = c.find("count");
+    if (count == c.end())
+      return InvalidArgumentError(fmt::format("{}: missing key \"count\"", path));
+    RESHARD_ASSIGN_OR_RETURN(k.count, ReadInt(*count, path + ".count"));
+    if (k.count < 1)
+      return InvalidArgumentError(
+          fmt::format("{}.count: {} is not a positive count", path, k.count));
+    if (auto r = c.find("replicate_above"); r != c.end()) {
+      if (!r->is_boolean())
+        return InvalidArgumentError(
+            fmt::format("{}.replicate_above: expected true or false", path));
+      k.replicate_above = r->get<bool>();
+    }
+    out.push_back(std::move(k));
+  }
+  return out;
+}
+
+Json ConstraintsToJson(const std::vector<DegreeConstraint>& constraints) {
+  Json out = Json::array();
+  for (const DegreeConstraint& c : constraints) {
+    Json j = {{"module", c.module}, {"style", c.style}, {"count", c.count}, {"meaning", c.meaning}};
+    if (c.replicate_above) j["replicate_above"] = true;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 Result<std::shared_ptr<SafetensorsFile>> OpenShared(const std::string& path) {
   Result<SafetensorsFile> file = SafetensorsFile::Open(path);
   if (!file.ok()) return file.status();
@@ -109,6 +158,9 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     return InvalidArgumentError(
         fmt::format("files: {} entries for a world of {} ranks", files->size(), m.world_size));
   }
+  if (auto constraints = doc.find("constraints"); constraints != doc.end()) {
+    RESHARD_ASSIGN_OR_RETURN(m.constraints, ReadConstraints(*constraints));
+  }
   auto params = doc.find("params");
   if (params == doc.end() || !params->is_object())
     return InvalidArgumentError("params: expected an object of name -> parameter");
@@ -158,7 +210,10 @@ std::string ManifestToJson(const Manifest& m) {
   for (size_t r = 0; r < m.files.size(); ++r) {
     out += fmt::format("{}\n    \"{}\": {}", r ? "," : "", r, Json(m.files[r]).dump());
   }
-  out += "\n  },\n  \"params\": {";
+  out += "\n  },";
+  if (!m.constraints.empty())
+    out += fmt::format("\n  \"constraints\": {},", ConstraintsToJson(m.constraints).dump());
+  out += "\n  \"params\": {";
   for (size_t i = 0; i < m.params.size(); ++i) {
     const ShardedParam& p = m.params[i];
     out += fmt::format("{}\n    {}: {{\n      \"dtype\": \"{}\",", i ? "," : "",

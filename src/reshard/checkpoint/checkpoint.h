@@ -11,13 +11,17 @@
 //                                             sharded-state loader uses)
 //   reshard.json: {"format": "reshard", "version": 1, "world_size": N,
 //                  "files": {"<rank>": [file, ...]},
+//                  "constraints": [{"module": "layers.*.self_attn.k_proj", "style": "colwise",
+//                                   "count": 2, "meaning": "key/value heads"}, ...]?,
 //                  "params": {"<name>": {"dtype": "BF16", "map": <param map>,
 //                                        "layout": <layout descriptor>?, "scale_power": -1?}}}
 //   Each rank's files hold one tensor per parameter, named like the parameter, of the map's
 //   shard shape (a rank with nothing stores a zero-element tensor). `scale_power` (default 1)
 //   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
 //   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
-//   another world size.
+//   another world size. `constraints` (from the model's tensor-parallel plan, when the
+//   checkpoint was scattered from a config.json) are the counts every world size must divide;
+//   a conversion refuses a world size that breaks one.
 #ifndef RESHARD_CHECKPOINT_CHECKPOINT_H_
 #define RESHARD_CHECKPOINT_CHECKPOINT_H_
 
@@ -32,6 +36,7 @@
 #include "reshard/base/result.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/ir/param_map.h"
+#include "reshard/layouts/degree_constraints.h"
 #include "reshard/layouts/descriptor.h"
 
 namespace reshard {
@@ -52,6 +57,7 @@ struct Manifest {
   int world_size = 0;
   std::vector<std::vector<std::string>> files;  // per rank
   std::vector<ShardedParam> params;             // in file order
+  std::vector<DegreeConstraint> constraints;    // what the model's plan requires of world_size
 };
 
 /// The file name of part `part` of rank `rank`: "model-rank-{r}-part-{p}.safetensors".

@@ -241,6 +241,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
   Manifest manifest;
   manifest.world_size = world_size;
+  manifest.constraints = options.degree_constraints;
   std::vector<const TensorRef*> sources;
   for (const TensorRef& t : full.tensors()) {
     const std::string& name = t.info->name;
@@ -374,12 +375,18 @@ Status Convert(const std::string& sharded_dir, int world_size,
     return InvalidArgumentError(fmt::format("--tp {} is not a world size", world_size));
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& src = ckpt.manifest();
+  // Maps built from the recorded layouts follow the model's plan: it must take the degree.
+  if (!target_maps && FirstBrokenConstraint(src.constraints, world_size)) {
+    return FailedPreconditionError(DegreeRefusalMessage(
+        src.constraints, world_size, TransformersBrokenDegreeConsequence(world_size)));
+  }
   std::map<std::string, const ParamMap*> given;
   if (target_maps) {
     for (const auto& [name, map] : target_maps->params) given[name] = &map;
   }
   Manifest dst;
   dst.world_size = world_size;
+  dst.constraints = src.constraints;
   std::vector<ParamPlan> plans;
   for (const ShardedParam& p : src.params) {
     const std::string where = fmt::format("parameter \"{}\"", p.name);

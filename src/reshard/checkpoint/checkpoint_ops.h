@@ -18,6 +18,7 @@
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/layouts/degree_constraints.h"
 #include "reshard/layouts/descriptor.h"
 
 namespace reshard {
@@ -38,6 +39,10 @@ struct CheckpointOptions {
   /// Called once per parameter that is moved through a scale (or a ratio of scales) that is
   /// not a power of two: its values are rounded, so the round trip is not bit-exact.
   std::function<void(const std::string& parameter, const std::string& message)> warn;
+  /// scatter: what the model's plan requires of the world size, recorded in the manifest;
+  /// convert carries them over and, building target maps from the recorded layouts, refuses a
+  /// world size that breaks one.
+  std::vector<DegreeConstraint> degree_constraints;
 };
 
 /// A tensor's layout for scatter: its map at the target world size, and the descriptor it came

@@ -220,10 +220,6 @@ Plan Merge(Plan base, const Plan& override_plan) {
   return base;
 }
 
-std::string JoinDegrees(const std::vector<int64_t>& degrees) {
-  return fmt::format("{}", fmt::join(degrees, ", "));
-}
-
 Result<Plan> ParsePlanObject(const Json& j, std::string_view key) {
   Plan plan;
   for (const auto& [pattern, style] : j.items()) {
@@ -347,50 +343,64 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
 }
 
 bool ResolvedEntry::degree_ok(int64_t degree) const {
-  if (!count) return true;
-  if (*count % degree == 0) return true;
-  return replicate_above && degree % *count == 0;
+  const std::optional<DegreeConstraint> c = constraint();
+  return !c || c->Allows(degree);
 }
 
-ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
-                      const PlanOptions& options) {
-  ModelPlan plan;
-  plan.registry = &registry;
-  plan.engine = options.engine;
-  const Result<Version> parsed_version = ParseVersion(registry.transformers_version);
-  const Version registry_version = parsed_version.ok() ? *parsed_version : Version{999, 0, 0};
-  const Version version = options.transformers_version.value_or(registry_version);
+std::optional<DegreeConstraint> ResolvedEntry::constraint() const {
+  if (!count) return std::nullopt;
+  return DegreeConstraint{pattern, style, *count, meaning, replicate_above};
+}
+
+std::vector<DegreeConstraint> DegreeConstraints(const ModelPlan& plan) {
+  std::vector<DegreeConstraint> out;
+  for (const ResolvedEntry& e : plan.entries) {
+    if (std::optional<DegreeConstraint> c = e.constraint()) out.push_back(*std::move(c));
+  }
+  return out;
+}
+
+namespace {
+
+// One (sub-)model whose plan applies: the composite's own, then its text model's.
+struct Scope {
+  std::string model_type;
+  const ModelTypeInfo* info;
+  const Values* values;
+  bool has_tp = false;  // its tensor-parallel plan is not empty after overrides
+};
+
+// A plan entry and the scope it belongs to.
+struct ScopedEntry {
+  PlanEntry entry;
+  size_t scope;
+};
+
+PlanRefusal NoPlanRefusal(std::string why) {
+  return PlanRefusal{
+      "no_tp_plan",
+      fmt::format("{}. Asked for tensor parallelism, transformers would not split it: it would "
+                  "load a full copy of the model on every rank, silently, at N times the "
+                  "memory. Spread it another way (pipeline parallelism or FSDP), or pass a "
+                  "tp_plan in the distributed config.",
+                  std::move(why))};
+}
+
+std::vector<Scope> Scopes(const ModelConfig& config) {
+  std::vector<Scope> scopes = {{config.model_type, config.info, &config.values}};
+  if (config.text_info != nullptr)
+    scopes.push_back({config.text_model_type, config.text_info, &config.text_values});
+  return scopes;
+}
+
+// The entries of every scope's plans after the distributed config's overrides; the TP entries
+// under an expert-parallel module give way to it.
+std::vector<ScopedEntry> PlanEntries(std::vector<Scope>& scopes, const PlanOptions& options) {
   const DistributedConfig& dist = options.distributed;
   const bool expert_parallel = options.engine == Engine::kTransformers && dist.expert_parallel();
-
-  auto refuse_no_plan = [&](std::string why) {
-    plan.refusal = PlanRefusal{
-        "no_tp_plan",
-        fmt::format("{}. Asked for tensor parallelism, transformers would not split it: it would "
-                    "load a full copy of the model on every rank, silently, at N times the "
-                    "memory. Spread it another way (pipeline parallelism or FSDP), or pass a "
-                    "tp_plan in the distributed config.",
-                    why)};
-    return plan;
-  };
-  if (config.info == nullptr) {
-    return refuse_no_plan(
-        fmt::format("model type \"{}\" has no tensor-parallel plan in transformers {} (and no text "
-                    "sub-config with one)",
-                    config.model_type, registry.transformers_version));
-  }
-
-  struct Scope {
-    const ModelTypeInfo* info;
-    const Values* values;
-  };
-  std::vector<Scope> scopes = {{config.info, &config.values}};
-  if (config.text_info != nullptr) scopes.push_back({config.text_info, &config.text_values});
   // Overrides name the modules of the model that carries the layers: the text model.
   const size_t main_scope = scopes.size() - 1;
-
-  std::vector<std::pair<PlanEntry, size_t>> entries;  // entry, scope
-  bool any_tp = false;
+  std::vector<ScopedEntry> entries;
   for (size_t s = 0; s < scopes.size(); ++s) {
     Plan tp = scopes[s].info->tp_plan;
     Plan ep = scopes[s].info->ep_plan;
@@ -404,56 +414,67 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
       std::erase_if(tp, [&](const PlanEntry& e) { return CoveredBy(e.pattern, ep); });
       for (const PlanEntry& e : ep) entries.push_back({e, s});
     }
-    if (!tp.empty()) any_tp = true;
+    scopes[s].has_tp = !tp.empty();
     for (const PlanEntry& e : tp) entries.push_back({e, s});
   }
-  if (expert_parallel &&
-      std::none_of(scopes.begin(), scopes.end(),
-                   [](const Scope& s) { return !s.info->ep_plan.empty(); }) &&
-      !dist.ep_plan) {
-    plan.refusal = PlanRefusal{
-        "no_ep_plan",
-        fmt::format("model type \"{}\" has no expert-parallel plan in transformers {}: asked for "
-                    "expert parallelism, transformers refuses to load it. Drop "
-                    "enable_expert_parallel/ep_size, or pass an ep_plan.",
-                    config.model_type, registry.transformers_version)};
-    return plan;
-  }
-  if (entries.empty()) {
-    return refuse_no_plan(fmt::format(
-        "model type \"{}\" has no tensor-parallel plan in transformers {}{}", config.model_type,
-        registry.transformers_version,
-        dist.tp_plan && dist.tp_plan->empty() ? " (the distributed config's tp_plan is empty)"
-                                              : ""));
-  }
+  return entries;
+}
 
-  const Scope& vocab_scope = scopes[main_scope];
-  auto has_style = [&](std::string_view style) {
-    return std::any_of(entries.begin(), entries.end(),
-                       [&](const auto& e) { return e.first.style == style; });
-  };
-  auto has_pattern = [&](std::string_view pattern) {
-    return std::any_of(entries.begin(), entries.end(),
-                       [&](const auto& e) { return e.first.pattern == pattern; });
-  };
-  if (options.engine == Engine::kVllm) {
-    // vLLM always splits the vocabulary: VocabParallelEmbedding and ParallelLMHead.
-    if (!has_style("embedding_rowwise"))
-      entries.insert(entries.begin(), {{"embed_tokens", "embedding_rowwise"}, main_scope});
-    if (!has_pattern("lm_head"))
-      entries.push_back({{"lm_head", "colwise_gather_output"}, main_scope});
-  } else if (version >= kHeadPlanVersion && any_tp) {
-    std::optional<int64_t> tied = Get(*vocab_scope.values, "tie_word_embeddings");
+bool HasPattern(const std::vector<ScopedEntry>& entries, std::string_view pattern, size_t scope) {
+  return std::any_of(entries.begin(), entries.end(), [&](const ScopedEntry& e) {
+    return e.scope == scope && e.entry.pattern == pattern;
+  });
+}
+
+// transformers adds the input embedding to the plan of every base model that holds one and
+// has a plan: for tied word embeddings only from 5.15, for every model by the registry's
+// release (kInputEmbeddingAlwaysVersion on; docs/degree.md).
+void AddInputEmbeddingEntries(const TpRegistry& registry, const ModelConfig& config,
+                              const std::vector<Scope>& scopes, Version version,
+                              Version registry_version, std::vector<ScopedEntry>& entries) {
+  if (version < kHeadPlanVersion) return;
+  const InputEmbeddingRule rule = registry.input_embedding.value_or(InputEmbeddingRule{});
+  bool tied_only = true;
+  if (version >= registry_version) {
+    if (!registry.input_embedding) return;
+    tied_only = rule.tied_only;
+  } else if (version >= kInputEmbeddingAlwaysVersion) {
+    tied_only = false;
+  }
+  for (size_t s = 0; s < scopes.size(); ++s) {
+    if (!scopes[s].has_tp || !scopes[s].info->embed_tokens) continue;
+    std::optional<int64_t> tied = Get(*scopes[s].values, "tie_word_embeddings");
     if (!tied) tied = Get(config.values, "tie_word_embeddings");
-    if (tied.value_or(0) != 0 && !has_style("embedding_rowwise") && !has_pattern("embed_tokens"))
-      entries.insert(entries.begin(), {{"embed_tokens", "embedding_rowwise"}, main_scope});
-    const Plan* head = &config.info->head_plan;
-    if (head->empty() && config.text_info != nullptr) head = &config.text_info->head_plan;
-    for (const PlanEntry& e : *head) {
-      if (!has_pattern(e.pattern)) entries.push_back({e, main_scope});
-    }
+    if (tied_only && tied.value_or(0) == 0) continue;
+    if (HasPattern(entries, rule.module, s)) continue;
+    entries.insert(entries.begin(), {{rule.module, rule.style}, s});
   }
+}
 
+void AddHeadEntries(const ModelConfig& config, size_t main_scope,
+                    std::vector<ScopedEntry>& entries) {
+  const Plan* head = &config.info->head_plan;
+  if (head->empty() && config.text_info != nullptr) head = &config.text_info->head_plan;
+  for (const PlanEntry& e : *head) {
+    if (!HasPattern(entries, e.pattern, main_scope)) entries.push_back({e, main_scope});
+  }
+}
+
+// vLLM always splits the vocabulary: VocabParallelEmbedding and ParallelLMHead.
+void AddVllmVocabularyEntries(size_t main_scope, std::vector<ScopedEntry>& entries) {
+  const bool embedding = std::any_of(entries.begin(), entries.end(), [](const ScopedEntry& e) {
+    return e.entry.style == "embedding_rowwise";
+  });
+  if (!embedding)
+    entries.insert(entries.begin(), {{"embed_tokens", "embedding_rowwise"}, main_scope});
+  if (!HasPattern(entries, "lm_head", main_scope))
+    entries.push_back({{"lm_head", "colwise_gather_output"}, main_scope});
+}
+
+// Each entry through the style registry and the config's counts; false with plan.refusal set
+// when a style is not registered.
+bool ClassifyEntries(const TpRegistry& registry, const std::vector<ScopedEntry>& entries,
+                     const std::vector<Scope>& scopes, Engine engine, ModelPlan& plan) {
   for (const auto& [entry, s] : entries) {
     ResolvedEntry r;
     r.pattern = entry.pattern;
@@ -468,10 +489,10 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
                       "registers it.",
                       entry.pattern, entry.style, effect.status().message())};
       plan.entries.clear();
-      return plan;
+      return false;
     }
     r.effect = *effect;
-    if (!Classify(r, *scopes[s].values, options.engine)) {
+    if (!Classify(r, *scopes[s].values, engine)) {
       plan.notes.push_back(fmt::format(
           "{} ({}) is split, but reshard cannot tell from the config what it counts; it is not "
           "checked",
@@ -479,22 +500,68 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
     }
     plan.entries.push_back(std::move(r));
   }
+  return true;
+}
+
+}  // namespace
+
+ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
+                      const PlanOptions& options) {
+  ModelPlan plan;
+  plan.registry = &registry;
+  plan.engine = options.engine;
+  const Result<Version> parsed_version = ParseVersion(registry.transformers_version);
+  const Version registry_version = parsed_version.ok() ? *parsed_version : Version{999, 0, 0};
+  const Version version = options.transformers_version.value_or(registry_version);
+  const DistributedConfig& dist = options.distributed;
+  if (config.info == nullptr) {
+    plan.refusal = NoPlanRefusal(
+        fmt::format("model type \"{}\" has no tensor-parallel plan in transformers {} (and no text "
+                    "sub-config with one)",
+                    config.model_type, registry.transformers_version));
+    return plan;
+  }
+  std::vector<Scope> scopes = Scopes(config);
+  const size_t main_scope = scopes.size() - 1;
+  std::vector<ScopedEntry> entries = PlanEntries(scopes, options);
+  const bool any_ep_plan = std::any_of(scopes.begin(), scopes.end(),
+                                       [](const Scope& s) { return !s.info->ep_plan.empty(); });
+  if (options.engine == Engine::kTransformers && dist.expert_parallel() && !any_ep_plan &&
+      !dist.ep_plan) {
+    plan.refusal = PlanRefusal{
+        "no_ep_plan",
+        fmt::format("model type \"{}\" has no expert-parallel plan in transformers {}: asked for "
+                    "expert parallelism, transformers refuses to load it. Drop "
+                    "enable_expert_parallel/ep_size, or pass an ep_plan.",
+                    config.model_type, registry.transformers_version)};
+    return plan;
+  }
+  if (entries.empty()) {
+    plan.refusal = NoPlanRefusal(fmt::format(
+        "model type \"{}\" has no tensor-parallel plan in transformers {}{}", config.model_type,
+        registry.transformers_version,
+        dist.tp_plan && dist.tp_plan->empty() ? " (the distributed config's tp_plan is empty)"
+                                              : ""));
+    return plan;
+  }
+  const bool any_tp =
+      std::any_of(scopes.begin(), scopes.end(), [](const Scope& s) { return s.has_tp; });
+  if (options.engine == Engine::kVllm) {
+    AddVllmVocabularyEntries(main_scope, entries);
+  } else if (version >= kHeadPlanVersion && any_tp) {
+    AddInputEmbeddingEntries(registry, config, scopes, version, registry_version, entries);
+    AddHeadEntries(config, main_scope, entries);
+  }
+  for (const Scope& s : scopes) {
+    for (const LoadConversion& c : s.info->load_conversions)
+      plan.load_conversions.push_back({s.model_type, c});
+  }
+  ClassifyEntries(registry, entries, scopes, options.engine, plan);
   return plan;
 }
 
 std::optional<std::string> BrokenConstraint(const ModelPlan& plan, int64_t degree) {
-  for (const ResolvedEntry& e : plan.entries) {
-    if (e.degree_ok(degree)) continue;
-    if (e.replicate_above) {
-      return fmt::format(
-          "{} ({}) splits {} {}; vLLM splits them when the degree divides {} and replicates "
-          "them when it is a multiple of {}: {} is neither",
-          e.pattern, e.style, *e.count, e.meaning, *e.count, *e.count, degree);
-    }
-    return fmt::format("{} ({}) splits {} {}; {} does not divide {}", e.pattern, e.style, *e.count,
-                       e.meaning, degree, *e.count);
-  }
-  return std::nullopt;
+  return FirstBrokenConstraint(DegreeConstraints(plan), degree);
 }
 
 DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested) {
@@ -505,65 +572,35 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
     answer.refusal = plan.refusal;
     return answer;
   }
-  int64_t g = 0;
-  int64_t g_all = 0;
   for (const ResolvedEntry& e : plan.entries) {
-    if (!e.count) continue;
-    answer.constraints.push_back(e);
-    g_all = std::gcd(g_all, *e.count);
-    if (!e.replicate_above) g = std::gcd(g, *e.count);
+    if (e.count) answer.constraints.push_back(e);
   }
   if (answer.constraints.empty()) {
     answer.refusal = PlanRefusal{
         "nothing_split", "the plan splits no weight reshard can count: it cannot answer for it"};
     return answer;
   }
-  if (g == 0) g = g_all;
-  for (int64_t d = 1; d * d <= g; ++d) {
-    if (g % d != 0) continue;
-    for (int64_t c : {d, g / d}) {
-      if (std::all_of(answer.constraints.begin(), answer.constraints.end(),
-                      [&](const ResolvedEntry& e) { return e.degree_ok(c); }) &&
-          std::find(answer.degrees.begin(), answer.degrees.end(), c) == answer.degrees.end())
-        answer.degrees.push_back(c);
-    }
-  }
-  std::sort(answer.degrees.begin(), answer.degrees.end());
+  const std::vector<DegreeConstraint> constraints = DegreeConstraints(plan);
+  answer.degrees = WorkingDegrees(constraints);
   answer.max_tp_degree = answer.degrees.back();
-  const int64_t max = *answer.max_tp_degree;
-
   if (requested) {
     const int64_t n = *requested;
-    if (std::optional<std::string> broken = BrokenConstraint(plan, n)) {
+    if (FirstBrokenConstraint(constraints, n)) {
       for (int64_t d : answer.degrees) {
         if (d >= n) {
           answer.chosen = d;
           break;
         }
       }
-      std::string next =
-          answer.chosen
-              ? fmt::format("The smallest degree >= {} that works is {} (working degrees: {}).", n,
-                            *answer.chosen, JoinDegrees(answer.degrees))
-              : fmt::format(
-                    "No degree >= {} works (the largest is {}): spread the model another "
-                    "way (pipeline or expert parallelism), or use {} ranks for tensor "
-                    "parallelism.",
-                    n, max, max);
-      const std::string consequence =
-          plan.engine == Engine::kVllm
-              ? fmt::format("vLLM would refuse the model at tp {}.", n)
-              : fmt::format(
-                    "At tp {} transformers would load the weights and then fail in the "
-                    "first forward with a reshape error that does not mention tensor "
-                    "parallelism.",
-                    n);
-      answer.refusal = PlanRefusal{"degree_does_not_divide",
-                                   fmt::format("{}. {} {}", *broken, consequence, next)};
+      const std::string consequence = plan.engine == Engine::kVllm
+                                          ? fmt::format("vLLM would refuse the model at tp {}.", n)
+                                          : TransformersBrokenDegreeConsequence(n);
+      answer.refusal =
+          PlanRefusal{"degree_does_not_divide", DegreeRefusalMessage(constraints, n, consequence)};
     } else {
       answer.chosen = n;
     }
-  } else if (max == 1) {
+  } else if (*answer.max_tp_degree == 1) {
     std::vector<std::string> counts;
     for (const ResolvedEntry& e : answer.constraints) {
       std::string c = fmt::format("{} {}", *e.count, e.meaning);

@@ -14,7 +14,9 @@
 //  - a composite model's own entries plus its text sub-config's, each counted from its own
 //    config;
 //  - from transformers 5.15 on, the LM-head class's entry (`lm_head`: colwise_gather_output)
-//    and, for tied word embeddings, `embed_tokens`: embedding_rowwise;
+//    and `embed_tokens`: embedding_rowwise for every (sub-)model that holds an embedding of
+//    that name and has a plan (for tied word embeddings only before 5.24; the registry records
+//    the rule of its release);
 //  - the distributed config's `tp_plan` / `ep_plan` overrides, merged as transformers does.
 // Missing config keys take the config class's defaults from the registry.
 //
@@ -33,6 +35,7 @@
 
 #include "reshard/base/result.h"
 #include "reshard/hf/registry.h"
+#include "reshard/layouts/degree_constraints.h"
 
 namespace reshard {
 
@@ -48,6 +51,10 @@ Result<Version> ParseVersion(std::string_view text);
 
 /// The first release whose plans include the LM head and the tied-embedding entry.
 inline constexpr Version kHeadPlanVersion{5, 15, 0};
+/// From this release on, the input-embedding entry applies to every base model that holds an
+/// `embed_tokens` embedding, tied or not (5.24 does so; the release that began it is not known
+/// to reshard, so earlier releases keep the tied-only rule of 5.15).
+inline constexpr Version kInputEmbeddingAlwaysVersion{5, 24, 0};
 
 /// The dict form of transformers' DistributedConfig, as far as the degree depends on it.
 struct DistributedConfig {
@@ -97,6 +104,8 @@ struct ResolvedEntry {
   std::string meaning;           // "attention heads", "vocabulary entries", ...
   bool replicate_above = false;  // vLLM's key/value heads: a multiple of count works too
   bool degree_ok(int64_t degree) const;
+  /// The constraint the entry puts on the degree (nullopt when it contributes no count).
+  std::optional<DegreeConstraint> constraint() const;
 };
 
 struct PlanRefusal {
@@ -111,6 +120,9 @@ struct ModelPlan {
   std::vector<ResolvedEntry> entries;
   std::vector<std::string> notes;      // split entries whose count reshard cannot derive
   std::optional<PlanRefusal> refusal;  // no_tp_plan or unregistered_style
+  /// The checkpoint conversions transformers applies at load, with the model type they are
+  /// registered for: a checkpoint tensor they consume is not what transformers splits.
+  std::vector<std::pair<std::string, LoadConversion>> load_conversions;
 };
 
 ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
@@ -131,6 +143,9 @@ struct DegreeAnswer {
 /// the model cannot be split as asked (exit 1): no plan, an unregistered style, a requested
 /// degree that fails a constraint, or counts that share no factor.
 DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested);
+
+/// The constraints of every entry that contributes a count, in plan order.
+std::vector<DegreeConstraint> DegreeConstraints(const ModelPlan& plan);
 
 /// The first constraint `degree` breaks, phrased for a person:
 /// "layers.*.self_attn.q_proj (colwise) splits 9 attention heads; 2 does not divide 9".

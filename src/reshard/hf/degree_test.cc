@@ -57,6 +57,36 @@ TEST(DegreeTest, TiedEmbeddingAndLmHeadOnlyFromTheirRelease) {
   EXPECT_EQ(Answer(config, std::nullopt, old).max_tp_degree, 8);
 }
 
+TEST(DegreeTest, InputEmbeddingIsSplitOnTheVocabularyTiedOrNot) {
+  // transformers 5.24 adds embed_tokens: embedding_rowwise to every base model holding an
+  // embedding of that name; an odd vocabulary then caps the degree even when untied.
+  const char* untied = R"({"model_type": "llama", "num_attention_heads": 8,
+    "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 36,
+    "tie_word_embeddings": false})";
+  DegreeAnswer a = Answer(untied);
+  ASSERT_FALSE(a.constraints.empty());
+  EXPECT_EQ(a.constraints.front().pattern, "embed_tokens");
+  EXPECT_EQ(a.constraints.front().style, "embedding_rowwise");
+  EXPECT_EQ(a.constraints.front().count, 36);
+  EXPECT_EQ(a.max_tp_degree, 4);
+  // Releases before it add the entry for tied embeddings only.
+  PlanOptions v520;
+  v520.transformers_version = Version{5, 20, 0};
+  a = Answer(untied, std::nullopt, v520);
+  EXPECT_NE(a.constraints.front().pattern, "embed_tokens");
+  const char* tied = R"({"model_type": "llama", "num_attention_heads": 8,
+    "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 36,
+    "tie_word_embeddings": true})";
+  EXPECT_EQ(Answer(tied, std::nullopt, v520).constraints.front().pattern, "embed_tokens");
+}
+
+TEST(DegreeTest, ModelWithoutAnEmbedTokensModuleGetsNoInputEmbeddingEntry) {
+  // GPT-NeoX names its embedding embed_in: the entry would match nothing.
+  const char* neox = R"({"model_type": "gpt_neox", "num_attention_heads": 8,
+    "intermediate_size": 64, "vocab_size": 36, "hidden_size": 64})";
+  for (const ResolvedEntry& e : Answer(neox).constraints) EXPECT_NE(e.pattern, "embed_tokens");
+}
+
 TEST(DegreeTest, NoPlanIsRefused) {
   DegreeAnswer a = Answer(R"({"model_type": "gpt2", "n_head": 12})");
   ASSERT_TRUE(a.refusal);

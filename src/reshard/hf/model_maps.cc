@@ -118,33 +118,67 @@ Result<LayoutDescriptor> TensorLayout(const ResolvedEntry* entry, std::string_vi
   return d;
 }
 
-Result<MapDocument> ModelMaps(const ModelPlan& plan, int tp,
-                              const std::vector<std::pair<std::string, Shape>>& tensors) {
+Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view tensor_name,
+                                const Shape& shape) {
+  for (const auto& [model_type, conversion] : plan.load_conversions) {
+    for (const std::string& source : conversion.sources) {
+      if (!MatchesConversionSource(source, tensor_name)) continue;
+      return FailedPreconditionError(fmt::format(
+          "tensor \"{}\": transformers {} converts it when it loads a {} model ({} -> {} by "
+          "{}) and then applies its plan to the result; reshard lays out checkpoint tensors as "
+          "stored and does not express that conversion, so it refuses rather than place the "
+          "tensor differently from transformers. Shard a checkpoint that stores {} as "
+          "transformers holds it, or let transformers split this one",
+          tensor_name, plan.registry->transformers_version, model_type,
+          fmt::join(conversion.sources, " + "), conversion.target,
+          fmt::join(conversion.operations, ", "), conversion.target));
+    }
+  }
+  const ResolvedEntry* entry = MatchPlanEntry(plan, tensor_name);
+  Result<LayoutDescriptor> layout = TensorLayout(entry, tensor_name, shape);
+  // A shape that disagrees with the config is a failed check of well-formed input.
+  if (!layout.ok()) return FailedPreconditionError(layout.status().message());
+  Result<ParamMap> map = BuildMap(*layout, shape, tp);
+  if (!map.ok()) {
+    return map.status().Annotate(
+        fmt::format("tensor \"{}\"{}", tensor_name,
+                    entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
+  }
+  return TensorMap{*std::move(map), *std::move(layout)};
+}
+
+Result<ConfigMaps> ConfigMaps::FromConfigJson(const TpRegistry& registry,
+                                              std::string_view config_json, int tp,
+                                              const PlanOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ModelConfig config, ReadModelConfigJson(registry, config_json));
+  return FromPlan(ResolvePlan(registry, config, options), tp);
+}
+
+Result<ConfigMaps> ConfigMaps::FromPlan(ModelPlan plan, int tp) {
   if (plan.engine != Engine::kTransformers) {
     return UnimplementedError(
         "model maps follow transformers' layouts; vLLM's (replicated key/value heads, padded "
         "vocabulary) are not generated");
   }
-  if (plan.refusal) return FailedPreconditionError(plan.refusal->message);
   if (tp < 1) return InvalidArgumentError(fmt::format("tp {}: expected a positive degree", tp));
+  if (plan.refusal) return FailedPreconditionError(plan.refusal->message);
   // The gate the degree planner uses, asked again entry by entry: the two refuse one set.
   for (const ResolvedEntry& e : plan.entries) {
     Result<StyleEffect> effect = ResolveStyle(*plan.registry, e.style);
     if (!effect.ok()) return effect.status().Annotate(fmt::format("{} ({})", e.pattern, e.style));
   }
-  if (std::optional<std::string> broken = BrokenConstraint(plan, tp))
-    return FailedPreconditionError(fmt::format("tp {}: {}", tp, *broken));
+  const DegreeAnswer answer = PlanDegree(plan, tp);
+  if (answer.refusal) return FailedPreconditionError(answer.refusal->message);
+  return ConfigMaps(std::move(plan), tp);
+}
+
+Result<MapDocument> ModelMaps(const ModelPlan& plan, int tp,
+                              const std::vector<std::pair<std::string, Shape>>& tensors) {
+  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromPlan(plan, tp));
   MapDocument doc;
   for (const auto& [name, shape] : tensors) {
-    const ResolvedEntry* entry = MatchPlanEntry(plan, name);
-    RESHARD_ASSIGN_OR_RETURN(LayoutDescriptor layout, TensorLayout(entry, name, shape));
-    Result<ParamMap> map = BuildMap(layout, shape, tp);
-    if (!map.ok()) {
-      return map.status().Annotate(
-          fmt::format("tensor \"{}\"{}", name,
-                      entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
-    }
-    doc.params.emplace_back(name, std::move(*map));
+    RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps.Map(name, shape));
+    doc.params.emplace_back(name, std::move(m.map));
   }
   return doc;
 }

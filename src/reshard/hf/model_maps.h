@@ -41,11 +41,51 @@ const ResolvedEntry* MatchPlanEntry(const ModelPlan& plan, std::string_view tens
 Result<LayoutDescriptor> TensorLayout(const ResolvedEntry* entry, std::string_view tensor_name,
                                       const Shape& shape);
 
-/// Every tensor's param map at degree `tp`, in the given order.
+/// One tensor's map at a degree, with the layout descriptor it was built from (recorded in a
+/// sharded checkpoint's manifest so that it can be re-laid out at another degree).
+struct TensorMap {
+  ParamMap map;
+  LayoutDescriptor layout;
+};
+
+/// The map of one tensor at degree `tp` under `plan` (nullptr entry: replicated).
+/// \error FailedPrecondition  the tensor's shape disagrees with the config's counts.
+Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view tensor_name,
+                                const Shape& shape);
+
+/// The one route from a model's config.json to the maps of its tensors at a degree: the
+/// config is read against `registry`, the plan resolved with `options`, and the degree
+/// checked against every constraint before any map is built. `scatter --config` and
+/// `degree --emit-maps` both go through it.
+class ConfigMaps {
+ public:
+  /// \error InvalidArgument  malformed config.json, or a degree below 1.
+  /// \error FailedPrecondition  the plan is refused (no plan, an unregistered style) or `tp`
+  ///        breaks a constraint: the degree planner's message.
+  /// \error Unimplemented  the vLLM engine (its layouts are not transformers').
+  static Result<ConfigMaps> FromConfigJson(const TpRegistry& registry, std::string_view config_json,
+                                           int tp, const PlanOptions& options = {});
+  /// From a plan already resolved; the same checks.
+  static Result<ConfigMaps> FromPlan(ModelPlan plan, int tp);
+
+  const ModelPlan& plan() const { return plan_; }
+  int tp() const { return tp_; }
+  /// The map of one tensor (PlanTensorMap at this degree).
+  Result<TensorMap> Map(std::string_view tensor_name, const Shape& shape) const {
+    return PlanTensorMap(plan_, tp_, tensor_name, shape);
+  }
+
+ private:
+  ConfigMaps(ModelPlan plan, int tp) : plan_(std::move(plan)), tp_(tp) {}
+  ModelPlan plan_;
+  int tp_ = 1;
+};
+
+/// Every tensor's param map at degree `tp`, in the given order (through ConfigMaps).
 /// \error FailedPrecondition  the plan is refused (no plan, an unregistered style: the same
 ///        refusals as the degree planner, through the same style registry) or `tp` breaks a
 ///        constraint (the message names it).
-/// \error InvalidArgument  a tensor's shape disagrees with the config.
+/// \error FailedPrecondition  a tensor's shape disagrees with the config.
 /// \error Unimplemented  the vLLM engine (its layouts are not transformers').
 Result<MapDocument> ModelMaps(const ModelPlan& plan, int tp,
                               const std::vector<std::pair<std::string, Shape>>& tensors);

@@ -53,8 +53,8 @@ TEST(ModelMapsTest, LlamaTensorsTakeTheirPlanLayouts) {
   LayoutDescriptor cols = rows;
   cols.dim = 1;
   LayoutDescriptor replicated;
-  // embed_tokens: not in the plan of an untied llama -> replicated.
-  expect(0, replicated, {64, 32});
+  // embed_tokens: split on the vocabulary, tied or not, as transformers 5.24 does.
+  expect(0, rows, {64, 32});
   expect(1, rows, {32, 32});  // q_proj colwise
   expect(2, rows, {16, 32});  // k_proj colwise
   expect(3, cols, {32, 32});  // o_proj rowwise
@@ -80,7 +80,7 @@ TEST(ModelMapsTest, ShapeThatDisagreesWithTheConfigIsAnError) {
   Result<MapDocument> doc =
       ModelMaps(plan, 2, {{"model.layers.0.self_attn.k_proj.weight", {15, 32}}});
   ASSERT_FALSE(doc.ok());
-  EXPECT_EQ(doc.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(doc.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(doc.status().message().find("splits 2 key/value heads"), std::string::npos)
       << doc.status().message();
 }
@@ -105,6 +105,35 @@ TEST(ModelMapsTest, PackedExpertsAreFusedHalves) {
   EXPECT_EQ(d->family, LayoutFamily::kFused);
   EXPECT_EQ(d->dim, 1);
   EXPECT_EQ(d->equal_parts, 2);
+}
+
+TEST(ModelMapsTest, PerExpertTensorsThatTransformersFusesAreRefusedNamingTheConversion) {
+  ModelPlan plan = Plan(R"({"model_type": "mixtral", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
+    "intermediate_size": 6, "num_local_experts": 4, "vocab_size": 16})");
+  Result<MapDocument> doc =
+      ModelMaps(plan, 2, {{"model.layers.0.block_sparse_moe.experts.3.w1.weight", {6, 8}}});
+  ASSERT_FALSE(doc.ok());
+  EXPECT_EQ(doc.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(doc.status().message().find(".experts.gate_up_proj by MergeModulelist, Concatenate"),
+            std::string::npos)
+      << doc.status().message();
+  // The router and the attention are stored as transformers holds them.
+  EXPECT_TRUE(ModelMaps(plan, 2,
+                        {{"model.layers.0.block_sparse_moe.gate.weight", {4, 8}},
+                         {"model.layers.0.self_attn.q_proj.weight", {8, 8}}})
+                  .ok());
+}
+
+TEST(ModelMapsTest, QwenMoeExpertsAreRefusedButItsDenseMlpIsNot) {
+  ModelPlan plan = Plan(R"({"model_type": "qwen3_moe", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4,
+    "intermediate_size": 6, "moe_intermediate_size": 4, "num_experts": 4, "vocab_size": 16})");
+  EXPECT_EQ(ModelMaps(plan, 2, {{"model.layers.1.mlp.experts.0.down_proj.weight", {8, 4}}})
+                .status()
+                .code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(ModelMaps(plan, 2, {{"model.layers.1.mlp.down_proj.weight", {8, 6}}}).ok());
 }
 
 // The planner and the map generator read one registry of styles: for every style name,

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <nlohmann/json.hpp>
 
 namespace reshard {
@@ -36,6 +37,36 @@ Result<std::vector<std::string>> ParseStrings(const Json& j, std::string_view pa
     out.push_back(s.get<std::string>());
   }
   return out;
+}
+
+Result<LoadConversion> ParseConversion(const Json& j, const std::string& path) {
+  if (!j.is_object() || !j.contains("sources") || !j.contains("target") ||
+      !j["target"].is_string() || !j.contains("operations")) {
+    return InvalidArgumentError(
+        fmt::format("{}: expected {{\"sources\", \"target\", \"operations\"}}", path));
+  }
+  LoadConversion c;
+  RESHARD_ASSIGN_OR_RETURN(c.sources, ParseStrings(j["sources"], path + ".sources"));
+  RESHARD_ASSIGN_OR_RETURN(c.operations, ParseStrings(j["operations"], path + ".operations"));
+  c.target = j["target"].get<std::string>();
+  return c;
+}
+
+Result<InputEmbeddingRule> ParseInputEmbedding(const Json& j) {
+  const std::string path = "plan registry: input_embedding";
+  if (!j.is_object() || !j.contains("module") || !j["module"].is_string() || !j.contains("style") ||
+      !j["style"].is_string() || !j.contains("applies") || !j["applies"].is_string()) {
+    return InvalidArgumentError(
+        fmt::format("{}: expected {{\"module\", \"style\", \"applies\"}}", path));
+  }
+  InputEmbeddingRule rule;
+  rule.module = j["module"].get<std::string>();
+  rule.style = j["style"].get<std::string>();
+  const std::string applies = j["applies"].get<std::string>();
+  if (applies != "always" && applies != "tied")
+    return InvalidArgumentError(fmt::format("{}.applies: expected \"always\" or \"tied\"", path));
+  rule.tied_only = applies == "tied";
+  return rule;
 }
 
 Result<ModelTypeInfo> ParseModelType(const Json& j, const std::string& path) {
@@ -75,6 +106,17 @@ Result<ModelTypeInfo> ParseModelType(const Json& j, const std::string& path) {
       }
       info.text_config_key = value["key"].get<std::string>();
       info.text_model_type = value["model_type"].get<std::string>();
+    } else if (key == "embed_tokens") {
+      if (!value.is_boolean())
+        return InvalidArgumentError(fmt::format("{}: expected true or false", at));
+      info.embed_tokens = value.get<bool>();
+    } else if (key == "load_conversions") {
+      if (!value.is_array()) return InvalidArgumentError(fmt::format("{}: expected an array", at));
+      for (size_t i = 0; i < value.size(); ++i) {
+        RESHARD_ASSIGN_OR_RETURN(LoadConversion c,
+                                 ParseConversion(value[i], fmt::format("{}[{}]", at, i)));
+        info.load_conversions.push_back(std::move(c));
+      }
     } else {
       return InvalidArgumentError(fmt::format("{}: unknown key", at));
     }
@@ -83,6 +125,30 @@ Result<ModelTypeInfo> ParseModelType(const Json& j, const std::string& path) {
 }
 
 }  // namespace
+
+bool MatchesConversionSource(std::string_view pattern, std::string_view name) {
+  // Anywhere in the name: try every start. `*` is any run; `\x` is x; other characters are
+  // literal (transformers' patterns use `.` for the dot between name components).
+  auto word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  const bool boundary = !pattern.empty() && word(pattern.back());
+  // match(p, n): does pattern[p..] match a prefix of name[n..] ending at a boundary?
+  auto match = [&](auto&& self, size_t p, size_t n) -> bool {
+    if (p == pattern.size()) return !boundary || n == name.size() || !word(name[n]);
+    if (pattern[p] == '*') {
+      for (size_t k = n; k <= name.size(); ++k) {
+        if (self(self, p + 1, k)) return true;
+      }
+      return false;
+    }
+    size_t q = p;
+    if (pattern[q] == '\\' && q + 1 < pattern.size()) ++q;
+    return n < name.size() && name[n] == pattern[q] && self(self, q + 1, n + 1);
+  };
+  for (size_t start = 0; start <= name.size(); ++start) {
+    if (match(match, 0, start)) return true;
+  }
+  return false;
+}
 
 const ModelTypeInfo* TpRegistry::Find(std::string_view model_type) const {
   auto it = model_types.find(model_type);
@@ -101,6 +167,9 @@ Result<TpRegistry> ParseTpRegistryJson(std::string_view text) {
   if (!j.contains("transformers_version") || !j["transformers_version"].is_string())
     return InvalidArgumentError("plan registry: transformers_version: expected a string");
   reg.transformers_version = j["transformers_version"].get<std::string>();
+  if (j.contains("input_embedding")) {
+    RESHARD_ASSIGN_OR_RETURN(reg.input_embedding, ParseInputEmbedding(j["input_embedding"]));
+  }
   if (!j.contains("styles")) return InvalidArgumentError("plan registry: styles: missing");
   RESHARD_ASSIGN_OR_RETURN(reg.styles, ParseStrings(j["styles"], "plan registry: styles"));
   std::sort(reg.styles.begin(), reg.styles.end());

@@ -5,6 +5,9 @@
 // planner answers without Python. Its JSON form:
 //
 //   {"transformers_version": "5.24.0",
+//    "input_embedding": {"module": "embed_tokens", "style": "embedding_rowwise",
+//                        "applies": "always"}?,       added to a base model's plan ("tied":
+//                                                     only for tied word embeddings)
 //    "styles": ["colwise", "rowwise", ...],           every style transformers registers
 //    "distributed_config_keys": ["tp_size", ...],     DistributedConfig's fields
 //    "model_types": {"llama": {
@@ -13,7 +16,12 @@
 //        "head_plan": {"lm_head": "colwise_gather_output"}?,         the LM-head class's plan
 //        "attribute_map": {"num_attention_heads": "n_head"}?,        config.json aliases
 //        "defaults": {"vocab_size": 32000, "num_key_value_heads": null, ...},
-//        "text_config": {"key": "text_config", "model_type": "llama4_text"}?}}}
+//        "text_config": {"key": "text_config", "model_type": "llama4_text"}?,
+//        "embed_tokens": true?,                     the base model has an nn.Embedding of
+//                                                   that name
+//        "load_conversions": [{"sources": ["mlp.experts.*.gate_proj.weight", ...],
+//                              "target": "mlp.experts.gate_up_proj",
+//                              "operations": ["MergeModulelist", "Concatenate"]}]?}}}
 //
 // Plans keep their order (transformers applies them as dicts, in insertion order).
 //
@@ -42,6 +50,26 @@ struct PlanEntry {
 };
 using Plan = std::vector<PlanEntry>;
 
+/// A conversion transformers applies to checkpoint tensors when it loads them: the tensors
+/// matching `sources` become `target` through `operations` (stacking experts, concatenating,
+/// splitting, permuting). Patterns are matched as transformers matches them: anywhere in the
+/// name, `*` standing for any run of characters, ending at a name boundary.
+struct LoadConversion {
+  std::vector<std::string> sources;
+  std::string target;
+  std::vector<std::string> operations;
+};
+
+/// Whether `name` matches a load-conversion source pattern.
+bool MatchesConversionSource(std::string_view pattern, std::string_view name);
+
+/// The entry transformers adds to a base model's plan for its input embedding.
+struct InputEmbeddingRule {
+  std::string module = "embed_tokens";
+  std::string style = "embedding_rowwise";
+  bool tied_only = false;  // "applies": "tied" (else "always")
+};
+
 struct ModelTypeInfo {
   Plan tp_plan;
   Plan ep_plan;
@@ -53,10 +81,14 @@ struct ModelTypeInfo {
   std::map<std::string, std::optional<int64_t>> defaults;
   std::string text_config_key;  // composite models: the sub-config holding the text model
   std::string text_model_type;
+  /// The base model holds an nn.Embedding named like InputEmbeddingRule::module.
+  bool embed_tokens = false;
+  std::vector<LoadConversion> load_conversions;
 };
 
 struct TpRegistry {
   std::string transformers_version;
+  std::optional<InputEmbeddingRule> input_embedding;
   std::vector<std::string> styles;  // sorted
   std::vector<std::string> distributed_config_keys;
   std::map<std::string, ModelTypeInfo, std::less<>> model_types;

@@ -51,5 +51,31 @@ TEST(TpRegistryTest, MalformedRegistriesAreRefusedWithThePath) {
   }
 }
 
+TEST(TpRegistryTest, ConversionSourcesMatchAnywhereUpToANameBoundary) {
+  EXPECT_TRUE(MatchesConversionSource("mlp.experts.*.gate_proj.weight",
+                                      "model.layers.0.mlp.experts.12.gate_proj.weight"));
+  EXPECT_TRUE(MatchesConversionSource(".experts.*.w1.weight",
+                                      "model.layers.3.block_sparse_moe.experts.0.w1.weight"));
+  EXPECT_FALSE(MatchesConversionSource(
+      ".experts.*.w1.weight", "model.layers.3.block_sparse_moe.experts.0.w1.weight_scale"));
+  EXPECT_FALSE(MatchesConversionSource("mlp.experts.*.gate_proj.weight",
+                                       "model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_TRUE(MatchesConversionSource(R"(mlp\.experts\.gate_up_proj)",
+                                      "model.layers.0.mlp.experts.gate_up_proj"));
+}
+
+TEST(TpRegistryTest, BuiltinRegistryRecordsTheInputEmbeddingRuleAndConversions) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  ASSERT_TRUE(reg.input_embedding);
+  EXPECT_EQ(reg.input_embedding->module, "embed_tokens");
+  EXPECT_EQ(reg.input_embedding->style, "embedding_rowwise");
+  EXPECT_FALSE(reg.input_embedding->tied_only);
+  ASSERT_NE(reg.Find("llama"), nullptr);
+  EXPECT_TRUE(reg.Find("llama")->embed_tokens);
+  ASSERT_NE(reg.Find("mixtral"), nullptr);
+  EXPECT_FALSE(reg.Find("mixtral")->load_conversions.empty());
+  EXPECT_TRUE(reg.Find("llama")->load_conversions.empty());
+}
+
 }  // namespace
 }  // namespace reshard
