@@ -23,6 +23,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 TP = 2
@@ -137,18 +138,31 @@ def transformers_tp(tmp_path_factory):
     return TransformersRun(models, dumps)
 
 
-def checkpoint_renames(config):
-    """The plain key renames transformers applies to this model's checkpoint names at load (not
-    the fusing conversions), as (pattern, replacement) pairs. Like transformers, a mapping
-    registered for the model class wins over the model type's."""
+def load_conversions(config):
+    """What transformers does to this model's checkpoint names at load: the plain key renames,
+    as (pattern, replacement) pairs, and the converters (which fuse, split or stack tensors),
+    as (source globs, target names) pairs. Like transformers, a mapping registered for the model
+    class wins over the model type's."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     transforms = None
     for key in (*config.get("architectures", ()), config["model_type"]):
         transforms = transforms or get_checkpoint_conversion_mapping(key)
-    return [(src, dst) for t in transforms or [] if type(t) is WeightRenaming
-            for src, dst in zip(t.source_patterns, t.target_patterns)]
+    transforms = transforms or []
+    renames = [(src, dst) for t in transforms if type(t) is WeightRenaming
+               for src, dst in zip(t.source_patterns, t.target_patterns)]
+    converters = [(t.source_patterns, t.target_patterns) for t in transforms
+                  if isinstance(t, WeightConverter)]
+    return renames, converters
+
+
+def converted_targets(names, converters):
+    """The targets of the converters that consume any of the checkpoint tensors `names` (a
+    source glob's `*` stands for any text, as in transformers)."""
+    return sorted({target.strip(".") for sources, targets in converters
+                   if any(re.search(src.replace("*", ".*"), n) for src in sources for n in names)
+                   for target in targets})
 
 
 def reshard_rank_tensors(sharded_dir, rank, renames=()):
@@ -196,15 +210,24 @@ def reshard(reshard_bin, *args):
 
 
 @pytest.mark.parametrize("name", WORKING)
-def test_scatter_puts_on_each_rank_what_transformers_loads(name, transformers_tp, reshard_bin,
-                                                          tmp_path):
+def test_scatter_matches_transformers_or_refuses_its_load_conversion(name, transformers_tp,
+                                                                     reshard_bin, tmp_path):
+    """Every rank gets transformers' tensors bit for bit; the one way out is a refusal (exit 1,
+    nothing written) naming a conversion transformers applies to the checkpoint at load."""
     assert transformers_tp.works(name), transformers_tp.statuses(name)
     model_dir = transformers_tp.model_dir(name)
+    renames, converters = load_conversions(json.loads((model_dir / "config.json").read_text()))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        converted = converted_targets(list(f.keys()), converters)
     out = tmp_path / "sharded"
     r = reshard(reshard_bin, "scatter", model_dir, "--config", model_dir / "config.json",
                 "--tp", TP, "-o", out)
+    if r.returncode != 0 and converted:
+        assert r.returncode == 1, r.stderr
+        assert any(target in r.stderr for target in converted), (converted, r.stderr)
+        assert not out.exists()
+        return
     assert r.returncode == 0, r.stderr
-    renames = checkpoint_renames(json.loads((model_dir / "config.json").read_text()))
     diffs = {rank: rank_differences(transformers_tp.tensors(name, rank),
                                     reshard_rank_tensors(out, rank, renames))
              for rank in range(TP)}
