@@ -7,7 +7,9 @@ local tensors (tp_load_worker.py). Then:
 
 - `reshard scatter DIR --config DIR/config.json --tp 2` must put on every rank exactly those
   tensors, bit for bit, under the same names (after the checkpoint renames transformers applies
-  when it loads, such as Mixtral's `block_sparse_moe` -> `mlp`).
+  when it loads, such as Mixtral's `block_sparse_moe` -> `mlp`), or refuse with exit 1 naming
+  a conversion transformers applies to that checkpoint at load (MoE experts stacked into
+  `experts.gate_up_proj`, fused projections split), which reshard does not express.
 - `reshard degree CONFIG --tp 2` must say "works" (exit 0) exactly when transformers loads the
   model and runs a forward pass at TP 2, and refuse (exit 1) when it does not.
 """
