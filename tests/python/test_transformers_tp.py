@@ -289,3 +289,17 @@ def test_rank_differences_names_each_kind_of_difference():
     assert rank_differences({}, {"w": a}) == ["w: reshard holds (2, 3), transformers nothing"]
     # -0.0 == 0.0 numerically, but not bit for bit.
     assert rank_differences({"z": torch.zeros(2)}, {"z": -torch.zeros(2)}) != []
+
+
+def test_converted_targets_follow_transformers_conversion_mapping():
+    mixtral = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+    renames, converters = load_conversions(mixtral)
+    assert (".block_sparse_moe.", ".mlp.") in renames
+    names = ["model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.norm.weight"]
+    assert converted_targets(names, converters) == ["experts.gate_up_proj"]
+    assert converted_targets(["model.norm.weight"], converters) == []
+    # A mapping registered for the class wins over the model type's.
+    neox_renames, _ = load_conversions({"model_type": "gpt_neox",
+                                        "architectures": ["GPTNeoXForCausalLM"]})
+    assert neox_renames == [(r"^embed_out\.", "lm_head.")]
+    assert load_conversions({"model_type": "llama"}) == ([], [])
