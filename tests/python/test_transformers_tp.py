@@ -32,8 +32,8 @@ TP = 2
 SEED = 20260601
 WORKER = pathlib.Path(__file__).resolve().parent / "tp_load_worker.py"
 
-# Every toy model starts from this; token ids stay inside the vocabulary. The expert keys are
-# those the MoE config classes read (a dense config keeps them as unused attributes).
+# Every toy model starts from this (the keys its config class has); token ids stay inside the
+# vocabulary. The expert keys are the names the MoE config classes use.
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
            pad_token_id=0, bos_token_id=1, eos_token_id=2, num_experts=4, num_local_experts=4,
@@ -83,10 +83,14 @@ WORKING = sorted(name for name, case in CASES.items() if case.works)
 
 
 def build_toy_model(case, seed, out_dir):
-    """Save a toy model of `case` with seeded random weights (every parameter, norms too)."""
+    """Save a toy model of `case` with seeded random weights (every parameter, norms too). Of
+    the TOY keys, the config gets those its class knows, so config.json reads like a real one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(case.model_type, **{**TOY, **case.overrides})
+    known = AutoConfig.for_model(case.model_type)
+    keys = known.to_dict().keys() | known.attribute_map.keys()
+    toy = {k: v for k, v in TOY.items() if k in keys}
+    config = AutoConfig.for_model(case.model_type, **{**toy, **case.overrides})
     model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
