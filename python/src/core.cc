@@ -58,7 +58,8 @@ ConstBuffer ViewOf(const py::buffer_info& info, DType dtype, const char* what) {
 }
 
 py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::string& dtype_name,
-                    Rank rank, int scale_power, bool allow_scaled_optimizer_state) {
+                    Rank rank, int scale_power, bool allow_scaled_optimizer_state,
+                    bool allow_lossy_scale) {
   const ParamMap map = LoadMap(map_json);
   const DType dtype = LoadDType(dtype_name);
   if (rank < 0 || rank >= map.world_size()) throw py::value_error("rank outside the map's world");
@@ -68,6 +69,7 @@ py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::str
   ExecOptions options;
   options.scale_power = scale_power;
   options.allow_scaled_optimizer_state = allow_scaled_optimizer_state;
+  options.allow_lossy_scale = allow_lossy_scale;
   Status s;
   {
     py::gil_scoped_release release;
@@ -81,7 +83,7 @@ py::bytes PyExtract(const std::string& map_json, py::buffer full, const std::str
 
 py::bytes PyRebuild(const std::string& map_json, const std::vector<py::buffer>& shards,
                     const std::string& dtype_name, int scale_power, bool verify_replicas,
-                    bool allow_scaled_optimizer_state) {
+                    bool allow_scaled_optimizer_state, bool allow_lossy_scale) {
   const ParamMap map = LoadMap(map_json);
   const DType dtype = LoadDType(dtype_name);
   std::vector<py::buffer_info> infos;
@@ -93,6 +95,7 @@ py::bytes PyRebuild(const std::string& map_json, const std::vector<py::buffer>& 
   options.scale_power = scale_power;
   options.verify_replicas = verify_replicas;
   options.allow_scaled_optimizer_state = allow_scaled_optimizer_state;
+  options.allow_lossy_scale = allow_lossy_scale;
   Status s;
   {
     py::gil_scoped_release release;
@@ -128,7 +131,8 @@ std::string ComposeJson(const std::string& target_json, const std::string& sourc
 // Composes the plan and runs it on the source shards: target shards as bytes.
 std::vector<py::bytes> Transfer(const std::string& target_json, const std::string& source_json,
                                 const std::vector<py::buffer>& shards,
-                                const std::string& dtype_name, int scale_power) {
+                                const std::string& dtype_name, int scale_power,
+                                bool allow_lossy_scale) {
   const ParamMap target = LoadMap(target_json);
   const ParamMap source = LoadMap(source_json);
   const DType dtype = LoadDType(dtype_name);
@@ -149,6 +153,7 @@ std::vector<py::bytes> Transfer(const std::string& target_json, const std::strin
   }
   ExecOptions options;
   options.scale_power = scale_power;
+  options.allow_lossy_scale = allow_lossy_scale;
   Status s;
   {
     py::gil_scoped_release release;
@@ -246,14 +251,15 @@ PYBIND11_MODULE(_core, m) {
         "The transfer plan (plan document JSON, one parameter named \"\") from source to target.");
   m.def("transfer", &Transfer, py::arg("target_map_json"), py::arg("source_map_json"),
         py::arg("shards"), py::arg("dtype"), py::arg("scale_power") = 1,
+        py::arg("allow_lossy_scale") = false,
         "Composes the plan and executes it on the source shards; returns the target shards.");
   m.def("extract", &PyExtract, py::arg("map_json"), py::arg("full"), py::arg("dtype"),
         py::arg("rank"), py::arg("scale_power") = 1,
-        py::arg("allow_scaled_optimizer_state") = false,
+        py::arg("allow_scaled_optimizer_state") = false, py::arg("allow_lossy_scale") = false,
         "F (a buffer of the map's full element count) -> rank's shard, as bytes.");
   m.def("rebuild", &PyRebuild, py::arg("map_json"), py::arg("shards"), py::arg("dtype"),
         py::arg("scale_power") = 1, py::arg("verify_replicas") = true,
-        py::arg("allow_scaled_optimizer_state") = false,
+        py::arg("allow_scaled_optimizer_state") = false, py::arg("allow_lossy_scale") = false,
         "Shards (one buffer per rank) -> F, as bytes, checking replicas.");
   m.def("read_safetensors", &ReadSafetensors, py::arg("path"),
         "A safetensors file as {name: (dtype, shape, bytes)} in file order; ValueError naming "

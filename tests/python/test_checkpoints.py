@@ -336,3 +336,157 @@ def test_scatter_by_config_uses_the_models_tp_plan(reshard_bin, tmp_path):
             "-o", tmp_path / "tp3")
     assert r.returncode == 1 and "attention heads" in r.stderr
     assert siblings(tmp_path / "tp3") == []
+
+
+def flip_bit(path, name, index):
+    """Flips the lowest bit of element `index` of tensor `name` in a safetensors file."""
+    t = load_file(str(path))
+    flat = t[name].view(-1)
+    raw = flat[index : index + 1].view(torch.uint8)
+    raw[0] ^= 1
+    save_file(t, str(path), metadata={"format": "pt"})
+
+
+def test_convert_verifies_replicas_unless_told(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 4)
+    # One bit of the pre-divided bias on rank 1, and of a replicated weight on rank 3.
+    flip_bit(sharded / "model-rank-1-part-0.safetensors", "mlp.down.bias", 5)
+    r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out")
+    assert r.returncode == 1, r.stderr
+    assert 'parameter "mlp.down.bias"' in r.stderr and "ranks 0 and 1" in r.stderr, r.stderr
+    assert "element [5] of F" in r.stderr, r.stderr
+    assert siblings(tmp_path / "out") == []
+    flip_bit(sharded / "model-rank-1-part-0.safetensors", "mlp.down.bias", 5)
+    flip_bit(sharded / "model-rank-3-part-0.safetensors", "attn.c_attn.weight", 12 * 16 + 2)
+    r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out")
+    assert r.returncode == 1, r.stderr
+    assert 'parameter "attn.c_attn.weight"' in r.stderr and "ranks 0 and 3" in r.stderr, r.stderr
+    assert "element [48, 2] of F" in r.stderr, r.stderr
+    r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out", "--no-verify-replicas")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_file_serving_two_ranks_is_refused(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    manifest_path = sharded / "reshard.json"
+    good = manifest_path.read_text()
+    manifest = json.loads(good)
+    manifest["files"]["1"] = ["model-rank-0-part-0.safetensors"]
+    manifest_path.write_text(json.dumps(manifest))
+    for command in (["convert", sharded, "--tp", 4], ["gather", sharded]):
+        r = run(reshard_bin, *command, "-o", tmp_path / "out")
+        assert r.returncode == 2, r.stderr
+        assert ('"model-rank-0-part-0.safetensors" is listed for rank 0 and again for rank 1'
+                in r.stderr), r.stderr
+        assert siblings(tmp_path / "out") == []
+    # A link to rank 0's file under rank 1's name is the same file.
+    manifest_path.write_text(good)
+    rank1 = sharded / "model-rank-1-part-0.safetensors"
+    rank1.unlink()
+    rank1.symlink_to("model-rank-0-part-0.safetensors")
+    r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
+    assert r.returncode == 2, r.stderr
+    assert "(listed for rank 1) is the same file as" in r.stderr, r.stderr
+    # A tensor the manifest does not list is refused, naming the file's rank and the tensor.
+    rank1.unlink()
+    t = load_file(str(sharded / "model-rank-0-part-0.safetensors"))
+    t["stray"] = torch.zeros(2)
+    save_file(t, str(rank1), metadata={"format": "pt"})
+    r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
+    assert r.returncode == 2, r.stderr
+    assert "rank 1's files hold tensor \"stray\"" in r.stderr, r.stderr
+
+
+def half_bias_checkpoint(tmp_path, values, name="b"):
+    d = tmp_path / "full"
+    d.mkdir(exist_ok=True)
+    save_file({name: torch.tensor(values, dtype=torch.float16)}, str(d / "model.safetensors"))
+    (tmp_path / "l.json").write_text(json.dumps(
+        {"version": 1, "*": {"family": "replicated", "pre_divided": True}}))
+    return d
+
+
+def test_a_scale_that_loses_a_value_is_refused_unless_allowed(reshard_bin, tmp_path):
+    d = half_bias_checkpoint(tmp_path, [1e-5, 3e-5, 6e-8, 2])
+    args = ["scatter", d, "--layouts", tmp_path / "l.json", "--tp", 4, "-o", tmp_path / "s"]
+    r = run(reshard_bin, *args)
+    assert r.returncode == 1, r.stderr
+    assert 'parameter "b"' in r.stderr and "element [1] of F" in r.stderr, r.stderr
+    assert "2.9981136e-05 multiplied by 0.25" in r.stderr, r.stderr
+    assert "which scales back to 3.0040741e-05" in r.stderr, r.stderr
+    assert "allow lossy scale" in r.stderr, r.stderr
+    assert siblings(tmp_path / "s") == []
+    r = run(reshard_bin, *args, "--allow-lossy-scale")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "s", "-o", tmp_path / "g")
+    assert r.returncode == 0, r.stderr
+    back = load_file(str(tmp_path / "g" / "model.safetensors"))["b"]
+    assert back.tolist() == torch.tensor([1e-5, 3.004e-5, 0, 2], dtype=torch.float16).tolist()
+
+
+def test_an_optimizer_state_that_overflows_its_scale_is_refused(reshard_bin, tmp_path):
+    d = tmp_path / "full"
+    d.mkdir()
+    save_file({"b": torch.ones(4, dtype=torch.float16),
+               "b.exp_avg": torch.tensor([1, 60000, 2, 3], dtype=torch.float16)},
+              str(d / "model.safetensors"))
+    (tmp_path / "l.json").write_text(json.dumps(
+        {"version": 1, "*": {"family": "replicated", "pre_divided": True}}))
+    args = ["scatter", d, "--layouts", tmp_path / "l.json", "--tp", 4, "-o", tmp_path / "s",
+            "--allow-scaled-optimizer-state"]
+    r = run(reshard_bin, *args)
+    assert r.returncode == 1, r.stderr
+    assert 'parameter "b.exp_avg"' in r.stderr and "60000 divided by 0.25 gives inf" in r.stderr
+    r = run(reshard_bin, *args, "--allow-lossy-scale")
+    assert r.returncode == 0, r.stderr
+    shard = load_file(str(tmp_path / "s" / "model-rank-0-part-0.safetensors"))["b.exp_avg"]
+    assert shard[1].item() == float("inf")
+
+
+def test_a_factor_that_is_not_a_power_of_two_needs_allowing(reshard_bin, tmp_path):
+    # TP 2 -> 3 moves a pre-divided bias at a factor of 2/3, which rounds.
+    d = tmp_path / "full"
+    d.mkdir()
+    save_file({"mlp.down.bias": torch.randn(64, generator=torch.Generator().manual_seed(5))},
+              str(d / "model.safetensors"))
+    (tmp_path / "l.json").write_text(json.dumps(
+        {"version": 1, "*": {"family": "replicated", "pre_divided": True}}))
+    sharded = tmp_path / "tp2"
+    r = run(reshard_bin, "scatter", d, "--layouts", tmp_path / "l.json", "--tp", 2, "-o", sharded)
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", sharded, "--tp", 3, "-o", tmp_path / "c")
+    assert r.returncode == 1, r.stderr
+    assert 'parameter "mlp.down.bias"' in r.stderr and "does not survive the scale" in r.stderr
+    assert "warning" not in r.stderr
+    r = run(reshard_bin, "convert", sharded, "--tp", 3, "-o", tmp_path / "c", "--allow-lossy-scale")
+    assert r.returncode == 0, r.stderr
+    assert 'warning: parameter "mlp.down.bias"' in r.stderr and "not a power of two" in r.stderr
+    # Gathering undoes 1/3 in float; every value held at TP 3 survives that here, so the
+    # gather is exact and needs no allowing.
+    r = run(reshard_bin, "gather", tmp_path / "c", "-o", tmp_path / "g")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("layouts", [
+    {"*": {"family": "replicated", "pre_divided": True}},
+    {"b": {"family": "replicated", "pre_divided": True}, "*": {"family": "replicated"}},
+])
+def test_optimizer_states_take_their_parameters_layout_before_a_default(reshard_bin, tmp_path,
+                                                                       layouts):
+    d = tmp_path / "full"
+    d.mkdir()
+    tensors = {"b": torch.tensor([1.0, 2.0]), "b.exp_avg": torch.tensor([0.5, -3.0]),
+               "w": torch.tensor([4.0, 8.0])}
+    save_file(tensors, str(d / "model.safetensors"))
+    (tmp_path / "l.json").write_text(json.dumps({"version": 1, **layouts}))
+    args = ["scatter", d, "--layouts", tmp_path / "l.json", "--tp", 2, "-o", tmp_path / "s"]
+    r = run(reshard_bin, *args)
+    assert r.returncode == 1, r.stderr
+    assert "learning rate" in r.stderr and "b.exp_avg" in r.stderr, r.stderr
+    r = run(reshard_bin, *args, "--allow-scaled-optimizer-state")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "s" / "reshard.json").read_text())
+    assert manifest["params"]["b.exp_avg"]["scale_power"] == -1
+    assert manifest["params"]["b.exp_avg"]["layout"] == manifest["params"]["b"]["layout"]
+    shard = load_file(str(tmp_path / "s" / "model-rank-1-part-0.safetensors"))
+    assert shard["b.exp_avg"].tolist() == [1.0, -6.0]  # F * (1/2)^-1

@@ -355,3 +355,60 @@ def test_convert_refuses_a_degree_the_models_plan_cannot_take(reshard_bin, tmp_p
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "tp1" / "reshard.json").read_text())["constraints"] == \
         manifest["constraints"]
+
+
+@pytest.mark.parametrize("key,value", [
+    ("num_attention_heads", 0), ("num_attention_heads", None), ("vocab_size", 0),
+    ("vocab_size", None), ("intermediate_size", 0), ("intermediate_size", None),
+    ("num_key_value_heads", 0), ("hidden_size", 0), ("head_dim", 0),
+    ("num_attention_heads", 2**63), ("vocab_size", 10**30)])
+def test_zero_null_or_out_of_range_counts_are_refused_naming_the_key(reshard_bin, tmp_path, key,
+                                                                     value):
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 32}
+    config[key] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = run(reshard_bin, path, "--tp", 2)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert key in r.stderr and "works" not in r.stdout
+
+
+def test_null_key_value_heads_and_head_dim_are_derived(reshard_bin, tmp_path):
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8,
+              "num_key_value_heads": None, "head_dim": None, "intermediate_size": 64,
+              "vocab_size": 32}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r, answer = degree_json(reshard_bin, path)
+    assert r.returncode == 0 and answer["max_tp_degree"] == 8
+
+
+@pytest.mark.parametrize("tp", ["99999999999999999999", "9223372036854775808", "0", "-2", "2x",
+                                "1048577", ""])
+def test_out_of_range_or_malformed_degree_is_a_usage_error(reshard_bin, tp):
+    r = run(reshard_bin, CONFIGS / "Qwen--Qwen2-72B.json", "--tp", tp)
+    assert r.returncode == 2, (tp, r.stdout, r.stderr)
+    assert "works" not in r.stdout
+
+
+@pytest.mark.parametrize("weight_map", [
+    {"model.norm.weight": "part.safetensors"},                                  # lm_head unlisted
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": ".."},
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": ""},
+    {"model.norm.weight": "part.safetensors", "lm_head.weight": "part.safetensors",
+     "model.gone.weight": "part.safetensors"}])                                # listed, not stored
+def test_emit_maps_reads_the_index_as_the_checkpoint_reader_does(reshard_bin, tmp_path, weight_map):
+    config = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 8, "vocab_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = tmp_path / "ckpt"
+    weights.mkdir()
+    save_file({"model.norm.weight": np.zeros(16, np.float32),
+               "lm_head.weight": np.zeros((32, 16), np.float32)}, str(weights / "part.safetensors"))
+    (weights / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "maps.json"
+    r = run(reshard_bin, tmp_path / "config.json", "--tp", 2, "--emit-maps", out, "--weights", weights)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert not out.exists()

@@ -211,6 +211,13 @@ CORRUPT = {
     "metadata_not_strings": (_raw('{"__metadata__":{"k":1}}'), "not a string"),
     "negative_shape": (_raw('{"a":{"dtype":"U8","shape":[-2],"data_offsets":[0,0]}}'),
                        "not a non-negative integer"),
+    "nul_then_object": (_raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}'
+                             '\0{"evil":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"xy"),
+                        "bytes after its JSON object"),
+    "nul_then_spaces": (_raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}\0      ',
+                             b"xy"), "bytes after its JSON object"),
+    "nul_inside_object": (_raw('{"a\0":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"),
+                          "a NUL byte at offset 11"),
 }
 
 
@@ -234,6 +241,16 @@ def test_duplicate_names_are_refused_though_the_package_keeps_one(tmp_path):
                           '"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"xy"))
     with pytest.raises(ValueError, match='duplicate tensor name "a"'):
         reshard.read_safetensors(str(path))
+
+
+def test_whitespace_after_the_header_object_is_accepted_as_there(tmp_path):
+    # The format pads with spaces; the package's JSON reader also takes tabs and newlines.
+    for pad in (" " * 7, "\t", "\n \r"):
+        path = tmp_path / "padded.safetensors"
+        path.write_bytes(_raw('{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}' + pad,
+                              b"\x01\x02"))
+        assert load_file(str(path))["a"].tolist() == [1, 2]
+        assert reshard.read_safetensors(str(path))["a"] == ("U8", (2,), b"\x01\x02")
 
 
 def test_what_the_package_accepts_loosely_we_accept_too(tmp_path):

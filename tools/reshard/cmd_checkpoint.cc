@@ -24,7 +24,18 @@ struct CommonArgs {
   bool force = false;
   std::string max_shard_size;
   bool allow_scaled_optimizer_state = false;
+  bool allow_lossy_scale = false;
+  bool no_verify_replicas = false;
 };
+
+// The flags every checkpoint command takes about scaled values.
+void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
+  cmd->add_flag("--allow-scaled-optimizer-state", args.allow_scaled_optimizer_state,
+                "move optimizer states through scaled pieces anyway");
+  cmd->add_flag("--allow-lossy-scale", args.allow_lossy_scale,
+                "apply scales even where a value does not survive the round trip bit for bit "
+                "(underflow, overflow, or a factor that is not a power of two)");
+}
 
 // Exit status of a failed operation: malformed inputs are 2, failed checks 1, environment 3.
 int Fail(std::string_view command, const Status& s) {
@@ -37,6 +48,8 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   CheckpointOptions o;
   o.overwrite = args.force;
   o.allow_scaled_optimizer_state = args.allow_scaled_optimizer_state;
+  o.allow_lossy_scale = args.allow_lossy_scale;
+  o.verify_replicas = !args.no_verify_replicas;
   o.progress = bar.Callback();
   o.warn = [](const std::string& parameter, const std::string& message) {
     fmt::print(stderr, "reshard: warning: parameter \"{}\": {}\n", parameter, message);
@@ -125,8 +138,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     cmd->add_option("--max-shard-size", args->max_shard_size,
                     "split each rank's file into parts of at most this size (e.g. 5GB)");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
-                  "move optimizer states through scaled pieces anyway");
+    AddScaleFlags(cmd, *args);
     cmd->callback([args, &exit_status] {
       ProgressBar bar("scatter");
       Result<CheckpointOptions> options = Options(*args, bar);
@@ -203,9 +215,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     });
   }
   {
-    struct Args : CommonArgs {
-      bool no_verify = false;
-    };
+    using Args = CommonArgs;
     auto args = std::make_shared<Args>();
     CLI::App* cmd = app.add_subcommand(
         "gather",
@@ -217,10 +227,9 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     cmd->add_option("--max-shard-size", args->max_shard_size,
                     "write parts of at most this size and an index (e.g. 5GB)");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--no-verify-replicas", args->no_verify,
+    cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                   "take replicated data from the lowest rank without comparing");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
-                  "move optimizer states through scaled pieces anyway");
+    AddScaleFlags(cmd, *args);
     cmd->callback([args, &exit_status] {
       ProgressBar bar("gather");
       Result<CheckpointOptions> options = Options(*args, bar);
@@ -228,7 +237,6 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
         exit_status = Fail("gather", options.status());
         return;
       }
-      options->verify_replicas = !args->no_verify;
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Gather(args->input, args->output, *options);
       if (!s.ok()) {
@@ -260,8 +268,9 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
     cmd->add_option("--max-shard-size", args->max_shard_size,
                     "split each rank's file into parts of at most this size");
     cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--allow-scaled-optimizer-state", args->allow_scaled_optimizer_state,
-                  "move optimizer states through scaled pieces anyway");
+    cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
+                  "read each replicated block from one holder without comparing the others");
+    AddScaleFlags(cmd, *args);
     cmd->callback([args, &exit_status] {
       ProgressBar bar("convert");
       Result<CheckpointOptions> options = Options(*args, bar);

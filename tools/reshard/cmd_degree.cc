@@ -3,28 +3,28 @@
 //                [--emit-maps MAPS.json --weights DIR [--force]]
 #include <fmt/format.h>
 
-#include <filesystem>
-#include <limits>
+#include <charconv>
 #include <nlohmann/json.hpp>
-#include <set>
 
 #include "commands.h"
 #include "exit_status.h"
+#include "reshard/checkpoint/checkpoint.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
-#include "reshard/io/safetensors.h"
 #include "reshard/ir/map_json.h"
 
 namespace reshard::cli {
 
 namespace {
 
-constexpr int64_t kUnset = std::numeric_limits<int64_t>::min();
+// The largest degree accepted: a world size (as scatter and convert take it).
+constexpr int64_t kMaxDegree = int64_t{1} << 20;
 
 struct DegreeArgs {
   std::string config;
-  int64_t tp = kUnset;
+  std::string tp;  // parsed strictly: CLI11 would clamp an out-of-range number
+  bool tp_given = false;
   std::string engine = "transformers";
   std::string transformers_version;
   std::string distributed_config;
@@ -34,43 +34,24 @@ struct DegreeArgs {
   bool force = false;
 };
 
-// Names and shapes of every tensor of a full checkpoint, from the safetensors headers only:
-// model.safetensors, or model.safetensors.index.json and the files its weight_map names.
+// A degree given on the command line: decimal digits only, 1 to kMaxDegree.
+Result<int64_t> ParseDegree(std::string_view text) {
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec != std::errc() || ptr != end || value < 1 || value > kMaxDegree) {
+    return InvalidArgumentError(
+        fmt::format("--tp {}: expected a degree from 1 to {}", text, kMaxDegree));
+  }
+  return value;
+}
+
+// Names and shapes of every tensor of a full checkpoint, through the library's one reader of
+// full checkpoints (headers validated, the index's weight map checked against the files).
 Result<std::vector<std::pair<std::string, Shape>>> CheckpointTensors(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::vector<std::string> files;
-  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  const fs::path single = fs::path(dir) / "model.safetensors";
-  std::error_code ec;
-  if (fs::exists(index, ec)) {
-    RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(index.string()));
-    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") ||
-        !j["weight_map"].is_object()) {
-      return InvalidArgumentError(
-          fmt::format("\"{}\": expected {{\"weight_map\": {{name: file}}}}", index.string()));
-    }
-    std::set<std::string> seen;
-    for (const auto& [name, file] : j["weight_map"].items()) {
-      if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos) {
-        return InvalidArgumentError(
-            fmt::format("\"{}\": weight_map[\"{}\"]: expected a file name in the same directory",
-                        index.string(), name));
-      }
-      if (seen.insert(file.get<std::string>()).second) files.push_back(file.get<std::string>());
-    }
-  } else if (fs::exists(single, ec)) {
-    files.push_back("model.safetensors");
-  } else {
-    return NotFoundError(
-        fmt::format("\"{}\" has neither model.safetensors nor model.safetensors.index.json", dir));
-  }
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint checkpoint, FullCheckpoint::Open(dir));
   std::vector<std::pair<std::string, Shape>> tensors;
-  for (const std::string& file : files) {
-    const std::string path = (fs::path(dir) / file).string();
-    RESHARD_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(path));
-    for (const TensorInfo& t : header.tensors) tensors.emplace_back(t.name, t.shape);
-  }
+  for (const TensorRef& t : checkpoint.tensors()) tensors.emplace_back(t.info->name, t.info->shape);
   return tensors;
 }
 
@@ -122,61 +103,58 @@ void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegist
   }
 }
 
-int RunDegree(const DegreeArgs& args) {
-  const TpRegistry& registry = BuiltinTpRegistry();
+Result<PlanOptions> ReadPlanOptions(const DegreeArgs& args, const TpRegistry& registry) {
   PlanOptions options;
   options.engine = args.engine == "vllm" ? Engine::kVllm : Engine::kTransformers;
   if (!args.transformers_version.empty()) {
     Result<Version> v = ParseVersion(args.transformers_version);
-    if (!v.ok()) return Report("degree", v.status().Annotate("--transformers-version"), kExitUsage);
+    if (!v.ok()) return v.status().Annotate("--transformers-version");
     options.transformers_version = *v;
   }
   if (!args.distributed_config.empty()) {
     std::string text = args.distributed_config;
     if (text.find('{') == std::string::npos) {  // a file holding the JSON
-      Result<std::string> file = ReadFileToString(text);
-      if (!file.ok()) return Report("degree", file.status(), kExitUsage);
-      text = *file;
+      RESHARD_ASSIGN_OR_RETURN(text, ReadFileToString(text));
     }
-    Result<DistributedConfig> dist = ParseDistributedConfigJson(registry, text);
-    if (!dist.ok()) return Report("degree", dist.status(), kExitUsage);
-    options.distributed = *dist;
+    RESHARD_ASSIGN_OR_RETURN(options.distributed, ParseDistributedConfigJson(registry, text));
   }
+  return options;
+}
+
+// The degree asked for: --tp, or the distributed config's tp_size (they must agree).
+Result<std::optional<int64_t>> RequestedDegree(const DegreeArgs& args, const PlanOptions& options) {
   std::optional<int64_t> requested;
-  if (args.tp != kUnset) {
-    if (args.tp < 1) {
-      return Report(
-          "degree",
-          InvalidArgumentError(fmt::format("--tp {}: expected a positive degree", args.tp)),
-          kExitUsage);
-    }
-    requested = args.tp;
+  if (args.tp_given) {
+    RESHARD_ASSIGN_OR_RETURN(requested, ParseDegree(args.tp));
   }
   if (options.distributed.tp_size) {
     if (requested && *requested != *options.distributed.tp_size) {
-      return Report("degree",
-                    InvalidArgumentError(fmt::format(
-                        "--tp {} and the distributed config's tp_size {} disagree: give one",
-                        *requested, *options.distributed.tp_size)),
-                    kExitUsage);
+      return InvalidArgumentError(
+          fmt::format("--tp {} and the distributed config's tp_size {} disagree: give one",
+                      *requested, *options.distributed.tp_size));
     }
     requested = options.distributed.tp_size;
   }
-  if (!args.emit_maps.empty() && (args.weights.empty() || !requested)) {
-    return Report("degree",
-                  InvalidArgumentError("--emit-maps needs --weights DIR and a degree (--tp N)"),
-                  kExitUsage);
-  }
+  if (!args.emit_maps.empty() && (args.weights.empty() || !requested))
+    return InvalidArgumentError("--emit-maps needs --weights DIR and a degree (--tp N)");
+  return requested;
+}
 
-  Result<std::string> text = ReadFileToString(args.config);
-  if (!text.ok())
-    return Report("degree", text.status(), ExitStatusFor(text.status(), Stage::kReading));
-  Result<ModelConfig> config = ReadModelConfigJson(registry, *text);
-  if (!config.ok()) {
-    return Report("degree",
-                  config.status().Annotate(fmt::format("error reading \"{}\"", args.config)),
-                  kExitUsage);
-  }
+Status EmitMaps(const DegreeArgs& args, const ModelPlan& plan, int64_t degree) {
+  RESHARD_ASSIGN_OR_RETURN(auto tensors, CheckpointTensors(args.weights));
+  Result<MapDocument> maps = ModelMaps(plan, static_cast<int>(degree), tensors);
+  if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", args.weights));
+  return WriteFileAtomically(args.emit_maps, MapDocumentToJson(*maps), {.overwrite = args.force});
+}
+
+Status RunDegree(const DegreeArgs& args) {
+  const TpRegistry& registry = BuiltinTpRegistry();
+  RESHARD_ASSIGN_OR_RETURN(const PlanOptions options, ReadPlanOptions(args, registry));
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<int64_t> requested, RequestedDegree(args, options));
+  RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(args.config));
+  Result<ModelConfig> config = ReadModelConfigJson(registry, text);
+  if (!config.ok())
+    return config.status().Annotate(fmt::format("error reading \"{}\"", args.config));
   const ModelPlan plan = ResolvePlan(registry, *config, options);
   const DegreeAnswer answer = PlanDegree(plan, requested);
   if (args.json) {
@@ -187,23 +165,11 @@ int RunDegree(const DegreeArgs& args) {
   for (const std::string& note : answer.notes)
     fmt::print(stderr, "reshard degree: note: {}\n", note);
   if (answer.refusal) {
-    fmt::print(stderr, "reshard degree: \"{}\": {}\n", args.config, answer.refusal->message);
-    return kExitCheckFailed;
+    return CheckFailed(
+        FailedPreconditionError(fmt::format("\"{}\": {}", args.config, answer.refusal->message)));
   }
-  if (args.emit_maps.empty()) return kExitOk;
-
-  Result<std::vector<std::pair<std::string, Shape>>> tensors = CheckpointTensors(args.weights);
-  if (!tensors.ok())
-    return Report("degree", tensors.status(), ExitStatusFor(tensors.status(), Stage::kReading));
-  Result<MapDocument> maps = ModelMaps(plan, static_cast<int>(*requested), *tensors);
-  if (!maps.ok()) {
-    Status s = maps.status().Annotate(fmt::format("\"{}\"", args.weights));
-    return Report("degree", s, ExitStatusFor(s, Stage::kChecking));
-  }
-  Status s =
-      WriteFileAtomically(args.emit_maps, MapDocumentToJson(*maps), {.overwrite = args.force});
-  if (!s.ok()) return Report("degree", s, ExitStatusFor(s, Stage::kReading));
-  return kExitOk;
+  if (args.emit_maps.empty()) return Status::Ok();
+  return EmitMaps(args, plan, *requested);
 }
 
 }  // namespace
@@ -216,7 +182,7 @@ void RegisterDegree(CLI::App& app, int& exit_status) {
       "transformers' plans (docs/degree.md). With --tp N, confirm N (exit 0) or refuse it "
       "naming the constraint that breaks (exit 1). Exit 1 also for a model that cannot be split.");
   cmd->add_option("CONFIG", args->config, "the model's config.json")->required();
-  cmd->add_option("--tp", args->tp, "the degree you want to use");
+  CLI::Option* tp = cmd->add_option("--tp", args->tp, "the degree you want to use (1 to 1048576)");
   cmd->add_option("--engine", args->engine, "whose rules: transformers (default) or vllm")
       ->check(CLI::IsMember({"transformers", "vllm"}));
   cmd->add_option("--transformers-version", args->transformers_version,
@@ -231,7 +197,10 @@ void RegisterDegree(CLI::App& app, int& exit_status) {
                   "checkpoint directory (model.safetensors or model.safetensors.index.json); only "
                   "the headers are read");
   cmd->add_flag("--force", args->force, "replace an existing --emit-maps file");
-  cmd->callback([args, &exit_status] { exit_status = RunDegree(*args); });
+  cmd->callback([args, tp, &exit_status] {
+    args->tp_given = tp->count() > 0;
+    exit_status = Finish("degree", RunDegree(*args));
+  });
 }
 
 }  // namespace reshard::cli

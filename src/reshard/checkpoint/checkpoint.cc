@@ -1,6 +1,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -179,7 +180,9 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     Result<ParamMapBuilder> builder = ParseParamMapJson(map->dump());
     if (!builder.ok()) return builder.status().Annotate(path + ".map");
     Result<ParamMap> built = builder->Finalize();
-    if (!built.ok()) return built.status().Annotate(path + ".map");
+    // A map that parses but breaks an invariant is well-formed input failing a check.
+    if (!built.ok())
+      return FailedPreconditionError(built.status().Annotate(path + ".map").message());
     if (built->world_size() != m.world_size) {
       return InvalidArgumentError(fmt::format("{}.map: has {} ranks but world_size is {}", path,
                                               built->world_size(), m.world_size));
@@ -340,9 +343,29 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
   // Per rank: tensor name -> (file, info).
   std::vector<std::map<std::string, std::pair<SafetensorsFile*, const TensorInfo*>>> found(
       static_cast<size_t>(m.world_size));
+  // Every file serves one rank, once: by name, and by identity (a link to another rank's file
+  // would pass every shape check and hand one rank's data to another).
+  std::map<std::string, Rank> rank_of_name;
+  std::map<std::pair<dev_t, ino_t>, std::pair<std::string, Rank>> rank_of_file;
   for (Rank r = 0; r < m.world_size; ++r) {
     for (const std::string& name : m.files[static_cast<size_t>(r)]) {
       const std::string path = (root / name).string();
+      if (auto [it, fresh] = rank_of_name.emplace(name, r); !fresh) {
+        return DataLossError(fmt::format(
+            "error reading \"{}\": files: \"{}\" is listed for rank {} and again for rank {}; "
+            "every file holds the shards of one rank",
+            manifest_path, name, it->second, r));
+      }
+      struct stat st {};
+      if (::stat(path.c_str(), &st) == 0) {
+        auto [it, fresh] = rank_of_file.try_emplace({st.st_dev, st.st_ino}, name, r);
+        if (!fresh) {
+          return DataLossError(fmt::format(
+              "\"{}\" (listed for rank {}) is the same file as \"{}\" (listed for rank {}); "
+              "every file holds the shards of one rank",
+              path, r, (root / it->second.first).string(), it->second.second));
+        }
+      }
       RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, OpenShared(path));
       for (const TensorInfo& t : file->header().tensors) {
         if (!found[static_cast<size_t>(r)].emplace(t.name, std::make_pair(file.get(), &t)).second) {

@@ -90,7 +90,11 @@ class FullCheckpoint {
 };
 
 /// A sharded checkpoint opened read-only: the manifest and every rank's shard of every
-/// parameter, each checked against the manifest (present, dtype, shard shape).
+/// parameter, the files checked against the manifest before any data is read: each rank's
+/// files hold exactly one tensor per parameter, of the manifest's dtype and the rank's shard
+/// shape, and nothing else (a tensor the manifest does not list is refused, not skipped); no
+/// file is listed twice or serves two ranks, by name or by identity (links). DataLoss naming
+/// the file, the rank and the parameter otherwise.
 class ShardedCheckpoint {
  public:
   static Result<ShardedCheckpoint> Open(const std::string& dir);

@@ -61,7 +61,9 @@ bool IsPowerOfTwo(double x) {
 // Warns about a parameter held at a scale that is not a power of two (scatter and gather
 // apply it; the values are rounded).
 void WarnAboutScales(const CheckpointOptions& options, const ShardedParam& p, const char* verb) {
-  if (!options.warn || DTypeKindOf(p.dtype) != DTypeKind::kFloat) return;
+  // Without allow_lossy_scale the copy refuses any value the scale changes instead.
+  if (!options.warn || !options.allow_lossy_scale || DTypeKindOf(p.dtype) != DTypeKind::kFloat)
+    return;
   for (const RankShard& shard : p.map.ranks()) {
     for (const Piece& piece : shard.pieces) {
       if (!IsPowerOfTwo(piece.scale)) {
@@ -157,11 +159,22 @@ Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>
   return first;
 }
 
+// Every rank's shard of parameter `param`.
+std::vector<ConstBuffer> ShardBuffers(const ShardedCheckpoint& ckpt, size_t param) {
+  const ParamMap& map = ckpt.manifest().params[param].map;
+  std::vector<ConstBuffer> shards;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    shards.push_back({ckpt.shard(param, r).data(), map.shard_num_elements(r)});
+  }
+  return shards;
+}
+
 ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
   ExecOptions e;
   e.scale_power = scale_power;
   e.allow_scaled_optimizer_state = options.allow_scaled_optimizer_state;
   e.verify_replicas = options.verify_replicas;
+  e.allow_lossy_scale = options.allow_lossy_scale;
   e.num_threads = options.num_threads;
   return e;
 }
@@ -236,6 +249,20 @@ MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int
   };
 }
 
+Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
+                               const Shape& shape) {
+  for (auto [suffix, power] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
+    const std::string_view s(suffix);
+    if (name.size() <= s.size() || !name.ends_with(s)) continue;
+    Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), shape);
+    if (!base.ok() && base.status().code() == StatusCode::kNotFound) base = maps(name, shape);
+    if (!base.ok()) return base.status();
+    return ResolvedMap{*std::move(base), power};
+  }
+  RESHARD_ASSIGN_OR_RETURN(ProvidedMap own, maps(name, shape));
+  return ResolvedMap{std::move(own), 1};
+}
+
 Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
                const std::string& out_dir, const CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
@@ -245,30 +272,18 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
   std::vector<const TensorRef*> sources;
   for (const TensorRef& t : full.tensors()) {
     const std::string& name = t.info->name;
-    int power = 1;
-    Result<ProvidedMap> provided = maps(name, t.info->shape);
-    if (!provided.ok() && provided.status().code() == StatusCode::kNotFound) {
-      for (auto [suffix, p] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
-        const std::string s(suffix);
-        if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) {
-          Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), t.info->shape);
-          if (base.ok() || base.status().code() != StatusCode::kNotFound) {
-            provided = std::move(base);
-            power = p;
-          }
-          break;
-        }
-      }
-    }
-    if (!provided.ok()) {
-      if (provided.status().code() == StatusCode::kNotFound) {
+    Result<ResolvedMap> resolved = ResolveMap(maps, name, t.info->shape);
+    if (!resolved.ok()) {
+      if (resolved.status().code() == StatusCode::kNotFound) {
         return FailedPreconditionError(fmt::format(
             "tensor \"{}\" (shape {}) has no map; give it one in the maps or layouts (a "
             "layouts file may set a default with the key \"*\")",
             name, FormatShape(t.info->shape)));
       }
-      return provided.status();
+      return resolved.status();
     }
+    const ProvidedMap* provided = &resolved->provided;
+    const int power = resolved->scale_power;
     const ParamMap& map = provided->map;
     if (map.world_size() != world_size) {
       return FailedPreconditionError(fmt::format("the map of \"{}\" has {} ranks, not {}", name,
@@ -326,19 +341,16 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
         {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
            const ShardedParam& param = m.params[i];
            const ParamMap& map = param.map;
-           std::vector<ConstBuffer> shards;
-           for (Rank r = 0; r < map.world_size(); ++r) {
-             shards.push_back({ckpt.shard(i, r).data(), map.shard_num_elements(r)});
-           }
+           const std::vector<ConstBuffer> shards = ShardBuffers(ckpt, i);
            std::vector<std::byte> padded;
            MutableBuffer f{buffer.data(), map.num_elements()};
            if (map.has_padding()) {
              padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
              f.data = padded.data();
            }
-           Status s =
-               Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power));
-           if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", param.name));
+           // The writer names the tensor in any error.
+           RESHARD_RETURN_IF_ERROR(
+               Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power)));
            if (map.has_padding()) {
              RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(),
                                                      true, options.num_threads));
@@ -413,7 +425,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
     }
     Result<ParamPlan> plan = Compose(*target, p.map);
     if (!plan.ok()) return plan.status().Annotate(where);
-    if (options.warn && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
+    if (options.warn && options.allow_lossy_scale && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
       for (const Move& mv : plan->moves) {
         if (!IsPowerOfTwo(mv.factor)) {
           options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
@@ -432,6 +444,17 @@ Status Convert(const std::string& sharded_dir, int world_size,
     return FailedPreconditionError(fmt::format(
         "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
+  // Replicas agree (P2) before anything is written: a plan reads each replicated block from
+  // one holder only.
+  if (options.verify_replicas) {
+    for (size_t i = 0; i < src.params.size(); ++i) {
+      const ShardedParam& p = src.params[i];
+      Status s = VerifyReplicas(p.map, p.dtype, ShardBuffers(ckpt, i),
+                                ExecOptionsFor(options, p.scale_power));
+      if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", p.name));
+      for (Rank q = 0; q < src.world_size; ++q) ReleasePages(ckpt.shard(i, q));
+    }
+  }
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
   return WriteSharded(
@@ -447,10 +470,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
         for (const UnwrittenBlock& u : plan.unwritten) {
           if (u.dst_rank == r) mine.unwritten.push_back(u);
         }
-        std::vector<ConstBuffer> sources;
-        for (Rank q = 0; q < plan.source_world; ++q) {
-          sources.push_back({ckpt.shard(i, q).data(), src.params[i].map.shard_num_elements(q)});
-        }
+        const std::vector<ConstBuffer> sources = ShardBuffers(ckpt, i);
         std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
         targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
         RESHARD_RETURN_IF_ERROR(ExecutePlan(mine, param.dtype, sources, targets,

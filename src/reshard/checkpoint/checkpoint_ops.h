@@ -29,15 +29,19 @@ struct CheckpointOptions {
   /// Split each output (a full checkpoint, or each rank's files) into parts of at most this
   /// many bytes (a tensor larger than that gets a part of its own). 0: one file.
   uint64_t max_shard_bytes = 0;
-  /// gather: compare every replica against the first holder's data (P2).
+  /// gather and convert: compare every replica against the first holder's data (P2) before
+  /// writing anything.
   bool verify_replicas = true;
   /// Move tensors of scale power != 1 through scaled pieces anyway (see ExecOptions).
   bool allow_scaled_optimizer_state = false;
+  /// Apply scales even where a value does not survive the round trip (see ExecOptions).
+  bool allow_lossy_scale = false;
   int num_threads = 0;
   /// Called after each tensor with the bytes written so far and the total to write.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  /// Called once per parameter that is moved through a scale (or a ratio of scales) that is
-  /// not a power of two: its values are rounded, so the round trip is not bit-exact.
+  /// With allow_lossy_scale, called once per parameter that is moved through a scale (or a
+  /// ratio of scales) that is not a power of two: its values are rounded, so the round trip is
+  /// not bit-exact.
   std::function<void(const std::string& parameter, const std::string& message)> warn;
   /// scatter: what the model's plan requires of the world size, recorded in the manifest;
   /// convert carries them over and, building target maps from the recorded layouts, refuses a
@@ -52,11 +56,23 @@ struct ProvidedMap {
   std::optional<LayoutDescriptor> layout;
 };
 
-/// Gives scatter the map of a tensor (name, dtype, shape as stored in the full checkpoint).
-/// NotFound when the tensor has no layout; scatter then tries the optimizer-state convention:
-/// a tensor named "<param>.exp_avg" or "<param>.exp_avg_sq" takes <param>'s map with scale
-/// power -1 or -2.
+/// Gives scatter the map of a tensor (name, shape as stored in the full checkpoint).
+/// NotFound when the tensor has no layout.
 using MapProvider = std::function<Result<ProvidedMap>(const std::string& name, const Shape& shape)>;
+
+/// A tensor's map for scatter and the scale power it is stored with.
+struct ResolvedMap {
+  ProvidedMap provided;
+  int scale_power = 1;
+};
+
+/// The optimizer-state convention, which holds however a provider matches names (a "*"
+/// default included): a tensor named "<param>.exp_avg" or "<param>.exp_avg_sq" has scale power
+/// -1 or -2 and takes <param>'s map (what `maps` gives for <param> at the tensor's shape); only
+/// when `maps` has nothing for <param> does it take its own. Any other tensor takes its own map
+/// at scale power 1. NotFound when there is no map.
+Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
+                               const Shape& shape);
 
 /// Maps by name from a map document (exact names).
 MapProvider MapsFromDocument(const MapDocument& doc);

@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -89,6 +94,157 @@ Status ZeroPadding(const ParamMap& map, DType dtype, std::byte* full, int num_th
   return Status::Ok();
 }
 
+// The value of an element of a floating-point dtype.
+double AsDouble(DType dtype, const std::byte* bytes) {
+  auto load = [&](auto v) {
+    std::memcpy(&v, bytes, sizeof(v));
+    return v;
+  };
+  switch (dtype) {
+    case DType::kF64:
+      return load(double{});
+    case DType::kF32:
+      return load(float{});
+    case DType::kF16:
+      return HalfToFloat(load(uint16_t{}));
+    case DType::kBF16:
+      return BFloat16ToFloat(load(uint16_t{}));
+    default:
+      return 0.0;
+  }
+}
+
+// The smallest positive normal value of a floating-point dtype.
+double SmallestNormal(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+      return std::numeric_limits<double>::min();
+    case DType::kF16:
+      return 0x1p-14;
+    default:
+      return std::numeric_limits<float>::min();  // F32 and BF16
+  }
+}
+
+// The refusal of a scaled copy that lost `e`: `where` names the piece or move, `element` the
+// element, `op` is what was applied.
+Status InexactError(std::string_view where, std::string_view element, DType dtype,
+                    const ScaleOp& op, const InexactElement& e) {
+  const double after = AsDouble(dtype, e.after);
+  std::string why = "it rounds";
+  if (std::isinf(after)) {
+    why = fmt::format("it overflows {} to infinity", DTypeName(dtype));
+  } else if (after == 0.0) {
+    why = "it underflows to zero";
+  } else if (std::abs(after) < SmallestNormal(dtype)) {
+    why = fmt::format("it underflows into the subnormals of {}, which keep fewer bits",
+                      DTypeName(dtype));
+  }
+  return FailedPreconditionError(fmt::format(
+      "{}: {} does not survive the scale: {} {} by {} gives {} ({}), which scales back to {}; "
+      "refusing to change a value silently (allow lossy scale to apply the scale anyway)",
+      where, element, FormatElement(dtype, e.before),
+      op.kind == ScaleOp::Kind::kDivide ? "divided" : "multiplied", op.factor,
+      FormatElement(dtype, e.after), why, FormatElement(dtype, e.back)));
+}
+
+// Runs the moves; unless lossy scales are allowed, checks in the same pass that every scaled
+// element survives the round trip, and turns the first that does not into an error with
+// `describe`.
+Status CopyExactly(DType dtype, std::span<const StridedMove> moves, const ExecOptions& options,
+                   const std::function<Status(const InexactElement&)>& describe) {
+  const bool scaled = std::any_of(moves.begin(), moves.end(),
+                                  [](const StridedMove& m) { return !m.op.is_identity(); });
+  if (!scaled || options.allow_lossy_scale) {
+    return StridedCopy(dtype, moves, options.num_threads);
+  }
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<InexactElement> lost,
+                           StridedCopyExact(dtype, moves, options.num_threads));
+  return lost ? describe(*lost) : Status::Ok();
+}
+
+std::string ElementOfF(const ParamMap& map, Index offset) {
+  return fmt::format("element {} of F (offset {})",
+                     FormatShape(UnravelIndex(offset, map.logical_shape())), offset);
+}
+
+Status CheckShards(const ParamMap& map, std::span<const ConstBuffer> shards) {
+  if (shards.size() != static_cast<size_t>(map.world_size())) {
+    return FailedPreconditionError(fmt::format("{} shard buffers given for a map of world size {}",
+                                               shards.size(), map.world_size()));
+  }
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const ConstBuffer& s = shards[static_cast<size_t>(r)];
+    RESHARD_RETURN_IF_ERROR(CheckShard(map, r, s.num_elements, s.data));
+  }
+  return Status::Ok();
+}
+
+// Rebuilding F (or the part of it that replicated pieces cover) from the shards: the copies of
+// the first holder of every piece into F, and, with verify_replicas, the comparisons of every
+// other holder's piece against what those copies write. `f` is the address of F's element
+// `f_origin`.
+struct RebuildMoves {
+  std::vector<StridedMove> writes;
+  std::vector<std::pair<Rank, size_t>> write_pieces;  // (rank, piece index) of each write
+  std::vector<StridedCompareMove> checks;
+  std::vector<std::pair<Rank, size_t>> check_pieces;
+};
+
+Result<RebuildMoves> MakeRebuildMoves(const ParamMap& map, DType dtype,
+                                      std::span<const ConstBuffer> shards, std::byte* f,
+                                      Index f_origin, bool replicated_only,
+                                      const ExecOptions& options) {
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+  RebuildMoves out;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const std::vector<Piece>& pieces = map.rank(r).pieces;
+    const std::byte* shard = shards[static_cast<size_t>(r)].data;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& piece = pieces[i];
+      if (replicated_only && piece.locations.size() < 2) continue;
+      const bool primary = piece.locations.empty() || piece.locations.front() == r;
+      if (!primary && !options.verify_replicas) continue;
+      RESHARD_ASSIGN_OR_RETURN(const PieceOps ops, OpsFor(piece, r, i, dtype, options));
+      if (piece.num_elements() == 0) continue;
+      const std::byte* src = shard + piece.dest.offset * es;
+      std::byte* dst = f + (piece.source.offset - f_origin) * es;
+      if (primary) {
+        out.writes.push_back(
+            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
+        out.write_pieces.emplace_back(r, i);
+      } else {
+        out.checks.push_back(
+            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
+        out.check_pieces.emplace_back(r, i);
+      }
+    }
+  }
+  return out;
+}
+
+// Compares every other holder's piece against what the first holders wrote (P2).
+Status CompareReplicas(const ParamMap& map, DType dtype, const RebuildMoves& moves,
+                       int num_threads) {
+  if (moves.checks.empty()) return Status::Ok();
+  auto offset_in_f = [&](const CompareMismatch& m) {
+    const auto [rank, index] = moves.check_pieces[m.move_index];
+    return map.rank(rank).pieces[index].source.offset + m.ref_offset;
+  };
+  RESHARD_ASSIGN_OR_RETURN(
+      const std::optional<CompareMismatch> mismatch,
+      StridedCompare(
+          dtype, moves.checks,
+          [&](const CompareMismatch& m) { return !map.IsPadding(offset_in_f(m)); }, num_threads));
+  if (!mismatch) return Status::Ok();
+  const auto [rank, index] = moves.check_pieces[mismatch->move_index];
+  const Rank holder = map.rank(rank).pieces[index].locations.front();
+  return FailedPreconditionError(fmt::format("ranks {} and {} hold different data for {}: {} vs {}",
+                                             holder, rank, ElementOfF(map, offset_in_f(*mismatch)),
+                                             FormatElement(dtype, mismatch->ref_value),
+                                             FormatElement(dtype, mismatch->value)));
+}
+
 }  // namespace
 
 Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, MutableBuffer shard,
@@ -102,6 +258,7 @@ Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, Mu
   const Index es = static_cast<Index>(DTypeSize(dtype));
   const std::vector<Piece>& pieces = map.rank(rank).pieces;
   std::vector<StridedMove> moves;
+  std::vector<size_t> piece_of;  // moves[k] copies pieces[piece_of[k]]
   moves.reserve(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) {
     const Piece& piece = pieces[i];
@@ -109,78 +266,60 @@ Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, Mu
     if (piece.num_elements() == 0) continue;
     moves.push_back({piece.shape, full.data + piece.source.offset * es, piece.source.strides,
                      shard.data + piece.dest.offset * es, piece.dest.strides, ops.extract});
+    piece_of.push_back(i);
   }
-  return StridedCopy(dtype, moves, options.num_threads);
+  return CopyExactly(dtype, moves, options, [&](const InexactElement& e) {
+    const size_t i = piece_of[e.move_index];
+    return InexactError(PiecePath(rank, i), ElementOfF(map, pieces[i].source.offset + e.src_offset),
+                        dtype, moves[e.move_index].op, e);
+  });
 }
 
 Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
                MutableBuffer full, const ExecOptions& options) {
-  if (shards.size() != static_cast<size_t>(map.world_size())) {
-    return FailedPreconditionError(fmt::format("{} shard buffers given for a map of world size {}",
-                                               shards.size(), map.world_size()));
-  }
+  RESHARD_RETURN_IF_ERROR(CheckShards(map, shards));
   RESHARD_RETURN_IF_ERROR(CheckFull(map, full.num_elements, full.data));
-  for (Rank r = 0; r < map.world_size(); ++r) {
-    const ConstBuffer& s = shards[static_cast<size_t>(r)];
-    RESHARD_RETURN_IF_ERROR(CheckShard(map, r, s.num_elements, s.data));
-  }
-  const Index es = static_cast<Index>(DTypeSize(dtype));
-
-  // Every piece is read (written from, or verified) before anything is written, so a refusal
-  // leaves F untouched.
-  struct Check {
-    Rank rank;
-    Rank holder;
-    const Piece* piece;
-  };
-  std::vector<StridedMove> writes;
-  std::vector<StridedCompareMove> checks;
-  std::vector<Check> check_info;
-  for (Rank r = 0; r < map.world_size(); ++r) {
-    const std::vector<Piece>& pieces = map.rank(r).pieces;
-    const std::byte* shard = shards[static_cast<size_t>(r)].data;
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      const Piece& piece = pieces[i];
-      const bool primary = piece.locations.empty() || piece.locations.front() == r;
-      if (!primary && !options.verify_replicas) continue;
-      RESHARD_ASSIGN_OR_RETURN(const PieceOps ops, OpsFor(piece, r, i, dtype, options));
-      if (piece.num_elements() == 0) continue;
-      const std::byte* src = shard + piece.dest.offset * es;
-      std::byte* dst = full.data + piece.source.offset * es;
-      if (primary) {
-        writes.push_back(
-            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
-      } else {
-        checks.push_back(
-            {piece.shape, src, piece.dest.strides, dst, piece.source.strides, ops.rebuild});
-        check_info.push_back({r, piece.locations.front(), &piece});
-      }
-    }
-  }
-
+  RESHARD_ASSIGN_OR_RETURN(
+      const RebuildMoves moves,
+      MakeRebuildMoves(map, dtype, shards, full.data, 0, /*replicated_only=*/false, options));
   // Padding first, so pieces that do hold padding overwrite the zeros.
   if (map.has_padding()) {
     RESHARD_RETURN_IF_ERROR(ZeroPadding(map, dtype, full.data, options.num_threads));
   }
   // The lowest-ranked holders' pieces are disjoint in F: one pass, in parallel.
-  RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, writes, options.num_threads));
-  if (checks.empty()) return Status::Ok();
+  RESHARD_RETURN_IF_ERROR(CopyExactly(dtype, moves.writes, options, [&](const InexactElement& e) {
+    const auto [rank, index] = moves.write_pieces[e.move_index];
+    return InexactError(PiecePath(rank, index),
+                        ElementOfF(map, map.rank(rank).pieces[index].source.offset + e.dst_offset),
+                        dtype, moves.writes[e.move_index].op, e);
+  }));
+  return CompareReplicas(map, dtype, moves, options.num_threads);
+}
 
-  auto offset_in_f = [&](const CompareMismatch& m) {
-    return check_info[m.move_index].piece->source.offset + m.ref_offset;
-  };
+Status VerifyReplicas(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
+                      const ExecOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckShards(map, shards));
+  // The span of F that replicated pieces cover.
+  Index begin = std::numeric_limits<Index>::max();
+  Index end = 0;
+  for (const RankShard& shard : map.ranks()) {
+    for (const Piece& piece : shard.pieces) {
+      if (piece.locations.size() < 2 || piece.num_elements() == 0) continue;
+      const std::optional<Index> last =
+          LastOffset(piece.source.offset, piece.shape, piece.source.strides);
+      begin = std::min(begin, piece.source.offset);
+      end = std::max(end, last.value_or(piece.source.offset) + 1);
+    }
+  }
+  if (end <= begin) return Status::Ok();
+  std::vector<std::byte> span(static_cast<size_t>(end - begin) * DTypeSize(dtype));
+  ExecOptions verify = options;
+  verify.verify_replicas = true;
   RESHARD_ASSIGN_OR_RETURN(
-      const std::optional<CompareMismatch> mismatch,
-      StridedCompare(
-          dtype, checks, [&](const CompareMismatch& m) { return !map.IsPadding(offset_in_f(m)); },
-          options.num_threads));
-  if (!mismatch) return Status::Ok();
-  const Check& info = check_info[mismatch->move_index];
-  const Index offset = offset_in_f(*mismatch);
-  return FailedPreconditionError(fmt::format(
-      "ranks {} and {} hold different data for element {} of F (offset {}): {} vs {}", info.holder,
-      info.rank, FormatShape(UnravelIndex(offset, map.logical_shape())), offset,
-      FormatElement(dtype, mismatch->ref_value), FormatElement(dtype, mismatch->value)));
+      const RebuildMoves moves,
+      MakeRebuildMoves(map, dtype, shards, span.data(), begin, /*replicated_only=*/true, verify));
+  RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, moves.writes, options.num_threads));
+  return CompareReplicas(map, dtype, moves, options.num_threads);
 }
 
 namespace {
@@ -212,6 +351,7 @@ Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuff
   }
   const size_t elem = DTypeSize(dtype);
   std::vector<StridedMove> moves;
+  std::vector<size_t> move_of;  // moves[k] runs plan.moves[move_of[k]]
   moves.reserve(plan.moves.size());
   for (size_t i = 0; i < plan.moves.size(); ++i) {
     const Move& m = plan.moves[i];
@@ -243,6 +383,7 @@ Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuff
     moves.push_back(StridedMove{m.shape, src.data + static_cast<size_t>(m.src.offset) * elem,
                                 m.src.strides, dst.data + static_cast<size_t>(m.dst.offset) * elem,
                                 m.dst.strides, op});
+    move_of.push_back(i);
   }
   for (size_t i = 0; i < plan.unwritten.size(); ++i) {
     const UnwrittenBlock& u = plan.unwritten[i];
@@ -253,7 +394,15 @@ Status ExecutePlan(const ParamPlan& plan, DType dtype, std::span<const ConstBuff
     RESHARD_RETURN_IF_ERROR(
         CheckView(u.shape, u.dst, dst.num_elements, fmt::format("unwritten[{}]", i)));
   }
-  RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, moves, options.num_threads));
+  RESHARD_RETURN_IF_ERROR(CopyExactly(dtype, moves, options, [&](const InexactElement& e) {
+    const Move& m = plan.moves[move_of[e.move_index]];
+    return InexactError(
+        fmt::format("moves[{}] (source rank {} -> target rank {})", move_of[e.move_index],
+                    m.src_rank, m.dst_rank),
+        fmt::format("element {} of the target shard (element {} of the source shard)",
+                    m.dst.offset + e.dst_offset, m.src.offset + e.src_offset),
+        dtype, moves[e.move_index].op, e);
+  }));
   for (const UnwrittenBlock& u : plan.unwritten) {
     if (ProductOf(u.shape) == 0) continue;
     const MutableBuffer& dst = targets[static_cast<size_t>(u.dst_rank)];

@@ -1,5 +1,5 @@
-// The executor: one strided-copy engine for extract (F -> a rank's shard) and rebuild
-// (shards -> F). Transfer plans (shard -> shard) will run on the same engine.
+// The executor: one strided-copy engine for extract (F -> a rank's shard), rebuild
+// (shards -> F) and transfer plans (shard -> shard).
 //
 // Buffers are flat, dense, row-major, and given by the address of their first element: a
 // caller's buffer may start part-way into a larger allocation; the executor never looks
@@ -46,6 +46,12 @@ struct ExecOptions {
   bool allow_scaled_optimizer_state = false;
   /// Rebuild: compare every replica against the first holder's data (P2). On by default.
   bool verify_replicas = true;
+  /// Apply scales even where a value does not survive them. Off by default: every scaled
+  /// element is checked in the copy itself (scaled, then scaled back, it must give its own
+  /// bits again) and the first that does not is refused (FailedPrecondition naming the element
+  /// and its values). A power-of-two scale loses a value only by overflow to infinity or
+  /// underflow into the subnormals or to zero; any other scale rounds most values.
+  bool allow_lossy_scale = false;
   /// Worker threads; 0 means one per hardware thread. Small copies always run inline.
   int num_threads = 0;
 };
@@ -63,6 +69,15 @@ Status Extract(const ParamMap& map, DType dtype, Rank rank, ConstBuffer full, Mu
 /// and the multi-index where they disagree. Disagreement inside padding is ignored.
 Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
                MutableBuffer full, const ExecOptions& options = {});
+
+/// P2 on shards alone, without F: wherever several ranks hold an element of F, their data,
+/// each after undoing its own scale, must be bit-identical. FailedPrecondition naming the
+/// ranks, the element of F (multi-index and offset) and the two values where they are not.
+/// Disagreement inside padding is ignored. Rebuild with `verify_replicas` makes the same check
+/// (the same code) against the F it writes; this form needs memory only for the span of F that
+/// the replicated pieces cover.
+Status VerifyReplicas(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
+                      const ExecOptions& options = {});
 
 /// Runs a transfer plan (source shards -> target shards, no full tensor). `sources[r]` is
 /// source rank r's shard (plan.source_world entries), `targets[r]` target rank r's

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -244,12 +245,14 @@ TEST(ExecutorTest, NonPowerOfTwoScaleUsesTheDTypesArithmeticF64AndF16) {
   // rounds: 0x3555 (0.333251953125) * 3 = 0.999755859375 = 1 - 2^-12 in float, a tie
   // between 0x3BFF and 0x3C00 in half, rounded to the even 0x3C00.
   const ParamMap map = Finalized(Split({4}, 0, {2, 2}, 3.0));
+  ExecOptions lossy;
+  lossy.allow_lossy_scale = true;
   const Tensor<double> f64{{0.1, 1.0, -2.5, 1e300}};
-  const std::vector<Tensor<double>> d = ExtractAll(map, DType::kF64, f64);
+  const std::vector<Tensor<double>> d = ExtractAll(map, DType::kF64, f64, lossy);
   EXPECT_EQ(d[0].v, (std::vector<double>{0.1 * 3.0, 3.0}));
   EXPECT_EQ(d[1].v, (std::vector<double>{-7.5, 1e300 * 3.0}));
   const Tensor<uint16_t> f16{{0x3555, 0x3C00, 0x7BFF, 0x0001}};
-  const std::vector<Tensor<uint16_t>> h = ExtractAll(map, DType::kF16, f16);
+  const std::vector<Tensor<uint16_t>> h = ExtractAll(map, DType::kF16, f16, lossy);
   EXPECT_EQ(h[0].v, (std::vector<uint16_t>{0x3C00, 0x4200}));
   EXPECT_EQ(h[1].v, (std::vector<uint16_t>{0x7C00, 0x0003}));  // 65504 * 3 overflows
 }
@@ -357,6 +360,8 @@ TEST(ExecutorTest, DisagreeingReplicasAreNamedWithRanksIndexOffsetAndValues) {
   EXPECT_EQ(s.message(),
             "ranks 0 and 2 hold different data for element [40, 3] of F (offset 323): 1.5 vs "
             "1.25");
+  // The same check on the shards alone.
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)), s);
   // Without verification, rank 0's data wins silently.
   ExecOptions no_verify;
   no_verify.verify_replicas = false;
@@ -372,7 +377,9 @@ TEST(ExecutorTest, ReplicasAreComparedAfterUndoingTheirScale) {
   const Status s = Rebuild(map, DType::kF32, Buffers(shards), rebuilt.m());
   EXPECT_EQ(s.message(),
             "ranks 0 and 2 hold different data for element [1] of F (offset 1): 2 vs 3");
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)), s);
   shards[2].v[1] = 0.5f;
+  EXPECT_TRUE(VerifyReplicas(map, DType::kF32, Buffers(shards)).ok());
   ASSERT_TRUE(Rebuild(map, DType::kF32, Buffers(shards), rebuilt.m()).ok());
   EXPECT_EQ(rebuilt.v, (std::vector<float>{1.0f, 2.0f, 4.0f}));
 }
@@ -428,11 +435,95 @@ TEST(ExecutorTest, DisagreementInsidePaddingIsIgnored) {
   shards[1].v[7] = 70;  // padding element [3, 1]
   Tensor<int32_t> rebuilt{std::vector<int32_t>(8)};
   ASSERT_TRUE(Rebuild(map, DType::kI32, Buffers(shards), rebuilt.m()).ok());
+  EXPECT_TRUE(VerifyReplicas(map, DType::kI32, Buffers(shards)).ok());
   EXPECT_EQ(rebuilt.v, Iota<int32_t>(8).v);  // rank 0's padding data
   shards[1].v[5] = 50;                       // real element [2, 1]
   const Status s = Rebuild(map, DType::kI32, Buffers(shards), rebuilt.m());
   EXPECT_EQ(s.message(),
             "ranks 0 and 1 hold different data for element [2, 1] of F (offset 5): 5 vs 50");
+  EXPECT_EQ(VerifyReplicas(map, DType::kI32, Buffers(shards)), s);
+}
+
+TEST(ExecutorTest, VerifyingReplicasReadsOnlyReplicatedPiecesAndSkipsUnreplicatedMaps) {
+  // A split map has no replicas: nothing to compare, whatever the shards hold.
+  const ParamMap split = Finalized(Split({4, 2}, 0, {2, 2}));
+  std::vector<Tensor<float>> two{{{1, 2, 3, 4}}, {{5, 6, 7, 8}}};
+  EXPECT_TRUE(VerifyReplicas(split, DType::kF32, Buffers(two)).ok());
+  // Only the key/value block of GPT-BigCode is compared: query rows may differ freely.
+  const ParamMap map = Finalized(BigCode(2));
+  const Tensor<float> full = Iota<float>(384);
+  std::vector<Tensor<float>> shards = ExtractAll(map, DType::kF32, full);
+  shards[1].v[0] = -1.0f;  // a query element of rank 1
+  EXPECT_TRUE(VerifyReplicas(map, DType::kF32, Buffers(shards)).ok());
+  shards[1].v[16 * 8 + 15 * 8 + 7] = -1.0f;  // the last key/value element, F [47, 7]
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)).message(),
+            "ranks 0 and 1 hold different data for element [47, 7] of F (offset 383): 383 vs -1");
+  shards.pop_back();
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)).code(),
+            StatusCode::kFailedPrecondition);
+}
+
+TEST(ExecutorTest, AScaleThatLosesAValueIsRefusedUnlessAllowed) {
+  // F16 [1e-5, 3e-5, 6e-8, 2] pre-divided at TP 4: 3e-5 does not survive a quarter.
+  const ParamMap map = Finalized(Replicated(4, 4, 0.25));
+  const Tensor<uint16_t> full{
+      {FloatToHalf(1e-5f), FloatToHalf(3e-5f), FloatToHalf(6e-8f), FloatToHalf(2.0f)}};
+  Tensor<uint16_t> shard{std::vector<uint16_t>(4)};
+  Status s = Extract(map, DType::kF16, 2, full.c(), shard.m());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(),
+            "ranks[\"2\"].pieces[0]: element [1] of F (offset 1) does not survive the scale: "
+            "2.9981136e-05 multiplied by 0.25 gives 7.5101852e-06 (it underflows into the "
+            "subnormals of F16, which keep fewer bits), which scales back to 3.0040741e-05; "
+            "refusing to change a value silently (allow lossy scale to apply the scale anyway)");
+  ExecOptions lossy;
+  lossy.allow_lossy_scale = true;
+  const std::vector<Tensor<uint16_t>> shards = ExtractAll(map, DType::kF16, full, lossy);
+  Tensor<uint16_t> rebuilt{std::vector<uint16_t>(4)};
+  ASSERT_TRUE(Rebuild(map, DType::kF16, Buffers(shards), rebuilt.m()).ok());
+  EXPECT_EQ(rebuilt.v, (std::vector<uint16_t>{full.v[0], 504, 0, full.v[3]}));
+
+  // Adam's first moment (scale power -1) is held at F * 4: 60000 overflows F16.
+  lossy.scale_power = -1;
+  lossy.allow_scaled_optimizer_state = true;
+  lossy.allow_lossy_scale = false;
+  const Tensor<uint16_t> moment{{FloatToHalf(1.0f), FloatToHalf(60000.0f), 0, 0}};
+  s = Extract(map, DType::kF16, 0, moment.c(), shard.m(), lossy);
+  EXPECT_NE(s.message().find("element [1] of F (offset 1) does not survive the scale: 60000 "
+                             "divided by 0.25 gives inf (it overflows F16 to infinity)"),
+            std::string::npos)
+      << s.message();
+
+  // Rebuild checks its own scaling: a shard value that F cannot hold.
+  const ParamMap up = Finalized(Replicated(2, 1, 4.0));
+  const std::vector<Tensor<float>> tiny{{{1.0f, std::numeric_limits<float>::denorm_min() * 3}}};
+  Tensor<float> f{std::vector<float>(2)};
+  s = Rebuild(up, DType::kF32, Buffers(tiny), f.m());
+  EXPECT_NE(s.message().find("ranks[\"0\"].pieces[0]: element [1] of F (offset 1)"),
+            std::string::npos)
+      << s.message();
+}
+
+TEST(ExecutorTest, APlanFactorThatRoundsIsRefusedNamingTheMove) {
+  // Pre-divided at TP 2 -> TP 3: rank 0 moves its values at a factor of 2/3.
+  const ParamMap from = Finalized(Replicated(64, 2, 0.5));
+  const ParamMap to = Finalized(Replicated(64, 3, 1.0 / 3.0));
+  Result<ParamPlan> plan = Compose(to, from);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  const Tensor<float> held = Iota<float>(64, 0.1f);
+  const std::vector<Tensor<float>> src{held, held};
+  std::vector<Tensor<float>> dst(3, Tensor<float>{std::vector<float>(64)});
+  std::vector<MutableBuffer> targets;
+  for (Tensor<float>& t : dst) targets.push_back(t.m());
+  const Status s = ExecutePlan(*plan, DType::kF32, Buffers(src), targets);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("moves[0] (source rank 0 -> target rank 0): element "),
+            std::string::npos)
+      << s.message();
+  EXPECT_NE(s.message().find("does not survive the scale"), std::string::npos) << s.message();
+  ExecOptions lossy;
+  lossy.allow_lossy_scale = true;
+  EXPECT_TRUE(ExecutePlan(*plan, DType::kF32, Buffers(src), targets, lossy).ok());
 }
 
 TEST(ExecutorTest, LargeColumnSplitRoundTripsOnTwoThreads) {

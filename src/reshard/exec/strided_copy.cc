@@ -116,6 +116,11 @@ using RowCopyFn = void (*)(const Byte* src, Index src_stride, Byte* dst, Index d
 using RowCompareFn = Index (*)(const Byte* src, Index src_stride, const Byte* ref, Index ref_stride,
                                Index n, double factor);
 
+// Copies like a scaled RowCopyFn and returns the index of the first element whose value does not
+// survive the round trip (op, then the inverse op with `inverse`), or -1.
+using RowExactFn = Index (*)(const Byte* src, Index src_stride, Byte* dst, Index dst_stride,
+                             Index n, double factor, double inverse);
+
 constexpr Index kBlock = 512;
 
 template <size_t kSize>
@@ -203,6 +208,86 @@ void ScaledCopyRow(const Byte* src, Index src_stride, Byte* dst, Index dst_strid
   }
 }
 
+// Round-trip checked scaling: dst = op(src), and each result taken back through the inverse op
+// must give the source again. When the inverse is a multiplication by a power of two
+// (`kExactInverse`) it is exact in the compute type, so comparing widen(result) * g with the
+// widened source decides it without narrowing again; otherwise the result is narrowed back and
+// compared bit for bit. The loop is branch-free and vectorises; it returns false when some
+// element may not have survived (NaNs, whose bits may change, are sorted out by FirstInexact).
+template <typename S>
+using BitsOf = std::conditional_t<sizeof(S) == 2, uint16_t,
+                                  std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>>;
+
+template <typename Codec, bool kDivide, bool kInverseDivide, bool kExactInverse>
+RESHARD_TARGET_CLONES bool ScaleRunExact(const Byte* __restrict src, Byte* __restrict dst, Index m,
+                                         typename Codec::Compute f, typename Codec::Compute g) {
+  using S = typename Codec::Storage;
+  constexpr Index kSize = static_cast<Index>(sizeof(S));
+  unsigned lost = 0;
+  for (Index j = 0; j < m; ++j) {
+    S x;
+    std::memcpy(&x, src + j * kSize, sizeof(S));
+    const typename Codec::Compute v = Codec::Widen(x);
+    const S y = Codec::Narrow(kDivide ? v / f : v * f);
+    std::memcpy(dst + j * kSize, &y, sizeof(S));
+    const typename Codec::Compute w = Codec::Widen(y);
+    if constexpr (kExactInverse) {
+      lost |= static_cast<unsigned>(w * g != v);
+    } else {
+      const S back = Codec::Narrow(kInverseDivide ? w / g : w * g);
+      lost |= static_cast<unsigned>(std::bit_cast<BitsOf<S>>(back) != std::bit_cast<BitsOf<S>>(x));
+    }
+  }
+  return lost == 0;
+}
+
+// The first element of a block whose round trip changed it (a NaN that stays a NaN counts as
+// surviving), or -1.
+template <typename Codec, bool kInverseDivide>
+Index FirstInexact(const typename Codec::Storage* in, const typename Codec::Storage* out, Index m,
+                   typename Codec::Compute g) {
+  using S = typename Codec::Storage;
+  for (Index j = 0; j < m; ++j) {
+    const typename Codec::Compute w = Codec::Widen(out[j]);
+    const S back = Codec::Narrow(kInverseDivide ? w / g : w * g);
+    if (std::bit_cast<BitsOf<S>>(back) == std::bit_cast<BitsOf<S>>(in[j])) continue;
+    if (std::isnan(Codec::Widen(in[j])) && std::isnan(Codec::Widen(back))) continue;
+    return j;
+  }
+  return -1;
+}
+
+template <typename Codec, bool kDivide, bool kInverseDivide, bool kExactInverse>
+Index ExactScaledCopyRow(const Byte* src, Index src_stride, Byte* dst, Index dst_stride, Index n,
+                         double factor, double inverse) {
+  using S = typename Codec::Storage;
+  constexpr Index kSize = static_cast<Index>(sizeof(S));
+  const auto f = static_cast<typename Codec::Compute>(factor);
+  const auto g = static_cast<typename Codec::Compute>(inverse);
+  const bool contiguous = src_stride == kSize && dst_stride == kSize;
+  alignas(64) S in[kBlock];
+  alignas(64) S out[kBlock];
+  for (Index i = 0; i < n; i += kBlock) {
+    const Index m = std::min(kBlock, n - i);
+    bool exact;
+    if (contiguous) {
+      exact = ScaleRunExact<Codec, kDivide, kInverseDivide, kExactInverse>(
+          src + i * kSize, dst + i * kSize, m, f, g);
+    } else {
+      LoadBlock(in, src + i * src_stride, src_stride, m);
+      exact = ScaleRunExact<Codec, kDivide, kInverseDivide, kExactInverse>(
+          reinterpret_cast<const Byte*>(in), reinterpret_cast<Byte*>(out), m, f, g);
+      StoreBlock(dst + i * dst_stride, dst_stride, out, m);
+    }
+    if (exact) continue;
+    LoadBlock(in, src + i * src_stride, src_stride, m);
+    LoadBlock(out, dst + i * dst_stride, dst_stride, m);
+    const Index j = FirstInexact<Codec, kInverseDivide>(in, out, m, g);
+    if (j >= 0) return i + j;
+  }
+  return -1;
+}
+
 template <size_t kSize>
 Index CompareRowIdentity(const Byte* src, Index src_stride, const Byte* ref, Index ref_stride,
                          Index n, double) {
@@ -286,6 +371,38 @@ RowCopyFn SelectZero(DType dtype, bool contiguous) {
   }
 }
 
+template <typename Codec>
+RowExactFn SelectExactFor(bool divide, bool inverse_divide, bool exact_inverse) {
+  if (divide) {
+    return exact_inverse ? ExactScaledCopyRow<Codec, true, false, true>
+                         : ExactScaledCopyRow<Codec, true, false, false>;
+  }
+  return inverse_divide ? ExactScaledCopyRow<Codec, false, true, false>
+                        : ExactScaledCopyRow<Codec, false, false, true>;
+}
+
+// The checked kernel for a (normalised, non-identity) op and its inverse (InverseOp: a
+// division undoes a multiplication unless the reciprocal is an exact power of two, and a
+// multiplication undoes a division).
+RowExactFn SelectExact(DType dtype, const ScaleOp& op, const ScaleOp& inverse) {
+  const bool div = op.kind == ScaleOp::Kind::kDivide;
+  const bool inv_div = inverse.kind == ScaleOp::Kind::kDivide;
+  int exponent = 0;
+  const bool exact_inverse = !inv_div && std::abs(std::frexp(inverse.factor, &exponent)) == 0.5;
+  switch (dtype) {
+    case DType::kF64:
+      return SelectExactFor<F64Codec>(div, inv_div, exact_inverse);
+    case DType::kF32:
+      return SelectExactFor<F32Codec>(div, inv_div, exact_inverse);
+    case DType::kF16:
+      return SelectExactFor<F16Codec>(div, inv_div, exact_inverse);
+    case DType::kBF16:
+      return SelectExactFor<BF16Codec>(div, inv_div, exact_inverse);
+    default:
+      return nullptr;  // refused earlier by CheckScaleOp
+  }
+}
+
 RowCompareFn SelectCompare(DType dtype, const ScaleOp& op) {
   const bool div = op.kind == ScaleOp::Kind::kDivide;
   if (op.kind != ScaleOp::Kind::kNone) {
@@ -337,6 +454,14 @@ ScaleOp NormaliseOp(DType dtype, ScaleOp op) {
   return op;
 }
 
+// The op that takes a (normalised, non-identity) op's results back: a multiplication is undone
+// by dividing by the same factor (or multiplying by its reciprocal when that is exact), a
+// division by multiplying.
+ScaleOp InverseOp(DType dtype, const ScaleOp& op) {
+  if (op.kind == ScaleOp::Kind::kDivide) return ScaleOp::Multiply(op.factor);
+  return NormaliseOp(dtype, ScaleOp::Divide(op.factor));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Normalised moves.
 
@@ -354,7 +479,9 @@ struct Plan {
   ScaleOp op;
   RowCopyFn copy = nullptr;
   RowCompareFn compare = nullptr;
-  int64_t bytes = 0;  // elements * element size
+  RowExactFn exact = nullptr;  // set when a copy checks the round trip of a scaled op
+  ScaleOp inverse;             // the op that takes `op`'s results back
+  int64_t bytes = 0;           // elements * element size
 };
 
 // Builds the plan of one move. Side `a` is the one written (or the reference of a compare):
@@ -554,6 +681,48 @@ void RunTasks(const Schedule& schedule, RunTask&& run) {
   for (std::thread& th : pool) th.join();
 }
 
+// Calls probe(plan index, plan, a, b, n) on every row of every task (a: the plan's written or
+// reference side, b: its source side) and returns the first hit in task order, stopping early.
+template <typename Hit, typename RowProbe>
+std::optional<Hit> FindFirst(const std::vector<Plan>& plans, const Schedule& schedule,
+                             RowProbe&& probe) {
+  std::vector<std::optional<Hit>> found(schedule.tasks.size());
+  RunTasks(schedule, [&](size_t t) {
+    const Task& task = schedule.tasks[t];
+    const Plan& plan = plans[task.plan];
+    VisitRows(plan, task, [&](const Byte* a, const Byte* b, Index n) {
+      found[t] = probe(task.plan, plan, a, b, n);
+      return !found[t].has_value();
+    });
+    return !found[t].has_value();
+  });
+  for (std::optional<Hit>& f : found) {
+    if (f) return f;
+  }
+  return std::nullopt;
+}
+
+// The plans of copy moves, each with its row kernel (the checked one for scaled ops when
+// `exact`).
+Result<std::vector<Plan>> CopyPlans(DType dtype, std::span<const StridedMove> moves, bool exact) {
+  std::vector<Plan> plans;
+  plans.reserve(moves.size());
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+  for (size_t i = 0; i < moves.size(); ++i) {
+    const StridedMove& m = moves[i];
+    RESHARD_RETURN_IF_ERROR(CheckScaleOp(dtype, m.op).Annotate(fmt::format("moves[{}]", i)));
+    RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(dtype, m.shape, m.dst, m.dst_strides, m.src,
+                                                 m.src_strides, NormaliseOp(dtype, m.op)));
+    plan.copy = SelectCopy(dtype, plan.op, plan.inner_a == es && plan.inner_b == es);
+    if (exact && plan.op.kind != ScaleOp::Kind::kNone) {
+      plan.inverse = InverseOp(dtype, plan.op);
+      plan.exact = SelectExact(dtype, plan.op, plan.inverse);
+    }
+    plans.push_back(std::move(plan));
+  }
+  return plans;
+}
+
 }  // namespace
 
 float HalfToFloat(uint16_t h) { return HalfToFloatInline(h); }
@@ -585,17 +754,7 @@ Status CheckScaleOp(DType dtype, const ScaleOp& op) {
 }
 
 Status StridedCopy(DType dtype, std::span<const StridedMove> moves, int num_threads) {
-  std::vector<Plan> plans;
-  plans.reserve(moves.size());
-  for (size_t i = 0; i < moves.size(); ++i) {
-    const StridedMove& m = moves[i];
-    RESHARD_RETURN_IF_ERROR(CheckScaleOp(dtype, m.op).Annotate(fmt::format("moves[{}]", i)));
-    RESHARD_ASSIGN_OR_RETURN(Plan plan, MakePlan(dtype, m.shape, m.dst, m.dst_strides, m.src,
-                                                 m.src_strides, NormaliseOp(dtype, m.op)));
-    const Index es = static_cast<Index>(DTypeSize(dtype));
-    plan.copy = SelectCopy(dtype, plan.op, plan.inner_a == es && plan.inner_b == es);
-    plans.push_back(std::move(plan));
-  }
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<Plan> plans, CopyPlans(dtype, moves, false));
   const Schedule schedule = MakeSchedule(plans, num_threads);
   RunTasks(schedule, [&](size_t t) {
     const Task& task = schedule.tasks[t];
@@ -607,6 +766,34 @@ Status StridedCopy(DType dtype, std::span<const StridedMove> moves, int num_thre
     return true;
   });
   return Status::Ok();
+}
+
+Result<std::optional<InexactElement>> StridedCopyExact(DType dtype,
+                                                       std::span<const StridedMove> moves,
+                                                       int num_threads) {
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<Plan> plans, CopyPlans(dtype, moves, true));
+  const Index es = static_cast<Index>(DTypeSize(dtype));
+  return FindFirst<InexactElement>(
+      plans, MakeSchedule(plans, num_threads),
+      [&](size_t index, const Plan& plan, const Byte* dst, const Byte* src,
+          Index n) -> std::optional<InexactElement> {
+        Byte* out = const_cast<Byte*>(dst);
+        if (!plan.exact) {
+          plan.copy(src, plan.inner_b, out, plan.inner_a, n, plan.op.factor);
+          return std::nullopt;
+        }
+        const Index j = plan.exact(src, plan.inner_b, out, plan.inner_a, n, plan.op.factor,
+                                   plan.inverse.factor);
+        if (j < 0) return std::nullopt;
+        InexactElement e;
+        e.move_index = index;
+        e.src_offset = (src + j * plan.inner_b - plan.b) / es;
+        e.dst_offset = (dst + j * plan.inner_a - plan.a) / es;
+        std::memcpy(e.before, src + j * plan.inner_b, static_cast<size_t>(es));
+        std::memcpy(e.after, dst + j * plan.inner_a, static_cast<size_t>(es));
+        SelectCopy(dtype, plan.inverse, false)(e.after, es, e.back, es, 1, plan.inverse.factor);
+        return e;
+      });
 }
 
 Status StridedZero(DType dtype, std::span<const Index> shape, std::byte* dst,
@@ -645,43 +832,29 @@ Result<std::optional<CompareMismatch>> StridedCompare(DType dtype,
     plans.push_back(std::move(plan));
   }
   const Index es = static_cast<Index>(DTypeSize(dtype));
-  const Schedule schedule = MakeSchedule(plans, num_threads);
-  std::vector<std::optional<CompareMismatch>> found(schedule.tasks.size());
-  RunTasks(schedule, [&](size_t t) {
-    const Task& task = schedule.tasks[t];
-    const Plan& plan = plans[task.plan];
-    std::optional<CompareMismatch> hit;
-    VisitRows(plan, task, [&](const Byte* ref, const Byte* src, Index n) {
-      Index start = 0;
-      while (start < n) {
-        const Index j =
-            plan.compare(src + start * plan.inner_b, plan.inner_b, ref + start * plan.inner_a,
-                         plan.inner_a, n - start, plan.op.factor);
-        if (j < 0) return true;
-        const Byte* s = src + (start + j) * plan.inner_b;
-        const Byte* r = ref + (start + j) * plan.inner_a;
-        CompareMismatch mm;
-        mm.move_index = task.plan;
-        mm.src_offset = (s - plan.b) / es;
-        mm.ref_offset = (r - plan.a) / es;
-        plan.copy(s, es, mm.value, es, 1, plan.op.factor);
-        std::memcpy(mm.ref_value, r, static_cast<size_t>(es));
-        if (!counts || counts(mm)) {
-          hit = mm;
-          return false;
+  return FindFirst<CompareMismatch>(
+      plans, MakeSchedule(plans, num_threads),
+      [&](size_t index, const Plan& plan, const Byte* ref, const Byte* src,
+          Index n) -> std::optional<CompareMismatch> {
+        Index start = 0;
+        while (start < n) {
+          const Index j =
+              plan.compare(src + start * plan.inner_b, plan.inner_b, ref + start * plan.inner_a,
+                           plan.inner_a, n - start, plan.op.factor);
+          if (j < 0) return std::nullopt;
+          const Byte* s = src + (start + j) * plan.inner_b;
+          const Byte* r = ref + (start + j) * plan.inner_a;
+          CompareMismatch mm;
+          mm.move_index = index;
+          mm.src_offset = (s - plan.b) / es;
+          mm.ref_offset = (r - plan.a) / es;
+          plan.copy(s, es, mm.value, es, 1, plan.op.factor);
+          std::memcpy(mm.ref_value, r, static_cast<size_t>(es));
+          if (!counts || counts(mm)) return mm;
+          start += j + 1;
         }
-        start += j + 1;
-      }
-      return true;
-    });
-    if (!hit) return true;
-    found[t] = hit;
-    return false;
-  });
-  for (const std::optional<CompareMismatch>& f : found) {
-    if (f) return f;
-  }
-  return std::optional<CompareMismatch>();
+        return std::nullopt;
+      });
 }
 
 std::string FormatElement(DType dtype, const std::byte* bytes) {

@@ -98,6 +98,30 @@ Status CheckScaleOp(DType dtype, const ScaleOp& op);
 /// non-empty shape, or byte offsets that overflow.
 Status StridedCopy(DType dtype, std::span<const StridedMove> moves, int num_threads = 0);
 
+/// An element that a scaled copy did not carry exactly. Offsets are in elements from the
+/// move's `src` and `dst` addresses; values are the dtype's bytes (the first DTypeSize(dtype)
+/// are meaningful): `before` the source element, `after` op(before) as written, `back` after
+/// taken back through the inverse op.
+struct InexactElement {
+  size_t move_index = 0;
+  Index src_offset = 0;
+  Index dst_offset = 0;
+  std::byte before[8] = {};
+  std::byte after[8] = {};
+  std::byte back[8] = {};
+};
+
+/// StridedCopy that also checks, in the same pass, that every element of a scaled move
+/// survives the round trip: op, then the inverse op (a division for a multiplication, and the
+/// other way round), gives back the source bits exactly (a NaN may stay any NaN). A power-of-two
+/// factor survives unless a value overflows to infinity or underflows into the subnormals or to
+/// zero; another factor usually rounds. Returns the first element that does not survive, in a
+/// deterministic order (by move, then the engine's iteration order); the copy is then left
+/// incomplete. Moves with an identity op are plain copies. Same errors as StridedCopy.
+Result<std::optional<InexactElement>> StridedCopyExact(DType dtype,
+                                                       std::span<const StridedMove> moves,
+                                                       int num_threads = 0);
+
 /// Sets every element of the strided view to all-zero bytes (0, +0.0, false).
 Status StridedZero(DType dtype, std::span<const Index> shape, std::byte* dst,
                    std::span<const Index> dst_strides, int num_threads = 0);

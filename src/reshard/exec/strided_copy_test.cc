@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -362,6 +363,108 @@ TEST(StridedCompareTest, ThreadedCompareFindsTheEarliestMismatch) {
   Result<std::optional<CompareMismatch>> r = StridedCompare(DType::kBF16, {&move, 1}, {}, 2);
   ASSERT_TRUE(r.ok() && r->has_value());
   EXPECT_EQ((*r)->ref_offset, static_cast<Index>(kN / 2 + 3));
+}
+
+// Runs StridedCopyExact over `in` (contiguous, or every other element of a buffer twice as
+// long when `strided`) and returns the first element that does not survive.
+template <typename T>
+std::optional<InexactElement> FirstLost(DType dtype, const std::vector<T>& in, ScaleOp op,
+                                        std::vector<T>& out, bool strided = false,
+                                        int threads = 1) {
+  const Index n = static_cast<Index>(in.size());
+  std::vector<T> spread(in.size() * 2);
+  for (size_t i = 0; i < in.size(); ++i) spread[2 * i] = in[i];
+  out.assign(in.size(), T{});
+  const StridedMove move{
+      {n}, strided ? B(spread.data()) : B(in.data()), {strided ? 2 : 1}, B(out.data()), {1}, op};
+  Result<std::optional<InexactElement>> r = StridedCopyExact(dtype, {&move, 1}, threads);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? *r : std::nullopt;
+}
+
+TEST(StridedCopyExactTest, HalfUnderflowIsFoundWithItsValuesBeforeAfterAndBack) {
+  // F16 [1e-5, 3e-5, 6e-8, 2] at a quarter: 1e-5 (168 * 2^-24) quarters exactly; 3e-5
+  // (503 * 2^-24) becomes 125.75 * 2^-24, rounded to 126, which comes back as 504 * 2^-24.
+  const std::vector<uint16_t> in{FloatToHalf(1e-5f), FloatToHalf(3e-5f), FloatToHalf(6e-8f),
+                                 FloatToHalf(2.0f)};
+  ASSERT_EQ(in[1], 503);
+  std::vector<uint16_t> out;
+  for (bool strided : {false, true}) {
+    std::optional<InexactElement> lost =
+        FirstLost(DType::kF16, in, ScaleOp::Multiply(0.25), out, strided);
+    ASSERT_TRUE(lost.has_value());
+    EXPECT_EQ(lost->src_offset, strided ? 2 : 1);
+    EXPECT_EQ(lost->dst_offset, 1);
+    EXPECT_EQ(FormatElement(DType::kF16, lost->before), FormatElement(DType::kF16, B(&in[1])));
+    uint16_t after, back;
+    std::memcpy(&after, lost->after, 2);
+    std::memcpy(&back, lost->back, 2);
+    EXPECT_EQ(after, 126);
+    EXPECT_EQ(back, 504);
+  }
+  // The element that underflows to zero is found when it is the only one.
+  ASSERT_TRUE(
+      FirstLost(DType::kF16, std::vector<uint16_t>{in[0], in[2]}, ScaleOp::Multiply(0.25), out)
+          .has_value());
+  EXPECT_FALSE(
+      FirstLost(DType::kF16, std::vector<uint16_t>{in[0], in[3]}, ScaleOp::Multiply(0.25), out)
+          .has_value());
+  EXPECT_EQ(out, (std::vector<uint16_t>{42, FloatToHalf(0.5f)}));
+}
+
+TEST(StridedCopyExactTest, OverflowToInfinityIsLostAndInfinityAndNaNSurvive) {
+  std::vector<uint16_t> out;
+  // 60000 / (1/4) = 240000 overflows F16.
+  std::optional<InexactElement> lost =
+      FirstLost(DType::kF16, std::vector<uint16_t>{FloatToHalf(1.0f), FloatToHalf(60000.0f)},
+                ScaleOp::Divide(0.25), out);
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_EQ(lost->dst_offset, 1);
+  EXPECT_EQ(FormatElement(DType::kF16, lost->after), "inf");
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> f32_out;
+  EXPECT_FALSE(FirstLost(DType::kF32, std::vector<float>{inf, -inf, nan, -0.0f, 0.0f, 1e30f},
+                         ScaleOp::Multiply(4.0), f32_out)
+                   .has_value());
+  EXPECT_TRUE(std::isnan(f32_out[2]));
+  EXPECT_TRUE(std::signbit(f32_out[3]));
+  std::vector<uint16_t> bf16_out;
+  EXPECT_FALSE(FirstLost(DType::kBF16, std::vector<uint16_t>{0x7FC1, 0x3F81, 0x0080},
+                         ScaleOp::Multiply(0.5), bf16_out)
+                   .has_value());
+  EXPECT_TRUE(IsQuietBFloat16NaN(bf16_out[0]));
+}
+
+TEST(StridedCopyExactTest, PowersOfTwoAreExactOnNormalValuesAndOtherFactorsRound) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(-1000.0, 1000.0);
+  std::vector<double> f64(5000);
+  std::vector<float> f32(5000);
+  for (size_t i = 0; i < f64.size(); ++i) f64[i] = u(rng), f32[i] = static_cast<float>(u(rng));
+  std::vector<double> o64;
+  std::vector<float> o32;
+  for (double factor : {0.5, 0.125, 1024.0}) {
+    EXPECT_FALSE(FirstLost(DType::kF64, f64, ScaleOp::Multiply(factor), o64).has_value());
+    EXPECT_FALSE(FirstLost(DType::kF32, f32, ScaleOp::Divide(factor), o32, true, 2).has_value());
+  }
+  EXPECT_TRUE(FirstLost(DType::kF32, f32, ScaleOp::Multiply(2.0 / 3.0), o32).has_value());
+  EXPECT_TRUE(FirstLost(DType::kF64, f64, ScaleOp::Divide(3.0), o64).has_value());
+  // An identity op is a plain copy.
+  EXPECT_FALSE(FirstLost(DType::kF32, f32, ScaleOp::None(), o32).has_value());
+  EXPECT_EQ(o32, f32);
+}
+
+TEST(StridedCopyExactTest, ThreadedCopyFindsTheEarliestLoss) {
+  constexpr size_t kN = size_t{3} << 20;  // 6 MiB of f16
+  std::vector<uint16_t> in(kN, FloatToHalf(1.5f));
+  in[kN - 10] = 3;  // subnormals whose low bit a quarter drops
+  in[kN / 2 + 3] = 5;
+  std::vector<uint16_t> out;
+  std::optional<InexactElement> lost =
+      FirstLost(DType::kF16, in, ScaleOp::Multiply(0.25), out, false, 2);
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_EQ(lost->src_offset, static_cast<Index>(kN / 2 + 3));
 }
 
 TEST(FormatElementTest, EachKindReadsNaturally) {

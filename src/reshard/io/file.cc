@@ -19,61 +19,90 @@ Status ErrnoStatus(int err, std::string_view what, const std::string& path) {
       return NotFoundError(std::move(message));
     case EEXIST:
       return AlreadyExistsError(std::move(message));
+    case EACCES:
+    case EPERM:
     case EISDIR:
     case ENOTDIR:
+    case ELOOP:
+    case ENAMETOOLONG:
+    case ENXIO:
+    case EROFS:
       return InvalidArgumentError(std::move(message));
     case ENOSPC:
     case EDQUOT:
     case EFBIG:
+    case EMFILE:
+    case ENFILE:
+    case ENOMEM:
       return ResourceExhaustedError(std::move(message));
     default:
       return UnavailableError(std::move(message));
   }
 }
 
+FileHandle& FileHandle::operator=(FileHandle&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    size_ = other.size_;
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+FileHandle::~FileHandle() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 namespace {
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
+std::string_view FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
 
 }  // namespace
 
-Result<std::string> ReadFileToString(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
+Result<FileHandle> FileHandle::OpenForReading(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
+  FileHandle file(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (!file.valid()) return ErrnoStatus(errno, "cannot open", path);
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
-  if (S_ISDIR(st.st_mode)) {
-    return InvalidArgumentError(fmt::format("\"{}\" is a directory, not a file", path));
+  if (::fstat(file.get(), &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" is {}; expected a regular file", path, FileKind(st.st_mode)));
   }
-  std::string contents;
-  if (S_ISREG(st.st_mode)) contents.reserve(static_cast<size_t>(st.st_size));
-  char buffer[1 << 16];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+  const int flags = ::fcntl(file.get(), F_GETFL);
+  if (flags >= 0) ::fcntl(file.get(), F_SETFL, flags & ~O_NONBLOCK);
+  file.size_ = static_cast<uint64_t>(st.st_size);
+  return file;
+}
+
+Status ReadAt(const FileHandle& file, std::byte* out, size_t size, uint64_t offset,
+              const std::string& path) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n =
+        ::pread(file.get(), out + done, size - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(errno, "cannot read", path);
     }
-    if (n == 0) break;
-    contents.append(buffer, static_cast<size_t>(n));
+    if (n == 0) return DataLossError(fmt::format("\"{}\" shrank while being read", path));
+    done += static_cast<size_t>(n);
   }
+  return Status::Ok();
+}
+
+Result<std::string> ReadFileToString(const std::string& path) {
+  RESHARD_ASSIGN_OR_RETURN(FileHandle file, FileHandle::OpenForReading(path));
+  std::string contents(static_cast<size_t>(file.size()), '\0');
+  RESHARD_RETURN_IF_ERROR(
+      ReadAt(file, reinterpret_cast<std::byte*>(contents.data()), contents.size(), 0, path));
   return contents;
 }
 
@@ -150,7 +179,7 @@ Status AtomicFileWriter::Commit() {
   }
   const std::filesystem::path target(path_);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  Fd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  FileHandle dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() >= 0) ::fsync(dir_fd.get());
   return Status::Ok();
 }

@@ -15,8 +15,46 @@
 
 namespace reshard {
 
-/// Reads a whole file (opened read-only). NotFound for a missing file, InvalidArgument for
-/// a directory, Unavailable for other I/O errors; messages name the file.
+/// An open file descriptor, closed when the handle is destroyed (move-only). The one handle
+/// type of the library: every input is opened through `OpenForReading`.
+class FileHandle {
+ public:
+  FileHandle() = default;
+  explicit FileHandle(int fd) : fd_(fd) {}
+  FileHandle(FileHandle&& other) noexcept : fd_(other.release()), size_(other.size_) {}
+  FileHandle& operator=(FileHandle&& other) noexcept;
+  FileHandle(const FileHandle&) = delete;
+  FileHandle& operator=(const FileHandle&) = delete;
+  ~FileHandle();
+
+  /// Opens `path` read-only, refusing anything but a regular file (a directory, FIFO, socket or
+  /// device is InvalidArgument) without ever blocking on it: the open is non-blocking and the
+  /// type is checked with fstat before a byte is read. Errors as ErrnoStatus.
+  static Result<FileHandle> OpenForReading(const std::string& path);
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  /// The file's size in bytes when it was opened by OpenForReading (0 otherwise).
+  uint64_t size() const { return size_; }
+  /// Gives up ownership of the descriptor.
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+/// Reads `size` bytes at `offset` of an open file; DataLoss if it ends first.
+Status ReadAt(const FileHandle& file, std::byte* out, size_t size, uint64_t offset,
+              const std::string& path);
+
+/// Reads a whole regular file (opened read-only). NotFound for a missing file,
+/// InvalidArgument for a directory, a FIFO or another non-regular file and for one that
+/// cannot be read (permissions, a symlink loop); messages name the file.
 Result<std::string> ReadFileToString(const std::string& path);
 
 struct WriteOptions {
@@ -24,9 +62,11 @@ struct WriteOptions {
   bool overwrite = false;
 };
 
-/// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno (ENOENT
-/// NotFound, EEXIST AlreadyExists, EISDIR/ENOTDIR InvalidArgument, ENOSPC/EDQUOT/EFBIG
-/// ResourceExhausted, anything else Unavailable).
+/// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno: what
+/// the caller named wrongly or may not use is its input's fault (ENOENT NotFound, EEXIST
+/// AlreadyExists; EACCES, EPERM, EISDIR, ENOTDIR, ELOOP, ENAMETOOLONG, ENXIO, EROFS
+/// InvalidArgument); a limit is ResourceExhausted (ENOSPC, EDQUOT, EFBIG, EMFILE, ENFILE,
+/// ENOMEM); anything else (EIO, ...) is a failure of the environment, Unavailable.
 Status ErrnoStatus(int err, std::string_view what, const std::string& path);
 
 /// An output file written in pieces and published atomically: the bytes go to a temporary file

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -69,6 +70,39 @@ TEST_F(FileTest, FailedWriteLeavesNothingBehind) {
   std::signal(SIGXFSZ, previous);
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
   EXPECT_EQ(FileCount(), 0u);
+}
+
+TEST_F(FileTest, FifoIsRefusedWithoutBlocking) {
+  // A FIFO with no writer: a blocking open would wait forever.
+  ASSERT_EQ(::mkfifo(Path("model.safetensors").c_str(), 0644), 0);
+  Result<std::string> read = ReadFileToString(Path("model.safetensors"));
+  EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(read.status().message().find("a FIFO"), std::string::npos);
+  EXPECT_EQ(FileHandle::OpenForReading(Path("model.safetensors")).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(FileTest, UnreadableInputIsTheInputsFaultButIoErrorsAreTheEnvironments) {
+  for (int err : {EACCES, EPERM, EISDIR, ENOTDIR, ELOOP, ENAMETOOLONG}) {
+    EXPECT_EQ(ErrnoStatus(err, "cannot open", "x").code(), StatusCode::kInvalidArgument) << err;
+  }
+  EXPECT_EQ(ErrnoStatus(ENOENT, "cannot open", "x").code(), StatusCode::kNotFound);
+  for (int err : {ENOSPC, EDQUOT, EFBIG}) {
+    EXPECT_EQ(ErrnoStatus(err, "cannot write", "x").code(), StatusCode::kResourceExhausted) << err;
+  }
+  EXPECT_EQ(ErrnoStatus(EIO, "cannot read", "x").code(), StatusCode::kUnavailable);
+}
+
+TEST_F(FileTest, HandlesCloseOnceAndMove) {
+  ASSERT_TRUE(WriteFileAtomically(Path("a"), "abc").ok());
+  Result<FileHandle> a = FileHandle::OpenForReading(Path("a"));
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->size(), 3u);
+  FileHandle b = *std::move(a);
+  EXPECT_TRUE(b.valid());
+  std::byte out[3];
+  EXPECT_TRUE(ReadAt(b, out, 3, 0, Path("a")).ok());
+  EXPECT_EQ(ReadAt(b, out, 3, 1, Path("a")).code(), StatusCode::kDataLoss);
 }
 
 }  // namespace

@@ -507,49 +507,6 @@ void AppendJsonString(std::string& out, std::string_view s) {
   out.push_back('"');
 }
 
-class ReadOnlyFd {
- public:
-  explicit ReadOnlyFd(int fd) : fd_(fd) {}
-  ReadOnlyFd(const ReadOnlyFd&) = delete;
-  ReadOnlyFd& operator=(const ReadOnlyFd&) = delete;
-  ~ReadOnlyFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-// Opens a regular file read-only and returns its size.
-Result<uint64_t> OpenForReading(const std::string& path, int* fd) {
-  *fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (*fd < 0) return ErrnoStatus(errno, "cannot open", path);
-  struct stat st {};
-  if (::fstat(*fd, &st) != 0) return ErrnoStatus(errno, "cannot stat", path);
-  if (S_ISDIR(st.st_mode)) {
-    return InvalidArgumentError(fmt::format("\"{}\" is a directory, not a file", path));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    return InvalidArgumentError(fmt::format("\"{}\" is not a regular file", path));
-  }
-  return static_cast<uint64_t>(st.st_size);
-}
-
-Status ReadExactly(int fd, std::byte* out, size_t size, uint64_t offset, const std::string& path) {
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pread(fd, out + done, size - done, static_cast<off_t>(offset + done));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, "cannot read", path);
-    }
-    if (n == 0) return DataLossError(fmt::format("\"{}\" shrank while being read", path));
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
-}
-
 std::string ReadingContext(const std::string& path) { return fmt::format("reading \"{}\"", path); }
 
 }  // namespace
@@ -593,52 +550,61 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> pref
     return DataLossError(fmt::format("header is not valid UTF-8: byte 0x{:02x} at offset {}",
                                      static_cast<unsigned char>(text[*bad]), 8 + *bad));
   }
+  // The JSON reader takes a NUL byte for the end of its input, so whatever follows one would
+  // go unread: the header is parsed up to the first NUL, and a NUL is then refused.
+  const size_t nul = text.find('\0');
+  const std::string_view json_text = text.substr(0, nul);
   HeaderHandler handler;
-  const bool parsed = json::sax_parse(text.begin(), text.end(), &handler,
+  const bool parsed = json::sax_parse(json_text.begin(), json_text.end(), &handler,
                                       json::input_format_t::json, /*strict=*/true,
                                       /*ignore_comments=*/false);
+  if (nul != std::string_view::npos) {
+    if (parsed && handler.error.ok() && handler.done()) {
+      return DataLossError(fmt::format(
+          "header has {} bytes after its JSON object, from a NUL byte at offset {}; only "
+          "whitespace may follow the object",
+          n - nul, 8 + nul));
+    }
+    return DataLossError(fmt::format("header is not valid JSON: a NUL byte at offset {}", 8 + nul));
+  }
   if (!handler.error.ok()) return handler.error;
   if (!parsed || !handler.done()) return DataLossError("header is not valid JSON");
   return Validate(std::move(handler.tensors), std::move(handler.metadata), n, file_size);
 }
 
 Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
-  int raw_fd = -1;
-  Result<uint64_t> size = OpenForReading(path, &raw_fd);
-  const ReadOnlyFd fd(raw_fd);
-  if (!size.ok()) return size.status();
-  std::vector<std::byte> prefix(static_cast<size_t>(std::min<uint64_t>(*size, 8)));
-  RESHARD_RETURN_IF_ERROR(ReadExactly(fd.get(), prefix.data(), prefix.size(), 0, path));
+  RESHARD_ASSIGN_OR_RETURN(const FileHandle fd, FileHandle::OpenForReading(path));
+  const uint64_t file_size = fd.size();
+  std::vector<std::byte> prefix(static_cast<size_t>(std::min<uint64_t>(file_size, 8)));
+  RESHARD_RETURN_IF_ERROR(ReadAt(fd, prefix.data(), prefix.size(), 0, path));
   if (prefix.size() == 8) {
     // Read as much of the header as the file holds (the parser names what is wrong with it).
     const uint64_t n = LoadU64LittleEndian(prefix.data());
-    if (n <= kMaxSafetensorsHeaderBytes && n <= *size - 8) {
+    if (n <= kMaxSafetensorsHeaderBytes && n <= file_size - 8) {
       prefix.resize(static_cast<size_t>(8 + n));
-      RESHARD_RETURN_IF_ERROR(ReadExactly(fd.get(), prefix.data() + 8, n, 8, path));
+      RESHARD_RETURN_IF_ERROR(ReadAt(fd, prefix.data() + 8, n, 8, path));
     }
   }
-  Result<SafetensorsHeader> header = ParseSafetensorsHeader(prefix, *size);
+  Result<SafetensorsHeader> header = ParseSafetensorsHeader(prefix, file_size);
   if (!header.ok()) return header.status().Annotate(ReadingContext(path));
   return header;
 }
 
 Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  int raw_fd = -1;
-  Result<uint64_t> size = OpenForReading(path, &raw_fd);
-  const ReadOnlyFd fd(raw_fd);
-  if (!size.ok()) return size.status();
-  if (*size < 8) {
+  RESHARD_ASSIGN_OR_RETURN(const FileHandle fd, FileHandle::OpenForReading(path));
+  const uint64_t file_size = fd.size();
+  if (file_size < 8) {
     // Too short to map usefully; the parser words the error.
-    std::vector<std::byte> bytes(static_cast<size_t>(*size));
-    RESHARD_RETURN_IF_ERROR(ReadExactly(fd.get(), bytes.data(), bytes.size(), 0, path));
-    return ParseSafetensorsHeader(bytes, *size).status().Annotate(ReadingContext(path));
+    std::vector<std::byte> bytes(static_cast<size_t>(file_size));
+    RESHARD_RETURN_IF_ERROR(ReadAt(fd, bytes.data(), bytes.size(), 0, path));
+    return ParseSafetensorsHeader(bytes, file_size).status().Annotate(ReadingContext(path));
   }
   SafetensorsFile file;
   file.path_ = path;
-  void* map = ::mmap(nullptr, static_cast<size_t>(*size), PROT_READ, MAP_PRIVATE, fd.get(), 0);
+  void* map = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd.get(), 0);
   if (map == MAP_FAILED) return ErrnoStatus(errno, "cannot map", path);
   file.map_ = static_cast<const std::byte*>(map);
-  file.map_size_ = static_cast<size_t>(*size);
+  file.map_size_ = static_cast<size_t>(file_size);
   ::madvise(map, file.map_size_, MADV_SEQUENTIAL);
   Result<SafetensorsHeader> header =
       ParseSafetensorsHeader({file.map_, file.map_size_}, file.map_size_);

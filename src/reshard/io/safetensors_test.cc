@@ -244,6 +244,8 @@ enum class Corruption {
   kOffsetsNotPair,
   kTooDeep,
   kEntryNotObject,
+  kBytesAfterObject,
+  kNulInsideObject,
 };
 
 struct CorruptCase {
@@ -324,6 +326,16 @@ std::vector<CorruptCase> CorruptCases() {
       {Corruption::kTooDeep, FileWith(deep, 0), "header nests deeper than 64 levels"},
       {Corruption::kEntryNotObject, FileWith(R"({"a":"U8"})", 0),
        "tensor \"a\": entry is a string, not an object"},
+      {Corruption::kBytesAfterObject,
+       FileWith(one(R"({"dtype":"U8","shape":[2],"data_offsets":[0,2]})") +
+                    std::string("\0{\"evil\":{\"dtype\":\"U8\",\"shape\":[2]}}", 36),
+                2),
+       "header has 36 bytes after its JSON object, from a NUL byte at offset 61; only "
+       "whitespace may follow the object"},
+      {Corruption::kNulInsideObject,
+       FileWith(
+           std::string("{\"a\0\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 54), 1),
+       "header is not valid JSON: a NUL byte at offset 11"},
   };
 }
 

@@ -1,0 +1,88 @@
+"""What the checkpoint commands may touch: inputs are opened read-only and never block,
+unreadable inputs are usage errors, and an existing output is replaced (with --force) only when
+it is one that reshard wrote; inputs and foreign files are never removed."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from test_checkpoints import LAYOUTS, model, run, scatter, siblings, tree_hash
+
+
+@pytest.fixture
+def full(tmp_path):
+    d = tmp_path / "full"
+    d.mkdir()
+    save_file(model(), str(d / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "layouts.json").write_text(json.dumps(LAYOUTS))
+    return d
+
+
+def scatter_args(tmp_path, full, out, *extra):
+    return ["scatter", full, "--layouts", tmp_path / "layouts.json", "--tp", 2, "-o", out, *extra]
+
+
+def run_briefly(reshard_bin, *args):
+    """Runs the CLI, failing the test (not hanging it) if it blocks."""
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True, timeout=30)
+
+
+def test_a_fifo_input_is_refused_without_blocking(reshard_bin, tmp_path):
+    d = tmp_path / "fifo"
+    d.mkdir()
+    os.mkfifo(d / "model.safetensors")
+    (tmp_path / "layouts.json").write_text(json.dumps(LAYOUTS))
+    r = run_briefly(reshard_bin, *scatter_args(tmp_path, d, tmp_path / "out"))
+    assert r.returncode == 2 and "FIFO" in r.stderr, r.stderr
+    os.mkfifo(tmp_path / "fifo.json")
+    r = run_briefly(reshard_bin, "verify", tmp_path / "fifo.json")
+    assert r.returncode == 2 and "FIFO" in r.stderr, r.stderr
+    assert siblings(tmp_path / "out") == []
+
+
+def as_nobody():
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+
+
+def test_unreadable_inputs_are_usage_errors(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    # A manifest that is a symlink loop.
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    os.symlink("reshard.json", loop / "reshard.json")
+    r = run(reshard_bin, "gather", loop, "-o", tmp_path / "out")
+    assert r.returncode == 2 and "reshard.json" in r.stderr, r.stderr
+    # A rank's file that is a directory.
+    os.remove(sharded / "model-rank-1-part-0.safetensors")
+    (sharded / "model-rank-1-part-0.safetensors").mkdir()
+    r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
+    assert r.returncode == 2 and "directory" in r.stderr, r.stderr
+    # A layouts file nobody may read (as root, the command runs as an unprivileged user).
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o755)
+    os.chmod(tmp_path, 0o755)
+    (locked / "layouts.json").write_text(json.dumps(LAYOUTS))
+    os.chmod(locked / "layouts.json", 0)
+    r = run(reshard_bin, "layout", locked / "layouts.json", "--shape", "4,4", "--world", 2,
+            preexec_fn=as_nobody)
+    assert r.returncode == 2 and "Permission denied" in r.stderr, r.stderr
+    assert siblings(tmp_path / "out") == []
+
+
+def test_an_invalid_map_inside_a_manifest_fails_the_check(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    manifest = json.loads((sharded / "reshard.json").read_text())
+    # Well-formed JSON, a map that breaks an invariant: rank 1's piece writes past its shard.
+    manifest["params"]["norm.weight"]["map"]["ranks"]["1"]["pieces"][0]["dest"][0] = 8
+    (sharded / "reshard.json").write_text(json.dumps(manifest))
+    for args in (["gather", sharded, "-o", tmp_path / "out"],
+                 ["convert", sharded, "--tp", 4, "-o", tmp_path / "out"]):
+        r = run(reshard_bin, *args)
+        assert r.returncode == 1 and "norm.weight" in r.stderr, (args, r.stderr)
+    assert siblings(tmp_path / "out") == []
