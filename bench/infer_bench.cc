@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "reshard/ir/canonicalize.h"
+#include "reshard/ir/infer.h"
 #include "reshard/layouts/basic.h"
 
 namespace reshard {

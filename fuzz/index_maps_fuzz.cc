@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "reshard/ir/canonicalize.h"
+#include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 
 namespace {

@@ -170,3 +170,91 @@ def test_infer_allows_partial_observations_when_asked(reshard_bin, tmp_path):
     r = run(reshard_bin, "infer", path, "--allow-uncovered")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ranks"]["0"]["pieces"][0]["source"] == [0, [1]]
+
+
+def test_bytes_after_the_json_value_are_malformed(reshard_bin, tmp_path, bigcode):
+    path = tmp_path / "trailing.json"
+    path.write_bytes(bigcode.read_bytes() + b"\0garbage{{{")
+    r = run(reshard_bin, "verify", path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "after the JSON value" in r.stderr
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ('{"version": 1, "*": {"family": "replicated"}, "*": {"family": "split", "dim": 0}}',
+     'duplicate key "*"'),
+    ('{"version": 1, "^w$": {"family": "replicated"}, "w": {"family": "split", "dim": 0}}',
+     'keys "^w$" and "w" both name the layout of "w"'),
+])
+def test_layouts_documents_refuse_two_layouts_for_one_parameter(reshard_bin, tmp_path, text,
+                                                                fragment):
+    full = tmp_path / "full"
+    r = run(reshard_bin, "demo", tmp_path / "demo", "--layers", 1)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "layouts.json").write_text(text)
+    r = run(reshard_bin, "scatter", tmp_path / "demo" / "full", "--layouts",
+            tmp_path / "layouts.json", "--tp", 2, "-o", full)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert fragment in r.stderr
+    assert not full.exists()
+
+
+def test_a_layout_that_does_not_fit_the_tensor_exits_1_in_every_command(reshard_bin, tmp_path):
+    demo = tmp_path / "demo"
+    assert run(reshard_bin, "demo", demo, "--layers", 1).returncode == 0
+    descriptor = {"family": "split", "dim": 3}
+    (tmp_path / "d.json").write_text(json.dumps(descriptor))
+    (tmp_path / "layouts.json").write_text(json.dumps({"version": 1, "*": descriptor}))
+    r = run(reshard_bin, "layout", tmp_path / "d.json", "--shape", "8,4", "--world", 2)
+    assert r.returncode == 1 and "dimension 3 is outside shape [8, 4]" in r.stderr, r.stderr
+    r = run(reshard_bin, "scatter", demo / "full", "--layouts", tmp_path / "layouts.json", "--tp",
+            2, "-o", tmp_path / "out")
+    assert r.returncode == 1 and "dimension 3 is outside shape" in r.stderr, r.stderr
+
+
+def test_an_invalid_map_in_a_manifest_is_a_failed_check(reshard_bin, tmp_path):
+    demo = tmp_path / "demo"
+    assert run(reshard_bin, "demo", demo, "--layers", 1).returncode == 0
+    manifest = json.loads((demo / "tp4" / "reshard.json").read_text())
+    name, param = next(iter(manifest["params"].items()))
+    param["map"]["ranks"]["1"]["pieces"] = []  # rank 1's part of F is held by nobody
+    (demo / "tp4" / "reshard.json").write_text(json.dumps(manifest))
+    r = run(reshard_bin, "convert", demo / "tp4", "--tp", 2, "-o", tmp_path / "out")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert name in r.stderr
+
+
+def test_show_reads_a_sharded_checkpoint_by_manifest_or_directory(reshard_bin, tmp_path):
+    demo = tmp_path / "demo"
+    assert run(reshard_bin, "demo", demo, "--layers", 1).returncode == 0
+    manifest = json.loads((demo / "tp4" / "reshard.json").read_text())
+    for target in (demo / "tp4" / "reshard.json", demo / "tp4"):
+        r = run(reshard_bin, "show", target, "--json")
+        assert r.returncode == 0, (target, r.stderr)
+        shown = json.loads(r.stdout)
+        assert sorted(p["name"] for p in shown) == sorted(manifest["params"])
+        assert all(p["world_size"] == 4 for p in shown)
+        assert all(p["dtype"] == manifest["params"][p["name"]]["dtype"] for p in shown)
+    r = run(reshard_bin, "show", demo / "tp4")
+    assert r.returncode == 0 and "4 ranks" in r.stdout
+    r = run(reshard_bin, "show", demo / "full")
+    assert r.returncode == 2 and "reshard.json" in r.stderr
+
+
+@pytest.mark.parametrize("descriptor,shape,status,fragment", [
+    ({"family": "padded_vocab", "dim": 0, "pad_multiple": 2 ** 62}, "13,4", 1,
+     "pad_multiple x world size: 4611686018427387904 x 4 is more than 2^62"),
+    ({"family": "padded_vocab", "dim": 0, "pad_multiple": 2 ** 61}, "13,4", 1,
+     "pad_multiple x world size: 2305843009213693952 x 4 is more than 2^62"),
+    ({"family": "codegen_qkv", "dim": 0, "mp_num": 2 ** 62}, "24,4", 2,
+     "mp_num: 4611686018427387904 is outside 1..1048576"),
+    ({"family": "split", "dim": 0, "sizes": [2 ** 62, 2 ** 62, 0, 0]}, "4", 1,
+     "sum to more than 2^62"),
+])
+def test_layout_counts_near_2_62_are_refused_not_crashed(reshard_bin, tmp_path, descriptor, shape,
+                                                         status, fragment):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(descriptor))
+    r = run(reshard_bin, "layout", path, "--shape", shape, "--world", 4)
+    assert r.returncode == status, (r.returncode, r.stderr)
+    assert fragment in r.stderr

@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <chrono>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "documents.h"
 #include "exit_status.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
@@ -60,44 +60,6 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   return o;
 }
 
-Result<MapDocument> ReadMaps(const std::string& path) {
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  Result<MapDocumentBuilder> parsed = ParseMapDocumentJson(text);
-  if (!parsed.ok()) return parsed.status().Annotate(fmt::format("error reading \"{}\"", path));
-  MapDocument doc;
-  for (NamedMapBuilder& p : parsed->params) {
-    Result<ParamMap> map = p.builder.Finalize();
-    // A map that parses but is invalid is a failed check.
-    if (!map.ok())
-      return FailedPreconditionError(
-          map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", path, p.name)).message());
-    doc.params.emplace_back(p.name, *std::move(map));
-  }
-  return doc;
-}
-
-// A layouts file: {"version": 1, "<name or *>": <layout descriptor>, ...}.
-Result<std::map<std::string, LayoutDescriptor>> ReadLayouts(const std::string& path) {
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  const std::string where = fmt::format("error reading \"{}\"", path);
-  nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
-  if (doc.is_discarded() || !doc.is_object())
-    return InvalidArgumentError(where + ": expected a JSON object of name -> layout descriptor");
-  auto version = doc.find("version");
-  if (version == doc.end() || !version->is_number_integer() || version->get<int64_t>() != 1) {
-    return InvalidArgumentError(where + ": version: expected 1");
-  }
-  std::map<std::string, LayoutDescriptor> out;
-  for (auto it = doc.begin(); it != doc.end(); ++it) {
-    if (it.key() == "version") continue;
-    Result<LayoutDescriptor> d = ParseLayoutJson(it.value().dump());
-    if (!d.ok())
-      return d.status().Annotate(fmt::format("{}: [{}]", where, nlohmann::json(it.key()).dump()));
-    out.emplace(it.key(), *std::move(d));
-  }
-  return out;
-}
-
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -149,7 +111,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
       MapProvider provider;
       int world = args->tp;
       if (!args->maps.empty()) {
-        Result<MapDocument> doc = ReadMaps(args->maps);
+        Result<MapDocument> doc = ReadMapDocument(args->maps);
         if (!doc.ok()) {
           exit_status = Fail("scatter", doc.status());
           return;
@@ -167,12 +129,12 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
               Report("scatter", InvalidArgumentError("--layouts needs --tp N"), kExitUsage);
           return;
         }
-        Result<std::map<std::string, LayoutDescriptor>> layouts_doc = ReadLayouts(args->layouts);
+        Result<LayoutsDocument> layouts_doc = ReadLayoutsDocument(args->layouts);
         if (!layouts_doc.ok()) {
           exit_status = Fail("scatter", layouts_doc.status());
           return;
         }
-        provider = MapsFromLayouts(*std::move(layouts_doc), world);
+        provider = MapsFromLayouts(std::move(layouts_doc->layouts), world);
       } else if (!args->config.empty()) {
         if (world < 1) {
           exit_status =
@@ -280,7 +242,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
       }
       std::optional<MapDocument> target;
       if (!args->target_maps.empty()) {
-        Result<MapDocument> doc = ReadMaps(args->target_maps);
+        Result<MapDocument> doc = ReadMapDocument(args->target_maps);
         if (!doc.ok()) {
           exit_status = Fail("convert", doc.status());
           return;

@@ -4,12 +4,13 @@
 #include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "commands.h"
+#include "documents.h"
 #include "exit_status.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/compose.h"
-#include "reshard/ir/map_json.h"
 #include "reshard/ir/plan_json.h"
 
 namespace reshard::cli {
@@ -24,63 +25,35 @@ struct ComposeArgs {
   bool json = false;
 };
 
-// Reads and validates a map document; on failure reports and returns the exit status.
-int LoadDocument(const std::string& path, MapDocument& doc) {
-  Result<std::string> text = ReadFileToString(path);
-  if (!text.ok())
-    return Report("compose", text.status(), ExitStatusFor(text.status(), Stage::kReading));
-  Result<MapDocumentBuilder> parsed = ParseMapDocumentJson(*text);
-  if (!parsed.ok()) {
-    Status s = parsed.status().Annotate(fmt::format("error reading \"{}\"", path));
-    return Report("compose", s, ExitStatusFor(s, Stage::kReading));
-  }
-  for (NamedMapBuilder& p : parsed->params) {
-    Result<ParamMap> map = p.builder.Finalize();
-    if (!map.ok()) {
-      Status s = map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", path, p.name));
-      return Report("compose", s, ExitStatusFor(s, Stage::kChecking));
+// FailedPrecondition naming the first parameter of `a` that `b` lacks.
+Status CheckSameParameters(const MapDocument& a, const std::string& a_path, const MapDocument& b,
+                           const std::string& b_path, std::string_view why) {
+  std::set<std::string_view> in_b;
+  for (const auto& [name, map] : b.params) in_b.insert(name);
+  for (const auto& [name, map] : a.params) {
+    if (!in_b.count(name)) {
+      return FailedPreconditionError(fmt::format(
+          "parameter \"{}\" is in \"{}\" but not in \"{}\"{}", name, a_path, b_path, why));
     }
-    doc.params.emplace_back(std::move(p.name), *std::move(map));
   }
-  return kExitOk;
+  return Status::Ok();
 }
 
-int RunCompose(const ComposeArgs& args) {
-  MapDocument source, target;
-  if (int s = LoadDocument(args.from, source); s != kExitOk) return s;
-  if (int s = LoadDocument(args.to, target); s != kExitOk) return s;
+Status RunCompose(const ComposeArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(MapDocument source, ReadMapDocument(args.from));
+  RESHARD_ASSIGN_OR_RETURN(MapDocument target, ReadMapDocument(args.to));
+  RESHARD_RETURN_IF_ERROR(
+      CheckSameParameters(target, args.to, source, args.from,
+                          "; both map documents must describe the same parameters"));
+  RESHARD_RETURN_IF_ERROR(CheckSameParameters(source, args.from, target, args.to, ""));
   std::map<std::string, const ParamMap*> by_name;
   for (const auto& [name, map] : source.params) by_name[name] = &map;
-  for (const auto& [name, map] : target.params) {
-    if (!by_name.count(name)) {
-      return Report("compose",
-                    FailedPreconditionError(
-                        fmt::format("parameter \"{}\" is in \"{}\" but not in \"{}\"; both map "
-                                    "documents must describe the same parameters",
-                                    name, args.to, args.from)),
-                    kExitCheckFailed);
-    }
-  }
-  if (source.params.size() != target.params.size()) {
-    for (const auto& [name, map] : source.params) {
-      bool found = false;
-      for (const auto& t : target.params) found |= t.first == name;
-      if (!found) {
-        return Report(
-            "compose",
-            FailedPreconditionError(fmt::format("parameter \"{}\" is in \"{}\" but not in \"{}\"",
-                                                name, args.from, args.to)),
-            kExitCheckFailed);
-      }
-    }
-  }
   const auto t0 = std::chrono::steady_clock::now();
   PlanDocument plans;
   for (const auto& [name, map] : target.params) {
     Result<ParamPlan> plan = Compose(map, *by_name[name]);
     if (!plan.ok()) {
-      Status s = plan.status().Annotate(fmt::format("parameter \"{}\"", name));
-      return Report("compose", s, ExitStatusFor(s, Stage::kChecking));
+      return CheckFailed(plan.status().Annotate(fmt::format("parameter \"{}\"", name)));
     }
     plans.params.emplace_back(name, *std::move(plan));
   }
@@ -88,8 +61,7 @@ int RunCompose(const ComposeArgs& args) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const std::string json = PlanDocumentToJson(plans);
   if (!args.output.empty()) {
-    Status s = WriteFileAtomically(args.output, json, {.overwrite = args.force});
-    if (!s.ok()) return Report("compose", s, ExitStatusFor(s, Stage::kReading));
+    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(args.output, json, {.overwrite = args.force}));
   }
   size_t total_moves = 0;
   for (const auto& [name, plan] : plans.params) total_moves += plan.moves.size();
@@ -118,7 +90,7 @@ int RunCompose(const ComposeArgs& args) {
     fmt::print("{} parameters, {} moves, planned in {:.1f} ms; wrote {} ({} bytes)\n",
                plans.params.size(), total_moves, ms, args.output, json.size());
   }
-  return kExitOk;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -135,7 +107,7 @@ void RegisterCompose(CLI::App& app, int& exit_status) {
   cmd->add_option("-o,--output", args->output, "write the plan here (atomically)");
   cmd->add_flag("--force", args->force, "replace an existing output");
   cmd->add_flag("--json", args->json, "print a machine-readable summary instead of the plan");
-  cmd->callback([args, &exit_status] { exit_status = RunCompose(*args); });
+  cmd->callback([args, &exit_status] { exit_status = Finish("compose", RunCompose(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -20,6 +20,7 @@
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/map_summary.h"
 #include "reshard/layouts/descriptor.h"
+#include "reshard/layouts/layouts_document.h"
 
 namespace reshard::cli {
 
@@ -222,10 +223,7 @@ int RunDemo(const DemoArgs& args) {
   }
   fmt::print("1. wrote the full checkpoint       {:<28} {} tensors, {}, {:.2f} s\n",
              (full / "model.safetensors").string(), params.size(), Mb(DirBytes(full)), Seconds(t0));
-  std::string layouts_json = "{\"version\": 1";
-  for (const auto& [name, d] : layouts)
-    layouts_json += fmt::format(",\n  \"{}\": {}", name, LayoutToJson(d));
-  layouts_json += "\n}\n";
+  const std::string layouts_json = LayoutsDocumentToJson(LayoutsDocument{layouts});
   if (Status s =
           WriteFileAtomically((root / "layouts.json").string(), layouts_json, {.overwrite = true});
       !s.ok())

@@ -4,7 +4,7 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "reshard/io/file.h"
-#include "reshard/ir/canonicalize.h"
+#include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 
 namespace reshard::cli {
@@ -18,21 +18,15 @@ struct InferArgs {
   bool allow_uncovered = false;
 };
 
-int RunInfer(const InferArgs& args) {
-  Result<std::string> text = ReadFileToString(args.path);
-  if (!text.ok())
-    return Report("infer", text.status(), ExitStatusFor(text.status(), Stage::kReading));
-  Result<IndexMaps> observed = ParseIndexMapsJson(*text);
+Status RunInfer(const InferArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(args.path));
+  Result<IndexMaps> observed = ParseIndexMapsJson(text);
   if (!observed.ok()) {
-    Status s = observed.status().Annotate(fmt::format("error reading \"{}\"", args.path));
-    return Report("infer", s, ExitStatusFor(s, Stage::kReading));
+    return observed.status().Annotate(fmt::format("error reading \"{}\"", args.path));
   }
   Result<ParamMap> map = Infer(*observed, {.allow_uncovered = args.allow_uncovered});
-  if (!map.ok()) {
-    Status s = map.status().Annotate(fmt::format("\"{}\"", args.path));
-    return Report("infer", s, ExitStatusFor(s, Stage::kChecking));
-  }
-  return EmitText("infer", args.output, ParamMapToJson(*map), args.force);
+  if (!map.ok()) return CheckFailed(map.status().Annotate(fmt::format("\"{}\"", args.path)));
+  return PrintOrWrite(args.output, ParamMapToJson(*map), args.force);
 }
 
 }  // namespace
@@ -49,7 +43,7 @@ void RegisterInfer(CLI::App& app, int& exit_status) {
   cmd->add_flag("--force", args->force, "replace an existing output");
   cmd->add_flag("--allow-uncovered", args->allow_uncovered,
                 "accept elements of F that no rank holds (a deliberately partial observation)");
-  cmd->callback([args, &exit_status] { exit_status = RunInfer(*args); });
+  cmd->callback([args, &exit_status] { exit_status = Finish("infer", RunInfer(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -44,58 +44,50 @@ Result<Shape> ParseShapeFlag(std::string_view text) {
   return shape;
 }
 
-int RunLayout(const LayoutArgs& args) {
+Status CheckLayoutArgs(const LayoutArgs& args) {
   if (args.descriptor.empty() == args.deepspeed_meta.empty()) {
-    return Report(
-        "layout",
-        InvalidArgumentError("give a DESCRIPTOR.json or --from-deepspeed META.json (one of them)"),
-        kExitUsage);
+    return InvalidArgumentError(
+        "give a DESCRIPTOR.json or --from-deepspeed META.json (one of them)");
   }
   if (args.descriptor.empty() != args.shape.empty()) {
-    return Report(
-        "layout",
-        InvalidArgumentError(
-            args.shape.empty()
-                ? "a descriptor needs --shape D0,D1,... (the parameter's shape)"
-                : "--shape goes with a descriptor; DeepSpeed's metadata records the shape"),
-        kExitUsage);
+    return InvalidArgumentError(
+        args.shape.empty()
+            ? "a descriptor needs --shape D0,D1,... (the parameter's shape)"
+            : "--shape goes with a descriptor; DeepSpeed's metadata records the shape");
   }
   if (args.world < 1) {
-    return Report("layout",
-                  InvalidArgumentError(
-                      fmt::format("--world {}: expected a positive number of ranks", args.world)),
-                  kExitUsage);
+    return InvalidArgumentError(
+        fmt::format("--world {}: expected a positive number of ranks", args.world));
   }
-  const std::string& path = args.descriptor.empty() ? args.deepspeed_meta : args.descriptor;
-  Result<std::string> text = ReadFileToString(path);
-  if (!text.ok())
-    return Report("layout", text.status(), ExitStatusFor(text.status(), Stage::kReading));
+  return Status::Ok();
+}
 
-  Result<ParamMap> map = InternalError("unset");
+// A layout that does not fit the shape or the world size is FailedPrecondition (exit 1);
+// a malformed descriptor or inconsistent metadata, InvalidArgument (exit 2).
+Result<ParamMap> LayOut(const LayoutArgs& args, const std::string& path, const std::string& text) {
   if (!args.descriptor.empty()) {
-    Result<Shape> shape = ParseShapeFlag(args.shape);
-    if (!shape.ok()) return Report("layout", shape.status(), kExitUsage);
-    Result<LayoutDescriptor> descriptor = ParseLayoutJson(*text);
+    RESHARD_ASSIGN_OR_RETURN(Shape shape, ParseShapeFlag(args.shape));
+    Result<LayoutDescriptor> descriptor = ParseLayoutJson(text);
     if (!descriptor.ok()) {
-      Status s = descriptor.status().Annotate(fmt::format("error reading \"{}\"", path));
-      return Report("layout", s, ExitStatusFor(s, Stage::kReading));
+      return descriptor.status().Annotate(fmt::format("error reading \"{}\"", path));
     }
-    map = BuildMap(*descriptor, *shape, args.world);
-    if (!map.ok()) {
-      Status s = map.status().Annotate(fmt::format("\"{}\"", path));
-      return Report("layout", s, ExitStatusFor(s, Stage::kChecking));
-    }
-  } else {
-    std::vector<std::string> notes;
-    map = DeepSpeedMetaMap(*text, args.world, &notes);
-    if (!map.ok()) {
-      // Malformed or self-contradicting metadata is 2; a layout that cannot be derived, 1.
-      Status s = map.status().Annotate(fmt::format("\"{}\"", path));
-      return Report("layout", s, ExitStatusFor(s, Stage::kReading));
-    }
-    for (const std::string& note : notes) fmt::print(stderr, "reshard layout: note: {}\n", note);
+    Result<ParamMap> map = BuildMap(*descriptor, shape, args.world);
+    if (!map.ok()) return map.status().Annotate(fmt::format("\"{}\"", path));
+    return map;
   }
-  return EmitText("layout", args.output, ParamMapToJson(*map), args.force);
+  std::vector<std::string> notes;
+  Result<ParamMap> map = DeepSpeedMetaMap(text, args.world, &notes);
+  if (!map.ok()) return map.status().Annotate(fmt::format("\"{}\"", path));
+  for (const std::string& note : notes) fmt::print(stderr, "reshard layout: note: {}\n", note);
+  return map;
+}
+
+Status RunLayout(const LayoutArgs& args) {
+  RESHARD_RETURN_IF_ERROR(CheckLayoutArgs(args));
+  const std::string& path = args.descriptor.empty() ? args.deepspeed_meta : args.descriptor;
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  RESHARD_ASSIGN_OR_RETURN(ParamMap map, LayOut(args, path, text));
+  return PrintOrWrite(args.output, ParamMapToJson(map), args.force);
 }
 
 }  // namespace
@@ -115,7 +107,7 @@ void RegisterLayout(CLI::App& app, int& exit_status) {
   cmd->add_option("--world", args->world, "number of ranks")->required();
   cmd->add_option("-o,--output", args->output, "write the map here (atomically) instead of stdout");
   cmd->add_flag("--force", args->force, "replace an existing output");
-  cmd->callback([args, &exit_status] { exit_status = RunLayout(*args); });
+  cmd->callback([args, &exit_status] { exit_status = Finish("layout", RunLayout(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -1,11 +1,14 @@
-// reshard show MAP.json [--dtype BF16] [--rows R] [--cols C] [--json]
+// reshard show (MAP.json | DIR/reshard.json | DIR) [--dtype BF16] [--rows R] [--cols C] [--json]
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "commands.h"
 #include "exit_status.h"
 #include "reshard/base/dtype.h"
+#include "reshard/checkpoint/checkpoint.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/map_summary.h"
@@ -16,7 +19,7 @@ namespace {
 
 struct ShowArgs {
   std::string path;
-  std::string dtype = "BF16";
+  std::string dtype;  // empty: the manifest's dtype, or BF16 for a map document
   int rows = 16;
   int cols = 64;
   bool json = false;
@@ -66,71 +69,105 @@ void PrintText(const std::string& name, const ParamMap& map, const MapSummary& s
   }
 }
 
-int RunShow(const ShowArgs& args) {
-  std::optional<DType> dtype = DTypeFromName(args.dtype);
-  if (!dtype) {
-    return Report(
-        "show",
-        InvalidArgumentError(fmt::format(
-            "unknown dtype \"{}\"; use a safetensors name such as BF16, F16, F32", args.dtype)),
-        kExitUsage);
+// One parameter to show, with the element type its bytes are counted in.
+struct ShownParam {
+  std::string name;
+  ParamMap map;
+  DType dtype;
+};
+
+nlohmann::ordered_json SummaryJson(const ShownParam& p, const MapSummary& s,
+                                   const Result<std::vector<std::string>>& picture) {
+  const Index elem = static_cast<Index>(DTypeSize(p.dtype));
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (Rank r = 0; r < p.map.world_size(); ++r) {
+    const RankSummary& rs = s.ranks[static_cast<size_t>(r)];
+    ranks.push_back({{"rank", r},
+                     {"pieces", rs.pieces},
+                     {"shard_shape", p.map.rank(r).shard_shape},
+                     {"elements", rs.elements},
+                     {"bytes", rs.elements * elem},
+                     {"replicated_bytes", rs.replicated_elements * elem},
+                     {"scaled_bytes", rs.scaled_elements * elem}});
   }
-  Result<std::string> text = ReadFileToString(args.path);
-  if (!text.ok())
-    return Report("show", text.status(), ExitStatusFor(text.status(), Stage::kReading));
-  Result<MapDocumentBuilder> doc = ParseMapDocumentJson(*text);
-  if (!doc.ok()) {
-    Status s = doc.status().Annotate(fmt::format("error reading \"{}\"", args.path));
-    return Report("show", s, ExitStatusFor(s, Stage::kReading));
+  nlohmann::ordered_json entry = {{"name", p.name},
+                                  {"logical_shape", p.map.logical_shape()},
+                                  {"valid_shape", p.map.valid_shape()},
+                                  {"world_size", p.map.world_size()},
+                                  {"pieces", p.map.num_pieces()},
+                                  {"dtype", std::string(DTypeName(p.dtype))},
+                                  {"held_bytes", s.held_elements * elem},
+                                  {"replicated_bytes", s.replicated_elements * elem},
+                                  {"scaled_bytes", s.scaled_elements * elem},
+                                  {"ranks", std::move(ranks)}};
+  if (picture.ok()) entry["picture"] = *picture;
+  return entry;
+}
+
+// The parameters of a sharded checkpoint: its manifest (a file) or its directory.
+Result<std::vector<ShownParam>> ReadManifestParams(const std::string& path, std::string text,
+                                                   std::optional<DType> dtype) {
+  Result<Manifest> manifest = ParseManifestJson(text);
+  if (!manifest.ok()) return manifest.status().Annotate(fmt::format("error reading \"{}\"", path));
+  std::vector<ShownParam> out;
+  for (ShardedParam& p : manifest->params) {
+    out.push_back({std::move(p.name), std::move(p.map), dtype.value_or(p.dtype)});
   }
-  const size_t elem = DTypeSize(*dtype);
-  nlohmann::ordered_json out = nlohmann::ordered_json::array();
-  int status = kExitOk;
-  for (const NamedMapBuilder& p : doc->params) {
-    Result<ParamMap> map = p.builder.Finalize();
-    if (!map.ok()) {
-      const int code = ExitStatusFor(map.status(), Stage::kChecking);
-      status = std::max(status, code);
-      Report("show",
-             map.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", args.path, p.name)),
-             code);
+  return out;
+}
+
+// What `path` holds: a map document (invalid maps reported and skipped; `failure` is the
+// worst of them), a manifest, or a sharded checkpoint directory.
+Result<std::vector<ShownParam>> ReadShownParams(const std::string& path, std::optional<DType> dtype,
+                                                Status& failure) {
+  if (std::filesystem::is_directory(path)) {
+    const std::string manifest = (std::filesystem::path(path) / kManifestName).string();
+    RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest));
+    return ReadManifestParams(manifest, std::move(text), dtype);
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  if (IsManifestJson(text)) return ReadManifestParams(path, std::move(text), dtype);
+  Result<ValidatedMapDocument> doc = ValidateMapDocumentJson(text);
+  if (!doc.ok()) return doc.status().Annotate(fmt::format("error reading \"{}\"", path));
+  std::vector<ShownParam> out;
+  for (ValidatedParam& p : doc->params) {
+    if (!p.map.ok()) {
+      const Status s = p.status().Annotate(fmt::format("\"{}\"", path));
+      fmt::print(stderr, "reshard show: {}\n", s.message());
+      if (ExitStatusFor(s) > ExitStatusFor(failure)) failure = Status(s.code(), "");
       continue;
     }
-    MapSummary s = Summarize(*map);
-    Result<std::vector<std::string>> picture = HolderPicture(*map, args.rows, args.cols);
+    out.push_back({std::move(p.name), *std::move(p.map), dtype.value_or(DType::kBF16)});
+  }
+  return out;
+}
+
+Status RunShow(const ShowArgs& args) {
+  std::optional<DType> dtype;
+  if (!args.dtype.empty()) {
+    dtype = DTypeFromName(args.dtype);
+    if (!dtype) {
+      return InvalidArgumentError(fmt::format(
+          "unknown dtype \"{}\"; use a safetensors name such as BF16, F16, F32", args.dtype));
+    }
+  }
+  Status failure;
+  RESHARD_ASSIGN_OR_RETURN(std::vector<ShownParam> params,
+                           ReadShownParams(args.path, dtype, failure));
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const ShownParam& p : params) {
+    MapSummary s = Summarize(p.map);
+    Result<std::vector<std::string>> picture = HolderPicture(p.map, args.rows, args.cols);
     if (args.json) {
-      nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
-      for (Rank r = 0; r < map->world_size(); ++r) {
-        const RankSummary& rs = s.ranks[static_cast<size_t>(r)];
-        ranks.push_back({{"rank", r},
-                         {"pieces", rs.pieces},
-                         {"shard_shape", map->rank(r).shard_shape},
-                         {"elements", rs.elements},
-                         {"bytes", rs.elements * static_cast<Index>(elem)},
-                         {"replicated_bytes", rs.replicated_elements * static_cast<Index>(elem)},
-                         {"scaled_bytes", rs.scaled_elements * static_cast<Index>(elem)}});
-      }
-      nlohmann::ordered_json entry = {
-          {"name", p.name},
-          {"logical_shape", map->logical_shape()},
-          {"valid_shape", map->valid_shape()},
-          {"world_size", map->world_size()},
-          {"pieces", map->num_pieces()},
-          {"dtype", args.dtype},
-          {"held_bytes", s.held_elements * static_cast<Index>(elem)},
-          {"replicated_bytes", s.replicated_elements * static_cast<Index>(elem)},
-          {"scaled_bytes", s.scaled_elements * static_cast<Index>(elem)},
-          {"ranks", std::move(ranks)}};
-      if (picture.ok()) entry["picture"] = *picture;
-      out.push_back(std::move(entry));
+      out.push_back(SummaryJson(p, s, picture));
     } else {
-      PrintText(p.name, *map, s, elem, args.dtype,
+      PrintText(p.name, p.map, s, DTypeSize(p.dtype), DTypeName(p.dtype),
                 picture.ok() ? *picture : std::vector<std::string>{});
       fmt::print("\n");
     }
   }
   if (args.json) fmt::print("{}\n", out.dump(2));
-  return status;
+  return failure;
 }
 
 }  // namespace
@@ -139,11 +176,16 @@ void RegisterShow(CLI::App& app, int& exit_status) {
   auto args = std::make_shared<ShowArgs>();
   CLI::App* cmd = app.add_subcommand(
       "show",
-      "Summarise a param map or map document: pieces per rank, bytes held, replicated and "
-      "scaled bytes, and a picture of which rank holds which part of F.");
-  cmd->add_option("MAP", args->path, "param map or map document (JSON)")->required();
-  cmd->add_option("--dtype", args->dtype, "element type used to count bytes (safetensors name)")
-      ->capture_default_str();
+      "Summarise a param map, a map document or a sharded checkpoint (its reshard.json or its "
+      "directory): pieces per rank, bytes held, replicated and scaled bytes, and a picture of "
+      "which rank holds which part of F.");
+  cmd->add_option("MAP", args->path,
+                  "param map or map document (JSON), a sharded checkpoint's reshard.json, or "
+                  "its directory")
+      ->required();
+  cmd->add_option("--dtype", args->dtype,
+                  "element type used to count bytes (safetensors name; default: the "
+                  "checkpoint's, or BF16 for a map document)");
   cmd->add_option("--rows", args->rows, "picture height in characters")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
@@ -151,7 +193,7 @@ void RegisterShow(CLI::App& app, int& exit_status) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   cmd->add_flag("--json", args->json, "print a machine-readable summary on stdout");
-  cmd->callback([args, &exit_status] { exit_status = RunShow(*args); });
+  cmd->callback([args, &exit_status] { exit_status = Finish("show", RunShow(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -18,6 +18,12 @@ void RegisterLayout(CLI::App& app, int& exit_status);
 void RegisterCompose(CLI::App& app, int& exit_status);
 void RegisterCheckpointCommands(CLI::App& app, int& exit_status);
 void RegisterDegree(CLI::App& app, int& exit_status);
+void RegisterInspect(CLI::App& app, int& exit_status);
+void RegisterExport(CLI::App& app, int& exit_status);
+
+/// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
+/// (replacing an existing file only with `force`).
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force);
 
 /// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
 /// (replacing an existing file only with `force`); returns the exit status.

@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   RegisterCompose(app, exit_status);
   RegisterCheckpointCommands(app, exit_status);
   RegisterDegree(app, exit_status);
+  RegisterInspect(app, exit_status);
+  RegisterExport(app, exit_status);
   RegisterDemo(app, exit_status);
   try {
     app.parse(argc, argv);

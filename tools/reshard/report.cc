@@ -13,6 +13,14 @@ int Report(std::string_view command, const Status& status, int exit_status) {
   return exit_status;
 }
 
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force) {
+  if (output.empty()) {
+    fmt::print("{}", text);
+    return Status::Ok();
+  }
+  return WriteFileAtomically(output, text, {.overwrite = force});
+}
+
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force) {
   if (output.empty()) {

@@ -10,8 +10,11 @@
 #include <random>
 #include <set>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/ir/map_json_value.h"
+#include "reshard/layouts/descriptor_json.h"
 
 namespace reshard {
 
@@ -108,8 +111,7 @@ std::string ShardFileName(Rank rank, int part) {
 }
 
 Result<Manifest> ParseManifestJson(std::string_view text) {
-  Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return InvalidArgumentError("not valid JSON");
+  RESHARD_ASSIGN_OR_RETURN(Json doc, json::ParseJson(text));
   if (!doc.is_object())
     return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
   auto format = doc.find("format");
@@ -177,12 +179,10 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
       return InvalidArgumentError(fmt::format("{}.dtype: unknown dtype {}", path, dtype->dump()));
     auto map = p.find("map");
     if (map == p.end()) return InvalidArgumentError(fmt::format("{}: missing key \"map\"", path));
-    Result<ParamMapBuilder> builder = ParseParamMapJson(map->dump());
+    Result<ParamMapBuilder> builder = ParamMapFromJson(*map);
     if (!builder.ok()) return builder.status().Annotate(path + ".map");
     Result<ParamMap> built = builder->Finalize();
-    // A map that parses but breaks an invariant is well-formed input failing a check.
-    if (!built.ok())
-      return FailedPreconditionError(built.status().Annotate(path + ".map").message());
+    if (!built.ok()) return AsFailedCheck(built.status().Annotate(path + ".map"));
     if (built->world_size() != m.world_size) {
       return InvalidArgumentError(fmt::format("{}.map: has {} ranks but world_size is {}", path,
                                               built->world_size(), m.world_size));
@@ -190,7 +190,7 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     std::optional<LayoutDescriptor> layout_desc;
     int scale_power = 1;
     if (auto layout = p.find("layout"); layout != p.end() && !layout->is_null()) {
-      Result<LayoutDescriptor> l = ParseLayoutJson(layout->dump());
+      Result<LayoutDescriptor> l = LayoutFromJson(*layout);
       if (!l.ok()) return l.status().Annotate(path + ".layout");
       layout_desc = *std::move(l);
     }
@@ -204,6 +204,13 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
         ShardedParam{it.key(), *d, *std::move(built), std::move(layout_desc), scale_power});
   }
   return m;
+}
+
+bool IsManifestJson(std::string_view text) {
+  Result<Json> doc = json::ParseJson(text);
+  if (!doc.ok()) return false;
+  const Json* format = json::Find(*doc, "format");
+  return format != nullptr && format->is_string() && *format == "reshard";
 }
 
 std::string ManifestToJson(const Manifest& m) {

@@ -63,8 +63,12 @@ struct Manifest {
 /// The file name of part `part` of rank `rank`: "model-rank-{r}-part-{p}.safetensors".
 std::string ShardFileName(Rank rank, int part);
 
-/// Strict parse of reshard.json (InvalidArgument with the JSON path; maps validated).
+/// Strict parse of reshard.json (InvalidArgument with the JSON path; maps validated, an
+/// invalid one is FailedPrecondition).
 Result<Manifest> ParseManifestJson(std::string_view text);
+/// Whether `text` is meant as a manifest: a JSON object whose "format" is "reshard" (it may
+/// still be a malformed one; ParseManifestJson says).
+bool IsManifestJson(std::string_view text);
 std::string ManifestToJson(const Manifest& manifest);
 
 /// A tensor of an opened checkpoint: its header entry and its (memory-mapped) bytes.

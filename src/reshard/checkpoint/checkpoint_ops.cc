@@ -207,11 +207,8 @@ Status WriteSharded(const std::string& out_dir, Manifest& manifest,
           const ShardedParam& p = manifest.params[i];
           tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape,
                              [&, r, i](std::span<std::byte> buffer) -> Status {
-                               Status s = fill(i, r, buffer);
-                               if (!s.ok()) {
-                                 return s.Annotate(
-                                     fmt::format("parameter \"{}\"", manifest.params[i].name));
-                               }
+                               // The writer names the tensor in any error.
+                               RESHARD_RETURN_IF_ERROR(fill(i, r, buffer));
                                progress.Add(buffer.size());
                                return Status::Ok();
                              }});
@@ -444,21 +441,25 @@ Status Convert(const std::string& sharded_dir, int world_size,
     return FailedPreconditionError(fmt::format(
         "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
-  // Replicas agree (P2) before anything is written: a plan reads each replicated block from
-  // one holder only.
-  if (options.verify_replicas) {
-    for (size_t i = 0; i < src.params.size(); ++i) {
-      const ShardedParam& p = src.params[i];
-      Status s = VerifyReplicas(p.map, p.dtype, ShardBuffers(ckpt, i),
-                                ExecOptionsFor(options, p.scale_power));
-      if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", p.name));
-      for (Rank q = 0; q < src.world_size; ++q) ReleasePages(ckpt.shard(i, q));
-    }
-  }
+  // Replicas agree (P2): a plan reads each replicated block from one holder only, so every
+  // parameter's replicas are compared once, by the first rank thread to reach it, just before
+  // its data is moved (the source pages are read once for both). A disagreement fails the
+  // run, and a failed run leaves no output.
+  std::vector<std::once_flag> verify_once(src.params.size());
+  std::vector<Status> verified(src.params.size());
+  auto verify = [&](size_t i) {
+    const ShardedParam& p = src.params[i];
+    verified[i] = VerifyReplicas(p.map, p.dtype, ShardBuffers(ckpt, i),
+                                 ExecOptionsFor(options, p.scale_power));
+  };
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
   return WriteSharded(
       out_dir, dst, options, [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        if (options.verify_replicas) {
+          std::call_once(verify_once[i], verify, i);
+          RESHARD_RETURN_IF_ERROR(verified[i]);
+        }
         const ShardedParam& param = dst.params[i];
         const ParamPlan& plan = plans[i];
         ParamPlan mine;  // the moves into rank r

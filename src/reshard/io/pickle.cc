@@ -122,11 +122,13 @@ class PickleMachine {
   Result<std::vector<PickleNodeId>> PopToMark();
   Result<PickleNodeId> New(PickleKind kind);
   PickleNode& N(PickleNodeId id) { return tree_.nodes_[id]; }
-  Status Push(PickleKind kind) {
+  // A new node pushed on the stack; its id, to fill in.
+  Result<PickleNodeId> PushNew(PickleKind kind) {
     RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(kind));
     stack_.push_back(id);
-    return Status::Ok();
+    return id;
   }
+  Status Push(PickleKind kind) { return PushNew(kind).status(); }
   // Opcode groups.
   Status PushInt(int64_t v);
   Status PushLong(uint64_t n);
@@ -219,9 +221,8 @@ Result<std::vector<PickleNodeId>> PickleMachine::PopToMark() {
 }
 
 Status PickleMachine::PushInt(int64_t v) {
-  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kInt));
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kInt));
   N(id).int_value = v;
-  stack_.push_back(id);
   return Status::Ok();
 }
 
@@ -234,9 +235,8 @@ Status PickleMachine::PushLong(uint64_t n) {
     if (n > 0 && n < 8 && (static_cast<uint8_t>(b[n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
     return PushInt(static_cast<int64_t>(v));
   }
-  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kBigInt));
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kBigInt));
   N(id).text.assign(reinterpret_cast<const char*>(b.data()), b.size());
-  stack_.push_back(id);
   return Status::Ok();
 }
 
@@ -244,9 +244,8 @@ Status PickleMachine::PushText(PickleKind kind, uint64_t n) {
   RESHARD_ASSIGN_OR_RETURN(const auto b, Take(n));
   std::string text(reinterpret_cast<const char*>(b.data()), b.size());
   if (kind == PickleKind::kStr && !DecodeUtf8(text)) return Error("string is not valid UTF-8");
-  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(kind));
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(kind));
   N(id).text = std::move(text);
-  stack_.push_back(id);
   return Status::Ok();
 }
 
@@ -340,9 +339,8 @@ Status PickleMachine::Call(bool newobj) {
   switch (roles_.at(callee)) {
     case GlobalRole::kOrderedDict: {
       if (!a.empty()) return bad("()");
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kDict));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kDict));
       N(id).ordered = true;
-      stack_.push_back(id);
       return Status::Ok();
     }
     case GlobalRole::kSet:
@@ -370,16 +368,14 @@ Status PickleMachine::Call(bool newobj) {
         if (cp > 0xFF) return Error("_codecs.encode of a character beyond latin-1");
         bytes.push_back(static_cast<char>(cp));
       }
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kBytes));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kBytes));
       N(id).text = std::move(bytes);
-      stack_.push_back(id);
       return Status::Ok();
     }
     case GlobalRole::kRecord: {
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kRecord));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kRecord));
       N(id).text = name;
       N(id).args = args;
-      stack_.push_back(id);
       return Status::Ok();
     }
   }
@@ -435,24 +431,15 @@ Status PickleMachine::ControlOp(uint8_t op) {
     }
     case '2':  // POP_MARK
       return PopToMark().status();
-    case 'q': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t i, TakeUint(1));
-      return Memo(i);
-    }
-    case 'r': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t i, TakeUint(4));
-      return Memo(i);
+    case 'q':
+    case 'r':
+    case 'h':
+    case 'j': {  // BINPUT LONG_BINPUT BINGET LONG_BINGET: a 1- or 4-byte memo index
+      RESHARD_ASSIGN_OR_RETURN(const uint64_t i, TakeUint(op == 'q' || op == 'h' ? 1 : 4));
+      return op == 'q' || op == 'r' ? Memo(i) : Recall(i);
     }
     case 0x94:  // MEMOIZE
       return Memo(memo_.size());
-    case 'h': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t i, TakeUint(1));
-      return Recall(i);
-    }
-    case 'j': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t i, TakeUint(4));
-      return Recall(i);
-    }
     default:
       return InternalError("opcode routed to the wrong group");
   }
@@ -464,38 +451,28 @@ Status PickleMachine::ScalarOp(uint8_t op) {
       return Push(PickleKind::kNone);
     case 0x88:
     case 0x89: {
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kBool));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kBool));
       N(id).bool_value = op == 0x88;
-      stack_.push_back(id);
       return Status::Ok();
     }
-    case 'K': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t v, TakeUint(1));
-      return PushInt(static_cast<int64_t>(v));
+    case 'K':
+    case 'M':
+    case 'J': {  // BININT1 BININT2 (unsigned), BININT (signed 32-bit)
+      RESHARD_ASSIGN_OR_RETURN(const uint64_t v, TakeUint(op == 'K' ? 1 : op == 'M' ? 2 : 4));
+      return PushInt(op == 'J' ? static_cast<int32_t>(static_cast<uint32_t>(v))
+                               : static_cast<int64_t>(v));
     }
-    case 'M': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t v, TakeUint(2));
-      return PushInt(static_cast<int64_t>(v));
-    }
-    case 'J': {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t v, TakeUint(4));
-      return PushInt(static_cast<int32_t>(static_cast<uint32_t>(v)));
-    }
-    case 0x8a: {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t n, TakeUint(1));
-      return PushLong(n);
-    }
-    case 0x8b: {
-      RESHARD_ASSIGN_OR_RETURN(const uint64_t n, TakeUint(4));
+    case 0x8a:
+    case 0x8b: {  // LONG1 LONG4: a 1- or 4-byte length, then the bytes
+      RESHARD_ASSIGN_OR_RETURN(const uint64_t n, TakeUint(op == 0x8a ? 1 : 4));
       return PushLong(n);
     }
     case 'G': {
       RESHARD_ASSIGN_OR_RETURN(const auto b, Take(8));
       uint64_t bits = 0;
       for (size_t i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<uint8_t>(b[i]);
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kFloat));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kFloat));
       N(id).float_value = std::bit_cast<double>(bits);
-      stack_.push_back(id);
       return Status::Ok();
     }
     case 0x8c:
@@ -532,9 +509,8 @@ Status PickleMachine::ContainerOp(uint8_t op) {
       for (size_t i = items.size(); i-- > 0;) {
         RESHARD_ASSIGN_OR_RETURN(items[i], Pop());
       }
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kTuple));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kTuple));
       N(id).items = std::move(items);
-      stack_.push_back(id);
       return Status::Ok();
     }
     case 't':
@@ -544,9 +520,8 @@ Status PickleMachine::ContainerOp(uint8_t op) {
       const PickleKind kind = op == 't'   ? PickleKind::kTuple
                               : op == 'l' ? PickleKind::kList
                                           : PickleKind::kSet;
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(kind));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(kind));
       N(id).items = std::move(items);
-      stack_.push_back(id);
       return Status::Ok();
     }
     case 'd': {
@@ -610,9 +585,8 @@ Status PickleMachine::ObjectOp(uint8_t op) {
       return Build();
     case 'Q': {  // BINPERSID
       RESHARD_ASSIGN_OR_RETURN(const PickleNodeId pid, Pop());
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, New(PickleKind::kPersistentId));
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kPersistentId));
       N(id).items = {pid};
-      stack_.push_back(id);
       return Status::Ok();
     }
     default:
@@ -751,6 +725,8 @@ Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOpt
   PickleMachine machine(bytes, options);
   return machine.Run();
 }
+
+bool IsValidPickleString(std::string_view s) { return DecodeUtf8(s).has_value(); }
 
 bool IsAllowedPickleGlobal(std::string_view name, const std::vector<std::string>& extra) {
   return RoleOf(name, extra).has_value();

@@ -117,6 +117,9 @@ class PickleTree {
 /// the set above; ResourceExhausted past a limit.
 Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOptions& options = {});
 
+/// Whether `s` may be written as a pickle string (well-formed UTF-8, as this reader accepts).
+bool IsValidPickleString(std::string_view s);
+
 /// Whether "module.name" is on the built-in allowlist (or is one of `extra`).
 bool IsAllowedPickleGlobal(std::string_view name, const std::vector<std::string>& extra = {});
 

@@ -8,6 +8,7 @@
 #include <random>
 #include <sstream>
 
+#include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/random_map.h"
 

@@ -1,10 +1,13 @@
+#include "reshard/ir/infer.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
-#include <nlohmann/json.hpp>
+#include <limits>
 #include <unordered_map>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/ir/canonicalize.h"
 #include "reshard/ir/fold.h"
 
@@ -264,85 +267,62 @@ IndexMaps ToIndexMaps(const ParamMap& map) {
 
 namespace {
 
-using Json = nlohmann::json;
+using json::ErrorAt;
+using json::Json;
+using json::Member;
+using json::TypeError;
 
-std::string TypeName(const Json& j) { return j.type_name(); }
-
-Result<Index> ReadIndex(const Json& j, const std::string& path) {
-  if (j.is_number_integer()) {
-    if (j.is_number_unsigned() && j.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-      return InvalidArgumentError(fmt::format("{}: integer {} is out of range", path, j.dump()));
+Result<std::vector<double>> ReadScale(const Json& j, std::string_view path) {
+  std::vector<double> scale;
+  if (j.is_number()) {
+    RESHARD_ASSIGN_OR_RETURN(double v, json::ReadNumber(j, path));
+    scale.push_back(v);
+  } else if (j.is_array()) {
+    for (size_t k = 0; k < j.size(); ++k) {
+      RESHARD_ASSIGN_OR_RETURN(double v, json::ReadNumber(j[k], json::Element(path, k)));
+      scale.push_back(v);
     }
-    return j.get<Index>();
+  } else {
+    return TypeError(path, "a number or an array of numbers", j);
   }
-  return InvalidArgumentError(
-      fmt::format("{}: expected an integer, got {}", path, j.is_number() ? j.dump() : TypeName(j)));
+  return scale;
 }
 
-Result<Shape> ReadShape(const Json& j, const std::string& path) {
-  if (!j.is_array())
-    return InvalidArgumentError(
-        fmt::format("{}: expected an array of integers, got {}", path, TypeName(j)));
-  Shape out;
-  out.reserve(j.size());
-  for (size_t i = 0; i < j.size(); ++i) {
-    RESHARD_ASSIGN_OR_RETURN(Index v, ReadIndex(j[i], fmt::format("{}[{}]", path, i)));
-    out.push_back(v);
+Result<ObservedShard> ReadObservedShard(const Json& r, std::string_view path) {
+  if (!r.is_object()) return TypeError(path, "an object", r);
+  ObservedShard s;
+  RESHARD_ASSIGN_OR_RETURN(const Json* rank, json::Require(r, path, "rank"));
+  RESHARD_ASSIGN_OR_RETURN(const Json* shard_shape, json::Require(r, path, "shard_shape"));
+  RESHARD_ASSIGN_OR_RETURN(const Json* index_map, json::Require(r, path, "index_map"));
+  RESHARD_ASSIGN_OR_RETURN(
+      Index id, json::ReadInt(*rank, Member(path, "rank"), {0, std::numeric_limits<Rank>::max()}));
+  s.rank = static_cast<Rank>(id);
+  RESHARD_ASSIGN_OR_RETURN(s.shard_shape,
+                           json::ReadIntArray(*shard_shape, Member(path, "shard_shape")));
+  RESHARD_ASSIGN_OR_RETURN(s.index_map, json::ReadIntArray(*index_map, Member(path, "index_map")));
+  if (const Json* scale = json::Find(r, "scale"); scale != nullptr && !scale->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(s.scale, ReadScale(*scale, Member(path, "scale")));
   }
-  return out;
+  return s;
 }
 
 }  // namespace
 
 Result<IndexMaps> ParseIndexMapsJson(std::string_view text) {
-  Json doc = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return InvalidArgumentError("not valid JSON (parse error)");
-  if (!doc.is_object())
-    return InvalidArgumentError(fmt::format("expected a JSON object, got {}", TypeName(doc)));
+  RESHARD_ASSIGN_OR_RETURN(Json doc, json::ParseJson(text));
+  if (!doc.is_object()) return TypeError("", "an object", doc);
   IndexMaps out;
-  auto shape = doc.find("logical_shape");
-  if (shape == doc.end()) return InvalidArgumentError("missing key \"logical_shape\"");
-  RESHARD_ASSIGN_OR_RETURN(out.logical_shape, ReadShape(*shape, "logical_shape"));
-  if (auto valid = doc.find("valid_shape"); valid != doc.end() && !valid->is_null()) {
-    RESHARD_ASSIGN_OR_RETURN(Shape v, ReadShape(*valid, "valid_shape"));
+  RESHARD_ASSIGN_OR_RETURN(const Json* shape, json::Require(doc, "", "logical_shape"));
+  RESHARD_ASSIGN_OR_RETURN(out.logical_shape, json::ReadIntArray(*shape, "logical_shape"));
+  if (const Json* valid = json::Find(doc, "valid_shape"); valid != nullptr && !valid->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(Shape v, json::ReadIntArray(*valid, "valid_shape"));
     out.valid_shape = std::move(v);
   }
-  auto ranks = doc.find("ranks");
-  if (ranks == doc.end()) return InvalidArgumentError("missing key \"ranks\"");
-  if (!ranks->is_array())
-    return InvalidArgumentError(fmt::format("ranks: expected an array, got {}", TypeName(*ranks)));
+  RESHARD_ASSIGN_OR_RETURN(const Json* ranks, json::Require(doc, "", "ranks"));
+  if (!ranks->is_array()) return TypeError("ranks", "an array", *ranks);
   for (size_t i = 0; i < ranks->size(); ++i) {
-    const Json& r = (*ranks)[i];
-    const std::string path = fmt::format("ranks[{}]", i);
-    if (!r.is_object())
-      return InvalidArgumentError(fmt::format("{}: expected an object, got {}", path, TypeName(r)));
-    ObservedShard s;
-    for (const char* key : {"rank", "shard_shape", "index_map"}) {
-      if (!r.contains(key))
-        return InvalidArgumentError(fmt::format("{}: missing key \"{}\"", path, key));
-    }
-    RESHARD_ASSIGN_OR_RETURN(Index rank, ReadIndex(r["rank"], path + ".rank"));
-    if (rank < 0 || rank > INT32_MAX)
-      return InvalidArgumentError(fmt::format("{}.rank: {} is not a rank", path, rank));
-    s.rank = static_cast<Rank>(rank);
-    RESHARD_ASSIGN_OR_RETURN(s.shard_shape, ReadShape(r["shard_shape"], path + ".shard_shape"));
-    RESHARD_ASSIGN_OR_RETURN(s.index_map, ReadShape(r["index_map"], path + ".index_map"));
-    if (auto sc = r.find("scale"); sc != r.end() && !sc->is_null()) {
-      if (sc->is_number()) {
-        s.scale.push_back(sc->get<double>());
-      } else if (sc->is_array()) {
-        for (size_t k = 0; k < sc->size(); ++k) {
-          const Json& v = (*sc)[k];
-          if (!v.is_number())
-            return InvalidArgumentError(
-                fmt::format("{}.scale[{}]: expected a number, got {}", path, k, TypeName(v)));
-          s.scale.push_back(v.get<double>());
-        }
-      } else {
-        return InvalidArgumentError(fmt::format(
-            "{}.scale: expected a number or an array of numbers, got {}", path, TypeName(*sc)));
-      }
-    }
+    RESHARD_ASSIGN_OR_RETURN(ObservedShard s,
+                             ReadObservedShard((*ranks)[i], json::Element("ranks", i)));
     out.ranks.push_back(std::move(s));
   }
   return out;

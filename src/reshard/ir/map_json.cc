@@ -1,12 +1,8 @@
 // Reader and writer for the JSON form of param maps and map documents (see map_json.h).
 //
-// The reader works in two passes over untrusted text:
-//   1. nlohmann's parser builds a DOM, with a callback that refuses duplicate keys (the DOM
-//      would keep only the last one) and records the order of the top-level keys (the DOM
-//      sorts them; a document keeps its parameters in file order). Nesting depth is bounded
-//      by a scan before parsing so that no step - parser, callback, DOM - grows with it.
-//   2. A typed walk over the DOM that names the JSON path of the first thing it refuses. It
-//      never calls a throwing accessor: every value's type is checked before it is read.
+// Text is parsed by the library's strict reader (base/json_reader.h: duplicate keys, deep
+// nesting and trailing bytes refused; top-level keys kept in file order); this file is the
+// typed walk over the DOM that builds the maps.
 #include "reshard/ir/map_json.h"
 
 #include <fmt/format.h>
@@ -14,250 +10,34 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "reshard/base/json_reader.h"
+#include "reshard/ir/map_json_value.h"
+
 namespace reshard {
 namespace {
 
-using Json = nlohmann::json;
-
-// Deeper nesting is refused before parsing. Valid maps nest 8 levels; the rest is room for
-// unknown keys, which are ignored but still parsed.
-constexpr int kMaxDepth = 128;
-// A string quoted in an error message is cut to this many bytes.
-constexpr size_t kMaxQuotedBytes = 48;
-
-// A JSON string literal for `s` (escaped; invalid UTF-8 is replaced, never thrown on).
-std::string Quote(std::string_view s) {
-  return Json(std::string(s)).dump(-1, ' ', false, Json::error_handler_t::replace);
-}
-
-// Quotes `s` for a message, cut at a UTF-8 boundary when long.
-std::string QuoteShort(std::string_view s) {
-  if (s.size() <= kMaxQuotedBytes) return Quote(s);
-  size_t cut = kMaxQuotedBytes;
-  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;
-  std::string quoted = Quote(s.substr(0, cut));
-  quoted.insert(quoted.size() - 1, "...");
-  return quoted;
-}
-
-// What a value is, for "expected X, got Y". Containers are not printed.
-std::string Describe(const Json& j) {
-  switch (j.type()) {
-    case Json::value_t::string:
-      return QuoteShort(*j.get_ptr<const Json::string_t*>());
-    case Json::value_t::array:
-      return j.empty()
-                 ? "an empty array"
-                 : fmt::format("an array of {} element{}", j.size(), j.size() == 1 ? "" : "s");
-    case Json::value_t::object:
-      return "an object";
-    default:
-      return j.dump(-1, ' ', false, Json::error_handler_t::replace);
-  }
-}
-
-bool IsIdentifier(std::string_view key) {
-  if (key.empty() || (key[0] >= '0' && key[0] <= '9')) return false;
-  return std::all_of(key.begin(), key.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-  });
-}
-
-// `path` extended by an object member: `ranks`, `.pieces`, `["3"]`.
-std::string Member(std::string_view path, std::string_view key) {
-  if (IsIdentifier(key)) return path.empty() ? std::string(key) : fmt::format("{}.{}", path, key);
-  return fmt::format("{}[{}]", path, QuoteShort(key));
-}
-
-std::string Element(std::string_view path, size_t index) {
-  return fmt::format("{}[{}]", path, index);
-}
-
-// "path: message", or just the message at the root.
-Status ErrorAt(std::string_view path, std::string message) {
-  if (path.empty()) return InvalidArgumentError(std::move(message));
-  return InvalidArgumentError(fmt::format("{}: {}", path, message));
-}
-
-Status TypeError(std::string_view path, std::string_view expected, const Json& got) {
-  return ErrorAt(path, fmt::format("expected {}, got {}", expected, Describe(got)));
-}
-
-// ---------------------------------------------------------------------------------------
-// Pass 1: text -> DOM.
-
-// Refuses nesting deeper than kMaxDepth. Tracks strings so brackets inside them do not
-// count; malformed text is left for the parser to describe.
-Status CheckNesting(std::string_view text) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) {
-        return InvalidArgumentError(
-            fmt::format("JSON nests deeper than {} levels (at byte {})", kMaxDepth, i));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return Status::Ok();
-}
-
-// The parser's own account of why `text` is not JSON. The DOM parser does not report it
-// without throwing, so a second pass with a SAX handler that only records the error gets it.
-std::string DescribeSyntaxError(std::string_view text) {
-  struct ErrorSax : nlohmann::json_sax<Json> {
-    std::string message = "malformed JSON";
-    bool null() override { return true; }
-    bool boolean(bool) override { return true; }
-    bool number_integer(number_integer_t) override { return true; }
-    bool number_unsigned(number_unsigned_t) override { return true; }
-    bool number_float(number_float_t, const string_t&) override { return true; }
-    bool string(string_t&) override { return true; }
-    bool binary(binary_t&) override { return true; }
-    bool start_object(std::size_t) override { return true; }
-    bool key(string_t&) override { return true; }
-    bool end_object() override { return true; }
-    bool start_array(std::size_t) override { return true; }
-    bool end_array() override { return true; }
-    bool parse_error(std::size_t, const std::string&,
-                     const nlohmann::detail::exception& e) override {
-      // "[json.exception.parse_error.101] parse error at line 1, column 4: ..." -> from "parse
-      // error" on, cut to a readable length.
-      std::string_view what = e.what();
-      if (const size_t start = what.find("] "); start != std::string_view::npos) {
-        what.remove_prefix(start + 2);
-      }
-      if (what.size() > 200) what = what.substr(0, 200);
-      message = fmt::format("malformed JSON: {}", what);
-      return false;
-    }
-  };
-  ErrorSax sax;
-  Json::sax_parse(text.begin(), text.end(), &sax);
-  return sax.message;
-}
-
-struct ParsedJson {
-  Json root;
-  // Keys of the root object in file order (empty when the root is not an object).
-  std::vector<std::string> root_keys;
-};
-
-Result<ParsedJson> ParseJsonText(std::string_view text) {
-  RESHARD_RETURN_IF_ERROR(CheckNesting(text));
-  struct Frame {
-    bool is_object = false;
-    size_t count = 0;  // completed elements, for arrays
-    std::string key;   // current key, for objects
-    std::unordered_set<std::string> keys;
-  };
-  std::vector<Frame> stack;
-  std::optional<Status> error;
-  ParsedJson parsed;
-  auto path_of_top = [&] {
-    std::string path;
-    for (size_t i = 0; i + 1 < stack.size(); ++i) {
-      path = stack[i].is_object ? Member(path, stack[i].key) : Element(path, stack[i].count);
-    }
-    return path;
-  };
-  auto element_done = [&] {
-    if (!stack.empty() && !stack.back().is_object) ++stack.back().count;
-  };
-  Json::parser_callback_t callback = [&](int /*depth*/, Json::parse_event_t event,
-                                         Json& value) -> bool {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        stack.emplace_back();
-        stack.back().is_object = event == Json::parse_event_t::object_start;
-        break;
-      case Json::parse_event_t::key: {
-        if (stack.empty() || !value.is_string()) break;
-        Frame& top = stack.back();
-        top.key = *value.get_ptr<const Json::string_t*>();
-        if (!top.keys.insert(top.key).second && !error) {
-          error = ErrorAt(path_of_top(), fmt::format("duplicate key {}", QuoteShort(top.key)));
-        }
-        if (stack.size() == 1) parsed.root_keys.push_back(top.key);
-        break;
-      }
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!stack.empty()) stack.pop_back();
-        element_done();
-        break;
-      case Json::parse_event_t::value:
-        element_done();
-        break;
-    }
-    return true;
-  };
-  parsed.root = Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/false);
-  if (parsed.root.is_discarded()) return InvalidArgumentError(DescribeSyntaxError(text));
-  if (error) return *error;
-  if (!parsed.root.is_object()) parsed.root_keys.clear();
-  return parsed;
-}
-
-// ---------------------------------------------------------------------------------------
-// Pass 2: DOM -> builders.
-
-const Json* Find(const Json& object, std::string_view key) {
-  auto it = object.find(std::string(key));
-  return it == object.end() ? nullptr : &*it;
-}
-
-Result<const Json*> Require(const Json& object, std::string_view path, std::string_view key) {
-  const Json* found = Find(object, key);
-  if (found == nullptr) return ErrorAt(path, fmt::format("missing key {}", Quote(key)));
-  return found;
-}
-
-Result<Index> ReadIndex(const Json& j, std::string_view path) {
-  if (const auto* u = j.get_ptr<const Json::number_unsigned_t*>()) {
-    if (*u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return ErrorAt(path, fmt::format("integer {} is outside the range of int64", *u));
-    }
-    return static_cast<Index>(*u);
-  }
-  if (const auto* i = j.get_ptr<const Json::number_integer_t*>()) return Index{*i};
-  return TypeError(path, "an integer", j);
-}
-
-Result<Shape> ReadIndexArray(const Json& j, std::string_view path) {
-  if (!j.is_array()) return TypeError(path, "an array of integers", j);
-  Shape out;
-  out.reserve(j.size());
-  for (size_t i = 0; i < j.size(); ++i) {
-    RESHARD_ASSIGN_OR_RETURN(Index v, ReadIndex(j[i], Element(path, i)));
-    out.push_back(v);
-  }
-  return out;
-}
+using json::Element;
+using json::ErrorAt;
+using json::Find;
+using json::Json;
+using json::Member;
+using json::Quote;
+using json::QuoteShort;
+using json::ReadInt;
+using json::ReadIntArray;
+using json::Require;
+using json::TypeError;
 
 // `[offset, [strides...]]`
 Result<StridedView> ReadView(const Json& j, std::string_view path) {
   if (!j.is_array() || j.size() != 2) return TypeError(path, "[offset, [strides...]]", j);
   StridedView view;
-  RESHARD_ASSIGN_OR_RETURN(view.offset, ReadIndex(j[0], Element(path, 0)));
-  RESHARD_ASSIGN_OR_RETURN(view.strides, ReadIndexArray(j[1], Element(path, 1)));
+  RESHARD_ASSIGN_OR_RETURN(view.offset, ReadInt(j[0], Element(path, 0)));
+  RESHARD_ASSIGN_OR_RETURN(view.strides, ReadIntArray(j[1], Element(path, 1)));
   return view;
 }
 
@@ -267,7 +47,7 @@ Result<std::vector<Rank>> ReadLocations(const Json& j, std::string_view path) {
   out.reserve(j.size());
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string at = Element(path, i);
-    RESHARD_ASSIGN_OR_RETURN(Index v, ReadIndex(j[i], at));
+    RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(j[i], at));
     if (v < std::numeric_limits<Rank>::min() || v > std::numeric_limits<Rank>::max()) {
       return ErrorAt(at, fmt::format("rank {} is outside the range of int32", v));
     }
@@ -280,7 +60,7 @@ Result<Piece> ReadPiece(const Json& j, std::string_view path) {
   if (!j.is_object()) return TypeError(path, "a piece (an object)", j);
   Piece piece;
   RESHARD_ASSIGN_OR_RETURN(const Json* shape, Require(j, path, "shape"));
-  RESHARD_ASSIGN_OR_RETURN(piece.shape, ReadIndexArray(*shape, Member(path, "shape")));
+  RESHARD_ASSIGN_OR_RETURN(piece.shape, ReadIntArray(*shape, Member(path, "shape")));
   RESHARD_ASSIGN_OR_RETURN(const Json* source, Require(j, path, "source"));
   RESHARD_ASSIGN_OR_RETURN(piece.source, ReadView(*source, Member(path, "source")));
   RESHARD_ASSIGN_OR_RETURN(const Json* dest, Require(j, path, "dest"));
@@ -288,14 +68,7 @@ Result<Piece> ReadPiece(const Json& j, std::string_view path) {
   RESHARD_ASSIGN_OR_RETURN(const Json* locations, Require(j, path, "locations"));
   RESHARD_ASSIGN_OR_RETURN(piece.locations, ReadLocations(*locations, Member(path, "locations")));
   if (const Json* scale = Find(j, "scale")) {
-    if (!scale->is_number()) return TypeError(Member(path, "scale"), "a number", *scale);
-    if (const auto* f = scale->get_ptr<const Json::number_float_t*>()) {
-      piece.scale = *f;
-    } else if (const auto* u = scale->get_ptr<const Json::number_unsigned_t*>()) {
-      piece.scale = static_cast<double>(*u);
-    } else {
-      piece.scale = static_cast<double>(*scale->get_ptr<const Json::number_integer_t*>());
-    }
+    RESHARD_ASSIGN_OR_RETURN(piece.scale, json::ReadNumber(*scale, Member(path, "scale")));
   }
   return piece;
 }
@@ -316,11 +89,11 @@ Result<ParamMapBuilder> ReadParamMap(const Json& j) {
   if (!j.is_object()) return TypeError("", "a param map (an object)", j);
   ParamMapBuilder builder;
   RESHARD_ASSIGN_OR_RETURN(const Json* logical, Require(j, "", "logical_shape"));
-  RESHARD_ASSIGN_OR_RETURN(Shape logical_shape, ReadIndexArray(*logical, "logical_shape"));
+  RESHARD_ASSIGN_OR_RETURN(Shape logical_shape, ReadIntArray(*logical, "logical_shape"));
   builder.set_logical_shape(std::move(logical_shape));
   // null is read as absent, as a writer with an optional field may spell it.
   if (const Json* valid = Find(j, "valid_shape"); valid != nullptr && !valid->is_null()) {
-    RESHARD_ASSIGN_OR_RETURN(Shape valid_shape, ReadIndexArray(*valid, "valid_shape"));
+    RESHARD_ASSIGN_OR_RETURN(Shape valid_shape, ReadIntArray(*valid, "valid_shape"));
     builder.set_valid_shape(std::move(valid_shape));
   }
   RESHARD_ASSIGN_OR_RETURN(const Json* ranks, Require(j, "", "ranks"));
@@ -361,7 +134,7 @@ Result<ParamMapBuilder> ReadParamMap(const Json& j) {
     const Json& shard = *by_rank[r];
     if (!shard.is_object()) return TypeError(path, "a shard (an object)", shard);
     RESHARD_ASSIGN_OR_RETURN(const Json* shard_shape, Require(shard, path, "shard_shape"));
-    RESHARD_ASSIGN_OR_RETURN(Shape shape, ReadIndexArray(*shard_shape, path + ".shard_shape"));
+    RESHARD_ASSIGN_OR_RETURN(Shape shape, ReadIntArray(*shard_shape, path + ".shard_shape"));
     builder.set_shard_shape(rank, std::move(shape));
     RESHARD_ASSIGN_OR_RETURN(const Json* pieces, Require(shard, path, "pieces"));
     const std::string pieces_path = path + ".pieces";
@@ -387,18 +160,6 @@ Status AnnotateParam(Status status, std::string_view name) {
 constexpr std::string_view kRegexEscaped = "()[]{}?*+-|^$\\.&~# \t\n\r\v\f";
 // Characters that must not appear unescaped in an exact-match pattern.
 constexpr std::string_view kRegexMeta = ".^$*+?{}[]\\|()";
-
-// The document key for `name`: the name itself unless it would read as something else.
-std::string EncodeParamKey(std::string_view name) {
-  if (!name.starts_with('^') && name != "version") return std::string(name);
-  std::string key = "^";
-  for (char c : name) {
-    if (kRegexEscaped.find(c) != std::string_view::npos) key += '\\';
-    key += c;
-  }
-  key += '$';
-  return key;
-}
 
 void AppendIndices(std::string& out, std::span<const Index> values) {
   out += '[';
@@ -507,14 +268,27 @@ Result<std::string> DecodeParamKey(std::string_view key) {
   return name;
 }
 
-Result<ParamMapBuilder> ParseParamMapJson(std::string_view text) {
-  RESHARD_ASSIGN_OR_RETURN(ParsedJson parsed, ParseJsonText(text));
-  return ReadParamMap(parsed.root);
+std::string EncodeParamKey(std::string_view name) {
+  if (!name.starts_with('^') && name != "version") return std::string(name);
+  std::string key = "^";
+  for (char c : name) {
+    if (kRegexEscaped.find(c) != std::string_view::npos) key += '\\';
+    key += c;
+  }
+  key += '$';
+  return key;
 }
 
+Result<ParamMapBuilder> ParseParamMapJson(std::string_view text) {
+  RESHARD_ASSIGN_OR_RETURN(Json root, json::ParseJson(text));
+  return ReadParamMap(root);
+}
+
+Result<ParamMapBuilder> ParamMapFromJson(const json::Json& value) { return ReadParamMap(value); }
+
 Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text) {
-  RESHARD_ASSIGN_OR_RETURN(ParsedJson parsed, ParseJsonText(text));
-  const Json& root = parsed.root;
+  std::vector<std::string> keys_in_order;
+  RESHARD_ASSIGN_OR_RETURN(Json root, json::ParseJson(text, &keys_in_order));
   if (!root.is_object()) return TypeError("", "a map document or a param map (an object)", root);
   MapDocumentBuilder doc;
   const Json* version = Find(root, "version");
@@ -528,25 +302,9 @@ Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text) {
         "missing key \"version\"; a map document is {\"version\": 1, \"<name>\": <param map>, "
         "...} and a bare param map has \"logical_shape\" and \"ranks\"");
   }
-  RESHARD_ASSIGN_OR_RETURN(Index v, ReadIndex(*version, "version"));
-  if (v != kMapDocumentVersion) {
-    return InvalidArgumentError(fmt::format(
-        "version {} is not supported; this reader knows version {}", v, kMapDocumentVersion));
-  }
+  RESHARD_RETURN_IF_ERROR(CheckDocumentVersion(*version));
   // Names first, so that a key error is reported before any parameter's content.
-  std::vector<std::pair<std::string, const Json*>> named;
-  std::unordered_map<std::string, std::string> key_of_name;
-  for (const std::string& key : parsed.root_keys) {
-    if (key == "version") continue;
-    RESHARD_ASSIGN_OR_RETURN(std::string name, DecodeParamKey(key));
-    auto [it, inserted] = key_of_name.emplace(name, key);
-    if (!inserted) {
-      return InvalidArgumentError(fmt::format("keys {} and {} both name parameter {}",
-                                              QuoteShort(it->second), QuoteShort(key),
-                                              QuoteShort(name)));
-    }
-    named.emplace_back(std::move(name), Find(root, key));
-  }
+  RESHARD_ASSIGN_OR_RETURN(auto named, DecodeDocumentKeys(root, keys_in_order, "parameter"));
   for (auto& [name, value] : named) {
     Result<ParamMapBuilder> builder = ReadParamMap(*value);
     if (!builder.ok()) return AnnotateParam(builder.status(), name);
@@ -555,16 +313,82 @@ Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text) {
   return doc;
 }
 
-Result<MapDocument> ReadMapDocumentJson(std::string_view text) {
-  RESHARD_ASSIGN_OR_RETURN(MapDocumentBuilder builders, ParseMapDocumentJson(text));
+Status CheckDocumentVersion(const json::Json& version) {
+  RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(version, "version"));
+  if (v != kMapDocumentVersion) {
+    return InvalidArgumentError(fmt::format(
+        "version {} is not supported; this reader knows version {}", v, kMapDocumentVersion));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<std::pair<std::string, const json::Json*>>> DecodeDocumentKeys(
+    const json::Json& root, const std::vector<std::string>& keys, std::string_view what) {
+  std::vector<std::pair<std::string, const Json*>> named;
+  std::unordered_map<std::string, std::string> key_of_name;
+  for (const std::string& key : keys) {
+    if (key == "version") continue;
+    RESHARD_ASSIGN_OR_RETURN(std::string name, DecodeParamKey(key));
+    auto [it, inserted] = key_of_name.emplace(name, key);
+    if (!inserted) {
+      return InvalidArgumentError(fmt::format("keys {} and {} both name {} {}",
+                                              QuoteShort(it->second), QuoteShort(key), what,
+                                              QuoteShort(name)));
+    }
+    named.emplace_back(std::move(name), Find(root, key));
+  }
+  return named;
+}
+
+Status AsFailedCheck(Status status) {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kDataLoss:
+      return Status(StatusCode::kFailedPrecondition, status.message());
+    default:
+      return status;
+  }
+}
+
+size_t ValidatedMapDocument::num_invalid() const {
+  return static_cast<size_t>(std::count_if(params.begin(), params.end(),
+                                           [](const ValidatedParam& p) { return !p.map.ok(); }));
+}
+
+Status ValidatedParam::status() const {
+  if (map.ok()) return Status::Ok();
+  return AsFailedCheck(AnnotateParam(map.status(), name));
+}
+
+Status ValidatedMapDocument::status() const {
+  for (const ValidatedParam& p : params) {
+    if (!p.map.ok()) return p.status();
+  }
+  return Status::Ok();
+}
+
+Result<MapDocument> ValidatedMapDocument::ToDocument() && {
+  RESHARD_RETURN_IF_ERROR(status());
   MapDocument doc;
+  doc.params.reserve(params.size());
+  for (ValidatedParam& p : params) doc.params.emplace_back(std::move(p.name), *std::move(p.map));
+  return doc;
+}
+
+Result<ValidatedMapDocument> ValidateMapDocumentJson(std::string_view text) {
+  RESHARD_ASSIGN_OR_RETURN(MapDocumentBuilder builders, ParseMapDocumentJson(text));
+  ValidatedMapDocument doc;
   doc.params.reserve(builders.params.size());
   for (NamedMapBuilder& named : builders.params) {
-    Result<ParamMap> map = named.builder.Finalize();
-    if (!map.ok()) return AnnotateParam(map.status(), named.name);
-    doc.params.emplace_back(std::move(named.name), std::move(map).value());
+    doc.params.push_back({std::move(named.name), named.builder.Finalize()});
   }
   return doc;
+}
+
+Result<MapDocument> ReadMapDocumentJson(std::string_view text) {
+  RESHARD_ASSIGN_OR_RETURN(ValidatedMapDocument doc, ValidateMapDocumentJson(text));
+  return std::move(doc).ToDocument();
 }
 
 std::string ParamMapToJson(const ParamMap& map) {

@@ -13,11 +13,14 @@
 // or an exact-match pattern `^<regex-escaped name>$` as DeepSpeed emits them; both read to
 // the same name. Any other regular expression is refused, as is a version other than 1.
 //
-// Reading is strict and two-staged, because the CLI must tell malformed input (exit 2) from
-// a well-formed map that breaks an invariant (exit 1): `ParseParamMapJson` checks syntax,
-// types and structure and returns an unvalidated builder; `ParamMapBuilder::Finalize`
-// validates. Errors carry the JSON path: `ranks["3"].pieces[1].source[1][0]: expected an
-// integer, got 2.5`.
+// Reading is strict and two-staged, because a caller must tell malformed input from a
+// well-formed map that breaks an invariant: `ParseParamMapJson` checks syntax, types and
+// structure and returns an unvalidated builder; `ParamMapBuilder::Finalize` validates.
+// `ValidateMapDocumentJson` does both for a document and keeps the two apart: malformed text
+// is its error (InvalidArgument), each parameter carries its own validation result. Errors
+// carry the JSON path: `ranks["3"].pieces[1].source[1][0]: expected an integer, got 2.5`.
+// The text is read by the library's strict JSON reader (base/json_reader.h): duplicate keys,
+// nesting deeper than 128 levels and bytes after the JSON value are refused.
 #ifndef RESHARD_IR_MAP_JSON_H_
 #define RESHARD_IR_MAP_JSON_H_
 
@@ -58,7 +61,34 @@ Result<ParamMapBuilder> ParseParamMapJson(std::string_view text);
 /// Duplicate names (after decoding `^...$` keys) are refused.
 Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text);
 
-/// Parse then validate every parameter; errors are annotated with the parameter name.
+/// One parameter of a map document after validation: its map, or why it is invalid.
+struct ValidatedParam {
+  std::string name;
+  Result<ParamMap> map;
+
+  /// Ok, or the map's error annotated with the parameter name (none for the unnamed map of a
+  /// bare param map) as a failed check of well-formed input: FailedPrecondition (a check
+  /// that could not be completed, e.g. ResourceExhausted, keeps its code).
+  Status status() const;
+};
+
+/// A well-formed map document whose parameters have each been validated, in file order.
+struct ValidatedMapDocument {
+  std::vector<ValidatedParam> params;
+
+  size_t num_invalid() const;
+  /// Ok when every map is valid; otherwise the first invalid parameter's status().
+  Status status() const;
+  /// Every map, or status().
+  Result<MapDocument> ToDocument() &&;
+};
+
+/// Both stages: the Result's error is stage 1 (InvalidArgument for malformed input, as
+/// ParseMapDocumentJson); stage 2 is per parameter.
+Result<ValidatedMapDocument> ValidateMapDocumentJson(std::string_view text);
+
+/// Parse then validate every parameter: InvalidArgument for malformed input,
+/// FailedPrecondition (annotated with the parameter name) for an invalid map.
 Result<MapDocument> ReadMapDocumentJson(std::string_view text);
 
 /// Deterministic, compact-per-piece JSON: the same map always gives the same bytes. Keys in
@@ -70,6 +100,10 @@ std::string MapDocumentToJson(const MapDocument& doc);
 /// `^<escaped>$` -> name for an exact-match pattern; plain names are returned unchanged;
 /// InvalidArgument for a pattern that matches anything but one literal name.
 Result<std::string> DecodeParamKey(std::string_view key);
+
+/// The document key for parameter `name`: the name itself, or its exact-match pattern when
+/// the name would read as something else (it starts with "^", or is "version").
+std::string EncodeParamKey(std::string_view name);
 
 }  // namespace reshard
 

@@ -117,6 +117,12 @@ Result<ParamMap> BlockGatherMap(const Shape& shape, int dim, Index num_blocks,
   const int world_size = static_cast<int>(rank_blocks.size());
   if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
   const auto d = static_cast<size_t>(dim);
+  // Every block gets a list of holders, so the count is bounded before it is allocated.
+  constexpr Index kMaxBlocks = Index{1} << 20;
+  if (num_blocks > kMaxBlocks) {
+    return InvalidArgumentError(fmt::format(
+        "{} blocks are more than the {} a map may cut a dimension into", num_blocks, kMaxBlocks));
+  }
   if (num_blocks < 1 || shape[d] % num_blocks != 0) {
     return InvalidArgumentError(
         fmt::format("dimension {} of {} indices cannot be cut into {} equal blocks", dim, shape[d],

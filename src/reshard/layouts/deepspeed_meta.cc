@@ -6,21 +6,22 @@
 #include <algorithm>
 #include <numeric>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/ir/canonicalize.h"
 #include "reshard/ir/map_json.h"
-#include "reshard/layouts/json_reader.h"
+#include "reshard/ir/map_json_value.h"
 
 namespace reshard {
 
-using layouts_internal::CheckKeys;
-using layouts_internal::Element;
-using layouts_internal::ErrorAt;
-using layouts_internal::Json;
-using layouts_internal::Member;
-using layouts_internal::ReadBool;
-using layouts_internal::ReadInt;
-using layouts_internal::ReadIntArray;
-using layouts_internal::TypeError;
+using json::CheckKeys;
+using json::Element;
+using json::ErrorAt;
+using json::Json;
+using json::Member;
+using json::ReadBool;
+using json::ReadInt;
+using json::ReadIntArray;
+using json::TypeError;
 
 namespace {
 
@@ -421,13 +422,13 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
 }  // namespace
 
 Result<LoweredDeepSpeedMeta> LowerDeepSpeedMeta(std::string_view meta_json) {
-  RESHARD_ASSIGN_OR_RETURN(Json meta, layouts_internal::ParseStrictJson(meta_json));
+  RESHARD_ASSIGN_OR_RETURN(Json meta, json::ParseJson(meta_json));
   return Lower(meta);
 }
 
 Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
                                   std::vector<std::string>* notes) {
-  RESHARD_ASSIGN_OR_RETURN(Json meta, layouts_internal::ParseStrictJson(meta_json));
+  RESHARD_ASSIGN_OR_RETURN(Json meta, json::ParseJson(meta_json));
   std::optional<ParamMap> recorded;
   if (meta.is_object()) {
     auto conversion = meta.find("conversion");
@@ -454,7 +455,7 @@ Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
             *pieces = std::move(kept);
           }
         }
-        Result<ParamMapBuilder> b = ParseParamMapJson(cleaned.dump());
+        Result<ParamMapBuilder> b = ParamMapFromJson(cleaned);
         if (!b.ok()) return b.status().Annotate("conversion.affine_map");
         Result<ParamMap> m = b->Finalize();
         if (!m.ok()) return m.status().Annotate("conversion.affine_map");

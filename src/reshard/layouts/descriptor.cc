@@ -4,28 +4,33 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <numeric>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/ir/canonicalize.h"
+#include "reshard/ir/map_json_value.h"
 #include "reshard/layouts/basic.h"
-#include "reshard/layouts/json_reader.h"
+#include "reshard/layouts/descriptor_json.h"
 
 namespace reshard {
 
-using layouts_internal::CheckKeys;
-using layouts_internal::Element;
-using layouts_internal::ErrorAt;
-using layouts_internal::Json;
-using layouts_internal::Member;
-using layouts_internal::ReadBool;
-using layouts_internal::ReadInt;
-using layouts_internal::ReadIntArray;
-using layouts_internal::TypeError;
+using json::CheckKeys;
+using json::Element;
+using json::ErrorAt;
+using json::Json;
+using json::Member;
+using json::ReadBool;
+using json::ReadInt;
+using json::ReadIntArray;
+using json::TypeError;
 
 namespace {
 
 // A world this large is a typo, and every family allocates per rank.
 constexpr int kMaxWorldSize = 1 << 16;
+// Counts of equal parts or blocks a map holds one piece per (block_gather, codegen_qkv,
+// fused): beyond this the map is a typo that would not fit in memory.
+constexpr Index kMaxBlocks = Index{1} << 20;
+constexpr json::IntRange kBlockCount{1, kMaxBlocks};
 
 struct FamilyInfo {
   LayoutFamily family;
@@ -67,10 +72,10 @@ std::string NamesOf(auto&& range) {
 }
 
 Result<std::optional<Index>> OptionalInt(const Json& object, std::string_view path,
-                                         std::string_view key, Index min) {
+                                         std::string_view key, json::IntRange range) {
   auto it = object.find(std::string(key));
   if (it == object.end()) return std::optional<Index>();
-  RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(*it, Member(path, key), min));
+  RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(*it, Member(path, key), range));
   return std::optional<Index>(v);
 }
 
@@ -86,8 +91,8 @@ Status ReadRule(const Json& object, std::string_view path, SplitRule& rule) {
     }
     rule.remainder = found->first;
   }
-  RESHARD_ASSIGN_OR_RETURN(rule.heads, OptionalInt(object, path, "heads", 1));
-  RESHARD_ASSIGN_OR_RETURN(rule.grain, OptionalInt(object, path, "grain", 1));
+  RESHARD_ASSIGN_OR_RETURN(rule.heads, OptionalInt(object, path, "heads", json::kPositive));
+  RESHARD_ASSIGN_OR_RETURN(rule.grain, OptionalInt(object, path, "grain", json::kPositive));
   if (rule.heads && rule.grain) {
     return ErrorAt(path,
                    "give \"heads\" or \"grain\", not both (heads align to whole heads, "
@@ -101,7 +106,7 @@ Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d)
   const std::string p = Member(path, "parts");
   if (it == object.end()) return ErrorAt(path, "missing key \"parts\"");
   if (it->is_number()) {
-    RESHARD_ASSIGN_OR_RETURN(Index n, ReadInt(*it, p, 1));
+    RESHARD_ASSIGN_OR_RETURN(Index n, ReadInt(*it, p, kBlockCount));
     d.equal_parts = n;
     return Status::Ok();
   }
@@ -123,8 +128,8 @@ Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d)
     if (auto r = j.find("replicated"); r != j.end()) {
       RESHARD_ASSIGN_OR_RETURN(part.replicated, ReadBool(*r, Member(pp, "replicated")));
     }
-    RESHARD_ASSIGN_OR_RETURN(part.heads, OptionalInt(j, pp, "heads", 1));
-    RESHARD_ASSIGN_OR_RETURN(part.grain, OptionalInt(j, pp, "grain", 1));
+    RESHARD_ASSIGN_OR_RETURN(part.heads, OptionalInt(j, pp, "heads", json::kPositive));
+    RESHARD_ASSIGN_OR_RETURN(part.grain, OptionalInt(j, pp, "grain", json::kPositive));
     if (auto w = j.find("widths"); w != j.end()) {
       RESHARD_ASSIGN_OR_RETURN(part.widths, ReadIntArray(*w, Member(pp, "widths"), 0));
       if (part.widths.empty())
@@ -189,8 +194,8 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       break;
     }
     case LayoutFamily::kBlockGather: {
-      RESHARD_ASSIGN_OR_RETURN(d.rule.heads, OptionalInt(root, "", "heads", 1));
-      RESHARD_ASSIGN_OR_RETURN(d.num_blocks, OptionalInt(root, "", "blocks", 1));
+      RESHARD_ASSIGN_OR_RETURN(d.rule.heads, OptionalInt(root, "", "heads", json::kPositive));
+      RESHARD_ASSIGN_OR_RETURN(d.num_blocks, OptionalInt(root, "", "blocks", kBlockCount));
       auto pairing = root.find("pairing");
       auto ranks = root.find("rank_blocks");
       if ((pairing == root.end()) == (ranks == root.end())) {
@@ -221,14 +226,14 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       break;
     }
     case LayoutFamily::kCodegenQkv: {
-      RESHARD_ASSIGN_OR_RETURN(d.rule.heads, OptionalInt(root, "", "heads", 1));
+      RESHARD_ASSIGN_OR_RETURN(d.rule.heads, OptionalInt(root, "", "heads", json::kPositive));
       if (auto it = root.find("mp_num"); it != root.end()) {
-        RESHARD_ASSIGN_OR_RETURN(d.mp_num, ReadInt(*it, "mp_num", 1));
+        RESHARD_ASSIGN_OR_RETURN(d.mp_num, ReadInt(*it, "mp_num", kBlockCount));
       }
       break;
     }
     case LayoutFamily::kPaddedVocab: {
-      RESHARD_ASSIGN_OR_RETURN(d.padded_size, OptionalInt(root, "", "padded_size", 0));
+      RESHARD_ASSIGN_OR_RETURN(d.padded_size, OptionalInt(root, "", "padded_size", json::kCount));
       if (auto it = root.find("pad_multiple"); it != root.end()) {
         if (d.padded_size)
           return ErrorAt("pad_multiple", "give \"padded_size\" or \"pad_multiple\", not both");
@@ -247,6 +252,30 @@ std::string UnitsName(Index n, const SplitRule& rule) {
   if (rule.heads) return fmt::format("{} head{}", n, n == 1 ? "" : "s");
   if (rule.grain && *rule.grain > 1) return fmt::format("{} grains of {}", n, *rule.grain);
   return fmt::format("{} ind{}", n, n == 1 ? "ex" : "ices");
+}
+
+// a * b for counts the descriptor multiplies; FailedPrecondition naming both when the product
+// leaves the 2^62 range.
+Result<Index> Product(Index a, Index b, std::string_view what) {
+  std::optional<Index> product = CheckedMul(a, b);
+  if (!product) {
+    return FailedPreconditionError(fmt::format("{}: {} x {} is more than 2^62", what, a, b));
+  }
+  return *product;
+}
+
+// The sum of `values`; FailedPrecondition when it leaves the 2^62 range.
+Result<Index> Sum(const std::vector<Index>& values, std::string_view what) {
+  Index sum = 0;
+  for (Index v : values) {
+    std::optional<Index> next = CheckedAdd(sum, v);
+    if (!next) {
+      return FailedPreconditionError(
+          fmt::format("{} [{}] sum to more than 2^62", what, fmt::join(values, ", ")));
+    }
+    sum = *next;
+  }
+  return sum;
 }
 
 // The `rule` of a part: the layout's, overridden by what the part says.
@@ -287,11 +316,10 @@ Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape
     equal.size = extent / *d.equal_parts;
     parts.assign(static_cast<size_t>(*d.equal_parts), equal);
   }
-  Index total = 0;
-  for (const LayoutPart& p : parts) total += p.size;
+  std::vector<Index> sizes;
+  for (const LayoutPart& p : parts) sizes.push_back(p.size);
+  RESHARD_ASSIGN_OR_RETURN(const Index total, Sum(sizes, "the part sizes"));
   if (total != extent) {
-    std::vector<Index> sizes;
-    for (const LayoutPart& p : parts) sizes.push_back(p.size);
     return InvalidArgumentError(
         fmt::format("the parts ({}) cover {} indices but dimension {} has {}",
                     fmt::join(sizes, " + "), total, d.dim, extent));
@@ -312,6 +340,10 @@ Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape
 // Yuan's shared-QK attention: rank r's query heads are r*H/w .. (r+1)*H/w - 1, and it takes
 // the value head q/2 for every second query head q, then the same heads shifted by H/2.
 Result<std::vector<std::vector<Index>>> SharedQkBlocks(Index heads, int world) {
+  if (heads > kMaxBlocks) {
+    return FailedPreconditionError(fmt::format(
+        "{} heads are more than the {} blocks a block_gather layout may have", heads, kMaxBlocks));
+  }
   if (heads % world != 0) {
     return FailedPreconditionError(fmt::format(
         "{} heads cannot be split over {} ranks: the shared-QK pairing gives every rank the same "
@@ -349,14 +381,21 @@ Result<std::vector<std::vector<Index>>> SharedQkBlocks(Index heads, int world) {
 Result<std::vector<std::vector<Index>>> CodegenBlocks(Index rows, const LayoutDescriptor& d,
                                                       int world, Index& num_blocks) {
   const Index mp = d.mp_num;
-  if (d.rule.heads && *d.rule.heads % (mp * world) != 0) {
+  RESHARD_ASSIGN_OR_RETURN(const Index mp_blocks, Product(mp, world, "mp_num x world size"));
+  if (d.rule.heads && *d.rule.heads % mp_blocks != 0) {
     return FailedPreconditionError(
         fmt::format("CodeGen's fused QKV needs the head count to be a multiple of {} x the world "
                     "size: {} heads "
                     "do not split over {} ranks; use a world size w with {} divisible by {}w",
                     mp, *d.rule.heads, world, *d.rule.heads, mp));
   }
-  num_blocks = 3 * mp * world;
+  RESHARD_ASSIGN_OR_RETURN(num_blocks, Product(3, mp_blocks, "3 x mp_num x world size"));
+  if (num_blocks > kMaxBlocks) {
+    return FailedPreconditionError(
+        fmt::format("CodeGen's fused QKV at {} ranks would be cut into 3 x {} x {} = {} blocks, "
+                    "more than {}",
+                    world, mp, world, num_blocks, kMaxBlocks));
+  }
   if (rows % num_blocks != 0) {
     return FailedPreconditionError(fmt::format(
         "CodeGen's fused QKV of {} rows cannot be cut into 3 x {} x {} equal blocks at {} ranks",
@@ -435,8 +474,11 @@ Result<ParamMap> BuildUncanonical(const LayoutDescriptor& d, const Shape& shape,
               padded, world, padded));
         }
       } else {
-        const Index multiple = d.pad_multiple * world;
-        padded = (extent + multiple - 1) / multiple * multiple;
+        RESHARD_ASSIGN_OR_RETURN(const Index multiple,
+                                 Product(d.pad_multiple, world, "pad_multiple x world size"));
+        RESHARD_ASSIGN_OR_RETURN(
+            padded, Product((extent + multiple - 1) / multiple, multiple,
+                            "the padded size, a multiple of pad_multiple x world size"));
       }
       Shape padded_shape = shape;
       padded_shape[static_cast<size_t>(d.dim)] = padded;
@@ -468,9 +510,11 @@ std::string_view RemainderName(Remainder remainder) {
 }
 
 Result<LayoutDescriptor> ParseLayoutJson(std::string_view text) {
-  RESHARD_ASSIGN_OR_RETURN(Json root, layouts_internal::ParseStrictJson(text));
+  RESHARD_ASSIGN_OR_RETURN(Json root, json::ParseJson(text));
   return ParseDescriptor(root);
 }
+
+Result<LayoutDescriptor> LayoutFromJson(const json::Json& value) { return ParseDescriptor(value); }
 
 std::string LayoutToJson(const LayoutDescriptor& d) {
   nlohmann::ordered_json j;
@@ -543,7 +587,7 @@ Result<std::vector<Index>> SplitSizes(Index extent, int world, const SplitRule& 
           "explicit sizes [{}] are for {} ranks, not {}: explicit sizes fix the world size",
           fmt::join(rule.sizes, ", "), rule.sizes.size(), world));
     }
-    const Index sum = std::accumulate(rule.sizes.begin(), rule.sizes.end(), Index{0});
+    RESHARD_ASSIGN_OR_RETURN(const Index sum, Sum(rule.sizes, "sizes"));
     if (sum != extent) {
       return InvalidArgumentError(fmt::format("sizes [{}] sum to {}, but the dimension has {}",
                                               fmt::join(rule.sizes, ", "), sum, extent));
@@ -606,11 +650,13 @@ Result<ParamMap> BuildMap(const LayoutDescriptor& descriptor, const Shape& shape
       return InvalidArgumentError(
           fmt::format("shape {} has a negative extent", FormatShape(shape)));
   }
+  RESHARD_RETURN_IF_ERROR(CheckedProduct(shape).status());
   Result<ParamMap> map = BuildUncanonical(descriptor, shape, world_size);
   if (!map.ok()) {
-    return map.status().Annotate(
-        fmt::format("{} layout of {} at {} rank{}", LayoutFamilyName(descriptor.family),
-                    FormatShape(shape), world_size, world_size == 1 ? "" : "s"));
+    // Whatever does not fit (the shape or the world size) is one kind of failure.
+    return AsFailedCheck(map.status())
+        .Annotate(fmt::format("{} layout of {} at {} rank{}", LayoutFamilyName(descriptor.family),
+                              FormatShape(shape), world_size, world_size == 1 ? "" : "s"));
   }
   return Canonicalize(*map);
 }

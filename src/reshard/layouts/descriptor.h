@@ -139,10 +139,11 @@ Result<std::vector<Index>> SplitSizes(Index extent, int world_size, const SplitR
 /// equal, byte for byte once serialised, to `Infer` on the shards the layout produces.
 /// For padded_vocab, `shape` is the real (unpadded) shape: the map's logical shape is padded
 /// and its valid_shape is `shape`.
-/// \error InvalidArgument  the descriptor does not fit the shape (dim outside it, parts that
-///                         do not cover it, heads that do not divide it).
-/// \error FailedPrecondition  the layout cannot be laid out at this world size; the message
-///                         names the count that breaks and what would work.
+/// \error FailedPrecondition  the layout does not fit: not the shape (dim outside it, parts
+///                         that do not cover it, heads that do not divide it, counts whose
+///                         products overflow) or not this world size (the message names the
+///                         count that breaks and what would work).
+/// \error InvalidArgument  a world size outside 1..65536 or a negative extent.
 Result<ParamMap> BuildMap(const LayoutDescriptor& descriptor, const Shape& shape, int world_size);
 
 }  // namespace reshard

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "reshard/ir/canonicalize.h"
+#include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/basic.h"
 
@@ -283,15 +284,100 @@ TEST(DescriptorJsonTest, MalformedDescriptorsNameTheJsonPath) {
   }
 }
 
-TEST(DescriptorTest, ShapeMismatchesAreInvalidArguments) {
+TEST(DescriptorTest, ShapeMismatchesAreFailedPreconditionsLikeWorldSizeMismatches) {
   Result<ParamMap> m = BuildMap(Parse(R"({"family": "split", "dim": 2})"), {4, 4}, 2);
-  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(m.status().message(),
             "split layout of [4, 4] at 2 ranks: dimension 2 is outside shape [4, 4]");
   m = BuildMap(Parse(R"({"family": "fused", "parts": [{"size": 4}, {"size": 2}]})"), {8, 2}, 2);
+  EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(
       m.status().message(),
       "fused layout of [8, 2] at 2 ranks: the parts (4 + 2) cover 6 indices but dimension 0 has 8");
+  m = BuildMap(Parse(R"({"family": "split", "remainder": "exact"})"), {5, 4}, 2);
+  EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+
+// Counts near 2^62 must be refused with the product that breaks, never wrap around (a
+// division by a wrapped zero killed the process; a wrapped negative gave wrong messages).
+TEST(DescriptorTest, OverflowingCountsAreRefusedNamingTheProduct) {
+  struct OverflowCase {
+    const char* json;
+    Shape shape;
+    int world;
+    StatusCode code;
+    const char* message;
+  };
+  const std::vector<OverflowCase> cases = {
+      {R"({"family": "padded_vocab", "dim": 0, "pad_multiple": 4611686018427387904})",
+       {13, 4},
+       4,
+       StatusCode::kFailedPrecondition,
+       "padded_vocab layout of [13, 4] at 4 ranks: pad_multiple x world size: "
+       "4611686018427387904 x 4 is more than 2^62"},
+      {R"({"family": "padded_vocab", "dim": 0, "pad_multiple": 2305843009213693952})",
+       {13, 4},
+       4,
+       StatusCode::kFailedPrecondition,
+       "padded_vocab layout of [13, 4] at 4 ranks: pad_multiple x world size: "
+       "2305843009213693952 x 4 is more than 2^62"},
+      {R"({"family": "padded_vocab", "dim": 0, "pad_multiple": 1152921504606846976})",
+       {13, 4},
+       4,
+       StatusCode::kFailedPrecondition,
+       "has more than 2^62 elements"},
+      {R"({"family": "split", "dim": 0, "sizes": [4611686018427387904, 4611686018427387904]})",
+       {4},
+       2,
+       StatusCode::kFailedPrecondition,
+       "sizes [4611686018427387904, 4611686018427387904] sum to more than 2^62"},
+      {R"({"family": "fused", "dim": 0, "parts": [{"size": 4611686018427387904},
+           {"size": 4611686018427387904}]})",
+       {4},
+       1,
+       StatusCode::kFailedPrecondition,
+       "the part sizes [4611686018427387904, "},
+      {R"({"family": "block_gather", "dim": 0, "pairing": "shared_qk",
+           "heads": 4611686018427387904})",
+       {0},
+       2,
+       StatusCode::kFailedPrecondition,
+       "heads are more than the 1048576 blocks"},
+      {R"({"family": "codegen_qkv", "dim": 0, "mp_num": 1048576})",
+       {0, 4},
+       2,
+       StatusCode::kFailedPrecondition,
+       "3 x 1048576 x 2 = 6291456 blocks, more than 1048576"},
+  };
+  for (const OverflowCase& c : cases) {
+    Result<ParamMap> m = BuildMap(Parse(c.json), c.shape, c.world);
+    ASSERT_FALSE(m.ok()) << c.json;
+    EXPECT_EQ(m.status().code(), c.code) << c.json << " -> " << m.status().message();
+    EXPECT_NE(m.status().message().find(c.message), std::string::npos)
+        << c.json << " -> " << m.status().message();
+  }
+}
+
+TEST(DescriptorJsonTest, CountsThatAllocateAreRangeChecked) {
+  for (const auto& [json, message] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"family": "codegen_qkv", "dim": 0, "mp_num": 4611686018427387904})",
+            "mp_num: 4611686018427387904 is outside 1..1048576"},
+           {R"({"family": "fused", "dim": 0, "parts": 4611686018427387904})",
+            "parts: 4611686018427387904 is outside 1..1048576"},
+           {R"({"family": "block_gather", "dim": 0, "blocks": 1048577, "rank_blocks": [[0]]})",
+            "blocks: 1048577 is outside 1..1048576"},
+       }) {
+    Result<LayoutDescriptor> d = ParseLayoutJson(json);
+    ASSERT_FALSE(d.ok()) << json;
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(d.status().message(), message);
+  }
 }
 
 }  // namespace

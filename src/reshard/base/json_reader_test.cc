@@ -1,0 +1,79 @@
+#include "reshard/base/json_reader.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace reshard::json {
+namespace {
+
+std::string Error(std::string_view text) {
+  Result<Json> parsed = ParseJson(text);
+  EXPECT_FALSE(parsed.ok()) << text;
+  if (parsed.ok()) return "";
+  EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
+  return parsed.status().message();
+}
+
+TEST(JsonReaderTest, BytesAfterTheValueAreRefusedEvenAfterANul) {
+  const std::string text = std::string(R"({"a": 1})") + '\0' + "garbage{{{";
+  EXPECT_EQ(Error(text), "malformed JSON: 11 bytes after the JSON value, from byte 8 (a NUL)");
+  EXPECT_EQ(Error(std::string("[1, ") + '\0' + "2]"), "malformed JSON: a NUL byte at byte 4");
+  EXPECT_EQ(Error(R"({"a": 1} {})"),
+            "malformed JSON: parse error at line 1, column 10: syntax error while parsing value - "
+            "unexpected '{'; expected end of input");
+  EXPECT_TRUE(ParseJson("{\"a\": 1}\n \t").ok());
+}
+
+TEST(JsonReaderTest, DuplicateKeysAreRefusedWithTheirPath) {
+  EXPECT_EQ(Error(R"({"a": [{}, {"b": 1, "b": 2}]})"), R"(a[1]: duplicate key "b")");
+  EXPECT_EQ(Error(R"({"*": 1, "*": 2})"), R"(duplicate key "*")");
+  EXPECT_TRUE(ParseJson(R"({"a": {"b": 1}, "c": {"b": 1}})").ok());
+}
+
+TEST(JsonReaderTest, DepthIsLimitedBeforeParsing) {
+  EXPECT_TRUE(ParseJson(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']')).ok());
+  EXPECT_EQ(Error(std::string(kMaxJsonDepth + 1, '[')),
+            "JSON nests deeper than 128 levels (at byte 128)");
+}
+
+TEST(JsonReaderTest, TopLevelKeysKeepFileOrder) {
+  std::vector<std::string> keys;
+  ASSERT_TRUE(ParseJson(R"({"z": 1, "a": {"y": 2}, "m": 3})", &keys).ok());
+  EXPECT_EQ(keys, (std::vector<std::string>{"z", "a", "m"}));
+}
+
+TEST(JsonReaderTest, IntegersAreCheckedForTypeAndRange) {
+  const Json j = *ParseJson(R"([4.0, -1, 9223372036854775808, 4611686018427387905, "7", 5])");
+  EXPECT_EQ(ReadInt(j[0], "x").status().message(), "x: expected an integer, got 4.0");
+  EXPECT_EQ(ReadInt(j[1], "x", kCount).status().message(), "x: -1 is outside 0..2^62");
+  EXPECT_EQ(ReadInt(j[2], "x").status().message(),
+            "x: integer 9223372036854775808 is outside the range of int64");
+  EXPECT_EQ(ReadInt(j[3], "x", kPositive).status().message(),
+            "x: 4611686018427387905 is outside 1..2^62");
+  EXPECT_EQ(ReadInt(j[4], "x", kPositive).status().message(),
+            R"(x: expected a positive integer, got "7")");
+  EXPECT_EQ(*ReadInt(j[5], "x", IntRange{5, 5}), 5);
+  EXPECT_EQ(ReadIntArray(j, "a", kCount).status().message(),
+            "a[0]: expected a non-negative integer, got 4.0");
+}
+
+TEST(JsonReaderTest, PathsQuoteKeysThatAreNotIdentifiers) {
+  EXPECT_EQ(Member("", "ranks"), "ranks");
+  EXPECT_EQ(Member("ranks", "3"), R"(ranks["3"])");
+  EXPECT_EQ(Member(R"(ranks["3"])", "pieces"), R"(ranks["3"].pieces)");
+  EXPECT_EQ(Element("pieces", 1), "pieces[1]");
+  // Cut at a UTF-8 boundary: 47 ASCII bytes, then a two-byte character across byte 48.
+  EXPECT_EQ(QuoteShort(std::string(47, 'x') + "\xC3\xA9" + "tail"),
+            "\"" + std::string(47, 'x') + "...\"");
+}
+
+TEST(JsonReaderTest, UnknownKeysAreNamedWithTheAllowedOnes) {
+  const Json j = *ParseJson(R"({"family": "split", "dims": 0})");
+  EXPECT_EQ(CheckKeys(j, "", {"family", "dim"}, "family \"split\"").message(),
+            "dims: unknown key for family \"split\" (allowed: family, dim)");
+}
+
+}  // namespace
+}  // namespace reshard::json

@@ -1,0 +1,35 @@
+// Internal to the library's .cc files (it pulls in nlohmann/json through json_reader.h):
+// param maps and map documents read from JSON that is already parsed, for documents that
+// embed them (a checkpoint manifest, DeepSpeed's metadata, a layouts document).
+#ifndef RESHARD_IR_MAP_JSON_VALUE_H_
+#define RESHARD_IR_MAP_JSON_VALUE_H_
+
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "reshard/base/json_reader.h"
+#include "reshard/base/result.h"
+#include "reshard/ir/param_map.h"
+
+namespace reshard {
+
+/// ParseParamMapJson of a parsed value; errors carry paths relative to the value.
+Result<ParamMapBuilder> ParamMapFromJson(const json::Json& value);
+
+/// InvalidArgument unless `version` is the integer kMapDocumentVersion (path "version").
+Status CheckDocumentVersion(const json::Json& version);
+
+/// The members of a document object `root` but "version", with `keys` (in file order) decoded
+/// by DecodeParamKey; InvalidArgument when two keys name the same `what` ("parameter").
+Result<std::vector<std::pair<std::string, const json::Json*>>> DecodeDocumentKeys(
+    const json::Json& root, const std::vector<std::string>& keys, std::string_view what);
+
+/// A validation failure of well-formed input as a failed check: InvalidArgument, OutOfRange
+/// and DataLoss become FailedPrecondition (message kept); other codes are kept.
+Status AsFailedCheck(Status status);
+
+}  // namespace reshard
+
+#endif  // RESHARD_IR_MAP_JSON_VALUE_H_

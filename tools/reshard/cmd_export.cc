@@ -1,0 +1,78 @@
+// reshard export FILE.pt -o OUT.safetensors [--force]
+// reshard export FILE.safetensors -o OUT.pt [--force]
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "exit_status.h"
+#include "reshard/io/mapped_file.h"
+#include "reshard/io/safetensors.h"
+#include "reshard/io/torch_file.h"
+#include "reshard/io/torch_writer.h"
+
+namespace reshard::cli {
+
+namespace {
+
+struct ExportArgs {
+  std::string path;
+  std::string output;
+  bool force = false;
+};
+
+// A safetensors file as a torch.save state dict, tensors in the file's data order.
+Result<size_t> SafetensorsToTorch(const ExportArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(const SafetensorsFile in, SafetensorsFile::Open(args.path));
+  std::vector<TensorToWrite> tensors;
+  for (const TensorInfo& t : in.header().tensors) {
+    tensors.push_back({.name = t.name,
+                       .dtype = t.dtype,
+                       .shape = t.shape,
+                       .fill = [&in, &t](std::span<std::byte> out) {
+                         const std::span<const std::byte> data = in.data(t);
+                         std::copy(data.begin(), data.end(), out.begin());
+                         return Status::Ok();
+                       }});
+  }
+  RESHARD_RETURN_IF_ERROR(
+      WriteTorchStateDict(args.output, std::move(tensors), {.overwrite = args.force}));
+  return in.header().tensors.size();
+}
+
+Result<size_t> TorchToSafetensors(const ExportArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(args.path));
+  RESHARD_RETURN_IF_ERROR(ExportToSafetensors(f, args.output, args.force));
+  return f.tensors().size();
+}
+
+Status RunExport(const ExportArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
+  Result<size_t> written =
+      LooksLikeTorchFile(mapped.bytes()) ? TorchToSafetensors(args) : SafetensorsToTorch(args);
+  if (written.status().code() == StatusCode::kAlreadyExists) {
+    return Status(StatusCode::kAlreadyExists,
+                  written.status().message() + " (use --force to replace it)");
+  }
+  RESHARD_RETURN_IF_ERROR(written.status());
+  fmt::print("wrote {} tensors to \"{}\"\n", *written, args.output);
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RegisterExport(CLI::App& app, int& exit_status) {
+  auto args = std::make_shared<ExportArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "export",
+      "Write every tensor of a PyTorch .pt file to a .safetensors file under its dotted name "
+      "(module.layers.0.weight), bit for bit, without running the file's pickle; a view is "
+      "written as its own contiguous tensor. Given a .safetensors file, write its tensors as "
+      "the state dict torch.save would write (torch.load(weights_only=True) reads it). The "
+      "kind of input is told by its first bytes; the output appears atomically.");
+  cmd->add_option("FILE", args->path, "a .pt file (torch.save) or a .safetensors file")->required();
+  cmd->add_option("-o,--output", args->output, "the .safetensors (or, from safetensors, .pt) file")
+      ->required();
+  cmd->add_flag("--force", args->force, "replace an existing output");
+  cmd->callback([args, &exit_status] { exit_status = Finish("export", RunExport(*args)); });
+}
+
+}  // namespace reshard::cli
