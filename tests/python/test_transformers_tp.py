@@ -79,31 +79,6 @@ DEGREE_CASES = {
 }
 
 CASES = {**ARCHITECTURES, **DEGREE_CASES}
-
-# Where reshard still places tensors unlike transformers 5.24: case -> text that its detected
-# difference contains. The tests at the end assert that each is still detected, so the fix
-# of one fails there until its case moves back to the strict comparison.
-SCATTER_DIFFERS = {
-    # The plan is matched against checkpoint names before transformers' renames.
-    "dory": "model.embed_tokens.weight",
-    "exaone": "self_attn.q_proj.weight",
-    "gpt_neox": "lm_head.weight",
-    "granitemoe": "block_sparse_moe.experts.gate_up_proj",
-    "granitemoehybrid": "block_sparse_moe.experts.gate_up_proj",
-    "granitemoeshared": "block_sparse_moe.experts.gate_up_proj",
-    # The LM-head plan these classes inherit is missing from the registry.
-    "internlm3": "lm_head.weight",
-    "iquestcoder": "lm_head.weight",
-    # Stacked experts stored as such: transformers splits them, reshard keeps them whole.
-    "aria_text": "mlp.experts.gate_up_proj",
-    # transformers splits a dimension unevenly; reshard refuses the degree.
-    "llama_intermediate_129": "129 intermediate features",
-    "llama_vocab_251": "251 vocabulary entries",
-}
-DEGREE_DIFFERS = {
-    "llama_intermediate_129": "129 intermediate features",
-    "llama_vocab_251": "251 vocabulary entries",
-}
 WORKING = sorted(name for name, case in CASES.items() if case.works)
 
 
@@ -275,7 +250,7 @@ def degree_problem(name, transformers_tp, reshard_bin):
             f"({[s['error'] for s in statuses]}); reshard degree exit {r.returncode}: {r.stderr}")
 
 
-@pytest.mark.parametrize("name", [n for n in WORKING if n not in SCATTER_DIFFERS])
+@pytest.mark.parametrize("name", WORKING)
 def test_scatter_matches_transformers_or_refuses_its_load_conversion(name, transformers_tp,
                                                                      reshard_bin, tmp_path):
     assert transformers_tp.works(name), transformers_tp.statuses(name)
@@ -283,7 +258,7 @@ def test_scatter_matches_transformers_or_refuses_its_load_conversion(name, trans
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(CASES) if n not in DEGREE_DIFFERS])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_degree_verdict_matches_what_transformers_does(name, transformers_tp, reshard_bin):
     statuses = transformers_tp.statuses(name)
     # The case table says what transformers does; a new release that changes it shows here.
@@ -332,22 +307,3 @@ def test_converted_targets_follow_transformers_conversion_mapping():
                                         "architectures": ["GPTNeoXForCausalLM"]})
     assert neox_renames == [(r"^embed_out\.", "lm_head.")]
     assert load_conversions({"model_type": "llama"}) == ([], [])
-
-
-@pytest.mark.parametrize("name", sorted(SCATTER_DIFFERS))
-def test_scatter_difference_from_transformers_is_still_detected(name, transformers_tp,
-                                                                 reshard_bin, tmp_path):
-    assert transformers_tp.works(name), transformers_tp.statuses(name)
-    problems = scatter_problems(name, transformers_tp, reshard_bin, tmp_path / "sharded")
-    assert any(SCATTER_DIFFERS[name] in p for p in problems), (
-        f"{name} no longer differs as recorded (move it back to the strict test):\n"
-        + "\n".join(problems))
-
-
-@pytest.mark.parametrize("name", sorted(DEGREE_DIFFERS))
-def test_degree_difference_from_transformers_is_still_detected(name, transformers_tp,
-                                                               reshard_bin):
-    assert transformers_tp.works(name) == CASES[name].works, transformers_tp.statuses(name)
-    problem = degree_problem(name, transformers_tp, reshard_bin)
-    assert problem is not None and DEGREE_DIFFERS[name] in problem, (
-        f"{name} no longer differs as recorded (move it back to the strict test): {problem}")
