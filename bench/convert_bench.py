@@ -7,6 +7,10 @@ each to TP 8, then times `cp -r` of the TP 8 directory against `reshard convert 
 and reports the peak resident memory of each convert (GNU time's maximum RSS).
 
     python bench/convert_bench.py [--reshard build-release/tools/reshard/reshard] [--scale-gb 1]
+
+With --replica-cost it measures instead what verifying replicas costs convert: a checkpoint
+whose every tensor is replicated (the worst case: every byte is compared) is scattered to
+TP 2 and converted to TP 1 with and without --no-verify-replicas.
 """
 
 import argparse
@@ -45,13 +49,52 @@ def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
+def replica_cost(args, work):
+    hidden, rows = 4096, 8192  # 64 MiB tensors
+    count = max(1, int(args.scale_gb * 1e9 / (rows * hidden * 2)))
+    full = os.path.join(work, "full")
+    total = make_checkpoint(full, rows, hidden, count - 1, rows, 0)
+    layouts = os.path.join(work, "layouts.json")
+    with open(layouts, "w") as f:
+        json.dump({"version": 1, "*": {"family": "replicated"}}, f)
+    tp2 = os.path.join(work, "tp2")
+    subprocess.run([args.reshard, "scatter", full, "--layouts", layouts, "--tp", "2", "-o", tp2],
+                   check=True, capture_output=True)
+    shutil.rmtree(full)
+    subprocess.run(["cat"] + [os.path.join(tp2, f) for f in os.listdir(tp2)], stdout=subprocess.DEVNULL,
+                   check=True)
+    out = os.path.join(work, "tp1")
+    best = {"verified": float("inf"), "--no-verify-replicas": float("inf")}
+    for _ in range(3):
+        for mode in best:
+            subprocess.run(["sync"], check=True)
+            extra = [mode] if mode.startswith("--") else []
+            t, _ = timed([args.reshard, "convert", tp2, "--tp", "1", "-o", out] + extra)
+            best[mode] = min(best[mode], t)
+            shutil.rmtree(out)
+    size = dir_bytes(tp2)
+    print(f"every tensor replicated: {total / 1e9:.2f} GB of F, TP 2 directory {size / 1e9:.2f} GB; "
+          f"convert TP 2 -> 1, best of 3:")
+    for mode, t in best.items():
+        print(f"  {mode:<22} {t:6.2f} s ({size / t / 1e9:5.2f} GB/s read)")
+    print(f"  verification costs {best['verified'] / best['--no-verify-replicas']:.2f}x the time")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reshard", default="build-release/tools/reshard/reshard")
     ap.add_argument("--scale-gb", type=float, default=1.0, help="size of the 1x checkpoint")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--replica-cost", action="store_true",
+                    help="measure the cost of verifying replicas in convert instead")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="reshard-bench-", dir=args.workdir)
+    if args.replica_cost:
+        try:
+            replica_cost(args, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         hidden = 4096
         largest_rows = 32768  # 256 MiB of 16-bit elements: the largest tensor of both

@@ -7,6 +7,7 @@ The degree planner and the model-map generator (src/reshard/hf) read this file, 
 the binary, instead of importing transformers. It records, from the installed package:
 
   transformers_version     the release it was read from
+  load_renames             the renamings transformers applies to every model at load (legacy)
   input_embedding          the entry transformers adds to a base model's plan for its input
                            embedding ({"module", "style", "applies": "always" | "tied"}), found
                            by building a small model on the meta device and reading its plan
@@ -15,14 +16,16 @@ the binary, instead of importing transformers. It records, from the installed pa
   distributed_config_keys  the fields of transformers' DistributedConfig (the dict form it accepts)
   model_types              per model type with a plan of its own or through its text sub-config:
     tp_plan, ep_plan       the config class's base_model_tp_plan / base_model_ep_plan, in order
-    head_plan              the plan the task head class adds (the LM head), read from the class
-                           attribute in the modeling source without importing torch models
+    head_plan              the plan the task head class adds (the LM head): the class's
+                           `_tp_plan` attribute, inherited ones included
     attribute_map          the config's aliases (standard name -> key stored in config.json)
     defaults               the config class's defaults for the keys the counts need
     text_config            {"key", "model_type"} of the text sub-config of a composite model
     embed_tokens           true when the model type's base model holds an nn.Embedding named
                            `embed_tokens` (read from its __init__ source), the module the
                            input-embedding entry names
+    load_renames           the checkpoint renamings transformers applies at load, in order, as
+                           ECMAScript regular expressions: {"pattern", "replacement"}
     load_conversions       the checkpoint conversions transformers applies at load (tensors
                            merged, split or permuted): {"sources", "target", "operations"}
 
@@ -35,6 +38,7 @@ import ast
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 
 import transformers
@@ -124,17 +128,52 @@ def has_embed_tokens(model_type):
     return False
 
 
-def load_conversions(model_type):
-    """The WeightConverter entries of the model type's checkpoint conversion mapping."""
+def checkpoint_transforms(model_type):
+    """The weight transforms transformers applies when it loads the model type's causal-LM class
+    (its class-name mapping first, else the model type's); the legacy ones, which follow them
+    for every model, are recorded once at the top level."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    transforms = None
+    name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if isinstance(name, (tuple, list)):
+        name = name[0] if name else None
+    if name:
+        transforms = get_checkpoint_conversion_mapping(name)
+    if transforms is None:
+        transforms = get_checkpoint_conversion_mapping(model_type)
+    return transforms or []
+
+
+def load_conversions(transforms):
+    """The WeightConverter entries: tensors merged, split or permuted at load."""
     from transformers.core_model_loading import WeightConverter
     out = []
-    for c in get_checkpoint_conversion_mapping(model_type) or []:
+    for c in transforms:
         if not isinstance(c, WeightConverter):
-            continue  # a renaming moves no element
-        target = c.target_patterns if isinstance(c.target_patterns, list) else [c.target_patterns]
-        out.append({"sources": list(c.source_patterns), "target": ", ".join(target),
+            continue
+        out.append({"sources": list(c.source_patterns), "target": ", ".join(c.target_patterns),
                     "operations": [type(op).__name__ for op in c.operations]})
+    return out
+
+
+def load_renames(transforms):
+    """The plain renamings, as ECMAScript regular expressions and replacements, built the way
+    transformers builds its own (`*.` spans any run, a pattern ending in a word character ends
+    at a name boundary; `\\1` in a target is the first group). Patterns using Python-only
+    syntax are left out."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    out = []
+    for c in transforms:
+        if not isinstance(c, WeightRenaming) or isinstance(c, WeightConverter):
+            continue
+        replacement = re.sub(r"\\(\d)", r"$\1", c.target_patterns[0])
+        for source in c.source_patterns:
+            pattern = source.replace("*.", r".*\.")
+            if re.search(r"[a-zA-Z0-9]$", pattern):
+                pattern += r"(?!\w)"
+            if "(?P" in pattern or "(?<" in pattern or "(?i" in pattern:
+                continue
+            out.append({"pattern": pattern, "replacement": replacement})
     return out
 
 
@@ -148,7 +187,8 @@ def class_default(cls, stored_key):
 
 
 def head_class_plan(model_type, models_dir):
-    """The `_tp_plan` literal of the model type's LM-head class, from its source."""
+    """The `_tp_plan` of the model type's LM-head class (as a class attribute, inherited ones
+    included; from its source when the class cannot be imported)."""
     for mapping_name in HEAD_MAPPINGS:
         mapping = getattr(modeling_auto, mapping_name, {})
         name = mapping.get(model_type)
@@ -156,6 +196,11 @@ def head_class_plan(model_type, models_dir):
             name = name[0] if name else None
         if not name:
             continue
+        try:  # the class attribute transformers reads, inherited or not
+            plan = getattr(getattr(transformers, name), "_tp_plan", None)
+            return dict(plan) if plan else None
+        except Exception:  # not importable here: read the literal from the source
+            pass
         module = configuration_auto.model_type_to_module_name(model_type)
         for path in sorted((models_dir / module).glob("modeling_*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -225,13 +270,21 @@ def generate():
     for mt, entry in model_types.items():
         if "tp_plan" in entry and has_embed_tokens(mt):
             entry["embed_tokens"] = True
-        conversions = load_conversions(mt)
+        transforms = checkpoint_transforms(mt)
+        renames = load_renames(transforms)
+        if renames:
+            entry["load_renames"] = renames
+        conversions = load_conversions(transforms)
         if conversions:
             entry["load_conversions"] = conversions
     registry = {
         "generator": "scripts/gen_tp_plans.py",
         "transformers_version": transformers.__version__,
     }
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    legacy = load_renames(get_checkpoint_conversion_mapping("legacy") or [])
+    if legacy:
+        registry["load_renames"] = legacy
     rule = input_embedding_rule()
     if rule:
         registry["input_embedding"] = rule

@@ -353,14 +353,14 @@ def test_convert_verifies_replicas_unless_told(reshard_bin, tmp_path, full):
     flip_bit(sharded / "model-rank-1-part-0.safetensors", "mlp.down.bias", 5)
     r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out")
     assert r.returncode == 1, r.stderr
-    assert 'parameter "mlp.down.bias"' in r.stderr and "ranks 0 and 1" in r.stderr, r.stderr
+    assert 'tensor "mlp.down.bias"' in r.stderr and "ranks 0 and 1" in r.stderr, r.stderr
     assert "element [5] of F" in r.stderr, r.stderr
     assert siblings(tmp_path / "out") == []
     flip_bit(sharded / "model-rank-1-part-0.safetensors", "mlp.down.bias", 5)
     flip_bit(sharded / "model-rank-3-part-0.safetensors", "attn.c_attn.weight", 12 * 16 + 2)
     r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out")
     assert r.returncode == 1, r.stderr
-    assert 'parameter "attn.c_attn.weight"' in r.stderr and "ranks 0 and 3" in r.stderr, r.stderr
+    assert 'tensor "attn.c_attn.weight"' in r.stderr and "ranks 0 and 3" in r.stderr, r.stderr
     assert "element [48, 2] of F" in r.stderr, r.stderr
     r = run(reshard_bin, "convert", sharded, "--tp", 2, "-o", tmp_path / "out", "--no-verify-replicas")
     assert r.returncode == 0, r.stderr
@@ -411,7 +411,7 @@ def test_a_scale_that_loses_a_value_is_refused_unless_allowed(reshard_bin, tmp_p
     args = ["scatter", d, "--layouts", tmp_path / "l.json", "--tp", 4, "-o", tmp_path / "s"]
     r = run(reshard_bin, *args)
     assert r.returncode == 1, r.stderr
-    assert 'parameter "b"' in r.stderr and "element [1] of F" in r.stderr, r.stderr
+    assert 'tensor "b"' in r.stderr and "element [1] of F" in r.stderr, r.stderr
     assert "2.9981136e-05 multiplied by 0.25" in r.stderr, r.stderr
     assert "which scales back to 3.0040741e-05" in r.stderr, r.stderr
     assert "allow lossy scale" in r.stderr, r.stderr
@@ -436,7 +436,7 @@ def test_an_optimizer_state_that_overflows_its_scale_is_refused(reshard_bin, tmp
             "--allow-scaled-optimizer-state"]
     r = run(reshard_bin, *args)
     assert r.returncode == 1, r.stderr
-    assert 'parameter "b.exp_avg"' in r.stderr and "60000 divided by 0.25 gives inf" in r.stderr
+    assert 'tensor "b.exp_avg"' in r.stderr and "60000 divided by 0.25 gives inf" in r.stderr
     r = run(reshard_bin, *args, "--allow-lossy-scale")
     assert r.returncode == 0, r.stderr
     shard = load_file(str(tmp_path / "s" / "model-rank-0-part-0.safetensors"))["b.exp_avg"]
@@ -456,7 +456,7 @@ def test_a_factor_that_is_not_a_power_of_two_needs_allowing(reshard_bin, tmp_pat
     assert r.returncode == 0, r.stderr
     r = run(reshard_bin, "convert", sharded, "--tp", 3, "-o", tmp_path / "c")
     assert r.returncode == 1, r.stderr
-    assert 'parameter "mlp.down.bias"' in r.stderr and "does not survive the scale" in r.stderr
+    assert 'tensor "mlp.down.bias"' in r.stderr and "does not survive the scale" in r.stderr
     assert "warning" not in r.stderr
     r = run(reshard_bin, "convert", sharded, "--tp", 3, "-o", tmp_path / "c", "--allow-lossy-scale")
     assert r.returncode == 0, r.stderr

@@ -35,10 +35,10 @@ EXPECTED_MAX = {
     "mlc_preset--gpt_bigcode": None,
     "mlc_preset--llama3_2_1b": 8,
     "mlc_preset--mistral_7b": 8,
-    "mlc_preset--olmo2_7b": 256,
-    "mlc_preset--phi-3_5": 64,
+    "mlc_preset--olmo2_7b": 4096,
+    "mlc_preset--phi-3_5": 1024,
     "mlc_preset--qwen2_0_5b": 2,
-    "mlc_preset--smollm2_360m": 1,
+    "mlc_preset--smollm2_360m": 5,
     "mlc_preset--starcoder2": 4,
     "tiiuae--falcon-7b-instruct": None,
 }
@@ -106,11 +106,14 @@ def test_degree_of_every_sample_config(reshard_bin, name):
     for c in answer["constraints"]:
         if c["meaning"] in by_meaning:
             assert c["count"] == by_meaning[c["meaning"]], c
-    # Every plain split entry of transformers' plan is a constraint.
+    # Every plain split attention entry of transformers' plan is a constraint; the vocabulary and
+    # the MLP are split in ceil chunks (a shorter last rank) and bind nothing.
     reported = {c["module"] for c in answer["constraints"]}
     for module, style in type(text).base_model_tp_plan.items():
         if style in SPLIT_STYLES and "experts" not in module:
-            assert module in reported, (module, style)
+            assert (module in reported) == ("attn" in module), (module, style)
+    assert all(c["meaning"] not in ("vocabulary entries", "intermediate features")
+               for c in answer["constraints"] if c["style"] in SPLIT_STYLES), answer["constraints"]
     # The answer is the gcd of the counts reported, and its divisors are the degrees.
     g = 0
     for c in answer["constraints"]:
@@ -122,7 +125,7 @@ def test_degree_of_every_sample_config(reshard_bin, name):
     leaves = {m.rsplit(".", 1)[-1] for m in type(text).base_model_tp_plan}
     if styles <= SPLIT_STYLES and leaves <= {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
                                              "k_norm"} | MLP:
-        assert g == math.gcd(heads, kv, text.intermediate_size, text.vocab_size)
+        assert g == math.gcd(heads, kv)
     assert (r.returncode == 1) == (g == 1)
 
 
@@ -245,10 +248,14 @@ def test_older_transformers_rules_leave_out_the_lm_head(reshard_bin, tmp_path):
               "intermediate_size": 64, "vocab_size": 49155, "tie_word_embeddings": True}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    r, answer = degree_json(reshard_bin, path)
+    # 5.15 to 5.23: the LM head splits the vocabulary evenly.
+    r, answer = degree_json(reshard_bin, path, "--transformers-version", "5.20")
     assert answer["max_tp_degree"] == 1 and r.returncode == 1
     assert {"module": "lm_head", "style": "colwise_gather_output", "count": 49155,
             "meaning": "vocabulary entries"} in answer["constraints"]
+    # 5.24 gives the last rank a shorter slice: the vocabulary binds nothing.
+    r, answer = degree_json(reshard_bin, path)
+    assert answer["max_tp_degree"] == 8 and r.returncode == 0
     r, answer = degree_json(reshard_bin, path, "--transformers-version", "5.14.1")
     assert answer["max_tp_degree"] == 8 and r.returncode == 0
     assert all(c["meaning"] != "vocabulary entries" for c in answer["constraints"])
@@ -412,3 +419,29 @@ def test_emit_maps_reads_the_index_as_the_checkpoint_reader_does(reshard_bin, tm
     r = run(reshard_bin, tmp_path / "config.json", "--tp", 2, "--emit-maps", out, "--weights", weights)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text,what", [
+    ('{"model_type": "llama", "num_attention_heads": 8, "num_attention_heads": 9}',
+     'duplicate key "num_attention_heads"'),
+    ('{"model_type": "llama", "text_config": {"vocab_size": 4, "vocab_size": 8}}',
+     'duplicate key'),
+    ('{"model_type": "llama"}\x00garbage{{{', "after the JSON value")])
+def test_config_with_duplicate_keys_or_trailing_bytes_is_refused(reshard_bin, tmp_path, text,
+                                                                 what):
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode())
+    r = run(reshard_bin, path, "--tp", 2)
+    assert r.returncode == 2 and what in r.stderr, (r.stdout, r.stderr)
+    assert "works" not in r.stdout
+
+
+@pytest.mark.parametrize("dist,what", [
+    ('{"tp_size": 2, "tp_size": 4}', 'duplicate key "tp_size"'),
+    ('{"tp_plan": {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.up_proj": "rowwise"}}',
+     "duplicate key"),
+    ('{"tp_size": 2} trailing', "malformed JSON")])
+def test_distributed_config_with_duplicate_keys_or_trailing_bytes_is_refused(reshard_bin, dist,
+                                                                             what):
+    r = run(reshard_bin, CONFIGS / "Qwen--Qwen2-72B.json", "--distributed-config", dist)
+    assert r.returncode == 2 and what in r.stderr, (r.stdout, r.stderr)

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -312,12 +313,14 @@ Status VerifyReplicas(const ParamMap& map, DType dtype, std::span<const ConstBuf
     }
   }
   if (end <= begin) return Status::Ok();
-  std::vector<std::byte> span(static_cast<size_t>(end - begin) * DTypeSize(dtype));
+  // Every element compared is written first, so the buffer needs no zeroing.
+  const auto span = std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(end - begin) *
+                                                                DTypeSize(dtype));
   ExecOptions verify = options;
   verify.verify_replicas = true;
   RESHARD_ASSIGN_OR_RETURN(
       const RebuildMoves moves,
-      MakeRebuildMoves(map, dtype, shards, span.data(), begin, /*replicated_only=*/true, verify));
+      MakeRebuildMoves(map, dtype, shards, span.get(), begin, /*replicated_only=*/true, verify));
   RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, moves.writes, options.num_threads));
   return CompareReplicas(map, dtype, moves, options.num_threads);
 }

@@ -28,7 +28,9 @@ int64_t PaddedVocab(int64_t vocab) { return (vocab + 63) / 64 * 64; }
 
 // Sets e.count and e.meaning from the pattern's module names and the config; returns false
 // when a split entry's count cannot be derived.
-bool Classify(ResolvedEntry& e, const Values& v, Engine engine) {
+// `uneven`: the engine splits vocabulary and MLP widths in ceil chunks, so those counts need
+// not divide the degree (transformers 5.24's DTensor shards).
+bool Classify(ResolvedEntry& e, const Values& v, Engine engine, bool uneven) {
   if (e.effect == StyleEffect::kNone) return true;
   std::vector<std::string_view> parts;
   std::string_view rest = e.pattern;
@@ -55,6 +57,7 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine) {
       return set(PaddedVocab(*vocab),
                  fmt::format("vocabulary entries (padded to a multiple of 64 from {})", *vocab));
     }
+    e.uneven = uneven;
     return set(vocab, "vocabulary entries");
   };
   if (e.effect == StyleEffect::kExperts) {
@@ -125,6 +128,7 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine) {
       if (!size && Get(v, "hidden_size")) size = 4 * *Get(v, "hidden_size");
       what = "intermediate features";
     }
+    e.uneven = uneven && !Gathered(e, engine);
     if (last == "gate_up_proj" && e.effect == StyleEffect::kSplitOut && size)
       return set(2 * *size, fmt::format("output features (gate and up, 2 x {})", *size));
     return set(size, what);
@@ -163,7 +167,7 @@ bool ResolvedEntry::degree_ok(int64_t degree) const {
 }
 
 std::optional<DegreeConstraint> ResolvedEntry::constraint() const {
-  if (!count) return std::nullopt;
+  if (!count || uneven) return std::nullopt;
   return DegreeConstraint{pattern, style, *count, meaning, replicate_above};
 }
 
@@ -171,6 +175,11 @@ std::vector<DegreeConstraint> DegreeConstraints(const ModelPlan& plan) {
   std::vector<DegreeConstraint> out;
   for (const ResolvedEntry& e : plan.entries) {
     if (std::optional<DegreeConstraint> c = e.constraint()) out.push_back(*std::move(c));
+  }
+  if (!out.empty()) return out;
+  // Only counts split in uneven chunks: they bind after all, so that one degree answers.
+  for (const ResolvedEntry& e : plan.entries) {
+    if (e.count) out.push_back({e.pattern, e.style, *e.count, e.meaning, e.replicate_above});
   }
   return out;
 }
@@ -289,7 +298,8 @@ void AddVllmVocabularyEntries(size_t main_scope, std::vector<ScopedEntry>& entri
 // Each entry through the style registry and the config's counts; false with plan.refusal set
 // when a style is not registered.
 bool ClassifyEntries(const TpRegistry& registry, const std::vector<ScopedEntry>& entries,
-                     const std::vector<Scope>& scopes, Engine engine, ModelPlan& plan) {
+                     const std::vector<Scope>& scopes, Engine engine, bool uneven,
+                     ModelPlan& plan) {
   for (const auto& [entry, s] : entries) {
     ResolvedEntry r;
     r.pattern = entry.pattern;
@@ -307,7 +317,7 @@ bool ClassifyEntries(const TpRegistry& registry, const std::vector<ScopedEntry>&
       return false;
     }
     r.effect = *effect;
-    if (!Classify(r, *scopes[s].values, engine)) {
+    if (!Classify(r, *scopes[s].values, engine, uneven)) {
       plan.notes.push_back(fmt::format(
           "{} ({}) is split, but reshard cannot tell from the config what it counts; it is not "
           "checked",
@@ -370,8 +380,13 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   for (const Scope& s : scopes) {
     for (const LoadConversion& c : s.info->load_conversions)
       plan.load_conversions.push_back({s.model_type, c});
+    plan.load_renames.insert(plan.load_renames.end(), s.info->load_renames.begin(),
+                             s.info->load_renames.end());
   }
-  ClassifyEntries(registry, entries, scopes, options.engine, plan);
+  plan.load_renames.insert(plan.load_renames.end(), registry.load_renames.begin(),
+                           registry.load_renames.end());
+  const bool uneven = options.engine == Engine::kTransformers && version >= kUnevenSplitVersion;
+  ClassifyEntries(registry, entries, scopes, options.engine, uneven, plan);
   return plan;
 }
 
@@ -387,15 +402,18 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
     answer.refusal = plan.refusal;
     return answer;
   }
+  const std::vector<DegreeConstraint> constraints = DegreeConstraints(plan);
   for (const ResolvedEntry& e : plan.entries) {
-    if (e.count) answer.constraints.push_back(e);
+    const bool binding = std::any_of(
+        constraints.begin(), constraints.end(),
+        [&](const DegreeConstraint& c) { return c.module == e.pattern && c.style == e.style; });
+    if (e.count && binding) answer.constraints.push_back(e);
   }
   if (answer.constraints.empty()) {
     answer.refusal = PlanRefusal{
         "nothing_split", "the plan splits no weight reshard can count: it cannot answer for it"};
     return answer;
   }
-  const std::vector<DegreeConstraint> constraints = DegreeConstraints(plan);
   answer.degrees = WorkingDegrees(constraints);
   answer.max_tp_degree = answer.degrees.back();
   if (requested) {

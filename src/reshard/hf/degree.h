@@ -48,6 +48,10 @@ inline constexpr Version kHeadPlanVersion{5, 15, 0};
 /// `embed_tokens` embedding, tied or not (5.24 does so; the release that began it is not known
 /// to reshard, so earlier releases keep the tied-only rule of 5.15).
 inline constexpr Version kInputEmbeddingAlwaysVersion{5, 24, 0};
+/// From this release on (5.24 measured; the first such release is not known to reshard),
+/// transformers splits the vocabulary and MLP widths in ceil chunks (torch's chunk rule, a short
+/// or empty last rank) and its forward is exact: only head counts (and gathered widths) bind.
+inline constexpr Version kUnevenSplitVersion{5, 24, 0};
 
 struct PlanOptions {
   Engine engine = Engine::kTransformers;
@@ -64,6 +68,9 @@ struct ResolvedEntry {
   std::optional<int64_t> count;
   std::string meaning;           // "attention heads", "vocabulary entries", ...
   bool replicate_above = false;  // vLLM's key/value heads: a multiple of count works too
+  /// Split in ceil chunks (a short or empty last rank), so the count need not divide the
+  /// degree: the vocabulary and MLP widths under transformers from kUnevenSplitVersion.
+  bool uneven = false;
   bool degree_ok(int64_t degree) const;
   /// The constraint the entry puts on the degree (nullopt when it contributes no count).
   std::optional<DegreeConstraint> constraint() const;
@@ -84,6 +91,8 @@ struct ModelPlan {
   /// The checkpoint conversions transformers applies at load, with the model type they are
   /// registered for: a checkpoint tensor they consume is not what transformers splits.
   std::vector<std::pair<std::string, LoadConversion>> load_conversions;
+  /// The renamings transformers applies to checkpoint names before it matches the plan.
+  std::vector<LoadRename> load_renames;
 };
 
 ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,

@@ -47,37 +47,71 @@ TEST(DegreeTest, MissingKeysTakeTheConfigClassDefaults) {
 }
 
 TEST(DegreeTest, TiedEmbeddingAndLmHeadOnlyFromTheirRelease) {
-  // A vocabulary of 49155 (odd) only matters where the LM head counts it.
+  // A vocabulary of 49155 (odd) only matters where the LM head counts it and its split must be
+  // even: from 5.15 to 5.23 (5.24 splits it in ceil chunks).
   const char* config = R"({"model_type": "llama", "num_attention_heads": 8,
     "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 49155,
     "tie_word_embeddings": true})";
-  EXPECT_EQ(Answer(config).max_tp_degree, 1);
+  PlanOptions v520;
+  v520.transformers_version = Version{5, 20, 0};
+  EXPECT_EQ(Answer(config, std::nullopt, v520).max_tp_degree, 1);
   PlanOptions old;
   old.transformers_version = Version{5, 14, 0};
   EXPECT_EQ(Answer(config, std::nullopt, old).max_tp_degree, 8);
+  EXPECT_EQ(Answer(config).max_tp_degree, 8);
+}
+
+const ResolvedEntry* FindEntry(const ModelPlan& plan, std::string_view pattern) {
+  for (const ResolvedEntry& e : plan.entries) {
+    if (e.pattern == pattern) return &e;
+  }
+  return nullptr;
+}
+
+ModelPlan PlanOf(std::string_view config_json, PlanOptions options = {}) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  Result<ModelConfig> config = ReadModelConfigJson(reg, config_json);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  return ResolvePlan(reg, *config, options);
 }
 
 TEST(DegreeTest, InputEmbeddingIsSplitOnTheVocabularyTiedOrNot) {
   // transformers 5.24 adds embed_tokens: embedding_rowwise to every base model holding an
-  // embedding of that name; an odd vocabulary then caps the degree even when untied.
+  // embedding of that name, tied or not.
   const char* untied = R"({"model_type": "llama", "num_attention_heads": 8,
     "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 36,
     "tie_word_embeddings": false})";
-  DegreeAnswer a = Answer(untied);
-  ASSERT_FALSE(a.constraints.empty());
-  EXPECT_EQ(a.constraints.front().pattern, "embed_tokens");
-  EXPECT_EQ(a.constraints.front().style, "embedding_rowwise");
-  EXPECT_EQ(a.constraints.front().count, 36);
-  EXPECT_EQ(a.max_tp_degree, 4);
+  const ModelPlan plan = PlanOf(untied);
+  const ResolvedEntry* e = FindEntry(plan, "embed_tokens");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->style, "embedding_rowwise");
+  EXPECT_EQ(e->count, 36);
   // Releases before it add the entry for tied embeddings only.
   PlanOptions v520;
   v520.transformers_version = Version{5, 20, 0};
-  a = Answer(untied, std::nullopt, v520);
-  EXPECT_NE(a.constraints.front().pattern, "embed_tokens");
+  EXPECT_EQ(FindEntry(PlanOf(untied, v520), "embed_tokens"), nullptr);
   const char* tied = R"({"model_type": "llama", "num_attention_heads": 8,
     "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 36,
     "tie_word_embeddings": true})";
-  EXPECT_EQ(Answer(tied, std::nullopt, v520).constraints.front().pattern, "embed_tokens");
+  EXPECT_NE(FindEntry(PlanOf(tied, v520), "embed_tokens"), nullptr);
+  // There the vocabulary binds: 36 caps the degree at 4.
+  EXPECT_EQ(Answer(tied, std::nullopt, v520).max_tp_degree, 4);
+}
+
+TEST(DegreeTest, VocabularyAndMlpWidthsSplitUnevenlyOnlyHeadsBind) {
+  // transformers 5.24 gives the last rank a shorter slice of the vocabulary (251 -> 126, 125)
+  // and of the MLP (129 -> 65, 64), and its forward is exact; the heads must divide.
+  const char* config = R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 129, "vocab_size": 251})";
+  DegreeAnswer a = Answer(config, 2);
+  EXPECT_FALSE(a.refusal) << a.refusal->message;
+  EXPECT_EQ(a.max_tp_degree, 2);
+  for (const ResolvedEntry& c : a.constraints)
+    EXPECT_TRUE(c.meaning == "attention heads" || c.meaning == "key/value heads") << c.meaning;
+  a = Answer(config, 4);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_NE(a.refusal->message.find("splits 2 key/value heads; 4 does not divide 2"),
+            std::string::npos);
 }
 
 TEST(DegreeTest, ModelWithoutAnEmbedTokensModuleGetsNoInputEmbeddingEntry) {

@@ -108,7 +108,9 @@ Result<LayoutDescriptor> TensorLayout(const ResolvedEntry* entry, std::string_vi
   }
   LayoutDescriptor d;
   d.dim = dim;
-  d.rule.remainder = Remainder::kExact;
+  // transformers' DTensor shards: ceil(extent / world) per rank, a short or empty last rank
+  // (identical to an exact split whenever the count divides the degree).
+  d.rule.remainder = entry->uneven ? Remainder::kCeil : Remainder::kExact;
   if (packed) {
     d.family = LayoutFamily::kFused;
     d.equal_parts = 2;
@@ -118,23 +120,40 @@ Result<LayoutDescriptor> TensorLayout(const ResolvedEntry* entry, std::string_vi
   return d;
 }
 
-Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view tensor_name,
-                                const Shape& shape) {
+namespace {
+
+// A load conversion consuming `name` (as stored, or as transformers renames it), if any.
+std::optional<std::string> ConversionRefusal(const ModelPlan& plan, std::string_view name,
+                                             std::string_view renamed) {
   for (const auto& [model_type, conversion] : plan.load_conversions) {
     for (const std::string& source : conversion.sources) {
-      if (!MatchesConversionSource(source, tensor_name)) continue;
-      return FailedPreconditionError(fmt::format(
+      if (!MatchesConversionSource(source, renamed) && !MatchesConversionSource(source, name))
+        continue;
+      return fmt::format(
           "tensor \"{}\": transformers {} converts it when it loads a {} model ({} -> {} by "
           "{}) and then applies its plan to the result; reshard lays out checkpoint tensors as "
           "stored and does not express that conversion, so it refuses rather than place the "
           "tensor differently from transformers. Shard a checkpoint that stores {} as "
           "transformers holds it, or let transformers split this one",
-          tensor_name, plan.registry->transformers_version, model_type,
+          name, plan.registry->transformers_version, model_type,
           fmt::join(conversion.sources, " + "), conversion.target,
-          fmt::join(conversion.operations, ", "), conversion.target));
+          fmt::join(conversion.operations, ", "), conversion.target);
     }
   }
-  const ResolvedEntry* entry = MatchPlanEntry(plan, tensor_name);
+  return std::nullopt;
+}
+
+}  // namespace
+
+Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view tensor_name,
+                                const Shape& shape) {
+  // transformers renames checkpoint keys before it matches its plan (Mixtral's
+  // block_sparse_moe -> mlp, EXAONE's transformer.h -> model.layers); the output keeps the
+  // stored name.
+  const std::string renamed = ApplyLoadRenames(plan.load_renames, tensor_name);
+  if (std::optional<std::string> refusal = ConversionRefusal(plan, tensor_name, renamed))
+    return FailedPreconditionError(*refusal);
+  const ResolvedEntry* entry = MatchPlanEntry(plan, renamed);
   Result<LayoutDescriptor> layout = TensorLayout(entry, tensor_name, shape);
   // A shape that disagrees with the config is a failed check of well-formed input.
   if (!layout.ok()) return FailedPreconditionError(layout.status().message());

@@ -136,6 +136,66 @@ TEST(ModelMapsTest, QwenMoeExpertsAreRefusedButItsDenseMlpIsNot) {
   EXPECT_TRUE(ModelMaps(plan, 2, {{"model.layers.1.mlp.down_proj.weight", {8, 6}}}).ok());
 }
 
+TEST(ModelMapsTest, UnevenVocabularyAndMlpTakeCeilChunksAsTransformersDoes) {
+  ModelPlan plan = Plan(R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 129, "vocab_size": 251})");
+  Result<MapDocument> doc = ModelMaps(plan, 2,
+                                      {{"model.embed_tokens.weight", {251, 64}},
+                                       {"model.layers.0.mlp.up_proj.weight", {129, 64}},
+                                       {"model.layers.0.mlp.down_proj.weight", {64, 129}},
+                                       {"lm_head.weight", {251, 64}}});
+  ASSERT_TRUE(doc.ok()) << doc.status().message();
+  auto shards = [&](size_t i) {
+    return std::vector<Shape>{doc->params[i].second.rank(0).shard_shape,
+                              doc->params[i].second.rank(1).shard_shape};
+  };
+  EXPECT_EQ(shards(0), (std::vector<Shape>{{126, 64}, {125, 64}}));
+  EXPECT_EQ(shards(1), (std::vector<Shape>{{65, 64}, {64, 64}}));
+  EXPECT_EQ(shards(2), (std::vector<Shape>{{64, 65}, {64, 64}}));
+  EXPECT_EQ(shards(3), (std::vector<Shape>{{126, 64}, {125, 64}}));
+}
+
+// transformers renames checkpoint keys before it matches its plan; reshard matches the renamed
+// key and keeps the stored name.
+TEST(ModelMapsTest, CheckpointNamesAreMatchedAsTransformersRenamesThem) {
+  ModelPlan exaone = Plan(R"({"model_type": "exaone", "hidden_size": 16,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8,
+    "vocab_size": 32})");
+  Result<TensorMap> m =
+      PlanTensorMap(exaone, 2, "transformer.h.0.attn.attention.q_proj.weight", {16, 16});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->layout.family, LayoutFamily::kSplit);
+  EXPECT_EQ(m->map.rank(1).shard_shape, (Shape{8, 16}));
+  m = PlanTensorMap(exaone, 2, "transformer.wte.weight", {32, 16});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->map.rank(0).shard_shape, (Shape{16, 16}));  // embed_tokens: the vocabulary
+
+  ModelPlan granite = Plan(R"({"model_type": "granitemoe", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 6,
+    "num_local_experts": 4, "vocab_size": 16})");
+  m = PlanTensorMap(granite, 2, "model.layers.0.block_sparse_moe.input_linear.weight", {4, 12, 8});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->layout.family, LayoutFamily::kFused);
+  EXPECT_EQ(m->layout.dim, 1);
+  EXPECT_EQ(m->map.rank(0).shard_shape, (Shape{4, 6, 8}));
+
+  ModelPlan neox = Plan(R"({"model_type": "gpt_neox", "hidden_size": 16,
+    "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 32})");
+  m = PlanTensorMap(neox, 2, "embed_out.weight", {32, 16});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->map.rank(0).shard_shape, (Shape{16, 16}));  // lm_head: colwise_gather_output
+}
+
+TEST(ModelMapsTest, LmHeadPlanInheritedFromTheParentClassIsApplied) {
+  // InternLM3's causal-LM class inherits Llama's {"lm_head": "colwise_gather_output"}.
+  ModelPlan plan = Plan(R"({"model_type": "internlm3", "hidden_size": 16,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8,
+    "vocab_size": 32})");
+  Result<TensorMap> m = PlanTensorMap(plan, 2, "lm_head.weight", {32, 16});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->map.rank(1).shard_shape, (Shape{16, 16}));
+}
+
 // The planner and the map generator read one registry of styles: for every style name,
 // registered or not, either both accept a plan using it or both refuse it.
 TEST(ModelMapsTest, PlannerAndMapGeneratorRefuseTheSameStyles) {

@@ -5,15 +5,25 @@
 #include <algorithm>
 #include <cctype>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 namespace reshard {
+
+class LoadRename::Compiled {
+ public:
+  explicit Compiled(const std::string& pattern) : regex_(pattern, std::regex::ECMAScript) {}
+  const std::regex& regex() const { return regex_; }
+
+ private:
+  std::regex regex_;
+};
 
 namespace {
 
 using Json = nlohmann::ordered_json;
 
 // The compiled-in registry: adjacent raw string literals generated from tp_plans.json.
-constexpr std::string_view kBuiltinJson =
+constexpr char kBuiltinJsonText[] =
 #include "tp_plans_json.inc"
     ;
 
@@ -50,6 +60,24 @@ Result<LoadConversion> ParseConversion(const Json& j, const std::string& path) {
   RESHARD_ASSIGN_OR_RETURN(c.operations, ParseStrings(j["operations"], path + ".operations"));
   c.target = j["target"].get<std::string>();
   return c;
+}
+
+Result<LoadRename> ParseRename(const Json& j, const std::string& path) {
+  if (!j.is_object() || !j.contains("pattern") || !j["pattern"].is_string() ||
+      !j.contains("replacement") || !j["replacement"].is_string()) {
+    return InvalidArgumentError(fmt::format("{}: expected {{\"pattern\", \"replacement\"}}", path));
+  }
+  LoadRename r;
+  r.pattern = j["pattern"].get<std::string>();
+  r.replacement = j["replacement"].get<std::string>();
+  // std::regex reports a malformed pattern only by throwing: caught here, the one place.
+  try {
+    r.compiled = std::make_shared<const LoadRename::Compiled>(r.pattern);
+  } catch (const std::regex_error& e) {
+    return InvalidArgumentError(fmt::format("{}.pattern: {} is not a regular expression ({})", path,
+                                            j["pattern"].dump(), e.what()));
+  }
+  return r;
 }
 
 Result<InputEmbeddingRule> ParseInputEmbedding(const Json& j) {
@@ -110,6 +138,12 @@ Result<ModelTypeInfo> ParseModelType(const Json& j, const std::string& path) {
       if (!value.is_boolean())
         return InvalidArgumentError(fmt::format("{}: expected true or false", at));
       info.embed_tokens = value.get<bool>();
+    } else if (key == "load_renames") {
+      if (!value.is_array()) return InvalidArgumentError(fmt::format("{}: expected an array", at));
+      for (size_t i = 0; i < value.size(); ++i) {
+        RESHARD_ASSIGN_OR_RETURN(LoadRename r, ParseRename(value[i], fmt::format("{}[{}]", at, i)));
+        info.load_renames.push_back(std::move(r));
+      }
     } else if (key == "load_conversions") {
       if (!value.is_array()) return InvalidArgumentError(fmt::format("{}: expected an array", at));
       for (size_t i = 0; i < value.size(); ++i) {
@@ -125,6 +159,16 @@ Result<ModelTypeInfo> ParseModelType(const Json& j, const std::string& path) {
 }
 
 }  // namespace
+
+std::string ApplyLoadRenames(const std::vector<LoadRename>& renames, std::string_view name) {
+  std::string out(name);
+  for (const LoadRename& r : renames) {
+    if (!r.compiled) continue;
+    out = std::regex_replace(out, r.compiled->regex(), r.replacement,
+                             std::regex_constants::format_first_only);
+  }
+  return out;
+}
 
 bool MatchesConversionSource(std::string_view pattern, std::string_view name) {
   // Anywhere in the name: try every start. `*` is any run; `\x` is x; other characters are
@@ -167,6 +211,16 @@ Result<TpRegistry> ParseTpRegistryJson(std::string_view text) {
   if (!j.contains("transformers_version") || !j["transformers_version"].is_string())
     return InvalidArgumentError("plan registry: transformers_version: expected a string");
   reg.transformers_version = j["transformers_version"].get<std::string>();
+  if (j.contains("load_renames")) {
+    if (!j["load_renames"].is_array())
+      return InvalidArgumentError("plan registry: load_renames: expected an array");
+    for (size_t i = 0; i < j["load_renames"].size(); ++i) {
+      RESHARD_ASSIGN_OR_RETURN(
+          LoadRename r,
+          ParseRename(j["load_renames"][i], fmt::format("plan registry: load_renames[{}]", i)));
+      reg.load_renames.push_back(std::move(r));
+    }
+  }
   if (j.contains("input_embedding")) {
     RESHARD_ASSIGN_OR_RETURN(reg.input_embedding, ParseInputEmbedding(j["input_embedding"]));
   }
@@ -189,11 +243,13 @@ Result<TpRegistry> ParseTpRegistryJson(std::string_view text) {
   return reg;
 }
 
-std::string_view BuiltinTpRegistryJson() { return kBuiltinJson; }
+std::string_view BuiltinTpRegistryJson() {
+  return std::string_view(kBuiltinJsonText, sizeof(kBuiltinJsonText) - 1);
+}
 
 const TpRegistry& BuiltinTpRegistry() {
   static const TpRegistry* registry = [] {
-    Result<TpRegistry> parsed = ParseTpRegistryJson(kBuiltinJson);
+    Result<TpRegistry> parsed = ParseTpRegistryJson(BuiltinTpRegistryJson());
     // The file is generated and checked by tests; a broken one is a build defect.
     if (!parsed.ok()) {
       fmt::print(stderr, "reshard: the built-in plan registry is corrupt: {}\n",

@@ -8,6 +8,7 @@
 //    "input_embedding": {"module": "embed_tokens", "style": "embedding_rowwise",
 //                        "applies": "always"}?,       added to a base model's plan ("tied":
 //                                                     only for tied word embeddings)
+//    "load_renames": [{"pattern", "replacement"}]?,   renamings applied to every model at load
 //    "styles": ["colwise", "rowwise", ...],           every style transformers registers
 //    "distributed_config_keys": ["tp_size", ...],     DistributedConfig's fields
 //    "model_types": {"llama": {
@@ -19,6 +20,7 @@
 //        "text_config": {"key": "text_config", "model_type": "llama4_text"}?,
 //        "embed_tokens": true?,                     the base model has an nn.Embedding of
 //                                                   that name
+//        "load_renames": [{"pattern": "^transformer\\.h\\.", "replacement": "model.layers."}]?,
 //        "load_conversions": [{"sources": ["mlp.experts.*.gate_proj.weight", ...],
 //                              "target": "mlp.experts.gate_up_proj",
 //                              "operations": ["MergeModulelist", "Concatenate"]}]?}}}
@@ -32,6 +34,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -60,6 +63,19 @@ struct LoadConversion {
   std::vector<std::string> operations;
 };
 
+/// A renaming transformers applies to checkpoint tensor names when it loads them (before it
+/// matches its plan): the first match of `pattern` (an ECMAScript regular expression) becomes
+/// `replacement` (`$1` for the first group).
+struct LoadRename {
+  class Compiled;
+  std::string pattern;
+  std::string replacement;
+  std::shared_ptr<const Compiled> compiled;  // set by the registry reader
+};
+
+/// `name` after each renaming in turn, as transformers renames checkpoint keys at load.
+std::string ApplyLoadRenames(const std::vector<LoadRename>& renames, std::string_view name);
+
 /// Whether `name` matches a load-conversion source pattern.
 bool MatchesConversionSource(std::string_view pattern, std::string_view name);
 
@@ -83,12 +99,15 @@ struct ModelTypeInfo {
   std::string text_model_type;
   /// The base model holds an nn.Embedding named like InputEmbeddingRule::module.
   bool embed_tokens = false;
+  std::vector<LoadRename> load_renames;
   std::vector<LoadConversion> load_conversions;
 };
 
 struct TpRegistry {
   std::string transformers_version;
   std::optional<InputEmbeddingRule> input_embedding;
+  /// Renamings transformers applies to every model's checkpoint after the model type's own.
+  std::vector<LoadRename> load_renames;
   std::vector<std::string> styles;  // sorted
   std::vector<std::string> distributed_config_keys;
   std::map<std::string, ModelTypeInfo, std::less<>> model_types;

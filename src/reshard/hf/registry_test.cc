@@ -64,6 +64,19 @@ TEST(TpRegistryTest, ConversionSourcesMatchAnywhereUpToANameBoundary) {
                                       "model.layers.0.mlp.experts.gate_up_proj"));
 }
 
+TEST(TpRegistryTest, LoadRenamesApplyInOrderToTheFirstMatch) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  ASSERT_NE(reg.Find("mixtral"), nullptr);
+  EXPECT_EQ(ApplyLoadRenames(reg.Find("mixtral")->load_renames,
+                             "model.layers.0.block_sparse_moe.gate.weight"),
+            "model.layers.0.mlp.gate.weight");
+  ASSERT_NE(reg.Find("exaone"), nullptr);
+  EXPECT_EQ(ApplyLoadRenames(reg.Find("exaone")->load_renames,
+                             "transformer.h.3.attn.attention.out_proj.weight"),
+            "model.layers.3.self_attn.o_proj.weight");
+  EXPECT_EQ(ApplyLoadRenames(reg.Find("exaone")->load_renames, "lm_head.weight"), "lm_head.weight");
+}
+
 TEST(TpRegistryTest, BuiltinRegistryRecordsTheInputEmbeddingRuleAndConversions) {
   const TpRegistry& reg = BuiltinTpRegistry();
   ASSERT_TRUE(reg.input_embedding);
