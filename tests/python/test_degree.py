@@ -419,3 +419,29 @@ def test_emit_maps_reads_the_index_as_the_checkpoint_reader_does(reshard_bin, tm
     r = run(reshard_bin, tmp_path / "config.json", "--tp", 2, "--emit-maps", out, "--weights", weights)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("text,what", [
+    ('{"model_type": "llama", "num_attention_heads": 8, "num_attention_heads": 9}',
+     'duplicate key "num_attention_heads"'),
+    ('{"model_type": "llama", "text_config": {"vocab_size": 4, "vocab_size": 8}}',
+     'duplicate key'),
+    ('{"model_type": "llama"}\x00garbage{{{', "after the JSON value")])
+def test_config_with_duplicate_keys_or_trailing_bytes_is_refused(reshard_bin, tmp_path, text,
+                                                                 what):
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode())
+    r = run(reshard_bin, path, "--tp", 2)
+    assert r.returncode == 2 and what in r.stderr, (r.stdout, r.stderr)
+    assert "works" not in r.stdout
+
+
+@pytest.mark.parametrize("dist,what", [
+    ('{"tp_size": 2, "tp_size": 4}', 'duplicate key "tp_size"'),
+    ('{"tp_plan": {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.up_proj": "rowwise"}}',
+     "duplicate key"),
+    ('{"tp_size": 2} trailing', "malformed JSON")])
+def test_distributed_config_with_duplicate_keys_or_trailing_bytes_is_refused(reshard_bin, dist,
+                                                                             what):
+    r = run(reshard_bin, CONFIGS / "Qwen--Qwen2-72B.json", "--distributed-config", dist)
+    assert r.returncode == 2 and what in r.stderr, (r.stdout, r.stderr)

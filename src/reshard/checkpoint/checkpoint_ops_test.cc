@@ -1,9 +1,15 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
+
+#include "reshard/io/file.h"
 
 namespace reshard {
 namespace {
@@ -56,6 +62,106 @@ TEST(ResolveMapTest, OptimizerStateWithoutAParameterLayoutKeepsItsScalePower) {
   EXPECT_EQ(ResolveMap(maps, "c.exp_avg", {8}).status().code(), StatusCode::kNotFound);
   // A name that is only the suffix is no optimizer state.
   EXPECT_EQ(ResolveMap(maps, ".exp_avg", {8}).status().code(), StatusCode::kNotFound);
+}
+
+namespace fs = std::filesystem;
+
+// A sharded checkpoint of one F32 parameter "w" = [1, 2, 3, 4], replicated on 2 ranks.
+class ShardedCheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("checkpoint_ops_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "full");
+    const float w[4] = {1, 2, 3, 4};
+    ASSERT_TRUE(WriteSafetensors((dir_ / "full" / "model.safetensors").string(),
+                                 {{"w",
+                                   DType::kF32,
+                                   {4},
+                                   [&](std::span<std::byte> out) {
+                                     std::memcpy(out.data(), w, sizeof(w));
+                                     return Status::Ok();
+                                   }}},
+                                 {})
+                    .ok());
+    ASSERT_TRUE(Scatter((dir_ / "full").string(), 2,
+                        MapsFromLayouts({{"*", Layout(kReplicated)}}, 2), sharded())
+                    .ok());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string sharded() const { return (dir_ / "tp2").string(); }
+  std::string out() const { return (dir_ / "out").string(); }
+  fs::path RankFile(int r) const { return dir_ / "tp2" / ShardFileName(r, 0); }
+
+  void SetFiles(const std::vector<std::vector<std::string>>& files) {
+    const std::string path = (dir_ / "tp2" / kManifestName).string();
+    Result<std::string> text = ReadFileToString(path);
+    ASSERT_TRUE(text.ok());
+    Result<Manifest> m = ParseManifestJson(*text);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    m->files = files;
+    ASSERT_TRUE(WriteFileAtomically(path, ManifestToJson(*m), {.overwrite = true}).ok());
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(ShardedCheckpointTest, AFileListedForTwoRanksIsRefused) {
+  SetFiles({{ShardFileName(0, 0)}, {ShardFileName(0, 0)}});
+  Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded());
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(opened.status().message().find(
+                "files: \"model-rank-0-part-0.safetensors\" is listed for rank 0 and again for "
+                "rank 1"),
+            std::string::npos)
+      << opened.status().message();
+  EXPECT_EQ(Convert(sharded(), 1, std::nullopt, out()).code(), StatusCode::kDataLoss);
+  EXPECT_FALSE(fs::exists(out()));
+}
+
+TEST_F(ShardedCheckpointTest, AFileListedTwiceForOneRankIsRefused) {
+  SetFiles({{ShardFileName(0, 0), ShardFileName(0, 0)}, {ShardFileName(1, 0)}});
+  Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded());
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("is listed for rank 0 and again for rank 0"),
+            std::string::npos)
+      << opened.status().message();
+}
+
+TEST_F(ShardedCheckpointTest, ALinkToAnotherRanksFileIsRefused) {
+  fs::remove(RankFile(1));
+  fs::create_symlink(ShardFileName(0, 0), RankFile(1));
+  Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded());
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(opened.status().message().find("(listed for rank 1) is the same file as"),
+            std::string::npos)
+      << opened.status().message();
+}
+
+TEST_F(ShardedCheckpointTest, ConvertRefusesDisagreeingReplicasUnlessTold) {
+  // The file ends with rank 1's shard of w: flip a bit of its last element.
+  {
+    std::fstream f(RankFile(1), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x01));
+  }
+  const Status s = Convert(sharded(), 1, std::nullopt, out());
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("ranks 0 and 1 hold different data for element [3] of F"),
+            std::string::npos)
+      << s.message();
+  EXPECT_FALSE(fs::exists(out()));
+  CheckpointOptions no_verify;
+  no_verify.verify_replicas = false;
+  EXPECT_TRUE(Convert(sharded(), 1, std::nullopt, out(), no_verify).ok());
 }
 
 }  // namespace
