@@ -86,3 +86,77 @@ def test_an_invalid_map_inside_a_manifest_fails_the_check(reshard_bin, tmp_path,
         r = run(reshard_bin, *args)
         assert r.returncode == 1 and "norm.weight" in r.stderr, (args, r.stderr)
     assert siblings(tmp_path / "out") == []
+
+
+def test_force_never_removes_an_input(reshard_bin, tmp_path, full):
+    parent = tmp_path / "P"
+    parent.mkdir()
+    (parent / "notes.txt").write_text("mine")
+    sharded = parent / "tp4"
+    assert run(reshard_bin, *scatter_args(tmp_path, full, sharded)).returncode == 0
+    before = tree_hash(tmp_path)
+    link = tmp_path / "link"
+    os.symlink(sharded, link)
+    cases = [
+        (["gather", sharded, "-o", parent, "--force"], "contains the input"),
+        (["convert", sharded, "--tp", 2, "-o", sharded, "--force"], "is the input"),
+        (["convert", link, "--tp", 2, "-o", sharded, "--force"], "is the input"),  # via a symlink
+        (["convert", sharded, "--tp", 2, "-o", link, "--force"], "symbolic link"),
+        (scatter_args(tmp_path, full, full, "--force"), "is the input"),
+        (["gather", sharded, "-o", sharded / "full"], "lies inside the input"),
+    ]
+    for args, fragment in cases:
+        r = run(reshard_bin, *args)
+        assert r.returncode == 2 and fragment in r.stderr, (args, r.stderr)
+        assert "choose an output" in r.stderr or "real directory" in r.stderr, r.stderr
+        assert tree_hash(tmp_path) == before, args
+    assert sorted(os.listdir(parent)) == ["notes.txt", "tp4"]
+
+
+def test_force_replaces_only_an_output_reshard_wrote_or_an_empty_directory(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    out = tmp_path / "out"
+    # A previous sharded output and a previous full output of reshard are replaced.
+    assert run(reshard_bin, "convert", sharded, "--tp", 4, "-o", out).returncode == 0
+    r = run(reshard_bin, "gather", sharded, "-o", out, "--force")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", sharded, "-o", out, "--force", "--max-shard-size", "200")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", out, "--force")
+    assert r.returncode == 0, r.stderr
+    # An empty directory is replaced.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(reshard_bin, "gather", sharded, "-o", empty, "--force").returncode == 0
+    # Anything holding a file reshard did not write is not.
+    (out / "notes.txt").write_text("mine")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    save_file({"w": torch.zeros(2)}, str(foreign / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "file").write_text("x")
+    before = tree_hash(tmp_path)
+    for target, fragment in ((out, "notes.txt"), (foreign, "producer"), (tmp_path / "file", "not a directory")):
+        r = run(reshard_bin, "gather", sharded, "-o", target, "--force")
+        assert r.returncode == 2 and fragment in r.stderr and "--force" not in r.stderr, r.stderr
+        assert tree_hash(tmp_path) == before
+        assert [s for s in siblings(target) if s.startswith(".")] == []
+    # Without --force the refusal says how to replace.
+    r = run(reshard_bin, "gather", sharded, "-o", empty)
+    assert r.returncode == 2 and "--force" in r.stderr
+
+
+def test_unusable_output_paths_are_refused_before_any_work(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    work = tmp_path / "work"
+    work.mkdir()
+    before = tree_hash(tmp_path)
+    r = run(reshard_bin, "gather", sharded, "-o", ".", "--force", cwd=work)
+    assert r.returncode == 2 and "current directory" in r.stderr, r.stderr
+    r = run(reshard_bin, "gather", sharded, "-o", tmp_path, "--force", cwd=work)
+    assert r.returncode == 2 and "current directory" in r.stderr, r.stderr
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    r = run(reshard_bin, "gather", sharded, "-o", tmp_path / "dangling")
+    assert r.returncode == 2 and "symbolic link" in r.stderr, r.stderr
+    os.remove(tmp_path / "dangling")
+    assert tree_hash(tmp_path) == before
+    assert os.listdir(work) == []

@@ -169,7 +169,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Scatter(args->input, world, provider, args->output, *options);
       if (!s.ok()) {
-        exit_status = Fail("scatter", s);
+        exit_status = Fail("scatter", WithForceHint(s, args->force));
         return;
       }
       fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, world,
@@ -202,7 +202,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Gather(args->input, args->output, *options);
       if (!s.ok()) {
-        exit_status = Fail("gather", s);
+        exit_status = Fail("gather", WithForceHint(s, args->force));
         return;
       }
       fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args->input, args->output,
@@ -252,7 +252,7 @@ void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
       const auto t0 = std::chrono::steady_clock::now();
       Status s = Convert(args->input, args->tp, target, args->output, *options);
       if (!s.ok()) {
-        exit_status = Fail("convert", s);
+        exit_status = Fail("convert", WithForceHint(s, args->force));
         return;
       }
       fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, args->tp,

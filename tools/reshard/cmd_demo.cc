@@ -15,6 +15,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/ir/map_json.h"
@@ -217,7 +218,7 @@ int RunDemo(const DemoArgs& args) {
     Result<OutputDirectory> out = OutputDirectory::Create(full.string(), true);
     if (!out.ok()) return Fail(out.status());
     Status s = WriteSafetensors(out->FilePath("model.safetensors"), std::move(tensors),
-                                {{"format", "pt"}});
+                                ProducerMetadata());
     if (s.ok()) s = out->Commit();
     if (!s.ok()) return Fail(s);
   }

@@ -30,6 +30,10 @@ Status PrintOrWrite(const std::string& output, const std::string& text, bool for
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force);
 
+/// `status` with the hint "; pass --force to replace it" when it says an output exists and
+/// `force` was not given (the library names no flags).
+Status WithForceHint(Status status, bool force);
+
 /// Prints "reshard <command>: <message>" to stderr and returns `exit_status`.
 int Report(std::string_view command, const Status& status, int exit_status);
 

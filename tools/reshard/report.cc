@@ -13,12 +13,17 @@ int Report(std::string_view command, const Status& status, int exit_status) {
   return exit_status;
 }
 
+Status WithForceHint(Status status, bool force) {
+  if (force || status.code() != StatusCode::kAlreadyExists) return status;
+  return Status(status.code(), status.message() + "; pass --force to replace it");
+}
+
 Status PrintOrWrite(const std::string& output, const std::string& text, bool force) {
   if (output.empty()) {
     fmt::print("{}", text);
     return Status::Ok();
   }
-  return WriteFileAtomically(output, text, {.overwrite = force});
+  return WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
 }
 
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
@@ -27,7 +32,7 @@ int EmitText(std::string_view command, const std::string& output, const std::str
     fmt::print("{}", text);
     return kExitOk;
   }
-  Status s = WriteFileAtomically(output, text, {.overwrite = force});
+  Status s = WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
   if (!s.ok()) return Report(command, s, ExitStatusFor(s, Stage::kReading));
   return kExitOk;
 }

@@ -326,6 +326,20 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
   return ckpt;
 }
 
+namespace {
+
+std::vector<std::string> PathsOf(const std::vector<std::shared_ptr<SafetensorsFile>>& files) {
+  std::vector<std::string> paths;
+  for (const auto& f : files) paths.push_back(f->path());
+  return paths;
+}
+
+}  // namespace
+
+std::vector<std::string> FullCheckpoint::file_paths() const { return PathsOf(files_); }
+
+std::vector<std::string> ShardedCheckpoint::file_paths() const { return PathsOf(files_); }
+
 uint64_t ShardedCheckpoint::total_bytes() const {
   uint64_t n = 0;
   for (const auto& per_param : shards_) {
@@ -417,75 +431,6 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
     }
   }
   return ckpt;
-}
-
-Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool overwrite) {
-  std::error_code ec;
-  fs::path target(path);
-  if (target.filename().empty()) target = target.parent_path();
-  if (fs::exists(target, ec) && !overwrite) {
-    return AlreadyExistsError(
-        fmt::format("\"{}\" already exists; pass --force to replace it", path));
-  }
-  fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  if (!fs::is_directory(parent, ec)) {
-    return NotFoundError(
-        fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
-  }
-  std::random_device rd;
-  fs::path temp = parent / fmt::format(".{}.tmp-{:08x}", target.filename().string(), rd());
-  fs::create_directory(temp, ec);
-  if (ec)
-    return UnavailableError(fmt::format("cannot create \"{}\": {}", temp.string(), ec.message()));
-  OutputDirectory out;
-  out.path_ = target.string();
-  out.temp_ = temp.string();
-  out.overwrite_ = overwrite;
-  return out;
-}
-
-OutputDirectory::OutputDirectory(OutputDirectory&& other) noexcept
-    : path_(std::move(other.path_)),
-      temp_(std::move(other.temp_)),
-      overwrite_(other.overwrite_),
-      committed_(other.committed_) {
-  other.committed_ = true;  // the moved-from object owns nothing
-}
-
-OutputDirectory::~OutputDirectory() {
-  if (committed_ || temp_.empty()) return;
-  std::error_code ec;
-  fs::remove_all(temp_, ec);
-}
-
-std::string OutputDirectory::FilePath(const std::string& name) const {
-  return (fs::path(temp_) / name).string();
-}
-
-Status OutputDirectory::Commit() {
-  std::error_code ec;
-  fs::path old;
-  if (fs::exists(path_, ec)) {
-    if (!overwrite_)
-      return AlreadyExistsError(
-          fmt::format("\"{}\" already exists; pass --force to replace it", path_));
-    std::random_device rd;
-    old = fs::path(path_).parent_path() /
-          fmt::format(".{}.old-{:08x}", fs::path(path_).filename().string(), rd());
-    fs::rename(path_, old, ec);
-    if (ec)
-      return UnavailableError(
-          fmt::format("cannot move the old \"{}\" aside: {}", path_, ec.message()));
-  }
-  fs::rename(temp_, path_, ec);
-  if (ec) {
-    if (!old.empty()) fs::rename(old, path_, ec);
-    return UnavailableError(
-        fmt::format("cannot rename the output into \"{}\": {}", path_, ec.message()));
-  }
-  committed_ = true;
-  if (!old.empty()) fs::remove_all(old, ec);
-  return Status::Ok();
 }
 
 Result<uint64_t> ParseByteSize(std::string_view text) {

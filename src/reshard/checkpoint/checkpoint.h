@@ -86,6 +86,8 @@ class FullCheckpoint {
   const std::vector<TensorRef>& tensors() const { return tensors_; }
   const TensorRef* Find(const std::string& name) const;
   uint64_t total_bytes() const;
+  /// The paths of the files it reads.
+  std::vector<std::string> file_paths() const;
 
  private:
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
@@ -108,35 +110,13 @@ class ShardedCheckpoint {
     return shards_[param][static_cast<size_t>(rank)];
   }
   uint64_t total_bytes() const;
+  /// The paths of the files it reads (shard files; the manifest is read at Open).
+  std::vector<std::string> file_paths() const;
 
  private:
   Manifest manifest_;
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::vector<std::vector<std::span<const std::byte>>> shards_;  // [param][rank]
-};
-
-/// An output directory that appears atomically: files are written into a temporary sibling
-/// directory, and `Commit` renames it into place (replacing an existing directory only when
-/// `overwrite`). If it is destroyed without a successful Commit, the temporary directory is
-/// removed: a failed run leaves nothing that looks like a result.
-class OutputDirectory {
- public:
-  /// AlreadyExists when `path` exists and !overwrite (checked again at Commit).
-  static Result<OutputDirectory> Create(const std::string& path, bool overwrite);
-  OutputDirectory(OutputDirectory&& other) noexcept;
-  OutputDirectory& operator=(OutputDirectory&&) = delete;
-  ~OutputDirectory();
-
-  /// Where to write file `name` before the commit.
-  std::string FilePath(const std::string& name) const;
-  Status Commit();
-
- private:
-  OutputDirectory() = default;
-  std::string path_;
-  std::string temp_;
-  bool overwrite_ = false;
-  bool committed_ = false;
 };
 
 /// Parses "5GB", "500MB", "1.5GiB", "1048576" into bytes (decimal units as transformers' and

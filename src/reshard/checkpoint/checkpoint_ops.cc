@@ -6,10 +6,12 @@
 
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
@@ -18,8 +20,6 @@
 namespace reshard {
 
 namespace {
-
-const std::map<std::string, std::string> kFullMetadata = {{"format", "pt"}};
 
 // Counts written bytes and reports them.
 class ProgressCounter {
@@ -106,7 +106,7 @@ Result<std::vector<std::string>> WriteRankFiles(const OutputDirectory& out, Rank
   for (size_t p = 0; p < parts.size(); ++p) {
     const std::string name = ShardFileName(rank, static_cast<int>(p));
     RESHARD_RETURN_IF_ERROR(
-        WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+        WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
     names.push_back(name);
   }
   return names;
@@ -188,10 +188,10 @@ Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
 // buffer; then the manifest, then the commit. The manifest's file lists are filled in.
 using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
 
-Status WriteSharded(const std::string& out_dir, Manifest& manifest,
-                    const CheckpointOptions& options, const ShardFill& fill) {
+Status WriteSharded(const std::string& out_dir, std::span<const std::string> inputs,
+                    Manifest& manifest, const CheckpointOptions& options, const ShardFill& fill) {
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite));
+                           OutputDirectory::Create(out_dir, options.overwrite, inputs));
   uint64_t total = 0;
   for (const ShardedParam& p : manifest.params) {
     for (Rank r = 0; r < manifest.world_size; ++r) {
@@ -220,6 +220,13 @@ Status WriteSharded(const std::string& out_dir, Manifest& manifest,
       }));
   RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
   return out.Commit();
+}
+
+// Everything a run from a sharded checkpoint reads, which its output may not touch.
+std::vector<std::string> ShardedInputs(const std::string& dir, const ShardedCheckpoint& ckpt) {
+  std::vector<std::string> inputs = {dir, (std::filesystem::path(dir) / kManifestName).string()};
+  for (std::string& path : ckpt.file_paths()) inputs.push_back(std::move(path));
+  return inputs;
 }
 
 }  // namespace
@@ -298,8 +305,11 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
   // Ranks run in parallel; each copies on its own thread.
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
+  std::vector<std::string> inputs = {full_dir};
+  for (std::string& path : full.file_paths()) inputs.push_back(std::move(path));
   return WriteSharded(
-      out_dir, manifest, options, [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+      out_dir, inputs, manifest, options,
+      [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
         const ShardedParam& param = manifest.params[i];
         const ParamMap& map = param.map;
         const TensorRef* src = sources[i];
@@ -325,8 +335,9 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& m = ckpt.manifest();
   for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite));
+  RESHARD_ASSIGN_OR_RETURN(
+      OutputDirectory out,
+      OutputDirectory::Create(out_dir, options.overwrite, ShardedInputs(sharded_dir, ckpt)));
   uint64_t total = 0;
   for (const ShardedParam& p : m.params)
     total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
@@ -358,8 +369,8 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
          }});
   }
   if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
-    RESHARD_RETURN_IF_ERROR(
-        WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors), kFullMetadata));
+    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors),
+                                             ProducerMetadata()));
   } else {
     auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
     nlohmann::json weight_map = nlohmann::json::object();
@@ -368,7 +379,7 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
           fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
       for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
       RESHARD_RETURN_IF_ERROR(
-          WriteSafetensors(out.FilePath(name), std::move(parts[p]), kFullMetadata));
+          WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
     }
     nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     RESHARD_RETURN_IF_ERROR(
@@ -455,7 +466,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
   return WriteSharded(
-      out_dir, dst, options, [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+      out_dir, ShardedInputs(sharded_dir, ckpt), dst, options,
+      [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
         if (options.verify_replicas) {
           std::call_once(verify_once[i], verify, i);
           RESHARD_RETURN_IF_ERROR(verified[i]);

@@ -4,14 +4,18 @@
 
 #include <algorithm>
 #include <cctype>
-#include <nlohmann/json.hpp>
 #include <vector>
+
+#include "reshard/base/json_reader.h"
 
 namespace reshard {
 
 namespace {
 
-using Json = nlohmann::ordered_json;
+// The strict reader: duplicate keys and trailing bytes are refused. Its DOM sorts object keys,
+// so a distributed config's plan overrides are merged in key order, not file order (order
+// changes no count).
+using Json = json::Json;
 using Values = std::map<std::string, std::optional<int64_t>>;
 
 // The config keys the counts are read from (scripts/gen_tp_plans.py records their defaults).
@@ -157,8 +161,9 @@ Result<Version> ParseVersion(std::string_view text) {
 
 Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
                                                      std::string_view text) {
-  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgumentError("distributed config: not valid JSON");
+  Result<Json> parsed = json::ParseJson(text);
+  if (!parsed.ok()) return parsed.status().Annotate("distributed config");
+  const Json& j = *parsed;
   if (!j.is_object()) {
     return InvalidArgumentError(
         "distributed config: expected a JSON object, e.g. {\"tp_size\": 4}");
@@ -210,8 +215,7 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
 }
 
 Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_view text) {
-  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return InvalidArgumentError("not valid JSON");
+  RESHARD_ASSIGN_OR_RETURN(const Json j, json::ParseJson(text));
   if (!j.is_object()) return InvalidArgumentError("expected a JSON object (a config.json)");
   if (!j.contains("model_type") || !j["model_type"].is_string()) {
     return InvalidArgumentError(

@@ -8,7 +8,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <random>
+
+#include "reshard/io/temporaries.h"
 
 namespace reshard {
 
@@ -108,19 +109,18 @@ Result<std::string> ReadFileToString(const std::string& path) {
 
 Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
                                                   const WriteOptions& options) {
-  namespace fs = std::filesystem;
   std::error_code ec;
-  if (!options.overwrite && fs::exists(fs::path(path), ec)) {
-    return AlreadyExistsError(
-        fmt::format("\"{}\" already exists; pass --force to replace it", path));
+  if (!options.overwrite && std::filesystem::exists(std::filesystem::path(path), ec)) {
+    return AlreadyExistsError(fmt::format("\"{}\" already exists", path));
   }
-  fs::path target(path);
-  fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::random_device rd;
-  std::string tmp =
-      (dir / fmt::format(".{}.tmp-{:08x}", target.filename().string(), rd())).string();
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
+  RemoveStaleTemporaries(path);
+  std::string tmp = TemporaryPathFor(path);
+  int fd = -1;
+  RESHARD_RETURN_IF_ERROR(CreateTemporary(tmp, [&]() -> Status {
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
+    return Status::Ok();
+  }));
   return AtomicFileWriter(path, std::move(tmp), fd);
 }
 
@@ -134,8 +134,11 @@ AtomicFileWriter::~AtomicFileWriter() { Abandon(); }
 void AtomicFileWriter::Abandon() {
   if (fd_ < 0) return;
   ::close(fd_);
-  ::unlink(tmp_.c_str());
   fd_ = -1;
+  (void)FinishTemporary(tmp_, [&] {
+    ::unlink(tmp_.c_str());
+    return Status::Ok();
+  });
 }
 
 Status AtomicFileWriter::Append(std::string_view bytes) {
@@ -167,16 +170,20 @@ Status AtomicFileWriter::Commit() {
   if (::fsync(fd_) != 0) return fail(errno, "cannot sync");
   const int fd = fd_;
   fd_ = -1;
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp_.c_str());
-    return ErrnoStatus(err, "cannot close", tmp_);
-  }
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp_.c_str());
-    return ErrnoStatus(err, "cannot rename into place", path_);
-  }
+  const int close_result = ::close(fd);
+  const int close_err = errno;
+  RESHARD_RETURN_IF_ERROR(FinishTemporary(tmp_, [&]() -> Status {
+    if (close_result != 0) {
+      ::unlink(tmp_.c_str());
+      return ErrnoStatus(close_err, "cannot close", tmp_);
+    }
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      const int err = errno;
+      ::unlink(tmp_.c_str());
+      return ErrnoStatus(err, "cannot rename into place", path_);
+    }
+    return Status::Ok();
+  }));
   const std::filesystem::path target(path_);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   FileHandle dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));

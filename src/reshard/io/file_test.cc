@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
+
+#include "reshard/io/temporaries.h"
 
 namespace reshard {
 namespace {
@@ -42,7 +45,8 @@ TEST_F(FileTest, ExistingOutputIsKeptWithoutOverwrite) {
   ASSERT_TRUE(WriteFileAtomically(Path("a.json"), "old").ok());
   Status s = WriteFileAtomically(Path("a.json"), "new");
   EXPECT_EQ(s.code(), StatusCode::kAlreadyExists);
-  EXPECT_NE(s.message().find("pass --force"), std::string::npos);
+  EXPECT_NE(s.message().find("already exists"), std::string::npos);
+  EXPECT_EQ(s.message().find("--force"), std::string::npos);  // the CLI adds its flags
   EXPECT_EQ(*ReadFileToString(Path("a.json")), "old");
   ASSERT_TRUE(WriteFileAtomically(Path("a.json"), "new", {.overwrite = true}).ok());
   EXPECT_EQ(*ReadFileToString(Path("a.json")), "new");
@@ -103,6 +107,24 @@ TEST_F(FileTest, HandlesCloseOnceAndMove) {
   std::byte out[3];
   EXPECT_TRUE(ReadAt(b, out, 3, 0, Path("a")).ok());
   EXPECT_EQ(ReadAt(b, out, 3, 1, Path("a")).code(), StatusCode::kDataLoss);
+}
+
+TEST_F(FileTest, StaleTemporariesOfDeadProcessesAreRemovedOthersKept) {
+  // A temporary's name says which process made it: boot id, pid, start time.
+  const std::string mine = fs::path(TemporaryPathFor(Path("out"))).filename().string();
+  const std::string boot = mine.substr(std::string(".out.tmp-").size(), 8);
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ::waitpid(child, nullptr, 0);  // now a pid with no process
+  fs::create_directory(Path(".out.tmp-" + boot + "-" + std::to_string(child) + "-1-0000abcd"));
+  fs::create_directory(Path(mine));                              // ours: running
+  fs::create_directory(Path(".out.tmp-ffffffff-1-1-00000000"));  // another boot
+  fs::create_directory(Path(".other.tmp-" + boot + "-" + std::to_string(child) + "-1-0"));
+  EXPECT_EQ(RemoveStaleTemporaries(Path("out")), 1);
+  EXPECT_TRUE(fs::exists(Path(mine)));
+  EXPECT_TRUE(fs::exists(Path(".out.tmp-ffffffff-1-1-00000000")));
+  EXPECT_EQ(FileCount(), 3u);
 }
 
 }  // namespace

@@ -1,0 +1,258 @@
+#include "reshard/checkpoint/output_dir.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <set>
+#include <vector>
+
+#include "reshard/checkpoint/checkpoint.h"
+#include "reshard/io/file.h"
+#include "reshard/io/safetensors.h"
+#include "reshard/io/temporaries.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kIndexName[] = "model.safetensors.index.json";
+
+// The output as a path without a trailing separator ("out/" names "out").
+fs::path OutputPath(const std::string& path) {
+  fs::path target(path);
+  if (target.filename().empty() && target.has_parent_path()) target = target.parent_path();
+  return target;
+}
+
+fs::path RealPath(const fs::path& p) {
+  std::error_code ec;
+  fs::path real = fs::weakly_canonical(fs::absolute(p, ec), ec);
+  return ec ? fs::absolute(p, ec).lexically_normal() : real;
+}
+
+// True when `inner` lies strictly inside `outer` (both real, absolute paths).
+bool IsInside(const fs::path& inner, const fs::path& outer) {
+  const fs::path rel = inner.lexically_relative(outer);
+  return !rel.empty() && rel != "." && *rel.begin() != "..";
+}
+
+bool IsRegularFile(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(fs::symlink_status(p, ec));
+}
+
+// "model-00001-of-00003.safetensors"
+bool IsFullPartName(const std::string& name) {
+  constexpr std::string_view kPattern = "model-#####-of-#####.safetensors";
+  if (name.size() != kPattern.size()) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const bool digit = name[i] >= '0' && name[i] <= '9';
+    if (kPattern[i] == '#' ? !digit : name[i] != kPattern[i]) return false;
+  }
+  return true;
+}
+
+Status NotOurs(const std::string& path, std::string_view why) {
+  return AlreadyExistsError(fmt::format(
+      "\"{}\" exists and is not an output of reshard ({}); refusing to replace it: remove it "
+      "yourself or choose another output directory",
+      path, why));
+}
+
+// `names` (the entries of `dir`) are a sharded checkpoint reshard wrote and nothing else.
+Status CheckShardedOutput(const std::string& path, const fs::path& dir,
+                          const std::vector<std::string>& names) {
+  Result<std::string> text = ReadFileToString((dir / kManifestName).string());
+  Result<Manifest> manifest =
+      text.ok() ? ParseManifestJson(*text) : Result<Manifest>(text.status());
+  if (!manifest.ok()) {
+    return NotOurs(path, fmt::format("its {} is not a manifest reshard can read: {}", kManifestName,
+                                     manifest.status().message()));
+  }
+  std::set<std::string> allowed = {kManifestName};
+  for (const auto& files : manifest->files) allowed.insert(files.begin(), files.end());
+  for (const std::string& name : names) {
+    if (!allowed.count(name) || !IsRegularFile(dir / name)) {
+      return NotOurs(path, fmt::format("it holds \"{}\", which its manifest does not list", name));
+    }
+  }
+  return Status::Ok();
+}
+
+// `names` are a full checkpoint reshard wrote (marked safetensors files, an index) only.
+Status CheckFullOutput(const std::string& path, const fs::path& dir,
+                       const std::vector<std::string>& names) {
+  bool any_weights = false;
+  for (const std::string& name : names) {
+    const bool weights = name == "model.safetensors" || IsFullPartName(name);
+    if ((!weights && name != kIndexName) || !IsRegularFile(dir / name)) {
+      return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
+    }
+    if (!weights) continue;
+    Result<SafetensorsHeader> header = ReadSafetensorsHeader((dir / name).string());
+    if (!header.ok() || header->metadata.count("producer") == 0 ||
+        header->metadata.at("producer") != "reshard") {
+      return NotOurs(path,
+                     fmt::format("\"{}\" has no \"producer\": \"reshard\" in its metadata", name));
+    }
+    any_weights = true;
+  }
+  if (!any_weights) return NotOurs(path, "it holds no checkpoint");
+  return Status::Ok();
+}
+
+}  // namespace
+
+const std::map<std::string, std::string>& ProducerMetadata() {
+  static const std::map<std::string, std::string> metadata = {{"format", "pt"},
+                                                              {"producer", "reshard"}};
+  return metadata;
+}
+
+Status CheckReplaceable(const std::string& path) {
+  const fs::path target = OutputPath(path);
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(target, ec);
+  if (!fs::exists(st)) return Status::Ok();
+  if (fs::is_symlink(st)) return NotOurs(path, "it is a symbolic link");
+  if (!fs::is_directory(st)) return NotOurs(path, "it is not a directory");
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(target, ec)) {
+    names.push_back(e.path().filename().string());
+  }
+  if (ec) {
+    return ErrnoStatus(ec.value(), "cannot list", target.string());
+  }
+  if (names.empty()) return Status::Ok();
+  for (const std::string& name : names) {
+    if (name == kManifestName) return CheckShardedOutput(path, target, names);
+  }
+  return CheckFullOutput(path, target, names);
+}
+
+Status CheckOutputAgainstInputs(const std::string& path, std::span<const std::string> inputs) {
+  const fs::path target = OutputPath(path);
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(target, ec))) {
+    return InvalidArgumentError(
+        fmt::format("output \"{}\" is a symbolic link (to \"{}\"); give a real directory path",
+                    path, fs::read_symlink(target, ec).string()));
+  }
+  const fs::path real = RealPath(target);
+  const fs::path cwd = RealPath(fs::current_path(ec));
+  if (real == cwd || IsInside(cwd, real)) {
+    return InvalidArgumentError(fmt::format(
+        "output \"{}\" is the current directory or contains it, which cannot be replaced; give "
+        "a new directory as the output",
+        path));
+  }
+  for (const std::string& input : inputs) {
+    const fs::path in = RealPath(input);
+    std::string_view relation;
+    if (in == real) {
+      relation = "is";
+    } else if (IsInside(in, real)) {
+      relation = "contains";
+    } else if (IsInside(real, in)) {
+      relation = "lies inside";
+    } else {
+      continue;
+    }
+    return InvalidArgumentError(fmt::format(
+        "output \"{}\" {} the input \"{}\"; inputs are never written, so choose an output "
+        "directory outside them",
+        path, relation, input));
+  }
+  return Status::Ok();
+}
+
+Status OutputDirectory::CheckTarget() const {
+  RESHARD_RETURN_IF_ERROR(CheckOutputAgainstInputs(path_, inputs_));
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(path_, ec))) {
+    if (!overwrite_) return AlreadyExistsError(fmt::format("\"{}\" already exists", path_));
+    RESHARD_RETURN_IF_ERROR(CheckReplaceable(path_));
+  }
+  return Status::Ok();
+}
+
+Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool overwrite,
+                                                std::span<const std::string> inputs) {
+  OutputDirectory out;
+  out.path_ = OutputPath(path).string();
+  out.inputs_.assign(inputs.begin(), inputs.end());
+  out.overwrite_ = overwrite;
+  out.committed_ = true;  // nothing to remove until the temporary exists
+  RESHARD_RETURN_IF_ERROR(out.CheckTarget());
+  const fs::path target(out.path_);
+  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) {
+    return NotFoundError(
+        fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
+  }
+  RemoveStaleTemporaries(out.path_);
+  out.temp_ = TemporaryPathFor(out.path_);
+  RESHARD_RETURN_IF_ERROR(CreateTemporary(out.temp_, [&]() -> Status {
+    if (::mkdir(out.temp_.c_str(), 0755) != 0)
+      return ErrnoStatus(errno, "cannot create", out.temp_);
+    return Status::Ok();
+  }));
+  out.committed_ = false;
+  return out;
+}
+
+OutputDirectory::OutputDirectory(OutputDirectory&& other) noexcept
+    : path_(std::move(other.path_)),
+      temp_(std::move(other.temp_)),
+      inputs_(std::move(other.inputs_)),
+      overwrite_(other.overwrite_),
+      committed_(other.committed_) {
+  other.committed_ = true;  // the moved-from object owns nothing
+}
+
+OutputDirectory::~OutputDirectory() {
+  if (committed_ || temp_.empty()) return;
+  (void)FinishTemporary(temp_, [&] {
+    std::error_code ec;
+    fs::remove_all(temp_, ec);
+    return Status::Ok();
+  });
+}
+
+std::string OutputDirectory::FilePath(const std::string& name) const {
+  return (fs::path(temp_) / name).string();
+}
+
+Status OutputDirectory::Commit() {
+  RESHARD_RETURN_IF_ERROR(CheckTarget());
+  RESHARD_RETURN_IF_ERROR(FinishTemporary(temp_, [&]() -> Status {
+    std::error_code ec;
+    const bool replace = fs::exists(fs::symlink_status(path_, ec));
+    // One rename either way: the old output (if any) and the new one swap places, so the
+    // path always holds a complete output.
+    if (::renameat2(AT_FDCWD, temp_.c_str(), AT_FDCWD, path_.c_str(),
+                    replace ? RENAME_EXCHANGE : RENAME_NOREPLACE) != 0) {
+      const int err = errno;
+      fs::remove_all(temp_, ec);
+      return ErrnoStatus(err, "cannot rename the output into place at", path_);
+    }
+    committed_ = true;
+    if (replace) fs::remove_all(temp_, ec);  // now the old output
+    return Status::Ok();
+  }));
+  const fs::path target(path_);
+  FileHandle dir(::open(target.has_parent_path() ? target.parent_path().c_str() : ".",
+                        O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir.valid()) ::fsync(dir.get());
+  return Status::Ok();
+}
+
+}  // namespace reshard

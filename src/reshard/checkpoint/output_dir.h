@@ -1,0 +1,76 @@
+// Output directories: built under a temporary name, renamed into place in one step, and the
+// rule for what an existing output may be replaced by.
+//
+// Replacing (`overwrite`) is allowed only for
+//   - an empty directory;
+//   - a sharded checkpoint that reshard wrote: reshard.json (a manifest that parses) and
+//     exactly the files its "files" lists, nothing else;
+//   - a full checkpoint that reshard wrote: model.safetensors, or model-NNNNN-of-NNNNN
+//     parts and model.safetensors.index.json, nothing else, each safetensors file marked in
+//     its header's __metadata__ with "producer": "reshard" (kProducerMetadata; every
+//     safetensors file the checkpoint operations write carries it).
+// Anything else (a file, a symbolic link, a directory holding a file reshard did not write)
+// is refused with AlreadyExists naming what is in the way; nothing is ever removed but the
+// replaced output.
+//
+// Whether replacing or not, the output may not be, contain or lie inside any input (real
+// paths: symbolic links resolved), nor be or contain the current directory; a symbolic link
+// as the output is refused (InvalidArgument), all before any work is done.
+#ifndef RESHARD_CHECKPOINT_OUTPUT_DIR_H_
+#define RESHARD_CHECKPOINT_OUTPUT_DIR_H_
+
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "reshard/base/result.h"
+
+namespace reshard {
+
+/// The __metadata__ of every safetensors file reshard's checkpoint operations write:
+/// {"format": "pt", "producer": "reshard"} ("format": "pt" is what transformers expects).
+const std::map<std::string, std::string>& ProducerMetadata();
+
+/// OK when the existing `path` may be replaced (rules above); AlreadyExists otherwise, naming
+/// the first entry reshard did not write. OK when `path` does not exist.
+Status CheckReplaceable(const std::string& path);
+
+/// OK when output `path` is not, does not contain and does not lie inside any of `inputs`,
+/// nor is or contains the current directory, and is not a symbolic link; InvalidArgument
+/// naming the conflict otherwise.
+Status CheckOutputAgainstInputs(const std::string& path, std::span<const std::string> inputs);
+
+/// An output directory that appears atomically: files are written into a temporary sibling
+/// directory (io/temporaries.h: removed if the run is interrupted, and by a later run if the
+/// process died), and `Commit` swaps it into place in one rename (the old output, when
+/// replaced, is then removed). If it is destroyed without a successful Commit, the temporary
+/// directory is removed: a failed run leaves nothing that looks like a result.
+class OutputDirectory {
+ public:
+  /// Checks `path` against `inputs` and, when it exists, that `overwrite` is given and it is
+  /// replaceable (AlreadyExists otherwise); removes stale temporaries of `path`; creates the
+  /// temporary directory. The checks are made again at Commit.
+  static Result<OutputDirectory> Create(const std::string& path, bool overwrite,
+                                        std::span<const std::string> inputs = {});
+  OutputDirectory(OutputDirectory&& other) noexcept;
+  OutputDirectory& operator=(OutputDirectory&&) = delete;
+  ~OutputDirectory();
+
+  /// Where to write file `name` before the commit.
+  std::string FilePath(const std::string& name) const;
+  Status Commit();
+
+ private:
+  OutputDirectory() = default;
+  Status CheckTarget() const;
+  std::string path_;
+  std::string temp_;
+  std::vector<std::string> inputs_;
+  bool overwrite_ = false;
+  bool committed_ = false;
+};
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_OUTPUT_DIR_H_
