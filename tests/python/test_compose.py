@@ -62,6 +62,16 @@ def test_plans_move_deepspeed_shards_between_degrees(layout, src_tp, dst_tp):
     assert len(plan["moves"]) <= 4 * max(src_tp, dst_tp) * max(src_tp, dst_tp)
 
 
+def test_bigcode_tp2_to_tp4_takes_the_seven_moves_deepspeed_measured():
+    # Target rank 3 reads the replicated key/value block from the source rank that sends its
+    # query rows, right after them: one move, not two.
+    shape, make = LAYOUTS["bigcode"]
+    src_map = reshard.infer(json.dumps(index_maps(shape, make(2))))
+    dst_map = reshard.infer(json.dumps(index_maps(shape, make(4))))
+    plan = json.loads(reshard.compose(dst_map, src_map))["params"][""]
+    assert len(plan["moves"]) == 7
+
+
 def test_move_counts_do_not_depend_on_size():
     def count(rows, cols, a, b):
         sa = split_map([rows, cols], 1, [cols // a] * a)

@@ -10,57 +10,19 @@
 #include <vector>
 
 #include "reshard/exec/strided_copy.h"
+#include "reshard/ir/fixtures.h"
 
 namespace reshard {
 namespace {
 
-Piece MakePiece(Shape shape, Index src_off, Shape src_strides, Index dst_off, Shape dst_strides,
-                std::vector<Rank> locations, double scale = 1.0) {
-  return Piece{std::move(shape),
-               {src_off, std::move(src_strides)},
-               {dst_off, std::move(dst_strides)},
-               std::move(locations),
-               scale};
-}
+using fixtures::BigCodeBuilder;
+using fixtures::MakePiece;
+using fixtures::SplitBuilder;
 
 ParamMap Finalized(const ParamMapBuilder& b) {
   Result<ParamMap> m = b.Finalize();
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return std::move(m).value();
-}
-
-// Contiguous split of `shape` along `dim` into `sizes`, one piece per rank.
-ParamMapBuilder Split(Shape shape, size_t dim, const std::vector<Index>& sizes,
-                      double scale = 1.0) {
-  ParamMapBuilder b;
-  b.set_logical_shape(shape);
-  const Shape strides = RowMajorStrides(shape);
-  Index start = 0;
-  for (size_t r = 0; r < sizes.size(); ++r) {
-    Shape shard = shape;
-    shard[dim] = sizes[r];
-    b.set_shard_shape(static_cast<Rank>(r), shard);
-    b.add_piece(static_cast<Rank>(r),
-                MakePiece(shard, start * strides[dim], strides, 0, RowMajorStrides(shard),
-                          {static_cast<Rank>(r)}, scale));
-    start += sizes[r];
-  }
-  return b;
-}
-
-// GPT-BigCode fused QKV: 32 query rows split, a 16-row key/value block on every rank.
-ParamMapBuilder BigCode(int world) {
-  ParamMapBuilder b;
-  b.set_logical_shape({48, 8});
-  std::vector<Rank> all;
-  for (int r = 0; r < world; ++r) all.push_back(r);
-  const Index q = 32 / world;
-  for (Rank r = 0; r < world; ++r) {
-    b.set_shard_shape(r, {q + 16, 8});
-    b.add_piece(r, MakePiece({q, 8}, r * q * 8, {8, 1}, 0, {8, 1}, {r}));
-    b.add_piece(r, MakePiece({16, 8}, 256, {8, 1}, q * 8, {8, 1}, all));
-  }
-  return b;
 }
 
 // CodeGen fused QKV, 24x8 at TP 2: rank r holds F rows 12r + 6a + b + 2c at shard rows
@@ -136,8 +98,8 @@ std::vector<std::byte> RandomBytes(size_t n, uint32_t seed) {
 }
 
 TEST(ExecutorTest, EveryDTypeRoundTripsBitExactThroughExtractAndRebuild) {
-  const std::vector<ParamMap> maps{Finalized(BigCode(4)), Finalized(CodeGen()),
-                                   Finalized(Split({6, 10}, 1, {3, 3, 2, 2}))};
+  const std::vector<ParamMap> maps{Finalized(BigCodeBuilder(4)), Finalized(CodeGen()),
+                                   Finalized(SplitBuilder({6, 10}, 1, {3, 3, 2, 2}))};
   for (DType dtype : kAllDTypes) {
     for (size_t mi = 0; mi < maps.size(); ++mi) {
       const ParamMap& map = maps[mi];
@@ -205,7 +167,7 @@ TEST(ExecutorTest, TransposedPieceReadsAColumnMajorView) {
 }
 
 TEST(ExecutorTest, BuffersThatStartPartWayIntoAllocationsAreUsedFromTheirFirstElement) {
-  const ParamMap map = Finalized(Split({4, 6}, 1, {2, 4}));
+  const ParamMap map = Finalized(SplitBuilder({4, 6}, 1, {2, 4}));
   // F lives at element 5 of a larger allocation; rank 1's shard at element 3 of another.
   std::vector<double> f_alloc(5 + 24 + 2, -7.0);
   for (int i = 0; i < 24; ++i) f_alloc[static_cast<size_t>(5 + i)] = i;
@@ -244,7 +206,7 @@ TEST(ExecutorTest, NonPowerOfTwoScaleUsesTheDTypesArithmeticF64AndF16) {
   // Split over 2 ranks at scale 3: F64 multiplies in double; F16 multiplies in float and
   // rounds: 0x3555 (0.333251953125) * 3 = 0.999755859375 = 1 - 2^-12 in float, a tie
   // between 0x3BFF and 0x3C00 in half, rounded to the even 0x3C00.
-  const ParamMap map = Finalized(Split({4}, 0, {2, 2}, 3.0));
+  const ParamMap map = Finalized(SplitBuilder({4}, 0, {2, 2}, 3.0));
   ExecOptions lossy;
   lossy.allow_lossy_scale = true;
   const Tensor<double> f64{{0.1, 1.0, -2.5, 1e300}};
@@ -258,7 +220,7 @@ TEST(ExecutorTest, NonPowerOfTwoScaleUsesTheDTypesArithmeticF64AndF16) {
 }
 
 TEST(ExecutorTest, BFloat16ScaledRoundTripIsExactForAPowerOfTwo) {
-  const ParamMap map = Finalized(Split({2, 4}, 1, {2, 2}, 0.5));
+  const ParamMap map = Finalized(SplitBuilder({2, 4}, 1, {2, 2}, 0.5));
   const Tensor<uint16_t> full{{0x3F81, 0x3F83, 0xC0A0, 0x7FC0, 0x0080, 0x4049, 0xFF80, 0x0000}};
   const std::vector<Tensor<uint16_t>> shards = ExtractAll(map, DType::kBF16, full);
   // Halving changes only the exponent, except the smallest normal, which becomes subnormal.
@@ -309,7 +271,7 @@ TEST(ExecutorTest, OptimizerStateThroughAScaledPieceIsRefusedUnlessAllowed) {
   ASSERT_TRUE(Extract(map, DType::kF32, 0, full.c(), shard.m(), options).ok());
   EXPECT_EQ(shard.v, (std::vector<float>{16.0f, 48.0f}));
   // Unscaled pieces move optimizer state without being asked.
-  const ParamMap plain = Finalized(Split({2}, 0, {1, 1}));
+  const ParamMap plain = Finalized(SplitBuilder({2}, 0, {1, 1}));
   ExecOptions strict;
   strict.scale_power = -2;
   Tensor<float> one{std::vector<float>(1)};
@@ -318,7 +280,7 @@ TEST(ExecutorTest, OptimizerStateThroughAScaledPieceIsRefusedUnlessAllowed) {
 }
 
 TEST(ExecutorTest, WrongBufferSizesNameExpectedAndGivenElementsAndTheRank) {
-  const ParamMap map = Finalized(BigCode(4));  // F 48x8, shards 24x8
+  const ParamMap map = Finalized(BigCodeBuilder(4));  // F 48x8, shards 24x8
   Tensor<float> full{std::vector<float>(384)};
   Tensor<float> shard{std::vector<float>(100)};
   Status s = Extract(map, DType::kF32, 2, full.c(), shard.m());
@@ -346,7 +308,7 @@ TEST(ExecutorTest, WrongBufferSizesNameExpectedAndGivenElementsAndTheRank) {
 }
 
 TEST(ExecutorTest, DisagreeingReplicasAreNamedWithRanksIndexOffsetAndValues) {
-  const ParamMap map = Finalized(BigCode(4));
+  const ParamMap map = Finalized(BigCodeBuilder(4));
   Tensor<float> full{std::vector<float>(384, 0.5f)};
   full.v[323] = 1.5f;  // element [40, 3], in the key/value block every rank holds
   std::vector<Tensor<float>> shards = ExtractAll(map, DType::kF32, full);
@@ -402,7 +364,8 @@ TEST(ExecutorTest, UnheldPaddingIsZeroFilledAndHeldPaddingKeepsItsData) {
     EXPECT_EQ(rebuilt.v[static_cast<size_t>(i)], i < 52 ? i + 1 : 0) << i;
   }
   // A full split of the padded F: rank 3 holds padding rows 13..15, which keep its data.
-  const ParamMap held = Finalized(Split({16, 4}, 0, {4, 4, 4, 4}).set_valid_shape(Shape{13, 4}));
+  const ParamMap held =
+      Finalized(SplitBuilder({16, 4}, 0, {4, 4, 4, 4}).set_valid_shape(Shape{13, 4}));
   const std::vector<Tensor<int16_t>> all = ExtractAll(held, DType::kI16, full);
   ASSERT_TRUE(Rebuild(held, DType::kI16, Buffers(all), rebuilt.m()).ok());
   EXPECT_EQ(rebuilt.v, full.v);
@@ -446,11 +409,11 @@ TEST(ExecutorTest, DisagreementInsidePaddingIsIgnored) {
 
 TEST(ExecutorTest, VerifyingReplicasReadsOnlyReplicatedPiecesAndSkipsUnreplicatedMaps) {
   // A split map has no replicas: nothing to compare, whatever the shards hold.
-  const ParamMap split = Finalized(Split({4, 2}, 0, {2, 2}));
+  const ParamMap split = Finalized(SplitBuilder({4, 2}, 0, {2, 2}));
   std::vector<Tensor<float>> two{{{1, 2, 3, 4}}, {{5, 6, 7, 8}}};
   EXPECT_TRUE(VerifyReplicas(split, DType::kF32, Buffers(two)).ok());
   // Only the key/value block of GPT-BigCode is compared: query rows may differ freely.
-  const ParamMap map = Finalized(BigCode(2));
+  const ParamMap map = Finalized(BigCodeBuilder(2));
   const Tensor<float> full = Iota<float>(384);
   std::vector<Tensor<float>> shards = ExtractAll(map, DType::kF32, full);
   shards[1].v[0] = -1.0f;  // a query element of rank 1
@@ -461,6 +424,23 @@ TEST(ExecutorTest, VerifyingReplicasReadsOnlyReplicatedPiecesAndSkipsUnreplicate
   shards.pop_back();
   EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)).code(),
             StatusCode::kFailedPrecondition);
+}
+
+TEST(ExecutorTest, ReplicasSplitDifferentlyOnTheirHoldersAreComparedInF) {
+  // Both ranks hold all of F [4]: rank 0 as one piece, rank 1 as two, so no piece of rank 1
+  // has a twin on rank 0 to compare bytes with.
+  ParamMapBuilder b;
+  b.set_logical_shape({4});
+  b.set_shard_shape(0, {4}).set_shard_shape(1, {4});
+  b.add_piece(0, MakePiece({4}, 0, {1}, 0, {1}, {0, 1}));
+  b.add_piece(1, MakePiece({2}, 2, {1}, 0, {1}, {0, 1}));  // F [2, 4) first
+  b.add_piece(1, MakePiece({2}, 0, {1}, 2, {1}, {0, 1}));
+  const ParamMap map = Finalized(b);
+  std::vector<Tensor<float>> shards{{{1, 2, 3, 4}}, {{3, 4, 1, 2}}};
+  EXPECT_TRUE(VerifyReplicas(map, DType::kF32, Buffers(shards)).ok());
+  shards[1].v[1] = 5;  // F element [3]
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)).message(),
+            "ranks 0 and 1 hold different data for element [3] of F (offset 3): 4 vs 5");
 }
 
 TEST(ExecutorTest, AScaleThatLosesAValueIsRefusedUnlessAllowed) {
@@ -528,7 +508,7 @@ TEST(ExecutorTest, APlanFactorThatRoundsIsRefusedNamingTheMove) {
 
 TEST(ExecutorTest, LargeColumnSplitRoundTripsOnTwoThreads) {
   // 4096 x 2048 bf16 (16 MiB) with a scale: rank 1's 8 MiB is split over threads.
-  const ParamMap map = Finalized(Split({4096, 2048}, 1, {512, 1024, 512}, 0.5));
+  const ParamMap map = Finalized(SplitBuilder({4096, 2048}, 1, {512, 1024, 512}, 0.5));
   Tensor<uint16_t> full{std::vector<uint16_t>(4096 * 2048)};
   for (size_t i = 0; i < full.v.size(); ++i) {
     full.v[i] = static_cast<uint16_t>(0x3F80 + (i * 7) % 0x3F00);

@@ -124,7 +124,7 @@ TEST(PlanTest, ScaledPiecesMoveWithTheRatioOfScales) {
   }
 }
 
-TEST(PlanTest, ReplicaPolicyPrefersTheSameRankThenBalances) {
+TEST(PlanTest, ReplicaPolicyPrefersTheSameRankThenAMoveItContinuesThenBalances) {
   // A key/value block held by all 4 source ranks, read by 2 target ranks: each reads its own.
   const ParamMap source = *SegmentedMap({48, 8}, 0, {{32, false, {8, 8, 8, 8}}, {16, true, {}}}, 4);
   const ParamMap target = *SegmentedMap({48, 8}, 0, {{32, false, {16, 16}}, {16, true, {}}}, 2);
@@ -135,14 +135,47 @@ TEST(PlanTest, ReplicaPolicyPrefersTheSameRankThenBalances) {
       EXPECT_EQ(m.src_rank, m.dst_rank);  // the key/value block
     }
   }
-  // 4 target ranks reading from 2 holders that are not themselves spread over both.
-  Result<ParamPlan> up = Compose(source, target);
-  ASSERT_TRUE(up.ok());
+  // 4 target ranks reading from 2 holders. Balancing alone spreads the reads 2 and 2.
+  const ComposeOptions balance_only{.policy = [](const ReplicaChoice& choice) {
+    ReplicaChoice without = choice;
+    without.continuing = {};
+    return PreferSameRankThenBalance(without);
+  }};
+  Result<ParamPlan> balanced = Compose(source, target, balance_only);
+  ASSERT_TRUE(balanced.ok());
   std::vector<int> reads(2, 0);
-  for (const Move& m : up->moves) {
+  for (const Move& m : balanced->moves) {
     if (m.dst.offset == 8 * 8) ++reads[static_cast<size_t>(m.src_rank)];
   }
   EXPECT_EQ(reads, (std::vector<int>{2, 2}));
+  // By default target rank 3 reads the block from source rank 1, right after its query rows
+  // there: one move instead of two.
+  Result<ParamPlan> up = Compose(source, target);
+  ASSERT_TRUE(up.ok());
+  EXPECT_EQ(up->moves.size() + 1, balanced->moves.size());
+  std::vector<Move> to_3;
+  for (const Move& m : up->moves) {
+    if (m.dst_rank == 3) to_3.push_back(m);
+  }
+  ASSERT_EQ(to_3.size(), 1u);
+  EXPECT_EQ(to_3[0].src_rank, 1);
+  EXPECT_EQ(to_3[0].shape, (Shape{24 * 8}));
+}
+
+// GPT-BigCode's fused QKV (4 heads of 16, one key/value head held by every rank) from TP 2 to
+// TP 4: DeepSpeed's design discussion measured 7 moves. Target ranks 0-2 need two moves each
+// (their query rows, then the key/value block; rank 1 reads the block from itself); rank 3
+// reads it from source rank 1 right after its query rows, one move.
+TEST(PlanTest, BigCodeTpTwoToFourIsSevenMoves) {
+  auto bigcode = [](int tp) {
+    const Index q = 64 / tp;
+    return *SegmentedMap(
+        {96, 64}, 0, {{64, false, std::vector<Index>(static_cast<size_t>(tp), q)}, {32, true, {}}},
+        tp);
+  };
+  Result<ParamPlan> plan = Compose(bigcode(4), bigcode(2));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->moves.size(), 7u);
 }
 
 TEST(PlanTest, ColumnSplitTpEightToTwoIsEightMoves) {

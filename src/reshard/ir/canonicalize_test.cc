@@ -8,12 +8,15 @@
 #include <random>
 #include <sstream>
 
+#include "reshard/ir/fixtures.h"
 #include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/random_map.h"
 
 namespace reshard {
 namespace {
+
+using fixtures::MakePiece;
 
 std::string ReadFile(const std::filesystem::path& path) {
   std::ifstream in(path);
@@ -44,15 +47,6 @@ void ExpectSameIndexMaps(const IndexMaps& want, const ParamMap& got) {
   }
 }
 
-Piece P(Shape shape, Index src, Shape src_strides, Index dst, Shape dst_strides,
-        std::vector<Rank> locs, double scale = 1.0) {
-  return Piece{std::move(shape),
-               {src, std::move(src_strides)},
-               {dst, std::move(dst_strides)},
-               std::move(locs),
-               scale};
-}
-
 // CodeGen's fused QKV as DeepSpeed shards it (3 * hidden rows, mp_num 4): F is 4 blocks of
 // 3 * hidden / 4 rows; inside a block, row c * (hidden / 4) + b for c < 3, b < hidden / 4; a
 // rank takes 4 / tp consecutive blocks and stores each b-major. The last row of one block and
@@ -66,9 +60,9 @@ IndexMaps CodeGenObservation(Index hidden, int tp, Index cols) {
   for (Rank r = 0; r < tp; ++r) {
     b.set_shard_shape(r, {rows / tp, cols});
     const Shape shape = {blocks, quarter, 3, cols};
-    b.add_piece(
-        r, P(shape, r * blocks * 3 * quarter * cols, {3 * quarter * cols, cols, quarter * cols, 1},
-             0, RowMajorStrides(shape), {r}));
+    b.add_piece(r, MakePiece(shape, r * blocks * 3 * quarter * cols,
+                             {3 * quarter * cols, cols, quarter * cols, 1}, 0,
+                             RowMajorStrides(shape), {r}));
   }
   Result<ParamMap> m = b.Finalize();
   EXPECT_TRUE(m.ok()) << m.status().message();
@@ -168,8 +162,8 @@ TEST(InferTest, MultiQueryKeyValueBlockStaysSeparateWhereAdjacent) {
   b.set_logical_shape({6, 2});
   for (Rank r = 0; r < 2; ++r) {
     b.set_shard_shape(r, {4, 2});
-    b.add_piece(r, P({2, 2}, 4 * r, {2, 1}, 0, {2, 1}, {r}));
-    b.add_piece(r, P({2, 2}, 8, {2, 1}, 4, {2, 1}, {0, 1}));
+    b.add_piece(r, MakePiece({2, 2}, 4 * r, {2, 1}, 0, {2, 1}, {r}));
+    b.add_piece(r, MakePiece({2, 2}, 8, {2, 1}, 4, {2, 1}, {0, 1}));
   }
   Result<ParamMap> m = Infer(ToIndexMaps(*b.Finalize()));
   ASSERT_TRUE(m.ok()) << m.status().message();
@@ -223,7 +217,7 @@ TEST(CanonicalizeTest, RowPerPieceMapFoldsBackAndIsIdempotent) {
   for (Rank r = 0; r < 2; ++r) {
     b.set_shard_shape(r, {64, 8});
     for (Index row = 0; row < 64; ++row) {
-      b.add_piece(r, P({8}, row * 16 + 8 * r, {1}, row * 8, {1}, {r}));
+      b.add_piece(r, MakePiece({8}, row * 16 + 8 * r, {1}, row * 8, {1}, {r}));
     }
   }
   Result<ParamMap> m = Canonicalize(*b.Finalize());
@@ -240,7 +234,7 @@ TEST(CanonicalizeTest, RowSplitReadsAsRowsAndColumns) {
   ParamMapBuilder b;
   b.set_logical_shape({8, 4});
   b.set_shard_shape(0, {32});
-  b.add_piece(0, P({32}, 0, {1}, 0, {1}, {0}));
+  b.add_piece(0, MakePiece({32}, 0, {1}, 0, {1}, {0}));
   Result<ParamMap> m = Canonicalize(*b.Finalize());
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->rank(0).pieces[0].shape, (Shape{8, 4}));
@@ -253,7 +247,7 @@ TEST(CanonicalizeTest, TransposedShardIsOnePiece) {
   b.set_logical_shape({3, 4});
   for (Rank r = 0; r < 2; ++r) {
     b.set_shard_shape(r, {2, 3});
-    b.add_piece(r, P({3, 2}, 2 * r, {4, 1}, 0, {1, 3}, {r}));
+    b.add_piece(r, MakePiece({3, 2}, 2 * r, {4, 1}, 0, {1, 3}, {r}));
   }
   Result<ParamMap> m = Canonicalize(*b.Finalize());
   ASSERT_TRUE(m.ok()) << m.status().message();

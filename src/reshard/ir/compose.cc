@@ -341,26 +341,44 @@ Index ParamPlan::num_moved_elements() const {
   return n;
 }
 
-Rank PreferSameRankThenBalance(Rank dst_rank, std::span<const Rank> holders, Index,
-                               std::span<const Index> assigned) {
-  if (std::binary_search(holders.begin(), holders.end(), dst_rank)) return dst_rank;
-  Rank best = holders.front();
-  for (Rank h : holders) {
-    if (assigned[static_cast<size_t>(h)] < assigned[static_cast<size_t>(best)]) best = h;
+Rank PreferSameRankThenBalance(const ReplicaChoice& choice) {
+  if (std::binary_search(choice.holders.begin(), choice.holders.end(), choice.dst_rank)) {
+    return choice.dst_rank;
+  }
+  if (!choice.continuing.empty()) return choice.continuing.front();
+  Rank best = choice.holders.front();
+  for (Rank h : choice.holders) {
+    if (choice.assigned[static_cast<size_t>(h)] < choice.assigned[static_cast<size_t>(best)]) {
+      best = h;
+    }
   }
   return best;
 }
 
-Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
-                          const ComposeOptions& options) {
-  RESHARD_RETURN_IF_ERROR(CheckSameTensor(target, source));
-  ParamPlan plan;
-  plan.source_world = source.world_size();
-  plan.target_world = target.world_size();
-  Shape logical = target.logical_shape();
-  if (!logical.empty()) logical[0] = std::max(logical[0], source.logical_shape()[0]);
-  const Index n = ProductOf(logical);
-  if (n == 0) return plan;
+namespace {
+
+using MoveGroups = std::map<std::tuple<Rank, Rank, double>, std::vector<Move>>;
+
+// Both maps' pieces as boxes of digits of the (larger) logical shape.
+struct BoxedMaps {
+  Shape logical;
+  Radix radix;
+  PaddingSpec padding;
+  std::vector<AffineBox> source_boxes;
+  std::vector<AffineBox> target_boxes;
+};
+
+Status AddBoxes(BoxBuilder& builder, const ParamMap& map, std::vector<AffineBox>& boxes) {
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    for (size_t i = 0; i < map.rank(r).pieces.size(); ++i) {
+      RESHARD_RETURN_IF_ERROR(
+          builder.AddPiece(map.rank(r).pieces[i], r, static_cast<int32_t>(i), boxes));
+    }
+  }
+  return Status::Ok();
+}
+
+Result<BoxedMaps> BoxMaps(const ParamMap& target, const ParamMap& source, Shape logical) {
   std::vector<Index> candidates;
   for (const ParamMap* m : {&target, &source}) {
     for (const RankShard& shard : m->ranks()) {
@@ -369,127 +387,200 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
       }
     }
   }
-  const Radix radix = Radix::Build(n, RowMajorStrides(logical), candidates);
-  const PaddingSpec padding = internal::MakePaddingSpec(radix, logical, target.valid_shape());
-  BoxBuilder builder(radix);
-  std::vector<AffineBox> source_boxes;
-  std::vector<AffineBox> target_boxes;
-  for (Rank r = 0; r < source.world_size(); ++r) {
-    for (size_t i = 0; i < source.rank(r).pieces.size(); ++i) {
-      RESHARD_RETURN_IF_ERROR(
-          builder.AddPiece(source.rank(r).pieces[i], r, static_cast<int32_t>(i), source_boxes));
-    }
-  }
-  for (Rank r = 0; r < target.world_size(); ++r) {
-    for (size_t i = 0; i < target.rank(r).pieces.size(); ++i) {
-      RESHARD_RETURN_IF_ERROR(
-          builder.AddPiece(target.rank(r).pieces[i], r, static_cast<int32_t>(i), target_boxes));
-    }
-  }
-  auto source_piece = [&](const AffineBox& b) -> const Piece& {
-    return source.rank(b.rank).pieces[static_cast<size_t>(b.piece)];
-  };
-  std::vector<Index> assigned(static_cast<size_t>(source.world_size()), 0);
-  std::map<std::tuple<Rank, Rank, double>, std::vector<Move>> groups;
-  Region t_region;
+  BoxedMaps boxed{.logical = logical,
+                  .radix = Radix::Build(ProductOf(logical), RowMajorStrides(logical), candidates),
+                  .padding = {},
+                  .source_boxes = {},
+                  .target_boxes = {}};
+  boxed.padding = internal::MakePaddingSpec(boxed.radix, logical, target.valid_shape());
+  BoxBuilder builder(boxed.radix);
+  RESHARD_RETURN_IF_ERROR(AddBoxes(builder, source, boxed.source_boxes));
+  RESHARD_RETURN_IF_ERROR(AddBoxes(builder, target, boxed.target_boxes));
+  return boxed;
+}
+
+// The moves that copy the part of target box `t` inside source box `sb` (padding clipped).
+std::vector<Move> MovesBetween(const BoxedMaps& boxed, const AffineBox& t, const AffineBox& sb,
+                               double factor) {
+  std::vector<Move> out;
+  Region t_region{t.lo, t.hi};
   Region inter;
-  for (const AffineBox& t : target_boxes) {
-    const Piece& tp = target.rank(t.rank).pieces[static_cast<size_t>(t.piece)];
-    t_region.lo = t.lo;
-    t_region.hi = t.hi;
+  if (!Intersect(t_region, sb, inter)) return out;
+  for (const Region& v : Clip(inter, boxed.radix, boxed.padding, true)) {
+    Move m;
+    m.src_rank = sb.rank;
+    m.dst_rank = t.rank;
+    m.src.offset = ShardOffset(sb, v);
+    m.dst.offset = ShardOffset(t, v);
+    for (size_t j = 0; j < v.lo.size(); ++j) {
+      if (v.hi[j] - v.lo[j] == 1) continue;
+      m.shape.push_back(v.hi[j] - v.lo[j]);
+      m.src.strides.push_back(sb.coef[j]);
+      m.dst.strides.push_back(t.coef[j]);
+    }
+    m.factor = factor;
+    NormalizeMove(m);
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+bool IsContiguous(const Move& m) {
+  return m.shape.size() == 1 && m.src.strides[0] == 1 && m.dst.strides[0] == 1;
+}
+
+// Whether `next` starts where `last` ends, in both shards, both being contiguous runs.
+bool Continues(const Move& last, const Move& next) {
+  return IsContiguous(last) && IsContiguous(next) &&
+         last.src.offset + last.shape[0] == next.src.offset &&
+         last.dst.offset + last.shape[0] == next.dst.offset;
+}
+
+// The first non-padding element of target box `t` that no source box holds, as an error.
+Status UncoveredElement(const BoxedMaps& boxed, const AffineBox& t) {
+  for (const Region& v : Clip(Region{t.lo, t.hi}, boxed.radix, boxed.padding, true)) {
+    std::vector<Index> digits = v.lo;
+    while (true) {
+      const bool held = std::any_of(boxed.source_boxes.begin(), boxed.source_boxes.end(),
+                                    [&](const AffineBox& sb) {
+                                      for (size_t j = 0; j < digits.size(); ++j) {
+                                        if (digits[j] < sb.lo[j] || digits[j] >= sb.hi[j])
+                                          return false;
+                                      }
+                                      return true;
+                                    });
+      if (!held) {
+        return FailedPreconditionError(fmt::format(
+            "element {} of F is held by target rank {} but by no source rank",
+            FormatShape(UnravelIndex(internal::OffsetOfDigits(boxed.radix, digits), boxed.logical)),
+            t.rank));
+      }
+      size_t j = digits.size();
+      while (j > 0) {
+        if (++digits[j - 1] < v.hi[j - 1]) break;
+        digits[j - 1] = v.lo[j - 1];
+        --j;
+      }
+      if (j == 0) break;
+    }
+  }
+  return InternalError("a target block is not covered but no uncovered element was found");
+}
+
+// The padding of target box `t`, which no move writes.
+void AddUnwritten(const BoxedMaps& boxed, const AffineBox& t, ParamPlan& plan) {
+  for (const Region& v : Clip(Region{t.lo, t.hi}, boxed.radix, boxed.padding, false)) {
+    UnwrittenBlock u;
+    u.dst_rank = t.rank;
+    u.dst.offset = ShardOffset(t, v);
+    for (size_t j = 0; j < v.lo.size(); ++j) {
+      if (v.hi[j] - v.lo[j] == 1) continue;
+      u.shape.push_back(v.hi[j] - v.lo[j]);
+      u.dst.strides.push_back(t.coef[j]);
+    }
+    plan.unwritten.push_back(std::move(u));
+  }
+}
+
+// Plans one target box: for each set of source holders of a part of it, picks a holder and
+// adds that holder's moves to `groups`.
+class TargetBoxPlanner {
+ public:
+  TargetBoxPlanner(const ParamMap& target, const ParamMap& source, const BoxedMaps& boxed,
+                   const ComposeOptions& options)
+      : target_(target),
+        source_(source),
+        boxed_(boxed),
+        options_(options),
+        assigned_(static_cast<size_t>(source.world_size()), 0) {}
+
+  Status Plan(const AffineBox& t, MoveGroups& groups) {
+    const Piece& tp = target_.rank(t.rank).pieces[static_cast<size_t>(t.piece)];
     // Source boxes that meet t, grouped by their holder set.
+    const Region t_region{t.lo, t.hi};
+    Region inter;
     std::map<std::vector<Rank>, std::vector<size_t>> by_holders;
-    for (size_t s = 0; s < source_boxes.size(); ++s) {
-      if (Intersect(t_region, source_boxes[s], inter)) {
-        by_holders[source_piece(source_boxes[s]).locations].push_back(s);
+    for (size_t s = 0; s < boxed_.source_boxes.size(); ++s) {
+      if (Intersect(t_region, boxed_.source_boxes[s], inter)) {
+        by_holders[SourcePiece(boxed_.source_boxes[s]).locations].push_back(s);
       }
     }
     Index covered = 0;
     for (const auto& [holders, boxes] : by_holders) {
-      // The size of the block is measured on one holder's boxes (each holder tiles it).
-      Index elements = 0;
-      for (size_t s : boxes) {
-        if (source_boxes[s].rank != holders.front()) continue;
-        Intersect(t_region, source_boxes[s], inter);
-        for (const Region& v : Clip(inter, radix, padding, true)) elements += v.size();
-      }
-      if (elements == 0) continue;
+      RESHARD_ASSIGN_OR_RETURN(const Index elements, PlanBlock(t, tp, holders, boxes, groups));
       covered += elements;
-      const Rank chosen = options.policy(t.rank, holders, elements, assigned);
-      if (!std::binary_search(holders.begin(), holders.end(), chosen)) {
-        return InternalError(fmt::format(
-            "the replica policy chose rank {}, which does not hold the block (holders {})", chosen,
-            fmt::join(holders, ", ")));
-      }
-      assigned[static_cast<size_t>(chosen)] += elements;
-      for (size_t s : boxes) {
-        const AffineBox& sb = source_boxes[s];
-        if (sb.rank != chosen) continue;
-        Intersect(t_region, sb, inter);
-        for (const Region& v : Clip(inter, radix, padding, true)) {
-          Move m;
-          m.src_rank = sb.rank;
-          m.dst_rank = t.rank;
-          m.src.offset = ShardOffset(sb, v);
-          m.dst.offset = ShardOffset(t, v);
-          for (size_t j = 0; j < v.lo.size(); ++j) {
-            if (v.hi[j] - v.lo[j] == 1) continue;
-            m.shape.push_back(v.hi[j] - v.lo[j]);
-            m.src.strides.push_back(sb.coef[j]);
-            m.dst.strides.push_back(t.coef[j]);
-          }
-          m.factor = tp.scale / source_piece(sb).scale;
-          NormalizeMove(m);
-          groups[{m.src_rank, m.dst_rank, m.factor}].push_back(std::move(m));
-        }
-      }
     }
     Index needed = 0;
-    for (const Region& v : Clip(t_region, radix, padding, true)) needed += v.size();
-    if (covered != needed) {
-      // Find the first non-padding element of t that no source holds.
-      for (const Region& v : Clip(t_region, radix, padding, true)) {
-        std::vector<Index> digits = v.lo;
-        while (true) {
-          bool held = false;
-          for (const AffineBox& sb : source_boxes) {
-            bool inside = true;
-            for (size_t j = 0; j < digits.size() && inside; ++j)
-              inside = sb.lo[j] <= digits[j] && digits[j] < sb.hi[j];
-            if (inside) {
-              held = true;
-              break;
-            }
-          }
-          if (!held) {
-            return FailedPreconditionError(fmt::format(
-                "element {} of F is held by target rank {} but by no source rank",
-                FormatShape(UnravelIndex(internal::OffsetOfDigits(radix, digits), logical)),
-                t.rank));
-          }
-          size_t j = digits.size();
-          while (j > 0) {
-            if (++digits[j - 1] < v.hi[j - 1]) break;
-            digits[j - 1] = v.lo[j - 1];
-            --j;
-          }
-          if (j == 0) break;
-        }
-      }
-      return InternalError("a target block is not covered but no uncovered element was found");
-    }
-    for (const Region& v : Clip(t_region, radix, padding, false)) {
-      UnwrittenBlock u;
-      u.dst_rank = t.rank;
-      u.dst.offset = ShardOffset(t, v);
-      for (size_t j = 0; j < v.lo.size(); ++j) {
-        if (v.hi[j] - v.lo[j] == 1) continue;
-        u.shape.push_back(v.hi[j] - v.lo[j]);
-        u.dst.strides.push_back(t.coef[j]);
-      }
-      plan.unwritten.push_back(std::move(u));
-    }
+    for (const Region& v : Clip(t_region, boxed_.radix, boxed_.padding, true)) needed += v.size();
+    if (covered != needed) return UncoveredElement(boxed_, t);
+    return Status::Ok();
   }
+
+ private:
+  const Piece& SourcePiece(const AffineBox& b) const {
+    return source_.rank(b.rank).pieces[static_cast<size_t>(b.piece)];
+  }
+
+  // The moves from holder `h` for the block of t that `boxes` hold.
+  std::vector<Move> HolderMoves(const AffineBox& t, const Piece& tp, Rank h,
+                                const std::vector<size_t>& boxes) const {
+    std::vector<Move> moves;
+    for (size_t s : boxes) {
+      const AffineBox& sb = boxed_.source_boxes[s];
+      if (sb.rank != h) continue;
+      for (Move& m : MovesBetween(boxed_, t, sb, tp.scale / SourcePiece(sb).scale)) {
+        moves.push_back(std::move(m));
+      }
+    }
+    return moves;
+  }
+
+  // One block (the part of t held by `holders`): returns its size in elements.
+  Result<Index> PlanBlock(const AffineBox& t, const Piece& tp, const std::vector<Rank>& holders,
+                          const std::vector<size_t>& boxes, MoveGroups& groups) {
+    // The size of the block is measured on one holder's moves (each holder tiles it).
+    std::vector<std::vector<Move>> candidates;
+    for (Rank h : holders) candidates.push_back(HolderMoves(t, tp, h, boxes));
+    Index elements = 0;
+    for (const Move& m : candidates.front()) elements += m.num_elements();
+    if (elements == 0) return Index{0};
+    std::vector<Rank> continuing;
+    for (size_t k = 0; k < holders.size(); ++k) {
+      if (candidates[k].empty()) continue;
+      const Move& first = candidates[k].front();
+      auto group = groups.find({holders[k], t.rank, first.factor});
+      if (group != groups.end() && !group->second.empty() &&
+          Continues(group->second.back(), first)) {
+        continuing.push_back(holders[k]);
+      }
+    }
+    const Rank chosen = options_.policy(ReplicaChoice{.dst_rank = t.rank,
+                                                      .holders = holders,
+                                                      .elements = elements,
+                                                      .assigned = assigned_,
+                                                      .continuing = continuing});
+    const auto it = std::lower_bound(holders.begin(), holders.end(), chosen);
+    if (it == holders.end() || *it != chosen) {
+      return InternalError(fmt::format(
+          "the replica policy chose rank {}, which does not hold the block (holders {})", chosen,
+          fmt::join(holders, ", ")));
+    }
+    assigned_[static_cast<size_t>(chosen)] += elements;
+    for (Move& m : candidates[static_cast<size_t>(it - holders.begin())]) {
+      groups[{m.src_rank, m.dst_rank, m.factor}].push_back(std::move(m));
+    }
+    return elements;
+  }
+
+  const ParamMap& target_;
+  const ParamMap& source_;
+  const BoxedMaps& boxed_;
+  const ComposeOptions& options_;
+  std::vector<Index> assigned_;
+};
+
+// The moves of `groups`, each group folded, in the plan's canonical order.
+void FoldAndSort(MoveGroups& groups, ParamPlan& plan) {
   for (auto& [key, moves] : groups) {
     FoldGroup(moves);
     for (Move& m : moves) plan.moves.push_back(std::move(m));
@@ -502,6 +593,27 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
             [](const UnwrittenBlock& a, const UnwrittenBlock& b) {
               return std::tie(a.dst_rank, a.dst.offset) < std::tie(b.dst_rank, b.dst.offset);
             });
+}
+
+}  // namespace
+
+Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
+                          const ComposeOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckSameTensor(target, source));
+  ParamPlan plan;
+  plan.source_world = source.world_size();
+  plan.target_world = target.world_size();
+  Shape logical = target.logical_shape();
+  if (!logical.empty()) logical[0] = std::max(logical[0], source.logical_shape()[0]);
+  if (ProductOf(logical) == 0) return plan;
+  RESHARD_ASSIGN_OR_RETURN(const BoxedMaps boxed, BoxMaps(target, source, logical));
+  TargetBoxPlanner planner(target, source, boxed, options);
+  MoveGroups groups;
+  for (const AffineBox& t : boxed.target_boxes) {
+    RESHARD_RETURN_IF_ERROR(planner.Plan(t, groups));
+    AddUnwritten(boxed, t, plan);
+  }
+  FoldAndSort(groups, plan);
   return plan;
 }
 

@@ -52,17 +52,28 @@ struct ParamPlan {
   friend bool operator==(const ParamPlan&, const ParamPlan&) = default;
 };
 
-/// Picks which holder a target rank reads a replicated block from. `holders` are the source
-/// ranks that hold the block (ascending), `elements` its size, `assigned[r]` the elements
-/// already assigned to source rank r for this parameter. Must return one of `holders`, and
-/// be deterministic.
-using ReplicaPolicy = std::function<Rank(Rank dst_rank, std::span<const Rank> holders,
-                                         Index elements, std::span<const Index> assigned)>;
+/// What a replica policy chooses between: the source ranks holding a block that target rank
+/// `dst_rank` needs.
+struct ReplicaChoice {
+  Rank dst_rank = 0;
+  std::span<const Rank> holders;  // ascending
+  Index elements = 0;             // the block's size
+  /// Elements already assigned to each source rank for this parameter.
+  std::span<const Index> assigned;
+  /// The holders whose read of the block would continue a move already planned to
+  /// `dst_rank` (adjacent in both shards, so the two fold into one move): choosing one of
+  /// them costs no move of its own. Ascending.
+  std::span<const Rank> continuing;
+};
 
-/// The default policy: the target rank itself when it holds the block; otherwise the holder
-/// with the fewest elements assigned so far; ties to the lowest rank.
-Rank PreferSameRankThenBalance(Rank dst_rank, std::span<const Rank> holders, Index elements,
-                               std::span<const Index> assigned);
+/// Picks which holder a target rank reads a replicated block from. Must return one of
+/// `choice.holders`, and be deterministic.
+using ReplicaPolicy = std::function<Rank(const ReplicaChoice& choice)>;
+
+/// The default policy: the target rank itself when it holds the block; otherwise a holder that
+/// continues a planned move (the lowest); otherwise the holder with the fewest elements
+/// assigned so far, ties to the lowest rank.
+Rank PreferSameRankThenBalance(const ReplicaChoice& choice);
 
 struct ComposeOptions {
   ReplicaPolicy policy = PreferSameRankThenBalance;

@@ -66,24 +66,47 @@ class HolderTable {
   std::unordered_map<Index, uint32_t> sparse_;
 };
 
-}  // namespace
+Status CheckValidShape(const IndexMaps& observed) {
+  if (!observed.valid_shape) return Status::Ok();
+  const Shape& v = *observed.valid_shape;
+  bool fits = v.size() == observed.logical_shape.size();
+  for (size_t k = 0; fits && k < v.size(); ++k)
+    fits = v[k] >= 0 && v[k] <= observed.logical_shape[k];
+  if (!fits) {
+    return InvalidArgumentError(fmt::format("valid_shape {} does not fit inside logical_shape {}",
+                                            FormatShape(v), FormatShape(observed.logical_shape)));
+  }
+  return Status::Ok();
+}
 
-Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
-  auto numel = CheckedProduct(observed.logical_shape);
-  if (!numel.ok()) return numel.status().Annotate("logical_shape");
-  const Index n = *numel;
-  if (observed.ranks.empty())
-    return InvalidArgumentError("ranks is empty: observe at least one rank");
-  if (observed.valid_shape) {
-    const Shape& v = *observed.valid_shape;
-    bool fits = v.size() == observed.logical_shape.size();
-    for (size_t k = 0; fits && k < v.size(); ++k)
-      fits = v[k] >= 0 && v[k] <= observed.logical_shape[k];
-    if (!fits) {
-      return InvalidArgumentError(fmt::format("valid_shape {} does not fit inside logical_shape {}",
-                                              FormatShape(v), FormatShape(observed.logical_shape)));
+// One observed shard's own consistency: shape against index map, scales.
+Status CheckShard(const ObservedShard& s, size_t i) {
+  auto shard_elems = CheckedProduct(s.shard_shape);
+  if (!shard_elems.ok())
+    return shard_elems.status().Annotate(ObservedPath(i, s.rank) + ".shard_shape");
+  const auto entries = static_cast<Index>(s.index_map.size());
+  if (*shard_elems != entries) {
+    return InvalidArgumentError(fmt::format(
+        "{}: shard_shape {} has {} elements but index_map has {} entries ({})",
+        ObservedPath(i, s.rank), FormatShape(s.shard_shape), *shard_elems, entries,
+        entries < *shard_elems ? "shard elements are missing" : "extra shard elements are listed"));
+  }
+  if (s.scale.size() > 1 && s.scale.size() != s.index_map.size()) {
+    return InvalidArgumentError(
+        fmt::format("{}: scale has {} values; give one number or one per index_map entry ({})",
+                    ObservedPath(i, s.rank), s.scale.size(), entries));
+  }
+  for (size_t k = 0; k < s.scale.size(); ++k) {
+    if (!std::isfinite(s.scale[k]) || s.scale[k] == 0.0) {
+      return InvalidArgumentError(fmt::format("{}: scale[{}] = {} is not a finite non-zero number",
+                                              ObservedPath(i, s.rank), k, s.scale[k]));
     }
   }
+  return Status::Ok();
+}
+
+// The observed shards by rank, each checked; every rank 0..N-1 exactly once.
+Result<std::vector<const ObservedShard*>> ShardsByRank(const IndexMaps& observed) {
   const int world = static_cast<int>(observed.ranks.size());
   std::vector<const ObservedShard*> by_rank(static_cast<size_t>(world), nullptr);
   for (size_t i = 0; i < observed.ranks.size(); ++i) {
@@ -98,36 +121,15 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
           fmt::format("{}: rank {} is listed twice", ObservedPath(i, s.rank), s.rank));
     }
     by_rank[static_cast<size_t>(s.rank)] = &s;
-    auto shard_elems = CheckedProduct(s.shard_shape);
-    if (!shard_elems.ok())
-      return shard_elems.status().Annotate(ObservedPath(i, s.rank) + ".shard_shape");
-    const auto entries = static_cast<Index>(s.index_map.size());
-    if (*shard_elems != entries) {
-      return InvalidArgumentError(
-          fmt::format("{}: shard_shape {} has {} elements but index_map has {} entries ({})",
-                      ObservedPath(i, s.rank), FormatShape(s.shard_shape), *shard_elems, entries,
-                      entries < *shard_elems ? "shard elements are missing"
-                                             : "extra shard elements are listed"));
-    }
-    if (s.scale.size() > 1 && s.scale.size() != s.index_map.size()) {
-      return InvalidArgumentError(
-          fmt::format("{}: scale has {} values; give one number or one per index_map entry ({})",
-                      ObservedPath(i, s.rank), s.scale.size(), entries));
-    }
-    for (size_t k = 0; k < s.scale.size(); ++k) {
-      if (!std::isfinite(s.scale[k]) || s.scale[k] == 0.0) {
-        return InvalidArgumentError(
-            fmt::format("{}: scale[{}] = {} is not a finite non-zero number",
-                        ObservedPath(i, s.rank), k, s.scale[k]));
-      }
-    }
+    RESHARD_RETURN_IF_ERROR(CheckShard(s, i));
   }
-  // Pass 1: the holder set of every element of F.
-  Index entries = 0;
-  for (const ObservedShard& s : observed.ranks) entries += static_cast<Index>(s.index_map.size());
-  HolderSets sets;
-  HolderTable holders(n, entries);
-  for (Rank r = 0; r < world; ++r) {
+  return by_rank;
+}
+
+// Pass 1: the holder set of every element of F.
+Status CollectHolders(const IndexMaps& observed, const std::vector<const ObservedShard*>& by_rank,
+                      Index n, HolderSets& sets, HolderTable& holders) {
+  for (Rank r = 0; r < static_cast<Rank>(by_rank.size()); ++r) {
     const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
     uint32_t cached_from = UINT32_MAX;
     uint32_t cached_to = 0;
@@ -153,71 +155,99 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
       h = cached_to;
     }
   }
+  return Status::Ok();
+}
+
+// Walks the non-padding elements in order; the first one without a holder is named. At most
+// one more step than there are entries, whatever the size of F.
+Status CheckCovered(const IndexMaps& observed, Index n, const HolderTable& holders) {
+  const Shape& shape = observed.logical_shape;
+  const Shape valid = observed.valid_shape.value_or(shape);
+  const Shape strides = RowMajorStrides(shape);
+  bool any = true;
+  for (size_t k = 0; k < valid.size(); ++k) any &= k < shape.size() && valid[k] > 0;
+  std::vector<Index> index(shape.size(), 0);
+  while (any && n > 0) {
+    Index e = 0;
+    for (size_t k = 0; k < index.size(); ++k) e += index[k] * strides[k];
+    if (holders.at(e) == 0) {
+      return InvalidArgumentError(fmt::format(
+          "element {} of F (shape {}) is held by no rank; pass --allow-uncovered if the "
+          "observation is deliberately partial",
+          FormatShape(index), FormatShape(shape)));
+    }
+    size_t k = index.size();
+    while (k > 0) {
+      if (++index[k - 1] < std::min(valid[k - 1], shape[k - 1])) break;
+      index[k - 1] = 0;
+      --k;
+    }
+    if (k == 0) break;
+  }
+  return Status::Ok();
+}
+
+// Pass 2 for one rank: the sequence of each key (holders and scale) as arithmetic runs, folded
+// into pieces.
+void AddRankPieces(const ObservedShard& s, Rank r, const HolderSets& sets,
+                   const HolderTable& holders, const Shape& logical_strides,
+                   ParamMapBuilder& builder) {
+  builder.set_shard_shape(r, s.shard_shape);
+  auto scale_at = [&](size_t k) {
+    return s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
+  };
+  std::map<std::pair<uint32_t, double>, std::vector<FoldItem>> by_key;
+  const size_t count = s.index_map.size();
+  size_t k = 0;
+  while (k < count) {
+    const Index e = s.index_map[k];
+    const uint32_t holder = holders.at(e);
+    const double scale = scale_at(k);
+    size_t j = k + 1;
+    Index step = 0;
+    if (j < count) {
+      step = s.index_map[j] - e;
+      while (j < count && step > 0 && s.index_map[j] - s.index_map[j - 1] == step &&
+             holders.at(s.index_map[j]) == holder && scale_at(j) == scale) {
+        ++j;
+      }
+    }
+    FoldItem item{{static_cast<Index>(k), e}, {}};
+    if (j - k > 1) item.dims.push_back({static_cast<Index>(j - k), {1, step}});
+    internal::AppendItem(by_key[{holder, scale}], std::move(item));
+    k = std::max(j, k + 1);
+  }
+  std::vector<internal::KeyedSequence> sequences;
+  for (auto& [key, items] : by_key) {
+    sequences.push_back({sets.members(key.first), key.second, std::move(items)});
+  }
+  internal::EmitFolded(sequences, r, logical_strides, builder);
+}
+
+}  // namespace
+
+Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
+  auto numel = CheckedProduct(observed.logical_shape);
+  if (!numel.ok()) return numel.status().Annotate("logical_shape");
+  const Index n = *numel;
+  if (observed.ranks.empty())
+    return InvalidArgumentError("ranks is empty: observe at least one rank");
+  RESHARD_RETURN_IF_ERROR(CheckValidShape(observed));
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<const ObservedShard*> by_rank, ShardsByRank(observed));
+  Index entries = 0;
+  for (const ObservedShard& s : observed.ranks) entries += static_cast<Index>(s.index_map.size());
+  HolderSets sets;
+  HolderTable holders(n, entries);
+  RESHARD_RETURN_IF_ERROR(CollectHolders(observed, by_rank, n, sets, holders));
+  if (!options.allow_uncovered) RESHARD_RETURN_IF_ERROR(CheckCovered(observed, n, holders));
+  const int world = static_cast<int>(by_rank.size());
   ParamMapBuilder builder;
   builder.set_logical_shape(observed.logical_shape);
   builder.set_valid_shape(observed.valid_shape);
   builder.set_world_size(world);
-  if (!options.allow_uncovered) {
-    // Walk the non-padding elements in order; the first one without a holder is named. At
-    // most one more step than there are entries, whatever the size of F.
-    const Shape& shape = observed.logical_shape;
-    const Shape valid = observed.valid_shape.value_or(shape);
-    const Shape strides = RowMajorStrides(shape);
-    bool any = true;
-    for (size_t k = 0; k < valid.size(); ++k) any &= k < shape.size() && valid[k] > 0;
-    std::vector<Index> index(shape.size(), 0);
-    while (any && n > 0) {
-      Index e = 0;
-      for (size_t k = 0; k < index.size(); ++k) e += index[k] * strides[k];
-      if (holders.at(e) == 0) {
-        return InvalidArgumentError(fmt::format(
-            "element {} of F (shape {}) is held by no rank; pass --allow-uncovered if the "
-            "observation is deliberately partial",
-            FormatShape(index), FormatShape(shape)));
-      }
-      size_t k = index.size();
-      while (k > 0) {
-        if (++index[k - 1] < std::min(valid[k - 1], shape[k - 1])) break;
-        index[k - 1] = 0;
-        --k;
-      }
-      if (k == 0) break;
-    }
-  }
-  // Pass 2: per rank, the sequence of each key (holders and scale) as arithmetic runs, folded.
   const Shape logical_strides = RowMajorStrides(observed.logical_shape);
   for (Rank r = 0; r < world; ++r) {
-    const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
-    builder.set_shard_shape(r, s.shard_shape);
-    auto scale_at = [&](size_t k) {
-      return s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
-    };
-    std::map<std::pair<uint32_t, double>, std::vector<FoldItem>> by_key;
-    const size_t count = s.index_map.size();
-    size_t k = 0;
-    while (k < count) {
-      const Index e = s.index_map[k];
-      const uint32_t holder = holders.at(e);
-      const double scale = scale_at(k);
-      size_t j = k + 1;
-      Index step = 0;
-      if (j < count) {
-        step = s.index_map[j] - e;
-        while (j < count && step > 0 && s.index_map[j] - s.index_map[j - 1] == step &&
-               holders.at(s.index_map[j]) == holder && scale_at(j) == scale) {
-          ++j;
-        }
-      }
-      FoldItem item{{static_cast<Index>(k), e}, {}};
-      if (j - k > 1) item.dims.push_back({static_cast<Index>(j - k), {1, step}});
-      internal::AppendItem(by_key[{holder, scale}], std::move(item));
-      k = std::max(j, k + 1);
-    }
-    std::vector<internal::KeyedSequence> sequences;
-    for (auto& [key, items] : by_key) {
-      sequences.push_back({sets.members(key.first), key.second, std::move(items)});
-    }
-    internal::EmitFolded(sequences, r, logical_strides, builder);
+    AddRankPieces(*by_rank[static_cast<size_t>(r)], r, sets, holders, logical_strides, builder);
   }
   RESHARD_ASSIGN_OR_RETURN(ParamMap folded,
                            builder.Finalize({.require_coverage = !options.allow_uncovered}));

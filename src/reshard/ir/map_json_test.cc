@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "reshard/ir/fixtures.h"
 #include "reshard/ir/random_map.h"
 
 namespace reshard {
@@ -51,18 +52,7 @@ constexpr std::string_view kBigCodeJson = R"({
 }
 )";
 
-ParamMap BigCode() {
-  ParamMapBuilder b;
-  b.set_logical_shape({48, 8});
-  for (Rank r = 0; r < 4; ++r) {
-    b.set_shard_shape(r, {24, 8});
-    b.add_piece(r, Piece{{8, 8}, {r * 64, {8, 1}}, {0, {8, 1}}, {r}, 1.0});
-    b.add_piece(r, Piece{{16, 8}, {256, {8, 1}}, {64, {8, 1}}, {0, 1, 2, 3}, 1.0});
-  }
-  Result<ParamMap> m = b.Finalize();
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  return *m;
-}
+ParamMap BigCode() { return *fixtures::BigCodeBuilder(4).Finalize(); }
 
 Result<ParamMap> ReadOne(std::string_view text) {
   RESHARD_ASSIGN_OR_RETURN(ParamMapBuilder b, ParseParamMapJson(text));
@@ -280,9 +270,10 @@ std::string Doc(std::string_view key, std::string_view value = kBigCodeJson) {
   return "{\"version\": 1, \"" + std::string(key) + "\": " + std::string(value) + "}";
 }
 
+std::vector<BadCase> DocumentBadCases();
+
 std::vector<BadCase> BadCases() {
-  const std::string only = "only exact-match patterns ^<re.escape(name)>$ are supported";
-  return {
+  std::vector<BadCase> cases = {
       {"float stride", Reader::kParamMap,
        Edit(R"("source": [256, [8, 1]])", R"("source": [256, [2.5, 1]])"),
        R"(ranks["3"].pieces[1].source[1][0]: expected an integer, got 2.5)"},
@@ -368,7 +359,17 @@ std::vector<BadCase> BadCases() {
       {"brackets in strings do not nest", Reader::kDocument,
        "{\"version\": 1, \"x" + std::string(200, '[') + "\": 5}",
        "parameter \"x" + std::string(47, '[') + "...\": expected a param map (an object), got 5"},
-      // Documents.
+      {"bytes after a NUL", Reader::kParamMap,
+       std::string(R"({"logical_shape": [1]})") + '\0' + "x",
+       "malformed JSON: 2 bytes after the JSON value, from byte 22 (a NUL)"},
+  };
+  for (BadCase& c : DocumentBadCases()) cases.push_back(std::move(c));
+  return cases;
+}
+
+std::vector<BadCase> DocumentBadCases() {
+  const std::string only = "only exact-match patterns ^<re.escape(name)>$ are supported";
+  return {
       {"version 2", Reader::kDocument, R"({"version": 2})",
        "version 2 is not supported; this reader knows version 1"},
       {"version string", Reader::kDocument, R"({"version": "1"})",

@@ -6,50 +6,14 @@
 #include <limits>
 #include <string>
 
+#include "reshard/ir/fixtures.h"
+
 namespace reshard {
 namespace {
 
-Piece MakePiece(Shape shape, Index src_off, Shape src_strides, Index dst_off, Shape dst_strides,
-                std::vector<Rank> locations, double scale = 1.0) {
-  return Piece{std::move(shape),
-               {src_off, std::move(src_strides)},
-               {dst_off, std::move(dst_strides)},
-               std::move(locations),
-               scale};
-}
-
-// Contiguous split of `shape` along `dim` into `sizes`, one piece per rank.
-ParamMapBuilder Split(Shape shape, size_t dim, const std::vector<Index>& sizes) {
-  ParamMapBuilder b;
-  b.set_logical_shape(shape);
-  const Shape strides = RowMajorStrides(shape);
-  Index start = 0;
-  for (size_t r = 0; r < sizes.size(); ++r) {
-    Shape shard = shape;
-    shard[dim] = sizes[r];
-    b.set_shard_shape(static_cast<Rank>(r), shard);
-    b.add_piece(static_cast<Rank>(r), MakePiece(shard, start * strides[dim], strides, 0,
-                                                RowMajorStrides(shard), {static_cast<Rank>(r)}));
-    start += sizes[r];
-  }
-  return b;
-}
-
-// GPT-BigCode fused QKV (DESIGN 6.1): 32 query rows split, a 16-row key/value block on every
-// rank.
-ParamMapBuilder BigCode(int world) {
-  ParamMapBuilder b;
-  b.set_logical_shape({48, 8});
-  std::vector<Rank> all;
-  for (int r = 0; r < world; ++r) all.push_back(r);
-  const Index q = 32 / world;
-  for (Rank r = 0; r < world; ++r) {
-    b.set_shard_shape(r, {q + 16, 8});
-    b.add_piece(r, MakePiece({q, 8}, r * q * 8, {8, 1}, 0, {8, 1}, {r}));
-    b.add_piece(r, MakePiece({16, 8}, 256, {8, 1}, q * 8, {8, 1}, all));
-  }
-  return b;
-}
+using fixtures::BigCodeBuilder;
+using fixtures::MakePiece;
+using fixtures::SplitBuilder;
 
 std::string Error(const ParamMapBuilder& b, ValidateOptions options = {}) {
   Result<ParamMap> m = b.Finalize(options);
@@ -57,15 +21,15 @@ std::string Error(const ParamMapBuilder& b, ValidateOptions options = {}) {
 }
 
 TEST(ParamMapTest, RowAndColumnSplitsAreValid) {
-  EXPECT_EQ(Error(Split({16, 4}, 0, {8, 8})), "OK");
-  EXPECT_EQ(Error(Split({10, 4}, 0, {3, 3, 2, 2})), "OK");
-  EXPECT_EQ(Error(Split({4, 10}, 1, {3, 3, 2, 2})), "OK");
-  EXPECT_EQ(Error(Split({12, 4}, 0, {4, 4, 4, 0})), "OK");  // an empty rank
-  EXPECT_EQ(Error(Split({2, 3, 12}, 2, {5, 7})), "OK");
+  EXPECT_EQ(Error(SplitBuilder({16, 4}, 0, {8, 8})), "OK");
+  EXPECT_EQ(Error(SplitBuilder({10, 4}, 0, {3, 3, 2, 2})), "OK");
+  EXPECT_EQ(Error(SplitBuilder({4, 10}, 1, {3, 3, 2, 2})), "OK");
+  EXPECT_EQ(Error(SplitBuilder({12, 4}, 0, {4, 4, 4, 0})), "OK");  // an empty rank
+  EXPECT_EQ(Error(SplitBuilder({2, 3, 12}, 2, {5, 7})), "OK");
 }
 
 TEST(ParamMapTest, MultiQueryKeyValueBlockOnEveryRankIsValid) {
-  Result<ParamMap> m = BigCode(4).Finalize();
+  Result<ParamMap> m = BigCodeBuilder(4).Finalize();
   ASSERT_TRUE(m.ok()) << m.status().message();
   EXPECT_EQ(m->world_size(), 4);
   EXPECT_EQ(m->num_pieces(), 8);
@@ -94,7 +58,7 @@ TEST(ParamMapTest, CodeGenInterleaveIsOneFourDimensionalPiecePerRank) {
 }
 
 TEST(ParamMapTest, PaddedVocabularyMayLeavePaddingUnheld) {
-  ParamMapBuilder b = Split({16, 4}, 0, {4, 4, 4, 4});
+  ParamMapBuilder b = SplitBuilder({16, 4}, 0, {4, 4, 4, 4});
   b.set_valid_shape(Shape{13, 4});
   EXPECT_EQ(Error(b), "OK");
   // Rank 3 holds only rows 12..12: rows 13..15 are padding, so nobody needs to hold them.
@@ -121,7 +85,7 @@ TEST(ParamMapTest, PaddingAlongAnInnerDimension) {
 }
 
 TEST(ParamMapTest, SourceViewPastTheEndIsNamed) {
-  ParamMapBuilder b = Split({16, 4}, 0, {8, 8});
+  ParamMapBuilder b = SplitBuilder({16, 4}, 0, {8, 8});
   b.add_piece(1, MakePiece({1, 4}, 62, {4, 1}, 0, {4, 1}, {1}));
   EXPECT_EQ(Error(b),
             "ranks[\"1\"].pieces[1]: source view ends at offset 66 but F has 64 elements");
@@ -148,7 +112,7 @@ TEST(ParamMapTest, ShardGapIsNamedWithItsMultiIndex) {
 }
 
 TEST(ParamMapTest, ElementCountMismatchIsReportedBeforeTheSweep) {
-  ParamMapBuilder b = Split({16, 4}, 0, {8, 8});
+  ParamMapBuilder b = SplitBuilder({16, 4}, 0, {8, 8});
   b.set_shard_shape(1, {9, 4});
   EXPECT_EQ(Error(b),
             "ranks[\"1\"]: pieces account for 32 elements but the shard (shape [9, 4]) has 36; "
@@ -156,7 +120,7 @@ TEST(ParamMapTest, ElementCountMismatchIsReportedBeforeTheSweep) {
 }
 
 TEST(ParamMapTest, UncoveredElementIsNamedAsAMultiIndex) {
-  ParamMapBuilder b = Split({4, 10}, 1, {3, 3, 2, 1});
+  ParamMapBuilder b = SplitBuilder({4, 10}, 1, {3, 3, 2, 1});
   EXPECT_EQ(Error(b), "element [0, 9] of F (shape [4, 10]) is held by no rank");
   EXPECT_EQ(Error(b, {.require_coverage = false}), "OK");
 }
@@ -177,7 +141,7 @@ TEST(ParamMapTest, InhomogeneousPieceIsRefused) {
 }
 
 TEST(ParamMapTest, ReplicatedPieceThatIsNotHeldByAllItsLocationsIsRefused) {
-  ParamMapBuilder b = BigCode(2);
+  ParamMapBuilder b = BigCodeBuilder(2);
   // Rank 1's key/value piece now covers only half of the block.
   ParamMapBuilder broken;
   broken.set_logical_shape({48, 8});
@@ -205,7 +169,7 @@ TEST(ParamMapTest, RankHoldingAnElementTwiceIsRefused) {
 }
 
 TEST(ParamMapTest, LocationsMustNameTheListingRankAndExistingRanks) {
-  ParamMapBuilder b = Split({8}, 0, {4, 4});
+  ParamMapBuilder b = SplitBuilder({8}, 0, {4, 4});
   ParamMapBuilder missing_self;
   missing_self.set_logical_shape({8});
   missing_self.set_shard_shape(0, {8});
@@ -228,7 +192,7 @@ TEST(ParamMapTest, LocationsMustNameTheListingRankAndExistingRanks) {
 }
 
 TEST(ParamMapTest, LocationsAreSortedOnFinalize) {
-  ParamMapBuilder b = BigCode(2);
+  ParamMapBuilder b = BigCodeBuilder(2);
   ParamMapBuilder unsorted;
   unsorted.set_logical_shape({8});
   for (Rank r = 0; r < 2; ++r) {
@@ -284,7 +248,7 @@ TEST(ParamMapTest, OverflowingShapesAndOffsetsAreRefused) {
 }
 
 TEST(ParamMapTest, ValidShapeMustFitInsideLogicalShape) {
-  ParamMapBuilder b = Split({16, 4}, 0, {8, 8});
+  ParamMapBuilder b = SplitBuilder({16, 4}, 0, {8, 8});
   b.set_valid_shape(Shape{17, 4});
   EXPECT_EQ(Error(b), "valid_shape [17, 4] is not within logical_shape [16, 4] (dimension 0)");
   b.set_valid_shape(Shape{16});
@@ -301,11 +265,11 @@ TEST(ParamMapTest, BillionElementColumnSplitValidatesByBlocksNotElements) {
   // 32768 x 32768 = 2^30 elements over 64 ranks. An element-wise check would take seconds
   // and gigabytes; the box sweep touches 64 boxes.
   std::vector<Index> sizes(64, 512);
-  ParamMapBuilder b = Split({32768, 32768}, 1, sizes);
+  ParamMapBuilder b = SplitBuilder({32768, 32768}, 1, sizes);
   EXPECT_EQ(Error(b), "OK");
   // And a single missing column is still found, at its exact multi-index.
   sizes.back() = 511;
-  EXPECT_EQ(Error(Split({32768, 32768}, 1, sizes)),
+  EXPECT_EQ(Error(SplitBuilder({32768, 32768}, 1, sizes)),
             "element [0, 32767] of F (shape [32768, 32768]) is held by no rank");
 }
 

@@ -145,12 +145,9 @@ Status CheckDimInShape(Index dim, const Shape& shape, std::string_view key) {
   return Status::Ok();
 }
 
-Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
-  if (!meta.is_object()) return TypeError("", "a metadata object", meta);
-  RESHARD_RETURN_IF_ERROR(CheckKeys(meta, "", kKeys, "DeepSpeed parameter metadata"));
-  LoweredDeepSpeedMeta out;
-
-  // DeepSpeed's own verdict that it cannot describe the layout.
+// DeepSpeed's own verdict that it cannot describe the layout, at the top level or under
+// "conversion".
+Status CheckSupported(const Json& meta) {
   const Json* conversion = Get(meta, "conversion");
   if (conversion != nullptr && !conversion->is_object())
     return TypeError("conversion", "an object", *conversion);
@@ -166,7 +163,34 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
                       p, *reason->get_ptr<const Json::string_t*>()));
     }
   }
+  return Status::Ok();
+}
 
+// The metadata's fields, type-checked; how they combine is decided by the Lower* steps.
+struct MetaFields {
+  std::optional<Shape> shape;  // logical_shape, else original_shape, else the spec's
+  std::string shape_key;       // which key gave it
+  bool average = false;
+  bool replicated = false;
+  bool vocab = false;
+  std::optional<Index> partition_dim;
+  std::optional<Shape> partition_sizes;
+  std::optional<Shape> sub_sizes;
+  std::optional<Index> cat_dim;
+  std::optional<Index> n_sub;
+  std::optional<Index> original_vocab;
+  std::optional<Index> padded_vocab;
+  double uc_version = 0.0;
+  std::optional<SubParamShape> sub_shape;
+  std::optional<std::vector<std::vector<Index>>> widths;
+
+  // AutoTP's restore metadata, rather than the universal checkpoint's legacy categories.
+  bool autotp() const {
+    return partition_dim || partition_sizes || sub_sizes || sub_shape || widths;
+  }
+};
+
+Status ReadShapes(const Json& meta, MetaFields& f) {
   RESHARD_ASSIGN_OR_RETURN(std::optional<Shape> logical, OptShape(meta, "logical_shape"));
   RESHARD_ASSIGN_OR_RETURN(std::optional<Shape> original, OptShape(meta, "original_shape"));
   if (logical && original && ProductOf(*logical) != ProductOf(*original)) {
@@ -174,71 +198,269 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
                                                  FormatShape(*original), ProductOf(*original),
                                                  FormatShape(*logical), ProductOf(*logical)));
   }
-  std::optional<Shape> shape = logical ? logical : original;
-  const std::string shape_key = logical ? "logical_shape" : "original_shape";
+  f.shape = logical ? logical : original;
+  f.shape_key = logical ? "logical_shape" : "original_shape";
+  return Status::Ok();
+}
 
-  RESHARD_ASSIGN_OR_RETURN(bool average, OptBool(meta, "average"));
-  RESHARD_ASSIGN_OR_RETURN(bool replicated, OptBool(meta, "replicated"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> partition_dim, OptInt(meta, "partition_dim", 0));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Shape> partition_sizes, OptShape(meta, "partition_sizes"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Shape> sub_sizes, OptShape(meta, "sub_param_sizes"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> cat_dim, OptInt(meta, "cat_dim", 0));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n_sub, OptInt(meta, "param_n_sub_params", 1));
-  RESHARD_ASSIGN_OR_RETURN(bool vocab, OptBool(meta, "vocab_tensor"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> original_vocab,
-                           OptInt(meta, "original_vocab_size", 1));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> padded_vocab, OptInt(meta, "padded_vocab_size", 1));
-  for (const char* key : {"is_bias"}) RESHARD_RETURN_IF_ERROR(OptBool(meta, key).status());
-  for (const char* key : {"output_shape", "target_partition_shape"}) {
-    RESHARD_RETURN_IF_ERROR(OptShape(meta, key).status());
-  }
-  double uc_version = 0.0;
-  if (const Json* v = Get(meta, "universal_checkpoint_version")) {
-    if (!v->is_number()) return TypeError("universal_checkpoint_version", "a number", *v);
-    uc_version = v->get<double>();
-  }
-  std::optional<SubParamShape> sub_shape;
+Status ReadSubParams(const Json& meta, MetaFields& f) {
   if (const Json* s = Get(meta, "sub_param_shape")) {
     RESHARD_ASSIGN_OR_RETURN(SubParamShape parsed,
-                             ReadSubParamShape(*s, "sub_param_shape", partition_dim));
+                             ReadSubParamShape(*s, "sub_param_shape", f.partition_dim));
     if (parsed.partition_dim) {
-      if (partition_dim && *partition_dim != *parsed.partition_dim) {
+      if (f.partition_dim && *f.partition_dim != *parsed.partition_dim) {
         return ErrorAt("sub_param_shape.partition_dim",
                        fmt::format("{} disagrees with partition_dim {}", *parsed.partition_dim,
-                                   *partition_dim));
+                                   *f.partition_dim));
       }
-      partition_dim = parsed.partition_dim;
+      f.partition_dim = parsed.partition_dim;
     }
-    sub_shape = std::move(parsed);
+    f.sub_shape = std::move(parsed);
   }
-  std::optional<std::vector<std::vector<Index>>> widths;
   if (const Json* w = Get(meta, "sub_param_shard_widths")) {
-    RESHARD_ASSIGN_OR_RETURN(widths, ReadWidths(*w, "sub_param_shard_widths"));
+    RESHARD_ASSIGN_OR_RETURN(f.widths, ReadWidths(*w, "sub_param_shard_widths"));
   }
-  const bool autotp = partition_dim || partition_sizes || sub_sizes || sub_shape || widths;
+  return Status::Ok();
+}
 
-  // The shape, resolved from the sub-parameter spec when nothing else gives it.
-  if (!shape && sub_shape) {
+// The shape from the sub-parameter spec when nothing else gives it.
+Status ResolveShape(MetaFields& f) {
+  if (!f.shape && f.sub_shape) {
     Shape s;
-    for (size_t k = 0; k < sub_shape->dims.size(); ++k) {
-      if (!sub_shape->dims[k]) {
+    for (size_t k = 0; k < f.sub_shape->dims.size(); ++k) {
+      if (!f.sub_shape->dims[k]) {
         return ErrorAt("sub_param_shape",
                        fmt::format("dimension {} is inferred (-1 or a count), so the "
                                    "metadata needs \"logical_shape\"",
                                    k));
       }
-      s.push_back(*sub_shape->dims[k]);
+      s.push_back(*f.sub_shape->dims[k]);
     }
-    shape = s;
+    f.shape = s;
   }
-  if (!shape) {
+  if (!f.shape) {
     return ErrorAt("",
                    "missing key \"logical_shape\" (or \"original_shape\"): the parameter's shape");
   }
-  out.shape = *shape;
+  return Status::Ok();
+}
 
-  if (average) {
-    if (autotp || cat_dim || n_sub || vocab) {
+Result<MetaFields> ReadMetaFields(const Json& meta) {
+  MetaFields f;
+  RESHARD_RETURN_IF_ERROR(ReadShapes(meta, f));
+  RESHARD_ASSIGN_OR_RETURN(f.average, OptBool(meta, "average"));
+  RESHARD_ASSIGN_OR_RETURN(f.replicated, OptBool(meta, "replicated"));
+  RESHARD_ASSIGN_OR_RETURN(f.partition_dim, OptInt(meta, "partition_dim", 0));
+  RESHARD_ASSIGN_OR_RETURN(f.partition_sizes, OptShape(meta, "partition_sizes"));
+  RESHARD_ASSIGN_OR_RETURN(f.sub_sizes, OptShape(meta, "sub_param_sizes"));
+  RESHARD_ASSIGN_OR_RETURN(f.cat_dim, OptInt(meta, "cat_dim", 0));
+  RESHARD_ASSIGN_OR_RETURN(f.n_sub, OptInt(meta, "param_n_sub_params", 1));
+  RESHARD_ASSIGN_OR_RETURN(f.vocab, OptBool(meta, "vocab_tensor"));
+  RESHARD_ASSIGN_OR_RETURN(f.original_vocab, OptInt(meta, "original_vocab_size", 1));
+  RESHARD_ASSIGN_OR_RETURN(f.padded_vocab, OptInt(meta, "padded_vocab_size", 1));
+  for (const char* key : {"is_bias"}) RESHARD_RETURN_IF_ERROR(OptBool(meta, key).status());
+  for (const char* key : {"output_shape", "target_partition_shape"}) {
+    RESHARD_RETURN_IF_ERROR(OptShape(meta, key).status());
+  }
+  if (const Json* v = Get(meta, "universal_checkpoint_version")) {
+    if (!v->is_number()) return TypeError("universal_checkpoint_version", "a number", *v);
+    f.uc_version = v->get<double>();
+  }
+  RESHARD_RETURN_IF_ERROR(ReadSubParams(meta, f));
+  RESHARD_RETURN_IF_ERROR(ResolveShape(f));
+  return f;
+}
+
+// Sub-parameter sizes: sub_param_sizes, else the spec's sizes, else its count, else the
+// widths' sums; nullopt when the metadata has no sub-parameters.
+Result<std::optional<std::vector<Index>>> SubParamSizes(const MetaFields& f, Index extent) {
+  std::optional<std::vector<Index>> sizes = f.sub_sizes;
+  if (!sizes && f.sub_shape && !f.sub_shape->sizes.empty()) sizes = f.sub_shape->sizes;
+  if (!sizes && f.sub_shape && f.sub_shape->count) {
+    if (extent % *f.sub_shape->count != 0) {
+      return ErrorAt("sub_param_shape", fmt::format("{} indices are not {} equal sub-parameters",
+                                                    extent, *f.sub_shape->count));
+    }
+    sizes =
+        std::vector<Index>(static_cast<size_t>(*f.sub_shape->count), extent / *f.sub_shape->count);
+  }
+  if (!sizes && f.widths) {
+    sizes.emplace();
+    for (const auto& w : *f.widths) sizes->push_back(std::accumulate(w.begin(), w.end(), Index{0}));
+  }
+  if (sizes) {
+    const Index sum = std::accumulate(sizes->begin(), sizes->end(), Index{0});
+    if (sum != extent) {
+      return ErrorAt(
+          f.sub_sizes ? "sub_param_sizes" : "sub_param_shape",
+          fmt::format("sub-parameter sizes [{}] sum to {}, but dimension {} of {} has {}",
+                      fmt::join(*sizes, ", "), sum, *f.partition_dim, FormatShape(*f.shape),
+                      extent));
+    }
+  }
+  return sizes;
+}
+
+// Sub-parameters of `sizes`: fused, each part with its recorded widths, or (before
+// universal checkpoint 0.4, which has none) split evenly.
+Status LowerSubParams(const MetaFields& f, const std::vector<Index>& sizes,
+                      LoweredDeepSpeedMeta& out) {
+  out.descriptor.family = LayoutFamily::kFused;
+  if (!f.widths) {
+    if (f.uc_version >= 0.4) {
+      return ErrorAt("",
+                     fmt::format("universal checkpoint version {} records sub-parameters without "
+                                 "\"sub_param_shard_widths\"; their per-rank widths are unknown",
+                                 f.uc_version));
+    }
+    out.descriptor.rule.remainder = Remainder::kExact;
+    for (Index s : sizes) {
+      LayoutPart part;
+      part.size = s;
+      out.descriptor.parts.push_back(std::move(part));
+    }
+    return Status::Ok();
+  }
+  if (f.widths->size() != sizes.size()) {
+    return ErrorAt("sub_param_shard_widths", fmt::format("has {} entries for {} sub-parameters",
+                                                         f.widths->size(), sizes.size()));
+  }
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const auto& w = (*f.widths)[k];
+    const Index wsum = std::accumulate(w.begin(), w.end(), Index{0});
+    if (wsum != sizes[k]) {
+      return ErrorAt(Element("sub_param_shard_widths", k),
+                     fmt::format("widths [{}] sum to {}, but sub-parameter {} has {}",
+                                 fmt::join(w, ", "), wsum, k, sizes[k]));
+    }
+    LayoutPart part;
+    part.size = sizes[k];
+    part.widths = w;
+    out.descriptor.parts.push_back(std::move(part));
+  }
+  out.recorded_world_size = static_cast<int>((*f.widths)[0].size());
+  return Status::Ok();
+}
+
+Status CheckSubParamShape(const MetaFields& f) {
+  if (!f.sub_shape || f.sub_shape->dims.size() != f.shape->size()) return Status::Ok();
+  for (size_t k = 0; k < f.sub_shape->dims.size(); ++k) {
+    if (f.sub_shape->dims[k] && *f.sub_shape->dims[k] != (*f.shape)[k]) {
+      return ErrorAt("sub_param_shape",
+                     fmt::format("dimension {} is {} but {} {} has {}", k, *f.sub_shape->dims[k],
+                                 f.shape_key, FormatShape(*f.shape), (*f.shape)[k]));
+    }
+  }
+  return Status::Ok();
+}
+
+// AutoTP's metadata: a split along partition_dim, by sub-parameters or recorded sizes.
+Status LowerAutoTp(const MetaFields& f, LoweredDeepSpeedMeta& out) {
+  const Shape& shape = *f.shape;
+  if (f.original_vocab && *f.original_vocab != shape[0]) {
+    return ErrorAt("original_vocab_size",
+                   fmt::format("{} disagrees with the {} rows of {} {}", *f.original_vocab,
+                               shape[0], f.shape_key, FormatShape(shape)));
+  }
+  if (!f.partition_dim)
+    return ErrorAt("", "partition sizes or sub-parameters need \"partition_dim\"");
+  RESHARD_RETURN_IF_ERROR(CheckDimInShape(*f.partition_dim, shape, "partition_dim"));
+  const Index extent = shape[static_cast<size_t>(*f.partition_dim)];
+  out.descriptor.dim = static_cast<int>(*f.partition_dim);
+  RESHARD_RETURN_IF_ERROR(CheckSubParamShape(f));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<std::vector<Index>> sizes, SubParamSizes(f, extent));
+  if (sizes) return LowerSubParams(f, *sizes, out);
+  out.descriptor.family = LayoutFamily::kSplit;
+  if (!f.partition_sizes) {
+    out.descriptor.rule.remainder = Remainder::kExact;  // DeepSpeed's restore chunks evenly
+    return Status::Ok();
+  }
+  const Index sum = std::accumulate(f.partition_sizes->begin(), f.partition_sizes->end(), Index{0});
+  if (f.partition_sizes->empty() || sum != extent) {
+    return ErrorAt("partition_sizes", fmt::format("[{}] sum to {}, but dimension {} of {} has {}",
+                                                  fmt::join(*f.partition_sizes, ", "), sum,
+                                                  *f.partition_dim, FormatShape(shape), extent));
+  }
+  out.descriptor.rule.sizes = *f.partition_sizes;
+  out.recorded_world_size = static_cast<int>(f.partition_sizes->size());
+  return Status::Ok();
+}
+
+// A vocabulary tensor: padded to padded_vocab_size (or the rows of a shape larger than the
+// vocabulary) and split along dimension 0.
+Status LowerVocab(const MetaFields& f, Index dim, LoweredDeepSpeedMeta& out) {
+  if (dim != 0)
+    return ErrorAt("cat_dim", "a vocabulary tensor is padded and split along dimension 0");
+  const Index rows = (*f.shape)[0];
+  std::optional<Index> padded_vocab = f.padded_vocab;
+  if (f.original_vocab) {
+    if (*f.original_vocab > rows) {
+      return ErrorAt("original_vocab_size",
+                     fmt::format("{} is more than the {} rows of {} {}", *f.original_vocab, rows,
+                                 f.shape_key, FormatShape(*f.shape)));
+    }
+    // A shape with more rows than the vocabulary is the padded one.
+    if (rows > *f.original_vocab) {
+      if (padded_vocab && *padded_vocab != rows) {
+        return ErrorAt("padded_vocab_size", fmt::format("{} disagrees with the {} rows of {}",
+                                                        *padded_vocab, rows, f.shape_key));
+      }
+      padded_vocab = rows;
+    }
+    out.shape[0] = *f.original_vocab;
+  }
+  if (padded_vocab && *padded_vocab < out.shape[0]) {
+    return ErrorAt("padded_vocab_size", fmt::format("{} is less than the {} rows of the vocabulary",
+                                                    *padded_vocab, out.shape[0]));
+  }
+  out.descriptor.family = LayoutFamily::kPaddedVocab;
+  out.descriptor.rule = {};
+  out.descriptor.padded_size = padded_vocab;
+  return Status::Ok();
+}
+
+// The universal checkpoint's legacy categories: concatenated along cat_dim, restored by
+// chunking.
+Status LowerLegacy(const MetaFields& f, LoweredDeepSpeedMeta& out) {
+  const Shape& shape = *f.shape;
+  const Index dim = f.cat_dim.value_or(0);
+  RESHARD_RETURN_IF_ERROR(CheckDimInShape(dim, shape, f.cat_dim ? "cat_dim" : "logical_shape"));
+  out.descriptor.dim = static_cast<int>(dim);
+  out.descriptor.rule.remainder = Remainder::kExact;
+  if (f.vocab) return LowerVocab(f, dim, out);
+  if (f.original_vocab || f.padded_vocab) {
+    return ErrorAt(f.original_vocab ? "original_vocab_size" : "padded_vocab_size",
+                   "vocabulary sizes apply only to a tensor with \"vocab_tensor\": true");
+  }
+  if (f.n_sub && *f.n_sub > 1) {
+    out.descriptor.family = LayoutFamily::kFused;
+    out.descriptor.equal_parts = *f.n_sub;
+    if (shape[static_cast<size_t>(dim)] % *f.n_sub != 0) {
+      return ErrorAt("param_n_sub_params", fmt::format("{} indices are not {} equal sub-parameters",
+                                                       shape[static_cast<size_t>(dim)], *f.n_sub));
+    }
+    return Status::Ok();
+  }
+  if (f.cat_dim) {
+    out.descriptor.family = LayoutFamily::kSplit;
+    return Status::Ok();
+  }
+  return ErrorAt(
+      "",
+      "the metadata does not say how the parameter is laid out: expected \"replicated\", "
+      "\"average\", \"partition_dim\" (with partition_sizes or sub-parameters), \"cat_dim\" "
+      "or \"vocab_tensor\"");
+}
+
+Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
+  if (!meta.is_object()) return TypeError("", "a metadata object", meta);
+  RESHARD_RETURN_IF_ERROR(CheckKeys(meta, "", kKeys, "DeepSpeed parameter metadata"));
+  RESHARD_RETURN_IF_ERROR(CheckSupported(meta));
+  RESHARD_ASSIGN_OR_RETURN(const MetaFields f, ReadMetaFields(meta));
+  LoweredDeepSpeedMeta out;
+  out.shape = *f.shape;
+  if (f.average) {
+    if (f.autotp() || f.cat_dim || f.n_sub || f.vocab) {
       return ErrorAt("average",
                      "an averaged parameter is held whole by every rank; it cannot also be "
                      "partitioned");
@@ -251,8 +473,8 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
         "refuses them if they differ) instead of averaging");
     return out;
   }
-  if (replicated) {
-    if (partition_dim || partition_sizes || widths) {
+  if (f.replicated) {
+    if (f.partition_dim || f.partition_sizes || f.widths) {
       return ErrorAt("replicated",
                      "a replicated parameter has no partition_dim, partition_sizes or "
                      "sub_param_shard_widths");
@@ -260,163 +482,8 @@ Result<LoweredDeepSpeedMeta> Lower(const Json& meta) {
     out.descriptor.family = LayoutFamily::kReplicated;
     return out;
   }
-
-  if (autotp) {
-    if (original_vocab && *original_vocab != (*shape)[0]) {
-      return ErrorAt("original_vocab_size",
-                     fmt::format("{} disagrees with the {} rows of {} {}", *original_vocab,
-                                 (*shape)[0], shape_key, FormatShape(*shape)));
-    }
-    if (!partition_dim)
-      return ErrorAt("", "partition sizes or sub-parameters need \"partition_dim\"");
-    RESHARD_RETURN_IF_ERROR(CheckDimInShape(*partition_dim, *shape, "partition_dim"));
-    const Index extent = (*shape)[static_cast<size_t>(*partition_dim)];
-    out.descriptor.dim = static_cast<int>(*partition_dim);
-    if (sub_shape) {
-      for (size_t k = 0; k < sub_shape->dims.size() && sub_shape->dims.size() == shape->size();
-           ++k) {
-        if (sub_shape->dims[k] && *sub_shape->dims[k] != (*shape)[k]) {
-          return ErrorAt("sub_param_shape",
-                         fmt::format("dimension {} is {} but {} {} has {}", k, *sub_shape->dims[k],
-                                     shape_key, FormatShape(*shape), (*shape)[k]));
-        }
-      }
-    }
-    // Sub-parameter sizes: sub_param_sizes, else the spec's sizes, else its count, else the widths.
-    std::optional<std::vector<Index>> sizes = sub_sizes;
-    if (!sizes && sub_shape && !sub_shape->sizes.empty()) sizes = sub_shape->sizes;
-    if (!sizes && sub_shape && sub_shape->count) {
-      if (extent % *sub_shape->count != 0) {
-        return ErrorAt("sub_param_shape", fmt::format("{} indices are not {} equal sub-parameters",
-                                                      extent, *sub_shape->count));
-      }
-      sizes =
-          std::vector<Index>(static_cast<size_t>(*sub_shape->count), extent / *sub_shape->count);
-    }
-    if (!sizes && widths) {
-      sizes.emplace();
-      for (const auto& w : *widths) sizes->push_back(std::accumulate(w.begin(), w.end(), Index{0}));
-    }
-    if (sizes) {
-      const Index sum = std::accumulate(sizes->begin(), sizes->end(), Index{0});
-      if (sum != extent) {
-        return ErrorAt(
-            sub_sizes ? "sub_param_sizes" : "sub_param_shape",
-            fmt::format("sub-parameter sizes [{}] sum to {}, but dimension {} of {} has {}",
-                        fmt::join(*sizes, ", "), sum, *partition_dim, FormatShape(*shape), extent));
-      }
-      out.descriptor.family = LayoutFamily::kFused;
-      if (widths) {
-        if (widths->size() != sizes->size()) {
-          return ErrorAt(
-              "sub_param_shard_widths",
-              fmt::format("has {} entries for {} sub-parameters", widths->size(), sizes->size()));
-        }
-        for (size_t k = 0; k < sizes->size(); ++k) {
-          const auto& w = (*widths)[k];
-          const Index wsum = std::accumulate(w.begin(), w.end(), Index{0});
-          if (wsum != (*sizes)[k]) {
-            return ErrorAt(Element("sub_param_shard_widths", k),
-                           fmt::format("widths [{}] sum to {}, but sub-parameter {} has {}",
-                                       fmt::join(w, ", "), wsum, k, (*sizes)[k]));
-          }
-          LayoutPart part;
-          part.size = (*sizes)[k];
-          part.widths = w;
-          out.descriptor.parts.push_back(std::move(part));
-        }
-        out.recorded_world_size = static_cast<int>((*widths)[0].size());
-      } else {
-        if (uc_version >= 0.4) {
-          return ErrorAt(
-              "", fmt::format("universal checkpoint version {} records sub-parameters without "
-                              "\"sub_param_shard_widths\"; their per-rank widths are unknown",
-                              uc_version));
-        }
-        // Before 0.4 sub-parameters could only be split evenly.
-        out.descriptor.rule.remainder = Remainder::kExact;
-        for (Index s : *sizes) {
-          LayoutPart part;
-          part.size = s;
-          out.descriptor.parts.push_back(std::move(part));
-        }
-      }
-      return out;
-    }
-    out.descriptor.family = LayoutFamily::kSplit;
-    if (partition_sizes) {
-      const Index sum = std::accumulate(partition_sizes->begin(), partition_sizes->end(), Index{0});
-      if (partition_sizes->empty() || sum != extent) {
-        return ErrorAt("partition_sizes",
-                       fmt::format("[{}] sum to {}, but dimension {} of {} has {}",
-                                   fmt::join(*partition_sizes, ", "), sum, *partition_dim,
-                                   FormatShape(*shape), extent));
-      }
-      out.descriptor.rule.sizes = *partition_sizes;
-      out.recorded_world_size = static_cast<int>(partition_sizes->size());
-    } else {
-      out.descriptor.rule.remainder = Remainder::kExact;  // DeepSpeed's restore chunks evenly
-    }
-    return out;
-  }
-
-  // Legacy universal-checkpoint categories: concatenated along cat_dim, restored by chunking.
-  const Index dim = cat_dim.value_or(0);
-  RESHARD_RETURN_IF_ERROR(CheckDimInShape(dim, *shape, cat_dim ? "cat_dim" : "logical_shape"));
-  out.descriptor.dim = static_cast<int>(dim);
-  out.descriptor.rule.remainder = Remainder::kExact;
-  if (vocab) {
-    if (dim != 0)
-      return ErrorAt("cat_dim", "a vocabulary tensor is padded and split along dimension 0");
-    Index rows = (*shape)[0];
-    if (original_vocab) {
-      if (*original_vocab > rows) {
-        return ErrorAt("original_vocab_size",
-                       fmt::format("{} is more than the {} rows of {} {}", *original_vocab, rows,
-                                   shape_key, FormatShape(*shape)));
-      }
-      // A shape with more rows than the vocabulary is the padded one.
-      if (rows > *original_vocab) {
-        if (padded_vocab && *padded_vocab != rows) {
-          return ErrorAt("padded_vocab_size", fmt::format("{} disagrees with the {} rows of {}",
-                                                          *padded_vocab, rows, shape_key));
-        }
-        padded_vocab = rows;
-      }
-      out.shape[0] = *original_vocab;
-    }
-    if (padded_vocab && *padded_vocab < out.shape[0]) {
-      return ErrorAt("padded_vocab_size",
-                     fmt::format("{} is less than the {} rows of the vocabulary", *padded_vocab,
-                                 out.shape[0]));
-    }
-    out.descriptor.family = LayoutFamily::kPaddedVocab;
-    out.descriptor.rule = {};
-    out.descriptor.padded_size = padded_vocab;
-    return out;
-  }
-  if (original_vocab || padded_vocab) {
-    return ErrorAt(original_vocab ? "original_vocab_size" : "padded_vocab_size",
-                   "vocabulary sizes apply only to a tensor with \"vocab_tensor\": true");
-  }
-  if (n_sub && *n_sub > 1) {
-    out.descriptor.family = LayoutFamily::kFused;
-    out.descriptor.equal_parts = *n_sub;
-    if ((*shape)[static_cast<size_t>(dim)] % *n_sub != 0) {
-      return ErrorAt("param_n_sub_params", fmt::format("{} indices are not {} equal sub-parameters",
-                                                       (*shape)[static_cast<size_t>(dim)], *n_sub));
-    }
-    return out;
-  }
-  if (cat_dim) {
-    out.descriptor.family = LayoutFamily::kSplit;
-    return out;
-  }
-  return ErrorAt(
-      "",
-      "the metadata does not say how the parameter is laid out: expected \"replicated\", "
-      "\"average\", \"partition_dim\" (with partition_sizes or sub-parameters), \"cat_dim\" "
-      "or \"vocab_tensor\"");
+  RESHARD_RETURN_IF_ERROR(f.autotp() ? LowerAutoTp(f, out) : LowerLegacy(f, out));
+  return out;
 }
 
 }  // namespace
