@@ -482,3 +482,32 @@ def test_real_deepspeed_files_read_bit_exactly_with_their_records(
     with pytest.raises(Exception):
         torch.load(deepspeed_checkpoint / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                    weights_only=True)
+
+
+def test_directories_list_every_tensor_file(deepspeed_checkpoint, tmp_path, reshard_bin):
+    from safetensors.torch import save_file
+    save_dir = deepspeed_checkpoint.parent
+    info = inspect_json(reshard_bin, save_dir)  # through `latest`
+    assert info["format"] == "directory" and info["deepspeed_tag"] == "step1"
+    assert [f["file"] for f in info["files"]] == sorted(
+        ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    model = next(f for f in info["files"] if f["file"] == "mp_rank_00_model_states.pt")
+    assert model["contents"]["format"] == "torch"
+    assert {t["name"] for t in model["contents"]["tensors"]} >= {"module.0.weight"}
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"a": torch.ones(2)}, plain / "model.safetensors")
+    torch.save({"b": torch.zeros(3)}, plain / "extra.pt")
+    (plain / "config.json").write_text("{}")
+    info = inspect_json(reshard_bin, plain)
+    assert [(f["file"], f["contents"]["format"]) for f in info["files"]] == [
+        ("extra.pt", "torch"), ("model.safetensors", "safetensors")]
+    assert info["other_files"] == ["config.json"]
+    text = run(reshard_bin, "inspect", plain)
+    assert text.returncode == 0 and "2 tensor files" in text.stdout and "b  F32 [3]" in text.stdout
+
+    (save_dir / "latest").write_text("missing")
+    r = run(reshard_bin, "inspect", save_dir)
+    assert r.returncode == 2 and 'names "missing", which is not a directory' in r.stderr
+    (save_dir / "latest").write_text("step1")

@@ -1,11 +1,15 @@
-// reshard inspect FILE [--json]: the tensors and object tree of a .pt or .safetensors file.
+// reshard inspect FILE_OR_DIR [--json]: the tensors and object tree of a .pt or .safetensors file,
+// or of every such file in a directory (a DeepSpeed save dir through its `latest` tag).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "exit_status.h"
+#include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_file.h"
@@ -175,28 +179,92 @@ ordered_json SafetensorsJson(const SafetensorsHeader& h) {
   return {{"format", "safetensors"}, {"tensors", tensors}, {"metadata", h.metadata}};
 }
 
-Status RunInspect(const InspectArgs& args) {
-  RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
+// One file: printed as text, or its JSON put in `out`.
+Status InspectFile(const std::string& path, ordered_json* out) {
+  RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(path));
   if (LooksLikeTorchFile(mapped.bytes())) {
-    RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(args.path));
-    if (args.json) {
-      fmt::print("{}\n", TorchJson(f).dump(2));
+    RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(path));
+    if (out != nullptr) {
+      *out = TorchJson(f);
     } else {
-      PrintTorch(args.path, f);
+      PrintTorch(path, f);
     }
     return Status::Ok();
   }
-  RESHARD_ASSIGN_OR_RETURN(const SafetensorsHeader h, ReadSafetensorsHeader(args.path));
-  if (args.json) {
-    fmt::print("{}\n", SafetensorsJson(h).dump(2));
+  RESHARD_ASSIGN_OR_RETURN(const SafetensorsHeader h, ReadSafetensorsHeader(path));
+  if (out != nullptr) {
+    *out = SafetensorsJson(h);
     return Status::Ok();
   }
-  fmt::print("\"{}\": safetensors file: {} tensors, {} bytes of data\n", args.path,
-             h.tensors.size(), h.data_size);
+  fmt::print("\"{}\": safetensors file: {} tensors, {} bytes of data\n", path, h.tensors.size(),
+             h.data_size);
   for (const TensorInfo& t : h.tensors) {
     fmt::print("  {}  {} {}\n", t.name, DTypeName(t.dtype), FormatShape(t.shape));
   }
   for (const auto& [k, v] : h.metadata) fmt::print("  metadata {} = {}\n", k, v);
+  return Status::Ok();
+}
+
+bool IsTensorFile(const std::filesystem::path& p) {
+  const std::string ext = p.extension().string();
+  return ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".safetensors";
+}
+
+// A directory: every .pt/.pth/.bin/.safetensors file in it (not recursive), in name order. A
+// DeepSpeed save dir (a `latest` file naming a tag dir) is read through its tag dir.
+Status InspectDirectory(const InspectArgs& args) {
+  namespace fs = std::filesystem;
+  fs::path dir = args.path;
+  std::string tag;
+  if (Result<std::string> latest = ReadFileToString((dir / "latest").string()); latest.ok()) {
+    tag = *latest;
+    while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag)) {
+      return DataLossError("\"" + (dir / "latest").string() + "\" names \"" + tag +
+                           "\", which is not a directory beside it");
+    }
+    dir /= tag;
+  }
+  std::vector<fs::path> files, others;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    if (!entry.is_regular_file()) continue;
+    (IsTensorFile(entry.path()) ? files : others).push_back(entry.path());
+  }
+  if (error)
+    return InvalidArgumentError("cannot list \"" + dir.string() + "\": " + error.message());
+  std::sort(files.begin(), files.end());
+  std::sort(others.begin(), others.end());
+  ordered_json doc = {{"format", "directory"}, {"path", dir.string()}};
+  if (!tag.empty()) doc["deepspeed_tag"] = tag;
+  if (!args.json) {
+    fmt::print("\"{}\": directory{}, {} tensor files\n", dir.string(),
+               tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
+  }
+  ordered_json listed = ordered_json::array();
+  for (const fs::path& f : files) {
+    ordered_json one;
+    RESHARD_RETURN_IF_ERROR(InspectFile(f.string(), args.json ? &one : nullptr));
+    if (args.json) listed.push_back({{"file", f.filename().string()}, {"contents", one}});
+  }
+  ordered_json rest = ordered_json::array();
+  for (const fs::path& f : others) rest.push_back(f.filename().string());
+  if (args.json) {
+    doc["files"] = listed;
+    doc["other_files"] = rest;
+    fmt::print("{}\n", doc.dump(2));
+  } else if (!others.empty()) {
+    fmt::print("other files: {}\n", rest.dump());
+  }
+  return Status::Ok();
+}
+
+Status RunInspect(const InspectArgs& args) {
+  if (std::filesystem::is_directory(args.path)) return InspectDirectory(args);
+  if (!args.json) return InspectFile(args.path, nullptr);
+  ordered_json doc;
+  RESHARD_RETURN_IF_ERROR(InspectFile(args.path, &doc));
+  fmt::print("{}\n", doc.dump(2));
   return Status::Ok();
 }
 
@@ -208,8 +276,11 @@ void RegisterInspect(CLI::App& app, int& exit_status) {
       "inspect",
       "List the tensors (dotted name, dtype, shape, strides, storage offset) and the object tree "
       "of a PyTorch .pt file, read without running its pickle, or the tensors of a .safetensors "
-      "file. The kind of file is told by its first bytes.");
-  cmd->add_option("FILE", args->path, "a .pt (torch.save) or .safetensors file")->required();
+      "file; the kind of file is told by its first bytes. Given a directory, every .pt, .pth, "
+      ".bin and .safetensors file in it (a DeepSpeed save dir is read through its latest tag).");
+  cmd->add_option("FILE_OR_DIR", args->path,
+                  "a .pt (torch.save) or .safetensors file, or a directory of them")
+      ->required();
   cmd->add_flag("--json", args->json, "machine-readable output");
   cmd->callback([args, &exit_status] { exit_status = Finish("inspect", RunInspect(*args)); });
 }
