@@ -445,3 +445,52 @@ def test_distributed_config_with_duplicate_keys_or_trailing_bytes_is_refused(res
                                                                              what):
     r = run(reshard_bin, CONFIGS / "Qwen--Qwen2-72B.json", "--distributed-config", dist)
     assert r.returncode == 2 and what in r.stderr, (r.stdout, r.stderr)
+
+
+def scatter_config(reshard_bin, full, config, tp, out):
+    return subprocess.run([reshard_bin, "scatter", full, "--config", config, "--tp", str(tp),
+                           "-o", out], capture_output=True, text=True, timeout=120)
+
+
+def test_scatter_refuses_per_expert_tensors_naming_the_fusion(reshard_bin, tmp_path):
+    # Mixtral stores one tensor per expert; transformers stacks them into experts.gate_up_proj
+    # and experts.down_proj at load and splits those. Replicating them would differ silently.
+    config = {"model_type": "mixtral", "hidden_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 6,
+              "num_local_experts": 2, "vocab_size": 16}
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(config))
+    z = lambda *s: np.zeros(s, dtype=np.float32)  # noqa: E731
+    save_file({"model.layers.0.self_attn.q_proj.weight": z(8, 8),
+               "model.layers.0.block_sparse_moe.gate.weight": z(2, 8),
+               "model.layers.0.block_sparse_moe.experts.0.w1.weight": z(6, 8),
+               "model.layers.0.block_sparse_moe.experts.0.w2.weight": z(8, 6),
+               "model.layers.0.block_sparse_moe.experts.0.w3.weight": z(6, 8)},
+              str(full / "model.safetensors"))
+    r = scatter_config(reshard_bin, full, full / "config.json", 2, tmp_path / "tp2")
+    assert r.returncode == 1, r.stderr
+    assert "experts.gate_up_proj" in r.stderr or "experts.down_proj" in r.stderr, r.stderr
+    assert "MergeModulelist" in r.stderr
+    assert not (tmp_path / "tp2").exists()
+
+
+def test_scatter_gives_the_last_rank_the_short_vocabulary_slice(reshard_bin, tmp_path):
+    config = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 9,
+              "vocab_size": 251, "tie_word_embeddings": False}
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(5)
+    emb = rng.standard_normal((251, 16)).astype(np.float32)
+    up = rng.standard_normal((9, 16)).astype(np.float32)
+    save_file({"model.embed_tokens.weight": emb, "model.layers.0.mlp.up_proj.weight": up},
+              str(full / "model.safetensors"))
+    r = scatter_config(reshard_bin, full, full / "config.json", 2, tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+    for rank, rows, mlp in ((0, slice(0, 126), slice(0, 5)), (1, slice(126, 251), slice(5, 9))):
+        shard = load_file(str(tmp_path / "tp2" / f"model-rank-{rank}-part-0.safetensors"))
+        assert np.array_equal(shard["model.embed_tokens.weight"], emb[rows])
+        assert np.array_equal(shard["model.layers.0.mlp.up_proj.weight"], up[mlp])

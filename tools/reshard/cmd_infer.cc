@@ -25,7 +25,13 @@ Status RunInfer(const InferArgs& args) {
     return observed.status().Annotate(fmt::format("error reading \"{}\"", args.path));
   }
   Result<ParamMap> map = Infer(*observed, {.allow_uncovered = args.allow_uncovered});
-  if (!map.ok()) return CheckFailed(map.status().Annotate(fmt::format("\"{}\"", args.path)));
+  if (!map.ok()) {
+    Status failed = CheckFailed(map.status().Annotate(fmt::format("\"{}\"", args.path)));
+    if (map.status().message().find("is held by no rank") == std::string::npos) return failed;
+    return Status(failed.code(), failed.message() +
+                                     "; pass --allow-uncovered if the observation is deliberately "
+                                     "partial");
+  }
   return PrintOrWrite(args.output, ParamMapToJson(*map), args.force);
 }
 

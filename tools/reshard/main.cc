@@ -4,9 +4,11 @@
 
 #include "commands.h"
 #include "exit_status.h"
+#include "interrupt.h"
 
 int main(int argc, char** argv) {
   using namespace reshard::cli;
+  HandleInterruptions();
   CLI::App app{
       "reshard: describe, validate and move tensor-parallel shards as affine maps.\n"
       "Exit status: 0 success, 1 a check failed, 2 usage or malformed input, 3 internal or "
