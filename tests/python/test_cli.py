@@ -167,7 +167,7 @@ def test_infer_allows_partial_observations_when_asked(reshard_bin, tmp_path):
     path.write_text(json.dumps(doc))
     r = run(reshard_bin, "infer", path)
     assert r.returncode == 1 and "element [1, 0] of F (shape [2, 3]) is held by no rank" in r.stderr
-    assert "pass --allow-uncovered" in r.stderr  # the CLI's hint
+    assert "pass --allow-uncovered" in r.stderr
     r = run(reshard_bin, "infer", path, "--allow-uncovered")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ranks"]["0"]["pieces"][0]["source"] == [0, [1]]

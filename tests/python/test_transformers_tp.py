@@ -46,6 +46,8 @@ class Case:
     model_type: str
     overrides: dict = dataclasses.field(default_factory=dict)
     works: bool = True  # transformers loads it and runs a forward pass at TP 2
+    dtype: str = "float32"  # the checkpoint's dtype
+    max_shard_size: str | None = None  # save in several files with an index
 
 
 # Every model type of the registry with a causal-LM class that transformers instantiates at toy
@@ -78,7 +80,12 @@ DEGREE_CASES = {
     "llama_intermediate_129": Case("llama", dict(intermediate_size=129)),
 }
 
-CASES = {**ARCHITECTURES, **DEGREE_CASES}
+# Checkpoint forms: bf16 in seven files with an index (transformers keeps the dtype, "auto").
+CHECKPOINT_CASES = {
+    "llama_bf16_sharded": Case("llama", dtype="bfloat16", max_shard_size="40KB"),
+}
+
+CASES = {**ARCHITECTURES, **DEGREE_CASES, **CHECKPOINT_CASES}
 WORKING = sorted(name for name, case in CASES.items() if case.works)
 
 
@@ -96,7 +103,8 @@ def build_toy_model(case, seed, out_dir):
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    model.save_pretrained(out_dir)
+    model.to(getattr(torch, case.dtype)).save_pretrained(
+        out_dir, **({"max_shard_size": case.max_shard_size} if case.max_shard_size else {}))
 
 
 def free_loopback_port():
@@ -222,8 +230,11 @@ def scatter_problems(name, transformers_tp, reshard_bin, out):
     transformers applies to this checkpoint at load (which reshard does not express)."""
     model_dir = transformers_tp.model_dir(name)
     renames, converters = load_conversions(json.loads((model_dir / "config.json").read_text()))
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        converted = converted_targets(list(f.keys()), converters)
+    names = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names += f.keys()
+    converted = converted_targets(names, converters)
     r = reshard(reshard_bin, "scatter", model_dir, "--config", model_dir / "config.json",
                 "--tp", TP, "-o", out)
     if r.returncode != 0:

@@ -26,11 +26,11 @@ Status RunInfer(const InferArgs& args) {
   }
   Result<ParamMap> map = Infer(*observed, {.allow_uncovered = args.allow_uncovered});
   if (!map.ok()) {
-    Status s = CheckFailed(map.status().Annotate(fmt::format("\"{}\"", args.path)));
-    if (s.message().find("is held by no rank") == std::string::npos) return s;
-    return Status(
-        s.code(),
-        s.message() + " (pass --allow-uncovered if the observation is deliberately partial)");
+    Status failed = CheckFailed(map.status().Annotate(fmt::format("\"{}\"", args.path)));
+    if (map.status().message().find("is held by no rank") == std::string::npos) return failed;
+    return Status(failed.code(), failed.message() +
+                                     "; pass --allow-uncovered if the observation is deliberately "
+                                     "partial");
   }
   return PrintOrWrite(args.output, ParamMapToJson(*map), args.force);
 }

@@ -70,7 +70,10 @@ ordered_json TreeJson(const TorchFile& f, PickleNodeId id) {
       ordered_json out = str_keys ? ordered_json::object() : ordered_json::array();
       for (const auto& [k, v] : n.entries) {
         if (str_keys) {
-          out[f.tree().node(k).text] = TreeJson(f, v);
+          // Keys are unique (the reader keeps the last value of a repeated key): append
+          // without ordered_json's linear lookup, which is quadratic over a large dict.
+          out.get_ref<ordered_json::object_t&>().emplace_back(f.tree().node(k).text,
+                                                              TreeJson(f, v));
         } else {
           out.push_back(ordered_json::array({TreeJson(f, k), TreeJson(f, v)}));
         }

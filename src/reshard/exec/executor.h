@@ -74,8 +74,11 @@ Status Rebuild(const ParamMap& map, DType dtype, std::span<const ConstBuffer> sh
 /// each after undoing its own scale, must be bit-identical. FailedPrecondition naming the
 /// ranks, the element of F (multi-index and offset) and the two values where they are not.
 /// Disagreement inside padding is ignored. Rebuild with `verify_replicas` makes the same check
-/// (the same code) against the F it writes; this form needs memory only for the span of F that
-/// the replicated pieces cover.
+/// (the same code) against the F it writes. This form first compares each replica with the
+/// first holder's bytes directly when both hold the same elements of F at the same scale
+/// (byte-identical replicas agree whatever the scale does); only when that is not so, or some
+/// bytes differ, does it rebuild the span of F that the replicated pieces cover, to decide and
+/// to name the element.
 Status VerifyReplicas(const ParamMap& map, DType dtype, std::span<const ConstBuffer> shards,
                       const ExecOptions& options = {});
 

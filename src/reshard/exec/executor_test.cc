@@ -426,6 +426,23 @@ TEST(ExecutorTest, VerifyingReplicasReadsOnlyReplicatedPiecesAndSkipsUnreplicate
             StatusCode::kFailedPrecondition);
 }
 
+TEST(ExecutorTest, ReplicasSplitDifferentlyOnTheirHoldersAreComparedInF) {
+  // Both ranks hold all of F [4]: rank 0 as one piece, rank 1 as two, so no piece of rank 1
+  // has a twin on rank 0 to compare bytes with.
+  ParamMapBuilder b;
+  b.set_logical_shape({4});
+  b.set_shard_shape(0, {4}).set_shard_shape(1, {4});
+  b.add_piece(0, MakePiece({4}, 0, {1}, 0, {1}, {0, 1}));
+  b.add_piece(1, MakePiece({2}, 2, {1}, 0, {1}, {0, 1}));  // F [2, 4) first
+  b.add_piece(1, MakePiece({2}, 0, {1}, 2, {1}, {0, 1}));
+  const ParamMap map = Finalized(b);
+  std::vector<Tensor<float>> shards{{{1, 2, 3, 4}}, {{3, 4, 1, 2}}};
+  EXPECT_TRUE(VerifyReplicas(map, DType::kF32, Buffers(shards)).ok());
+  shards[1].v[1] = 5;  // F element [3]
+  EXPECT_EQ(VerifyReplicas(map, DType::kF32, Buffers(shards)).message(),
+            "ranks 0 and 1 hold different data for element [3] of F (offset 3): 4 vs 5");
+}
+
 TEST(ExecutorTest, AScaleThatLosesAValueIsRefusedUnlessAllowed) {
   // F16 [1e-5, 3e-5, 6e-8, 2] pre-divided at TP 4: 3e-5 does not survive a quarter.
   const ParamMap map = Finalized(Replicated(4, 4, 0.25));

@@ -4,9 +4,13 @@
 // between dots becomes `*` (`model.layers.3.self_attn.q_proj.weight` -> `...layers.*...`),
 // and an entry names either the parameter or its module. Plan patterns are relative to the
 // (sub-)model that owns them, so the longest matching suffix of the parameter name counts
-// (`model.`, `model.language_model.` and other prefixes fall away).
+// (`model.`, `model.language_model.` and other prefixes fall away). Names are matched after
+// the renamings transformers applies to checkpoint keys at load (the registry's load_renames);
+// the maps keep the stored names. A tensor that transformers converts at load (per-expert MoE
+// tensors stacked into experts.gate_up_proj) is refused, naming the conversion.
 //
-// Styles become layout descriptors (docs/layouts.md), split exactly:
+// Styles become layout descriptors (docs/layouts.md), split exactly where the entry's count
+// binds the degree and in ceil chunks (transformers' DTensor shards) where it does not:
 //   colwise family       weight split on its output dim (ndim-2), a 1-D bias on dim 0
 //   rowwise family       weight split on its input dim (ndim-1), bias replicated
 //   packed_colwise/_rowwise   the fused gate/up weight: two equal parts, each split

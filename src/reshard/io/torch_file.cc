@@ -355,7 +355,9 @@ Status TorchFile::Load(std::span<const std::byte> bytes, const PickleOptions& op
   if (!tree.ok()) return tree.status().Annotate(root_ + "/data.pkl");
   tree_ = std::move(tree).value();
   TorchTreeReader reader(*this);
-  return reader.Walk(tree_.root(), "").Annotate(root_ + "/data.pkl");
+  RESHARD_RETURN_IF_ERROR(reader.Walk(tree_.root(), "").Annotate(root_ + "/data.pkl"));
+  for (size_t i = 0; i < tensors_.size(); ++i) tensor_by_node_.emplace(tensors_[i].node, i);
+  return Status::Ok();
 }
 
 Result<TorchFile> TorchFile::Parse(std::span<const std::byte> bytes, const PickleOptions& options) {
@@ -374,10 +376,8 @@ Result<TorchFile> TorchFile::Open(const std::string& path, const PickleOptions& 
 }
 
 const TorchTensor* TorchFile::TensorAt(PickleNodeId node) const {
-  for (const TorchTensor& t : tensors_) {
-    if (t.node == node) return &t;
-  }
-  return nullptr;
+  const auto it = tensor_by_node_.find(node);
+  return it == tensor_by_node_.end() ? nullptr : &tensors_[it->second];
 }
 
 Status TorchFile::CopyTo(const TorchTensor& t, std::span<std::byte> out) const {

@@ -33,6 +33,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "reshard/base/dtype.h"
@@ -113,6 +114,7 @@ class TorchFile {
   PickleTree tree_;
   std::vector<TorchStorage> storages_;
   std::vector<TorchTensor> tensors_;
+  std::unordered_map<PickleNodeId, size_t> tensor_by_node_;  // first tensor of each record
   friend class TorchTreeReader;
 };
 

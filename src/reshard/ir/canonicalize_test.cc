@@ -205,8 +205,8 @@ TEST(InferTest, ErrorsNameTheRankAndElement) {
   IndexMaps partial = base;
   partial.ranks[1] = {1, {2}, {3, 5}, {}};
   EXPECT_EQ(error(partial),
-            "element [1, 1] of F (shape [2, 3]) is held by no rank; an observation that leaves "
-            "elements uncovered is accepted only when allowed");
+            "element [1, 1] of F (shape [2, 3]) is held by no rank (allow_uncovered accepts a "
+            "deliberately partial observation)");
   EXPECT_EQ(error(partial, {.allow_uncovered = true}), "OK");
 }
 

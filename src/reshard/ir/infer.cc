@@ -172,8 +172,8 @@ Status CheckCovered(const IndexMaps& observed, Index n, const HolderTable& holde
     for (size_t k = 0; k < index.size(); ++k) e += index[k] * strides[k];
     if (holders.at(e) == 0) {
       return InvalidArgumentError(fmt::format(
-          "element {} of F (shape {}) is held by no rank; an observation that leaves elements "
-          "uncovered is accepted only when allowed",
+          "element {} of F (shape {}) is held by no rank (allow_uncovered accepts a deliberately "
+          "partial observation)",
           FormatShape(index), FormatShape(shape)));
     }
     size_t k = index.size();

@@ -13,15 +13,7 @@
 
 namespace reshard {
 
-using json::CheckKeys;
-using json::Element;
-using json::ErrorAt;
 using json::Json;
-using json::Member;
-using json::ReadBool;
-using json::ReadInt;
-using json::ReadIntArray;
-using json::TypeError;
 
 namespace {
 
@@ -75,70 +67,71 @@ Result<std::optional<Index>> OptionalInt(const Json& object, std::string_view pa
                                          std::string_view key, json::IntRange range) {
   auto it = object.find(std::string(key));
   if (it == object.end()) return std::optional<Index>();
-  RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(*it, Member(path, key), range));
+  RESHARD_ASSIGN_OR_RETURN(Index v, json::ReadInt(*it, json::Member(path, key), range));
   return std::optional<Index>(v);
 }
 
 Status ReadRule(const Json& object, std::string_view path, SplitRule& rule) {
   if (auto it = object.find("remainder"); it != object.end()) {
-    const std::string p = Member(path, "remainder");
-    if (!it->is_string()) return TypeError(p, "a string", *it);
+    const std::string p = json::Member(path, "remainder");
+    if (!it->is_string()) return json::TypeError(p, "a string", *it);
     const auto& name = *it->get_ptr<const Json::string_t*>();
     auto found = std::find_if(std::begin(kRemainders), std::end(kRemainders),
                               [&](const auto& e) { return e.second == name; });
     if (found == std::end(kRemainders)) {
-      return TypeError(p, fmt::format("one of {}", NamesOf(kRemainders)), *it);
+      return json::TypeError(p, fmt::format("one of {}", NamesOf(kRemainders)), *it);
     }
     rule.remainder = found->first;
   }
   RESHARD_ASSIGN_OR_RETURN(rule.heads, OptionalInt(object, path, "heads", json::kPositive));
   RESHARD_ASSIGN_OR_RETURN(rule.grain, OptionalInt(object, path, "grain", json::kPositive));
   if (rule.heads && rule.grain) {
-    return ErrorAt(path,
-                   "give \"heads\" or \"grain\", not both (heads align to whole heads, "
-                   "grain to multiples of the grain)");
+    return json::ErrorAt(path,
+                         "give \"heads\" or \"grain\", not both (heads align to whole heads, "
+                         "grain to multiples of the grain)");
   }
   return Status::Ok();
 }
 
 Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d) {
   auto it = object.find("parts");
-  const std::string p = Member(path, "parts");
-  if (it == object.end()) return ErrorAt(path, "missing key \"parts\"");
+  const std::string p = json::Member(path, "parts");
+  if (it == object.end()) return json::ErrorAt(path, "missing key \"parts\"");
   if (it->is_number()) {
-    RESHARD_ASSIGN_OR_RETURN(Index n, ReadInt(*it, p, kBlockCount));
+    RESHARD_ASSIGN_OR_RETURN(Index n, json::ReadInt(*it, p, kBlockCount));
     d.equal_parts = n;
     return Status::Ok();
   }
   if (!it->is_array() || it->empty()) {
-    return TypeError(p, "a number of equal parts or a non-empty array of parts", *it);
+    return json::TypeError(p, "a number of equal parts or a non-empty array of parts", *it);
   }
   for (size_t k = 0; k < it->size(); ++k) {
     const Json& j = (*it)[k];
-    const std::string pp = Element(p, k);
-    if (!j.is_object()) return TypeError(pp, "an object", j);
+    const std::string pp = json::Element(p, k);
+    if (!j.is_object()) return json::TypeError(pp, "an object", j);
     std::vector<std::string> keys = {"size", "heads", "grain", "widths"};
     if (d.family == LayoutFamily::kSegmented) keys.push_back("replicated");
     RESHARD_RETURN_IF_ERROR(
-        CheckKeys(j, pp, keys, fmt::format("a {} part", LayoutFamilyName(d.family))));
+        json::CheckKeys(j, pp, keys, fmt::format("a {} part", LayoutFamilyName(d.family))));
     LayoutPart part;
     auto size = j.find("size");
-    if (size == j.end()) return ErrorAt(pp, "missing key \"size\"");
-    RESHARD_ASSIGN_OR_RETURN(part.size, ReadInt(*size, Member(pp, "size"), 0));
+    if (size == j.end()) return json::ErrorAt(pp, "missing key \"size\"");
+    RESHARD_ASSIGN_OR_RETURN(part.size, json::ReadInt(*size, json::Member(pp, "size"), 0));
     if (auto r = j.find("replicated"); r != j.end()) {
-      RESHARD_ASSIGN_OR_RETURN(part.replicated, ReadBool(*r, Member(pp, "replicated")));
+      RESHARD_ASSIGN_OR_RETURN(part.replicated, json::ReadBool(*r, json::Member(pp, "replicated")));
     }
     RESHARD_ASSIGN_OR_RETURN(part.heads, OptionalInt(j, pp, "heads", json::kPositive));
     RESHARD_ASSIGN_OR_RETURN(part.grain, OptionalInt(j, pp, "grain", json::kPositive));
     if (auto w = j.find("widths"); w != j.end()) {
-      RESHARD_ASSIGN_OR_RETURN(part.widths, ReadIntArray(*w, Member(pp, "widths"), 0));
+      RESHARD_ASSIGN_OR_RETURN(part.widths, json::ReadIntArray(*w, json::Member(pp, "widths"), 0));
       if (part.widths.empty())
-        return ErrorAt(Member(pp, "widths"), "expected one width per rank, got none");
+        return json::ErrorAt(json::Member(pp, "widths"), "expected one width per rank, got none");
     }
     const int rules = (part.heads ? 1 : 0) + (part.grain ? 1 : 0) + (part.widths.empty() ? 0 : 1);
-    if (rules > 1) return ErrorAt(pp, "give at most one of \"heads\", \"grain\" and \"widths\"");
+    if (rules > 1)
+      return json::ErrorAt(pp, "give at most one of \"heads\", \"grain\" and \"widths\"");
     if (part.replicated && rules > 0) {
-      return ErrorAt(
+      return json::ErrorAt(
           pp, "a replicated part is held whole by every rank: it takes no heads, grain or widths");
     }
     d.parts.push_back(std::move(part));
@@ -147,32 +140,33 @@ Status ReadParts(const Json& object, std::string_view path, LayoutDescriptor& d)
 }
 
 Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
-  if (!root.is_object()) return TypeError("", "a layout descriptor object", root);
+  if (!root.is_object()) return json::TypeError("", "a layout descriptor object", root);
   auto fam = root.find("family");
-  if (fam == root.end()) return ErrorAt("", "missing key \"family\"");
+  if (fam == root.end()) return json::ErrorAt("", "missing key \"family\"");
   std::string families;
   for (const FamilyInfo& f : Families())
     families += fmt::format("{}\"{}\"", families.empty() ? "" : ", ", f.name);
-  if (!fam->is_string()) return TypeError("family", fmt::format("one of {}", families), *fam);
+  if (!fam->is_string()) return json::TypeError("family", fmt::format("one of {}", families), *fam);
   const auto& name = *fam->get_ptr<const Json::string_t*>();
   auto info = std::find_if(Families().begin(), Families().end(),
                            [&](const FamilyInfo& f) { return f.name == name; });
   if (info == Families().end())
-    return TypeError("family", fmt::format("one of {}", families), *fam);
-  RESHARD_RETURN_IF_ERROR(CheckKeys(root, "", info->keys, fmt::format("family \"{}\"", name)));
+    return json::TypeError("family", fmt::format("one of {}", families), *fam);
+  RESHARD_RETURN_IF_ERROR(
+      json::CheckKeys(root, "", info->keys, fmt::format("family \"{}\"", name)));
 
   LayoutDescriptor d;
   d.family = info->family;
   if (auto it = root.find("dim"); it != root.end()) {
-    RESHARD_ASSIGN_OR_RETURN(Index dim, ReadInt(*it, "dim", 0));
+    RESHARD_ASSIGN_OR_RETURN(Index dim, json::ReadInt(*it, "dim", 0));
     if (dim > 64)
-      return ErrorAt("dim", fmt::format("dimension {} is beyond any tensor's rank", dim));
+      return json::ErrorAt("dim", fmt::format("dimension {} is beyond any tensor's rank", dim));
     d.dim = static_cast<int>(dim);
   }
   switch (d.family) {
     case LayoutFamily::kReplicated: {
       if (auto it = root.find("pre_divided"); it != root.end()) {
-        RESHARD_ASSIGN_OR_RETURN(d.pre_divided, ReadBool(*it, "pre_divided"));
+        RESHARD_ASSIGN_OR_RETURN(d.pre_divided, json::ReadBool(*it, "pre_divided"));
       }
       break;
     }
@@ -180,10 +174,12 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       RESHARD_RETURN_IF_ERROR(ReadRule(root, "", d.rule));
       if (auto it = root.find("sizes"); it != root.end()) {
         if (root.contains("remainder") || d.rule.heads || d.rule.grain) {
-          return ErrorAt("sizes", "explicit sizes take no \"remainder\", \"heads\" or \"grain\"");
+          return json::ErrorAt("sizes",
+                               "explicit sizes take no \"remainder\", \"heads\" or \"grain\"");
         }
-        RESHARD_ASSIGN_OR_RETURN(d.rule.sizes, ReadIntArray(*it, "sizes", 0));
-        if (d.rule.sizes.empty()) return ErrorAt("sizes", "expected one size per rank, got none");
+        RESHARD_ASSIGN_OR_RETURN(d.rule.sizes, json::ReadIntArray(*it, "sizes", 0));
+        if (d.rule.sizes.empty())
+          return json::ErrorAt("sizes", "expected one size per rank, got none");
       }
       break;
     }
@@ -199,27 +195,31 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       auto pairing = root.find("pairing");
       auto ranks = root.find("rank_blocks");
       if ((pairing == root.end()) == (ranks == root.end())) {
-        return ErrorAt("",
-                       "give either \"pairing\": \"shared_qk\" with \"heads\", or \"blocks\" "
-                       "with \"rank_blocks\"");
+        return json::ErrorAt("",
+                             "give either \"pairing\": \"shared_qk\" with \"heads\", or \"blocks\" "
+                             "with \"rank_blocks\"");
       }
       if (pairing != root.end()) {
         if (!pairing->is_string() || *pairing->get_ptr<const Json::string_t*>() != "shared_qk") {
-          return TypeError("pairing", "\"shared_qk\"", *pairing);
+          return json::TypeError("pairing", "\"shared_qk\"", *pairing);
         }
-        if (!d.rule.heads) return ErrorAt("", "the shared_qk pairing needs \"heads\"");
-        if (d.num_blocks) return ErrorAt("blocks", "the shared_qk pairing has one block per head");
+        if (!d.rule.heads) return json::ErrorAt("", "the shared_qk pairing needs \"heads\"");
+        if (d.num_blocks)
+          return json::ErrorAt("blocks", "the shared_qk pairing has one block per head");
         d.shared_qk = true;
       } else {
         if (!d.num_blocks)
-          return ErrorAt("", "\"rank_blocks\" needs \"blocks\" (how many equal blocks)");
-        if (d.rule.heads) return ErrorAt("heads", "\"heads\" belongs to the shared_qk pairing");
+          return json::ErrorAt("", "\"rank_blocks\" needs \"blocks\" (how many equal blocks)");
+        if (d.rule.heads)
+          return json::ErrorAt("heads", "\"heads\" belongs to the shared_qk pairing");
         if (!ranks->is_array() || ranks->empty()) {
-          return TypeError("rank_blocks", "an array with one list of block ids per rank", *ranks);
+          return json::TypeError("rank_blocks", "an array with one list of block ids per rank",
+                                 *ranks);
         }
         for (size_t r = 0; r < ranks->size(); ++r) {
-          RESHARD_ASSIGN_OR_RETURN(std::vector<Index> ids,
-                                   ReadIntArray((*ranks)[r], Element("rank_blocks", r), 0));
+          RESHARD_ASSIGN_OR_RETURN(
+              std::vector<Index> ids,
+              json::ReadIntArray((*ranks)[r], json::Element("rank_blocks", r), 0));
           d.rank_blocks.push_back(std::move(ids));
         }
       }
@@ -228,7 +228,7 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
     case LayoutFamily::kCodegenQkv: {
       RESHARD_ASSIGN_OR_RETURN(d.rule.heads, OptionalInt(root, "", "heads", json::kPositive));
       if (auto it = root.find("mp_num"); it != root.end()) {
-        RESHARD_ASSIGN_OR_RETURN(d.mp_num, ReadInt(*it, "mp_num", kBlockCount));
+        RESHARD_ASSIGN_OR_RETURN(d.mp_num, json::ReadInt(*it, "mp_num", kBlockCount));
       }
       break;
     }
@@ -236,8 +236,9 @@ Result<LayoutDescriptor> ParseDescriptor(const Json& root) {
       RESHARD_ASSIGN_OR_RETURN(d.padded_size, OptionalInt(root, "", "padded_size", json::kCount));
       if (auto it = root.find("pad_multiple"); it != root.end()) {
         if (d.padded_size)
-          return ErrorAt("pad_multiple", "give \"padded_size\" or \"pad_multiple\", not both");
-        RESHARD_ASSIGN_OR_RETURN(d.pad_multiple, ReadInt(*it, "pad_multiple", 1));
+          return json::ErrorAt("pad_multiple",
+                               "give \"padded_size\" or \"pad_multiple\", not both");
+        RESHARD_ASSIGN_OR_RETURN(d.pad_multiple, json::ReadInt(*it, "pad_multiple", 1));
       }
       break;
     }
