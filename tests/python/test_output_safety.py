@@ -170,3 +170,13 @@ def test_flag_hints_come_from_the_cli(reshard_bin, tmp_path, full):
     (sharded / "reshard.json").write_text(json.dumps(manifest))
     r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
     assert r.returncode == 1 and "without target maps; give them with --target-maps" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [["demo", "--seed", "-1"], ["demo", "--seed", "99999999999999999999"],
+                                  ["demo", "--layers", "99999999999999999999"],
+                                  ["convert", "x", "--tp", "99999999999999999999", "-o", "y"],
+                                  ["scatter", "x", "--layouts", "l.json", "--tp", "-3", "-o", "y"]])
+def test_out_of_range_numbers_are_usage_errors(reshard_bin, tmp_path, args):
+    r = run(reshard_bin, *args, cwd=tmp_path)
+    assert r.returncode == 2 and "is not an integer from" in r.stderr or "not in range" in r.stderr, r.stderr
+    assert r.returncode == 2 and os.listdir(tmp_path) == []

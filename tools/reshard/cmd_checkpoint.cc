@@ -181,7 +181,7 @@ void RegisterScatter(CLI::App& app, int& exit_status) {
   maps->excludes(config);
   layouts->excludes(config);
   cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(IntegerIn(1, 1 << 20));
   cmd->callback([args, &exit_status] { exit_status = Finish("scatter", RunScatter(*args)); });
 }
 
@@ -207,7 +207,7 @@ void RegisterConvert(CLI::App& app, int& exit_status) {
       "descriptors in the manifest.");
   AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
                    "split each rank's file into parts of at most this size");
-  cmd->add_option("--tp", args->tp, "target world size")->required()->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");

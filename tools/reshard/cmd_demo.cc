@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -38,7 +39,7 @@ constexpr Index kVocab = 32003;  // not a multiple of the world size: padded per
 struct DemoArgs {
   std::string dir;
   bool force = false;
-  uint64_t seed = 20261129;
+  int64_t seed = 20261129;
   int layers = 4;
 };
 
@@ -143,15 +144,89 @@ uint64_t DirBytes(const std::filesystem::path& dir) {
   return n;
 }
 
-int Fail(const Status& s) {
-  const Stage stage =
-      s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
-  return Report("demo", s, ExitStatusFor(s, stage));
+// Steps 2-5: scatter to TP 4, convert to TP 2 and TP 3, gather; records in `warned` the
+// parameters whose values a scale rounds.
+Status RunPipeline(const std::filesystem::path& root, const std::filesystem::path& full,
+                   const std::map<std::string, LayoutDescriptor>& layouts,
+                   std::map<std::string, std::string>& warned) {
+  CheckpointOptions options;
+  options.overwrite = true;
+  options.warn = [&warned](const std::string& parameter, const std::string& message) {
+    warned.emplace(parameter, message);
+  };
+  // TP 3 holds the pre-divided biases at a scale of 1/3, which rounds them: allowed here and
+  // reported in step 6.
+  options.allow_lossy_scale = true;
+  auto t0 = Clock::now();
+  if (Status s =
+          Scatter(full.string(), 4, MapsFromLayouts(layouts, 4), (root / "tp4").string(), options);
+      !s.ok())
+    return s;
+  fmt::print("2. scattered to TP 4               {:<28} {}, {:.2f} s\n", (root / "tp4").string(),
+             Mb(DirBytes(root / "tp4")), Seconds(t0));
+  t0 = Clock::now();
+  if (Status s =
+          Convert((root / "tp4").string(), 2, std::nullopt, (root / "tp2").string(), options);
+      !s.ok())
+    return s;
+  fmt::print("3. converted TP 4 -> TP 2          {:<28} {}, {:.2f} s (no full tensor built)\n",
+             (root / "tp2").string(), Mb(DirBytes(root / "tp2")), Seconds(t0));
+  t0 = Clock::now();
+  if (Status s =
+          Convert((root / "tp2").string(), 3, std::nullopt, (root / "tp3").string(), options);
+      !s.ok())
+    return s;
+  fmt::print("4. converted TP 2 -> TP 3          {:<28} {}, {:.2f} s\n", (root / "tp3").string(),
+             Mb(DirBytes(root / "tp3")), Seconds(t0));
+  t0 = Clock::now();
+  if (Status s = Gather((root / "tp3").string(), (root / "gathered").string(), options); !s.ok())
+    return s;
+  fmt::print("5. gathered TP 3 (replicas checked) {:<27} {}, {:.2f} s\n\n",
+             (root / "gathered").string(), Mb(DirBytes(root / "gathered")), Seconds(t0));
+
+  return Status::Ok();
 }
 
-int RunDemo(const DemoArgs& args) {
+// Step 1: the full checkpoint, as reshard writes one (so --force may replace it).
+Status WriteFullCheckpoint(const std::filesystem::path& full, std::vector<TensorToWrite> tensors) {
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OutputDirectory::Create(full.string(), true));
+  RESHARD_RETURN_IF_ERROR(
+      WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors), ProducerMetadata()));
+  return out.Commit();
+}
+
+// Pieces per rank of layer 0's parameters (and the embedding) at each degree.
+Status PrintPiecesPerRank(const std::filesystem::path& root,
+                          const std::vector<std::pair<std::string, DemoParam>>& params) {
+  std::vector<Result<ShardedCheckpoint>> ckpts;
+  for (int tp : {4, 2, 3})
+    ckpts.push_back(ShardedCheckpoint::Open((root / fmt::format("tp{}", tp)).string()));
+  for (const auto& c : ckpts)
+    if (!c.ok()) return c.status();
+  fmt::print("{:<36} {:<8} {:<8} {:<8}  layout\n", "parameter (pieces per rank)", "TP 4", "TP 2",
+             "TP 3");
+  for (const auto& [name, p] : params) {
+    if (name.rfind("layers.0.", 0) != 0 && name != Embedding().name) continue;
+    std::vector<std::string> cells;
+    for (const auto& c : ckpts) {
+      for (const ShardedParam& sp : c->manifest().params) {
+        if (sp.name != name) continue;
+        std::string cell;
+        for (const RankShard& r : sp.map.ranks()) cell += std::to_string(r.pieces.size());
+        cells.push_back(cell);
+      }
+    }
+    fmt::print("{:<36} {:<8} {:<8} {:<8}  {}\n", name, cells.size() > 0 ? cells[0] : "",
+               cells.size() > 1 ? cells[1] : "", cells.size() > 2 ? cells[2] : "", p.layout);
+  }
+
+  return Status::Ok();
+}
+
+// The demo's working directory, created: DIR (refused if it holds something, unless forced)
+// or a new temporary one.
+Result<std::filesystem::path> PrepareRoot(const DemoArgs& args) {
   namespace fs = std::filesystem;
-  // The working directory: DIR, or a temporary one removed at the end.
   fs::path root;
   bool temporary = args.dir.empty();
   std::error_code ec;
@@ -161,20 +236,22 @@ int RunDemo(const DemoArgs& args) {
   } else {
     root = args.dir;
     if (fs::exists(root, ec) && !fs::is_empty(root, ec) && !args.force) {
-      return Report(
-          "demo",
-          AlreadyExistsError(fmt::format(
-              "\"{}\" already exists and is not empty; pass --force to replace its contents",
-              args.dir)),
-          kExitUsage);
+      return AlreadyExistsError(fmt::format(
+          "\"{}\" already exists and is not empty; pass --force to replace its contents",
+          args.dir));
     }
   }
   fs::create_directories(root, ec);
   if (ec)
-    return Report(
-        "demo",
-        UnavailableError(fmt::format("cannot create \"{}\": {}", root.string(), ec.message())),
-        kExitInternal);
+    return UnavailableError(fmt::format("cannot create \"{}\": {}", root.string(), ec.message()));
+  return root;
+}
+
+Status RunDemo(const DemoArgs& args) {
+  namespace fs = std::filesystem;
+  // The working directory: DIR, or a temporary one removed at the end.
+  const bool temporary = args.dir.empty();
+  RESHARD_ASSIGN_OR_RETURN(const fs::path root, PrepareRoot(args));
   struct Cleanup {
     fs::path path;
     bool active;
@@ -198,10 +275,10 @@ int RunDemo(const DemoArgs& args) {
   }
   for (const auto& [name, p] : params) {
     Result<LayoutDescriptor> d = ParseLayoutJson(p.descriptor);
-    if (!d.ok()) return Report("demo", d.status().Annotate(name), kExitInternal);
+    if (!d.ok()) return InternalError(d.status().Annotate(name).message());
     layouts.emplace(name, *d);
   }
-  std::mt19937_64 rng(args.seed);
+  std::mt19937_64 rng(static_cast<uint64_t>(args.seed));
   std::map<std::string, std::vector<std::byte>> weights;
   std::vector<TensorToWrite> tensors;
   for (const auto& [name, p] : params) {
@@ -214,85 +291,24 @@ int RunDemo(const DemoArgs& args) {
   }
   const fs::path full = root / "full";
   auto t0 = Clock::now();
-  {
-    Result<OutputDirectory> out = OutputDirectory::Create(full.string(), true);
-    if (!out.ok()) return Fail(out.status());
-    Status s = WriteSafetensors(out->FilePath("model.safetensors"), std::move(tensors),
-                                ProducerMetadata());
-    if (s.ok()) s = out->Commit();
-    if (!s.ok()) return Fail(s);
-  }
+  RESHARD_RETURN_IF_ERROR(WriteFullCheckpoint(full, std::move(tensors)));
   fmt::print("1. wrote the full checkpoint       {:<28} {} tensors, {}, {:.2f} s\n",
              (full / "model.safetensors").string(), params.size(), Mb(DirBytes(full)), Seconds(t0));
   const std::string layouts_json = LayoutsDocumentToJson(LayoutsDocument{layouts});
   if (Status s =
           WriteFileAtomically((root / "layouts.json").string(), layouts_json, {.overwrite = true});
       !s.ok())
-    return Fail(s);
+    return s;
 
-  // 2-4. scatter, convert, convert.
-  CheckpointOptions options;
-  options.overwrite = true;
+  // 2-5. scatter, convert, convert, gather.
   std::map<std::string, std::string> warned;  // parameter -> why its values are rounded
-  options.warn = [&warned](const std::string& parameter, const std::string& message) {
-    warned.emplace(parameter, message);
-  };
-  // TP 3 holds the pre-divided biases at a scale of 1/3, which rounds them: allowed here and
-  // reported in step 6.
-  options.allow_lossy_scale = true;
-  t0 = Clock::now();
-  if (Status s =
-          Scatter(full.string(), 4, MapsFromLayouts(layouts, 4), (root / "tp4").string(), options);
-      !s.ok())
-    return Fail(s);
-  fmt::print("2. scattered to TP 4               {:<28} {}, {:.2f} s\n", (root / "tp4").string(),
-             Mb(DirBytes(root / "tp4")), Seconds(t0));
-  t0 = Clock::now();
-  if (Status s =
-          Convert((root / "tp4").string(), 2, std::nullopt, (root / "tp2").string(), options);
-      !s.ok())
-    return Fail(s);
-  fmt::print("3. converted TP 4 -> TP 2          {:<28} {}, {:.2f} s (no full tensor built)\n",
-             (root / "tp2").string(), Mb(DirBytes(root / "tp2")), Seconds(t0));
-  t0 = Clock::now();
-  if (Status s =
-          Convert((root / "tp2").string(), 3, std::nullopt, (root / "tp3").string(), options);
-      !s.ok())
-    return Fail(s);
-  fmt::print("4. converted TP 2 -> TP 3          {:<28} {}, {:.2f} s\n", (root / "tp3").string(),
-             Mb(DirBytes(root / "tp3")), Seconds(t0));
-  t0 = Clock::now();
-  if (Status s = Gather((root / "tp3").string(), (root / "gathered").string(), options); !s.ok())
-    return Fail(s);
-  fmt::print("5. gathered TP 3 (replicas checked) {:<27} {}, {:.2f} s\n\n",
-             (root / "gathered").string(), Mb(DirBytes(root / "gathered")), Seconds(t0));
+  RESHARD_RETURN_IF_ERROR(RunPipeline(root, full, layouts, warned));
 
-  // Pieces per rank of layer 0's parameters at each degree.
-  std::vector<Result<ShardedCheckpoint>> ckpts;
-  for (int tp : {4, 2, 3})
-    ckpts.push_back(ShardedCheckpoint::Open((root / fmt::format("tp{}", tp)).string()));
-  for (const auto& c : ckpts)
-    if (!c.ok()) return Fail(c.status());
-  fmt::print("{:<36} {:<8} {:<8} {:<8}  layout\n", "parameter (pieces per rank)", "TP 4", "TP 2",
-             "TP 3");
-  for (const auto& [name, p] : params) {
-    if (name.rfind("layers.0.", 0) != 0 && name != Embedding().name) continue;
-    std::vector<std::string> cells;
-    for (const auto& c : ckpts) {
-      for (const ShardedParam& sp : c->manifest().params) {
-        if (sp.name != name) continue;
-        std::string cell;
-        for (const RankShard& r : sp.map.ranks()) cell += std::to_string(r.pieces.size());
-        cells.push_back(cell);
-      }
-    }
-    fmt::print("{:<36} {:<8} {:<8} {:<8}  {}\n", name, cells.size() > 0 ? cells[0] : "",
-               cells.size() > 1 ? cells[1] : "", cells.size() > 2 ? cells[2] : "", p.layout);
-  }
+  RESHARD_RETURN_IF_ERROR(PrintPiecesPerRank(root, params));
 
   // 6. Bit-exactness against the original weights.
   Result<FullCheckpoint> back = FullCheckpoint::Open((root / "gathered").string());
-  if (!back.ok()) return Fail(back.status());
+  if (!back.ok()) return back.status();
   size_t exact = 0;
   size_t rounded = 0;
   bool ok = true;
@@ -336,7 +352,7 @@ int RunDemo(const DemoArgs& args) {
              : rounded == 0
                  ? "all parameters round-tripped bit for bit"
                  : "every parameter round-tripped: bit for bit, or as exactly as its scales allow");
-  return ok ? kExitOk : kExitCheckFailed;
+  return ok ? Status::Ok() : AlreadyReportedCheckFailure();
 }
 
 }  // namespace
@@ -354,9 +370,11 @@ void RegisterDemo(CLI::App& app, int& exit_status) {
   cmd->add_flag("--force", args->force, "replace existing outputs in DIR");
   cmd->add_option("--layers", args->layers, "number of layers")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
-  cmd->add_option("--seed", args->seed, "random seed for the weights")->capture_default_str();
-  cmd->callback([args, &exit_status] { exit_status = RunDemo(*args); });
+      ->check(IntegerIn(1, 64));
+  cmd->add_option("--seed", args->seed, "random seed for the weights (0 to 2^63-1)")
+      ->capture_default_str()
+      ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
+  cmd->callback([args, &exit_status] { exit_status = Finish("demo", RunDemo(*args)); });
 }
 
 }  // namespace reshard::cli

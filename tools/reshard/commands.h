@@ -30,6 +30,10 @@ Status PrintOrWrite(const std::string& output, const std::string& text, bool for
 int EmitText(std::string_view command, const std::string& output, const std::string& text,
              bool force);
 
+/// A CLI11 check that the text is a decimal integer in [min, max], read without clamping or
+/// wrapping (99999999999999999999 is refused, not taken as INT64_MAX).
+CLI::Validator IntegerIn(int64_t min, int64_t max);
+
 /// `status` with the hint "; pass --force to replace it" when it says an output exists and
 /// `force` was not given (the library names no flags).
 Status WithForceHint(Status status, bool force);

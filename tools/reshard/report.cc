@@ -1,5 +1,6 @@
 #include <fmt/format.h>
 
+#include <charconv>
 #include <cstdio>
 
 #include "commands.h"
@@ -11,6 +12,20 @@ namespace reshard::cli {
 int Report(std::string_view command, const Status& status, int exit_status) {
   fmt::print(stderr, "reshard {}: {}\n", command, status.message());
   return exit_status;
+}
+
+CLI::Validator IntegerIn(int64_t min, int64_t max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        int64_t value = 0;
+        const char* end = text.data() + text.size();
+        auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (ec != std::errc() || ptr != end || value < min || value > max) {
+          return fmt::format("{} is not an integer from {} to {}", text, min, max);
+        }
+        return "";
+      },
+      fmt::format("INT in [{} - {}]", min, max));
 }
 
 Status WithForceHint(Status status, bool force) {
