@@ -160,3 +160,13 @@ def test_unusable_output_paths_are_refused_before_any_work(reshard_bin, tmp_path
     os.remove(tmp_path / "dangling")
     assert tree_hash(tmp_path) == before
     assert os.listdir(work) == []
+
+
+def test_flag_hints_come_from_the_cli(reshard_bin, tmp_path, full):
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    manifest = json.loads((sharded / "reshard.json").read_text())
+    for p in manifest["params"].values():
+        p.pop("layout", None)
+    (sharded / "reshard.json").write_text(json.dumps(manifest))
+    r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
+    assert r.returncode == 1 and "without target maps; give them with --target-maps" in r.stderr, r.stderr

@@ -37,13 +37,6 @@ void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
                 "(underflow, overflow, or a factor that is not a power of two)");
 }
 
-// Exit status of a failed operation: malformed inputs are 2, failed checks 1, environment 3.
-int Fail(std::string_view command, const Status& s) {
-  const Stage stage =
-      s.code() == StatusCode::kFailedPrecondition ? Stage::kChecking : Stage::kReading;
-  return Report(command, s, ExitStatusFor(s, stage));
-}
-
 Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   CheckpointOptions o;
   o.overwrite = args.force;
@@ -64,201 +57,169 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+struct ScatterArgs : CommonArgs {
+  std::string maps;
+  std::string layouts;
+  std::string config;
+  int tp = 0;
+};
+
+struct ConvertArgs : CommonArgs {
+  int tp = 0;
+  std::string target_maps;
+};
+
+// The maps of scatter --config: the model's tensor-parallel plan at `world`; records the
+// plan's divisibility constraints in `options` for the manifest.
+Result<MapProvider> MapsFromConfig(const std::string& config, int world,
+                                   CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config));
+  Result<ConfigMaps> from_config = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
+  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", config));
+  options.degree_constraints = DegreeConstraints(from_config->plan());
+  return MapProvider([maps = std::make_shared<ConfigMaps>(*std::move(from_config))](
+                         const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+    RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps->Map(name, shape));
+    return ProvidedMap{std::move(m.map), std::move(m.layout)};
+  });
+}
+
+// The maps scatter uses and their world size, from --maps, --layouts or --config.
+Result<std::pair<MapProvider, int>> ScatterMaps(const ScatterArgs& args,
+                                                CheckpointOptions& options) {
+  if (!args.maps.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
+    if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
+    const int world = doc.params.front().second.world_size();
+    return std::pair{MapsFromDocument(doc), world};
+  }
+  if (args.layouts.empty() && args.config.empty()) {
+    return InvalidArgumentError(
+        "give --maps MAPS.json, --layouts LAYOUTS.json --tp N, or --config config.json --tp N");
+  }
+  if (args.tp < 1) {
+    return InvalidArgumentError(
+        fmt::format("{} needs --tp N", args.layouts.empty() ? "--config" : "--layouts"));
+  }
+  if (!args.layouts.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
+    return std::pair{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp};
+  }
+  RESHARD_ASSIGN_OR_RETURN(MapProvider provider, MapsFromConfig(args.config, args.tp, options));
+  return std::pair{std::move(provider), args.tp};
+}
+
+Status RunScatter(const ScatterArgs& args) {
+  ProgressBar bar("scatter");
+  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
+  const auto t0 = std::chrono::steady_clock::now();
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      Scatter(args.input, maps.second, maps.first, args.output, options), args.force));
+  fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args.input, maps.second,
+             args.output, Seconds(t0));
+  return Status::Ok();
+}
+
+Status RunGather(const CommonArgs& args) {
+  ProgressBar bar("gather");
+  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  const auto t0 = std::chrono::steady_clock::now();
+  RESHARD_RETURN_IF_ERROR(WithForceHint(Gather(args.input, args.output, options), args.force));
+  fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args.input, args.output, Seconds(t0));
+  return Status::Ok();
+}
+
+Status RunConvert(const ConvertArgs& args) {
+  ProgressBar bar("convert");
+  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  std::optional<MapDocument> target;
+  if (!args.target_maps.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = WithForceHint(Convert(args.input, args.tp, target, args.output, options), args.force);
+  if (s.message().ends_with("without target maps")) {
+    return Status(s.code(), s.message() + "; give them with --target-maps MAPS.json");
+  }
+  RESHARD_RETURN_IF_ERROR(s);
+  fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args.input, args.tp,
+             args.output, Seconds(t0));
+  return Status::Ok();
+}
+
+// The input, -o and --force, --max-shard-size, and the scale flags.
+void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
+                      const std::string& input_help, const std::string& max_shard_help) {
+  cmd->add_option(input, args.input, input_help)->required();
+  cmd->add_option("-o,--output", args.output, "output directory (appears atomically)")->required();
+  cmd->add_option("--max-shard-size", args.max_shard_size, max_shard_help);
+  cmd->add_flag("--force", args.force,
+                "replace an existing output directory (only an empty one or one reshard wrote)");
+  AddScaleFlags(cmd, args);
+}
+
+void RegisterScatter(CLI::App& app, int& exit_status) {
+  auto args = std::make_shared<ScatterArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "scatter",
+      "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
+      "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "
+      "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
+      "map with scale power -1 / -2.");
+  AddCommonOptions(cmd, *args, "FULL_DIR", "full checkpoint directory",
+                   "split each rank's file into parts of at most this size (e.g. 5GB)");
+  auto maps =
+      cmd->add_option("--maps", args->maps, "map document: the map of every tensor, by name");
+  auto layouts =
+      cmd->add_option("--layouts", args->layouts,
+                      "layouts file: {\"version\": 1, \"<name>\" or \"*\": <layout descriptor>}");
+  auto config = cmd->add_option(
+      "--config", args->config,
+      "config.json: maps from the model's tensor-parallel plan (as reshard degree --emit-maps)");
+  maps->excludes(layouts);
+  maps->excludes(config);
+  layouts->excludes(config);
+  cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->callback([args, &exit_status] { exit_status = Finish("scatter", RunScatter(*args)); });
+}
+
+void RegisterGather(CLI::App& app, int& exit_status) {
+  auto args = std::make_shared<CommonArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "gather",
+      "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
+      "naming the ranks and element where they differ) and dropping padding.");
+  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+                   "write parts of at most this size and an index (e.g. 5GB)");
+  cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
+                "take replicated data from the lowest rank without comparing");
+  cmd->callback([args, &exit_status] { exit_status = Finish("gather", RunGather(*args)); });
+}
+
+void RegisterConvert(CLI::App& app, int& exit_status) {
+  auto args = std::make_shared<ConvertArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "convert",
+      "Re-shard a sharded checkpoint to another world size through transfer plans, without "
+      "building any full tensor. Target maps come from --target-maps or from the layout "
+      "descriptors in the manifest.");
+  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+                   "split each rank's file into parts of at most this size");
+  cmd->add_option("--tp", args->tp, "target world size")->required()->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
+                "read each replicated block from one holder without comparing the others");
+  cmd->callback([args, &exit_status] { exit_status = Finish("convert", RunConvert(*args)); });
+}
+
 }  // namespace
 
 void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
-  {
-    struct Args : CommonArgs {
-      std::string maps;
-      std::string layouts;
-      std::string config;
-      int tp = 0;
-    };
-    auto args = std::make_shared<Args>();
-    CLI::App* cmd = app.add_subcommand(
-        "scatter",
-        "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
-        "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "
-        "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
-        "map with scale power -1 / -2.");
-    cmd->add_option("FULL_DIR", args->input, "full checkpoint directory")->required();
-    auto maps =
-        cmd->add_option("--maps", args->maps, "map document: the map of every tensor, by name");
-    auto layouts =
-        cmd->add_option("--layouts", args->layouts,
-                        "layouts file: {\"version\": 1, \"<name>\" or \"*\": <layout descriptor>}");
-    auto config = cmd->add_option(
-        "--config", args->config,
-        "config.json: maps from the model's tensor-parallel plan (as reshard degree --emit-maps)");
-    maps->excludes(layouts);
-    maps->excludes(config);
-    layouts->excludes(config);
-    cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
-        ->check(CLI::Range(1, 1 << 20));
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
-        ->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size,
-                    "split each rank's file into parts of at most this size (e.g. 5GB)");
-    cmd->add_flag("--force", args->force, "replace an existing output directory");
-    AddScaleFlags(cmd, *args);
-    cmd->callback([args, &exit_status] {
-      ProgressBar bar("scatter");
-      Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) {
-        exit_status = Fail("scatter", options.status());
-        return;
-      }
-      MapProvider provider;
-      int world = args->tp;
-      if (!args->maps.empty()) {
-        Result<MapDocument> doc = ReadMapDocument(args->maps);
-        if (!doc.ok()) {
-          exit_status = Fail("scatter", doc.status());
-          return;
-        }
-        if (doc->params.empty()) {
-          exit_status =
-              Report("scatter", InvalidArgumentError("the map document is empty"), kExitUsage);
-          return;
-        }
-        world = doc->params.front().second.world_size();
-        provider = MapsFromDocument(*doc);
-      } else if (!args->layouts.empty()) {
-        if (world < 1) {
-          exit_status =
-              Report("scatter", InvalidArgumentError("--layouts needs --tp N"), kExitUsage);
-          return;
-        }
-        Result<LayoutsDocument> layouts_doc = ReadLayoutsDocument(args->layouts);
-        if (!layouts_doc.ok()) {
-          exit_status = Fail("scatter", layouts_doc.status());
-          return;
-        }
-        provider = MapsFromLayouts(std::move(layouts_doc->layouts), world);
-      } else if (!args->config.empty()) {
-        if (world < 1) {
-          exit_status =
-              Report("scatter", InvalidArgumentError("--config needs --tp N"), kExitUsage);
-          return;
-        }
-        Result<std::string> text = ReadFileToString(args->config);
-        if (!text.ok()) {
-          exit_status = Fail("scatter", text.status());
-          return;
-        }
-        Result<ConfigMaps> from_config =
-            ConfigMaps::FromConfigJson(BuiltinTpRegistry(), *text, world);
-        if (!from_config.ok()) {
-          exit_status =
-              Finish("scatter", from_config.status().Annotate(fmt::format("\"{}\"", args->config)));
-          return;
-        }
-        options->degree_constraints = DegreeConstraints(from_config->plan());
-        provider = [maps = std::make_shared<ConfigMaps>(*std::move(from_config))](
-                       const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
-          RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps->Map(name, shape));
-          return ProvidedMap{std::move(m.map), std::move(m.layout)};
-        };
-      } else {
-        exit_status = Report("scatter",
-                             InvalidArgumentError("give --maps MAPS.json, --layouts LAYOUTS.json "
-                                                  "--tp N, or --config config.json --tp N"),
-                             kExitUsage);
-        return;
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      Status s = Scatter(args->input, world, provider, args->output, *options);
-      if (!s.ok()) {
-        exit_status = Fail("scatter", WithForceHint(s, args->force));
-        return;
-      }
-      fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, world,
-                 args->output, Seconds(t0));
-    });
-  }
-  {
-    using Args = CommonArgs;
-    auto args = std::make_shared<Args>();
-    CLI::App* cmd = app.add_subcommand(
-        "gather",
-        "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-        "naming the ranks and element where they differ) and dropping padding.");
-    cmd->add_option("SHARDED_DIR", args->input, "sharded checkpoint directory")->required();
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
-        ->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size,
-                    "write parts of at most this size and an index (e.g. 5GB)");
-    cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
-                  "take replicated data from the lowest rank without comparing");
-    AddScaleFlags(cmd, *args);
-    cmd->callback([args, &exit_status] {
-      ProgressBar bar("gather");
-      Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) {
-        exit_status = Fail("gather", options.status());
-        return;
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      Status s = Gather(args->input, args->output, *options);
-      if (!s.ok()) {
-        exit_status = Fail("gather", WithForceHint(s, args->force));
-        return;
-      }
-      fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args->input, args->output,
-                 Seconds(t0));
-    });
-  }
-  {
-    struct Args : CommonArgs {
-      int tp = 0;
-      std::string target_maps;
-    };
-    auto args = std::make_shared<Args>();
-    CLI::App* cmd = app.add_subcommand(
-        "convert",
-        "Re-shard a sharded checkpoint to another world size through transfer plans, without "
-        "building any full tensor. Target maps come from --target-maps or from the layout "
-        "descriptors in the manifest.");
-    cmd->add_option("SHARDED_DIR", args->input, "sharded checkpoint directory")->required();
-    cmd->add_option("--tp", args->tp, "target world size")
-        ->required()
-        ->check(CLI::Range(1, 1 << 20));
-    cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
-    cmd->add_option("-o,--output", args->output, "output directory (appears atomically)")
-        ->required();
-    cmd->add_option("--max-shard-size", args->max_shard_size,
-                    "split each rank's file into parts of at most this size");
-    cmd->add_flag("--force", args->force, "replace an existing output directory");
-    cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
-                  "read each replicated block from one holder without comparing the others");
-    AddScaleFlags(cmd, *args);
-    cmd->callback([args, &exit_status] {
-      ProgressBar bar("convert");
-      Result<CheckpointOptions> options = Options(*args, bar);
-      if (!options.ok()) {
-        exit_status = Fail("convert", options.status());
-        return;
-      }
-      std::optional<MapDocument> target;
-      if (!args->target_maps.empty()) {
-        Result<MapDocument> doc = ReadMapDocument(args->target_maps);
-        if (!doc.ok()) {
-          exit_status = Fail("convert", doc.status());
-          return;
-        }
-        target = *std::move(doc);
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      Status s = Convert(args->input, args->tp, target, args->output, *options);
-      if (!s.ok()) {
-        exit_status = Fail("convert", WithForceHint(s, args->force));
-        return;
-      }
-      fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args->input, args->tp,
-                 args->output, Seconds(t0));
-    });
-  }
+  RegisterScatter(app, exit_status);
+  RegisterGather(app, exit_status);
+  RegisterConvert(app, exit_status);
 }
 
 }  // namespace reshard::cli

@@ -392,7 +392,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
                const std::optional<MapDocument>& target_maps, const std::string& out_dir,
                const CheckpointOptions& options) {
   if (world_size < 1)
-    return InvalidArgumentError(fmt::format("--tp {} is not a world size", world_size));
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
   const Manifest& src = ckpt.manifest();
   // Maps built from the recorded layouts follow the model's plan: it must take the degree.
@@ -423,8 +423,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
       target = *std::move(built);
     } else {
       return FailedPreconditionError(fmt::format(
-          "{} has no layout descriptor in the manifest, so its map at {} ranks is unknown; give "
-          "the target maps with --target-maps",
+          "{} has no layout descriptor in the manifest, so its map at {} ranks is unknown "
+          "without target maps",
           where, world_size));
     }
     if (target->world_size() != world_size) {
