@@ -10,16 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from test_checkpoints import LAYOUTS, model, run, scatter, siblings, tree_hash
-
-
-@pytest.fixture
-def full(tmp_path):
-    d = tmp_path / "full"
-    d.mkdir()
-    save_file(model(), str(d / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "layouts.json").write_text(json.dumps(LAYOUTS))
-    return d
+from test_checkpoints import LAYOUTS, full, run, scatter, siblings, tree_hash  # noqa: F401 (full: a fixture)
 
 
 def scatter_args(tmp_path, full, out, *extra):
