@@ -160,13 +160,13 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
 }
 
 void RegisterScatter(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<ScatterArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "scatter",
+  auto [cmd, args] = AddCommand<ScatterArgs>(
+      app, exit_status, "scatter",
       "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
       "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "
       "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
-      "map with scale power -1 / -2.");
+      "map with scale power -1 / -2.",
+      RunScatter);
   AddCommonOptions(cmd, *args, "FULL_DIR", "full checkpoint directory",
                    "split each rank's file into parts of at most this size (e.g. 5GB)");
   auto maps =
@@ -182,36 +182,33 @@ void RegisterScatter(CLI::App& app, int& exit_status) {
   layouts->excludes(config);
   cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
       ->check(IntegerIn(1, 1 << 20));
-  cmd->callback([args, &exit_status] { exit_status = Finish("scatter", RunScatter(*args)); });
 }
 
 void RegisterGather(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<CommonArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "gather",
+  auto [cmd, args] = AddCommand<CommonArgs>(
+      app, exit_status, "gather",
       "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-      "naming the ranks and element where they differ) and dropping padding.");
+      "naming the ranks and element where they differ) and dropping padding.",
+      RunGather);
   AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
-  cmd->callback([args, &exit_status] { exit_status = Finish("gather", RunGather(*args)); });
 }
 
 void RegisterConvert(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<ConvertArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "convert",
+  auto [cmd, args] = AddCommand<ConvertArgs>(
+      app, exit_status, "convert",
       "Re-shard a sharded checkpoint to another world size through transfer plans, without "
       "building any full tensor. Target maps come from --target-maps or from the layout "
-      "descriptors in the manifest.");
+      "descriptors in the manifest.",
+      RunConvert);
   AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
                    "split each rank's file into parts of at most this size");
   cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
-  cmd->callback([args, &exit_status] { exit_status = Finish("convert", RunConvert(*args)); });
 }
 
 }  // namespace

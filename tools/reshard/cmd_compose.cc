@@ -97,18 +97,16 @@ Status RunCompose(const ComposeArgs& args) {
 }  // namespace
 
 void RegisterCompose(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<ComposeArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "compose",
+  auto [cmd, args] = AddCommand<ComposeArgs>(
+      app, exit_status, "compose",
       "Compose two map documents of the same parameters into a transfer plan: the moves that "
       "take shards laid out by --from to shards laid out by --to, without the full tensor. "
-      "Prints the plan, or writes it with -o; --json prints a summary with move counts.");
+      "Prints the plan, or writes it with -o; --json prints a summary with move counts.",
+      RunCompose);
   cmd->add_option("--from", args->from, "map document of the source topology")->required();
   cmd->add_option("--to", args->to, "map document of the target topology")->required();
-  cmd->add_option("-o,--output", args->output, "write the plan here (atomically)");
-  cmd->add_flag("--force", args->force, "replace an existing output");
-  cmd->add_flag("--json", args->json, "print a machine-readable summary instead of the plan");
-  cmd->callback([args, &exit_status] { exit_status = Finish("compose", RunCompose(*args)); });
+  AddOutputOptions(cmd, args->output, args->force, "write the plan here (atomically)");
+  AddJsonFlag(cmd, args->json, "print a machine-readable summary instead of the plan");
 }
 
 }  // namespace reshard::cli

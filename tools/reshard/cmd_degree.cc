@@ -23,8 +23,7 @@ constexpr int64_t kMaxDegree = int64_t{1} << 20;
 
 struct DegreeArgs {
   std::string config;
-  std::string tp;  // parsed strictly: CLI11 would clamp an out-of-range number
-  bool tp_given = false;
+  std::optional<std::string> tp;  // parsed strictly: CLI11 would clamp an out-of-range number
   std::string engine = "transformers";
   std::string transformers_version;
   std::string distributed_config;
@@ -124,8 +123,8 @@ Result<PlanOptions> ReadPlanOptions(const DegreeArgs& args, const TpRegistry& re
 // The degree asked for: --tp, or the distributed config's tp_size (they must agree).
 Result<std::optional<int64_t>> RequestedDegree(const DegreeArgs& args, const PlanOptions& options) {
   std::optional<int64_t> requested;
-  if (args.tp_given) {
-    RESHARD_ASSIGN_OR_RETURN(requested, ParseDegree(args.tp));
+  if (args.tp) {
+    RESHARD_ASSIGN_OR_RETURN(requested, ParseDegree(*args.tp));
   }
   if (options.distributed.tp_size) {
     if (requested && *requested != *options.distributed.tp_size) {
@@ -177,14 +176,14 @@ Status RunDegree(const DegreeArgs& args) {
 }  // namespace
 
 void RegisterDegree(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<DegreeArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "degree",
+  auto [cmd, args] = AddCommand<DegreeArgs>(
+      app, exit_status, "degree",
       "The largest tensor-parallel degree a model supports, from its config.json and "
       "transformers' plans (docs/degree.md). With --tp N, confirm N (exit 0) or refuse it "
-      "naming the constraint that breaks (exit 1). Exit 1 also for a model that cannot be split.");
+      "naming the constraint that breaks (exit 1). Exit 1 also for a model that cannot be split.",
+      RunDegree);
   cmd->add_option("CONFIG", args->config, "the model's config.json")->required();
-  CLI::Option* tp = cmd->add_option("--tp", args->tp, "the degree you want to use (1 to 1048576)");
+  cmd->add_option("--tp", args->tp, "the degree you want to use (1 to 1048576)");
   cmd->add_option("--engine", args->engine, "whose rules: transformers (default) or vllm")
       ->check(CLI::IsMember({"transformers", "vllm"}));
   cmd->add_option("--transformers-version", args->transformers_version,
@@ -192,17 +191,13 @@ void RegisterDegree(CLI::App& app, int& exit_status) {
   cmd->add_option("--distributed-config", args->distributed_config,
                   "transformers' DistributedConfig as JSON (inline or a file), e.g. "
                   "'{\"tp_size\": 4, \"enable_expert_parallel\": true}'");
-  cmd->add_flag("--json", args->json, "print the answer as JSON");
+  AddJsonFlag(cmd, args->json, "print the answer as JSON");
   cmd->add_option("--emit-maps", args->emit_maps,
                   "write the param map of every tensor of --weights at degree --tp here");
   cmd->add_option("--weights", args->weights,
                   "checkpoint directory (model.safetensors or model.safetensors.index.json); only "
                   "the headers are read");
   cmd->add_flag("--force", args->force, "replace an existing --emit-maps file");
-  cmd->callback([args, tp, &exit_status] {
-    args->tp_given = tp->count() > 0;
-    exit_status = Finish("degree", RunDegree(*args));
-  });
 }
 
 }  // namespace reshard::cli

@@ -358,14 +358,14 @@ Status RunDemo(const DemoArgs& args) {
 }  // namespace
 
 void RegisterDemo(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<DemoArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "demo",
+  auto [cmd, args] = AddCommand<DemoArgs>(
+      app, exit_status, "demo",
       "Run the embedded example: generate a small multi-layer checkpoint with one parameter per "
       "layout family in every layer (splits, fused and multi-query QKV, Yuan's shared-QK heads, "
       "CodeGen's QKV, a pre-divided bias, a padded vocabulary), scatter it to TP 4, convert to "
       "TP 2 and TP 3, gather, and prove bit-exactness. Outputs go to DIR (kept) or to a "
-      "temporary directory (removed).");
+      "temporary directory (removed).",
+      RunDemo);
   cmd->add_option("DIR", args->dir, "directory for the outputs (optional)");
   cmd->add_flag("--force", args->force, "replace existing outputs in DIR");
   cmd->add_option("--layers", args->layers, "number of layers")
@@ -374,7 +374,6 @@ void RegisterDemo(CLI::App& app, int& exit_status) {
   cmd->add_option("--seed", args->seed, "random seed for the weights (0 to 2^63-1)")
       ->capture_default_str()
       ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
-  cmd->callback([args, &exit_status] { exit_status = Finish("demo", RunDemo(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -38,18 +38,17 @@ Status RunInfer(const InferArgs& args) {
 }  // namespace
 
 void RegisterInfer(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<InferArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "infer",
+  auto [cmd, args] = AddCommand<InferArgs>(
+      app, exit_status, "infer",
       "Derive the canonical param map from index maps: for each rank, the flat offset in F of "
       "every shard element (obtained by running a framework's partition function on "
-      "arange(F.numel())). Prints the map, or writes it with -o.");
+      "arange(F.numel())). Prints the map, or writes it with -o.",
+      RunInfer);
   cmd->add_option("INDEX_MAPS", args->path, "index maps (JSON, DESIGN 6.3)")->required();
-  cmd->add_option("-o,--output", args->output, "write the map here (atomically) instead of stdout");
-  cmd->add_flag("--force", args->force, "replace an existing output");
+  AddOutputOptions(cmd, args->output, args->force,
+                   "write the map here (atomically) instead of stdout");
   cmd->add_flag("--allow-uncovered", args->allow_uncovered,
                 "accept elements of F that no rank holds (a deliberately partial observation)");
-  cmd->callback([args, &exit_status] { exit_status = Finish("infer", RunInfer(*args)); });
 }
 
 }  // namespace reshard::cli

@@ -274,18 +274,17 @@ Status RunInspect(const InspectArgs& args) {
 }  // namespace
 
 void RegisterInspect(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<InspectArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "inspect",
+  auto [cmd, args] = AddCommand<InspectArgs>(
+      app, exit_status, "inspect",
       "List the tensors (dotted name, dtype, shape, strides, storage offset) and the object tree "
       "of a PyTorch .pt file, read without running its pickle, or the tensors of a .safetensors "
       "file; the kind of file is told by its first bytes. Given a directory, every .pt, .pth, "
-      ".bin and .safetensors file in it (a DeepSpeed save dir is read through its latest tag).");
+      ".bin and .safetensors file in it (a DeepSpeed save dir is read through its latest tag).",
+      RunInspect);
   cmd->add_option("FILE_OR_DIR", args->path,
                   "a .pt (torch.save) or .safetensors file, or a directory of them")
       ->required();
-  cmd->add_flag("--json", args->json, "machine-readable output");
-  cmd->callback([args, &exit_status] { exit_status = Finish("inspect", RunInspect(*args)); });
+  AddJsonFlag(cmd, args->json, "machine-readable output");
 }
 
 }  // namespace reshard::cli

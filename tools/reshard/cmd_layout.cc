@@ -93,21 +93,20 @@ Status RunLayout(const LayoutArgs& args) {
 }  // namespace
 
 void RegisterLayout(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<LayoutArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "layout",
+  auto [cmd, args] = AddCommand<LayoutArgs>(
+      app, exit_status, "layout",
       "Lay out a layout descriptor (docs/layouts.md) for a parameter shape at a world size, or "
       "lower DeepSpeed's per-parameter universal-checkpoint metadata, and print the canonical "
       "param map (or write it with -o). Exit 1 when the layout cannot be laid out at that world "
-      "size, 2 for a malformed descriptor or inconsistent metadata.");
+      "size, 2 for a malformed descriptor or inconsistent metadata.",
+      RunLayout);
   cmd->add_option("DESCRIPTOR", args->descriptor, "layout descriptor (JSON)");
   cmd->add_option("--from-deepspeed", args->deepspeed_meta,
                   "DeepSpeed per-parameter metadata (JSON) instead of a descriptor");
   cmd->add_option("--shape", args->shape, "the parameter's shape, D0,D1,... (with a descriptor)");
   cmd->add_option("--world", args->world, "number of ranks")->required();
-  cmd->add_option("-o,--output", args->output, "write the map here (atomically) instead of stdout");
-  cmd->add_flag("--force", args->force, "replace an existing output");
-  cmd->callback([args, &exit_status] { exit_status = Finish("layout", RunLayout(*args)); });
+  AddOutputOptions(cmd, args->output, args->force,
+                   "write the map here (atomically) instead of stdout");
 }
 
 }  // namespace reshard::cli

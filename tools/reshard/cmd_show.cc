@@ -173,12 +173,12 @@ Status RunShow(const ShowArgs& args) {
 }  // namespace
 
 void RegisterShow(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<ShowArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "show",
+  auto [cmd, args] = AddCommand<ShowArgs>(
+      app, exit_status, "show",
       "Summarise a param map, a map document or a sharded checkpoint (its reshard.json or its "
       "directory): pieces per rank, bytes held, replicated and scaled bytes, and a picture of "
-      "which rank holds which part of F.");
+      "which rank holds which part of F.",
+      RunShow);
   cmd->add_option("MAP", args->path,
                   "param map or map document (JSON), a sharded checkpoint's reshard.json, or "
                   "its directory")
@@ -192,8 +192,7 @@ void RegisterShow(CLI::App& app, int& exit_status) {
   cmd->add_option("--cols", args->cols, "picture width in characters")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
-  cmd->add_flag("--json", args->json, "print a machine-readable summary on stdout");
-  cmd->callback([args, &exit_status] { exit_status = Finish("show", RunShow(*args)); });
+  AddJsonFlag(cmd, args->json, "print a machine-readable summary on stdout");
 }
 
 }  // namespace reshard::cli

@@ -61,15 +61,14 @@ Status RunVerify(const VerifyArgs& args) {
 }  // namespace
 
 void RegisterVerify(CLI::App& app, int& exit_status) {
-  auto args = std::make_shared<VerifyArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "verify",
+  auto [cmd, args] = AddCommand<VerifyArgs>(
+      app, exit_status, "verify",
       "Validate a param map or map document: bounds, exact shards, coverage, homogeneity.\n"
       "Exit 0 when every parameter is valid, 1 naming the first violation per parameter, 2 "
-      "when the file is unreadable or malformed.");
+      "when the file is unreadable or malformed.",
+      RunVerify);
   cmd->add_option("MAP", args->path, "param map or map document (JSON)")->required();
-  cmd->add_flag("--json", args->json, "print a machine-readable report on stdout");
-  cmd->callback([args, &exit_status] { exit_status = Finish("verify", RunVerify(*args)); });
+  AddJsonFlag(cmd, args->json, "print a machine-readable report on stdout");
 }
 
 }  // namespace reshard::cli

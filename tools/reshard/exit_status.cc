@@ -42,15 +42,4 @@ int Finish(std::string_view command, const Status& status) {
   return ExitStatusFor(status);
 }
 
-int ExitStatusFor(const Status& status, Stage stage) {
-  switch (status.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-    case StatusCode::kDataLoss:
-      return stage == Stage::kReading ? kExitUsage : kExitCheckFailed;
-    default:
-      return ExitStatusFor(status);
-  }
-}
-
 }  // namespace reshard::cli

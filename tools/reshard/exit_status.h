@@ -40,10 +40,6 @@ Status AlreadyReportedCheckFailure();
 /// empty, and returns ExitStatusFor(status).
 int Finish(std::string_view command, const Status& status);
 
-// Transitional: commands not yet returning a Status pick the stage themselves.
-enum class Stage { kReading, kChecking };
-int ExitStatusFor(const Status& status, Stage stage);
-
 }  // namespace reshard::cli
 
 #endif  // RESHARD_TOOLS_EXIT_STATUS_H_

@@ -9,11 +9,6 @@
 
 namespace reshard::cli {
 
-int Report(std::string_view command, const Status& status, int exit_status) {
-  fmt::print(stderr, "reshard {}: {}\n", command, status.message());
-  return exit_status;
-}
-
 CLI::Validator IntegerIn(int64_t min, int64_t max) {
   return CLI::Validator(
       [min, max](std::string& text) -> std::string {
@@ -41,15 +36,15 @@ Status PrintOrWrite(const std::string& output, const std::string& text, bool for
   return WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
 }
 
-int EmitText(std::string_view command, const std::string& output, const std::string& text,
-             bool force) {
-  if (output.empty()) {
-    fmt::print("{}", text);
-    return kExitOk;
-  }
-  Status s = WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
-  if (!s.ok()) return Report(command, s, ExitStatusFor(s, Stage::kReading));
-  return kExitOk;
+CLI::Option* AddOutputOptions(CLI::App* cmd, std::string& output, bool& force,
+                              const std::string& what) {
+  CLI::Option* o = cmd->add_option("-o,--output", output, what);
+  cmd->add_flag("--force", force, "replace an existing output");
+  return o;
+}
+
+void AddJsonFlag(CLI::App* cmd, bool& json, const std::string& what) {
+  cmd->add_flag("--json", json, what);
 }
 
 }  // namespace reshard::cli
