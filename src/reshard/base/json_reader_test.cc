@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "reshard/base/json_writer.h"
+
 namespace reshard::json {
 namespace {
 
@@ -73,6 +75,34 @@ TEST(JsonReaderTest, UnknownKeysAreNamedWithTheAllowedOnes) {
   const Json j = *ParseJson(R"({"family": "split", "dims": 0})");
   EXPECT_EQ(CheckKeys(j, "", {"family", "dim"}, "family \"split\"").message(),
             "dims: unknown key for family \"split\" (allowed: family, dim)");
+}
+
+TEST(JsonWriterTest, ShallowContainersOnOneLineDeepOnesAndTheDocumentBroken) {
+  OrderedJson doc;
+  doc["b"] = 1;
+  doc["a"] = {{"shape", {8, 8}}, {"source", {0, {8, 1}}}, {"scale", 0.25}};
+  doc["deep"] = {{"x", {{"y", {{"z", {1}}}}}}};
+  doc["empty"] = OrderedJson::array();
+  doc["name"] = "q\"\n";
+  doc["whole"] = 2.0;
+  EXPECT_EQ(WriteJson(doc),
+            "{\n"
+            "  \"b\": 1,\n"
+            "  \"a\": {\"shape\": [8, 8], \"source\": [0, [8, 1]], \"scale\": 0.25},\n"
+            "  \"deep\": {\n"
+            "    \"x\": {\"y\": {\"z\": [1]}}\n"
+            "  },\n"
+            "  \"empty\": [],\n"
+            "  \"name\": \"q\\\"\\n\",\n"
+            "  \"whole\": 2.0\n"
+            "}");
+}
+
+TEST(JsonWriterTest, WhatItWritesReadsBackEqual) {
+  OrderedJson doc = {{"k", {1, 2.5, "s", nullptr, true}}, {"n", {{"m", {{"o", {{}}}}}}}};
+  Result<Json> back = ParseJson(WriteJson(doc));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->dump(), Json::parse(doc.dump()).dump());
 }
 
 }  // namespace

@@ -33,22 +33,6 @@ Result<Index> ReadInt(const Json& j, const std::string& path) {
   return j.get<Index>();
 }
 
-std::string Indent(const std::string& text, int spaces) {
-  std::string out;
-  const std::string pad(static_cast<size_t>(spaces), ' ');
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    if (start > 0) out += pad;
-    out.append(text, start, end - start);
-    if (end < text.size()) out += '\n';
-    start = end + 1;
-  }
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  return out;
-}
-
 Result<std::string> ReadString(const Json& object, const char* key, const std::string& path) {
   auto it = object.find(key);
   if (it == object.end() || !it->is_string() || it->get<std::string>().empty())
@@ -88,10 +72,11 @@ Result<std::vector<DegreeConstraint>> ReadConstraints(const Json& list) {
   return out;
 }
 
-Json ConstraintsToJson(const std::vector<DegreeConstraint>& constraints) {
-  Json out = Json::array();
+json::OrderedJson ConstraintsToJson(const std::vector<DegreeConstraint>& constraints) {
+  json::OrderedJson out = json::OrderedJson::array();
   for (const DegreeConstraint& c : constraints) {
-    Json j = {{"module", c.module}, {"style", c.style}, {"count", c.count}, {"meaning", c.meaning}};
+    json::OrderedJson j = {
+        {"module", c.module}, {"style", c.style}, {"count", c.count}, {"meaning", c.meaning}};
     if (c.replicate_above) j["replicate_above"] = true;
     out.push_back(std::move(j));
   }
@@ -214,26 +199,23 @@ bool IsManifestJson(std::string_view text) {
 }
 
 std::string ManifestToJson(const Manifest& m) {
-  std::string out = fmt::format(
-      "{{\n  \"format\": \"reshard\",\n  \"version\": {},\n  \"world_size\": {},\n  \"files\": {{",
-      kManifestVersion, m.world_size);
-  for (size_t r = 0; r < m.files.size(); ++r) {
-    out += fmt::format("{}\n    \"{}\": {}", r ? "," : "", r, Json(m.files[r]).dump());
+  json::OrderedJson j;
+  j["format"] = "reshard";
+  j["version"] = kManifestVersion;
+  j["world_size"] = m.world_size;
+  json::OrderedJson& files = j["files"] = json::OrderedJson::object();
+  for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
+  if (!m.constraints.empty()) j["constraints"] = ConstraintsToJson(m.constraints);
+  json::OrderedJson& params = j["params"] = json::OrderedJson::object();
+  for (const ShardedParam& p : m.params) {
+    json::OrderedJson param;
+    param["dtype"] = std::string(DTypeName(p.dtype));
+    if (p.scale_power != 1) param["scale_power"] = p.scale_power;
+    if (p.layout) param["layout"] = LayoutToJsonValue(*p.layout);
+    param["map"] = ParamMapToJsonValue(p.map);
+    params[p.name] = std::move(param);
   }
-  out += "\n  },";
-  if (!m.constraints.empty())
-    out += fmt::format("\n  \"constraints\": {},", ConstraintsToJson(m.constraints).dump());
-  out += "\n  \"params\": {";
-  for (size_t i = 0; i < m.params.size(); ++i) {
-    const ShardedParam& p = m.params[i];
-    out += fmt::format("{}\n    {}: {{\n      \"dtype\": \"{}\",", i ? "," : "",
-                       Json(p.name).dump(), DTypeName(p.dtype));
-    if (p.scale_power != 1) out += fmt::format("\n      \"scale_power\": {},", p.scale_power);
-    if (p.layout) out += fmt::format("\n      \"layout\": {},", LayoutToJson(*p.layout));
-    out += fmt::format("\n      \"map\": {}\n    }}", Indent(ParamMapToJson(p.map), 6));
-  }
-  out += "\n  }\n}\n";
-  return out;
+  return json::WriteJson(j) + "\n";
 }
 
 const TensorRef* FullCheckpoint::Find(const std::string& name) const {

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/base/json_writer.h"
 #include "reshard/ir/map_json_value.h"
 
 namespace reshard {
@@ -161,75 +162,18 @@ constexpr std::string_view kRegexEscaped = "()[]{}?*+-|^$\\.&~# \t\n\r\v\f";
 // Characters that must not appear unescaped in an exact-match pattern.
 constexpr std::string_view kRegexMeta = ".^$*+?{}[]\\|()";
 
-void AppendIndices(std::string& out, std::span<const Index> values) {
-  out += '[';
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += fmt::format("{}", values[i]);
-  }
-  out += ']';
+json::OrderedJson ViewToJson(const StridedView& view) {
+  return json::OrderedJson::array({view.offset, view.strides});
 }
 
-void AppendView(std::string& out, const StridedView& view) {
-  out += fmt::format("[{}, ", view.offset);
-  AppendIndices(out, view.strides);
-  out += ']';
-}
-
-// Shortest text that reads back to exactly `value` (fmt's default), always with a fraction
-// or an exponent so that every reader sees a float.
-std::string FormatDouble(double value) {
-  std::string s = fmt::format("{}", value);
-  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
-  return s;
-}
-
-void AppendPiece(std::string& out, const Piece& piece) {
-  out += "{\"shape\": ";
-  AppendIndices(out, piece.shape);
-  out += ", \"source\": ";
-  AppendView(out, piece.source);
-  out += ", \"dest\": ";
-  AppendView(out, piece.dest);
-  out += ", \"locations\": [";
-  for (size_t i = 0; i < piece.locations.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += fmt::format("{}", piece.locations[i]);
-  }
-  out += ']';
-  if (piece.scale != 1.0) out += ", \"scale\": " + FormatDouble(piece.scale);
-  out += '}';
-}
-
-// The map as an object whose closing brace is indented by `indent` spaces (the opening
-// brace is not indented: it follows a key or starts the text).
-void AppendParamMap(std::string& out, const ParamMap& map, size_t indent) {
-  const std::string i1(indent + 2, ' ');
-  const std::string i2(indent + 4, ' ');
-  const std::string i3(indent + 6, ' ');
-  const std::string i4(indent + 8, ' ');
-  out += "{\n" + i1 + "\"logical_shape\": ";
-  AppendIndices(out, map.logical_shape());
-  if (map.has_padding()) {
-    out += ",\n" + i1 + "\"valid_shape\": ";
-    AppendIndices(out, map.valid_shape());
-  }
-  out += ",\n" + i1 + "\"ranks\": {";
-  for (Rank r = 0; r < map.world_size(); ++r) {
-    const RankShard& shard = map.rank(r);
-    out += r == 0 ? "\n" : ",\n";
-    out += fmt::format("{}\"{}\": {{\n{}\"shard_shape\": ", i2, r, i3);
-    AppendIndices(out, shard.shard_shape);
-    out += ",\n" + i3 + "\"pieces\": [";
-    for (size_t p = 0; p < shard.pieces.size(); ++p) {
-      out += p == 0 ? "\n" : ",\n";
-      out += i4;
-      AppendPiece(out, shard.pieces[p]);
-    }
-    if (!shard.pieces.empty()) out += "\n" + i3;
-    out += "]\n" + i2 + "}";
-  }
-  out += "\n" + i1 + "}\n" + std::string(indent, ' ') + "}";
+json::OrderedJson PieceToJson(const Piece& piece) {
+  json::OrderedJson j;
+  j["shape"] = piece.shape;
+  j["source"] = ViewToJson(piece.source);
+  j["dest"] = ViewToJson(piece.dest);
+  j["locations"] = piece.locations;
+  if (piece.scale != 1.0) j["scale"] = piece.scale;
+  return j;
 }
 
 }  // namespace
@@ -391,21 +335,29 @@ Result<MapDocument> ReadMapDocumentJson(std::string_view text) {
   return std::move(doc).ToDocument();
 }
 
+json::OrderedJson ParamMapToJsonValue(const ParamMap& map) {
+  json::OrderedJson j;
+  j["logical_shape"] = map.logical_shape();
+  if (map.has_padding()) j["valid_shape"] = map.valid_shape();
+  json::OrderedJson& ranks = j["ranks"] = json::OrderedJson::object();
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const RankShard& shard = map.rank(r);
+    json::OrderedJson pieces = json::OrderedJson::array();
+    for (const Piece& piece : shard.pieces) pieces.push_back(PieceToJson(piece));
+    ranks[std::to_string(r)] = {{"shard_shape", shard.shard_shape}, {"pieces", std::move(pieces)}};
+  }
+  return j;
+}
+
 std::string ParamMapToJson(const ParamMap& map) {
-  std::string out;
-  AppendParamMap(out, map, 0);
-  out += '\n';
-  return out;
+  return json::WriteJson(ParamMapToJsonValue(map)) + "\n";
 }
 
 std::string MapDocumentToJson(const MapDocument& doc) {
-  std::string out = fmt::format("{{\n  \"version\": {}", kMapDocumentVersion);
-  for (const auto& [name, map] : doc.params) {
-    out += ",\n  " + Quote(EncodeParamKey(name)) + ": ";
-    AppendParamMap(out, map, 2);
-  }
-  out += "\n}\n";
-  return out;
+  json::OrderedJson j;
+  j["version"] = kMapDocumentVersion;
+  for (const auto& [name, map] : doc.params) j[EncodeParamKey(name)] = ParamMapToJsonValue(map);
+  return json::WriteJson(j) + "\n";
 }
 
 }  // namespace reshard

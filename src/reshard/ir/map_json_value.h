@@ -10,10 +10,14 @@
 #include <vector>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/base/json_writer.h"
 #include "reshard/base/result.h"
 #include "reshard/ir/param_map.h"
 
 namespace reshard {
+
+/// The param map as a JSON value (what ParamMapToJson writes), for documents that embed it.
+json::OrderedJson ParamMapToJsonValue(const ParamMap& map);
 
 /// ParseParamMapJson of a parsed value; errors carry paths relative to the value.
 Result<ParamMapBuilder> ParamMapFromJson(const json::Json& value);

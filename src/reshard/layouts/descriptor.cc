@@ -517,7 +517,7 @@ Result<LayoutDescriptor> ParseLayoutJson(std::string_view text) {
 
 Result<LayoutDescriptor> LayoutFromJson(const json::Json& value) { return ParseDescriptor(value); }
 
-std::string LayoutToJson(const LayoutDescriptor& d) {
+json::OrderedJson LayoutToJsonValue(const LayoutDescriptor& d) {
   nlohmann::ordered_json j;
   j["family"] = std::string(LayoutFamilyName(d.family));
   if (d.family != LayoutFamily::kReplicated) j["dim"] = d.dim;
@@ -577,8 +577,10 @@ std::string LayoutToJson(const LayoutDescriptor& d) {
       }
       break;
   }
-  return j.dump();
+  return j;
 }
+
+std::string LayoutToJson(const LayoutDescriptor& d) { return LayoutToJsonValue(d).dump(); }
 
 Result<std::vector<Index>> SplitSizes(Index extent, int world, const SplitRule& rule) {
   if (world < 1) return InvalidArgumentError("world size must be at least 1");

@@ -5,10 +5,14 @@
 #define RESHARD_LAYOUTS_DESCRIPTOR_JSON_H_
 
 #include "reshard/base/json_reader.h"
+#include "reshard/base/json_writer.h"
 #include "reshard/base/result.h"
 #include "reshard/layouts/descriptor.h"
 
 namespace reshard {
+
+/// The descriptor as a JSON value (what LayoutToJson writes), for documents that embed it.
+json::OrderedJson LayoutToJsonValue(const LayoutDescriptor& descriptor);
 
 /// ParseLayoutJson of a parsed value; errors carry paths relative to the value.
 Result<LayoutDescriptor> LayoutFromJson(const json::Json& value);
