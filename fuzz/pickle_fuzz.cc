@@ -63,7 +63,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   while (!stack.empty() && ++visits < (1u << 20)) {
     auto [id, depth] = stack.back();
     stack.pop_back();
-    Require(depth <= options.limits.max_depth + 1, "tree deeper than the limit", std::to_string(id));
+    Require(depth <= options.limits.max_depth + 1, "tree deeper than the limit",
+            std::to_string(id));
     const reshard::PickleNode& node = tree->node(id);
     for (PickleNodeId c : node.items) stack.push_back({c, depth + 1});
     for (auto [k, v] : node.entries) {

@@ -35,8 +35,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   for (const reshard::TorchStorage& s : file->storages()) {
-    Require(s.bytes.data() >= bytes.data() && s.bytes.data() + s.bytes.size() <= bytes.data() + size,
-            "storage outside the file", s.key);
+    Require(
+        s.bytes.data() >= bytes.data() && s.bytes.data() + s.bytes.size() <= bytes.data() + size,
+        "storage outside the file", s.key);
   }
   for (const reshard::TorchTensor& t : file->tensors()) {
     Require(t.storage < file->storages().size(), "storage index out of range", t.name);

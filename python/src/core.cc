@@ -13,8 +13,8 @@
 #include "reshard/exec/executor.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/ir/canonicalize.h"
-#include "reshard/ir/infer.h"
 #include "reshard/ir/compose.h"
+#include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/plan_json.h"
 
