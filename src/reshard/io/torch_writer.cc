@@ -17,8 +17,9 @@ namespace {
 constexpr uint64_t kAlignment = 64;  // torch.save's storage alignment
 constexpr uint64_t kMax32 = 0xffffffffu;
 
+// `bytes` little-endian bytes of `v`; bytes past the eighth are zero (a run of zero fields).
 void Put(std::string& out, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
+  for (int i = 0; i < bytes; ++i) out.push_back(i < 8 ? static_cast<char>(v >> (8 * i)) : '\0');
 }
 
 std::span<const std::byte> AsBytes(std::string_view s) {

@@ -52,17 +52,29 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
                               int world_size) {
   RESHARD_RETURN_IF_ERROR(CheckDim(shape, dim));
   if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
+  // Every offset below is at most the tensor's element count: bound that once.
+  RESHARD_RETURN_IF_ERROR(CheckedProduct(shape).status());
   const auto d = static_cast<size_t>(dim);
   Index total = 0;
   for (size_t s = 0; s < segments.size(); ++s) {
     const Segment& seg = segments[s];
     if (seg.size < 0) return InvalidArgumentError(fmt::format("segment {} has a negative size", s));
-    total += seg.size;
+    const std::optional<Index> next_total = CheckedAdd(total, seg.size);
+    if (!next_total || *next_total > shape[d]) {
+      return InvalidArgumentError(
+          fmt::format("segments cover more than the {} indices of dimension {}", shape[d], dim));
+    }
+    total = *next_total;
     if (seg.replicated) continue;
     Index sum = 0;
     for (Index w : seg.widths) {
       if (w < 0) return InvalidArgumentError(fmt::format("segment {} has a negative width", s));
-      sum += w;
+      const std::optional<Index> next_sum = CheckedAdd(sum, w);
+      if (!next_sum) {
+        return InvalidArgumentError(
+            fmt::format("segment {} of {} indices has widths summing past 2^62", s, seg.size));
+      }
+      sum = *next_sum;
     }
     if (seg.widths.size() != static_cast<size_t>(world_size) || sum != seg.size) {
       return InvalidArgumentError(
