@@ -4,6 +4,7 @@ import os
 import pathlib
 import random
 import sys
+import zlib
 
 import pytest
 
@@ -23,7 +24,14 @@ def reshard_bin():
 
 @pytest.fixture
 def rng(request):
-    """A random.Random seeded per test; replay with RESHARD_SEED=<seed>."""
-    seed = int(os.environ.get("RESHARD_SEED", random.SystemRandom().randrange(2**32)))
+    """A random.Random seeded per test, repeatably: from the test's name by default,
+    RESHARD_SEED=<seed> replays a logged seed, RESHARD_SEED=random explores."""
+    mode = os.environ.get("RESHARD_SEED", "")
+    if mode == "random":
+        seed = random.SystemRandom().randrange(2**32)
+    elif mode:
+        seed = int(mode)
+    else:
+        seed = zlib.crc32(request.node.nodeid.encode())
     print(f"\nseed {seed} (replay with RESHARD_SEED={seed})")
     return random.Random(seed)

@@ -64,6 +64,12 @@ Piece MakePiece(const FoldedPiece& folded, const Shape& logical_strides,
   return p;
 }
 
+void AddInShardOrder(std::vector<Piece> pieces, Rank rank, ParamMapBuilder& builder) {
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.dest.offset < b.dest.offset; });
+  for (Piece& p : pieces) builder.add_piece(rank, std::move(p));
+}
+
 }  // namespace
 
 namespace internal {
@@ -76,9 +82,7 @@ void EmitFolded(const std::vector<KeyedSequence>& sequences, Rank rank,
       pieces.push_back(MakePiece(folded, logical_strides, seq.locations, seq.scale));
     }
   }
-  std::sort(pieces.begin(), pieces.end(),
-            [](const Piece& a, const Piece& b) { return a.dest.offset < b.dest.offset; });
-  for (Piece& p : pieces) builder.add_piece(rank, std::move(p));
+  AddInShardOrder(std::move(pieces), rank, builder);
 }
 
 }  // namespace internal
@@ -156,7 +160,12 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
       if (shard.pieces[i].num_elements() == 0) continue;
       by_key[{shard.pieces[i].locations, shard.pieces[i].scale}].push_back(i);
     }
-    std::vector<internal::KeyedSequence> sequences;
+    std::vector<Piece> out;
+    auto emit = [&](const Key& key, const std::vector<FoldedPiece>& folded) {
+      for (const FoldedPiece& f : folded) {
+        out.push_back(MakePiece(f, logical_strides, key.first, key.second));
+      }
+    };
     for (auto& [key, indices] : by_key) {
       struct Span {
         Index first, last;
@@ -173,7 +182,8 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
       // sequence in shard order when that folds to no more pieces than they are (column
       // blocks of one matrix do), else each stays a piece of its own (pieces interleaved
       // element by element, which no contiguous cut of the sequence describes as well).
-      std::vector<std::pair<Index, FoldItem>> joined;
+      // The joined groups, each with the number of input pieces it stands for.
+      std::vector<std::pair<std::vector<std::pair<Index, FoldItem>>, size_t>> groups;
       size_t s = 0;
       while (s < spans.size()) {
         size_t e = s + 1;
@@ -192,23 +202,42 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
           join = internal::FoldSequence(trial).size() <= e - s;
         }
         if (join) {
-          for (auto& b : blocks) joined.push_back(std::move(b));
+          groups.emplace_back(std::move(blocks), e - s);
         } else {
           for (size_t c = s; c < e; ++c) {
             std::vector<std::pair<Index, FoldItem>> alone;
             AddPieceItems(shard.pieces[spans[c].piece], true, alone);
-            sequences.push_back({key.first, key.second, {std::move(alone[0].second)}});
+            emit(key, internal::FoldSequence({std::move(alone[0].second)}));
           }
         }
         s = e;
       }
-      std::stable_sort(joined.begin(), joined.end(),
-                       [](const auto& a, const auto& b) { return a.first < b.first; });
-      internal::KeyedSequence merged{key.first, key.second, {}};
-      for (auto& b : joined) internal::AppendItem(merged.items, std::move(b.second));
-      if (!merged.items.empty()) sequences.push_back(std::move(merged));
+      auto in_shard_order = [](std::vector<std::pair<Index, FoldItem>> blocks) {
+        std::stable_sort(blocks.begin(), blocks.end(),
+                         [](const auto& a, const auto& b) { return a.first < b.first; });
+        std::vector<FoldItem> items;
+        for (auto& b : blocks) internal::AppendItem(items, std::move(b.second));
+        return items;
+      };
+      // The key's groups fold as one sequence, unless the fold's greedy partition of the
+      // whole would take more pieces than the groups folded one by one (each folds to no more
+      // than the pieces it joins): a pass never adds pieces.
+      std::vector<std::pair<Index, FoldItem>> joined;
+      size_t joined_pieces = 0;
+      for (const auto& [blocks, count] : groups) {
+        joined.insert(joined.end(), blocks.begin(), blocks.end());
+        joined_pieces += count;
+      }
+      std::vector<FoldedPiece> whole = internal::FoldSequence(in_shard_order(std::move(joined)));
+      if (whole.size() <= joined_pieces) {
+        emit(key, whole);
+      } else {
+        for (auto& [blocks, count] : groups) {
+          emit(key, internal::FoldSequence(in_shard_order(std::move(blocks))));
+        }
+      }
     }
-    internal::EmitFolded(sequences, r, logical_strides, builder);
+    AddInShardOrder(std::move(out), r, builder);
   }
   return builder.Finalize({.require_coverage = false});
 }

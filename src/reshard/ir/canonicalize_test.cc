@@ -258,6 +258,31 @@ TEST(CanonicalizeTest, TransposedShardIsOnePiece) {
   EXPECT_EQ(p.dest, (StridedView{0, {3, 1}}));
 }
 
+TEST(CanonicalizeTest, InterleavedPiecesAfterOtherPiecesNeverAddPieces) {
+  // The last two pieces interleave element by element and fold together into one 5-D piece;
+  // folded as one sequence with the two pieces before them, the greedy partition took five.
+  Result<ParamMapBuilder> b = ParseParamMapJson(R"({
+    "logical_shape": [5, 3, 12, 5], "valid_shape": [2, 3, 12, 5],
+    "ranks": {"0": {"shard_shape": [36, 1, 25], "pieces": [
+      {"shape": [5, 3, 12, 2], "source": [1, [180, 60, 5, 1]], "dest": [180, [144, 48, 4, 2]],
+       "locations": [0]},
+      {"shape": [5, 2, 12, 1], "source": [0, [180, 60, 5, 1]], "dest": [60, [1, 5, 10, 120]],
+       "locations": [0]},
+      {"shape": [5, 1, 2, 6, 1], "source": [120, [180, 60, 30, 5, 1]],
+       "dest": [0, [12, 12, 6, 1, 1]], "locations": [0]},
+      {"shape": [5, 3, 12, 2], "source": [3, [180, 60, 5, 1]], "dest": [181, [144, 48, 4, 2]],
+       "locations": [0]}]}}})");
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  Result<ParamMap> map = b->Finalize({.require_coverage = false});
+  ASSERT_TRUE(map.ok()) << map.status().message();
+  Result<ParamMap> m = Canonicalize(*map);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(ExpandSourceOffsets(*m), ExpandSourceOffsets(*map));
+  ASSERT_EQ(PiecesPerRank(*m), (std::vector<Index>{3}));
+  EXPECT_EQ(m->rank(0).pieces[2].shape, (Shape{5, 3, 12, 2, 2}));
+  EXPECT_EQ(m->rank(0).pieces[2].source, (StridedView{1, {180, 60, 5, 1, 2}}));
+}
+
 }  // namespace
 }  // namespace reshard
 

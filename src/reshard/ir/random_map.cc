@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <random>
+#include <string>
 #include <utility>
 
 namespace reshard {
@@ -459,11 +461,18 @@ ParamMap RandomParamMap(std::mt19937_64& rng, const RandomMapOptions& options) {
 }
 
 std::vector<uint64_t> PropertyTestSeeds(size_t count) {
-  if (const char* env = std::getenv("RESHARD_SEED"); env != nullptr && *env != '\0') {
-    return {std::strtoull(env, nullptr, 10)};
+  const char* env = std::getenv("RESHARD_SEED");
+  const std::string mode = env == nullptr ? "" : env;
+  uint64_t base = kPropertyTestBaseSeed;
+  if (mode == "random") {
+    std::random_device device;
+    base = (uint64_t{device()} << 32) ^ device();
+    if (const char* scale = std::getenv("RESHARD_PROPERTY_SCALE"); scale != nullptr) {
+      count *= std::max<size_t>(1, std::strtoull(scale, nullptr, 10));
+    }
+  } else if (!mode.empty()) {
+    return {std::strtoull(mode.c_str(), nullptr, 10)};
   }
-  std::random_device device;
-  const uint64_t base = (uint64_t{device()} << 32) ^ device();
   std::vector<uint64_t> seeds(count);
   for (size_t i = 0; i < count; ++i) seeds[i] = base + i;
   return seeds;
