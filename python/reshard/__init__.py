@@ -1,24 +1,35 @@
-"""reshard: affine maps of tensor-parallel shards.
+"""reshard: re-shard tensor-parallel weights by affine maps.
 
-The compiled core works on raw buffers (any object with the buffer protocol, C-contiguous)
-and param maps given as JSON text (DESIGN 6.1); see ``reshard._core`` for the functions.
+A :class:`ParamMap` says which elements of a parameter's full tensor F each rank's shard
+holds (DESIGN 6.1; DeepSpeed's ``ParamAffineMap.to_dict()`` form reads too). With it:
+
+- :func:`extract` F -> one rank's shard, :func:`rebuild` shards -> F;
+- :func:`compose` two maps -> a :class:`Plan`, and :func:`transfer` runs it shard -> shard
+  without building F;
+- :mod:`reshard.checkpoint` does the same for whole checkpoints on disk (the CLI's scatter,
+  gather, convert, inspect), and :func:`degree` answers which tensor-parallel degrees a model's
+  config.json allows.
+
+Tensors are ``torch.Tensor`` or ``numpy.ndarray`` in host memory, of any dtype reshard knows
+(bf16 and fp8 included), with any strides; results are of the kind given, and ``out=`` writes
+in place. Copies release the GIL. The ``reshard`` command (also ``python -m reshard``) is the
+CLI.
 """
 
-from ._core import (  # noqa: F401
-    MapError,
-    canonical_json,
-    canonicalize,
-    compose,
-    extract,
-    infer,
-    read_safetensors,
-    rebuild,
-    safetensors_metadata,
-    transfer,
-    validate,
-    write_safetensors,
-)
+from ._errors import CheckpointError, DegreeError, MapError, ReshardError
+from . import _core
 
-__all__ = ["MapError", "canonical_json", "canonicalize", "compose", "extract", "infer",
-           "read_safetensors", "rebuild", "safetensors_metadata", "transfer", "validate",
-           "write_safetensors"]
+_core.register_errors(MapError, CheckpointError, DegreeError)
+
+from ._maps import Move, ParamMap, Piece, Plan, compose, infer, maps_to_json, read_maps  # noqa: E402
+from ._tensors import extract, rebuild, transfer  # noqa: E402
+from ._degree import DegreeConstraint, DegreeReport, degree  # noqa: E402
+from . import checkpoint  # noqa: E402
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "MapError", "Move",
+    "ParamMap", "Piece", "Plan", "ReshardError", "__version__", "checkpoint", "compose", "degree",
+    "extract", "infer", "maps_to_json", "read_maps", "rebuild", "transfer",
+]

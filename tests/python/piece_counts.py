@@ -3,7 +3,6 @@ of DeepSpeed's own affine description of the same layout (deepspeed.checkpoint.a
 where it has one. Run as a script to print the table in docs/inference.md."""
 
 import functools
-import json
 import sys
 
 from deepspeed.checkpoint import affine
@@ -14,7 +13,7 @@ from ds_partitions import column_split, fused_qkv, index_maps, row_split, yuan
 
 
 def ours(shape, partition):
-    m = json.loads(reshard.infer(json.dumps(index_maps(shape, partition))))
+    m = reshard.infer(index_maps(shape, partition)).to_dict()
     return max(len(r["pieces"]) for r in m["ranks"].values())
 
 

@@ -2,7 +2,6 @@
 depend on the size). Run as a script to print the table in docs/plans.md."""
 
 import functools
-import json
 import sys
 
 import reshard
@@ -33,9 +32,9 @@ def layouts(scale):
 def moves(shape, make, a, b):
     if make(a) is None or make(b) is None:
         return None
-    src = reshard.infer(json.dumps(index_maps(shape, make(a))))
-    dst = reshard.infer(json.dumps(index_maps(shape, make(b))))
-    return len(json.loads(reshard.compose(dst, src))["params"][""]["moves"])
+    src = reshard.infer(index_maps(shape, make(a)))
+    dst = reshard.infer(index_maps(shape, make(b)))
+    return len(reshard.compose(source=src, target=dst).moves)
 
 
 def table():

@@ -14,31 +14,26 @@ import deepspeed.checkpoint.affine as affine  # noqa: E402  (installed by script
 
 import reshard  # noqa: E402
 from maps import random_map  # noqa: E402
-from torch_ref import dumps, from_bytes, random_tensor, to_bytes, valid_mask  # noqa: E402
-
-
-def ds_to_json(ds_map):
-    return json.dumps(ds_map.to_dict())
+from torch_ref import random_tensor, to_bytes, valid_mask  # noqa: E402
 
 
 def check_extract_parity(ds_map, dtype, gen):
-    text = ds_to_json(ds_map)
-    reshard.validate(text)
+    pm = reshard.ParamMap.from_dict(ds_map.to_dict())
     full = random_tensor(dtype, ds_map.numel, gen).reshape(ds_map.logical_shape)
     for rank in ds_map.shard_shapes:
-        ours = reshard.extract(text, to_bytes(full), dtype, rank, allow_lossy_scale=True)
+        ours = reshard.extract(pm, full, rank, allow_lossy_scale=True)
         theirs = ds_map.extract(full, rank)
-        assert ours == to_bytes(theirs), f"rank {rank}: {text}"
-    shards = [from_bytes(reshard.extract(text, to_bytes(full), dtype, r, allow_lossy_scale=True), dtype)
-              for r in sorted(ds_map.shard_shapes)]
-    assert reshard.rebuild(text, [to_bytes(s) for s in shards], dtype) == to_bytes(full)
+        assert to_bytes(ours) == to_bytes(theirs), f"rank {rank}: {pm.to_json()}"
+    shards = [reshard.extract(pm, full, r, allow_lossy_scale=True) for r in sorted(ds_map.shard_shapes)]
+    assert to_bytes(reshard.rebuild(pm, shards)) == to_bytes(full)
 
 
 def test_our_maps_load_in_deepspeed_and_rebuild_our_data(rng):
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for _ in range(150):
         m, kind = random_map(rng)
-        ours = reshard.canonical_json(dumps(m))
+        pm = reshard.ParamMap.from_dict(m)
+        ours = pm.to_json()
         ds_map = affine.ParamAffineMap.from_dict(json.loads(ours))
         ds_map.validate()
         # Same document, field for field, apart from our valid_shape.
@@ -47,12 +42,11 @@ def test_our_maps_load_in_deepspeed_and_rebuild_our_data(rng):
         assert ds_map.to_dict() == {**written, "ranks": {int(k): v for k, v in written["ranks"].items()}}
         dtype = rng.choice(["F32", "BF16", "F16"])
         full = random_tensor(dtype, ds_map.numel, gen)
-        shards = {r: from_bytes(reshard.extract(ours, to_bytes(full), dtype, r, allow_lossy_scale=True), dtype)
-                  .reshape(ds_map.shard_shapes[r]) for r in ds_map.shard_shapes}
+        shards = {r: reshard.extract(pm, full.view(pm.logical_shape), r, allow_lossy_scale=True)
+                  for r in ds_map.shard_shapes}
         rebuilt = ds_map.rebuild(shards).reshape(-1)
         mask = valid_mask(m)
-        ours_rebuilt = from_bytes(reshard.rebuild(ours, [to_bytes(s) for s in shards.values()], dtype,
-                                                  allow_lossy_scale=True), dtype)
+        ours_rebuilt = reshard.rebuild(pm, shards, allow_lossy_scale=True).reshape(-1)
         assert to_bytes(rebuilt[mask]) == to_bytes(ours_rebuilt[mask]), f"{kind}: {ours}"
         if dtype != "F16" and all(math.frexp(p.get("scale", 1.0))[0] == 0.5
                                   for r in m["ranks"].values() for p in r["pieces"]):
@@ -64,7 +58,7 @@ def test_our_maps_load_in_deepspeed_and_rebuild_our_data(rng):
 def test_small_maps_pass_deepspeeds_element_wise_coverage_check(rng):
     for _ in range(40):
         m, kind = random_map(rng, allow_padding=False)
-        ds_map = affine.ParamAffineMap.from_dict(json.loads(reshard.canonical_json(dumps(m))))
+        ds_map = affine.ParamAffineMap.from_dict(reshard.ParamMap.from_dict(m).to_dict())
         ds_map.validate_coverage()
 
 
@@ -93,4 +87,4 @@ def test_deepspeed_builders_load_validate_and_extract_alike(tp):
 def test_invalid_deepspeed_map_is_refused_with_the_rank_and_piece():
     ds_map = affine.contiguous_split_map((10, 4), [3, 3, 2, 1], 0)
     with pytest.raises(reshard.MapError, match=r"element \[9, 0\] of F .* is held by no rank"):
-        reshard.validate(ds_to_json(ds_map))
+        reshard.ParamMap.from_dict(ds_map.to_dict())

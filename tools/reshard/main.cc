@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
       "Exit status: 0 success, 1 a check failed, 2 usage or malformed input, 3 internal or "
       "environment failure."};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "reshard 0.1.0");
+  app.set_version_flag("--version", "reshard " RESHARD_VERSION);
   int exit_status = kExitOk;
   RegisterVerify(app, exit_status);
   RegisterShow(app, exit_status);

@@ -1,0 +1,244 @@
+"""extract / rebuild / transfer on torch tensors and numpy arrays, without copies.
+
+Each tensor is handed to the compiled core as the address of its first element (a view into a
+larger buffer starts wherever it starts: torch's ``data_ptr()`` and numpy's array interface
+already include the storage offset). A dense row-major input is read where it lies; any other
+input (transposed, strided, broadcast, negative strides) is first copied into a dense one. An
+``out=`` tensor is written in place; one that is not dense is filled through a dense temporary.
+The copies run in C++ with the GIL released. Only host (CPU) memory is accepted.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from . import _core
+from ._maps import MapLike, Plan, as_map
+
+# torch dtype names (without "torch.") and numpy dtype names (ml_dtypes' for bfloat16 and
+# fp8) -> the library's dtype names.
+_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+          "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+Tensor = Any  # torch.Tensor or numpy.ndarray
+
+
+def _dtype_key(dtype: Any) -> str:
+    text = str(getattr(dtype, "name", None) or dtype)
+    return text[len("torch."):] if text.startswith("torch.") else text
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of a torch or numpy dtype, a dtype name ("BF16") or an int."""
+    if isinstance(dtype, int):
+        return dtype
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(dtype, type) and issubclass(dtype, np.generic):
+        dtype = np.dtype(dtype)
+    name = dtype if dtype in _SIZES else _DTYPES.get(_dtype_key(dtype))
+    if name is None:
+        raise ValueError(f"reshard does not move tensors of dtype {dtype}")
+    return _SIZES[name]
+
+
+class _Array:
+    """A CPU tensor or array seen as memory: its kind, dtype name, shape and first address."""
+
+    __slots__ = ("obj", "kind", "dtype", "shape", "dense")
+
+    def __init__(self, x: Tensor, what: str) -> None:
+        torch = sys.modules.get("torch")
+        np = sys.modules.get("numpy")
+        if torch is not None and isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise ValueError(f"{what} is on device {x.device}; reshard copies host memory: "
+                                 "give a CPU tensor")
+            self.kind = "torch"
+            self.dense = x.is_contiguous()
+        elif np is not None and isinstance(x, np.ndarray):
+            if not x.dtype.isnative:
+                x = x.astype(x.dtype.newbyteorder("="))
+            self.kind = "numpy"
+            self.dense = x.flags.c_contiguous
+        else:
+            raise TypeError(f"{what} must be a torch.Tensor or a numpy.ndarray, "
+                            f"got {type(x).__name__}")
+        self.obj = x
+        self.shape = tuple(int(d) for d in x.shape)
+        name = _DTYPES.get(_dtype_key(x.dtype))
+        if name is None:
+            raise ValueError(f"{what} has dtype {x.dtype}, which reshard does not move")
+        self.dtype = name
+
+    def address(self) -> int:
+        if self.kind == "torch":
+            return int(self.obj.data_ptr())
+        return int(self.obj.__array_interface__["data"][0])
+
+    def densified(self) -> "_Array":
+        """Self when dense; else a dense copy (its elements in row-major order)."""
+        if self.dense:
+            return self
+        import numpy as np  # only reached with a numpy array
+        copy = self.obj.contiguous() if self.kind == "torch" else np.ascontiguousarray(self.obj)
+        return _Array(copy, "a copy")
+
+    def empty(self, shape: tuple[int, ...]) -> Tensor:
+        """A new dense tensor of this kind and dtype."""
+        if self.kind == "torch":
+            import torch
+            return torch.empty(shape, dtype=self.obj.dtype)
+        import numpy as np
+        return np.empty(shape, dtype=self.obj.dtype)
+
+
+def _check_shape(a: _Array, shape: tuple[int, ...], what: str) -> None:
+    if a.shape != shape:
+        raise ValueError(f"{what} has shape {list(a.shape)}; the map needs {list(shape)}")
+
+
+class _Output:
+    """Where a result goes: a new tensor like `like`, or the caller's `out` (checked: dtype,
+    shape, device, writable), through a dense temporary when `out` is not dense."""
+
+    def __init__(self, out: Optional[Tensor], like: _Array, shape: tuple[int, ...], what: str):
+        if out is None:
+            self.result = like.empty(shape)
+            self.target = _Array(self.result, what)
+            return
+        a = _Array(out, what)
+        if a.dtype != like.dtype:
+            raise ValueError(f"{what} has dtype {out.dtype} but the input is {like.obj.dtype}")
+        _check_shape(a, shape, what)
+        if a.kind == "numpy" and not out.flags.writeable:
+            raise ValueError(f"{what} is read-only")
+        self.result = out
+        self.target = a if a.dense else _Array(a.empty(shape), what)
+
+    def address(self) -> int:
+        return self.target.address()
+
+    def finish(self) -> Tensor:
+        if self.target.obj is not self.result:  # written through a dense temporary
+            if self.target.kind == "torch":
+                self.result.copy_(self.target.obj)
+            else:
+                self.result[...] = self.target.obj
+        return self.result
+
+
+def _options(scale_power: int, verify_replicas: bool, allow_scaled_optimizer_state: bool,
+             allow_lossy_scale: bool, num_threads: int) -> _core.ExecOptions:
+    return _core.ExecOptions(scale_power, verify_replicas, allow_scaled_optimizer_state,
+                             allow_lossy_scale, num_threads)
+
+
+def _by_rank(shards: Union[Sequence[Tensor], Mapping[int, Tensor]], world: int,
+             what: str) -> list[Tensor]:
+    """Shards given as a list by rank or a dict rank -> tensor, as a list of `world`."""
+    if isinstance(shards, Mapping):
+        missing = [r for r in range(world) if r not in shards]
+        extra = sorted(set(shards) - set(range(world)), key=str)
+        if missing or extra:
+            raise ValueError(f"{what}: the map has ranks 0..{world - 1}; "
+                             + (f"missing {missing}" if missing else f"unknown ranks {extra}"))
+        return [shards[r] for r in range(world)]
+    shards = list(shards)
+    if len(shards) != world:
+        raise ValueError(f"{what}: {len(shards)} given, the map has {world} ranks")
+    return shards
+
+
+def _same_dtype(arrays: list[_Array], what: str) -> None:
+    for r, a in enumerate(arrays):
+        if a.dtype != arrays[0].dtype:
+            raise ValueError(f"{what}: rank {r} has dtype {a.obj.dtype}, rank 0 has "
+                             f"{arrays[0].obj.dtype}")
+
+
+def extract(map: MapLike, full: Tensor, rank: int, out: Optional[Tensor] = None, *,
+            scale_power: int = 1, allow_scaled_optimizer_state: bool = False,
+            allow_lossy_scale: bool = False, num_threads: int = 0) -> Tensor:
+    """F -> the shard of ``rank``: a new tensor of the kind given, or ``out`` filled in place.
+
+    ``scale_power`` p: the shard holds F * scale**p (1 for weights, -1 / -2 for Adam's moments).
+    """
+    m = as_map(map)
+    shard_shape = m.shard_shape(rank)
+    src = _Array(full, "full")
+    _check_shape(src, m.logical_shape, "full")
+    src = src.densified()
+    dst = _Output(out, src, shard_shape, "out")
+    _core.extract_into(m._handle, src.dtype, rank, src.address(), dst.address(),
+                       _options(scale_power, True, allow_scaled_optimizer_state,
+                                allow_lossy_scale, num_threads))
+    return dst.finish()
+
+
+def rebuild(map: MapLike, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
+            out: Optional[Tensor] = None, *, verify_replicas: bool = True, scale_power: int = 1,
+            allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
+            num_threads: int = 0) -> Tensor:
+    """Shards (a list by rank, or a dict rank -> tensor) -> F. With ``verify_replicas``, ranks
+    that hold the same elements must agree bit for bit (ValueError naming where they differ)."""
+    m = as_map(map)
+    given = _by_rank(shards, m.world_size, "shards")
+    arrays = [_Array(s, f"shards[{r}]") for r, s in enumerate(given)]
+    _same_dtype(arrays, "shards")
+    for r, a in enumerate(arrays):
+        _check_shape(a, m.shard_shape(r), f"shards[{r}]")
+    arrays = [a.densified() for a in arrays]
+    dst = _Output(out, arrays[0], m.logical_shape, "out")
+    _core.rebuild_into(m._handle, arrays[0].dtype, [a.address() for a in arrays], dst.address(),
+                       _options(scale_power, verify_replicas, allow_scaled_optimizer_state,
+                                allow_lossy_scale, num_threads))
+    return dst.finish()
+
+
+def transfer(plan: Plan, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
+             out: Union[None, Sequence[Tensor], Mapping[int, Tensor]] = None, *,
+             scale_power: int = 1, allow_scaled_optimizer_state: bool = False,
+             allow_lossy_scale: bool = False,
+             num_threads: int = 0) -> Union[list[Tensor], dict[int, Tensor]]:
+    """Runs a plan: source shards (by source rank) -> target shards (by target rank), as a
+    list, or a dict when ``shards`` is a dict. ``out`` (a list or dict by target rank) is
+    written in place."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"expected a reshard.Plan (from reshard.compose), got {type(plan).__name__}")
+    src_map, dst_map = plan.source, plan.target
+    given = _by_rank(shards, src_map.world_size, "shards")
+    arrays = [_Array(s, f"shards[{r}]") for r, s in enumerate(given)]
+    _same_dtype(arrays, "shards")
+    for r, a in enumerate(arrays):
+        _check_shape(a, src_map.shard_shape(r), f"shards[{r}]")
+    arrays = [a.densified() for a in arrays]
+    outs = [None] * dst_map.world_size if out is None else _by_rank(out, dst_map.world_size, "out")
+    targets = [_Output(o, arrays[0], dst_map.shard_shape(r), f"out[{r}]")
+               for r, o in enumerate(outs)]
+    sizes = [_numel(src_map.shard_shape(r)) for r in range(src_map.world_size)]
+    _core.transfer_into(plan._plan, arrays[0].dtype,
+                        [(a.address(), n) for a, n in zip(arrays, sizes)],
+                        [(t.address(), _numel(dst_map.shard_shape(r))) for r, t in enumerate(targets)],
+                        _options(scale_power, True, allow_scaled_optimizer_state,
+                                 allow_lossy_scale, num_threads))
+    results = [t.finish() for t in targets]
+    if isinstance(shards, Mapping):
+        return dict(enumerate(results))
+    return results
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+__all__ = ["extract", "rebuild", "transfer", "itemsize"]

@@ -1,0 +1,218 @@
+// reshard._core: the checkpoint operations (scatter, gather, convert) and the degree planner.
+// They run with the GIL released; a progress callback takes it back for each call.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/hf/degree.h"
+#include "reshard/hf/model_config.h"
+#include "reshard/hf/model_maps.h"
+#include "reshard/hf/registry.h"
+#include "reshard/layouts/layouts_document.h"
+
+namespace reshard::python {
+namespace {
+
+using Progress = std::function<void(uint64_t, uint64_t)>;
+using Warn = std::function<void(const std::string&, const std::string&)>;
+
+// The options of every checkpoint operation. A Python callback runs under the GIL; the first
+// exception it raises is kept and raised again once the operation returns.
+struct PyCheckpointOptions {
+  bool overwrite = false;
+  uint64_t max_shard_bytes = 0;
+  bool verify_replicas = true;
+  bool allow_scaled_optimizer_state = false;
+  bool allow_lossy_scale = false;
+  int num_threads = 0;
+  std::optional<py::function> progress;
+  std::optional<py::function> warn;
+};
+
+struct CallbackError {
+  std::optional<py::error_already_set> error;
+};
+
+CheckpointOptions ToOptions(const PyCheckpointOptions& o, std::shared_ptr<CallbackError> err) {
+  CheckpointOptions c;
+  c.overwrite = o.overwrite;
+  c.max_shard_bytes = o.max_shard_bytes;
+  c.verify_replicas = o.verify_replicas;
+  c.allow_scaled_optimizer_state = o.allow_scaled_optimizer_state;
+  c.allow_lossy_scale = o.allow_lossy_scale;
+  c.num_threads = o.num_threads;
+  if (o.progress) {
+    c.progress = [f = *o.progress, err](uint64_t done, uint64_t total) {
+      py::gil_scoped_acquire acquire;
+      if (err->error) return;
+      try {
+        f(done, total);
+      } catch (py::error_already_set& e) {
+        err->error = std::move(e);
+      }
+    };
+  }
+  if (o.warn) {
+    c.warn = [f = *o.warn, err](const std::string& parameter, const std::string& message) {
+      py::gil_scoped_acquire acquire;
+      if (err->error) return;
+      try {
+        f(parameter, message);
+      } catch (py::error_already_set& e) {
+        err->error = std::move(e);
+      }
+    };
+  }
+  return c;
+}
+
+// Runs `op` without the GIL; raises the callback's exception, else the operation's error.
+template <typename Op>
+void RunCheckpointOp(const PyCheckpointOptions& py_options, Op op) {
+  auto err = std::make_shared<CallbackError>();
+  CheckpointOptions options = ToOptions(py_options, err);
+  const Status s = [&] {
+    py::gil_scoped_release release;
+    return op(options);
+  }();
+  if (err->error) throw std::move(*err->error);
+  if (!s.ok()) Raise(s, ErrorKind::kCheckpoint);
+}
+
+void ScatterWithMaps(const std::string& full_dir, const std::string& out_dir,
+                     std::vector<std::pair<std::string, MapHandle*>>& maps,
+                     const PyCheckpointOptions& o) {
+  MapDocument doc;
+  for (auto& [name, map] : maps) doc.params.emplace_back(name, map->Valid());
+  if (doc.params.empty()) throw py::value_error("scatter: no maps given");
+  const int world = doc.params.front().second.world_size();
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return Scatter(full_dir, world, MapsFromDocument(doc), out_dir, options);
+  });
+}
+
+void ScatterWithLayouts(const std::string& full_dir, const std::string& out_dir,
+                        const std::string& layouts_json, int world, const PyCheckpointOptions& o) {
+  Result<LayoutsDocument> doc = ParseLayoutsDocumentJson(layouts_json);
+  if (!doc.ok()) Raise(doc.status(), ErrorKind::kMap);
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return Scatter(full_dir, world, MapsFromLayouts(std::move(doc->layouts), world), out_dir,
+                   options);
+  });
+}
+
+// Maps from the model's tensor-parallel plan at `world`, with the plan's degree constraints
+// recorded in the manifest (as `reshard scatter --config`).
+void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
+                       const std::string& config_json, int world, const PyCheckpointOptions& o) {
+  Result<ConfigMaps> from_config =
+      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), config_json, world);
+  if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
+  auto config_maps = std::make_shared<ConfigMaps>(*std::move(from_config));
+  MapProvider maps = [config_maps](const std::string& name,
+                                   const Shape& shape) -> Result<ProvidedMap> {
+    RESHARD_ASSIGN_OR_RETURN(TensorMap m, config_maps->Map(name, shape));
+    return ProvidedMap{std::move(m.map), std::move(m.layout)};
+  };
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    options.degree_constraints = DegreeConstraints(config_maps->plan());
+    return Scatter(full_dir, world, maps, out_dir, options);
+  });
+}
+
+void PyGather(const std::string& sharded_dir, const std::string& out_dir,
+              const PyCheckpointOptions& o) {
+  RunCheckpointOp(
+      o, [&](CheckpointOptions& options) { return Gather(sharded_dir, out_dir, options); });
+}
+
+void PyConvert(const std::string& sharded_dir, int world, const std::string& out_dir,
+               std::optional<std::vector<std::pair<std::string, MapHandle*>>> target_maps,
+               const PyCheckpointOptions& o) {
+  std::optional<MapDocument> target;
+  if (target_maps) {
+    target.emplace();
+    for (auto& [name, map] : *target_maps) target->params.emplace_back(name, map->Valid());
+  }
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return Convert(sharded_dir, world, target, out_dir, options);
+  });
+}
+
+py::object OptionalInt(const std::optional<int64_t>& v) {
+  return v ? py::object(py::int_(*v)) : py::object(py::none());
+}
+
+// The fields of `reshard degree --json`.
+py::dict Degree(const std::string& config_json, std::optional<int64_t> tp,
+                const std::string& engine, const std::optional<std::string>& transformers_version) {
+  const TpRegistry& registry = BuiltinTpRegistry();
+  PlanOptions options;
+  if (engine != "transformers" && engine != "vllm") {
+    throw py::value_error("engine must be \"transformers\" or \"vllm\", not \"" + engine + "\"");
+  }
+  options.engine = engine == "vllm" ? Engine::kVllm : Engine::kTransformers;
+  if (transformers_version) {
+    Result<Version> v = ParseVersion(*transformers_version);
+    if (!v.ok()) Raise(v.status().Annotate("transformers_version"), ErrorKind::kDegree);
+    options.transformers_version = *v;
+  }
+  Result<ModelConfig> config = ReadModelConfigJson(registry, config_json);
+  if (!config.ok()) Raise(config.status(), ErrorKind::kDegree);
+  const DegreeAnswer a = PlanDegree(ResolvePlan(registry, *config, options), tp);
+  py::list constraints;
+  for (const ResolvedEntry& e : a.constraints) {
+    py::dict c;
+    c["module"] = e.pattern;
+    c["style"] = e.style;
+    c["count"] = *e.count;
+    c["meaning"] = e.meaning;
+    constraints.append(c);
+  }
+  py::dict d;
+  d["max_tp_degree"] = OptionalInt(a.max_tp_degree);
+  d["degrees"] = a.degrees;
+  d["requested"] = OptionalInt(a.requested);
+  d["chosen"] = OptionalInt(a.chosen);
+  d["constraints"] = constraints;
+  d["refusal"] = a.refusal ? py::object(py::make_tuple(a.refusal->reason, a.refusal->message))
+                           : py::object(py::none());
+  d["notes"] = a.notes;
+  return d;
+}
+
+}  // namespace
+
+void BindFiles(py::module_& m) {
+  py::class_<PyCheckpointOptions>(m, "CheckpointOptions")
+      .def(py::init<>())
+      .def_readwrite("overwrite", &PyCheckpointOptions::overwrite)
+      .def_readwrite("max_shard_bytes", &PyCheckpointOptions::max_shard_bytes)
+      .def_readwrite("verify_replicas", &PyCheckpointOptions::verify_replicas)
+      .def_readwrite("allow_scaled_optimizer_state",
+                     &PyCheckpointOptions::allow_scaled_optimizer_state)
+      .def_readwrite("allow_lossy_scale", &PyCheckpointOptions::allow_lossy_scale)
+      .def_readwrite("num_threads", &PyCheckpointOptions::num_threads)
+      .def_readwrite("progress", &PyCheckpointOptions::progress)
+      .def_readwrite("warn", &PyCheckpointOptions::warn);
+  m.def("scatter_with_maps", &ScatterWithMaps);
+  m.def("scatter_with_layouts", &ScatterWithLayouts);
+  m.def("scatter_with_config", &ScatterWithConfig);
+  m.def("gather", &PyGather);
+  m.def("convert", &PyConvert);
+  m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
+        py::arg("transformers_version"));
+  m.def("parse_byte_size", [](const std::string& text) {
+    Result<uint64_t> bytes = ParseByteSize(text);
+    if (!bytes.ok()) Raise(bytes.status(), ErrorKind::kCheckpoint);
+    return *bytes;
+  });
+}
+
+}  // namespace reshard::python

@@ -1,0 +1,145 @@
+// reshard._core: param maps, map documents and transfer plans as Python objects.
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "reshard/ir/canonicalize.h"
+#include "reshard/ir/infer.h"
+#include "reshard/ir/map_json.h"
+#include "reshard/ir/map_summary.h"
+#include "reshard/ir/plan_json.h"
+
+namespace reshard::python {
+namespace {
+
+py::tuple ToTuple(const Shape& shape) { return py::tuple(py::cast(shape)); }
+
+MapHandle MapFromJson(const std::string& text, bool validate) {
+  Result<ParamMapBuilder> builder = ParseParamMapJson(text);
+  if (!builder.ok()) Raise(builder.status(), ErrorKind::kMap);
+  MapHandle map(*std::move(builder));
+  if (validate) map.Valid();
+  return map;
+}
+
+Rank CheckRank(const ParamMapBuilder& map, Rank rank) {
+  if (rank < 0 || rank >= map.world_size()) {
+    throw py::index_error("rank " + std::to_string(rank) + " is outside the map's world of " +
+                          std::to_string(map.world_size()) + " ranks");
+  }
+  return rank;
+}
+
+// {"version": 1, ...} (or a bare map, named "") -> [(name, map)] in file order, every map
+// validated.
+std::vector<std::pair<std::string, MapHandle>> ReadDocument(const std::string& text) {
+  Result<MapDocument> doc = ReadMapDocumentJson(text);
+  if (!doc.ok()) Raise(doc.status(), ErrorKind::kMap);
+  std::vector<std::pair<std::string, MapHandle>> out;
+  for (auto& [name, map] : doc->params) out.emplace_back(name, MapHandle(std::move(map)));
+  return out;
+}
+
+std::string WriteDocument(std::vector<std::pair<std::string, MapHandle*>>& params) {
+  MapDocument doc;
+  for (auto& [name, map] : params) doc.params.emplace_back(name, map->Valid());
+  return MapDocumentToJson(doc);
+}
+
+py::list Summary(MapHandle& self) {
+  const MapSummary summary = Summarize(self.Valid());
+  py::list ranks;
+  for (const RankSummary& r : summary.ranks) {
+    ranks.append(py::make_tuple(r.pieces, r.elements, r.replicated_elements, r.scaled_elements));
+  }
+  return ranks;
+}
+
+void BindMap(py::module_& m) {
+  py::class_<MapHandle>(m, "Map")
+      .def_static("from_json", &MapFromJson, py::arg("text"), py::arg("validate") = true)
+      .def("validate", [](MapHandle& self) { self.Valid(); })
+      .def("to_json", [](MapHandle& self) { return ParamMapToJson(self.Valid()); })
+      .def("canonical",
+           [](MapHandle& self) {
+             Result<ParamMap> c = Canonicalize(self.Valid());
+             if (!c.ok()) Raise(c.status(), ErrorKind::kMap);
+             return MapHandle(*std::move(c));
+           })
+      .def_property_readonly(
+          "logical_shape",
+          [](const MapHandle& self) { return ToTuple(self.builder().logical_shape()); })
+      .def_property_readonly("valid_shape",
+                             [](MapHandle& self) { return ToTuple(self.Valid().valid_shape()); })
+      .def_property_readonly("world_size",
+                             [](const MapHandle& self) { return self.builder().world_size(); })
+      .def("shard_shape",
+           [](const MapHandle& self, Rank rank) {
+             return ToTuple(self.builder().ranks()[CheckRank(self.builder(), rank)].shard_shape);
+           })
+      .def("num_pieces",
+           [](const MapHandle& self, Rank rank) {
+             return self.builder().ranks()[CheckRank(self.builder(), rank)].pieces.size();
+           })
+      .def("summary", &Summary)
+      .def("__eq__", [](MapHandle& a, MapHandle& b) { return a.Valid() == b.Valid(); });
+}
+
+py::dict MoveToDict(const Move& move) {
+  py::dict d;
+  d["src_rank"] = move.src_rank;
+  d["dst_rank"] = move.dst_rank;
+  d["shape"] = ToTuple(move.shape);
+  d["src"] = py::make_tuple(move.src.offset, ToTuple(move.src.strides));
+  d["dst"] = py::make_tuple(move.dst.offset, ToTuple(move.dst.strides));
+  d["factor"] = move.factor;
+  return d;
+}
+
+void BindPlan(py::module_& m) {
+  py::class_<ParamPlan>(m, "Plan")
+      .def_readonly("source_world", &ParamPlan::source_world)
+      .def_readonly("target_world", &ParamPlan::target_world)
+      .def_property_readonly("num_moves", [](const ParamPlan& p) { return p.moves.size(); })
+      .def("move", [](const ParamPlan& p, size_t i) { return MoveToDict(p.moves.at(i)); })
+      .def("num_moved_elements", &ParamPlan::num_moved_elements)
+      .def("to_json", [](const ParamPlan& p) {
+        return PlanDocumentToJson({{{"", p}}});
+      });
+  m.def(
+      "compose",
+      [](MapHandle& target, MapHandle& source) {
+        const ParamMap& t = target.Valid();
+        const ParamMap& s = source.Valid();
+        Result<ParamPlan> plan = [&] {
+          py::gil_scoped_release release;
+          return Compose(t, s);
+        }();
+        if (!plan.ok()) Raise(plan.status(), ErrorKind::kMap);
+        return *std::move(plan);
+      },
+      py::arg("target"), py::arg("source"));
+}
+
+}  // namespace
+
+void BindMaps(py::module_& m) {
+  BindMap(m);
+  BindPlan(m);
+  m.def("read_map_document", &ReadDocument, py::arg("text"));
+  m.def("write_map_document", &WriteDocument, py::arg("params"));
+  m.def(
+      "infer",
+      [](const std::string& index_maps_json, bool allow_uncovered) {
+        Result<IndexMaps> observed = ParseIndexMapsJson(index_maps_json);
+        if (!observed.ok()) Raise(observed.status(), ErrorKind::kMap);
+        Result<ParamMap> map = Infer(*observed, {.allow_uncovered = allow_uncovered});
+        if (!map.ok()) Raise(map.status(), ErrorKind::kMap);
+        return MapHandle(*std::move(map));
+      },
+      py::arg("index_maps_json"), py::arg("allow_uncovered") = false);
+}
+
+}  // namespace reshard::python
