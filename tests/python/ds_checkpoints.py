@@ -41,8 +41,10 @@ LAUNCH_TIMEOUT_S = 600
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """One training run. family: "llama", "qwen2" (q/k/v biases) or "mistral", each with 2
-    layers, hidden 64, 4 heads of 16, intermediate 128. vocab 250 does not divide by 4 (nor
-    250 / 2 = 125 by 2), so TP 4 and TP 2 both cut the vocabulary unevenly."""
+    layers, hidden 64, 4 heads of 16, intermediate 128, untied embeddings. vocab 250 does not
+    divide by 4, so TP 4 cuts the vocabulary unevenly (63, 63, 62, 62). Every size is a
+    multiple of 64, so ZeRO pads only when DP does not divide it: DP 3 pads ZeRO 3's
+    parameters, and DP 3 with vocab 251 (total not a multiple of 3) ZeRO 1/2's flat group."""
 
     family: str = "llama"
     tp: int = 1
@@ -60,14 +62,16 @@ class Spec:
     @property
     def name(self):
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
-        return f"{self.family}-tp{self.tp}-dp{self.dp}-z{self.stage}-{dtype}"
+        vocab = "" if self.vocab == 250 else f"-v{self.vocab}"
+        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}-z{self.stage}-{dtype}"
 
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 class DeepSpeedRefused(Exception):
-    """DeepSpeed refused to train or save this spec; the message is DeepSpeed's."""
+    """The training run failed on this spec (DeepSpeed, or transformers for a config it
+    refuses); the message is theirs."""
 
 
 @dataclasses.dataclass(frozen=True)
