@@ -214,11 +214,38 @@ OutputDirectory::OutputDirectory(OutputDirectory&& other) noexcept
       temp_(std::move(other.temp_)),
       inputs_(std::move(other.inputs_)),
       overwrite_(other.overwrite_),
-      committed_(other.committed_) {
+      committed_(other.committed_),
+      owner_(other.owner_),
+      joined_(other.joined_) {
   other.committed_ = true;  // the moved-from object owns nothing
+  other.joined_ = false;
+}
+
+Result<OutputDirectory> OutputDirectory::Join(const std::string& path, const std::string& temp) {
+  OutputDirectory out;
+  out.path_ = OutputPath(path).string();
+  out.temp_ = temp;
+  out.owner_ = false;
+  out.committed_ = true;  // never removed through this object
+  RESHARD_RETURN_IF_ERROR(CreateTemporary(temp, [&]() -> Status {
+    std::error_code ec;
+    if (!fs::is_directory(fs::symlink_status(temp, ec))) {
+      return NotFoundError(fmt::format("the output's temporary directory \"{}\" is missing", temp));
+    }
+    return Status::Ok();
+  }));
+  out.joined_ = true;
+  return out;
+}
+
+void OutputDirectory::Leave() {
+  if (!joined_) return;
+  joined_ = false;
+  (void)FinishTemporary(temp_, [] { return Status::Ok(); });
 }
 
 OutputDirectory::~OutputDirectory() {
+  Leave();
   if (committed_ || temp_.empty()) return;
   (void)FinishTemporary(temp_, [&] {
     std::error_code ec;
@@ -232,6 +259,7 @@ std::string OutputDirectory::FilePath(const std::string& name) const {
 }
 
 Status OutputDirectory::Commit() {
+  if (!owner_) return InternalError("only the process that created an output commits it");
   RESHARD_RETURN_IF_ERROR(CheckTarget());
   RESHARD_RETURN_IF_ERROR(FinishTemporary(temp_, [&]() -> Status {
     std::error_code ec;

@@ -53,13 +53,24 @@ class OutputDirectory {
   /// temporary directory. The checks are made again at Commit.
   static Result<OutputDirectory> Create(const std::string& path, bool overwrite,
                                         std::span<const std::string> inputs = {});
+  /// Joins the temporary directory `temp` of output `path` that another process of the same
+  /// operation created and will commit (communicator.h): files are written into it as into
+  /// one's own, and it is removed if this process is interrupted before `Leave`; it is never
+  /// committed nor otherwise removed through this object. NotFound when `temp` is no
+  /// directory.
+  static Result<OutputDirectory> Join(const std::string& path, const std::string& temp);
   OutputDirectory(OutputDirectory&& other) noexcept;
   OutputDirectory& operator=(OutputDirectory&&) = delete;
   ~OutputDirectory();
 
   /// Where to write file `name` before the commit.
   std::string FilePath(const std::string& name) const;
+  /// The temporary directory.
+  const std::string& temporary() const { return temp_; }
   Status Commit();
+  /// For a joined directory: from now on an interruption of this process leaves it alone (the
+  /// process that created it alone decides its fate). Also done on destruction.
+  void Leave();
 
  private:
   OutputDirectory() = default;
@@ -69,6 +80,8 @@ class OutputDirectory {
   std::vector<std::string> inputs_;
   bool overwrite_ = false;
   bool committed_ = false;
+  bool owner_ = true;    // created the temporary, commits it
+  bool joined_ = false;  // not the owner, and still removes it on interruption
 };
 
 }  // namespace reshard
