@@ -17,6 +17,7 @@
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
+#include "reshard/io/temporaries.h"
 #include "reshard/ir/compose.h"
 
 namespace reshard {
@@ -246,17 +247,19 @@ struct Counters {
   std::atomic<uint64_t> verified{0};
 };
 
-// Collective: process 0 creates the output directory, the others join its temporary.
+// Collective: process 0 creates the output directory, the others join its temporary. They join
+// before it exists, so that from its creation on a survivor of any process knows what to remove.
 Result<OutputDirectory> OpenOutput(Communicator& comm, const std::string& path,
                                    const CheckpointOptions& options,
                                    std::span<const std::string> inputs) {
   if (comm.size() == 1) return OutputDirectory::Create(path, options.overwrite, inputs);
+  RESHARD_ASSIGN_OR_RETURN(
+      const std::string temp,
+      Broadcast(comm, comm.rank() == 0 ? TemporaryPathFor(path) : std::string(), 0));
   std::optional<Result<OutputDirectory>> out;
-  if (comm.rank() == 0) out.emplace(OutputDirectory::Create(path, options.overwrite, inputs));
+  if (comm.rank() != 0) out.emplace(OutputDirectory::Join(path, temp));
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out ? out->status() : Status::Ok()));
-  RESHARD_ASSIGN_OR_RETURN(std::string temp,
-                           Broadcast(comm, out ? (*out)->temporary() : std::string(), 0));
-  if (!out) out.emplace(OutputDirectory::Join(path, temp));
+  if (comm.rank() == 0) out.emplace(OutputDirectory::Create(path, options.overwrite, inputs, temp));
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out->status()));
   return std::move(*out);
 }

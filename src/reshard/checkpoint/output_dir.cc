@@ -184,7 +184,8 @@ Status OutputDirectory::CheckTarget() const {
 }
 
 Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool overwrite,
-                                                std::span<const std::string> inputs) {
+                                                std::span<const std::string> inputs,
+                                                const std::string& temp) {
   OutputDirectory out;
   out.path_ = OutputPath(path).string();
   out.inputs_.assign(inputs.begin(), inputs.end());
@@ -199,7 +200,7 @@ Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool ov
         fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
   }
   RemoveStaleTemporaries(out.path_);
-  out.temp_ = TemporaryPathFor(out.path_);
+  out.temp_ = temp.empty() ? TemporaryPathFor(out.path_) : temp;
   RESHARD_RETURN_IF_ERROR(CreateTemporary(out.temp_, [&]() -> Status {
     if (::mkdir(out.temp_.c_str(), 0755) != 0)
       return ErrnoStatus(errno, "cannot create", out.temp_);
@@ -227,13 +228,7 @@ Result<OutputDirectory> OutputDirectory::Join(const std::string& path, const std
   out.temp_ = temp;
   out.owner_ = false;
   out.committed_ = true;  // never removed through this object
-  RESHARD_RETURN_IF_ERROR(CreateTemporary(temp, [&]() -> Status {
-    std::error_code ec;
-    if (!fs::is_directory(fs::symlink_status(temp, ec))) {
-      return NotFoundError(fmt::format("the output's temporary directory \"{}\" is missing", temp));
-    }
-    return Status::Ok();
-  }));
+  RESHARD_RETURN_IF_ERROR(CreateTemporary(temp, [] { return Status::Ok(); }));
   out.joined_ = true;
   return out;
 }
