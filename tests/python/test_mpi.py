@@ -188,40 +188,33 @@ def committing(out):
                for t in temporaries(out) for name in os.listdir(t))
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_a_killed_process_ends_the_job_and_leaves_nothing(reshard_bin, large, rank):
-    out = large / f"killed-{rank}"
+def catch_mid_way(reshard_bin, large, out, rank, sig, *extra):
+    """Runs convert on 3 processes and sends `sig` to process `rank` mid-way (before process 0
+    alone commits), retrying earlier when a run ends first; returns mpirun's stderr."""
     for fraction in (0.3, 0.1, 0.0):  # a fast run may end before a later point is seen
         launcher = subprocess.Popen(mpirun(3, reshard_bin, "convert", large / "sharded", "--tp", 2,
-                                           "-o", out), stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE)
-        caught = signal_mid_way(launcher, out, rank, signal.SIGKILL, fraction)
-        launcher.communicate(timeout=120)
+                                           "-o", out, *extra),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        caught = signal_mid_way(launcher, out, rank, sig, fraction)
+        _, stderr = launcher.communicate(timeout=120)
         if caught and launcher.returncode != 0 and not committing(out):
-            break
+            return stderr
         shutil.rmtree(out, ignore_errors=True)
         for t in temporaries(out):
             shutil.rmtree(t)
-    else:
-        pytest.fail("no run was caught mid-way")
+    pytest.fail("no run was caught mid-way")
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_killed_process_ends_the_job_and_leaves_nothing(reshard_bin, large, rank):
+    out = large / f"killed-{rank}"
+    catch_mid_way(reshard_bin, large, out, rank, signal.SIGKILL)
     assert temporaries(out) == []
     assert not os.path.exists(out) or same_tree(out, large / "reference")
 
 
 def test_a_hung_process_times_the_others_out_and_leaves_nothing(reshard_bin, large):
     out = large / "hung"
-    for fraction in (0.3, 0.1, 0.0):
-        launcher = subprocess.Popen(mpirun(3, reshard_bin, "convert", large / "sharded", "--tp", 2,
-                                           "-o", out, "--peer-timeout", 2),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        caught = signal_mid_way(launcher, out, 1, signal.SIGSTOP, fraction)
-        _, stderr = launcher.communicate(timeout=120)
-        if caught and launcher.returncode != 0 and not committing(out):
-            break
-        shutil.rmtree(out, ignore_errors=True)
-        for t in temporaries(out):
-            shutil.rmtree(t)
-    else:
-        pytest.fail("no run was caught mid-way")
+    stderr = catch_mid_way(reshard_bin, large, out, 1, signal.SIGSTOP, "--peer-timeout", 2)
     assert b"did not answer within 2 s" in stderr, stderr
     assert not os.path.exists(out) and temporaries(out) == []

@@ -309,8 +309,11 @@ Status FinishOutput(Communicator& comm, OutputDirectory& out, const Status& writ
       }
     }
   }
+  // A joined temporary stays recorded on failure (process 0 removes it, and a process that
+  // ends the job because an exchange failed removes it too); once every file is written,
+  // process 0 alone decides whether the output appears.
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, written));
-  out.Leave();  // from here on, process 0 alone decides whether the output appears
+  out.Leave();
   return AgreeOnStatus(comm, comm.rank() == 0 ? commit() : Status::Ok());
 }
 

@@ -240,7 +240,6 @@ void OutputDirectory::Leave() {
 }
 
 OutputDirectory::~OutputDirectory() {
-  Leave();
   if (committed_ || temp_.empty()) return;
   (void)FinishTemporary(temp_, [&] {
     std::error_code ec;

@@ -58,8 +58,10 @@ class OutputDirectory {
                                         const std::string& temp = {});
   /// Joins the temporary directory `temp` of output `path` that another process of the same
   /// operation created and will commit (communicator.h): files are written into it as into
-  /// one's own, and it is removed if this process is interrupted before `Leave`; it is never
-  /// committed nor otherwise removed through this object. It need not exist yet: joining
+  /// one's own, and it is removed if this process is interrupted (or ends through
+  /// RemoveTemporariesAndHold, as when the processes can no longer agree) before `Leave`, even
+  /// after this object is gone; it is never committed nor otherwise removed through this
+  /// object. It need not exist yet: joining
   /// before the other process creates it leaves no moment at which that process could die
   /// without a survivor knowing what to remove.
   static Result<OutputDirectory> Join(const std::string& path, const std::string& temp);
@@ -73,7 +75,7 @@ class OutputDirectory {
   const std::string& temporary() const { return temp_; }
   Status Commit();
   /// For a joined directory: from now on an interruption of this process leaves it alone (the
-  /// process that created it alone decides its fate). Also done on destruction.
+  /// process that created it alone decides its fate).
   void Leave();
 
  private:
