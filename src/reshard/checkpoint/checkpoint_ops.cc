@@ -1,8 +1,6 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +15,7 @@
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
+#include "reshard/io/mapped_file.h"
 #include "reshard/io/temporaries.h"
 #include "reshard/ir/compose.h"
 
@@ -76,18 +75,6 @@ class ProgressCounter {
   uint64_t done_ = 0;
   uint64_t reported_ = 0;
 };
-
-// Drops the pages of a read-only mapped range from this process (they stay in the page cache
-// and fault back in on the next read), so resident memory follows the tensor being worked
-// on rather than everything read so far.
-void ReleasePages(std::span<const std::byte> range) {
-  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  auto begin = reinterpret_cast<uintptr_t>(range.data());
-  auto end = begin + range.size();
-  begin = (begin + page - 1) / page * page;
-  end = end / page * page;
-  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-}
 
 bool IsPowerOfTwo(double x) {
   int exponent = 0;
@@ -506,7 +493,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
         RESHARD_RETURN_IF_ERROR(Extract(map, param.dtype, r, f,
                                         {buffer.data(), map.shard_num_elements(r)},
                                         ExecOptionsFor(per_file, param.scale_power)));
-        ReleasePages(src->data);
+        ReleaseMappedPages(src->data);
         return Status::Ok();
       });
 }
@@ -570,7 +557,7 @@ Status RebuildInto(const ShardedCheckpoint& ckpt, size_t i, const CheckpointOpti
     RESHARD_RETURN_IF_ERROR(
         CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
   }
-  for (Rank r = 0; r < map.world_size(); ++r) ReleasePages(ckpt.shard(i, r));
+  for (Rank r = 0; r < map.world_size(); ++r) ReleaseMappedPages(ckpt.shard(i, r));
   return Status::Ok();
 }
 
@@ -773,7 +760,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
         targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
         RESHARD_RETURN_IF_ERROR(ExecutePlan(mine, param.dtype, sources, targets,
                                             ExecOptionsFor(per_file, param.scale_power)));
-        for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
+        for (Rank q = 0; q < plan.source_world; ++q) ReleaseMappedPages(ckpt.shard(i, q));
         return Status::Ok();
       });
 }
