@@ -424,14 +424,18 @@ engine.save_checkpoint(sys.argv[1], tag="step1")
 """
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    import socket
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path_factory.mktemp("ds") / "ckpt"
     r = subprocess.run([sys.executable, "-c", DEEPSPEED_SAVE, str(out), str(port)],
                        capture_output=True, text=True, timeout=900)

@@ -1,4 +1,5 @@
 // reshard export FILE.pt -o OUT.safetensors [--force]
+// reshard export FILE.pt -o OUT.pt [--force]           (the whole object tree, written back)
 // reshard export FILE.safetensors -o OUT.pt [--force]
 #include <fmt/format.h>
 
@@ -38,16 +39,26 @@ Result<size_t> SafetensorsToTorch(const ExportArgs& args) {
   return in.header().tensors.size();
 }
 
-Result<size_t> TorchToSafetensors(const ExportArgs& args) {
+bool IsTorchFileName(std::string_view path) {
+  return path.ends_with(".pt") || path.ends_with(".pth") || path.ends_with(".bin");
+}
+
+// To a .pt name: the object tree and its storages as they are; otherwise safetensors.
+Result<size_t> TorchToOutput(const ExportArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(args.path));
-  RESHARD_RETURN_IF_ERROR(ExportToSafetensors(f, args.output, args.force));
+  if (IsTorchFileName(args.output)) {
+    RESHARD_RETURN_IF_ERROR(
+        RewriteTorchFile(f, args.output, {.root = f.root(), .overwrite = args.force}));
+  } else {
+    RESHARD_RETURN_IF_ERROR(ExportToSafetensors(f, args.output, args.force));
+  }
   return f.tensors().size();
 }
 
 Status RunExport(const ExportArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
   Result<size_t> written =
-      LooksLikeTorchFile(mapped.bytes()) ? TorchToSafetensors(args) : SafetensorsToTorch(args);
+      LooksLikeTorchFile(mapped.bytes()) ? TorchToOutput(args) : SafetensorsToTorch(args);
   if (written.status().code() == StatusCode::kAlreadyExists) {
     return Status(StatusCode::kAlreadyExists,
                   written.status().message() + " (use --force to replace it)");
@@ -64,9 +75,11 @@ void RegisterExport(CLI::App& app, int& exit_status) {
       app, exit_status, "export",
       "Write every tensor of a PyTorch .pt file to a .safetensors file under its dotted name "
       "(module.layers.0.weight), bit for bit, without running the file's pickle; a view is "
-      "written as its own contiguous tensor. Given a .safetensors file, write its tensors as "
-      "the state dict torch.save would write (torch.load(weights_only=True) reads it). The "
-      "kind of input is told by its first bytes; the output appears atomically.",
+      "written as its own contiguous tensor. To an output named .pt, .pth or .bin, write the "
+      "whole object tree back instead (records such as DeepSpeed's loss scalers kept, views "
+      "and shared storages kept). Given a .safetensors file, write its tensors as the state "
+      "dict torch.save would write (torch.load(weights_only=True) reads it). The kind of "
+      "input is told by its first bytes; the output appears atomically.",
       RunExport);
   cmd->add_option("FILE", args->path, "a .pt file (torch.save) or a .safetensors file")->required();
   cmd->add_option("-o,--output", args->output, "the .safetensors (or, from safetensors, .pt) file")
