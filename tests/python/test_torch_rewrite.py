@@ -139,17 +139,6 @@ def test_deepspeed_records_round_trip(tmp_path, reshard_bin):
     assert back["loss_scaler"].cur_scale == 2**16 and back["static"].loss_scale == 128
 
 
-def test_rewrite_refuses_to_replace_unless_forced(tmp_path, reshard_bin):
-    src = tmp_path / "a.pt"
-    torch.save({"w": torch.ones(2)}, src)
-    out = tmp_path / "b.pt"
-    out.write_bytes(b"keep")
-    r = run(reshard_bin, "export", src, "-o", out)
-    assert r.returncode == 2 and "--force" in r.stderr and out.read_bytes() == b"keep"
-    rewrite(reshard_bin, src, out, "--force")
-    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(2))
-
-
 # --- real DeepSpeed checkpoints written back (DESIGN 12: made on the CPU in the test) -------
 
 # Trains one step, saves, writes every file back with reshard, then resumes from the original

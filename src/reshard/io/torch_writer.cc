@@ -381,14 +381,16 @@ PickleNodeId TorchTreeBuilder::Float(double value) {
 }
 
 PickleNodeId TorchTreeBuilder::Str(std::string value) {
-  const PickleNodeId id = Add(PickleKind::kStr);
-  tree_.mutable_node(id).text = std::move(value);
-  return id;
+  return Text(PickleKind::kStr, std::move(value));
 }
 
 PickleNodeId TorchTreeBuilder::Bytes(std::string value) {
-  const PickleNodeId id = Add(PickleKind::kBytes);
-  tree_.mutable_node(id).text = std::move(value);
+  return Text(PickleKind::kBytes, std::move(value));
+}
+
+PickleNodeId TorchTreeBuilder::Text(PickleKind kind, std::string text) {
+  const PickleNodeId id = Add(kind);
+  tree_.mutable_node(id).text = std::move(text);
   return id;
 }
 
@@ -435,9 +437,7 @@ PickleNodeId TorchTreeBuilder::Size(const Shape& dims) {
 }
 
 PickleNodeId TorchTreeBuilder::Global(std::string name) {
-  const PickleNodeId id = Add(PickleKind::kGlobal);
-  tree_.mutable_node(id).text = std::move(name);
-  return id;
+  return Text(PickleKind::kGlobal, std::move(name));
 }
 
 PickleNodeId TorchTreeBuilder::DTypeObject(DType dtype) {

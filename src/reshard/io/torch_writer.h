@@ -158,6 +158,7 @@ class TorchTreeBuilder {
     uint64_t storage_bytes;
   };
   PickleNodeId Add(PickleKind kind);
+  PickleNodeId Text(PickleKind kind, std::string text);
   PickleNodeId Items(PickleKind kind, std::vector<PickleNodeId> items);
   PickleNodeId Call(std::string_view callee, std::vector<PickleNodeId> args);
   std::string NewKey(std::string wanted);
