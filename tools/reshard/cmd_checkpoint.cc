@@ -159,14 +159,7 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
   AddScaleFlags(cmd, args);
 }
 
-void RegisterScatter(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ScatterArgs>(
-      app, exit_status, "scatter",
-      "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
-      "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "
-      "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
-      "map with scale power -1 / -2.",
-      RunScatter);
+void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   AddCommonOptions(cmd, *args, "FULL_DIR", "full checkpoint directory",
                    "split each rank's file into parts of at most this size (e.g. 5GB)");
   auto maps =
@@ -184,25 +177,14 @@ void RegisterScatter(CLI::App& app, int& exit_status) {
       ->check(IntegerIn(1, 1 << 20));
 }
 
-void RegisterGather(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<CommonArgs>(
-      app, exit_status, "gather",
-      "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-      "naming the ranks and element where they differ) and dropping padding.",
-      RunGather);
+void AddGatherOptions(CLI::App* cmd, CommonArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
 }
 
-void RegisterConvert(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ConvertArgs>(
-      app, exit_status, "convert",
-      "Re-shard a sharded checkpoint to another world size through transfer plans, without "
-      "building any full tensor. Target maps come from --target-maps or from the layout "
-      "descriptors in the manifest.",
-      RunConvert);
+void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
                    "split each rank's file into parts of at most this size");
   cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
@@ -213,10 +195,8 @@ void RegisterConvert(CLI::App& app, int& exit_status) {
 
 }  // namespace
 
-void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
-  RegisterScatter(app, exit_status);
-  RegisterGather(app, exit_status);
-  RegisterConvert(app, exit_status);
-}
+CommandBody ScatterCommand() { return {AddScatterOptions, RunScatter}; }
+CommandBody GatherCommand() { return {AddGatherOptions, RunGather}; }
+CommandBody ConvertCommand() { return {AddConvertOptions, RunConvert}; }
 
 }  // namespace reshard::cli
