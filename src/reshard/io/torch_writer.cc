@@ -9,6 +9,7 @@
 
 #include "reshard/io/file.h"
 #include "reshard/io/pickle.h"
+#include "reshard/io/torch_file.h"
 #include "reshard/io/zip.h"
 
 namespace reshard {
@@ -189,51 +190,6 @@ struct PickleOut {
   }
 };
 
-// torch's storage class for a dtype, or "" where torch writes an untyped storage and v3.
-std::string_view StorageClass(DType dtype) {
-  switch (dtype) {
-    case DType::kF64:
-      return "DoubleStorage";
-    case DType::kF32:
-      return "FloatStorage";
-    case DType::kF16:
-      return "HalfStorage";
-    case DType::kBF16:
-      return "BFloat16Storage";
-    case DType::kI64:
-      return "LongStorage";
-    case DType::kI32:
-      return "IntStorage";
-    case DType::kI16:
-      return "ShortStorage";
-    case DType::kI8:
-      return "CharStorage";
-    case DType::kU8:
-      return "ByteStorage";
-    case DType::kBool:
-      return "BoolStorage";
-    default:
-      return "";
-  }
-}
-
-std::string_view DTypeObject(DType dtype) {
-  switch (dtype) {
-    case DType::kU16:
-      return "uint16";
-    case DType::kU32:
-      return "uint32";
-    case DType::kU64:
-      return "uint64";
-    case DType::kF8E4M3:
-      return "float8_e4m3fn";
-    case DType::kF8E5M2:
-      return "float8_e5m2";
-    default:
-      return "";
-  }
-}
-
 // The pickle of OrderedDict(name -> tensor over storage "<i>"), as torch.save writes it.
 std::string StateDictPickle(const std::vector<TensorToWrite>& tensors) {
   PickleOut p;
@@ -241,7 +197,8 @@ std::string StateDictPickle(const std::vector<TensorToWrite>& tensors) {
   if (!tensors.empty()) p.b += '(';
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorToWrite& t = tensors[i];
-    const std::string_view storage = StorageClass(t.dtype);
+    const TorchDTypeGlobals globals = TorchGlobalsOf(t.dtype);
+    const std::string_view storage = globals.storage_class;
     const Index numel = ProductOf(t.shape);
     p.Str(t.name);
     p.Global("torch._utils", storage.empty() ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
@@ -261,7 +218,7 @@ std::string StateDictPickle(const std::vector<TensorToWrite>& tensors) {
     p.IntTuple(RowMajorStrides(t.shape));
     p.b += '\x89';  // requires_grad False
     p.EmptyOrderedDict();
-    if (storage.empty()) p.Global("torch", DTypeObject(t.dtype));
+    if (storage.empty()) p.Global("torch", globals.dtype_object);
     p.b += "tR";
   }
   if (!tensors.empty()) p.b += 'u';
