@@ -14,7 +14,7 @@ import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from . import _core
-from ._maps import MapLike, Plan, as_map
+from ._maps import MapLike, ParamMap, Plan, as_map
 
 # torch dtype names (without "torch.") and numpy dtype names (ml_dtypes' for bfloat16 and
 # fp8) -> the library's dtype names.
@@ -163,6 +163,16 @@ def _same_dtype(arrays: list[_Array], what: str) -> None:
                              f"{arrays[0].obj.dtype}")
 
 
+def _shard_arrays(m: ParamMap, shards: Union[Sequence[Tensor], Mapping[int, Tensor]]) -> list[_Array]:
+    """The shards of every rank of `m`, checked (one dtype, each its rank's shape) and dense."""
+    given = _by_rank(shards, m.world_size, "shards")
+    arrays = [_Array(s, f"shards[{r}]") for r, s in enumerate(given)]
+    _same_dtype(arrays, "shards")
+    for r, a in enumerate(arrays):
+        _check_shape(a, m.shard_shape(r), f"shards[{r}]")
+    return [a.densified() for a in arrays]
+
+
 def extract(map: MapLike, full: Tensor, rank: int, out: Optional[Tensor] = None, *,
             scale_power: int = 1, allow_scaled_optimizer_state: bool = False,
             allow_lossy_scale: bool = False, num_threads: int = 0) -> Tensor:
@@ -189,12 +199,7 @@ def rebuild(map: MapLike, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
     """Shards (a list by rank, or a dict rank -> tensor) -> F. With ``verify_replicas``, ranks
     that hold the same elements must agree bit for bit (ValueError naming where they differ)."""
     m = as_map(map)
-    given = _by_rank(shards, m.world_size, "shards")
-    arrays = [_Array(s, f"shards[{r}]") for r, s in enumerate(given)]
-    _same_dtype(arrays, "shards")
-    for r, a in enumerate(arrays):
-        _check_shape(a, m.shard_shape(r), f"shards[{r}]")
-    arrays = [a.densified() for a in arrays]
+    arrays = _shard_arrays(m, shards)
     dst = _Output(out, arrays[0], m.logical_shape, "out")
     _core.rebuild_into(m._handle, arrays[0].dtype, [a.address() for a in arrays], dst.address(),
                        _options(scale_power, verify_replicas, allow_scaled_optimizer_state,
@@ -213,12 +218,7 @@ def transfer(plan: Plan, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
     if not isinstance(plan, Plan):
         raise TypeError(f"expected a reshard.Plan (from reshard.compose), got {type(plan).__name__}")
     src_map, dst_map = plan.source, plan.target
-    given = _by_rank(shards, src_map.world_size, "shards")
-    arrays = [_Array(s, f"shards[{r}]") for r, s in enumerate(given)]
-    _same_dtype(arrays, "shards")
-    for r, a in enumerate(arrays):
-        _check_shape(a, src_map.shard_shape(r), f"shards[{r}]")
-    arrays = [a.densified() for a in arrays]
+    arrays = _shard_arrays(src_map, shards)
     outs = [None] * dst_map.world_size if out is None else _by_rank(out, dst_map.world_size, "out")
     targets = [_Output(o, arrays[0], dst_map.shard_shape(r), f"out[{r}]")
                for r, o in enumerate(outs)]
