@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "exit_status.h"
+#include "inspect_model.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
@@ -245,10 +246,18 @@ Status InspectDirectory(const InspectArgs& args) {
                tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
   }
   ordered_json listed = ordered_json::array();
+  const ModelDir model_dir = ModelDirOf(dir.string());
   for (const fs::path& f : files) {
+    // A Hugging Face directory's tensors are listed once, by the model view below.
+    if (model_dir == ModelDir::kHuggingFace && !args.json) continue;
     ordered_json one;
     RESHARD_RETURN_IF_ERROR(InspectFile(f.string(), args.json ? &one : nullptr));
     if (args.json) listed.push_back({{"file", f.filename().string()}, {"contents", one}});
+  }
+  if (model_dir != ModelDir::kNone) {
+    ordered_json model;
+    RESHARD_RETURN_IF_ERROR(InspectModel(dir.string(), model_dir, args.json ? &model : nullptr));
+    if (args.json) doc["model"] = std::move(model);
   }
   ordered_json rest = ordered_json::array();
   for (const fs::path& f : others) rest.push_back(f.filename().string());
