@@ -104,7 +104,7 @@ ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
   }
   const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json");
   return {{"format", "huggingface"},
-          {"index", index ? "model.safetensors.index.json" : nullptr},
+          {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
           {"bytes", c.total_bytes()},
           {"files", files},
           {"tensors", tensors}};
@@ -134,19 +134,38 @@ ModelDir ModelDirOf(const std::string& dir) {
   return ModelDir::kNone;
 }
 
-Status InspectModel(const std::string& dir, ModelDir kind, ordered_json* json) {
-  ordered_json view;
+Result<ordered_json> ModelView(const std::string& dir, ModelDir kind) {
   if (kind == ModelDir::kSharded) {
     RESHARD_ASSIGN_OR_RETURN(const ShardedCheckpoint c, ShardedCheckpoint::Open(dir));
-    view = ShardedJson(c);
-    if (json == nullptr) PrintSharded(dir, view);
-  } else if (kind == ModelDir::kHuggingFace) {
-    RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint c, FullCheckpoint::Open(dir));
-    view = HuggingFaceJson(dir, c);
-    if (json == nullptr) PrintHuggingFace(dir, view);
+    return ShardedJson(c);
   }
-  if (json != nullptr) *json = std::move(view);
-  return Status::Ok();
+  if (kind == ModelDir::kHuggingFace) {
+    RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint c, FullCheckpoint::Open(dir));
+    return HuggingFaceJson(dir, c);
+  }
+  return ordered_json(nullptr);
+}
+
+void PrintModelView(const std::string& dir, const ordered_json& view) {
+  if (!view.is_object()) return;
+  if (view["format"] == "reshard") {
+    PrintSharded(dir, view);
+  } else {
+    PrintHuggingFace(dir, view);
+  }
+}
+
+std::vector<std::string> ModelFiles(const ordered_json& view) {
+  std::vector<std::string> out;
+  if (!view.is_object()) return out;
+  if (view["format"] == "reshard") {
+    for (const auto& [rank, files] : view["files"].items()) {
+      for (const auto& f : files) out.push_back(f.get<std::string>());
+    }
+  } else {
+    for (const auto& f : view["files"]) out.push_back(f.get<std::string>());
+  }
+  return out;
 }
 
 }  // namespace reshard::cli

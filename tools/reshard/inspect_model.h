@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "reshard/base/result.h"
 
@@ -20,8 +21,14 @@ enum class ModelDir {
 ModelDir ModelDirOf(const std::string& dir);
 
 /// Opens `dir` as the checkpoint `kind` says (every file checked as the checkpoint commands
-/// check it) and prints its model view, or puts it in `*json` when `json` is not null.
-Status InspectModel(const std::string& dir, ModelDir kind, nlohmann::ordered_json* json);
+/// check it) and returns its model view as JSON (null for kNone).
+Result<nlohmann::ordered_json> ModelView(const std::string& dir, ModelDir kind);
+
+/// Prints a view ModelView returned.
+void PrintModelView(const std::string& dir, const nlohmann::ordered_json& view);
+
+/// The files of the directory a view covers (by name).
+std::vector<std::string> ModelFiles(const nlohmann::ordered_json& view);
 
 }  // namespace reshard::cli
 
