@@ -9,6 +9,7 @@
 #include "exit_status.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/deepspeed.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -26,6 +27,10 @@ struct CommonArgs {
   bool allow_scaled_optimizer_state = false;
   bool allow_lossy_scale = false;
   bool no_verify_replicas = false;
+};
+
+struct GatherArgs : CommonArgs {
+  bool fp32 = false;
 };
 
 // The flags every checkpoint command takes about scaled values.
@@ -67,6 +72,7 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string target_maps;
+  bool weights_only = false;
 };
 
 // The maps of scatter --config: the model's tensor-parallel plan at `world`; records the
@@ -121,11 +127,18 @@ Status RunScatter(const ScatterArgs& args) {
   return Status::Ok();
 }
 
-Status RunGather(const CommonArgs& args) {
+Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather");
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_RETURN_IF_ERROR(WithForceHint(Gather(args.input, args.output, options), args.force));
+  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
+  if (args.fp32 && !deepspeed) {
+    return InvalidArgumentError("--fp32 takes a DeepSpeed checkpoint's master weights; \"" +
+                                args.input + "\" is not a DeepSpeed checkpoint");
+  }
+  Status s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
+                       : Gather(args.input, args.output, options);
+  RESHARD_RETURN_IF_ERROR(WithForceHint(std::move(s), args.force));
   fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args.input, args.output, Seconds(t0));
   return Status::Ok();
 }
@@ -138,7 +151,15 @@ Status RunConvert(const ConvertArgs& args) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  Status s = WithForceHint(Convert(args.input, args.tp, target, args.output, options), args.force);
+  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
+  if (args.weights_only && !deepspeed) {
+    return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
+                                args.input + "\" is not one");
+  }
+  Status s = WithForceHint(deepspeed ? ConvertDeepSpeed(args.input, args.tp, target,
+                                                        args.weights_only, args.output, options)
+                                     : Convert(args.input, args.tp, target, args.output, options),
+                           args.force);
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() + "; give them with --target-maps MAPS.json");
   }
@@ -185,13 +206,19 @@ void RegisterScatter(CLI::App& app, int& exit_status) {
 }
 
 void RegisterGather(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<CommonArgs>(
+  auto [cmd, args] = AddCommand<GatherArgs>(
       app, exit_status, "gather",
       "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-      "naming the ranks and element where they differ) and dropping padding.",
+      "naming the ranks and element where they differ) and dropping padding. The input may be "
+      "a DeepSpeed checkpoint (a save dir with `latest`, or a tag dir): its module weights "
+      "become Hugging Face safetensors, with the save dir's config.json.",
       RunGather);
-  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "write parts of at most this size and an index (e.g. 5GB)");
+  cmd->add_flag("--fp32", args->fp32,
+                "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
+                "module's");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
 }
@@ -201,10 +228,15 @@ void RegisterConvert(CLI::App& app, int& exit_status) {
       app, exit_status, "convert",
       "Re-shard a sharded checkpoint to another world size through transfer plans, without "
       "building any full tensor. Target maps come from --target-maps or from the layout "
-      "descriptors in the manifest.",
+      "descriptors in the manifest. The input may be a DeepSpeed checkpoint: its module "
+      "weights, fp32 master weights (<param>.fp32) and Adam moments (<param>.exp_avg, "
+      "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
       RunConvert);
-  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "split each rank's file into parts of at most this size");
+  cmd->add_flag("--weights-only", args->weights_only,
+                "DeepSpeed input: the module's weights only, no optimizer state");
   cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,

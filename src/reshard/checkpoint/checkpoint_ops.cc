@@ -159,16 +159,6 @@ Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>
   return first;
 }
 
-// Every rank's shard of parameter `param`.
-std::vector<ConstBuffer> ShardBuffers(const ShardedCheckpoint& ckpt, size_t param) {
-  const ParamMap& map = ckpt.manifest().params[param].map;
-  std::vector<ConstBuffer> shards;
-  for (Rank r = 0; r < map.world_size(); ++r) {
-    shards.push_back({ckpt.shard(param, r).data(), map.shard_num_elements(r)});
-  }
-  return shards;
-}
-
 ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
   ExecOptions e;
   e.scale_power = scale_power;
@@ -222,11 +212,99 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
   return out.Commit();
 }
 
-// Everything a run from a sharded checkpoint reads, which its output may not touch.
-std::vector<std::string> ShardedInputs(const std::string& dir, const ShardedCheckpoint& ckpt) {
-  std::vector<std::string> inputs = {dir, (std::filesystem::path(dir) / kManifestName).string()};
-  for (std::string& path : ckpt.file_paths()) inputs.push_back(std::move(path));
-  return inputs;
+// A sharded checkpoint as a source: shards are views of its mapped files.
+class ShardedDirSource : public ShardSource {
+ public:
+  ShardedDirSource(std::string dir, ShardedCheckpoint ckpt)
+      : dir_(std::move(dir)), ckpt_(std::move(ckpt)) {}
+  int world_size() const override { return ckpt_.manifest().world_size; }
+  const std::vector<ShardedParam>& params() const override { return ckpt_.manifest().params; }
+  std::vector<DegreeConstraint> constraints() const override {
+    return ckpt_.manifest().constraints;
+  }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const ParamMap& map = ckpt_.manifest().params[i].map;
+    std::vector<ConstBuffer> shards;
+    for (Rank r = 0; r < map.world_size(); ++r) {
+      shards.push_back({ckpt_.shard(i, r).data(), map.shard_num_elements(r)});
+    }
+    return shards;
+  }
+  void ReleaseShards(size_t i) override {
+    for (Rank r = 0; r < world_size(); ++r) ReleasePages(ckpt_.shard(i, r));
+  }
+  // Everything a run from a sharded checkpoint reads, which its output may not touch.
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> inputs = {dir_,
+                                       (std::filesystem::path(dir_) / kManifestName).string()};
+    for (std::string& path : ckpt_.file_paths()) inputs.push_back(std::move(path));
+    return inputs;
+  }
+
+ private:
+  std::string dir_;
+  ShardedCheckpoint ckpt_;
+};
+
+// Acquires a parameter's shards and releases them when it goes out of scope.
+class AcquiredShards {
+ public:
+  AcquiredShards(ShardSource& source, size_t i) : source_(source), i_(i) {
+    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
+    if (shards.ok()) {
+      shards_ = *std::move(shards);
+    } else {
+      status_ = shards.status();
+    }
+  }
+  ~AcquiredShards() {
+    if (status_.ok()) source_.ReleaseShards(i_);
+  }
+  AcquiredShards(const AcquiredShards&) = delete;
+  AcquiredShards& operator=(const AcquiredShards&) = delete;
+  const Status& status() const { return status_; }
+  const std::vector<ConstBuffer>& shards() const { return shards_; }
+
+ private:
+  ShardSource& source_;
+  size_t i_;
+  Status status_;
+  std::vector<ConstBuffer> shards_;
+};
+
+// Writes the full tensors as model.safetensors, or as parts and an index.
+Status WriteFull(const OutputDirectory& out, std::vector<TensorToWrite> tensors, uint64_t total,
+                 const CheckpointOptions& options) {
+  if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
+    return WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors),
+                            ProducerMetadata());
+  }
+  auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
+    for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
+    RESHARD_RETURN_IF_ERROR(
+        WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n");
+}
+
+// Warns about a plan that moves values through a factor that is not a power of two.
+void WarnAboutFactors(const CheckpointOptions& options, const ShardedParam& p,
+                      const ParamPlan& plan) {
+  if (!options.warn || !options.allow_lossy_scale || DTypeKindOf(p.dtype) != DTypeKind::kFloat)
+    return;
+  for (const Move& mv : plan.moves) {
+    if (!IsPowerOfTwo(mv.factor)) {
+      options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
+                                       "the values are rounded, so a round trip is exact only "
+                                       "to the last bit",
+                                       mv.factor));
+      return;
+    }
+  }
 }
 
 }  // namespace
@@ -333,23 +411,29 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
 Status Gather(const std::string& sharded_dir, const std::string& out_dir,
               const CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
-  const Manifest& m = ckpt.manifest();
-  for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
-  RESHARD_ASSIGN_OR_RETURN(
-      OutputDirectory out,
-      OutputDirectory::Create(out_dir, options.overwrite, ShardedInputs(sharded_dir, ckpt)));
+  ShardedDirSource source(sharded_dir, std::move(ckpt));
+  return GatherFrom(source, out_dir, options);
+}
+
+Status GatherFrom(ShardSource& source, const std::string& out_dir, const CheckpointOptions& options,
+                  const std::vector<ExtraFile>& extra_files) {
+  const std::vector<ShardedParam>& params = source.params();
+  for (const ShardedParam& p : params) WarnAboutScales(options, p, "undoing");
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite, source.inputs()));
   uint64_t total = 0;
-  for (const ShardedParam& p : m.params)
+  for (const ShardedParam& p : params)
     total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
   ProgressCounter progress(options, total);
   std::vector<TensorToWrite> tensors;
-  for (size_t i = 0; i < m.params.size(); ++i) {
-    const ShardedParam& p = m.params[i];
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ShardedParam& p = params[i];
     tensors.push_back(
         {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
-           const ShardedParam& param = m.params[i];
+           const ShardedParam& param = params[i];
            const ParamMap& map = param.map;
-           const std::vector<ConstBuffer> shards = ShardBuffers(ckpt, i);
+           AcquiredShards shards(source, i);
+           RESHARD_RETURN_IF_ERROR(shards.status());
            std::vector<std::byte> padded;
            MutableBuffer f{buffer.data(), map.num_elements()};
            if (map.has_padding()) {
@@ -357,33 +441,19 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
              f.data = padded.data();
            }
            // The writer names the tensor in any error.
-           RESHARD_RETURN_IF_ERROR(
-               Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power)));
+           RESHARD_RETURN_IF_ERROR(Rebuild(map, param.dtype, shards.shards(), f,
+                                           ExecOptionsFor(options, param.scale_power)));
            if (map.has_padding()) {
              RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(),
                                                      true, options.num_threads));
            }
-           for (Rank r = 0; r < map.world_size(); ++r) ReleasePages(ckpt.shard(i, r));
            progress.Add(buffer.size());
            return Status::Ok();
          }});
   }
-  if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
-    RESHARD_RETURN_IF_ERROR(WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors),
-                                             ProducerMetadata()));
-  } else {
-    auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
-    nlohmann::json weight_map = nlohmann::json::object();
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const std::string name =
-          fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
-      for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
-      RESHARD_RETURN_IF_ERROR(
-          WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
-    }
-    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    RESHARD_RETURN_IF_ERROR(
-        WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n"));
+  RESHARD_RETURN_IF_ERROR(WriteFull(out, std::move(tensors), total, options));
+  for (const ExtraFile& f : extra_files) {
+    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents));
   }
   return out.Commit();
 }
@@ -394,11 +464,20 @@ Status Convert(const std::string& sharded_dir, int world_size,
   if (world_size < 1)
     return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
   RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
-  const Manifest& src = ckpt.manifest();
+  ShardedDirSource source(sharded_dir, std::move(ckpt));
+  return ConvertFrom(source, world_size, target_maps, out_dir, options);
+}
+
+Status ConvertFrom(ShardSource& source, int world_size,
+                   const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                   const CheckpointOptions& options) {
+  if (world_size < 1)
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  const std::vector<DegreeConstraint> constraints = source.constraints();
   // Maps built from the recorded layouts follow the model's plan: it must take the degree.
-  if (!target_maps && FirstBrokenConstraint(src.constraints, world_size)) {
+  if (!target_maps && FirstBrokenConstraint(constraints, world_size)) {
     return FailedPreconditionError(DegreeRefusalMessage(
-        src.constraints, world_size, TransformersBrokenDegreeConsequence(world_size)));
+        constraints, world_size, TransformersBrokenDegreeConsequence(world_size)));
   }
   std::map<std::string, const ParamMap*> given;
   if (target_maps) {
@@ -406,9 +485,9 @@ Status Convert(const std::string& sharded_dir, int world_size,
   }
   Manifest dst;
   dst.world_size = world_size;
-  dst.constraints = src.constraints;
+  dst.constraints = constraints;
   std::vector<ParamPlan> plans;
-  for (const ShardedParam& p : src.params) {
+  for (const ShardedParam& p : source.params()) {
     const std::string where = fmt::format("parameter \"{}\"", p.name);
     std::optional<ParamMap> target;
     if (target_maps) {
@@ -422,10 +501,10 @@ Status Convert(const std::string& sharded_dir, int world_size,
       if (!built.ok()) return built.status().Annotate(where);
       target = *std::move(built);
     } else {
-      return FailedPreconditionError(fmt::format(
-          "{} has no layout descriptor in the manifest, so its map at {} ranks is unknown "
-          "without target maps",
-          where, world_size));
+      return FailedPreconditionError(
+          fmt::format("{} has no recorded layout descriptor, so its map at {} ranks is unknown "
+                      "without target maps",
+                      where, world_size));
     }
     if (target->world_size() != world_size) {
       return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where,
@@ -433,17 +512,7 @@ Status Convert(const std::string& sharded_dir, int world_size,
     }
     Result<ParamPlan> plan = Compose(*target, p.map);
     if (!plan.ok()) return plan.status().Annotate(where);
-    if (options.warn && options.allow_lossy_scale && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
-      for (const Move& mv : plan->moves) {
-        if (!IsPowerOfTwo(mv.factor)) {
-          options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
-                                           "the values are rounded, so a round trip is exact only "
-                                           "to the last bit",
-                                           mv.factor));
-          break;
-        }
-      }
-    }
+    WarnAboutFactors(options, p, *plan);
     plans.push_back(*std::move(plan));
     dst.params.push_back(
         ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
@@ -456,20 +525,21 @@ Status Convert(const std::string& sharded_dir, int world_size,
   // parameter's replicas are compared once, by the first rank thread to reach it, just before
   // its data is moved (the source pages are read once for both). A disagreement fails the
   // run, and a failed run leaves no output.
-  std::vector<std::once_flag> verify_once(src.params.size());
-  std::vector<Status> verified(src.params.size());
-  auto verify = [&](size_t i) {
-    const ShardedParam& p = src.params[i];
-    verified[i] = VerifyReplicas(p.map, p.dtype, ShardBuffers(ckpt, i),
-                                 ExecOptionsFor(options, p.scale_power));
+  std::vector<std::once_flag> verify_once(source.params().size());
+  std::vector<Status> verified(source.params().size());
+  auto verify = [&](size_t i, const std::vector<ConstBuffer>& shards) {
+    const ShardedParam& p = source.params()[i];
+    verified[i] = VerifyReplicas(p.map, p.dtype, shards, ExecOptionsFor(options, p.scale_power));
   };
   CheckpointOptions per_rank = options;
   per_rank.num_threads = 1;
   return WriteSharded(
-      out_dir, ShardedInputs(sharded_dir, ckpt), dst, options,
+      out_dir, source.inputs(), dst, options,
       [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        AcquiredShards sources(source, i);
+        RESHARD_RETURN_IF_ERROR(sources.status());
         if (options.verify_replicas) {
-          std::call_once(verify_once[i], verify, i);
+          std::call_once(verify_once[i], verify, i, sources.shards());
           RESHARD_RETURN_IF_ERROR(verified[i]);
         }
         const ShardedParam& param = dst.params[i];
@@ -483,13 +553,10 @@ Status Convert(const std::string& sharded_dir, int world_size,
         for (const UnwrittenBlock& u : plan.unwritten) {
           if (u.dst_rank == r) mine.unwritten.push_back(u);
         }
-        const std::vector<ConstBuffer> sources = ShardBuffers(ckpt, i);
         std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
         targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
-        RESHARD_RETURN_IF_ERROR(ExecutePlan(mine, param.dtype, sources, targets,
-                                            ExecOptionsFor(per_rank, param.scale_power)));
-        for (Rank q = 0; q < plan.source_world; ++q) ReleasePages(ckpt.shard(i, q));
-        return Status::Ok();
+        return ExecutePlan(mine, param.dtype, sources.shards(), targets,
+                           ExecOptionsFor(per_rank, param.scale_power));
       });
 }
 
