@@ -180,14 +180,7 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
   AddScaleFlags(cmd, args);
 }
 
-void RegisterScatter(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ScatterArgs>(
-      app, exit_status, "scatter",
-      "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
-      "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "
-      "layout descriptors. Tensors named <param>.exp_avg / <param>.exp_avg_sq take <param>'s "
-      "map with scale power -1 / -2.",
-      RunScatter);
+void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   AddCommonOptions(cmd, *args, "FULL_DIR", "full checkpoint directory",
                    "split each rank's file into parts of at most this size (e.g. 5GB)");
   auto maps =
@@ -205,14 +198,7 @@ void RegisterScatter(CLI::App& app, int& exit_status) {
       ->check(IntegerIn(1, 1 << 20));
 }
 
-void RegisterGather(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<GatherArgs>(
-      app, exit_status, "gather",
-      "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-      "naming the ranks and element where they differ) and dropping padding. The input may be "
-      "a DeepSpeed checkpoint (a save dir with `latest`, or a tag dir): its module weights "
-      "become Hugging Face safetensors, with the save dir's config.json.",
-      RunGather);
+void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "write parts of at most this size and an index (e.g. 5GB)");
@@ -223,15 +209,7 @@ void RegisterGather(CLI::App& app, int& exit_status) {
                 "take replicated data from the lowest rank without comparing");
 }
 
-void RegisterConvert(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ConvertArgs>(
-      app, exit_status, "convert",
-      "Re-shard a sharded checkpoint to another world size through transfer plans, without "
-      "building any full tensor. Target maps come from --target-maps or from the layout "
-      "descriptors in the manifest. The input may be a DeepSpeed checkpoint: its module "
-      "weights, fp32 master weights (<param>.fp32) and Adam moments (<param>.exp_avg, "
-      "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
-      RunConvert);
+void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "split each rank's file into parts of at most this size");
@@ -245,10 +223,8 @@ void RegisterConvert(CLI::App& app, int& exit_status) {
 
 }  // namespace
 
-void RegisterCheckpointCommands(CLI::App& app, int& exit_status) {
-  RegisterScatter(app, exit_status);
-  RegisterGather(app, exit_status);
-  RegisterConvert(app, exit_status);
-}
+CommandBody ScatterCommand() { return {AddScatterOptions, RunScatter}; }
+CommandBody GatherCommand() { return {AddGatherOptions, RunGather}; }
+CommandBody ConvertCommand() { return {AddConvertOptions, RunConvert}; }
 
 }  // namespace reshard::cli

@@ -94,19 +94,15 @@ Status RunCompose(const ComposeArgs& args) {
   return Status::Ok();
 }
 
-}  // namespace
-
-void RegisterCompose(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ComposeArgs>(
-      app, exit_status, "compose",
-      "Compose two map documents of the same parameters into a transfer plan: the moves that "
-      "take shards laid out by --from to shards laid out by --to, without the full tensor. "
-      "Prints the plan, or writes it with -o; --json prints a summary with move counts.",
-      RunCompose);
+void AddComposeOptions(CLI::App* cmd, ComposeArgs* args) {
   cmd->add_option("--from", args->from, "map document of the source topology")->required();
   cmd->add_option("--to", args->to, "map document of the target topology")->required();
   AddOutputOptions(cmd, args->output, args->force, "write the plan here (atomically)");
   AddJsonFlag(cmd, args->json, "print a machine-readable summary instead of the plan");
 }
+
+}  // namespace
+
+CommandBody ComposeCommand() { return {AddComposeOptions, RunCompose}; }
 
 }  // namespace reshard::cli

@@ -173,15 +173,7 @@ Status RunDegree(const DegreeArgs& args) {
   return EmitMaps(args, plan, *requested);
 }
 
-}  // namespace
-
-void RegisterDegree(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<DegreeArgs>(
-      app, exit_status, "degree",
-      "The largest tensor-parallel degree a model supports, from its config.json and "
-      "transformers' plans (docs/degree.md). With --tp N, confirm N (exit 0) or refuse it "
-      "naming the constraint that breaks (exit 1). Exit 1 also for a model that cannot be split.",
-      RunDegree);
+void AddDegreeOptions(CLI::App* cmd, DegreeArgs* args) {
   cmd->add_option("CONFIG", args->config, "the model's config.json")->required();
   cmd->add_option("--tp", args->tp, "the degree you want to use (1 to 1048576)");
   cmd->add_option("--engine", args->engine, "whose rules: transformers (default) or vllm")
@@ -199,5 +191,9 @@ void RegisterDegree(CLI::App& app, int& exit_status) {
                   "the headers are read");
   cmd->add_flag("--force", args->force, "replace an existing --emit-maps file");
 }
+
+}  // namespace
+
+CommandBody DegreeCommand() { return {AddDegreeOptions, RunDegree}; }
 
 }  // namespace reshard::cli

@@ -355,17 +355,7 @@ Status RunDemo(const DemoArgs& args) {
   return ok ? Status::Ok() : AlreadyReportedCheckFailure();
 }
 
-}  // namespace
-
-void RegisterDemo(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<DemoArgs>(
-      app, exit_status, "demo",
-      "Run the embedded example: generate a small multi-layer checkpoint with one parameter per "
-      "layout family in every layer (splits, fused and multi-query QKV, Yuan's shared-QK heads, "
-      "CodeGen's QKV, a pre-divided bias, a padded vocabulary), scatter it to TP 4, convert to "
-      "TP 2 and TP 3, gather, and prove bit-exactness. Outputs go to DIR (kept) or to a "
-      "temporary directory (removed).",
-      RunDemo);
+void AddDemoOptions(CLI::App* cmd, DemoArgs* args) {
   cmd->add_option("DIR", args->dir, "directory for the outputs (optional)");
   cmd->add_flag("--force", args->force, "replace existing outputs in DIR");
   cmd->add_option("--layers", args->layers, "number of layers")
@@ -375,5 +365,9 @@ void RegisterDemo(CLI::App& app, int& exit_status) {
       ->capture_default_str()
       ->check(IntegerIn(0, std::numeric_limits<int64_t>::max()));
 }
+
+}  // namespace
+
+CommandBody DemoCommand() { return {AddDemoOptions, RunDemo}; }
 
 }  // namespace reshard::cli

@@ -57,21 +57,15 @@ Status RunExport(const ExportArgs& args) {
   return Status::Ok();
 }
 
-}  // namespace
-
-void RegisterExport(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ExportArgs>(
-      app, exit_status, "export",
-      "Write every tensor of a PyTorch .pt file to a .safetensors file under its dotted name "
-      "(module.layers.0.weight), bit for bit, without running the file's pickle; a view is "
-      "written as its own contiguous tensor. Given a .safetensors file, write its tensors as "
-      "the state dict torch.save would write (torch.load(weights_only=True) reads it). The "
-      "kind of input is told by its first bytes; the output appears atomically.",
-      RunExport);
+void AddExportOptions(CLI::App* cmd, ExportArgs* args) {
   cmd->add_option("FILE", args->path, "a .pt file (torch.save) or a .safetensors file")->required();
   cmd->add_option("-o,--output", args->output, "the .safetensors (or, from safetensors, .pt) file")
       ->required();
   cmd->add_flag("--force", args->force, "replace an existing output");
 }
+
+}  // namespace
+
+CommandBody ExportCommand() { return {AddExportOptions, RunExport}; }
 
 }  // namespace reshard::cli

@@ -35,20 +35,16 @@ Status RunInfer(const InferArgs& args) {
   return PrintOrWrite(args.output, ParamMapToJson(*map), args.force);
 }
 
-}  // namespace
-
-void RegisterInfer(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<InferArgs>(
-      app, exit_status, "infer",
-      "Derive the canonical param map from index maps: for each rank, the flat offset in F of "
-      "every shard element (obtained by running a framework's partition function on "
-      "arange(F.numel())). Prints the map, or writes it with -o.",
-      RunInfer);
+void AddInferOptions(CLI::App* cmd, InferArgs* args) {
   cmd->add_option("INDEX_MAPS", args->path, "index maps (JSON, DESIGN 6.3)")->required();
   AddOutputOptions(cmd, args->output, args->force,
                    "write the map here (atomically) instead of stdout");
   cmd->add_flag("--allow-uncovered", args->allow_uncovered,
                 "accept elements of F that no rank holds (a deliberately partial observation)");
 }
+
+}  // namespace
+
+CommandBody InferCommand() { return {AddInferOptions, RunInfer}; }
 
 }  // namespace reshard::cli

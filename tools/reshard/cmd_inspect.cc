@@ -280,20 +280,15 @@ Status RunInspect(const InspectArgs& args) {
   return Status::Ok();
 }
 
-}  // namespace
-
-void RegisterInspect(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<InspectArgs>(
-      app, exit_status, "inspect",
-      "List the tensors (dotted name, dtype, shape, strides, storage offset) and the object tree "
-      "of a PyTorch .pt file, read without running its pickle, or the tensors of a .safetensors "
-      "file; the kind of file is told by its first bytes. Given a directory, every .pt, .pth, "
-      ".bin and .safetensors file in it (a DeepSpeed save dir is read through its latest tag).",
-      RunInspect);
+void AddInspectOptions(CLI::App* cmd, InspectArgs* args) {
   cmd->add_option("FILE_OR_DIR", args->path,
                   "a .pt (torch.save) or .safetensors file, or a directory of them")
       ->required();
   AddJsonFlag(cmd, args->json, "machine-readable output");
 }
+
+}  // namespace
+
+CommandBody InspectCommand() { return {AddInspectOptions, RunInspect}; }
 
 }  // namespace reshard::cli

@@ -90,16 +90,7 @@ Status RunLayout(const LayoutArgs& args) {
   return PrintOrWrite(args.output, ParamMapToJson(map), args.force);
 }
 
-}  // namespace
-
-void RegisterLayout(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<LayoutArgs>(
-      app, exit_status, "layout",
-      "Lay out a layout descriptor (docs/layouts.md) for a parameter shape at a world size, or "
-      "lower DeepSpeed's per-parameter universal-checkpoint metadata, and print the canonical "
-      "param map (or write it with -o). Exit 1 when the layout cannot be laid out at that world "
-      "size, 2 for a malformed descriptor or inconsistent metadata.",
-      RunLayout);
+void AddLayoutOptions(CLI::App* cmd, LayoutArgs* args) {
   cmd->add_option("DESCRIPTOR", args->descriptor, "layout descriptor (JSON)");
   cmd->add_option("--from-deepspeed", args->deepspeed_meta,
                   "DeepSpeed per-parameter metadata (JSON) instead of a descriptor");
@@ -108,5 +99,9 @@ void RegisterLayout(CLI::App& app, int& exit_status) {
   AddOutputOptions(cmd, args->output, args->force,
                    "write the map here (atomically) instead of stdout");
 }
+
+}  // namespace
+
+CommandBody LayoutCommand() { return {AddLayoutOptions, RunLayout}; }
 
 }  // namespace reshard::cli

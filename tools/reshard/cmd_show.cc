@@ -170,15 +170,7 @@ Status RunShow(const ShowArgs& args) {
   return failure;
 }
 
-}  // namespace
-
-void RegisterShow(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<ShowArgs>(
-      app, exit_status, "show",
-      "Summarise a param map, a map document or a sharded checkpoint (its reshard.json or its "
-      "directory): pieces per rank, bytes held, replicated and scaled bytes, and a picture of "
-      "which rank holds which part of F.",
-      RunShow);
+void AddShowOptions(CLI::App* cmd, ShowArgs* args) {
   cmd->add_option("MAP", args->path,
                   "param map or map document (JSON), a sharded checkpoint's reshard.json, or "
                   "its directory")
@@ -194,5 +186,9 @@ void RegisterShow(CLI::App& app, int& exit_status) {
       ->check(CLI::Range(1, 1000));
   AddJsonFlag(cmd, args->json, "print a machine-readable summary on stdout");
 }
+
+}  // namespace
+
+CommandBody ShowCommand() { return {AddShowOptions, RunShow}; }
 
 }  // namespace reshard::cli

@@ -58,17 +58,13 @@ Status RunVerify(const VerifyArgs& args) {
   return worst.ok() ? worst : Status(worst.code(), "");
 }
 
-}  // namespace
-
-void RegisterVerify(CLI::App& app, int& exit_status) {
-  auto [cmd, args] = AddCommand<VerifyArgs>(
-      app, exit_status, "verify",
-      "Validate a param map or map document: bounds, exact shards, coverage, homogeneity.\n"
-      "Exit 0 when every parameter is valid, 1 naming the first violation per parameter, 2 "
-      "when the file is unreadable or malformed.",
-      RunVerify);
+void AddVerifyOptions(CLI::App* cmd, VerifyArgs* args) {
   cmd->add_option("MAP", args->path, "param map or map document (JSON)")->required();
   AddJsonFlag(cmd, args->json, "print a machine-readable report on stdout");
 }
+
+}  // namespace
+
+CommandBody VerifyCommand() { return {AddVerifyOptions, RunVerify}; }
 
 }  // namespace reshard::cli

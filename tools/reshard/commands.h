@@ -1,9 +1,11 @@
-// Each command registers itself on the app through AddCommand: its options fill an Args value,
-// and its callback runs `Status RunX(const Args&)` and stores the exit status Finish gives.
+// The commands of the CLI: each is a name and help text in the table of commands.cc and a
+// CommandBody from its cmd_*.cc, whose options fill an Args value and whose callback runs
+// `Status RunX(const Args&)` and stores the exit status Finish gives.
 #ifndef RESHARD_TOOLS_COMMANDS_H_
 #define RESHARD_TOOLS_COMMANDS_H_
 
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -14,32 +16,48 @@
 
 namespace reshard::cli {
 
-void RegisterVerify(CLI::App& app, int& exit_status);
-void RegisterShow(CLI::App& app, int& exit_status);
-void RegisterDemo(CLI::App& app, int& exit_status);
-void RegisterInfer(CLI::App& app, int& exit_status);
-void RegisterLayout(CLI::App& app, int& exit_status);
-void RegisterCompose(CLI::App& app, int& exit_status);
-void RegisterCheckpointCommands(CLI::App& app, int& exit_status);
-void RegisterDegree(CLI::App& app, int& exit_status);
-void RegisterInspect(CLI::App& app, int& exit_status);
-void RegisterExport(CLI::App& app, int& exit_status);
+/// The part of a command that its cmd_*.cc defines: the function that declares the options
+/// filling its Args, and `Status run(const Args&)`. The name and help text of every command are
+/// in one table (commands.cc), which also fixes the order `reshard --help` lists them in.
+class CommandBody {
+ public:
+  template <typename Args>
+  CommandBody(void (*add_options)(CLI::App* cmd, Args* args), Status (*run)(const Args&))
+      : install_([add_options, run](CLI::App* cmd, int& exit_status) {
+          auto args = std::make_shared<Args>();
+          add_options(cmd, args.get());
+          cmd->callback([cmd, args, run, &exit_status] {
+            exit_status = Finish(cmd->get_name(), run(*args));
+          });
+        }) {}
+
+  /// Declares the options on `cmd`; when `cmd` is chosen, `run` runs on the parsed Args and
+  /// `exit_status` becomes Finish(cmd's name, its status).
+  void Install(CLI::App* cmd, int& exit_status) const { install_(cmd, exit_status); }
+
+ private:
+  std::function<void(CLI::App*, int&)> install_;
+};
+
+CommandBody VerifyCommand();
+CommandBody ShowCommand();
+CommandBody InferCommand();
+CommandBody LayoutCommand();
+CommandBody ComposeCommand();
+CommandBody ScatterCommand();
+CommandBody GatherCommand();
+CommandBody ConvertCommand();
+CommandBody DegreeCommand();
+CommandBody InspectCommand();
+CommandBody ExportCommand();
+CommandBody DemoCommand();
+
+/// Adds every command to `app` as a subcommand, with its name and help from the table.
+void AddCommands(CLI::App& app, int& exit_status);
 
 /// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
 /// (replacing an existing file only with `force`).
 Status PrintOrWrite(const std::string& output, const std::string& text, bool force);
-
-/// Adds the subcommand `name` and returns it with the Args its options are to fill. When the
-/// subcommand is chosen, `run(args)` runs and `exit_status` becomes Finish(name, its status).
-template <typename Args>
-std::pair<CLI::App*, std::shared_ptr<Args>> AddCommand(CLI::App& app, int& exit_status,
-                                                       std::string name, std::string help,
-                                                       Status (*run)(const Args&)) {
-  auto args = std::make_shared<Args>();
-  CLI::App* cmd = app.add_subcommand(name, std::move(help));
-  cmd->callback([args, run, name, &exit_status] { exit_status = Finish(name, run(*args)); });
-  return {cmd, args};
-}
 
 /// `-o,--output` (described by `what`) and `--force` (replace an existing output).
 CLI::Option* AddOutputOptions(CLI::App* cmd, std::string& output, bool& force,

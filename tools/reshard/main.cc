@@ -16,16 +16,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "reshard 0.1.0");
   int exit_status = kExitOk;
-  RegisterVerify(app, exit_status);
-  RegisterShow(app, exit_status);
-  RegisterInfer(app, exit_status);
-  RegisterLayout(app, exit_status);
-  RegisterCompose(app, exit_status);
-  RegisterCheckpointCommands(app, exit_status);
-  RegisterDegree(app, exit_status);
-  RegisterInspect(app, exit_status);
-  RegisterExport(app, exit_status);
-  RegisterDemo(app, exit_status);
+  AddCommands(app, exit_status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
