@@ -409,7 +409,7 @@ Result<ParamMap> FragmentMap(Index n, int world, const std::vector<FragmentSpan>
 // module state is unused).
 struct FlatGroup {
   std::array<std::vector<DeepSpeedFragment>, kNumDeepSpeedStates> flat;
-  Index numel = 0;  // of each (they are equal)
+  std::vector<Index> numel;  // per DP rank (the master's and the moments' agree)
 };
 
 }  // namespace
@@ -425,6 +425,7 @@ class DeepSpeedReader {
   Status ResolveTag(const std::string& path);
   Result<const TorchFile*> OpenFile(const std::string& name);
   Status ReadTopology();
+  Status CheckDpModelStates();
   Status ReadParams();
   Status ReadPartitions();
   Status ReadTorchOptimizer();
@@ -432,6 +433,7 @@ class DeepSpeedReader {
   Result<FlatGroup> ReadFlatGroup(Rank t, size_t g);
   Status Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
                const std::vector<Index>& flat_offsets, const FlatGroup& group);
+  Status CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const;
   Result<std::vector<FragmentSpan>> SliceMappings(Rank t, size_t g, size_t i,
                                                   const FlatGroup& group,
                                                   std::vector<Index>& flat_offsets);
@@ -533,6 +535,7 @@ Status DeepSpeedReader::ReadTopology() {
     RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, 0)));
     model_.push_back(f);
   }
+  RESHARD_RETURN_IF_ERROR(CheckDpModelStates());
   // The optimizer files, when this stage has them ("bf16_" with DeepSpeed's bf16 optimizer).
   const std::string prefix =
       fs::exists(dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", ec) ? "bf16_" : "";
@@ -552,6 +555,27 @@ Status DeepSpeedReader::ReadTopology() {
           const TorchFile* f,
           OpenFile(fmt::format("{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt", prefix, d, r)));
       optim_[static_cast<size_t>(r)].push_back(f);
+    }
+  }
+  return Status::Ok();
+}
+
+// ZeRO 3 keeps model states per DP rank: each must list the parameters and shapes DP rank 0's
+// does.
+Status DeepSpeedReader::CheckDpModelStates() {
+  if (c_.stage_ != 3) return Status::Ok();
+  for (Rank r = 0; r < c_.tp_; ++r) {
+    const TorchFile* base = model_[static_cast<size_t>(r)];
+    const Value want = ToJson(base->tree(), Get(base->tree(), base->tree().root(), "param_shapes"));
+    for (int d = 1; d < c_.dp_; ++d) {
+      RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, d)));
+      const Value got = ToJson(f->tree(), Get(f->tree(), f->tree().root(), "param_shapes"));
+      if (got != want) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": param_shapes differ from those of \"{}\" (a file from another "
+                        "run?)",
+                        Where(f), Where(base)));
+      }
     }
   }
   return Status::Ok();
@@ -674,17 +698,59 @@ Result<FlatGroup> DeepSpeedReader::ReadFlatGroup(Rank t, size_t g) {
         return InvalidArgumentError(
             fmt::format("\"{}\": {} is not a flat F32 tensor", Where(f), path));
       }
-      if (d == 0 && s == DeepSpeedState::kMaster) group.numel = tensor->numel();
-      if (tensor->numel() != group.numel) {
-        return InvalidArgumentError(fmt::format(
-            "\"{}\": {} has {} elements but DP rank 0's \"{}\" has {}: the files are not from "
-            "one run",
-            Where(f), path, tensor->numel(), Where(files[0]), group.numel));
+      if (s == DeepSpeedState::kMaster) group.numel.push_back(tensor->numel());
+      // The last rank's master weights may end without ZeRO's padding; its moments keep it.
+      if (tensor->numel() < group.numel.back()) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} has {} elements, fewer than the master weights beside it ({})",
+                        Where(f), path, tensor->numel(), group.numel.back()));
       }
       group.flat[Slot(s)].push_back({f, tensor, 0});
     }
   }
   return group;
+}
+
+// ZeRO 1/2: every DP rank's param_slice_mappings[g] names only parameters of group g, and
+// their fragments do not overlap inside the partition.
+Status DeepSpeedReader::CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const {
+  std::map<std::string, size_t> in_group;
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (group_of_[i] == g) in_group.emplace(names_in_order_[i], i);
+  }
+  const auto& files = optim_[static_cast<size_t>(t)];
+  for (size_t d = 0; d < files.size(); ++d) {
+    const PickleTree& tree = files[d]->tree();
+    const PickleNodeId mappings =
+        Walk(tree, tree.root(), fmt::format("optimizer_state_dict.param_slice_mappings.{}", g));
+    if (IsNone(tree, mappings) || tree.node(mappings).kind != PickleKind::kDict) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": optimizer_state_dict.param_slice_mappings[{}] is missing", Where(files[d]), g));
+    }
+    std::vector<std::pair<Index, Index>> used;  // (start, end)
+    for (const auto& [k, v] : tree.node(mappings).entries) {
+      const std::string& name = tree.node(k).text;
+      if (tree.node(k).kind != PickleKind::kStr || !in_group.contains(name)) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": param_slice_mappings[{}] maps \"{}\", which is not a parameter of group {} "
+            "in \"{}\" (a file from another run?)",
+            Where(files[d]), g, name, g, Where(model_[static_cast<size_t>(t)])));
+      }
+      const Index start = IntAt(tree, Get(tree, v, "start")).value_or(-1);
+      const Index numel = IntAt(tree, Get(tree, v, "numel")).value_or(-1);
+      if (numel > 0) used.emplace_back(start, start + numel);
+    }
+    std::sort(used.begin(), used.end());
+    for (size_t k = 1; k < used.size(); ++k) {
+      if (used[k].first < used[k - 1].second) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": param_slice_mappings[{}] has fragments that overlap at element {} of the "
+            "partition of {}",
+            Where(files[d]), g, used[k].first, group.numel[d]));
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 // ZeRO 1/2: where parameter i lies in group g's partitions, from each DP rank's
@@ -708,14 +774,15 @@ Result<std::vector<FragmentSpan>> DeepSpeedReader::SliceMappings(Rank t, size_t 
     std::optional<int64_t> start = IntAt(tree, Get(tree, frag, "start"));
     const std::string where =
         fmt::format("\"{}\": param_slice_mappings[{}][\"{}\"]", Where(files[d]), g, name);
-    if (!numel || !start || *numel < 0 || *start < 0 || *start > group.numel ||
-        *numel > group.numel - *start) {
+    const Index size = group.numel[d];
+    if (!numel || !start || *numel < 0 || *start < 0 || *start > size || *numel > size - *start) {
       return InvalidArgumentError(fmt::format(
-          "{}: not a fragment_address inside the partition of {} elements", where, group.numel));
+          "{}: not a fragment_address inside the partition of {} elements", where, size));
     }
     const bool continues =
-        spans.empty() || (spans.back().rank + 1 == static_cast<Rank>(d) &&
-                          flat_offsets.back() + spans.back().length == group.numel && *start == 0);
+        spans.empty() ||
+        (spans.back().rank + 1 == static_cast<Rank>(d) &&
+         flat_offsets.back() + spans.back().length == group.numel[d - 1] && *start == 0);
     if (!continues || *numel > n - covered) {
       return InvalidArgumentError(fmt::format(
           "{}: (numel {}, start {}) does not continue the parameter's fragments on the DP ranks "
@@ -758,6 +825,7 @@ Status DeepSpeedReader::ReadPartitions() {
   for (Rank t = 0; t < c_.tp_; ++t) {
     for (size_t g = 0; g < groups; ++g) {
       RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(t, g));
+      if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(t, g, group));
       Index z3_offset = 0;  // ZeRO 3: where the next parameter starts in every rank's flat group
       for (size_t i = 0; i < names_in_order_.size(); ++i) {
         if (group_of_[i] != g) continue;
@@ -766,16 +834,16 @@ Status DeepSpeedReader::ReadPartitions() {
         if (c_.stage_ == 3) {
           const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
           const Index per_rank = (n + c_.dp_ - 1) / c_.dp_;
-          if (per_rank > group.numel - z3_offset) {
-            return InvalidArgumentError(fmt::format(
-                "\"{}\": fp32_flat_groups[{}] has {} elements, too few for parameter \"{}\" at {} "
-                "(files from different runs?)",
-                Where(optim_[static_cast<size_t>(t)][0]), g, group.numel, names_in_order_[i],
-                z3_offset));
-          }
           for (int d = 0; d < c_.dp_; ++d) {
             const Index begin = std::min(n, d * per_rank);
             const Index end = std::min(n, (d + 1) * per_rank);
+            if (end - begin > group.numel[static_cast<size_t>(d)] - z3_offset) {
+              return InvalidArgumentError(fmt::format(
+                  "\"{}\": fp32_flat_groups[{}] has {} elements, too few for parameter \"{}\" "
+                  "at {} (files from different runs?)",
+                  Where(optim_[static_cast<size_t>(t)][static_cast<size_t>(d)]), g,
+                  group.numel[static_cast<size_t>(d)], names_in_order_[i], z3_offset));
+            }
             spans.push_back({static_cast<Rank>(d), begin, end - begin});
             flat_offsets.push_back(z3_offset);
           }
@@ -790,19 +858,28 @@ Status DeepSpeedReader::ReadPartitions() {
   return Status::Ok();
 }
 
-// ZeRO 0 without optimizer files: the torch optimizer's state_dict in the model states; its
-// state[k] belongs to the parameter at position k of the groups' params lists.
+// ZeRO 0 without optimizer files: the torch optimizer's state_dict in the model states (under
+// "optimizer", or "optimizer.optimizer_state_dict" inside DeepSpeed's fp16/bf16 wrapper, whose
+// fp32_groups[g][j] are the master weights); state[k] belongs to the parameter at position k
+// of the groups' params lists.
 Status DeepSpeedReader::ReadTorchOptimizer() {
   for (Rank t = 0; t < c_.tp_; ++t) {
     const TorchFile* f = model_[static_cast<size_t>(t)];
     const PickleTree& tree = f->tree();
-    const PickleNodeId groups = Walk(tree, tree.root(), "optimizer.param_groups");
+    const bool wrapped = !IsNone(tree, Walk(tree, tree.root(), "optimizer.optimizer_state_dict"));
+    const std::string opt = wrapped ? "optimizer.optimizer_state_dict" : "optimizer";
+    const PickleNodeId groups = Walk(tree, tree.root(), opt + ".param_groups");
     if (IsNone(tree, groups)) return Status::Ok();
-    std::vector<int64_t> keys;
-    for (PickleNodeId g : tree.node(groups).items) {
-      const PickleNodeId params = Get(tree, g, "params");
+    std::vector<std::pair<int64_t, std::string>> keys;  // state key, master weights' path
+    const std::vector<PickleNodeId>& group_list = tree.node(groups).items;
+    for (size_t g = 0; g < group_list.size(); ++g) {
+      const PickleNodeId params = Get(tree, group_list[g], "params");
       if (params == kNoPickleNode) continue;
-      for (PickleNodeId k : tree.node(params).items) keys.push_back(IntAt(tree, k).value_or(-1));
+      const std::vector<PickleNodeId>& ids = tree.node(params).items;
+      for (size_t j = 0; j < ids.size(); ++j) {
+        keys.emplace_back(IntAt(tree, ids[j]).value_or(-1),
+                          wrapped ? fmt::format("optimizer.fp32_groups.{}.{}", g, j) : "");
+      }
     }
     if (keys.size() != params_.size()) {
       return InvalidArgumentError(fmt::format(
@@ -812,9 +889,13 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
     for (size_t i = 0; i < params_.size(); ++i) {
       const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
       RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
-      for (DeepSpeedState s : {DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+      for (DeepSpeedState s :
+           {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+        if (s == DeepSpeedState::kMaster && !wrapped) continue;  // the module's weights are
         const std::string path =
-            fmt::format("optimizer.state.{}.{}", keys[i], DeepSpeedStateName(s));
+            s == DeepSpeedState::kMaster
+                ? keys[i].second
+                : fmt::format("{}.state.{}.{}", opt, keys[i].first, DeepSpeedStateName(s));
         const TorchTensor* tensor = f->TensorAt(Walk(tree, tree.root(), path));
         if (tensor == nullptr || tensor->numel() != n || tensor->dtype.dtype != DType::kF32) {
           return InvalidArgumentError(
