@@ -176,6 +176,22 @@ TEST(DegreeTest, ExpertParallelUsesTheEpPlanCountingExperts) {
   EXPECT_EQ(a.max_tp_degree, 8);
 }
 
+TEST(DegreeTest, KeysTheModelClassDoesNotDeclareAreIgnored) {
+  // A stray key of config.json stays an attribute of the config, but Mixtral's experts are
+  // intermediate_size wide whatever moe_intermediate_size says; Qwen2-MoE's are not. vLLM splits
+  // the experts, so their width counts there.
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  const char* mixtral = R"({"model_type": "mixtral", "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "moe_intermediate_size": 3,
+    "num_local_experts": 8, "vocab_size": 32000})";
+  EXPECT_EQ(Answer(mixtral, std::nullopt, vllm).max_tp_degree, 32);  // KV heads replicated
+  const char* qwen2_moe = R"({"model_type": "qwen2_moe", "num_attention_heads": 16,
+    "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 6,
+    "shared_expert_intermediate_size": 5632, "num_experts": 8, "vocab_size": 151936})";
+  EXPECT_EQ(Answer(qwen2_moe, std::nullopt, vllm).max_tp_degree, 2);
+}
+
 TEST(DegreeTest, CompositeModelUsesItsTextSubConfig) {
   const char* llama4 = R"({"model_type": "llama4", "text_config": {"model_type": "llama4_text",
     "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 8192,

@@ -36,6 +36,17 @@ constexpr std::string_view kCountKeys[] = {
     "tie_word_embeddings",
 };
 
+// Keys that only some config classes declare. A stray one in another model's config.json stays
+// an attribute of its config, but that model's code never reads it (Mixtral's experts are
+// intermediate_size wide whatever moe_intermediate_size says): for a known model type they are
+// read only where the class declares them (scripts/gen_tp_plans.py records that as a default).
+constexpr std::string_view kDeclaredOnlyKeys[] = {
+    "intermediate_size_mlp",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+};
+
 // Counts a model cannot have zero of: a config saying 0 (or, for the first four, null) is
 // refused rather than answered for. Null key/value heads and head_dim are derived by the config
 // class (as many as the attention heads; hidden size / heads).
@@ -85,6 +96,11 @@ Result<Values> ReadValues(const Json& object, const ModelTypeInfo* info, std::st
   Values values;
   for (std::string_view key_view : kCountKeys) {
     const std::string key(key_view);
+    if (info != nullptr && !info->defaults.contains(key) &&
+        std::find(std::begin(kDeclaredOnlyKeys), std::end(kDeclaredOnlyKeys), key) !=
+            std::end(kDeclaredOnlyKeys)) {
+      continue;
+    }
     std::string stored = key;
     if (info != nullptr) {
       if (auto it = info->attribute_map.find(key); it != info->attribute_map.end())

@@ -1,0 +1,254 @@
+"""Real DeepSpeed training checkpoints, written on the CPU for the tests.
+
+`make_checkpoint(spec, out_dir)` trains a toy transformers model (ds_train.py) under
+`torchrun --nproc_per_node TP*DP` (gloo over loopback, DS_ACCELERATOR=cpu, the same seed on every
+rank) with AutoTP at degree TP and ZeRO at `spec.stage`, saves a checkpoint, and returns a
+`DsCheckpoint`: the save dir (with `latest`, the tag dir and config.json) and the reference
+facts the tests compare against, computed by the training run itself and not read back from
+the checkpoint files.
+
+In pytest, use the session fixture `ds_checkpoint` (a factory, one training run per spec per
+session):
+
+    from ds_checkpoints import Spec, ds_checkpoint  # noqa: F401  (the fixture)
+
+    def test_x(ds_checkpoint):
+        ckpt = ds_checkpoint(Spec("llama", tp=2, dp=2, stage=1))
+        ckpt.save_dir, ckpt.tag_dir, ckpt.module(tp_rank=0), ckpt.full(), ckpt.next_loss
+
+A spec DeepSpeed refuses (see UNSUPPORTED and docs/deepspeed_checkpoints.md) raises
+`DeepSpeedRefused` with DeepSpeed's own message. RESHARD_DS_CHECKPOINT_CACHE=DIR keeps the
+checkpoints across sessions (keyed by the spec and by the text of ds_train.py).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+TRAIN = HERE / "ds_train.py"
+LAUNCH_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One training run. family: "llama", "qwen2" (q/k/v biases) or "mistral", each with 2
+    layers, hidden 64, 4 heads of 16, intermediate 128, untied embeddings. vocab 250 does not
+    divide by 4, so TP 4 cuts the vocabulary unevenly (63, 63, 62, 62). Every size is a
+    multiple of 64, so ZeRO pads only when DP does not divide it: DP 3 pads ZeRO 3's
+    parameters, and DP 3 with vocab 251 (total not a multiple of 3) ZeRO 1/2's flat group."""
+
+    family: str = "llama"
+    tp: int = 1
+    dp: int = 1
+    stage: int = 1
+    dtype: str = "float32"  # or "bfloat16"
+    steps: int = 2
+    vocab: int = 250
+    seed: int = 20261130
+
+    @property
+    def world_size(self):
+        return self.tp * self.dp
+
+    @property
+    def name(self):
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
+        vocab = "" if self.vocab == 250 else f"-v{self.vocab}"
+        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}-z{self.stage}-{dtype}"
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+class DeepSpeedRefused(Exception):
+    """The training run failed on this spec (DeepSpeed, or transformers for a config it
+    refuses); the message is theirs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DsCheckpoint:
+    spec: Spec
+    root: pathlib.Path  # save_dir and ref/ live here
+    facts: dict  # rank 0's facts.json: losses, tag, next_loss
+
+    @property
+    def save_dir(self):
+        """What `engine.save_checkpoint` was given: `latest`, the tag dir, config.json."""
+        return self.root / "ckpt"
+
+    @property
+    def tag(self):
+        return self.facts["tag"]
+
+    @property
+    def tag_dir(self):
+        return self.save_dir / self.tag
+
+    @property
+    def losses(self):
+        """The training loss of each step, as DP rank 0 saw it."""
+        return self.facts["losses"]
+
+    @property
+    def next_loss(self):
+        """{dp_rank: the loss of the step after the save}, forward only, on the batch that step
+        trains on (ds_train.batch(spec, spec.steps, dp_rank))."""
+        return {int(k): v for k, v in self.facts["next_loss"].items()}
+
+    def module(self, tp_rank):
+        """TP rank `tp_rank`'s module weights as the engine held them at the save ({name: tensor},
+        the module's dtype, whole over DP)."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.root / "ref" / f"module-tp{tp_rank}.safetensors"))
+
+    def full(self):
+        """Every module weight whole, in the module's dtype ({name: tensor})."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.root / "ref" / "full.safetensors"))
+
+
+def free_loopback_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_env():
+    # Loopback only; the same single thread per rank whatever the machine.
+    return dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+                PYTHONWARNINGS="ignore")
+
+
+def _read_facts(root, world_size):
+    paths = [root / "ref" / f"facts-{r}.json" for r in range(world_size)]
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
+
+
+def _launch(specs_and_roots):
+    """One torchrun launch that trains every (spec, root), all of one TP and DP, in order."""
+    spec0 = specs_and_roots[0][0]
+    assert all((s.tp, s.dp) == (spec0.tp, spec0.dp) for s, _ in specs_and_roots)
+    for _, root in specs_and_roots:
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+    jobs = specs_and_roots[0][1].parent / f"jobs-{specs_and_roots[0][1].name}.json"
+    jobs.write_text(json.dumps([{"spec": dataclasses.asdict(s), "out": str(root)}
+                                for s, root in specs_and_roots]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+           str(spec0.world_size), "--master_addr", "127.0.0.1", "--master_port",
+           str(free_loopback_port()), str(TRAIN), str(jobs)]
+    r = subprocess.run(cmd, env=_train_env(), capture_output=True, text=True,
+                       timeout=LAUNCH_TIMEOUT_S)
+    (specs_and_roots[0][1] / "train.log").write_text(r.stdout + r.stderr)
+    return r
+
+
+def _outcome(spec, root, launch):
+    """The DsCheckpoint of a finished job, DeepSpeedRefused if DeepSpeed refused it, None if
+    the launch never reached it."""
+    facts = _read_facts(root, spec.world_size)
+    errors = [f["error"] for f in facts if "error" in f]
+    if errors:
+        refused = DeepSpeedRefused(f"{spec.name}: {errors[0]}")
+        (root / "refused.txt").write_text(str(refused))
+        return refused
+    if len(facts) < spec.world_size:
+        return None
+    (root / "done").write_text("")
+    return DsCheckpoint(spec, root, facts[0])
+
+
+def make_checkpoints(specs, base):
+    """Train every spec not yet under `base` (one launch per TP x DP; a spec after a refused
+    one gets a launch of its own). Returns {spec: DsCheckpoint or DeepSpeedRefused}."""
+    base = pathlib.Path(base)
+    out = {}
+    todo = {}
+    for spec in dict.fromkeys(specs):
+        root = base / f"{spec.name}-{_key(spec)}"
+        if (root / "done").exists():
+            out[spec] = DsCheckpoint(spec, root, _read_facts(root, spec.world_size)[0])
+        elif (root / "refused.txt").exists():
+            out[spec] = DeepSpeedRefused((root / "refused.txt").read_text())
+        else:
+            todo.setdefault((spec.tp, spec.dp), []).append((spec, root))
+    while todo:
+        group = todo.pop(next(iter(todo)))
+        launch = _launch(group)
+        for i, (spec, root) in enumerate(group):
+            result = _outcome(spec, root, launch)
+            if result is None and i == 0:
+                raise AssertionError(f"{spec.name}: torchrun exited {launch.returncode}:\n"
+                                     f"{launch.stderr[-4000:]}")
+            if result is None:  # the launch stopped at an earlier refusal
+                todo[(spec.tp, spec.dp, i)] = group[i:]
+                break
+            out[spec] = result
+    return out
+
+
+def _key(spec):
+    """Names a checkpoint by its spec and by the training script that made it."""
+    return hashlib.sha256((spec.to_json() + TRAIN.read_text()).encode()).hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def ds_checkpoint(tmp_path_factory):
+    """A factory: ds_checkpoint(Spec(...)) -> DsCheckpoint, trained once per spec per session.
+    ds_checkpoint.prepare([specs]) trains many in as few launches as it can (call it first from
+    a module-scoped fixture when a module uses several specs). Do not write into what it
+    returns: copy the save dir first."""
+    env_dir = os.environ.get("RESHARD_DS_CHECKPOINT_CACHE")
+    base = pathlib.Path(env_dir) if env_dir else tmp_path_factory.mktemp("ds_checkpoints")
+    base.mkdir(parents=True, exist_ok=True)
+    return _Factory(base)
+
+
+class _Factory:
+    def __init__(self, base):
+        self.base = base
+        self.made = {}
+
+    def prepare(self, specs):
+        self.made.update(make_checkpoints([s for s in specs if s not in self.made], self.base))
+
+    def __call__(self, spec):
+        self.prepare([spec])
+        result = self.made[spec]
+        if isinstance(result, DeepSpeedRefused):
+            raise result
+        return result
+
+
+class UniversalRefused(Exception):
+    """ds_to_universal refused a checkpoint; the message is the last line it printed."""
+
+
+def ds_to_universal(ckpt, out_root):
+    """Run DeepSpeed's converter on `ckpt`'s tag dir, writing OUT_ROOT/<tag>_universal (and
+    OUT_ROOT/latest_universal, which it writes beside its output folder). Returns the output
+    folder, or raises UniversalRefused with DeepSpeed's message (stage 0: no optimizer files;
+    TP 1: no universal_checkpoint_info). One worker of each kind: no process pool."""
+    out = pathlib.Path(out_root) / f"{ckpt.tag}_universal"
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(ckpt.tag_dir), "--output_folder", str(out), "--num_extract_workers", "1",
+           "--num_merge_workers", "1"]
+    r = subprocess.run(cmd, env=_train_env(), capture_output=True, text=True,
+                       timeout=LAUNCH_TIMEOUT_S)
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        raise UniversalRefused(f"{ckpt.spec.name}: {lines[-1] if lines else r.returncode}")
+    return out

@@ -1,0 +1,183 @@
+"""Train toy transformers models with DeepSpeed for a few steps and save checkpoints.
+
+Run under torchrun, one process per rank (gloo on the CPU, DS_ACCELERATOR=cpu):
+
+    torchrun --nproc_per_node TP*DP ds_train.py JOBS.json
+
+JOBS.json is a list of {"spec": {...}, "out": DIR}, every spec of the same TP and DP (see
+ds_checkpoints.Spec for the fields); one launch runs them in order, so the seconds of importing
+torch, transformers and DeepSpeed are paid once. For each, every rank builds the same model from
+the same seed; DeepSpeed shards it over TP ranks with AutoTP ("tensor_parallel": {"autotp_size":
+TP}) and its ZeRO stage partitions the optimizer over DP ranks. After `steps` optimizer steps
+the engine saves to DIR/ckpt (with config.json beside the tag dirs), and the ranks write what a
+test compares against:
+
+- DIR/ref/module-tp{R}.safetensors: TP rank R's module weights as the engine holds them
+  (gathered over DP under ZeRO 3), written by the rank with DP index 0;
+- DIR/ref/full.safetensors: every module weight whole (TP and DP gathered), by rank 0;
+- DIR/ref/facts-{RANK}.json: the spec, the loss of every step, the loss each DP rank sees at
+  the next step (forward only, on that step's batch), the tag, or "error" with DeepSpeed's
+  message when it refused. A failed job ends the launch; the jobs after it are not run.
+
+The batch of step s on DP rank d is drawn from seed + 1000 * s + d, so the next step's loss can
+be computed again from any resumed engine.
+"""
+
+import datetime
+import json
+import pathlib
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+BATCH = 2  # sequences per DP rank and step
+SEQ = 8  # tokens per sequence
+LR = 1e-2
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),  # q/k/v projections carry biases
+    "mistral": dict(model_type="mistral", sliding_window=None),
+}
+
+
+def build_model(spec):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        **FAMILIES[spec["family"]], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=spec["vocab"],
+        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(spec["seed"])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.05 + (param.dim() == 1))
+    return model
+
+
+def batch(spec, step, dp_rank):
+    gen = torch.Generator().manual_seed(spec["seed"] + 1000 * step + dp_rank)
+    ids = torch.randint(3, spec["vocab"], (BATCH, SEQ), generator=gen)
+    return ids
+
+
+def ds_config(spec):
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01,
+                                                  "torch_adam": True}},
+        "zero_optimization": {"stage": spec["stage"]},
+        "tensor_parallel": {"autotp_size": spec["tp"]},
+        "wall_clock_breakdown": False,
+    }
+    if spec["dtype"] == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def loss_of(engine, spec, step, dp_rank):
+    ids = batch(spec, step, dp_rank)
+    return engine(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def tp_local_state(engine, zero3):
+    """This rank's module weights (its TP shard), whole over DP."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=zero3):
+        return {n: p.detach().to("cpu").clone().contiguous()
+                for n, p in engine.module.named_parameters()}
+
+
+def init_distributed():
+    import deepspeed
+
+    # Collectives through gloo alone: DeepSpeed's shared-memory reduction would be compiled on
+    # first use (seconds to minutes on a fresh machine) and sums in another order.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+
+
+def train(spec, out):
+    import deepspeed
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank()
+    model = build_model(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(spec))
+    tp_rank = engine.mpu.get_tensor_model_parallel_rank() if spec["tp"] > 1 else 0
+    dp_rank = engine.mpu.get_data_parallel_rank() if spec["tp"] > 1 else rank
+    facts = {"losses": [], "tp_rank": tp_rank, "dp_rank": dp_rank}
+    for step in range(spec["steps"]):
+        loss = loss_of(engine, spec, step, dp_rank)
+        engine.backward(loss)
+        engine.step()
+        facts["losses"].append(loss.item())
+    ckpt = out / "ckpt"
+    engine.save_checkpoint(str(ckpt))
+    if rank == 0:
+        engine.module.config.save_pretrained(str(ckpt))
+    dist.barrier()
+    facts["tag"] = (ckpt / "latest").read_text().strip()
+    with torch.no_grad():
+        next_loss = loss_of(engine, spec, spec["steps"], dp_rank).item()
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, {"dp": dp_rank, "loss": next_loss})
+    facts["next_loss"] = {str(x["dp"]): x["loss"] for x in losses}
+
+    zero3 = spec["stage"] == 3
+    local = tp_local_state(engine, zero3)
+    ref = out / "ref"
+    if dp_rank == 0:
+        save_file(local, str(ref / f"module-tp{tp_rank}.safetensors"))
+    full = engine._consolidated_16bit_state_dict() if (zero3 or spec["tp"] > 1) else local
+    if rank == 0:
+        params = dict(engine.module.named_parameters()).keys()
+        save_file({n: t.contiguous() for n, t in full.items() if n in params},
+                  str(ref / "full.safetensors"))
+    engine.destroy()
+    return facts
+
+
+def run_job(job, rank):
+    """Train and save one spec; its facts (or DeepSpeed's error) go to OUT/ref/facts-RANK.json.
+    Returns whether it worked."""
+    start = time.monotonic()
+    out = pathlib.Path(job["out"])
+    (out / "ref").mkdir(parents=True, exist_ok=True)
+    facts = {"spec": job["spec"]}
+    try:
+        facts.update(train(job["spec"], out))
+    except Exception as e:  # recorded: the fixture reports what DeepSpeed refused
+        facts["error"] = f"{type(e).__name__}: {e}"
+        facts["traceback"] = traceback.format_exc(limit=8)
+    facts["seconds"] = time.monotonic() - start
+    (out / "ref" / f"facts-{rank}.json").write_text(json.dumps(facts, indent=1))
+    return "error" not in facts
+
+
+def main():
+    warnings.simplefilter("ignore")
+    jobs = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    init_distributed()
+    rank = dist.get_rank()
+    for job in jobs:
+        # After a failure the ranks may disagree on where they are: leave the rest to a new launch.
+        if not run_job(job, rank):
+            break
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
