@@ -21,8 +21,10 @@ A spec DeepSpeed refuses (see UNSUPPORTED and docs/deepspeed_checkpoints.md) rai
 checkpoints across sessions (keyed by the spec and by the text of ds_train.py).
 """
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -234,21 +236,29 @@ class _Factory:
 
 
 class UniversalRefused(Exception):
-    """ds_to_universal refused a checkpoint; the message is the last line it printed."""
+    """ds_to_universal refused a checkpoint; the message is its exception's."""
 
 
 def ds_to_universal(ckpt, out_root):
-    """Run DeepSpeed's converter on `ckpt`'s tag dir, writing OUT_ROOT/<tag>_universal (and
-    OUT_ROOT/latest_universal, which it writes beside its output folder). Returns the output
-    folder, or raises UniversalRefused with DeepSpeed's message (stage 0: no optimizer files;
-    TP 1: no universal_checkpoint_info). One worker of each kind: no process pool."""
+    """Convert `ckpt` with DeepSpeed's converter, as `python -m
+    deepspeed.checkpoint.ds_to_universal --input_folder TAG_DIR --output_folder
+    OUT_ROOT/<tag>_universal --num_extract_workers 1 --num_merge_workers 1` does, but in this
+    process (its own main(), no process pool, no second import of torch and DeepSpeed). It
+    also writes OUT_ROOT/latest_universal, beside its output folder. Returns the output folder,
+    or raises UniversalRefused with DeepSpeed's message (stage 0: no optimizer files; TP 1: no
+    universal_checkpoint_info)."""
+    from deepspeed.checkpoint import ds_to_universal as converter
+
     out = pathlib.Path(out_root) / f"{ckpt.tag}_universal"
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-           str(ckpt.tag_dir), "--output_folder", str(out), "--num_extract_workers", "1",
-           "--num_merge_workers", "1"]
-    r = subprocess.run(cmd, env=_train_env(), capture_output=True, text=True,
-                       timeout=LAUNCH_TIMEOUT_S)
-    if r.returncode != 0:
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        raise UniversalRefused(f"{ckpt.spec.name}: {lines[-1] if lines else r.returncode}")
+    argv = ["ds_to_universal", "--input_folder", str(ckpt.tag_dir), "--output_folder",
+            str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    saved_argv = sys.argv
+    try:
+        sys.argv = argv
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            converter.main(converter.parse_arguments())
+    except (AssertionError, FileNotFoundError, RuntimeError, ValueError) as e:
+        raise UniversalRefused(f"{ckpt.spec.name}: {type(e).__name__}: {e}") from e
+    finally:
+        sys.argv = saved_argv
     return out

@@ -11,17 +11,25 @@ stage and dtype at TP 1/2/4 x DP 1/2 (many minutes).
 - The reference the fixture records is what the files hold: each TP rank's module weights equal
   the `module` of mp_rank_XX_model_states.pt, and DeepSpeed's own affine map in the file
   rebuilds the full weights from them.
+- The ZeRO layouts docs/deepspeed_checkpoints.md describes hold: the flat fp32 partitions of
+  stages 1-2 (padding left out of the last one) and the per-parameter slices of stage 3 give
+  back each TP rank's module weights.
+- ds_to_universal converts what it converts into full fp32 states equal to the module weights,
+  in the files and dict keys the facts list, and refuses stage 0 and TP 1 below stage 3 with
+  the messages they record.
 """
 
 import itertools
 import json
 import os
+import re
 import subprocess
 
 import pytest
 import torch
 
-from ds_checkpoints import Spec, ds_checkpoint  # noqa: F401  (the fixture)
+from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
+    Spec, UniversalRefused, ds_checkpoint, ds_to_universal)
 
 CI_SPECS = [
     Spec("llama", tp=2, dp=2, stage=1),
@@ -134,7 +142,6 @@ def test_reference_module_weights_are_the_saved_ones(checkpoints, spec):
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.tp > 1], ids=lambda s: s.name)
 def test_the_affine_map_in_the_checkpoint_rebuilds_the_full_weights(checkpoints, spec):
     import deepspeed.checkpoint.affine as affine
-    import re
 
     ckpt = checkpoints(spec)
     params = model_states(ckpt, 0)["universal_checkpoint_info"]["affine_map"]["params"]
@@ -201,3 +208,52 @@ def test_zero_partitions_hold_the_module_weights(checkpoints, spec):
         assert sorted(params) == sorted(reference)
         for name, master in params.items():
             assert same_bits(master.to(reference[name].dtype), reference[name]), (tp_rank, name)
+
+
+def universal_refusal(spec):
+    """What ds_to_universal says of a spec, None when it converts it."""
+    if spec.stage == 0:
+        return "FileNotFoundError: can't find *_optim_states.pt files"
+    if spec.tp == 1 and spec.stage in (1, 2):
+        return "AssertionError: Required universal_checkpoint_info state is missing"
+    return None
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_ds_to_universal_writes_full_fp32_states_or_refuses(checkpoints, spec, tmp_path):
+    ckpt = checkpoints(spec)
+    refusal = universal_refusal(spec)
+    if refusal:
+        with pytest.raises(UniversalRefused, match=re.escape(refusal)):
+            ds_to_universal(ckpt, tmp_path)
+        return
+    out = ds_to_universal(ckpt, tmp_path)
+    assert (tmp_path / "latest_universal").read_text() == out.name
+    copied = sorted(p.name for p in out.glob("*.pt"))
+    assert copied == sorted(p.name for p in ckpt.tag_dir.glob("*model_states.pt"))
+    for name in copied:
+        assert (out / name).read_bytes() == (ckpt.tag_dir / name).read_bytes(), name
+    full = ckpt.full()
+    assert sorted(p.name for p in (out / "zero").iterdir()) == sorted([*full, "optimizer_state.pt"])
+    states = ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt"] + (["step.pt"] if spec.stage < 3 else [])
+    vocab = {"lm_head.weight"}
+    for name, weight in full.items():
+        folder = out / "zero" / name
+        assert sorted(p.name for p in folder.iterdir()) == states, name
+        if spec.tp == 1:  # ZeRO 3 without AutoTP: bare flat tensors, not dicts
+            fp32 = {"param": torch.load(folder / "fp32.pt", weights_only=True)}
+            assert fp32["param"].shape == (weight.numel(),), name
+            shape = fp32["param"].shape
+        else:
+            fp32 = torch.load(folder / "fp32.pt", weights_only=True)
+            assert list(fp32) == (["vocab_tensor", "param"] if name in vocab else ["param"])
+            assert fp32["param"].shape == weight.shape, name
+            shape = weight.shape
+        assert fp32["param"].dtype == torch.float32
+        assert same_bits(fp32["param"].to(weight.dtype).reshape(weight.shape), weight), name
+        for moment in ("exp_avg.pt", "exp_avg_sq.pt"):
+            state = torch.load(folder / moment, weights_only=True)
+            assert (state if spec.tp == 1 else state["param"]).shape == shape, (name, moment)
+        if spec.stage < 3:
+            step = torch.load(folder / "step.pt", weights_only=True)
+            assert step.dtype == torch.float32 and step.item() == spec.steps

@@ -1,8 +1,6 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -15,6 +13,7 @@
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
+#include "reshard/io/mapped_file.h"
 #include "reshard/ir/compose.h"
 
 namespace reshard {
@@ -40,18 +39,6 @@ class ProgressCounter {
   uint64_t total_;
   uint64_t done_ = 0;
 };
-
-// Drops the pages of a read-only mapped range from this process (they stay in the page cache
-// and fault back in on the next read), so resident memory follows the tensor being worked
-// on rather than everything read so far.
-void ReleasePages(std::span<const std::byte> range) {
-  static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  auto begin = reinterpret_cast<uintptr_t>(range.data());
-  auto end = begin + range.size();
-  begin = (begin + page - 1) / page * page;
-  end = end / page * page;
-  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-}
 
 bool IsPowerOfTwo(double x) {
   int exponent = 0;
@@ -231,7 +218,7 @@ class ShardedDirSource : public ShardSource {
     return shards;
   }
   void ReleaseShards(size_t i) override {
-    for (Rank r = 0; r < world_size(); ++r) ReleasePages(ckpt_.shard(i, r));
+    for (Rank r = 0; r < world_size(); ++r) ReleaseMappedPages(ckpt_.shard(i, r));
   }
   // Everything a run from a sharded checkpoint reads, which its output may not touch.
   std::vector<std::string> inputs() const override {
@@ -403,7 +390,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
         RESHARD_RETURN_IF_ERROR(Extract(map, param.dtype, r, f,
                                         {buffer.data(), map.shard_num_elements(r)},
                                         ExecOptionsFor(per_rank, param.scale_power)));
-        ReleasePages(src->data);
+        ReleaseMappedPages(src->data);
         return Status::Ok();
       });
 }

@@ -99,7 +99,54 @@ Status ReadAt(const FileHandle& file, std::byte* out, size_t size, uint64_t offs
   return Status::Ok();
 }
 
+namespace {
+
+// The most a pipe is read for one document.
+constexpr size_t kMaxPipeBytes = size_t{1} << 30;
+
+// A pipe whose writer is there (process substitution: `reshard infer <(make_maps)`) is read to
+// its end; one with no writer is refused at once rather than waited on.
+Result<std::string> ReadPipe(FileHandle file, const std::string& path) {
+  std::string contents;
+  char buffer[65536];
+  const ssize_t first = ::read(file.get(), buffer, sizeof(buffer));
+  if (first == 0) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" is a FIFO with no writer; expected a regular file or a pipe", path));
+  }
+  if (first < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    return ErrnoStatus(errno, "cannot read", path);
+  }
+  if (first > 0) contents.append(buffer, static_cast<size_t>(first));
+  const int flags = ::fcntl(file.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(file.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, "cannot read", path);
+  }
+  while (true) {
+    const ssize_t n = ::read(file.get(), buffer, sizeof(buffer));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot read", path);
+    }
+    if (n == 0) return contents;
+    if (contents.size() + static_cast<size_t>(n) > kMaxPipeBytes) {
+      return ResourceExhaustedError(fmt::format(
+          "\"{}\": a pipe of more than {} bytes; write it to a file", path, kMaxPipeBytes));
+    }
+    contents.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
 Result<std::string> ReadFileToString(const std::string& path) {
+  {
+    FileHandle pipe(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+    struct stat st {};
+    if (pipe.valid() && ::fstat(pipe.get(), &st) == 0 && S_ISFIFO(st.st_mode)) {
+      return ReadPipe(std::move(pipe), path);
+    }
+  }
   RESHARD_ASSIGN_OR_RETURN(FileHandle file, FileHandle::OpenForReading(path));
   std::string contents(static_cast<size_t>(file.size()), '\0');
   RESHARD_RETURN_IF_ERROR(

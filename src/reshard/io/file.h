@@ -52,9 +52,10 @@ class FileHandle {
 Status ReadAt(const FileHandle& file, std::byte* out, size_t size, uint64_t offset,
               const std::string& path);
 
-/// Reads a whole regular file (opened read-only). NotFound for a missing file,
-/// InvalidArgument for a directory, a FIFO or another non-regular file and for one that
-/// cannot be read (permissions, a symlink loop); messages name the file.
+/// Reads a whole regular file (opened read-only), or a pipe to its end (process substitution;
+/// a FIFO with no writer is refused, never waited on). NotFound for a missing file,
+/// InvalidArgument for a directory, a writerless FIFO or another non-regular file and for one
+/// that cannot be read (permissions, a symlink loop); messages name the file.
 Result<std::string> ReadFileToString(const std::string& path);
 
 struct WriteOptions {

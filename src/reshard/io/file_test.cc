@@ -8,6 +8,7 @@
 
 #include <csignal>
 #include <filesystem>
+#include <thread>
 
 #include "reshard/io/temporaries.h"
 
@@ -81,9 +82,31 @@ TEST_F(FileTest, FifoIsRefusedWithoutBlocking) {
   ASSERT_EQ(::mkfifo(Path("model.safetensors").c_str(), 0644), 0);
   Result<std::string> read = ReadFileToString(Path("model.safetensors"));
   EXPECT_EQ(read.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(read.status().message().find("a FIFO"), std::string::npos);
+  EXPECT_NE(read.status().message().find("a FIFO with no writer"), std::string::npos)
+      << read.status().message();
   EXPECT_EQ(FileHandle::OpenForReading(Path("model.safetensors")).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+TEST_F(FileTest, PipeWithAWriterIsReadToItsEnd) {
+  // What `reshard infer <(make_maps)` passes: a pipe whose writer is already there.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string text = std::string(100000, 'x') + "end";
+  std::thread writer([&] {
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fds[1], text.data() + done, text.size() - done);
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    ::close(fds[1]);
+  });
+  Result<std::string> read = ReadFileToString("/dev/fd/" + std::to_string(fds[0]));
+  writer.join();
+  ::close(fds[0]);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(*read, text);
 }
 
 TEST_F(FileTest, UnreadableInputIsTheInputsFaultButIoErrorsAreTheEnvironments) {

@@ -1,14 +1,9 @@
 #include "reshard/io/safetensors.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -591,51 +586,15 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
 }
 
 Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  RESHARD_ASSIGN_OR_RETURN(const FileHandle fd, FileHandle::OpenForReading(path));
-  const uint64_t file_size = fd.size();
-  if (file_size < 8) {
-    // Too short to map usefully; the parser words the error.
-    std::vector<std::byte> bytes(static_cast<size_t>(file_size));
-    RESHARD_RETURN_IF_ERROR(ReadAt(fd, bytes.data(), bytes.size(), 0, path));
-    return ParseSafetensorsHeader(bytes, file_size).status().Annotate(ReadingContext(path));
-  }
-  SafetensorsFile file;
-  file.path_ = path;
-  void* map = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd.get(), 0);
-  if (map == MAP_FAILED) return ErrnoStatus(errno, "cannot map", path);
-  file.map_ = static_cast<const std::byte*>(map);
-  file.map_size_ = static_cast<size_t>(file_size);
-  ::madvise(map, file.map_size_, MADV_SEQUENTIAL);
-  Result<SafetensorsHeader> header =
-      ParseSafetensorsHeader({file.map_, file.map_size_}, file.map_size_);
+  RESHARD_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path));
+  file.AdviseSequential();
+  Result<SafetensorsHeader> header = ParseSafetensorsHeader(file.bytes(), file.bytes().size());
   if (!header.ok()) return header.status().Annotate(ReadingContext(path));
-  file.header_ = std::move(header).value();
-  return file;
-}
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
-    : path_(std::move(other.path_)),
-      header_(std::move(other.header_)),
-      map_(std::exchange(other.map_, nullptr)),
-      map_size_(std::exchange(other.map_size_, 0)) {}
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
-  if (this != &other) {
-    if (map_ != nullptr) ::munmap(const_cast<std::byte*>(map_), map_size_);
-    path_ = std::move(other.path_);
-    header_ = std::move(other.header_);
-    map_ = std::exchange(other.map_, nullptr);
-    map_size_ = std::exchange(other.map_size_, 0);
-  }
-  return *this;
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(const_cast<std::byte*>(map_), map_size_);
+  return SafetensorsFile(std::move(file), std::move(header).value());
 }
 
 std::span<const std::byte> SafetensorsFile::data(const TensorInfo& tensor) const {
-  return {map_ + header_.data_offset + tensor.data_begin, static_cast<size_t>(tensor.num_bytes())};
+  return file_.bytes().subspan(header_.data_offset + tensor.data_begin, tensor.num_bytes());
 }
 
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,

@@ -33,11 +33,13 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
+#include "reshard/io/mapped_file.h"
 
 namespace reshard {
 
@@ -78,21 +80,17 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
 class SafetensorsFile {
  public:
   static Result<SafetensorsFile> Open(const std::string& path);
-  SafetensorsFile(SafetensorsFile&&) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
-  ~SafetensorsFile();
 
-  const std::string& path() const { return path_; }
+  const std::string& path() const { return file_.path(); }
   const SafetensorsHeader& header() const { return header_; }
   /// The bytes of `tensor` (one of header().tensors), in the mapping.
   std::span<const std::byte> data(const TensorInfo& tensor) const;
 
  private:
-  SafetensorsFile() = default;
-  std::string path_;
+  SafetensorsFile(MappedFile file, SafetensorsHeader header)
+      : file_(std::move(file)), header_(std::move(header)) {}
+  MappedFile file_;
   SafetensorsHeader header_;
-  const std::byte* map_ = nullptr;
-  size_t map_size_ = 0;
 };
 
 /// One tensor to write: its bytes are produced on demand (so a writer can stream tensors

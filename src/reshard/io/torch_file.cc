@@ -1,8 +1,5 @@
 #include "reshard/io/torch_file.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -444,11 +441,7 @@ Status TorchFile::CopyTo(const TorchTensor& t, std::span<std::byte> out) const {
 
 void TorchFile::ReleasePages(const TorchTensor& tensor) const {
   if (!file_) return;  // bytes owned by the caller
-  const std::span<const std::byte> b = storages_[tensor.storage].bytes;
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = (reinterpret_cast<uintptr_t>(b.data()) + page - 1) / page * page;
-  const auto end = (reinterpret_cast<uintptr_t>(b.data()) + b.size()) / page * page;
-  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  ReleaseMappedPages(storages_[tensor.storage].bytes);
 }
 
 Status ExportToSafetensors(const TorchFile& file, const std::string& path, bool overwrite) {

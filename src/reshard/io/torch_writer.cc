@@ -15,7 +15,6 @@ namespace reshard {
 namespace {
 
 constexpr uint64_t kAlignment = 64;  // torch.save's storage alignment
-constexpr uint64_t kMax32 = 0xffffffffu;
 
 // `bytes` little-endian bytes of `v`; bytes past the eighth are zero (a run of zero fields).
 void Put(std::string& out, uint64_t v, int bytes) {
@@ -34,21 +33,22 @@ class ZipStreamWriter {
 
   Status Add(const std::string& name, std::span<const std::byte> data) {
     Entry e{name, pos_, data.size(), Crc32(data)};
-    const bool zip64 = e.size >= kMax32;
+    const bool zip64 = e.size >= zip::kOverflow32;
     std::string header;
-    Put(header, 0x04034b50, 4);
-    Put(header, zip64 ? 45 : 20, 2);
-    Put(header, 0x0808, 2);  // data descriptor follows; UTF-8 name
-    Put(header, 0, 2);       // stored
-    Put(header, 0, 4);       // time, date
-    Put(header, 0, 12);      // CRC-32 and sizes: in the descriptor
-    const uint64_t fixed = 30 + name.size() + (zip64 ? 20 : 0) + 4;  // up to the FB padding
+    Put(header, zip::kLocalHeaderSig, 4);
+    Put(header, zip64 ? zip::kVersionZip64 : zip::kVersionStored, 2);
+    Put(header, zip::kFlagDataDescriptor | zip::kFlagUtf8Name, 2);
+    Put(header, 0, 2);   // stored
+    Put(header, 0, 4);   // time, date
+    Put(header, 0, 12);  // CRC-32 and sizes: in the descriptor
+    // The bytes up to the FB padding: the header, the name, the ZIP64 extra, the FB extra's head.
+    const uint64_t fixed = zip::kLocalHeaderBytes + name.size() + (zip64 ? 20 : 0) + 4;
     const uint64_t pad = (kAlignment - (pos_ + fixed) % kAlignment) % kAlignment;
     Put(header, name.size(), 2);
     Put(header, (zip64 ? 20 : 0) + 4 + pad, 2);
     header += name;
     if (zip64) {  // ZIP64 extra: sizes deferred to the descriptor
-      Put(header, 0x0001, 2);
+      Put(header, zip::kZip64ExtraId, 2);
       Put(header, 16, 2);
       Put(header, 0, 16);
     }
@@ -59,7 +59,7 @@ class ZipStreamWriter {
     RESHARD_RETURN_IF_ERROR(out_.Append(data));
     pos_ += data.size();
     std::string descriptor;
-    Put(descriptor, 0x08074b50, 4);
+    Put(descriptor, zip::kDataDescriptorSig, 4);
     Put(descriptor, e.crc, 4);
     Put(descriptor, e.size, zip64 ? 8 : 4);
     Put(descriptor, e.size, zip64 ? 8 : 4);
@@ -72,55 +72,57 @@ class ZipStreamWriter {
     const uint64_t directory = pos_;
     std::string d;
     for (const Entry& e : entries_) {
-      const bool big_size = e.size >= kMax32, big_offset = e.offset >= kMax32;
+      const bool big_size = e.size >= zip::kOverflow32, big_offset = e.offset >= zip::kOverflow32;
       std::string extra;
       if (big_size || big_offset) {
-        Put(extra, 0x0001, 2);
+        Put(extra, zip::kZip64ExtraId, 2);
         Put(extra, (big_size ? 16 : 0) + (big_offset ? 8 : 0), 2);
         if (big_size) Put(extra, e.size, 8), Put(extra, e.size, 8);
         if (big_offset) Put(extra, e.offset, 8);
       }
-      Put(d, 0x02014b50, 4);
-      Put(d, extra.empty() ? 20 : 45, 2);
-      Put(d, extra.empty() ? 20 : 45, 2);
-      Put(d, 0x0808, 2);
+      const uint16_t version = extra.empty() ? zip::kVersionStored : zip::kVersionZip64;
+      Put(d, zip::kCentralHeaderSig, 4);
+      Put(d, version, 2);  // made by
+      Put(d, version, 2);  // needed
+      Put(d, zip::kFlagDataDescriptor | zip::kFlagUtf8Name, 2);
       Put(d, 0, 2);
       Put(d, 0, 4);
       Put(d, e.crc, 4);
-      Put(d, big_size ? kMax32 : e.size, 4);
-      Put(d, big_size ? kMax32 : e.size, 4);
+      Put(d, big_size ? zip::kOverflow32 : e.size, 4);
+      Put(d, big_size ? zip::kOverflow32 : e.size, 4);
       Put(d, e.name.size(), 2);
       Put(d, extra.size(), 2);
       Put(d, 0, 6);  // comment length, disk, internal attributes
       Put(d, 0, 4);  // external attributes
-      Put(d, big_offset ? kMax32 : e.offset, 4);
+      Put(d, big_offset ? zip::kOverflow32 : e.offset, 4);
       d += e.name;
       d += extra;
     }
     const uint64_t size = d.size(), count = entries_.size();
-    const bool zip64 = count >= 0xffff || directory >= kMax32 || size >= kMax32;
+    const bool zip64 =
+        count >= zip::kOverflow16 || directory >= zip::kOverflow32 || size >= zip::kOverflow32;
     if (zip64) {
       const uint64_t record = directory + size;
-      Put(d, 0x06064b50, 4);
-      Put(d, 44, 8);
-      Put(d, 45, 2);
-      Put(d, 45, 2);
+      Put(d, zip::kZip64EndSig, 4);
+      Put(d, zip::kZip64EndBytes - 12, 8);  // the size of the record after this field
+      Put(d, zip::kVersionZip64, 2);
+      Put(d, zip::kVersionZip64, 2);
       Put(d, 0, 8);  // disk numbers
       Put(d, count, 8);
       Put(d, count, 8);
       Put(d, size, 8);
       Put(d, directory, 8);
-      Put(d, 0x07064b50, 4);
+      Put(d, zip::kZip64LocatorSig, 4);
       Put(d, 0, 4);
       Put(d, record, 8);
       Put(d, 1, 4);
     }
-    Put(d, 0x06054b50, 4);
+    Put(d, zip::kEndSig, 4);
     Put(d, 0, 4);
-    Put(d, zip64 ? 0xffff : count, 2);
-    Put(d, zip64 ? 0xffff : count, 2);
-    Put(d, zip64 ? kMax32 : size, 4);
-    Put(d, zip64 ? kMax32 : directory, 4);
+    Put(d, zip64 ? zip::kOverflow16 : count, 2);
+    Put(d, zip64 ? zip::kOverflow16 : count, 2);
+    Put(d, zip64 ? zip::kOverflow32 : size, 4);
+    Put(d, zip64 ? zip::kOverflow32 : directory, 4);
     Put(d, 0, 2);
     return Append(d);
   }

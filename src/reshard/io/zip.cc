@@ -9,22 +9,7 @@
 namespace reshard {
 namespace {
 
-constexpr uint32_t kLocalHeaderSig = 0x04034b50;
-constexpr uint32_t kCentralHeaderSig = 0x02014b50;
-constexpr uint32_t kEndSig = 0x06054b50;
-constexpr uint32_t kZip64EndSig = 0x06064b50;
-constexpr uint32_t kZip64LocatorSig = 0x07064b50;
-constexpr uint64_t kLocalHeaderBytes = 30;
-constexpr uint64_t kCentralHeaderBytes = 46;
-constexpr uint64_t kEndBytes = 22;
-constexpr uint64_t kZip64EndBytes = 56;
-constexpr uint64_t kZip64LocatorBytes = 20;
 constexpr uint64_t kMaxCommentBytes = 65535;
-constexpr uint16_t kFlagEncrypted = 1u << 0;
-constexpr uint16_t kFlagDataDescriptor = 1u << 3;
-constexpr uint16_t kFlagStrongEncryption = 1u << 6;
-constexpr uint32_t kOverflow32 = 0xffffffffu;
-constexpr uint16_t kOverflow16 = 0xffffu;
 
 // Little-endian reads at a position already checked to be in bounds.
 uint16_t U16(std::span<const std::byte> b, uint64_t at) {
@@ -64,30 +49,32 @@ struct Directory {
 // comment length reaches exactly the end of the archive.
 Result<uint64_t> FindEndRecord(std::span<const std::byte> a) {
   const uint64_t n = a.size();
-  if (n < kEndBytes) {
+  if (n < zip::kEndBytes) {
     return ZipError("not a zip archive: " + std::to_string(n) +
                     " bytes, shorter than an end-of-central-directory record (22 bytes)");
   }
-  const uint64_t lowest = n - kEndBytes > kMaxCommentBytes ? n - kEndBytes - kMaxCommentBytes : 0;
-  for (uint64_t p = n - kEndBytes + 1; p-- > lowest;) {
-    if (U32(a, p) == kEndSig && p + kEndBytes + U16(a, p + 20) == n) return p;
+  const uint64_t lowest =
+      n - zip::kEndBytes > kMaxCommentBytes ? n - zip::kEndBytes - kMaxCommentBytes : 0;
+  for (uint64_t p = n - zip::kEndBytes + 1; p-- > lowest;) {
+    if (U32(a, p) == zip::kEndSig && p + zip::kEndBytes + U16(a, p + 20) == n) return p;
   }
   return ZipError("not a zip archive: no end-of-central-directory record in the last " +
                   std::to_string(n - lowest) + " bytes");
 }
 
 Status ReadZip64End(std::span<const std::byte> a, uint64_t end_at, Directory& dir) {
-  if (end_at < kZip64LocatorBytes || U32(a, end_at - kZip64LocatorBytes) != kZip64LocatorSig) {
+  if (end_at < zip::kZip64LocatorBytes ||
+      U32(a, end_at - zip::kZip64LocatorBytes) != zip::kZip64LocatorSig) {
     return ZipError("the end-of-central-directory record at byte " + std::to_string(end_at) +
                     " defers to ZIP64 but no ZIP64 locator precedes it");
   }
-  const uint64_t locator = end_at - kZip64LocatorBytes;
+  const uint64_t locator = end_at - zip::kZip64LocatorBytes;
   if (U32(a, locator + 4) != 0 || U32(a, locator + 16) > 1) {
     return UnimplementedError("zip: multi-disk archives are not supported (ZIP64 locator at byte " +
                               std::to_string(locator) + ")");
   }
   const uint64_t at = U64(a, locator + 8);
-  if (!Fits(at, kZip64EndBytes, locator) || U32(a, at) != kZip64EndSig) {
+  if (!Fits(at, zip::kZip64EndBytes, locator) || U32(a, at) != zip::kZip64EndSig) {
     return ZipError("the ZIP64 locator points at byte " + std::to_string(at) +
                     ", where no ZIP64 end-of-central-directory record lies before it");
   }
@@ -106,8 +93,8 @@ Status ReadZip64End(std::span<const std::byte> a, uint64_t end_at, Directory& di
 Result<Directory> ReadDirectory(std::span<const std::byte> a) {
   RESHARD_ASSIGN_OR_RETURN(const uint64_t end_at, FindEndRecord(a));
   const uint16_t disk = U16(a, end_at + 4), directory_disk = U16(a, end_at + 6);
-  if ((disk != 0 && disk != kOverflow16) ||
-      (directory_disk != 0 && directory_disk != kOverflow16) ||
+  if ((disk != 0 && disk != zip::kOverflow16) ||
+      (directory_disk != 0 && directory_disk != zip::kOverflow16) ||
       U16(a, end_at + 8) != U16(a, end_at + 10)) {
     return UnimplementedError("zip: multi-disk archives are not supported (end record at byte " +
                               std::to_string(end_at) + ")");
@@ -117,10 +104,11 @@ Result<Directory> ReadDirectory(std::span<const std::byte> a) {
   dir.size = U32(a, end_at + 12);
   dir.offset = U32(a, end_at + 16);
   dir.end = end_at;
-  if (dir.entries == kOverflow16 || dir.size == kOverflow32 || dir.offset == kOverflow32) {
+  if (dir.entries == zip::kOverflow16 || dir.size == zip::kOverflow32 ||
+      dir.offset == zip::kOverflow32) {
     RESHARD_RETURN_IF_ERROR(ReadZip64End(a, end_at, dir));
-  } else if (end_at >= kZip64LocatorBytes &&
-             U32(a, end_at - kZip64LocatorBytes) == kZip64LocatorSig) {
+  } else if (end_at >= zip::kZip64LocatorBytes &&
+             U32(a, end_at - zip::kZip64LocatorBytes) == zip::kZip64LocatorSig) {
     RESHARD_RETURN_IF_ERROR(ReadZip64End(a, end_at, dir));
   }
   if (!Fits(dir.offset, dir.size, dir.end)) {
@@ -128,7 +116,7 @@ Result<Directory> ReadDirectory(std::span<const std::byte> a) {
                     std::to_string(dir.size) + ") does not end before its end record at byte " +
                     std::to_string(dir.end));
   }
-  if (dir.entries > dir.size / kCentralHeaderBytes) {
+  if (dir.entries > dir.size / zip::kCentralHeaderBytes) {
     return ZipError("the end record claims " + std::to_string(dir.entries) +
                     " entries but the central directory holds only " + std::to_string(dir.size) +
                     " bytes (46 or more per entry)");
@@ -147,11 +135,11 @@ Status ApplyZip64Extra(std::span<const std::byte> extra, uint64_t& usize, uint64
       return ZipError(where + ": extra field id " + Hex(id) + " of " + std::to_string(len) +
                       " bytes runs past the extra area");
     }
-    if (id == 0x0001) {
+    if (id == zip::kZip64ExtraId) {
       uint64_t q = p + 4;
       const uint64_t stop = q + len;
       for (uint64_t* field : {&usize, &csize, &offset}) {
-        if (*field != kOverflow32) continue;
+        if (*field != zip::kOverflow32) continue;
         if (q + 8 > stop) return ZipError(where + ": ZIP64 extra field too short");
         *field = U64(extra, q);
         q += 8;
@@ -160,7 +148,7 @@ Status ApplyZip64Extra(std::span<const std::byte> extra, uint64_t& usize, uint64
     }
     p += 4 + static_cast<uint64_t>(len);
   }
-  if (usize == kOverflow32 || csize == kOverflow32 || offset == kOverflow32) {
+  if (usize == zip::kOverflow32 || csize == zip::kOverflow32 || offset == zip::kOverflow32) {
     return ZipError(where + ": a size or offset reads FF FF FF FF but there is no ZIP64 field");
   }
   return Status::Ok();
@@ -170,15 +158,15 @@ Status ApplyZip64Extra(std::span<const std::byte> extra, uint64_t& usize, uint64
 Status ReadLocalHeader(std::span<const std::byte> a, const Directory& dir, uint16_t method,
                        uint16_t flags, ZipEntry& e) {
   const std::string where = "entry \"" + e.name + "\"";
-  if (!Fits(e.header_offset, kLocalHeaderBytes, dir.offset) ||
-      U32(a, e.header_offset) != kLocalHeaderSig) {
+  if (!Fits(e.header_offset, zip::kLocalHeaderBytes, dir.offset) ||
+      U32(a, e.header_offset) != zip::kLocalHeaderSig) {
     return ZipError(where + ": no local header at byte " + std::to_string(e.header_offset) +
                     " (before the central directory at byte " + std::to_string(dir.offset) + ")");
   }
   const uint64_t h = e.header_offset;
   const uint64_t name_len = U16(a, h + 26);
   const uint64_t extra_len = U16(a, h + 28);
-  const uint64_t names_at = h + kLocalHeaderBytes;
+  const uint64_t names_at = h + zip::kLocalHeaderBytes;
   if (!Fits(names_at, name_len + extra_len, dir.offset)) {
     return ZipError(where + ": local header at byte " + std::to_string(h) +
                     " runs into the central directory");
@@ -189,11 +177,11 @@ Status ReadLocalHeader(std::span<const std::byte> a, const Directory& dir, uint1
                     std::string(local_name) + "\"");
   }
   if (U16(a, h + 8) != method ||
-      ((U16(a, h + 6) ^ flags) & (kFlagEncrypted | kFlagDataDescriptor))) {
+      ((U16(a, h + 6) ^ flags) & (zip::kFlagEncrypted | zip::kFlagDataDescriptor))) {
     return ZipError(where + ": the local header at byte " + std::to_string(h) +
                     " disagrees with the central directory on method or flags");
   }
-  if (!(flags & kFlagDataDescriptor)) {
+  if (!(flags & zip::kFlagDataDescriptor)) {
     uint64_t usize = U32(a, h + 22), csize = U32(a, h + 18), unused = 0;
     RESHARD_RETURN_IF_ERROR(
         ApplyZip64Extra(a.subspan(names_at + name_len, extra_len), usize, csize, unused, where));
@@ -218,34 +206,35 @@ Result<uint64_t> ReadCentralRecord(std::span<const std::byte> a, const Directory
   const uint64_t dir_end = dir.offset + dir.size;
   const std::string where =
       "central directory record " + std::to_string(index) + " at byte " + std::to_string(p);
-  if (!Fits(p, kCentralHeaderBytes, dir_end) || U32(a, p) != kCentralHeaderSig) {
+  if (!Fits(p, zip::kCentralHeaderBytes, dir_end) || U32(a, p) != zip::kCentralHeaderSig) {
     return ZipError(where + ": no central directory signature (50 4B 01 02) within the directory");
   }
   const uint64_t name_len = U16(a, p + 28);
   const uint64_t extra_len = U16(a, p + 30);
   const uint64_t comment_len = U16(a, p + 32);
-  const uint64_t total = kCentralHeaderBytes + name_len + extra_len + comment_len;
+  const uint64_t total = zip::kCentralHeaderBytes + name_len + extra_len + comment_len;
   if (!Fits(p, total, dir_end)) return ZipError(where + ": runs past the central directory");
-  e.name.assign(reinterpret_cast<const char*>(a.data() + p + kCentralHeaderBytes), name_len);
+  e.name.assign(reinterpret_cast<const char*>(a.data() + p + zip::kCentralHeaderBytes), name_len);
   const std::string named = "entry \"" + e.name + "\" (" + where + ")";
   if (e.name.empty()) return ZipError(where + ": empty entry name");
   flags = U16(a, p + 8);
   method = U16(a, p + 10);
-  if (flags & (kFlagEncrypted | kFlagStrongEncryption)) {
+  if (flags & (zip::kFlagEncrypted | zip::kFlagStrongEncryption)) {
     return UnimplementedError("zip: " + named + " is encrypted; encrypted entries are not read");
   }
   if (method != 0) {
     return UnimplementedError("zip: " + named + " is compressed (method " + std::to_string(method) +
                               "); only stored entries are read");
   }
-  if (U16(a, p + 34) != 0 && U16(a, p + 34) != kOverflow16) {
+  if (U16(a, p + 34) != 0 && U16(a, p + 34) != zip::kOverflow16) {
     return UnimplementedError("zip: " + named + " starts on another disk");
   }
   e.crc32 = U32(a, p + 16);
   uint64_t csize = U32(a, p + 20), usize = U32(a, p + 24);
   e.header_offset = U32(a, p + 42);
-  RESHARD_RETURN_IF_ERROR(ApplyZip64Extra(a.subspan(p + kCentralHeaderBytes + name_len, extra_len),
-                                          usize, csize, e.header_offset, named));
+  RESHARD_RETURN_IF_ERROR(
+      ApplyZip64Extra(a.subspan(p + zip::kCentralHeaderBytes + name_len, extra_len), usize, csize,
+                      e.header_offset, named));
   if (csize != usize) {
     return ZipError(named + ": stored entry with compressed size " + std::to_string(csize) +
                     " but uncompressed size " + std::to_string(usize));

@@ -59,6 +59,34 @@
 
 namespace reshard {
 
+/// The numbers of the layout above, for the reader here and the writer of torch .pt files.
+namespace zip {
+inline constexpr uint32_t kLocalHeaderSig = 0x04034b50;     // 50 4B 03 04
+inline constexpr uint32_t kDataDescriptorSig = 0x08074b50;  // 50 4B 07 08
+inline constexpr uint32_t kCentralHeaderSig = 0x02014b50;   // 50 4B 01 02
+inline constexpr uint32_t kZip64EndSig = 0x06064b50;        // 50 4B 06 06
+inline constexpr uint32_t kZip64LocatorSig = 0x07064b50;    // 50 4B 06 07
+inline constexpr uint32_t kEndSig = 0x06054b50;             // 50 4B 05 06
+// Sizes in bytes of the fixed part of each record.
+inline constexpr uint64_t kLocalHeaderBytes = 30;
+inline constexpr uint64_t kCentralHeaderBytes = 46;
+inline constexpr uint64_t kZip64EndBytes = 56;
+inline constexpr uint64_t kZip64LocatorBytes = 20;
+inline constexpr uint64_t kEndBytes = 22;
+inline constexpr uint16_t kZip64ExtraId = 0x0001;  // the extra field holding ZIP64 sizes
+// "Version needed to extract": 2.0 for stored entries, 4.5 once ZIP64 records are used.
+inline constexpr uint16_t kVersionStored = 20;
+inline constexpr uint16_t kVersionZip64 = 45;
+// General-purpose flag bits.
+inline constexpr uint16_t kFlagEncrypted = 1u << 0;
+inline constexpr uint16_t kFlagDataDescriptor = 1u << 3;
+inline constexpr uint16_t kFlagStrongEncryption = 1u << 6;
+inline constexpr uint16_t kFlagUtf8Name = 1u << 11;
+// A 32- or 16-bit field holding these says the value is in a ZIP64 record.
+inline constexpr uint32_t kOverflow32 = 0xffffffffu;
+inline constexpr uint16_t kOverflow16 = 0xffffu;
+}  // namespace zip
+
 struct ZipEntry {
   std::string name;
   uint64_t header_offset = 0;  // bytes from the start of the archive: the local header
