@@ -3,7 +3,8 @@
 // The input is a whole pickle. Reading must return a Status, never crash, hang or read out of
 // bounds. When it reads, the tree must be well formed: every reference inside the arena, a
 // record's arguments a tuple, only allowed globals, and no cycle (walked to a bounded depth);
-// a violation aborts.
+// and it must write back (SerializePickle) to a pickle that reads again and writes to the
+// same bytes. A violation aborts.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -74,5 +75,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (node.args != reshard::kNoPickleNode) stack.push_back({node.args, depth + 1});
     if (node.state != reshard::kNoPickleNode) stack.push_back({node.state, depth + 1});
   }
+  const reshard::Result<std::string> written = reshard::SerializePickle(*tree, tree->root());
+  Require(written.ok(), "a tree read cannot be written", written.status().ToString());
+  const reshard::Result<reshard::PickleTree> again =
+      reshard::ParsePickle(std::as_bytes(std::span(written->data(), written->size())));
+  Require(again.ok(), "a tree written does not read again", again.status().ToString());
+  const reshard::Result<std::string> rewritten = reshard::SerializePickle(*again, again->root());
+  Require(rewritten.ok() && *rewritten == *written, "writing a tree read back changes it", "");
   return 0;
 }

@@ -21,19 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds_checkpoints import Spec, UniversalRefused, ds_checkpoint, ds_to_universal  # noqa: F401
+from ds_checkpoints import Spec, ds_checkpoint, ds_to_universal  # noqa: F401
+from test_deepspeed_checkpoints import CI_SPECS
 
-SPECS = [
-    Spec("llama", tp=2, dp=2, stage=1),
-    Spec("qwen2", tp=2, dp=2, stage=2, dtype="bfloat16"),
-    Spec("mistral", tp=2, dp=2, stage=3),
-    Spec("llama", tp=2, dp=2, stage=0, dtype="bfloat16"),
-    Spec("llama", tp=4, dp=1, stage=1, dtype="bfloat16"),
-    Spec("qwen2", tp=4, dp=1, stage=3, dtype="bfloat16"),
-    Spec("llama", tp=1, dp=3, stage=2, vocab=251),
-    Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251),
-    Spec("qwen2", tp=1, dp=3, stage=1, vocab=251),
-]
+# The same checkpoints as test_deepspeed_checkpoints.py (trained once per session).
+SPECS = CI_SPECS
 IDS = [s.name for s in SPECS]
 
 
@@ -116,8 +108,12 @@ def test_convert_then_gather_equals_gather(checkpoints, spec, tmp_path, reshard_
         sorted(want)
 
 
+LLAMA_Z1 = Spec("llama", tp=2, dp=2, stage=1)  # fp32
+QWEN_TP4_Z3 = Spec("qwen2", tp=4, dp=1, stage=3, dtype="bfloat16")
+
+
 def test_optimizer_states_equal_deepspeeds_universal_merge(checkpoints, tmp_path, reshard_bin):
-    ckpt = checkpoints(SPECS[0])  # llama, TP 2 x DP 2, ZeRO 1, fp32
+    ckpt = checkpoints(LLAMA_Z1)
     universal = ds_to_universal(ckpt, tmp_path / "uc")
     r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", 1, "-o", tmp_path / "tp1")
     assert r.returncode == 0, r.stderr
@@ -130,7 +126,7 @@ def test_optimizer_states_equal_deepspeeds_universal_merge(checkpoints, tmp_path
 
 
 def test_inspect_summarises_stage_topology_dtype_and_layouts(checkpoints, reshard_bin):
-    ckpt = checkpoints(Spec("qwen2", tp=4, dp=1, stage=3, dtype="bfloat16"))
+    ckpt = checkpoints(QWEN_TP4_Z3)
     r = run(reshard_bin, "inspect", ckpt.save_dir, "--json")
     assert r.returncode == 0, r.stderr
     ds = json.loads(r.stdout)["deepspeed"]
@@ -148,10 +144,9 @@ def test_inspect_summarises_stage_topology_dtype_and_layouts(checkpoints, reshar
 
 # --- bad inputs: each names the file, exits 2 and writes nothing -----------------------------
 
-LLAMA_Z1 = SPECS[0]  # TP 2 x DP 2, ZeRO 1, fp32
-QWEN_Z2 = SPECS[1]  # the same topology; q/k/v biases
-MISTRAL_Z3 = SPECS[2]  # TP 2 x DP 2, ZeRO 3
-LLAMA_Z3_TP1 = SPECS[7]  # TP 1 x DP 3, ZeRO 3
+QWEN_Z2 = Spec("qwen2", tp=2, dp=2, stage=2, dtype="bfloat16")  # LLAMA_Z1's topology; biases
+MISTRAL_Z3 = Spec("mistral", tp=2, dp=2, stage=3)
+LLAMA_Z3_TP1 = Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251)
 
 
 def bad_missing_rank_file(checkpoints, tag):

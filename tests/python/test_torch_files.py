@@ -333,15 +333,19 @@ def test_corrupt_files_each_have_their_own_message(tmp_path, reshard_bin):
     assert len(messages) == len(cases)
 
 
-def test_export_never_replaces_unless_forced(tmp_path, reshard_bin):
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_never_replaces_unless_forced(tmp_path, reshard_bin, suffix):
     path = tmp_path / "a.pt"
     torch.save({"w": torch.ones(2)}, path)
-    out = tmp_path / "a.safetensors"
+    out = tmp_path / ("out" + suffix)
     out.write_bytes(b"keep")
     r = run(reshard_bin, "export", path, "-o", out)
     assert r.returncode == 2 and "--force" in r.stderr
     assert out.read_bytes() == b"keep"
     assert run(reshard_bin, "export", path, "-o", out, "--force").returncode == 0
+    if suffix == ".pt":  # the .pt written back whole
+        assert torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(2))
+        return
     assert torch.equal(load_file(out)["w"], torch.ones(2))
     assert json.loads(out.read_bytes()[8:8 + struct.unpack("<Q", out.read_bytes()[:8])[0]])[
         "__metadata__"] == {"format": "pt"}
@@ -424,14 +428,18 @@ engine.save_checkpoint(sys.argv[1], tag="step1")
 """
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    import socket
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path_factory.mktemp("ds") / "ckpt"
     r = subprocess.run([sys.executable, "-c", DEEPSPEED_SAVE, str(out), str(port)],
                        capture_output=True, text=True, timeout=900)

@@ -3,10 +3,12 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "documents.h"
 #include "exit_status.h"
+#include "processes.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/deepspeed.h"
@@ -27,6 +29,10 @@ struct CommonArgs {
   bool allow_scaled_optimizer_state = false;
   bool allow_lossy_scale = false;
   bool no_verify_replicas = false;
+  bool json = false;
+  bool progress = false;
+  double peer_timeout = 600;
+  mutable CheckpointStats stats;  // filled by the run
 };
 
 struct GatherArgs : CommonArgs {
@@ -44,6 +50,8 @@ void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
 
 Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   CheckpointOptions o;
+  RESHARD_ASSIGN_OR_RETURN(o.communicator, Processes(args.peer_timeout));
+  o.stats = &args.stats;
   o.overwrite = args.force;
   o.allow_scaled_optimizer_state = args.allow_scaled_optimizer_state;
   o.allow_lossy_scale = args.allow_lossy_scale;
@@ -60,6 +68,36 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string Gigabytes(uint64_t bytes) { return fmt::format("{:.3f} GB", bytes / 1e9); }
+
+// Prints what a checkpoint command did (process 0 only): `line`, then, from several processes,
+// a line per process; with --json one document instead: the output, the time and every
+// process's files and bytes.
+void Report(const CommonArgs& args, const std::string& line, double seconds) {
+  if (!PrintsResults()) return;
+  const std::vector<ProcessStats>& processes = args.stats.processes;
+  if (!args.json) {
+    fmt::print("{}\n", line);
+    for (size_t p = 0; processes.size() > 1 && p < processes.size(); ++p) {
+      const ProcessStats& s = processes[p];
+      fmt::print("  process {}: wrote {} files ({}), read {} (+{} comparing replicas)\n", s.rank,
+                 s.files.size(), Gigabytes(s.bytes_written), Gigabytes(s.bytes_read),
+                 Gigabytes(s.bytes_verified));
+    }
+    return;
+  }
+  nlohmann::ordered_json doc = {{"output", args.output}, {"seconds", seconds}};
+  doc["processes"] = nlohmann::ordered_json::array();
+  for (const ProcessStats& s : processes) {
+    doc["processes"].push_back({{"rank", s.rank},
+                                {"files", s.files},
+                                {"bytes_written", s.bytes_written},
+                                {"bytes_read", s.bytes_read},
+                                {"bytes_verified", s.bytes_verified}});
+  }
+  fmt::print("{}\n", doc.dump(2));
 }
 
 struct ScatterArgs : CommonArgs {
@@ -116,19 +154,22 @@ Result<std::pair<MapProvider, int>> ScatterMaps(const ScatterArgs& args,
 }
 
 Status RunScatter(const ScatterArgs& args) {
-  ProgressBar bar("scatter");
+  ProgressBar bar("scatter", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
       Scatter(args.input, maps.second, maps.first, args.output, options), args.force));
-  fmt::print("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args.input, maps.second,
-             args.output, Seconds(t0));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)", args.input, maps.second,
+                     args.output, seconds),
+         seconds);
   return Status::Ok();
 }
 
 Status RunGather(const GatherArgs& args) {
-  ProgressBar bar("gather");
+  ProgressBar bar("gather", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
@@ -139,12 +180,15 @@ Status RunGather(const GatherArgs& args) {
   Status s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
                        : Gather(args.input, args.output, options);
   RESHARD_RETURN_IF_ERROR(WithForceHint(std::move(s), args.force));
-  fmt::print("gathered \"{}\" into \"{}\" ({:.2f} s)\n", args.input, args.output, Seconds(t0));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("gathered \"{}\" into \"{}\" ({:.2f} s)", args.input, args.output, seconds),
+         seconds);
   return Status::Ok();
 }
 
 Status RunConvert(const ConvertArgs& args) {
-  ProgressBar bar("convert");
+  ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
   std::optional<MapDocument> target;
   if (!args.target_maps.empty()) {
@@ -164,8 +208,11 @@ Status RunConvert(const ConvertArgs& args) {
     return Status(s.code(), s.message() + "; give them with --target-maps MAPS.json");
   }
   RESHARD_RETURN_IF_ERROR(s);
-  fmt::print("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)\n", args.input, args.tp,
-             args.output, Seconds(t0));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to {} ranks in \"{}\" ({:.2f} s)", args.input, args.tp,
+                     args.output, seconds),
+         seconds);
   return Status::Ok();
 }
 
@@ -178,6 +225,14 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
   cmd->add_flag("--force", args.force,
                 "replace an existing output directory (only an empty one or one reshard wrote)");
   AddScaleFlags(cmd, args);
+  AddJsonFlag(cmd, args.json, "what was written and read, by every process");
+  cmd->add_flag("--progress", args.progress,
+                "draw the progress bar even when stderr is not a terminal (under mpirun: "
+                "process 0 draws the whole job's)");
+  cmd->add_option("--peer-timeout", args.peer_timeout,
+                  "under mpirun: seconds a process waits for the others at one exchange before "
+                  "ending the whole job (default 600)")
+      ->check(CLI::Range(1.0, 1e7));
 }
 
 void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {

@@ -1,4 +1,5 @@
 // reshard export FILE.pt -o OUT.safetensors [--force]
+// reshard export FILE.pt -o OUT.pt [--force]           (the whole object tree, written back)
 // reshard export FILE.safetensors -o OUT.pt [--force]
 #include <fmt/format.h>
 
@@ -38,16 +39,26 @@ Result<size_t> SafetensorsToTorch(const ExportArgs& args) {
   return in.header().tensors.size();
 }
 
-Result<size_t> TorchToSafetensors(const ExportArgs& args) {
+bool IsTorchFileName(std::string_view path) {
+  return path.ends_with(".pt") || path.ends_with(".pth") || path.ends_with(".bin");
+}
+
+// To a .pt name: the object tree and its storages as they are; otherwise safetensors.
+Result<size_t> TorchToOutput(const ExportArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(args.path));
-  RESHARD_RETURN_IF_ERROR(ExportToSafetensors(f, args.output, args.force));
+  if (IsTorchFileName(args.output)) {
+    RESHARD_RETURN_IF_ERROR(
+        RewriteTorchFile(f, args.output, {.root = f.root(), .overwrite = args.force}));
+  } else {
+    RESHARD_RETURN_IF_ERROR(ExportToSafetensors(f, args.output, args.force));
+  }
   return f.tensors().size();
 }
 
 Status RunExport(const ExportArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
   Result<size_t> written =
-      LooksLikeTorchFile(mapped.bytes()) ? TorchToSafetensors(args) : SafetensorsToTorch(args);
+      LooksLikeTorchFile(mapped.bytes()) ? TorchToOutput(args) : SafetensorsToTorch(args);
   if (written.status().code() == StatusCode::kAlreadyExists) {
     return Status(StatusCode::kAlreadyExists,
                   written.status().message() + " (use --force to replace it)");
@@ -59,7 +70,10 @@ Status RunExport(const ExportArgs& args) {
 
 void AddExportOptions(CLI::App* cmd, ExportArgs* args) {
   cmd->add_option("FILE", args->path, "a .pt file (torch.save) or a .safetensors file")->required();
-  cmd->add_option("-o,--output", args->output, "the .safetensors (or, from safetensors, .pt) file")
+  cmd->add_option(
+         "-o,--output", args->output,
+         "the .safetensors file, or a .pt/.pth/.bin file (the .pt written back whole; from "
+         "safetensors, its state dict)")
       ->required();
   cmd->add_flag("--force", args->force, "replace an existing output");
 }

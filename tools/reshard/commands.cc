@@ -72,9 +72,11 @@ constexpr CommandEntry kCommands[] = {
     {"export",
      "Write every tensor of a PyTorch .pt file to a .safetensors file under its dotted name "
      "(module.layers.0.weight), bit for bit, without running the file's pickle; a view is "
-     "written as its own contiguous tensor. Given a .safetensors file, write its tensors as "
-     "the state dict torch.save would write (torch.load(weights_only=True) reads it). The "
-     "kind of input is told by its first bytes; the output appears atomically.",
+     "written as its own contiguous tensor. To an output named .pt, .pth or .bin, write the "
+     "whole object tree back instead (records such as DeepSpeed's loss scalers kept, views "
+     "and shared storages kept). Given a .safetensors file, write its tensors as the state "
+     "dict torch.save would write (torch.load(weights_only=True) reads it). The kind of "
+     "input is told by its first bytes; the output appears atomically.",
      ExportCommand},
     {"demo",
      "Run the embedded example: generate a small multi-layer checkpoint with one parameter per "

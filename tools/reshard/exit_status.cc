@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <utility>
 
+#include "processes.h"
+
 namespace reshard::cli {
 
 int ExitStatusFor(const Status& status) {
@@ -35,7 +37,8 @@ Status CheckFailed(Status status) {
 
 Status AlreadyReportedCheckFailure() { return Status(StatusCode::kFailedPrecondition, ""); }
 
-int Finish(std::string_view command, const Status& status) {
+int Finish(std::string_view command, const Status& result) {
+  const Status status = AsReportedHere(result);
   if (!status.ok() && !status.message().empty()) {
     fmt::print(stderr, "reshard {}: {}\n", command, status.message());
   }

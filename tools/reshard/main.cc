@@ -5,6 +5,7 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "interrupt.h"
+#include "processes.h"
 
 int main(int argc, char** argv) {
   using namespace reshard::cli;
@@ -30,5 +31,6 @@ int main(int argc, char** argv) {
                  e.what());
     return kExitUsage;
   }
+  EndProcesses();
   return exit_status;
 }

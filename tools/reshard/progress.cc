@@ -21,9 +21,9 @@ std::string Human(double bytes) {
 
 }  // namespace
 
-ProgressBar::ProgressBar(std::string label)
+ProgressBar::ProgressBar(std::string label, bool always)
     : label_(std::move(label)),
-      active_(::isatty(STDERR_FILENO) == 1),
+      active_(always || ::isatty(STDERR_FILENO) == 1),
       start_(std::chrono::steady_clock::now()),
       last_(start_) {}
 

@@ -11,7 +11,9 @@ namespace reshard::cli {
 
 class ProgressBar {
  public:
-  explicit ProgressBar(std::string label);
+  /// Draws when stderr is a terminal, or always with `always` (under mpirun, whose processes
+  /// write to pipes).
+  explicit ProgressBar(std::string label, bool always = false);
   ~ProgressBar();
   /// A callback for CheckpointOptions::progress, or an empty function when stderr is not a
   /// terminal.

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <mutex>
@@ -14,30 +16,64 @@
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
+#include "reshard/io/temporaries.h"
 #include "reshard/ir/compose.h"
 
 namespace reshard {
 
 namespace {
 
-// Counts written bytes and reports them.
+Communicator& CommunicatorOf(const CheckpointOptions& options) {
+  return options.communicator ? *options.communicator : SingleProcess();
+}
+
+// The options as this process applies them: only process 0 warns and reports progress.
+CheckpointOptions ForThisProcess(const CheckpointOptions& options) {
+  CheckpointOptions o = options;
+  if (CommunicatorOf(options).rank() != 0) {
+    o.warn = nullptr;
+    o.progress = nullptr;
+  }
+  return o;
+}
+
+// Counts written bytes and reports them: in one process directly; across processes each
+// publishes its count and process 0 reports the whole job's.
 class ProgressCounter {
  public:
   ProgressCounter(const CheckpointOptions& options, uint64_t total)
-      : report_(options.progress), total_(total) {
+      : comm_(CommunicatorOf(options)), report_(options.progress), total_(total) {
     if (report_) report_(0, total_);
+    if (comm_.size() > 1 && report_) {
+      comm_.SetProgressListener([this](uint64_t job_done) {
+        std::lock_guard<std::mutex> lock(report_mu_);
+        if (job_done == reported_) return;  // process 0 hears the same count many times
+        reported_ = job_done;
+        report_(job_done, total_);
+      });
+    }
+  }
+  ~ProgressCounter() {
+    if (comm_.size() > 1 && report_) comm_.SetProgressListener({});
   }
   void Add(uint64_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     done_ += bytes;
-    if (report_) report_(done_, total_);
+    if (comm_.size() > 1) {
+      comm_.PublishProgress(done_);
+    } else if (report_) {
+      report_(done_, total_);
+    }
   }
 
  private:
+  Communicator& comm_;
   std::mutex mu_;
+  std::mutex report_mu_;
   std::function<void(uint64_t, uint64_t)> report_;
   uint64_t total_;
   uint64_t done_ = 0;
+  uint64_t reported_ = 0;
 };
 
 bool IsPowerOfTwo(double x) {
@@ -63,40 +99,65 @@ void WarnAboutScales(const CheckpointOptions& options, const ShardedParam& p, co
   }
 }
 
-uint64_t Bytes(const TensorToWrite& t) {
-  return static_cast<uint64_t>(ProductOf(t.shape)) * DTypeSize(t.dtype);
+uint64_t ElementBytes(Index elements, DType dtype) {
+  return static_cast<uint64_t>(elements) * DTypeSize(dtype);
 }
 
-// Splits tensors, in order, into parts of at most `max_bytes` (0: one part).
-std::vector<std::vector<TensorToWrite>> SplitIntoParts(std::vector<TensorToWrite> tensors,
-                                                       uint64_t max_bytes) {
-  std::vector<std::vector<TensorToWrite>> parts(1);
+uint64_t ShardBytes(const ShardedParam& p, Rank r) {
+  return ElementBytes(p.map.shard_num_elements(r), p.dtype);
+}
+
+// The bytes of every copy of `p`'s replicated pieces: what comparing its replicas reads.
+uint64_t ReplicaBytes(const ShardedParam& p) {
+  uint64_t bytes = 0;
+  for (const RankShard& shard : p.map.ranks()) {
+    for (const Piece& piece : shard.pieces) {
+      if (piece.is_replicated()) bytes += ElementBytes(piece.num_elements(), p.dtype);
+    }
+  }
+  return bytes;
+}
+
+// Splits items of `sizes` (bytes), in order, into consecutive parts of at most `max_bytes`
+// (0: one part); an item larger than that gets a part of its own. Returns the items' indices.
+std::vector<std::vector<size_t>> SplitIntoParts(std::span<const uint64_t> sizes,
+                                                uint64_t max_bytes) {
+  std::vector<std::vector<size_t>> parts(1);
   uint64_t in_part = 0;
-  for (TensorToWrite& t : tensors) {
-    const uint64_t b = Bytes(t);
-    if (max_bytes > 0 && !parts.back().empty() && in_part + b > max_bytes) {
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (max_bytes > 0 && !parts.back().empty() && in_part + sizes[i] > max_bytes) {
       parts.emplace_back();
       in_part = 0;
     }
-    in_part += b;
-    parts.back().push_back(std::move(t));
+    in_part += sizes[i];
+    parts.back().push_back(i);
   }
   return parts;
 }
 
-// Writes rank `rank`'s tensors as model-rank-{r}-part-{p}.safetensors; returns the names.
-Result<std::vector<std::string>> WriteRankFiles(const OutputDirectory& out, Rank rank,
-                                                std::vector<TensorToWrite> tensors,
-                                                uint64_t max_bytes) {
-  std::vector<std::string> names;
-  auto parts = SplitIntoParts(std::move(tensors), max_bytes);
-  for (size_t p = 0; p < parts.size(); ++p) {
-    const std::string name = ShardFileName(rank, static_cast<int>(p));
-    RESHARD_RETURN_IF_ERROR(
-        WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
-    names.push_back(name);
+// One output file: its name, the rank whose shard it holds (sharded outputs), the parameters
+// it holds (indices into the manifest) and their bytes.
+struct OutputFile {
+  std::string name;
+  Rank rank = 0;
+  std::vector<size_t> params;
+  uint64_t bytes = 0;
+};
+
+// The files of a sharded output: model-rank-{r}-part-{p}.safetensors for every rank.
+std::vector<OutputFile> ShardedFiles(const Manifest& m, uint64_t max_bytes) {
+  std::vector<OutputFile> files;
+  for (Rank r = 0; r < m.world_size; ++r) {
+    std::vector<uint64_t> sizes;
+    for (const ShardedParam& p : m.params) sizes.push_back(ShardBytes(p, r));
+    const auto parts = SplitIntoParts(sizes, max_bytes);
+    for (size_t part = 0; part < parts.size(); ++part) {
+      OutputFile f{ShardFileName(r, static_cast<int>(part)), r, parts[part], 0};
+      for (size_t i : f.params) f.bytes += sizes[i];
+      files.push_back(std::move(f));
+    }
   }
-  return names;
+  return files;
 }
 
 // Copies the valid region of a padded F (logical shape) to or from a dense tensor of the
@@ -114,14 +175,15 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
   return StridedCopy(dtype, std::span<const StridedMove>(&move, 1), num_threads);
 }
 
-// Runs fn(rank) for every rank, on up to one thread per core: each rank's files are written
-// by one thread, so the kernel's copies into the page cache and the memory copies of several
-// ranks overlap. Returns the first error (ranks not yet started are then skipped).
-Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>& fn) {
+// Runs fn(i) for every i < count, on up to one thread per core: each file is written by one
+// thread, so the kernel's copies into the page cache and the memory copies of several files
+// overlap. Returns the first error (items not yet started are then skipped).
+Status ForEachIndex(size_t count, int num_threads, const std::function<Status(size_t)>& fn) {
   int threads =
       num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
-  threads = std::max(1, std::min(threads, world));
-  std::atomic<int> next{0};
+  threads = static_cast<int>(
+      std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1, std::max<size_t>(count, 1)));
+  std::atomic<size_t> next{0};
   std::mutex mu;
   Status first;
   auto worker = [&] {
@@ -130,9 +192,9 @@ Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>
         std::lock_guard<std::mutex> lock(mu);
         if (!first.ok()) return;
       }
-      const int r = next.fetch_add(1);
-      if (r >= world) return;
-      Status s = fn(static_cast<Rank>(r));
+      const size_t i = next.fetch_add(1);
+      if (i >= count) return;
+      Status s = fn(i);
       if (!s.ok()) {
         std::lock_guard<std::mutex> lock(mu);
         if (first.ok()) first = std::move(s);
@@ -146,69 +208,12 @@ Status ForEachRank(int world, int num_threads, const std::function<Status(Rank)>
   return first;
 }
 
-ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
-  ExecOptions e;
-  e.scale_power = scale_power;
-  e.allow_scaled_optimizer_state = options.allow_scaled_optimizer_state;
-  e.verify_replicas = options.verify_replicas;
-  e.allow_lossy_scale = options.allow_lossy_scale;
-  e.num_threads = options.num_threads;
-  return e;
-}
-
-Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
-  return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m));
-}
-
-// Writes a sharded checkpoint: for every rank (ranks in parallel), one tensor per parameter
-// of `manifest`, each produced by fill(param index, rank, buffer) straight into the writer's
-// buffer; then the manifest, then the commit. The manifest's file lists are filled in.
-using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
-
-Status WriteSharded(const std::string& out_dir, std::span<const std::string> inputs,
-                    Manifest& manifest, const CheckpointOptions& options, const ShardFill& fill) {
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite, inputs));
-  uint64_t total = 0;
-  for (const ShardedParam& p : manifest.params) {
-    for (Rank r = 0; r < manifest.world_size; ++r) {
-      total += static_cast<uint64_t>(p.map.shard_num_elements(r)) * DTypeSize(p.dtype);
-    }
-  }
-  ProgressCounter progress(options, total);
-  manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
-  RESHARD_RETURN_IF_ERROR(
-      ForEachRank(manifest.world_size, options.num_threads, [&](Rank r) -> Status {
-        std::vector<TensorToWrite> tensors;
-        for (size_t i = 0; i < manifest.params.size(); ++i) {
-          const ShardedParam& p = manifest.params[i];
-          tensors.push_back({p.name, p.dtype, p.map.rank(r).shard_shape,
-                             [&, r, i](std::span<std::byte> buffer) -> Status {
-                               // The writer names the tensor in any error.
-                               RESHARD_RETURN_IF_ERROR(fill(i, r, buffer));
-                               progress.Add(buffer.size());
-                               return Status::Ok();
-                             }});
-        }
-        RESHARD_ASSIGN_OR_RETURN(
-            manifest.files[static_cast<size_t>(r)],
-            WriteRankFiles(out, r, std::move(tensors), options.max_shard_bytes));
-        return Status::Ok();
-      }));
-  RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
-  return out.Commit();
-}
-
 // A sharded checkpoint as a source: shards are views of its mapped files.
 class ShardedDirSource : public ShardSource {
  public:
-  ShardedDirSource(std::string dir, ShardedCheckpoint ckpt)
-      : dir_(std::move(dir)), ckpt_(std::move(ckpt)) {}
-  int world_size() const override { return ckpt_.manifest().world_size; }
-  const std::vector<ShardedParam>& params() const override { return ckpt_.manifest().params; }
-  std::vector<DegreeConstraint> constraints() const override {
-    return ckpt_.manifest().constraints;
-  }
+  ShardedDirSource(std::string dir, const ShardedCheckpoint& ckpt)
+      : dir_(std::move(dir)), ckpt_(ckpt) {}
+  const Manifest& manifest() const override { return ckpt_.manifest(); }
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
     const ParamMap& map = ckpt_.manifest().params[i].map;
     std::vector<ConstBuffer> shards;
@@ -218,7 +223,7 @@ class ShardedDirSource : public ShardSource {
     return shards;
   }
   void ReleaseShards(size_t i) override {
-    for (Rank r = 0; r < world_size(); ++r) ReleaseMappedPages(ckpt_.shard(i, r));
+    for (Rank r = 0; r < ckpt_.manifest().world_size; ++r) ReleaseMappedPages(ckpt_.shard(i, r));
   }
   // Everything a run from a sharded checkpoint reads, which its output may not touch.
   std::vector<std::string> inputs() const override {
@@ -230,7 +235,7 @@ class ShardedDirSource : public ShardSource {
 
  private:
   std::string dir_;
-  ShardedCheckpoint ckpt_;
+  const ShardedCheckpoint& ckpt_;
 };
 
 // Acquires a parameter's shards and releases them when it goes out of scope.
@@ -259,39 +264,155 @@ class AcquiredShards {
   std::vector<ConstBuffer> shards_;
 };
 
-// Writes the full tensors as model.safetensors, or as parts and an index.
-Status WriteFull(const OutputDirectory& out, std::vector<TensorToWrite> tensors, uint64_t total,
-                 const CheckpointOptions& options) {
-  if (options.max_shard_bytes == 0 || total <= options.max_shard_bytes) {
-    return WriteSafetensors(out.FilePath("model.safetensors"), std::move(tensors),
-                            ProducerMetadata());
-  }
-  auto parts = SplitIntoParts(std::move(tensors), options.max_shard_bytes);
-  nlohmann::json weight_map = nlohmann::json::object();
-  for (size_t p = 0; p < parts.size(); ++p) {
-    const std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", p + 1, parts.size());
-    for (const TensorToWrite& t : parts[p]) weight_map[t.name] = name;
-    RESHARD_RETURN_IF_ERROR(
-        WriteSafetensors(out.FilePath(name), std::move(parts[p]), ProducerMetadata()));
-  }
-  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n");
+ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
+  ExecOptions e;
+  e.scale_power = scale_power;
+  e.allow_scaled_optimizer_state = options.allow_scaled_optimizer_state;
+  e.verify_replicas = options.verify_replicas;
+  e.allow_lossy_scale = options.allow_lossy_scale;
+  e.num_threads = options.num_threads;
+  return e;
 }
 
-// Warns about a plan that moves values through a factor that is not a power of two.
-void WarnAboutFactors(const CheckpointOptions& options, const ShardedParam& p,
-                      const ParamPlan& plan) {
-  if (!options.warn || !options.allow_lossy_scale || DTypeKindOf(p.dtype) != DTypeKind::kFloat)
-    return;
-  for (const Move& mv : plan.moves) {
-    if (!IsPowerOfTwo(mv.factor)) {
-      options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
-                                       "the values are rounded, so a round trip is exact only "
-                                       "to the last bit",
-                                       mv.factor));
-      return;
+// What this process reads and writes, counted by its writer threads.
+struct Counters {
+  std::atomic<uint64_t> read{0};
+  std::atomic<uint64_t> verified{0};
+};
+
+// Collective: process 0 creates the output directory, the others join its temporary. They join
+// before it exists, so that from its creation on a survivor of any process knows what to remove.
+Result<OutputDirectory> OpenOutput(Communicator& comm, const std::string& path,
+                                   const CheckpointOptions& options,
+                                   std::span<const std::string> inputs) {
+  if (comm.size() == 1) return OutputDirectory::Create(path, options.overwrite, inputs);
+  RESHARD_ASSIGN_OR_RETURN(
+      const std::string temp,
+      Broadcast(comm, comm.rank() == 0 ? TemporaryPathFor(path) : std::string(), 0));
+  std::optional<Result<OutputDirectory>> out;
+  if (comm.rank() != 0) out.emplace(OutputDirectory::Join(path, temp));
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out ? out->status() : Status::Ok()));
+  if (comm.rank() == 0) out.emplace(OutputDirectory::Create(path, options.overwrite, inputs, temp));
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out->status()));
+  return std::move(*out);
+}
+
+// "<read> <verified> <written> <file>..." (file names hold no spaces).
+std::string EncodeStats(const ProcessStats& s) {
+  std::string text = fmt::format("{} {} {}", s.bytes_read, s.bytes_verified, s.bytes_written);
+  for (const std::string& f : s.files) text += " " + f;
+  return text;
+}
+
+ProcessStats DecodeStats(int rank, const std::string& text) {
+  ProcessStats s;
+  s.rank = rank;
+  std::vector<std::string> words;
+  for (size_t begin = 0; begin <= text.size();) {
+    const size_t space = std::min(text.find(' ', begin), text.size());
+    words.push_back(text.substr(begin, space - begin));
+    begin = space + 1;
+  }
+  uint64_t* numbers[] = {&s.bytes_read, &s.bytes_verified, &s.bytes_written};
+  for (size_t k = 0; k < words.size(); ++k) {
+    if (k >= 3) {
+      s.files.push_back(words[k]);
+    } else {
+      std::from_chars(words[k].data(), words[k].data() + words[k].size(), *numbers[k]);
     }
   }
+  return s;
+}
+
+// Collective, once every process has written its files (`written`: this process's outcome):
+// fills options.stats; when every process succeeded, process 0 runs `commit` (the manifest or
+// index, then the rename). Every process returns the same status.
+Status FinishOutput(Communicator& comm, OutputDirectory& out, const Status& written,
+                    ProcessStats mine, const CheckpointOptions& options,
+                    const std::function<Status()>& commit) {
+  mine.rank = comm.rank();
+  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> all, comm.AllGather(EncodeStats(mine)));
+  if (options.stats) {
+    options.stats->processes.clear();
+    if (comm.rank() != 0) {
+      options.stats->processes.push_back(std::move(mine));
+    } else {
+      for (size_t p = 0; p < all.size(); ++p) {
+        options.stats->processes.push_back(DecodeStats(static_cast<int>(p), all[p]));
+      }
+    }
+  }
+  // A joined temporary stays recorded on failure (process 0 removes it, and a process that
+  // ends the job because an exchange failed removes it too); once every file is written,
+  // process 0 alone decides whether the output appears.
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, written));
+  out.Leave();
+  return AgreeOnStatus(comm, comm.rank() == 0 ? commit() : Status::Ok());
+}
+
+// Writes the files of `files` that `owners` gives this process; write(k) writes file k.
+Status WriteOwnFiles(Communicator& comm, const std::vector<OutputFile>& files,
+                     const std::vector<int>& owners, int num_threads, ProcessStats& mine,
+                     const std::function<Status(const OutputFile&)>& write) {
+  std::vector<size_t> own;
+  for (size_t k = 0; k < files.size(); ++k) {
+    if (owners[k] != comm.rank()) continue;
+    own.push_back(k);
+    mine.files.push_back(files[k].name);
+    mine.bytes_written += files[k].bytes;
+  }
+  return ForEachIndex(own.size(), num_threads, [&](size_t j) { return write(files[own[j]]); });
+}
+
+std::vector<int> OwnersOf(const std::vector<OutputFile>& files, int processes) {
+  std::vector<uint64_t> sizes;
+  for (const OutputFile& f : files) sizes.push_back(f.bytes);
+  return BalanceByBytes(sizes, processes);
+}
+
+Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
+  return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m));
+}
+
+// Writes a sharded checkpoint: every file of every rank (files in parallel; across processes,
+// each process its share), one tensor per parameter of `manifest`, each produced by
+// fill(param index, rank, buffer) straight into the writer's buffer; then the manifest, then
+// the commit. The manifest's file lists are filled in.
+using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
+
+Status WriteSharded(const std::string& out_dir, std::span<const std::string> inputs,
+                    Manifest& manifest, const CheckpointOptions& options,
+                    const std::vector<OutputFile>& files, const std::vector<int>& owners,
+                    const Counters& counters, const ShardFill& fill) {
+  Communicator& comm = CommunicatorOf(options);
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
+  uint64_t total = 0;
+  for (const OutputFile& f : files) total += f.bytes;
+  ProcessStats mine;
+  ProgressCounter progress(options, total);  // until the end: process 0 shows the others' too
+  const Status written = WriteOwnFiles(
+      comm, files, owners, options.num_threads, mine, [&](const OutputFile& f) -> Status {
+        std::vector<TensorToWrite> tensors;
+        for (const size_t i : f.params) {
+          const ShardedParam& p = manifest.params[i];
+          tensors.push_back({p.name, p.dtype, p.map.rank(f.rank).shard_shape,
+                             [&, i](std::span<std::byte> buffer) -> Status {
+                               // The writer names the tensor in any error.
+                               RESHARD_RETURN_IF_ERROR(fill(i, f.rank, buffer));
+                               progress.Add(buffer.size());
+                               return Status::Ok();
+                             }});
+        }
+        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata());
+      });
+  mine.bytes_read = counters.read;
+  mine.bytes_verified = counters.verified;
+  manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
+  for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
+  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+    RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
+    return out.Commit();
+  });
 }
 
 }  // namespace
@@ -332,13 +453,15 @@ Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
   return ResolvedMap{std::move(own), 1};
 }
 
-Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
-               const std::string& out_dir, const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
+namespace {
+
+// The sharded manifest of a scatter and, per parameter, its source tensor.
+Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const MapProvider& maps,
+                             const CheckpointOptions& options,
+                             std::vector<const TensorRef*>& sources) {
   Manifest manifest;
   manifest.world_size = world_size;
   manifest.constraints = options.degree_constraints;
-  std::vector<const TensorRef*> sources;
   for (const TensorRef& t : full.tensors()) {
     const std::string& name = t.info->name;
     Result<ResolvedMap> resolved = ResolveMap(maps, name, t.info->shape);
@@ -352,7 +475,6 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
       return resolved.status();
     }
     const ProvidedMap* provided = &resolved->provided;
-    const int power = resolved->scale_power;
     const ParamMap& map = provided->map;
     if (map.world_size() != world_size) {
       return FailedPreconditionError(fmt::format("the map of \"{}\" has {} ranks, not {}", name,
@@ -363,17 +485,36 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
           fmt::format("the map of \"{}\" is for a tensor of shape {} but the checkpoint stores {}",
                       name, FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
     }
-    manifest.params.push_back(ShardedParam{name, t.info->dtype, map, provided->layout, power});
+    manifest.params.push_back(
+        ShardedParam{name, t.info->dtype, map, provided->layout, resolved->scale_power});
     WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }
-  // Ranks run in parallel; each copies on its own thread.
-  CheckpointOptions per_rank = options;
-  per_rank.num_threads = 1;
+  return manifest;
+}
+
+}  // namespace
+
+Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
+               const std::string& out_dir, const CheckpointOptions& all_options) {
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<FullCheckpoint> full = FullCheckpoint::Open(full_dir);
+  std::vector<const TensorRef*> sources;
+  Result<Manifest> planned =
+      full.ok() ? PlanScatter(*full, world_size, maps, options, sources) : full.status();
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
+  Manifest& manifest = *planned;
+  const std::vector<OutputFile> files = ShardedFiles(manifest, options.max_shard_bytes);
+  const std::vector<int> owners = OwnersOf(files, comm.size());
+  // Files are written in parallel; each copies on its own thread.
+  CheckpointOptions per_file = options;
+  per_file.num_threads = 1;
   std::vector<std::string> inputs = {full_dir};
-  for (std::string& path : full.file_paths()) inputs.push_back(std::move(path));
+  for (std::string& path : full->file_paths()) inputs.push_back(std::move(path));
+  Counters counters;
   return WriteSharded(
-      out_dir, inputs, manifest, options,
+      out_dir, inputs, manifest, options, files, owners, counters,
       [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
         const ShardedParam& param = manifest.params[i];
         const ParamMap& map = param.map;
@@ -387,155 +528,288 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
               CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
           f.data = padded.data();
         }
+        counters.read += map.has_padding() ? src->data.size() : buffer.size();
         RESHARD_RETURN_IF_ERROR(Extract(map, param.dtype, r, f,
                                         {buffer.data(), map.shard_num_elements(r)},
-                                        ExecOptionsFor(per_rank, param.scale_power)));
+                                        ExecOptionsFor(per_file, param.scale_power)));
         ReleaseMappedPages(src->data);
         return Status::Ok();
       });
 }
 
-Status Gather(const std::string& sharded_dir, const std::string& out_dir,
-              const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
-  ShardedDirSource source(sharded_dir, std::move(ckpt));
-  return GatherFrom(source, out_dir, options);
-}
+namespace {
 
-Status GatherFrom(ShardSource& source, const std::string& out_dir, const CheckpointOptions& options,
-                  const std::vector<ExtraFile>& extra_files) {
-  const std::vector<ShardedParam>& params = source.params();
-  for (const ShardedParam& p : params) WarnAboutScales(options, p, "undoing");
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite, source.inputs()));
+// The files of a full output: model.safetensors, or parts of at most max_bytes.
+std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
+  std::vector<uint64_t> sizes;
   uint64_t total = 0;
-  for (const ShardedParam& p : params)
-    total += static_cast<uint64_t>(ProductOf(p.map.valid_shape())) * DTypeSize(p.dtype);
+  for (const ShardedParam& p : m.params) {
+    sizes.push_back(ElementBytes(ProductOf(p.map.valid_shape()), p.dtype));
+    total += sizes.back();
+  }
+  const bool split = max_bytes > 0 && total > max_bytes;
+  const auto parts = SplitIntoParts(sizes, split ? max_bytes : 0);
+  std::vector<OutputFile> files;
+  for (size_t part = 0; part < parts.size(); ++part) {
+    OutputFile f{!split ? std::string("model.safetensors")
+                        : fmt::format("model-{:05d}-of-{:05d}.safetensors", part + 1, parts.size()),
+                 0, parts[part], 0};
+    for (size_t i : f.params) f.bytes += sizes[i];
+    files.push_back(std::move(f));
+  }
+  return files;
+}
+
+// model.safetensors.index.json of a full output in parts.
+Status WriteFullIndex(const OutputDirectory& out, const Manifest& m,
+                      const std::vector<OutputFile>& files) {
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total = 0;
+  for (const OutputFile& f : files) {
+    for (size_t i : f.params) weight_map[m.params[i].name] = f.name;
+    total += f.bytes;
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n");
+}
+
+// Rebuilds parameter i of `source` (its valid region) into `buffer`.
+Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& options,
+                   std::span<std::byte> buffer, Counters& counters) {
+  const ShardedParam& param = source.manifest().params[i];
+  const ParamMap& map = param.map;
+  AcquiredShards shards(source, i);
+  RESHARD_RETURN_IF_ERROR(shards.status());
+  std::vector<std::byte> padded;
+  MutableBuffer f{buffer.data(), map.num_elements()};
+  if (map.has_padding()) {
+    padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
+    f.data = padded.data();
+  }
+  uint64_t held = 0;
+  for (Rank r = 0; r < map.world_size(); ++r) held += ShardBytes(param, r);
+  counters.read += std::min(held, ElementBytes(map.num_elements(), param.dtype));
+  if (options.verify_replicas) counters.verified += ReplicaBytes(param);
+  // The writer names the tensor in any error.
+  RESHARD_RETURN_IF_ERROR(
+      Rebuild(map, param.dtype, shards.shards(), f, ExecOptionsFor(options, param.scale_power)));
+  if (map.has_padding()) {
+    RESHARD_RETURN_IF_ERROR(
+        CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Gather(const std::string& sharded_dir, const std::string& out_dir,
+              const CheckpointOptions& all_options) {
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
+  ShardedDirSource source(sharded_dir, *opened);
+  return GatherFrom(source, out_dir, all_options);
+}
+
+Status GatherFrom(ShardSource& source, const std::string& out_dir,
+                  const CheckpointOptions& all_options, const std::vector<ExtraFile>& extra_files) {
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  const Manifest& m = source.manifest();
+  for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OpenOutput(comm, out_dir, options, source.inputs()));
+  const std::vector<OutputFile> files = FullFiles(m, options.max_shard_bytes);
+  const std::vector<int> owners = OwnersOf(files, comm.size());
+  uint64_t total = 0;
+  for (const OutputFile& f : files) total += f.bytes;
   ProgressCounter progress(options, total);
-  std::vector<TensorToWrite> tensors;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ShardedParam& p = params[i];
-    tensors.push_back(
-        {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) -> Status {
-           const ShardedParam& param = params[i];
-           const ParamMap& map = param.map;
-           AcquiredShards shards(source, i);
-           RESHARD_RETURN_IF_ERROR(shards.status());
-           std::vector<std::byte> padded;
-           MutableBuffer f{buffer.data(), map.num_elements()};
-           if (map.has_padding()) {
-             padded.resize(static_cast<size_t>(map.num_elements()) * DTypeSize(param.dtype));
-             f.data = padded.data();
-           }
-           // The writer names the tensor in any error.
-           RESHARD_RETURN_IF_ERROR(Rebuild(map, param.dtype, shards.shards(), f,
-                                           ExecOptionsFor(options, param.scale_power)));
-           if (map.has_padding()) {
-             RESHARD_RETURN_IF_ERROR(CopyValidRegion(map, param.dtype, padded.data(), buffer.data(),
-                                                     true, options.num_threads));
-           }
-           progress.Add(buffer.size());
-           return Status::Ok();
-         }});
-  }
-  RESHARD_RETURN_IF_ERROR(WriteFull(out, std::move(tensors), total, options));
-  for (const ExtraFile& f : extra_files) {
-    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents));
-  }
-  return out.Commit();
+  Counters counters;
+  ProcessStats mine;
+  // Files are written one after the other; each tensor is rebuilt on every core.
+  const Status written =
+      WriteOwnFiles(comm, files, owners, 1, mine, [&](const OutputFile& f) -> Status {
+        std::vector<TensorToWrite> tensors;
+        for (const size_t i : f.params) {
+          const ShardedParam& p = m.params[i];
+          tensors.push_back(
+              {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) {
+                 RESHARD_RETURN_IF_ERROR(RebuildInto(source, i, options, buffer, counters));
+                 progress.Add(buffer.size());
+                 return Status::Ok();
+               }});
+        }
+        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata());
+      });
+  mine.bytes_read = counters.read;
+  mine.bytes_verified = counters.verified;
+  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+    if (files.front().name != "model.safetensors") {
+      RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, files));
+    }
+    for (const ExtraFile& f : extra_files) {
+      RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents));
+    }
+    return out.Commit();
+  });
 }
 
-Status Convert(const std::string& sharded_dir, int world_size,
-               const std::optional<MapDocument>& target_maps, const std::string& out_dir,
-               const CheckpointOptions& options) {
-  if (world_size < 1)
-    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
-  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint ckpt, ShardedCheckpoint::Open(sharded_dir));
-  ShardedDirSource source(sharded_dir, std::move(ckpt));
-  return ConvertFrom(source, world_size, target_maps, out_dir, options);
+namespace {
+
+// A conversion planned: the target manifest and every parameter's plan.
+struct ConvertPlan {
+  Manifest target;
+  std::vector<ParamPlan> plans;
+};
+
+// The map of parameter `p` at `world_size`: from `given` (removed from it) when there are
+// target maps, else from its recorded layout.
+Result<ParamMap> TargetMapOf(const ShardedParam& p, int world_size, bool have_target_maps,
+                             std::map<std::string, const ParamMap*>& given) {
+  const std::string where = fmt::format("parameter \"{}\"", p.name);
+  std::optional<ParamMap> target;
+  if (have_target_maps) {
+    auto it = given.find(p.name);
+    if (it == given.end())
+      return FailedPreconditionError(fmt::format("{} has no map in the target maps", where));
+    target = *it->second;
+    given.erase(it);
+  } else if (p.layout) {
+    Result<ParamMap> built = BuildMap(*p.layout, p.map.valid_shape(), world_size);
+    if (!built.ok()) return built.status().Annotate(where);
+    target = *std::move(built);
+  } else {
+    return FailedPreconditionError(
+        fmt::format("{} has no recorded layout descriptor, so its map at {} ranks is unknown "
+                    "without target maps",
+                    where, world_size));
+  }
+  if (target->world_size() != world_size) {
+    return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where,
+                                               target->world_size(), world_size));
+  }
+  return *std::move(target);
 }
 
-Status ConvertFrom(ShardSource& source, int world_size,
-                   const std::optional<MapDocument>& target_maps, const std::string& out_dir,
-                   const CheckpointOptions& options) {
-  if (world_size < 1)
-    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
-  const std::vector<DegreeConstraint> constraints = source.constraints();
+Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
+                                const std::optional<MapDocument>& target_maps,
+                                const CheckpointOptions& options) {
   // Maps built from the recorded layouts follow the model's plan: it must take the degree.
-  if (!target_maps && FirstBrokenConstraint(constraints, world_size)) {
+  if (!target_maps && FirstBrokenConstraint(src.constraints, world_size)) {
     return FailedPreconditionError(DegreeRefusalMessage(
-        constraints, world_size, TransformersBrokenDegreeConsequence(world_size)));
+        src.constraints, world_size, TransformersBrokenDegreeConsequence(world_size)));
   }
   std::map<std::string, const ParamMap*> given;
   if (target_maps) {
     for (const auto& [name, map] : target_maps->params) given[name] = &map;
   }
-  Manifest dst;
-  dst.world_size = world_size;
-  dst.constraints = constraints;
-  std::vector<ParamPlan> plans;
-  for (const ShardedParam& p : source.params()) {
-    const std::string where = fmt::format("parameter \"{}\"", p.name);
-    std::optional<ParamMap> target;
-    if (target_maps) {
-      auto it = given.find(p.name);
-      if (it == given.end())
-        return FailedPreconditionError(fmt::format("{} has no map in the target maps", where));
-      target = *it->second;
-      given.erase(it);
-    } else if (p.layout) {
-      Result<ParamMap> built = BuildMap(*p.layout, p.map.valid_shape(), world_size);
-      if (!built.ok()) return built.status().Annotate(where);
-      target = *std::move(built);
-    } else {
-      return FailedPreconditionError(
-          fmt::format("{} has no recorded layout descriptor, so its map at {} ranks is unknown "
-                      "without target maps",
-                      where, world_size));
+  ConvertPlan out;
+  out.target.world_size = world_size;
+  out.target.constraints = src.constraints;
+  for (const ShardedParam& p : src.params) {
+    RESHARD_ASSIGN_OR_RETURN(ParamMap target,
+                             TargetMapOf(p, world_size, target_maps.has_value(), given));
+    Result<ParamPlan> plan = Compose(target, p.map);
+    if (!plan.ok()) return plan.status().Annotate(fmt::format("parameter \"{}\"", p.name));
+    if (options.warn && options.allow_lossy_scale && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
+      for (const Move& mv : plan->moves) {
+        if (!IsPowerOfTwo(mv.factor)) {
+          options.warn(p.name, fmt::format("moving it applies a factor of {} (not a power of two): "
+                                           "the values are rounded, so a round trip is exact only "
+                                           "to the last bit",
+                                           mv.factor));
+          break;
+        }
+      }
     }
-    if (target->world_size() != world_size) {
-      return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where,
-                                                 target->world_size(), world_size));
-    }
-    Result<ParamPlan> plan = Compose(*target, p.map);
-    if (!plan.ok()) return plan.status().Annotate(where);
-    WarnAboutFactors(options, p, *plan);
-    plans.push_back(*std::move(plan));
-    dst.params.push_back(
-        ShardedParam{p.name, p.dtype, *std::move(target), p.layout, p.scale_power});
+    out.plans.push_back(*std::move(plan));
+    out.target.params.push_back(
+        ShardedParam{p.name, p.dtype, std::move(target), p.layout, p.scale_power});
   }
   if (!given.empty()) {
     return FailedPreconditionError(fmt::format(
         "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
+  return out;
+}
+
+// The process that compares parameter i's replicas: the writer of target rank (i mod world)'s
+// file holding it, so the comparisons spread over the processes.
+std::vector<int> Verifiers(const Manifest& target, const std::vector<OutputFile>& files,
+                           const std::vector<int>& owners) {
+  std::vector<int> verifier(target.params.size(), 0);
+  for (size_t k = 0; k < files.size(); ++k) {
+    for (size_t i : files[k].params) {
+      if (files[k].rank == static_cast<Rank>(i % static_cast<size_t>(target.world_size))) {
+        verifier[i] = owners[k];
+      }
+    }
+  }
+  return verifier;
+}
+
+}  // namespace
+
+Status Convert(const std::string& sharded_dir, int world_size,
+               const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+               const CheckpointOptions& all_options) {
+  if (world_size < 1)
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
+  ShardedDirSource source(sharded_dir, *opened);
+  return ConvertFrom(source, world_size, target_maps, out_dir, all_options);
+}
+
+Status ConvertFrom(ShardSource& source, int world_size,
+                   const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                   const CheckpointOptions& all_options) {
+  if (world_size < 1)
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<ConvertPlan> planned = PlanConvert(source.manifest(), world_size, target_maps, options);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
+  const Manifest& src = source.manifest();
+  Manifest& dst = planned->target;
+  const std::vector<OutputFile> files = ShardedFiles(dst, options.max_shard_bytes);
+  const std::vector<int> owners = OwnersOf(files, comm.size());
+  const std::vector<int> verifiers = Verifiers(dst, files, owners);
   // Replicas agree (P2): a plan reads each replicated block from one holder only, so every
-  // parameter's replicas are compared once, by the first rank thread to reach it, just before
-  // its data is moved (the source pages are read once for both). A disagreement fails the
-  // run, and a failed run leaves no output.
-  std::vector<std::once_flag> verify_once(source.params().size());
-  std::vector<Status> verified(source.params().size());
+  // parameter's replicas are compared once, by one process (its first writer thread to reach
+  // it), just before its data is moved (the source pages are read once for both). A
+  // disagreement fails the run, and a failed run leaves no output.
+  std::vector<std::once_flag> verify_once(src.params.size());
+  std::vector<Status> verified(src.params.size());
+  Counters counters;
   auto verify = [&](size_t i, const std::vector<ConstBuffer>& shards) {
-    const ShardedParam& p = source.params()[i];
+    const ShardedParam& p = src.params[i];
+    counters.verified += ReplicaBytes(p);
     verified[i] = VerifyReplicas(p.map, p.dtype, shards, ExecOptionsFor(options, p.scale_power));
   };
-  CheckpointOptions per_rank = options;
-  per_rank.num_threads = 1;
+  CheckpointOptions per_file = options;
+  per_file.num_threads = 1;
   return WriteSharded(
-      out_dir, source.inputs(), dst, options,
+      out_dir, source.inputs(), dst, options, files, owners, counters,
       [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
         AcquiredShards sources(source, i);
         RESHARD_RETURN_IF_ERROR(sources.status());
-        if (options.verify_replicas) {
+        if (options.verify_replicas && verifiers[i] == comm.rank()) {
           std::call_once(verify_once[i], verify, i, sources.shards());
           RESHARD_RETURN_IF_ERROR(verified[i]);
         }
         const ShardedParam& param = dst.params[i];
-        const ParamPlan& plan = plans[i];
+        const ParamPlan& plan = planned->plans[i];
         ParamPlan mine;  // the moves into rank r
         mine.source_world = plan.source_world;
         mine.target_world = plan.target_world;
         for (const Move& mv : plan.moves) {
-          if (mv.dst_rank == r) mine.moves.push_back(mv);
+          if (mv.dst_rank != r) continue;
+          mine.moves.push_back(mv);
+          counters.read += ElementBytes(mv.num_elements(), param.dtype);
         }
         for (const UnwrittenBlock& u : plan.unwritten) {
           if (u.dst_rank == r) mine.unwritten.push_back(u);
@@ -543,7 +817,7 @@ Status ConvertFrom(ShardSource& source, int world_size,
         std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
         targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
         return ExecutePlan(mine, param.dtype, sources.shards(), targets,
-                           ExecOptionsFor(per_rank, param.scale_power));
+                           ExecOptionsFor(per_file, param.scale_power));
       });
 }
 

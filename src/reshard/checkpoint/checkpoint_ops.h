@@ -6,6 +6,14 @@
 // gather, the largest full tensor; for scatter and convert, the largest shard), not by the
 // checkpoint. Outputs appear atomically (OutputDirectory): a failure leaves nothing behind and
 // an existing output is replaced only with `overwrite`. Inputs are opened read-only.
+//
+// Several processes may run one operation together (CheckpointOptions::communicator, see
+// communicator.h): every process opens the input and plans the whole operation, then writes
+// the output files it is given (balanced by bytes; a file is written by one process, which
+// reads only the source data that file needs) into the temporary output directory process 0
+// created; once every process has finished, process 0 writes the manifest (or index) and
+// commits. The output is byte-identical to a one-process run. A failure in any process fails
+// the operation in every process, and nothing is committed.
 #ifndef RESHARD_CHECKPOINT_CHECKPOINT_OPS_H_
 #define RESHARD_CHECKPOINT_CHECKPOINT_OPS_H_
 
@@ -17,12 +25,35 @@
 
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/communicator.h"
 #include "reshard/exec/executor.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/degree_constraints.h"
 #include "reshard/layouts/descriptor.h"
 
 namespace reshard {
+
+/// What one process of a checkpoint operation did.
+struct ProcessStats {
+  int rank = 0;
+  /// The output files it wrote (the manifest or index, written by process 0, not included).
+  std::vector<std::string> files;
+  /// Tensor data bytes of those files.
+  uint64_t bytes_written = 0;
+  /// Source tensor bytes it read to produce them: the elements its copies move (convert: the
+  /// plan's moves into its files; scatter: its shards' elements, or the whole tensor where
+  /// padding is added; gather: each tensor's elements, read from one holder).
+  uint64_t bytes_read = 0;
+  /// Source tensor bytes it read to compare replicas: every copy of the replicated pieces of
+  /// the parameters it compares (each parameter is compared by one process).
+  uint64_t bytes_verified = 0;
+};
+
+/// What a checkpoint operation did: on process 0, every process's figures in rank order;
+/// elsewhere this process's.
+struct CheckpointStats {
+  std::vector<ProcessStats> processes;
+};
 
 struct CheckpointOptions {
   /// Replace an existing output directory.
@@ -48,6 +79,12 @@ struct CheckpointOptions {
   /// convert carries them over and, building target maps from the recorded layouts, refuses a
   /// world size that breaks one.
   std::vector<DegreeConstraint> degree_constraints;
+  /// The processes running this operation together (all of them call it with the same
+  /// arguments); null: this process alone. `progress` then reports, on process 0, the whole
+  /// job's bytes written; other processes report nothing.
+  Communicator* communicator = nullptr;
+  /// When set, receives what the run did (also when it fails after writing began).
+  CheckpointStats* stats = nullptr;
 };
 
 /// A tensor's layout for scatter: its map at the target world size, and the descriptor it came
@@ -87,14 +124,12 @@ MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int
 class ShardSource {
  public:
   virtual ~ShardSource() = default;
-  virtual int world_size() const = 0;
-  /// The parameters, each with its map at world_size(), dtype, layout and scale power.
-  virtual const std::vector<ShardedParam>& params() const = 0;
-  /// What the model's plan requires of a world size (carried over by convert).
-  virtual std::vector<DegreeConstraint> constraints() const { return {}; }
-  /// Every rank's shard of params()[i] (world_size() dense buffers, each of the map's shard
-  /// size), valid until the matching ReleaseShards(i). Thread-safe; calls nest (each Acquire
-  /// is matched by one Release).
+  /// The parameters, each with its map, dtype, layout and scale power, and the world size and
+  /// degree constraints (`files` is empty).
+  virtual const Manifest& manifest() const = 0;
+  /// Every rank's shard of manifest().params[i] (world_size dense buffers, each of the map's
+  /// shard size), valid until the matching ReleaseShards(i). Thread-safe; calls nest (each
+  /// Acquire is matched by one Release).
   virtual Result<std::vector<ConstBuffer>> AcquireShards(size_t i) = 0;
   virtual void ReleaseShards(size_t i) = 0;
   /// The paths it reads, which an output may not be, contain or lie inside.
@@ -108,7 +143,8 @@ struct ExtraFile {
 };
 
 /// Gather from any source: the full tensors (valid region) as model.safetensors, or parts and
-/// an index, plus `extra_files`.
+/// an index, plus `extra_files`. With several processes, every process passes a source of
+/// the same input.
 Status GatherFrom(ShardSource& source, const std::string& out_dir,
                   const CheckpointOptions& options = {},
                   const std::vector<ExtraFile>& extra_files = {});

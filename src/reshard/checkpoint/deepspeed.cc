@@ -1059,19 +1059,19 @@ class DeepSpeedShardSource : public ShardSource {
   DeepSpeedShardSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
                        std::vector<DeepSpeedState> states)
       : ckpt_(std::move(ckpt)) {
+    manifest_.world_size = ckpt_->tp();
     for (DeepSpeedState s : states) {
       for (size_t i = 0; i < ckpt_->params().size(); ++i) {
         const DeepSpeedParam& p = ckpt_->params()[i];
         const std::string name =
             s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
-        params_.push_back(
+        manifest_.params.push_back(
             ShardedParam{name, ckpt_->StateDType(s), p.tp_map, p.layout, ScalePowerOf(s)});
         which_.emplace_back(i, s);
       }
     }
   }
-  int world_size() const override { return ckpt_->tp(); }
-  const std::vector<ShardedParam>& params() const override { return params_; }
+  const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override {
     std::vector<std::string> inputs = {ckpt_->tag_dir()};
     for (const std::string& p : ckpt_->file_paths()) inputs.push_back(p);
@@ -1082,8 +1082,8 @@ class DeepSpeedShardSource : public ShardSource {
     std::lock_guard<std::mutex> lock(mu_);
     Entry& e = cache_[i];
     if (e.users == 0) {
-      const ParamMap& map = params_[i].map;
-      const size_t size = DTypeSize(params_[i].dtype);
+      const ParamMap& map = manifest_.params[i].map;
+      const size_t size = DTypeSize(manifest_.params[i].dtype);
       e.data.assign(static_cast<size_t>(map.world_size()), {});
       for (Rank r = 0; r < map.world_size(); ++r) {
         auto& bytes = e.data[static_cast<size_t>(r)];
@@ -1098,8 +1098,9 @@ class DeepSpeedShardSource : public ShardSource {
     }
     ++e.users;
     std::vector<ConstBuffer> out;
-    for (Rank r = 0; r < params_[i].map.world_size(); ++r) {
-      out.push_back({e.data[static_cast<size_t>(r)].data(), params_[i].map.shard_num_elements(r)});
+    for (Rank r = 0; r < manifest_.params[i].map.world_size(); ++r) {
+      out.push_back(
+          {e.data[static_cast<size_t>(r)].data(), manifest_.params[i].map.shard_num_elements(r)});
     }
     return out;
   }
@@ -1115,7 +1116,7 @@ class DeepSpeedShardSource : public ShardSource {
     std::vector<std::vector<std::byte>> data;  // per TP rank
   };
   std::shared_ptr<const DeepSpeedCheckpoint> ckpt_;
-  std::vector<ShardedParam> params_;
+  Manifest manifest_;
   std::vector<std::pair<size_t, DeepSpeedState>> which_;
   std::mutex mu_;
   std::map<size_t, Entry> cache_;
@@ -1136,6 +1137,21 @@ Result<std::vector<DeepSpeedState>> StatesToWrite(const DeepSpeedCheckpoint& c,
 
 }  // namespace
 
+namespace {
+
+// Opens the checkpoint; with several processes, every one must succeed.
+Result<std::shared_ptr<const DeepSpeedCheckpoint>> OpenShared(const std::string& dir,
+                                                              const CheckpointOptions& options) {
+  Result<DeepSpeedCheckpoint> opened = DeepSpeedCheckpoint::Open(dir);
+  if (options.communicator != nullptr) {
+    RESHARD_RETURN_IF_ERROR(AgreeOnStatus(*options.communicator, opened.status()));
+  }
+  RESHARD_RETURN_IF_ERROR(opened.status());
+  return std::make_shared<const DeepSpeedCheckpoint>(*std::move(opened));
+}
+
+}  // namespace
+
 std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
                                              std::vector<DeepSpeedState> states) {
   return std::make_unique<DeepSpeedShardSource>(std::move(ckpt), std::move(states));
@@ -1143,8 +1159,7 @@ std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedChec
 
 Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, bool master_weights,
                        const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint opened, DeepSpeedCheckpoint::Open(ckpt_dir));
-  auto ckpt = std::make_shared<const DeepSpeedCheckpoint>(std::move(opened));
+  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
   RESHARD_ASSIGN_OR_RETURN(
       std::vector<DeepSpeedState> states,
       StatesToWrite(*ckpt, {master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule}));
@@ -1160,8 +1175,7 @@ Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, 
 Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
                         const std::optional<MapDocument>& target_maps, bool weights_only,
                         const std::string& out_dir, const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint opened, DeepSpeedCheckpoint::Open(ckpt_dir));
-  auto ckpt = std::make_shared<const DeepSpeedCheckpoint>(std::move(opened));
+  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
   std::vector<DeepSpeedState> states = {DeepSpeedState::kModule};
   if (!weights_only) {
     states.insert(states.end(),

@@ -184,7 +184,8 @@ Status OutputDirectory::CheckTarget() const {
 }
 
 Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool overwrite,
-                                                std::span<const std::string> inputs) {
+                                                std::span<const std::string> inputs,
+                                                const std::string& temp) {
   OutputDirectory out;
   out.path_ = OutputPath(path).string();
   out.inputs_.assign(inputs.begin(), inputs.end());
@@ -199,7 +200,7 @@ Result<OutputDirectory> OutputDirectory::Create(const std::string& path, bool ov
         fmt::format("cannot create \"{}\": \"{}\" is not a directory", path, parent.string()));
   }
   RemoveStaleTemporaries(out.path_);
-  out.temp_ = TemporaryPathFor(out.path_);
+  out.temp_ = temp.empty() ? TemporaryPathFor(out.path_) : temp;
   RESHARD_RETURN_IF_ERROR(CreateTemporary(out.temp_, [&]() -> Status {
     if (::mkdir(out.temp_.c_str(), 0755) != 0)
       return ErrnoStatus(errno, "cannot create", out.temp_);
@@ -214,8 +215,28 @@ OutputDirectory::OutputDirectory(OutputDirectory&& other) noexcept
       temp_(std::move(other.temp_)),
       inputs_(std::move(other.inputs_)),
       overwrite_(other.overwrite_),
-      committed_(other.committed_) {
+      committed_(other.committed_),
+      owner_(other.owner_),
+      joined_(other.joined_) {
   other.committed_ = true;  // the moved-from object owns nothing
+  other.joined_ = false;
+}
+
+Result<OutputDirectory> OutputDirectory::Join(const std::string& path, const std::string& temp) {
+  OutputDirectory out;
+  out.path_ = OutputPath(path).string();
+  out.temp_ = temp;
+  out.owner_ = false;
+  out.committed_ = true;  // never removed through this object
+  RESHARD_RETURN_IF_ERROR(CreateTemporary(temp, [] { return Status::Ok(); }));
+  out.joined_ = true;
+  return out;
+}
+
+void OutputDirectory::Leave() {
+  if (!joined_) return;
+  joined_ = false;
+  (void)FinishTemporary(temp_, [] { return Status::Ok(); });
 }
 
 OutputDirectory::~OutputDirectory() {
@@ -232,6 +253,7 @@ std::string OutputDirectory::FilePath(const std::string& name) const {
 }
 
 Status OutputDirectory::Commit() {
+  if (!owner_) return InternalError("only the process that created an output commits it");
   RESHARD_RETURN_IF_ERROR(CheckTarget());
   RESHARD_RETURN_IF_ERROR(FinishTemporary(temp_, [&]() -> Status {
     std::error_code ec;

@@ -51,15 +51,32 @@ class OutputDirectory {
   /// Checks `path` against `inputs` and, when it exists, that `overwrite` is given and it is
   /// replaceable (AlreadyExists otherwise); removes stale temporaries of `path`; creates the
   /// temporary directory. The checks are made again at Commit.
+  /// `temp`, when given, is the temporary's name (from io/temporaries.h's TemporaryPathFor,
+  /// chosen beforehand so that other processes can Join it before it exists).
   static Result<OutputDirectory> Create(const std::string& path, bool overwrite,
-                                        std::span<const std::string> inputs = {});
+                                        std::span<const std::string> inputs = {},
+                                        const std::string& temp = {});
+  /// Joins the temporary directory `temp` of output `path` that another process of the same
+  /// operation created and will commit (communicator.h): files are written into it as into
+  /// one's own, and it is removed if this process is interrupted (or ends through
+  /// RemoveTemporariesAndHold, as when the processes can no longer agree) before `Leave`, even
+  /// after this object is gone; it is never committed nor otherwise removed through this
+  /// object. It need not exist yet: joining
+  /// before the other process creates it leaves no moment at which that process could die
+  /// without a survivor knowing what to remove.
+  static Result<OutputDirectory> Join(const std::string& path, const std::string& temp);
   OutputDirectory(OutputDirectory&& other) noexcept;
   OutputDirectory& operator=(OutputDirectory&&) = delete;
   ~OutputDirectory();
 
   /// Where to write file `name` before the commit.
   std::string FilePath(const std::string& name) const;
+  /// The temporary directory.
+  const std::string& temporary() const { return temp_; }
   Status Commit();
+  /// For a joined directory: from now on an interruption of this process leaves it alone (the
+  /// process that created it alone decides its fate).
+  void Leave();
 
  private:
   OutputDirectory() = default;
@@ -69,6 +86,8 @@ class OutputDirectory {
   std::vector<std::string> inputs_;
   bool overwrite_ = false;
   bool committed_ = false;
+  bool owner_ = true;    // created the temporary, commits it
+  bool joined_ = false;  // not the owner, and still removes it on interruption
 };
 
 }  // namespace reshard

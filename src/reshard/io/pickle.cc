@@ -355,6 +355,8 @@ Status PickleMachine::Call(bool newobj) {
           const PickleNodeId id,
           New(roles_.at(callee) == GlobalRole::kSet ? PickleKind::kSet : PickleKind::kTuple));
       N(id).items = N(a[0]).items;
+      N(id).torch_size = roles_.at(callee) == GlobalRole::kSize;
+      N(id).frozen = name.ends_with(".frozenset");
       stack_.push_back(id);
       return Status::Ok();
     }
@@ -377,6 +379,7 @@ Status PickleMachine::Call(bool newobj) {
       RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kRecord));
       N(id).text = name;
       N(id).args = args;
+      N(id).newobj = newobj;
       return Status::Ok();
     }
   }
@@ -523,6 +526,7 @@ Status PickleMachine::ContainerOp(uint8_t op) {
                                           : PickleKind::kSet;
       RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(kind));
       N(id).items = std::move(items);
+      N(id).frozen = op == 0x91;
       return Status::Ok();
     }
     case 'd': {
@@ -725,6 +729,23 @@ Result<PickleTree> PickleMachine::Run() {
 Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOptions& options) {
   PickleMachine machine(bytes, options);
   return machine.Run();
+}
+
+std::string PickleKeyName(const PickleTree& tree, PickleNodeId key, size_t index) {
+  if (key >= tree.size()) return "#" + std::to_string(index);
+  const PickleNode& k = tree.node(key);
+  switch (k.kind) {
+    case PickleKind::kStr:
+      return k.text;
+    case PickleKind::kInt:
+      return std::to_string(k.int_value);
+    case PickleKind::kBool:
+      return k.bool_value ? "True" : "False";
+    case PickleKind::kNone:
+      return "None";
+    default:
+      return "#" + std::to_string(index);
+  }
 }
 
 bool IsValidPickleString(std::string_view s) { return DecodeUtf8(s).has_value(); }

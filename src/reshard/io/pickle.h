@@ -59,11 +59,12 @@ enum class PickleKind {
   kStr,     // text: UTF-8
   kBytes,   // text: the raw bytes
   kList,    // items
-  kTuple,   // items
-  kSet,     // items (set or frozenset)
+  kTuple,   // items; torch_size = made by torch.Size
+  kSet,     // items; frozen = a frozenset
   kDict,    // entries (key, value) in insertion order; ordered = an OrderedDict; state = BUILD
   kGlobal,  // an allowed global used as a value (a dtype, a storage type): text = name
-  kRecord,  // an allowed class or function applied: text = "module.name", args, state
+  kRecord,  // an allowed class or function applied: text = "module.name", args, state; newobj =
+            // made by NEWOBJ (cls.__new__(cls, *args)) rather than REDUCE (callable(*args))
   kPersistentId,  // BINPERSID: items[0] is the persistent id (for torch a tuple)
 };
 
@@ -73,7 +74,10 @@ std::string_view PickleKindName(PickleKind kind);
 struct PickleNode {
   PickleKind kind = PickleKind::kNone;
   bool bool_value = false;
-  bool ordered = false;  // kDict made by collections.OrderedDict
+  bool ordered = false;     // kDict made by collections.OrderedDict
+  bool torch_size = false;  // kTuple made by torch.Size
+  bool frozen = false;      // kSet made by frozenset
+  bool newobj = false;      // kRecord made by NEWOBJ
   int64_t int_value = 0;
   double float_value = 0;
   std::string text;
@@ -97,12 +101,23 @@ struct PickleOptions {
 };
 
 /// The object tree of a pickle: nodes in an arena, referenced by id. A node reached twice
-/// (through the memo) is shared, as in Python; the tree is acyclic.
+/// (through the memo) is shared, as in Python; a tree read by ParsePickle is acyclic. Trees
+/// to write (SerializePickle, io/torch_writer.h) are built with Add: children are added
+/// first or later, any node may be referenced from several places.
 class PickleTree {
  public:
   PickleNodeId root() const { return root_; }
   const PickleNode& node(PickleNodeId id) const { return nodes_[id]; }
   size_t size() const { return nodes_.size(); }
+
+  /// Appends a node and returns its id.
+  PickleNodeId Add(PickleNode node) {
+    nodes_.push_back(std::move(node));
+    return static_cast<PickleNodeId>(nodes_.size() - 1);
+  }
+  /// The node to change of a tree being built.
+  PickleNode& mutable_node(PickleNodeId id) { return nodes_[id]; }
+  void set_root(PickleNodeId root) { root_ = root; }
 
  private:
   friend class PickleMachine;
@@ -116,6 +131,25 @@ class PickleTree {
 /// InvalidArgument for a global outside the allowlist; Unimplemented for an opcode outside
 /// the set above; ResourceExhausted past a limit.
 Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOptions& options = {});
+
+/// The pickle of the tree under `root`, as Python's pickle writes protocol 2 (torch.save's
+/// default), so that `pickle.load` (and torch.load, with weights_only=True when the tree holds
+/// only tensors and plain data) rebuilds it: every kind of node as the reader reads it back,
+/// records by REDUCE or NEWOBJ of their class with their arguments and then BUILD of their
+/// state, dicts made by OrderedDict as `OrderedDict()` (state by BUILD), torch.Size, sets and
+/// frozensets as calls of `torch.Size`, `builtins.set` and `builtins.frozenset`, bytes as
+/// `_codecs.encode(str, "latin1")`. A node reached from two places is written once and then
+/// recalled from the memo, so shared objects stay shared. InvalidArgument (naming the path
+/// of dict keys and indices from the root) for a node id out of range, a cycle, nesting
+/// deeper than `max_depth`, a string that is not UTF-8, a global name without a module, a
+/// record whose arguments are not a tuple or a persistent id with no value.
+Result<std::string> SerializePickle(const PickleTree& tree, PickleNodeId root,
+                                    size_t max_depth = PickleLimits{}.max_depth);
+
+/// How a dict key is named in a dotted path (`module.layers.0.weight`): a str as it is, an
+/// int in decimal, True/False/None as Python prints them, any other key (or an id outside the
+/// tree) as `#<index>`, its position in the dict.
+std::string PickleKeyName(const PickleTree& tree, PickleNodeId key, size_t index);
 
 /// Whether `s` may be written as a pickle string (well-formed UTF-8, as this reader accepts).
 bool IsValidPickleString(std::string_view s);

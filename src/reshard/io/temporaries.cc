@@ -119,8 +119,12 @@ void RemoveTemporariesAndHold() {
   r.mu.lock();  // never unlocked: the process is about to end
   r.ending = true;
   for (const std::string& p : r.paths) {
+    // Several processes of one job may remove the same directory at once: each stops at the
+    // first entry another removed first, so go again until it is gone.
     std::error_code ec;
-    fs::remove_all(p, ec);
+    for (int attempt = 0; attempt < 100 && fs::exists(fs::symlink_status(p, ec)); ++attempt) {
+      fs::remove_all(p, ec);
+    }
   }
   r.paths.clear();
 }

@@ -125,7 +125,6 @@ class TorchTreeReader {
   Status AddTensor(PickleNodeId record, const std::string& path, bool parameter,
                    PickleNodeId requires_grad);
   Status CheckBounds(const TorchTensor& t) const;
-  std::string KeyName(PickleNodeId key, size_t index) const;
 
   TorchFile& f_;
   std::unordered_map<std::string, size_t> storage_by_key_;
@@ -279,29 +278,14 @@ Status TorchTreeReader::AddTensor(PickleNodeId record, const std::string& path, 
   return Status::Ok();
 }
 
-std::string TorchTreeReader::KeyName(PickleNodeId key, size_t index) const {
-  const PickleNode& k = N(key);
-  switch (k.kind) {
-    case PickleKind::kStr:
-      return k.text;
-    case PickleKind::kInt:
-      return std::to_string(k.int_value);
-    case PickleKind::kBool:
-      return k.bool_value ? "True" : "False";
-    case PickleKind::kNone:
-      return "None";
-    default:
-      return "#" + std::to_string(index);  // a key with no plain name: its position
-  }
-}
-
 Status TorchTreeReader::Walk(PickleNodeId id, const std::string& path) {
   const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
   const PickleNode& n = N(id);
   switch (n.kind) {
     case PickleKind::kDict:
       for (size_t i = 0; i < n.entries.size(); ++i) {
-        RESHARD_RETURN_IF_ERROR(Walk(n.entries[i].second, join(KeyName(n.entries[i].first, i))));
+        RESHARD_RETURN_IF_ERROR(
+            Walk(n.entries[i].second, join(PickleKeyName(f_.tree_, n.entries[i].first, i))));
       }
       return Status::Ok();
     case PickleKind::kList:

@@ -144,51 +144,6 @@ class ZipStreamWriter {
   std::vector<Entry> entries_;
 };
 
-// Pickle opcodes for the values a state dict needs.
-struct PickleOut {
-  std::string b = "\x80\x02";
-  void Int(int64_t v) {
-    if (v >= 0 && v < 256) {
-      b += 'K';
-      Put(b, static_cast<uint64_t>(v), 1);
-    } else if (v >= 0 && v < 65536) {
-      b += 'M';
-      Put(b, static_cast<uint64_t>(v), 2);
-    } else if (v >= INT32_MIN && v <= INT32_MAX) {
-      b += 'J';
-      Put(b, static_cast<uint64_t>(v), 4);
-    } else {
-      b += "\x8a\x08";
-      Put(b, static_cast<uint64_t>(v), 8);
-    }
-  }
-  void Str(std::string_view s) {
-    b += 'X';
-    Put(b, s.size(), 4);
-    b += s;
-  }
-  void Global(std::string_view module, std::string_view name) {
-    b += 'c';
-    b += module;
-    b += '\n';
-    b += name;
-    b += '\n';
-  }
-  void IntTuple(std::span<const Index> values) {
-    if (values.empty()) {
-      b += ')';
-      return;
-    }
-    if (values.size() > 3) b += '(';
-    for (Index v : values) Int(v);
-    b += values.size() > 3 ? 't' : static_cast<char>(0x84 + values.size());
-  }
-  void EmptyOrderedDict() {
-    Global("collections", "OrderedDict");
-    b += ")R";
-  }
-};
-
 // torch's storage class for a dtype, or "" where torch writes an untyped storage and v3.
 std::string_view StorageClass(DType dtype) {
   switch (dtype) {
@@ -217,56 +172,104 @@ std::string_view StorageClass(DType dtype) {
   }
 }
 
-std::string_view DTypeObject(DType dtype) {
+// The name of torch's dtype object ("float32" is torch.float32).
+std::string_view DTypeObjectName(DType dtype) {
   switch (dtype) {
-    case DType::kU16:
-      return "uint16";
-    case DType::kU32:
-      return "uint32";
+    case DType::kF64:
+      return "float64";
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kI64:
+      return "int64";
+    case DType::kI32:
+      return "int32";
+    case DType::kI16:
+      return "int16";
+    case DType::kI8:
+      return "int8";
     case DType::kU64:
       return "uint64";
+    case DType::kU32:
+      return "uint32";
+    case DType::kU16:
+      return "uint16";
+    case DType::kU8:
+      return "uint8";
+    case DType::kBool:
+      return "bool";
     case DType::kF8E4M3:
       return "float8_e4m3fn";
     case DType::kF8E5M2:
       return "float8_e5m2";
-    default:
-      return "";
   }
+  return "";
 }
 
-// The pickle of OrderedDict(name -> tensor over storage "<i>"), as torch.save writes it.
-std::string StateDictPickle(const std::vector<TensorToWrite>& tensors) {
-  PickleOut p;
-  p.EmptyOrderedDict();
-  if (!tensors.empty()) p.b += '(';
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorToWrite& t = tensors[i];
-    const std::string_view storage = StorageClass(t.dtype);
-    const Index numel = ProductOf(t.shape);
-    p.Str(t.name);
-    p.Global("torch._utils", storage.empty() ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
-    p.b += "((";  // the arguments; the persistent id
-    p.Str("storage");
-    if (storage.empty()) {
-      p.Global("torch.storage", "UntypedStorage");
-    } else {
-      p.Global("torch", storage);
-    }
-    p.Str(std::to_string(i));
-    p.Str("cpu");
-    p.Int(storage.empty() ? numel * static_cast<Index>(DTypeSize(t.dtype)) : numel);
-    p.b += "tQ";
-    p.Int(0);
-    p.IntTuple(t.shape);
-    p.IntTuple(RowMajorStrides(t.shape));
-    p.b += '\x89';  // requires_grad False
-    p.EmptyOrderedDict();
-    if (storage.empty()) p.Global("torch", DTypeObject(t.dtype));
-    p.b += "tR";
+std::string Quote(std::string_view s) { return "\"" + std::string(s) + "\""; }
+
+// The persistent ids under `id` with their dotted paths (dict keys and indices, as the
+// reader names tensors), each node once. The tree is known to be acyclic and shallow.
+void FindPersistentIds(const PickleTree& tree, PickleNodeId id, const std::string& path,
+                       std::unordered_set<PickleNodeId>& seen,
+                       std::vector<std::pair<PickleNodeId, std::string>>& out) {
+  if (!seen.insert(id).second) return;
+  const PickleNode& n = tree.node(id);
+  const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
+  if (n.kind == PickleKind::kPersistentId) out.emplace_back(id, path);
+  for (size_t i = 0; i < n.items.size(); ++i) {
+    FindPersistentIds(tree, n.items[i], join(std::to_string(i)), seen, out);
   }
-  if (!tensors.empty()) p.b += 'u';
-  p.b += '.';
-  return p.b;
+  for (size_t i = 0; i < n.entries.size(); ++i) {
+    const std::string label = PickleKeyName(tree, n.entries[i].first, i);
+    FindPersistentIds(tree, n.entries[i].second, join(label), seen, out);
+  }
+  if (n.args != kNoPickleNode) {  // a tensor is named by its rebuild record's path
+    for (PickleNodeId a : tree.node(n.args).items) FindPersistentIds(tree, a, path, seen, out);
+  }
+  if (n.state != kNoPickleNode) FindPersistentIds(tree, n.state, path, seen, out);
+}
+
+// Every persistent id is ("storage", <type>, key, location, numel) of a storage to write,
+// of the size it declares.
+Status CheckPersistentIds(const PickleTree& tree, PickleNodeId root,
+                          const std::unordered_map<std::string, uint64_t>& sizes) {
+  std::unordered_set<PickleNodeId> seen;
+  std::vector<std::pair<PickleNodeId, std::string>> ids;
+  FindPersistentIds(tree, root, "", seen, ids);
+  for (const auto& [id, path] : ids) {
+    const auto error = [&](const std::string& message) {
+      return InvalidArgumentError("object " + Quote(path) + ": " + message);
+    };
+    const PickleNode& pid = tree.node(tree.node(id).items[0]);
+    const auto is = [&](size_t i, PickleKind kind) {
+      return i < pid.items.size() && tree.node(pid.items[i]).kind == kind;
+    };
+    if (pid.kind != PickleKind::kTuple || pid.items.size() != 5 || !is(0, PickleKind::kStr) ||
+        tree.node(pid.items[0]).text != "storage" || !is(1, PickleKind::kGlobal) ||
+        !is(2, PickleKind::kStr) || !is(4, PickleKind::kInt)) {
+      return error("persistent id is not (\"storage\", type, key, location, numel)");
+    }
+    const std::string& type = tree.node(pid.items[1]).text;
+    const std::string& key = tree.node(pid.items[2]).text;
+    const int64_t numel = tree.node(pid.items[4]).int_value;
+    const std::optional<TorchDType> dtype = TorchDTypeOf(type);
+    if (!dtype || type.find("Storage") == std::string::npos) {
+      return error("storage type " + type + " is not a storage class written here");
+    }
+    const auto it = sizes.find(key);
+    if (it == sizes.end()) return error("storage " + Quote(key) + " is not among the storages");
+    const std::optional<Index> bytes = CheckedMul(numel, static_cast<Index>(dtype->size));
+    if (numel < 0 || !bytes || static_cast<uint64_t>(*bytes) != it->second) {
+      return error("storage " + Quote(key) + " declares " + std::to_string(numel) +
+                   " elements of " + std::string(dtype->name) + " but has " +
+                   std::to_string(it->second) + " bytes");
+    }
+  }
+  return Status::Ok();
 }
 
 Status CheckTensors(const std::vector<TensorToWrite>& tensors) {
@@ -290,29 +293,302 @@ Status CheckTensors(const std::vector<TensorToWrite>& tensors) {
 Status WriteTorchStateDict(const std::string& path, std::vector<TensorToWrite> tensors,
                            const TorchWriteOptions& options) {
   RESHARD_RETURN_IF_ERROR(CheckTensors(tensors));
-  size_t largest = 0;
-  for (const TensorToWrite& t : tensors) {
-    largest = std::max(largest, static_cast<size_t>(ProductOf(t.shape)) * DTypeSize(t.dtype));
+  TorchTreeBuilder b;
+  const PickleNodeId root = b.Dict({}, /*ordered=*/true);
+  for (TensorToWrite& t : tensors) {
+    auto fill = [fill = std::move(t.fill), name = t.name](std::span<std::byte> out) {
+      return fill(out).Annotate("tensor " + Quote(name));
+    };
+    b.Insert(root, b.Str(t.name), b.Tensor(t.dtype, t.shape, std::move(fill)));
   }
+  return b.Write(path, root, options);
+}
+
+Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNodeId root,
+                      const std::vector<TorchStorageToWrite>& storages,
+                      const TorchWriteOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(const std::string pickle, SerializePickle(tree, root));
+  std::unordered_map<std::string, uint64_t> sizes;
+  uint64_t largest = 0;
+  for (const TorchStorageToWrite& s : storages) {
+    if (!sizes.emplace(s.key, s.num_bytes).second) {
+      return InvalidArgumentError("two storages with key " + Quote(s.key));
+    }
+    if (s.bytes.empty() && s.num_bytes > 0 && !s.fill) {
+      return InvalidArgumentError("storage " + Quote(s.key) + " has neither bytes nor a fill");
+    }
+    if (!s.bytes.empty() && s.bytes.size() != s.num_bytes) {
+      return InvalidArgumentError("storage " + Quote(s.key) + " of " + std::to_string(s.num_bytes) +
+                                  " bytes is given " + std::to_string(s.bytes.size()));
+    }
+    if (s.bytes.empty()) largest = std::max(largest, s.num_bytes);
+  }
+  RESHARD_RETURN_IF_ERROR(CheckPersistentIds(tree, root, sizes));
   RESHARD_ASSIGN_OR_RETURN(AtomicFileWriter out,
                            AtomicFileWriter::Create(path, {.overwrite = options.overwrite}));
   ZipStreamWriter zip(out);
-  const std::string& root = options.root;
-  RESHARD_RETURN_IF_ERROR(zip.Add(root + "/data.pkl", AsBytes(StateDictPickle(tensors))));
-  RESHARD_RETURN_IF_ERROR(zip.Add(root + "/.format_version", AsBytes("1")));
-  RESHARD_RETURN_IF_ERROR(zip.Add(root + "/.storage_alignment", AsBytes("64")));
-  RESHARD_RETURN_IF_ERROR(zip.Add(root + "/byteorder", AsBytes("little")));
+  const std::string& r = options.root;
+  RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));
+  RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.format_version", AsBytes("1")));
+  RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.storage_alignment", AsBytes("64")));
+  RESHARD_RETURN_IF_ERROR(zip.Add(r + "/byteorder", AsBytes("little")));
   std::vector<std::byte> buffer(largest);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorToWrite& t = tensors[i];
-    const std::span<std::byte> bytes(buffer.data(),
-                                     static_cast<size_t>(ProductOf(t.shape)) * DTypeSize(t.dtype));
-    RESHARD_RETURN_IF_ERROR(t.fill(bytes).Annotate("tensor \"" + t.name + "\""));
-    RESHARD_RETURN_IF_ERROR(zip.Add(root + "/data/" + std::to_string(i), bytes));
+  for (const TorchStorageToWrite& s : storages) {
+    std::span<const std::byte> bytes = s.bytes;
+    if (bytes.empty() && s.num_bytes > 0) {
+      const std::span<std::byte> filled(buffer.data(), s.num_bytes);
+      RESHARD_RETURN_IF_ERROR(s.fill(filled).Annotate("storage " + Quote(s.key)));
+      bytes = filled;
+    }
+    RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data/" + s.key, bytes));
   }
-  RESHARD_RETURN_IF_ERROR(zip.Add(root + "/version", AsBytes("3\n")));
+  RESHARD_RETURN_IF_ERROR(zip.Add(r + "/version", AsBytes("3\n")));
   RESHARD_RETURN_IF_ERROR(zip.Finish());
   return out.Commit();
+}
+
+Status RewriteTorchFile(const TorchFile& file, const std::string& path,
+                        const TorchWriteOptions& options) {
+  TorchTreeBuilder b;
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId root, b.Copy(file, file.tree().root()));
+  return b.Write(path, root, options);
+}
+
+// --- TorchTreeBuilder --------------------------------------------------------------------
+
+PickleNodeId TorchTreeBuilder::Add(PickleKind kind) {
+  PickleNode n;
+  n.kind = kind;
+  return tree_.Add(std::move(n));
+}
+
+PickleNodeId TorchTreeBuilder::None() { return Add(PickleKind::kNone); }
+
+PickleNodeId TorchTreeBuilder::Bool(bool value) {
+  const PickleNodeId id = Add(PickleKind::kBool);
+  tree_.mutable_node(id).bool_value = value;
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Int(int64_t value) {
+  const PickleNodeId id = Add(PickleKind::kInt);
+  tree_.mutable_node(id).int_value = value;
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Float(double value) {
+  const PickleNodeId id = Add(PickleKind::kFloat);
+  tree_.mutable_node(id).float_value = value;
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Str(std::string value) {
+  return Text(PickleKind::kStr, std::move(value));
+}
+
+PickleNodeId TorchTreeBuilder::Bytes(std::string value) {
+  return Text(PickleKind::kBytes, std::move(value));
+}
+
+PickleNodeId TorchTreeBuilder::Text(PickleKind kind, std::string text) {
+  const PickleNodeId id = Add(kind);
+  tree_.mutable_node(id).text = std::move(text);
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Items(PickleKind kind, std::vector<PickleNodeId> items) {
+  const PickleNodeId id = Add(kind);
+  tree_.mutable_node(id).items = std::move(items);
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::List(std::vector<PickleNodeId> items) {
+  return Items(PickleKind::kList, std::move(items));
+}
+
+PickleNodeId TorchTreeBuilder::Tuple(std::vector<PickleNodeId> items) {
+  return Items(PickleKind::kTuple, std::move(items));
+}
+
+PickleNodeId TorchTreeBuilder::Set(std::vector<PickleNodeId> items) {
+  return Items(PickleKind::kSet, std::move(items));
+}
+
+PickleNodeId TorchTreeBuilder::Dict(std::vector<std::pair<PickleNodeId, PickleNodeId>> entries,
+                                    bool ordered) {
+  const PickleNodeId id = Add(PickleKind::kDict);
+  tree_.mutable_node(id).entries = std::move(entries);
+  tree_.mutable_node(id).ordered = ordered;
+  return id;
+}
+
+void TorchTreeBuilder::Append(PickleNodeId list, PickleNodeId item) {
+  tree_.mutable_node(list).items.push_back(item);
+}
+
+void TorchTreeBuilder::Insert(PickleNodeId dict, PickleNodeId key, PickleNodeId value) {
+  tree_.mutable_node(dict).entries.emplace_back(key, value);
+}
+
+PickleNodeId TorchTreeBuilder::Size(const Shape& dims) {
+  std::vector<PickleNodeId> items;
+  for (Index d : dims) items.push_back(Int(d));
+  const PickleNodeId id = Tuple(std::move(items));
+  tree_.mutable_node(id).torch_size = true;
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Global(std::string name) {
+  return Text(PickleKind::kGlobal, std::move(name));
+}
+
+PickleNodeId TorchTreeBuilder::DTypeObject(DType dtype) {
+  return Global("torch." + std::string(DTypeObjectName(dtype)));
+}
+
+PickleNodeId TorchTreeBuilder::Device(std::string type) {
+  return Record("torch.device", {Str(std::move(type))});
+}
+
+PickleNodeId TorchTreeBuilder::Record(std::string class_name, std::vector<PickleNodeId> args,
+                                      PickleNodeId state, bool newobj) {
+  const PickleNodeId arg_tuple = Tuple(std::move(args));
+  const PickleNodeId id = Add(PickleKind::kRecord);
+  PickleNode& n = tree_.mutable_node(id);
+  n.text = std::move(class_name);
+  n.args = arg_tuple;
+  n.state = state;
+  n.newobj = newobj;
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Object(std::string class_name, PickleNodeId state) {
+  return Record(std::move(class_name), {}, state, /*newobj=*/true);
+}
+
+PickleNodeId TorchTreeBuilder::Enum(std::string class_name, PickleNodeId value) {
+  return Record(std::move(class_name), {value});
+}
+
+std::string TorchTreeBuilder::NewKey(std::string wanted) {
+  for (size_t n = storages_.size(); !keys_.insert(wanted).second; ++n) wanted = std::to_string(n);
+  return wanted;
+}
+
+PickleNodeId TorchTreeBuilder::Rebuild(const TensorInfo& info, Index offset, const Shape& shape,
+                                       const Shape& strides, bool requires_grad) {
+  const bool typed = !StorageClass(info.dtype).empty();
+  std::vector<PickleNodeId> shape_items, stride_items;
+  for (Index d : shape) shape_items.push_back(Int(d));
+  for (Index s : strides) stride_items.push_back(Int(s));
+  std::vector<PickleNodeId> args = {info.persistent_id,
+                                    Int(offset),
+                                    Tuple(std::move(shape_items)),
+                                    Tuple(std::move(stride_items)),
+                                    Bool(requires_grad),
+                                    Dict({}, /*ordered=*/true)};
+  if (!typed) args.push_back(DTypeObject(info.dtype));
+  const PickleNodeId id =
+      Record(typed ? "torch._utils._rebuild_tensor_v2" : "torch._utils._rebuild_tensor_v3", args);
+  tensors_.emplace(id, info);
+  return id;
+}
+
+PickleNodeId TorchTreeBuilder::Tensor(DType dtype, Shape shape, Fill fill, bool requires_grad) {
+  const std::string_view storage = StorageClass(dtype);
+  const Index numel = ProductOf(shape);
+  const uint64_t bytes = static_cast<uint64_t>(numel) * DTypeSize(dtype);
+  const std::string key = NewKey(std::to_string(storages_.size()));
+  storages_.push_back({.key = key, .num_bytes = bytes, .bytes = {}, .fill = std::move(fill)});
+  const PickleNodeId pid_tuple = Tuple(
+      {Str("storage"),
+       Global(storage.empty() ? "torch.storage.UntypedStorage" : "torch." + std::string(storage)),
+       Str(key), Str("cpu"), Int(storage.empty() ? static_cast<Index>(bytes) : numel)});
+  const PickleNodeId pid = Add(PickleKind::kPersistentId);
+  tree_.mutable_node(pid).items = {pid_tuple};
+  const Shape strides = RowMajorStrides(shape);
+  return Rebuild({pid, dtype, bytes}, 0, shape, strides, requires_grad);
+}
+
+Result<PickleNodeId> TorchTreeBuilder::View(PickleNodeId tensor, Index storage_offset, Shape shape,
+                                            Shape strides) {
+  const auto it = tensors_.find(tensor);
+  if (it == tensors_.end()) {
+    return InvalidArgumentError("node " + std::to_string(tensor) + " is not a tensor made here");
+  }
+  const TensorInfo info = it->second;
+  const std::string what = "view (offset " + std::to_string(storage_offset) + ", size " +
+                           FormatShape(shape) + ", stride " + FormatShape(strides) + ")";
+  if (shape.size() != strides.size() || storage_offset < 0 ||
+      std::any_of(shape.begin(), shape.end(), [](Index d) { return d < 0; }) ||
+      std::any_of(strides.begin(), strides.end(), [](Index s) { return s < 0; })) {
+    return InvalidArgumentError(what + " is not a view: negative or of two ranks");
+  }
+  RESHARD_ASSIGN_OR_RETURN(const Index numel, CheckedProduct(shape));
+  if (numel > 0) {
+    const std::optional<Index> last = LastOffset(storage_offset, shape, strides);
+    const uint64_t elements = info.storage_bytes / DTypeSize(info.dtype);
+    if (!last || static_cast<uint64_t>(*last) >= elements) {
+      return InvalidArgumentError(what + " reaches past its storage of " +
+                                  std::to_string(elements) + " elements");
+    }
+  }
+  return Rebuild(info, storage_offset, shape, strides, /*requires_grad=*/false);
+}
+
+Result<PickleNodeId> TorchTreeBuilder::Copy(const TorchFile& file, PickleNodeId id) {
+  auto& done = copied_[&file];
+  if (const auto it = done.find(id); it != done.end()) return it->second;
+  PickleNode n = file.tree().node(id);
+  for (PickleNodeId& c : n.items) {
+    RESHARD_ASSIGN_OR_RETURN(c, Copy(file, c));
+  }
+  for (auto& [k, v] : n.entries) {
+    RESHARD_ASSIGN_OR_RETURN(k, Copy(file, k));
+    RESHARD_ASSIGN_OR_RETURN(v, Copy(file, v));
+  }
+  if (n.args != kNoPickleNode) {
+    RESHARD_ASSIGN_OR_RETURN(n.args, Copy(file, n.args));
+  }
+  if (n.state != kNoPickleNode) {
+    RESHARD_ASSIGN_OR_RETURN(n.state, Copy(file, n.state));
+  }
+  if (n.kind == PickleKind::kPersistentId) {
+    // ("storage", type, key, location, numel): the storage comes along under a key of ours.
+    const PickleNode& pid = tree_.node(n.items[0]);
+    if (pid.kind == PickleKind::kTuple && pid.items.size() == 5 &&
+        tree_.node(pid.items[2]).kind == PickleKind::kStr) {
+      const std::string key = tree_.node(pid.items[2]).text;
+      auto& keys = copied_keys_[&file];
+      auto it = keys.find(key);
+      if (it == keys.end()) {
+        const std::string entry_name = file.root() + "/data/" + key;
+        const ZipEntry* entry = file.archive().Find(entry_name);
+        if (entry == nullptr) {
+          return DataLossError("storage " + Quote(key) + " has no entry " + Quote(entry_name));
+        }
+        const std::string ours = NewKey(key);
+        storages_.push_back({.key = ours,
+                             .num_bytes = entry->size,
+                             .bytes = file.archive().data(*entry),
+                             .fill = [](std::span<std::byte>) { return Status::Ok(); }});
+        it = keys.emplace(key, ours).first;
+      }
+      if (it->second != key) {
+        std::vector<PickleNodeId> items = tree_.node(n.items[0]).items;
+        items[2] = Str(it->second);
+        n.items[0] = Tuple(std::move(items));
+      }
+    }
+  }
+  const PickleNodeId ours = tree_.Add(std::move(n));
+  done.emplace(id, ours);
+  return ours;
+}
+
+Status TorchTreeBuilder::Write(const std::string& path, PickleNodeId root,
+                               const TorchWriteOptions& options) const {
+  return WriteTorchTree(path, tree_, root, storages_, options);
 }
 
 }  // namespace reshard

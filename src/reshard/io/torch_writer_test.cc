@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "reshard/io/file.h"
+#include "reshard/io/pickle.h"
 #include "reshard/io/torch_file.h"
 
 namespace reshard {
@@ -105,6 +107,193 @@ TEST(TorchWriterTest, BadInputsAndFailingFillsLeaveNothing) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
   EXPECT_NE(s.message().find("tensor \"a\": disk gone"), std::string::npos) << s.ToString();
   EXPECT_TRUE(fs::is_empty(dir));  // no output, no temporary left behind
+}
+
+// The value of `key` in dict node `dict` of `tree`, or kNoPickleNode.
+PickleNodeId Get(const PickleTree& tree, PickleNodeId dict, std::string_view key) {
+  for (const auto& [k, v] : tree.node(dict).entries) {
+    if (tree.node(k).kind == PickleKind::kStr && tree.node(k).text == key) return v;
+  }
+  return kNoPickleNode;
+}
+
+TEST(TorchTreeBuilderTest, EveryKindOfNodeReadsBackWithItsClassAndSharing) {
+  const TempDir tmp;
+  const std::string path = (tmp / "tree.pt").string();
+  TorchTreeBuilder b;
+  const PickleNodeId shared = b.Dict({{b.Str("x"), b.Int(1)}});
+  const PickleNodeId frozen = b.Set({b.Int(3)});
+  b.mutable_node(frozen).frozen = true;
+  const PickleNodeId w = b.Tensor(DType::kF32, {2, 3}, Counting("", DType::kF32, {}, 0).fill);
+  Result<PickleNodeId> col = b.View(w, 1, {2}, {3});
+  ASSERT_TRUE(col.ok()) << col.status().ToString();
+  const PickleNodeId root = b.Dict({}, /*ordered=*/true);
+  const auto put = [&](const char* key, PickleNodeId value) { b.Insert(root, b.Str(key), value); };
+  put("none", b.None());
+  put("flag", b.Bool(true));
+  put("big", b.Int(int64_t{1} << 40));
+  put("negative", b.Int(-70000));
+  put("float", b.Float(0.25));
+  put("text", b.Str("名前"));
+  put("raw", b.Bytes(std::string("\x00\xff", 2)));
+  put("list", b.List({b.Int(1), shared}));
+  put("tuple", b.Tuple({b.Int(1), b.Int(2), b.Int(3), b.Int(4), b.Int(5)}));
+  put("set", b.Set({b.Int(1), b.Int(2)}));
+  put("frozen", frozen);
+  put("shared", shared);
+  put("size", b.Size({4, 5}));
+  put("dtype", b.DTypeObject(DType::kBF16));
+  put("device", b.Device("cpu"));
+  put("args", b.Object("argparse.Namespace", b.Dict({{b.Str("lr"), b.Float(0.5)}})));
+  put("stage", b.Enum("deepspeed.runtime.zero.config.ZeroStageEnum", b.Int(1)));
+  put("w", w);
+  put("w_again", w);
+  put("col", *col);
+  put("f8", b.Tensor(DType::kF8E4M3, {3}, Counting("", DType::kF8E4M3, {}, 7).fill));
+  ASSERT_TRUE(b.Write(path, root).ok());
+
+  Result<TorchFile> f = TorchFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const PickleTree& t = f->tree();
+  const PickleNodeId r = t.root();
+  EXPECT_TRUE(t.node(r).ordered);
+  EXPECT_EQ(t.node(Get(t, r, "none")).kind, PickleKind::kNone);
+  EXPECT_TRUE(t.node(Get(t, r, "flag")).bool_value);
+  EXPECT_EQ(t.node(Get(t, r, "big")).int_value, int64_t{1} << 40);
+  EXPECT_EQ(t.node(Get(t, r, "negative")).int_value, -70000);
+  EXPECT_EQ(t.node(Get(t, r, "float")).float_value, 0.25);
+  EXPECT_EQ(t.node(Get(t, r, "text")).text, "名前");
+  EXPECT_EQ(t.node(Get(t, r, "raw")).text, std::string("\x00\xff", 2));
+  EXPECT_EQ(t.node(Get(t, r, "tuple")).items.size(), 5u);
+  EXPECT_FALSE(t.node(Get(t, r, "set")).frozen);
+  EXPECT_TRUE(t.node(Get(t, r, "frozen")).frozen);
+  EXPECT_TRUE(t.node(Get(t, r, "size")).torch_size);
+  EXPECT_FALSE(t.node(Get(t, r, "tuple")).torch_size);
+  EXPECT_EQ(t.node(Get(t, r, "dtype")).text, "torch.bfloat16");
+  EXPECT_EQ(t.node(Get(t, r, "device")).text, "torch.device");
+  EXPECT_FALSE(t.node(Get(t, r, "device")).newobj);
+  EXPECT_TRUE(t.node(Get(t, r, "args")).newobj);
+  EXPECT_EQ(t.node(t.node(Get(t, r, "args")).state).kind, PickleKind::kDict);
+  EXPECT_FALSE(t.node(Get(t, r, "stage")).newobj);
+  // Shared objects are one node again; a view shares its tensor's storage.
+  EXPECT_EQ(Get(t, r, "shared"), t.node(Get(t, r, "list")).items[1]);
+  EXPECT_EQ(Get(t, r, "w"), Get(t, r, "w_again"));
+  const TorchTensor* tw = f->TensorAt(Get(t, r, "w"));
+  const TorchTensor* tc = f->TensorAt(Get(t, r, "col"));
+  ASSERT_TRUE(tw != nullptr && tc != nullptr);
+  EXPECT_EQ(tw->storage, tc->storage);
+  std::vector<std::byte> got(tc->num_bytes());
+  ASSERT_TRUE(f->CopyTo(*tc, got).ok());
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(got[i], static_cast<std::byte>(4 + i));  // element 1
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(got[4 + i], static_cast<std::byte>(16 + i));  // 4
+  EXPECT_EQ(f->TensorAt(Get(t, r, "f8"))->dtype.name, "F8_E4M3");
+}
+
+TEST(TorchTreeBuilderTest, RewrittenFilesKeepTreeAndStoragesAndAreDeterministic) {
+  const TempDir tmp;
+  TorchTreeBuilder b;
+  const PickleNodeId w = b.Tensor(DType::kBF16, {4, 4}, Counting("", DType::kBF16, {}, 3).fill);
+  Result<PickleNodeId> row = b.View(w, 8, {4}, {1});
+  ASSERT_TRUE(row.ok());
+  // More shared objects than the one-byte memo indices reach.
+  const PickleNodeId many = b.List();
+  for (int i = 0; i < 300; ++i) b.Append(many, b.List({b.Int(i)}));
+  const PickleNodeId root = b.Dict(
+      {{b.Str("w"), w}, {b.Str("row"), *row}, {b.Str("many"), many}, {b.Str("again"), many}});
+  const std::string first = (tmp / "first.pt").string();
+  ASSERT_TRUE(b.Write(first, root, {.root = "ckpt", .overwrite = false}).ok());
+  Result<TorchFile> f = TorchFile::Open(first);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const std::string second = (tmp / "second.pt").string();
+  const std::string third = (tmp / "third.pt").string();
+  ASSERT_TRUE(RewriteTorchFile(*f, second, {.root = f->root(), .overwrite = false}).ok());
+  Result<TorchFile> g = TorchFile::Open(second);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  ASSERT_TRUE(RewriteTorchFile(*g, third, {.root = g->root(), .overwrite = false}).ok());
+  EXPECT_EQ(*ReadFileToString(second), *ReadFileToString(third));
+  ASSERT_EQ(g->tensors().size(), 2u);
+  EXPECT_EQ(g->tensors()[0].storage, g->tensors()[1].storage);
+  EXPECT_EQ(g->tensors()[1].storage_offset, 8);
+  for (size_t i = 0; i < 2; ++i) {
+    std::vector<std::byte> a(f->tensors()[i].num_bytes()), c(g->tensors()[i].num_bytes());
+    ASSERT_TRUE(f->CopyTo(f->tensors()[i], a).ok());
+    ASSERT_TRUE(g->CopyTo(g->tensors()[i], c).ok());
+    EXPECT_EQ(a, c);
+  }
+  const PickleTree& t = g->tree();
+  const PickleNodeId m = Get(t, t.root(), "many");
+  EXPECT_EQ(m, Get(t, t.root(), "again"));
+  ASSERT_EQ(t.node(m).items.size(), 300u);
+  EXPECT_EQ(t.node(t.node(t.node(m).items[299]).items[0]).int_value, 299);
+}
+
+TEST(TorchTreeBuilderTest, TreesThatCannotBeWrittenAreRefusedNamingThePath) {
+  const TempDir tmp;
+  const fs::path dir = tmp / "refused";
+  fs::create_directories(dir);
+  const std::string path = (dir / "x.pt").string();
+  const auto refused = [&](const TorchTreeBuilder& b, PickleNodeId root, StatusCode code,
+                           const std::string& message) {
+    const Status s = b.Write(path, root);
+    EXPECT_EQ(s.code(), code) << s.ToString();
+    EXPECT_NE(s.message().find(message), std::string::npos) << s.ToString();
+  };
+  {
+    TorchTreeBuilder b;
+    const PickleNodeId list = b.List();
+    b.Append(list, list);
+    refused(b, b.Dict({{b.Str("a"), list}}), StatusCode::kInvalidArgument,
+            "\"a.0\": cyclic structure: a list contains itself");
+  }
+  {
+    TorchTreeBuilder b;
+    const PickleNodeId inner = b.Dict({{b.Int(3), b.Str("\xff")}});
+    refused(b, b.Dict({{b.Str("outer"), b.List({inner})}}), StatusCode::kInvalidArgument,
+            "\"outer.0.3\": a string that is not valid UTF-8");
+  }
+  {
+    TorchTreeBuilder b;
+    refused(b, b.List({b.Global("nodot")}), StatusCode::kInvalidArgument,
+            "\"0\": global \"nodot\" is not \"module.name\"");
+  }
+  {
+    TorchTreeBuilder b;
+    const PickleNodeId w = b.Tensor(DType::kF32, {2}, Counting("", DType::kF32, {}, 0).fill);
+    // The persistent id's key renamed to one no storage has.
+    const PickleNodeId pid_tuple =
+        b.tree().node(b.tree().node(b.tree().node(w).args).items[0]).items[0];
+    b.mutable_node(b.tree().node(pid_tuple).items[2]).text = "missing";
+    refused(b, b.Dict({{b.Str("m"), b.Dict({{b.Str("w"), w}})}}), StatusCode::kInvalidArgument,
+            "object \"m.w\": storage \"missing\" is not among the storages");
+    EXPECT_EQ(b.View(w, 1, {2}, {1}).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(b.View(b.Int(0), 0, {1}, {1}).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(fs::is_empty(dir));  // nothing written, nothing left behind
+}
+
+TEST(PickleWriterTest, SerializedTreesParseBackToTheSameShape) {
+  PickleTree tree;
+  const auto add = [&](PickleKind kind, int64_t v = 0) {
+    PickleNode n;
+    n.kind = kind;
+    n.int_value = v;
+    return tree.Add(std::move(n));
+  };
+  const PickleNodeId big = add(PickleKind::kBigInt);
+  tree.mutable_node(big).text = std::string("\x00\x00\x00\x00\x00\x00\x00\x00\x80", 9);
+  const PickleNodeId list = add(PickleKind::kList);
+  tree.mutable_node(list).items = {add(PickleKind::kInt, -1), big, add(PickleKind::kInt, 1 << 20)};
+  Result<std::string> bytes = SerializePickle(tree, list);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  Result<PickleTree> back = ParsePickle(std::as_bytes(std::span(bytes->data(), bytes->size())));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  const PickleNode& l = back->node(back->root());
+  ASSERT_EQ(l.items.size(), 3u);
+  EXPECT_EQ(back->node(l.items[0]).int_value, -1);
+  EXPECT_EQ(back->node(l.items[1]).kind, PickleKind::kBigInt);
+  EXPECT_EQ(back->node(l.items[1]).text, tree.node(big).text);
+  EXPECT_EQ(back->node(l.items[2]).int_value, 1 << 20);
+  EXPECT_EQ(SerializePickle(tree, 99).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,220 @@
+"""scatter, convert and gather under `mpirun -n K`: the output is byte-identical to one
+process's, every process writes about 1/K of the bytes and reads only what its files need,
+process 0 shows the whole job's progress, and a failure in any process (a truncated input, a
+full disk in one process, a killed process, a hung one) leaves no output and no temporary.
+
+Skipped when mpirun is not installed; fails when it is but the CLI was built without MPI."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from test_crash_consistency import bytes_under, same_tree, temporaries
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed")
+LAYERS = 8
+
+
+def mpirun(n, reshard_bin, *args, wrap=None, **kw):
+    command = [reshard_bin, *map(str, args)]
+    if wrap:
+        command = ["sh", "-c", wrap + ' exec "$@"', "sh", *command]
+    return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), *command]
+
+
+def run(argv, **kw):
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
+
+
+def make_full(d, rows):
+    """A full checkpoint of LAYERS layers (bf16 weights split by rows or columns, replicated
+    fp32 biases) and its layouts."""
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for layer in range(LAYERS):
+        for name, shape in ((f"l{layer}.w", (rows, 256)), (f"l{layer}.o", (256, rows))):
+            raw = bytearray(rng.bytes(2 * shape[0] * shape[1]))
+            tensors[name] = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).reshape(shape)
+        tensors[f"l{layer}.b"] = torch.from_numpy(rng.standard_normal(256, dtype=np.float32))
+    (d / "full").mkdir()
+    save_file(tensors, str(d / "full" / "model.safetensors"), metadata={"format": "pt"})
+    layouts = {"version": 1, "*": {"family": "split", "dim": 0}}
+    for layer in range(LAYERS):
+        layouts[f"l{layer}.o"] = {"family": "split", "dim": 1}
+        layouts[f"l{layer}.b"] = {"family": "replicated"}
+    (d / "layouts.json").write_text(json.dumps(layouts))
+
+
+def commands(d):
+    return {
+        "scatter": lambda out: ["scatter", d / "full", "--layouts", d / "layouts.json", "--tp", 4,
+                                "--max-shard-size", "300kB", "-o", out],
+        "convert": lambda out: ["convert", d / "ref-scatter", "--tp", 3, "--max-shard-size", "200kB",
+                                "-o", out],
+        "gather": lambda out: ["gather", d / "ref-convert", "--max-shard-size", "400kB", "-o", out],
+    }
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, reshard_bin):
+    """A ~2 MB checkpoint and one-process reference outputs of each command."""
+    libraries = run(["ldd", reshard_bin]).stdout
+    assert "libmpi" in libraries, "mpirun is installed but reshard was built without MPI"
+    d = tmp_path_factory.mktemp("mpi")
+    make_full(d, 512)
+    for name, args in commands(d).items():  # each reads the previous one's output
+        r = run([reshard_bin, *map(str, args(d / f"ref-{name}")), "--json"])
+        assert r.returncode == 0, r.stderr
+        (d / f"ref-{name}.json").write_text(r.stdout)
+    return d
+
+
+@pytest.mark.parametrize("command", ["scatter", "convert", "gather"])
+def test_k_processes_write_what_one_does_each_reading_only_its_share(reshard_bin, small, command):
+    one = json.loads((small / f"ref-{command}.json").read_text())["processes"]
+    assert len(one) == 1
+    for n in (1, 2, 3, 4):
+        out = small / f"{command}-{n}"
+        r = run(mpirun(n, reshard_bin, *commands(small)[command](out), "--json"))
+        assert r.returncode == 0, r.stderr
+        assert same_tree(out, small / f"ref-{command}"), (command, n)
+        processes = json.loads(r.stdout)["processes"]
+        assert [p["rank"] for p in processes] == list(range(n))
+        files = [f for p in processes for f in p["files"]]
+        assert sorted(files) == sorted(one[0]["files"]), "every file written once"
+        written = [p["bytes_written"] for p in processes]
+        assert sum(written) == one[0]["bytes_written"]
+        largest = max(os.path.getsize(out / f) for f in files)
+        assert max(written) <= one[0]["bytes_written"] / n + largest, written  # balanced
+        # Reading: nothing twice across processes, and no process more than it writes (plans
+        # move each target element from one source element; no padding here).
+        assert sum(p["bytes_read"] for p in processes) == one[0]["bytes_read"]
+        assert sum(p["bytes_verified"] for p in processes) == one[0]["bytes_verified"]
+        for p in processes:
+            assert p["bytes_read"] <= p["bytes_written"], p
+
+
+def test_process_0_shows_the_whole_jobs_progress(reshard_bin, small):
+    out = small / "progress"
+    r = run(mpirun(3, reshard_bin, *commands(small)["convert"](out), "--progress", "--json"))
+    assert r.returncode == 0, r.stderr
+    processes = json.loads(r.stdout)["processes"]
+    assert all(p["bytes_written"] < sum(q["bytes_written"] for q in processes) for p in processes)
+    frames = [f for f in r.stderr.replace("\r", "\n").splitlines() if f.startswith("convert [")]
+    assert frames and frames[0].count("0.0 B /") == 1, "one bar, from process 0 alone"
+    done, total = frames[-1].split("] ")[1].split("  ")[0].split(" / ")
+    assert done == total, frames[-1]  # process 0 counted every process's bytes
+
+
+def test_a_truncated_rank_file_fails_every_process_and_leaves_nothing(reshard_bin, small):
+    bad = small / "truncated"
+    shutil.copytree(small / "ref-scatter", bad)
+    victim = bad / "model-rank-2-part-0.safetensors"
+    os.truncate(victim, os.path.getsize(victim) - 100)
+    out = small / "from-truncated"
+    r = run(mpirun(3, reshard_bin, "convert", bad, "--tp", 2, "-o", out))
+    assert r.returncode == 2 and "truncated" in r.stderr, r.stderr
+    assert r.stderr.count("file is truncated") == 1, "process 0 reports the job's error once"
+    assert not os.path.exists(out) and temporaries(out) == []
+
+
+def test_a_full_disk_in_one_process_fails_every_process_and_leaves_nothing(reshard_bin, small):
+    out = small / "one-full-disk"
+    limit = 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then ulimit -f 64; fi;'  # 64 KiB files
+    r = run(mpirun(3, reshard_bin, *commands(small)["scatter"](out), wrap=limit))
+    assert r.returncode != 0, r.stderr
+    assert not os.path.exists(out) and temporaries(out) == []
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory, reshard_bin):
+    """A ~130 MB sharded checkpoint, so that a run lasts long enough to be caught mid-way."""
+    d = tmp_path_factory.mktemp("mpi-large")
+    make_full(d, 16384)
+    r = run([reshard_bin, "scatter", str(d / "full"), "--layouts", str(d / "layouts.json"),
+             "--tp", "4", "-o", str(d / "sharded")])
+    assert r.returncode == 0, r.stderr
+    shutil.rmtree(d / "full")
+    r = run([reshard_bin, "convert", str(d / "sharded"), "--tp", "2", "-o", str(d / "reference")])
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def rank_pid(launcher, rank):
+    """The pid of process `rank` of the job `launcher` (mpirun) started, or None."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher.pid and f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+def signal_mid_way(launcher, out, rank, sig, fraction):
+    """Sends `sig` to process `rank` once the temporary output holds `fraction` of the output's
+    bytes; returns whether the job was still running then."""
+    total = 130e6
+    pid = None
+    while launcher.poll() is None:
+        pid = pid or rank_pid(launcher, rank)
+        temps = temporaries(out)
+        if pid and temps and sum(bytes_under(t) for t in temps) >= fraction * total:
+            os.kill(pid, sig)
+            return True
+        time.sleep(0.001)  # polling interval; the condition above is what synchronises
+    return False
+
+
+def committing(out):
+    """Whether a temporary output holds the manifest (or its temporary): every file was
+    written and process 0 alone was committing, so the run was not caught mid-way."""
+    return any(name.lstrip(".").startswith("reshard.json")
+               for t in temporaries(out) for name in os.listdir(t))
+
+
+def catch_mid_way(reshard_bin, large, out, rank, sig, *extra):
+    """Runs convert on 3 processes and sends `sig` to process `rank` mid-way (before process 0
+    alone commits), retrying earlier when a run ends first; returns mpirun's stderr."""
+    for fraction in (0.3, 0.1, 0.0):  # a fast run may end before a later point is seen
+        launcher = subprocess.Popen(mpirun(3, reshard_bin, "convert", large / "sharded", "--tp", 2,
+                                           "-o", out, *extra),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        caught = signal_mid_way(launcher, out, rank, sig, fraction)
+        _, stderr = launcher.communicate(timeout=120)
+        if caught and launcher.returncode != 0 and not committing(out):
+            return stderr
+        shutil.rmtree(out, ignore_errors=True)
+        for t in temporaries(out):
+            shutil.rmtree(t)
+    pytest.fail("no run was caught mid-way")
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_killed_process_ends_the_job_and_leaves_nothing(reshard_bin, large, rank):
+    out = large / f"killed-{rank}"
+    catch_mid_way(reshard_bin, large, out, rank, signal.SIGKILL)
+    assert temporaries(out) == []
+    assert not os.path.exists(out) or same_tree(out, large / "reference")
+
+
+def test_a_hung_process_times_the_others_out_and_leaves_nothing(reshard_bin, large):
+    out = large / "hung"
+    stderr = catch_mid_way(reshard_bin, large, out, 1, signal.SIGSTOP, "--peer-timeout", 2)
+    assert b"did not answer within 2 s" in stderr, stderr
+    assert not os.path.exists(out) and temporaries(out) == []
