@@ -113,6 +113,16 @@ class DsCheckpoint:
 
         return load_file(str(self.root / "ref" / f"module-tp{tp_rank}.safetensors"))
 
+    def resumed_next_loss(self, how):
+        """{dp_rank: next step's loss} of a fresh engine of the same topology that loaded this
+        checkpoint: how="own" from the save dir, how="universal" from ds_to_universal's output
+        with "load_universal" (only where it converts: see universal_accepts)."""
+        facts = _read_facts(self.root, self.spec.world_size, f"resume-{how}")
+        errors = [f["error"] for f in facts if "error" in f]
+        assert not errors, f"{self.spec.name}: resuming ({how}) failed: {errors[0]}"
+        assert len(facts) == self.spec.world_size, f"{self.spec.name}: no resume ({how}) ran"
+        return {int(k): v for k, v in facts[0]["next_loss"].items()}
+
     def full(self):
         """Every module weight whole, in the module's dtype ({name: tensor})."""
         from safetensors.torch import load_file
@@ -133,8 +143,14 @@ def _train_env():
                 PYTHONWARNINGS="ignore")
 
 
-def _read_facts(root, world_size):
-    paths = [root / "ref" / f"facts-{r}.json" for r in range(world_size)]
+def universal_accepts(spec):
+    """Whether ds_to_universal converts a checkpoint of `spec` (DeepSpeed 0.19.8): not stage 0
+    (no optimizer files), and not TP 1 below stage 3 (no universal_checkpoint_info)."""
+    return spec.stage > 0 and (spec.tp > 1 or spec.stage == 3)
+
+
+def _read_facts(root, world_size, kind="facts"):
+    paths = [root / "ref" / f"{kind}-{r}.json" for r in range(world_size)]
     return [json.loads(p.read_text()) for p in paths if p.exists()]
 
 
@@ -147,8 +163,14 @@ def _launch(specs_and_roots):
             shutil.rmtree(root)
         root.mkdir(parents=True)
     jobs = specs_and_roots[0][1].parent / f"jobs-{specs_and_roots[0][1].name}.json"
-    jobs.write_text(json.dumps([{"spec": dataclasses.asdict(s), "out": str(root)}
-                                for s, root in specs_and_roots]))
+    train = [{"spec": dataclasses.asdict(s), "out": str(root)} for s, root in specs_and_roots]
+    # Then each one resumed by a fresh engine of its topology, from its own files and from
+    # ds_to_universal's output.
+    resume = [{**job, "resume": {"from": str(root / "ckpt"), "universal": universal,
+                                 "name": "universal" if universal else "own"}}
+              for job, (spec, root) in zip(train, specs_and_roots)
+              for universal in (False, True) if not universal or universal_accepts(spec)]
+    jobs.write_text(json.dumps(train + resume))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
            str(spec0.world_size), "--master_addr", "127.0.0.1", "--master_port",
            str(free_loopback_port()), str(TRAIN), str(jobs)]

@@ -19,6 +19,10 @@ test compares against:
   the next step (forward only, on that step's batch), the tag, or "error" with DeepSpeed's
   message when it refused. A failed job ends the launch; the jobs after it are not run.
 
+A job with "resume": {"from": SAVE_DIR, "universal": bool, "name": NAME} instead builds a fresh
+engine, loads SAVE_DIR (or, with "universal", what ds_to_universal makes of it, under
+DIR/universal) and records the next step's loss per DP rank in DIR/ref/resume-NAME-{RANK}.json.
+
 The batch of step s on DP rank d is drawn from seed + 1000 * s + d, so the next step's loss can
 be computed again from any resumed engine.
 """
@@ -150,20 +154,65 @@ def train(spec, out):
     return facts
 
 
+def resume(spec, out, source, universal):
+    """Load the checkpoint saved under `source` into a freshly built engine of `spec`'s
+    topology and return the loss of the next step on each DP rank (forward only). With
+    `universal`, rank 0 first converts it with ds_to_universal to OUT/universal and the engine
+    loads that with "load_universal"."""
+    import deepspeed
+
+    config = ds_config(spec)
+    load_dir = pathlib.Path(source)
+    if universal:
+        load_dir = out / "universal"
+        if dist.get_rank() == 0:
+            from deepspeed.checkpoint import ds_to_universal as converter
+
+            tag = (pathlib.Path(source) / "latest").read_text().strip()
+            saved_argv = sys.argv
+            sys.argv = ["ds_to_universal", "--input_folder", str(pathlib.Path(source) / tag),
+                        "--output_folder", str(load_dir / f"{tag}_universal"),
+                        "--num_extract_workers", "1", "--num_merge_workers", "1"]
+            try:
+                converter.main(converter.parse_arguments())
+            finally:
+                sys.argv = saved_argv
+        dist.barrier()
+        config["checkpoint"] = {"load_universal": True}
+    model = build_model(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    dp_rank = engine.mpu.get_data_parallel_rank() if spec["tp"] > 1 else dist.get_rank()
+    engine.load_checkpoint(str(load_dir))
+    with torch.no_grad():
+        loss = loss_of(engine, spec, spec["steps"], dp_rank).item()
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, {"dp": dp_rank, "loss": loss})
+    assert engine.global_steps == spec["steps"], engine.global_steps
+    engine.destroy()
+    return {"next_loss": {str(x["dp"]): x["loss"] for x in losses}}
+
+
 def run_job(job, rank):
-    """Train and save one spec; its facts (or DeepSpeed's error) go to OUT/ref/facts-RANK.json.
-    Returns whether it worked."""
+    """Run one job: train and save a spec, or (with "resume": {"from", "universal", "name"})
+    resume from a saved one. The facts (or DeepSpeed's error) go to OUT/ref/facts-RANK.json,
+    or OUT/ref/resume-NAME-RANK.json. Returns whether it worked."""
     start = time.monotonic()
     out = pathlib.Path(job["out"])
     (out / "ref").mkdir(parents=True, exist_ok=True)
     facts = {"spec": job["spec"]}
+    how = job.get("resume")
     try:
-        facts.update(train(job["spec"], out))
+        if how:
+            facts.update(resume(job["spec"], out, how["from"], how["universal"]))
+        else:
+            facts.update(train(job["spec"], out))
     except Exception as e:  # recorded: the fixture reports what DeepSpeed refused
         facts["error"] = f"{type(e).__name__}: {e}"
         facts["traceback"] = traceback.format_exc(limit=8)
     facts["seconds"] = time.monotonic() - start
-    (out / "ref" / f"facts-{rank}.json").write_text(json.dumps(facts, indent=1))
+    name = f"resume-{how['name']}-{rank}.json" if how else f"facts-{rank}.json"
+    (out / "ref" / name).write_text(json.dumps(facts, indent=1))
     return "error" not in facts
 
 

@@ -14,6 +14,8 @@ stage and dtype at TP 1/2/4 x DP 1/2 (many minutes).
 - The ZeRO layouts docs/deepspeed_checkpoints.md describes hold: the flat fp32 partitions of
   stages 1-2 (padding left out of the last one) and the per-parameter slices of stage 3 give
   back each TP rank's module weights.
+- A fresh engine of the same topology that loads the checkpoint, from its own files or from
+  ds_to_universal's output, takes exactly the next-step loss the training run recorded.
 - ds_to_universal converts what it converts into full fp32 states equal to the module weights,
   in the files and dict keys the facts list, and refuses stage 0 and TP 1 below stage 3 with
   the messages they record.
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
-    Spec, UniversalRefused, ds_checkpoint, ds_to_universal)
+    Spec, UniversalRefused, ds_checkpoint, ds_to_universal, universal_accepts)
 
 CI_SPECS = [
     Spec("llama", tp=2, dp=2, stage=1),
@@ -214,7 +216,7 @@ def universal_refusal(spec):
     """What ds_to_universal says of a spec, None when it converts it."""
     if spec.stage == 0:
         return "FileNotFoundError: can't find *_optim_states.pt files"
-    if spec.tp == 1 and spec.stage in (1, 2):
+    if not universal_accepts(spec):
         return "AssertionError: Required universal_checkpoint_info state is missing"
     return None
 
@@ -257,3 +259,12 @@ def test_ds_to_universal_writes_full_fp32_states_or_refuses(checkpoints, spec, t
         if spec.stage < 3:
             step = torch.load(folder / "step.pt", weights_only=True)
             assert step.dtype == torch.float32 and step.item() == spec.steps
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_deepspeed_resumes_with_the_recorded_next_loss(checkpoints, spec):
+    ckpt = checkpoints(spec)
+    assert sorted(ckpt.next_loss) == list(range(spec.dp))
+    assert ckpt.resumed_next_loss("own") == ckpt.next_loss
+    if universal_accepts(spec):
+        assert ckpt.resumed_next_loss("universal") == ckpt.next_loss

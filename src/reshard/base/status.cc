@@ -6,26 +6,11 @@ std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
     case StatusCode::kOk:
       return "OK";
-    case StatusCode::kInvalidArgument:
-      return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound:
-      return "NOT_FOUND";
-    case StatusCode::kAlreadyExists:
-      return "ALREADY_EXISTS";
-    case StatusCode::kOutOfRange:
-      return "OUT_OF_RANGE";
-    case StatusCode::kFailedPrecondition:
-      return "FAILED_PRECONDITION";
-    case StatusCode::kDataLoss:
-      return "DATA_LOSS";
-    case StatusCode::kResourceExhausted:
-      return "RESOURCE_EXHAUSTED";
-    case StatusCode::kUnimplemented:
-      return "UNIMPLEMENTED";
-    case StatusCode::kInternal:
-      return "INTERNAL";
-    case StatusCode::kUnavailable:
-      return "UNAVAILABLE";
+#define RESHARD_STATUS_NAME(e, name, constructor) \
+  case StatusCode::e:                             \
+    return name;
+      RESHARD_STATUS_CODES(RESHARD_STATUS_NAME)
+#undef RESHARD_STATUS_NAME
   }
   return "UNKNOWN";
 }

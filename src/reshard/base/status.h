@@ -12,21 +12,39 @@
 
 namespace reshard {
 
+// The status codes: one X-macro drives the enum, the names and the constructors below.
+// X(enumerator, name as ToString prints it, constructor), with abseil's meanings:
+//   kInvalidArgument     malformed input: a bad map, a bad config, a bad flag
+//   kNotFound            a named file, rank or parameter does not exist
+//   kAlreadyExists       an output exists and overwriting was not asked for
+//   kOutOfRange          an offset or index past an end
+//   kFailedPrecondition  well-formed input that does not fit: mismatched world sizes, a factor
+//                        on an integer dtype, disagreeing replicas
+//   kDataLoss            a corrupt or truncated file
+//   kResourceExhausted   a limit was hit: memory, disk, a size cap
+//   kUnimplemented       a valid request this version does not support
+//   kInternal            a bug: an invariant the code relies on was broken
+//   kUnavailable         the environment failed: I/O error, disk full
+#define RESHARD_STATUS_CODES(X)                                          \
+  X(kInvalidArgument, "INVALID_ARGUMENT", InvalidArgumentError)          \
+  X(kNotFound, "NOT_FOUND", NotFoundError)                               \
+  X(kAlreadyExists, "ALREADY_EXISTS", AlreadyExistsError)                \
+  X(kOutOfRange, "OUT_OF_RANGE", OutOfRangeError)                        \
+  X(kFailedPrecondition, "FAILED_PRECONDITION", FailedPreconditionError) \
+  X(kDataLoss, "DATA_LOSS", DataLossError)                               \
+  X(kResourceExhausted, "RESOURCE_EXHAUSTED", ResourceExhaustedError)    \
+  X(kUnimplemented, "UNIMPLEMENTED", UnimplementedError)                 \
+  X(kInternal, "INTERNAL", InternalError)                                \
+  X(kUnavailable, "UNAVAILABLE", UnavailableError)
+
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,     // malformed input: a bad map, a bad config, a bad flag
-  kNotFound,            // a named file, rank or parameter does not exist
-  kAlreadyExists,       // an output exists and overwriting was not asked for
-  kOutOfRange,          // an offset or index past an end
-  kFailedPrecondition,  // well-formed input that does not fit: mismatched world sizes, a
-                        // factor on an integer dtype, disagreeing replicas
-  kDataLoss,            // a corrupt or truncated file
-  kResourceExhausted,   // a limit was hit: memory, disk, a size cap
-  kUnimplemented,       // a valid request this version does not support
-  kInternal,            // a bug: an invariant the code relies on was broken
-  kUnavailable,         // the environment failed: I/O error, disk full
+#define RESHARD_STATUS_ENUM(e, name, constructor) e,
+  RESHARD_STATUS_CODES(RESHARD_STATUS_ENUM)
+#undef RESHARD_STATUS_ENUM
 };
 
+/// "OK", "INVALID_ARGUMENT", ... (the table above).
 std::string_view StatusCodeName(StatusCode code);
 
 /// The outcome of an operation: ok, or a code with a message that carries the real values
@@ -59,30 +77,14 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status InvalidArgumentError(std::string m) {
-  return Status(StatusCode::kInvalidArgument, std::move(m));
-}
-inline Status NotFoundError(std::string m) { return Status(StatusCode::kNotFound, std::move(m)); }
-inline Status AlreadyExistsError(std::string m) {
-  return Status(StatusCode::kAlreadyExists, std::move(m));
-}
-inline Status OutOfRangeError(std::string m) {
-  return Status(StatusCode::kOutOfRange, std::move(m));
-}
-inline Status FailedPreconditionError(std::string m) {
-  return Status(StatusCode::kFailedPrecondition, std::move(m));
-}
-inline Status DataLossError(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
-inline Status ResourceExhaustedError(std::string m) {
-  return Status(StatusCode::kResourceExhausted, std::move(m));
-}
-inline Status UnimplementedError(std::string m) {
-  return Status(StatusCode::kUnimplemented, std::move(m));
-}
-inline Status InternalError(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }
-inline Status UnavailableError(std::string m) {
-  return Status(StatusCode::kUnavailable, std::move(m));
-}
+/// InvalidArgumentError(message), NotFoundError(message), ...: a Status with the code of that
+/// row of the table.
+#define RESHARD_STATUS_CONSTRUCTOR(e, name, constructor) \
+  inline Status constructor(std::string message) {       \
+    return Status(StatusCode::e, std::move(message));    \
+  }
+RESHARD_STATUS_CODES(RESHARD_STATUS_CONSTRUCTOR)
+#undef RESHARD_STATUS_CONSTRUCTOR
 
 }  // namespace reshard
 

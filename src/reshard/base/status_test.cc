@@ -23,6 +23,21 @@ Status CheckEven(int x) {
   return Status::Ok();
 }
 
+TEST(StatusTest, CodesAreNamedAsAbseilNamesThem) {
+  EXPECT_EQ(Status::Ok().ToString(), "OK");
+  EXPECT_EQ(InvalidArgumentError("m").ToString(), "INVALID_ARGUMENT: m");
+  EXPECT_EQ(NotFoundError("m").ToString(), "NOT_FOUND: m");
+  EXPECT_EQ(AlreadyExistsError("m").ToString(), "ALREADY_EXISTS: m");
+  EXPECT_EQ(OutOfRangeError("m").ToString(), "OUT_OF_RANGE: m");
+  EXPECT_EQ(FailedPreconditionError("m").ToString(), "FAILED_PRECONDITION: m");
+  EXPECT_EQ(DataLossError("m").ToString(), "DATA_LOSS: m");
+  EXPECT_EQ(ResourceExhaustedError("m").ToString(), "RESOURCE_EXHAUSTED: m");
+  EXPECT_EQ(UnimplementedError("m").ToString(), "UNIMPLEMENTED: m");
+  EXPECT_EQ(InternalError("m").ToString(), "INTERNAL: m");
+  EXPECT_EQ(UnavailableError("m").ToString(), "UNAVAILABLE: m");
+  EXPECT_EQ(UnavailableError("m").code(), StatusCode::kUnavailable);
+}
+
 TEST(StatusTest, AnnotatePrependsContextOuterToInner) {
   Status s = InvalidArgumentError("bad stride").Annotate("pieces[1]").Annotate("ranks[\"3\"]");
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);

@@ -97,6 +97,18 @@ std::optional<TorchDType> TorchDTypeOf(std::string_view global) {
   return std::nullopt;
 }
 
+TorchDTypeGlobals TorchGlobalsOf(DType dtype) {
+  constexpr std::string_view kTorch = "torch.";
+  TorchDTypeGlobals globals;
+  for (const DTypeRow& row : kDTypes) {
+    if (row.dtype != dtype || !row.global.starts_with(kTorch)) continue;
+    const std::string_view name = row.global.substr(kTorch.size());
+    if (name.find('.') != std::string_view::npos) continue;  // torch.storage.UntypedStorage
+    (name.ends_with("Storage") ? globals.storage_class : globals.dtype_object) = name;
+  }
+  return globals;
+}
+
 bool TorchTensor::is_contiguous() const {
   Index expected = 1;
   for (size_t k = shape.size(); k-- > 0;) {

@@ -134,6 +134,15 @@ Status ExportToSafetensors(const TorchFile& file, const std::string& path, bool 
 /// or nullopt (quantized and sub-byte types).
 std::optional<TorchDType> TorchDTypeOf(std::string_view global);
 
+/// The globals torch.save writes for `dtype`, as names in module `torch`: its typed storage
+/// class ("BFloat16Storage"; empty where torch has none and writes an untyped storage: U16,
+/// U32, U64, F8) and its dtype object ("bfloat16"). From the table TorchDTypeOf reads.
+struct TorchDTypeGlobals {
+  std::string_view storage_class;
+  std::string_view dtype_object;
+};
+TorchDTypeGlobals TorchGlobalsOf(DType dtype);
+
 }  // namespace reshard
 
 #endif  // RESHARD_IO_TORCH_FILE_H_

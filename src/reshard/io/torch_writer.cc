@@ -144,71 +144,6 @@ class ZipStreamWriter {
   std::vector<Entry> entries_;
 };
 
-// torch's storage class for a dtype, or "" where torch writes an untyped storage and v3.
-std::string_view StorageClass(DType dtype) {
-  switch (dtype) {
-    case DType::kF64:
-      return "DoubleStorage";
-    case DType::kF32:
-      return "FloatStorage";
-    case DType::kF16:
-      return "HalfStorage";
-    case DType::kBF16:
-      return "BFloat16Storage";
-    case DType::kI64:
-      return "LongStorage";
-    case DType::kI32:
-      return "IntStorage";
-    case DType::kI16:
-      return "ShortStorage";
-    case DType::kI8:
-      return "CharStorage";
-    case DType::kU8:
-      return "ByteStorage";
-    case DType::kBool:
-      return "BoolStorage";
-    default:
-      return "";
-  }
-}
-
-// The name of torch's dtype object ("float32" is torch.float32).
-std::string_view DTypeObjectName(DType dtype) {
-  switch (dtype) {
-    case DType::kF64:
-      return "float64";
-    case DType::kF32:
-      return "float32";
-    case DType::kF16:
-      return "float16";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kI64:
-      return "int64";
-    case DType::kI32:
-      return "int32";
-    case DType::kI16:
-      return "int16";
-    case DType::kI8:
-      return "int8";
-    case DType::kU64:
-      return "uint64";
-    case DType::kU32:
-      return "uint32";
-    case DType::kU16:
-      return "uint16";
-    case DType::kU8:
-      return "uint8";
-    case DType::kBool:
-      return "bool";
-    case DType::kF8E4M3:
-      return "float8_e4m3fn";
-    case DType::kF8E5M2:
-      return "float8_e5m2";
-  }
-  return "";
-}
-
 std::string Quote(std::string_view s) { return "\"" + std::string(s) + "\""; }
 
 // The persistent ids under `id` with their dotted paths (dict keys and indices, as the
@@ -443,7 +378,7 @@ PickleNodeId TorchTreeBuilder::Global(std::string name) {
 }
 
 PickleNodeId TorchTreeBuilder::DTypeObject(DType dtype) {
-  return Global("torch." + std::string(DTypeObjectName(dtype)));
+  return Global("torch." + std::string(TorchGlobalsOf(dtype).dtype_object));
 }
 
 PickleNodeId TorchTreeBuilder::Device(std::string type) {
@@ -477,7 +412,7 @@ std::string TorchTreeBuilder::NewKey(std::string wanted) {
 
 PickleNodeId TorchTreeBuilder::Rebuild(const TensorInfo& info, Index offset, const Shape& shape,
                                        const Shape& strides, bool requires_grad) {
-  const bool typed = !StorageClass(info.dtype).empty();
+  const bool typed = !TorchGlobalsOf(info.dtype).storage_class.empty();
   std::vector<PickleNodeId> shape_items, stride_items;
   for (Index d : shape) shape_items.push_back(Int(d));
   for (Index s : strides) stride_items.push_back(Int(s));
@@ -495,7 +430,7 @@ PickleNodeId TorchTreeBuilder::Rebuild(const TensorInfo& info, Index offset, con
 }
 
 PickleNodeId TorchTreeBuilder::Tensor(DType dtype, Shape shape, Fill fill, bool requires_grad) {
-  const std::string_view storage = StorageClass(dtype);
+  const std::string_view storage = TorchGlobalsOf(dtype).storage_class;
   const Index numel = ProductOf(shape);
   const uint64_t bytes = static_cast<uint64_t>(numel) * DTypeSize(dtype);
   const std::string key = NewKey(std::to_string(storages_.size()));

@@ -44,6 +44,28 @@ TensorToWrite Counting(std::string name, DType dtype, Shape shape, uint8_t first
           }};
 }
 
+TEST(TorchWriterTest, GlobalsOfEveryDTypeReadBackAsThatDType) {
+  for (const DType dtype : kAllDTypes) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const TorchDTypeGlobals globals = TorchGlobalsOf(dtype);
+    const std::optional<TorchDType> object =
+        TorchDTypeOf("torch." + std::string(globals.dtype_object));
+    ASSERT_TRUE(object.has_value());
+    EXPECT_EQ(object->dtype, dtype);
+    const bool untyped = dtype == DType::kU16 || dtype == DType::kU32 || dtype == DType::kU64 ||
+                         DTypeKindOf(dtype) == DTypeKind::kFloat8;
+    EXPECT_EQ(globals.storage_class.empty(), untyped);
+    // Both are names in module torch.
+    EXPECT_EQ(globals.storage_class.find('.'), std::string_view::npos);
+    EXPECT_EQ(globals.dtype_object.find('.'), std::string_view::npos);
+    if (untyped) continue;
+    const std::optional<TorchDType> storage =
+        TorchDTypeOf("torch." + std::string(globals.storage_class));
+    ASSERT_TRUE(storage.has_value());
+    EXPECT_EQ(storage->dtype, dtype);
+  }
+}
+
 TEST(TorchWriterTest, WrittenFilesReadBackAsViewsOfTheirStorages) {
   const TempDir tmp;
   const std::string path = (tmp / "a.pt").string();
