@@ -69,24 +69,31 @@ def bytes_under(path):
     return total
 
 
+def write_layered_model(d, layers, rows, cols, seed, bias):
+    """d/full: a full checkpoint of `layers` layers, each a bf16 weight of rows x cols split by
+    rows, one of cols x rows split by columns and an fp32 bias of `rows` laid out as `bias`;
+    d/layouts.json: those layouts."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(layers):
+        for name, shape in ((f"l{layer}.w", (rows, cols)), (f"l{layer}.o", (cols, rows))):
+            raw = bytearray(rng.bytes(2 * shape[0] * shape[1]))
+            tensors[name] = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).reshape(shape)
+        tensors[f"l{layer}.b"] = torch.from_numpy(rng.standard_normal(rows, dtype=np.float32))
+    (d / "full").mkdir()
+    save_file(tensors, str(d / "full" / "model.safetensors"), metadata={"format": "pt"})
+    layouts = {"version": 1, "*": {"family": "split", "dim": 0}}
+    for layer in range(layers):
+        layouts[f"l{layer}.o"] = {"family": "split", "dim": 1}
+        layouts[f"l{layer}.b"] = bias
+    (d / "layouts.json").write_text(json.dumps(layouts))
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, reshard_bin):
     """A ~190 MB full checkpoint, its layouts, and uninterrupted reference outputs."""
     d = tmp_path_factory.mktemp("crash")
-    rng = np.random.default_rng(7)
-    tensors = {}
-    for layer in range(LAYERS):
-        for name, shape in ((f"l{layer}.w", (1024, 4096)), (f"l{layer}.o", (4096, 1024))):
-            raw = bytearray(rng.bytes(2 * shape[0] * shape[1]))
-            tensors[name] = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).reshape(shape)
-        tensors[f"l{layer}.b"] = torch.from_numpy(rng.standard_normal(1024, dtype=np.float32))
-    (d / "full").mkdir()
-    save_file(tensors, str(d / "full" / "model.safetensors"), metadata={"format": "pt"})
-    layouts = {"version": 1, "*": {"family": "split", "dim": 0}}
-    for layer in range(LAYERS):
-        layouts[f"l{layer}.o"] = {"family": "split", "dim": 1}
-        layouts[f"l{layer}.b"] = {"family": "replicated", "pre_divided": True}
-    (d / "layouts.json").write_text(json.dumps(layouts))
+    write_layered_model(d, LAYERS, 1024, 4096, seed=7, bias={"family": "replicated", "pre_divided": True})
     commands = {
         "scatter": lambda out: ["scatter", d / "full", "--layouts", d / "layouts.json", "--tp", 4, "-o", out],
         "convert": lambda out: ["convert", d / "ref-scatter", "--tp", 2, "-o", out],

@@ -12,12 +12,9 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from test_crash_consistency import bytes_under, same_tree, temporaries
+from test_crash_consistency import bytes_under, same_tree, temporaries, write_layered_model
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed")
@@ -36,22 +33,9 @@ def run(argv, **kw):
 
 
 def make_full(d, rows):
-    """A full checkpoint of LAYERS layers (bf16 weights split by rows or columns, replicated
-    fp32 biases) and its layouts."""
-    rng = np.random.default_rng(11)
-    tensors = {}
-    for layer in range(LAYERS):
-        for name, shape in ((f"l{layer}.w", (rows, 256)), (f"l{layer}.o", (256, rows))):
-            raw = bytearray(rng.bytes(2 * shape[0] * shape[1]))
-            tensors[name] = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).reshape(shape)
-        tensors[f"l{layer}.b"] = torch.from_numpy(rng.standard_normal(256, dtype=np.float32))
-    (d / "full").mkdir()
-    save_file(tensors, str(d / "full" / "model.safetensors"), metadata={"format": "pt"})
-    layouts = {"version": 1, "*": {"family": "split", "dim": 0}}
-    for layer in range(LAYERS):
-        layouts[f"l{layer}.o"] = {"family": "split", "dim": 1}
-        layouts[f"l{layer}.b"] = {"family": "replicated"}
-    (d / "layouts.json").write_text(json.dumps(layouts))
+    """A full checkpoint of LAYERS layers (bf16 weights of rows x 256 split by rows and
+    columns, replicated fp32 biases of 256) and its layouts."""
+    write_layered_model(d, LAYERS, 256, rows, seed=11, bias={"family": "replicated"})
 
 
 def commands(d):

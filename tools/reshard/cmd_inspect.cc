@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "exit_status.h"
+#include "inspect_model.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
@@ -254,11 +255,21 @@ Status InspectDirectory(const InspectArgs& args) {
     }
   }
   ordered_json listed = ordered_json::array();
+  const ModelDir model_dir = ModelDirOf(dir.string());
+  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir));
+  const std::vector<std::string> model_files = ModelFiles(model);
   for (const fs::path& f : files) {
+    // A Hugging Face model's tensors are listed once, by its model view below.
+    if (model_dir == ModelDir::kHuggingFace && !args.json &&
+        std::count(model_files.begin(), model_files.end(), f.filename().string()) > 0) {
+      continue;
+    }
     ordered_json one;
     RESHARD_RETURN_IF_ERROR(InspectFile(f.string(), args.json ? &one : nullptr));
     if (args.json) listed.push_back({{"file", f.filename().string()}, {"contents", one}});
   }
+  if (args.json && model_dir != ModelDir::kNone) doc["model"] = std::move(model);
+  if (!args.json) PrintModelView(dir.string(), model);
   ordered_json rest = ordered_json::array();
   for (const fs::path& f : others) rest.push_back(f.filename().string());
   if (args.json) {

@@ -259,7 +259,7 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
                                          path.string(), t.name));
       }
       ckpt.by_name_[t.name] = ckpt.tensors_.size();
-      ckpt.tensors_.push_back({&t, file->data(t)});
+      ckpt.tensors_.push_back({&t, file->data(t), ckpt.files_.size()});
     }
     ckpt.files_.push_back(std::move(file));
     return Status::Ok();

@@ -75,6 +75,7 @@ std::string ManifestToJson(const Manifest& manifest);
 struct TensorRef {
   const TensorInfo* info = nullptr;
   std::span<const std::byte> data;
+  size_t file = 0;  // the file holding it: an index into file_paths()
 };
 
 /// A full checkpoint opened read-only: single file or index + parts, headers validated, the

@@ -45,8 +45,6 @@ constexpr DTypeRow kDTypes[] = {
 constexpr std::string_view kRebuildV2 = "torch._utils._rebuild_tensor_v2";
 constexpr std::string_view kRebuildV3 = "torch._utils._rebuild_tensor_v3";
 constexpr std::string_view kRebuildParameter = "torch._utils._rebuild_parameter";
-constexpr std::string_view kRebuildFromType = "torch._tensor._rebuild_from_type_v2";
-constexpr std::string_view kParameter = "torch.nn.parameter.Parameter";
 constexpr std::string_view kRebuildParameterWithState =
     "torch._utils._rebuild_parameter_with_state";
 constexpr std::string_view kUntypedStorage = "torch.storage.UntypedStorage";
@@ -132,8 +130,6 @@ class TorchTreeReader {
   Result<Index> Int(PickleNodeId id, const std::string& path, const char* what) const;
   Result<Shape> Ints(PickleNodeId id, const std::string& path, const char* what) const;
   Result<size_t> Storage(PickleNodeId pid, const std::string& path);
-  Status AddTensor(PickleNodeId record, const std::string& path, bool parameter,
-                   PickleNodeId requires_grad, PickleNodeId rebuild_args, bool v3);
   Status AddTensor(PickleNodeId record, const std::string& path, bool parameter,
                    PickleNodeId requires_grad);
   Status CheckBounds(const TorchTensor& t) const;
@@ -239,18 +235,12 @@ Status TorchTreeReader::CheckBounds(const TorchTensor& t) const {
   return Status::Ok();
 }
 
+// args: (storage, storage_offset, size, stride, requires_grad, hooks[, dtype (v3)][, metadata])
 Status TorchTreeReader::AddTensor(PickleNodeId record, const std::string& path, bool parameter,
                                   PickleNodeId requires_grad) {
-  return AddTensor(record, path, parameter, requires_grad, N(record).args,
-                   N(record).text == kRebuildV3);
-}
-
-// rebuild_args: (storage, storage_offset, size, stride, requires_grad, hooks[, dtype (v3)]
-// [, metadata]), the arguments of the rebuild function that `record` applies.
-Status TorchTreeReader::AddTensor(PickleNodeId record, const std::string& path, bool parameter,
-                                  PickleNodeId requires_grad, PickleNodeId rebuild_args, bool v3) {
   const PickleNode& r = N(record);
-  const std::vector<PickleNodeId>& a = N(rebuild_args).items;
+  const bool v3 = r.text == kRebuildV3;
+  const std::vector<PickleNodeId>& a = N(r.args).items;
   if (a.size() < (v3 ? 7u : 5u)) {
     return Error(path, r.text + " with " + std::to_string(a.size()) + " arguments");
   }
@@ -317,18 +307,6 @@ Status TorchTreeReader::Walk(PickleNodeId id, const std::string& path) {
           return Error(path, n.text + " of something other than a tensor");
         }
         return AddTensor(a[0], path, true, a[1]);
-      }
-      if (n.text == kRebuildFromType) {
-        // (rebuild function, tensor class, its arguments, the instance's __dict__): a tensor
-        // saved with attributes (DeepSpeed's ZeRO 3 flat groups carry "ds_id"); the class and
-        // the attributes are not needed to read it.
-        if (a.size() < 3 || N(a[0]).kind != PickleKind::kGlobal ||
-            (N(a[0]).text != kRebuildV2 && N(a[0]).text != kRebuildV3) ||
-            N(a[2]).kind != PickleKind::kTuple) {
-          return Error(path, n.text + " of something other than a tensor");
-        }
-        const bool parameter = N(a[1]).kind == PickleKind::kGlobal && N(a[1]).text == kParameter;
-        return AddTensor(id, path, parameter, kNoPickleNode, a[2], N(a[0]).text == kRebuildV3);
       }
       if (n.state != kNoPickleNode) RESHARD_RETURN_IF_ERROR(Walk(n.state, path));
       for (size_t i = 0; i < a.size(); ++i) {
