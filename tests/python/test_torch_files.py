@@ -174,6 +174,31 @@ def test_parameters_shared_tensors_and_module_state_dicts(tmp_path, reshard_bin)
     assert torch.equal(back["same"], p.data)
 
 
+def test_tensors_with_attributes_read_and_write_back(tmp_path, reshard_bin):
+    # DeepSpeed's ZeRO-3 flat groups carry a ds_id: torch saves such a tensor through
+    # torch._tensor._rebuild_from_type_v2 with the attributes as its state.
+    flat = torch.arange(6, dtype=torch.float32)[1:]
+    flat.ds_id = 7
+    param = torch.nn.Parameter(torch.ones(2, 2))
+    param.ds_numel = 4
+    obj = {"fp32_flat_groups": [flat], "p": param}
+    path = tmp_path / "zero3.pt"
+    torch.save(obj, path)
+    assert b"_rebuild_from_type_v2" in zipfile.ZipFile(path).read("zero3/data.pkl")
+    info = inspect_json(reshard_bin, path)
+    check_against_torch(info, {"fp32_flat_groups.0": flat, "p": param.data})
+    out = tmp_path / "zero3.safetensors"
+    assert run(reshard_bin, "export", path, "-o", out).returncode == 0
+    assert torch.equal(load_file(out)["fp32_flat_groups.0"], flat)
+    again = tmp_path / "again.pt"
+    assert run(reshard_bin, "export", path, "-o", again).returncode == 0
+    back = torch.load(again, weights_only=False)
+    assert type(back["fp32_flat_groups"][0]) is torch.Tensor
+    assert back["fp32_flat_groups"][0].ds_id == 7
+    assert torch.equal(back["fp32_flat_groups"][0], flat)
+    assert isinstance(back["p"], torch.nn.Parameter) and back["p"].ds_numel == 4
+
+
 def test_training_records_are_kept_inert(tmp_path, reshard_bin):
     ns = argparse.Namespace(lr=0.5, name="run")
     obj = {"args": ns, "w": torch.ones(1), "device": torch.device("cpu"),

@@ -11,6 +11,7 @@
 #include "processes.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/deepspeed.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -32,6 +33,10 @@ struct CommonArgs {
   bool progress = false;
   double peer_timeout = 600;
   mutable CheckpointStats stats;  // filled by the run
+};
+
+struct GatherArgs : CommonArgs {
+  bool fp32 = false;
 };
 
 // The flags every checkpoint command takes about scaled values.
@@ -105,6 +110,7 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string target_maps;
+  bool weights_only = false;
 };
 
 // The maps of scatter --config: the model's tensor-parallel plan at `world`; records the
@@ -162,11 +168,18 @@ Status RunScatter(const ScatterArgs& args) {
   return Status::Ok();
 }
 
-Status RunGather(const CommonArgs& args) {
+Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_RETURN_IF_ERROR(WithForceHint(Gather(args.input, args.output, options), args.force));
+  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
+  if (args.fp32 && !deepspeed) {
+    return InvalidArgumentError("--fp32 takes a DeepSpeed checkpoint's master weights; \"" +
+                                args.input + "\" is not a DeepSpeed checkpoint");
+  }
+  Status s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
+                       : Gather(args.input, args.output, options);
+  RESHARD_RETURN_IF_ERROR(WithForceHint(std::move(s), args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("gathered \"{}\" into \"{}\" ({:.2f} s)", args.input, args.output, seconds),
@@ -182,7 +195,15 @@ Status RunConvert(const ConvertArgs& args) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  Status s = WithForceHint(Convert(args.input, args.tp, target, args.output, options), args.force);
+  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
+  if (args.weights_only && !deepspeed) {
+    return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
+                                args.input + "\" is not one");
+  }
+  Status s = WithForceHint(deepspeed ? ConvertDeepSpeed(args.input, args.tp, target,
+                                                        args.weights_only, args.output, options)
+                                     : Convert(args.input, args.tp, target, args.output, options),
+                           args.force);
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() + "; give them with --target-maps MAPS.json");
   }
@@ -232,16 +253,23 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
       ->check(IntegerIn(1, 1 << 20));
 }
 
-void AddGatherOptions(CLI::App* cmd, CommonArgs* args) {
-  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "write parts of at most this size and an index (e.g. 5GB)");
+  cmd->add_flag("--fp32", args->fp32,
+                "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
+                "module's");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
 }
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
-  AddCommonOptions(cmd, *args, "SHARDED_DIR", "sharded checkpoint directory",
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "split each rank's file into parts of at most this size");
+  cmd->add_flag("--weights-only", args->weights_only,
+                "DeepSpeed input: the module's weights only, no optimizer state");
   cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,

@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "inspect_model.h"
+#include "reshard/checkpoint/deepspeed.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
@@ -244,6 +245,14 @@ Status InspectDirectory(const InspectArgs& args) {
   if (!args.json) {
     fmt::print("\"{}\": directory{}, {} tensor files\n", dir.string(),
                tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
+  }
+  if (IsDeepSpeedCheckpoint(dir.string())) {
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ds, DeepSpeedCheckpoint::Open(args.path));
+    if (args.json) {
+      doc["deepspeed"] = ordered_json::parse(DeepSpeedSummaryJson(ds));
+    } else {
+      fmt::print("{}", DeepSpeedSummaryText(ds));
+    }
   }
   ordered_json listed = ordered_json::array();
   const ModelDir model_dir = ModelDirOf(dir.string());

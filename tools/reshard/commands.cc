@@ -46,12 +46,17 @@ constexpr CommandEntry kCommands[] = {
      ScatterCommand},
     {"gather",
      "Rebuild a full checkpoint from a sharded one, checking that replicas agree (exit 1 "
-     "naming the ranks and element where they differ) and dropping padding.",
+     "naming the ranks and element where they differ) and dropping padding. The input may be "
+     "a DeepSpeed checkpoint (a save dir with `latest`, or a tag dir): its module weights "
+     "(or with --fp32 its master weights) become Hugging Face safetensors, with the save "
+     "dir's config.json.",
      GatherCommand},
     {"convert",
      "Re-shard a sharded checkpoint to another world size through transfer plans, without "
      "building any full tensor. Target maps come from --target-maps or from the layout "
-     "descriptors in the manifest.",
+     "descriptors in the manifest. The input may be a DeepSpeed checkpoint: its module "
+     "weights, fp32 master weights (<param>.fp32) and Adam moments (<param>.exp_avg, "
+     "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
      ConvertCommand},
     {"degree",
      "The largest tensor-parallel degree a model supports, from its config.json and "

@@ -208,15 +208,61 @@ Status ForEachIndex(size_t count, int num_threads, const std::function<Status(si
   return first;
 }
 
-// Every rank's shard of parameter `param`.
-std::vector<ConstBuffer> ShardBuffers(const ShardedCheckpoint& ckpt, size_t param) {
-  const ParamMap& map = ckpt.manifest().params[param].map;
-  std::vector<ConstBuffer> shards;
-  for (Rank r = 0; r < map.world_size(); ++r) {
-    shards.push_back({ckpt.shard(param, r).data(), map.shard_num_elements(r)});
+// A sharded checkpoint as a source: shards are views of its mapped files.
+class ShardedDirSource : public ShardSource {
+ public:
+  ShardedDirSource(std::string dir, const ShardedCheckpoint& ckpt)
+      : dir_(std::move(dir)), ckpt_(ckpt) {}
+  const Manifest& manifest() const override { return ckpt_.manifest(); }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const ParamMap& map = ckpt_.manifest().params[i].map;
+    std::vector<ConstBuffer> shards;
+    for (Rank r = 0; r < map.world_size(); ++r) {
+      shards.push_back({ckpt_.shard(i, r).data(), map.shard_num_elements(r)});
+    }
+    return shards;
   }
-  return shards;
-}
+  void ReleaseShards(size_t i) override {
+    for (Rank r = 0; r < ckpt_.manifest().world_size; ++r) ReleaseMappedPages(ckpt_.shard(i, r));
+  }
+  // Everything a run from a sharded checkpoint reads, which its output may not touch.
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> inputs = {dir_,
+                                       (std::filesystem::path(dir_) / kManifestName).string()};
+    for (std::string& path : ckpt_.file_paths()) inputs.push_back(std::move(path));
+    return inputs;
+  }
+
+ private:
+  std::string dir_;
+  const ShardedCheckpoint& ckpt_;
+};
+
+// Acquires a parameter's shards and releases them when it goes out of scope.
+class AcquiredShards {
+ public:
+  AcquiredShards(ShardSource& source, size_t i) : source_(source), i_(i) {
+    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
+    if (shards.ok()) {
+      shards_ = *std::move(shards);
+    } else {
+      status_ = shards.status();
+    }
+  }
+  ~AcquiredShards() {
+    if (status_.ok()) source_.ReleaseShards(i_);
+  }
+  AcquiredShards(const AcquiredShards&) = delete;
+  AcquiredShards& operator=(const AcquiredShards&) = delete;
+  const Status& status() const { return status_; }
+  const std::vector<ConstBuffer>& shards() const { return shards_; }
+
+ private:
+  ShardSource& source_;
+  size_t i_;
+  Status status_;
+  std::vector<ConstBuffer> shards_;
+};
 
 ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
   ExecOptions e;
@@ -367,13 +413,6 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
     RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
     return out.Commit();
   });
-}
-
-// Everything a run from a sharded checkpoint reads, which its output may not touch.
-std::vector<std::string> ShardedInputs(const std::string& dir, const ShardedCheckpoint& ckpt) {
-  std::vector<std::string> inputs = {dir, (std::filesystem::path(dir) / kManifestName).string()};
-  for (std::string& path : ckpt.file_paths()) inputs.push_back(std::move(path));
-  return inputs;
 }
 
 }  // namespace
@@ -534,12 +573,13 @@ Status WriteFullIndex(const OutputDirectory& out, const Manifest& m,
   return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n");
 }
 
-// Rebuilds parameter i of `ckpt` (its valid region) into `buffer`.
-Status RebuildInto(const ShardedCheckpoint& ckpt, size_t i, const CheckpointOptions& options,
+// Rebuilds parameter i of `source` (its valid region) into `buffer`.
+Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& options,
                    std::span<std::byte> buffer, Counters& counters) {
-  const ShardedParam& param = ckpt.manifest().params[i];
+  const ShardedParam& param = source.manifest().params[i];
   const ParamMap& map = param.map;
-  const std::vector<ConstBuffer> shards = ShardBuffers(ckpt, i);
+  AcquiredShards shards(source, i);
+  RESHARD_RETURN_IF_ERROR(shards.status());
   std::vector<std::byte> padded;
   MutableBuffer f{buffer.data(), map.num_elements()};
   if (map.has_padding()) {
@@ -552,12 +592,11 @@ Status RebuildInto(const ShardedCheckpoint& ckpt, size_t i, const CheckpointOpti
   if (options.verify_replicas) counters.verified += ReplicaBytes(param);
   // The writer names the tensor in any error.
   RESHARD_RETURN_IF_ERROR(
-      Rebuild(map, param.dtype, shards, f, ExecOptionsFor(options, param.scale_power)));
+      Rebuild(map, param.dtype, shards.shards(), f, ExecOptionsFor(options, param.scale_power)));
   if (map.has_padding()) {
     RESHARD_RETURN_IF_ERROR(
         CopyValidRegion(map, param.dtype, padded.data(), buffer.data(), true, options.num_threads));
   }
-  for (Rank r = 0; r < map.world_size(); ++r) ReleaseMappedPages(ckpt.shard(i, r));
   return Status::Ok();
 }
 
@@ -569,11 +608,18 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
   Communicator& comm = CommunicatorOf(options);
   Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
-  const ShardedCheckpoint& ckpt = *opened;
-  const Manifest& m = ckpt.manifest();
+  ShardedDirSource source(sharded_dir, *opened);
+  return GatherFrom(source, out_dir, all_options);
+}
+
+Status GatherFrom(ShardSource& source, const std::string& out_dir,
+                  const CheckpointOptions& all_options, const std::vector<ExtraFile>& extra_files) {
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  const Manifest& m = source.manifest();
   for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OpenOutput(comm, out_dir, options, ShardedInputs(sharded_dir, ckpt)));
+                           OpenOutput(comm, out_dir, options, source.inputs()));
   const std::vector<OutputFile> files = FullFiles(m, options.max_shard_bytes);
   const std::vector<int> owners = OwnersOf(files, comm.size());
   uint64_t total = 0;
@@ -589,7 +635,7 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
           const ShardedParam& p = m.params[i];
           tensors.push_back(
               {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) {
-                 RESHARD_RETURN_IF_ERROR(RebuildInto(ckpt, i, options, buffer, counters));
+                 RESHARD_RETURN_IF_ERROR(RebuildInto(source, i, options, buffer, counters));
                  progress.Add(buffer.size());
                  return Status::Ok();
                }});
@@ -601,6 +647,9 @@ Status Gather(const std::string& sharded_dir, const std::string& out_dir,
   return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
     if (files.front().name != "model.safetensors") {
       RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, files));
+    }
+    for (const ExtraFile& f : extra_files) {
+      RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents));
     }
     return out.Commit();
   });
@@ -631,10 +680,10 @@ Result<ParamMap> TargetMapOf(const ShardedParam& p, int world_size, bool have_ta
     if (!built.ok()) return built.status().Annotate(where);
     target = *std::move(built);
   } else {
-    return FailedPreconditionError(fmt::format(
-        "{} has no layout descriptor in the manifest, so its map at {} ranks is unknown "
-        "without target maps",
-        where, world_size));
+    return FailedPreconditionError(
+        fmt::format("{} has no recorded layout descriptor, so its map at {} ranks is unknown "
+                    "without target maps",
+                    where, world_size));
   }
   if (target->world_size() != world_size) {
     return FailedPreconditionError(fmt::format("{}: the target map has {} ranks, not {}", where,
@@ -710,12 +759,21 @@ Status Convert(const std::string& sharded_dir, int world_size,
   const CheckpointOptions options = ForThisProcess(all_options);
   Communicator& comm = CommunicatorOf(options);
   Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
-  Result<ConvertPlan> planned =
-      opened.ok() ? PlanConvert(opened->manifest(), world_size, target_maps, options)
-                  : opened.status();
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
+  ShardedDirSource source(sharded_dir, *opened);
+  return ConvertFrom(source, world_size, target_maps, out_dir, all_options);
+}
+
+Status ConvertFrom(ShardSource& source, int world_size,
+                   const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                   const CheckpointOptions& all_options) {
+  if (world_size < 1)
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<ConvertPlan> planned = PlanConvert(source.manifest(), world_size, target_maps, options);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
-  const ShardedCheckpoint& ckpt = *opened;
-  const Manifest& src = ckpt.manifest();
+  const Manifest& src = source.manifest();
   Manifest& dst = planned->target;
   const std::vector<OutputFile> files = ShardedFiles(dst, options.max_shard_bytes);
   const std::vector<int> owners = OwnersOf(files, comm.size());
@@ -727,19 +785,20 @@ Status Convert(const std::string& sharded_dir, int world_size,
   std::vector<std::once_flag> verify_once(src.params.size());
   std::vector<Status> verified(src.params.size());
   Counters counters;
-  auto verify = [&](size_t i) {
+  auto verify = [&](size_t i, const std::vector<ConstBuffer>& shards) {
     const ShardedParam& p = src.params[i];
     counters.verified += ReplicaBytes(p);
-    verified[i] = VerifyReplicas(p.map, p.dtype, ShardBuffers(ckpt, i),
-                                 ExecOptionsFor(options, p.scale_power));
+    verified[i] = VerifyReplicas(p.map, p.dtype, shards, ExecOptionsFor(options, p.scale_power));
   };
   CheckpointOptions per_file = options;
   per_file.num_threads = 1;
   return WriteSharded(
-      out_dir, ShardedInputs(sharded_dir, ckpt), dst, options, files, owners, counters,
+      out_dir, source.inputs(), dst, options, files, owners, counters,
       [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        AcquiredShards sources(source, i);
+        RESHARD_RETURN_IF_ERROR(sources.status());
         if (options.verify_replicas && verifiers[i] == comm.rank()) {
-          std::call_once(verify_once[i], verify, i);
+          std::call_once(verify_once[i], verify, i, sources.shards());
           RESHARD_RETURN_IF_ERROR(verified[i]);
         }
         const ShardedParam& param = dst.params[i];
@@ -755,13 +814,10 @@ Status Convert(const std::string& sharded_dir, int world_size,
         for (const UnwrittenBlock& u : plan.unwritten) {
           if (u.dst_rank == r) mine.unwritten.push_back(u);
         }
-        const std::vector<ConstBuffer> sources = ShardBuffers(ckpt, i);
         std::vector<MutableBuffer> targets(static_cast<size_t>(plan.target_world));
         targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
-        RESHARD_RETURN_IF_ERROR(ExecutePlan(mine, param.dtype, sources, targets,
-                                            ExecOptionsFor(per_file, param.scale_power)));
-        for (Rank q = 0; q < plan.source_world; ++q) ReleaseMappedPages(ckpt.shard(i, q));
-        return Status::Ok();
+        return ExecutePlan(mine, param.dtype, sources.shards(), targets,
+                           ExecOptionsFor(per_file, param.scale_power));
       });
 }
 

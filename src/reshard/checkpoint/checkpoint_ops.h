@@ -26,6 +26,7 @@
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/communicator.h"
+#include "reshard/exec/executor.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/degree_constraints.h"
 #include "reshard/layouts/descriptor.h"
@@ -117,6 +118,41 @@ MapProvider MapsFromDocument(const MapDocument& doc);
 /// Maps from layout descriptors by name at `world_size`; the key "*", when present, is the
 /// descriptor of every tensor not named.
 MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int world_size);
+
+/// Sharded parameters as gather and convert read them, from any directory format: a reshard
+/// sharded checkpoint, or a framework's checkpoint whose shards are assembled on demand.
+class ShardSource {
+ public:
+  virtual ~ShardSource() = default;
+  /// The parameters, each with its map, dtype, layout and scale power, and the world size and
+  /// degree constraints (`files` is empty).
+  virtual const Manifest& manifest() const = 0;
+  /// Every rank's shard of manifest().params[i] (world_size dense buffers, each of the map's
+  /// shard size), valid until the matching ReleaseShards(i). Thread-safe; calls nest (each
+  /// Acquire is matched by one Release).
+  virtual Result<std::vector<ConstBuffer>> AcquireShards(size_t i) = 0;
+  virtual void ReleaseShards(size_t i) = 0;
+  /// The paths it reads, which an output may not be, contain or lie inside.
+  virtual std::vector<std::string> inputs() const = 0;
+};
+
+/// A file to place in a gathered checkpoint beside the tensors (e.g. the model's config.json).
+struct ExtraFile {
+  std::string name;      // in the output directory
+  std::string contents;  // bytes
+};
+
+/// Gather from any source: the full tensors (valid region) as model.safetensors, or parts and
+/// an index, plus `extra_files`. With several processes, every process passes a source of
+/// the same input.
+Status GatherFrom(ShardSource& source, const std::string& out_dir,
+                  const CheckpointOptions& options = {},
+                  const std::vector<ExtraFile>& extra_files = {});
+
+/// Convert from any source (see Convert).
+Status ConvertFrom(ShardSource& source, int world_size,
+                   const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                   const CheckpointOptions& options = {});
 
 /// Full checkpoint -> sharded checkpoint at the maps' world size. Padding (a padded
 /// vocabulary) is filled with zeros. FailedPrecondition when a map does not fit its tensor.

@@ -19,6 +19,7 @@ namespace {
 constexpr std::string_view kRecordGlobals[] = {
     "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
     "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
+    "torch._tensor._rebuild_from_type_v2", "torch.Tensor", "torch.nn.parameter.Parameter",
     "torch.storage.UntypedStorage",
     "torch.DoubleStorage", "torch.FloatStorage", "torch.HalfStorage", "torch.BFloat16Storage",
     "torch.LongStorage", "torch.IntStorage", "torch.ShortStorage", "torch.CharStorage",

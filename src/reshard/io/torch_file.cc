@@ -45,6 +45,9 @@ constexpr DTypeRow kDTypes[] = {
 constexpr std::string_view kRebuildV2 = "torch._utils._rebuild_tensor_v2";
 constexpr std::string_view kRebuildV3 = "torch._utils._rebuild_tensor_v3";
 constexpr std::string_view kRebuildParameter = "torch._utils._rebuild_parameter";
+constexpr std::string_view kRebuildFromType = "torch._tensor._rebuild_from_type_v2";
+constexpr std::string_view kTensorType = "torch.Tensor";
+constexpr std::string_view kParameterType = "torch.nn.parameter.Parameter";
 constexpr std::string_view kRebuildParameterWithState =
     "torch._utils._rebuild_parameter_with_state";
 constexpr std::string_view kUntypedStorage = "torch.storage.UntypedStorage";
@@ -130,8 +133,9 @@ class TorchTreeReader {
   Result<Index> Int(PickleNodeId id, const std::string& path, const char* what) const;
   Result<Shape> Ints(PickleNodeId id, const std::string& path, const char* what) const;
   Result<size_t> Storage(PickleNodeId pid, const std::string& path);
-  Status AddTensor(PickleNodeId record, const std::string& path, bool parameter,
-                   PickleNodeId requires_grad);
+  Status AddTensor(PickleNodeId node, std::string_view rebuild, PickleNodeId args,
+                   const std::string& path, bool parameter, PickleNodeId requires_grad);
+  Status AddTensorOfType(PickleNodeId id, const std::string& path);
   Status CheckBounds(const TorchTensor& t) const;
 
   TorchFile& f_;
@@ -235,18 +239,21 @@ Status TorchTreeReader::CheckBounds(const TorchTensor& t) const {
   return Status::Ok();
 }
 
-// args: (storage, storage_offset, size, stride, requires_grad, hooks[, dtype (v3)][, metadata])
-Status TorchTreeReader::AddTensor(PickleNodeId record, const std::string& path, bool parameter,
+// `node` is the tree's value for the tensor; `rebuild` (_rebuild_tensor_v2 or _v3) is applied to
+// `args`: (storage, storage_offset, size, stride, requires_grad, hooks[, dtype (v3)][, metadata])
+Status TorchTreeReader::AddTensor(PickleNodeId node, std::string_view rebuild, PickleNodeId args,
+                                  const std::string& path, bool parameter,
                                   PickleNodeId requires_grad) {
-  const PickleNode& r = N(record);
-  const bool v3 = r.text == kRebuildV3;
-  const std::vector<PickleNodeId>& a = N(r.args).items;
+  const bool v3 = rebuild == kRebuildV3;
+  if (N(args).kind != PickleKind::kTuple)
+    return Error(path, std::string(rebuild) + " of a non-tuple");
+  const std::vector<PickleNodeId>& a = N(args).items;
   if (a.size() < (v3 ? 7u : 5u)) {
-    return Error(path, r.text + " with " + std::to_string(a.size()) + " arguments");
+    return Error(path, std::string(rebuild) + " with " + std::to_string(a.size()) + " arguments");
   }
   TorchTensor t;
   t.name = path;
-  t.node = record;
+  t.node = node;
   t.parameter = parameter;
   RESHARD_ASSIGN_OR_RETURN(t.storage, Storage(a[0], path));
   RESHARD_ASSIGN_OR_RETURN(t.storage_offset, Int(a[1], path, "storage_offset"));
@@ -280,6 +287,27 @@ Status TorchTreeReader::AddTensor(PickleNodeId record, const std::string& path, 
   return Status::Ok();
 }
 
+// A tensor that carries Python attributes (DeepSpeed's ZeRO-3 flat groups have a ds_id), saved
+// as _rebuild_from_type_v2(func, type, args, state): func(*args) made into `type` with the
+// attributes `state`. The attributes stay in the tree; the tensor is func's.
+Status TorchTreeReader::AddTensorOfType(PickleNodeId id, const std::string& path) {
+  const PickleNode& n = N(id);
+  const std::vector<PickleNodeId>& a = N(n.args).items;
+  if (a.size() != 4 || N(a[0]).kind != PickleKind::kGlobal ||
+      (N(a[0]).text != kRebuildV2 && N(a[0]).text != kRebuildV3)) {
+    return Error(
+        path, n.text + " of something other than a tensor rebuilt by " + std::string(kRebuildV2));
+  }
+  if (N(a[1]).kind != PickleKind::kGlobal ||
+      (N(a[1]).text != kTensorType && N(a[1]).text != kParameterType)) {
+    return Error(path, n.text + " into a type other than " + std::string(kTensorType) + " or " +
+                           std::string(kParameterType));
+  }
+  RESHARD_RETURN_IF_ERROR(
+      AddTensor(id, N(a[0]).text, a[2], path, N(a[1]).text == kParameterType, kNoPickleNode));
+  return Walk(a[3], path);
+}
+
 Status TorchTreeReader::Walk(PickleNodeId id, const std::string& path) {
   const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
   const PickleNode& n = N(id);
@@ -298,15 +326,16 @@ Status TorchTreeReader::Walk(PickleNodeId id, const std::string& path) {
       return Status::Ok();
     case PickleKind::kRecord: {
       if (n.text == kRebuildV2 || n.text == kRebuildV3) {
-        return AddTensor(id, path, false, kNoPickleNode);
+        return AddTensor(id, n.text, n.args, path, false, kNoPickleNode);
       }
+      if (n.text == kRebuildFromType) return AddTensorOfType(id, path);
       const std::vector<PickleNodeId>& a = N(n.args).items;
       if (n.text == kRebuildParameter || n.text == kRebuildParameterWithState) {
         if (a.size() < 2 || N(a[0]).kind != PickleKind::kRecord ||
             (N(a[0]).text != kRebuildV2 && N(a[0]).text != kRebuildV3)) {
           return Error(path, n.text + " of something other than a tensor");
         }
-        return AddTensor(a[0], path, true, a[1]);
+        return AddTensor(a[0], N(a[0]).text, N(a[0]).args, path, true, a[1]);
       }
       if (n.state != kNoPickleNode) RESHARD_RETURN_IF_ERROR(Walk(n.state, path));
       for (size_t i = 0; i < a.size(); ++i) {

@@ -493,6 +493,42 @@ Result<LoweredDeepSpeedMeta> LowerDeepSpeedMeta(std::string_view meta_json) {
   return Lower(meta);
 }
 
+namespace {
+
+// A map DeepSpeed recorded (ParamAffineMap.to_dict()), canonicalised. DeepSpeed's builders give
+// a rank that holds nothing a zero-element piece whose shard strides can repeat an index
+// (shard [12, 0] has strides [0, 1]); it holds nothing either way, so it is dropped before
+// validation.
+Result<ParamMap> RecordedAffineMap(const Json& map) {
+  Json cleaned = map;
+  if (auto ranks = cleaned.find("ranks"); ranks != cleaned.end() && ranks->is_object()) {
+    for (auto& rank : *ranks) {
+      auto pieces = rank.is_object() ? rank.find("pieces") : rank.end();
+      if (pieces == rank.end() || !pieces->is_array()) continue;
+      Json kept = Json::array();
+      for (const Json& piece : *pieces) {
+        auto shape = piece.is_object() ? piece.find("shape") : piece.end();
+        const bool empty = shape != piece.end() && shape->is_array() &&
+                           std::any_of(shape->begin(), shape->end(), [](const Json& e) {
+                             return e.is_number_integer() && e == 0;
+                           });
+        if (!empty) kept.push_back(piece);
+      }
+      *pieces = std::move(kept);
+    }
+  }
+  RESHARD_ASSIGN_OR_RETURN(ParamMapBuilder b, ParamMapFromJson(cleaned));
+  RESHARD_ASSIGN_OR_RETURN(ParamMap m, b.Finalize());
+  return Canonicalize(m);
+}
+
+}  // namespace
+
+Result<ParamMap> ReadDeepSpeedAffineMap(std::string_view map_json) {
+  RESHARD_ASSIGN_OR_RETURN(Json j, json::ParseJson(map_json));
+  return RecordedAffineMap(j);
+}
+
 Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
                                   std::vector<std::string>* notes) {
   RESHARD_ASSIGN_OR_RETURN(Json meta, json::ParseJson(meta_json));
@@ -502,32 +538,9 @@ Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
     if (conversion != meta.end() && conversion->is_object()) {
       auto map = conversion->find("affine_map");
       if (map != conversion->end() && !map->is_null()) {
-        // DeepSpeed's builders give a rank that holds nothing a zero-element piece whose shard
-        // strides can repeat an index (shard [12, 0] has strides [0, 1]); it holds nothing
-        // either way, so it is dropped before validation.
-        Json cleaned = *map;
-        if (auto ranks = cleaned.find("ranks"); ranks != cleaned.end() && ranks->is_object()) {
-          for (auto& rank : *ranks) {
-            auto pieces = rank.is_object() ? rank.find("pieces") : rank.end();
-            if (pieces == rank.end() || !pieces->is_array()) continue;
-            Json kept = Json::array();
-            for (const Json& piece : *pieces) {
-              auto shape = piece.is_object() ? piece.find("shape") : piece.end();
-              const bool empty = shape != piece.end() && shape->is_array() &&
-                                 std::any_of(shape->begin(), shape->end(), [](const Json& e) {
-                                   return e.is_number_integer() && e == 0;
-                                 });
-              if (!empty) kept.push_back(piece);
-            }
-            *pieces = std::move(kept);
-          }
-        }
-        Result<ParamMapBuilder> b = ParamMapFromJson(cleaned);
-        if (!b.ok()) return b.status().Annotate("conversion.affine_map");
-        Result<ParamMap> m = b->Finalize();
-        if (!m.ok()) return m.status().Annotate("conversion.affine_map");
-        RESHARD_ASSIGN_OR_RETURN(ParamMap canonical, Canonicalize(*m));
-        recorded = std::move(canonical);
+        Result<ParamMap> canonical = RecordedAffineMap(*map);
+        if (!canonical.ok()) return canonical.status().Annotate("conversion.affine_map");
+        recorded = *std::move(canonical);
       }
     }
   }

@@ -58,6 +58,11 @@ Result<LoweredDeepSpeedMeta> LowerDeepSpeedMeta(std::string_view meta_json);
 Result<ParamMap> DeepSpeedMetaMap(std::string_view meta_json, int world_size,
                                   std::vector<std::string>* notes = nullptr);
 
+/// A param map DeepSpeed recorded (`ParamAffineMap.to_dict()`, as in a checkpoint's
+/// `universal_checkpoint_info.affine_map`), validated and canonicalised; a zero-element piece
+/// (DeepSpeed gives one to a rank that holds nothing) is dropped.
+Result<ParamMap> ReadDeepSpeedAffineMap(std::string_view map_json);
+
 }  // namespace reshard
 
 #endif  // RESHARD_LAYOUTS_DEEPSPEED_META_H_

@@ -1,0 +1,1235 @@
+#include "reshard/checkpoint/deepspeed.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <tuple>
+
+#include "reshard/base/json_writer.h"
+#include "reshard/exec/strided_copy.h"
+#include "reshard/io/file.h"
+#include "reshard/ir/canonicalize.h"
+#include "reshard/ir/map_json.h"
+#include "reshard/layouts/basic.h"
+#include "reshard/layouts/deepspeed_meta.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+using Value = nlohmann::json;
+
+std::string_view DeepSpeedStateName(DeepSpeedState state) {
+  switch (state) {
+    case DeepSpeedState::kModule:
+      return "module";
+    case DeepSpeedState::kMaster:
+      return "fp32";
+    case DeepSpeedState::kExpAvg:
+      return "exp_avg";
+    case DeepSpeedState::kExpAvgSq:
+      return "exp_avg_sq";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr size_t Slot(DeepSpeedState s) { return static_cast<size_t>(s); }
+
+// ---- the object tree -------------------------------------------------------------------
+
+// The value under str key `key` of dict `id` (a record's BUILD state when it is a record), or
+// kNoPickleNode.
+PickleNodeId Get(const PickleTree& t, PickleNodeId id, std::string_view key) {
+  if (id == kNoPickleNode) return kNoPickleNode;
+  const PickleNode* n = &t.node(id);
+  if (n->kind == PickleKind::kRecord && n->state != kNoPickleNode) n = &t.node(n->state);
+  if (n->kind != PickleKind::kDict) return kNoPickleNode;
+  for (const auto& [k, v] : n->entries) {
+    const PickleNode& kn = t.node(k);
+    if ((kn.kind == PickleKind::kStr && kn.text == key) ||
+        (kn.kind == PickleKind::kInt && std::to_string(kn.int_value) == key)) {
+      return v;
+    }
+  }
+  return kNoPickleNode;
+}
+
+// Follows a dotted path of keys and list indices ("optimizer_state_dict.fp32_flat_groups.0").
+PickleNodeId Walk(const PickleTree& t, PickleNodeId id, std::string_view path) {
+  while (!path.empty() && id != kNoPickleNode) {
+    const size_t dot = path.find('.');
+    const std::string_view key = path.substr(0, dot);
+    const PickleNode& n = t.node(id);
+    if (n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) {
+      size_t i = 0;
+      for (char c : key) i = i * 10 + static_cast<size_t>(c - '0');
+      id = i < n.items.size() ? n.items[i] : kNoPickleNode;
+    } else {
+      id = Get(t, id, key);
+    }
+    path = dot == std::string_view::npos ? std::string_view() : path.substr(dot + 1);
+  }
+  return id;
+}
+
+bool IsNone(const PickleTree& t, PickleNodeId id) {
+  return id == kNoPickleNode || t.node(id).kind == PickleKind::kNone;
+}
+
+std::optional<int64_t> IntAt(const PickleTree& t, PickleNodeId id) {
+  if (id == kNoPickleNode || t.node(id).kind != PickleKind::kInt) return std::nullopt;
+  return t.node(id).int_value;
+}
+
+// Plain data (dicts with str keys, lists, tuples, scalars) as JSON; anything else is null.
+Value ToJson(const PickleTree& t, PickleNodeId id, int depth = 0) {
+  if (id == kNoPickleNode || depth > 64) return nullptr;
+  const PickleNode& n = t.node(id);
+  switch (n.kind) {
+    case PickleKind::kBool:
+      return n.bool_value;
+    case PickleKind::kInt:
+      return n.int_value;
+    case PickleKind::kFloat:
+      return n.float_value;
+    case PickleKind::kStr:
+      return n.text;
+    case PickleKind::kList:
+    case PickleKind::kTuple: {
+      Value a = Value::array();
+      for (PickleNodeId c : n.items) a.push_back(ToJson(t, c, depth + 1));
+      return a;
+    }
+    case PickleKind::kDict: {
+      Value o = Value::object();
+      for (const auto& [k, v] : n.entries) {
+        // Int keys (rank numbers) become decimal strings, as Python's json.dumps writes them.
+        const PickleNode& key = t.node(k);
+        if (key.kind == PickleKind::kStr) o[key.text] = ToJson(t, v, depth + 1);
+        if (key.kind == PickleKind::kInt)
+          o[std::to_string(key.int_value)] = ToJson(t, v, depth + 1);
+      }
+      return o;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+// A shape (tuple or list of non-negative ints: torch.Size reads as a tuple).
+std::optional<Shape> ShapeAt(const PickleTree& t, PickleNodeId id) {
+  if (id == kNoPickleNode) return std::nullopt;
+  const PickleNode& n = t.node(id);
+  if (n.kind != PickleKind::kTuple && n.kind != PickleKind::kList) return std::nullopt;
+  Shape s;
+  for (PickleNodeId c : n.items) {
+    std::optional<int64_t> v = IntAt(t, c);
+    if (!v || *v < 0) return std::nullopt;
+    s.push_back(*v);
+  }
+  return s;
+}
+
+// ---- names matched as DeepSpeed matches them ---------------------------------------------
+
+// A pattern as re.match applies it: anchored at the start only. DeepSpeed writes
+// "^<re.escape(name)>$"; such a pattern is compared as the literal name it escapes.
+class NamePattern {
+ public:
+  static Result<NamePattern> Make(const std::string& pattern) {
+    NamePattern p;
+    p.text_ = pattern;
+    if (std::optional<std::string> literal = Literal(pattern)) {
+      p.literal_ = std::move(literal);
+      return p;
+    }
+    try {
+      p.regex_ = std::make_shared<std::regex>(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return InvalidArgumentError(
+          fmt::format("pattern \"{}\" is not a regular expression this reader takes", pattern));
+    }
+    return p;
+  }
+  bool Matches(const std::string& name) const {
+    if (literal_) return *literal_ == name;
+    return std::regex_search(name, *regex_, std::regex_constants::match_continuous);
+  }
+  const std::string& text() const { return text_; }
+
+ private:
+  // "^a\.b_c$" -> "a.b_c" when every special character is escaped.
+  static std::optional<std::string> Literal(const std::string& p) {
+    if (p.size() < 2 || p.front() != '^' || p.back() != '$') return std::nullopt;
+    std::string out;
+    for (size_t i = 1; i + 1 < p.size(); ++i) {
+      const char c = p[i];
+      if (c == '\\') {
+        if (i + 2 >= p.size()) return std::nullopt;
+        const char e = p[++i];
+        if (std::isalnum(static_cast<unsigned char>(e))) return std::nullopt;  // \d, \w, ...
+        out += e;
+      } else if (std::strchr(".^$*+?()[]{}|", c) != nullptr) {
+        return std::nullopt;
+      } else {
+        out += c;
+      }
+    }
+    return out;
+  }
+  std::string text_;
+  std::optional<std::string> literal_;
+  std::shared_ptr<std::regex> regex_;
+};
+
+// The patterns of a list (or the keys of an object) that match `name`: at most one may.
+Result<std::optional<std::string>> MatchOne(const std::vector<NamePattern>& patterns,
+                                            const std::string& name, std::string_view list) {
+  std::optional<std::string> found;
+  for (const NamePattern& p : patterns) {
+    if (!p.Matches(name)) continue;
+    if (found) {
+      return InvalidArgumentError(
+          fmt::format("universal_checkpoint_info.{}: parameter \"{}\" matches both \"{}\" and "
+                      "\"{}\"",
+                      list, name, *found, p.text()));
+    }
+    found = p.text();
+  }
+  return found;
+}
+
+Result<std::vector<NamePattern>> Patterns(const Value& uc, const char* key) {
+  std::vector<NamePattern> out;
+  auto it = uc.find(key);
+  if (it == uc.end() || it->is_null()) return out;
+  std::vector<std::string> texts;
+  if (it->is_object()) {
+    for (auto& [k, v] : it->items()) texts.push_back(k);
+  } else if (it->is_array()) {
+    for (const Value& v : *it) {
+      if (v.is_string()) texts.push_back(v.get<std::string>());
+      if (v.is_object() && v.contains("patterns") && v["patterns"].is_array()) {
+        for (const Value& s : v["patterns"])
+          if (s.is_string()) texts.push_back(s.get<std::string>());
+      }
+    }
+  }
+  for (const std::string& s : texts) {
+    Result<NamePattern> p = NamePattern::Make(s);
+    if (!p.ok()) return p.status().Annotate(fmt::format("universal_checkpoint_info.{}", key));
+    out.push_back(*std::move(p));
+  }
+  return out;
+}
+
+// ---- TP maps ----------------------------------------------------------------------------
+
+// F's shape from the TP shards when they are concatenated along `dim`.
+Shape Concatenated(const std::vector<Shape>& shards, int dim) {
+  Shape s = shards.front();
+  if (dim < 0 || dim >= static_cast<int>(s.size())) return s;
+  s[static_cast<size_t>(dim)] = 0;
+  for (const Shape& x : shards) s[static_cast<size_t>(dim)] += x[static_cast<size_t>(dim)];
+  return s;
+}
+
+// The universal-checkpoint information, with its patterns compiled once.
+struct UcInfo {
+  Value raw = Value::object();
+  std::vector<NamePattern> affine;
+  std::map<std::string, std::vector<NamePattern>> lists;
+};
+
+constexpr const char* kPatternLists[] = {
+    "tp_replicated_parameter_patterns",      "parameter_to_average_patterns",
+    "parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
+    "vocabulary_parameter_patterns",         "parameter_with_row_parallelism_patterns"};
+
+Result<UcInfo> ReadUcInfo(const PickleTree& t, PickleNodeId root) {
+  UcInfo uc;
+  const PickleNodeId node = Get(t, root, "universal_checkpoint_info");
+  if (IsNone(t, node)) return uc;
+  uc.raw = ToJson(t, node);
+  if (!uc.raw.is_object()) return InvalidArgumentError("universal_checkpoint_info: not a dict");
+  if (auto a = uc.raw.find("affine_map"); a != uc.raw.end() && a->is_object()) {
+    if (!a->contains("version") || (*a)["version"] != 1) {
+      return InvalidArgumentError(fmt::format(
+          "universal_checkpoint_info.affine_map: version {} is not 1, the one this reader knows",
+          a->contains("version") ? (*a)["version"].dump() : "(none)"));
+    }
+    Value params = a->contains("params") ? (*a)["params"] : Value::object();
+    RESHARD_ASSIGN_OR_RETURN(uc.affine, Patterns(Value{{"params", params}}, "params"));
+  }
+  for (const char* key : kPatternLists) {
+    RESHARD_ASSIGN_OR_RETURN(uc.lists[key], Patterns(uc.raw, key));
+  }
+  return uc;
+}
+
+// The metadata DeepSpeed's converter would consult for `name`, in the form
+// layouts/deepspeed_meta.h lowers (the first list that matches decides, in its order).
+Result<std::optional<Value>> PatternMeta(const UcInfo& uc, const std::string& name,
+                                         const std::vector<Shape>& shards) {
+  for (const char* key : kPatternLists) {
+    auto list = uc.lists.find(key);
+    if (list == uc.lists.end()) continue;
+    RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> hit, MatchOne(list->second, name, key));
+    if (!hit) continue;
+    const std::string_view k(key);
+    Value meta = {{"name", name}};
+    if (k == "tp_replicated_parameter_patterns") {
+      meta["replicated"] = true;
+      meta["logical_shape"] = shards.front();
+    } else if (k == "parameter_to_average_patterns") {
+      meta["average"] = true;
+      meta["logical_shape"] = shards.front();
+    } else if (k == "parameter_with_2_sub_params_cat_dim_0") {
+      meta["param_n_sub_params"] = 2;
+      meta["cat_dim"] = 0;
+      meta["logical_shape"] = Concatenated(shards, 0);
+    } else if (k == "parameter_with_sub_params") {
+      for (const Value& s : uc.raw[key]) {
+        if (!s.is_object() || !s.contains("patterns")) continue;
+        for (const Value& p : s["patterns"]) {
+          if (p != *hit) continue;
+          const int dim = s.value("partition_dim", 0);
+          meta["sub_param_shape"] = s;
+          meta["partition_dim"] = dim;
+          meta["logical_shape"] = Concatenated(shards, dim);
+          meta["universal_checkpoint_version"] = uc.raw.value("universal_checkpoint_version", 0.0);
+          auto widths = uc.raw.find("sub_param_shard_widths");
+          if (widths != uc.raw.end() && widths->contains(*hit))
+            meta["sub_param_shard_widths"] = (*widths)[*hit];
+        }
+      }
+    } else if (k == "vocabulary_parameter_patterns") {
+      meta["vocab_tensor"] = true;
+      meta["logical_shape"] = Concatenated(shards, 0);
+      if (uc.raw.contains("original_vocab_size"))
+        meta["original_vocab_size"] = uc.raw["original_vocab_size"];
+    } else {
+      meta["cat_dim"] = 1;
+      meta["logical_shape"] = Concatenated(shards, 1);
+    }
+    return std::optional<Value>(std::move(meta));
+  }
+  if (uc.raw.empty() || shards.front().empty()) return std::optional<Value>();
+  // DeepSpeed's converter concatenates every other parameter along dim 0.
+  return std::optional<Value>(
+      Value{{"name", name}, {"cat_dim", 0}, {"logical_shape", Concatenated(shards, 0)}});
+}
+
+// The descriptor that lays `map` out at its own world size, when it is a split along one
+// dimension (DeepSpeed's front-loaded rule) or a replica: what converting to another degree
+// needs. nullopt for anything else (and at one rank, where every rule gives the same map).
+std::optional<LayoutDescriptor> Recognise(const ParamMap& map) {
+  if (map.world_size() < 2) return std::nullopt;
+  std::vector<LayoutDescriptor> candidates;
+  for (int d = 0; d < static_cast<int>(map.logical_shape().size()); ++d) {
+    LayoutDescriptor split;
+    split.family = LayoutFamily::kSplit;
+    split.dim = d;
+    candidates.push_back(split);
+  }
+  candidates.push_back(LayoutDescriptor{});  // replicated
+  for (const LayoutDescriptor& c : candidates) {
+    Result<ParamMap> built = BuildMap(c, map.valid_shape(), map.world_size());
+    if (built.ok() && *built == map) return c;
+  }
+  return std::nullopt;
+}
+
+struct TpLayout {
+  ParamMap map;
+  std::optional<LayoutDescriptor> layout;
+  std::string source;
+};
+
+// The TP map of parameter `name` from the shapes its TP ranks hold.
+Result<TpLayout> BuildTpMap(const UcInfo& uc, const std::string& name,
+                            const std::vector<Shape>& shards) {
+  const int tp = static_cast<int>(shards.size());
+  RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
+                           MatchOne(uc.affine, name, "affine_map.params"));
+  if (affine) {
+    Result<ParamMap> map = ReadDeepSpeedAffineMap(uc.raw["affine_map"]["params"][*affine].dump());
+    if (!map.ok()) {
+      return map.status().Annotate(
+          fmt::format("universal_checkpoint_info.affine_map.params[\"{}\"]", *affine));
+    }
+    std::optional<LayoutDescriptor> layout = Recognise(*map);
+    return TpLayout{*std::move(map), std::move(layout), "affine map"};
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Value> meta, PatternMeta(uc, name, shards));
+  if (meta) {
+    Result<LoweredDeepSpeedMeta> lowered = LowerDeepSpeedMeta(meta->dump());
+    if (!lowered.ok()) return lowered.status().Annotate("universal_checkpoint_info");
+    RESHARD_ASSIGN_OR_RETURN(ParamMap map, BuildMap(lowered->descriptor, lowered->shape, tp));
+    return TpLayout{std::move(map), lowered->descriptor, "pattern lists"};
+  }
+  if (tp != 1) {
+    return InvalidArgumentError(fmt::format(
+        "the checkpoint has {} TP ranks but no universal_checkpoint_info says how they split it",
+        tp));
+  }
+  RESHARD_ASSIGN_OR_RETURN(ParamMap map, ReplicatedMap(shards.front(), 1));
+  return TpLayout{std::move(map), std::nullopt, "whole"};
+}
+
+// ---- DP maps ----------------------------------------------------------------------------
+
+struct FragmentSpan {
+  Rank rank = 0;
+  Index start = 0;   // in the flattened TP shard
+  Index length = 0;  // elements
+};
+
+// The DP map of a TP shard of `n` elements held as `spans` by `world` ranks.
+Result<ParamMap> FragmentMap(Index n, int world, const std::vector<FragmentSpan>& spans) {
+  ParamMapBuilder b;
+  b.set_logical_shape({n}).set_world_size(world);
+  for (Rank r = 0; r < world; ++r) b.set_shard_shape(r, {0});
+  for (const FragmentSpan& s : spans) {
+    b.set_shard_shape(s.rank, {s.length});
+    if (s.length == 0) continue;
+    b.add_piece(s.rank, Piece{{s.length}, {s.start, {1}}, {0, {1}}, {s.rank}, 1.0});
+  }
+  return b.Finalize();
+}
+
+// One parameter group's flat tensors on every DP rank of one TP rank: [state][dp rank] (the
+// module state is unused).
+struct FlatGroup {
+  std::array<std::vector<DeepSpeedFragment>, kNumDeepSpeedStates> flat;
+  std::vector<Index> numel;  // per DP rank (the master's and the moments' agree)
+};
+
+}  // namespace
+
+// ---- the reader -------------------------------------------------------------------------
+
+class DeepSpeedReader {
+ public:
+  explicit DeepSpeedReader(DeepSpeedCheckpoint& c) : c_(c) {}
+  Status Read(const std::string& path);
+
+ private:
+  Status ResolveTag(const std::string& path);
+  Result<const TorchFile*> OpenFile(const std::string& name);
+  Status ReadTopology();
+  Status CheckDpModelStates();
+  Status ReadParams();
+  Status ReadPartitions();
+  Status ReadTorchOptimizer();
+  Status ReadModuleFragments();
+  Result<FlatGroup> ReadFlatGroup(Rank t, size_t g);
+  Status Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
+               const std::vector<Index>& flat_offsets, const FlatGroup& group);
+  Status CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const;
+  Result<std::vector<FragmentSpan>> SliceMappings(Rank t, size_t g, size_t i,
+                                                  const FlatGroup& group,
+                                                  std::vector<Index>& flat_offsets);
+  std::string ModelStatesName(Rank t, int d) const;
+  std::string Where(const TorchFile* f) const;
+  const std::vector<Shape>& ShapesOf(size_t param) const { return tp_shapes_[param]; }
+
+  DeepSpeedCheckpoint& c_;
+  std::map<const TorchFile*, std::string> names_;
+  std::vector<const TorchFile*> model_;               // [tp] (ZeRO 3: DP rank 0's)
+  std::vector<std::vector<const TorchFile*>> optim_;  // [tp][dp], empty without optimizer files
+  std::vector<std::string> names_in_order_;
+  std::vector<size_t> group_of_;               // per parameter: its group
+  std::vector<std::vector<Shape>> tp_shapes_;  // [param][tp]
+  std::vector<DeepSpeedParam> params_;
+};
+
+std::string DeepSpeedReader::Where(const TorchFile* f) const {
+  auto it = names_.find(f);
+  return it == names_.end() ? std::string("?") : it->second;
+}
+
+std::string DeepSpeedReader::ModelStatesName(Rank t, int d) const {
+  if (c_.stage_ == 3) return fmt::format("zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt", d, t);
+  return fmt::format("mp_rank_{:02d}_model_states.pt", t);
+}
+
+Status DeepSpeedReader::ResolveTag(const std::string& path) {
+  fs::path dir(path);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return NotFoundError(fmt::format("\"{}\" is not a directory", path));
+  }
+  fs::path save_dir = dir.parent_path();
+  if (fs::exists(dir / "latest", ec)) {
+    RESHARD_ASSIGN_OR_RETURN(std::string tag, ReadFileToString((dir / "latest").string()));
+    while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag, ec)) {
+      return NotFoundError(fmt::format("\"{}\" names \"{}\", which is not a directory in \"{}\"",
+                                       (dir / "latest").string(), tag, path));
+    }
+    save_dir = dir;
+    dir /= tag;
+  }
+  c_.tag_dir_ = dir.string();
+  for (const fs::path& d : {dir, save_dir}) {
+    if (fs::is_regular_file(d / "config.json", ec)) {
+      c_.config_path_ = (d / "config.json").string();
+      break;
+    }
+  }
+  return Status::Ok();
+}
+
+Result<const TorchFile*> DeepSpeedReader::OpenFile(const std::string& name) {
+  const std::string path = (fs::path(c_.tag_dir_) / name).string();
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    return NotFoundError(fmt::format("\"{}\" is missing (the checkpoint has {} TP x {} DP ranks)",
+                                     path, c_.tp_, c_.dp_));
+  }
+  Result<TorchFile> f = TorchFile::Open(path);
+  if (!f.ok()) return f.status();
+  c_.files_.push_back(std::make_unique<TorchFile>(*std::move(f)));
+  c_.paths_.push_back(path);
+  names_[c_.files_.back().get()] = path;
+  return c_.files_.back().get();
+}
+
+Status DeepSpeedReader::ReadTopology() {
+  std::error_code ec;
+  const fs::path dir(c_.tag_dir_);
+  if (fs::exists(dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", ec)) {
+    c_.stage_ = 3;
+  } else if (!fs::exists(dir / "mp_rank_00_model_states.pt", ec)) {
+    return NotFoundError(
+        fmt::format("\"{}\" holds no DeepSpeed model states (mp_rank_00_model_states.pt or "
+                    "zero_pp_rank_0_mp_rank_00_model_states.pt)",
+                    c_.tag_dir_));
+  }
+  RESHARD_ASSIGN_OR_RETURN(const TorchFile* first, OpenFile(ModelStatesName(0, 0)));
+  const PickleTree& t = first->tree();
+  std::optional<int64_t> tp = IntAt(t, Get(t, t.root(), "mp_world_size"));
+  std::optional<int64_t> dp = IntAt(t, Get(t, t.root(), "dp_world_size"));
+  if (!tp || !dp || *tp < 1 || *dp < 1 || *tp > 65536 || *dp > 65536) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": mp_world_size and dp_world_size must be positive integers", Where(first)));
+  }
+  c_.tp_ = static_cast<int>(*tp);
+  c_.dp_ = static_cast<int>(*dp);
+  const PickleNodeId stage = Walk(t, t.root(), "ds_config.zero_optimization.stage");
+  if (c_.stage_ != 3) c_.stage_ = static_cast<int>(IntAt(t, stage).value_or(0));
+  if (c_.stage_ < 0 || c_.stage_ > 3) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\": ds_config.zero_optimization.stage is {}", Where(first), c_.stage_));
+  }
+  model_.push_back(first);
+  for (Rank r = 1; r < c_.tp_; ++r) {
+    RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, 0)));
+    model_.push_back(f);
+  }
+  RESHARD_RETURN_IF_ERROR(CheckDpModelStates());
+  // The optimizer files, when this stage has them ("bf16_" with DeepSpeed's bf16 optimizer).
+  const std::string prefix =
+      fs::exists(dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", ec) ? "bf16_" : "";
+  if (!fs::exists(dir / (prefix + "zero_pp_rank_0_mp_rank_00_optim_states.pt"), ec)) {
+    if (c_.stage_ > 0) {
+      return NotFoundError(
+          fmt::format("\"{}\" is missing (ZeRO stage {} keeps its optimizer "
+                      "state there)",
+                      (dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").string(), c_.stage_));
+    }
+    return Status::Ok();
+  }
+  optim_.assign(static_cast<size_t>(c_.tp_), {});
+  for (Rank r = 0; r < c_.tp_; ++r) {
+    for (int d = 0; d < c_.dp_; ++d) {
+      RESHARD_ASSIGN_OR_RETURN(
+          const TorchFile* f,
+          OpenFile(fmt::format("{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt", prefix, d, r)));
+      optim_[static_cast<size_t>(r)].push_back(f);
+    }
+  }
+  return Status::Ok();
+}
+
+// ZeRO 3 keeps model states per DP rank: each must list the parameters and shapes DP rank 0's
+// does.
+Status DeepSpeedReader::CheckDpModelStates() {
+  if (c_.stage_ != 3) return Status::Ok();
+  for (Rank r = 0; r < c_.tp_; ++r) {
+    const TorchFile* base = model_[static_cast<size_t>(r)];
+    const Value want = ToJson(base->tree(), Get(base->tree(), base->tree().root(), "param_shapes"));
+    for (int d = 1; d < c_.dp_; ++d) {
+      RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, d)));
+      const Value got = ToJson(f->tree(), Get(f->tree(), f->tree().root(), "param_shapes"));
+      if (got != want) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": param_shapes differ from those of \"{}\" (a file from another "
+                        "run?)",
+                        Where(f), Where(base)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Names, groups and TP shard shapes: param_shapes (one dict per group) when the checkpoint has
+// it, else the module's tensors that are not buffers.
+Status DeepSpeedReader::ReadParams() {
+  tp_shapes_.clear();
+  for (Rank r = 0; r < c_.tp_; ++r) {
+    const TorchFile* f = model_[static_cast<size_t>(r)];
+    const PickleTree& t = f->tree();
+    std::vector<std::pair<std::string, Shape>> found;
+    std::vector<size_t> groups;
+    const PickleNodeId shapes = Get(t, t.root(), "param_shapes");
+    if (!IsNone(t, shapes)) {
+      const PickleNode& list = t.node(shapes);
+      for (size_t g = 0; g < list.items.size(); ++g) {
+        const PickleNode& dict = t.node(list.items[g]);
+        for (const auto& [k, v] : dict.entries) {
+          std::optional<Shape> s = ShapeAt(t, v);
+          if (t.node(k).kind != PickleKind::kStr || !s) {
+            return InvalidArgumentError(
+                fmt::format("\"{}\": param_shapes[{}] is not a dict of shapes", Where(f), g));
+          }
+          found.emplace_back(t.node(k).text, *s);
+          groups.push_back(g);
+        }
+      }
+    } else {
+      std::vector<std::string> buffers;
+      const PickleNodeId b = Get(t, t.root(), "buffer_names");
+      if (!IsNone(t, b)) {
+        for (PickleNodeId c : t.node(b).items) buffers.push_back(t.node(c).text);
+      }
+      for (const TorchTensor& tensor : f->tensors()) {
+        if (!tensor.name.starts_with("module.")) continue;
+        std::string name = tensor.name.substr(7);
+        if (std::find(buffers.begin(), buffers.end(), name) != buffers.end()) continue;
+        found.emplace_back(std::move(name), tensor.shape);
+        groups.push_back(0);
+      }
+    }
+    if (r == 0) {
+      for (auto& [name, shape] : found) names_in_order_.push_back(name);
+      group_of_ = groups;
+      tp_shapes_.resize(found.size());
+    } else if (found.size() != names_in_order_.size()) {
+      return InvalidArgumentError(fmt::format("\"{}\" lists {} parameters but \"{}\" lists {}",
+                                              Where(f), found.size(), Where(model_[0]),
+                                              names_in_order_.size()));
+    }
+    for (size_t i = 0; i < found.size(); ++i) {
+      if (found[i].first != names_in_order_[i]) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": parameter {} is \"{}\" but \"{}\" has \"{}\"", Where(f), i,
+                        found[i].first, Where(model_[0]), names_in_order_[i]));
+      }
+      tp_shapes_[i].push_back(found[i].second);
+    }
+  }
+  const PickleTree& t0 = model_[0]->tree();
+  const PickleNodeId frozen = Get(t0, t0.root(), "frozen_param_shapes");
+  if (!IsNone(t0, frozen) && !t0.node(frozen).entries.empty()) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read yet",
+        Where(model_[0])));
+  }
+  RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    const std::string& name = names_in_order_[i];
+    Result<TpLayout> tp = BuildTpMap(uc, name, tp_shapes_[i]);
+    if (!tp.ok()) {
+      return tp.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", Where(model_[0]), name));
+    }
+    for (Rank r = 0; r < c_.tp_; ++r) {
+      const Shape& held = tp_shapes_[i][static_cast<size_t>(r)];
+      if (tp->map.world_size() != c_.tp_ || tp->map.rank(r).shard_shape != held) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": parameter \"{}\" has shape {}, but its map gives TP rank {} of {} the "
+            "shape {}",
+            Where(model_[static_cast<size_t>(r)]), name, FormatShape(held), r, c_.tp_,
+            r < tp->map.world_size() ? FormatShape(tp->map.rank(r).shard_shape) : "(none)"));
+      }
+    }
+    params_.push_back(
+        DeepSpeedParam{name, std::move(tp->map), std::move(tp->layout), std::move(tp->source), {}});
+    params_.back().parts.resize(static_cast<size_t>(c_.tp_));
+  }
+  return Status::Ok();
+}
+
+// The flat tensors of group `g` (key paths depend on the stage: ZeRO 1/2 keep
+// single_partition_of_fp32_groups and base_optimizer_state, ZeRO 3 fp32_flat_groups and
+// optimizer_state_dict); every DP rank's must be 1-D, contiguous, F32 and of one size.
+Result<FlatGroup> DeepSpeedReader::ReadFlatGroup(Rank t, size_t g) {
+  const bool z3 = c_.stage_ == 3;
+  const std::string master =
+      z3 ? fmt::format("optimizer_state_dict.fp32_flat_groups.{}", g)
+         : fmt::format("optimizer_state_dict.single_partition_of_fp32_groups.{}", g);
+  const std::string opt = z3 ? "optimizer_state_dict.optimizer_state_dict"
+                             : "optimizer_state_dict.base_optimizer_state";
+  FlatGroup group;
+  const auto& files = optim_[static_cast<size_t>(t)];
+  for (size_t d = 0; d < files.size(); ++d) {
+    const TorchFile* f = files[d];
+    const PickleTree& tree = f->tree();
+    // The optimizer keys its state by the group's flat parameter, params[0] of the group.
+    std::optional<int64_t> key =
+        IntAt(tree, Walk(tree, tree.root(), fmt::format("{}.param_groups.{}.params.0", opt, g)));
+    const std::string state = fmt::format("{}.state.{}", opt, key.value_or(-1));
+    const std::pair<DeepSpeedState, std::string> paths[] = {
+        {DeepSpeedState::kMaster, master},
+        {DeepSpeedState::kExpAvg, state + ".exp_avg"},
+        {DeepSpeedState::kExpAvgSq, state + ".exp_avg_sq"}};
+    for (const auto& [s, path] : paths) {
+      const TorchTensor* tensor = f->TensorAt(Walk(tree, tree.root(), path));
+      if (tensor == nullptr || tensor->shape.size() != 1 || !tensor->is_contiguous() ||
+          tensor->dtype.dtype != DType::kF32) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} is not a flat F32 tensor", Where(f), path));
+      }
+      if (s == DeepSpeedState::kMaster) group.numel.push_back(tensor->numel());
+      // The last rank's master weights may end without ZeRO's padding; its moments keep it.
+      if (tensor->numel() < group.numel.back()) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} has {} elements, fewer than the master weights beside it ({})",
+                        Where(f), path, tensor->numel(), group.numel.back()));
+      }
+      group.flat[Slot(s)].push_back({f, tensor, 0});
+    }
+  }
+  return group;
+}
+
+// ZeRO 1/2: every DP rank's param_slice_mappings[g] names only parameters of group g, and
+// their fragments do not overlap inside the partition.
+Status DeepSpeedReader::CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const {
+  std::map<std::string, size_t> in_group;
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (group_of_[i] == g) in_group.emplace(names_in_order_[i], i);
+  }
+  const auto& files = optim_[static_cast<size_t>(t)];
+  for (size_t d = 0; d < files.size(); ++d) {
+    const PickleTree& tree = files[d]->tree();
+    const PickleNodeId mappings =
+        Walk(tree, tree.root(), fmt::format("optimizer_state_dict.param_slice_mappings.{}", g));
+    if (IsNone(tree, mappings) || tree.node(mappings).kind != PickleKind::kDict) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": optimizer_state_dict.param_slice_mappings[{}] is missing", Where(files[d]), g));
+    }
+    std::vector<std::pair<Index, Index>> used;  // (start, end)
+    for (const auto& [k, v] : tree.node(mappings).entries) {
+      const std::string& name = tree.node(k).text;
+      if (tree.node(k).kind != PickleKind::kStr || !in_group.contains(name)) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": param_slice_mappings[{}] maps \"{}\", which is not a parameter of group {} "
+            "in \"{}\" (a file from another run?)",
+            Where(files[d]), g, name, g, Where(model_[static_cast<size_t>(t)])));
+      }
+      const Index start = IntAt(tree, Get(tree, v, "start")).value_or(-1);
+      const Index numel = IntAt(tree, Get(tree, v, "numel")).value_or(-1);
+      if (numel > 0) used.emplace_back(start, start + numel);
+    }
+    std::sort(used.begin(), used.end());
+    for (size_t k = 1; k < used.size(); ++k) {
+      if (used[k].first < used[k - 1].second) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": param_slice_mappings[{}] has fragments that overlap at element {} of the "
+            "partition of {}",
+            Where(files[d]), g, used[k].first, group.numel[d]));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ZeRO 1/2: where parameter i lies in group g's partitions, from each DP rank's
+// param_slice_mappings. A parameter's fragments, in DP rank order, are its flat TP shard: each
+// but the last ends its partition, each but the first starts one, on consecutive ranks.
+Result<std::vector<FragmentSpan>> DeepSpeedReader::SliceMappings(Rank t, size_t g, size_t i,
+                                                                 const FlatGroup& group,
+                                                                 std::vector<Index>& flat_offsets) {
+  const std::string& name = names_in_order_[i];
+  const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
+  std::vector<FragmentSpan> spans;
+  Index covered = 0;
+  const auto& files = optim_[static_cast<size_t>(t)];
+  for (size_t d = 0; d < files.size(); ++d) {
+    const PickleTree& tree = files[d]->tree();
+    const PickleNodeId mappings =
+        Walk(tree, tree.root(), fmt::format("optimizer_state_dict.param_slice_mappings.{}", g));
+    const PickleNodeId frag = Get(tree, mappings, name);
+    if (frag == kNoPickleNode) continue;
+    std::optional<int64_t> numel = IntAt(tree, Get(tree, frag, "numel"));
+    std::optional<int64_t> start = IntAt(tree, Get(tree, frag, "start"));
+    const std::string where =
+        fmt::format("\"{}\": param_slice_mappings[{}][\"{}\"]", Where(files[d]), g, name);
+    const Index size = group.numel[d];
+    if (!numel || !start || *numel < 0 || *start < 0 || *start > size || *numel > size - *start) {
+      return InvalidArgumentError(fmt::format(
+          "{}: not a fragment_address inside the partition of {} elements", where, size));
+    }
+    const bool continues =
+        spans.empty() ||
+        (spans.back().rank + 1 == static_cast<Rank>(d) &&
+         flat_offsets.back() + spans.back().length == group.numel[d - 1] && *start == 0);
+    if (!continues || *numel > n - covered) {
+      return InvalidArgumentError(fmt::format(
+          "{}: (numel {}, start {}) does not continue the parameter's fragments on the DP ranks "
+          "before it (a file from another run?)",
+          where, *numel, *start));
+    }
+    spans.push_back({static_cast<Rank>(d), covered, *numel});
+    flat_offsets.push_back(*start);
+    covered += *numel;
+  }
+  if (covered != n) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": parameter \"{}\" has {} elements but the DP ranks' param_slice_mappings hold {} "
+        "(files from different runs?)",
+        Where(model_[static_cast<size_t>(t)]), name, n, covered));
+  }
+  return spans;
+}
+
+// Records parameter i's TP shard t as DP fragments of the optimizer's states.
+Status DeepSpeedReader::Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
+                              const std::vector<Index>& flat_offsets, const FlatGroup& group) {
+  const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
+  RESHARD_ASSIGN_OR_RETURN(ParamMap dp_map, FragmentMap(n, c_.dp_, spans));
+  for (DeepSpeedState s :
+       {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+    DeepSpeedShardParts parts{dp_map, group.flat[Slot(s)]};
+    for (size_t k = 0; k < spans.size(); ++k) {
+      parts.fragments[static_cast<size_t>(spans[k].rank)].offset = flat_offsets[k];
+    }
+    params_[i].parts[static_cast<size_t>(t)][Slot(s)] = std::move(parts);
+  }
+  return Status::Ok();
+}
+
+// ZeRO 1/2 (param_slice_mappings) and ZeRO 3 (ceil(n / DP) per rank, in order).
+Status DeepSpeedReader::ReadPartitions() {
+  const size_t groups =
+      group_of_.empty() ? 0 : *std::max_element(group_of_.begin(), group_of_.end()) + 1;
+  for (Rank t = 0; t < c_.tp_; ++t) {
+    for (size_t g = 0; g < groups; ++g) {
+      RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(t, g));
+      if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(t, g, group));
+      Index z3_offset = 0;  // ZeRO 3: where the next parameter starts in every rank's flat group
+      for (size_t i = 0; i < names_in_order_.size(); ++i) {
+        if (group_of_[i] != g) continue;
+        std::vector<Index> flat_offsets;
+        std::vector<FragmentSpan> spans;
+        if (c_.stage_ == 3) {
+          const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
+          const Index per_rank = (n + c_.dp_ - 1) / c_.dp_;
+          for (int d = 0; d < c_.dp_; ++d) {
+            const Index begin = std::min(n, d * per_rank);
+            const Index end = std::min(n, (d + 1) * per_rank);
+            if (end - begin > group.numel[static_cast<size_t>(d)] - z3_offset) {
+              return InvalidArgumentError(fmt::format(
+                  "\"{}\": fp32_flat_groups[{}] has {} elements, too few for parameter \"{}\" "
+                  "at {} (files from different runs?)",
+                  Where(optim_[static_cast<size_t>(t)][static_cast<size_t>(d)]), g,
+                  group.numel[static_cast<size_t>(d)], names_in_order_[i], z3_offset));
+            }
+            spans.push_back({static_cast<Rank>(d), begin, end - begin});
+            flat_offsets.push_back(z3_offset);
+          }
+          z3_offset += per_rank;
+        } else {
+          RESHARD_ASSIGN_OR_RETURN(spans, SliceMappings(t, g, i, group, flat_offsets));
+        }
+        RESHARD_RETURN_IF_ERROR(Place(t, i, spans, flat_offsets, group));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ZeRO 0 without optimizer files: the torch optimizer's state_dict in the model states (under
+// "optimizer", or "optimizer.optimizer_state_dict" inside DeepSpeed's fp16/bf16 wrapper, whose
+// fp32_groups[g][j] are the master weights); state[k] belongs to the parameter at position k
+// of the groups' params lists.
+Status DeepSpeedReader::ReadTorchOptimizer() {
+  for (Rank t = 0; t < c_.tp_; ++t) {
+    const TorchFile* f = model_[static_cast<size_t>(t)];
+    const PickleTree& tree = f->tree();
+    const bool wrapped = !IsNone(tree, Walk(tree, tree.root(), "optimizer.optimizer_state_dict"));
+    const std::string opt = wrapped ? "optimizer.optimizer_state_dict" : "optimizer";
+    const PickleNodeId groups = Walk(tree, tree.root(), opt + ".param_groups");
+    if (IsNone(tree, groups)) return Status::Ok();
+    std::vector<std::pair<int64_t, std::string>> keys;  // state key, master weights' path
+    const std::vector<PickleNodeId>& group_list = tree.node(groups).items;
+    for (size_t g = 0; g < group_list.size(); ++g) {
+      const PickleNodeId params = Get(tree, group_list[g], "params");
+      if (params == kNoPickleNode) continue;
+      const std::vector<PickleNodeId>& ids = tree.node(params).items;
+      for (size_t j = 0; j < ids.size(); ++j) {
+        keys.emplace_back(IntAt(tree, ids[j]).value_or(-1),
+                          wrapped ? fmt::format("optimizer.fp32_groups.{}.{}", g, j) : "");
+      }
+    }
+    if (keys.size() != params_.size()) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": the optimizer's param_groups list {} parameters but the module has {}", Where(f),
+          keys.size(), params_.size()));
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
+      RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
+      for (DeepSpeedState s :
+           {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+        if (s == DeepSpeedState::kMaster && !wrapped) continue;  // the module's weights are
+        const std::string path =
+            s == DeepSpeedState::kMaster
+                ? keys[i].second
+                : fmt::format("{}.state.{}.{}", opt, keys[i].first, DeepSpeedStateName(s));
+        const TorchTensor* tensor = f->TensorAt(Walk(tree, tree.root(), path));
+        if (tensor == nullptr || tensor->numel() != n || tensor->dtype.dtype != DType::kF32) {
+          return InvalidArgumentError(
+              fmt::format("\"{}\": {} is not an F32 tensor of {} elements (parameter \"{}\")",
+                          Where(f), path, n, params_[i].name));
+        }
+        params_[i].parts[static_cast<size_t>(t)][Slot(s)] =
+            DeepSpeedShardParts{whole, {{f, tensor, 0}}};
+      }
+    }
+  }
+  c_.has_optimizer_ = true;
+  return Status::Ok();
+}
+
+// The module's weights: each TP rank's tensor, whole (ZeRO 0-2; under ZeRO 3 they are empty
+// and the module state is read from the master weights).
+Status DeepSpeedReader::ReadModuleFragments() {
+  if (c_.stage_ == 3) {
+    const PickleTree& tree = model_[0]->tree();
+    const PickleNodeId cfg = Get(tree, tree.root(), "ds_config");
+    auto enabled = [&](const char* key) {
+      const PickleNodeId e = Walk(tree, cfg, std::string(key) + ".enabled");
+      return e != kNoPickleNode && tree.node(e).kind == PickleKind::kBool &&
+             tree.node(e).bool_value;
+    };
+    c_.module_dtype_ = enabled("bf16") ? DType::kBF16 : enabled("fp16") ? DType::kF16 : DType::kF32;
+    return Status::Ok();
+  }
+  for (Rank t = 0; t < c_.tp_; ++t) {
+    const TorchFile* f = model_[static_cast<size_t>(t)];
+    std::map<std::string, const TorchTensor*> by_name;
+    for (const TorchTensor& tensor : f->tensors()) by_name.emplace(tensor.name, &tensor);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const std::string key = "module." + params_[i].name;
+      auto it = by_name.find(key);
+      const Shape& shape = tp_shapes_[i][static_cast<size_t>(t)];
+      if (it == by_name.end() || it->second->shape != shape || !it->second->dtype.dtype) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} is missing or is not a tensor of shape {}", Where(f), key,
+                        FormatShape(shape)));
+      }
+      if (t == 0 && i == 0) c_.module_dtype_ = *it->second->dtype.dtype;
+      if (*it->second->dtype.dtype != c_.module_dtype_) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} is {}, but the module's first weight is {}", Where(f), key,
+                        DTypeName(*it->second->dtype.dtype), DTypeName(c_.module_dtype_)));
+      }
+      const Index n = ProductOf(shape);
+      RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
+      DeepSpeedShardParts parts{whole, {{f, it->second, 0}}};
+      auto& slots = params_[i].parts[static_cast<size_t>(t)];
+      // Without a separate master copy (fp32 ZeRO 0), the module's weights are the master.
+      if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
+        slots[Slot(DeepSpeedState::kMaster)] = parts;
+      slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
+    }
+  }
+  return Status::Ok();
+}
+
+Status DeepSpeedReader::Read(const std::string& path) {
+  RESHARD_RETURN_IF_ERROR(ResolveTag(path));
+  RESHARD_RETURN_IF_ERROR(ReadTopology());
+  RESHARD_RETURN_IF_ERROR(ReadParams());
+  if (!optim_.empty()) {
+    RESHARD_RETURN_IF_ERROR(ReadPartitions());
+    c_.has_optimizer_ = true;
+  } else {
+    RESHARD_RETURN_IF_ERROR(ReadTorchOptimizer());
+  }
+  RESHARD_RETURN_IF_ERROR(ReadModuleFragments());
+  c_.params_ = std::make_shared<std::vector<DeepSpeedParam>>(std::move(params_));
+  return Status::Ok();
+}
+
+Result<DeepSpeedCheckpoint> DeepSpeedCheckpoint::Open(const std::string& path) {
+  DeepSpeedCheckpoint c;
+  DeepSpeedReader reader(c);
+  RESHARD_RETURN_IF_ERROR(reader.Read(path));
+  return c;
+}
+
+std::vector<std::string> DeepSpeedCheckpoint::file_paths() const { return paths_; }
+
+DType DeepSpeedCheckpoint::StateDType(DeepSpeedState state) const {
+  return state == DeepSpeedState::kModule ? module_dtype_ : DType::kF32;
+}
+
+bool IsDeepSpeedCheckpoint(const std::string& path) {
+  std::error_code ec;
+  const fs::path dir(path);
+  if (fs::is_regular_file(dir / "latest", ec)) return true;
+  return fs::exists(dir / "mp_rank_00_model_states.pt", ec) ||
+         fs::exists(dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", ec);
+}
+
+Status DeepSpeedCheckpoint::ReadTpShard(size_t i, DeepSpeedState state, Rank tp_rank,
+                                        MutableBuffer out) const {
+  const DeepSpeedParam& p = (*params_)[i];
+  const auto& slots = p.parts[static_cast<size_t>(tp_rank)];
+  const DeepSpeedShardParts* parts = slots[Slot(state)] ? &*slots[Slot(state)] : nullptr;
+  // ZeRO 3 keeps no module weights: DeepSpeed's are its master weights, rounded.
+  const bool rounded = parts == nullptr && state == DeepSpeedState::kModule &&
+                       slots[Slot(DeepSpeedState::kMaster)].has_value();
+  if (rounded) parts = &*slots[Slot(DeepSpeedState::kMaster)];
+  if (parts == nullptr) {
+    return NotFoundError(fmt::format("the checkpoint holds no {} for parameter \"{}\"",
+                                     DeepSpeedStateName(state), p.name));
+  }
+  const DType dtype = rounded ? DType::kF32 : StateDType(state);
+  const size_t size = DTypeSize(dtype);
+  std::vector<std::byte> temp;
+  MutableBuffer dest = out;
+  if (rounded && module_dtype_ != DType::kF32) {
+    temp.resize(static_cast<size_t>(out.num_elements) * size);
+    dest = {temp.data(), out.num_elements};
+  }
+  std::vector<ConstBuffer> shards;
+  for (const DeepSpeedFragment& f : parts->fragments) {
+    const TorchTensor& t = *f.tensor;
+    if (!t.is_contiguous()) {  // a module weight stored as a view with other strides
+      if (parts->fragments.size() != 1 ||
+          t.num_bytes() != static_cast<uint64_t>(dest.num_elements) * size)
+        return InternalError(fmt::format("parameter \"{}\": a strided fragment", p.name));
+      RESHARD_RETURN_IF_ERROR(f.file->CopyTo(t, {dest.data, t.num_bytes()}));
+      shards.clear();
+      break;
+    }
+    const std::byte* base = f.file->storages()[t.storage].bytes.data();
+    shards.push_back({base + static_cast<size_t>(t.storage_offset + f.offset) * size,
+                      parts->dp_map.shard_num_elements(static_cast<Rank>(shards.size()))});
+  }
+  if (!shards.empty()) {
+    ExecOptions o;
+    o.num_threads = 1;
+    RESHARD_RETURN_IF_ERROR(Rebuild(parts->dp_map, dtype, shards, dest, o));
+  }
+  if (dest.data != out.data) {
+    const auto* in = reinterpret_cast<const float*>(temp.data());
+    auto* o = reinterpret_cast<uint16_t*>(out.data);
+    for (Index k = 0; k < out.num_elements; ++k) {
+      o[k] = module_dtype_ == DType::kBF16 ? FloatToBFloat16(in[k]) : FloatToHalf(in[k]);
+    }
+  }
+  return Status::Ok();
+}
+
+// ---- as a shard source ------------------------------------------------------------------
+
+namespace {
+
+int ScalePowerOf(DeepSpeedState state) {
+  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
+}
+
+// The TP shards of a checkpoint's parameters, each assembled from its DP fragments when first
+// acquired and kept while some caller holds it.
+class DeepSpeedShardSource : public ShardSource {
+ public:
+  DeepSpeedShardSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
+                       std::vector<DeepSpeedState> states)
+      : ckpt_(std::move(ckpt)) {
+    manifest_.world_size = ckpt_->tp();
+    for (DeepSpeedState s : states) {
+      for (size_t i = 0; i < ckpt_->params().size(); ++i) {
+        const DeepSpeedParam& p = ckpt_->params()[i];
+        const std::string name =
+            s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
+        manifest_.params.push_back(
+            ShardedParam{name, ckpt_->StateDType(s), p.tp_map, p.layout, ScalePowerOf(s)});
+        which_.emplace_back(i, s);
+      }
+    }
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> inputs = {ckpt_->tag_dir()};
+    for (const std::string& p : ckpt_->file_paths()) inputs.push_back(p);
+    return inputs;
+  }
+
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = cache_[i];
+    if (e.users == 0) {
+      const ParamMap& map = manifest_.params[i].map;
+      const size_t size = DTypeSize(manifest_.params[i].dtype);
+      e.data.assign(static_cast<size_t>(map.world_size()), {});
+      for (Rank r = 0; r < map.world_size(); ++r) {
+        auto& bytes = e.data[static_cast<size_t>(r)];
+        bytes.resize(static_cast<size_t>(map.shard_num_elements(r)) * size);
+        Status s = ckpt_->ReadTpShard(which_[i].first, which_[i].second, r,
+                                      {bytes.data(), map.shard_num_elements(r)});
+        if (!s.ok()) {
+          cache_.erase(i);
+          return s;
+        }
+      }
+    }
+    ++e.users;
+    std::vector<ConstBuffer> out;
+    for (Rank r = 0; r < manifest_.params[i].map.world_size(); ++r) {
+      out.push_back(
+          {e.data[static_cast<size_t>(r)].data(), manifest_.params[i].map.shard_num_elements(r)});
+    }
+    return out;
+  }
+  void ReleaseShards(size_t i) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(i);
+    if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
+  }
+
+ private:
+  struct Entry {
+    int users = 0;
+    std::vector<std::vector<std::byte>> data;  // per TP rank
+  };
+  std::shared_ptr<const DeepSpeedCheckpoint> ckpt_;
+  Manifest manifest_;
+  std::vector<std::pair<size_t, DeepSpeedState>> which_;
+  std::mutex mu_;
+  std::map<size_t, Entry> cache_;
+};
+
+// The states a conversion writes, refused when the checkpoint lacks them.
+Result<std::vector<DeepSpeedState>> StatesToWrite(const DeepSpeedCheckpoint& c,
+                                                  std::vector<DeepSpeedState> states) {
+  for (DeepSpeedState s : states) {
+    if (s != DeepSpeedState::kModule && !c.has_optimizer_state()) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" holds no optimizer state, so it has no {} to read", c.tag_dir(),
+          s == DeepSpeedState::kMaster ? "fp32 master weights" : DeepSpeedStateName(s)));
+    }
+  }
+  return states;
+}
+
+}  // namespace
+
+namespace {
+
+// Opens the checkpoint; with several processes, every one must succeed.
+Result<std::shared_ptr<const DeepSpeedCheckpoint>> OpenShared(const std::string& dir,
+                                                              const CheckpointOptions& options) {
+  Result<DeepSpeedCheckpoint> opened = DeepSpeedCheckpoint::Open(dir);
+  if (options.communicator != nullptr) {
+    RESHARD_RETURN_IF_ERROR(AgreeOnStatus(*options.communicator, opened.status()));
+  }
+  RESHARD_RETURN_IF_ERROR(opened.status());
+  return std::make_shared<const DeepSpeedCheckpoint>(*std::move(opened));
+}
+
+}  // namespace
+
+std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
+                                             std::vector<DeepSpeedState> states) {
+  return std::make_unique<DeepSpeedShardSource>(std::move(ckpt), std::move(states));
+}
+
+Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, bool master_weights,
+                       const CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
+  RESHARD_ASSIGN_OR_RETURN(
+      std::vector<DeepSpeedState> states,
+      StatesToWrite(*ckpt, {master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule}));
+  std::vector<ExtraFile> extra;
+  if (!ckpt->config_path().empty()) {
+    RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
+    extra.push_back({"config.json", std::move(config)});
+  }
+  std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
+  return GatherFrom(*source, out_dir, options, extra);
+}
+
+Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
+                        const std::optional<MapDocument>& target_maps, bool weights_only,
+                        const std::string& out_dir, const CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
+  std::vector<DeepSpeedState> states = {DeepSpeedState::kModule};
+  if (!weights_only) {
+    states.insert(states.end(),
+                  {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
+  }
+  RESHARD_ASSIGN_OR_RETURN(states, StatesToWrite(*ckpt, std::move(states)));
+  std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
+  return ConvertFrom(*source, world_size, target_maps, out_dir, options);
+}
+
+// ---- summaries --------------------------------------------------------------------------
+
+namespace {
+
+std::string ZeroName(const DeepSpeedCheckpoint& c) { return fmt::format("ZeRO {}", c.stage()); }
+
+}  // namespace
+
+std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
+  nlohmann::ordered_json doc = {{"format", "deepspeed"},
+                                {"tag_dir", c.tag_dir()},
+                                {"zero_stage", c.stage()},
+                                {"tp", c.tp()},
+                                {"dp", c.dp()},
+                                {"dtype", std::string(DTypeName(c.module_dtype()))},
+                                {"optimizer_state", c.has_optimizer_state()}};
+  if (!c.config_path().empty()) doc["config"] = c.config_path();
+  nlohmann::ordered_json params = nlohmann::ordered_json::array();
+  for (const DeepSpeedParam& p : c.params()) {
+    nlohmann::ordered_json entry = {
+        {"name", p.name}, {"shape", p.tp_map.valid_shape()}, {"layout_source", p.layout_source}};
+    entry["layout"] = p.layout ? nlohmann::ordered_json::parse(LayoutToJson(*p.layout))
+                               : nlohmann::ordered_json(nullptr);
+    nlohmann::ordered_json shards = nlohmann::ordered_json::array();
+    for (Rank r = 0; r < c.tp(); ++r) shards.push_back(p.tp_map.rank(r).shard_shape);
+    entry["tp_shard_shapes"] = shards;
+    params.push_back(entry);
+  }
+  doc["params"] = params;
+  return doc.dump(1) + "\n";
+}
+
+std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
+  std::string out = fmt::format(
+      "DeepSpeed checkpoint \"{}\": {}, TP {} x DP {}, {} module weights, {}; {} parameters\n",
+      c.tag_dir(), ZeroName(c), c.tp(), c.dp(), DTypeName(c.module_dtype()),
+      c.has_optimizer_state() ? "fp32 master weights and Adam moments" : "no optimizer state",
+      c.params().size());
+  for (const DeepSpeedParam& p : c.params()) {
+    out += fmt::format("  {}  {}  {}{}\n", p.name, FormatShape(p.tp_map.valid_shape()),
+                       p.layout ? LayoutToJson(*p.layout) : std::string("(no layout rule)"),
+                       fmt::format("  [{}]", p.layout_source));
+  }
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,170 @@
+// DeepSpeed training checkpoints (what `engine.save_checkpoint(dir, tag)` writes), read without
+// running their pickles, with every parameter expressed as maps.
+//
+// A save dir holds `latest` (the tag's name, one line) and one directory per tag:
+//   mp_rank_{t:02d}_model_states.pt           ZeRO 0, 1, 2: one per TP rank t
+//     module                  {name: TP rank t's shard} (bf16/fp16/fp32: the module's dtype)
+//     param_shapes            [{name: TP shard shape}, ...] one dict per parameter group
+//     buffer_names, frozen_param_shapes, dp_world_size, mp_world_size, ds_config, ...
+//     optimizer               ZeRO 0: the torch optimizer's state_dict (state[i].exp_avg is
+//                             parameter i's, in the order of param_groups[*].params)
+//     universal_checkpoint_info (AutoTP): pattern lists (tp_replicated_parameter_patterns,
+//                             parameter_with_row_parallelism_patterns, ...) and
+//                             affine_map {"version": 1, "params": {REGEX: param map}}
+//   [bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt   ZeRO 1, 2: per DP rank d
+//     optimizer_state_dict.single_partition_of_fp32_groups[g]  rank d's part of group g's
+//                             flat fp32 vector (the groups' parameters concatenated, then cut
+//                             into partition_count equal partitions; group_paddings[g] zeros
+//                             end the last)
+//     optimizer_state_dict.base_optimizer_state.state[g].{exp_avg,exp_avg_sq}  the same
+//     optimizer_state_dict.param_slice_mappings[g] {name: fragment_address(numel, start)}:
+//                             the part of the parameter that lies in this partition, at
+//                             `start`; a parameter's parts, in DP rank order, are its flat TP
+//                             shard
+//   zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt           ZeRO 3: per DP rank (module
+//                             tensors are empty; param_shapes as above)
+//   zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt           ZeRO 3
+//     optimizer_state_dict.fp32_flat_groups[g]   every parameter of group g, in order, split
+//                             into ceil(n / DP) elements per rank (the last ranks' parts padded
+//                             or empty)
+//     optimizer_state_dict.optimizer_state_dict.state[g].{exp_avg,exp_avg_sq}  the same
+//
+// In map terms: a parameter's TP map (F -> TP shards) comes from the affine map (its regex
+// keys matched against the name as Python's re.match does: anchored at the start; at most one
+// may match), else from the pattern lists (lowered as layouts/deepspeed_meta.h lowers
+// DeepSpeed's metadata), else the parameter is whole (one TP rank). Each TP shard, flattened,
+// is the logical tensor of a DP map whose ranks are the DP fragments: one piece per fragment,
+// from a contiguous range of the shard to the fragment's place in a flat vector. The full
+// parameter is the composition of the two; every stage only builds its DP map (ZeRO 0 and
+// module weights: one whole fragment), and one copy path reads them all.
+#ifndef RESHARD_CHECKPOINT_DEEPSPEED_H_
+#define RESHARD_CHECKPOINT_DEEPSPEED_H_
+
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/exec/executor.h"
+#include "reshard/io/torch_file.h"
+#include "reshard/ir/param_map.h"
+#include "reshard/layouts/descriptor.h"
+
+namespace reshard {
+
+/// The tensors a DeepSpeed checkpoint holds per parameter.
+enum class DeepSpeedState {
+  kModule,    // the module's weights, in the module's dtype
+  kMaster,    // the optimizer's fp32 master weights
+  kExpAvg,    // Adam's first moment (fp32, scale power -1)
+  kExpAvgSq,  // Adam's second moment (fp32, scale power -2)
+};
+inline constexpr int kNumDeepSpeedStates = 4;
+
+/// "module", "fp32", "exp_avg", "exp_avg_sq".
+std::string_view DeepSpeedStateName(DeepSpeedState state);
+
+/// Where one DP fragment of a TP shard lives: a flat tensor of one file, from an element.
+struct DeepSpeedFragment {
+  const TorchFile* file = nullptr;
+  const TorchTensor* tensor = nullptr;
+  Index offset = 0;  // elements into `tensor`
+};
+
+/// One TP shard of one state as DeepSpeed keeps it: a DP map (the flattened shard -> its
+/// fragments) and where each of that map's ranks keeps its fragment.
+struct DeepSpeedShardParts {
+  ParamMap dp_map;
+  std::vector<DeepSpeedFragment> fragments;  // one per rank of dp_map
+};
+
+struct DeepSpeedParam {
+  std::string name;
+  ParamMap tp_map;  // F -> TP shards
+  /// The rule that lays the parameter out at any TP degree, when one is known (lowered from
+  /// the pattern lists, or recognised in the affine map).
+  std::optional<LayoutDescriptor> layout;
+  std::string layout_source;  // "affine map", "pattern lists", "whole"
+  /// [TP rank][state]: how the checkpoint holds that TP shard (nullopt: it does not).
+  std::vector<std::array<std::optional<DeepSpeedShardParts>, kNumDeepSpeedStates>> parts;
+};
+
+/// A DeepSpeed checkpoint opened read-only: every file mapped and checked against the others
+/// before any tensor is read. Errors name the file (and the key path inside it):
+///   NotFound   a rank file that is missing, a `latest` naming no directory;
+///   DataLoss   a corrupt or truncated file;
+///   InvalidArgument  files that do not belong together (a DP rank's file from another run:
+///              parameters, shapes or fragments that disagree), metadata that makes no sense.
+class DeepSpeedCheckpoint {
+ public:
+  /// `path` is the save dir (its `latest` names the tag) or a tag dir.
+  static Result<DeepSpeedCheckpoint> Open(const std::string& path);
+
+  const std::string& tag_dir() const { return tag_dir_; }
+  /// The save dir's config.json, when it has one (else empty).
+  const std::string& config_path() const { return config_path_; }
+  int stage() const { return stage_; }
+  int tp() const { return tp_; }
+  int dp() const { return dp_; }
+  DType module_dtype() const { return module_dtype_; }
+  bool has_optimizer_state() const { return has_optimizer_; }
+  const std::vector<DeepSpeedParam>& params() const { return *params_; }
+  /// Every file it reads.
+  std::vector<std::string> file_paths() const;
+
+  /// TP rank `tp_rank`'s shard of `state` of parameter `i`, dense, into `out` (the TP map's
+  /// shard size, in the state's dtype): the DP fragments rebuilt through the DP map. The
+  /// module state of a ZeRO 3 checkpoint (whose module tensors are empty) is the master
+  /// weights rounded to the module's dtype (to nearest even, as DeepSpeed copies them).
+  Status ReadTpShard(size_t i, DeepSpeedState state, Rank tp_rank, MutableBuffer out) const;
+  DType StateDType(DeepSpeedState state) const;
+
+ private:
+  friend class DeepSpeedReader;
+  std::string tag_dir_;
+  std::string config_path_;
+  int stage_ = 0;
+  int tp_ = 1;
+  int dp_ = 1;
+  DType module_dtype_ = DType::kF32;
+  bool has_optimizer_ = false;
+  std::vector<std::unique_ptr<TorchFile>> files_;
+  std::vector<std::string> paths_;
+  std::shared_ptr<std::vector<DeepSpeedParam>> params_;
+};
+
+/// Whether `path` looks like a DeepSpeed checkpoint (a save dir with `latest`, or a dir with
+/// model-states files); it may still fail to open.
+bool IsDeepSpeedCheckpoint(const std::string& path);
+
+/// The tensors of a DeepSpeed checkpoint as a shard source at its TP degree, named
+/// "<param>" for the first of `states` and "<param>.<state name>" for the others (the
+/// moments with scale powers -1 and -2).
+std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
+                                             std::vector<DeepSpeedState> states);
+
+/// DeepSpeed checkpoint -> Hugging Face safetensors (the module's weights, or the fp32 master
+/// weights with `master_weights`), with the save dir's config.json copied when there is one.
+Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, bool master_weights,
+                       const CheckpointOptions& options = {});
+
+/// DeepSpeed checkpoint -> reshard sharded checkpoint at `world_size`: module weights, and
+/// unless `weights_only` the fp32 master weights and Adam's moments as "<param>.fp32",
+/// "<param>.exp_avg" and "<param>.exp_avg_sq". Target maps come from `target_maps` or from
+/// each parameter's layout.
+Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
+                        const std::optional<MapDocument>& target_maps, bool weights_only,
+                        const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// A human summary (text) and a machine one (JSON) of what Open found: stage, TP x DP, dtype,
+/// parameters with their shapes and where their layouts come from.
+std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& ckpt);
+std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& ckpt);
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_DEEPSPEED_H_

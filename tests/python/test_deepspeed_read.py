@@ -1,0 +1,203 @@
+"""reshard gather / convert / inspect on real DeepSpeed training checkpoints (ds_checkpoints.py).
+
+The checkpoints are the CI matrix of test_deepspeed_checkpoints.py (the session fixture trains
+each spec once, whichever module asks first): TP 2 x DP 2 at ZeRO 0-3, TP 4 x DP 1 with an
+uneven vocabulary, TP 1 x DP 3 with ZeRO's padding; fp32 and bf16.
+
+- gather: the Hugging Face safetensors equal the model's full weights as the training run held
+  them, bit for bit and dtype for dtype; config.json is copied.
+- gather --fp32: equal to DeepSpeed's own consolidation (deepspeed.utils.zero_to_fp32) where it
+  has one (TP 1), and rounded to the module's dtype equal to the module's weights everywhere.
+- convert --tp M, then gather: the same weights; the optimizer states equal what DeepSpeed's
+  ds_to_universal merges.
+- bad inputs: each a clear error naming the file, exit 2, nothing written.
+"""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ds_checkpoints import Spec, ds_checkpoint, ds_to_universal  # noqa: F401
+from test_deepspeed_checkpoints import CI_SPECS
+
+# The same checkpoints as test_deepspeed_checkpoints.py (trained once per session).
+SPECS = CI_SPECS
+IDS = [s.name for s in SPECS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(ds_checkpoint):
+    ds_checkpoint.prepare(SPECS)
+    return ds_checkpoint
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def assert_same(got, want):
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(bits(got[name]), bits(t)), name
+
+
+def gather(reshard_bin, src, out, *flags):
+    r = run(reshard_bin, "gather", src, "-o", out, *flags)
+    assert r.returncode == 0, r.stderr
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_gather_gives_the_models_full_weights(checkpoints, spec, tmp_path, reshard_bin):
+    ckpt = checkpoints(spec)
+    got = gather(reshard_bin, ckpt.save_dir, tmp_path / "hf")
+    assert_same(got, ckpt.full())
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (
+        ckpt.save_dir / "config.json").read_bytes()
+    # The tag dir reads the same (its config.json is the save dir's, one level up).
+    assert_same(gather(reshard_bin, ckpt.tag_dir, tmp_path / "from_tag"), ckpt.full())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_fp32_master_weights(checkpoints, spec, tmp_path, reshard_bin):
+    ckpt = checkpoints(spec)
+    master = gather(reshard_bin, ckpt.save_dir, tmp_path / "fp32", "--fp32")
+    assert all(t.dtype == torch.float32 for t in master.values())
+    dtype = getattr(torch, spec.dtype)
+    # DeepSpeed's module weights are its master weights rounded to the module's dtype.
+    assert_same({n: t.to(dtype) for n, t in master.items()}, ckpt.full())
+    if spec.tp == 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        ref = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.save_dir))
+        assert_same(master, dict(ref))
+
+
+CONVERT = [s for s in SPECS if s.tp > 1]
+
+
+@pytest.mark.parametrize("spec", CONVERT, ids=[s.name for s in CONVERT])
+def test_convert_then_gather_equals_gather(checkpoints, spec, tmp_path, reshard_bin):
+    ckpt = checkpoints(spec)
+    want = ckpt.full()
+    master = gather(reshard_bin, ckpt.save_dir, tmp_path / "fp32", "--fp32")
+    for tp in (1, 3):
+        out = tmp_path / f"tp{tp}"
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", tp, "-o", out)
+        assert r.returncode == 0, r.stderr
+        manifest = json.loads((out / "reshard.json").read_text())
+        assert manifest["world_size"] == tp
+        powers = {n: p.get("scale_power", 1) for n, p in manifest["params"].items()}
+        assert powers["lm_head.weight.exp_avg"] == -1
+        assert powers["lm_head.weight.exp_avg_sq"] == -2
+        got = gather(reshard_bin, out, tmp_path / f"tp{tp}-hf")
+        assert_same({n: got[n] for n in want}, want)
+        assert_same({n: got[n + ".fp32"] for n in want}, master)
+    r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", 2, "--weights-only", "-o",
+            tmp_path / "weights")
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.loads((tmp_path / "weights" / "reshard.json").read_text())["params"]) == \
+        sorted(want)
+
+
+LLAMA_Z1 = Spec("llama", tp=2, dp=2, stage=1)  # fp32
+QWEN_TP4_Z3 = Spec("qwen2", tp=4, dp=1, stage=3, dtype="bfloat16")
+
+
+def test_optimizer_states_equal_deepspeeds_universal_merge(checkpoints, tmp_path, reshard_bin):
+    ckpt = checkpoints(LLAMA_Z1)
+    universal = ds_to_universal(ckpt, tmp_path / "uc")
+    r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", 1, "-o", tmp_path / "tp1")
+    assert r.returncode == 0, r.stderr
+    ours = load_file(str(tmp_path / "tp1" / "model-rank-0-part-0.safetensors"))
+    names = list(ckpt.full())
+    for name in names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ref = torch.load(universal / "zero" / name / f"{state}.pt", weights_only=False)
+            assert torch.equal(bits(ours[f"{name}.{state}"]), bits(ref["param"])), (name, state)
+
+
+def test_inspect_summarises_stage_topology_dtype_and_layouts(checkpoints, reshard_bin):
+    ckpt = checkpoints(QWEN_TP4_Z3)
+    r = run(reshard_bin, "inspect", ckpt.save_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    ds = json.loads(r.stdout)["deepspeed"]
+    assert (ds["zero_stage"], ds["tp"], ds["dp"], ds["dtype"]) == (3, 4, 1, "BF16")
+    params = {p["name"]: p for p in ds["params"]}
+    assert params["lm_head.weight"]["tp_shard_shapes"] == [[63, 64], [63, 64], [62, 64],
+                                                           [62, 64]]
+    assert params["lm_head.weight"]["layout"] == {"family": "split", "dim": 0,
+                                                  "remainder": "front"}
+    assert params["model.norm.weight"]["layout"] == {"family": "replicated"}
+    assert {p["layout_source"] for p in ds["params"]} == {"affine map"}
+    text = run(reshard_bin, "inspect", ckpt.save_dir)
+    assert "ZeRO 3, TP 4 x DP 1, BF16 module weights" in text.stdout
+
+
+# --- bad inputs: each names the file, exits 2 and writes nothing -----------------------------
+
+QWEN_Z2 = Spec("qwen2", tp=2, dp=2, stage=2, dtype="bfloat16")  # LLAMA_Z1's topology; biases
+MISTRAL_Z3 = Spec("mistral", tp=2, dp=2, stage=3)
+LLAMA_Z3_TP1 = Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251)
+
+
+def bad_missing_rank_file(checkpoints, tag):
+    victim = tag / "zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    victim.unlink()
+    return victim.name
+
+
+def bad_dp_file_from_another_run(checkpoints, tag):
+    # qwen2's DP rank 1 partition maps its biases too.
+    other = checkpoints(QWEN_Z2).tag_dir
+    victim = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(next(other.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")), victim)
+    return "param_slice_mappings"
+
+
+def bad_zero3_dp_file_with_other_shapes(checkpoints, tag):
+    other = checkpoints(LLAMA_Z3_TP1).tag_dir  # TP 1: whole shapes
+    victim = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    shutil.copy(other / victim.name, victim)
+    return victim.name
+
+
+def bad_truncated_storage(checkpoints, tag):
+    victim = tag / "mp_rank_01_model_states.pt"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) * 2 // 3])
+    return victim.name
+
+
+def bad_latest_names_no_tag(checkpoints, tag):
+    (tag.parent / "latest").write_text("global_step999")
+    return "latest"
+
+
+BAD = [(LLAMA_Z1, bad_missing_rank_file), (LLAMA_Z1, bad_dp_file_from_another_run),
+       (MISTRAL_Z3, bad_zero3_dp_file_with_other_shapes), (LLAMA_Z1, bad_truncated_storage),
+       (LLAMA_Z1, bad_latest_names_no_tag)]
+
+
+@pytest.mark.parametrize("victim,spoil", BAD, ids=[f.__name__[4:] for _, f in BAD])
+def test_bad_checkpoints_are_refused_naming_the_file(checkpoints, victim, spoil, tmp_path,
+                                                     reshard_bin):
+    ckpt = checkpoints(victim)
+    save = tmp_path / "ckpt"
+    shutil.copytree(ckpt.save_dir, save)
+    named = spoil(checkpoints, save / ckpt.tag)
+    for command in (["gather"], ["convert", "--tp", "1"], ["gather", "--fp32"], ["inspect"]):
+        out = tmp_path / "out"
+        r = run(reshard_bin, command[0], save, *(["-o", out] if command[0] != "inspect" else []),
+                *command[1:])
+        assert r.returncode == 2, (command, r.stderr)
+        assert named in r.stderr, r.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out*")), command
