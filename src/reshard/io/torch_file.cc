@@ -50,7 +50,6 @@ constexpr std::string_view kTensorType = "torch.Tensor";
 constexpr std::string_view kParameterType = "torch.nn.parameter.Parameter";
 constexpr std::string_view kRebuildParameterWithState =
     "torch._utils._rebuild_parameter_with_state";
-constexpr std::string_view kUntypedStorage = "torch.storage.UntypedStorage";
 
 std::string Quote(std::string_view s) { return "\"" + std::string(s) + "\""; }
 

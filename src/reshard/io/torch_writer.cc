@@ -175,7 +175,10 @@ Status CheckPersistentIds(const PickleTree& tree, PickleNodeId root,
   std::unordered_set<PickleNodeId> seen;
   std::vector<std::pair<PickleNodeId, std::string>> ids;
   FindPersistentIds(tree, root, "", seen, ids);
-  for (const auto& [id, path] : ids) {
+  for (const auto& entry : ids) {
+    // Named, not a structured binding: clang 14 cannot capture one in a lambda.
+    const PickleNodeId id = entry.first;
+    const std::string& path = entry.second;
     const auto error = [&](const std::string& message) {
       return InvalidArgumentError("object " + Quote(path) + ": " + message);
     };
