@@ -14,6 +14,7 @@ uneven vocabulary, TP 1 x DP 3 with ZeRO's padding; fp32 and bf16.
 """
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -201,3 +202,24 @@ def test_bad_checkpoints_are_refused_naming_the_file(checkpoints, victim, spoil,
         assert r.returncode == 2, (command, r.stderr)
         assert named in r.stderr, r.stderr
         assert not out.exists() and not list(tmp_path.glob(".out*")), command
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_shares_out_deepspeed_conversions_byte_identically(checkpoints, tmp_path,
+                                                                  reshard_bin):
+    ckpt = checkpoints(LLAMA_Z1)
+    launch = [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    jobs = {"convert": ["convert", ckpt.save_dir, "--tp", 3, "--max-shard-size", "100kB"],
+            "gather": ["gather", ckpt.save_dir, "--max-shard-size", "100kB"]}
+    for name, args in jobs.items():
+        one = run(reshard_bin, *args, "-o", tmp_path / f"{name}-1")
+        assert one.returncode == 0, one.stderr
+        two = run(*launch, reshard_bin, *args, "-o", tmp_path / f"{name}-2")
+        assert two.returncode == 0, two.stderr
+        files = sorted(p.name for p in (tmp_path / f"{name}-1").iterdir())
+        assert len(files) > 2 and files == sorted(p.name for p in (tmp_path / f"{name}-2").iterdir())
+        for f in files:
+            assert (tmp_path / f"{name}-1" / f).read_bytes() == \
+                (tmp_path / f"{name}-2" / f).read_bytes(), f"{name}: {f}"
+        shares = re.findall(r"process (\d+): wrote (\d+) files", two.stdout + two.stderr)
+        assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
