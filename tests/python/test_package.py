@@ -127,6 +127,36 @@ def test_out_is_written_in_place_and_returned():
     assert reshard.extract(pm, full, 0, out=strided) is strided and torch.equal(strided, full[:4])
 
 
+def vm_flags(address):
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                begin, end = (int(x, 16) for x in head.split("-"))
+                inside = begin <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages (Linux only)")
+def test_large_new_torch_outputs_get_huge_page_advice():
+    # 16 MiB of F32, two shards of 8 MiB: each new output is advised huge pages ("hg"), so it
+    # faults in 2 MiB at a time; a plain torch.empty is not.
+    pm = reshard.ParamMap.from_dict(split_map([2048, 2048], 0, [1024, 1024]))
+    full = torch.randn(2048, 2048)
+    shard = reshard.extract(pm, full, 1)
+    whole = reshard.rebuild(pm, [full[:1024], shard])
+    assert torch.equal(whole, full)
+    for t in (shard, whole):
+        assert "hg" in vm_flags(t.data_ptr() + t.numel() * t.element_size() // 2)
+    plain = torch.empty(2048, 2048)
+    assert "hg" not in vm_flags(plain.data_ptr() + plain.numel() * 2)
+
+
 def test_strided_and_offset_inputs_read_the_right_elements():
     pm = reshard.ParamMap.from_dict(split_map([6, 4], 1, [2, 2]))
     want = torch.arange(24, dtype=torch.float32).reshape(6, 4)
