@@ -5,7 +5,8 @@ DeepSpeed trains a Llama-shaped model (hidden 1024, 12 layers, intermediate 2048
 8192: 141 M parameters) for one step on the CPU at TP 2 x DP 2 under ZeRO 1 (fp32, AdamW) and
 saves it (about 2.3 GB: the module, the fp32 master weights and both Adam moments). Then each
 converter runs once on it, timed, with the peak resident memory of its whole process tree
-sampled every 50 ms (ds_to_universal runs worker processes). reshard's files are on disk when it
+sampled every 50 ms (also its anonymous part: reshard maps its input files, whose pages count
+in its RSS but are the page cache's) (ds_to_universal runs worker processes). reshard's files are on disk when it
 returns (synced before the output's rename); DeepSpeed's are in the page cache, so its time is
 also given with a `sync` after it, and `cp -r` of the input then `sync` gives the disk's floor.
 The outputs are compared: the same files, and the same fp32 tensors for a few parameters.
@@ -64,32 +65,43 @@ def make_checkpoint(save_dir):
     subprocess.run(cmd, env=env, check=True, capture_output=True)
 
 
+def anon_rss(pid):
+    """RssAnon of a process: its resident memory that is not pages of mapped files."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def tree_rss(proc):
+    """(RSS, anonymous RSS) summed over the process and its descendants."""
     import psutil
 
-    total = 0
+    total = anon = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
             total += p.memory_info().rss
-        except psutil.Error:
+            anon += anon_rss(p.pid)
+        except (psutil.Error, OSError):
             pass
-    return total
+    return total, anon
 
 
 def timed(cmd):
-    """(seconds, peak bytes of the process tree's summed RSS)."""
+    """(seconds, peak bytes of the process tree's summed RSS, and of its anonymous RSS)."""
     import psutil
 
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     proc = psutil.Process(child.pid)
-    peak = [0]
+    peak = [0, 0]
     done = threading.Event()
 
     def sample():
         while not done.is_set():
             try:
-                peak[0] = max(peak[0], tree_rss(proc))
+                peak[:] = map(max, peak, tree_rss(proc))
             except psutil.Error:
                 pass
             done.wait(0.05)
@@ -102,7 +114,7 @@ def timed(cmd):
     sampler.join()
     if child.returncode != 0:
         raise SystemExit(f"{cmd} failed: {err[-2000:]}")
-    return elapsed, peak[0]
+    return elapsed, peak
 
 
 def dir_bytes(path):
@@ -160,11 +172,11 @@ def main():
                                "model.layers.0.mlp.down_proj.weight"])
     out_size = dir_bytes(ours)
     print(f"outputs: {n} files, {out_size / 1e9:.2f} GB each, the same files and tensors")
-    print(f"{'':24}{'seconds':>10}{'GB/s':>8}{'peak RSS GB':>13}")
+    print(f"{'':24}{'seconds':>10}{'GB/s':>8}{'peak RSS GB':>13}{'(anonymous)':>13}")
     rows = (("reshard convert", r_s, r_rss), ("ds_to_universal", d_s, d_rss),
             ("ds_to_universal + sync", d_s + d_sync, d_rss))
-    for label, s, rss in rows:
-        print(f"{label:24}{s:10.2f}{out_size / 1e9 / s:8.2f}{rss / 1e9:13.2f}")
+    for label, s, (rss, anon) in rows:
+        print(f"{label:24}{s:10.2f}{out_size / 1e9 / s:8.2f}{rss / 1e9:13.2f}{anon / 1e9:13.2f}")
     c_s, _ = timed(["bash", "-c", f"cp -r {save / tag} {work / 'cp'} && sync"])
     shutil.rmtree(work / "cp")
     print(f"{'cp -r input && sync':24}{c_s:10.2f}{size / 1e9 / c_s:8.2f}")
