@@ -7,6 +7,10 @@
 # never modified). Exits non-zero if any fuzzer finds a crash, a leak, a timeout or an
 # out-of-memory; the offending inputs are left in BUILD_DIR/fuzz-artifacts/<name>/ - keep
 # them, once fixed, under fuzz/regressions/<name>/.
+#
+# RESHARD_FUZZ_SEED (default 1) seeds every fuzzer, so a run explores the same inputs first
+# and passes or fails on the code rather than on the draw; RESHARD_FUZZ_SEED=random draws a
+# fresh seed per fuzzer (printed) to explore further.
 set -euo pipefail
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
@@ -41,10 +45,12 @@ for name in "${names[@]}"; do
   if [[ -d "$root/fuzz/regressions/$name" ]]; then
     cp -r "$root/fuzz/regressions/$name/." "$corpus/"
   fi
-  echo "== $name: ${seconds}s"
+  seed=${RESHARD_FUZZ_SEED:-1}
+  if [[ "$seed" == random ]]; then seed=$(( (RANDOM << 15 | RANDOM) + 1 )); fi
+  echo "== $name: ${seconds}s, seed $seed"
   dict=()
   if [[ -f "$root/fuzz/$name.dict" ]]; then dict=(-dict="$root/fuzz/$name.dict"); fi
-  if ! "$build/fuzz/${name}_fuzzer" "${dict[@]}" -max_total_time="$seconds" -max_len=4096 -timeout=10 \
+  if ! "$build/fuzz/${name}_fuzzer" "${dict[@]}" -seed="$seed" -max_total_time="$seconds" -max_len=4096 -timeout=10 \
       -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" "$corpus" \
       > "$work/$name.log" 2>&1; then
     tail -n 60 "$work/$name.log"

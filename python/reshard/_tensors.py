@@ -29,6 +29,11 @@ _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
 
 Tensor = Any  # torch.Tensor or numpy.ndarray
 
+# New torch outputs of at least this many bytes get transparent huge pages (numpy's threshold):
+# a fresh allocation faults in page by page during the copy, and with 4 KiB pages the faults
+# cost several times the copy itself.
+_HUGE_PAGE_ADVICE_BYTES = 4 << 20
+
 
 def _dtype_key(dtype: Any) -> str:
     text = str(getattr(dtype, "name", None) or dtype)
@@ -91,10 +96,15 @@ class _Array:
         return _Array(copy, "a copy")
 
     def empty(self, shape: tuple[int, ...]) -> Tensor:
-        """A new dense tensor of this kind and dtype."""
+        """A new dense tensor of this kind and dtype, not filled: every output is written in
+        full. A large torch tensor's pages are advised huge (numpy advises its own)."""
         if self.kind == "torch":
             import torch
-            return torch.empty(shape, dtype=self.obj.dtype)
+            t = torch.empty(shape, dtype=self.obj.dtype)
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= _HUGE_PAGE_ADVICE_BYTES:
+                _core.advise_huge_pages(t.data_ptr(), nbytes)
+            return t
         import numpy as np
         return np.empty(shape, dtype=self.obj.dtype)
 

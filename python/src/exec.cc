@@ -5,6 +5,8 @@
 // a dense copy of any other input first). Here the copies run with the GIL released, straight
 // between those buffers: nothing is allocated or copied twice.
 #include <pybind11/stl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <string>
@@ -82,6 +84,23 @@ void TransferInto(const ParamPlan& plan, const std::string& dtype_name,
   }());
 }
 
+// Asks the kernel to back the whole pages of [address, address + bytes) with transparent huge
+// pages when it faults them in, as numpy does for its arrays of 4 MiB and more. A freshly
+// allocated output is otherwise faulted in one 4 KiB page at a time during the copy, and those
+// faults (not the copy) are most of the time an allocating extract or rebuild takes. Advice
+// only: where the kernel has no huge pages it is ignored, so errors are too.
+void AdviseHugePages(uintptr_t address, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (address + page - 1) / page * page;
+  const uintptr_t end = (address + bytes) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)address;
+  (void)bytes;
+#endif
+}
+
 }  // namespace
 
 void BindExec(py::module_& m) {
@@ -98,6 +117,8 @@ void BindExec(py::module_& m) {
   m.def("transfer_into", &TransferInto, py::arg("plan"), py::arg("dtype"), py::arg("sources"),
         py::arg("targets"), py::arg("options"),
         "Runs a plan: source shards -> target shards, each (address, number of elements).");
+  m.def("advise_huge_pages", &AdviseHugePages, py::arg("address"), py::arg("bytes"),
+        "Advises transparent huge pages for the untouched memory of a new output buffer.");
 }
 
 }  // namespace reshard::python

@@ -257,6 +257,34 @@ class _Factory:
         return result
 
 
+def resume_launch(tp, dp, jobs, base):
+    """One torchrun launch of TP * DP ranks in which a fresh engine loads each universal
+    checkpoint of `jobs` [(spec, load_dir, name)] with "load_universal" (`spec` says the model,
+    ZeRO stage and dtype; its TP and DP become `tp` and `dp`) and takes the next step's loss.
+    Returns {name: {dp_rank: loss}}; a job that fails fails the call with DeepSpeed's message."""
+    base = pathlib.Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    todo = [{"spec": dataclasses.asdict(dataclasses.replace(spec, tp=tp, dp=dp)),
+             "out": str(base / name),
+             "resume": {"from": str(load_dir), "universal": "given", "name": "given"}}
+            for spec, load_dir, name in jobs]
+    (base / "jobs.json").write_text(json.dumps(todo))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp * dp),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()), str(TRAIN),
+           str(base / "jobs.json")]
+    r = subprocess.run(cmd, env=_train_env(), capture_output=True, text=True,
+                       timeout=LAUNCH_TIMEOUT_S)
+    (base / "resume.log").write_text(r.stdout + r.stderr)
+    out = {}
+    for _, _, name in jobs:
+        facts = _read_facts(base / name, tp * dp, "resume-given")
+        errors = [f["error"] for f in facts if "error" in f]
+        assert not errors, f"{name}: resuming failed: {errors[0]}"
+        assert len(facts) == tp * dp, f"{name}: torchrun exited {r.returncode}:\n{r.stderr[-4000:]}"
+        out[name] = {int(k): v for k, v in facts[0]["next_loss"].items()}
+    return out
+
+
 class UniversalRefused(Exception):
     """ds_to_universal refused a checkpoint; the message is its exception's."""
 

@@ -19,9 +19,11 @@ test compares against:
   the next step (forward only, on that step's batch), the tag, or "error" with DeepSpeed's
   message when it refused. A failed job ends the launch; the jobs after it are not run.
 
-A job with "resume": {"from": SAVE_DIR, "universal": bool, "name": NAME} instead builds a fresh
-engine, loads SAVE_DIR (or, with "universal", what ds_to_universal makes of it, under
-DIR/universal) and records the next step's loss per DP rank in DIR/ref/resume-NAME-{RANK}.json.
+A job with "resume": {"from": SAVE_DIR, "universal": bool or "given", "name": NAME} instead
+builds a fresh engine, loads SAVE_DIR (with true, what ds_to_universal makes of it, under
+DIR/universal; with "given", SAVE_DIR is a universal checkpoint already, as `reshard convert
+--to universal` writes it) and records the next step's loss per DP rank in
+DIR/ref/resume-NAME-{RANK}.json.
 
 The batch of step s on DP rank d is drawn from seed + 1000 * s + d, so the next step's loss can
 be computed again from any resumed engine.
@@ -157,13 +159,15 @@ def train(spec, out):
 def resume(spec, out, source, universal):
     """Load the checkpoint saved under `source` into a freshly built engine of `spec`'s
     topology and return the loss of the next step on each DP rank (forward only). With
-    `universal`, rank 0 first converts it with ds_to_universal to OUT/universal and the engine
-    loads that with "load_universal"."""
+    `universal` true, rank 0 first converts it with ds_to_universal to OUT/universal and the
+    engine loads that with "load_universal"; with "given", it loads `source` so."""
     import deepspeed
 
     config = ds_config(spec)
     load_dir = pathlib.Path(source)
-    if universal:
+    if universal == "given":
+        config["checkpoint"] = {"load_universal": True}
+    elif universal:
         load_dir = out / "universal"
         if dist.get_rank() == 0:
             from deepspeed.checkpoint import ds_to_universal as converter

@@ -10,7 +10,8 @@ uneven vocabulary, TP 1 x DP 3 with ZeRO's padding; fp32 and bf16.
   has one (TP 1), and rounded to the module's dtype equal to the module's weights everywhere.
 - convert --tp M, then gather: the same weights; the optimizer states equal what DeepSpeed's
   ds_to_universal merges.
-- bad inputs: each a clear error naming the file, exit 2, nothing written.
+- bad inputs: each a clear error naming the file, exit 2, nothing written (gather, convert --tp,
+  convert --to universal, inspect).
 """
 
 import json
@@ -195,7 +196,8 @@ def test_bad_checkpoints_are_refused_naming_the_file(checkpoints, victim, spoil,
     save = tmp_path / "ckpt"
     shutil.copytree(ckpt.save_dir, save)
     named = spoil(checkpoints, save / ckpt.tag)
-    for command in (["gather"], ["convert", "--tp", "1"], ["gather", "--fp32"], ["inspect"]):
+    for command in (["gather"], ["convert", "--tp", "1"], ["gather", "--fp32"],
+                    ["convert", "--to", "universal"], ["inspect"]):
         out = tmp_path / "out"
         r = run(reshard_bin, command[0], save, *(["-o", out] if command[0] != "inspect" else []),
                 *command[1:])

@@ -109,6 +109,7 @@ struct ScatterArgs : CommonArgs {
 
 struct ConvertArgs : CommonArgs {
   int tp = 0;
+  std::string to;  // "universal": a DeepSpeed universal checkpoint instead of a sharded dir
   std::string target_maps;
   bool weights_only = false;
 };
@@ -187,9 +188,35 @@ Status RunGather(const GatherArgs& args) {
   return Status::Ok();
 }
 
+// convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
+// resumes from at any TP x DP.
+Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& options) {
+  if (args.tp != 0 || !args.target_maps.empty() || args.weights_only ||
+      !args.max_shard_size.empty()) {
+    return InvalidArgumentError(
+        "--to universal takes no --tp, --target-maps, --weights-only or --max-shard-size: the "
+        "universal checkpoint holds full tensors of every optimizer state");
+  }
+  if (!IsDeepSpeedCheckpoint(args.input)) {
+    return InvalidArgumentError("--to universal converts a DeepSpeed checkpoint; \"" + args.input +
+                                "\" is not one");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  RESHARD_RETURN_IF_ERROR(
+      WithForceHint(ConvertDeepSpeedToUniversal(args.input, args.output, options), args.force));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to a universal checkpoint in \"{}\" ({:.2f} s)", args.input,
+                     args.output, seconds),
+         seconds);
+  return Status::Ok();
+}
+
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  if (!args.to.empty()) return RunConvertToUniversal(args, options);
+  if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
   std::optional<MapDocument> target;
   if (!args.target_maps.empty()) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
@@ -270,7 +297,12 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
                 "DeepSpeed input: the module's weights only, no optimizer state");
-  cmd->add_option("--tp", args->tp, "target world size")->required()->check(IntegerIn(1, 1 << 20));
+  auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
+  cmd->add_option("--to", args->to,
+                  "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
+                  "(what ds_to_universal writes; OUT/latest_universal names its folder)")
+      ->check(CLI::IsMember({"universal"}))
+      ->excludes(tp);
   cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");

@@ -347,6 +347,36 @@ std::optional<LayoutDescriptor> Recognise(const ParamMap& map) {
   return std::nullopt;
 }
 
+// What ds_to_universal writes beside `name`'s tensor: its category keys when no affine map
+// gives the layout (cat_dim 0 when no category matches, as with universal_checkpoint_info
+// missing and injected), and vocab_tensor whenever a vocabulary pattern matches.
+Result<DeepSpeedUniversalKeys> UniversalKeys(const UcInfo& uc, const std::string& name) {
+  DeepSpeedUniversalKeys keys;
+  auto matches = [&](const char* list) -> Result<bool> {
+    auto it = uc.lists.find(list);
+    if (it == uc.lists.end()) return false;
+    RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> hit, MatchOne(it->second, name, list));
+    return hit.has_value();
+  };
+  RESHARD_ASSIGN_OR_RETURN(keys.vocab_tensor, matches("vocabulary_parameter_patterns"));
+  if (keys.vocab_tensor) {
+    auto v = uc.raw.find("original_vocab_size");
+    if (v != uc.raw.end() && v->is_number_integer()) keys.original_vocab_size = v->get<Index>();
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
+                           MatchOne(uc.affine, name, "affine_map.params"));
+  if (affine) return keys;
+  RESHARD_ASSIGN_OR_RETURN(bool replicated, matches("tp_replicated_parameter_patterns"));
+  RESHARD_ASSIGN_OR_RETURN(bool average, matches("parameter_to_average_patterns"));
+  RESHARD_ASSIGN_OR_RETURN(bool two, matches("parameter_with_2_sub_params_cat_dim_0"));
+  RESHARD_ASSIGN_OR_RETURN(keys.sub_param_shape, matches("parameter_with_sub_params"));
+  RESHARD_ASSIGN_OR_RETURN(bool rows, matches("parameter_with_row_parallelism_patterns"));
+  if (replicated || average || keys.sub_param_shape) return keys;
+  keys.cat_dim = two ? 0 : rows ? 1 : 0;
+  if (two) keys.n_sub_params = 2;
+  return keys;
+}
+
 struct TpLayout {
   ParamMap map;
   std::optional<LayoutDescriptor> layout;
@@ -409,7 +439,8 @@ Result<ParamMap> FragmentMap(Index n, int world, const std::vector<FragmentSpan>
 // module state is unused).
 struct FlatGroup {
   std::array<std::vector<DeepSpeedFragment>, kNumDeepSpeedStates> flat;
-  std::vector<Index> numel;  // per DP rank (the master's and the moments' agree)
+  std::vector<Index> numel;        // per DP rank (the master's and the moments' agree)
+  std::vector<PickleNodeId> step;  // per DP rank: the optimizer's step of the group, if any
 };
 
 }  // namespace
@@ -557,6 +588,7 @@ Status DeepSpeedReader::ReadTopology() {
       optim_[static_cast<size_t>(r)].push_back(f);
     }
   }
+  c_.optimizer_file_ = optim_[0][0];
   return Status::Ok();
 }
 
@@ -661,9 +693,15 @@ Status DeepSpeedReader::ReadParams() {
             r < tp->map.world_size() ? FormatShape(tp->map.rank(r).shard_shape) : "(none)"));
       }
     }
-    params_.push_back(
-        DeepSpeedParam{name, std::move(tp->map), std::move(tp->layout), std::move(tp->source), {}});
+    Result<DeepSpeedUniversalKeys> keys = UniversalKeys(uc, name);
+    if (!keys.ok()) {
+      return keys.status().Annotate(
+          fmt::format("\"{}\": parameter \"{}\"", Where(model_[0]), name));
+    }
+    params_.push_back(DeepSpeedParam{
+        name, std::move(tp->map), std::move(tp->layout), std::move(tp->source), {}, *keys, {}});
     params_.back().parts.resize(static_cast<size_t>(c_.tp_));
+    params_.back().steps.resize(static_cast<size_t>(c_.tp_));
   }
   return Status::Ok();
 }
@@ -687,6 +725,7 @@ Result<FlatGroup> DeepSpeedReader::ReadFlatGroup(Rank t, size_t g) {
     std::optional<int64_t> key =
         IntAt(tree, Walk(tree, tree.root(), fmt::format("{}.param_groups.{}.params.0", opt, g)));
     const std::string state = fmt::format("{}.state.{}", opt, key.value_or(-1));
+    group.step.push_back(Walk(tree, tree.root(), state + ".step"));
     const std::pair<DeepSpeedState, std::string> paths[] = {
         {DeepSpeedState::kMaster, master},
         {DeepSpeedState::kExpAvg, state + ".exp_avg"},
@@ -815,6 +854,11 @@ Status DeepSpeedReader::Place(Rank t, size_t i, const std::vector<FragmentSpan>&
     }
     params_[i].parts[static_cast<size_t>(t)][Slot(s)] = std::move(parts);
   }
+  if (c_.stage_ != 3 && !spans.empty()) {
+    const size_t first = static_cast<size_t>(spans.front().rank);
+    params_[i].steps[static_cast<size_t>(t)] =
+        DeepSpeedStep{group.flat[Slot(DeepSpeedState::kMaster)][first].file, group.step[first]};
+  }
   return Status::Ok();
 }
 
@@ -905,9 +949,12 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
         params_[i].parts[static_cast<size_t>(t)][Slot(s)] =
             DeepSpeedShardParts{whole, {{f, tensor, 0}}};
       }
+      params_[i].steps[static_cast<size_t>(t)] = DeepSpeedStep{
+          f, Walk(tree, tree.root(), fmt::format("{}.state.{}.step", opt, keys[i].first))};
     }
   }
   c_.has_optimizer_ = true;
+  c_.optimizer_file_ = model_[0];
   return Status::Ok();
 }
 
@@ -980,6 +1027,14 @@ Result<DeepSpeedCheckpoint> DeepSpeedCheckpoint::Open(const std::string& path) {
 }
 
 std::vector<std::string> DeepSpeedCheckpoint::file_paths() const { return paths_; }
+
+std::vector<std::string> DeepSpeedCheckpoint::model_states_paths() const {
+  std::vector<std::string> out;
+  for (const std::string& p : paths_) {
+    if (p.ends_with("_model_states.pt")) out.push_back(p);
+  }
+  return out;
+}
 
 DType DeepSpeedCheckpoint::StateDType(DeepSpeedState state) const {
   return state == DeepSpeedState::kModule ? module_dtype_ : DType::kF32;

@@ -82,6 +82,23 @@ struct DeepSpeedShardParts {
   std::vector<DeepSpeedFragment> fragments;  // one per rank of dp_map
 };
 
+/// What DeepSpeed's universal converter records beside a parameter's full tensor, from the
+/// pattern lists of universal_checkpoint_info (none of it when an affine map gives the layout,
+/// but vocab_tensor).
+struct DeepSpeedUniversalKeys {
+  std::optional<int> cat_dim;                // the dimension the TP shards were concatenated along
+  std::optional<int> n_sub_params;           // parameter_with_2_sub_params_cat_dim_0: 2
+  bool vocab_tensor = false;                 // matches vocabulary_parameter_patterns
+  std::optional<Index> original_vocab_size;  // rows kept of a vocabulary tensor
+  bool sub_param_shape = false;  // parameter_with_sub_params (recorded as a SubparamShape)
+};
+
+/// The optimizer's step count for a parameter as one file pickles it (a node of its tree).
+struct DeepSpeedStep {
+  const TorchFile* file = nullptr;
+  PickleNodeId node = kNoPickleNode;
+};
+
 struct DeepSpeedParam {
   std::string name;
   ParamMap tp_map;  // F -> TP shards
@@ -91,6 +108,10 @@ struct DeepSpeedParam {
   std::string layout_source;  // "affine map", "pattern lists", "whole"
   /// [TP rank][state]: how the checkpoint holds that TP shard (nullopt: it does not).
   std::vector<std::array<std::optional<DeepSpeedShardParts>, kNumDeepSpeedStates>> parts;
+  DeepSpeedUniversalKeys universal;
+  /// [TP rank]: the optimizer's step (ZeRO 0-2: of the lowest DP rank holding part of the
+  /// parameter; ZeRO 3 keeps none per parameter).
+  std::vector<DeepSpeedStep> steps;
 };
 
 /// A DeepSpeed checkpoint opened read-only: every file mapped and checked against the others
@@ -115,6 +136,11 @@ class DeepSpeedCheckpoint {
   const std::vector<DeepSpeedParam>& params() const { return *params_; }
   /// Every file it reads.
   std::vector<std::string> file_paths() const;
+  /// The model-states files (mp_rank_XX_model_states.pt; ZeRO 3: zero_pp_rank_D_mp_rank_XX_...).
+  std::vector<std::string> model_states_paths() const;
+  /// The file holding the optimizer's global state: TP rank 0, DP rank 0's optimizer file
+  /// (ZeRO 0: TP rank 0's model states); null without optimizer state.
+  const TorchFile* optimizer_file() const { return optimizer_file_; }
 
   /// TP rank `tp_rank`'s shard of `state` of parameter `i`, dense, into `out` (the TP map's
   /// shard size, in the state's dtype): the DP fragments rebuilt through the DP map. The
@@ -132,6 +158,7 @@ class DeepSpeedCheckpoint {
   int dp_ = 1;
   DType module_dtype_ = DType::kF32;
   bool has_optimizer_ = false;
+  const TorchFile* optimizer_file_ = nullptr;
   std::vector<std::unique_ptr<TorchFile>> files_;
   std::vector<std::string> paths_;
   std::shared_ptr<std::vector<DeepSpeedParam>> params_;
@@ -159,6 +186,21 @@ Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, 
 Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
                         const std::optional<MapDocument>& target_maps, bool weights_only,
                         const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// DeepSpeed checkpoint -> universal checkpoint, as `python -m
+/// deepspeed.checkpoint.ds_to_universal --output_folder OUT/<tag>_universal` writes it, with
+/// `OUT/latest_universal` naming that folder: OUT is a save dir DeepSpeed loads with
+/// "load_universal". In the folder, zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt hold the full
+/// fp32 tensors ({"param": tensor} and the keys of DeepSpeedUniversalKeys; bare flat tensors
+/// for ZeRO 3 at TP 1, as DeepSpeed writes them), step.pt the optimizer's step (ZeRO 0-2),
+/// zero/optimizer_state.pt its global state, and the model-states files are copied. Each
+/// file is written by one thread from one parameter's fragments; the output appears
+/// atomically. Checkpoints DeepSpeed's converter refuses are converted too: ZeRO 0 (the
+/// optimizer of the model states) and TP 1 without universal_checkpoint_info (as its
+/// inject_missing_state option would). FailedPrecondition without optimizer state;
+/// Unimplemented for sub-parameter patterns and for several processes.
+Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
+                                   const CheckpointOptions& options = {});
 
 /// A human summary (text) and a machine one (JSON) of what Open found: stage, TP x DP, dtype,
 /// parameters with their shapes and where their layouts come from.

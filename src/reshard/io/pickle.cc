@@ -661,15 +661,24 @@ Status PickleMachine::Step(uint8_t op) {
   }
 }
 
-// Refuses cycles and nesting deeper than the limit, walking the finished tree once.
+// Refuses cycles and nesting deeper than the limit, walking the finished tree once. A shared
+// object is walked once, so its height (the longest chain of objects below it, itself included)
+// is kept: the nesting is the root's height, whichever path first reached the shared objects.
 Status PickleMachine::CheckAcyclic() {
   enum : uint8_t { kUnseen, kOnPath, kDone };
   std::vector<uint8_t> color(tree_.nodes_.size(), kUnseen);
+  std::vector<size_t> height(tree_.nodes_.size(), 0);
   struct Frame {
     PickleNodeId id;
     size_t next;
+    size_t tallest_child = 0;
   };
-  std::vector<PickleNodeId> children;
+  const auto too_deep = [this](PickleNodeId id) {
+    op_at_ = tree_.nodes_[id].offset;
+    return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) +
+                                  ": objects nested deeper than " +
+                                  std::to_string(options_.limits.max_depth));
+  };
   const auto child = [&](const PickleNode& n, size_t k) -> PickleNodeId {
     if (k < n.items.size()) return n.items[k];
     k -= n.items.size();
@@ -686,8 +695,14 @@ Status PickleMachine::CheckAcyclic() {
     Frame& f = path.back();
     const PickleNodeId c = child(tree_.nodes_[f.id], f.next++);
     if (c == kNoPickleNode) {
-      color[f.id] = kDone;
+      const PickleNodeId done = f.id;
+      color[done] = kDone;
+      height[done] = f.tallest_child + 1;
+      if (height[done] > options_.limits.max_depth) return too_deep(done);
       path.pop_back();
+      if (!path.empty()) {
+        path.back().tallest_child = std::max(path.back().tallest_child, height[done]);
+      }
       continue;
     }
     if (color[c] == kOnPath) {
@@ -695,13 +710,12 @@ Status PickleMachine::CheckAcyclic() {
       return Error("cyclic structure: a " + std::string(PickleKindName(tree_.nodes_[c].kind)) +
                    " contains itself");
     }
-    if (color[c] == kDone) continue;
-    if (path.size() >= options_.limits.max_depth) {
-      op_at_ = tree_.nodes_[c].offset;
-      return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) +
-                                    ": objects nested deeper than " +
-                                    std::to_string(options_.limits.max_depth));
+    if (color[c] == kDone) {
+      f.tallest_child = std::max(f.tallest_child, height[c]);
+      if (f.tallest_child + 1 > options_.limits.max_depth) return too_deep(f.id);
+      continue;
     }
+    if (path.size() >= options_.limits.max_depth) return too_deep(c);
     color[c] = kOnPath;
     path.push_back({c, 0});
   }

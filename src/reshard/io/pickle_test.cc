@@ -230,6 +230,36 @@ TEST(PickleTest, LimitsOnNodesMemoAndMarks) {
             StatusCode::kResourceExhausted);
 }
 
+// A shared object walked first through a short path still counts at its deepest use: root =
+// [A, [[A]]] with A = [[[]]] nests six objects, though a walk that skips what it has seen
+// meets at most four on one path.
+TEST(PickleTest, DepthCountsASharedObjectAtItsDeepestUse) {
+  const std::string pickle = P().op(']')
+                                 .op(']')
+                                 .op(']')
+                                 .op(']')
+                                 .op('a')
+                                 .op('a')
+                                 .put(0)
+                                 .op('a')
+                                 .op(']')
+                                 .op(']')
+                                 .get(0)
+                                 .op('a')
+                                 .op('a')
+                                 .op('a')
+                                 .stop();
+  PickleOptions options;
+  options.limits.max_depth = 6;
+  ASSERT_TRUE(Parse(pickle, options).ok()) << Parse(pickle, options).status().ToString();
+  options.limits.max_depth = 5;
+  const Result<PickleTree> refused = Parse(pickle, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("nested deeper than 5"), std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST(PickleTest, EveryTruncationRefused) {
   P p;
   p.op('}').op('(').str("weight").global("torch._utils", "_rebuild_tensor_v2").op('(');

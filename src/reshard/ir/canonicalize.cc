@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <unordered_map>
 
 #include "reshard/ir/fold.h"
@@ -138,6 +139,87 @@ void AddPieceItems(const Piece& p, bool whole, std::vector<std::pair<Index, Fold
   }
 }
 
+// Interleaved pieces are joined by listing their contiguous blocks; past this many blocks a
+// group that is not periodic (below) keeps its pieces as they are rather than list them all.
+constexpr Index kMaxJoinBlocks = Index{1} << 16;
+
+// The number of contiguous blocks AddPieceItems lists for `p` (capped at kMaxJoinBlocks + 1).
+Index CountBlocks(const Piece& p) {
+  const std::vector<PieceDim> dims = DestOrdered(p);
+  size_t inner = dims.size();
+  Index span = 1;
+  while (inner > 0 && dims[inner - 1].dst == span) {
+    span *= dims[inner - 1].extent;
+    --inner;
+  }
+  Index count = 1;
+  for (size_t k = 0; k < inner; ++k) {
+    count *= dims[k].extent;
+    if (count > kMaxJoinBlocks) return kMaxJoinBlocks + 1;
+  }
+  return count;
+}
+
+// Interleaved pieces that share their outer dims (column blocks of one matrix: every piece
+// has the rows, with the same strides) repeat one period per outer index. When one period's
+// blocks fold to a single piece, the group is that piece repeated over the outer dims: one
+// item, the same sequence the blocks would list, found without listing every row.
+std::optional<FoldItem> FoldPeriodicGroup(const std::vector<const Piece*>& group) {
+  std::vector<std::vector<PieceDim>> dims;
+  for (const Piece* p : group) dims.push_back(DestOrdered(*p));
+  size_t shared = 0;
+  while (std::all_of(dims.begin(), dims.end(), [&](const std::vector<PieceDim>& d) {
+    return d.size() > shared && d[shared].extent == dims[0][shared].extent &&
+           d[shared].dst == dims[0][shared].dst && d[shared].src == dims[0][shared].src;
+  })) {
+    ++shared;
+  }
+  // The most outer dims that nest without overlap and leave each period's blocks inside the
+  // innermost outer step.
+  for (size_t common = shared; common > 0; --common) {
+    bool nested = true;
+    for (size_t k = 0; k + 1 < common; ++k) {
+      nested = nested && dims[0][k].dst >= dims[0][k + 1].dst * dims[0][k + 1].extent;
+    }
+    if (!nested) continue;
+    std::vector<Piece> rests;
+    Index first = group[0]->dest.offset, last = first;
+    for (size_t i = 0; i < group.size(); ++i) {
+      Piece rest = *group[i];
+      rest.shape.clear();
+      rest.source.strides.clear();
+      rest.dest.strides.clear();
+      for (size_t k = common; k < dims[i].size(); ++k) {
+        rest.shape.push_back(dims[i][k].extent);
+        rest.source.strides.push_back(dims[i][k].src);
+        rest.dest.strides.push_back(dims[i][k].dst);
+      }
+      first = std::min(first, rest.dest.offset);
+      last = std::max(last, *LastOffset(rest.dest.offset, rest.shape, rest.dest.strides));
+      rests.push_back(std::move(rest));
+    }
+    if (last - first >= dims[0][common - 1].dst) continue;
+    std::vector<std::pair<Index, FoldItem>> blocks;
+    Index count = 0;
+    for (const Piece& rest : rests) count += CountBlocks(rest);
+    if (count > kMaxJoinBlocks) return std::nullopt;
+    for (const Piece& rest : rests) AddPieceItems(rest, false, blocks);
+    std::stable_sort(blocks.begin(), blocks.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<FoldItem> period_items;
+    for (auto& b : blocks) internal::AppendItem(period_items, std::move(b.second));
+    std::vector<FoldedPiece> period = internal::FoldSequence(period_items);
+    if (period.size() != 1) return std::nullopt;
+    FoldItem item{period[0].offset, {}};
+    for (size_t k = 0; k < common; ++k) {
+      item.dims.push_back({dims[0][k].extent, {dims[0][k].dst, dims[0][k].src}});
+    }
+    item.dims.insert(item.dims.end(), period[0].dims.begin(), period[0].dims.end());
+    return item;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 namespace {
@@ -190,11 +272,23 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
         Index reach = spans[s].last;
         while (e < spans.size() && spans[e].first <= reach)
           reach = std::max(reach, spans[e++].last);
+        std::vector<const Piece*> group;
+        Index block_count = 0;
+        for (size_t c = s; c < e; ++c) {
+          group.push_back(&shard.pieces[spans[c].piece]);
+          block_count = std::min(block_count + CountBlocks(*group.back()), kMaxJoinBlocks + 1);
+        }
         std::vector<std::pair<Index, FoldItem>> blocks;
-        for (size_t c = s; c < e; ++c)
-          AddPieceItems(shard.pieces[spans[c].piece], e - s == 1, blocks);
         bool join = e - s == 1;
-        if (!join) {
+        std::optional<FoldItem> periodic;
+        if (!join) periodic = FoldPeriodicGroup(group);
+        if (periodic) {
+          join = true;
+          blocks.emplace_back(periodic->offset.dst, std::move(*periodic));
+        } else if (join || block_count <= kMaxJoinBlocks) {
+          for (const Piece* p : group) AddPieceItems(*p, e - s == 1, blocks);
+        }
+        if (!join && !blocks.empty()) {
           std::stable_sort(blocks.begin(), blocks.end(),
                            [](const auto& a, const auto& b) { return a.first < b.first; });
           std::vector<FoldItem> trial;

@@ -283,6 +283,60 @@ TEST(CanonicalizeTest, InterleavedPiecesAfterOtherPiecesNeverAddPieces) {
   EXPECT_EQ(m->rank(0).pieces[2].source, (StridedView{1, {180, 60, 5, 1, 2}}));
 }
 
+// Column blocks of a tall matrix interleave row by row. They fold as one period (a row)
+// repeated over the rows: 2^26 rows, whose row-by-row listing would take tens of GB.
+TEST(CanonicalizeTest, ColumnBlocksOfATallMatrixFoldWithoutListingRows) {
+  constexpr Index kRows = Index{1} << 26;
+  ParamMapBuilder b;
+  b.set_logical_shape({kRows, 16});
+  b.set_shard_shape(0, {kRows, 16});
+  for (Index part = 0; part < 4; ++part) {
+    b.add_piece(0, MakePiece({kRows, 4}, 4 * part, {16, 1}, 4 * part, {16, 1}, {0}));
+  }
+  Result<ParamMap> m = Canonicalize(*b.Finalize());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  ASSERT_EQ(PiecesPerRank(*m), (std::vector<Index>{1}));
+  EXPECT_EQ(m->rank(0).pieces[0].shape, (Shape{kRows, 16}));
+  EXPECT_EQ(m->rank(0).pieces[0].source, (StridedView{0, {16, 1}}));
+}
+
+// The same with one element per period: a [2, N] tensor stored transposed as two pieces.
+TEST(CanonicalizeTest, TransposedRowsStoredAsTwoPiecesFoldToOne) {
+  constexpr Index kCols = Index{1} << 20;
+  ParamMapBuilder b;
+  b.set_logical_shape({2, kCols});
+  b.set_shard_shape(0, {kCols, 2});
+  for (Index row = 0; row < 2; ++row) {
+    b.add_piece(0, MakePiece({kCols}, row * kCols, {1}, row, {2}, {0}));
+  }
+  Result<ParamMap> m = Canonicalize(*b.Finalize());
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  ASSERT_EQ(PiecesPerRank(*m), (std::vector<Index>{1}));
+  EXPECT_EQ(m->rank(0).pieces[0].shape, (Shape{kCols, 2}));
+  EXPECT_EQ(m->rank(0).pieces[0].source, (StridedView{0, {1, kCols}}));
+}
+
+// Interleaved pieces without a common period whose listing would pass the limit stay as they
+// are: still every element where it was, and a fixed point.
+TEST(CanonicalizeTest, InterleavedPiecesPastTheListingLimitStayApart) {
+  constexpr Index kRows = Index{1} << 17;
+  ParamMapBuilder b;
+  b.set_logical_shape({2 * kRows});
+  b.set_shard_shape(0, {2 * kRows});
+  // Even shard slots hold F[0, N) in order; odd ones F[N, 2N) with its halves interleaved.
+  b.add_piece(0, MakePiece({kRows}, 0, {1}, 0, {2}, {0}));
+  b.add_piece(0, MakePiece({kRows / 2, 2}, kRows, {1, kRows / 2}, 1, {4, 2}, {0}));
+  Result<ParamMap> map = b.Finalize();
+  ASSERT_TRUE(map.ok()) << map.status().message();
+  Result<ParamMap> m = Canonicalize(*map);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(PiecesPerRank(*m), (std::vector<Index>{2}));
+  EXPECT_EQ(ExpandSourceOffsets(*m), ExpandSourceOffsets(*map));
+  Result<ParamMap> again = Canonicalize(*m);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(ParamMapToJson(*again), ParamMapToJson(*m));
+}
+
 }  // namespace
 }  // namespace reshard
 

@@ -1,0 +1,359 @@
+// DeepSpeed checkpoint -> universal checkpoint (ConvertDeepSpeedToUniversal, deepspeed.h).
+//
+// The output, as ds_to_universal writes it (docs/formats.md, "The universal checkpoint"):
+//   OUT/latest_universal                  "<tag>_universal", no newline
+//   OUT/<tag>_universal/<model states>    the input's model-states files, byte for byte
+//   OUT/<tag>_universal/zero/optimizer_state.pt
+//   OUT/<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt   full fp32 tensors
+//   OUT/<tag>_universal/zero/<param>/step.pt                        ZeRO 0-2
+// Every file is one job of a thread pool; a state file rebuilds one parameter's full tensor
+// from its TP shards (each from its DP fragments) straight into the writer's buffer.
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+
+#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/output_dir.h"
+#include "reshard/io/file.h"
+#include "reshard/io/torch_writer.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr DeepSpeedState kUniversalStates[] = {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg,
+                                               DeepSpeedState::kExpAvgSq};
+
+int ScalePower(DeepSpeedState state) {
+  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
+}
+
+// One file of the output: what to write and its size (for ordering and progress).
+struct UniversalJob {
+  enum Kind { kState, kStep, kOptimizer, kCopy } kind = kState;
+  size_t param = 0;
+  DeepSpeedState state = DeepSpeedState::kMaster;
+  std::string source;  // kCopy: the input file
+  std::string name;    // the output file, relative to the output directory
+  uint64_t bytes = 0;
+};
+
+// Writes the files of the plan from an open checkpoint (one file per call, any thread).
+class UniversalWriter {
+ public:
+  UniversalWriter(const DeepSpeedCheckpoint& c, const CheckpointOptions& options)
+      : c_(c), options_(options) {}
+
+  Status Write(const UniversalJob& job, const std::string& path) const;
+
+ private:
+  Status WriteState(size_t i, DeepSpeedState state, const std::string& path) const;
+  Status FillState(size_t i, DeepSpeedState state, std::span<std::byte> out) const;
+  Status WriteStep(size_t i, const std::string& path) const;
+  Status WriteOptimizerState(const std::string& path) const;
+
+  const DeepSpeedCheckpoint& c_;
+  const CheckpointOptions& options_;
+};
+
+TorchWriteOptions RootFor(const std::string& path) {
+  TorchWriteOptions o;
+  o.root = fs::path(path).stem().string();
+  return o;
+}
+
+// Whether the files hold the ZeRO 3 flat form: DeepSpeed merges ZeRO 3 at TP 1 over DP
+// alone and saves bare 1-D tensors.
+bool FlatForm(const DeepSpeedCheckpoint& c) { return c.stage() == 3 && c.tp() == 1; }
+
+// The shape of the tensor a state file holds.
+Shape UniversalShape(const DeepSpeedCheckpoint& c, const DeepSpeedParam& p) {
+  Shape shape = p.tp_map.logical_shape();
+  if (FlatForm(c)) return {ProductOf(shape)};
+  const DeepSpeedUniversalKeys& k = p.universal;
+  if (k.vocab_tensor && k.original_vocab_size && !shape.empty() && *k.original_vocab_size >= 0 &&
+      *k.original_vocab_size < shape[0]) {
+    shape[0] = *k.original_vocab_size;  // ds_to_universal strips the vocabulary's padding
+  }
+  return shape;
+}
+
+Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std::byte> out) const {
+  const DeepSpeedParam& p = c_.params()[i];
+  const ParamMap& map = p.tp_map;
+  std::vector<std::vector<std::byte>> shards(static_cast<size_t>(map.world_size()));
+  std::vector<ConstBuffer> views;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    std::vector<std::byte>& bytes = shards[static_cast<size_t>(r)];
+    const Index n = map.shard_num_elements(r);
+    bytes.resize(static_cast<size_t>(n) * sizeof(float));
+    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {bytes.data(), n}));
+    views.push_back({bytes.data(), n});
+  }
+  const Index full = ProductOf(map.logical_shape());
+  std::vector<std::byte> scratch;
+  MutableBuffer dest{out.data(), full};
+  if (out.size() != static_cast<size_t>(full) * sizeof(float)) {  // a vocabulary cut short
+    scratch.resize(static_cast<size_t>(full) * sizeof(float));
+    dest.data = scratch.data();
+  }
+  ExecOptions o;
+  o.num_threads = 1;
+  o.scale_power = ScalePower(state);
+  o.allow_scaled_optimizer_state = true;  // the universal files are in F's own coordinates
+  o.allow_lossy_scale = options_.allow_lossy_scale;
+  o.verify_replicas = options_.verify_replicas;
+  RESHARD_RETURN_IF_ERROR(Rebuild(map, DType::kF32, views, dest, o));
+  if (!scratch.empty()) std::memcpy(out.data(), scratch.data(), out.size());
+  return Status::Ok();
+}
+
+// {"cat_dim": d, "param_n_sub_params": 2, "vocab_tensor": True, "param": tensor}, the keys in
+// ds_to_universal's order and only those it writes; a bare tensor in the flat form. The fp32
+// tensor is saved with requires_grad, as DeepSpeed's is.
+Status UniversalWriter::WriteState(size_t i, DeepSpeedState state, const std::string& path) const {
+  const DeepSpeedParam& p = c_.params()[i];
+  TorchTreeBuilder b;
+  const PickleNodeId tensor = b.Tensor(
+      DType::kF32, UniversalShape(c_, p),
+      [this, i, state](std::span<std::byte> out) { return FillState(i, state, out); },
+      state == DeepSpeedState::kMaster);
+  PickleNodeId root = tensor;
+  if (!FlatForm(c_)) {
+    const DeepSpeedUniversalKeys& k = p.universal;
+    root = b.Dict();
+    if (k.cat_dim) b.Insert(root, b.Str("cat_dim"), b.Int(*k.cat_dim));
+    if (k.n_sub_params) b.Insert(root, b.Str("param_n_sub_params"), b.Int(*k.n_sub_params));
+    if (k.vocab_tensor) b.Insert(root, b.Str("vocab_tensor"), b.Bool(true));
+    b.Insert(root, b.Str("param"), tensor);
+  }
+  return b.Write(path, root, RootFor(path));
+}
+
+Status UniversalWriter::WriteStep(size_t i, const std::string& path) const {
+  const DeepSpeedStep& step = c_.params()[i].steps.front();
+  TorchTreeBuilder b;
+  RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(*step.file, step.node));
+  return b.Write(path, root, RootFor(path));
+}
+
+// The value under str key `key` of dict node `id`, or kNoPickleNode.
+PickleNodeId DictGet(const PickleTree& t, PickleNodeId id, std::string_view key) {
+  if (id == kNoPickleNode || t.node(id).kind != PickleKind::kDict) return kNoPickleNode;
+  for (const auto& [k, v] : t.node(id).entries) {
+    if (t.node(k).kind == PickleKind::kStr && t.node(k).text == key) return v;
+  }
+  return kNoPickleNode;
+}
+
+// zero/optimizer_state.pt. ZeRO 1/2: TP 0, DP 0's optimizer_state_dict without its
+// partitioned entries (base_optimizer_state, param_slice_mappings,
+// single_partition_of_fp32_groups), group_paddings zeroed and partition_count set to DP for
+// every group, then base_optimizer_state's param_groups. ZeRO 3: the whole
+// optimizer_state_dict, then its inner optimizer_state_dict's param_groups (the same object).
+// ZeRO 0: ds_version and the torch optimizer's param_groups.
+Status UniversalWriter::WriteOptimizerState(const std::string& path) const {
+  const TorchFile& f = *c_.optimizer_file();
+  const PickleTree& t = f.tree();
+  TorchTreeBuilder b;
+  auto missing = [&](std::string_view what) {
+    return InvalidArgumentError(
+        fmt::format("the optimizer state of \"{}\": {} is missing", c_.tag_dir(), what));
+  };
+  if (c_.stage() == 0) {
+    PickleNodeId opt = DictGet(t, t.root(), "optimizer");
+    if (PickleNodeId inner = DictGet(t, opt, "optimizer_state_dict"); inner != kNoPickleNode)
+      opt = inner;
+    const PickleNodeId groups = DictGet(t, opt, "param_groups");
+    const PickleNodeId version = DictGet(t, t.root(), "ds_version");
+    if (groups == kNoPickleNode) return missing("optimizer.param_groups");
+    const PickleNodeId root = b.Dict();
+    if (version != kNoPickleNode) {
+      RESHARD_ASSIGN_OR_RETURN(PickleNodeId v, b.Copy(f, version));
+      b.Insert(root, b.Str("ds_version"), v);
+    }
+    RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
+    b.Insert(root, b.Str("param_groups"), g);
+    return b.Write(path, root, RootFor(path));
+  }
+  const PickleNodeId sd = DictGet(t, t.root(), "optimizer_state_dict");
+  if (sd == kNoPickleNode) return missing("optimizer_state_dict");
+  if (c_.stage() == 3) {
+    const PickleNodeId groups = DictGet(t, DictGet(t, sd, "optimizer_state_dict"), "param_groups");
+    if (groups == kNoPickleNode) return missing("optimizer_state_dict.optimizer_state_dict");
+    RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(f, sd));
+    RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
+    b.Insert(root, b.Str("param_groups"), g);
+    return b.Write(path, root, RootFor(path));
+  }
+  const PickleNodeId groups = DictGet(t, DictGet(t, sd, "base_optimizer_state"), "param_groups");
+  if (groups == kNoPickleNode) return missing("optimizer_state_dict.base_optimizer_state");
+  const PickleNodeId root = b.Dict();
+  for (const auto& [k, v] : t.node(sd).entries) {
+    const std::string& key = t.node(k).text;
+    if (key == "base_optimizer_state" || key == "param_slice_mappings" ||
+        key == "single_partition_of_fp32_groups") {
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(PickleNodeId key_copy, b.Copy(f, k));
+    const PickleNode& value = t.node(v);
+    if ((key == "group_paddings" || key == "partition_count") && value.kind == PickleKind::kList &&
+        !value.items.empty()) {
+      std::vector<PickleNodeId> items;
+      for (size_t g = 0; g < value.items.size(); ++g)
+        items.push_back(b.Int(key == "group_paddings" ? 0 : c_.dp()));
+      b.Insert(root, key_copy, b.List(std::move(items)));
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(PickleNodeId value_copy, b.Copy(f, v));
+    b.Insert(root, key_copy, value_copy);
+  }
+  RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
+  b.Insert(root, b.Str("param_groups"), g);
+  return b.Write(path, root, RootFor(path));
+}
+
+Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) const {
+  switch (job.kind) {
+    case UniversalJob::kState:
+      return WriteState(job.param, job.state, path);
+    case UniversalJob::kStep:
+      return WriteStep(job.param, path);
+    case UniversalJob::kOptimizer:
+      return WriteOptimizerState(path);
+    case UniversalJob::kCopy: {
+      std::error_code ec;
+      fs::copy_file(job.source, path, ec);
+      if (ec) return ErrnoStatus(ec.value(), "copying \"" + job.source + "\" to", path);
+      return Status::Ok();
+    }
+  }
+  return InternalError("unknown job");
+}
+
+// The files to write, largest first (so the pool ends evenly), and the folders they need.
+Result<std::vector<UniversalJob>> PlanUniversal(const DeepSpeedCheckpoint& c,
+                                                const std::string& folder) {
+  std::vector<UniversalJob> jobs;
+  const std::string zero = folder + "/zero";
+  for (size_t i = 0; i < c.params().size(); ++i) {
+    const DeepSpeedParam& p = c.params()[i];
+    if (p.name.empty() || p.name == "." || p.name == ".." ||
+        p.name.find('/') != std::string::npos || p.name.find('\0') != std::string::npos) {
+      return InvalidArgumentError(
+          fmt::format("parameter \"{}\" cannot name a folder of the universal checkpoint", p.name));
+    }
+    if (p.universal.sub_param_shape) {
+      return UnimplementedError(fmt::format(
+          "parameter \"{}\" matches universal_checkpoint_info.parameter_with_sub_params, whose "
+          "SubparamShape record the universal writer does not write yet",
+          p.name));
+    }
+    const uint64_t bytes = static_cast<uint64_t>(ProductOf(UniversalShape(c, p))) * 4;
+    for (DeepSpeedState s : kUniversalStates) {
+      jobs.push_back({UniversalJob::kState, i, s, "",
+                      fmt::format("{}/{}/{}.pt", zero, p.name, DeepSpeedStateName(s)), bytes});
+    }
+    if (c.stage() != 3 && p.steps.front().file != nullptr &&
+        p.steps.front().node != kNoPickleNode) {
+      jobs.push_back({UniversalJob::kStep, i, DeepSpeedState::kMaster, "",
+                      fmt::format("{}/{}/step.pt", zero, p.name), 4});
+    }
+  }
+  jobs.push_back(
+      {UniversalJob::kOptimizer, 0, DeepSpeedState::kMaster, "", zero + "/optimizer_state.pt", 0});
+  for (const std::string& path : c.model_states_paths()) {
+    std::error_code ec;
+    const uint64_t size = fs::file_size(path, ec);
+    jobs.push_back({UniversalJob::kCopy, 0, DeepSpeedState::kMaster, path,
+                    fmt::format("{}/{}", folder, fs::path(path).filename().string()),
+                    ec ? 0 : size});
+  }
+  std::stable_sort(jobs.begin(), jobs.end(),
+                   [](const UniversalJob& a, const UniversalJob& b) { return a.bytes > b.bytes; });
+  return jobs;
+}
+
+// Runs fn(i) for every i < count on `threads` threads; the first error stops the rest.
+Status RunJobs(size_t count, int threads, const std::function<Status(size_t)>& fn) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads =
+      static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(count, 1)));
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  Status first;
+  auto worker = [&] {
+    for (size_t i = next++; i < count && !failed; i = next++) {
+      Status s = fn(i);
+      if (s.ok()) continue;
+      std::lock_guard<std::mutex> lock(mu);
+      if (first.ok()) first = std::move(s);
+      failed = true;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return first;
+}
+
+}  // namespace
+
+Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
+                                   const CheckpointOptions& options) {
+  if (options.communicator != nullptr && options.communicator->size() > 1) {
+    return UnimplementedError(
+        "the universal checkpoint is written by one process; run it without a launcher");
+  }
+  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint c, DeepSpeedCheckpoint::Open(ckpt_dir));
+  if (!c.has_optimizer_state() || c.optimizer_file() == nullptr) {
+    return FailedPreconditionError(fmt::format(
+        "\"{}\" holds no optimizer state, which a universal checkpoint is made of", c.tag_dir()));
+  }
+  const std::string folder = fs::path(c.tag_dir()).filename().string() + "_universal";
+  RESHARD_ASSIGN_OR_RETURN(std::vector<UniversalJob> jobs, PlanUniversal(c, folder));
+  std::vector<std::string> inputs = {c.tag_dir()};
+  for (const std::string& p : c.file_paths()) inputs.push_back(p);
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OutputDirectory::Create(out_dir, options.overwrite, inputs));
+  std::error_code ec;
+  for (const UniversalJob& job : jobs) {
+    const std::string dir = fs::path(out.FilePath(job.name)).parent_path().string();
+    fs::create_directories(dir, ec);
+    if (ec) return ErrnoStatus(ec.value(), "creating", dir);
+  }
+  uint64_t total = 0;
+  for (const UniversalJob& job : jobs) total += job.bytes;
+  std::atomic<uint64_t> done{0};
+  std::mutex progress_mu;
+  const UniversalWriter writer(c, options);
+  RESHARD_RETURN_IF_ERROR(RunJobs(jobs.size(), options.num_threads, [&](size_t j) -> Status {
+    const UniversalJob& job = jobs[j];
+    RESHARD_RETURN_IF_ERROR(writer.Write(job, out.FilePath(job.name)));
+    const uint64_t now = done += job.bytes;
+    if (options.progress) {
+      std::lock_guard<std::mutex> lock(progress_mu);
+      options.progress(now, total);
+    }
+    return Status::Ok();
+  }));
+  RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath("latest_universal"), folder));
+  if (options.stats != nullptr) {
+    ProcessStats mine;
+    for (const UniversalJob& job : jobs) mine.files.push_back(job.name);
+    mine.files.push_back("latest_universal");
+    mine.bytes_written = total;
+    options.stats->processes = {std::move(mine)};
+  }
+  return out.Commit();
+}
+
+}  // namespace reshard

@@ -1,0 +1,195 @@
+"""reshard convert --to universal on real DeepSpeed training checkpoints (ds_checkpoints.py).
+
+The checkpoints are the CI matrix of test_deepspeed_checkpoints.py (trained once per session).
+
+- Where ds_to_universal converts (ZeRO 1-3 with AutoTP, ZeRO 3 at TP 1): our output holds the
+  same files, and torch.load gives the same objects from each, key for key, tensor for tensor
+  (dtype, shape, requires_grad, bits), records (loss scaler, ZeRO stage) attribute for
+  attribute; latest_universal names the folder as DeepSpeed's does.
+- Where it refuses (ZeRO 0, TP 1 below ZeRO 3): our fp32 states rounded to the module's dtype
+  are the module's full weights, and the layout is the one DeepSpeed loads.
+- DeepSpeed resumes from ours with "load_universal": at another TP x DP exactly as from its own
+  output (the next step's loss on every DP rank), and from the checkpoints it refuses at the
+  same TP x DP with the loss the training run recorded (ZeRO 0 resumes under ZeRO 1: DeepSpeed's
+  ZeRO 0 optimizers load no universal checkpoint). Two torchrun launches run them all.
+"""
+
+import dataclasses
+import subprocess
+
+import pytest
+import torch
+
+from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
+    ds_checkpoint, ds_to_universal, resume_launch, universal_accepts)
+from test_deepspeed_checkpoints import CI_SPECS, model_states, optim_states
+
+SPECS = CI_SPECS
+ACCEPTED = [s for s in SPECS if universal_accepts(s)]
+REFUSED = [s for s in SPECS if not universal_accepts(s)]
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def converted(ds_checkpoint, tmp_path_factory, reshard_bin):
+    """{spec: (our save dir, DeepSpeed's save dir or None)}: each holds latest_universal and
+    the universal folder it names."""
+    ds_checkpoint.prepare(SPECS)
+    base = tmp_path_factory.mktemp("universal")
+    out = {}
+    for spec in SPECS:
+        ckpt = ds_checkpoint(spec)
+        ours = base / f"{spec.name}-reshard"
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", ours)
+        assert r.returncode == 0, r.stderr
+        theirs = ds_to_universal(ckpt, base / f"{spec.name}-deepspeed").parent \
+            if universal_accepts(spec) else None
+        out[spec] = (ours, theirs)
+    return out
+
+
+def same(a, b, path):
+    """torch.load results equal: the same types, dict keys in order, tensors bit for bit with
+    their dtype, shape and requires_grad, records attribute for attribute."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+        assert torch.equal(a.detach().reshape(-1).view(torch.uint8),
+                           b.detach().reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}.{i}")
+    elif hasattr(a, "__dict__"):
+        same(vars(a), vars(b), path)
+    else:
+        assert a == b, (path, a, b)
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def saved_step(ckpt):
+    """The torch optimizer's step as the checkpoint holds it (the same for every parameter;
+    ZeRO 0 under bf16 counts 3 after two engine steps)."""
+    if ckpt.spec.stage == 0:
+        optimizer = model_states(ckpt, 0)["optimizer"]
+        return optimizer.get("optimizer_state_dict", optimizer)["state"][0]["step"]
+    return optim_states(ckpt, 0, 0)["base_optimizer_state"]["state"][0]["step"]
+
+
+def files(root):
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("spec", ACCEPTED, ids=lambda s: s.name)
+def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
+    ours, theirs = converted[spec]
+    assert files(ours) == files(theirs)
+    assert (ours / "latest_universal").read_text() == (theirs / "latest_universal").read_text()
+    for f in files(ours):
+        if f.name.endswith("_model_states.pt"):  # copied
+            assert (ours / f).read_bytes() == (theirs / f).read_bytes(), f
+        elif f.suffix == ".pt":
+            same(torch.load(ours / f, weights_only=False),
+                 torch.load(theirs / f, weights_only=False), str(f))
+
+
+@pytest.mark.parametrize("spec", REFUSED, ids=lambda s: s.name)
+def test_universal_output_of_what_ds_to_universal_refuses_holds_the_module(ds_checkpoint,
+                                                                           converted, spec):
+    ckpt = ds_checkpoint(spec)
+    ours, _ = converted[spec]
+    folder = ours / (ours / "latest_universal").read_text()
+    assert folder.name == f"{ckpt.tag}_universal"
+    full = ckpt.full()
+    assert sorted(p.name for p in (folder / "zero").iterdir()) == sorted([*full,
+                                                                          "optimizer_state.pt"])
+    for name, weight in full.items():
+        states = {p.stem: torch.load(p, weights_only=True)
+                  for p in (folder / "zero" / name).iterdir()}
+        assert sorted(states) == ["exp_avg", "exp_avg_sq", "fp32", "step"], name
+        fp32 = states["fp32"]
+        # With AutoTP the affine map gives the layout, and only the vocabulary is marked; TP 1
+        # gets what ds_to_universal --inject_missing_state writes: TP shards "concatenated" on 0.
+        want = {"cat_dim": 0} if spec.tp == 1 else \
+            {"vocab_tensor": True} if name == "lm_head.weight" else {}
+        assert list(fp32) == [*want, "param"], name
+        assert all(fp32[k] == v for k, v in want.items()), name
+        assert fp32["param"].dtype == torch.float32 and fp32["param"].requires_grad
+        assert torch.equal(fp32["param"].detach().to(weight.dtype), weight), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert states[moment]["param"].shape == weight.shape, (name, moment)
+        assert same_bits(states["step"], saved_step(ckpt)), name
+    optimizer = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)
+    assert optimizer["param_groups"][0]["lr"] > 0
+    model_states = sorted(p.name for p in folder.glob("*_model_states.pt"))
+    assert model_states == sorted(p.name for p in ckpt.tag_dir.glob("*_model_states.pt"))
+
+
+# Where each checkpoint resumes: the TP x DP of another launch (DeepSpeed cannot load the flat
+# ZeRO 3 files of a TP 1 run at TP 2: it resumes at its own topology, as the refused ones do).
+def resume_topology(spec):
+    if not universal_accepts(spec) or (spec.tp == 1 and spec.stage == 3):
+        return (spec.tp, spec.dp)
+    return (1, 3) if (spec.tp, spec.dp) == (2, 2) else (2, 2)
+
+
+@pytest.fixture(scope="module")
+def resumed(converted, tmp_path_factory):
+    """{(spec, "reshard" | "deepspeed"): {dp_rank: next loss}} of DeepSpeed resumed from our
+    output and from its own at resume_topology(spec): one launch per topology."""
+    base = tmp_path_factory.mktemp("resumed")
+    by_topology = {}
+    for spec in SPECS:
+        ours, theirs = converted[spec]
+        stage = max(spec.stage, 1)  # ZeRO 0's optimizers cannot load a universal checkpoint
+        jobs = by_topology.setdefault(resume_topology(spec), [])
+        at = dataclasses.replace(spec, stage=stage)
+        jobs.append((at, ours, f"{spec.name}-reshard"))
+        if theirs is not None and resume_topology(spec) != (spec.tp, spec.dp):
+            jobs.append((at, theirs, f"{spec.name}-deepspeed"))
+    out = {}
+    for (tp, dp), jobs in by_topology.items():
+        losses = resume_launch(tp, dp, jobs, base / f"tp{tp}-dp{dp}")
+        for spec in SPECS:
+            for how in ("reshard", "deepspeed"):
+                if f"{spec.name}-{how}" in losses:
+                    out[(spec, how)] = losses[f"{spec.name}-{how}"]
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_deepspeed_resumes_from_the_universal_output(ds_checkpoint, resumed, spec):
+    ours = resumed[(spec, "reshard")]
+    if resume_topology(spec) == (spec.tp, spec.dp):
+        assert ours == ds_checkpoint(spec).next_loss
+    else:
+        assert sorted(ours) == list(range(resume_topology(spec)[1]))
+        assert ours == resumed[(spec, "deepspeed")]
+
+
+def test_convert_to_universal_refuses_other_inputs_and_flags(tmp_path, reshard_bin,
+                                                             ds_checkpoint):
+    ckpt = ds_checkpoint(SPECS[0])
+    out = tmp_path / "out"
+    for extra in (["--tp", "2"], ["--weights-only"], ["--max-shard-size", "1MB"]):
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", *extra, "-o", out)
+        assert r.returncode == 2 and ("--to universal" in r.stderr or "excludes" in r.stderr), \
+            (extra, r.stderr)
+    not_ds = tmp_path / "empty"
+    not_ds.mkdir()
+    r = run(reshard_bin, "convert", not_ds, "--to", "universal", "-o", out)
+    assert r.returncode == 2 and "not one" in r.stderr, r.stderr
+    r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "gguf", "-o", out)
+    assert r.returncode == 2, r.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
