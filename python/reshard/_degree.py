@@ -51,21 +51,39 @@ class DegreeReport:
         }
 
 
+def _json_text(source: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> str:
+    """A dict as JSON, or the text of the JSON file at a path."""
+    if isinstance(source, Mapping):
+        return json.dumps(source)
+    with open(source, encoding="utf-8") as f:
+        return f.read()
+
+
 def degree(config_or_path: Union[str, os.PathLike[str], Mapping[str, Any]],
            tp: Optional[int] = None, engine: str = "transformers", *,
-           transformers_version: Optional[str] = None) -> DegreeReport:
+           transformers_version: Optional[str] = None,
+           distributed_config: Union[None, str, os.PathLike[str], Mapping[str, Any]] = None
+           ) -> DegreeReport:
     """The degrees a model supports, decided from its config (a config.json path, or the
     config as a dict) before any weight is read. With ``tp``, the verdict on that degree.
-    ``engine`` is "transformers" or "vllm". Raises DegreeError for a config the planner cannot
-    read, FileNotFoundError for a missing file."""
-    if isinstance(config_or_path, Mapping):
-        text = json.dumps(config_or_path)
-    else:
-        with open(config_or_path, encoding="utf-8") as f:
-            text = f.read()
+    ``engine`` is "transformers" or "vllm".
+
+    ``distributed_config`` is transformers' ``DistributedConfig`` (the object itself, its
+    ``to_dict()``, or a path to it as JSON): its ``tp_size`` is the degree asked for when
+    ``tp`` is not given (the two must agree when both are), expert parallelism
+    (``enable_expert_parallel``, ``ep_size`` > 1) answers for the model's expert-parallel
+    plan, and ``tp_plan`` / ``ep_plan`` override the model's entries. Unknown keys are refused.
+
+    Raises DegreeError for a config or distributed config the planner cannot read,
+    FileNotFoundError for a missing file."""
+    text = _json_text(config_or_path)
     if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
         raise ValueError(f"tp must be a positive integer, not {tp!r}")
-    d = _core.degree(text, tp, engine, transformers_version)
+    distributed = None
+    if distributed_config is not None:
+        to_dict = getattr(distributed_config, "to_dict", None)
+        distributed = _json_text(to_dict() if callable(to_dict) else distributed_config)
+    d = _core.degree(text, tp, engine, transformers_version, distributed)
     refusal = d["refusal"]
     return DegreeReport(
         max_tp_degree=d["max_tp_degree"], degrees=list(d["degrees"]), requested=d["requested"],

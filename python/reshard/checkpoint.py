@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from typing import Any, Callable, Mapping, Optional, Union
 
-from . import _cli, _core
-from ._errors import CheckpointError
+from . import _core
 from ._maps import MapLike, as_map, read_maps
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -109,18 +107,10 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: int,
 
 def inspect(path: PathLike) -> dict[str, Any]:
     """What ``reshard inspect --json`` reports: the tensors (name, dtype, shape) and structure
-    of a .pt, .safetensors, reshard or DeepSpeed checkpoint."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
-    run = subprocess.run([_cli.binary(), "inspect", path, "--json"], capture_output=True,
-                         text=True, check=False)
-    if run.returncode != 0:
-        message = run.stderr.strip().removeprefix("reshard inspect: ")
-        error = CheckpointError(message)
-        error.code = "INVALID_ARGUMENT" if run.returncode == 2 else "INTERNAL"
-        raise error
-    result: dict[str, Any] = json.loads(run.stdout)
+    of a .pt, .safetensors, reshard or DeepSpeed checkpoint. Nothing is loaded: only headers,
+    manifests and pickles are read. Raises FileNotFoundError for a missing path and
+    CheckpointError (the CLI's message) for a file that is corrupt or of no known format."""
+    result: dict[str, Any] = json.loads(_core.inspect(os.fspath(path), True))
     return result
 
 

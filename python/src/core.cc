@@ -148,6 +148,7 @@ PYBIND11_MODULE(_core, m) {
   BindMaps(m);
   BindExec(m);
   BindFiles(m);
+  BindDist(m);
   m.def("read_safetensors", &ReadSafetensors, py::arg("path"),
         "A safetensors file as {name: (dtype, shape, bytes)} in file order; ValueError naming "
         "the rule for a corrupt file.");

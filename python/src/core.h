@@ -50,6 +50,7 @@ class MapHandle {
 void BindMaps(py::module_& m);
 void BindExec(py::module_& m);
 void BindFiles(py::module_& m);
+void BindDist(py::module_& m);
 
 }  // namespace reshard::python
 

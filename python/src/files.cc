@@ -10,6 +10,7 @@
 
 #include "core.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/inspect.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_config.h"
 #include "reshard/hf/model_maps.h"
@@ -18,9 +19,6 @@
 
 namespace reshard::python {
 namespace {
-
-using Progress = std::function<void(uint64_t, uint64_t)>;
-using Warn = std::function<void(const std::string&, const std::string&)>;
 
 // The options of every checkpoint operation. A Python callback runs under the GIL; the first
 // exception it raises is kept and raised again once the operation returns.
@@ -39,6 +37,23 @@ struct CallbackError {
   std::optional<py::error_already_set> error;
 };
 
+// `f` as a library callback, callable from any thread without the GIL: each call takes the
+// GIL, and once `f` has raised, later calls do nothing. The Python function is held through a
+// shared_ptr so that copies of the callback made without the GIL touch no reference count.
+template <typename... Args>
+std::function<void(Args...)> UnderGil(const py::function& f, std::shared_ptr<CallbackError> err) {
+  auto held = std::make_shared<py::function>(f);
+  return [held, err](Args... args) {
+    py::gil_scoped_acquire acquire;
+    if (err->error) return;
+    try {
+      (*held)(args...);
+    } catch (py::error_already_set& e) {
+      err->error = std::move(e);
+    }
+  };
+}
+
 CheckpointOptions ToOptions(const PyCheckpointOptions& o, std::shared_ptr<CallbackError> err) {
   CheckpointOptions c;
   c.overwrite = o.overwrite;
@@ -47,29 +62,16 @@ CheckpointOptions ToOptions(const PyCheckpointOptions& o, std::shared_ptr<Callba
   c.allow_scaled_optimizer_state = o.allow_scaled_optimizer_state;
   c.allow_lossy_scale = o.allow_lossy_scale;
   c.num_threads = o.num_threads;
-  if (o.progress) {
-    c.progress = [f = *o.progress, err](uint64_t done, uint64_t total) {
-      py::gil_scoped_acquire acquire;
-      if (err->error) return;
-      try {
-        f(done, total);
-      } catch (py::error_already_set& e) {
-        err->error = std::move(e);
-      }
-    };
-  }
-  if (o.warn) {
-    c.warn = [f = *o.warn, err](const std::string& parameter, const std::string& message) {
-      py::gil_scoped_acquire acquire;
-      if (err->error) return;
-      try {
-        f(parameter, message);
-      } catch (py::error_already_set& e) {
-        err->error = std::move(e);
-      }
-    };
-  }
+  if (o.progress) c.progress = UnderGil<uint64_t, uint64_t>(*o.progress, err);
+  if (o.warn) c.warn = UnderGil<const std::string&, const std::string&>(*o.warn, err);
   return c;
+}
+
+// Maps handed over from Python as [(name, map)], each validated, as a map document.
+MapDocument DocumentOf(const std::vector<std::pair<std::string, MapHandle*>>& maps) {
+  MapDocument doc;
+  for (const auto& [name, map] : maps) doc.params.emplace_back(name, map->Valid());
+  return doc;
 }
 
 // Runs `op` without the GIL; raises the callback's exception, else the operation's error.
@@ -86,10 +88,9 @@ void RunCheckpointOp(const PyCheckpointOptions& py_options, Op op) {
 }
 
 void ScatterWithMaps(const std::string& full_dir, const std::string& out_dir,
-                     std::vector<std::pair<std::string, MapHandle*>>& maps,
+                     const std::vector<std::pair<std::string, MapHandle*>>& maps,
                      const PyCheckpointOptions& o) {
-  MapDocument doc;
-  for (auto& [name, map] : maps) doc.params.emplace_back(name, map->Valid());
+  const MapDocument doc = DocumentOf(maps);
   if (doc.params.empty()) throw py::value_error("scatter: no maps given");
   const int world = doc.params.front().second.world_size();
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
@@ -133,13 +134,10 @@ void PyGather(const std::string& sharded_dir, const std::string& out_dir,
 }
 
 void PyConvert(const std::string& sharded_dir, int world, const std::string& out_dir,
-               std::optional<std::vector<std::pair<std::string, MapHandle*>>> target_maps,
+               const std::optional<std::vector<std::pair<std::string, MapHandle*>>>& target_maps,
                const PyCheckpointOptions& o) {
   std::optional<MapDocument> target;
-  if (target_maps) {
-    target.emplace();
-    for (auto& [name, map] : *target_maps) target->params.emplace_back(name, map->Valid());
-  }
+  if (target_maps) target = DocumentOf(*target_maps);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     return Convert(sharded_dir, world, target, out_dir, options);
   });
@@ -151,7 +149,8 @@ py::object OptionalInt(const std::optional<int64_t>& v) {
 
 // The fields of `reshard degree --json`.
 py::dict Degree(const std::string& config_json, std::optional<int64_t> tp,
-                const std::string& engine, const std::optional<std::string>& transformers_version) {
+                const std::string& engine, const std::optional<std::string>& transformers_version,
+                const std::optional<std::string>& distributed_config_json) {
   const TpRegistry& registry = BuiltinTpRegistry();
   PlanOptions options;
   if (engine != "transformers" && engine != "vllm") {
@@ -163,9 +162,16 @@ py::dict Degree(const std::string& config_json, std::optional<int64_t> tp,
     if (!v.ok()) Raise(v.status().Annotate("transformers_version"), ErrorKind::kDegree);
     options.transformers_version = *v;
   }
+  if (distributed_config_json) {
+    Result<DistributedConfig> d = ParseDistributedConfigJson(registry, *distributed_config_json);
+    if (!d.ok()) Raise(d.status().Annotate("distributed config"), ErrorKind::kDegree);
+    options.distributed = *std::move(d);
+  }
+  Result<std::optional<int64_t>> requested = RequestedDegree(tp, options.distributed);
+  if (!requested.ok()) Raise(requested.status(), ErrorKind::kDegree);
   Result<ModelConfig> config = ReadModelConfigJson(registry, config_json);
   if (!config.ok()) Raise(config.status(), ErrorKind::kDegree);
-  const DegreeAnswer a = PlanDegree(ResolvePlan(registry, *config, options), tp);
+  const DegreeAnswer a = PlanDegree(ResolvePlan(registry, *config, options), *requested);
   py::list constraints;
   for (const ResolvedEntry& e : a.constraints) {
     py::dict c;
@@ -185,6 +191,16 @@ py::dict Degree(const std::string& config_json, std::optional<int64_t> tp,
                            : py::object(py::none());
   d["notes"] = a.notes;
   return d;
+}
+
+// The report of `reshard inspect` (JSON, or the text for a person) on a file or directory.
+std::string PyInspect(const std::string& path, bool json) {
+  Result<std::string> report = [&] {
+    py::gil_scoped_release release;
+    return Inspect(path, json ? InspectFormat::kJson : InspectFormat::kText);
+  }();
+  if (!report.ok()) Raise(report.status(), ErrorKind::kCheckpoint);
+  return *std::move(report);
 }
 
 }  // namespace
@@ -207,7 +223,8 @@ void BindFiles(py::module_& m) {
   m.def("gather", &PyGather);
   m.def("convert", &PyConvert);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
-        py::arg("transformers_version"));
+        py::arg("transformers_version"), py::arg("distributed_config_json"));
+  m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));
   m.def("parse_byte_size", [](const std::string& text) {
     Result<uint64_t> bytes = ParseByteSize(text);
     if (!bytes.ok()) Raise(bytes.status(), ErrorKind::kCheckpoint);

@@ -2,6 +2,7 @@
 torch tensors and numpy arrays of every dtype (bit for bit against DeepSpeed's affine.py),
 out= in place, strided and offset inputs, the errors, checkpoints and the degree planner."""
 
+import importlib
 import json
 import logging
 import os
@@ -258,6 +259,36 @@ def test_checkpoint_functions_mirror_the_cli(tmp_path):
         reshard.checkpoint.inspect(tmp_path / "missing")
 
 
+def test_inspect_is_the_library_report_without_the_cli(tmp_path, reshard_bin, monkeypatch):
+    from safetensors.torch import save_file
+    (tmp_path / "full").mkdir()
+    save_file({"w": torch.randn(8, 4)}, str(tmp_path / "full" / "model.safetensors"))
+    torch.save({"w": torch.randn(3), "step": 7}, tmp_path / "state.pt")
+    reshard.checkpoint.scatter(tmp_path / "full", tmp_path / "tp2",
+                               maps={"w": split_map([8, 4], 0, [4, 4])})
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{")
+    cli = {}
+    for name in ("full/model.safetensors", "state.pt", "tp2"):
+        r = subprocess.run([reshard_bin, "inspect", str(tmp_path / name), "--json"],
+                           capture_output=True, text=True, check=True)
+        cli[name] = json.loads(r.stdout)
+    r = subprocess.run([reshard_bin, "inspect", str(tmp_path / "bad.safetensors")],
+                       capture_output=True, text=True)
+    cli_error = r.stderr.strip().removeprefix("reshard inspect: ")
+
+    def no_cli():
+        raise AssertionError("inspect ran the CLI")
+    monkeypatch.setattr(importlib.import_module("reshard._cli"), "binary", no_cli)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: no_cli())
+    for name, want in cli.items():
+        assert reshard.checkpoint.inspect(tmp_path / name) == want, name
+    with pytest.raises(reshard.CheckpointError) as err:
+        reshard.checkpoint.inspect(tmp_path / "bad.safetensors")
+    assert str(err.value) == cli_error and err.value.code == "DATA_LOSS"
+    with pytest.raises(FileNotFoundError):
+        reshard.checkpoint.inspect(tmp_path / "missing")
+
+
 def test_degree_returns_a_typed_report(tmp_path):
     config = {"model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 4,
               "hidden_size": 768, "intermediate_size": 2048, "vocab_size": 32000,
@@ -275,6 +306,31 @@ def test_degree_returns_a_typed_report(tmp_path):
     path.write_text("{")
     with pytest.raises(reshard.DegreeError):
         reshard.degree(path)
+
+
+def test_degree_takes_the_distributed_config(tmp_path):
+    from transformers.distributed.configuration_utils import DistributedConfig
+    configs = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf-configs"
+    smol = configs / "HuggingFaceTB--SmolLM2-135M.printout.json"  # 9 attention heads
+    report = reshard.degree(smol, distributed_config={"tp_size": 3})
+    assert report.ok and report.requested == report.chosen == 3
+    refused = reshard.degree(smol, distributed_config=DistributedConfig(tp_size=2))
+    assert not refused.ok and refused.requested == 2 and "9 attention heads" in refused.refusal
+    path = tmp_path / "dist.json"
+    path.write_text(json.dumps({"tp_size": 3, "pp_size": 1}))
+    assert reshard.degree(smol, tp=3, distributed_config=path).chosen == 3
+    with pytest.raises(reshard.DegreeError, match=r'unknown key\(s\) "tp_sise"'):
+        reshard.degree(smol, distributed_config={"tp_size": 3, "tp_sise": 4})
+    with pytest.raises(reshard.DegreeError, match="tp 3 and the distributed config's tp_size 9"):
+        reshard.degree(smol, tp=3, distributed_config={"tp_size": 9})
+    # Expert parallelism answers for the model's expert-parallel plan: 8 experts bind.
+    mixtral = configs / "mistralai--Mixtral-8x7B-v0.1.json"
+    tp_only = reshard.degree(mixtral, tp=8)
+    with_ep = reshard.degree(mixtral, distributed_config={"tp_size": 8,
+                                                          "enable_expert_parallel": True})
+    assert with_ep.ok and with_ep.requested == 8
+    assert "experts" in [c.meaning for c in with_ep.constraints]
+    assert "experts" not in [c.meaning for c in tp_only.constraints]
 
 
 def test_python_dash_m_runs_the_cli():

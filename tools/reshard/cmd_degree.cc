@@ -121,19 +121,13 @@ Result<PlanOptions> ReadPlanOptions(const DegreeArgs& args, const TpRegistry& re
 }
 
 // The degree asked for: --tp, or the distributed config's tp_size (they must agree).
-Result<std::optional<int64_t>> RequestedDegree(const DegreeArgs& args, const PlanOptions& options) {
-  std::optional<int64_t> requested;
+Result<std::optional<int64_t>> DegreeAsked(const DegreeArgs& args, const PlanOptions& options) {
+  std::optional<int64_t> tp;
   if (args.tp) {
-    RESHARD_ASSIGN_OR_RETURN(requested, ParseDegree(*args.tp));
+    RESHARD_ASSIGN_OR_RETURN(tp, ParseDegree(*args.tp));
   }
-  if (options.distributed.tp_size) {
-    if (requested && *requested != *options.distributed.tp_size) {
-      return InvalidArgumentError(
-          fmt::format("--tp {} and the distributed config's tp_size {} disagree: give one",
-                      *requested, *options.distributed.tp_size));
-    }
-    requested = options.distributed.tp_size;
-  }
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<int64_t> requested,
+                           RequestedDegree(tp, options.distributed));
   if (!args.emit_maps.empty() && (args.weights.empty() || !requested))
     return InvalidArgumentError("--emit-maps needs --weights DIR and a degree (--tp N)");
   return requested;
@@ -151,7 +145,7 @@ Status EmitMaps(const DegreeArgs& args, const ModelPlan& plan, int64_t degree) {
 Status RunDegree(const DegreeArgs& args) {
   const TpRegistry& registry = BuiltinTpRegistry();
   RESHARD_ASSIGN_OR_RETURN(const PlanOptions options, ReadPlanOptions(args, registry));
-  RESHARD_ASSIGN_OR_RETURN(const std::optional<int64_t> requested, RequestedDegree(args, options));
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<int64_t> requested, DegreeAsked(args, options));
   RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(args.config));
   Result<ModelConfig> config = ReadModelConfigJson(registry, text);
   if (!config.ok())

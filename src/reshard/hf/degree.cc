@@ -394,6 +394,16 @@ std::optional<std::string> BrokenConstraint(const ModelPlan& plan, int64_t degre
   return FirstBrokenConstraint(DegreeConstraints(plan), degree);
 }
 
+Result<std::optional<int64_t>> RequestedDegree(std::optional<int64_t> tp,
+                                               const DistributedConfig& distributed) {
+  if (tp && distributed.tp_size && *tp != *distributed.tp_size) {
+    return InvalidArgumentError(
+        fmt::format("tp {} and the distributed config's tp_size {} disagree: give one", *tp,
+                    *distributed.tp_size));
+  }
+  return tp ? tp : distributed.tp_size;
+}
+
 DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested) {
   DegreeAnswer answer;
   answer.requested = requested;

@@ -109,6 +109,11 @@ struct DegreeAnswer {
   std::vector<std::string> notes;
 };
 
+/// The degree asked for: `tp`, else the distributed config's `tp_size`, else none.
+/// InvalidArgument naming both when both are given and differ.
+Result<std::optional<int64_t>> RequestedDegree(std::optional<int64_t> tp,
+                                               const DistributedConfig& distributed);
+
 /// The degrees `plan` supports and the verdict on `requested` (when given). A refusal means
 /// the model cannot be split as asked (exit 1): no plan, an unregistered style, a requested
 /// degree that fails a constraint, or counts that share no factor.

@@ -1,0 +1,473 @@
+"""Live re-sharding between processes over torch.distributed (DESIGN 14).
+
+Processes that hold a model's weights laid out by one set of maps (a trainer at TP 4) hand
+them to processes that need them laid out by another (an inference engine at TP 2) without
+any process building a full tensor: every process of the group calls :func:`redistribute`
+(or :meth:`Redistributor.run` to plan once and sync many times) with the source shards it
+holds, and gets back the target shards it holds.
+
+How the bytes move:
+
+- the maps of every parameter are composed once into a plan; a replicated source block is
+  read from a holder in the target's own process when there is one, otherwise from the holder
+  whose process has been given the fewest bytes to send so far over the whole model;
+- moves inside one process are copies; every other move joins the byte stream of its
+  (source process, target process) pair. Streams are cut into chunks so that each process
+  stages about ``bucket_bytes`` of outgoing and of incoming data per round; the strided-copy
+  engine packs a chunk from the shards (applying scale factors) and unpacks it into the
+  targets, with the GIL released;
+- round k sends chunk k of every stream with ``torch.distributed.batch_isend_irecv`` while
+  the process packs round k + 1 (and, in round 0, makes its local copies);
+- padding is never sent: a target's padding is zero-filled where it lies.
+
+Before any byte moves, the processes agree: the constructor checks the maps and rank lists
+on every process and compares them between processes, and every run checks each process's
+shards; a failure anywhere raises :class:`RedistributeError` on every process, naming the
+process and the values, instead of leaving the others waiting.
+
+Tensors are packed in host memory. Shards on another device (CUDA with NCCL) are staged
+through host memory explicitly: copied to the CPU to be packed, the chunks copied to the
+device the group's backend communicates from, and the results copied to the device of
+``out`` (or of the shards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Sequence, Union, overload
+
+from . import _core
+from ._maps import MapLike, ParamMap, as_map
+from ._tensors import _DTYPES, _SIZES, _dtype_key
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class RedistributeError(ValueError):
+    """A re-sharding that cannot run, raised on every process of the group alike."""
+
+
+def _members(group: Any) -> list[int]:
+    import torch.distributed as dist
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return [int(r) for r in dist.get_process_group_ranks(group)]
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch
+    for key, value in _DTYPES.items():
+        if value == name and hasattr(torch, key):
+            dtype: torch.dtype = getattr(torch, key)
+            return dtype
+    raise RedistributeError(f"torch has no dtype for {name}")
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = dtype if dtype in _SIZES else _DTYPES.get(_dtype_key(dtype))
+    if name is None:
+        raise RedistributeError(f"reshard does not move tensors of dtype {dtype}")
+    return str(name)
+
+
+def _ranks(ranks: Sequence[int], what: str, members: list[int]) -> list[int]:
+    ranks = [int(r) for r in ranks]
+    seen: set[int] = set()
+    for i, r in enumerate(ranks):
+        if r in seen:
+            raise RedistributeError(f"{what} names process {r} twice ({what}[{i}]); a process "
+                                    "holds at most one map rank of each side")
+        seen.add(r)
+        if r not in members:
+            raise RedistributeError(f"{what}[{i}] is process {r}, which is not in the group "
+                                    f"(its processes are {members})")
+    return ranks
+
+
+def _maps(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike],
+          source_ranks: list[int], target_ranks: list[int]
+          ) -> tuple[list[str], list[ParamMap], list[ParamMap]]:
+    missing = sorted(set(target_maps) - set(source_maps))
+    extra = sorted(set(source_maps) - set(target_maps))
+    if missing or extra:
+        raise RedistributeError(
+            "the source and target maps name different parameters: "
+            + "; ".join(s for s in (f"no source map for {missing}" if missing else "",
+                                    f"no target map for {extra}" if extra else "") if s))
+    names = sorted(target_maps)
+    src = [as_map(source_maps[n]) for n in names]
+    dst = [as_map(target_maps[n]) for n in names]
+    for name, s, d in zip(names, src, dst):
+        if s.world_size != len(source_ranks):
+            raise RedistributeError(f"parameter \"{name}\": the source map has {s.world_size} "
+                                    f"ranks but source_ranks names {len(source_ranks)} processes")
+        if d.world_size != len(target_ranks):
+            raise RedistributeError(f"parameter \"{name}\": the target map has {d.world_size} "
+                                    f"ranks but target_ranks names {len(target_ranks)} processes")
+        if s.valid_shape != d.valid_shape or s.logical_shape[1:] != d.logical_shape[1:]:
+            raise RedistributeError(
+                f"parameter \"{name}\": the source map describes a tensor of shape "
+                f"{list(s.logical_shape)} (valid {list(s.valid_shape)}) and the target map one "
+                f"of {list(d.logical_shape)} (valid {list(d.valid_shape)})")
+    return names, src, dst
+
+
+class Redistributor:
+    """A re-sharding planned once and run many times (a weight sync every step).
+
+    ``source_maps`` and ``target_maps`` are ``{name: ParamMap | dict}`` with the same names;
+    ``source_ranks[i]`` is the global rank of the process that holds map rank i of the source
+    side, ``target_ranks[j]`` likewise of the target side (the two may overlap, nest or be
+    disjoint; each names every process at most once). Every process of ``group`` (default: the
+    world) constructs it with the same arguments: construction is collective, and refuses
+    maps that differ between processes.
+
+    ``dtypes`` (one dtype, or ``{name: dtype}``) lets processes that hold no source shard know
+    what they receive; without it the first run learns the dtypes from the source shards.
+    ``bucket_bytes`` bounds the chunks a process stages per round in each direction (it packs
+    one round ahead, so up to twice that for sending). ``scale_power``,
+    ``allow_scaled_optimizer_state``, ``allow_lossy_scale`` and ``num_threads`` are those of
+    :func:`reshard.transfer`.
+    """
+
+    def __init__(self, source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike], *,
+                 source_ranks: Sequence[int], target_ranks: Sequence[int], group: Any = None,
+                 dtypes: Union[None, Any, Mapping[str, Any]] = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
+                 allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
+                 num_threads: int = 0) -> None:
+        import torch.distributed as dist
+        self._group = group
+        self._me = dist.get_rank()
+        self._members = _members(group)
+        self._options = _core.ExecOptions(scale_power, True, allow_scaled_optimizer_state,
+                                          allow_lossy_scale, num_threads)
+        self._bucket_bytes = int(bucket_bytes)
+        self._exchange: Optional[_core.Exchange] = None
+        self._dtypes: Optional[list[str]] = None
+        self.last_stats: Optional[dict[str, int]] = None
+        error, fingerprint = None, None
+        try:
+            if self._bucket_bytes < 64:
+                raise RedistributeError(f"bucket_bytes is {bucket_bytes}; give at least 64")
+            self._source_ranks = _ranks(source_ranks, "source_ranks", self._members)
+            self._target_ranks = _ranks(target_ranks, "target_ranks", self._members)
+            self._names, self._src, self._dst = _maps(source_maps, target_maps,
+                                                      self._source_ranks, self._target_ranks)
+            if dtypes is not None:
+                self._dtypes = [_dtype_name(dtypes[n] if isinstance(dtypes, Mapping) else dtypes)
+                                for n in self._names]
+            fingerprint = self._fingerprint()
+        except (ValueError, TypeError, IndexError) as e:
+            error = str(e)
+        self._agree_on_construction(error, fingerprint)
+        if self._dtypes is not None:
+            self._plan()
+
+    # -- agreement ------------------------------------------------------------------------
+
+    def _gather(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+        out: list[Any] = [None] * len(self._members)
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def _raise_any(self, errors: list[Optional[str]]) -> None:
+        failed = [(self._members[i], e) for i, e in enumerate(errors) if e is not None]
+        if failed:
+            raise RedistributeError("; ".join(f"process {p}: {e}" for p, e in failed))
+
+    def _fingerprint(self) -> dict[str, str]:
+        def digest(text: str) -> str:
+            return hashlib.sha256(text.encode()).hexdigest()[:16]
+        prints = {n: digest(s.to_json() + d.to_json())
+                  for n, s, d in zip(self._names, self._src, self._dst)}
+        prints[" ranks"] = digest(json.dumps([self._source_ranks, self._target_ranks,
+                                              self._dtypes, self._bucket_bytes]))
+        return prints
+
+    def _agree_on_construction(self, error: Optional[str],
+                               fingerprint: Optional[dict[str, str]]) -> None:
+        gathered = self._gather((error, fingerprint))
+        self._raise_any([e for e, _ in gathered])
+        first = gathered[0][1]
+        for i, (_, prints) in enumerate(gathered):
+            if prints == first:
+                continue
+            keys = sorted(set(prints) | set(first))
+            key = next(k for k in keys if prints.get(k) != first.get(k))
+            what = ("the rank lists, dtypes or bucket size" if key == " ranks"
+                    else f"the maps of parameter \"{key}\"")
+            raise RedistributeError(f"processes {self._members[0]} and {self._members[i]} were "
+                                    f"given different {what}; every process must pass the same")
+
+    # -- planning -------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        assert self._dtypes is not None
+        # Each process stages at most bucket_bytes per direction per round: a process talks to
+        # at most max(|sources|, |targets|) peers.
+        peers = max(len(self._source_ranks), len(self._target_ranks))
+        chunk = max(self._bucket_bytes // peers, 8)
+        self._exchange = _core.Exchange([m._handle for m in self._dst],
+                                        [m._handle for m in self._src], self._names,
+                                        self._dtypes, self._source_ranks, self._target_ranks,
+                                        chunk)
+
+    def schedule(self) -> dict[str, Any]:
+        """What a run moves, without moving it: ``{"rounds", "processes": {rank: {"sent",
+        "received", "local", "lower_bound", "segments_sent", "sends": [(round, peer, bytes)],
+        "receives": [...]}}}`` in bytes. ``lower_bound`` is what the process must receive at
+        least: the bytes of its target shards that no source shard in the process holds.
+        Needs the dtypes (given, or learned by a first run)."""
+        if self._exchange is None:
+            raise RedistributeError("the dtypes are not known yet: pass dtypes= or run once")
+        ex = self._exchange
+        procs = sorted(set(self._source_ranks) | set(self._target_ranks))
+        return {"rounds": ex.num_rounds,
+                "processes": {p: {**ex.stats(p), "sends": ex.sends(p),
+                                  "receives": ex.receives(p)} for p in procs}}
+
+    # -- a run ----------------------------------------------------------------------------
+
+    def _check_shards(self, shards: Mapping[str, "torch.Tensor"]) -> list[Optional["torch.Tensor"]]:
+        import torch
+        me = self._me
+        rank = self._source_ranks.index(me) if me in self._source_ranks else None
+        if rank is None:
+            if shards:
+                raise RedistributeError(f"holds no source rank but was given shards for "
+                                        f"{sorted(shards)[:4]}")
+            return [None] * len(self._names)
+        missing = [n for n in self._names if n not in shards]
+        extra = sorted(set(shards) - set(self._names))
+        if missing or extra:
+            raise RedistributeError(
+                f"holds source rank {rank}: " + (f"no shard given for {missing[:4]}" if missing
+                                                  else f"shards of unknown parameters {extra[:4]}"))
+        out: list[Optional[torch.Tensor]] = []
+        for i, name in enumerate(self._names):
+            t = shards[name]
+            if not isinstance(t, torch.Tensor):
+                raise RedistributeError(f"shards[\"{name}\"] is a {type(t).__name__}, "
+                                        "not a torch.Tensor")
+            need = self._src[i].shard_shape(rank)
+            if tuple(t.shape) != need:
+                raise RedistributeError(f"shards[\"{name}\"] has shape {list(t.shape)}; source "
+                                        f"rank {rank} of its map holds {list(need)}")
+            name_of = _dtype_name(t.dtype)
+            if self._dtypes is not None and name_of != self._dtypes[i]:
+                raise RedistributeError(
+                    f"shards[\"{name}\"] has dtype {t.dtype}; it moves as "
+                    f"{_torch_dtype(self._dtypes[i])}")
+            out.append(t)
+        return out
+
+    def _learn_dtypes(self, local: list[Optional["torch.Tensor"]], error: Optional[str]) -> None:
+        held = error is None and self._me in self._source_ranks
+        names = [_dtype_name(t.dtype) for t in local if t is not None] if held else None
+        gathered = self._gather((error, names))
+        self._raise_any([e for e, _ in gathered])
+        known = [(self._members[i], d) for i, (_, d) in enumerate(gathered) if d is not None]
+        first_proc, first = known[0]
+        for proc, d in known[1:]:
+            for name, a, b in zip(self._names, first, d):
+                if a != b:
+                    raise RedistributeError(f"parameter \"{name}\": process {first_proc} holds "
+                                            f"its shard as {_torch_dtype(a)}, process {proc} "
+                                            f"as {_torch_dtype(b)}")
+        self._dtypes = list(first)
+
+    def _agree_on_run(self, error: Optional[str], device: "torch.device") -> None:
+        import torch
+        import torch.distributed as dist
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, group=self._group)
+        if int(flag.item()):
+            self._raise_any([e for e in self._gather(error)])
+
+    def _targets(self, out: Optional[Mapping[str, "torch.Tensor"]], device: Any
+                 ) -> tuple[list[Optional["torch.Tensor"]], list[Optional["torch.Tensor"]]]:
+        """(the tensors returned, the dense host tensors written) per parameter."""
+        import torch
+        assert self._dtypes is not None
+        me = self._me
+        rank = self._target_ranks.index(me) if me in self._target_ranks else None
+        results: list[Optional[torch.Tensor]] = []
+        dense: list[Optional[torch.Tensor]] = []
+        for i, name in enumerate(self._names):
+            if rank is None:
+                results.append(None)
+                dense.append(None)
+                continue
+            shape = self._dst[i].shard_shape(rank)
+            dtype = _torch_dtype(self._dtypes[i])
+            given = None if out is None else out.get(name)
+            if given is None:
+                given = torch.empty(shape, dtype=dtype, device=device)
+            elif tuple(given.shape) != shape or given.dtype != dtype:
+                raise RedistributeError(f"out[\"{name}\"] is {given.dtype} of shape "
+                                        f"{list(given.shape)}; target rank {rank} needs {dtype} "
+                                        f"of shape {list(shape)}")
+            results.append(given)
+            host = given if given.device.type == "cpu" and given.is_contiguous() else \
+                torch.empty(shape, dtype=dtype)
+            dense.append(host)
+        return results, dense
+
+    def _comm_device(self) -> "torch.device":
+        import torch
+        import torch.distributed as dist
+        backend = str(dist.get_backend(self._group)).lower()
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def run(self, shards: Mapping[str, "torch.Tensor"],
+            out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
+            dry_run: bool = False) -> Any:
+        """This process's source shards ``{name: tensor}`` (empty when it holds none) -> its
+        target shards ``{name: tensor}`` (empty when it holds none), written into ``out`` where
+        given. With ``dry_run`` the shards are checked and :meth:`schedule` is returned;
+        nothing moves. Every process of the group must call it."""
+        import torch
+        comm = self._comm_device()
+        error = None
+        local: list[Optional[torch.Tensor]] = [None] * len(self._names)
+        try:
+            local = self._check_shards(shards)
+        except (ValueError, TypeError) as e:
+            error = str(e)
+        if self._exchange is None:
+            self._learn_dtypes(local, error)
+            self._plan()
+            error = None
+        device = next((t.device for t in local if t is not None), comm)
+        results: list[Optional[torch.Tensor]] = []
+        dense: list[Optional[torch.Tensor]] = []
+        if error is None:
+            try:
+                results, dense = self._targets(out, device)
+            except (ValueError, TypeError) as e:
+                error = str(e)
+        self._agree_on_run(error, comm)
+        if dry_run:
+            return self.schedule()
+        self._move([None if t is None else t.detach().to("cpu").contiguous() for t in local],
+                   dense, comm)
+        answer: dict[str, torch.Tensor] = {}
+        for name, result, host in zip(self._names, results, dense):
+            if result is None or host is None:
+                continue
+            if host is not result:
+                result.copy_(host)
+            answer[name] = result
+        return answer
+
+    def _move(self, sources: list[Optional["torch.Tensor"]],
+              targets: list[Optional["torch.Tensor"]], comm: "torch.device") -> None:
+        import torch
+        import torch.distributed as dist
+        ex = self._exchange
+        assert ex is not None
+        me = self._me
+
+        def addresses(ts: list[Optional[torch.Tensor]]) -> list[tuple[int, int]]:
+            return [(0, 0) if t is None else (int(t.data_ptr()), t.numel()) for t in ts]
+
+        src, dst = addresses(sources), addresses(targets)
+        sends = ex.sends(me)
+        receives = ex.receives(me)
+        rounds = ex.num_rounds
+
+        def by_round(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+            out: list[list[tuple[int, int, int]]] = [[] for _ in range(rounds)]
+            offset = [0] * rounds
+            for k, peer, n in items:
+                out[k].append((peer, offset[k], n))
+                offset[k] += (n + 63) // 64 * 64
+            return out
+
+        send_rounds, recv_rounds = by_round(sends), by_round(receives)
+
+        def size(items: list[list[tuple[int, int, int]]]) -> int:
+            return max([off + n for r in items for _, off, n in r] or [0])
+
+        send_bufs = [torch.empty(size(send_rounds), dtype=torch.uint8) for _ in range(2)]
+        recv_buf = torch.empty(size(recv_rounds), dtype=torch.uint8)
+        base = [int(b.data_ptr()) for b in send_bufs]
+
+        def pack(k: int) -> None:
+            for peer, off, n in send_rounds[k]:
+                ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options)
+
+        sent = received = 0
+        if rounds:
+            pack(0)
+        for k in range(rounds):
+            ops = []
+            staged: list[tuple[int, int, torch.Tensor]] = []
+            for peer, off, n in send_rounds[k]:
+                buf = send_bufs[k % 2][off:off + n]
+                ops.append(dist.P2POp(dist.isend, buf if comm.type == "cpu" else buf.to(comm),
+                                      peer, self._group))
+                sent += n
+            for peer, off, n in recv_rounds[k]:
+                buf = recv_buf[off:off + n]
+                if comm.type != "cpu":
+                    buf = torch.empty(n, dtype=torch.uint8, device=comm)
+                    staged.append((off, n, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self._group))
+                received += n
+            requests = dist.batch_isend_irecv(ops) if ops else []
+            if k == 0:
+                ex.copy_local(me, src, dst, self._options)
+            if k + 1 < rounds:
+                pack(k + 1)
+            for request in requests:
+                request.wait()
+            for off, n, buf in staged:
+                recv_buf[off:off + n].copy_(buf)
+            for peer, off, n in recv_rounds[k]:
+                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
+        if not rounds:
+            ex.copy_local(me, src, dst, self._options)
+        stats = ex.stats(me)
+        self.last_stats = {"sent": sent, "received": received, "local": int(stats["local"]),
+                           "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
+
+
+@overload
+def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike],
+                 shards: Mapping[str, "torch.Tensor"], *, source_ranks: Sequence[int],
+                 target_ranks: Sequence[int], group: Any = ...,
+                 out: Optional[Mapping[str, "torch.Tensor"]] = ..., dry_run: Literal[False] = ...,
+                 **options: Any) -> dict[str, "torch.Tensor"]: ...
+
+
+@overload
+def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike],
+                 shards: Mapping[str, "torch.Tensor"], *, source_ranks: Sequence[int],
+                 target_ranks: Sequence[int], group: Any = ...,
+                 out: Optional[Mapping[str, "torch.Tensor"]] = ..., dry_run: Literal[True],
+                 **options: Any) -> dict[str, Any]: ...
+
+
+def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike],
+                 shards: Mapping[str, "torch.Tensor"], *, source_ranks: Sequence[int],
+                 target_ranks: Sequence[int], group: Any = None,
+                 out: Optional[Mapping[str, "torch.Tensor"]] = None, dry_run: bool = False,
+                 **options: Any) -> Any:
+    """One re-sharding: this process's source shards -> its target shards (see
+    :class:`Redistributor`, whose keyword options it takes; use one to sync repeatedly).
+    With ``dry_run=True`` it returns :meth:`Redistributor.schedule` and moves nothing."""
+    r = Redistributor(source_maps, target_maps, source_ranks=source_ranks,
+                      target_ranks=target_ranks, group=group, **options)
+    return r.run(shards, out, dry_run=dry_run)
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "redistribute"]

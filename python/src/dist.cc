@@ -1,0 +1,425 @@
+// reshard._core: the schedule behind reshard.distributed (DESIGN 14).
+//
+// An Exchange composes every parameter's maps once, with a replica policy that knows which
+// process holds which map rank, and turns the plans into a schedule between processes:
+//
+//   - moves whose source and target shards live in the same process are local copies;
+//   - every other move joins the byte stream of its (source process, target process) pair, in
+//     parameter order, then plan order. A stream is cut into chunks of at most `chunk_bytes`
+//     (a move that straddles a cut is split into the boxes of its row-major index range), and
+//     round k of the exchange carries chunk k of every stream;
+//   - each element sits in a chunk at an offset aligned to its size, so a chunk is one flat
+//     byte buffer that the strided-copy engine packs from the source shards (applying the
+//     move's factor) and unpacks into the target shards.
+//
+// Every pack, unpack and local copy is a small transfer plan precomputed here and run through
+// ExecutePlan, so bounds checks, scale powers and the exactness of scales are those of
+// reshard.transfer. Processes are named by any int (Python passes global ranks).
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "core.h"
+#include "reshard/base/dtype.h"
+#include "reshard/exec/executor.h"
+
+namespace reshard::python {
+namespace {
+
+// A move (or part of one) placed in a chunk.
+struct Segment {
+  size_t param = 0;
+  size_t move = 0;
+  Index lo = 0, hi = 0;   // the range of the move's row-major index space it carries
+  Index byte_offset = 0;  // where it starts in the chunk
+};
+
+// Calls `emit(start, shape)` for boxes that tile the row-major index range [lo, hi) of `shape`
+// in order; each box is contiguous in that order. At most 2 * rank boxes.
+template <typename Emit>
+void RangeBoxes(const Shape& shape, size_t d, Shape& start, Index lo, Index hi, Emit& emit) {
+  if (lo >= hi) return;
+  Index inner = 1;
+  for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
+  auto box = [&](Index first, Index count) {
+    Shape s(shape.size(), 1), at = start;
+    at[d] = first;
+    s[d] = count;
+    for (size_t k = d + 1; k < shape.size(); ++k) s[k] = shape[k], at[k] = 0;
+    emit(at, s);
+  };
+  if (lo % inner != 0) {  // the partial row lo lies in
+    const Index row = lo / inner;
+    const Index end = std::min(hi, (row + 1) * inner);
+    start[d] = row;
+    RangeBoxes(shape, d + 1, start, lo - row * inner, end - row * inner, emit);
+    lo = end;
+    if (lo >= hi) return;
+  }
+  if (hi / inner > lo / inner) box(lo / inner, hi / inner - lo / inner);
+  if (hi % inner != 0) {
+    const Index row = hi / inner;
+    start[d] = row;
+    RangeBoxes(shape, d + 1, start, 0, hi - row * inner, emit);
+  }
+}
+
+Shape RowMajor(const Shape& shape) {
+  Shape strides(shape.size(), 1);
+  for (size_t k = shape.size(); k-- > 1;)
+    strides[k - 1] = strides[k] * std::max<Index>(shape[k], 1);
+  return strides;
+}
+
+Index Dot(const Shape& index, const Shape& strides) {
+  Index at = 0;
+  for (size_t k = 0; k < index.size(); ++k) at += index[k] * strides[k];
+  return at;
+}
+
+// One precomputed step: a plan of one parameter between one source buffer and one target
+// buffer (either may be a chunk).
+struct Step {
+  size_t param = 0;
+  ParamPlan plan;
+};
+
+struct Chunk {
+  Index bytes = 0;
+  std::vector<Segment> segments;
+  std::vector<Step> pack, unpack;
+};
+
+// The replica policy between processes: a holder in the target's own process when there is
+// one (a local copy); otherwise the holder whose process has been given the fewest bytes to
+// send so far over the whole model, ties to one whose read continues a planned move, then to
+// the lowest rank.
+class ProcessPolicy {
+ public:
+  ProcessPolicy(const std::vector<int>& src_proc, const std::vector<int>& dst_proc,
+                std::map<int, Index>& send_load, std::map<int, Index>& lower_bound)
+      : src_proc_(src_proc),
+        dst_proc_(dst_proc),
+        send_load_(send_load),
+        lower_bound_(lower_bound) {}
+
+  void set_itemsize(Index itemsize) { itemsize_ = itemsize; }
+
+  Rank operator()(const ReplicaChoice& c) {
+    const int here = dst_proc_[static_cast<size_t>(c.dst_rank)];
+    for (Rank h : c.holders) {
+      if (src_proc_[static_cast<size_t>(h)] == here) return h;
+    }
+    const Index bytes = c.elements * itemsize_;
+    lower_bound_[here] += bytes;
+    auto load = [&](Rank h) { return send_load_[src_proc_[static_cast<size_t>(h)]]; };
+    Rank best = c.holders.front();
+    for (Rank h : c.holders) {
+      const bool continues = std::binary_search(c.continuing.begin(), c.continuing.end(), h);
+      const bool best_continues =
+          std::binary_search(c.continuing.begin(), c.continuing.end(), best);
+      if (load(h) < load(best) || (load(h) == load(best) && continues && !best_continues)) best = h;
+    }
+    send_load_[src_proc_[static_cast<size_t>(best)]] += bytes;
+    return best;
+  }
+
+ private:
+  const std::vector<int>& src_proc_;
+  const std::vector<int>& dst_proc_;
+  std::map<int, Index>& send_load_;
+  std::map<int, Index>& lower_bound_;
+  Index itemsize_ = 1;
+};
+
+class Exchange {
+ public:
+  using Pair = std::pair<int, int>;  // (source process, target process)
+
+  Exchange(std::vector<MapHandle*> targets, std::vector<MapHandle*> sources,
+           std::vector<std::string> names, std::vector<std::string> dtypes,
+           std::vector<int> src_proc, std::vector<int> dst_proc, Index chunk_bytes)
+      : names_(std::move(names)), src_proc_(std::move(src_proc)), dst_proc_(std::move(dst_proc)) {
+    if (chunk_bytes < 8) throw py::value_error("chunk_bytes must be at least 8");
+    for (const std::string& d : dtypes) dtypes_.push_back(LoadDType(d));
+    std::vector<const ParamMap*> t, s;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      t.push_back(&targets[i]->Valid());
+      s.push_back(&sources[i]->Valid());
+    }
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = Plan(t, s, chunk_bytes);
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kMap);
+  }
+
+  size_t num_rounds() const { return rounds_; }
+
+  // [(round, peer, bytes)] this process sends (or receives), in round order, then peer order.
+  std::vector<std::tuple<size_t, int, Index>> Transfers(int proc, bool sending) const {
+    std::vector<std::tuple<size_t, int, Index>> out;
+    for (const auto& [pair, chunks] : streams_) {
+      if ((sending ? pair.first : pair.second) != proc) continue;
+      for (size_t k = 0; k < chunks.size(); ++k) {
+        out.emplace_back(k, sending ? pair.second : pair.first, chunks[k].bytes);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  // {"sent", "received", "local", "lower_bound", "segments_sent"} for one process, in bytes.
+  py::dict Stats(int proc) const {
+    Index sent = 0, received = 0, segments = 0;
+    for (const auto& [pair, chunks] : streams_) {
+      for (const Chunk& c : chunks) {
+        if (pair.first == proc) sent += c.bytes, segments += static_cast<Index>(c.segments.size());
+        if (pair.second == proc) received += c.bytes;
+      }
+    }
+    py::dict d;
+    d["sent"] = sent;
+    d["received"] = received;
+    d["local"] = Lookup(local_bytes_, proc);
+    d["lower_bound"] = Lookup(lower_bound_, proc);
+    d["segments_sent"] = segments;
+    return d;
+  }
+
+  // Source shards of this process (one (address, elements) per parameter; (0, 0) for a
+  // parameter it holds no source shard of) -> the chunk of `round` it sends to `peer`.
+  void Pack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
+            const std::vector<std::pair<uintptr_t, Index>>& sources, const ExecOptions& options) {
+    const Chunk& c = ChunkOf(proc, peer, round, buffer_bytes);
+    Run(c.pack, sources, buffer, buffer_bytes, true, options,
+        "packing for process " + std::to_string(peer));
+  }
+
+  void Unpack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
+              const std::vector<std::pair<uintptr_t, Index>>& targets, const ExecOptions& options) {
+    const Chunk& c = ChunkOf(peer, proc, round, buffer_bytes);
+    Run(c.unpack, targets, buffer, buffer_bytes, false, options,
+        "unpacking from process " + std::to_string(peer));
+  }
+
+  // The moves inside this process, and zeros in its target padding.
+  void CopyLocal(int proc, const std::vector<std::pair<uintptr_t, Index>>& sources,
+                 const std::vector<std::pair<uintptr_t, Index>>& targets,
+                 const ExecOptions& options) {
+    auto it = local_.find(proc);
+    if (it == local_.end()) return;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      for (const Step& step : it->second) {
+        const auto& [sa, sn] = sources.at(step.param);
+        const auto& [ta, tn] = targets.at(step.param);
+        const ConstBuffer in[] = {{reinterpret_cast<const std::byte*>(sa), sn}};
+        const MutableBuffer out[] = {{reinterpret_cast<std::byte*>(ta), tn}};
+        status = ExecutePlan(step.plan, dtypes_[step.param], in, out, options)
+                     .Annotate("\"" + names_[step.param] + "\": copying inside the process");
+        if (!status.ok()) break;
+      }
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kData);
+  }
+
+ private:
+  static Index Lookup(const std::map<int, Index>& m, int key) {
+    auto it = m.find(key);
+    return it == m.end() ? 0 : it->second;
+  }
+
+  static DType LoadDType(const std::string& name) {
+    std::optional<DType> dtype = DTypeFromName(name);
+    if (!dtype) throw py::value_error("unknown dtype \"" + name + "\"");
+    return *dtype;
+  }
+
+  const Chunk& ChunkOf(int src, int dst, size_t round, Index buffer_bytes) const {
+    auto it = streams_.find({src, dst});
+    if (it == streams_.end() || round >= it->second.size()) {
+      throw py::index_error("no chunk from process " + std::to_string(src) + " to process " +
+                            std::to_string(dst) + " in round " + std::to_string(round));
+    }
+    const Chunk& c = it->second[round];
+    if (buffer_bytes < c.bytes) {
+      throw py::value_error("chunk buffer has " + std::to_string(buffer_bytes) + " bytes, needs " +
+                            std::to_string(c.bytes));
+    }
+    return c;
+  }
+
+  // Runs steps between the shards and one chunk (`to_chunk`: shards -> chunk).
+  void Run(const std::vector<Step>& steps, const std::vector<std::pair<uintptr_t, Index>>& shards,
+           uintptr_t buffer, Index buffer_bytes, bool to_chunk, const ExecOptions& options,
+           const std::string& what) {
+    Status status;
+    {
+      py::gil_scoped_release release;
+      for (const Step& step : steps) {
+        const Index item = static_cast<Index>(DTypeSize(dtypes_[step.param]));
+        const auto& [addr, n] = shards.at(step.param);
+        std::byte* chunk = reinterpret_cast<std::byte*>(buffer);
+        std::byte* shard = reinterpret_cast<std::byte*>(addr);
+        const ConstBuffer in[] = {to_chunk ? ConstBuffer{shard, n}
+                                           : ConstBuffer{chunk, buffer_bytes / item}};
+        const MutableBuffer out[] = {to_chunk ? MutableBuffer{chunk, buffer_bytes / item}
+                                              : MutableBuffer{shard, n}};
+        status = ExecutePlan(step.plan, dtypes_[step.param], in, out, options)
+                     .Annotate("\"" + names_[step.param] + "\": " + what);
+        if (!status.ok()) break;
+      }
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kData);
+  }
+
+  Status Plan(const std::vector<const ParamMap*>& targets,
+              const std::vector<const ParamMap*>& sources, Index chunk_bytes) {
+    std::map<int, Index> send_load;
+    ProcessPolicy policy(src_proc_, dst_proc_, send_load, lower_bound_);
+    ComposeOptions options;
+    options.policy = [&policy](const ReplicaChoice& c) { return policy(c); };
+    std::vector<ParamPlan> plans;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      if (targets[i]->world_size() != static_cast<int>(dst_proc_.size()) ||
+          sources[i]->world_size() != static_cast<int>(src_proc_.size())) {
+        return FailedPreconditionError(
+            "\"" + names_[i] + "\": the maps have " + std::to_string(sources[i]->world_size()) +
+            " source and " + std::to_string(targets[i]->world_size()) + " target ranks, but " +
+            std::to_string(src_proc_.size()) + " source and " + std::to_string(dst_proc_.size()) +
+            " target processes were named");
+      }
+      policy.set_itemsize(static_cast<Index>(DTypeSize(dtypes_[i])));
+      Result<ParamPlan> plan = Compose(*targets[i], *sources[i], options);
+      if (!plan.ok()) return plan.status().Annotate("\"" + names_[i] + "\"");
+      plans.push_back(*std::move(plan));
+    }
+    std::map<Pair, std::vector<std::pair<size_t, size_t>>> remote;  // (param, move) per pair
+    for (size_t i = 0; i < plans.size(); ++i) {
+      PlanLocal(i, plans[i]);
+      for (size_t j = 0; j < plans[i].moves.size(); ++j) {
+        const Move& m = plans[i].moves[j];
+        const Pair pair{src_proc_[static_cast<size_t>(m.src_rank)],
+                        dst_proc_[static_cast<size_t>(m.dst_rank)]};
+        if (pair.first != pair.second && m.num_elements() > 0) remote[pair].push_back({i, j});
+      }
+    }
+    for (const auto& [pair, moves] : remote) {
+      std::vector<Chunk>& chunks = streams_[pair];
+      Cut(plans, moves, chunk_bytes, chunks);
+      for (Chunk& c : chunks) Steps(plans, c);
+      rounds_ = std::max(rounds_, chunks.size());
+    }
+    return Status::Ok();
+  }
+
+  // The moves of parameter i that stay inside a process, and its target padding.
+  void PlanLocal(size_t i, const ParamPlan& plan) {
+    std::map<int, ParamPlan> per_proc;
+    auto local = [&](int proc) -> ParamPlan& {
+      ParamPlan& p = per_proc[proc];
+      p.source_world = p.target_world = 1;
+      return p;
+    };
+    for (const Move& m : plan.moves) {
+      const int proc = dst_proc_[static_cast<size_t>(m.dst_rank)];
+      if (src_proc_[static_cast<size_t>(m.src_rank)] != proc) continue;
+      Move copy = m;
+      copy.src_rank = copy.dst_rank = 0;
+      local_bytes_[proc] += m.num_elements() * static_cast<Index>(DTypeSize(dtypes_[i]));
+      local(proc).moves.push_back(std::move(copy));
+    }
+    for (const UnwrittenBlock& u : plan.unwritten) {
+      UnwrittenBlock copy = u;
+      copy.dst_rank = 0;
+      local(dst_proc_[static_cast<size_t>(u.dst_rank)]).unwritten.push_back(std::move(copy));
+    }
+    for (auto& [proc, p] : per_proc) local_[proc].push_back({i, std::move(p)});
+  }
+
+  // Cuts one pair's stream into chunks of at most chunk_bytes.
+  void Cut(const std::vector<ParamPlan>& plans, const std::vector<std::pair<size_t, size_t>>& moves,
+           Index chunk_bytes, std::vector<Chunk>& chunks) const {
+    chunks.emplace_back();
+    for (const auto& [i, j] : moves) {
+      const Index item = static_cast<Index>(DTypeSize(dtypes_[i]));
+      const Index n = plans[i].moves[j].num_elements();
+      for (Index lo = 0; lo < n;) {
+        Chunk* c = &chunks.back();
+        Index at = (c->bytes + item - 1) / item * item;
+        if (at + item > chunk_bytes) {
+          c = &chunks.emplace_back();
+          at = 0;
+        }
+        const Index take = std::min(n - lo, (chunk_bytes - at) / item);
+        c->segments.push_back({i, j, lo, lo + take, at});
+        c->bytes = at + take * item;
+        lo += take;
+      }
+    }
+  }
+
+  // The pack and unpack plans of one chunk: one step per parameter, one move per box.
+  void Steps(const std::vector<ParamPlan>& plans, Chunk& c) const {
+    for (const Segment& seg : c.segments) {
+      const Move& m = plans[seg.param].moves[seg.move];
+      const Index item = static_cast<Index>(DTypeSize(dtypes_[seg.param]));
+      if (c.pack.empty() || c.pack.back().param != seg.param) {
+        ParamPlan one;
+        one.source_world = one.target_world = 1;
+        c.pack.push_back({seg.param, one});
+        c.unpack.push_back({seg.param, one});
+      }
+      const Shape move_strides = RowMajor(m.shape);
+      Shape start(m.shape.size(), 0);
+      auto emit = [&](const Shape& at, const Shape& shape) {
+        const StridedView in_chunk{seg.byte_offset / item + Dot(at, move_strides) - seg.lo,
+                                   RowMajor(shape)};
+        const StridedView in_src{m.src.offset + Dot(at, m.src.strides), m.src.strides};
+        const StridedView in_dst{m.dst.offset + Dot(at, m.dst.strides), m.dst.strides};
+        c.pack.back().plan.moves.push_back({0, 0, shape, in_src, in_chunk, m.factor});
+        c.unpack.back().plan.moves.push_back({0, 0, shape, in_chunk, in_dst, 1.0});
+      };
+      RangeBoxes(m.shape, 0, start, seg.lo, seg.hi, emit);
+    }
+  }
+
+  std::vector<std::string> names_;
+  std::vector<DType> dtypes_;
+  std::vector<int> src_proc_, dst_proc_;
+  std::map<Pair, std::vector<Chunk>> streams_;
+  std::map<int, std::vector<Step>> local_;
+  std::map<int, Index> local_bytes_, lower_bound_;
+  size_t rounds_ = 0;
+};
+
+}  // namespace
+
+void BindDist(py::module_& m) {
+  py::class_<Exchange>(m, "Exchange")
+      .def(py::init<std::vector<MapHandle*>, std::vector<MapHandle*>, std::vector<std::string>,
+                    std::vector<std::string>, std::vector<int>, std::vector<int>, Index>(),
+           py::arg("targets"), py::arg("sources"), py::arg("names"), py::arg("dtypes"),
+           py::arg("source_procs"), py::arg("target_procs"), py::arg("chunk_bytes"))
+      .def_property_readonly("num_rounds", &Exchange::num_rounds)
+      .def("sends", [](const Exchange& e, int proc) { return e.Transfers(proc, true); })
+      .def("receives", [](const Exchange& e, int proc) { return e.Transfers(proc, false); })
+      .def("stats", &Exchange::Stats, py::arg("proc"))
+      .def("pack", &Exchange::Pack, py::arg("proc"), py::arg("peer"), py::arg("round"),
+           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"))
+      .def("unpack", &Exchange::Unpack, py::arg("proc"), py::arg("peer"), py::arg("round"),
+           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("targets"), py::arg("options"))
+      .def("copy_local", &Exchange::CopyLocal, py::arg("proc"), py::arg("sources"),
+           py::arg("targets"), py::arg("options"));
+}
+
+}  // namespace reshard::python

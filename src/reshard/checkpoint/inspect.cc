@@ -1,0 +1,472 @@
+#include "reshard/checkpoint/inspect.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/base/index.h"
+#include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/io/file.h"
+#include "reshard/io/mapped_file.h"
+#include "reshard/io/safetensors.h"
+#include "reshard/io/torch_file.h"
+#include "reshard/ir/map_summary.h"
+#include "reshard/layouts/descriptor.h"
+
+namespace reshard {
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::ordered_json;
+
+// ---- Model views: a reshard sharded checkpoint or a Hugging Face directory as one model.
+
+enum class ModelDir {
+  kNone,         // neither
+  kSharded,      // reshard.json
+  kHuggingFace,  // config.json and model.safetensors or model.safetensors.index.json
+};
+
+ordered_json RanksJson(const ShardedParam& p) {
+  const MapSummary summary = Summarize(p.map);
+  ordered_json ranks = ordered_json::array();
+  for (Rank r = 0; r < p.map.world_size(); ++r) {
+    const RankSummary& s = summary.ranks[static_cast<size_t>(r)];
+    ranks.push_back({{"rank", r},
+                     {"shard_shape", p.map.rank(r).shard_shape},
+                     {"pieces", s.pieces},
+                     {"elements", s.elements},
+                     {"replicated_elements", s.replicated_elements}});
+  }
+  return ranks;
+}
+
+ordered_json ShardedJson(const ShardedCheckpoint& c) {
+  const Manifest& m = c.manifest();
+  ordered_json files = ordered_json::object();
+  for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
+  ordered_json constraints = ordered_json::array();
+  for (const DegreeConstraint& k : m.constraints) {
+    constraints.push_back({{"module", k.module},
+                           {"style", k.style},
+                           {"count", k.count},
+                           {"meaning", k.meaning},
+                           {"replicate_above", k.replicate_above}});
+  }
+  ordered_json params = ordered_json::array();
+  for (const ShardedParam& p : m.params) {
+    ordered_json one = {
+        {"name", p.name}, {"dtype", DTypeName(p.dtype)}, {"logical_shape", p.map.logical_shape()}};
+    if (p.map.has_padding()) one["valid_shape"] = p.map.valid_shape();
+    one["scale_power"] = p.scale_power;
+    if (p.layout) one["layout"] = ordered_json::parse(LayoutToJson(*p.layout));
+    one["ranks"] = RanksJson(p);
+    params.push_back(std::move(one));
+  }
+  return {{"format", "reshard"}, {"world_size", m.world_size}, {"bytes", c.total_bytes()},
+          {"files", files},      {"constraints", constraints}, {"params", params}};
+}
+
+void AppendSharded(const std::string& dir, const ordered_json& j, std::string& out) {
+  fmt::format_to(std::back_inserter(out),
+                 "\"{}\": reshard sharded checkpoint: world size {}, {} parameters, {} bytes\n",
+                 dir, j["world_size"].get<int>(), j["params"].size(), j["bytes"].get<uint64_t>());
+  for (const ordered_json& k : j["constraints"]) {
+    fmt::format_to(std::back_inserter(out), "  constraint: {} ({}) splits {} {}{}\n",
+                   k["module"].get<std::string>(), k["style"].get<std::string>(),
+                   k["count"].get<int64_t>(), k["meaning"].get<std::string>(),
+                   k["replicate_above"].get<bool>() ? ", replicated above" : "");
+  }
+  for (const ordered_json& p : j["params"]) {
+    fmt::format_to(std::back_inserter(out), "  {}  {} {}", p["name"].get<std::string>(),
+                   p["dtype"].get<std::string>(), FormatShape(p["logical_shape"].get<Shape>()));
+    if (p.contains("valid_shape")) {
+      fmt::format_to(std::back_inserter(out), " (valid {})",
+                     FormatShape(p["valid_shape"].get<Shape>()));
+    }
+    if (p["scale_power"].get<int>() != 1)
+      fmt::format_to(std::back_inserter(out), "  scale^{}", p["scale_power"].get<int>());
+    if (p.contains("layout"))
+      fmt::format_to(std::back_inserter(out), "  layout {}", p["layout"].dump());
+    std::string ranks;
+    for (const ordered_json& r : p["ranks"]) {
+      const auto pieces = r["pieces"].get<int64_t>();
+      const auto replicated = r["replicated_elements"].get<int64_t>();
+      ranks += fmt::format("{}rank {}: {} in {} piece{}{}", ranks.empty() ? "" : "; ",
+                           r["rank"].get<int>(), FormatShape(r["shard_shape"].get<Shape>()), pieces,
+                           pieces == 1 ? "" : "s",
+                           replicated > 0 ? fmt::format(", {} replicated", replicated) : "");
+    }
+    fmt::format_to(std::back_inserter(out), "\n    {}\n", ranks);
+  }
+  for (const auto& [rank, files] : j["files"].items()) {
+    fmt::format_to(std::back_inserter(out), "  rank {} files: {}\n", rank, files.dump());
+  }
+}
+
+ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
+  const std::vector<std::string> paths = c.file_paths();
+  ordered_json files = ordered_json::array();
+  for (const std::string& p : paths) files.push_back(fs::path(p).filename().string());
+  ordered_json tensors = ordered_json::array();
+  for (const TensorRef& t : c.tensors()) {
+    tensors.push_back({{"name", t.info->name},
+                       {"dtype", DTypeName(t.info->dtype)},
+                       {"shape", t.info->shape},
+                       {"bytes", t.data.size()},
+                       {"file", files[t.file]}});
+  }
+  const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  return {{"format", "huggingface"},
+          {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
+          {"bytes", c.total_bytes()},
+          {"files", files},
+          {"tensors", tensors}};
+}
+
+void AppendHuggingFace(const std::string& dir, const ordered_json& j, std::string& out) {
+  fmt::format_to(std::back_inserter(out),
+                 "\"{}\": Hugging Face checkpoint{}: {} tensors, {} bytes in {} file{}\n", dir,
+                 j["index"].is_null() ? "" : " (model.safetensors.index.json)", j["tensors"].size(),
+                 j["bytes"].get<uint64_t>(), j["files"].size(), j["files"].size() == 1 ? "" : "s");
+  for (const ordered_json& t : j["tensors"]) {
+    fmt::format_to(std::back_inserter(out), "  {}  {} {}  {}\n", t["name"].get<std::string>(),
+                   t["dtype"].get<std::string>(), FormatShape(t["shape"].get<Shape>()),
+                   t["file"].get<std::string>());
+  }
+}
+
+ModelDir ModelDirOf(const std::string& dir) {
+  std::error_code ec;
+  const fs::path d(dir);
+  if (fs::is_regular_file(d / kManifestName, ec)) return ModelDir::kSharded;
+  if (fs::is_regular_file(d / "config.json", ec) &&
+      (fs::exists(d / "model.safetensors", ec) ||
+       fs::exists(d / "model.safetensors.index.json", ec))) {
+    return ModelDir::kHuggingFace;
+  }
+  return ModelDir::kNone;
+}
+
+Result<ordered_json> ModelView(const std::string& dir, ModelDir kind) {
+  if (kind == ModelDir::kSharded) {
+    RESHARD_ASSIGN_OR_RETURN(const ShardedCheckpoint c, ShardedCheckpoint::Open(dir));
+    return ShardedJson(c);
+  }
+  if (kind == ModelDir::kHuggingFace) {
+    RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint c, FullCheckpoint::Open(dir));
+    return HuggingFaceJson(dir, c);
+  }
+  return ordered_json(nullptr);
+}
+
+void AppendModelView(const std::string& dir, const ordered_json& view, std::string& out) {
+  if (!view.is_object()) return;
+  if (view["format"] == "reshard") {
+    AppendSharded(dir, view, out);
+  } else {
+    AppendHuggingFace(dir, view, out);
+  }
+}
+
+std::vector<std::string> ModelFiles(const ordered_json& view) {
+  std::vector<std::string> out;
+  if (!view.is_object()) return out;
+  if (view["format"] == "reshard") {
+    for (const auto& [rank, files] : view["files"].items()) {
+      for (const auto& f : files) out.push_back(f.get<std::string>());
+    }
+  } else {
+    for (const auto& f : view["files"]) out.push_back(f.get<std::string>());
+  }
+  return out;
+}
+
+// ---- Files.
+
+std::string Hex(std::string_view bytes) {
+  std::string out;
+  for (char c : bytes) out += fmt::format("{:02x}", static_cast<unsigned char>(c));
+  return out;
+}
+
+// The object tree as JSON: plain values as themselves (dicts with only str keys as objects),
+// tuples, sets, bytes, tensors, globals and records as one-key objects saying what they are.
+ordered_json TreeJson(const TorchFile& f, PickleNodeId id) {
+  const PickleNode& n = f.tree().node(id);
+  switch (n.kind) {
+    case PickleKind::kNone:
+      return nullptr;
+    case PickleKind::kBool:
+      return n.bool_value;
+    case PickleKind::kInt:
+      return n.int_value;
+    case PickleKind::kBigInt:
+      return {{"int_bytes_le", Hex(n.text)}};
+    case PickleKind::kFloat:
+      if (std::isfinite(n.float_value)) return n.float_value;
+      return {{"float", fmt::format("{}", n.float_value)}};
+    case PickleKind::kStr:
+      return n.text;
+    case PickleKind::kBytes:
+      return {{"bytes", Hex(n.text)}};
+    case PickleKind::kGlobal:
+      return {{"global", n.text}};
+    case PickleKind::kPersistentId:
+      return {{"persistent_id", TreeJson(f, n.items[0])}};
+    case PickleKind::kList:
+    case PickleKind::kTuple:
+    case PickleKind::kSet: {
+      ordered_json items = ordered_json::array();
+      for (PickleNodeId c : n.items) items.push_back(TreeJson(f, c));
+      if (n.kind == PickleKind::kList) return items;
+      return {{n.kind == PickleKind::kTuple ? "tuple" : "set", items}};
+    }
+    case PickleKind::kDict: {
+      const bool str_keys = std::all_of(n.entries.begin(), n.entries.end(), [&](auto& e) {
+        return f.tree().node(e.first).kind == PickleKind::kStr;
+      });
+      ordered_json out = str_keys ? ordered_json::object() : ordered_json::array();
+      for (const auto& [k, v] : n.entries) {
+        if (str_keys) {
+          // Keys are unique (the reader keeps the last value of a repeated key): append
+          // without ordered_json's linear lookup, which is quadratic over a large dict.
+          out.get_ref<ordered_json::object_t&>().emplace_back(f.tree().node(k).text,
+                                                              TreeJson(f, v));
+        } else {
+          out.push_back(ordered_json::array({TreeJson(f, k), TreeJson(f, v)}));
+        }
+      }
+      return str_keys ? out : ordered_json{{"dict", out}};
+    }
+    case PickleKind::kRecord: {
+      if (const TorchTensor* t = f.TensorAt(id)) return {{"tensor", t->name}};
+      const PickleNode& args = f.tree().node(n.args);
+      if (!args.items.empty() && f.TensorAt(args.items[0]) != nullptr) {
+        return {{"tensor", f.TensorAt(args.items[0])->name}};  // a parameter
+      }
+      ordered_json out = {{"record", n.text}, {"args", TreeJson(f, n.args)["tuple"]}};
+      if (n.state != kNoPickleNode) out["state"] = TreeJson(f, n.state);
+      return out;
+    }
+  }
+  return nullptr;
+}
+
+ordered_json TorchJson(const TorchFile& f) {
+  ordered_json tensors = ordered_json::array();
+  for (const TorchTensor& t : f.tensors()) {
+    tensors.push_back({{"name", t.name},
+                       {"dtype", t.dtype.name},
+                       {"shape", t.shape},
+                       {"strides", t.strides},
+                       {"storage_offset", t.storage_offset},
+                       {"storage", f.storages()[t.storage].key},
+                       {"bytes", t.num_bytes()},
+                       {"contiguous", t.is_contiguous()},
+                       {"requires_grad", t.requires_grad},
+                       {"parameter", t.parameter}});
+  }
+  ordered_json storages = ordered_json::array();
+  for (const TorchStorage& s : f.storages()) {
+    storages.push_back(
+        {{"key", s.key}, {"dtype", s.dtype.name}, {"numel", s.numel}, {"bytes", s.bytes.size()}});
+  }
+  return {{"format", "torch"},
+          {"root", f.root()},
+          {"tensors", tensors},
+          {"storages", storages},
+          {"tree", TreeJson(f, f.tree().root())}};
+}
+
+// "path = value" for every value of the tree that is not a tensor or a container of them.
+void ValueLines(const TorchFile& f, PickleNodeId id, const std::string& path,
+                std::vector<std::string>& out) {
+  const PickleNode& n = f.tree().node(id);
+  const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
+  const auto line = [&](const std::string& v) {
+    out.push_back((path.empty() ? "(root)" : path) + " = " + v);
+  };
+  if (n.kind == PickleKind::kDict || n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) {
+    if (n.items.empty() && n.entries.empty()) line(n.kind == PickleKind::kDict ? "{}" : "[]");
+    for (size_t i = 0; i < n.items.size(); ++i)
+      ValueLines(f, n.items[i], join(std::to_string(i)), out);
+    for (const auto& [k, v] : n.entries) {
+      const PickleNode& key = f.tree().node(k);
+      ValueLines(f, v, join(key.kind == PickleKind::kStr ? key.text : TreeJson(f, k).dump()), out);
+    }
+    return;
+  }
+  if (n.kind == PickleKind::kRecord) {
+    const PickleNode& args = f.tree().node(n.args);
+    if (f.TensorAt(id) != nullptr ||
+        (!args.items.empty() && f.TensorAt(args.items[0]) != nullptr)) {
+      return;
+    }
+    const std::string args_json = TreeJson(f, n.args)["tuple"].dump();  // "[...]"
+    line(n.text + "(" + args_json.substr(1, args_json.size() - 2) + ")");
+    if (n.state != kNoPickleNode) ValueLines(f, n.state, path, out);
+    return;
+  }
+  line(TreeJson(f, id).dump());
+}
+
+void AppendTorch(const std::string& path, const TorchFile& f, std::string& text) {
+  uint64_t storage_bytes = 0;
+  for (const TorchStorage& s : f.storages()) storage_bytes += s.bytes.size();
+  fmt::format_to(std::back_inserter(text),
+                 "\"{}\": torch.save file (root \"{}\"): {} tensors over {} storages, {} bytes\n",
+                 path, f.root(), f.tensors().size(), f.storages().size(), storage_bytes);
+  for (const TorchTensor& t : f.tensors()) {
+    fmt::format_to(std::back_inserter(text), "  {}  {} {}", t.name.empty() ? "(root)" : t.name,
+                   t.dtype.name, FormatShape(t.shape));
+    if (!t.is_contiguous())
+      fmt::format_to(std::back_inserter(text), " stride {}", FormatShape(t.strides));
+    if (t.storage_offset != 0)
+      fmt::format_to(std::back_inserter(text), " offset {}", t.storage_offset);
+    fmt::format_to(std::back_inserter(text), "  storage {}{}\n", f.storages()[t.storage].key,
+                   t.parameter ? "  parameter" : "");
+  }
+  std::vector<std::string> lines;
+  ValueLines(f, f.tree().root(), "", lines);
+  if (!lines.empty()) fmt::format_to(std::back_inserter(text), "other values:\n");
+  for (const std::string& line : lines) fmt::format_to(std::back_inserter(text), "  {}\n", line);
+}
+
+ordered_json SafetensorsJson(const SafetensorsHeader& h) {
+  ordered_json tensors = ordered_json::array();
+  for (const TensorInfo& t : h.tensors) {
+    tensors.push_back({{"name", t.name},
+                       {"dtype", DTypeName(t.dtype)},
+                       {"shape", t.shape},
+                       {"data_offsets", {t.data_begin, t.data_end}},
+                       {"bytes", t.num_bytes()}});
+  }
+  return {{"format", "safetensors"}, {"tensors", tensors}, {"metadata", h.metadata}};
+}
+
+// One file: its JSON put in `json`, or its text appended to `text` (the other is null).
+Status InspectFile(const std::string& path, ordered_json* json, std::string* text) {
+  RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(path));
+  if (LooksLikeTorchFile(mapped.bytes())) {
+    RESHARD_ASSIGN_OR_RETURN(const TorchFile f, TorchFile::Open(path));
+    if (json != nullptr) {
+      *json = TorchJson(f);
+    } else {
+      AppendTorch(path, f, *text);
+    }
+    return Status::Ok();
+  }
+  RESHARD_ASSIGN_OR_RETURN(const SafetensorsHeader h, ReadSafetensorsHeader(path));
+  if (json != nullptr) {
+    *json = SafetensorsJson(h);
+    return Status::Ok();
+  }
+  auto out = std::back_inserter(*text);
+  fmt::format_to(out, "\"{}\": safetensors file: {} tensors, {} bytes of data\n", path,
+                 h.tensors.size(), h.data_size);
+  for (const TensorInfo& t : h.tensors) {
+    fmt::format_to(out, "  {}  {} {}\n", t.name, DTypeName(t.dtype), FormatShape(t.shape));
+  }
+  for (const auto& [k, v] : h.metadata) fmt::format_to(out, "  metadata {} = {}\n", k, v);
+  return Status::Ok();
+}
+
+bool IsTensorFile(const std::filesystem::path& p) {
+  const std::string ext = p.extension().string();
+  return ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".safetensors";
+}
+
+// A directory: every .pt/.pth/.bin/.safetensors file in it (not recursive), in name order. A
+// DeepSpeed save dir (a `latest` file naming a tag dir) is read through its tag dir.
+Status InspectDirectory(const std::string& path, bool json, std::string& out) {
+  fs::path dir = path;
+  std::string tag;
+  if (Result<std::string> latest = ReadFileToString((dir / "latest").string()); latest.ok()) {
+    tag = *latest;
+    while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag)) {
+      return DataLossError("\"" + (dir / "latest").string() + "\" names \"" + tag +
+                           "\", which is not a directory beside it");
+    }
+    dir /= tag;
+  }
+  std::vector<fs::path> files, others;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    if (!entry.is_regular_file()) continue;
+    (IsTensorFile(entry.path()) ? files : others).push_back(entry.path());
+  }
+  if (error)
+    return InvalidArgumentError("cannot list \"" + dir.string() + "\": " + error.message());
+  std::sort(files.begin(), files.end());
+  std::sort(others.begin(), others.end());
+  ordered_json doc = {{"format", "directory"}, {"path", dir.string()}};
+  if (!tag.empty()) doc["deepspeed_tag"] = tag;
+  if (!json) {
+    fmt::format_to(std::back_inserter(out), "\"{}\": directory{}, {} tensor files\n", dir.string(),
+                   tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
+  }
+  if (IsDeepSpeedCheckpoint(dir.string())) {
+    RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ds, DeepSpeedCheckpoint::Open(path));
+    if (json) {
+      doc["deepspeed"] = ordered_json::parse(DeepSpeedSummaryJson(ds));
+    } else {
+      out += DeepSpeedSummaryText(ds);
+    }
+  }
+  ordered_json listed = ordered_json::array();
+  const ModelDir model_dir = ModelDirOf(dir.string());
+  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir));
+  const std::vector<std::string> model_files = ModelFiles(model);
+  for (const fs::path& f : files) {
+    // A Hugging Face model's tensors are listed once, by its model view below.
+    if (model_dir == ModelDir::kHuggingFace && !json &&
+        std::count(model_files.begin(), model_files.end(), f.filename().string()) > 0) {
+      continue;
+    }
+    ordered_json one;
+    RESHARD_RETURN_IF_ERROR(InspectFile(f.string(), json ? &one : nullptr, &out));
+    if (json) listed.push_back({{"file", f.filename().string()}, {"contents", one}});
+  }
+  if (json && model_dir != ModelDir::kNone) doc["model"] = std::move(model);
+  if (!json) AppendModelView(dir.string(), model, out);
+  ordered_json rest = ordered_json::array();
+  for (const fs::path& f : others) rest.push_back(f.filename().string());
+  if (json) {
+    doc["files"] = listed;
+    doc["other_files"] = rest;
+    out += doc.dump(2) + "\n";
+  } else if (!others.empty()) {
+    out += "other files: " + rest.dump() + "\n";
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::string> Inspect(const std::string& path, InspectFormat format) {
+  const bool json = format == InspectFormat::kJson;
+  std::string out;
+  if (fs::is_directory(path)) {
+    RESHARD_RETURN_IF_ERROR(InspectDirectory(path, json, out));
+    return out;
+  }
+  if (!json) {
+    RESHARD_RETURN_IF_ERROR(InspectFile(path, nullptr, &out));
+    return out;
+  }
+  ordered_json doc;
+  RESHARD_RETURN_IF_ERROR(InspectFile(path, &doc, nullptr));
+  return doc.dump(2) + "\n";
+}
+
+}  // namespace reshard

@@ -1,0 +1,173 @@
+"""Runs re-sharding cases between live processes and records what each process saw.
+
+Run under torchrun (one process per rank, gloo on CPU):
+
+    torchrun --nproc_per_node 4 distributed_worker.py CASES.json OUT_DIR
+
+CASES.json is a list of cases (see test_distributed.py). For every case, in order, each
+process builds the full tensors from the case's seed, extracts the source shards it holds,
+calls reshard.distributed, and compares what it receives bit for bit with the offline
+reshard.transfer of the same maps. What happened goes to OUT_DIR/NAME/rank-R.json: the error
+raised (if any), the statistics, the schedule, and the parameters that differ from the
+reference. A failing case does not stop the others: the next case starting in step is itself
+evidence that no process was left waiting.
+"""
+
+import datetime
+import json
+import pathlib
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import reshard
+import reshard.distributed as rd
+
+
+def full_tensor(shape, dtype, generator):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+def setup(case, step):
+    """name -> (source map, target map, full tensor) for the case's seed and step."""
+    g = torch.Generator().manual_seed(case.get("seed", 0) * 1000 + step)
+    out = {}
+    for name, p in sorted(case["params"].items()):
+        src, dst = reshard.ParamMap.from_dict(p["source"]), reshard.ParamMap.from_dict(p["target"])
+        dtype = getattr(torch, p.get("dtype", "float32"))
+        out[name] = (src, dst, full_tensor(src.logical_shape, dtype, g))
+    return out
+
+
+def local_shards(params, source_ranks, me):
+    if me not in source_ranks:
+        return {}
+    r = source_ranks.index(me)
+    return {name: reshard.extract(src, full, r) for name, (src, _, full) in params.items()}
+
+
+def reference(params, target_ranks, me):
+    """What this process must end up with: the offline transfer of every parameter."""
+    if me not in target_ranks:
+        return {}
+    t = target_ranks.index(me)
+    out = {}
+    for name, (src, dst, full) in params.items():
+        shards = [reshard.extract(src, full, r) for r in range(src.world_size)]
+        out[name] = reshard.transfer(reshard.compose(source=src, target=dst), shards)[t]
+    return out
+
+
+def lower_bound(params, source_ranks, target_ranks, me):
+    """Bytes of this process's target shards that its own source shard does not hold, counted
+    element by element on index markers (independently of the planner)."""
+    if me not in target_ranks:
+        return 0
+    total = 0
+    for src, dst, full in params.values():
+        # Markers: each valid element of F is its flat index in the valid shape; padding -1.
+        valid = tuple(slice(0, v) for v in src.valid_shape)
+        index = torch.arange(full[valid].numel(), dtype=torch.int64).reshape(src.valid_shape)
+        markers = []
+        for m in (src, dst):
+            marker = torch.full(m.logical_shape, -1, dtype=torch.int64)
+            marker[valid] = index
+            markers.append(marker)
+        need = set(reshard.extract(dst, markers[1], target_ranks.index(me), scale_power=0).flatten().tolist())
+        need.discard(-1)
+        have = set()
+        if me in source_ranks:
+            have = set(reshard.extract(src, markers[0], source_ranks.index(me),
+                                       scale_power=0).flatten().tolist())
+        total += len(need - have) * full.element_size()
+    return total
+
+
+def corrupt(case, shards, me):
+    """Makes this process's input wrong the way the case asks."""
+    bad = case.get("corrupt")
+    if not bad or bad["process"] != me:
+        return shards
+    name = bad["param"]
+    if bad["kind"] == "shape":
+        shards[name] = shards[name][..., :-1].contiguous()
+    elif bad["kind"] == "dtype":
+        shards[name] = shards[name].to(torch.float16)
+    elif bad["kind"] == "missing":
+        del shards[name]
+    return shards
+
+
+def maps_of(case, me, side):
+    maps = {name: p[side] for name, p in case["params"].items()}
+    other = case.get("different_map")
+    if other and other["process"] == me:
+        maps[other["param"]] = other[side]
+    return maps
+
+
+def run_case(case, me):
+    group = None
+    if "group" in case:
+        group = dist.new_group(case["group"])  # every process takes part in new_group
+        if me not in case["group"]:
+            return {"skipped": True}
+    result = {"error": None, "mismatch": [], "stats": [], "schedule": None}
+    source_ranks, target_ranks = case["source_ranks"], case["target_ranks"]
+    try:
+        dtypes = case.get("dtypes")
+        sync = rd.Redistributor(maps_of(case, me, "source"), maps_of(case, me, "target"),
+                                source_ranks=source_ranks, target_ranks=target_ranks,
+                                group=group, bucket_bytes=case.get("bucket_bytes", 1 << 20),
+                                dtypes=None if dtypes is None else getattr(torch, dtypes))
+        out = None
+        for step in range(case.get("steps", 1)):
+            params = setup(case, step)
+            shards = corrupt(case, local_shards(params, source_ranks, me), me)
+            if case.get("dry_run"):
+                result["schedule"] = sync.run(shards, dry_run=True)
+                continue
+            got = sync.run(shards, out)
+            if case.get("reuse_out"):
+                out = got
+            want = reference(params, target_ranks, me)
+            if sorted(got) != sorted(want):
+                result["mismatch"].append(f"step {step}: got {sorted(got)}, want {sorted(want)}")
+            for name, w in want.items():
+                g = got.get(name)
+                if g is None or g.dtype != w.dtype or g.shape != w.shape or \
+                        not torch.equal(g.view(torch.uint8), w.view(torch.uint8)):
+                    result["mismatch"].append(f"step {step}: {name}")
+                if out is not None and g is not out[name]:
+                    result["mismatch"].append(f"step {step}: {name} not written into out")
+            result["stats"].append(sync.last_stats)
+            result["lower_bound"] = lower_bound(params, source_ranks, target_ranks, me)
+        if result["schedule"] is None:
+            result["schedule"] = sync.schedule()
+    except Exception as e:  # recorded for the test to judge
+        result["error"] = f"{type(e).__name__}: {e}"
+        if not isinstance(e, rd.RedistributeError):
+            result["traceback"] = traceback.format_exc(limit=6)
+    return result
+
+
+def main():
+    cases = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    out_dir = pathlib.Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    me = dist.get_rank()
+    for case in cases:
+        result = run_case(case, me)
+        case_dir = out_dir / case["name"]
+        case_dir.mkdir(parents=True, exist_ok=True)
+        (case_dir / f"rank-{me}.json").write_text(json.dumps(result, indent=1, default=str))
+        dist.barrier()  # the processes start every case together
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
