@@ -99,6 +99,28 @@ def data_bench(rows, cols, tp):
               f"out= / memcpy {t['memcpy'] / t[op + ' out=']:.2f}x")
 
 
+def small_bench(tp, calls=500):
+    """Per-call cost on a small tensor (64x64 F32, column split), the package's defaults (no
+    num_threads): what converting a model of many small tensors pays on top of its bytes."""
+    ds_map = affine.contiguous_split_map((64, 64), near_even(64, tp), 1)
+    pm = reshard.ParamMap.from_dict(ds_map.to_dict())
+    full = torch.randn(64, 64)
+    out = torch.empty(pm.shard_shape(1))
+    shards = {r: ds_map.extract(full, r) for r in range(tp)}
+
+    def many(fn):
+        return lambda: [fn() for _ in range(calls)]
+    t = interleaved_medians({
+        "ds extract": many(lambda: ds_map.extract(full, 1)),
+        "extract": many(lambda: reshard.extract(pm, full, 1)),
+        "extract out=": many(lambda: reshard.extract(pm, full, 1, out=out)),
+        "ds rebuild": many(lambda: ds_map.rebuild(shards)),
+        "rebuild": many(lambda: reshard.rebuild(pm, shards)),
+    })
+    print("64x64 F32, column split at TP 4, per call: " + ", ".join(
+        f"{k} {v / calls * 1e6:.1f} us" for k, v in t.items()))
+
+
 def model_maps(tp):
     """Llama-70B's weights (80 layers; hidden 8192, 64 heads, 8 key/value heads, MLP 28672,
     vocabulary 128256), column- and row-split as transformers does, norms replicated."""
@@ -137,6 +159,7 @@ def main():
     REPEAT = args.repeat
     torch.set_num_threads(1)
     data_bench(args.rows, args.cols, args.tp)
+    small_bench(args.tp)
     compose_bench(8, 4)
 
 

@@ -51,10 +51,11 @@ class ParamMap:
     raises :class:`reshard.MapError` naming the first violation.
     """
 
-    __slots__ = ("_handle",)
+    __slots__ = ("_handle", "_shapes")
 
     def __init__(self, handle: _core.Map) -> None:
         self._handle = handle
+        self._shapes: dict[int, Shape] = {}  # shard shapes by rank, as first asked for
 
     @classmethod
     def from_json(cls, text: Union[str, bytes], *, validate: bool = True) -> "ParamMap":
@@ -100,7 +101,10 @@ class ParamMap:
         return int(self._handle.world_size)
 
     def shard_shape(self, rank: int) -> Shape:
-        return tuple(self._handle.shard_shape(rank))
+        shape = self._shapes.get(rank)
+        if shape is None:
+            shape = self._shapes[rank] = tuple(self._handle.shard_shape(rank))
+        return shape
 
     def pieces(self, rank: int) -> list[Piece]:
         self.shard_shape(rank)  # IndexError for a rank outside the world

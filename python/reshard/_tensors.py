@@ -10,6 +10,7 @@ The copies run in C++ with the GIL released. Only host (CPU) memory is accepted.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -40,6 +41,19 @@ def _dtype_key(dtype: Any) -> str:
     return text[len("torch."):] if text.startswith("torch.") else text
 
 
+# torch / numpy dtype objects -> the library's dtype names (None: not one reshard moves), filled
+# as dtypes are met: looking a dtype up is then one dict access per tensor.
+_NAME_OF: dict[Any, Optional[str]] = {}
+
+
+def _dtype_name(dtype: Any) -> Optional[str]:
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        name = _NAME_OF[dtype] = _DTYPES.get(_dtype_key(dtype))
+        return name
+
+
 def itemsize(dtype: Any) -> int:
     """Bytes per element of a torch or numpy dtype, a dtype name ("BF16") or an int."""
     if isinstance(dtype, int):
@@ -53,31 +67,48 @@ def itemsize(dtype: Any) -> int:
     return _SIZES[name]
 
 
+# Python types -> "torch", "numpy" or None, as met (a subclass such as torch.nn.Parameter
+# counts as its base).
+_KIND_OF: dict[type, Optional[str]] = {}
+
+
+def _kind_of(cls: type) -> Optional[str]:
+    try:
+        return _KIND_OF[cls]
+    except KeyError:
+        pass
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    kind = ("torch" if torch is not None and issubclass(cls, torch.Tensor) else
+            "numpy" if np is not None and issubclass(cls, np.ndarray) else None)
+    if kind is not None:  # a type not (yet) recognised may be once its module is imported
+        _KIND_OF[cls] = kind
+    return kind
+
+
 class _Array:
     """A CPU tensor or array seen as memory: its kind, dtype name, shape and first address."""
 
     __slots__ = ("obj", "kind", "dtype", "shape", "dense")
 
     def __init__(self, x: Tensor, what: str) -> None:
-        torch = sys.modules.get("torch")
-        np = sys.modules.get("numpy")
-        if torch is not None and isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
+        kind = _kind_of(type(x))
+        if kind == "torch":
+            if not x.is_cpu:
                 raise ValueError(f"{what} is on device {x.device}; reshard copies host memory: "
                                  "give a CPU tensor")
-            self.kind = "torch"
             self.dense = x.is_contiguous()
-        elif np is not None and isinstance(x, np.ndarray):
+        elif kind == "numpy":
             if not x.dtype.isnative:
                 x = x.astype(x.dtype.newbyteorder("="))
-            self.kind = "numpy"
             self.dense = x.flags.c_contiguous
         else:
             raise TypeError(f"{what} must be a torch.Tensor or a numpy.ndarray, "
                             f"got {type(x).__name__}")
+        self.kind = kind
         self.obj = x
-        self.shape = tuple(int(d) for d in x.shape)
-        name = _DTYPES.get(_dtype_key(x.dtype))
+        self.shape = tuple(x.shape)  # ints already (torch.Size is a tuple)
+        name = _dtype_name(x.dtype)
         if name is None:
             raise ValueError(f"{what} has dtype {x.dtype}, which reshard does not move")
         self.dtype = name
@@ -144,8 +175,10 @@ class _Output:
         return self.result
 
 
+@functools.lru_cache(maxsize=64)
 def _options(scale_power: int, verify_replicas: bool, allow_scaled_optimizer_state: bool,
              allow_lossy_scale: bool, num_threads: int) -> _core.ExecOptions:
+    """The options object for these values, made once (the core only reads it)."""
     return _core.ExecOptions(scale_power, verify_replicas, allow_scaled_optimizer_state,
                              allow_lossy_scale, num_threads)
 
