@@ -1,7 +1,10 @@
 """A user's program, checked with mypy --strict against the package's annotations and stubs
 (tests/python/test_package_docs.py)."""
 
+from typing import Any
+
 import reshard
+import reshard.distributed
 
 
 def rows_split(rows: int, cols: int, tp: int) -> reshard.ParamMap:
@@ -13,6 +16,21 @@ def rows_split(rows: int, cols: int, tp: int) -> reshard.ParamMap:
                                        "dest": [0, [cols, 1]], "locations": [r]}]}
                   for r in range(tp)},
     })
+
+
+def weight_sync(shards: dict[str, Any]) -> dict[str, Any]:
+    """TP 4 on processes 0-3 -> TP 2 on processes 4-5 (not run here: it needs a group)."""
+    sources, targets = {"w": rows_split(8, 4, 4)}, {"w": rows_split(8, 4, 2)}
+    sync = reshard.distributed.Redistributor(sources, targets, source_ranks=[0, 1, 2, 3],
+                                             target_ranks=[4, 5], bucket_bytes=1 << 20)
+    out = sync.run(shards)
+    stats = sync.last_stats
+    assert stats is None or stats["received"] >= stats["lower_bound"]
+    schedule: dict[str, Any] = reshard.distributed.redistribute(
+        sources, targets, shards, source_ranks=[0, 1, 2, 3], target_ranks=[4, 5], dry_run=True)
+    assert schedule["rounds"] >= 0
+    result: dict[str, Any] = out
+    return result
 
 
 def main() -> None:

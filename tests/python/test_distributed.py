@@ -7,6 +7,7 @@ next case starting in step shows that none was left waiting."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -246,3 +247,20 @@ def test_errors_raise_on_every_process(launch, name):
         assert r["error"] is not None and r["error"].startswith("RedistributeError"), (p, r)
         for part in ERRORS[name]:
             assert part in r["error"], (p, part, r["error"])
+
+
+def test_trainer_to_inference_example_runs(tmp_path):
+    pytest.importorskip("transformers")
+    example = HERE.parents[1] / "examples" / "trainer_to_inference.py"
+    env = dict(os.environ, PYTHONPATH=str(BUILD / "python"), OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
+                        str(example)], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "equal to the trainer's weights" in r.stdout
+    # Every process reports each of the 3 syncs, and receives no more than it needs.
+    steps = re.findall(r"step \d: process \d received (\d+) bytes \(at least (\d+) needed\)",
+                       r.stdout)
+    assert len(steps) == 12 and all(a == b for a, b in steps), r.stdout
