@@ -193,3 +193,23 @@ def test_convert_to_universal_refuses_other_inputs_and_flags(tmp_path, reshard_b
     r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "gguf", "-o", out)
     assert r.returncode == 2, r.stderr
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_force_replaces_a_universal_checkpoint_and_nothing_else(tmp_path, reshard_bin,
+                                                                ds_checkpoint):
+    ckpt = ds_checkpoint(SPECS[0])
+    out = tmp_path / "uc"
+    convert = [reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", out]
+    assert run(*convert).returncode == 0
+    r = run(*convert)
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    stamp = out / "latest_universal"
+    before = stamp.stat().st_ino
+    r = run(*convert, "--force")
+    assert r.returncode == 0, r.stderr
+    assert stamp.stat().st_ino != before
+    stray = out / stamp.read_text() / "zero" / "lm_head.weight" / "notes.txt"
+    stray.write_text("mine")
+    r = run(*convert, "--force")
+    assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+    assert stray.read_text() == "mine"

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <set>
@@ -116,6 +117,45 @@ const std::map<std::string, std::string>& ProducerMetadata() {
   return metadata;
 }
 
+// `names` (the entries of `dir`) are a universal checkpoint and nothing else: latest_universal
+// naming the one folder beside it, which holds model-states files and zero/, which holds
+// optimizer_state.pt and one folder per parameter of state files (what convert --to universal
+// writes; its files, being DeepSpeed's own format, carry no mark of who wrote them).
+Status CheckUniversalOutput(const std::string& path, const fs::path& dir,
+                            const std::vector<std::string>& names) {
+  Result<std::string> folder = ReadFileToString((dir / "latest_universal").string());
+  if (!folder.ok() || names.size() != 2 || folder->empty() || *folder == "latest_universal" ||
+      std::find(names.begin(), names.end(), *folder) == names.end()) {
+    return NotOurs(path, "its latest_universal does not name the one folder beside it");
+  }
+  std::error_code ec;
+  auto entries = [&](const fs::path& d) {
+    std::vector<fs::directory_entry> out;
+    for (const fs::directory_entry& e : fs::directory_iterator(d, ec)) out.push_back(e);
+    return out;
+  };
+  auto stray = [&](const fs::path& p) {
+    return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write",
+                                     fs::relative(p, dir, ec).string()));
+  };
+  const std::set<std::string> states = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"};
+  for (const fs::directory_entry& e : entries(dir / *folder)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with("_model_states.pt") && IsRegularFile(e.path())) continue;
+    if (name != "zero" || !e.is_directory(ec) || e.is_symlink(ec)) return stray(e.path());
+    for (const fs::directory_entry& p : entries(e.path())) {
+      if (p.path().filename() == "optimizer_state.pt" && IsRegularFile(p.path())) continue;
+      if (!p.is_directory(ec) || p.is_symlink(ec)) return stray(p.path());
+      for (const fs::directory_entry& f : entries(p.path())) {
+        if (!states.contains(f.path().filename().string()) || !IsRegularFile(f.path()))
+          return stray(f.path());
+      }
+    }
+  }
+  if (ec) return ErrnoStatus(ec.value(), "cannot list", (dir / *folder).string());
+  return Status::Ok();
+}
+
 Status CheckReplaceable(const std::string& path) {
   const fs::path target = OutputPath(path);
   std::error_code ec;
@@ -133,6 +173,7 @@ Status CheckReplaceable(const std::string& path) {
   if (names.empty()) return Status::Ok();
   for (const std::string& name : names) {
     if (name == kManifestName) return CheckShardedOutput(path, target, names);
+    if (name == "latest_universal") return CheckUniversalOutput(path, target, names);
   }
   return CheckFullOutput(path, target, names);
 }

@@ -8,7 +8,10 @@
 //   - a full checkpoint that reshard wrote: model.safetensors, or model-NNNNN-of-NNNNN
 //     parts and model.safetensors.index.json, nothing else, each safetensors file marked in
 //     its header's __metadata__ with "producer": "reshard" (kProducerMetadata; every
-//     safetensors file the checkpoint operations write carries it).
+//     safetensors file the checkpoint operations write carries it);
+//   - a universal checkpoint: latest_universal naming the one folder beside it, which holds
+//     only *_model_states.pt files and zero/, which holds only optimizer_state.pt and folders
+//     of {fp32,exp_avg,exp_avg_sq,step}.pt (DeepSpeed's format: its files carry no mark).
 // Anything else (a file, a symbolic link, a directory holding a file reshard did not write)
 // is refused with AlreadyExists naming what is in the way; nothing is ever removed but the
 // replaced output.
