@@ -9,7 +9,8 @@ uneven vocabulary, TP 1 x DP 3 with ZeRO's padding; fp32 and bf16.
 - gather --fp32: equal to DeepSpeed's own consolidation (deepspeed.utils.zero_to_fp32) where it
   has one (TP 1), and rounded to the module's dtype equal to the module's weights everywhere.
 - convert --tp M, then gather: the same weights; the optimizer states equal what DeepSpeed's
-  ds_to_universal merges.
+  ds_to_universal merges. A TP-1 checkpoint (no layouts recorded) takes its maps from the
+  save dir's config.json (the model's transformers plan), or from --target-maps.
 - bad inputs: each a clear error naming the file, exit 2, nothing written (gather, convert --tp,
   convert --to universal, inspect).
 """
@@ -108,6 +109,32 @@ def test_convert_then_gather_equals_gather(checkpoints, spec, tmp_path, reshard_
     assert r.returncode == 0, r.stderr
     assert sorted(json.loads((tmp_path / "weights" / "reshard.json").read_text())["params"]) == \
         sorted(want)
+
+
+WHOLE = [s for s in SPECS if s.tp == 1]
+
+
+@pytest.mark.parametrize("spec", WHOLE, ids=[s.name for s in WHOLE])
+def test_convert_of_a_tp1_checkpoint_takes_its_maps_from_config_json(checkpoints, spec, tmp_path,
+                                                                     reshard_bin):
+    ckpt = checkpoints(spec)
+    want = ckpt.full()
+    out = tmp_path / "tp2"
+    r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", 2, "-o", out)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert manifest["params"]["lm_head.weight"]["map"]["ranks"]["1"]["shard_shape"][0] == \
+        spec.vocab // 2  # split as transformers' plan splits it: 126, 125 rows
+    got = gather(reshard_bin, out, tmp_path / "hf")
+    assert_same({n: got[n] for n in want}, want)
+    # Without config.json nothing says how to split it.
+    save = tmp_path / "ckpt"
+    shutil.copytree(ckpt.save_dir, save)
+    (save / "config.json").unlink()
+    r = run(reshard_bin, "convert", save, "--tp", 2, "-o", tmp_path / "none")
+    assert r.returncode == 1 and "--target-maps" in r.stderr and "config.json" in r.stderr, \
+        r.stderr
+    assert not (tmp_path / "none").exists()
 
 
 LLAMA_Z1 = Spec("llama", tp=2, dp=2, stage=1)  # fp32

@@ -2,6 +2,7 @@
 // checkpoint/checkpoint_ops.h).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -188,6 +189,35 @@ Status RunGather(const GatherArgs& args) {
   return Status::Ok();
 }
 
+// The target maps of a DeepSpeed checkpoint whose parameters record no layout (TP 1, without
+// universal_checkpoint_info): from the model's plan in its save dir's config.json, for every
+// tensor convert writes. nullopt when every parameter has a layout or there is no config.json.
+Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const ConvertArgs& args) {
+  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ckpt, DeepSpeedCheckpoint::Open(args.input));
+  const std::vector<DeepSpeedParam>& params = ckpt.params();
+  const bool all_laid_out =
+      std::all_of(params.begin(), params.end(), [](const auto& p) { return p.layout.has_value(); });
+  if (all_laid_out || ckpt.config_path().empty()) return std::optional<MapDocument>();
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(ckpt.config_path()));
+  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, args.tp);
+  if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
+  std::vector<std::string> suffixes = {""};
+  if (!args.weights_only && ckpt.has_optimizer_state()) {
+    for (DeepSpeedState s :
+         {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq})
+      suffixes.push_back("." + std::string(DeepSpeedStateName(s)));
+  }
+  MapDocument doc;
+  for (const std::string& suffix : suffixes) {
+    for (const DeepSpeedParam& p : params) {
+      Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
+      if (!m.ok()) return m.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
+      doc.params.emplace_back(p.name + suffix, std::move(m->map));
+    }
+  }
+  return std::optional<MapDocument>(std::move(doc));
+}
+
 // convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
 // resumes from at any TP x DP.
 Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& options) {
@@ -227,12 +257,17 @@ Status RunConvert(const ConvertArgs& args) {
     return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
                                 args.input + "\" is not one");
   }
+  if (deepspeed && !target) {
+    RESHARD_ASSIGN_OR_RETURN(target, DeepSpeedConfigMaps(args));
+  }
   Status s = WithForceHint(deepspeed ? ConvertDeepSpeed(args.input, args.tp, target,
                                                         args.weights_only, args.output, options)
                                      : Convert(args.input, args.tp, target, args.output, options),
                            args.force);
   if (s.message().ends_with("without target maps")) {
-    return Status(s.code(), s.message() + "; give them with --target-maps MAPS.json");
+    return Status(s.code(), s.message() +
+                                "; give them with --target-maps MAPS.json (or put the model's "
+                                "config.json in a DeepSpeed save dir)");
   }
   RESHARD_RETURN_IF_ERROR(s);
   const double seconds = Seconds(t0);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "reshard/checkpoint/deepspeed.h"
@@ -62,9 +63,12 @@ class UniversalWriter {
   const CheckpointOptions& options_;
 };
 
+// Files are synced together before the commit (SyncFiles), not one by one: a thread does not
+// wait for the disk between two files.
 TorchWriteOptions RootFor(const std::string& path) {
   TorchWriteOptions o;
   o.root = fs::path(path).stem().string();
+  o.sync = false;
   return o;
 }
 
@@ -346,6 +350,15 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
     return Status::Ok();
   }));
   RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath("latest_universal"), folder));
+  std::vector<std::string> written;
+  std::set<std::string> dirs = {out.temporary()};
+  for (const UniversalJob& job : jobs) {
+    written.push_back(out.FilePath(job.name));
+    for (fs::path d = fs::path(job.name).parent_path(); !d.empty(); d = d.parent_path())
+      dirs.insert(out.FilePath(d.string()));
+  }
+  written.insert(written.end(), dirs.begin(), dirs.end());
+  RESHARD_RETURN_IF_ERROR(SyncFiles(written, std::max(options.num_threads, 8)));
   if (options.stats != nullptr) {
     ProcessStats mine;
     for (const UniversalJob& job : jobs) mine.files.push_back(job.name);

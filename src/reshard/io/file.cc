@@ -5,9 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "reshard/io/temporaries.h"
 
@@ -168,11 +172,14 @@ Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
     if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
     return Status::Ok();
   }));
-  return AtomicFileWriter(path, std::move(tmp), fd);
+  return AtomicFileWriter(path, std::move(tmp), fd, options.sync);
 }
 
 AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
-    : path_(std::move(other.path_)), tmp_(std::move(other.tmp_)), fd_(other.fd_) {
+    : path_(std::move(other.path_)),
+      tmp_(std::move(other.tmp_)),
+      fd_(other.fd_),
+      sync_(other.sync_) {
   other.fd_ = -1;
 }
 
@@ -214,7 +221,7 @@ Status AtomicFileWriter::Commit() {
     Abandon();
     return ErrnoStatus(err, what, tmp_);
   };
-  if (::fsync(fd_) != 0) return fail(errno, "cannot sync");
+  if (sync_ && ::fsync(fd_) != 0) return fail(errno, "cannot sync");
   const int fd = fd_;
   fd_ = -1;
   const int close_result = ::close(fd);
@@ -231,11 +238,32 @@ Status AtomicFileWriter::Commit() {
     }
     return Status::Ok();
   }));
+  if (!sync_) return Status::Ok();
   const std::filesystem::path target(path_);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   FileHandle dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() >= 0) ::fsync(dir_fd.get());
   return Status::Ok();
+}
+
+Status SyncFiles(const std::vector<std::string>& paths, int threads) {
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  Status first;
+  auto worker = [&] {
+    for (size_t i = next++; i < paths.size(); i = next++) {
+      FileHandle fd(::open(paths[i].c_str(), O_RDONLY | O_CLOEXEC));
+      const int err = !fd.valid() ? errno : ::fsync(fd.get()) != 0 ? errno : 0;
+      if (err == 0) continue;
+      std::lock_guard<std::mutex> lock(mu);
+      if (first.ok()) first = ErrnoStatus(err, "cannot sync", paths[i]);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return first;
 }
 
 Status WriteFileAtomically(const std::string& path, std::string_view contents,

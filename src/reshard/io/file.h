@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "reshard/base/result.h"
 
@@ -61,6 +62,10 @@ Result<std::string> ReadFileToString(const std::string& path);
 struct WriteOptions {
   /// Replace an existing file. Without it an existing `path` is AlreadyExists.
   bool overwrite = false;
+  /// Flush the file and its directory to disk before the rename. Off only for a writer that
+  /// syncs every file itself before publishing them together (SyncFiles), e.g. the files of
+  /// an output directory that appears by one rename.
+  bool sync = true;
 };
 
 /// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno: what
@@ -90,13 +95,18 @@ class AtomicFileWriter {
   Status Commit();
 
  private:
-  AtomicFileWriter(std::string path, std::string tmp, int fd)
-      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  AtomicFileWriter(std::string path, std::string tmp, int fd, bool sync)
+      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd), sync_(sync) {}
   void Abandon();
   std::string path_;
   std::string tmp_;
   int fd_ = -1;  // -1 once committed or abandoned
+  bool sync_ = true;
 };
+
+/// Flushes each of `paths` (files or directories) to disk, on up to `threads` threads; the
+/// first failure (Unavailable for EIO, naming the path) is returned after all have been tried.
+Status SyncFiles(const std::vector<std::string>& paths, int threads);
 
 /// Writes `contents` to `path` atomically (temporary file, fsync, rename, fsync of the
 /// directory). On failure the temporary file is removed and `path` is untouched.

@@ -262,8 +262,9 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
     if (s.bytes.empty()) largest = std::max(largest, s.num_bytes);
   }
   RESHARD_RETURN_IF_ERROR(CheckPersistentIds(tree, root, sizes));
-  RESHARD_ASSIGN_OR_RETURN(AtomicFileWriter out,
-                           AtomicFileWriter::Create(path, {.overwrite = options.overwrite}));
+  RESHARD_ASSIGN_OR_RETURN(
+      AtomicFileWriter out,
+      AtomicFileWriter::Create(path, {.overwrite = options.overwrite, .sync = options.sync}));
   ZipStreamWriter zip(out);
   const std::string& r = options.root;
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));

@@ -44,6 +44,8 @@ struct TorchWriteOptions {
   std::string root = "archive";
   /// Replace an existing file. Without it an existing `path` is AlreadyExists.
   bool overwrite = false;
+  /// Flush to disk before the rename (see WriteOptions::sync).
+  bool sync = true;
 };
 
 /// Writes `tensors` (in the given order, each its own storage, dense row-major) as the state

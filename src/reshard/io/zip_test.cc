@@ -164,6 +164,23 @@ TEST(ZipTest, EmptyArchive) {
 
 TEST(ZipTest, Crc32OfKnownString) { EXPECT_EQ(Crc32(Bytes("123456789")), 0xcbf43926u); }
 
+TEST(ZipTest, Crc32EqualsTheBitwiseDefinitionAtManyLengthsAndOffsets) {
+  std::vector<std::byte> data(300);
+  uint32_t x = 12345;  // a fixed sequence: the test is the same every run
+  for (std::byte& b : data) b = static_cast<std::byte>((x = x * 1103515245u + 12345u) >> 24);
+  for (size_t offset = 0; offset < 9; ++offset) {
+    for (size_t length = 0; offset + length <= data.size(); length += 7) {
+      uint32_t c = 0xffffffffu;
+      for (size_t i = offset; i < offset + length; ++i) {
+        c ^= static_cast<uint32_t>(data[i]);
+        for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xedb88320u ^ (c >> 1) : c >> 1;
+      }
+      EXPECT_EQ(Crc32(std::span<const std::byte>(data).subspan(offset, length)), ~c)
+          << offset << " " << length;
+    }
+  }
+}
+
 enum class Corruption {
   kTruncated,
   kTooShort,
