@@ -3,15 +3,22 @@
 
 DeepSpeed trains a Llama-shaped model (hidden 1024, 12 layers, intermediate 2048, vocabulary
 8192: 141 M parameters) for one step on the CPU at TP 2 x DP 2 under ZeRO 1 (fp32, AdamW) and
-saves it (about 2.3 GB: the module, the fp32 master weights and both Adam moments). Then each
-converter runs once on it, timed, with the peak resident memory of its whole process tree
-sampled every 50 ms (also its anonymous part: reshard maps its input files, whose pages count
-in its RSS but are the page cache's) (ds_to_universal runs worker processes). reshard's files are on disk when it
-returns (synced before the output's rename); DeepSpeed's are in the page cache, so its time is
-also given with a `sync` after it, and `cp -r` of the input then `sync` gives the disk's floor.
-The outputs are compared: the same files, and the same fp32 tensors for a few parameters.
+saves it (about 2.4 GB: the module, the fp32 master weights and both Adam moments). Then each
+converter runs --repeat times on it (the median is reported), timed, with the peak resident
+memory of its whole process tree sampled every 50 ms (also its anonymous part: reshard maps its
+input files, whose pages count in its RSS but are the page cache's; ds_to_universal runs worker
+processes).
+
+Two like-for-like comparisons, since the converters differ in what "done" means:
+- neither syncs: `reshard convert --no-sync` against `ds_to_universal`, both leaving their
+  output in the page cache;
+- both sync: `reshard convert` (its default: files and folders flushed to disk before the
+  output's rename) against `ds_to_universal` followed by `sync`.
+`cp -r` of the input then `sync` gives the disk's floor for the second. The outputs are
+compared: the same files, and the same fp32 tensors for a few parameters.
 
     python bench/universal_bench.py [--reshard build/tools/reshard/reshard] [--work DIR]
+                                    [--repeat 3]
 
 The checkpoint is kept in --work (default /tmp/reshard-universal-bench) and reused.
 """
@@ -140,6 +147,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reshard", default=str(REPO / "build" / "tools" / "reshard" / "reshard"))
     ap.add_argument("--work", default="/tmp/reshard-universal-bench")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each converter (median)")
     ap.add_argument("--train", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.train:
@@ -157,30 +165,55 @@ def main():
     print(f"checkpoint: {save / tag}, {size / 1e9:.2f} GB, TP {TP} x DP {DP}, ZeRO {STAGE}")
 
     ours, theirs = work / "reshard-out", work / "deepspeed-out"
-    for d in (ours, theirs):
-        shutil.rmtree(d, ignore_errors=True)
-    subprocess.run(["sync"], check=True)
-    r_s, r_rss = timed([args.reshard, "convert", str(save), "--to", "universal", "-o", str(ours)])
-    theirs.mkdir()
-    d_s, d_rss = timed([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                        "--input_folder", str(save / tag), "--output_folder",
-                        str(theirs / f"{tag}_universal")])
-    # reshard's output is on disk when it returns (synced before its rename); DeepSpeed's is in
-    # the page cache: `sync` puts it on disk too (this also flushes anything else pending).
-    d_sync, _ = timed(["sync"])
+    convert = [args.reshard, "convert", str(save), "--to", "universal", "-o", str(ours)]
+
+    def fresh(*dirs):
+        """Removes outputs and flushes what is pending, so that no run pays for another."""
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+        time.sleep(1)
+
+    def deepspeed():
+        theirs.mkdir()
+        took = timed([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                      "--input_folder", str(save / tag), "--output_folder",
+                      str(theirs / f"{tag}_universal")])
+        # `sync` puts DeepSpeed's output on disk (this also flushes anything else pending).
+        return took, timed(["sync"])[0]
+
+    runs = {"synced": [], "no_sync": [], "ds": [], "ds_sync": []}
+    for _ in range(args.repeat):
+        fresh(ours, theirs)
+        runs["synced"].append(timed(convert))
+        fresh(ours)
+        runs["no_sync"].append(timed(convert + ["--no-sync"]))
+        fresh()
+        (d_s, d_rss), d_sync = deepspeed()
+        runs["ds"].append((d_s, d_rss))
+        runs["ds_sync"].append((d_s + d_sync, d_rss))
     n = compare(ours, theirs, ["model.embed_tokens.weight", "lm_head.weight",
                                "model.layers.0.mlp.down_proj.weight"])
     out_size = dir_bytes(ours)
     print(f"outputs: {n} files, {out_size / 1e9:.2f} GB each, the same files and tensors")
-    print(f"{'':24}{'seconds':>10}{'GB/s':>8}{'peak RSS GB':>13}{'(anonymous)':>13}")
-    rows = (("reshard convert", r_s, r_rss), ("ds_to_universal", d_s, d_rss),
-            ("ds_to_universal + sync", d_s + d_sync, d_rss))
-    for label, s, (rss, anon) in rows:
-        print(f"{label:24}{s:10.2f}{out_size / 1e9 / s:8.2f}{rss / 1e9:13.2f}{anon / 1e9:13.2f}")
+
+    def median(key):
+        times = sorted(t for t, _ in runs[key])
+        peak = [max(r[i] for _, r in runs[key]) for i in (0, 1)]
+        return times[len(times) // 2], peak, times
+
+    print(f"{'':32}{'median s':>9}{'GB/s':>7}{'peak RSS GB':>13}{'(anonymous)':>13}   runs")
+    rows = (("reshard convert --no-sync", "no_sync"), ("ds_to_universal", "ds"),
+            ("reshard convert (synced)", "synced"), ("ds_to_universal + sync", "ds_sync"))
+    for label, key in rows:
+        s, (rss, anon), times = median(key)
+        print(f"{label:32}{s:9.2f}{out_size / 1e9 / s:7.2f}{rss / 1e9:13.2f}{anon / 1e9:13.2f}   "
+              + " ".join(f"{t:.2f}" for t in times))
     c_s, _ = timed(["bash", "-c", f"cp -r {save / tag} {work / 'cp'} && sync"])
     shutil.rmtree(work / "cp")
-    print(f"{'cp -r input && sync':24}{c_s:10.2f}{size / 1e9 / c_s:8.2f}")
-    print(f"speed-up: {d_s / r_s:.1f}x, {(d_s + d_sync) / r_s:.1f}x with sync (target >= 10x)")
+    print(f"{'cp -r input && sync':32}{c_s:9.2f}{size / 1e9 / c_s:7.2f}")
+    print(f"speed-up, neither syncs: {median('ds')[0] / median('no_sync')[0]:.1f}x; "
+          f"both sync: {median('ds_sync')[0] / median('synced')[0]:.1f}x (target >= 10x)")
     return 0
 
 

@@ -1,7 +1,9 @@
 """Checkpoints on disk, as the CLI's scatter, gather, convert and inspect (DESIGN 6.5, 7).
 
 Outputs appear atomically; an existing output is replaced only with ``overwrite=True`` (the
-CLI's ``--force``). ``progress(done_bytes, total_bytes)`` is called after each tensor.
+CLI's ``--force``). They are flushed to disk before they appear; ``sync=False`` (the CLI's
+``--no-sync``) leaves them in the page cache, still appearing by one rename.
+``progress(done_bytes, total_bytes)`` is called after each tensor.
 Errors raise :class:`reshard.CheckpointError` with the CLI's message (FileNotFoundError for a
 missing input).
 """
@@ -22,9 +24,11 @@ Warn = Callable[[str, str], None]
 
 def _options(overwrite: bool, max_shard_size: Union[None, int, str], verify_replicas: bool,
              allow_scaled_optimizer_state: bool, allow_lossy_scale: bool,
-             progress: Optional[Progress], warn: Optional[Warn]) -> _core.CheckpointOptions:
+             progress: Optional[Progress], warn: Optional[Warn],
+             sync: bool) -> _core.CheckpointOptions:
     o = _core.CheckpointOptions()
     o.overwrite = overwrite
+    o.sync = sync
     if isinstance(max_shard_size, str):
         o.max_shard_bytes = _core.parse_byte_size(max_shard_size)
     elif max_shard_size is not None:
@@ -56,7 +60,8 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
             config: Union[None, PathLike, Mapping[str, Any]] = None, tp: Optional[int] = None,
             overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
             allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
-            progress: Optional[Progress] = None, warn: Optional[Warn] = None) -> None:
+            progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+            sync: bool = True) -> None:
     """Full checkpoint -> sharded checkpoint, by ``maps`` ({name: ParamMap} or a map document
     path), by ``layouts`` (a layouts document: path or dict) at ``tp`` ranks, or by a model's
     ``config`` (config.json path or dict) at ``tp`` ranks."""
@@ -65,7 +70,7 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
         raise ValueError("scatter needs exactly one of maps=, layouts= (with tp=) or config= "
                          f"(with tp=); given: {given or 'none'}")
     o = _options(overwrite, max_shard_size, True, allow_scaled_optimizer_state,
-                 allow_lossy_scale, progress, warn)
+                 allow_lossy_scale, progress, warn, sync)
     src, dst = os.fspath(full_dir), os.fspath(out_dir)
     if maps is not None:
         _core.scatter_with_maps(src, dst, _map_list(maps), o)
@@ -82,11 +87,12 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
 def gather(sharded_dir: PathLike, out_dir: PathLike, *, overwrite: bool = False,
            max_shard_size: Union[None, int, str] = None, verify_replicas: bool = True,
            allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
-           progress: Optional[Progress] = None, warn: Optional[Warn] = None) -> None:
+           progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+           sync: bool = True) -> None:
     """Sharded checkpoint -> full checkpoint (model.safetensors, or parts of at most
     ``max_shard_size`` and an index), checking that replicas agree, dropping padding."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
-                 allow_lossy_scale, progress, warn)
+                 allow_lossy_scale, progress, warn, sync)
     _core.gather(os.fspath(sharded_dir), os.fspath(out_dir), o)
 
 
@@ -95,12 +101,12 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: int,
             overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
             verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
             allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None) -> None:
+            warn: Optional[Warn] = None, sync: bool = True) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` or from the layouts the
     manifest records."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
-                 allow_lossy_scale, progress, warn)
+                 allow_lossy_scale, progress, warn, sync)
     targets = None if target_maps is None else _map_list(target_maps)
     _core.convert(os.fspath(sharded_dir), tp, os.fspath(out_dir), targets, o)
 

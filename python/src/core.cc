@@ -106,7 +106,8 @@ void PyWriteSafetensors(const std::string& path, const py::dict& tensors,
   {
     py::gil_scoped_release release;
     s = WriteSafetensors(path, std::move(to_write),
-                         metadata.value_or(std::map<std::string, std::string>{}), overwrite);
+                         metadata.value_or(std::map<std::string, std::string>{}),
+                         {.overwrite = overwrite});
   }
   if (!s.ok()) Raise(s, ErrorKind::kFile);
 }

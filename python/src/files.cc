@@ -24,6 +24,7 @@ namespace {
 // exception it raises is kept and raised again once the operation returns.
 struct PyCheckpointOptions {
   bool overwrite = false;
+  bool sync = true;
   uint64_t max_shard_bytes = 0;
   bool verify_replicas = true;
   bool allow_scaled_optimizer_state = false;
@@ -57,6 +58,7 @@ std::function<void(Args...)> UnderGil(const py::function& f, std::shared_ptr<Cal
 CheckpointOptions ToOptions(const PyCheckpointOptions& o, std::shared_ptr<CallbackError> err) {
   CheckpointOptions c;
   c.overwrite = o.overwrite;
+  c.sync = o.sync;
   c.max_shard_bytes = o.max_shard_bytes;
   c.verify_replicas = o.verify_replicas;
   c.allow_scaled_optimizer_state = o.allow_scaled_optimizer_state;
@@ -209,6 +211,7 @@ void BindFiles(py::module_& m) {
   py::class_<PyCheckpointOptions>(m, "CheckpointOptions")
       .def(py::init<>())
       .def_readwrite("overwrite", &PyCheckpointOptions::overwrite)
+      .def_readwrite("sync", &PyCheckpointOptions::sync)
       .def_readwrite("max_shard_bytes", &PyCheckpointOptions::max_shard_bytes)
       .def_readwrite("verify_replicas", &PyCheckpointOptions::verify_replicas)
       .def_readwrite("allow_scaled_optimizer_state",

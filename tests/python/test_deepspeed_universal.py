@@ -12,9 +12,14 @@ The checkpoints are the CI matrix of test_deepspeed_checkpoints.py (trained once
   output (the next step's loss on every DP rank), and from the checkpoints it refuses at the
   same TP x DP with the loss the training run recorded (ZeRO 0 resumes under ZeRO 1: DeepSpeed's
   ZeRO 0 optimizers load no universal checkpoint). Two torchrun launches run them all.
+- `--no-sync` writes the same bytes; a conversion interrupted by a signal leaves the output
+  absent and no temporary (after SIGKILL: one, which the next run removes).
 """
 
 import dataclasses
+import os
+import shutil
+import signal
 import subprocess
 
 import pytest
@@ -22,6 +27,7 @@ import torch
 
 from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
     ds_checkpoint, ds_to_universal, resume_launch, universal_accepts)
+from test_crash_consistency import SIGNALS, signal_at, start, temporaries, tree_digest
 from test_deepspeed_checkpoints import CI_SPECS, model_states, optim_states
 
 SPECS = CI_SPECS
@@ -213,3 +219,48 @@ def test_force_replaces_a_universal_checkpoint_and_nothing_else(tmp_path, reshar
     r = run(*convert, "--force")
     assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
     assert stray.read_text() == "mine"
+
+
+def test_no_sync_writes_the_same_universal_checkpoint(converted, tmp_path, reshard_bin,
+                                                      ds_checkpoint):
+    spec = SPECS[0]
+    out = tmp_path / "uc"
+    r = run(reshard_bin, "convert", ds_checkpoint(spec).save_dir, "--to", "universal",
+            "--no-sync", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(out) == tree_digest(converted[spec][0])
+
+
+@pytest.mark.parametrize("sig", [*SIGNALS, signal.SIGKILL], ids=lambda s: signal.Signals(s).name)
+def test_an_interrupted_universal_conversion_leaves_nothing_or_everything(
+        converted, tmp_path, reshard_bin, ds_checkpoint, sig):
+    """Signalled as soon as its temporary output appears: afterwards the output is absent (or,
+    had it finished first, complete) and the input untouched; a signal the process can handle
+    leaves no temporary, and the run after a SIGKILL removes the one it leaves."""
+    spec = SPECS[0]
+    ckpt = ds_checkpoint(spec)
+    reference = tree_digest(converted[spec][0])
+    input_before = tree_digest(ckpt.save_dir)
+    out = tmp_path / "uc"
+    args = ["convert", ckpt.save_dir, "--to", "universal", "-o", out]
+    for _ in range(5):  # a run that ends before the signal proves nothing: try again
+        shutil.rmtree(out, ignore_errors=True)
+        proc = start(reshard_bin, args)
+        mid_run = signal_at(proc, out, 0.0, 1, sig)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode in (0, -sig), stderr
+        if os.path.exists(out):
+            assert tree_digest(out) == reference
+        if mid_run and proc.returncode == -sig:
+            break
+    else:
+        pytest.fail(f"no run was caught mid-way by {signal.Signals(sig).name}")
+    assert not os.path.exists(out)
+    assert tree_digest(ckpt.save_dir) == input_before
+    if sig != signal.SIGKILL:
+        assert temporaries(out) == []
+        return
+    assert len(temporaries(out)) == 1
+    r = run(reshard_bin, *args)
+    assert r.returncode == 0, r.stderr
+    assert temporaries(out) == [] and tree_digest(out) == reference

@@ -26,6 +26,7 @@ struct CommonArgs {
   std::string input;
   std::string output;
   bool force = false;
+  bool no_sync = false;
   std::string max_shard_size;
   bool allow_scaled_optimizer_state = false;
   bool allow_lossy_scale = false;
@@ -54,6 +55,7 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
   RESHARD_ASSIGN_OR_RETURN(o.communicator, Processes(args.peer_timeout));
   o.stats = &args.stats;
   o.overwrite = args.force;
+  o.sync = !args.no_sync;
   o.allow_scaled_optimizer_state = args.allow_scaled_optimizer_state;
   o.allow_lossy_scale = args.allow_lossy_scale;
   o.verify_replicas = !args.no_verify_replicas;
@@ -286,6 +288,9 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
   cmd->add_option("--max-shard-size", args.max_shard_size, max_shard_help);
   cmd->add_flag("--force", args.force,
                 "replace an existing output directory (only an empty one or one reshard wrote)");
+  cmd->add_flag("--no-sync", args.no_sync,
+                "do not wait for the output to reach the disk: it still appears by one rename, "
+                "but a crash of the machine soon after may leave it incomplete");
   AddScaleFlags(cmd, args);
   AddJsonFlag(cmd, args.json, "what was written and read, by every process");
   cmd->add_flag("--progress", args.progress,

@@ -370,8 +370,8 @@ std::vector<int> OwnersOf(const std::vector<OutputFile>& files, int processes) {
   return BalanceByBytes(sizes, processes);
 }
 
-Status WriteManifest(const OutputDirectory& out, const Manifest& m) {
-  return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m));
+Status WriteManifest(const OutputDirectory& out, const Manifest& m, bool sync) {
+  return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m), {.sync = sync});
 }
 
 // Writes a sharded checkpoint: every file of every rank (files in parallel; across processes,
@@ -403,15 +403,16 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
                                return Status::Ok();
                              }});
         }
-        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata());
+        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
+                                {.sync = options.sync});
       });
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
   manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
   for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
   return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
-    RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest));
-    return out.Commit();
+    RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest, options.sync));
+    return out.Commit(options.sync);
   });
 }
 
@@ -561,7 +562,7 @@ std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
 }
 
 // model.safetensors.index.json of a full output in parts.
-Status WriteFullIndex(const OutputDirectory& out, const Manifest& m,
+Status WriteFullIndex(const OutputDirectory& out, const Manifest& m, bool sync,
                       const std::vector<OutputFile>& files) {
   nlohmann::json weight_map = nlohmann::json::object();
   uint64_t total = 0;
@@ -570,7 +571,8 @@ Status WriteFullIndex(const OutputDirectory& out, const Manifest& m,
     total += f.bytes;
   }
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n");
+  return WriteFileAtomically(out.FilePath("model.safetensors.index.json"), index.dump(2) + "\n",
+                             {.sync = sync});
 }
 
 // Rebuilds parameter i of `source` (its valid region) into `buffer`.
@@ -640,18 +642,19 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
                  return Status::Ok();
                }});
         }
-        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata());
+        return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
+                                {.sync = options.sync});
       });
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
   return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
     if (files.front().name != "model.safetensors") {
-      RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, files));
+      RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, options.sync, files));
     }
     for (const ExtraFile& f : extra_files) {
-      RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents));
+      RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents, {.sync = options.sync}));
     }
-    return out.Commit();
+    return out.Commit(options.sync);
   });
 }
 

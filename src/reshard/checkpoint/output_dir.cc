@@ -293,7 +293,7 @@ std::string OutputDirectory::FilePath(const std::string& name) const {
   return (fs::path(temp_) / name).string();
 }
 
-Status OutputDirectory::Commit() {
+Status OutputDirectory::Commit(bool sync) {
   if (!owner_) return InternalError("only the process that created an output commits it");
   RESHARD_RETURN_IF_ERROR(CheckTarget());
   RESHARD_RETURN_IF_ERROR(FinishTemporary(temp_, [&]() -> Status {
@@ -311,6 +311,7 @@ Status OutputDirectory::Commit() {
     if (replace) fs::remove_all(temp_, ec);  // now the old output
     return Status::Ok();
   }));
+  if (!sync) return Status::Ok();
   const fs::path target(path_);
   FileHandle dir(::open(target.has_parent_path() ? target.parent_path().c_str() : ".",
                         O_RDONLY | O_DIRECTORY | O_CLOEXEC));

@@ -76,7 +76,9 @@ class OutputDirectory {
   std::string FilePath(const std::string& name) const;
   /// The temporary directory.
   const std::string& temporary() const { return temp_; }
-  Status Commit();
+  /// Renames the temporary into place; with `sync`, then flushes the parent directory to disk
+  /// (the files themselves are their writers' to sync).
+  Status Commit(bool sync = true);
   /// For a joined directory: from now on an interruption of this process leaves it alone (the
   /// process that created it alone decides its fate).
   void Leave();

@@ -172,14 +172,16 @@ Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
     if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
     return Status::Ok();
   }));
-  return AtomicFileWriter(path, std::move(tmp), fd, options.sync);
+  return AtomicFileWriter(path, std::move(tmp), fd, options.sync,
+                          !options.sync && options.start_writeback);
 }
 
 AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
     : path_(std::move(other.path_)),
       tmp_(std::move(other.tmp_)),
       fd_(other.fd_),
-      sync_(other.sync_) {
+      sync_(other.sync_),
+      start_writeback_(other.start_writeback_) {
   other.fd_ = -1;
 }
 
@@ -222,6 +224,8 @@ Status AtomicFileWriter::Commit() {
     return ErrnoStatus(err, what, tmp_);
   };
   if (sync_ && ::fsync(fd_) != 0) return fail(errno, "cannot sync");
+  // Best effort: a failure here shows again when the caller syncs the file.
+  if (start_writeback_) (void)::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
   const int fd = fd_;
   fd_ = -1;
   const int close_result = ::close(fd);
@@ -244,6 +248,11 @@ Status AtomicFileWriter::Commit() {
   FileHandle dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir_fd.get() >= 0) ::fsync(dir_fd.get());
   return Status::Ok();
+}
+
+void StartWriteback(const std::string& path) {
+  FileHandle fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+  if (fd.valid()) (void)::sync_file_range(fd.get(), 0, 0, SYNC_FILE_RANGE_WRITE);
 }
 
 Status SyncFiles(const std::vector<std::string>& paths, int threads) {

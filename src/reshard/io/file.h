@@ -66,6 +66,10 @@ struct WriteOptions {
   /// syncs every file itself before publishing them together (SyncFiles), e.g. the files of
   /// an output directory that appears by one rename.
   bool sync = true;
+  /// With sync off: have the kernel start writing the file to disk at the commit, without
+  /// waiting, for a writer that syncs it later with others (SyncFiles): the disk then works
+  /// while the next files are written, and the final sync has little left to do.
+  bool start_writeback = false;
 };
 
 /// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno: what
@@ -95,14 +99,23 @@ class AtomicFileWriter {
   Status Commit();
 
  private:
-  AtomicFileWriter(std::string path, std::string tmp, int fd, bool sync)
-      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd), sync_(sync) {}
+  AtomicFileWriter(std::string path, std::string tmp, int fd, bool sync, bool start_writeback)
+      : path_(std::move(path)),
+        tmp_(std::move(tmp)),
+        fd_(fd),
+        sync_(sync),
+        start_writeback_(start_writeback) {}
   void Abandon();
   std::string path_;
   std::string tmp_;
   int fd_ = -1;  // -1 once committed or abandoned
   bool sync_ = true;
+  bool start_writeback_ = false;
 };
+
+/// Has the kernel start writing `path` to disk without waiting (WriteOptions::start_writeback
+/// for a file written otherwise); best effort, as a later SyncFiles reports any failure.
+void StartWriteback(const std::string& path);
 
 /// Flushes each of `paths` (files or directories) to disk, on up to `threads` threads; the
 /// first failure (Unavailable for EIO, naming the path) is returned after all have been tried.

@@ -598,7 +598,8 @@ std::span<const std::byte> SafetensorsFile::data(const TensorInfo& tensor) const
 }
 
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
-                        const std::map<std::string, std::string>& metadata, bool overwrite) {
+                        const std::map<std::string, std::string>& metadata,
+                        const WriteOptions& options) {
   // Check everything before touching the disk.
   std::vector<uint64_t> sizes(tensors.size());
   std::unordered_set<std::string_view> names;
@@ -669,7 +670,7 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
         "header of {} bytes exceeds the 100 MB limit ({} tensors)", header.size(), tensors.size()));
   }
 
-  RESHARD_ASSIGN_OR_RETURN(AtomicFileWriter out, AtomicFileWriter::Create(path, {overwrite}));
+  RESHARD_ASSIGN_OR_RETURN(AtomicFileWriter out, AtomicFileWriter::Create(path, options));
   std::byte length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(header.size() >> (8 * i));
   RESHARD_RETURN_IF_ERROR(out.Append(length));

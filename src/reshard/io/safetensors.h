@@ -39,6 +39,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
+#include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 
 namespace reshard {
@@ -109,11 +110,11 @@ struct TensorToWrite {
 /// order, on one reused buffer as large as the largest tensor: that buffer is the writer's
 /// peak memory. InvalidArgument for duplicate or non-UTF-8 names, "__metadata__" as a name,
 /// a bad shape or a missing fill (checked before anything is written); AlreadyExists if
-/// `path` exists and !overwrite; ResourceExhausted on a full disk; a failing fill's Status is
-/// returned. Nothing is left behind on failure.
+/// `path` exists and !options.overwrite; ResourceExhausted on a full disk; a failing fill's
+/// Status is returned. Nothing is left behind on failure.
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
                         const std::map<std::string, std::string>& metadata = {},
-                        bool overwrite = false);
+                        const WriteOptions& options = {});
 
 }  // namespace reshard
 

@@ -467,7 +467,7 @@ Status ExportToSafetensors(const TorchFile& file, const std::string& path, bool 
                                       return Status::Ok();
                                     }});
   }
-  return WriteSafetensors(path, std::move(tensors), {{"format", "pt"}}, overwrite);
+  return WriteSafetensors(path, std::move(tensors), {{"format", "pt"}}, {.overwrite = overwrite});
 }
 
 }  // namespace reshard

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <unordered_set>
@@ -264,18 +265,22 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
   RESHARD_RETURN_IF_ERROR(CheckPersistentIds(tree, root, sizes));
   RESHARD_ASSIGN_OR_RETURN(
       AtomicFileWriter out,
-      AtomicFileWriter::Create(path, {.overwrite = options.overwrite, .sync = options.sync}));
+      AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
+                                     .sync = options.sync,
+                                     .start_writeback = options.start_writeback}));
   ZipStreamWriter zip(out);
   const std::string& r = options.root;
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.format_version", AsBytes("1")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.storage_alignment", AsBytes("64")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/byteorder", AsBytes("little")));
-  std::vector<std::byte> buffer(largest);
+  // One buffer, as large as the largest filled storage, serves every fill in turn.
+  std::unique_ptr<std::byte[]> buffer;
+  if (largest > 0) buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
   for (const TorchStorageToWrite& s : storages) {
     std::span<const std::byte> bytes = s.bytes;
     if (bytes.empty() && s.num_bytes > 0) {
-      const std::span<std::byte> filled(buffer.data(), s.num_bytes);
+      const std::span<std::byte> filled(buffer.get(), s.num_bytes);
       RESHARD_RETURN_IF_ERROR(s.fill(filled).Annotate("storage " + Quote(s.key)));
       bytes = filled;
     }

@@ -46,6 +46,8 @@ struct TorchWriteOptions {
   bool overwrite = false;
   /// Flush to disk before the rename (see WriteOptions::sync).
   bool sync = true;
+  /// See WriteOptions::start_writeback.
+  bool start_writeback = false;
 };
 
 /// Writes `tensors` (in the given order, each its own storage, dense row-major) as the state

@@ -1,7 +1,8 @@
 #include "reshard/io/zip.h"
 
+#include <libdeflate.h>
+
 #include <algorithm>
-#include <array>
 #include <optional>
 #include <string>
 #include <utility>
@@ -295,33 +296,11 @@ const ZipEntry* ZipArchive::Find(std::string_view name) const {
   return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
-// Slicing by 8 (eight tables, eight bytes per step, little-endian loads): the writers checksum
-// every byte they write, and one table lookup per byte held them to ~0.5 GB/s.
+// libdeflate's CRC-32 folds 16 bytes at a time with carry-less multiplication where the CPU
+// has it (~13 GB/s a core here, against 2.4 for slicing by 8): the writers checksum every byte
+// they write.
 uint32_t Crc32(std::span<const std::byte> bytes) {
-  static const auto kTables = [] {
-    std::array<std::array<uint32_t, 256>, 8> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xedb88320u ^ (c >> 1) : c >> 1;
-      t[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; ++i) {
-      for (size_t k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xff];
-    }
-    return t;
-  }();
-  uint32_t c = 0xffffffffu;
-  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
-  size_t n = bytes.size();
-  for (; n >= 8; n -= 8, p += 8) {
-    const uint32_t lo =
-        c ^ (uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24);
-    c = kTables[7][lo & 0xff] ^ kTables[6][(lo >> 8) & 0xff] ^ kTables[5][(lo >> 16) & 0xff] ^
-        kTables[4][lo >> 24] ^ kTables[3][p[4]] ^ kTables[2][p[5]] ^ kTables[1][p[6]] ^
-        kTables[0][p[7]];
-  }
-  for (; n > 0; --n, ++p) c = kTables[0][(c ^ *p) & 0xff] ^ (c >> 8);
-  return c ^ 0xffffffffu;
+  return libdeflate_crc32(0, bytes.data(), bytes.size());
 }
 
 }  // namespace reshard
