@@ -42,7 +42,8 @@ LAUNCH_TIMEOUT_S = 600
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One training run. family: "llama", "qwen2" (q/k/v biases) or "mistral", each with 2
+    """One training run. family: "llama", "qwen2" (q/k/v biases), "mistral" or
+    "llama_subparams" (q/k/v cut as two sub-parameters each, see ds_train.py), each with 2
     layers, hidden 64, 4 heads of 16, intermediate 128, untied embeddings. vocab 250 does not
     divide by 4, so TP 4 cuts the vocabulary unevenly (63, 63, 62, 62). Every size is a
     multiple of 64, so ZeRO pads only when DP does not divide it: DP 3 pads ZeRO 3's

@@ -48,6 +48,11 @@ FAMILIES = {
     "llama": dict(model_type="llama"),
     "qwen2": dict(model_type="qwen2"),  # q/k/v projections carry biases
     "mistral": dict(model_type="mistral", sliding_window=None),
+    # Llama whose q, k and v projections AutoTP cuts as two sub-parameters each (a shaped
+    # layer spec, as for a fused QKV): a rank holds one head of each half, the same heads of
+    # q, k and v, so the model computes what it computes whole. AutoTP records these as
+    # parameter_with_sub_params, with no affine map.
+    "llama_subparams": dict(model_type="llama"),
 }
 
 
@@ -85,6 +90,11 @@ def ds_config(spec):
         "tensor_parallel": {"autotp_size": spec["tp"]},
         "wall_clock_breakdown": False,
     }
+    if spec["family"] == "llama_subparams":  # the llama preset, q/k/v overridden
+        cfg["tensor_parallel"]["preset_model"] = "llama"
+        cfg["tensor_parallel"]["partition_config"] = {"layer_specs": [
+            {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column",
+             "shape": [2, -1], "partition_dim": 0}]}
     if spec["dtype"] == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     return cfg

@@ -2,7 +2,8 @@
 
 The CI matrix, CI_SPECS, is three torchrun launches (TP 2 x DP 2, TP 4 x DP 1, TP 1 x DP 3)
 that together cover the three model families, ZeRO stages 0-3, fp32 and bf16, the uneven
-vocabulary at TP 4, checkpoints without AutoTP and ZeRO's padding (DP 3, vocabulary 251). RESHARD_DS_MATRIX=full runs every family,
+vocabulary at TP 4, checkpoints without AutoTP, ZeRO's padding (DP 3, vocabulary 251) and
+q/k/v projections cut per sub-parameter (llama_subparams). RESHARD_DS_MATRIX=full runs every family,
 stage and dtype at TP 1/2/4 x DP 1/2 (many minutes).
 
 - `reshard inspect SAVE_DIR --json` lists every file of the tag dir `latest` names, and every
@@ -43,6 +44,7 @@ CI_SPECS = [
     Spec("llama", tp=1, dp=3, stage=2, vocab=251),
     Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251),
     Spec("qwen2", tp=1, dp=3, stage=1, vocab=251),
+    Spec("llama_subparams", tp=2, dp=2, stage=2),
 ]
 FULL_SPECS = [Spec(f, tp=tp, dp=dp, stage=stage, dtype=dtype)
               for f, tp, dp, stage, dtype in itertools.product(

@@ -12,6 +12,9 @@ The checkpoints are the CI matrix of test_deepspeed_checkpoints.py (trained once
   output (the next step's loss on every DP rank), and from the checkpoints it refuses at the
   same TP x DP with the loss the training run recorded (ZeRO 0 resumes under ZeRO 1: DeepSpeed's
   ZeRO 0 optimizers load no universal checkpoint). Two torchrun launches run them all.
+- Sub-parameters without an affine map (parameter_with_sub_params, as DeepSpeed wrote them
+  before it published maps, and before version 0.4 with counts for sizes): the same objects as
+  ds_to_universal's, SubparamShape records included.
 - `--no-sync` writes the same bytes; a conversion interrupted by a signal leaves the output
   absent and no temporary (after SIGKILL: one, which the next run removes).
 """
@@ -21,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import types
 
 import pytest
 import torch
@@ -264,3 +268,62 @@ def test_an_interrupted_universal_conversion_leaves_nothing_or_everything(
     r = run(reshard_bin, *args)
     assert r.returncode == 0, r.stderr
     assert temporaries(out) == [] and tree_digest(out) == reference
+
+
+def as_older_deepspeed_wrote_it(ckpt, dest, legacy):
+    """A copy of `ckpt` whose model states carry no affine map, as DeepSpeed wrote them before
+    it published one: the pattern lists alone, parameter_with_sub_params among them. With
+    `legacy`, as before universal-checkpoint version 0.4: a count of equal sub-parameters at
+    partition_dim instead of their sizes, and no sub_param_shard_widths."""
+    shutil.copytree(ckpt.save_dir, dest)
+    for f in sorted((dest / ckpt.tag).glob("*model_states.pt")):
+        states = torch.load(f, weights_only=False)
+        uc = states["universal_checkpoint_info"]
+        del uc["affine_map"]
+        if legacy:
+            uc["universal_checkpoint_version"] = 0.3
+            del uc["sub_param_shard_widths"]
+            for entry in uc["parameter_with_sub_params"]:
+                shape = list(entry["shape"])
+                shape[entry["partition_dim"]] = len(shape[entry["partition_dim"]])
+                entry["shape"] = shape
+        torch.save(states, f)
+    return dest
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["v0.4", "before-v0.4"])
+def test_sub_parameters_without_an_affine_map_as_ds_to_universal_writes_them(
+        tmp_path, reshard_bin, ds_checkpoint, legacy):
+    """parameter_with_sub_params: ds_to_universal merges each sub-parameter's pieces and
+    records a SubparamShape beside the tensor; ours loads to the same objects, file by file,
+    and its tensors are those of the affine-map checkpoint it came from."""
+    spec = next(s for s in SPECS if s.family == "llama_subparams")
+    ckpt = ds_checkpoint(spec)
+    save = as_older_deepspeed_wrote_it(ckpt, tmp_path / "ckpt", legacy)
+    ours = tmp_path / "ours"
+    r = run(reshard_bin, "convert", save, "--to", "universal", "-o", ours)
+    assert r.returncode == 0, r.stderr
+    theirs = ds_to_universal(types.SimpleNamespace(tag=ckpt.tag, tag_dir=save / ckpt.tag,
+                                                   spec=spec), tmp_path / "theirs")
+    folder = ours / (ours / "latest_universal").read_text()
+    assert files(folder) == files(theirs)
+    recorded = 0
+    for f in files(folder):
+        if f.suffix != ".pt" or f.name.endswith("_model_states.pt"):
+            continue
+        a = torch.load(folder / f, weights_only=False)
+        same(a, torch.load(theirs / f, weights_only=False), str(f))
+        if isinstance(a, dict) and "sub_param_shape" in a:
+            recorded += 1
+            # Sizes of the two halves of 64 rows; the legacy count (2) becomes them, in a tuple.
+            shape = a["sub_param_shape"].shape
+            assert shape == (((32, 32), -1) if legacy else [(32, 32), -1]), shape
+    assert recorded == 6 * 3  # q, k, v of 2 layers; fp32 and both moments
+    # The same tensors as from the checkpoint with its affine map.
+    r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", tmp_path / "affine")
+    assert r.returncode == 0, r.stderr
+    for f in files(folder):
+        if f.name in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
+            assert same_bits(torch.load(folder / f, weights_only=False)["param"],
+                             torch.load(tmp_path / "affine" / folder.name / f,
+                                        weights_only=True)["param"]), f

@@ -82,6 +82,17 @@ struct DeepSpeedShardParts {
   std::vector<DeepSpeedFragment> fragments;  // one per rank of dp_map
 };
 
+/// A parameter_with_sub_params entry of universal_checkpoint_info ({"patterns", "shape",
+/// "partition_dim"}), which ds_to_universal writes beside the tensor as a SubparamShape.
+struct DeepSpeedSubParamShape {
+  const TorchFile* file = nullptr;     // the model-states file holding it
+  PickleNodeId entry = kNoPickleNode;  // its dict in that file's tree
+  /// Before universal-checkpoint version 0.4 the shape may give, at partition_dim, the number
+  /// of equal sub-parameters rather than their sizes: ds_to_universal then writes the sizes,
+  /// each this many (and the shape as a tuple). 0: the shape is written as it is.
+  Index legacy_size = 0;
+};
+
 /// What DeepSpeed's universal converter records beside a parameter's full tensor, from the
 /// pattern lists of universal_checkpoint_info (none of it when an affine map gives the layout,
 /// but vocab_tensor).
@@ -90,7 +101,7 @@ struct DeepSpeedUniversalKeys {
   std::optional<int> n_sub_params;           // parameter_with_2_sub_params_cat_dim_0: 2
   bool vocab_tensor = false;                 // matches vocabulary_parameter_patterns
   std::optional<Index> original_vocab_size;  // rows kept of a vocabulary tensor
-  bool sub_param_shape = false;  // parameter_with_sub_params (recorded as a SubparamShape)
+  std::optional<DeepSpeedSubParamShape> sub_param_shape;  // matches parameter_with_sub_params
 };
 
 /// The optimizer's step count for a parameter as one file pickles it (a node of its tree).

@@ -121,6 +121,48 @@ Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std:
   return Status::Ok();
 }
 
+// What ds_to_universal writes under "sub_param_shape": its SubparamShape dataclass made from
+// the universal_checkpoint_info entry, fields in declaration order; before version 0.4 a
+// count of equal sub-parameters at partition_dim becomes their sizes, and the shape a tuple.
+Result<PickleNodeId> SubParamShapeRecord(TorchTreeBuilder& b, const DeepSpeedSubParamShape& s) {
+  const PickleTree& t = s.file->tree();
+  auto field = [&](std::string_view key) {
+    for (const auto& [k, v] : t.node(s.entry).entries) {
+      if (t.node(k).kind == PickleKind::kStr && t.node(k).text == key) return v;
+    }
+    return kNoPickleNode;
+  };
+  const PickleNodeId patterns = field("patterns"), shape = field("shape"),
+                     dim = field("partition_dim");
+  if (patterns == kNoPickleNode || shape == kNoPickleNode || dim == kNoPickleNode)
+    return InvalidArgumentError("parameter_with_sub_params: an entry lacks a field");
+  const PickleNodeId state = b.Dict();
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId p, b.Copy(*s.file, patterns));
+  b.Insert(state, b.Str("patterns"), p);
+  if (s.legacy_size == 0) {
+    RESHARD_ASSIGN_OR_RETURN(const PickleNodeId copied, b.Copy(*s.file, shape));
+    b.Insert(state, b.Str("shape"), copied);
+  } else {
+    const auto& dims = t.node(shape).items;
+    const size_t at = static_cast<size_t>(t.node(dim).int_value);
+    std::vector<PickleNodeId> items;
+    for (size_t d = 0; d < dims.size(); ++d) {
+      if (d != at) {
+        RESHARD_ASSIGN_OR_RETURN(const PickleNodeId item, b.Copy(*s.file, dims[d]));
+        items.push_back(item);
+        continue;
+      }
+      std::vector<PickleNodeId> sizes(static_cast<size_t>(t.node(dims[d]).int_value));
+      for (PickleNodeId& size : sizes) size = b.Int(s.legacy_size);
+      items.push_back(b.Tuple(std::move(sizes)));
+    }
+    b.Insert(state, b.Str("shape"), b.Tuple(std::move(items)));
+  }
+  RESHARD_ASSIGN_OR_RETURN(const PickleNodeId d, b.Copy(*s.file, dim));
+  b.Insert(state, b.Str("partition_dim"), d);
+  return b.Object("deepspeed.checkpoint.universal_checkpoint.SubparamShape", state);
+}
+
 // {"cat_dim": d, "param_n_sub_params": 2, "vocab_tensor": True, "param": tensor}, the keys in
 // ds_to_universal's order and only those it writes; a bare tensor in the flat form. The fp32
 // tensor is saved with requires_grad, as DeepSpeed's is.
@@ -137,6 +179,10 @@ Status UniversalWriter::WriteState(size_t i, DeepSpeedState state, const std::st
     root = b.Dict();
     if (k.cat_dim) b.Insert(root, b.Str("cat_dim"), b.Int(*k.cat_dim));
     if (k.n_sub_params) b.Insert(root, b.Str("param_n_sub_params"), b.Int(*k.n_sub_params));
+    if (k.sub_param_shape) {
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId s, SubParamShapeRecord(b, *k.sub_param_shape));
+      b.Insert(root, b.Str("sub_param_shape"), s);
+    }
     if (k.vocab_tensor) b.Insert(root, b.Str("vocab_tensor"), b.Bool(true));
     b.Insert(root, b.Str("param"), tensor);
   }
@@ -256,12 +302,6 @@ Result<std::vector<UniversalJob>> PlanUniversal(const DeepSpeedCheckpoint& c,
         p.name.find('/') != std::string::npos || p.name.find('\0') != std::string::npos) {
       return InvalidArgumentError(
           fmt::format("parameter \"{}\" cannot name a folder of the universal checkpoint", p.name));
-    }
-    if (p.universal.sub_param_shape) {
-      return UnimplementedError(fmt::format(
-          "parameter \"{}\" matches universal_checkpoint_info.parameter_with_sub_params, whose "
-          "SubparamShape record the universal writer does not write yet",
-          p.name));
     }
     const uint64_t bytes = static_cast<uint64_t>(ProductOf(UniversalShape(c, p))) * 4;
     for (DeepSpeedState s : kUniversalStates) {
