@@ -51,6 +51,7 @@ def advise_huge_pages(address: int, bytes: int) -> None: ...
 
 class CheckpointOptions:
     overwrite: bool
+    sync: bool
     max_shard_bytes: int
     verify_replicas: bool
     allow_scaled_optimizer_state: bool
