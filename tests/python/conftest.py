@@ -14,6 +14,11 @@ sys.path.insert(0, str(BUILD / "python"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 SHARED_DATA = pathlib.Path(os.environ.get("RESHARD_SHARED_DATA", REPO.parent / "shared" / "data"))
 
+# DeepSpeed's training checkpoints, one factory for the whole session: a session fixture
+# imported into several test modules would be made (and its checkpoints trained) once per
+# module.
+from ds_checkpoints import ds_checkpoint  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session")
 def reshard_bin():

@@ -8,9 +8,9 @@ facts the tests compare against, computed by the training run itself and not rea
 the checkpoint files.
 
 In pytest, use the session fixture `ds_checkpoint` (a factory, one training run per spec per
-session):
+session; conftest.py registers it once for every module, so do not import it into one):
 
-    from ds_checkpoints import Spec, ds_checkpoint  # noqa: F401  (the fixture)
+    from ds_checkpoints import Spec
 
     def test_x(ds_checkpoint):
         ckpt = ds_checkpoint(Spec("llama", tp=2, dp=2, stage=1))

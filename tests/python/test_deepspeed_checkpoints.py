@@ -31,8 +31,7 @@ import subprocess
 import pytest
 import torch
 
-from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
-    Spec, UniversalRefused, ds_checkpoint, ds_to_universal, universal_accepts)
+from ds_checkpoints import Spec, UniversalRefused, ds_to_universal, universal_accepts
 
 CI_SPECS = [
     Spec("llama", tp=2, dp=2, stage=1),

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds_checkpoints import Spec, ds_checkpoint, ds_to_universal  # noqa: F401
+from ds_checkpoints import Spec, ds_to_universal
 from test_deepspeed_checkpoints import CI_SPECS
 
 # The same checkpoints as test_deepspeed_checkpoints.py (trained once per session).

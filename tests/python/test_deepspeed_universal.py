@@ -29,8 +29,7 @@ import types
 import pytest
 import torch
 
-from ds_checkpoints import (  # noqa: F401  (ds_checkpoint: the fixture)
-    ds_checkpoint, ds_to_universal, resume_launch, universal_accepts)
+from ds_checkpoints import ds_to_universal, resume_launch, universal_accepts
 from test_crash_consistency import SIGNALS, signal_at, start, temporaries, tree_digest
 from test_deepspeed_checkpoints import CI_SPECS, model_states, optim_states
 

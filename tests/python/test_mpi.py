@@ -1,5 +1,5 @@
-"""scatter, convert and gather under `mpirun -n K`: the output is byte-identical to one
-process's, every process writes about 1/K of the bytes and reads only what its files need,
+"""scatter, convert, gather and convert --to universal under `mpirun -n K`: the output is
+byte-identical to one process's, every process writes about 1/K of the bytes and reads only what its files need,
 process 0 shows the whole job's progress, and a failure in any process (a truncated input, a
 full disk in one process, a killed process, a hung one) leaves no output and no temporary.
 
@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from test_crash_consistency import bytes_under, same_tree, temporaries, write_layered_model
+from ds_checkpoints import Spec
+from test_crash_consistency import (bytes_under, same_tree, temporaries, tree_digest,
+                                    write_layered_model)
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed")
@@ -85,6 +87,38 @@ def test_k_processes_write_what_one_does_each_reading_only_its_share(reshard_bin
         assert sum(p["bytes_verified"] for p in processes) == one[0]["bytes_verified"]
         for p in processes:
             assert p["bytes_read"] <= p["bytes_written"], p
+
+
+def test_k_processes_write_the_universal_checkpoint_one_does(reshard_bin, ds_checkpoint,
+                                                            tmp_path):
+    """convert --to universal: each process writes its share of the files (by bytes) into one
+    output, which equals a single process's file for file and byte for byte; a process that
+    cannot open the checkpoint fails them all and leaves nothing."""
+    ckpt = ds_checkpoint(Spec("llama", tp=2, dp=2, stage=1))
+    convert = ["convert", ckpt.save_dir, "--to", "universal", "--json"]
+    r = run([reshard_bin, *map(str, convert), "-o", str(tmp_path / "one")])
+    assert r.returncode == 0, r.stderr
+    one = json.loads(r.stdout)["processes"][0]
+    reference = tree_digest(tmp_path / "one")
+    for n in (2, 3):
+        out = tmp_path / f"mpi-{n}"
+        r = run(mpirun(n, reshard_bin, *convert, "-o", out))
+        assert r.returncode == 0, r.stderr
+        assert tree_digest(out) == reference, n
+        processes = json.loads(r.stdout)["processes"]
+        assert [p["rank"] for p in processes] == list(range(n))
+        files = [f for p in processes for f in p["files"]]
+        assert sorted(files) == sorted(one["files"]), "every file written once"
+        written = [p["bytes_written"] for p in processes]
+        assert sum(written) == one["bytes_written"] and min(written) > 0, written
+        largest = max(f.stat().st_size for f in out.rglob("*.pt"))
+        assert max(written) <= one["bytes_written"] / n + largest, written  # balanced
+    # A full disk in one process fails every process and leaves nothing.
+    out = tmp_path / "one-full-disk"
+    limit = 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then ulimit -f 16; fi;'  # 8-16 KiB files
+    r = run(mpirun(2, reshard_bin, *convert, "-o", out, wrap=limit))
+    assert r.returncode != 0, r.stderr
+    assert not os.path.exists(out) and temporaries(out) == []
 
 
 def test_process_0_shows_the_whole_jobs_progress(reshard_bin, small):

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
@@ -22,59 +23,6 @@
 namespace reshard {
 
 namespace {
-
-Communicator& CommunicatorOf(const CheckpointOptions& options) {
-  return options.communicator ? *options.communicator : SingleProcess();
-}
-
-// The options as this process applies them: only process 0 warns and reports progress.
-CheckpointOptions ForThisProcess(const CheckpointOptions& options) {
-  CheckpointOptions o = options;
-  if (CommunicatorOf(options).rank() != 0) {
-    o.warn = nullptr;
-    o.progress = nullptr;
-  }
-  return o;
-}
-
-// Counts written bytes and reports them: in one process directly; across processes each
-// publishes its count and process 0 reports the whole job's.
-class ProgressCounter {
- public:
-  ProgressCounter(const CheckpointOptions& options, uint64_t total)
-      : comm_(CommunicatorOf(options)), report_(options.progress), total_(total) {
-    if (report_) report_(0, total_);
-    if (comm_.size() > 1 && report_) {
-      comm_.SetProgressListener([this](uint64_t job_done) {
-        std::lock_guard<std::mutex> lock(report_mu_);
-        if (job_done == reported_) return;  // process 0 hears the same count many times
-        reported_ = job_done;
-        report_(job_done, total_);
-      });
-    }
-  }
-  ~ProgressCounter() {
-    if (comm_.size() > 1 && report_) comm_.SetProgressListener({});
-  }
-  void Add(uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ += bytes;
-    if (comm_.size() > 1) {
-      comm_.PublishProgress(done_);
-    } else if (report_) {
-      report_(done_, total_);
-    }
-  }
-
- private:
-  Communicator& comm_;
-  std::mutex mu_;
-  std::mutex report_mu_;
-  std::function<void(uint64_t, uint64_t)> report_;
-  uint64_t total_;
-  uint64_t done_ = 0;
-  uint64_t reported_ = 0;
-};
 
 bool IsPowerOfTwo(double x) {
   int exponent = 0;
@@ -175,39 +123,6 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
   return StridedCopy(dtype, std::span<const StridedMove>(&move, 1), num_threads);
 }
 
-// Runs fn(i) for every i < count, on up to one thread per core: each file is written by one
-// thread, so the kernel's copies into the page cache and the memory copies of several files
-// overlap. Returns the first error (items not yet started are then skipped).
-Status ForEachIndex(size_t count, int num_threads, const std::function<Status(size_t)>& fn) {
-  int threads =
-      num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
-  threads = static_cast<int>(
-      std::clamp<size_t>(static_cast<size_t>(std::max(threads, 1)), 1, std::max<size_t>(count, 1)));
-  std::atomic<size_t> next{0};
-  std::mutex mu;
-  Status first;
-  auto worker = [&] {
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first.ok()) return;
-      }
-      const size_t i = next.fetch_add(1);
-      if (i >= count) return;
-      Status s = fn(i);
-      if (!s.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (first.ok()) first = std::move(s);
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-  return first;
-}
-
 // A sharded checkpoint as a source: shards are views of its mapped files.
 class ShardedDirSource : public ShardSource {
  public:
@@ -279,76 +194,6 @@ struct Counters {
   std::atomic<uint64_t> read{0};
   std::atomic<uint64_t> verified{0};
 };
-
-// Collective: process 0 creates the output directory, the others join its temporary. They join
-// before it exists, so that from its creation on a survivor of any process knows what to remove.
-Result<OutputDirectory> OpenOutput(Communicator& comm, const std::string& path,
-                                   const CheckpointOptions& options,
-                                   std::span<const std::string> inputs) {
-  if (comm.size() == 1) return OutputDirectory::Create(path, options.overwrite, inputs);
-  RESHARD_ASSIGN_OR_RETURN(
-      const std::string temp,
-      Broadcast(comm, comm.rank() == 0 ? TemporaryPathFor(path) : std::string(), 0));
-  std::optional<Result<OutputDirectory>> out;
-  if (comm.rank() != 0) out.emplace(OutputDirectory::Join(path, temp));
-  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out ? out->status() : Status::Ok()));
-  if (comm.rank() == 0) out.emplace(OutputDirectory::Create(path, options.overwrite, inputs, temp));
-  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, out->status()));
-  return std::move(*out);
-}
-
-// "<read> <verified> <written> <file>..." (file names hold no spaces).
-std::string EncodeStats(const ProcessStats& s) {
-  std::string text = fmt::format("{} {} {}", s.bytes_read, s.bytes_verified, s.bytes_written);
-  for (const std::string& f : s.files) text += " " + f;
-  return text;
-}
-
-ProcessStats DecodeStats(int rank, const std::string& text) {
-  ProcessStats s;
-  s.rank = rank;
-  std::vector<std::string> words;
-  for (size_t begin = 0; begin <= text.size();) {
-    const size_t space = std::min(text.find(' ', begin), text.size());
-    words.push_back(text.substr(begin, space - begin));
-    begin = space + 1;
-  }
-  uint64_t* numbers[] = {&s.bytes_read, &s.bytes_verified, &s.bytes_written};
-  for (size_t k = 0; k < words.size(); ++k) {
-    if (k >= 3) {
-      s.files.push_back(words[k]);
-    } else {
-      std::from_chars(words[k].data(), words[k].data() + words[k].size(), *numbers[k]);
-    }
-  }
-  return s;
-}
-
-// Collective, once every process has written its files (`written`: this process's outcome):
-// fills options.stats; when every process succeeded, process 0 runs `commit` (the manifest or
-// index, then the rename). Every process returns the same status.
-Status FinishOutput(Communicator& comm, OutputDirectory& out, const Status& written,
-                    ProcessStats mine, const CheckpointOptions& options,
-                    const std::function<Status()>& commit) {
-  mine.rank = comm.rank();
-  RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> all, comm.AllGather(EncodeStats(mine)));
-  if (options.stats) {
-    options.stats->processes.clear();
-    if (comm.rank() != 0) {
-      options.stats->processes.push_back(std::move(mine));
-    } else {
-      for (size_t p = 0; p < all.size(); ++p) {
-        options.stats->processes.push_back(DecodeStats(static_cast<int>(p), all[p]));
-      }
-    }
-  }
-  // A joined temporary stays recorded on failure (process 0 removes it, and a process that
-  // ends the job because an exchange failed removes it too); once every file is written,
-  // process 0 alone decides whether the output appears.
-  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, written));
-  out.Leave();
-  return AgreeOnStatus(comm, comm.rank() == 0 ? commit() : Status::Ok());
-}
 
 // Writes the files of `files` that `owners` gives this process; write(k) writes file k.
 Status WriteOwnFiles(Communicator& comm, const std::vector<OutputFile>& files,

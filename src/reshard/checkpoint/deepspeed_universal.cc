@@ -7,17 +7,18 @@
 //   OUT/<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt   full fp32 tensors
 //   OUT/<tag>_universal/zero/<param>/step.pt                        ZeRO 0-2
 // Every file is one job of a thread pool; a state file rebuilds one parameter's full tensor
-// from its TP shards (each from its DP fragments) straight into the writer's buffer.
+// from its TP shards (each from its DP fragments) straight into the writer's buffer. Under
+// several processes (communicator.h) each writes the files BalanceByBytes gives it into the
+// temporary directory process 0 made, and process 0 commits once all have succeeded.
 #include <fmt/format.h>
 
-#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <memory>
-#include <mutex>
 #include <set>
-#include <thread>
+#include <vector>
 
+#include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/file.h"
@@ -328,40 +329,16 @@ Result<std::vector<UniversalJob>> PlanUniversal(const DeepSpeedCheckpoint& c,
   return jobs;
 }
 
-// Runs fn(i) for every i < count on `threads` threads; the first error stops the rest.
-Status RunJobs(size_t count, int threads, const std::function<Status(size_t)>& fn) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads =
-      static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(count, 1)));
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  Status first;
-  auto worker = [&] {
-    for (size_t i = next++; i < count && !failed; i = next++) {
-      Status s = fn(i);
-      if (s.ok()) continue;
-      std::lock_guard<std::mutex> lock(mu);
-      if (first.ok()) first = std::move(s);
-      failed = true;
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-  return first;
-}
-
 }  // namespace
 
 Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
-                                   const CheckpointOptions& options) {
-  if (options.communicator != nullptr && options.communicator->size() > 1) {
-    return UnimplementedError(
-        "the universal checkpoint is written by one process; run it without a launcher");
-  }
-  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint c, DeepSpeedCheckpoint::Open(ckpt_dir));
+                                   const CheckpointOptions& all_options) {
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  Result<DeepSpeedCheckpoint> opened = DeepSpeedCheckpoint::Open(ckpt_dir);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
+  const DeepSpeedCheckpoint& c = *opened;
+  // Every process reads the same files, so these checks and the plan agree without a word.
   if (!c.has_optimizer_state() || c.optimizer_file() == nullptr) {
     return FailedPreconditionError(fmt::format(
         "\"{}\" holds no optimizer state, which a universal checkpoint is made of", c.tag_dir()));
@@ -370,48 +347,59 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
   RESHARD_ASSIGN_OR_RETURN(std::vector<UniversalJob> jobs, PlanUniversal(c, folder));
   std::vector<std::string> inputs = {c.tag_dir()};
   for (const std::string& p : c.file_paths()) inputs.push_back(p);
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
-                           OutputDirectory::Create(out_dir, options.overwrite, inputs));
-  std::error_code ec;
-  for (const UniversalJob& job : jobs) {
-    const std::string dir = fs::path(out.FilePath(job.name)).parent_path().string();
-    fs::create_directories(dir, ec);
-    if (ec) return ErrnoStatus(ec.value(), "creating", dir);
-  }
-  uint64_t total = 0;
-  for (const UniversalJob& job : jobs) total += job.bytes;
-  std::atomic<uint64_t> done{0};
-  std::mutex progress_mu;
-  const UniversalWriter writer(c, options);
-  RESHARD_RETURN_IF_ERROR(RunJobs(jobs.size(), options.num_threads, [&](size_t j) -> Status {
-    const UniversalJob& job = jobs[j];
-    RESHARD_RETURN_IF_ERROR(writer.Write(job, out.FilePath(job.name)));
-    const uint64_t now = done += job.bytes;
-    if (options.progress) {
-      std::lock_guard<std::mutex> lock(progress_mu);
-      options.progress(now, total);
-    }
-    return Status::Ok();
-  }));
-  RESHARD_RETURN_IF_ERROR(
-      WriteFileAtomically(out.FilePath("latest_universal"), folder, {.sync = options.sync}));
-  std::vector<std::string> written;
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
+  // Process 0 makes every folder before any process writes into one.
   std::set<std::string> dirs = {out.temporary()};
   for (const UniversalJob& job : jobs) {
-    written.push_back(out.FilePath(job.name));
     for (fs::path d = fs::path(job.name).parent_path(); !d.empty(); d = d.parent_path())
       dirs.insert(out.FilePath(d.string()));
   }
-  written.insert(written.end(), dirs.begin(), dirs.end());
-  if (options.sync) RESHARD_RETURN_IF_ERROR(SyncFiles(written, std::max(options.num_threads, 8)));
-  if (options.stats != nullptr) {
-    ProcessStats mine;
-    for (const UniversalJob& job : jobs) mine.files.push_back(job.name);
-    mine.files.push_back("latest_universal");
-    mine.bytes_written = total;
-    options.stats->processes = {std::move(mine)};
+  Status made;
+  for (auto d = dirs.begin(); comm.rank() == 0 && made.ok() && d != dirs.end(); ++d) {
+    std::error_code ec;
+    fs::create_directories(*d, ec);
+    if (ec) made = ErrnoStatus(ec.value(), "creating", *d);
   }
-  return out.Commit(options.sync);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, made));
+
+  std::vector<uint64_t> sizes;
+  uint64_t total = 0;
+  for (const UniversalJob& job : jobs) {
+    sizes.push_back(job.bytes);
+    total += job.bytes;
+  }
+  const std::vector<int> owners = BalanceByBytes(sizes, comm.size());
+  ProcessStats mine;
+  std::vector<size_t> own;
+  std::vector<std::string> written;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (owners[j] != comm.rank()) continue;
+    own.push_back(j);
+    mine.files.push_back(jobs[j].name);
+    mine.bytes_written += jobs[j].bytes;
+    written.push_back(out.FilePath(jobs[j].name));
+  }
+  if (comm.rank() == 0) mine.files.push_back("latest_universal");
+  ProgressCounter progress(options, total);  // until the end: process 0 shows the others' too
+  const UniversalWriter writer(c, options);
+  Status wrote = ForEachIndex(own.size(), options.num_threads, [&](size_t k) -> Status {
+    const UniversalJob& job = jobs[own[k]];
+    RESHARD_RETURN_IF_ERROR(writer.Write(job, out.FilePath(job.name)));
+    progress.Add(job.bytes);
+    return Status::Ok();
+  });
+  const int sync_threads = std::max(options.num_threads, 8);
+  if (wrote.ok() && options.sync) wrote = SyncFiles(written, sync_threads);
+  return FinishOutput(comm, out, wrote, std::move(mine), options, [&]() -> Status {
+    RESHARD_RETURN_IF_ERROR(
+        WriteFileAtomically(out.FilePath("latest_universal"), folder, {.sync = options.sync}));
+    // The folders hold entries every process made: synced once all are there.
+    if (options.sync) {
+      RESHARD_RETURN_IF_ERROR(
+          SyncFiles(std::vector<std::string>(dirs.begin(), dirs.end()), sync_threads));
+    }
+    return out.Commit(options.sync);
+  });
 }
 
 }  // namespace reshard
