@@ -92,7 +92,9 @@ def test_convert_then_gather_equals_gather(checkpoints, spec, tmp_path, reshard_
     ckpt = checkpoints(spec)
     want = ckpt.full()
     master = gather(reshard_bin, ckpt.save_dir, tmp_path / "fp32", "--fp32")
-    for tp in (1, 3):
+    # llama_subparams's q/k/v follow no layout rule, so their targets come from config.json's
+    # plan, which cannot split 4 heads 3 ways (convert says so; test_degree covers it).
+    for tp in ((1, 4) if spec.family == "llama_subparams" else (1, 3)):
         out = tmp_path / f"tp{tp}"
         r = run(reshard_bin, "convert", ckpt.save_dir, "--tp", tp, "-o", out)
         assert r.returncode == 0, r.stderr
