@@ -11,7 +11,9 @@
 // several processes (communicator.h) each writes the files BalanceByBytes gives it into the
 // temporary directory process 0 made, and process 0 commits once all have succeeded.
 #include <fmt/format.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -348,18 +350,19 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
   std::vector<std::string> inputs = {c.tag_dir()};
   for (const std::string& p : c.file_paths()) inputs.push_back(p);
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
-  // Process 0 makes every folder before any process writes into one.
-  std::set<std::string> dirs = {out.temporary()};
+  // Process 0 makes every folder before any process writes into one, each inside its parent
+  // (a path sorts after its parent), never a parent itself: a signal's cleanup may remove the
+  // temporary at any moment, and must not see it made again.
+  std::set<std::string> dirs;
   for (const UniversalJob& job : jobs) {
     for (fs::path d = fs::path(job.name).parent_path(); !d.empty(); d = d.parent_path())
       dirs.insert(out.FilePath(d.string()));
   }
   Status made;
   for (auto d = dirs.begin(); comm.rank() == 0 && made.ok() && d != dirs.end(); ++d) {
-    std::error_code ec;
-    fs::create_directories(*d, ec);
-    if (ec) made = ErrnoStatus(ec.value(), "creating", *d);
+    if (::mkdir(d->c_str(), 0777) != 0 && errno != EEXIST) made = ErrnoStatus(errno, "creating", *d);
   }
+  dirs.insert(out.temporary());
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, made));
 
   std::vector<uint64_t> sizes;
