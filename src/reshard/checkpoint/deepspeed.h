@@ -205,11 +205,11 @@ Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
 /// fp32 tensors ({"param": tensor} and the keys of DeepSpeedUniversalKeys; bare flat tensors
 /// for ZeRO 3 at TP 1, as DeepSpeed writes them), step.pt the optimizer's step (ZeRO 0-2),
 /// zero/optimizer_state.pt its global state, and the model-states files are copied. Each
-/// file is written by one thread from one parameter's fragments; the output appears
-/// atomically. Checkpoints DeepSpeed's converter refuses are converted too: ZeRO 0 (the
-/// optimizer of the model states) and TP 1 without universal_checkpoint_info (as its
-/// inject_missing_state option would). FailedPrecondition without optimizer state;
-/// Unimplemented for sub-parameter patterns and for several processes.
+/// file is written by one thread from one parameter's fragments (with options.communicator,
+/// each process writes its share of the files); the output appears atomically. Checkpoints
+/// DeepSpeed's converter refuses are converted too: ZeRO 0 (the optimizer of the model
+/// states) and TP 1 without universal_checkpoint_info (as its inject_missing_state option
+/// would). FailedPrecondition without optimizer state.
 Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
                                    const CheckpointOptions& options = {});
 
