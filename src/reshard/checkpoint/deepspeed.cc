@@ -1157,6 +1157,29 @@ Status DeepSpeedCheckpoint::ReadTpShard(size_t i, DeepSpeedState state, Rank tp_
   return Status::Ok();
 }
 
+std::optional<ConstBuffer> DeepSpeedCheckpoint::TpShardView(size_t i, DeepSpeedState state,
+                                                            Rank tp_rank) const {
+  const DeepSpeedParam& p = (*params_)[i];
+  const auto& slot = p.parts[static_cast<size_t>(tp_rank)][Slot(state)];
+  if (!slot) return std::nullopt;
+  const Index n = p.tp_map.shard_num_elements(tp_rank);
+  for (Rank d = 0; d < slot->dp_map.world_size(); ++d) {
+    if (slot->dp_map.shard_num_elements(d) == 0) continue;
+    const auto& pieces = slot->dp_map.rank(d).pieces;
+    if (slot->dp_map.shard_num_elements(d) != n || pieces.size() != 1 ||
+        pieces[0].source.offset != 0) {
+      return std::nullopt;  // the shard is cut between fragments
+    }
+    const DeepSpeedFragment& f = slot->fragments[static_cast<size_t>(d)];
+    const TorchTensor& t = *f.tensor;
+    if (!t.is_contiguous()) return std::nullopt;
+    const std::byte* base = f.file->storages()[t.storage].bytes.data();
+    const size_t size = DTypeSize(StateDType(state));
+    return ConstBuffer{base + static_cast<size_t>(t.storage_offset + f.offset) * size, n};
+  }
+  return std::nullopt;
+}
+
 // ---- as a shard source ------------------------------------------------------------------
 
 namespace {

@@ -158,6 +158,10 @@ class DeepSpeedCheckpoint {
   /// module state of a ZeRO 3 checkpoint (whose module tensors are empty) is the master
   /// weights rounded to the module's dtype (to nearest even, as DeepSpeed copies them).
   Status ReadTpShard(size_t i, DeepSpeedState state, Rank tp_rank, MutableBuffer out) const;
+  /// The same shard where it lies in its mapped file, when one DP fragment holds all of it,
+  /// dense and in order (ZeRO 1/2: every parameter but the one a DP boundary cuts), so that
+  /// reading it needs no copy; nullopt otherwise (read it with ReadTpShard).
+  std::optional<ConstBuffer> TpShardView(size_t i, DeepSpeedState state, Rank tp_rank) const;
   DType StateDType(DeepSpeedState state) const;
 
  private:

@@ -101,6 +101,10 @@ Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std:
   std::vector<std::unique_ptr<std::byte[]>> shards;
   std::vector<ConstBuffer> views;
   for (Rank r = 0; r < map.world_size(); ++r) {
+    if (std::optional<ConstBuffer> view = c_.TpShardView(i, state, r)) {
+      views.push_back(*view);  // read where it lies, no copy
+      continue;
+    }
     const Index n = map.shard_num_elements(r);
     shards.push_back(std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(n) * 4));
     RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {shards.back().get(), n}));
