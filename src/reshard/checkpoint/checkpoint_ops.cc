@@ -497,7 +497,8 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
       RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, options.sync, files));
     }
     for (const ExtraFile& f : extra_files) {
-      RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(f.name), f.contents, {.sync = options.sync}));
+      RESHARD_RETURN_IF_ERROR(
+          WriteFileAtomically(out.FilePath(f.name), f.contents, {.sync = options.sync}));
     }
     return out.Commit(options.sync);
   });

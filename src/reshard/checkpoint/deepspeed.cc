@@ -360,8 +360,7 @@ Result<DeepSpeedSubParamShape> SubParamShapeOf(const UcInfo& uc, const TorchFile
       Get(t, Get(t, t.root(), "universal_checkpoint_info"), "parameter_with_sub_params");
   const auto listed = uc.raw.find("parameter_with_sub_params");
   const Value entries = listed != uc.raw.end() && listed->is_array() ? *listed : Value::array();
-  for (size_t i = 0; list != kNoPickleNode && i < entries.size() &&
-                     i < t.node(list).items.size();
+  for (size_t i = 0; list != kNoPickleNode && i < entries.size() && i < t.node(list).items.size();
        ++i) {
     const Value& e = entries[i];
     if (!e.is_object() || !e.contains("patterns") || !e["patterns"].is_array()) continue;
@@ -369,27 +368,26 @@ Result<DeepSpeedSubParamShape> SubParamShapeOf(const UcInfo& uc, const TorchFile
     if (std::find(patterns.begin(), patterns.end(), pattern) == patterns.end()) continue;
     if (!e.contains("shape") || !e["shape"].is_array() || !e.contains("partition_dim") ||
         !e["partition_dim"].is_number_integer() || e.size() != 3) {
-      return InvalidArgumentError(fmt::format(
-          "parameter_with_sub_params[{}]: not a SubparamShape record (patterns, shape, "
-          "partition_dim): {}",
-          i, e.dump()));
+      return InvalidArgumentError(
+          fmt::format("parameter_with_sub_params[{}]: not a SubparamShape record (patterns, shape, "
+                      "partition_dim): {}",
+                      i, e.dump()));
     }
     DeepSpeedSubParamShape s{&f, t.node(list).items[i], 0};
     const int dim = e["partition_dim"].get<int>();
     const double version = uc.raw.value("universal_checkpoint_version", 0.0);
     if (dim < 0 || static_cast<size_t>(dim) >= e["shape"].size() ||
         static_cast<size_t>(dim) >= full_shape.size()) {
-      return InvalidArgumentError(
-          fmt::format("parameter_with_sub_params[{}]: partition_dim {} is outside the shape", i,
-                      dim));
+      return InvalidArgumentError(fmt::format(
+          "parameter_with_sub_params[{}]: partition_dim {} is outside the shape", i, dim));
     }
     const Value& count = e["shape"][static_cast<size_t>(dim)];
     if (version < 0.4 && count.is_number_integer()) {
       const Index n = count.get<Index>();
       if (n <= 0 || full_shape[static_cast<size_t>(dim)] % n != 0) {
         return InvalidArgumentError(fmt::format(
-            "parameter_with_sub_params[{}]: {} sub-parameters do not divide dimension {} of {}",
-            i, n, dim, FormatShape(full_shape)));
+            "parameter_with_sub_params[{}]: {} sub-parameters do not divide dimension {} of {}", i,
+            n, dim, FormatShape(full_shape)));
       }
       s.legacy_size = full_shape[static_cast<size_t>(dim)] / n;
     }
@@ -420,12 +418,10 @@ Result<DeepSpeedUniversalKeys> UniversalKeys(const UcInfo& uc, const std::string
   RESHARD_ASSIGN_OR_RETURN(bool two, matches("parameter_with_2_sub_params_cat_dim_0"));
   std::optional<std::string> sub_params;
   if (auto it = uc.lists.find("parameter_with_sub_params"); it != uc.lists.end()) {
-    RESHARD_ASSIGN_OR_RETURN(sub_params,
-                             MatchOne(it->second, name, "parameter_with_sub_params"));
+    RESHARD_ASSIGN_OR_RETURN(sub_params, MatchOne(it->second, name, "parameter_with_sub_params"));
   }
   if (sub_params) {
-    RESHARD_ASSIGN_OR_RETURN(keys.sub_param_shape,
-                             SubParamShapeOf(uc, f, *sub_params, full_shape));
+    RESHARD_ASSIGN_OR_RETURN(keys.sub_param_shape, SubParamShapeOf(uc, f, *sub_params, full_shape));
   }
   RESHARD_ASSIGN_OR_RETURN(bool rows, matches("parameter_with_row_parallelism_patterns"));
   if (replicated || average || keys.sub_param_shape) return keys;

@@ -364,7 +364,8 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
   }
   Status made;
   for (auto d = dirs.begin(); comm.rank() == 0 && made.ok() && d != dirs.end(); ++d) {
-    if (::mkdir(d->c_str(), 0777) != 0 && errno != EEXIST) made = ErrnoStatus(errno, "creating", *d);
+    if (::mkdir(d->c_str(), 0777) != 0 && errno != EEXIST)
+      made = ErrnoStatus(errno, "creating", *d);
   }
   dirs.insert(out.temporary());
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, made));

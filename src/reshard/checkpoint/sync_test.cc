@@ -85,7 +85,8 @@ class SyncTest : public ::testing::Test {
     o.sync = sync;
     o.max_shard_bytes = 200;  // a few files a rank, and an index for the full output
     const int before = g_fsyncs;
-    const MapProvider rows = MapsFromLayouts({{"*", Layout(R"({"family": "split", "dim": 0})")}}, 2);
+    const MapProvider rows =
+        MapsFromLayouts({{"*", Layout(R"({"family": "split", "dim": 0})")}}, 2);
     EXPECT_TRUE(Scatter(Path("full"), 2, rows, Path(prefix + "-tp2"), o).ok());
     EXPECT_TRUE(Convert(Path(prefix + "-tp2"), 3, std::nullopt, Path(prefix + "-tp3"), o).ok());
     EXPECT_TRUE(Gather(Path(prefix + "-tp3"), Path(prefix + "-full"), o).ok());
@@ -99,7 +100,8 @@ class SyncTest : public ::testing::Test {
 TEST_F(SyncTest, EveryOperationSyncsItsFilesByDefault) {
   const int fsyncs = RunAll("synced", true);
   size_t files = 0;
-  for (const char* out : {"synced-tp2", "synced-tp3", "synced-full"}) files += Files(dir_ / out).size();
+  for (const char* out : {"synced-tp2", "synced-tp3", "synced-full"})
+    files += Files(dir_ / out).size();
   EXPECT_GE(files, 10u);
   // Each file, its directory's entry, and each output's parent directory.
   EXPECT_GE(fsyncs, static_cast<int>(files) + 3);

@@ -433,8 +433,8 @@ TEST_F(SafetensorsTest, ExistingOutputIsKeptWithoutOverwrite) {
   EXPECT_EQ(WriteSafetensors(Path("x.safetensors"), {Tensor("b", DType::kU8, {1})}).code(),
             StatusCode::kAlreadyExists);
   EXPECT_EQ(Contents("x.safetensors"), before);
-  ASSERT_TRUE(
-      WriteSafetensors(Path("x.safetensors"), {Tensor("b", DType::kU8, {1})}, {}, {.overwrite = true})
+  ASSERT_TRUE(WriteSafetensors(Path("x.safetensors"), {Tensor("b", DType::kU8, {1})}, {},
+                               {.overwrite = true})
                   .ok());
   EXPECT_NE(Contents("x.safetensors"), before);
   EXPECT_EQ(FileCount(), 1u);

@@ -266,8 +266,8 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
   RESHARD_ASSIGN_OR_RETURN(
       AtomicFileWriter out,
       AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
-                                     .sync = options.sync,
-                                     .start_writeback = options.start_writeback}));
+                                      .sync = options.sync,
+                                      .start_writeback = options.start_writeback}));
   ZipStreamWriter zip(out);
   const std::string& r = options.root;
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));
