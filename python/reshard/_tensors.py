@@ -289,9 +289,9 @@ def _staged(inputs: list[_Array], outputs: list[_Output]) -> list[_Array]:
     if not outputs:
         return inputs
     extents = [o.extent() for o in outputs]
-    for i, a in enumerate(extents):
+    for i, extent in enumerate(extents):
         for j in range(i):
-            if _overlap(a, extents[j]):
+            if _overlap(extent, extents[j]):
                 raise ValueError(f"{outputs[i].what} and {outputs[j].what} overlap in memory; "
                                  "give outputs that do not share memory")
     staged = []

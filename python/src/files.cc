@@ -188,8 +188,8 @@ void PyConvert(const std::string& sharded_dir, int world, const std::string& out
   if (target_maps) target = DocumentOf(*target_maps);
   const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
   if (weights_only && !deepspeed) {
-    throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" +
-                          sharded_dir + "\" is not one");
+    throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" + sharded_dir +
+                          "\" is not one");
   }
   if (deepspeed && !target) {
     Result<std::optional<MapDocument>> from_config =
