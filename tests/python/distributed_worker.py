@@ -185,6 +185,8 @@ def run_case(case, me):
                 shards = fault["shards"](shards)
             if case.get("negative_views"):  # shards held as torch's negative views of -x
                 shards = {n: torch._neg_view(-t) for n, t in shards.items()}
+            if case.get("out_over_shards") == me:  # out in the memory of its own source shards
+                out = {n: t.view(_target_shape(case, me, n)) for n, t in shards.items()}
             if case.get("dry_run"):
                 result["schedule"] = sync.run(shards, dry_run=True)
                 continue

@@ -64,6 +64,9 @@ def cases(reshard_bin, tmp):
                 "seed": 12, "params": {"b": {"source": layout(reshard_bin, tmp, bias, [16], 2),
                                              "target": layout(reshard_bin, tmp, bias, [16], 3)}}})
     out.append({**base, "name": "negative_views", "negative_views": True, "seed": 13})
+    # Process 1 holds source rank 1 ([3, 8]) and target rank 0 ([6, 4]): its out is a view
+    # of its own source shard's memory.
+    out.append({**base, "name": "out_over_own_shards", "out_over_shards": 1, "seed": 15})
     out.append({**base, "name": "after_faults", "seed": 14})
     return out
 
@@ -115,7 +118,9 @@ def test_a_lossy_scale_is_found_before_anything_moves(launch):
                              "refusing to change a value silently")
 
 
-def test_negative_views_are_read_as_their_values(launch):
-    for name in ("negative_views", "after_faults"):
-        for p, r in enumerate(launch[name]):
-            assert r["error"] is None and r["mismatch"] == [], (name, p, r)
+@pytest.mark.parametrize("name", ["negative_views", "out_over_own_shards", "after_faults"])
+def test_good_cases_give_the_offline_result(launch, name):
+    # Shards with torch's negative bit, an out over the process's own source shard, and the
+    # group after every fault: each bit for bit the offline transfer.
+    for p, r in enumerate(launch[name]):
+        assert r["error"] is None and r["mismatch"] == [], (name, p, r)
