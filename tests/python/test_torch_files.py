@@ -536,6 +536,33 @@ def test_real_deepspeed_files_read_bit_exactly_with_their_records(
                    weights_only=True)
 
 
+# The pickle cost test inside a DeepSpeed checkpoint: a DAG of shared tuples 60 deep added to
+# the model-states file leaves gather, --to universal and inspect as they were (they never
+# ended); the same DAG over a tensor (2^60 names) is refused at once with nothing written.
+@pytest.mark.parametrize("leaf", ["plain", "tensor"])
+def test_shared_objects_in_deepspeed_files(deepspeed_checkpoint, tmp_path, reshard_bin, leaf):
+    import shutil
+    save = tmp_path / "ckpt"
+    shutil.copytree(deepspeed_checkpoint.parent, save)
+    states = save / "step1" / "mp_rank_00_model_states.pt"
+    obj = torch.load(states, weights_only=False)
+    node = torch.zeros(1) if leaf == "tensor" else [1, "x"]
+    for _ in range(60):
+        node = (node, node)
+    obj["shared"] = node
+    torch.save(obj, states)
+    for args in (["gather", save, "-o", tmp_path / "hf"],
+                 ["convert", save, "--to", "universal", "-o", tmp_path / "uc"],
+                 ["inspect", save]):
+        r = run(reshard_bin, *args)
+        if leaf == "plain":
+            assert r.returncode == 0, (args, r.stderr)
+        else:
+            assert r.returncode == 2 and "more than 4194304 objects" in r.stderr, (args, r.stderr)
+    if leaf == "tensor":
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_directories_list_every_tensor_file(deepspeed_checkpoint, tmp_path, reshard_bin):
     from safetensors.torch import save_file
     save_dir = deepspeed_checkpoint.parent
