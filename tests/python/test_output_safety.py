@@ -383,11 +383,8 @@ class Context:
 
 
 def target_cases():
-    for w in WRITERS:
-        for kind in TARGETS:
-            if w.kind == "demo" and kind in ("input", "inside", "parent"):
-                continue  # the demo reads nothing
-            yield pytest.param(w, kind, id=f"{w.name}-{kind}")
+    return [pytest.param(w, kind, id=f"{w.name}-{kind}") for w in WRITERS for kind in TARGETS
+            if not (w.kind == "demo" and kind in ("input", "inside", "parent"))]  # demo reads nothing
 
 
 @pytest.mark.parametrize("writer,kind", target_cases())
