@@ -21,10 +21,6 @@ struct ExportArgs {
   bool force = false;
 };
 
-bool IsTorchFileName(std::string_view path) {
-  return path.ends_with(".pt") || path.ends_with(".pth") || path.ends_with(".bin");
-}
-
 // A safetensors file as a torch.save state dict, tensors in the file's data order.
 Result<size_t> SafetensorsToTorch(const ExportArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(const SafetensorsFile in, SafetensorsFile::Open(args.path));
@@ -42,6 +38,10 @@ Result<size_t> SafetensorsToTorch(const ExportArgs& args) {
   RESHARD_RETURN_IF_ERROR(
       WriteTorchStateDict(args.output, std::move(tensors), {.overwrite = args.force}));
   return in.header().tensors.size();
+}
+
+bool IsTorchFileName(std::string_view path) {
+  return path.ends_with(".pt") || path.ends_with(".pth") || path.ends_with(".bin");
 }
 
 // To a .pt name: the object tree and its storages as they are; otherwise safetensors.
