@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "commands.h"
 #include "documents.h"
@@ -13,6 +15,7 @@
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -67,6 +70,15 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
     RESHARD_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(args.max_shard_size));
   }
   return o;
+}
+
+// The output may not be, contain or lie inside anything the command was given to read: the
+// whole directory named (a DeepSpeed save dir, not only the tag dir read through its `latest`)
+// and the map, layout and config files. Checked before any work, on every process alike.
+Status CheckOutputOutsideInputs(const CommonArgs& args, std::vector<std::string> inputs) {
+  inputs.push_back(args.input);
+  std::erase(inputs, std::string());
+  return CheckOutputAgainstInputs(args.output, inputs);
 }
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
@@ -189,6 +201,7 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
 Status RunScatter(const ScatterArgs& args) {
   ProgressBar bar("scatter", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
@@ -204,6 +217,7 @@ Status RunScatter(const ScatterArgs& args) {
 Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {}));
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
   if (args.fp32 && !deepspeed) {
@@ -276,6 +290,7 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps}));
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
   std::optional<MapDocument> target;
