@@ -7,7 +7,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -20,6 +23,28 @@ namespace reshard {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Command line: `--only TEXT` runs only the cases whose title contains TEXT; `--json-out PREFIX`
+// writes each case's plan document to PREFIX<case>.json (to compare plans across versions).
+const char* g_only = nullptr;
+const char* g_json_out = nullptr;
+
+bool Selected(const std::string& title) {
+  return g_only == nullptr || title.find(g_only) != std::string::npos;
+}
+
+void DumpJson(const std::string& title, const std::string& json) {
+  if (g_json_out == nullptr) return;
+  std::string file = g_json_out;
+  for (char c : title) file += (std::isalnum(static_cast<unsigned char>(c)) != 0) ? c : '_';
+  file += ".json";
+  std::FILE* f = std::fopen(file.c_str(), "wb");
+  if (f == nullptr || std::fwrite(json.data(), 1, json.size(), f) != json.size() ||
+      std::fclose(f) != 0) {
+    fmt::print(stderr, "cannot write {}\n", file);
+    std::exit(1);
+  }
+}
 
 struct Tensor {
   std::string name;
@@ -60,6 +85,8 @@ std::vector<ParamMap> Maps(const std::vector<Tensor>& model, int tp) {
 }
 
 void Bench(const std::vector<Tensor>& model, int from, int to) {
+  const std::string title = fmt::format("Llama TP {} -> {}", from, to);
+  if (!Selected(title)) return;
   const std::vector<ParamMap> src = Maps(model, from);
   const std::vector<ParamMap> dst = Maps(model, to);
   double best = 1e30;
@@ -81,6 +108,7 @@ void Bench(const std::vector<Tensor>& model, int from, int to) {
   size_t moves = 0;
   for (const auto& [name, plan] : doc.params) moves += plan.moves.size();
   const std::string json = PlanDocumentToJson(doc);
+  DumpJson(title, json);
   fmt::print(
       "compose Llama-3-70B shape, {} tensors, TP {} -> {}: {:6.2f} ms (bar 50 ms: {}), {} "
       "moves, plan JSON {} bytes\n",
@@ -114,12 +142,16 @@ std::vector<std::pair<std::string, ParamMap>> DeepSeekV3Experts(int ep, int tp) 
 }
 
 void BenchExperts(const char* what, int from_ep, int from_tp, int to_ep, int to_tp) {
+  const std::string title = fmt::format("DeepSeek-V3 {}", what);
+  if (!Selected(title)) return;
   const auto src = DeepSeekV3Experts(from_ep, from_tp);
   const auto dst = DeepSeekV3Experts(to_ep, to_tp);
   double best = 1e30;
   size_t moves = 0;
+  PlanDocument doc;
   for (int rep = 0; rep < 3; ++rep) {
     moves = 0;
+    PlanDocument d;
     const auto t0 = Clock::now();
     for (size_t i = 0; i < src.size(); ++i) {
       Result<ParamPlan> plan = Compose(dst[i].second, src[i].second);
@@ -128,9 +160,12 @@ void BenchExperts(const char* what, int from_ep, int from_tp, int to_ep, int to_
         std::exit(1);
       }
       moves += plan->moves.size();
+      if (g_json_out != nullptr) d.params.emplace_back(src[i].first, *std::move(plan));
     }
     best = std::min(best, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    doc = std::move(d);
   }
+  if (g_json_out != nullptr) DumpJson(title, PlanDocumentToJson(doc));
   fmt::print("compose DeepSeek-V3 routed experts, {} tensors, {}: {:7.1f} ms (bar 1000 ms: {}), "
              "{} moves\n",
              src.size(), what, best, best < 1000 ? "PASS" : "MISS", moves);
@@ -139,8 +174,22 @@ void BenchExperts(const char* what, int from_ep, int from_tp, int to_ep, int to_
 }  // namespace
 }  // namespace reshard
 
-int main() {
+int main(int argc, char** argv) {
   using namespace reshard;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--only") == 0) {
+      g_only = argv[i + 1];
+    } else if (std::strcmp(argv[i], "--json-out") == 0) {
+      g_json_out = argv[i + 1];
+    } else {
+      fmt::print(stderr, "usage: {} [--only TEXT] [--json-out PREFIX]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (argc % 2 == 0) {
+    fmt::print(stderr, "usage: {} [--only TEXT] [--json-out PREFIX]\n", argv[0]);
+    return 2;
+  }
   const auto model = Llama70B();
   Bench(model, 8, 2);
   Bench(model, 2, 8);

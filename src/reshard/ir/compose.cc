@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <tuple>
+#include <type_traits>
 
 #include "reshard/ir/box_cover.h"
 
@@ -19,13 +21,104 @@ namespace {
 // Beyond this many boxes (per map) planning is refused as too fragmented.
 constexpr size_t kMaxPlanBoxes = size_t{1} << 22;
 
+// A vector of trivially copyable values with room for N of them in place, on the heap beyond.
+// Boxes and regions hold one value per radix digit (a handful) and are made and copied for
+// every piece and every move: kept in place, planning a tensor of few pieces allocates little.
+template <typename T, size_t N>
+class SmallVector {
+  static_assert(std::is_trivially_copyable_v<T>);
+
+ public:
+  SmallVector() = default;
+  explicit SmallVector(size_t n, T value = T{}) { resize(n, value); }
+  template <typename It>
+  SmallVector(It first, It last) {
+    Reserve(static_cast<size_t>(std::distance(first, last)));
+    for (; first != last; ++first) data()[size_++] = *first;
+  }
+  SmallVector(const SmallVector& o) { Assign(o.data(), o.size_); }
+  SmallVector& operator=(const SmallVector& o) {
+    if (this != &o) Assign(o.data(), o.size_);
+    return *this;
+  }
+  SmallVector(SmallVector&& o) noexcept { Steal(o); }
+  SmallVector& operator=(SmallVector&& o) noexcept {
+    if (this != &o) {
+      heap_.reset();
+      capacity_ = N;
+      Steal(o);
+    }
+    return *this;
+  }
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_ ? heap_.get() : inline_; }
+  const T* data() const { return heap_ ? heap_.get() : inline_; }
+  T& operator[](size_t i) { return data()[i]; }
+  const T& operator[](size_t i) const { return data()[i]; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+  T& back() { return data()[size_ - 1]; }
+  void push_back(const T& v) {
+    Reserve(size_ + 1);
+    data()[size_++] = v;
+  }
+  void resize(size_t n, T value = T{}) {
+    Reserve(n);
+    for (size_t i = size_; i < n; ++i) data()[i] = value;
+    size_ = n;
+  }
+  void erase(T* pos) {
+    std::copy(pos + 1, end(), pos);
+    --size_;
+  }
+
+ private:
+  void Reserve(size_t n) {
+    if (n <= capacity_) return;
+    const size_t capacity = std::max(n, 2 * capacity_);
+    auto grown = std::make_unique<T[]>(capacity);
+    std::copy_n(data(), size_, grown.get());
+    heap_ = std::move(grown);
+    capacity_ = capacity;
+  }
+  void Assign(const T* values, size_t n) {
+    size_ = 0;
+    Reserve(n);
+    std::copy_n(values, n, data());
+    size_ = n;
+  }
+  void Steal(SmallVector& o) {
+    if (o.heap_) {
+      heap_ = std::move(o.heap_);
+      capacity_ = o.capacity_;
+    } else {
+      std::copy_n(o.inline_, o.size_, inline_);
+    }
+    size_ = o.size_;
+    o.size_ = 0;
+    o.capacity_ = N;
+  }
+
+  T inline_[N];
+  std::unique_ptr<T[]> heap_;
+  size_t size_ = 0;
+  size_t capacity_ = N;
+};
+
+// One value per radix digit.
+using DigitVector = SmallVector<Index, 8>;
+
 // A piece (or part of one) as a box of digits of F, with the affine map from digits to the
 // shard: shard offset = base + sum_j (digit_j - lo_j) * coef_j.
 struct AffineBox {
   Rank rank;
   int32_t piece;
   Index base;
-  std::vector<Index> lo, hi, coef;
+  DigitVector lo, hi, coef;
 };
 
 struct BoxDim {
@@ -34,6 +127,8 @@ struct BoxDim {
   Index dst;  // stride in the shard
 };
 
+using BoxDims = SmallVector<BoxDim, 8>;
+
 class BoxBuilder {
  public:
   explicit BoxBuilder(const Radix& radix)
@@ -41,7 +136,7 @@ class BoxBuilder {
 
   Status AddPiece(const Piece& p, Rank rank, int32_t index, std::vector<AffineBox>& out) {
     if (p.num_elements() == 0) return Status::Ok();
-    std::vector<BoxDim> dims;
+    BoxDims dims;
     for (size_t k = 0; k < p.shape.size(); ++k) {
       if (p.shape[k] > 1) dims.push_back({p.shape[k], p.source.strides[k], p.dest.strides[k]});
     }
@@ -51,7 +146,7 @@ class BoxBuilder {
   }
 
  private:
-  Status Add(Index src, Index dst, const std::vector<BoxDim>& dims, Rank rank, int32_t index,
+  Status Add(Index src, Index dst, const BoxDims& dims, Rank rank, int32_t index,
              std::vector<AffineBox>& out) {
     if (out.size() >= kMaxPlanBoxes) {
       return ResourceExhaustedError(
@@ -65,15 +160,15 @@ class BoxBuilder {
       radix_.Digits(src, digits_.data());
       const Index prefix = internal::AlignedPrefix(radix_, digits_.data(), j, walked.extent);
       if (prefix > 0 && prefix < walked.extent) {
-        std::vector<BoxDim> head = dims;
+        BoxDims head = dims;
         head[static_cast<size_t>(failed)].extent = prefix;
         RESHARD_RETURN_IF_ERROR(Add(src, dst, head, rank, index, out));
-        std::vector<BoxDim> tail = dims;
+        BoxDims tail = dims;
         tail[static_cast<size_t>(failed)].extent = walked.extent - prefix;
         return Add(src + prefix * walked.src, dst + prefix * walked.dst, tail, rank, index, out);
       }
     }
-    std::vector<BoxDim> rest = dims;
+    BoxDims rest = dims;
     rest.erase(rest.begin() + failed);
     for (Index i = 0; i < walked.extent; ++i) {
       RESHARD_RETURN_IF_ERROR(
@@ -83,36 +178,36 @@ class BoxBuilder {
   }
 
   // Appends the box and returns -1, or returns the index of the first dim that does not fit.
-  int TryBox(Index src, Index dst, const std::vector<BoxDim>& dims, Rank rank, int32_t index,
+  int TryBox(Index src, Index dst, const BoxDims& dims, Rank rank, int32_t index,
              std::vector<AffineBox>& out) {
     const int n = radix_.rank();
     radix_.Digits(src, digits_.data());
     AffineBox box{rank, index,
-                  dst,  std::vector<Index>(digits_.begin(), digits_.end()),
-                  {},   std::vector<Index>(static_cast<size_t>(n), 0)};
+                  dst,  DigitVector(digits_.begin(), digits_.end()),
+                  {},   DigitVector(static_cast<size_t>(n), 0)};
     box.hi = box.lo;
     for (Index& h : box.hi) ++h;
-    std::vector<bool> used(static_cast<size_t>(n), false);
+    DigitVector used(static_cast<size_t>(n), 0);
     for (size_t k = 0; k < dims.size(); ++k) {
       int j = radix_.DigitOfStride(dims[k].src);
       if (j < 0) return static_cast<int>(k);
       Index remaining = dims[k].extent;
       while (true) {
         const auto J = static_cast<size_t>(j);
-        if (used[J]) return static_cast<int>(k);
+        if (used[J] != 0) return static_cast<int>(k);
         const Index extent = radix_.dim(j).extent;
         const Index coef = dims[k].dst * (radix_.dim(j).stride / dims[k].src);
         if (digits_[J] + remaining <= extent) {
           box.hi[J] = digits_[J] + remaining;
           box.coef[J] = coef;
-          used[J] = true;
+          used[J] = 1;
           break;
         }
         if (digits_[J] != 0 || remaining % extent != 0 || j == 0) return static_cast<int>(k);
         box.lo[J] = 0;
         box.hi[J] = extent;
         box.coef[J] = coef;
-        used[J] = true;
+        used[J] = 1;
         remaining /= extent;
         --j;
         if (remaining == 1) break;
@@ -128,7 +223,7 @@ class BoxBuilder {
 
 // A box of digits.
 struct Region {
-  std::vector<Index> lo, hi;
+  DigitVector lo, hi;
   Index size() const {
     Index n = 1;
     for (size_t j = 0; j < lo.size(); ++j) n *= hi[j] - lo[j];
@@ -136,7 +231,9 @@ struct Region {
   }
 };
 
-bool Intersect(const Region& a, const AffineBox& b, Region& out) {
+// `a` is a Region or an AffineBox.
+template <typename Box>
+bool Intersect(const Box& a, const AffineBox& b, Region& out) {
   out.lo.resize(a.lo.size());
   out.hi.resize(a.lo.size());
   for (size_t j = 0; j < a.lo.size(); ++j) {
@@ -152,7 +249,7 @@ bool Intersect(const Region& a, const AffineBox& b, Region& out) {
 void SplitAlong(const Region& r, const Radix& radix, int first, int last, Index valid,
                 bool keep_valid, std::vector<Region>& out) {
   // valid's digits over [first, last].
-  std::vector<Index> q(static_cast<size_t>(radix.rank()), 0);
+  DigitVector q(static_cast<size_t>(radix.rank()), 0);
   Index rest = valid;
   for (int j = last; j >= first; --j) {
     const Index e = radix.dim(j).extent;
@@ -204,6 +301,18 @@ std::vector<Region> Clip(const Region& r, const Radix& radix, const PaddingSpec&
   return keep_valid ? valid_so_far : padded;
 }
 
+// Calls f on each box of the valid part (or the padding part) of a region, as Clip gives them;
+// without padding, on the region itself (the valid part) or on nothing, with no copy.
+template <typename F>
+void ForEachClipped(const Region& r, const Radix& radix, const PaddingSpec& padding,
+                    bool keep_valid, F&& f) {
+  if (padding.valid.empty()) {
+    if (keep_valid) f(r);
+    return;
+  }
+  for (const Region& v : Clip(r, radix, padding, keep_valid)) f(v);
+}
+
 Index ShardOffset(const AffineBox& b, const Region& r) {
   Index offset = b.base;
   for (size_t j = 0; j < r.lo.size(); ++j) offset += (r.lo[j] - b.lo[j]) * b.coef[j];
@@ -216,13 +325,13 @@ void NormalizeMove(Move& m) {
   struct D {
     Index n, s, d;
   };
-  std::vector<D> dims;
+  SmallVector<D, 8> dims;
   for (size_t k = 0; k < m.shape.size(); ++k) {
     if (m.shape[k] != 1) dims.push_back({m.shape[k], m.src.strides[k], m.dst.strides[k]});
   }
   std::stable_sort(dims.begin(), dims.end(),
                    [](const D& a, const D& b) { return a.d != b.d ? a.d > b.d : a.s > b.s; });
-  std::vector<D> merged;
+  SmallVector<D, 8> merged;
   for (const D& d : dims) {
     if (!merged.empty() && merged.back().s == d.n * d.s && merged.back().d == d.n * d.d) {
       merged.back() = {merged.back().n * d.n, d.s, d.d};
@@ -369,6 +478,9 @@ struct BoxedMaps {
 };
 
 Status AddBoxes(BoxBuilder& builder, const ParamMap& map, std::vector<AffineBox>& boxes) {
+  size_t pieces = 0;
+  for (const RankShard& shard : map.ranks()) pieces += shard.pieces.size();
+  boxes.reserve(pieces);
   for (Rank r = 0; r < map.world_size(); ++r) {
     for (size_t i = 0; i < map.rank(r).pieces.size(); ++i) {
       RESHARD_RETURN_IF_ERROR(
@@ -399,19 +511,23 @@ Result<BoxedMaps> BoxMaps(const ParamMap& target, const ParamMap& source, Shape 
   return boxed;
 }
 
-// The moves that copy the part of target box `t` inside source box `sb` (padding clipped).
-std::vector<Move> MovesBetween(const BoxedMaps& boxed, const AffineBox& t, const AffineBox& sb,
-                               double factor) {
-  std::vector<Move> out;
-  Region t_region{t.lo, t.hi};
+// Appends the moves that copy the part of target box `t` inside source box `sb` (padding
+// clipped) to `out`.
+void MovesBetween(const BoxedMaps& boxed, const AffineBox& t, const AffineBox& sb, double factor,
+                  std::vector<Move>& out) {
   Region inter;
-  if (!Intersect(t_region, sb, inter)) return out;
-  for (const Region& v : Clip(inter, boxed.radix, boxed.padding, true)) {
+  if (!Intersect(t, sb, inter)) return;
+  ForEachClipped(inter, boxed.radix, boxed.padding, true, [&](const Region& v) {
     Move m;
     m.src_rank = sb.rank;
     m.dst_rank = t.rank;
     m.src.offset = ShardOffset(sb, v);
     m.dst.offset = ShardOffset(t, v);
+    size_t dims = 0;
+    for (size_t j = 0; j < v.lo.size(); ++j) dims += v.hi[j] - v.lo[j] == 1 ? 0 : 1;
+    m.shape.reserve(dims);
+    m.src.strides.reserve(dims);
+    m.dst.strides.reserve(dims);
     for (size_t j = 0; j < v.lo.size(); ++j) {
       if (v.hi[j] - v.lo[j] == 1) continue;
       m.shape.push_back(v.hi[j] - v.lo[j]);
@@ -421,8 +537,7 @@ std::vector<Move> MovesBetween(const BoxedMaps& boxed, const AffineBox& t, const
     m.factor = factor;
     NormalizeMove(m);
     out.push_back(std::move(m));
-  }
-  return out;
+  });
 }
 
 bool IsContiguous(const Move& m) {
@@ -439,7 +554,7 @@ bool Continues(const Move& last, const Move& next) {
 // The first non-padding element of target box `t` that no source box holds, as an error.
 Status UncoveredElement(const BoxedMaps& boxed, const AffineBox& t) {
   for (const Region& v : Clip(Region{t.lo, t.hi}, boxed.radix, boxed.padding, true)) {
-    std::vector<Index> digits = v.lo;
+    std::vector<Index> digits(v.lo.begin(), v.lo.end());
     while (true) {
       const bool held = std::any_of(boxed.source_boxes.begin(), boxed.source_boxes.end(),
                                     [&](const AffineBox& sb) {
@@ -469,6 +584,7 @@ Status UncoveredElement(const BoxedMaps& boxed, const AffineBox& t) {
 
 // The padding of target box `t`, which no move writes.
 void AddUnwritten(const BoxedMaps& boxed, const AffineBox& t, ParamPlan& plan) {
+  if (boxed.padding.valid.empty()) return;  // no padding: every element is written
   for (const Region& v : Clip(Region{t.lo, t.hi}, boxed.radix, boxed.padding, false)) {
     UnwrittenBlock u;
     u.dst_rank = t.rank;
@@ -496,22 +612,36 @@ class TargetBoxPlanner {
 
   Status Plan(const AffineBox& t, MoveGroups& groups) {
     const Piece& tp = target_.rank(t.rank).pieces[static_cast<size_t>(t.piece)];
-    // Source boxes that meet t, grouped by their holder set.
-    const Region t_region{t.lo, t.hi};
+    // Source boxes that meet t, grouped by their holder set (sets in ascending order, each
+    // set's boxes in ascending order).
     Region inter;
-    std::map<std::vector<Rank>, std::vector<size_t>> by_holders;
+    meeting_.clear();
     for (size_t s = 0; s < boxed_.source_boxes.size(); ++s) {
-      if (Intersect(t_region, boxed_.source_boxes[s], inter)) {
-        by_holders[SourcePiece(boxed_.source_boxes[s]).locations].push_back(s);
+      if (Intersect(t, boxed_.source_boxes[s], inter)) {
+        meeting_.push_back({&SourcePiece(boxed_.source_boxes[s]).locations, s});
       }
     }
+    std::sort(meeting_.begin(), meeting_.end(), [](const Meeting& a, const Meeting& b) {
+      return *a.holders != *b.holders ? *a.holders < *b.holders : a.box < b.box;
+    });
     Index covered = 0;
-    for (const auto& [holders, boxes] : by_holders) {
-      RESHARD_ASSIGN_OR_RETURN(const Index elements, PlanBlock(t, tp, holders, boxes, groups));
+    for (size_t i = 0; i < meeting_.size();) {
+      const std::vector<Rank>& holders = *meeting_[i].holders;
+      boxes_.clear();
+      for (; i < meeting_.size() && *meeting_[i].holders == holders; ++i) {
+        boxes_.push_back(meeting_[i].box);
+      }
+      RESHARD_ASSIGN_OR_RETURN(const Index elements, PlanBlock(t, tp, holders, boxes_, groups));
       covered += elements;
     }
     Index needed = 0;
-    for (const Region& v : Clip(t_region, boxed_.radix, boxed_.padding, true)) needed += v.size();
+    if (boxed_.padding.valid.empty()) {
+      needed = Region{t.lo, t.hi}.size();
+    } else {
+      for (const Region& v : Clip(Region{t.lo, t.hi}, boxed_.radix, boxed_.padding, true)) {
+        needed += v.size();
+      }
+    }
     if (covered != needed) return UncoveredElement(boxed_, t);
     return Status::Ok();
   }
@@ -528,9 +658,7 @@ class TargetBoxPlanner {
     for (size_t s : boxes) {
       const AffineBox& sb = boxed_.source_boxes[s];
       if (sb.rank != h) continue;
-      for (Move& m : MovesBetween(boxed_, t, sb, tp.scale / SourcePiece(sb).scale)) {
-        moves.push_back(std::move(m));
-      }
+      MovesBetween(boxed_, t, sb, tp.scale / SourcePiece(sb).scale, moves);
     }
     return moves;
   }
@@ -572,17 +700,30 @@ class TargetBoxPlanner {
     return elements;
   }
 
+  // A source box that meets the target box being planned, and its holders.
+  struct Meeting {
+    const std::vector<Rank>* holders;
+    size_t box;
+  };
+
   const ParamMap& target_;
   const ParamMap& source_;
   const BoxedMaps& boxed_;
   const ComposeOptions& options_;
   std::vector<Index> assigned_;
+  std::vector<Meeting> meeting_;  // scratch of Plan
+  std::vector<size_t> boxes_;     // scratch of Plan
 };
 
 // The moves of `groups`, each group folded, in the plan's canonical order.
 void FoldAndSort(MoveGroups& groups, ParamPlan& plan) {
+  size_t total = 0;
   for (auto& [key, moves] : groups) {
     FoldGroup(moves);
+    total += moves.size();
+  }
+  plan.moves.reserve(total);
+  for (auto& [key, moves] : groups) {
     for (Move& m : moves) plan.moves.push_back(std::move(m));
   }
   std::sort(plan.moves.begin(), plan.moves.end(), [](const Move& a, const Move& b) {
