@@ -65,6 +65,7 @@ class Case:
     # mode -> whether transformers loads it and runs a forward pass (what the test expects);
     # the modes a case is loaded in
     works: dict = dataclasses.field(default_factory=lambda: {"tp2": True, "ep2": True})
+    dtype: str = "float32"  # the checkpoint's (transformers loads with dtype="auto")
 
 
 MODELS = {
@@ -93,6 +94,10 @@ EDGE_CASES = {
     "mixtral_3_experts": Case("mixtral", experts(3), works={"tp2": True, "ep2": False}),
     "gpt_oss_3_experts": Case("gpt_oss", experts(3), works={"tp2": True, "ep2": False}),
     "qwen3_moe_6_experts": Case("qwen3_moe", experts(6)),
+    # bf16 checkpoints: the routers of DeepSeek-V3 / GLM-4-MoE and gpt-oss's norms are held in
+    # float32 (_keep_in_fp32_modules)
+    "deepseek_v3_bf16": Case("deepseek_v3", {**_GROUPS, **_MLA}, dtype="bfloat16"),
+    "gpt_oss_bf16": Case("gpt_oss", dtype="bfloat16"),
     # 18 float32 columns per rank: grouped_mm's "strides should be multiple of 16 bytes"
     # (both ranks fail alike, so neither waits on the other); whole experts at EP 2 run
     "qwen3_moe_intermediate_36": Case("qwen3_moe", dict(moe_intermediate_size=36),
@@ -120,7 +125,7 @@ def build_toy_model(case, seed, out_dir):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a persistent buffer a checkpoint holds
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
-    model.save_pretrained(out_dir)
+    model.to(getattr(torch, case.dtype)).save_pretrained(out_dir)
 
 
 def free_loopback_port():

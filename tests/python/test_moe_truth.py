@@ -25,6 +25,9 @@ PER_EXPERT = {  # model type -> (experts module, gate name, up name, down name)
     "glm4_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
 }
 STORED_FUSED = {"gpt_oss", "llama4_text"}  # the checkpoint holds [E, H, 2I] as transformers does
+# Held in float32 whatever the checkpoint's dtype (_keep_in_fp32_modules_strict): the router.
+KEEP_FP32 = {"deepseek_v3": r"mlp\.gate\.(weight|e_score_correction_bias)$",
+             "glm4_moe": r"mlp\.gate\.(weight|e_score_correction_bias)$"}
 
 # How a tensor is cut across the ranks.
 #   whole        every rank holds all of it
@@ -90,6 +93,8 @@ def memory_tensors(checkpoint, model_type):
                              name)
         if m:
             experts[m[1], int(m[2]), m[3]] = tensor
+        elif model_type in KEEP_FP32 and re.search(KEEP_FP32[model_type], name):
+            out[name] = tensor.float()
         else:
             out[name] = tensor
     if experts:
