@@ -13,6 +13,7 @@ import transformers
 from safetensors.numpy import save_file
 from transformers import AutoConfig
 
+import moe_truth as truth
 from conftest import REPO
 
 CONFIGS = REPO / "tests" / "data" / "hf-configs"
@@ -152,7 +153,8 @@ def test_smollm2_135m_refuses_two_ranks_naming_nine_heads(reshard_bin):
 def test_json_has_exactly_the_documented_keys(reshard_bin):
     _, answer = degree_json(reshard_bin, CONFIGS / "Qwen--Qwen3-8B.json", "--tp", 4)
     assert list(answer) == ["max_tp_degree", "degrees", "requested", "chosen", "constraints",
-                            "refusal"]
+                            "refusal", "combinations"]
+    assert list(answer["combinations"]) == ["tp", "tp_ep"]
     assert answer["requested"] == 4 and answer["chosen"] == 4 and answer["refusal"] is None
     for c in answer["constraints"]:
         assert list(c) == ["module", "style", "count", "meaning"]
@@ -231,16 +233,47 @@ def test_distributed_config(reshard_bin, tmp_path):
 def test_expert_parallel_uses_the_ep_plan(reshard_bin):
     path = CONFIGS / "mistralai--Mixtral-8x7B-v0.1.json"
     plan = transformers.MixtralConfig.base_model_ep_plan
-    r, answer = degree_json(reshard_bin, path, "--distributed-config",
-                            '{"tp_size": 8, "enable_expert_parallel": true}')
+    r, answer = degree_json(reshard_bin, path, "--tp", "8", "--distributed-config",
+                            '{"tp_plan": "auto", "ep_size": 8}')
     assert r.returncode == 0, answer
     modules = {c["module"]: c for c in answer["constraints"]}
     for module, style in plan.items():
         if style == "grouped_gemm":
             assert modules[module]["count"] == 8 and modules[module]["meaning"] == "experts"
+    assert answer["combinations"]["tp_ep"] == [1, 2, 4, 8]
+    # The deprecated flag alone sets tp_plan = {}, which transformers refuses at tp_size 8.
+    r, answer = degree_json(reshard_bin, path, "--distributed-config",
+                            '{"tp_size": 8, "enable_expert_parallel": true}')
+    assert r.returncode == 1 and answer["refusal"]["reason"] == "distributed_config", answer
     r, answer = degree_json(reshard_bin, CONFIGS / "Qwen--Qwen3-8B.json", "--distributed-config",
                             '{"tp_size": 2, "ep_size": 2}')
     assert r.returncode == 1 and answer["refusal"]["reason"] == "no_ep_plan"
+    assert answer["combinations"]["tp_ep"] is None
+
+
+# transformers' own verdicts on the MoE toy models (moe_truth.py), per load mode.
+MOE_VERDICTS = sorted((name, mode) for name, case in truth.CASES.items() for mode in case.works)
+
+
+@pytest.mark.parametrize("name,mode", MOE_VERDICTS)
+def test_degree_verdict_on_moe_matches_what_transformers_does(name, mode, moe_truth,
+                                                              reshard_bin, tmp_path):
+    works = moe_truth.works(name, mode)
+    assert works == truth.CASES[name].works[mode], moe_truth.statuses(name, mode)
+    config = moe_truth.checkpoint_dir(name) / "config.json"
+    distributed = json.dumps(truth.MODES[mode])
+    r = run(reshard_bin, config, "--tp", truth.WORLD, "--distributed-config", distributed)
+    errors = [s["error"] for s in moe_truth.statuses(name, mode)]
+    assert r.returncode == (0 if works else 1), (errors, r.stdout, r.stderr)
+    if not works and "Cannot evenly shard" in errors[0]:
+        assert errors[0].split(": ", 1)[1] in r.stderr  # transformers' own words
+    # scatter --config refuses the same degrees (at TP, where it takes no distributed config)
+    if mode == "tp2":
+        s = subprocess.run([reshard_bin, "scatter", str(moe_truth.checkpoint_dir(name)),
+                            "--config", str(config), "--tp", str(truth.WORLD), "-o",
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+        if not works:
+            assert s.returncode == 1 and r.stderr.split(": ", 1)[1].strip() in s.stderr, s.stderr
 
 
 def test_older_transformers_rules_leave_out_the_lm_head(reshard_bin, tmp_path):
