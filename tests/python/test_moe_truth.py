@@ -145,7 +145,8 @@ WORKING = sorted((name, mode) for name, case in CASES.items()
                  for mode, works in case.works.items() if works and mode in ("tp2", "ep2"))
 
 
-@pytest.mark.parametrize("name,mode", WORKING)
+@pytest.mark.parametrize("name,mode", [(n, m) for n, m in WORKING
+                                       if CASES[n].model_type in TP_RULES])
 def test_every_rank_holds_what_docs_moe_md_says(name, mode, moe_truth):
     assert moe_truth.works(name, mode), moe_truth.statuses(name, mode)
     model_type = CASES[name].model_type
@@ -187,3 +188,107 @@ def test_ep_rank_k_holds_experts_k_e_over_p_gate_rows_then_up_rows(name, moe_tru
                                        checkpoint[f"{prefix}.{e}.{up}.weight"]])
                             for e in block])
         assert same_bits(want, held), (name, k)
+
+
+# The same prediction for every case, MoE families beyond the seven above included, from what
+# transformers declares rather than from the tables: the checkpoint conversions of
+# conversion_mapping.py (renamings, and per-expert tensors stacked with MergeModulelist(dim=0),
+# gate and up joined with Concatenate(dim=1)) and the model's resolved plans (model.tp_plan /
+# model.ep_plan, matched as transformers matches them: the parameter, or its module), each style
+# cutting as docs/moe.md's style table says.
+
+
+def declared_conversions(model_type):
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transforms = (get_checkpoint_conversion_mapping(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+                  or get_checkpoint_conversion_mapping(model_type) or [])
+    renames, stacks = [], []
+    for t in transforms:
+        if type(t) is WeightRenaming:
+            renames += zip(t.source_patterns, t.target_patterns)
+        elif isinstance(t, WeightConverter):
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in t.operations]
+            assert ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]), (
+                f"{model_type}: a conversion the spec does not model: {t}")
+            stacks.append((t.source_patterns, t.target_patterns[0]))
+    return renames, stacks
+
+
+def declared_memory_tensors(checkpoint, model_type):
+    renames, stacks = declared_conversions(model_type)
+    out, parts = {}, {}  # parts: target -> {expert: [tensor per source]}
+    for name, tensor in checkpoint.items():
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        for sources, target in stacks:
+            hits = [(i, m) for i, s in enumerate(sources)
+                    if (m := re.search(s.replace("*", r"(\d+)"), name))]
+            if hits:
+                i, m = hits[0]
+                slots = parts.setdefault(name[:m.start()] + target, {})
+                slots.setdefault(int(m[1]), [None] * len(sources))[i] = tensor
+                break
+        else:
+            out[name] = tensor
+    for target, experts in parts.items():
+        out[target.replace("..", ".")] = torch.stack(
+            [torch.cat(experts[e]) for e in range(len(experts))])
+    return out
+
+
+def resolved_plans(model_dir, mode):
+    """The model's TP and EP plans as transformers resolves them for `mode`: EP rules replace
+    the TP rules on their modules and the modules' children."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    tp, ep = dict(model.tp_plan), dict(model.ep_plan) if mode == "ep2" else {}
+    tp = {k: v for k, v in tp.items() if not any(k == e or k.startswith(e + ".") for e in ep)}
+    strict = getattr(type(model), "_keep_in_fp32_modules_strict", None) or []
+    return {**tp, **ep}, strict
+
+
+def style_of(name, plan):
+    generic = re.sub(r"\.\d+(\.|$)", r".*\1", name)
+    return plan.get(generic) or plan.get(generic.rsplit(".", 1)[0])
+
+
+def cut_by_style(tensor, style, name, rank, world=WORLD):
+    nd = tensor.dim()
+    if style in ("colwise", "colwise_gather_output", "colwise_rep"):
+        return tensor.chunk(world, nd - 2 if nd > 1 else 0)[rank]
+    if style in ("rowwise", "rowwise_split_input", "rowwise_rep"):
+        return tensor if name.endswith(".bias") else tensor.chunk(world, -1)[rank]
+    if style in ("embedding_rowwise", "grouped_gemm"):
+        return tensor.chunk(world, 0)[rank]
+    if style == "embedding_colwise":
+        return tensor.chunk(world, 1)[rank]
+    if style == "packed_colwise":
+        return tensor.chunk(world, -1)[rank] if nd == 1 else cut(tensor, "gate_up_rows", rank)
+    if style == "packed_rowwise":
+        return tensor if nd == 1 else cut(tensor, "gate_up_last", rank)
+    return tensor
+
+
+@pytest.mark.parametrize("name,mode", WORKING)
+def test_every_rank_holds_what_the_declared_plan_and_conversions_say(name, mode, moe_truth):
+    assert moe_truth.works(name, mode), moe_truth.statuses(name, mode)
+    model_type = CASES[name].model_type
+    memory = declared_memory_tensors(checkpoint_of(moe_truth, name), model_type)
+    plan, strict_fp32 = resolved_plans(moe_truth.checkpoint_dir(name), mode)
+    for rank in range(WORLD):
+        actual = moe_truth.tensors(name, mode, rank)
+        assert sorted(memory) == sorted(actual), (rank, set(memory) ^ set(actual))
+        wrong = []
+        for n, full in memory.items():
+            if any(m in n for m in strict_fp32):
+                full = full.float()
+            want = cut_by_style(full, style_of(n, plan), n, rank).contiguous()
+            if not same_bits(want, actual[n]):
+                wrong.append(f"{n} ({style_of(n, plan)}): expected {tuple(want.shape)}, "
+                             f"transformers holds {tuple(actual[n].shape)}")
+        assert not wrong, f"rank {rank}:\n" + "\n".join(wrong)

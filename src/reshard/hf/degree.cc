@@ -248,11 +248,13 @@ std::vector<ScopedEntry> PlanEntries(std::vector<Scope>& scopes, const PlanOptio
       // The deprecated flag alone means "experts only": tp_plan={} across tp_size ranks.
       if (dist.enable_expert_parallel && !dist.ep_size && !dist.tp_plan_given) tp.clear();
     }
+    // Before the EP rules take their modules: transformers asks whether the model has a TP
+    // plan (and adds the input embedding to it) on the whole plan.
+    scopes[s].has_tp = !tp.empty();
     if (expert_parallel) {
       std::erase_if(tp, [&](const PlanEntry& e) { return CoveredBy(e.pattern, ep); });
       for (const PlanEntry& e : ep) entries.push_back({e, s});
     }
-    scopes[s].has_tp = !tp.empty();
     for (const PlanEntry& e : tp) entries.push_back({e, s});
   }
   return entries;

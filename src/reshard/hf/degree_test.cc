@@ -234,6 +234,16 @@ TEST(DegreeTest, DistributedConfigsTransformersRefusesAreRefused) {
   EXPECT_FALSE(Answer(kMixtral, 2, Distributed(R"({"tp_size": 2, "ep_size": 2})")).refusal);
 }
 
+TEST(DegreeTest, ExpertParallelKeepsATpPlanThatSplitsOnlyExperts) {
+  // AFMoE's TP plan names only its experts: at EP the EP rules take them, but transformers asks
+  // for a TP plan before that, so the model still has one (the embedding and the LM head).
+  const char* afmoe = R"({"model_type": "afmoe", "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts": 4, "vocab_size": 256})";
+  DegreeAnswer a = Answer(afmoe, 2, Distributed(R"({"tp_plan": "auto", "ep_size": 2})"));
+  EXPECT_FALSE(a.refusal) << a.refusal->message;
+}
+
 TEST(DegreeTest, ExpertTensorParallelNeedsSixteenByteRowsForGroupedMm) {
   auto qwen = [](int intermediate, const char* dtype) {
     return fmt::format(R"({{"model_type": "qwen3_moe", "num_attention_heads": 64,
