@@ -38,6 +38,9 @@ MODES = {
     "tp2": {"tp_plan": "auto"},
     # expert parallelism over both ranks; the dense modules keep the TP plan
     "ep2": {"tp_plan": "auto", "ep_size": 2},
+    # the same layout asked for by sizes, and by the deprecated flag next to tp_plan "auto"
+    "ep2_sizes": {"tp_size": 2, "ep_size": 2},
+    "ep2_flag_auto": {"tp_plan": "auto", "enable_expert_parallel": True},
     # the deprecated flag: ep_size = tp_size and tp_plan = {}, which tp_size 2 refuses
     "ep2_legacy": {"tp_size": 2, "enable_expert_parallel": True},
     # ep_size alone: tp_size stays 1, and ep_size must divide fsdp_size * tp_size
@@ -69,7 +72,8 @@ class Case:
 
 
 MODELS = {
-    "mixtral": Case("mixtral", works={"tp2": True, "ep2": True, "ep2_legacy": False,
+    "mixtral": Case("mixtral", works={"tp2": True, "ep2": True, "ep2_sizes": True,
+                                      "ep2_flag_auto": True, "ep2_legacy": False,
                                       "ep2_alone": False}),
     "qwen2_moe": Case("qwen2_moe"),
     "qwen3_moe": Case("qwen3_moe"),

@@ -292,3 +292,13 @@ def test_every_rank_holds_what_the_declared_plan_and_conversions_say(name, mode,
                 wrong.append(f"{n} ({style_of(n, plan)}): expected {tuple(want.shape)}, "
                              f"transformers holds {tuple(actual[n].shape)}")
         assert not wrong, f"rank {rank}:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("mode", sorted(m for m, works in CASES["mixtral"].works.items()
+                                        if works and m.startswith("ep2_")))
+def test_every_way_of_asking_for_ep_gives_the_same_shards(mode, moe_truth):
+    assert moe_truth.works("mixtral", mode), moe_truth.statuses("mixtral", mode)
+    for rank in range(WORLD):
+        ep2, other = (moe_truth.tensors("mixtral", m, rank) for m in ("ep2", mode))
+        assert sorted(ep2) == sorted(other)
+        assert all(same_bits(ep2[n], other[n]) for n in ep2), mode
