@@ -107,6 +107,7 @@ struct ScatterArgs : CommonArgs {
   std::string maps;
   std::string layouts;
   std::string config;
+  std::string distributed_config;
   int tp = 0;
 };
 
@@ -117,21 +118,6 @@ struct ConvertArgs : CommonArgs {
   bool weights_only = false;
 };
 
-// The maps of scatter --config: the model's tensor-parallel plan at `world`; records the
-// plan's divisibility constraints in `options` for the manifest.
-Result<MapProvider> MapsFromConfig(const std::string& config, int world,
-                                   CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config));
-  Result<ConfigMaps> from_config = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
-  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", config));
-  options.degree_constraints = DegreeConstraints(from_config->plan());
-  return MapProvider([maps = std::make_shared<ConfigMaps>(*std::move(from_config))](
-                         const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
-    RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps->Map(name, shape));
-    return ProvidedMap{std::move(m.map), std::move(m.layout)};
-  });
-}
-
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
 // or --config.
 struct ScatterMapsOf {
@@ -139,6 +125,44 @@ struct ScatterMapsOf {
   int world = 0;
   BufferSetBuilder buffers;
 };
+
+// The maps of scatter --config: every tensor laid out as transformers holds it at `world`
+// processes under the distributed config (per-expert tensors into the stacked buffers it
+// fuses them into); records the plan's divisibility constraints in `options`.
+Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
+                                     CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(args.config));
+  const TpRegistry& registry = BuiltinTpRegistry();
+  PlanOptions plan_options;
+  if (!args.distributed_config.empty()) {
+    std::string dc = args.distributed_config;
+    if (dc.find('{') == std::string::npos) {  // a file holding the JSON
+      RESHARD_ASSIGN_OR_RETURN(dc, ReadFileToString(dc));
+    }
+    Result<DistributedConfig> parsed = ParseDistributedConfigJson(registry, dc);
+    if (!parsed.ok()) return parsed.status().Annotate("--distributed-config");
+    plan_options.distributed = *std::move(parsed);
+  }
+  Result<ConfigMaps> from_config = ConfigMaps::FromConfigJson(registry, text, world, plan_options);
+  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", args.config));
+  options.degree_constraints = DegreeConstraints(from_config->plan());
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(args.input));
+  std::vector<StoredTensor> tensors;
+  for (const TensorRef& t : full.tensors()) {
+    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+  }
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*from_config, tensors));
+  auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
+  for (CheckpointTensorMap& t : planned.tensors) {
+    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout)});
+  }
+  MapProvider provider = [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
+    auto it = by_name->find(name);
+    if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
+    return it->second;
+  };
+  return ScatterMapsOf{std::move(provider), world, std::move(planned.buffers)};
+}
 
 Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
   if (!args.maps.empty()) {
@@ -159,8 +183,7 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
     return ScatterMapsOf{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp, {}};
   }
-  RESHARD_ASSIGN_OR_RETURN(MapProvider provider, MapsFromConfig(args.config, args.tp, options));
-  return ScatterMapsOf{std::move(provider), args.tp, {}};
+  return MapsFromConfig(args, args.tp, options);
 }
 
 Status RunScatter(const ScatterArgs& args) {
@@ -324,6 +347,10 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   layouts->excludes(config);
   cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
       ->check(IntegerIn(1, 1 << 20));
+  cmd->add_option("--distributed-config", args->distributed_config,
+                  "with --config: transformers' DistributedConfig as JSON text or a file, e.g. "
+                  "'{\"tp_plan\": \"auto\", \"ep_size\": 2}' for expert parallelism")
+      ->needs(config);
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
