@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import transformers
+from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file
 from transformers import AutoConfig
 
@@ -485,27 +486,37 @@ def scatter_config(reshard_bin, full, config, tp, out):
                            "-o", out], capture_output=True, text=True, timeout=120)
 
 
-def test_scatter_refuses_per_expert_tensors_naming_the_fusion(reshard_bin, tmp_path):
+def test_scatter_stacks_per_expert_tensors_as_transformers_does(reshard_bin, tmp_path):
     # Mixtral stores one tensor per expert; transformers stacks them into experts.gate_up_proj
-    # and experts.down_proj at load and splits those. Replicating them would differ silently.
+    # (each expert's w1 rows, then its w3 rows) and experts.down_proj at load and splits those:
+    # at TP 2 rank r holds rows [3r, 3r + 3) of every expert's w1 and w3 (docs/moe.md).
     config = {"model_type": "mixtral", "hidden_size": 8, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 6,
               "num_local_experts": 2, "vocab_size": 16}
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text(json.dumps(config))
-    z = lambda *s: np.zeros(s, dtype=np.float32)  # noqa: E731
-    save_file({"model.layers.0.self_attn.q_proj.weight": z(8, 8),
-               "model.layers.0.block_sparse_moe.gate.weight": z(2, 8),
-               "model.layers.0.block_sparse_moe.experts.0.w1.weight": z(6, 8),
-               "model.layers.0.block_sparse_moe.experts.0.w2.weight": z(8, 6),
-               "model.layers.0.block_sparse_moe.experts.0.w3.weight": z(6, 8)},
+    values = iter(range(10**6))
+    t = lambda *s: np.array([next(values) for _ in range(math.prod(s))],  # noqa: E731
+                            dtype=np.float32).reshape(s)
+    experts = {f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": t(*shape)
+               for e in range(2) for w, shape in (("w1", (6, 8)), ("w2", (8, 6)), ("w3", (6, 8)))}
+    save_file({"model.layers.0.block_sparse_moe.gate.weight": t(2, 8), **experts},
               str(full / "model.safetensors"))
-    r = scatter_config(reshard_bin, full, full / "config.json", 2, tmp_path / "tp2")
-    assert r.returncode == 1, r.stderr
-    assert "experts.gate_up_proj" in r.stderr or "experts.down_proj" in r.stderr, r.stderr
-    assert "MergeModulelist" in r.stderr
-    assert not (tmp_path / "tp2").exists()
+    out = tmp_path / "tp2"
+    r = scatter_config(reshard_bin, full, full / "config.json", 2, out)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "reshard.json").read_text())
+    for rank in range(2):
+        held = {}
+        for file in manifest["files"][str(rank)]:
+            held.update(load_numpy(str(out / file)))
+        rows = slice(3 * rank, 3 * rank + 3)
+        prefix = "model.layers.0.block_sparse_moe.experts"
+        want = np.stack([np.concatenate([experts[f"{prefix}.{e}.w1.weight"][rows],
+                                         experts[f"{prefix}.{e}.w3.weight"][rows]])
+                         for e in range(2)])
+        np.testing.assert_array_equal(held["model.layers.0.mlp.experts.gate_up_proj"], want)
 
 
 def test_scatter_gives_the_last_rank_the_short_vocabulary_slice(reshard_bin, tmp_path):

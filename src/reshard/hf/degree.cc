@@ -116,9 +116,14 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine, bool uneven) {
       if (!size) size = Get(v, "intermediate_size");
       what = "expert intermediate features";
     } else if (has({"shared_expert", "shared_experts"})) {
+      // The shared experts' width, under the key each config class uses (Qwen, Nemotron-H),
+      // or the expert width times their count (DeepSeek / GLM, HY-V3 / AFMoE, ERNIE).
       size = Get(v, "shared_expert_intermediate_size");
+      if (!size) size = Get(v, "moe_shared_expert_intermediate_size");
       const std::optional<int64_t> moe = Get(v, "moe_intermediate_size");
-      const std::optional<int64_t> shared = Get(v, "n_shared_experts");
+      std::optional<int64_t> shared = Get(v, "n_shared_experts");
+      if (!shared) shared = Get(v, "num_shared_experts");
+      if (!shared) shared = Get(v, "moe_num_shared_experts");
       if (!size && moe && shared) size = *moe * *shared;
       if (!size) size = Get(v, "intermediate_size");
       what = "shared-expert intermediate features";

@@ -244,6 +244,28 @@ TEST(DegreeTest, ExpertParallelKeepsATpPlanThatSplitsOnlyExperts) {
   EXPECT_FALSE(a.refusal) << a.refusal->message;
 }
 
+TEST(DegreeTest, SharedExpertWidthIsReadUnderEachConfigClassKey) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  auto shared_count = [&](std::string_view json) -> std::optional<int64_t> {
+    Result<ModelConfig> config = ReadModelConfigJson(reg, json);
+    EXPECT_TRUE(config.ok()) << config.status().message();
+    if (!config.ok()) return std::nullopt;
+    for (const ResolvedEntry& e : ResolvePlan(reg, *config, {}).entries)
+      if (e.pattern == "layers.*.mlp.shared_experts.down_proj") return e.count;
+    return std::nullopt;
+  };
+  // ERNIE 4.5 MoE: moe_intermediate_size x moe_num_shared_experts; HY-V3: x num_shared_experts.
+  EXPECT_EQ(shared_count(R"({"model_type": "ernie4_5_moe", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "moe_num_shared_experts": 2})"),
+            64);
+  EXPECT_EQ(shared_count(R"({"model_type": "hy_v3", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_shared_experts": 1})"),
+            32);
+  EXPECT_EQ(shared_count(R"({"model_type": "glm4_moe", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "n_shared_experts": 3})"),
+            96);
+}
+
 TEST(DegreeTest, ExpertTensorParallelNeedsSixteenByteRowsForGroupedMm) {
   auto qwen = [](int intermediate, const char* dtype) {
     return fmt::format(R"({{"model_type": "qwen3_moe", "num_attention_heads": 64,

@@ -34,6 +34,9 @@ constexpr std::string_view kCountKeys[] = {
     "num_local_experts",
     "n_routed_experts",
     "tie_word_embeddings",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "moe_shared_expert_intermediate_size",
 };
 
 // Keys that only some config classes declare. A stray one in another model's config.json stays
@@ -45,6 +48,9 @@ constexpr std::string_view kDeclaredOnlyKeys[] = {
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "n_shared_experts",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "moe_shared_expert_intermediate_size",
 };
 
 // Counts a model cannot have zero of: a config saying 0 (or, for the first four, null) is
