@@ -125,7 +125,8 @@ ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
                        {"bytes", t.data.size()},
                        {"file", files[t.file]}});
   }
-  const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  std::error_code ec;
+  const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json", ec);
   return {{"format", "huggingface"},
           {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
           {"bytes", c.total_bytes()},
@@ -507,19 +508,30 @@ bool IsTensorFile(const std::filesystem::path& p) {
 Status InspectDirectory(const std::string& path, bool json, std::string& out) {
   fs::path dir = path;
   std::string tag;
-  if (Result<std::string> latest = ReadFileToString((dir / "latest").string()); latest.ok()) {
+  std::error_code error;
+  Result<std::string> latest = ReadFileToString((dir / "latest").string());
+  // A `latest` that is there but cannot be read (a symbolic link loop, a directory) is a
+  // malformed DeepSpeed save dir, as gather and convert find it.
+  if (!latest.ok() && latest.status().code() != StatusCode::kNotFound) return latest.status();
+  if (latest.ok()) {
     tag = *latest;
     while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
-    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag)) {
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag, error)) {
       return DataLossError("\"" + (dir / "latest").string() + "\" names \"" + tag +
                            "\", which is not a directory beside it");
     }
     dir /= tag;
   }
   std::vector<fs::path> files, others;
-  std::error_code error;
   for (const auto& entry : fs::directory_iterator(dir, error)) {
-    if (!entry.is_regular_file()) continue;
+    std::error_code type_error;
+    const bool regular = entry.is_regular_file(type_error);
+    // A tensor file that cannot even be looked at (a symbolic link loop, a name too long to
+    // follow) is an unreadable input; anything else that is not a regular file is passed over.
+    if (type_error && IsTensorFile(entry.path())) {
+      return ErrnoStatus(type_error.value(), "cannot read", entry.path().string());
+    }
+    if (!regular) continue;
     (IsTensorFile(entry.path()) ? files : others).push_back(entry.path());
   }
   if (error)
@@ -573,7 +585,8 @@ Status InspectDirectory(const std::string& path, bool json, std::string& out) {
 Result<std::string> Inspect(const std::string& path, InspectFormat format) {
   const bool json = format == InspectFormat::kJson;
   std::string out;
-  if (fs::is_directory(path)) {
+  std::error_code ec;  // a path that cannot be looked at is InspectFile's to report
+  if (fs::is_directory(path, ec)) {
     RESHARD_RETURN_IF_ERROR(InspectDirectory(path, json, out));
     return out;
   }

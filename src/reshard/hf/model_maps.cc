@@ -239,12 +239,22 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
   std::map<std::string, size_t> group_of_buffer;
   std::vector<std::optional<std::pair<size_t, size_t>>> stacked(tensors.size());  // group, member
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const std::string renamed = ApplyLoadRenames(plan.load_renames, tensors[i].name);
+    // Adam's moments ("<param>.exp_avg", ".exp_avg_sq") stack as their parameter does, into a
+    // buffer of the same suffix.
+    std::string_view base = tensors[i].name, suffix;
+    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+      if (base.size() > s.size() && base.ends_with(s)) {
+        suffix = s;
+        base.remove_suffix(s.size());
+        break;
+      }
+    }
+    const std::string renamed = ApplyLoadRenames(plan.load_renames, base);
     for (const auto& [model_type, conversion] : plan.load_conversions) {
       for (size_t m = 0; m < conversion.sources.size() && !stacked[i]; ++m) {
         auto hit = MatchExpertSource(conversion.sources[m], renamed);
         if (!hit) continue;
-        const std::string buffer = hit->first + conversion.target;
+        const std::string buffer = hit->first + conversion.target + std::string(suffix);
         auto [it, fresh] = group_of_buffer.try_emplace(buffer, groups.size());
         if (fresh) {
           groups.push_back(
@@ -293,7 +303,11 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
     }
     // The stacked tensor is [E, member...] (members concatenated along member dim 0, the
     // stacked dim 1: Concatenate(dim=1)); its plan entry says how it is split.
-    const ResolvedEntry* entry = MatchPlanEntry(plan, g.buffer);
+    std::string_view stacked_name = g.buffer;
+    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+      if (stacked_name.ends_with(s)) stacked_name.remove_suffix(s.size());
+    }
+    const ResolvedEntry* entry = MatchPlanEntry(plan, stacked_name);
     const StyleEffect effect = entry ? entry->effect : StyleEffect::kNone;
     const size_t nd = members[0].shape.size();
     RankOrder order{1, world, true};
