@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "reshard/base/json_writer.h"
+#include "reshard/checkpoint/deepspeed_moe.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/canonicalize.h"
@@ -511,6 +512,7 @@ class DeepSpeedReader {
   Status ReadTopology();
   Status CheckDpModelStates();
   Status ReadParams();
+  Status ReadExperts();
   Status ReadPartitions();
   Status ReadTorchOptimizer();
   Status ReadModuleFragments();
@@ -729,6 +731,7 @@ Status DeepSpeedReader::ReadParams() {
         "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read yet",
         Where(model_[0])));
   }
+  RESHARD_RETURN_IF_ERROR(ReadExperts());
   RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
     const std::string& name = names_in_order_[i];
@@ -757,6 +760,36 @@ Status DeepSpeedReader::ReadParams() {
     params_.back().parts.resize(static_cast<size_t>(c_.tp_));
     params_.back().steps.resize(static_cast<size_t>(c_.tp_));
   }
+  return Status::Ok();
+}
+
+// AutoEP's experts (deepspeed_moe.h): read there, and left out of the dense parameters.
+Status DeepSpeedReader::ReadExperts() {
+  AutoEpInput in;
+  in.model_states = model_[0];
+  in.stage = c_.stage_;
+  in.tp = c_.tp_;
+  in.dp = c_.dp_;
+  if (!optim_.empty()) in.optim = optim_[0];
+  in.names = names_in_order_;
+  in.groups = group_of_;
+  for (const auto& shapes : tp_shapes_) in.shapes.push_back(shapes.front());
+  in.open = [this](const std::string& name) { return OpenFile(name); };
+  in.where = [this](const TorchFile* f) { return Where(f); };
+  RESHARD_ASSIGN_OR_RETURN(std::optional<DeepSpeedExperts> experts, ReadAutoEpExperts(in));
+  if (!experts) return Status::Ok();
+  size_t kept = 0;
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (ClaimsName(*experts, names_in_order_[i])) continue;
+    names_in_order_[kept] = names_in_order_[i];
+    group_of_[kept] = group_of_[i];
+    tp_shapes_[kept] = tp_shapes_[i];
+    ++kept;
+  }
+  names_in_order_.resize(kept);
+  group_of_.resize(kept);
+  tp_shapes_.resize(kept);
+  c_.experts_ = std::make_shared<const DeepSpeedExperts>(*std::move(experts));
   return Status::Ok();
 }
 
@@ -922,6 +955,8 @@ Status DeepSpeedReader::ReadPartitions() {
       group_of_.empty() ? 0 : *std::max_element(group_of_.begin(), group_of_.end()) + 1;
   for (Rank t = 0; t < c_.tp_; ++t) {
     for (size_t g = 0; g < groups; ++g) {
+      // AutoEP's expert group is read by ReadExperts.
+      if (std::find(group_of_.begin(), group_of_.end(), g) == group_of_.end()) continue;
       RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(t, g));
       if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(t, g, group));
       Index z3_offset = 0;  // ZeRO 3: where the next parameter starts in every rank's flat group
@@ -1081,6 +1116,13 @@ Result<DeepSpeedCheckpoint> DeepSpeedCheckpoint::Open(const std::string& path) {
 }
 
 std::vector<std::string> DeepSpeedCheckpoint::file_paths() const { return paths_; }
+
+const TorchFile* DeepSpeedCheckpoint::FileAt(const std::string& path) const {
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if (paths_[i] == path) return files_[i].get();
+  }
+  return nullptr;
+}
 
 std::vector<std::string> DeepSpeedCheckpoint::model_states_paths() const {
   std::vector<std::string> out;
@@ -1300,6 +1342,7 @@ Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, 
     RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
     extra.push_back({"config.json", std::move(config)});
   }
+  if (ckpt->experts() != nullptr) return GatherAutoEp(ckpt, states.front(), out_dir, options);
   std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
   return GatherFrom(*source, out_dir, options, extra);
 }
@@ -1314,6 +1357,12 @@ Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
                   {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
   }
   RESHARD_ASSIGN_OR_RETURN(states, StatesToWrite(*ckpt, std::move(states)));
+  if (ckpt->experts() != nullptr) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" is an AutoEP checkpoint: convert writes its experts only as DeepSpeed's "
+        "universal checkpoint (--to universal); gather writes the model",
+        ckpt->tag_dir()));
+  }
   std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
   return ConvertFrom(*source, world_size, target_maps, out_dir, options);
 }
@@ -1347,6 +1396,8 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
     params.push_back(entry);
   }
   doc["params"] = params;
+  if (c.experts() != nullptr)
+    doc["autoep"] = nlohmann::ordered_json::parse(AutoEpSummaryJson(*c.experts()));
   return doc.dump(1) + "\n";
 }
 
@@ -1361,6 +1412,7 @@ std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
                        p.layout ? LayoutToJson(*p.layout) : std::string("(no layout rule)"),
                        fmt::format("  [{}]", p.layout_source));
   }
+  if (c.experts() != nullptr) out += AutoEpSummaryText(*c.experts());
   return out;
 }
 
