@@ -17,9 +17,8 @@ namespace reshard {
 
 Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
                                         int world, const PlanOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps,
-                           ConfigMaps::FromConfigJson(BuiltinTpRegistry(), config_json, world,
-                                                      options));
+  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
+                                                BuiltinTpRegistry(), config_json, world, options));
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
   std::vector<StoredTensor> tensors;
   for (const TensorRef& t : full.tensors()) {
@@ -60,7 +59,8 @@ Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded
   }
   Result<ConfigMaps> maps =
       ConfigMaps::FromConfigJson(BuiltinTpRegistry(), m->model_config, world, options);
-  if (!maps.ok()) return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", path));
+  if (!maps.ok())
+    return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", path));
   std::vector<StoredTensor> tensors;
   for (const ShardedParam& p : m->params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
   RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*maps, tensors));
