@@ -6,6 +6,15 @@ already include the storage offset). A dense row-major input is read where it li
 input (transposed, strided, broadcast, negative strides) is first copied into a dense one. An
 ``out=`` tensor is written in place; one that is not dense is filled through a dense temporary.
 The copies run in C++ with the GIL released. Only host (CPU) memory is accepted.
+
+What an ``out=`` must be (checked before anything is written, ValueError otherwise): writable
+(a numpy array's flag; for a torch tensor, which has none, memory that is not mapped read-only
+and not the contents of a ``bytes``), without elements that share memory (a zero stride, as
+``expand`` or ``broadcast_to`` give), without torch's negative or conjugate bit, and not
+requiring grad while grad mode is on (as torch's in-place operations refuse). An input whose
+memory the output overlaps (an ``out`` that is a view of ``full``, or of a source shard) is
+copied first, so the result is what it would be without the overlap; outputs that overlap
+each other are refused. A torch input with the negative or conjugate bit is read as its value.
 """
 
 from __future__ import annotations
@@ -86,17 +95,98 @@ def _kind_of(cls: type) -> Optional[str]:
     return kind
 
 
+def _strides_in_bytes(x: Tensor, kind: str) -> tuple[int, ...]:
+    if kind == "torch":
+        size = int(x.element_size())
+        return tuple(int(s) * size for s in x.stride())
+    return tuple(int(s) for s in x.strides)
+
+
+def _itemsize_of(x: Tensor, kind: str) -> int:
+    return int(x.element_size()) if kind == "torch" else int(x.itemsize)
+
+
+def _address_of(x: Tensor, kind: str) -> int:
+    if kind == "torch":
+        return int(x.data_ptr())
+    return int(x.__array_interface__["data"][0])
+
+
+def _extent(x: Tensor, kind: str) -> Optional[tuple[int, int]]:
+    """The bytes [lo, hi) the elements of x lie in; None when it has no elements."""
+    lo = hi = _address_of(x, kind)
+    for n, s in zip(x.shape, _strides_in_bytes(x, kind)):
+        if n == 0:
+            return None
+        if s > 0:
+            hi += s * (n - 1)
+        else:
+            lo += s * (n - 1)
+    return lo, hi + _itemsize_of(x, kind)
+
+
+def _overlap(a: Optional[tuple[int, int]], b: Optional[tuple[int, int]]) -> bool:
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def _shares_elements(x: Tensor, kind: str) -> bool:
+    """Whether two elements of x may lie at the same address (a zero stride, or strides that
+    interleave): dimensions sorted by stride, each must step over all of the smaller ones."""
+    dims = sorted((abs(s), n) for n, s in zip(x.shape, _strides_in_bytes(x, kind)) if n != 1)
+    if any(n == 0 for _, n in dims):
+        return False
+    span = _itemsize_of(x, kind)
+    for s, n in dims:
+        if s < span:
+            return True
+        span = s * (n - 1) + span
+    return False
+
+
+def check_writable(x: Tensor, kind: str, what: str) -> None:
+    """Refuses an output that must not be written in place (see the module's docstring)."""
+    if _shares_elements(x, kind):
+        raise ValueError(f"{what} has elements that share memory (strides {list(_strides_in_bytes(x, kind))} "
+                         f"bytes for shape {list(x.shape)}, as expand or broadcast_to give); "
+                         "give an output whose every element has its own memory")
+    if kind == "numpy":
+        if not x.flags.writeable:
+            raise ValueError(f"{what} is read-only")
+        return
+    import torch
+    if x.is_neg() or x.is_conj():
+        raise ValueError(f"{what} has torch's {'negative' if x.is_neg() else 'conjugate'} bit "
+                         "set: reshard writes raw memory, which would hold the wrong sign; give "
+                         "a tensor without it (resolve_neg() / resolve_conj() make one)")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{what} requires grad: reshard writes it in place, which autograd "
+                         "does not see; write under torch.no_grad() or give out.detach()")
+    if not x.is_cpu:
+        return
+    storage = x.untyped_storage()
+    if storage.resizable():  # memory torch allocated itself: writable
+        return
+    extent = _extent(x, kind)
+    if extent is None:
+        return
+    why = _core.why_not_writable(int(storage.data_ptr()), extent[0], extent[1] - extent[0])
+    if why:
+        raise ValueError(f"{what} is read-only: its memory {why}; give a writable tensor")
+
+
 class _Array:
     """A CPU tensor or array seen as memory: its kind, dtype name, shape and first address."""
 
     __slots__ = ("obj", "kind", "dtype", "shape", "dense")
 
-    def __init__(self, x: Tensor, what: str) -> None:
+    def __init__(self, x: Tensor, what: str, output: bool = False) -> None:
         kind = _kind_of(type(x))
         if kind == "torch":
             if not x.is_cpu:
                 raise ValueError(f"{what} is on device {x.device}; reshard copies host memory: "
                                  "give a CPU tensor")
+            if not output and (x.is_neg() or x.is_conj()):
+                x = x.resolve_neg().resolve_conj()  # the values, not the raw memory
             self.dense = x.is_contiguous()
         elif kind == "numpy":
             if not x.dtype.isnative:
@@ -117,6 +207,17 @@ class _Array:
         if self.kind == "torch":
             return int(self.obj.data_ptr())
         return int(self.obj.__array_interface__["data"][0])
+
+    def extent(self) -> Optional[tuple[int, int]]:
+        return _extent(self.obj, self.kind)
+
+    def copied(self) -> "_Array":
+        """A dense copy in memory of its own."""
+        if self.kind == "torch":
+            import torch
+            return _Array(self.obj.clone(memory_format=torch.contiguous_format), "a copy")
+        import numpy as np
+        return _Array(np.array(self.obj, order="C", copy=True), "a copy")
 
     def densified(self) -> "_Array":
         """Self when dense; else a dense copy (its elements in row-major order)."""
@@ -150,21 +251,26 @@ class _Output:
     shape, device, writable), through a dense temporary when `out` is not dense."""
 
     def __init__(self, out: Optional[Tensor], like: _Array, shape: tuple[int, ...], what: str):
+        self.what = what
+        self.given = out is not None
         if out is None:
             self.result = like.empty(shape)
             self.target = _Array(self.result, what)
             return
-        a = _Array(out, what)
+        a = _Array(out, what, output=True)
         if a.dtype != like.dtype:
             raise ValueError(f"{what} has dtype {out.dtype} but the input is {like.obj.dtype}")
         _check_shape(a, shape, what)
-        if a.kind == "numpy" and not out.flags.writeable:
-            raise ValueError(f"{what} is read-only")
+        check_writable(out, a.kind, what)
         self.result = out
         self.target = a if a.dense else _Array(a.empty(shape), what)
 
     def address(self) -> int:
         return self.target.address()
+
+    def extent(self) -> Optional[tuple[int, int]]:
+        """The memory the copy writes (the caller's, or a temporary's)."""
+        return self.target.extent()
 
     def finish(self) -> Tensor:
         if self.target.obj is not self.result:  # written through a dense temporary
@@ -175,12 +281,43 @@ class _Output:
         return self.result
 
 
+def _staged(inputs: list[_Array], outputs: list[_Output]) -> list[_Array]:
+    """The inputs, each copied first where an output writes memory it is read from (a view of
+    the input given as out): the copy reads what the input held before anything was written.
+    Outputs that overlap each other are refused: one would overwrite the other."""
+    outputs = [o for o in outputs if o.given]  # a new tensor overlaps nothing
+    if not outputs:
+        return inputs
+    extents = [o.extent() for o in outputs]
+    for i, extent in enumerate(extents):
+        for j in range(i):
+            if _overlap(extent, extents[j]):
+                raise ValueError(f"{outputs[i].what} and {outputs[j].what} overlap in memory; "
+                                 "give outputs that do not share memory")
+    staged = []
+    for a in inputs:
+        mine = a.extent()
+        staged.append(a.copied() if any(_overlap(mine, e) for e in extents) else a)
+    return staged
+
+
 @functools.lru_cache(maxsize=64)
 def _options(scale_power: int, verify_replicas: bool, allow_scaled_optimizer_state: bool,
              allow_lossy_scale: bool, num_threads: int) -> _core.ExecOptions:
     """The options object for these values, made once (the core only reads it)."""
+    check_options(scale_power, num_threads)
     return _core.ExecOptions(scale_power, verify_replicas, allow_scaled_optimizer_state,
                              allow_lossy_scale, num_threads)
+
+
+def check_options(scale_power: Any, num_threads: Any) -> None:
+    """ValueError for a scale power or thread count that is not an int the core takes."""
+    for name, value, lo in (("scale_power", scale_power, -(2**31)), ("num_threads", num_threads, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if not lo <= value < 2**31:
+            raise ValueError(f"{name} is {value}; give an int in [{lo}, 2**31)"
+                             + (" (0: one thread per hardware thread)" if lo == 0 else ""))
 
 
 def _by_rank(shards: Union[Sequence[Tensor], Mapping[int, Tensor]], world: int,
@@ -229,6 +366,7 @@ def extract(map: MapLike, full: Tensor, rank: int, out: Optional[Tensor] = None,
     _check_shape(src, m.logical_shape, "full")
     src = src.densified()
     dst = _Output(out, src, shard_shape, "out")
+    src = _staged([src], [dst])[0]
     _core.extract_into(m._handle, src.dtype, rank, src.address(), dst.address(),
                        _options(scale_power, True, allow_scaled_optimizer_state,
                                 allow_lossy_scale, num_threads))
@@ -244,6 +382,7 @@ def rebuild(map: MapLike, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
     m = as_map(map)
     arrays = _shard_arrays(m, shards)
     dst = _Output(out, arrays[0], m.logical_shape, "out")
+    arrays = _staged(arrays, [dst])
     _core.rebuild_into(m._handle, arrays[0].dtype, [a.address() for a in arrays], dst.address(),
                        _options(scale_power, verify_replicas, allow_scaled_optimizer_state,
                                 allow_lossy_scale, num_threads))
@@ -265,6 +404,7 @@ def transfer(plan: Plan, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
     outs = [None] * dst_map.world_size if out is None else _by_rank(out, dst_map.world_size, "out")
     targets = [_Output(o, arrays[0], dst_map.shard_shape(r), f"out[{r}]")
                for r, o in enumerate(outs)]
+    arrays = _staged(arrays, targets)
     sizes = [_numel(src_map.shard_shape(r)) for r in range(src_map.world_size)]
     _core.transfer_into(plan._plan, arrays[0].dtype,
                         [(a.address(), n) for a, n in zip(arrays, sizes)],

@@ -1,5 +1,9 @@
 """Checkpoints on disk, as the CLI's scatter, gather, convert and inspect (DESIGN 6.5, 7).
 
+gather and convert read what the CLI's commands read: a reshard sharded checkpoint, or a
+DeepSpeed checkpoint (a save dir with ``latest``, or a tag dir); convert also writes DeepSpeed's
+universal checkpoint (``to="universal"``, the CLI's ``convert --to universal``).
+
 Outputs appear atomically; an existing output is replaced only with ``overwrite=True`` (the
 CLI's ``--force``). They are flushed to disk before they appear; ``sync=False`` (the CLI's
 ``--no-sync``) leaves them in the page cache, still appearing by one rename.
@@ -47,6 +51,17 @@ def _map_list(maps: Union[PathLike, Mapping[str, MapLike]]) -> list[tuple[str, A
     return [(name, m._handle) for name, m in read_maps(maps).items()]
 
 
+def _path(path: PathLike, what: str) -> str:
+    """The path as a str, refusing an embedded NUL as os does (the C library would stop at it
+    and read another file)."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(text).__name__}")
+    if "\0" in text:
+        raise ValueError(f"{what}: embedded null byte in path {text!r}")
+    return text
+
+
 def _read_text(source: Union[PathLike, Mapping[str, Any]]) -> str:
     if isinstance(source, Mapping):
         return json.dumps(source)
@@ -71,7 +86,7 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
                          f"(with tp=); given: {given or 'none'}")
     o = _options(overwrite, max_shard_size, True, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
-    src, dst = os.fspath(full_dir), os.fspath(out_dir)
+    src, dst = _path(full_dir, "full_dir"), _path(out_dir, "out_dir")
     if maps is not None:
         _core.scatter_with_maps(src, dst, _map_list(maps), o)
         return
@@ -84,31 +99,61 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
         _core.scatter_with_config(src, dst, _read_text(config), tp, o)
 
 
-def gather(sharded_dir: PathLike, out_dir: PathLike, *, overwrite: bool = False,
-           max_shard_size: Union[None, int, str] = None, verify_replicas: bool = True,
-           allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
-           progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-           sync: bool = True) -> None:
+def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
+           overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
+           verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
+           allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
+           warn: Optional[Warn] = None, sync: bool = True) -> None:
     """Sharded checkpoint -> full checkpoint (model.safetensors, or parts of at most
-    ``max_shard_size`` and an index), checking that replicas agree, dropping padding."""
+    ``max_shard_size`` and an index), checking that replicas agree, dropping padding.
+    ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
+    weights are written, or with ``fp32=True`` the optimizer's fp32 master weights (the CLI's
+    ``--fp32``), with the save dir's config.json copied."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
-    _core.gather(os.fspath(sharded_dir), os.fspath(out_dir), o)
+    _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32), o)
 
 
-def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: int,
+def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,
+            to: Optional[str] = None,
             target_maps: Union[None, PathLike, Mapping[str, MapLike]] = None,
-            overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
-            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
-            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
-            warn: Optional[Warn] = None, sync: bool = True) -> None:
+            weights_only: bool = False, overwrite: bool = False,
+            max_shard_size: Union[None, int, str] = None, verify_replicas: bool = True,
+            allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
+            progress: Optional[Progress] = None, warn: Optional[Warn] = None,
+            sync: bool = True) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` or from the layouts the
-    manifest records."""
+    manifest records.
+
+    ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard convert``): the module
+    weights and, unless ``weights_only``, the fp32 master weights and Adam's moments
+    ("<param>.fp32", ".exp_avg", ".exp_avg_sq") are written as a reshard sharded checkpoint
+    at ``tp``; parameters without a recorded layout take their maps from the save dir's
+    config.json. With ``to="universal"`` (and no ``tp``, ``target_maps``, ``weights_only`` or
+    ``max_shard_size``) it writes DeepSpeed's universal checkpoint instead, which DeepSpeed
+    resumes from at any TP x DP (``reshard convert --to universal``)."""
+    src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if to is not None:
+        if to != "universal":
+            raise ValueError(f"to={to!r}: the only other output convert writes is "
+                             "to=\"universal\" (DeepSpeed's universal checkpoint)")
+        given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
+                                ("max_shard_size", max_shard_size)) if v is not None]
+        if weights_only:
+            given.append("weights_only")
+        if given:
+            raise ValueError(f"to=\"universal\" takes no {', '.join(given)}: the universal "
+                             "checkpoint holds full tensors of every optimizer state")
+        _core.convert_to_universal(src, dst, o)
+        return
+    if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"convert needs tp= (a world size of at least 1; got {tp!r}) or "
+                         "to=\"universal\"")
     targets = None if target_maps is None else _map_list(target_maps)
-    _core.convert(os.fspath(sharded_dir), tp, os.fspath(out_dir), targets, o)
+    _core.convert(src, tp, dst, targets, bool(weights_only), o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:
@@ -116,7 +161,7 @@ def inspect(path: PathLike) -> dict[str, Any]:
     of a .pt, .safetensors, reshard or DeepSpeed checkpoint. Nothing is loaded: only headers,
     manifests and pickles are read. Raises FileNotFoundError for a missing path and
     CheckpointError (the CLI's message) for a file that is corrupt or of no known format."""
-    result: dict[str, Any] = json.loads(_core.inspect(os.fspath(path), True))
+    result: dict[str, Any] = json.loads(_core.inspect(_path(path, "path"), True))
     return result
 
 

@@ -20,10 +20,15 @@ How the bytes move:
   the process packs round k + 1 (and, in round 0, makes its local copies);
 - padding is never sent: a target's padding is zero-filled where it lies.
 
-Before any byte moves, the processes agree: the constructor checks the maps and rank lists
-on every process and compares them between processes, and every run checks each process's
-shards; a failure anywhere raises :class:`RedistributeError` on every process, naming the
-process and the values, instead of leaving the others waiting.
+Before any byte moves, the processes agree: the constructor checks every argument (maps, rank
+lists, dtypes, bucket size, options) on every process and compares them between processes,
+and every run checks each process's shards and ``out`` (type, shape, dtype, device, writable,
+no negative bit, no grad) and runs the moves that carry a scale factor into scratch memory on
+the process that holds their data, so that a scale that would lose values is found there
+before anything is sent. A failure anywhere, whatever the exception, raises
+:class:`RedistributeError` on every process, naming the process and the values, instead of
+leaving the others waiting. An ``out`` that overlaps the process's own source shards is
+handled by reading those shards from a copy.
 
 Tensors are packed in host memory. Shards on another device (CUDA with NCCL) are staged
 through host memory explicitly: copied to the CPU to be packed, the chunks copied to the
@@ -33,13 +38,15 @@ device the group's backend communicates from, and the results copied to the devi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Sequence, Union, overload
 
 from . import _core
 from ._maps import MapLike, ParamMap, as_map
-from ._tensors import _DTYPES, _SIZES, _dtype_key
+from ._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
+    check_writable
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +56,11 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 class RedistributeError(ValueError):
     """A re-sharding that cannot run, raised on every process of the group alike."""
+
+
+def _message(e: Exception) -> str:
+    """An exception as the other processes are told of it."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 def _members(group: Any) -> list[int]:
@@ -139,34 +151,61 @@ class Redistributor:
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
-                 num_threads: int = 0) -> None:
+                 num_threads: int = 0, _error: Optional[str] = None) -> None:
         import torch.distributed as dist
         self._group = group
         self._me = dist.get_rank()
         self._members = _members(group)
-        self._options = _core.ExecOptions(scale_power, True, allow_scaled_optimizer_state,
-                                          allow_lossy_scale, num_threads)
-        self._bucket_bytes = int(bucket_bytes)
         self._exchange: Optional[_core.Exchange] = None
         self._dtypes: Optional[list[str]] = None
         self.last_stats: Optional[dict[str, int]] = None
-        error, fingerprint = None, None
-        try:
+        self._scale = (scale_power, allow_scaled_optimizer_state, allow_lossy_scale)
+        self._written: list[tuple[int, int]] = []  # the memory of this run's given outs
+        error, fingerprint = _error, None
+        try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
+            if error is not None:
+                raise RedistributeError(error)
+            if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+                raise RedistributeError(f"bucket_bytes must be an int, got "
+                                        f"{type(bucket_bytes).__name__} {bucket_bytes!r}")
+            self._bucket_bytes = int(bucket_bytes)
             if self._bucket_bytes < 64:
                 raise RedistributeError(f"bucket_bytes is {bucket_bytes}; give at least 64")
+            check_options(scale_power, num_threads)
+            for flag, value in (("allow_scaled_optimizer_state", allow_scaled_optimizer_state),
+                                ("allow_lossy_scale", allow_lossy_scale)):
+                if not isinstance(value, bool):
+                    raise RedistributeError(f"{flag} must be a bool, got {value!r}")
+            self._options = _core.ExecOptions(scale_power, True, allow_scaled_optimizer_state,
+                                              allow_lossy_scale, num_threads)
+            for what, maps in (("source_maps", source_maps), ("target_maps", target_maps)):
+                if not isinstance(maps, Mapping):
+                    raise RedistributeError(f"{what} must be a mapping {{name: map}}, got "
+                                            f"{type(maps).__name__}")
             self._source_ranks = _ranks(source_ranks, "source_ranks", self._members)
             self._target_ranks = _ranks(target_ranks, "target_ranks", self._members)
             self._names, self._src, self._dst = _maps(source_maps, target_maps,
                                                       self._source_ranks, self._target_ranks)
             if dtypes is not None:
-                self._dtypes = [_dtype_name(dtypes[n] if isinstance(dtypes, Mapping) else dtypes)
-                                for n in self._names]
+                self._dtypes = self._dtypes_of(dtypes)
             fingerprint = self._fingerprint()
-        except (ValueError, TypeError, IndexError) as e:
-            error = str(e)
+        except Exception as e:  # told to every process by the agreement below
+            error = _message(e)
         self._agree_on_construction(error, fingerprint)
         if self._dtypes is not None:
             self._plan()
+
+    def _dtypes_of(self, dtypes: Any) -> list[str]:
+        if not isinstance(dtypes, Mapping):
+            return [_dtype_name(dtypes)] * len(self._names)
+        missing = [n for n in self._names if n not in dtypes]
+        extra = sorted(set(dtypes) - set(self._names), key=str)
+        if missing or extra:
+            raise RedistributeError(
+                "dtypes= " + (f"has no dtype for {missing[:4]}" if missing else
+                              f"names unknown parameters {extra[:4]}")
+                + "; give one dtype, or one for every parameter of the maps")
+        return [_dtype_name(dtypes[n]) for n in self._names]
 
     # -- agreement ------------------------------------------------------------------------
 
@@ -187,7 +226,8 @@ class Redistributor:
         prints = {n: digest(s.to_json() + d.to_json())
                   for n, s, d in zip(self._names, self._src, self._dst)}
         prints[" ranks"] = digest(json.dumps([self._source_ranks, self._target_ranks,
-                                              self._dtypes, self._bucket_bytes]))
+                                              self._dtypes, self._bucket_bytes,
+                                              list(self._scale)]))
         return prints
 
     def _agree_on_construction(self, error: Optional[str],
@@ -200,7 +240,7 @@ class Redistributor:
                 continue
             keys = sorted(set(prints) | set(first))
             key = next(k for k in keys if prints.get(k) != first.get(k))
-            what = ("the rank lists, dtypes or bucket size" if key == " ranks"
+            what = ("the rank lists, dtypes, bucket size or scale options" if key == " ranks"
                     else f"the maps of parameter \"{key}\"")
             raise RedistributeError(f"processes {self._members[0]} and {self._members[i]} were "
                                     f"given different {what}; every process must pass the same")
@@ -213,10 +253,13 @@ class Redistributor:
         # at most max(|sources|, |targets|) peers.
         peers = max(len(self._source_ranks), len(self._target_ranks))
         chunk = max(self._bucket_bytes // peers, 8)
-        self._exchange = _core.Exchange([m._handle for m in self._dst],
-                                        [m._handle for m in self._src], self._names,
-                                        self._dtypes, self._source_ranks, self._target_ranks,
-                                        chunk)
+        try:  # the same agreed arguments on every process: each fails alike, without waiting
+            self._exchange = _core.Exchange([m._handle for m in self._dst],
+                                            [m._handle for m in self._src], self._names,
+                                            self._dtypes, self._source_ranks, self._target_ranks,
+                                            chunk)
+        except ValueError as e:
+            raise RedistributeError(f"planning the exchange: {e}") from e
 
     def schedule(self) -> dict[str, Any]:
         """What a run moves, without moving it: ``{"rounds", "processes": {rank: {"sent",
@@ -237,6 +280,9 @@ class Redistributor:
     def _check_shards(self, shards: Mapping[str, "torch.Tensor"]) -> list[Optional["torch.Tensor"]]:
         import torch
         me = self._me
+        if not isinstance(shards, Mapping):
+            raise RedistributeError(f"shards must be a mapping {{name: tensor}}, got "
+                                    f"{type(shards).__name__}")
         rank = self._source_ranks.index(me) if me in self._source_ranks else None
         if rank is None:
             if shards:
@@ -255,6 +301,11 @@ class Redistributor:
             if not isinstance(t, torch.Tensor):
                 raise RedistributeError(f"shards[\"{name}\"] is a {type(t).__name__}, "
                                         "not a torch.Tensor")
+            if t.device.type == "meta":
+                raise RedistributeError(f"shards[\"{name}\"] is on the meta device: it has no "
+                                        "data to send; give the shard itself")
+            if t.is_neg() or t.is_conj():
+                t = t.resolve_neg().resolve_conj()  # the values, not the raw memory
             need = self._src[i].shard_shape(rank)
             if tuple(t.shape) != need:
                 raise RedistributeError(f"shards[\"{name}\"] has shape {list(t.shape)}; source "
@@ -296,9 +347,17 @@ class Redistributor:
         import torch
         assert self._dtypes is not None
         me = self._me
+        if out is not None:
+            if not isinstance(out, Mapping):
+                raise RedistributeError(f"out must be a mapping {{name: tensor}}, got "
+                                        f"{type(out).__name__}")
+            extra = sorted(set(out) - set(self._names), key=str)
+            if extra:
+                raise RedistributeError(f"out names unknown parameters {extra[:4]}")
         rank = self._target_ranks.index(me) if me in self._target_ranks else None
         results: list[Optional[torch.Tensor]] = []
         dense: list[Optional[torch.Tensor]] = []
+        given_extents: list[tuple[int, int, str]] = []
         for i, name in enumerate(self._names):
             if rank is None:
                 results.append(None)
@@ -307,17 +366,55 @@ class Redistributor:
             shape = self._dst[i].shard_shape(rank)
             dtype = _torch_dtype(self._dtypes[i])
             given = None if out is None else out.get(name)
+            what = f"out[\"{name}\"]"
             if given is None:
                 given = torch.empty(shape, dtype=dtype, device=device)
-            elif tuple(given.shape) != shape or given.dtype != dtype:
-                raise RedistributeError(f"out[\"{name}\"] is {given.dtype} of shape "
-                                        f"{list(given.shape)}; target rank {rank} needs {dtype} "
-                                        f"of shape {list(shape)}")
+            else:
+                if not isinstance(given, torch.Tensor):
+                    raise RedistributeError(f"{what} is a {type(given).__name__}, not a "
+                                            "torch.Tensor")
+                if given.device.type == "meta":
+                    raise RedistributeError(f"{what} is on the meta device, which holds no "
+                                            "memory to write; give a real tensor")
+                if tuple(given.shape) != shape or given.dtype != dtype:
+                    raise RedistributeError(f"{what} is {given.dtype} of shape "
+                                            f"{list(given.shape)}; target rank {rank} needs "
+                                            f"{dtype} of shape {list(shape)}")
+                check_writable(given, "torch", what)
+                extent = _extent(given, "torch") if given.device.type == "cpu" else None
+                if extent is not None:
+                    given_extents.append((*extent, what))
             results.append(given)
             host = given if given.device.type == "cpu" and given.is_contiguous() else \
                 torch.empty(shape, dtype=dtype)
             dense.append(host)
+        given_extents.sort()
+        for a, b in zip(given_extents, given_extents[1:]):
+            if b[0] < a[1]:
+                raise RedistributeError(f"{a[2]} and {b[2]} overlap in memory; give outputs "
+                                        "that do not share memory")
+        self._written = [(lo, hi) for lo, hi, _ in given_extents]
         return results, dense
+
+    def _host_sources(self, local: list[Optional["torch.Tensor"]]
+                      ) -> list[Optional["torch.Tensor"]]:
+        """The source shards as dense host tensors; one that an ``out`` overlaps is copied
+        first, so that it is read as it was before anything is written."""
+        written = self._written  # sorted, disjoint (checked in _targets)
+        starts = [lo for lo, _ in written]
+        out: list[Optional[torch.Tensor]] = []
+        for t in local:
+            if t is None:
+                out.append(None)
+                continue
+            h = t.detach().to("cpu").contiguous()
+            extent = _extent(h, "torch")
+            if extent is not None and written:
+                k = bisect.bisect_left(starts, extent[1]) - 1
+                if k >= 0 and _overlap(extent, written[k]):
+                    h = h.clone()
+            out.append(h)
+        return out
 
     def _comm_device(self) -> "torch.device":
         import torch
@@ -340,8 +437,8 @@ class Redistributor:
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
         try:
             local = self._check_shards(shards)
-        except (ValueError, TypeError) as e:
-            error = str(e)
+        except Exception as e:  # told to every process by the agreement
+            error = _message(e)
         if self._exchange is None:
             self._learn_dtypes(local, error)
             self._plan()
@@ -349,16 +446,22 @@ class Redistributor:
         device = next((t.device for t in local if t is not None), comm)
         results: list[Optional[torch.Tensor]] = []
         dense: list[Optional[torch.Tensor]] = []
+        sources: list[Optional[torch.Tensor]] = []
         if error is None:
             try:
+                self._written = []
                 results, dense = self._targets(out, device)
-            except (ValueError, TypeError) as e:
-                error = str(e)
+                sources = self._host_sources(local)
+                # A scale that loses values shows in the data, on the process that holds it:
+                # found now, every process hears of it before anything is sent.
+                assert self._exchange is not None
+                self._exchange.check_sources(self._me, _addresses(sources), self._options)
+            except Exception as e:
+                error = _message(e)
         self._agree_on_run(error, comm)
         if dry_run:
             return self.schedule()
-        self._move([None if t is None else t.detach().to("cpu").contiguous() for t in local],
-                   dense, comm)
+        self._move(sources, dense, comm)
         answer: dict[str, torch.Tensor] = {}
         for name, result, host in zip(self._names, results, dense):
             if result is None or host is None:
@@ -375,11 +478,7 @@ class Redistributor:
         ex = self._exchange
         assert ex is not None
         me = self._me
-
-        def addresses(ts: list[Optional[torch.Tensor]]) -> list[tuple[int, int]]:
-            return [(0, 0) if t is None else (int(t.data_ptr()), t.numel()) for t in ts]
-
-        src, dst = addresses(sources), addresses(targets)
+        src, dst = _addresses(sources), _addresses(targets)
         sends = ex.sends(me)
         receives = ex.receives(me)
         rounds = ex.num_rounds
@@ -441,6 +540,10 @@ class Redistributor:
                            "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
 
 
+def _addresses(ts: list[Optional["torch.Tensor"]]) -> list[tuple[int, int]]:
+    return [(0, 0) if t is None else (int(t.data_ptr()), t.numel()) for t in ts]
+
+
 @overload
 def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike],
                  shards: Mapping[str, "torch.Tensor"], *, source_ranks: Sequence[int],
@@ -465,8 +568,15 @@ def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, M
     """One re-sharding: this process's source shards -> its target shards (see
     :class:`Redistributor`, whose keyword options it takes; use one to sync repeatedly).
     With ``dry_run=True`` it returns :meth:`Redistributor.schedule` and moves nothing."""
+    known = {"dtypes", "bucket_bytes", "scale_power", "allow_scaled_optimizer_state",
+             "allow_lossy_scale", "num_threads"}
+    unknown = sorted(set(options) - known)
+    error = None
+    if unknown:  # told to every process by the constructor's agreement, not raised here alone
+        error = f"redistribute() got unknown options {unknown}; it takes {sorted(known)}"
+        options = {k: v for k, v in options.items() if k in known}
     r = Redistributor(source_maps, target_maps, source_ranks=source_ranks,
-                      target_ranks=target_ranks, group=group, **options)
+                      target_ranks=target_ranks, group=group, _error=error, **options)
     return r.run(shards, out, dry_run=dry_run)
 
 

@@ -15,6 +15,12 @@
 // Every pack, unpack and local copy is a small transfer plan precomputed here and run through
 // ExecutePlan, so bounds checks, scale powers and the exactness of scales are those of
 // reshard.transfer. Processes are named by any int (Python passes global ranks).
+//
+// A scale that loses values is found in the data, by the process that holds it. So that every
+// process learns of it before any byte moves (rather than the senders failing while packing
+// and the receivers waiting), CheckSources runs each of a process's moves whose factor is not
+// 1 into scratch memory first, during the agreement: the same plans, options and checks as the
+// copies themselves, on the few elements that carry a scale.
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -210,6 +216,33 @@ class Exchange {
         "unpacking from process " + std::to_string(peer));
   }
 
+  // Runs this process's scaled moves (factor != 1, remote and local) from its source shards
+  // into scratch memory, with the options of the real copies: raises what packing or copying
+  // would (a lossy scale, a scaled optimizer state), before anything is sent or written.
+  void CheckSources(int proc, const std::vector<std::pair<uintptr_t, Index>>& sources,
+                    const ExecOptions& options) {
+    auto it = checks_.find(proc);
+    if (it == checks_.end()) return;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      std::vector<uint64_t> scratch;  // 8-byte aligned for every dtype
+      for (const Step& step : it->second) {
+        Index elements = 0;
+        for (const Move& m : step.plan.moves) elements += m.num_elements();
+        const Index bytes = elements * static_cast<Index>(DTypeSize(dtypes_[step.param]));
+        scratch.resize(static_cast<size_t>((bytes + 7) / 8));
+        const auto& [sa, sn] = sources.at(step.param);
+        const ConstBuffer in[] = {{reinterpret_cast<const std::byte*>(sa), sn}};
+        const MutableBuffer out[] = {{reinterpret_cast<std::byte*>(scratch.data()), elements}};
+        status = ExecutePlan(step.plan, dtypes_[step.param], in, out, options)
+                     .Annotate("\"" + names_[step.param] + "\": checking its scales before moving");
+        if (!status.ok()) break;
+      }
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kData);
+  }
+
   // The moves inside this process, and zeros in its target padding.
   void CopyLocal(int proc, const std::vector<std::pair<uintptr_t, Index>>& sources,
                  const std::vector<std::pair<uintptr_t, Index>>& targets,
@@ -306,6 +339,7 @@ class Exchange {
     std::map<Pair, std::vector<std::pair<size_t, size_t>>> remote;  // (param, move) per pair
     for (size_t i = 0; i < plans.size(); ++i) {
       PlanLocal(i, plans[i]);
+      PlanChecks(i, plans[i]);
       for (size_t j = 0; j < plans[i].moves.size(); ++j) {
         const Move& m = plans[i].moves[j];
         const Pair pair{src_proc_[static_cast<size_t>(m.src_rank)],
@@ -344,6 +378,23 @@ class Exchange {
       local(dst_proc_[static_cast<size_t>(u.dst_rank)]).unwritten.push_back(std::move(copy));
     }
     for (auto& [proc, p] : per_proc) local_[proc].push_back({i, std::move(p)});
+  }
+
+  // The moves of parameter i whose factor is not 1, by the process of their source shard, each
+  // into its own row-major block of one scratch buffer (see CheckSources).
+  void PlanChecks(size_t i, const ParamPlan& plan) {
+    std::map<int, ParamPlan> per_proc;
+    std::map<int, Index> used;
+    for (const Move& m : plan.moves) {
+      if (m.factor == 1.0 || m.num_elements() == 0) continue;
+      const int proc = src_proc_[static_cast<size_t>(m.src_rank)];
+      ParamPlan& p = per_proc[proc];
+      p.source_world = p.target_world = 1;
+      Index& at = used[proc];
+      p.moves.push_back({0, 0, m.shape, m.src, StridedView{at, RowMajor(m.shape)}, m.factor});
+      at += m.num_elements();
+    }
+    for (auto& [proc, p] : per_proc) checks_[proc].push_back({i, std::move(p)});
   }
 
   // Cuts one pair's stream into chunks of at most chunk_bytes.
@@ -398,6 +449,7 @@ class Exchange {
   std::vector<int> src_proc_, dst_proc_;
   std::map<Pair, std::vector<Chunk>> streams_;
   std::map<int, std::vector<Step>> local_;
+  std::map<int, std::vector<Step>> checks_;  // scaled moves by source process (CheckSources)
   std::map<int, Index> local_bytes_, lower_bound_;
   size_t rounds_ = 0;
 };
@@ -418,6 +470,8 @@ void BindDist(py::module_& m) {
            py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"))
       .def("unpack", &Exchange::Unpack, py::arg("proc"), py::arg("peer"), py::arg("round"),
            py::arg("buffer"), py::arg("buffer_bytes"), py::arg("targets"), py::arg("options"))
+      .def("check_sources", &Exchange::CheckSources, py::arg("proc"), py::arg("sources"),
+           py::arg("options"))
       .def("copy_local", &Exchange::CopyLocal, py::arg("proc"), py::arg("sources"),
            py::arg("targets"), py::arg("options"));
 }

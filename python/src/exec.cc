@@ -8,7 +8,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -101,6 +105,69 @@ void AdviseHugePages(uintptr_t address, size_t bytes) {
 #endif
 }
 
+// A mapping of this process's address space, from /proc/self/maps.
+struct Mapping {
+  uintptr_t begin = 0, end = 0;
+  bool readable = false, writable = false;
+};
+
+// The process's mappings in address order; empty where /proc/self/maps cannot be read (not
+// Linux), in which case nothing is known and nothing is refused.
+std::vector<Mapping> ReadMappings() {
+  std::vector<Mapping> out;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    std::istringstream fields(line);
+    std::string range, perms;
+    if (!(fields >> range >> perms) || perms.size() < 2) continue;
+    const size_t dash = range.find('-');
+    if (dash == std::string::npos) continue;
+    Mapping m;
+    m.begin = static_cast<uintptr_t>(std::stoull(range.substr(0, dash), nullptr, 16));
+    m.end = static_cast<uintptr_t>(std::stoull(range.substr(dash + 1), nullptr, 16));
+    m.readable = perms[0] == 'r';
+    m.writable = perms[1] == 'w';
+    out.push_back(m);
+  }
+  return out;
+}
+
+// Whether every byte of [begin, end) lies in mappings with the permission asked for.
+bool Covered(const std::vector<Mapping>& maps, uintptr_t begin, uintptr_t end, bool write) {
+  for (const Mapping& m : maps) {
+    if (begin >= end) break;
+    if (m.end <= begin || m.begin > begin) continue;
+    if (!(write ? m.writable : m.readable)) return false;
+    begin = m.end;
+  }
+  return begin >= end;
+}
+
+// Why the `bytes` bytes at `address`, in a buffer whose memory starts at `storage`, must not
+// be written; "" when they may. Torch tensors carry no read-only flag: torch.from_numpy of a
+// read-only memory map, or torch.frombuffer of a `bytes`, give tensors over memory that must
+// not be written (the first faults, the second changes an immutable object). This asks the
+// kernel's view of the pages (/proc/self/maps), and whether the buffer is the contents of a
+// Python `bytes` object (its header lies just before them).
+std::string WhyNotWritable(uintptr_t storage, uintptr_t address, size_t bytes) {
+  if (bytes == 0) return "";
+  const std::vector<Mapping> maps = ReadMappings();
+  if (maps.empty()) return "";
+  if (!Covered(maps, address, address + bytes, true)) {
+    return "lies in memory mapped read-only (a read-only memory map or file)";
+  }
+  const size_t header = offsetof(PyBytesObject, ob_sval);
+  if (storage >= header && storage <= address && Covered(maps, storage - header, storage, false)) {
+    auto* object = reinterpret_cast<PyObject*>(storage - header);
+    if (Py_TYPE(object) == &PyBytes_Type &&
+        static_cast<size_t>(Py_SIZE(object)) >= address + bytes - storage) {
+      return "is the contents of an immutable Python bytes object";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 void BindExec(py::module_& m) {
@@ -117,6 +184,10 @@ void BindExec(py::module_& m) {
   m.def("transfer_into", &TransferInto, py::arg("plan"), py::arg("dtype"), py::arg("sources"),
         py::arg("targets"), py::arg("options"),
         "Runs a plan: source shards -> target shards, each (address, number of elements).");
+  m.def("why_not_writable", &WhyNotWritable, py::arg("storage"), py::arg("address"),
+        py::arg("bytes"),
+        "Why memory must not be written (read-only pages, a bytes object's contents); \"\" "
+        "when it may.");
   m.def("advise_huge_pages", &AdviseHugePages, py::arg("address"), py::arg("bytes"),
         "Advises transparent huge pages for the untouched memory of a new output buffer.");
 }

@@ -3,6 +3,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -10,11 +11,13 @@
 
 #include "core.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_config.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/hf/registry.h"
+#include "reshard/io/file.h"
 #include "reshard/layouts/layouts_document.h"
 
 namespace reshard::python {
@@ -129,19 +132,94 @@ void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
   });
 }
 
-void PyGather(const std::string& sharded_dir, const std::string& out_dir,
+// A reshard sharded checkpoint or, as `reshard gather` reads it, a DeepSpeed checkpoint (its
+// module weights, or with `fp32` the optimizer's fp32 master weights).
+void PyGather(const std::string& sharded_dir, const std::string& out_dir, bool fp32,
               const PyCheckpointOptions& o) {
-  RunCheckpointOp(
-      o, [&](CheckpointOptions& options) { return Gather(sharded_dir, out_dir, options); });
+  const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
+  if (fp32 && !deepspeed) {
+    throw py::value_error("fp32=True takes a DeepSpeed checkpoint's master weights; \"" +
+                          sharded_dir + "\" is not a DeepSpeed checkpoint");
+  }
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return deepspeed ? GatherDeepSpeed(sharded_dir, out_dir, fp32, options)
+                     : Gather(sharded_dir, out_dir, options);
+  });
 }
 
+// The target maps of a DeepSpeed checkpoint whose parameters record no layout (TP 1 without
+// universal_checkpoint_info), from the model's plan in the save dir's config.json, for every
+// tensor convert writes; nullopt when every parameter has a layout or there is no
+// config.json. The same rule as `reshard convert`.
+Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, int world,
+                                                       bool weights_only) {
+  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ckpt, DeepSpeedCheckpoint::Open(dir));
+  const std::vector<DeepSpeedParam>& params = ckpt.params();
+  const bool all_laid_out =
+      std::all_of(params.begin(), params.end(), [](const auto& p) { return p.layout.has_value(); });
+  if (all_laid_out || ckpt.config_path().empty()) return std::optional<MapDocument>();
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(ckpt.config_path()));
+  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
+  if (!maps.ok()) return maps.status().Annotate("\"" + ckpt.config_path() + "\"");
+  std::vector<std::string> suffixes = {""};
+  if (!weights_only && ckpt.has_optimizer_state()) {
+    for (DeepSpeedState s :
+         {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+      suffixes.push_back("." + std::string(DeepSpeedStateName(s)));
+    }
+  }
+  MapDocument doc;
+  for (const std::string& suffix : suffixes) {
+    for (const DeepSpeedParam& p : params) {
+      Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
+      if (!m.ok()) return m.status().Annotate("\"" + ckpt.config_path() + "\"");
+      doc.params.emplace_back(p.name + suffix, std::move(m->map));
+    }
+  }
+  return std::optional<MapDocument>(std::move(doc));
+}
+
+// A reshard sharded checkpoint or, as `reshard convert` reads it, a DeepSpeed checkpoint
+// (module weights and, unless `weights_only`, its optimizer state).
 void PyConvert(const std::string& sharded_dir, int world, const std::string& out_dir,
                const std::optional<std::vector<std::pair<std::string, MapHandle*>>>& target_maps,
-               const PyCheckpointOptions& o) {
+               bool weights_only, const PyCheckpointOptions& o) {
   std::optional<MapDocument> target;
   if (target_maps) target = DocumentOf(*target_maps);
+  const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
+  if (weights_only && !deepspeed) {
+    throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" + sharded_dir +
+                          "\" is not one");
+  }
+  if (deepspeed && !target) {
+    Result<std::optional<MapDocument>> from_config =
+        DeepSpeedConfigMaps(sharded_dir, world, weights_only);
+    if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
+    target = *std::move(from_config);
+  }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    return Convert(sharded_dir, world, target, out_dir, options);
+    Status s = deepspeed
+                   ? ConvertDeepSpeed(sharded_dir, world, target, weights_only, out_dir, options)
+                   : Convert(sharded_dir, world, target, out_dir, options);
+    if (s.message().ends_with("without target maps")) {
+      return Status(s.code(), s.message() +
+                                  "; give them with target_maps= (or put the model's "
+                                  "config.json in a DeepSpeed save dir)");
+    }
+    return s;
+  });
+}
+
+// `reshard convert --to universal`: a DeepSpeed checkpoint -> the universal checkpoint
+// DeepSpeed resumes from at any TP x DP.
+void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
+                          const PyCheckpointOptions& o) {
+  if (!IsDeepSpeedCheckpoint(dir)) {
+    throw py::value_error("to=\"universal\" converts a DeepSpeed checkpoint; \"" + dir +
+                          "\" is not one");
+  }
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return ConvertDeepSpeedToUniversal(dir, out_dir, options);
   });
 }
 
@@ -225,6 +303,7 @@ void BindFiles(py::module_& m) {
   m.def("scatter_with_config", &ScatterWithConfig);
   m.def("gather", &PyGather);
   m.def("convert", &PyConvert);
+  m.def("convert_to_universal", &PyConvertToUniversal);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));

@@ -42,10 +42,24 @@ std::vector<std::pair<std::string, MapHandle>> ReadDocument(const std::string& t
   return out;
 }
 
-std::string WriteDocument(std::vector<std::pair<std::string, MapHandle*>>& params) {
+std::string WriteDocument(std::vector<std::pair<std::string, MapHandle*>>& params,
+                          const std::string& buffers_json) {
   MapDocument doc;
   for (auto& [name, map] : params) doc.params.emplace_back(name, map->Valid());
+  if (!buffers_json.empty()) {
+    Result<BufferSetBuilder> buffers = ParseBufferSetJson(buffers_json);
+    if (!buffers.ok()) Raise(buffers.status(), ErrorKind::kMap);
+    const Status valid = ValidateBuffers(doc, *buffers);
+    if (!valid.ok()) Raise(valid, ErrorKind::kMap);
+  }
   return MapDocumentToJson(doc);
+}
+
+// A document's buffer declarations as JSON ("{}" when it has none), validated with its maps.
+std::string ReadDocumentBuffers(const std::string& text) {
+  Result<MapDocument> doc = ReadMapDocumentJson(text);
+  if (!doc.ok()) Raise(doc.status(), ErrorKind::kMap);
+  return BufferSetToJson(doc->buffers);
 }
 
 py::list Summary(MapHandle& self) {
@@ -82,6 +96,10 @@ void BindMap(py::module_& m) {
       .def("num_pieces",
            [](const MapHandle& self, Rank rank) {
              return self.builder().ranks()[CheckRank(self.builder(), rank)].pieces.size();
+           })
+      .def("buffer",
+           [](const MapHandle& self, Rank rank) {
+             return self.builder().ranks()[CheckRank(self.builder(), rank)].buffer;
            })
       .def("summary", &Summary)
       .def("__eq__", [](MapHandle& a, MapHandle& b) { return a.Valid() == b.Valid(); });
@@ -129,7 +147,8 @@ void BindMaps(py::module_& m) {
   BindMap(m);
   BindPlan(m);
   m.def("read_map_document", &ReadDocument, py::arg("text"));
-  m.def("write_map_document", &WriteDocument, py::arg("params"));
+  m.def("write_map_document", &WriteDocument, py::arg("params"), py::arg("buffers_json") = "");
+  m.def("read_map_document_buffers", &ReadDocumentBuffers, py::arg("text"));
   m.def(
       "infer",
       [](const std::string& index_maps_json, bool allow_uncovered) {

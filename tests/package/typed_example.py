@@ -33,6 +33,13 @@ def weight_sync(shards: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def deepspeed_outputs(save_dir: str) -> None:
+    """A DeepSpeed checkpoint through reshard.checkpoint (not run here: it needs one)."""
+    reshard.checkpoint.gather(save_dir, "hf", fp32=True)
+    reshard.checkpoint.convert(save_dir, "tp1", tp=1, weights_only=True)
+    reshard.checkpoint.convert(save_dir, "universal", to="universal", sync=False)
+
+
 def main() -> None:
     source, target = rows_split(8, 4, 4), rows_split(8, 4, 2)
     plan: reshard.Plan = reshard.compose(source=source, target=target)

@@ -11,10 +11,15 @@ reshard.transfer of the same maps. What happened goes to OUT_DIR/NAME/rank-R.jso
 raised (if any), the statistics, the schedule, and the parameters that differ from the
 reference. A failing case does not stop the others: the next case starting in step is itself
 evidence that no process was left waiting.
+
+A case's "fault" ({"process": P, "kind": K}) makes process P alone pass one wrong argument (see
+FAULTS); the others pass good ones, and P stays alive afterwards, as a server would.
+RESHARD_TEST_PG_TIMEOUT (seconds, default 60) bounds how long a collective may wait.
 """
 
 import datetime
 import json
+import os
 import pathlib
 import sys
 import traceback
@@ -102,6 +107,45 @@ def corrupt(case, shards, me):
     return shards
 
 
+def _target_shape(case, me, name):
+    p = case["params"][name]
+    dst = reshard.ParamMap.from_dict(p["target"])
+    return dst.shard_shape(case["target_ranks"].index(me))
+
+
+# kind -> what process P does wrong: changes to the constructor's keywords ("options"), to its
+# shards or to its out. Each must raise RedistributeError on every process.
+FAULTS = {
+    "bucket_bytes_not_an_int": lambda c, me: {"options": {"bucket_bytes": "big"}},
+    "num_threads_too_large": lambda c, me: {"options": {"num_threads": 2**63}},
+    "scale_power_not_an_int": lambda c, me: {"options": {"scale_power": "1"}},
+    "dtypes_missing_a_name": lambda c, me: {"options": {"dtypes": {}}},
+    "lossy_scale_allowed_on_one": lambda c, me: {"options": {"allow_lossy_scale": True}},
+    "unknown_option": lambda c, me: {"options": {"bucket_byte": 64}, "function": True},
+    "shards_not_a_mapping": lambda c, me: {"shards": lambda shards: list(shards.values())},
+    "meta_shard": lambda c, me: {"shards": lambda shards: {
+        n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in shards.items()}},
+    "out_not_a_mapping": lambda c, me: {"out": [torch.empty(_target_shape(c, me, "w"))]},
+    "out_not_a_tensor": lambda c, me: {"out": {"w": _target_shape(c, me, "w")}},
+    "out_on_meta": lambda c, me: {"out": {"w": torch.empty(_target_shape(c, me, "w"),
+                                                            device="meta")}},
+    "out_requires_grad": lambda c, me: {"out": {"w": torch.zeros(_target_shape(c, me, "w"),
+                                                                  requires_grad=True)}},
+    "out_negative_bit": lambda c, me: {"out": {"w": torch._neg_view(
+        torch.zeros(_target_shape(c, me, "w")))}},
+    "out_expanded": lambda c, me: {"out": {"w": torch.zeros(_target_shape(c, me, "w")[-1:])
+                                           .expand(_target_shape(c, me, "w"))}},
+    "out_unknown_name": lambda c, me: {"out": {"nope": torch.zeros(3)}},
+}
+
+
+def fault_of(case, me):
+    f = case.get("fault")
+    if not f or f["process"] != me:
+        return {}
+    return FAULTS[f["kind"]](case, me)
+
+
 def maps_of(case, me, side):
     maps = {name: p[side] for name, p in case["params"].items()}
     other = case.get("different_map")
@@ -120,14 +164,29 @@ def run_case(case, me):
     source_ranks, target_ranks = case["source_ranks"], case["target_ranks"]
     try:
         dtypes = case.get("dtypes")
+        fault = fault_of(case, me)
+        options = {"bucket_bytes": case.get("bucket_bytes", 1 << 20),
+                   "dtypes": None if dtypes is None else getattr(torch, dtypes),
+                   **fault.get("options", {})}
+        if fault.get("function"):  # one-shot redistribute(), with its keyword options
+            params = setup(case, 0)
+            rd.redistribute(maps_of(case, me, "source"), maps_of(case, me, "target"),
+                            local_shards(params, source_ranks, me), source_ranks=source_ranks,
+                            target_ranks=target_ranks, group=group, **options)
+            raise AssertionError("redistribute() accepted an unknown option")
         sync = rd.Redistributor(maps_of(case, me, "source"), maps_of(case, me, "target"),
                                 source_ranks=source_ranks, target_ranks=target_ranks,
-                                group=group, bucket_bytes=case.get("bucket_bytes", 1 << 20),
-                                dtypes=None if dtypes is None else getattr(torch, dtypes))
-        out = None
+                                group=group, **options)
+        out = fault.get("out")
         for step in range(case.get("steps", 1)):
             params = setup(case, step)
             shards = corrupt(case, local_shards(params, source_ranks, me), me)
+            if "shards" in fault:
+                shards = fault["shards"](shards)
+            if case.get("negative_views"):  # shards held as torch's negative views of -x
+                shards = {n: torch._neg_view(-t) for n, t in shards.items()}
+            if case.get("out_over_shards") == me:  # out in the memory of its own source shards
+                out = {n: t.view(_target_shape(case, me, n)) for n, t in shards.items()}
             if case.get("dry_run"):
                 result["schedule"] = sync.run(shards, dry_run=True)
                 continue
@@ -158,7 +217,8 @@ def run_case(case, me):
 def main():
     cases = json.loads(pathlib.Path(sys.argv[1]).read_text())
     out_dir = pathlib.Path(sys.argv[2])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    timeout = float(os.environ.get("RESHARD_TEST_PG_TIMEOUT", "60"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     me = dist.get_rank()
     for case in cases:
         result = run_case(case, me)

@@ -174,14 +174,20 @@ Result<MapProvider> MapsFromConfig(const std::string& config, int world,
   });
 }
 
-// The maps scatter uses and their world size, from --maps, --layouts or --config.
-Result<std::pair<MapProvider, int>> ScatterMaps(const ScatterArgs& args,
-                                                CheckpointOptions& options) {
+// The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
+// or --config.
+struct ScatterMapsOf {
+  MapProvider maps;
+  int world = 0;
+  BufferSetBuilder buffers;
+};
+
+Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
   if (!args.maps.empty()) {
     RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
     if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
     const int world = doc.params.front().second.world_size();
-    return std::pair{MapsFromDocument(doc), world};
+    return ScatterMapsOf{MapsFromDocument(doc), world, BufferSetBuilder(doc.buffers)};
   }
   if (args.layouts.empty() && args.config.empty()) {
     return InvalidArgumentError(
@@ -193,10 +199,10 @@ Result<std::pair<MapProvider, int>> ScatterMaps(const ScatterArgs& args,
   }
   if (!args.layouts.empty()) {
     RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
-    return std::pair{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp};
+    return ScatterMapsOf{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp, {}};
   }
   RESHARD_ASSIGN_OR_RETURN(MapProvider provider, MapsFromConfig(args.config, args.tp, options));
-  return std::pair{std::move(provider), args.tp};
+  return ScatterMapsOf{std::move(provider), args.tp, {}};
 }
 
 Status RunScatter(const ScatterArgs& args) {
@@ -212,10 +218,10 @@ Status RunScatter(const ScatterArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
-      Scatter(args.input, maps.second, maps.first, args.output, options), args.force));
+      Scatter(args.input, maps.world, maps.maps, maps.buffers, args.output, options), args.force));
   const double seconds = Seconds(t0);
   Report(args,
-         fmt::format("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)", args.input, maps.second,
+         fmt::format("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)", args.input, maps.world,
                      args.output, seconds),
          seconds);
   return Status::Ok();

@@ -106,11 +106,21 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
   auto version = doc.find("version");
   if (version == doc.end()) return InvalidArgumentError("missing key \"version\"");
   RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(*version, "version"));
-  if (v != kManifestVersion) {
-    return InvalidArgumentError(fmt::format(
-        "version {} is not supported; this reader knows version {}", v, kManifestVersion));
+  if (v != kManifestVersion && v != kBufferedManifestVersion) {
+    return InvalidArgumentError(
+        fmt::format("version {} is not supported; this reader knows versions {} and {} (with "
+                    "buffers)",
+                    v, kManifestVersion, kBufferedManifestVersion));
   }
   Manifest m;
+  BufferSetBuilder buffers;
+  if (v == kBufferedManifestVersion) {
+    auto decls = doc.find("buffers");
+    if (decls == doc.end()) {
+      return InvalidArgumentError("missing key \"buffers\" (version 2 declares its buffers)");
+    }
+    RESHARD_ASSIGN_OR_RETURN(buffers, BufferSetFromJson(*decls, "buffers"));
+  }
   auto world = doc.find("world_size");
   if (world == doc.end()) return InvalidArgumentError("missing key \"world_size\"");
   RESHARD_ASSIGN_OR_RETURN(Index w, ReadInt(*world, "world_size"));
@@ -188,7 +198,74 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     m.params.push_back(
         ShardedParam{it.key(), *d, *std::move(built), std::move(layout_desc), scale_power});
   }
+  RESHARD_RETURN_IF_ERROR(ValidateManifestBuffers(m, buffers));
   return m;
+}
+
+Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers) {
+  std::vector<NamedMapRef> refs;
+  std::vector<DType> dtypes;
+  std::set<std::string_view> own;  // parameters with a tensor of their own on some rank
+  for (const ShardedParam& p : m.params) {
+    refs.push_back({p.name, &p.map});
+    dtypes.push_back(p.dtype);
+    for (Rank r = 0; r < p.map.world_size(); ++r) {
+      if (!p.map.rank(r).is_buffered()) own.insert(p.name);
+    }
+  }
+  Result<BufferSet> set = buffers.Finalize(refs, dtypes);
+  if (!set.ok()) return AsFailedCheck(set.status());
+  if (!set->empty() && set->world_size() != m.world_size) {
+    return InvalidArgumentError(fmt::format("buffers: {} ranks but world_size is {}",
+                                            set->world_size(), m.world_size));
+  }
+  for (const BufferDecl& b : set->buffers()) {
+    if (own.count(b.name)) {
+      return InvalidArgumentError(fmt::format(
+          "buffers[\"{}\"]: a parameter of that name has a shard of its own; rank files name "
+          "each tensor once",
+          b.name));
+    }
+  }
+  m.buffers = *std::move(set);
+  return Status::Ok();
+}
+
+uint64_t HeldBytes(const ShardedParam& p, Rank r) {
+  const RankShard& shard = p.map.rank(r);
+  Index n = 0;
+  if (shard.is_buffered()) {
+    for (const Piece& piece : shard.pieces) n += piece.num_elements();
+  } else {
+    n = ProductOf(shard.shard_shape);
+  }
+  return static_cast<uint64_t>(n) * DTypeSize(p.dtype);
+}
+
+std::vector<RankTensor> RankTensorsOf(const Manifest& m, Rank rank) {
+  std::vector<RankTensor> out;
+  std::map<std::string_view, size_t> buffer_at;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const ShardedParam& p = m.params[i];
+    const RankShard& shard = p.map.rank(rank);
+    if (!shard.is_buffered()) {
+      out.push_back({p.name, p.dtype, shard.shard_shape, {i}, nullptr});
+      continue;
+    }
+    auto [it, fresh] = buffer_at.try_emplace(shard.buffer, out.size());
+    if (fresh) {
+      const BufferDecl* b = m.buffers.Find(shard.buffer);
+      out.push_back({b->name, b->dtype, b->ranks[static_cast<size_t>(rank)].shape, {}, b});
+    }
+    out[it->second].params.push_back(i);
+  }
+  // Buffers no parameter writes on this rank (all padding) are still the rank's tensors.
+  for (const BufferDecl& b : m.buffers.buffers()) {
+    if (!buffer_at.count(b.name)) {
+      out.push_back({b.name, b.dtype, b.ranks[static_cast<size_t>(rank)].shape, {}, &b});
+    }
+  }
+  return out;
 }
 
 bool IsManifestJson(std::string_view text) {
@@ -201,11 +278,12 @@ bool IsManifestJson(std::string_view text) {
 std::string ManifestToJson(const Manifest& m) {
   json::OrderedJson j;
   j["format"] = "reshard";
-  j["version"] = kManifestVersion;
+  j["version"] = m.buffers.empty() ? kManifestVersion : kBufferedManifestVersion;
   j["world_size"] = m.world_size;
   json::OrderedJson& files = j["files"] = json::OrderedJson::object();
   for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
   if (!m.constraints.empty()) j["constraints"] = ConstraintsToJson(m.constraints);
+  if (!m.buffers.empty()) j["buffers"] = BufferSetToJsonValue(m.buffers);
   json::OrderedJson& params = j["params"] = json::OrderedJson::object();
   for (const ShardedParam& p : m.params) {
     json::OrderedJson param;
@@ -323,9 +401,13 @@ std::vector<std::string> FullCheckpoint::file_paths() const { return PathsOf(fil
 std::vector<std::string> ShardedCheckpoint::file_paths() const { return PathsOf(files_); }
 
 uint64_t ShardedCheckpoint::total_bytes() const {
+  // A buffer is the shard of several parameters: count each tensor once.
+  std::set<const std::byte*> seen;
   uint64_t n = 0;
   for (const auto& per_param : shards_) {
-    for (const auto& s : per_param) n += s.size();
+    for (const auto& s : per_param) {
+      if (s.empty() || seen.insert(s.data()).second) n += s.size();
+    }
   }
   return n;
 }
@@ -379,29 +461,30 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
       ckpt.files_.push_back(std::move(file));
     }
   }
-  ckpt.shards_.resize(m.params.size());
-  for (size_t i = 0; i < m.params.size(); ++i) {
-    const ShardedParam& p = m.params[i];
-    for (Rank r = 0; r < m.world_size; ++r) {
-      auto it = found[static_cast<size_t>(r)].find(p.name);
+  ckpt.shards_.assign(m.params.size(),
+                      std::vector<std::span<const std::byte>>(static_cast<size_t>(m.world_size)));
+  for (Rank r = 0; r < m.world_size; ++r) {
+    for (const RankTensor& t : RankTensorsOf(m, r)) {
+      const char* what = t.buffer ? "buffer" : "parameter";
+      auto it = found[static_cast<size_t>(r)].find(t.name);
       if (it == found[static_cast<size_t>(r)].end()) {
-        return DataLossError(
-            fmt::format("\"{}\": parameter \"{}\" has no shard in rank {}'s files {}", dir, p.name,
-                        r, Json(m.files[static_cast<size_t>(r)]).dump()));
+        return DataLossError(fmt::format("\"{}\": {} \"{}\" has no tensor in rank {}'s files {}",
+                                         dir, what, t.name, r,
+                                         Json(m.files[static_cast<size_t>(r)]).dump()));
       }
       const auto [file, info] = it->second;
-      if (info->dtype != p.dtype) {
+      if (info->dtype != t.dtype) {
         return DataLossError(
-            fmt::format("\"{}\": rank {}'s shard of \"{}\" is {} but the manifest says {}",
-                        file->path(), r, p.name, DTypeName(info->dtype), DTypeName(p.dtype)));
+            fmt::format("\"{}\": rank {}'s tensor of {} \"{}\" is {} but the manifest says {}",
+                        file->path(), r, what, t.name, DTypeName(info->dtype),
+                        DTypeName(t.dtype)));
       }
-      if (info->shape != p.map.rank(r).shard_shape) {
+      if (info->shape != t.shape) {
         return DataLossError(fmt::format(
-            "\"{}\": rank {}'s shard of \"{}\" has shape {} but the manifest's map says {}",
-            file->path(), r, p.name, FormatShape(info->shape),
-            FormatShape(p.map.rank(r).shard_shape)));
+            "\"{}\": rank {}'s tensor of {} \"{}\" has shape {} but the manifest says {}",
+            file->path(), r, what, t.name, FormatShape(info->shape), FormatShape(t.shape)));
       }
-      ckpt.shards_[i].push_back(file->data(*info));
+      for (size_t i : t.params) ckpt.shards_[i][static_cast<size_t>(r)] = file->data(*info);
       found[static_cast<size_t>(r)].erase(it);
     }
   }

@@ -16,7 +16,12 @@
 //                  "params": {"<name>": {"dtype": "BF16", "map": <param map>,
 //                                        "layout": <layout descriptor>?, "scale_power": -1?}}}
 //   Each rank's files hold one tensor per parameter, named like the parameter, of the map's
-//   shard shape (a rank with nothing stores a zero-element tensor). `scale_power` (default 1)
+//   shard shape (a rank with nothing stores a zero-element tensor).
+//   Version 2 adds buffers (DESIGN.md 16): "buffers": {"<name>": {"dtype", "ranks": {"<r>":
+//   {"shape", "padding"?}}}} as in a map document (ir/map_json.h). A parameter whose map puts
+//   rank r's pieces in buffer B has no tensor of its own in rank r's files; rank r's files
+//   hold B (named B, of its shape on r), which the pieces of every map over it fill exactly.
+//   A buffer may not share its name with a parameter that has a tensor of its own. `scale_power` (default 1)
 //   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
 //   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
 //   another world size. `constraints` (from the model's tensor-parallel plan, when the
@@ -35,6 +40,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/result.h"
 #include "reshard/io/safetensors.h"
+#include "reshard/ir/buffer_set.h"
 #include "reshard/ir/param_map.h"
 #include "reshard/layouts/degree_constraints.h"
 #include "reshard/layouts/descriptor.h"
@@ -43,6 +49,8 @@ namespace reshard {
 
 inline constexpr char kManifestName[] = "reshard.json";
 inline constexpr int kManifestVersion = 1;
+/// The version of manifests with buffers.
+inline constexpr int kBufferedManifestVersion = 2;
 
 /// One parameter of a sharded checkpoint.
 struct ShardedParam {
@@ -58,7 +66,27 @@ struct Manifest {
   std::vector<std::vector<std::string>> files;  // per rank
   std::vector<ShardedParam> params;             // in file order
   std::vector<DegreeConstraint> constraints;    // what the model's plan requires of world_size
+  BufferSet buffers;                            // validated with the params' maps
 };
+
+/// One tensor of a rank's files: a parameter's own shard, or a buffer that several
+/// parameters' pieces fill.
+struct RankTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  /// The parameters (indices into Manifest::params) whose pieces it holds, in manifest order.
+  std::vector<size_t> params;
+  /// The buffer's declaration; null for a parameter's own shard.
+  const BufferDecl* buffer = nullptr;
+};
+
+/// The tensors of rank `rank`'s files, in manifest order (a buffer where its first parameter
+/// is). Pointers into `m`.
+std::vector<RankTensor> RankTensorsOf(const Manifest& m, Rank rank);
+
+/// Bytes of parameter `p`'s data on rank `r`: its shard, or its pieces of a buffer.
+uint64_t HeldBytes(const ShardedParam& p, Rank r);
 
 /// The file name of part `part` of rank `rank`: "model-rank-{r}-part-{p}.safetensors".
 std::string ShardFileName(Rank rank, int part);
@@ -70,6 +98,9 @@ Result<Manifest> ParseManifestJson(std::string_view text);
 /// still be a malformed one; ParseManifestJson says).
 bool IsManifestJson(std::string_view text);
 std::string ManifestToJson(const Manifest& manifest);
+/// Checks `buffers` against the parameters' maps and dtypes (BufferSetBuilder::Finalize) and
+/// stores the validated set in `m.buffers`; FailedPrecondition when they do not fit.
+Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers);
 
 /// A tensor of an opened checkpoint: its header entry and its (memory-mapped) bytes.
 struct TensorRef {
@@ -106,7 +137,8 @@ class ShardedCheckpoint {
  public:
   static Result<ShardedCheckpoint> Open(const std::string& dir);
   const Manifest& manifest() const { return manifest_; }
-  /// The bytes of rank `rank`'s shard of parameter `param` (an index into manifest().params).
+  /// The bytes of rank `rank`'s shard of parameter `param` (an index into manifest().params):
+  /// the whole buffer when the map puts that rank's pieces in one.
   std::span<const std::byte> shard(size_t param, Rank rank) const {
     return shards_[param][static_cast<size_t>(rank)];
   }

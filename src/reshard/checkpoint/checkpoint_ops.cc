@@ -6,6 +6,7 @@
 #include <atomic>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -51,9 +52,6 @@ uint64_t ElementBytes(Index elements, DType dtype) {
   return static_cast<uint64_t>(elements) * DTypeSize(dtype);
 }
 
-uint64_t ShardBytes(const ShardedParam& p, Rank r) {
-  return ElementBytes(p.map.shard_num_elements(r), p.dtype);
-}
 
 // The bytes of every copy of `p`'s replicated pieces: what comparing its replicas reads.
 uint64_t ReplicaBytes(const ShardedParam& p) {
@@ -84,24 +82,31 @@ std::vector<std::vector<size_t>> SplitIntoParts(std::span<const uint64_t> sizes,
 }
 
 // One output file: its name, the rank whose shard it holds (sharded outputs), the parameters
-// it holds (indices into the manifest) and their bytes.
+// it holds (indices into the manifest: full outputs) or its rank tensors (sharded outputs), and
+// their bytes.
 struct OutputFile {
   std::string name;
   Rank rank = 0;
   std::vector<size_t> params;
   uint64_t bytes = 0;
+  std::vector<RankTensor> tensors;
 };
 
-// The files of a sharded output: model-rank-{r}-part-{p}.safetensors for every rank.
+// The files of a sharded output: model-rank-{r}-part-{p}.safetensors for every rank, holding
+// its rank tensors (parameters' own shards and buffers).
 std::vector<OutputFile> ShardedFiles(const Manifest& m, uint64_t max_bytes) {
   std::vector<OutputFile> files;
   for (Rank r = 0; r < m.world_size; ++r) {
+    std::vector<RankTensor> tensors = RankTensorsOf(m, r);
     std::vector<uint64_t> sizes;
-    for (const ShardedParam& p : m.params) sizes.push_back(ShardBytes(p, r));
+    for (const RankTensor& t : tensors) sizes.push_back(ElementBytes(ProductOf(t.shape), t.dtype));
     const auto parts = SplitIntoParts(sizes, max_bytes);
     for (size_t part = 0; part < parts.size(); ++part) {
-      OutputFile f{ShardFileName(r, static_cast<int>(part)), r, parts[part], 0};
-      for (size_t i : f.params) f.bytes += sizes[i];
+      OutputFile f{ShardFileName(r, static_cast<int>(part)), r, {}, 0, {}};
+      for (size_t k : parts[part]) {
+        f.bytes += sizes[k];
+        f.tensors.push_back(std::move(tensors[k]));
+      }
       files.push_back(std::move(f));
     }
   }
@@ -238,12 +243,23 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
   const Status written = WriteOwnFiles(
       comm, files, owners, options.num_threads, mine, [&](const OutputFile& f) -> Status {
         std::vector<TensorToWrite> tensors;
-        for (const size_t i : f.params) {
-          const ShardedParam& p = manifest.params[i];
-          tensors.push_back({p.name, p.dtype, p.map.rank(f.rank).shard_shape,
-                             [&, i](std::span<std::byte> buffer) -> Status {
+        for (const RankTensor& t : f.tensors) {
+          tensors.push_back({t.name, t.dtype, t.shape, [&](std::span<std::byte> buffer) -> Status {
+                               // A buffer's padding is left zero; every other element is
+                               // written by exactly one of its parameters' pieces.
+                               if (t.buffer != nullptr &&
+                                   !t.buffer->ranks[static_cast<size_t>(f.rank)].padding.empty()) {
+                                 std::memset(buffer.data(), 0, buffer.size());
+                               }
                                // The writer names the tensor in any error.
-                               RESHARD_RETURN_IF_ERROR(fill(i, f.rank, buffer));
+                               for (size_t i : t.params) {
+                                 Status st = fill(i, f.rank, buffer);
+                                 if (!st.ok() && t.buffer != nullptr) {
+                                   return std::move(st).Annotate(fmt::format(
+                                       "parameter \"{}\"", manifest.params[i].name));
+                                 }
+                                 RESHARD_RETURN_IF_ERROR(st);
+                               }
                                progress.Add(buffer.size());
                                return Status::Ok();
                              }});
@@ -304,7 +320,7 @@ namespace {
 
 // The sharded manifest of a scatter and, per parameter, its source tensor.
 Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const MapProvider& maps,
-                             const CheckpointOptions& options,
+                             const BufferSetBuilder& buffers, const CheckpointOptions& options,
                              std::vector<const TensorRef*>& sources) {
   Manifest manifest;
   manifest.world_size = world_size;
@@ -337,6 +353,7 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
     WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }
+  RESHARD_RETURN_IF_ERROR(ValidateManifestBuffers(manifest, buffers));
   return manifest;
 }
 
@@ -344,12 +361,18 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
 
 Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
                const std::string& out_dir, const CheckpointOptions& all_options) {
+  return Scatter(full_dir, world_size, maps, BufferSetBuilder(), out_dir, all_options);
+}
+
+Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
+               const BufferSetBuilder& buffers, const std::string& out_dir,
+               const CheckpointOptions& all_options) {
   const CheckpointOptions options = ForThisProcess(all_options);
   Communicator& comm = CommunicatorOf(options);
   Result<FullCheckpoint> full = FullCheckpoint::Open(full_dir);
   std::vector<const TensorRef*> sources;
   Result<Manifest> planned =
-      full.ok() ? PlanScatter(*full, world_size, maps, options, sources) : full.status();
+      full.ok() ? PlanScatter(*full, world_size, maps, buffers, options, sources) : full.status();
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
   Manifest& manifest = *planned;
   const std::vector<OutputFile> files = ShardedFiles(manifest, options.max_shard_bytes);
@@ -375,7 +398,7 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
               CopyValidRegion(map, param.dtype, src->data.data(), padded.data(), false, 1));
           f.data = padded.data();
         }
-        counters.read += map.has_padding() ? src->data.size() : buffer.size();
+        counters.read += map.has_padding() ? src->data.size() : HeldBytes(param, r);
         RESHARD_RETURN_IF_ERROR(Extract(map, param.dtype, r, f,
                                         {buffer.data(), map.shard_num_elements(r)},
                                         ExecOptionsFor(per_file, param.scale_power)));
@@ -400,7 +423,7 @@ std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
   for (size_t part = 0; part < parts.size(); ++part) {
     OutputFile f{!split ? std::string("model.safetensors")
                         : fmt::format("model-{:05d}-of-{:05d}.safetensors", part + 1, parts.size()),
-                 0, parts[part], 0};
+                 0, parts[part], 0, {}};
     for (size_t i : f.params) f.bytes += sizes[i];
     files.push_back(std::move(f));
   }
@@ -435,7 +458,7 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
     f.data = padded.data();
   }
   uint64_t held = 0;
-  for (Rank r = 0; r < map.world_size(); ++r) held += ShardBytes(param, r);
+  for (Rank r = 0; r < map.world_size(); ++r) held += HeldBytes(param, r);
   counters.read += std::min(held, ElementBytes(map.num_elements(), param.dtype));
   if (options.verify_replicas) counters.verified += ReplicaBytes(param);
   // The writer names the tensor in any error.
@@ -582,6 +605,11 @@ Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
     return FailedPreconditionError(fmt::format(
         "the target maps name \"{}\", which the checkpoint does not hold", given.begin()->first));
   }
+  if (target_maps) {
+    RESHARD_RETURN_IF_ERROR(
+        ValidateManifestBuffers(out.target, BufferSetBuilder(target_maps->buffers))
+            .Annotate("the target maps"));
+  }
   return out;
 }
 
@@ -591,9 +619,11 @@ std::vector<int> Verifiers(const Manifest& target, const std::vector<OutputFile>
                            const std::vector<int>& owners) {
   std::vector<int> verifier(target.params.size(), 0);
   for (size_t k = 0; k < files.size(); ++k) {
-    for (size_t i : files[k].params) {
-      if (files[k].rank == static_cast<Rank>(i % static_cast<size_t>(target.world_size))) {
-        verifier[i] = owners[k];
+    for (const RankTensor& t : files[k].tensors) {
+      for (size_t i : t.params) {
+        if (files[k].rank == static_cast<Rank>(i % static_cast<size_t>(target.world_size))) {
+          verifier[i] = owners[k];
+        }
       }
     }
   }

@@ -162,6 +162,12 @@ Status ConvertFrom(ShardSource& source, int world_size,
 /// vocabulary) is filled with zeros. FailedPrecondition when a map does not fit its tensor.
 Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
                const std::string& out_dir, const CheckpointOptions& options = {});
+/// Scatter into buffers (DESIGN.md 16): the maps may put ranks' pieces in the buffers
+/// declared here, which each rank's files then hold; FailedPrecondition when the buffers and
+/// maps do not fit (BufferSetBuilder::Finalize).
+Status Scatter(const std::string& full_dir, int world_size, const MapProvider& maps,
+               const BufferSetBuilder& buffers, const std::string& out_dir,
+               const CheckpointOptions& options = {});
 
 /// Sharded checkpoint -> full checkpoint (model.safetensors, or parts and an index with
 /// max_shard_bytes), verifying replicas unless told not to, dropping padding.

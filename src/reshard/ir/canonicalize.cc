@@ -236,6 +236,7 @@ Result<ParamMap> CanonicalizeOnce(const ParamMap& map) {
   for (Rank r = 0; r < map.world_size(); ++r) {
     const RankShard& shard = map.rank(r);
     builder.set_shard_shape(r, shard.shard_shape);
+    builder.set_buffer(r, shard.buffer);
     // Pieces by key, with their spans in the shard.
     std::map<Key, std::vector<size_t>> by_key;
     for (size_t i = 0; i < shard.pieces.size(); ++i) {

@@ -603,6 +603,10 @@ Result<ParamPlan> Compose(const ParamMap& target, const ParamMap& source,
   ParamPlan plan;
   plan.source_world = source.world_size();
   plan.target_world = target.world_size();
+  if (source.has_buffers() || target.has_buffers()) {
+    for (const RankShard& r : source.ranks()) plan.source_buffers.push_back(r.buffer);
+    for (const RankShard& r : target.ranks()) plan.target_buffers.push_back(r.buffer);
+  }
   Shape logical = target.logical_shape();
   if (!logical.empty()) logical[0] = std::max(logical[0], source.logical_shape()[0]);
   if (ProductOf(logical) == 0) return plan;

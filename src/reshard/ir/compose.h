@@ -48,7 +48,19 @@ struct ParamPlan {
   int target_world = 0;
   std::vector<Move> moves;
   std::vector<UnwrittenBlock> unwritten;
+  /// The buffers the moves read and write (DESIGN.md 16): per source rank and per target rank,
+  /// the buffer that rank's map puts the tensor's pieces in ("" for its own shard). Empty
+  /// vectors when neither map has buffers. A move's `src` and `dst` views index them.
+  std::vector<std::string> source_buffers;
+  std::vector<std::string> target_buffers;
   Index num_moved_elements() const;
+  /// The buffer move `m` reads from and writes into ("" for the parameter's own shards).
+  std::string_view src_buffer(const Move& m) const {
+    return source_buffers.empty() ? std::string_view() : source_buffers[static_cast<size_t>(m.src_rank)];
+  }
+  std::string_view dst_buffer(const Move& m) const {
+    return target_buffers.empty() ? std::string_view() : target_buffers[static_cast<size_t>(m.dst_rank)];
+  }
   friend bool operator==(const ParamPlan&, const ParamPlan&) = default;
 };
 

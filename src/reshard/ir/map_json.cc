@@ -137,6 +137,12 @@ Result<ParamMapBuilder> ReadParamMap(const Json& j) {
     RESHARD_ASSIGN_OR_RETURN(const Json* shard_shape, Require(shard, path, "shard_shape"));
     RESHARD_ASSIGN_OR_RETURN(Shape shape, ReadIntArray(*shard_shape, path + ".shard_shape"));
     builder.set_shard_shape(rank, std::move(shape));
+    if (const Json* buffer = Find(shard, "buffer"); buffer != nullptr && !buffer->is_null()) {
+      if (!buffer->is_string() || buffer->get_ref<const std::string&>().empty()) {
+        return TypeError(path + ".buffer", "a buffer name (a non-empty string)", *buffer);
+      }
+      builder.set_buffer(rank, buffer->get<std::string>());
+    }
     RESHARD_ASSIGN_OR_RETURN(const Json* pieces, Require(shard, path, "pieces"));
     const std::string pieces_path = path + ".pieces";
     if (!pieces->is_array()) return TypeError(pieces_path, "an array of pieces", *pieces);
@@ -178,6 +184,77 @@ json::OrderedJson PieceToJson(const Piece& piece) {
 
 }  // namespace
 
+json::OrderedJson BufferSetToJsonValue(const BufferSet& set) {
+  json::OrderedJson j = json::OrderedJson::object();
+  for (const BufferDecl& b : set.buffers()) {
+    json::OrderedJson ranks = json::OrderedJson::object();
+    for (size_t r = 0; r < b.ranks.size(); ++r) {
+      json::OrderedJson rank;
+      rank["shape"] = b.ranks[r].shape;
+      if (!b.ranks[r].padding.empty()) {
+        json::OrderedJson pads = json::OrderedJson::array();
+        for (const BufferBlock& pad : b.ranks[r].padding) {
+          pads.push_back({{"shape", pad.shape}, {"view", ViewToJson(pad.view)}});
+        }
+        rank["padding"] = std::move(pads);
+      }
+      ranks[std::to_string(r)] = std::move(rank);
+    }
+    j[b.name] = {{"dtype", std::string(DTypeName(b.dtype))}, {"ranks", std::move(ranks)}};
+  }
+  return j;
+}
+
+Result<BufferSetBuilder> BufferSetFromJson(const json::Json& value, std::string_view path) {
+  if (!value.is_object()) return TypeError(path, "an object of buffers by name", value);
+  BufferSetBuilder builder;
+  for (const auto& [name, j] : value.items()) {
+    const std::string at = fmt::format("{}[{}]", path, Quote(name));
+    if (!j.is_object()) return TypeError(at, "a buffer (an object)", j);
+    BufferDecl decl;
+    decl.name = name;
+    RESHARD_ASSIGN_OR_RETURN(const Json* dtype, Require(j, at, "dtype"));
+    if (!dtype->is_string()) return TypeError(at + ".dtype", "a dtype name", *dtype);
+    const std::optional<DType> d = DTypeFromName(dtype->get<std::string>());
+    if (!d) {
+      return ErrorAt(at + ".dtype",
+                     fmt::format("unknown dtype {}", QuoteShort(dtype->get<std::string>())));
+    }
+    decl.dtype = *d;
+    RESHARD_ASSIGN_OR_RETURN(const Json* ranks, Require(j, at, "ranks"));
+    if (!ranks->is_object()) return TypeError(at + ".ranks", "an object keyed by rank", *ranks);
+    decl.ranks.resize(ranks->size());
+    for (const auto& [key, rank] : ranks->items()) {
+      const std::optional<Rank> r = ParseRankKey(key);
+      if (!r || static_cast<size_t>(*r) >= ranks->size()) {
+        return ErrorAt(at + ".ranks", fmt::format("key {} is not a rank \"0\"..\"{}\"",
+                                                  QuoteShort(key), ranks->size() - 1));
+      }
+      const std::string rpath = fmt::format("{}.ranks[\"{}\"]", at, *r);
+      if (!rank.is_object()) return TypeError(rpath, "a buffer rank (an object)", rank);
+      BufferRank& br = decl.ranks[static_cast<size_t>(*r)];
+      RESHARD_ASSIGN_OR_RETURN(const Json* shape, Require(rank, rpath, "shape"));
+      RESHARD_ASSIGN_OR_RETURN(br.shape, ReadIntArray(*shape, rpath + ".shape"));
+      if (const Json* pads = Find(rank, "padding"); pads != nullptr && !pads->is_null()) {
+        if (!pads->is_array()) return TypeError(rpath + ".padding", "an array of blocks", *pads);
+        for (size_t k = 0; k < pads->size(); ++k) {
+          const std::string ppath = Element(rpath + ".padding", k);
+          const Json& pj = (*pads)[k];
+          if (!pj.is_object()) return TypeError(ppath, "a block (an object)", pj);
+          BufferBlock block;
+          RESHARD_ASSIGN_OR_RETURN(const Json* bshape, Require(pj, ppath, "shape"));
+          RESHARD_ASSIGN_OR_RETURN(block.shape, ReadIntArray(*bshape, ppath + ".shape"));
+          RESHARD_ASSIGN_OR_RETURN(const Json* view, Require(pj, ppath, "view"));
+          RESHARD_ASSIGN_OR_RETURN(block.view, ReadView(*view, ppath + ".view"));
+          br.padding.push_back(std::move(block));
+        }
+      }
+    }
+    builder.add(std::move(decl));
+  }
+  return builder;
+}
+
 Result<std::string> DecodeParamKey(std::string_view key) {
   if (!key.starts_with('^')) return std::string(key);
   auto refuse = [&](std::string why) -> Status {
@@ -213,7 +290,7 @@ Result<std::string> DecodeParamKey(std::string_view key) {
 }
 
 std::string EncodeParamKey(std::string_view name) {
-  if (!name.starts_with('^') && name != "version") return std::string(name);
+  if (!name.starts_with('^') && name != "version" && name != "buffers") return std::string(name);
   std::string key = "^";
   for (char c : name) {
     if (kRegexEscaped.find(c) != std::string_view::npos) key += '\\';
@@ -246,9 +323,15 @@ Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text) {
         "missing key \"version\"; a map document is {\"version\": 1, \"<name>\": <param map>, "
         "...} and a bare param map has \"logical_shape\" and \"ranks\"");
   }
-  RESHARD_RETURN_IF_ERROR(CheckDocumentVersion(*version));
+  RESHARD_ASSIGN_OR_RETURN(const int v, CheckDocumentVersion(*version, true));
+  const bool buffered = v == kBufferedMapDocumentVersion;
+  if (buffered) {
+    RESHARD_ASSIGN_OR_RETURN(const Json* buffers, Require(root, "", "buffers"));
+    RESHARD_ASSIGN_OR_RETURN(doc.buffers, BufferSetFromJson(*buffers, "buffers"));
+  }
   // Names first, so that a key error is reported before any parameter's content.
-  RESHARD_ASSIGN_OR_RETURN(auto named, DecodeDocumentKeys(root, keys_in_order, "parameter"));
+  RESHARD_ASSIGN_OR_RETURN(auto named,
+                           DecodeDocumentKeys(root, keys_in_order, "parameter", buffered));
   for (auto& [name, value] : named) {
     Result<ParamMapBuilder> builder = ReadParamMap(*value);
     if (!builder.ok()) return AnnotateParam(builder.status(), name);
@@ -257,21 +340,28 @@ Result<MapDocumentBuilder> ParseMapDocumentJson(std::string_view text) {
   return doc;
 }
 
-Status CheckDocumentVersion(const json::Json& version) {
+Result<int> CheckDocumentVersion(const json::Json& version, bool allow_buffers) {
   RESHARD_ASSIGN_OR_RETURN(Index v, ReadInt(version, "version"));
-  if (v != kMapDocumentVersion) {
-    return InvalidArgumentError(fmt::format(
-        "version {} is not supported; this reader knows version {}", v, kMapDocumentVersion));
+  if (v == kMapDocumentVersion || (allow_buffers && v == kBufferedMapDocumentVersion)) {
+    return static_cast<int>(v);
   }
-  return Status::Ok();
+  if (allow_buffers) {
+    return InvalidArgumentError(
+        fmt::format("version {} is not supported; this reader knows versions {} and {} (with "
+                    "buffers)",
+                    v, kMapDocumentVersion, kBufferedMapDocumentVersion));
+  }
+  return InvalidArgumentError(fmt::format(
+      "version {} is not supported; this reader knows version {}", v, kMapDocumentVersion));
 }
 
 Result<std::vector<std::pair<std::string, const json::Json*>>> DecodeDocumentKeys(
-    const json::Json& root, const std::vector<std::string>& keys, std::string_view what) {
+    const json::Json& root, const std::vector<std::string>& keys, std::string_view what,
+    bool skip_buffers) {
   std::vector<std::pair<std::string, const Json*>> named;
   std::unordered_map<std::string, std::string> key_of_name;
   for (const std::string& key : keys) {
-    if (key == "version") continue;
+    if (key == "version" || (skip_buffers && key == "buffers")) continue;
     RESHARD_ASSIGN_OR_RETURN(std::string name, DecodeParamKey(key));
     auto [it, inserted] = key_of_name.emplace(name, key);
     if (!inserted) {
@@ -309,6 +399,7 @@ Status ValidatedMapDocument::status() const {
   for (const ValidatedParam& p : params) {
     if (!p.map.ok()) return p.status();
   }
+  if (!buffers.ok()) return AsFailedCheck(buffers.status());
   return Status::Ok();
 }
 
@@ -317,7 +408,16 @@ Result<MapDocument> ValidatedMapDocument::ToDocument() && {
   MapDocument doc;
   doc.params.reserve(params.size());
   for (ValidatedParam& p : params) doc.params.emplace_back(std::move(p.name), *std::move(p.map));
+  doc.buffers = *std::move(buffers);
   return doc;
+}
+
+Status ValidateBuffers(MapDocument& doc, const BufferSetBuilder& buffers) {
+  std::vector<NamedMapRef> refs;
+  refs.reserve(doc.params.size());
+  for (const auto& [name, map] : doc.params) refs.push_back({name, &map});
+  RESHARD_ASSIGN_OR_RETURN(doc.buffers, buffers.Finalize(refs));
+  return Status::Ok();
 }
 
 Result<ValidatedMapDocument> ValidateMapDocumentJson(std::string_view text) {
@@ -326,6 +426,12 @@ Result<ValidatedMapDocument> ValidateMapDocumentJson(std::string_view text) {
   doc.params.reserve(builders.params.size());
   for (NamedMapBuilder& named : builders.params) {
     doc.params.push_back({std::move(named.name), named.builder.Finalize()});
+  }
+  if (doc.num_invalid() == 0) {
+    std::vector<NamedMapRef> refs;
+    refs.reserve(doc.params.size());
+    for (const ValidatedParam& p : doc.params) refs.push_back({p.name, &*p.map});
+    doc.buffers = builders.buffers.Finalize(refs);
   }
   return doc;
 }
@@ -344,7 +450,11 @@ json::OrderedJson ParamMapToJsonValue(const ParamMap& map) {
     const RankShard& shard = map.rank(r);
     json::OrderedJson pieces = json::OrderedJson::array();
     for (const Piece& piece : shard.pieces) pieces.push_back(PieceToJson(piece));
-    ranks[std::to_string(r)] = {{"shard_shape", shard.shard_shape}, {"pieces", std::move(pieces)}};
+    json::OrderedJson entry;
+    if (shard.is_buffered()) entry["buffer"] = shard.buffer;
+    entry["shard_shape"] = shard.shard_shape;
+    entry["pieces"] = std::move(pieces);
+    ranks[std::to_string(r)] = std::move(entry);
   }
   return j;
 }
@@ -353,9 +463,19 @@ std::string ParamMapToJson(const ParamMap& map) {
   return json::WriteJson(ParamMapToJsonValue(map)) + "\n";
 }
 
+Result<BufferSetBuilder> ParseBufferSetJson(std::string_view text) {
+  RESHARD_ASSIGN_OR_RETURN(Json root, json::ParseJson(text));
+  return BufferSetFromJson(root, "buffers");
+}
+
+std::string BufferSetToJson(const BufferSet& set) {
+  return json::WriteJson(BufferSetToJsonValue(set)) + "\n";
+}
+
 std::string MapDocumentToJson(const MapDocument& doc) {
   json::OrderedJson j;
-  j["version"] = kMapDocumentVersion;
+  j["version"] = doc.buffers.empty() ? kMapDocumentVersion : kBufferedMapDocumentVersion;
+  if (!doc.buffers.empty()) j["buffers"] = BufferSetToJsonValue(doc.buffers);
   for (const auto& [name, map] : doc.params) j[EncodeParamKey(name)] = ParamMapToJsonValue(map);
   return json::WriteJson(j) + "\n";
 }

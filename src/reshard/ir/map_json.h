@@ -11,7 +11,17 @@
 //
 // A map document: {"version": 1, "<key>": <param map>, ...}, where a key is a parameter name
 // or an exact-match pattern `^<regex-escaped name>$` as DeepSpeed emits them; both read to
-// the same name. Any other regular expression is refused, as is a version other than 1.
+// the same name. Any other regular expression is refused, as is a version other than 1 or 2.
+//
+// Version 2 adds buffers (DESIGN.md 16, ir/buffer_set.h): a rank of a param map may name the
+// buffer its pieces write into, `"ranks": {"0": {"buffer": "<name>", "shard_shape": <the
+// buffer's shape on rank 0>, "pieces": [...]}}`, and the document declares the buffers under
+// the reserved key "buffers" (a parameter named "buffers" is written as `^buffers$`):
+//   "buffers": {"<name>": {"dtype": "BF16",
+//                          "ranks": {"0": {"shape": [2, 64, 64],
+//                                          "padding": [{"shape": [...], "view": [offset,
+//                                                       [strides]]}]?}, ...}}}
+// The writer emits version 1 (DeepSpeed's form) unless the document has buffers.
 //
 // Reading is strict and two-staged, because a caller must tell malformed input from a
 // well-formed map that breaks an invariant: `ParseParamMapJson` checks syntax, types and
@@ -30,11 +40,14 @@
 #include <vector>
 
 #include "reshard/base/result.h"
+#include "reshard/ir/buffer_set.h"
 #include "reshard/ir/param_map.h"
 
 namespace reshard {
 
 inline constexpr int kMapDocumentVersion = 1;
+/// The version of documents that declare buffers.
+inline constexpr int kBufferedMapDocumentVersion = 2;
 
 /// One parameter of a map document, before validation.
 struct NamedMapBuilder {
@@ -45,12 +58,17 @@ struct NamedMapBuilder {
 /// A map document, before validation, in file order.
 struct MapDocumentBuilder {
   std::vector<NamedMapBuilder> params;
+  BufferSetBuilder buffers;
 };
 
-/// A validated map document, in file order.
+/// A validated map document, in file order; `buffers` validated with the maps over them.
 struct MapDocument {
   std::vector<std::pair<std::string, ParamMap>> params;
+  BufferSet buffers;
 };
+
+/// Checks `doc.buffers` against `doc.params` (BufferSetBuilder::Finalize) and stores the result.
+Status ValidateBuffers(MapDocument& doc, const BufferSetBuilder& buffers);
 
 /// Parses one param map. InvalidArgument (with the JSON path) for malformed JSON, wrong
 /// types, missing keys, non-integers where integers belong, integers outside int64, rank
@@ -75,9 +93,13 @@ struct ValidatedParam {
 /// A well-formed map document whose parameters have each been validated, in file order.
 struct ValidatedMapDocument {
   std::vector<ValidatedParam> params;
+  /// The buffer declarations checked with the maps (when every map is valid; otherwise the
+  /// first invalid map's error).
+  Result<BufferSet> buffers = BufferSet();
 
   size_t num_invalid() const;
-  /// Ok when every map is valid; otherwise the first invalid parameter's status().
+  /// Ok when every map and the buffer set are valid; otherwise the first invalid parameter's
+  /// status(), or the buffer set's (as a failed check).
   Status status() const;
   /// Every map, or status().
   Result<MapDocument> ToDocument() &&;
@@ -96,6 +118,10 @@ Result<MapDocument> ReadMapDocumentJson(std::string_view text);
 /// shortest form that reads back exactly. Ends with a newline.
 std::string ParamMapToJson(const ParamMap& map);
 std::string MapDocumentToJson(const MapDocument& doc);
+std::string BufferSetToJson(const BufferSet& set);
+/// Buffer declarations (what a document's "buffers" holds), unvalidated; InvalidArgument with
+/// the JSON path for malformed input.
+Result<BufferSetBuilder> ParseBufferSetJson(std::string_view text);
 
 /// `^<escaped>$` -> name for an exact-match pattern; plain names are returned unchanged;
 /// InvalidArgument for a pattern that matches anything but one literal name.

@@ -12,6 +12,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/base/json_writer.h"
 #include "reshard/base/result.h"
+#include "reshard/ir/buffer_set.h"
 #include "reshard/ir/param_map.h"
 
 namespace reshard {
@@ -19,16 +20,23 @@ namespace reshard {
 /// The param map as a JSON value (what ParamMapToJson writes), for documents that embed it.
 json::OrderedJson ParamMapToJsonValue(const ParamMap& map);
 
+/// Buffer declarations (the value of a document's "buffers") as JSON, and back.
+json::OrderedJson BufferSetToJsonValue(const BufferSet& set);
+Result<BufferSetBuilder> BufferSetFromJson(const json::Json& value, std::string_view path);
+
 /// ParseParamMapJson of a parsed value; errors carry paths relative to the value.
 Result<ParamMapBuilder> ParamMapFromJson(const json::Json& value);
 
-/// InvalidArgument unless `version` is the integer kMapDocumentVersion (path "version").
-Status CheckDocumentVersion(const json::Json& version);
+/// The document's version: InvalidArgument unless `version` is an integer this reader knows,
+/// kMapDocumentVersion or, when `allow_buffers`, kBufferedMapDocumentVersion (path "version").
+Result<int> CheckDocumentVersion(const json::Json& version, bool allow_buffers = false);
 
-/// The members of a document object `root` but "version", with `keys` (in file order) decoded
-/// by DecodeParamKey; InvalidArgument when two keys name the same `what` ("parameter").
+/// The members of a document object `root` but "version" (and "buffers" when `skip_buffers`),
+/// with `keys` (in file order) decoded by DecodeParamKey; InvalidArgument when two keys name
+/// the same `what` ("parameter").
 Result<std::vector<std::pair<std::string, const json::Json*>>> DecodeDocumentKeys(
-    const json::Json& root, const std::vector<std::string>& keys, std::string_view what);
+    const json::Json& root, const std::vector<std::string>& keys, std::string_view what,
+    bool skip_buffers = false);
 
 /// A validation failure of well-formed input as a failed check: InvalidArgument, OutOfRange
 /// and DataLoss become FailedPrecondition (message kept); other codes are kept.

@@ -110,7 +110,8 @@ Status CheckPiece(Piece& piece, Rank rank, int world, Index full_elems, Index sh
   return Status::Ok();
 }
 
-// Exact shards: every element of the rank's shard is written by exactly one piece element.
+// Exact shards: every element of the rank's shard is written by exactly one piece element (of a
+// shared buffer: at most one).
 Status CheckShardExact(const RankShard& shard, Rank rank, size_t& used_digits) {
   const Index n = ProductOf(shard.shard_shape);
   Index held = 0;
@@ -130,11 +131,12 @@ Status CheckShardExact(const RankShard& shard, Rank rank, size_t& used_digits) {
                                 .Annotate(RankPath(rank)));
   }
   used_digits += boxes.size() * static_cast<size_t>(radix.rank());
-  std::vector<Index> digits(static_cast<size_t>(radix.rank()));
   return internal::SweepCells(
       boxes, PaddingSpec{},
       [&](std::span<const Index> cell_lo, std::span<const int32_t> active, bool) -> Status {
         if (active.size() == 1) return Status::Ok();
+        // Elements of a shared buffer that this map does not write belong to other maps.
+        if (active.empty() && shard.is_buffered()) return Status::Ok();
         const Shape where =
             UnravelIndex(internal::OffsetOfDigits(radix, cell_lo), shard.shard_shape);
         if (active.empty()) {
@@ -232,6 +234,11 @@ std::string PiecePath(Rank rank, size_t piece_index) {
   return fmt::format("ranks[\"{}\"].pieces[{}]", rank, piece_index);
 }
 
+bool ParamMap::has_buffers() const {
+  return std::any_of(ranks_.begin(), ranks_.end(),
+                     [](const RankShard& r) { return r.is_buffered(); });
+}
+
 Index ParamMap::num_pieces() const {
   Index n = 0;
   for (const RankShard& r : ranks_) n += static_cast<Index>(r.pieces.size());
@@ -281,6 +288,13 @@ ParamMapBuilder& ParamMapBuilder::add_piece(Rank rank, Piece piece) {
   return *this;
 }
 
+ParamMapBuilder& ParamMapBuilder::set_buffer(Rank rank, std::string buffer) {
+  if (rank >= 0 && static_cast<size_t>(rank) >= ranks_.size())
+    ranks_.resize(static_cast<size_t>(rank) + 1);
+  if (rank >= 0) ranks_[static_cast<size_t>(rank)].buffer = std::move(buffer);
+  return *this;
+}
+
 Result<ParamMap> ParamMapBuilder::Finalize(const ValidateOptions& options) const {
   ParamMap map;
   map.logical_shape_ = logical_shape_;
@@ -319,7 +333,12 @@ Result<ParamMap> ParamMapBuilder::Finalize(const ValidateOptions& options) const
       if (!sum) return InvalidArgumentError(RankPath(r) + ": pieces hold more than 2^62 elements");
       held = *sum;
     }
-    if (held != shard_elems) {
+    if (shard.is_buffered() && held > shard_elems) {
+      return InvalidArgumentError(fmt::format(
+          "{}: pieces account for {} elements but buffer \"{}\" (shape {}) has {}", RankPath(r),
+          held, shard.buffer, FormatShape(shard.shard_shape), shard_elems));
+    }
+    if (!shard.is_buffered() && held != shard_elems) {
       return InvalidArgumentError(fmt::format(
           "{}: pieces account for {} elements but the shard (shape {}) has {}; every shard "
           "element must be written by exactly one piece",

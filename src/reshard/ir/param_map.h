@@ -54,9 +54,20 @@ struct Piece {
 };
 
 /// What one rank holds: a dense row-major shard and the pieces that fill it.
+///
+/// Buffered form (DESIGN.md 16): when `buffer` is set, the pieces' dest views index a named rank
+/// tensor that the maps of several parameters share (an MoE layer's fused `gate_up_proj`,
+/// vLLM's `qkv_proj`), `shard_shape` is that buffer's shape on this rank, and the pieces write
+/// only this parameter's part of it: each buffer element at most once, the rest left to the
+/// other maps over the buffer. Exactness over the whole buffer is the buffer set's invariant
+/// (ir/buffer_set.h), checked once for all maps together.
 struct RankShard {
   Shape shard_shape;
   std::vector<Piece> pieces;
+  /// The rank tensor the pieces write into; empty: the parameter's own shard.
+  std::string buffer;
+
+  bool is_buffered() const { return !buffer.empty(); }
   friend bool operator==(const RankShard&, const RankShard&) = default;
 };
 
@@ -84,6 +95,10 @@ class ParamMap {
   Index shard_num_elements(Rank r) const { return ProductOf(rank(r).shard_shape); }
   /// Total number of pieces over all ranks.
   Index num_pieces() const;
+  /// Whether any rank's pieces write into a shared buffer rather than an own shard.
+  bool has_buffers() const;
+  /// The buffer rank `r`'s pieces write into; empty for an own shard.
+  const std::string& buffer(Rank r) const { return rank(r).buffer; }
   /// Whether `offset` (into F) is padding.
   bool IsPadding(Index offset) const;
 
@@ -114,13 +129,18 @@ class ParamMapBuilder {
   /// Grows the world as needed.
   ParamMapBuilder& set_shard_shape(Rank rank, Shape shape);
   ParamMapBuilder& add_piece(Rank rank, Piece piece);
+  /// Puts rank `rank`'s pieces into the named buffer (DESIGN.md 16); `shard_shape` is then the
+  /// buffer's shape on that rank. Empty: the rank's own shard (the default).
+  ParamMapBuilder& set_buffer(Rank rank, std::string buffer);
 
   const Shape& logical_shape() const { return logical_shape_; }
   const std::optional<Shape>& valid_shape() const { return valid_shape_; }
   int world_size() const { return static_cast<int>(ranks_.size()); }
   const std::vector<RankShard>& ranks() const { return ranks_; }
 
-  /// Validates and returns the map. Locations are sorted. Errors are InvalidArgument (or
+  /// Validates and returns the map. Locations are sorted. A buffered rank's pieces must lie in
+  /// the buffer and write no element twice; the rest of the buffer is other maps' (checked by
+  /// BufferSetBuilder::Finalize). Errors are InvalidArgument (or
   /// OutOfRange for a view past an end, ResourceExhausted for a map too fragmented to
   /// check) and name the rank, the piece index and the first offending multi-index, e.g.
   /// `ranks["3"].pieces[1]: source view ends at offset 512 but F has 384 elements`.

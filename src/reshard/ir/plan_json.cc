@@ -30,11 +30,18 @@ std::string PlanDocumentToJson(const PlanDocument& doc) {
                        plan.target_world);
     for (size_t m = 0; m < plan.moves.size(); ++m) {
       const Move& mv = plan.moves[m];
+      std::string buffers;
+      if (!plan.src_buffer(mv).empty()) {
+        buffers += ", \"src_buffer\": " + nlohmann::json(plan.src_buffer(mv)).dump();
+      }
+      if (!plan.dst_buffer(mv).empty()) {
+        buffers += ", \"dst_buffer\": " + nlohmann::json(plan.dst_buffer(mv)).dump();
+      }
       out += fmt::format(
           "{}\n    {{\"src_rank\": {}, \"dst_rank\": {}, \"shape\": [{}], \"src\": {}, \"dst\": "
-          "{}{}}}",
+          "{}{}{}}}",
           m ? "," : "", mv.src_rank, mv.dst_rank, fmt::join(mv.shape, ", "), View(mv.src),
-          View(mv.dst), mv.factor == 1.0 ? "" : ", \"factor\": " + Number(mv.factor));
+          View(mv.dst), mv.factor == 1.0 ? "" : ", \"factor\": " + Number(mv.factor), buffers);
     }
     out += plan.moves.empty() ? "]" : "\n  ]";
     std::map<Rank, std::vector<const UnwrittenBlock*>> unwritten;

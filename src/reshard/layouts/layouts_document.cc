@@ -25,7 +25,7 @@ Result<LayoutsDocument> ParseLayoutsDocumentJson(std::string_view text) {
                            root);
   }
   RESHARD_ASSIGN_OR_RETURN(const json::Json* version, json::Require(root, "", "version"));
-  RESHARD_RETURN_IF_ERROR(CheckDocumentVersion(*version));
+  RESHARD_RETURN_IF_ERROR(CheckDocumentVersion(*version).status());
   RESHARD_ASSIGN_OR_RETURN(auto named, DecodeDocumentKeys(root, keys, "the layout of"));
   LayoutsDocument doc;
   for (const auto& [name, value] : named) {
