@@ -1208,19 +1208,38 @@ const std::byte* ElementOf(const TorchFile& f, const TorchTensor& t, Index k) {
   return s.bytes.data() + begin;
 }
 
-// Where element k of a TP shard (flattened) lies in `parts`: the DP rank holding it and its
-// bytes (null: no fragment holds it).
-std::pair<Rank, const std::byte*> ShardElement(const DeepSpeedShardParts& parts, Index k) {
-  for (Rank d = 0; d < parts.dp_map.world_size(); ++d) {
-    for (const Piece& piece : parts.dp_map.rank(d).pieces) {
-      const Index start = piece.source.offset;
-      if (k < start || k >= start + piece.num_elements()) continue;
-      const DeepSpeedFragment& f = parts.fragments[static_cast<size_t>(d)];
-      return {d, ElementOf(*f.file, *f.tensor, f.offset + piece.dest.offset + (k - start))};
+// Where the elements of a TP shard (flattened) lie in its DP fragments: element k's DP rank
+// and bytes, found by a binary search over the fragments' ranges.
+class ShardElements {
+ public:
+  explicit ShardElements(const DeepSpeedShardParts& parts) : parts_(parts) {
+    for (Rank d = 0; d < parts.dp_map.world_size(); ++d) {
+      for (const Piece& piece : parts.dp_map.rank(d).pieces)
+        ranges_.push_back({piece.source.offset, piece.num_elements(), d, piece.dest.offset});
     }
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const Range& a, const Range& b) { return a.start < b.start; });
   }
-  return {-1, nullptr};
-}
+  // The DP rank holding element k and its bytes (null: no fragment holds it).
+  std::pair<Rank, const std::byte*> At(Index k) const {
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), k,
+                               [](Index v, const Range& r) { return v < r.start; });
+    if (it == ranges_.begin()) return {-1, nullptr};
+    --it;
+    if (k >= it->start + it->length) return {-1, nullptr};
+    const DeepSpeedFragment& f = parts_.fragments[static_cast<size_t>(it->rank)];
+    return {it->rank, ElementOf(*f.file, *f.tensor, f.offset + it->dest + (k - it->start))};
+  }
+
+ private:
+  struct Range {
+    Index start, length;
+    Rank rank;
+    Index dest;
+  };
+  const DeepSpeedShardParts& parts_;
+  std::vector<Range> ranges_;
+};
 
 // The elements of a TP shard a check compares: the first and the last few of every DP
 // fragment, where a fragment from elsewhere or a misplaced boundary shows, and only those (a
@@ -1371,8 +1390,9 @@ Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
       if (!module || !master || module->fragments.size() != 1) continue;
       const DeepSpeedFragment& mf = module->fragments.front();
       if (master->fragments.size() == 1 && master->fragments.front().tensor == mf.tensor) continue;
+      const ShardElements masters(*master);
       for (const Index k : SamplePositions(*master)) {
-        const auto [d, master_bytes] = ShardElement(*master, k);
+        const auto [d, master_bytes] = masters.At(k);
         const std::byte* module_bytes = ElementOf(*mf.file, *mf.tensor, k);
         if (master_bytes == nullptr || module_bytes == nullptr) continue;
         holding.insert(d);
@@ -1428,8 +1448,10 @@ Status DeepSpeedReader::CheckTpReplicasAgree() const {
         if (slot) ranks.push_back(&*slot);
       }
       if (ranks.size() != static_cast<size_t>(c_.tp_)) continue;
+      std::vector<ShardElements> elements;
       std::vector<Index> positions;
       for (const DeepSpeedShardParts* r : ranks) {
+        elements.emplace_back(*r);
         const std::vector<Index> mine = SamplePositions(*r);
         positions.insert(positions.end(), mine.begin(), mine.end());
       }
@@ -1438,7 +1460,7 @@ Status DeepSpeedReader::CheckTpReplicasAgree() const {
       const size_t size = DTypeSize(c_.StateDType(state));
       for (const Index k : positions) {
         std::vector<std::pair<Rank, const std::byte*>> at;
-        for (const DeepSpeedShardParts* r : ranks) at.push_back(ShardElement(*r, k));
+        for (const ShardElements& r : elements) at.push_back(r.At(k));
         if (std::any_of(at.begin(), at.end(), [](const auto& e) { return e.second == nullptr; }))
           continue;
         auto same = [&](size_t a, size_t b) {
