@@ -2,8 +2,10 @@
 // tensors built from them.
 //
 // Reading must return a Status, never crash, hang or read out of bounds. When it reads, every
-// tensor must be a view inside its storage, and copying every tensor out (which touches every
-// byte the view reaches) must succeed; a violation aborts.
+// tensor must be a view inside its storage of at most 2^62 bytes, naming the tensors must have
+// walked no more objects than the bound (shared objects are not expanded without limit), and
+// copying every tensor out (which touches every byte the view reaches) must succeed; a
+// violation aborts. Seeds include a DAG of memo-shared tuples 60 deep and stride-0 views.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -39,8 +41,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         s.bytes.data() >= bytes.data() && s.bytes.data() + s.bytes.size() <= bytes.data() + size,
         "storage outside the file", s.key);
   }
+  Require(file->objects_walked() <= options.limits.max_expanded, "walk past max_expanded",
+          std::to_string(file->objects_walked()));
   for (const reshard::TorchTensor& t : file->tensors()) {
     Require(t.storage < file->storages().size(), "storage index out of range", t.name);
+    Require(t.num_bytes() <= (uint64_t{1} << 62), "view of more than 2^62 bytes", t.name);
     // Keep the copies small: a zero-stride view of a tiny storage may name many elements.
     if (t.num_bytes() > (1u << 20)) continue;
     std::vector<std::byte> out(t.num_bytes());

@@ -6,6 +6,8 @@ holds (DESIGN 6.1; DeepSpeed's ``ParamAffineMap.to_dict()`` form reads too). Wit
 - :func:`extract` F -> one rank's shard, :func:`rebuild` shards -> F;
 - :func:`compose` two maps -> a :class:`Plan`, and :func:`transfer` runs it shard -> shard
   without building F;
+- a :class:`BufferSet` declares rank tensors that hold pieces of many checkpoint tensors (an
+  MoE layer's fused experts, a fused QKV: DESIGN 16) and checks them with the maps over them;
 - :mod:`reshard.checkpoint` does the same for whole checkpoints on disk (the CLI's scatter,
   gather, convert, inspect), and :func:`degree` answers which tensor-parallel degrees a model's
   config.json allows.
@@ -23,12 +25,14 @@ _core.register_errors(MapError, CheckpointError, DegreeError)
 
 from ._maps import Move, ParamMap, Piece, Plan, compose, infer, maps_to_json, read_maps  # noqa: E402
 from ._tensors import extract, rebuild, transfer  # noqa: E402
+from ._buffers import Block, Buffer, BufferSet, read_buffers  # noqa: E402
 from ._degree import DegreeConstraint, DegreeReport, degree  # noqa: E402
 from . import checkpoint  # noqa: E402
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "Block", "Buffer", "BufferSet", "read_buffers",
     "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "MapError", "Move",
     "ParamMap", "Piece", "Plan", "ReshardError", "__version__", "checkpoint", "compose", "degree",
     "extract", "infer", "maps_to_json", "read_maps", "rebuild", "transfer",

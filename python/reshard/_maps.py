@@ -106,6 +106,11 @@ class ParamMap:
             shape = self._shapes[rank] = tuple(self._handle.shard_shape(rank))
         return shape
 
+    def buffer(self, rank: int) -> str:
+        """The buffer (DESIGN 16) whose elements rank ``rank``'s pieces write, or "" when the rank
+        holds a shard of its own. A buffered rank's :meth:`shard_shape` is the buffer's shape."""
+        return str(self._handle.buffer(rank))
+
     def pieces(self, rank: int) -> list[Piece]:
         self.shard_shape(rank)  # IndexError for a rank outside the world
         entries = self.to_dict()["ranks"][str(rank)]["pieces"]
@@ -208,16 +213,20 @@ def infer(index_maps: Union[str, Mapping[str, Any]], *, allow_uncovered: bool = 
     return ParamMap(_core.infer(text, allow_uncovered))
 
 
+def _document_text(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> str:
+    if isinstance(source, Mapping):
+        return json.dumps(source)
+    if isinstance(source, os.PathLike) or not str(source).lstrip().startswith("{"):
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    return str(source)
+
+
 def read_maps(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> dict[str, ParamMap]:
     """A map document (a path, JSON text or a dict) as ``{name: ParamMap}`` in file order;
-    ``^name$`` keys are read as names; a bare param map is one entry named ""."""
-    if isinstance(source, Mapping):
-        text = json.dumps(source)
-    elif isinstance(source, os.PathLike) or not str(source).lstrip().startswith("{"):
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = str(source)
+    ``^name$`` keys are read as names; a bare param map is one entry named "". A version-2
+    document's buffers are checked with its maps (:func:`reshard.read_buffers` returns them)."""
+    text = _document_text(source)
     return {name: ParamMap(h) for name, h in _core.read_map_document(text)}
 
 

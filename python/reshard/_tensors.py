@@ -76,6 +76,22 @@ def itemsize(dtype: Any) -> int:
     return _SIZES[name]
 
 
+def zeros_of(dtype_name: str, shape: tuple[int, ...], like: Any = None) -> Tensor:
+    """A zeroed tensor of a library dtype name ("BF16"): torch, or numpy when ``like`` is a
+    numpy array (ml_dtypes supplies numpy's bfloat16 and fp8)."""
+    names = {v: k for k, v in _DTYPES.items()}
+    if dtype_name not in names:
+        raise ValueError(f"unknown dtype {dtype_name!r}")
+    np = sys.modules.get("numpy")
+    if like is not None and np is not None and isinstance(like, np.ndarray):
+        if dtype_name in ("BF16", "F8_E4M3", "F8_E5M2"):
+            import ml_dtypes
+            return np.zeros(shape, dtype=getattr(ml_dtypes, names[dtype_name]))
+        return np.zeros(shape, dtype=names[dtype_name])
+    import torch
+    return torch.zeros(shape, dtype=getattr(torch, names[dtype_name]))
+
+
 # Python types -> "torch", "numpy" or None, as met (a subclass such as torch.nn.Parameter
 # counts as its base).
 _KIND_OF: dict[type, Optional[str]] = {}
@@ -250,11 +266,16 @@ class _Output:
     """Where a result goes: a new tensor like `like`, or the caller's `out` (checked: dtype,
     shape, device, writable), through a dense temporary when `out` is not dense."""
 
-    def __init__(self, out: Optional[Tensor], like: _Array, shape: tuple[int, ...], what: str):
+    def __init__(self, out: Optional[Tensor], like: _Array, shape: tuple[int, ...], what: str,
+                 buffer: str = ""):
+        # A buffer (DESIGN 16) is written only where this tensor's pieces lie: a new one starts
+        # zeroed, and a non-dense `out` is staged through a copy of itself.
         self.what = what
         self.given = out is not None
         if out is None:
             self.result = like.empty(shape)
+            if buffer:
+                self.result[...] = 0
             self.target = _Array(self.result, what)
             return
         a = _Array(out, what, output=True)
@@ -263,7 +284,13 @@ class _Output:
         _check_shape(a, shape, what)
         check_writable(out, a.kind, what)
         self.result = out
-        self.target = a if a.dense else _Array(a.empty(shape), what)
+        if a.dense:
+            self.target = a
+        else:
+            temp = a.empty(shape)
+            if buffer:
+                temp[...] = out
+            self.target = _Array(temp, what)
 
     def address(self) -> int:
         return self.target.address()
@@ -357,6 +384,9 @@ def extract(map: MapLike, full: Tensor, rank: int, out: Optional[Tensor] = None,
             scale_power: int = 1, allow_scaled_optimizer_state: bool = False,
             allow_lossy_scale: bool = False, num_threads: int = 0) -> Tensor:
     """F -> the shard of ``rank``: a new tensor of the kind given, or ``out`` filled in place.
+    When the map keeps that rank's pieces in a buffer (:meth:`ParamMap.buffer`), the shard is the
+    whole buffer: only the tensor's pieces are written (a new buffer starts zeroed), so extracting
+    every tensor of a :class:`BufferSet` into one ``out`` fills it.
 
     ``scale_power`` p: the shard holds F * scale**p (1 for weights, -1 / -2 for Adam's moments).
     """
@@ -365,7 +395,7 @@ def extract(map: MapLike, full: Tensor, rank: int, out: Optional[Tensor] = None,
     src = _Array(full, "full")
     _check_shape(src, m.logical_shape, "full")
     src = src.densified()
-    dst = _Output(out, src, shard_shape, "out")
+    dst = _Output(out, src, shard_shape, "out", m.buffer(rank))
     src = _staged([src], [dst])[0]
     _core.extract_into(m._handle, src.dtype, rank, src.address(), dst.address(),
                        _options(scale_power, True, allow_scaled_optimizer_state,
@@ -396,13 +426,15 @@ def transfer(plan: Plan, shards: Union[Sequence[Tensor], Mapping[int, Tensor]],
              num_threads: int = 0) -> Union[list[Tensor], dict[int, Tensor]]:
     """Runs a plan: source shards (by source rank) -> target shards (by target rank), as a
     list, or a dict when ``shards`` is a dict. ``out`` (a list or dict by target rank) is
-    written in place."""
+    written in place. Where a map keeps a rank's pieces in a buffer (DESIGN 16), that rank's
+    shard is the whole buffer and only the tensor's pieces of it are read or written; a new
+    target buffer starts zeroed."""
     if not isinstance(plan, Plan):
         raise TypeError(f"expected a reshard.Plan (from reshard.compose), got {type(plan).__name__}")
     src_map, dst_map = plan.source, plan.target
     arrays = _shard_arrays(src_map, shards)
     outs = [None] * dst_map.world_size if out is None else _by_rank(out, dst_map.world_size, "out")
-    targets = [_Output(o, arrays[0], dst_map.shard_shape(r), f"out[{r}]")
+    targets = [_Output(o, arrays[0], dst_map.shard_shape(r), f"out[{r}]", dst_map.buffer(r))
                for r, o in enumerate(outs)]
     arrays = _staged(arrays, targets)
     sizes = [_numel(src_map.shard_shape(r)) for r in range(src_map.world_size)]

@@ -52,7 +52,8 @@ def test_verify_names_the_first_violation_per_parameter(reshard_bin, tmp_path):
 
 @pytest.mark.parametrize("content,fragment", [
     ("{not json", "parse"),
-    ('{"version": 2}', "version 2"),
+    ('{"version": 3}', "version 3"),
+    ('{"version": 2}', 'missing key "buffers"'),
     ('{"logical_shape": [4], "ranks": {"0": {"shard_shape": [4.0], "pieces": []}}}', "integer"),
     ('[]', "object"),
 ])

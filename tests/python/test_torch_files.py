@@ -25,7 +25,9 @@ DTYPES = {
 
 
 def run(reshard_bin, *args):
-    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True)
+    # The timeout turns a command that never ends (an exponential walk) into a failure.
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
 
 
 def inspect_json(reshard_bin, path):
@@ -308,6 +310,13 @@ def corrupt_cases(tmp_path):
     cd = struct.unpack_from("<I", good, eocd + 16)[0]
     legacy = io.BytesIO()
     torch.save({"x": 1}, legacy, _use_new_zipfile_serialization=False)
+    dag = torch.zeros(1)
+    for _ in range(60):
+        dag = (dag, dag)  # one tensor under 2^60 paths
+    dag_file = io.BytesIO()
+    torch.save(dag, dag_file)
+    huge_view = io.BytesIO()
+    torch.save(torch.zeros(1, dtype=torch.complex128).expand(2**61), huge_view)
     bad_cd = bytearray(good)
     bad_cd[cd:cd + 4] = b"XXXX"
     out_of_range = bytearray(good)
@@ -334,6 +343,11 @@ def corrupt_cases(tmp_path):
                                 "storages are big-endian"),
         "not a torch file": (zipfile_only(), "without a <root>/data.pkl entry"),
         "legacy format": (legacy.getvalue(), "legacy torch.save file"),
+        "tensor under 2^60 paths": (dag_file.getvalue(), "more than 4194304 objects"),
+        "nested 10^5 deep": (make_pt(b"\x80\x02K\x01" + b"\x85" * 10**5 + b"."),
+                             "objects nested deeper than 1000"),
+        "10^5 MARKs": (make_pt(b"\x80\x02" + b"(" * 10**5 + b"N."), "more than 1000 nested MARKs"),
+        "view of 2^65 bytes": (huge_view.getvalue(), "more than 2^62 bytes"),
     }
 
 
@@ -355,6 +369,11 @@ def test_corrupt_files_each_have_their_own_message(tmp_path, reshard_bin):
         assert message in r.stderr, (kind, r.stderr)
         assert "Traceback" not in r.stderr and "Segmentation" not in r.stderr
         messages.add(r.stderr)
+        for args in (["inspect", "--json", path], ["export", path, "-o", tmp_path / "o.pt"],
+                     ["export", path, "-o", tmp_path / "o.safetensors"]):
+            r = run(reshard_bin, *args)
+            assert r.returncode == 2 and message in r.stderr, (kind, args, r.stderr)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"], kind
     assert len(messages) == len(cases)
 
 
@@ -517,6 +536,33 @@ def test_real_deepspeed_files_read_bit_exactly_with_their_records(
                    weights_only=True)
 
 
+# The pickle cost test inside a DeepSpeed checkpoint: a DAG of shared tuples 60 deep added to
+# the model-states file leaves gather, --to universal and inspect as they were (they never
+# ended); the same DAG over a tensor (2^60 names) is refused at once with nothing written.
+@pytest.mark.parametrize("leaf", ["plain", "tensor"])
+def test_shared_objects_in_deepspeed_files(deepspeed_checkpoint, tmp_path, reshard_bin, leaf):
+    import shutil
+    save = tmp_path / "ckpt"
+    shutil.copytree(deepspeed_checkpoint.parent, save)
+    states = save / "step1" / "mp_rank_00_model_states.pt"
+    obj = torch.load(states, weights_only=False)
+    node = torch.zeros(1) if leaf == "tensor" else [1, "x"]
+    for _ in range(60):
+        node = (node, node)
+    obj["shared"] = node
+    torch.save(obj, states)
+    for args in (["gather", save, "-o", tmp_path / "hf"],
+                 ["convert", save, "--to", "universal", "-o", tmp_path / "uc"],
+                 ["inspect", save]):
+        r = run(reshard_bin, *args)
+        if leaf == "plain":
+            assert r.returncode == 0, (args, r.stderr)
+        else:
+            assert r.returncode == 2 and "more than 4194304 objects" in r.stderr, (args, r.stderr)
+    if leaf == "tensor":
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_directories_list_every_tensor_file(deepspeed_checkpoint, tmp_path, reshard_bin):
     from safetensors.torch import save_file
     save_dir = deepspeed_checkpoint.parent
@@ -544,3 +590,104 @@ def test_directories_list_every_tensor_file(deepspeed_checkpoint, tmp_path, resh
     r = run(reshard_bin, "inspect", save_dir)
     assert r.returncode == 2 and 'names "missing", which is not a directory' in r.stderr
     (save_dir / "latest").write_text("step1")
+
+
+def resolve_refs(value, tree):
+    """`value` of inspect --json's tree with every {"ref": pointer} replaced by what it names."""
+    if isinstance(value, dict) and set(value) == {"ref"}:
+        target = tree
+        for token in value["ref"].split("/")[1:]:
+            token = token.replace("~1", "/").replace("~0", "~")
+            target = target[int(token)] if isinstance(target, list) else target[token]
+        return resolve_refs(target, tree)
+    if isinstance(value, dict):
+        return {k: resolve_refs(v, tree) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_refs(v, tree) for v in value]
+    return value
+
+
+def as_tree_json(obj):
+    """What inspect --json writes for plain data, every object in full."""
+    if isinstance(obj, tuple):
+        return {"tuple": [as_tree_json(x) for x in obj]}
+    if isinstance(obj, list):
+        return [as_tree_json(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: as_tree_json(v) for k, v in obj.items()}
+    return obj
+
+
+def shared_dag(depth):
+    leaf = [1, "x" * 100]
+    for _ in range(depth):
+        leaf = (leaf, leaf)
+    return leaf
+
+
+# The pickle cost test: nested tuples that share their halves through the memo (torch.save
+# writes l = (l, l) as two memo recalls) are objects, not copies. Every command costs what
+# the file holds: the work is counted in what is printed, one line or one reference per
+# level, where expanding every path would double it with each level.
+@pytest.mark.parametrize("depth", [4, 16, 60])
+def test_shared_objects_cost_what_the_file_holds(tmp_path, reshard_bin, depth):
+    path = tmp_path / "dag.pt"
+    w = torch.arange(4.0)
+    torch.save({"w": w, "dag": shared_dag(depth), "again": w}, path)
+    size = path.stat().st_size
+    text = run(reshard_bin, "inspect", path)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.count("(same object as ") == depth, text.stdout[:2000]
+    assert text.stdout.count("\n") <= depth + 8 and len(text.stdout) < 20 * size
+    assert "  dag.1 = (same object as dag.0)\n" in text.stdout
+    r = run(reshard_bin, "inspect", "--json", path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count('"ref"') == depth and len(r.stdout) < 100 * size, r.stdout[:2000]
+    info = json.loads(r.stdout)
+    assert [t["name"] for t in info["tensors"]] == ["w", "again"]
+    assert info["tree"]["dag"]["tuple"][1] == {"ref": "/dag/tuple/0"}
+    if depth <= 16:  # refs resolved give what torch.load gives, in full
+        loaded = torch.load(path, weights_only=True)
+        assert resolve_refs(info["tree"]["dag"], info["tree"]) == as_tree_json(loaded["dag"])
+    out = tmp_path / "out.safetensors"
+    r = run(reshard_bin, "export", path, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert sorted(load_file(out)) == ["again", "w"]
+    back = tmp_path / "back.pt"
+    r = run(reshard_bin, "export", path, "-o", back)
+    assert r.returncode == 0, r.stderr
+    assert back.stat().st_size < 2 * size
+    loaded = torch.load(back, weights_only=True)
+    node = loaded["dag"]
+    for _ in range(depth):
+        assert node[0] is node[1]
+        node = node[0]
+    assert node == [1, "x" * 100]
+
+
+# torch.save of an expanded tensor keeps its small storage and stride 0. Exported to a .pt it
+# stays so; to safetensors (dense tensors only) it is written dense while that adds at most
+# the storages' size or 1 GiB, and refused before anything is allocated past that.
+def test_expanded_tensors_export_dense_or_are_refused(tmp_path, reshard_bin):
+    small = tmp_path / "small.pt"
+    tensors = {"b": torch.arange(3.0).expand(4, 3), "one": torch.tensor([2.0]).expand(5)}
+    torch.save(tensors, small)
+    out = tmp_path / "small.safetensors"
+    assert run(reshard_bin, "export", small, "-o", out).returncode == 0
+    for name, t in load_file(out).items():
+        assert torch.equal(t, tensors[name].contiguous()), name
+
+    big = tmp_path / "big.pt"
+    torch.save({"e": torch.tensor([1.0]).expand(2**40)}, big)
+    info = inspect_json(reshard_bin, big)
+    assert info["tensors"][0]["bytes"] == 2**42 and info["tensors"][0]["strides"] == [0]
+    r = run(reshard_bin, "export", big, "-o", tmp_path / "big.safetensors")
+    assert r.returncode == 2, r.stderr
+    assert 'tensor "e"' in r.stderr and "written dense" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt", "small.pt",
+                                                          "small.safetensors"]
+    back = tmp_path / "big_back.pt"
+    r = run(reshard_bin, "export", big, "-o", back)
+    assert r.returncode == 0, r.stderr
+    e = torch.load(back, weights_only=True)["e"]
+    assert e.shape == (2**40,) and e.stride() == (0,) and e[12345].item() == 1.0

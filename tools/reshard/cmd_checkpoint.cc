@@ -6,6 +6,8 @@
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "commands.h"
 #include "documents.h"
@@ -14,6 +16,7 @@
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -82,6 +85,14 @@ RunDescription OptionalInput(const std::string& option, const std::string& path)
   return d;
 }
 
+// --distributed-config: JSON text as given, or the identity of the file holding it.
+RunDescription DistributedConfigInput(const std::string& value) {
+  std::error_code ec;
+  if (!value.empty() && std::filesystem::is_regular_file(value, ec))
+    return OptionalInput("--distributed-config", value);
+  return {{"--distributed-config", value}};
+}
+
 template <typename... Parts>
 RunDescription Joined(Parts... parts) {
   RunDescription d;
@@ -109,6 +120,15 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar,
     RESHARD_ASSIGN_OR_RETURN(o.max_shard_bytes, ParseByteSize(args.max_shard_size));
   }
   return o;
+}
+
+// The output may not be, contain or lie inside anything the command was given to read: the
+// whole directory named (a DeepSpeed save dir, not only the tag dir read through its `latest`)
+// and the map, layout and config files. Checked before any work, on every process alike.
+Status CheckOutputOutsideInputs(const CommonArgs& args, std::vector<std::string> inputs) {
+  inputs.push_back(args.input);
+  std::erase(inputs, std::string());
+  return CheckOutputAgainstInputs(args.output, inputs);
 }
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
@@ -149,30 +169,17 @@ struct ScatterArgs : CommonArgs {
   std::string maps;
   std::string layouts;
   std::string config;
+  std::string distributed_config;
   int tp = 0;
 };
 
 struct ConvertArgs : CommonArgs {
   int tp = 0;
+  std::string distributed_config;
   std::string to;  // "universal": a DeepSpeed universal checkpoint instead of a sharded dir
   std::string target_maps;
   bool weights_only = false;
 };
-
-// The maps of scatter --config: the model's tensor-parallel plan at `world`; records the
-// plan's divisibility constraints in `options` for the manifest.
-Result<MapProvider> MapsFromConfig(const std::string& config, int world,
-                                   CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config));
-  Result<ConfigMaps> from_config = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
-  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", config));
-  options.degree_constraints = DegreeConstraints(from_config->plan());
-  return MapProvider([maps = std::make_shared<ConfigMaps>(*std::move(from_config))](
-                         const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
-    RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps->Map(name, shape));
-    return ProvidedMap{std::move(m.map), std::move(m.layout)};
-  });
-}
 
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
 // or --config.
@@ -181,6 +188,50 @@ struct ScatterMapsOf {
   int world = 0;
   BufferSetBuilder buffers;
 };
+
+// --distributed-config (JSON text, or a file holding it) as plan options.
+Result<PlanOptions> PlanOptionsOf(const std::string& distributed_config) {
+  PlanOptions options;
+  if (distributed_config.empty()) return options;
+  std::string text = distributed_config;
+  if (text.find('{') == std::string::npos) {  // a file holding the JSON
+    RESHARD_ASSIGN_OR_RETURN(text, ReadFileToString(text));
+  }
+  Result<DistributedConfig> parsed = ParseDistributedConfigJson(BuiltinTpRegistry(), text);
+  if (!parsed.ok()) return parsed.status().Annotate("--distributed-config");
+  options.distributed = *std::move(parsed);
+  return options;
+}
+
+// The maps of scatter --config: every tensor laid out as transformers holds it at `world`
+// processes under the distributed config (per-expert tensors into the stacked buffers it
+// fuses them into); records the plan's divisibility constraints in `options`.
+Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
+                                     CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(args.config));
+  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
+  Result<ConfigMaps> from_config =
+      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world, plan_options);
+  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", args.config));
+  options.degree_constraints = DegreeConstraints(from_config->plan());
+  options.model_config = nlohmann::json::parse(text).dump();  // read above: valid JSON
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(args.input));
+  std::vector<StoredTensor> tensors;
+  for (const TensorRef& t : full.tensors()) {
+    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+  }
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*from_config, tensors));
+  auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
+  for (CheckpointTensorMap& t : planned.tensors) {
+    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout)});
+  }
+  MapProvider provider = [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
+    auto it = by_name->find(name);
+    if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
+    return it->second;
+  };
+  return ScatterMapsOf{std::move(provider), world, std::move(planned.buffers)};
+}
 
 Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
   if (!args.maps.empty()) {
@@ -201,8 +252,7 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
     return ScatterMapsOf{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp, {}};
   }
-  RESHARD_ASSIGN_OR_RETURN(MapProvider provider, MapsFromConfig(args.config, args.tp, options));
-  return ScatterMapsOf{std::move(provider), args.tp, {}};
+  return MapsFromConfig(args, args.tp, options);
 }
 
 Status RunScatter(const ScatterArgs& args) {
@@ -214,7 +264,9 @@ Status RunScatter(const ScatterArgs& args) {
                        Joined(OptionalInput("--maps", args.maps),
                               OptionalInput("--layouts", args.layouts),
                               OptionalInput("--config", args.config),
+                              DistributedConfigInput(args.distributed_config),
                               RunDescription{{"--tp", std::to_string(args.tp)}}))));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
@@ -232,6 +284,7 @@ Status RunGather(const GatherArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
       Options(args, bar, Describe("gather", args, {{"--fp32", args.fp32 ? "on" : "off"}})));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {}));
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
   if (args.fp32 && !deepspeed) {
@@ -301,6 +354,39 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   return Status::Ok();
 }
 
+// A sharded checkpoint scattered with --config keeps the model's config.json: its layout at
+// the target topology comes from the model's plans again (MoE experts into their stacked
+// buffers included), so that it converts between TP and EP. nullopt for other checkpoints
+// (their recorded layout descriptors serve).
+Result<std::optional<MapDocument>> RecordedConfigMaps(const ConvertArgs& args) {
+  const std::string manifest_path = (std::filesystem::path(args.input) / kManifestName).string();
+  Result<std::string> text = ReadFileToString(manifest_path);
+  if (!text.ok()) return std::optional<MapDocument>();  // Convert reports it
+  Result<Manifest> m = ParseManifestJson(*text);
+  if (!m.ok() || m->model_config.empty()) {
+    if (!args.distributed_config.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "--distributed-config: \"{}\" was not scattered with --config, so reshard does not "
+          "know the model's plans; give the target layout with --target-maps",
+          args.input));
+    }
+    return std::optional<MapDocument>();
+  }
+  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
+  Result<ConfigMaps> maps =
+      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), m->model_config, args.tp, plan_options);
+  if (!maps.ok()) {
+    return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", manifest_path));
+  }
+  std::vector<StoredTensor> tensors;
+  for (const ShardedParam& p : m->params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*maps, tensors));
+  MapDocument doc;
+  for (CheckpointTensorMap& t : planned.tensors) doc.params.emplace_back(t.name, std::move(t.map));
+  RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, planned.buffers));
+  return std::optional<MapDocument>(std::move(doc));
+}
+
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
@@ -309,8 +395,10 @@ Status RunConvert(const ConvertArgs& args) {
           args, bar,
           Describe("convert", args,
                    Joined(RunDescription{{"--tp", std::to_string(args.tp)}, {"--to", args.to}},
+                          DistributedConfigInput(args.distributed_config),
                           OptionalInput("--target-maps", args.target_maps),
                           RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps}));
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
   std::optional<MapDocument> target;
@@ -325,6 +413,13 @@ Status RunConvert(const ConvertArgs& args) {
   }
   if (deepspeed && !target) {
     RESHARD_ASSIGN_OR_RETURN(target, DeepSpeedConfigMaps(args));
+  }
+  if (!deepspeed && !target) {
+    RESHARD_ASSIGN_OR_RETURN(target, RecordedConfigMaps(args));
+  } else if (!args.distributed_config.empty()) {
+    return InvalidArgumentError(
+        "--distributed-config applies to a checkpoint scattered with --config (its manifest "
+        "keeps the model's config.json); give the target layout with --target-maps instead");
   }
   Status s = WithForceHint(deepspeed ? ConvertDeepSpeed(args.input, args.tp, target,
                                                         args.weights_only, args.output, options)
@@ -382,6 +477,10 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   layouts->excludes(config);
   cmd->add_option("--tp", args->tp, "world size (with --layouts or --config)")
       ->check(IntegerIn(1, 1 << 20));
+  cmd->add_option("--distributed-config", args->distributed_config,
+                  "with --config: transformers' DistributedConfig as JSON text or a file, e.g. "
+                  "'{\"tp_plan\": \"auto\", \"ep_size\": 2}' for expert parallelism")
+      ->needs(config);
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
@@ -407,7 +506,11 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "(what ds_to_universal writes; OUT/latest_universal names its folder)")
       ->check(CLI::IsMember({"universal"}))
       ->excludes(tp);
-  cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  auto target = cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  cmd->add_option("--distributed-config", args->distributed_config,
+                  "a checkpoint scattered with --config: transformers' DistributedConfig of the "
+                  "target (JSON text or a file), e.g. '{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
+      ->excludes(target);
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
 }

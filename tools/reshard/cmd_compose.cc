@@ -61,8 +61,8 @@ Status RunCompose(const ComposeArgs& args) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const std::string json = PlanDocumentToJson(plans);
   if (!args.output.empty()) {
-    RESHARD_RETURN_IF_ERROR(WithForceHint(
-        WriteFileAtomically(args.output, json, {.overwrite = args.force}), args.force));
+    const std::string inputs[] = {args.from, args.to};
+    RESHARD_RETURN_IF_ERROR(WriteOutputFile(args.output, json, args.force, inputs));
   }
   size_t total_moves = 0;
   for (const auto& [name, plan] : plans.params) total_moves += plan.moves.size();

@@ -137,9 +137,8 @@ Status EmitMaps(const DegreeArgs& args, const ModelPlan& plan, int64_t degree) {
   RESHARD_ASSIGN_OR_RETURN(auto tensors, CheckpointTensors(args.weights));
   Result<MapDocument> maps = ModelMaps(plan, static_cast<int>(degree), tensors);
   if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", args.weights));
-  return WithForceHint(
-      WriteFileAtomically(args.emit_maps, MapDocumentToJson(*maps), {.overwrite = args.force}),
-      args.force);
+  const std::string inputs[] = {args.config, args.weights};
+  return WriteOutputFile(args.emit_maps, MapDocumentToJson(*maps), args.force, inputs);
 }
 
 Status RunDegree(const DegreeArgs& args) {

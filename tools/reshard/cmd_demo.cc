@@ -235,15 +235,32 @@ Result<std::filesystem::path> PrepareRoot(const DemoArgs& args) {
     root = fs::temp_directory_path(ec) / fmt::format("reshard-demo-{:08x}", rd());
   } else {
     root = args.dir;
-    if (fs::exists(root, ec) && !fs::is_empty(root, ec) && !args.force) {
+    const fs::file_status st = fs::symlink_status(root, ec);
+    if (fs::is_symlink(st)) {
+      return InvalidArgumentError(
+          fmt::format("DIR \"{}\" is a symbolic link (to \"{}\"); give a real directory path",
+                      args.dir, fs::read_symlink(root, ec).string()));
+    }
+    if (fs::exists(st) && !fs::is_directory(st)) {
+      return InvalidArgumentError(fmt::format(
+          "DIR \"{}\" exists and is not a directory, which the demo never replaces; remove it "
+          "yourself or choose another DIR",
+          args.dir));
+    }
+    if (fs::exists(st) && !fs::is_empty(root, ec) && !args.force) {
       return AlreadyExistsError(fmt::format(
           "\"{}\" already exists and is not empty; pass --force to replace its contents",
           args.dir));
     }
+    // With --force, each output the demo writes in DIR replaces only what --force may replace,
+    // all checked before anything is written.
+    for (const char* name : {"full", "tp4", "tp2", "tp3", "gathered"}) {
+      RESHARD_RETURN_IF_ERROR(CheckReplaceable((root / name).string()));
+    }
+    RESHARD_RETURN_IF_ERROR(CheckOutputFile((root / "layouts.json").string(), true));
   }
   fs::create_directories(root, ec);
-  if (ec)
-    return UnavailableError(fmt::format("cannot create \"{}\": {}", root.string(), ec.message()));
+  if (ec) return ErrnoStatus(ec.value(), "cannot create", root.string());
   return root;
 }
 

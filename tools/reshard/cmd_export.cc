@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "exit_status.h"
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_file.h"
@@ -56,14 +57,21 @@ Result<size_t> TorchToOutput(const ExportArgs& args) {
 }
 
 Status RunExport(const ExportArgs& args) {
+  // What may be in the output's place (a regular file that is not the input, with --force),
+  // checked before the input is even opened.
+  const std::string inputs[] = {args.path};
+  RESHARD_RETURN_IF_ERROR(
+      WithForceHint(CheckOutputFile(args.output, args.force, inputs), args.force));
   RESHARD_ASSIGN_OR_RETURN(const MappedFile mapped, MappedFile::Open(args.path));
-  Result<size_t> written =
-      LooksLikeTorchFile(mapped.bytes()) ? TorchToOutput(args) : SafetensorsToTorch(args);
-  if (written.status().code() == StatusCode::kAlreadyExists) {
-    return Status(StatusCode::kAlreadyExists,
-                  written.status().message() + " (use --force to replace it)");
+  const bool from_torch = LooksLikeTorchFile(mapped.bytes());
+  if (!from_torch && args.output.ends_with(".safetensors")) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a safetensors file, and export writes it as a torch.save file, which the "
+        "name \"{}\" would misdescribe; name the output .pt, .pth or .bin",
+        args.path, args.output));
   }
-  RESHARD_RETURN_IF_ERROR(written.status());
+  Result<size_t> written = from_torch ? TorchToOutput(args) : SafetensorsToTorch(args);
+  RESHARD_RETURN_IF_ERROR(WithForceHint(written.status(), args.force));
   fmt::print("wrote {} tensors to \"{}\"\n", *written, args.output);
   return Status::Ok();
 }

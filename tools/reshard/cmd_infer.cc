@@ -32,7 +32,8 @@ Status RunInfer(const InferArgs& args) {
                                      "; pass --allow-uncovered if the observation is deliberately "
                                      "partial");
   }
-  return PrintOrWrite(args.output, ParamMapToJson(*map), args.force);
+  const std::string inputs[] = {args.path};
+  return PrintOrWrite(args.output, ParamMapToJson(*map), args.force, inputs);
 }
 
 void AddInferOptions(CLI::App* cmd, InferArgs* args) {

@@ -87,7 +87,8 @@ Status RunLayout(const LayoutArgs& args) {
   const std::string& path = args.descriptor.empty() ? args.deepspeed_meta : args.descriptor;
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   RESHARD_ASSIGN_OR_RETURN(ParamMap map, LayOut(args, path, text));
-  return PrintOrWrite(args.output, ParamMapToJson(map), args.force);
+  const std::string inputs[] = {path};
+  return PrintOrWrite(args.output, ParamMapToJson(map), args.force, inputs);
 }
 
 void AddLayoutOptions(CLI::App* cmd, LayoutArgs* args) {

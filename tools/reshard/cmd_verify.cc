@@ -44,12 +44,29 @@ Status RunVerify(const VerifyArgs& args) {
     params.push_back(std::move(entry));
   }
   const size_t invalid = doc.num_invalid();
+  // Buffers (a version-2 document) are checked with every map over them, once all are valid.
+  nlohmann::ordered_json buffers = nlohmann::ordered_json::object();
+  if (invalid == 0 && doc.buffers.ok()) {
+    for (const BufferDecl& b : doc.buffers->buffers()) buffers[b.name] = {{"valid", true}};
+    if (!args.json && !doc.buffers->empty()) {
+      fmt::print("ok       {} buffer(s): every element written by exactly one piece or padding\n",
+                 doc.buffers->buffers().size());
+    }
+  } else if (invalid == 0) {
+    const Status failed = doc.status().Annotate(fmt::format("\"{}\"", args.path));
+    if (!args.json) fmt::print("INVALID  buffers\n");
+    fmt::print(stderr, "reshard verify: {}\n", failed.message());
+    if (ExitStatusFor(failed) > ExitStatusFor(worst)) worst = failed;
+  }
+  const bool buffers_valid = invalid > 0 || doc.buffers.ok();
   if (args.json) {
     nlohmann::ordered_json out = {{"file", args.path},
-                                  {"valid", invalid == 0},
+                                  {"valid", invalid == 0 && buffers_valid},
                                   {"num_params", doc.params.size()},
                                   {"num_invalid", invalid},
                                   {"params", std::move(params)}};
+    if (!buffers_valid) out["buffers_error"] = doc.buffers.status().message();
+    if (!buffers.empty()) out["buffers"] = std::move(buffers);
     fmt::print("{}\n", out.dump(2));
   } else {
     fmt::print("{} of {} parameter(s) valid\n", doc.params.size() - invalid, doc.params.size());

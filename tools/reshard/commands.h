@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -55,9 +56,15 @@ CommandBody DemoCommand();
 /// Adds every command to `app` as a subcommand, with its name and help from the table.
 void AddCommands(CLI::App& app, int& exit_status);
 
-/// Prints `text` on stdout when `output` is empty, else writes it to `output` atomically
-/// (replacing an existing file only with `force`).
-Status PrintOrWrite(const std::string& output, const std::string& text, bool force);
+/// Prints `text` on stdout when `output` is empty, else writes it to `output` as
+/// WriteOutputFile does.
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force,
+                    std::span<const std::string> inputs);
+
+/// Writes `text` to `output` atomically, where CheckOutputFile allows (with `force`, replacing
+/// only a regular file that is none of `inputs`).
+Status WriteOutputFile(const std::string& output, const std::string& text, bool force,
+                       std::span<const std::string> inputs);
 
 /// `-o,--output` (described by `what`) and `--force` (replace an existing output).
 CLI::Option* AddOutputOptions(CLI::App* cmd, std::string& output, bool& force,

@@ -1,14 +1,58 @@
 // reshard: plan, describe and perform the re-sharding of tensor-parallel checkpoints.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
 
 #include "commands.h"
 #include "exit_status.h"
 #include "interrupt.h"
 #include "processes.h"
+#include "reshard/io/temporaries.h"
+
+namespace {
+
+// The last resort for an exception that nothing caught (the library returns Status, so this is
+// a bug): remove every temporary output, say so, and end with exit status 3 at once (under
+// mpirun, ending makes the launcher end the others). `what` describes the exception.
+[[noreturn]] void EndByInternalError(const std::string& what) {
+  ::alarm(30);  // should the removal wait on a lock this thread holds, end anyway
+  reshard::RemoveTemporariesAndHold();
+  std::fprintf(stderr,
+               "reshard: internal error: %s; the unfinished outputs were removed. Please report "
+               "this with the command line that caused it.\n",
+               what.c_str());
+  std::fflush(stderr);
+  std::fflush(stdout);
+  std::_Exit(reshard::cli::kExitInternal);
+}
+
+// What an exception in flight is, for the message.
+std::string DescribeCurrentException() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return std::string("uncaught exception: ") + e.what();
+  } catch (...) {
+    return "uncaught exception of an unknown type";
+  }
+}
+
+// std::terminate's handler: an exception escaping a thread (or a noexcept function) ends here
+// instead of in abort().
+[[noreturn]] void OnTerminate() {
+  EndByInternalError(std::current_exception() ? DescribeCurrentException()
+                                              : "std::terminate called");
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace reshard::cli;
+  std::set_terminate(OnTerminate);
   HandleInterruptions();
   CLI::App app{
       "reshard: describe, validate and move tensor-parallel shards as affine maps.\n"
@@ -30,6 +74,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "reshard: %s\nRun 'reshard --help' or 'reshard <command> --help'.\n",
                  e.what());
     return kExitUsage;
+  } catch (...) {
+    // The stack is unwound by now, so every output's temporary has been removed by its owner;
+    // anything left is removed here.
+    EndByInternalError(DescribeCurrentException());
   }
   EndProcesses();
   return exit_status;

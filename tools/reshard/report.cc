@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "exit_status.h"
+#include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/file.h"
 
 namespace reshard::cli {
@@ -28,11 +29,18 @@ Status WithForceHint(Status status, bool force) {
   return Status(status.code(), status.message() + "; pass --force to replace it");
 }
 
-Status PrintOrWrite(const std::string& output, const std::string& text, bool force) {
+Status PrintOrWrite(const std::string& output, const std::string& text, bool force,
+                    std::span<const std::string> inputs) {
   if (output.empty()) {
     fmt::print("{}", text);
     return Status::Ok();
   }
+  return WriteOutputFile(output, text, force, inputs);
+}
+
+Status WriteOutputFile(const std::string& output, const std::string& text, bool force,
+                       std::span<const std::string> inputs) {
+  RESHARD_RETURN_IF_ERROR(WithForceHint(CheckOutputFile(output, force, inputs), force));
   return WithForceHint(WriteFileAtomically(output, text, {.overwrite = force}), force);
 }
 

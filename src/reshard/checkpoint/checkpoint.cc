@@ -156,6 +156,12 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     return InvalidArgumentError(
         fmt::format("files: {} entries for a world of {} ranks", files->size(), m.world_size));
   }
+  if (auto config = doc.find("model_config"); config != doc.end() && !config->is_null()) {
+    if (!config->is_object()) {
+      return InvalidArgumentError("model_config: expected the model's config.json (an object)");
+    }
+    m.model_config = config->dump();
+  }
   if (auto constraints = doc.find("constraints"); constraints != doc.end()) {
     RESHARD_ASSIGN_OR_RETURN(m.constraints, ReadConstraints(*constraints));
   }
@@ -284,6 +290,9 @@ std::string ManifestToJson(const Manifest& m) {
   for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
   if (!m.constraints.empty()) j["constraints"] = ConstraintsToJson(m.constraints);
   if (!m.buffers.empty()) j["buffers"] = BufferSetToJsonValue(m.buffers);
+  if (!m.model_config.empty()) {
+    j["model_config"] = json::OrderedJson::parse(m.model_config, nullptr, false);
+  }
   json::OrderedJson& params = j["params"] = json::OrderedJson::object();
   for (const ShardedParam& p : m.params) {
     json::OrderedJson param;

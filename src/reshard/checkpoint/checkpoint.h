@@ -21,7 +21,8 @@
 //   {"shape", "padding"?}}}} as in a map document (ir/map_json.h). A parameter whose map puts
 //   rank r's pieces in buffer B has no tensor of its own in rank r's files; rank r's files
 //   hold B (named B, of its shape on r), which the pieces of every map over it fill exactly.
-//   A buffer may not share its name with a parameter that has a tensor of its own. `scale_power` (default 1)
+//   A buffer may not share its name with a parameter that has a tensor of its own.
+//   "model_config": {<config.json>}? is the model's config, kept by scatter --config. `scale_power` (default 1)
 //   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
 //   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
 //   another world size. `constraints` (from the model's tensor-parallel plan, when the
@@ -67,6 +68,9 @@ struct Manifest {
   std::vector<ShardedParam> params;             // in file order
   std::vector<DegreeConstraint> constraints;    // what the model's plan requires of world_size
   BufferSet buffers;                            // validated with the params' maps
+  /// The model's config.json (JSON text, "" when unknown): recorded by scatter --config so
+  /// that convert can lay the model out at another topology from its plans.
+  std::string model_config;
 };
 
 /// One tensor of a rank's files: a parameter's own shard, or a buffer that several

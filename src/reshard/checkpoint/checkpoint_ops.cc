@@ -325,6 +325,7 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
   Manifest manifest;
   manifest.world_size = world_size;
   manifest.constraints = options.degree_constraints;
+  manifest.model_config = options.model_config;
   for (const TensorRef& t : full.tensors()) {
     const std::string& name = t.info->name;
     Result<ResolvedMap> resolved = ResolveMap(maps, name, t.info->shape);
@@ -581,6 +582,7 @@ Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
   ConvertPlan out;
   out.target.world_size = world_size;
   out.target.constraints = src.constraints;
+  out.target.model_config = src.model_config;
   for (const ShardedParam& p : src.params) {
     RESHARD_ASSIGN_OR_RETURN(ParamMap target,
                              TargetMapOf(p, world_size, target_maps.has_value(), given));

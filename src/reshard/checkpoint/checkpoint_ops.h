@@ -83,6 +83,9 @@ struct CheckpointOptions {
   /// convert carries them over and, building target maps from the recorded layouts, refuses a
   /// world size that breaks one.
   std::vector<DegreeConstraint> degree_constraints;
+  /// scatter: the model's config.json (JSON text) to record in the manifest; convert carries
+  /// the source's over.
+  std::string model_config;
   /// The processes running this operation together (all of them call it with the same
   /// arguments); null: this process alone. `progress` then reports, on process 0, the whole
   /// job's bytes written; other processes report nothing.

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 #include <vector>
 
 #include "reshard/base/dtype.h"
@@ -124,7 +125,8 @@ ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
                        {"bytes", t.data.size()},
                        {"file", files[t.file]}});
   }
-  const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json");
+  std::error_code ec;
+  const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json", ec);
   return {{"format", "huggingface"},
           {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
           {"bytes", c.total_bytes()},
@@ -198,10 +200,117 @@ std::string Hex(std::string_view bytes) {
   return out;
 }
 
-// The object tree as JSON: plain values as themselves (dicts with only str keys as objects),
-// tuples, sets, bytes, tensors, globals and records as one-key objects saying what they are.
-ordered_json TreeJson(const TorchFile& f, PickleNodeId id) {
-  const PickleNode& n = f.tree().node(id);
+// The object tree as JSON (TreeWriter::Json): plain values as themselves (dicts with only str
+// keys as objects), tuples, sets, bytes, tensors, globals and records as one-key objects saying
+// what they are; or as "path = value" lines (TreeWriter::Lines) for every value that is not a
+// tensor or a container of them.
+//
+// Each object is written once. One reached again through the pickle's memo (a container,
+// record or persistent id, or a str, bytes, big int or global longer than 64 bytes) is written
+// as a reference to where it was first written: {"ref": "/a/tuple/0"}, a JSON Pointer into the
+// tree, or in lines "a.1 = (same object as a.0)". So the report costs what the file holds
+// however its objects are shared (l = (l, l) nested 60 deep is 60 objects, not 2^60).
+// Tensors are written by name ({"tensor": "w"}) wherever they are reached.
+class TreeWriter {
+ public:
+  // `pointer`: locations are JSON Pointers into the tree; otherwise dotted paths.
+  TreeWriter(const TorchFile& f, bool pointer) : f_(f), pointer_(pointer) { FindShared(); }
+  ordered_json Json(PickleNodeId id, const std::string& where);
+  void Lines(PickleNodeId id, const std::string& path, std::vector<std::string>& out);
+
+ private:
+  const PickleNode& N(PickleNodeId id) const { return f_.tree().node(id); }
+  void FindShared();
+  // The location where `id` was first written if it is a shared object written before;
+  // otherwise nullptr, and `where` is kept as its location if it is shared.
+  const std::string* Seen(PickleNodeId id, const std::string& where);
+  // A child's location: `kind` ("tuple", "set", "dict", "args") is a step of the JSON only.
+  std::string Child(const std::string& where, std::string_view kind, std::string_view step) const;
+  const TorchTensor* TensorOf(PickleNodeId id) const;
+  ordered_json Args(PickleNodeId args, const std::string& where);
+
+  const TorchFile& f_;
+  const bool pointer_;
+  std::vector<uint8_t> shared_;  // reached from two places or more, and worth a reference
+  std::unordered_map<PickleNodeId, std::string> first_;
+};
+
+void TreeWriter::FindShared() {
+  const PickleTree& t = f_.tree();
+  std::vector<uint8_t> uses(t.size(), 0);
+  std::vector<PickleNodeId> stack = {t.root()};
+  uses[t.root()] = 1;
+  const auto visit = [&](PickleNodeId c) {
+    if (c == kNoPickleNode) return;
+    if (uses[c]++ == 0) stack.push_back(c);
+    uses[c] = std::min<uint8_t>(uses[c], 2);
+  };
+  while (!stack.empty()) {
+    const PickleNode& n = t.node(stack.back());
+    stack.pop_back();
+    for (PickleNodeId c : n.items) visit(c);
+    for (const auto& [k, v] : n.entries) visit(k), visit(v);
+    visit(n.args);
+    visit(n.state);
+  }
+  shared_.assign(t.size(), 0);
+  for (size_t i = 0; i < t.size(); ++i) {
+    const PickleNode& n = t.node(static_cast<PickleNodeId>(i));
+    const bool text = n.kind == PickleKind::kStr || n.kind == PickleKind::kBytes ||
+                      n.kind == PickleKind::kBigInt || n.kind == PickleKind::kGlobal;
+    const bool scalar = text || n.kind == PickleKind::kNone || n.kind == PickleKind::kBool ||
+                        n.kind == PickleKind::kInt || n.kind == PickleKind::kFloat;
+    shared_[i] = uses[i] >= 2 && (!scalar || (text && n.text.size() > 64));
+  }
+}
+
+const std::string* TreeWriter::Seen(PickleNodeId id, const std::string& where) {
+  if (!shared_[id]) return nullptr;
+  const auto [it, inserted] = first_.emplace(id, where);
+  return inserted ? nullptr : &it->second;
+}
+
+std::string TreeWriter::Child(const std::string& where, std::string_view kind,
+                              std::string_view step) const {
+  if (!pointer_) return where.empty() ? std::string(step) : where + "." + std::string(step);
+  std::string out = where;
+  if (!kind.empty()) out += "/" + std::string(kind);
+  out += '/';
+  for (char c : step) {
+    if (c == '~') {
+      out += "~0";
+    } else if (c == '/') {
+      out += "~1";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// The tensor a record makes: a rebuilt tensor, or a parameter of one.
+const TorchTensor* TreeWriter::TensorOf(PickleNodeId id) const {
+  const PickleNode& n = N(id);
+  if (n.kind != PickleKind::kRecord) return nullptr;
+  if (const TorchTensor* t = f_.TensorAt(id)) return t;
+  const PickleNode& args = N(n.args);
+  return args.items.empty() ? nullptr : f_.TensorAt(args.items[0]);
+}
+
+// A record's arguments as an array (a reference when the tuple was written before).
+ordered_json TreeWriter::Args(PickleNodeId args, const std::string& where) {
+  if (const std::string* first = Seen(args, where)) return {{"ref", *first}};
+  ordered_json items = ordered_json::array();
+  const std::vector<PickleNodeId>& a = N(args).items;
+  for (size_t i = 0; i < a.size(); ++i)
+    items.push_back(Json(a[i], Child(where, "", std::to_string(i))));
+  return items;
+}
+
+ordered_json TreeWriter::Json(PickleNodeId id, const std::string& where) {
+  const PickleNode& n = N(id);
+  if (const TorchTensor* t = TensorOf(id)) return {{"tensor", t->name}};
+  if (const std::string* first = Seen(id, where)) return {{"ref", *first}};
   switch (n.kind) {
     case PickleKind::kNone:
       return nullptr;
@@ -221,44 +330,84 @@ ordered_json TreeJson(const TorchFile& f, PickleNodeId id) {
     case PickleKind::kGlobal:
       return {{"global", n.text}};
     case PickleKind::kPersistentId:
-      return {{"persistent_id", TreeJson(f, n.items[0])}};
+      return {{"persistent_id", Json(n.items[0], Child(where, "", "persistent_id"))}};
     case PickleKind::kList:
     case PickleKind::kTuple:
     case PickleKind::kSet: {
+      const std::string_view kind = n.kind == PickleKind::kList    ? ""
+                                    : n.kind == PickleKind::kTuple ? "tuple"
+                                                                   : "set";
       ordered_json items = ordered_json::array();
-      for (PickleNodeId c : n.items) items.push_back(TreeJson(f, c));
+      for (size_t i = 0; i < n.items.size(); ++i)
+        items.push_back(Json(n.items[i], Child(where, kind, std::to_string(i))));
       if (n.kind == PickleKind::kList) return items;
-      return {{n.kind == PickleKind::kTuple ? "tuple" : "set", items}};
+      return {{std::string(kind), items}};
     }
     case PickleKind::kDict: {
       const bool str_keys = std::all_of(n.entries.begin(), n.entries.end(), [&](auto& e) {
-        return f.tree().node(e.first).kind == PickleKind::kStr;
+        return N(e.first).kind == PickleKind::kStr;
       });
       ordered_json out = str_keys ? ordered_json::object() : ordered_json::array();
-      for (const auto& [k, v] : n.entries) {
+      for (size_t i = 0; i < n.entries.size(); ++i) {
+        const auto& [k, v] = n.entries[i];
         if (str_keys) {
           // Keys are unique (the reader keeps the last value of a repeated key): append
           // without ordered_json's linear lookup, which is quadratic over a large dict.
-          out.get_ref<ordered_json::object_t&>().emplace_back(f.tree().node(k).text,
-                                                              TreeJson(f, v));
+          out.get_ref<ordered_json::object_t&>().emplace_back(N(k).text,
+                                                              Json(v, Child(where, "", N(k).text)));
         } else {
-          out.push_back(ordered_json::array({TreeJson(f, k), TreeJson(f, v)}));
+          const std::string entry = Child(where, "dict", std::to_string(i));
+          out.push_back(ordered_json::array(
+              {Json(k, Child(entry, "", "0")), Json(v, Child(entry, "", "1"))}));
         }
       }
       return str_keys ? out : ordered_json{{"dict", out}};
     }
     case PickleKind::kRecord: {
-      if (const TorchTensor* t = f.TensorAt(id)) return {{"tensor", t->name}};
-      const PickleNode& args = f.tree().node(n.args);
-      if (!args.items.empty() && f.TensorAt(args.items[0]) != nullptr) {
-        return {{"tensor", f.TensorAt(args.items[0])->name}};  // a parameter
-      }
-      ordered_json out = {{"record", n.text}, {"args", TreeJson(f, n.args)["tuple"]}};
-      if (n.state != kNoPickleNode) out["state"] = TreeJson(f, n.state);
+      ordered_json out = {{"record", n.text}, {"args", Args(n.args, Child(where, "", "args"))}};
+      if (n.state != kNoPickleNode) out["state"] = Json(n.state, Child(where, "", "state"));
       return out;
     }
   }
   return nullptr;
+}
+
+void TreeWriter::Lines(PickleNodeId id, const std::string& path, std::vector<std::string>& out) {
+  const PickleNode& n = N(id);
+  const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
+  const auto line = [&](const std::string& v) {
+    out.push_back((path.empty() ? "(root)" : path) + " = " + v);
+  };
+  if (n.kind == PickleKind::kDict || n.kind == PickleKind::kList || n.kind == PickleKind::kTuple ||
+      (n.kind == PickleKind::kRecord && TensorOf(id) == nullptr)) {
+    if (const std::string* first = Seen(id, path)) {
+      line("(same object as " + (first->empty() ? std::string("(root)") : *first) + ")");
+      return;
+    }
+  }
+  if (n.kind == PickleKind::kDict || n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) {
+    if (n.items.empty() && n.entries.empty()) line(n.kind == PickleKind::kDict ? "{}" : "[]");
+    for (size_t i = 0; i < n.items.size(); ++i) Lines(n.items[i], join(std::to_string(i)), out);
+    for (size_t i = 0; i < n.entries.size(); ++i) {
+      const auto& [k, v] = n.entries[i];
+      const PickleNode& key = N(k);
+      Lines(v,
+            join(key.kind == PickleKind::kStr ? key.text
+                                              : Json(k, join("#" + std::to_string(i))).dump()),
+            out);
+    }
+    return;
+  }
+  if (n.kind == PickleKind::kRecord) {
+    if (TensorOf(id) != nullptr) return;
+    const ordered_json args = Args(n.args, join("args"));
+    const std::string args_json = args.dump();
+    line(n.text + "(" + (args.is_array() ? args_json.substr(1, args_json.size() - 2) : args_json) +
+         ")");
+    if (n.state != kNoPickleNode) Lines(n.state, path, out);
+    return;
+  }
+  line(Json(id, path).dump());
 }
 
 ordered_json TorchJson(const TorchFile& f) {
@@ -280,43 +429,12 @@ ordered_json TorchJson(const TorchFile& f) {
     storages.push_back(
         {{"key", s.key}, {"dtype", s.dtype.name}, {"numel", s.numel}, {"bytes", s.bytes.size()}});
   }
+  TreeWriter tree(f, /*pointer=*/true);
   return {{"format", "torch"},
           {"root", f.root()},
           {"tensors", tensors},
           {"storages", storages},
-          {"tree", TreeJson(f, f.tree().root())}};
-}
-
-// "path = value" for every value of the tree that is not a tensor or a container of them.
-void ValueLines(const TorchFile& f, PickleNodeId id, const std::string& path,
-                std::vector<std::string>& out) {
-  const PickleNode& n = f.tree().node(id);
-  const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
-  const auto line = [&](const std::string& v) {
-    out.push_back((path.empty() ? "(root)" : path) + " = " + v);
-  };
-  if (n.kind == PickleKind::kDict || n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) {
-    if (n.items.empty() && n.entries.empty()) line(n.kind == PickleKind::kDict ? "{}" : "[]");
-    for (size_t i = 0; i < n.items.size(); ++i)
-      ValueLines(f, n.items[i], join(std::to_string(i)), out);
-    for (const auto& [k, v] : n.entries) {
-      const PickleNode& key = f.tree().node(k);
-      ValueLines(f, v, join(key.kind == PickleKind::kStr ? key.text : TreeJson(f, k).dump()), out);
-    }
-    return;
-  }
-  if (n.kind == PickleKind::kRecord) {
-    const PickleNode& args = f.tree().node(n.args);
-    if (f.TensorAt(id) != nullptr ||
-        (!args.items.empty() && f.TensorAt(args.items[0]) != nullptr)) {
-      return;
-    }
-    const std::string args_json = TreeJson(f, n.args)["tuple"].dump();  // "[...]"
-    line(n.text + "(" + args_json.substr(1, args_json.size() - 2) + ")");
-    if (n.state != kNoPickleNode) ValueLines(f, n.state, path, out);
-    return;
-  }
-  line(TreeJson(f, id).dump());
+          {"tree", tree.Json(f.tree().root(), "")}};
 }
 
 void AppendTorch(const std::string& path, const TorchFile& f, std::string& text) {
@@ -336,7 +454,7 @@ void AppendTorch(const std::string& path, const TorchFile& f, std::string& text)
                    t.parameter ? "  parameter" : "");
   }
   std::vector<std::string> lines;
-  ValueLines(f, f.tree().root(), "", lines);
+  TreeWriter(f, /*pointer=*/false).Lines(f.tree().root(), "", lines);
   if (!lines.empty()) fmt::format_to(std::back_inserter(text), "other values:\n");
   for (const std::string& line : lines) fmt::format_to(std::back_inserter(text), "  {}\n", line);
 }
@@ -390,19 +508,30 @@ bool IsTensorFile(const std::filesystem::path& p) {
 Status InspectDirectory(const std::string& path, bool json, std::string& out) {
   fs::path dir = path;
   std::string tag;
-  if (Result<std::string> latest = ReadFileToString((dir / "latest").string()); latest.ok()) {
+  std::error_code error;
+  Result<std::string> latest = ReadFileToString((dir / "latest").string());
+  // A `latest` that is there but cannot be read (a symbolic link loop, a directory) is a
+  // malformed DeepSpeed save dir, as gather and convert find it.
+  if (!latest.ok() && latest.status().code() != StatusCode::kNotFound) return latest.status();
+  if (latest.ok()) {
     tag = *latest;
     while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
-    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag)) {
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag, error)) {
       return DataLossError("\"" + (dir / "latest").string() + "\" names \"" + tag +
                            "\", which is not a directory beside it");
     }
     dir /= tag;
   }
   std::vector<fs::path> files, others;
-  std::error_code error;
   for (const auto& entry : fs::directory_iterator(dir, error)) {
-    if (!entry.is_regular_file()) continue;
+    std::error_code type_error;
+    const bool regular = entry.is_regular_file(type_error);
+    // A tensor file that cannot even be looked at (a symbolic link loop, a name too long to
+    // follow) is an unreadable input; anything else that is not a regular file is passed over.
+    if (type_error && IsTensorFile(entry.path())) {
+      return ErrnoStatus(type_error.value(), "cannot read", entry.path().string());
+    }
+    if (!regular) continue;
     (IsTensorFile(entry.path()) ? files : others).push_back(entry.path());
   }
   if (error)
@@ -456,7 +585,8 @@ Status InspectDirectory(const std::string& path, bool json, std::string& out) {
 Result<std::string> Inspect(const std::string& path, InspectFormat format) {
   const bool json = format == InspectFormat::kJson;
   std::string out;
-  if (fs::is_directory(path)) {
+  std::error_code ec;  // a path that cannot be looked at is InspectFile's to report
+  if (fs::is_directory(path, ec)) {
     RESHARD_RETURN_IF_ERROR(InspectDirectory(path, json, out));
     return out;
   }

@@ -214,6 +214,54 @@ Status CheckOutputAgainstInputs(const std::string& path, std::span<const std::st
   return Status::Ok();
 }
 
+namespace {
+
+// What a file that is not a regular one is, for a message.
+std::string_view KindOfFile(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+}  // namespace
+
+Status CheckOutputFile(const std::string& path, bool overwrite,
+                       std::span<const std::string> inputs) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return CheckOutputAgainstInputs(path, inputs);
+    return ErrnoStatus(errno, "cannot look at the output", path);
+  }
+  if (S_ISLNK(st.st_mode)) {
+    std::error_code ec;
+    return InvalidArgumentError(
+        fmt::format("output \"{}\" is a symbolic link (to \"{}\"); give a real file path", path,
+                    fs::read_symlink(path, ec).string()));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return InvalidArgumentError(fmt::format(
+        "output \"{}\" is {}; only a regular file is ever replaced: remove it yourself or choose "
+        "another output file",
+        path, KindOfFile(st.st_mode)));
+  }
+  for (const std::string& input : inputs) {
+    struct stat in {};
+    if (::stat(input.c_str(), &in) == 0 && in.st_dev == st.st_dev && in.st_ino == st.st_ino) {
+      return InvalidArgumentError(fmt::format(
+          "output \"{}\" is the input \"{}\"; inputs are never written, so choose another "
+          "output file",
+          path, input));
+    }
+  }
+  RESHARD_RETURN_IF_ERROR(CheckOutputAgainstInputs(path, inputs));
+  if (!overwrite) return AlreadyExistsError(fmt::format("\"{}\" already exists", path));
+  return Status::Ok();
+}
+
 Status OutputDirectory::CheckTarget() const {
   RESHARD_RETURN_IF_ERROR(CheckOutputAgainstInputs(path_, inputs_));
   std::error_code ec;

@@ -19,6 +19,11 @@
 // Whether replacing or not, the output may not be, contain or lie inside any input (real
 // paths: symbolic links resolved), nor be or contain the current directory; a symbolic link
 // as the output is refused (InvalidArgument), all before any work is done.
+//
+// An output that is one file (export, infer/layout/compose -o, degree --emit-maps) may replace
+// (`overwrite`) only a regular file that is not an input (the same path, or the same file
+// through another name); a symbolic link, a directory, a device, a FIFO or a socket in its
+// place is refused, with or without `overwrite`.
 #ifndef RESHARD_CHECKPOINT_OUTPUT_DIR_H_
 #define RESHARD_CHECKPOINT_OUTPUT_DIR_H_
 
@@ -43,6 +48,13 @@ Status CheckReplaceable(const std::string& path);
 /// nor is or contains the current directory, and is not a symbolic link; InvalidArgument
 /// naming the conflict otherwise.
 Status CheckOutputAgainstInputs(const std::string& path, std::span<const std::string> inputs);
+
+/// The rule for an output that is one file (above): OK when `path` does not exist, or exists as
+/// a regular file that is none of `inputs` and `overwrite` is set; AlreadyExists for an existing
+/// regular file without `overwrite`; InvalidArgument naming what is there (a symbolic link, a
+/// directory, a device, a FIFO, a socket) or the input it is, otherwise.
+Status CheckOutputFile(const std::string& path, bool overwrite,
+                       std::span<const std::string> inputs = {});
 
 /// An output directory that appears atomically: files are written into a temporary sibling
 /// directory (io/temporaries.h: removed if the run is interrupted, and by a later run if the

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
+#include <map>
 
 namespace reshard {
 
@@ -189,6 +191,197 @@ Result<ConfigMaps> ConfigMaps::FromPlan(ModelPlan plan, int tp) {
   const DegreeAnswer answer = PlanDegree(plan, tp);
   if (answer.refusal) return FailedPreconditionError(answer.refusal->message);
   return ConfigMaps(std::move(plan), tp);
+}
+
+namespace {
+
+// Where a stacked-expert conversion source "<A>*<B>" (one `*`: the expert id) matches a
+// renamed tensor name: the name is P + A + digits + B. Returns P and the expert id.
+std::optional<std::pair<std::string, int>> MatchExpertSource(std::string_view source,
+                                                             std::string_view name) {
+  const size_t star = source.find('*');
+  if (star == std::string_view::npos || source.find('*', star + 1) != std::string_view::npos)
+    return std::nullopt;
+  const std::string_view a = source.substr(0, star), b = source.substr(star + 1);
+  if (name.size() < a.size() + b.size() + 1 || !name.ends_with(b)) return std::nullopt;
+  const size_t digits_end = name.size() - b.size();
+  for (size_t start = name.rfind(a); start != std::string_view::npos;
+       start = start == 0 ? std::string_view::npos : name.rfind(a, start - 1)) {
+    const size_t d = start + a.size();
+    if (d >= digits_end) continue;
+    const std::string_view id = name.substr(d, digits_end - d);
+    if (id.size() > 6 || !std::all_of(id.begin(), id.end(), [](char c) {
+          return std::isdigit(static_cast<unsigned char>(c));
+        }))
+      continue;
+    return std::pair{std::string(name.substr(0, start)), std::stoi(std::string(id))};
+  }
+  return std::nullopt;
+}
+
+// One stacked buffer being collected: its conversion, and per member the experts' tensors.
+struct StackGroup {
+  const LoadConversion* conversion = nullptr;
+  std::string buffer;
+  // members[m][expert id] = index into the checkpoint's tensors
+  std::vector<std::map<int, size_t>> members;
+};
+
+}  // namespace
+
+Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
+                                          const std::vector<StoredTensor>& tensors) {
+  const ModelPlan& plan = maps.plan();
+  const int world = maps.tp();
+  CheckpointMaps out;
+  // Stacked groups by buffer name, in first-seen order; which tensor goes where.
+  std::vector<StackGroup> groups;
+  std::map<std::string, size_t> group_of_buffer;
+  std::vector<std::optional<std::pair<size_t, size_t>>> stacked(tensors.size());  // group, member
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    // Adam's moments ("<param>.exp_avg", ".exp_avg_sq") stack as their parameter does, into a
+    // buffer of the same suffix.
+    std::string_view base = tensors[i].name, suffix;
+    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+      if (base.size() > s.size() && base.ends_with(s)) {
+        suffix = s;
+        base.remove_suffix(s.size());
+        break;
+      }
+    }
+    const std::string renamed = ApplyLoadRenames(plan.load_renames, base);
+    for (const auto& [model_type, conversion] : plan.load_conversions) {
+      for (size_t m = 0; m < conversion.sources.size() && !stacked[i]; ++m) {
+        auto hit = MatchExpertSource(conversion.sources[m], renamed);
+        if (!hit) continue;
+        const std::string buffer = hit->first + conversion.target + std::string(suffix);
+        auto [it, fresh] = group_of_buffer.try_emplace(buffer, groups.size());
+        if (fresh) {
+          groups.push_back({&conversion, buffer, std::vector<std::map<int, size_t>>(
+                                                     conversion.sources.size())});
+        }
+        StackGroup& g = groups[it->second];
+        if (!g.members[m].emplace(hit->second, i).second) {
+          return FailedPreconditionError(fmt::format(
+              "tensors \"{}\" and \"{}\" are both expert {} of \"{}\"", tensors[i].name,
+              tensors[g.members[m][hit->second]].name, hit->second, buffer));
+        }
+        stacked[i] = std::pair{it->second, m};
+      }
+      if (stacked[i]) break;
+    }
+  }
+  // The buffers and the maps of their members.
+  std::map<size_t, CheckpointTensorMap> stacked_maps;
+  for (const StackGroup& g : groups) {
+    const size_t experts = g.members[0].size();
+    std::vector<ExpertMember> members;
+    DType dtype = tensors[g.members[0].begin()->second].dtype;
+    for (size_t m = 0; m < g.members.size(); ++m) {
+      const auto& by_expert = g.members[m];
+      const std::string& source = g.conversion->sources[m];
+      if (by_expert.size() != experts || by_expert.rbegin()->first != static_cast<int>(experts) - 1) {
+        return FailedPreconditionError(fmt::format(
+            "\"{}\": transformers stacks {} experts' \"{}\" tensors into it, but the checkpoint "
+            "holds {} of them (ids {} to {}); every expert 0..E-1 needs each of {}",
+            g.buffer, experts, source, by_expert.size(), by_expert.begin()->first,
+            by_expert.rbegin()->first, fmt::join(g.conversion->sources, ", ")));
+      }
+      const StoredTensor& first = tensors[by_expert.begin()->second];
+      for (const auto& [e, i] : by_expert) {
+        if (tensors[i].shape != first.shape || tensors[i].dtype != dtype) {
+          return FailedPreconditionError(fmt::format(
+              "\"{}\" ({} {}) does not stack with \"{}\" ({} {}) into \"{}\"", tensors[i].name,
+              DTypeName(tensors[i].dtype), FormatShape(tensors[i].shape), first.name,
+              DTypeName(dtype), FormatShape(first.shape), g.buffer));
+        }
+      }
+      // The member's name pattern for BuildStackedExpertMaps: its first expert's name with the
+      // id replaced (names are matched back by expert id below).
+      members.push_back({std::string(), first.shape, -1, 0, {}});
+    }
+    // The stacked tensor is [E, member...] (members concatenated along member dim 0, the
+    // stacked dim 1: Concatenate(dim=1)); its plan entry says how it is split.
+    std::string_view stacked_name = g.buffer;
+    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+      if (stacked_name.ends_with(s)) stacked_name.remove_suffix(s.size());
+    }
+    const ResolvedEntry* entry = MatchPlanEntry(plan, stacked_name);
+    const StyleEffect effect = entry ? entry->effect : StyleEffect::kNone;
+    const size_t nd = members[0].shape.size();
+    RankOrder order{1, world, true};
+    ExpertPlacement placement{static_cast<int>(experts), {{}}};
+    for (int e = 0; e < static_cast<int>(experts); ++e) placement.experts[0].push_back(e);
+    int split_dim = -1;  // of the member
+    switch (effect) {
+      case StyleEffect::kNone:
+        break;
+      case StyleEffect::kExperts: {
+        Result<ExpertPlacement> p = ContiguousExperts(static_cast<int>(experts), world);
+        if (!p.ok()) return FailedPreconditionError(p.status().message()).Annotate(g.buffer);
+        placement = *std::move(p);
+        order = RankOrder{world, 1, true};
+        break;
+      }
+      case StyleEffect::kPackedOut:
+      case StyleEffect::kSplitOut:
+        // The stacked dim ndim-2 (>= 1) is the member's dim ndim-3... of [E, rows, cols]: rows.
+        split_dim = static_cast<int>(nd) - 2;
+        break;
+      case StyleEffect::kPackedIn:
+      case StyleEffect::kSplitIn:
+        split_dim = static_cast<int>(nd) - 1;
+        break;
+      default:
+        return FailedPreconditionError(fmt::format(
+            "\"{}\" ({} {}): reshard does not lay out stacked experts under this style",
+            g.buffer, entry->pattern, entry->style));
+    }
+    for (ExpertMember& m : members) {
+      m.split_dim = split_dim;
+      m.name = "{e}";
+    }
+    Result<StackedExpertMaps> built =
+        BuildStackedExpertMaps(g.buffer, dtype, members, placement, order);
+    if (!built.ok()) {
+      return FailedPreconditionError(built.status().message())
+          .Annotate(fmt::format("\"{}\"{}", g.buffer,
+                                entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
+    }
+    // built->maps are per member, per expert id in order ("{e}" -> the id).
+    for (size_t m = 0; m < g.members.size(); ++m) {
+      for (const auto& [e, i] : g.members[m]) {
+        ParamMap map = built->maps[m * experts + static_cast<size_t>(e)].second;
+        stacked_maps.emplace(i, CheckpointTensorMap{tensors[i].name, std::move(map), std::nullopt});
+      }
+    }
+    out.buffers.add(std::move(built->buffer));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (auto it = stacked_maps.find(i); it != stacked_maps.end()) {
+      out.tensors.push_back(std::move(it->second));
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(TensorMap m, maps.Map(tensors[i].name, tensors[i].shape));
+    // A tensor transformers renames at load (Mixtral's block_sparse_moe -> mlp) is held under
+    // its new name: a buffer of that name holding the tensor alone, so that the rank files use
+    // transformers' names while the checkpoint's (gather's) stay.
+    const std::string renamed = ApplyLoadRenames(plan.load_renames, tensors[i].name);
+    if (renamed != tensors[i].name) {
+      ParamMapBuilder b(m.map);
+      BufferDecl decl{renamed, tensors[i].dtype, {}};
+      for (Rank r = 0; r < m.map.world_size(); ++r) {
+        b.set_buffer(r, renamed);
+        decl.ranks.push_back({m.map.rank(r).shard_shape, {}});
+      }
+      RESHARD_ASSIGN_OR_RETURN(ParamMap held, b.Finalize());
+      out.buffers.add(std::move(decl));
+      out.tensors.push_back({tensors[i].name, std::move(held), std::nullopt});
+      continue;
+    }
+    out.tensors.push_back({tensors[i].name, std::move(m.map), std::move(m.layout)});
+  }
+  return out;
 }
 
 Result<MapDocument> ModelMaps(const ModelPlan& plan, int tp,

@@ -7,7 +7,9 @@
 // (`model.`, `model.language_model.` and other prefixes fall away). Names are matched after
 // the renamings transformers applies to checkpoint keys at load (the registry's load_renames);
 // the maps keep the stored names. A tensor that transformers converts at load (per-expert MoE
-// tensors stacked into experts.gate_up_proj) is refused, naming the conversion.
+// tensors stacked into experts.gate_up_proj) is refused by the per-tensor Map, naming the
+// conversion; PlanCheckpointMaps, which sees the whole checkpoint, lays such tensors out as
+// maps into the stacked buffers transformers holds (DESIGN 16, 17).
 //
 // Styles become layout descriptors (docs/layouts.md), split exactly where the entry's count
 // binds the degree and in ceil chunks (transformers' DTensor shards) where it does not:
@@ -30,6 +32,7 @@
 #include "reshard/hf/degree.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/descriptor.h"
+#include "reshard/layouts/experts.h"
 
 namespace reshard {
 
@@ -84,6 +87,40 @@ class ConfigMaps {
   ModelPlan plan_;
   int tp_ = 1;
 };
+
+/// A tensor of a checkpoint as stored: name, dtype, shape (from its safetensors header).
+struct StoredTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+/// One tensor's map in a whole-checkpoint layout: with its layout descriptor when it is its own
+/// rank tensor, without one when transformers stacks it into a buffer.
+struct CheckpointTensorMap {
+  std::string name;
+  ParamMap map;
+  std::optional<LayoutDescriptor> layout;
+};
+
+/// The maps of every tensor of a checkpoint and the buffers transformers fuses them into.
+struct CheckpointMaps {
+  std::vector<CheckpointTensorMap> tensors;  // in the given order
+  BufferSetBuilder buffers;
+};
+
+/// The layout of a whole checkpoint as transformers holds it on each rank (DESIGN 17): tensors
+/// that a load conversion of the model stacks (per-expert `experts.{e}.gate_proj` /
+/// `up_proj` -> `experts.gate_up_proj` [E, 2I, H], gate rows then up rows per expert;
+/// `down_proj` -> `experts.down_proj` [E, H, I]) become maps into one buffer per layer, named
+/// as transformers names the stacked tensor (after its load renames), laid out by the plan
+/// entry of that name: `packed_colwise` splits each expert's gate and up rows together,
+/// `rowwise` the last dim, `grouped_gemm` (expert parallelism) gives each rank a contiguous
+/// block of whole experts; no entry replicates it. Every other tensor is laid out as by Map.
+/// \error FailedPrecondition  an expert missing from a stacked group, members of different
+///        shapes or dtypes, a split the degree does not divide, or what Map refuses.
+Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
+                                          const std::vector<StoredTensor>& tensors);
 
 /// Every tensor's param map at degree `tp`, in the given order (through ConfigMaps).
 /// \error FailedPrecondition  the plan is refused (no plan, an unregistered style: the same

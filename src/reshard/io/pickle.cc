@@ -142,7 +142,13 @@ class PickleMachine {
   Status Call(bool newobj);
   Status Build();
   Status CheckAcyclic();
-  std::string KeyOf(PickleNodeId id) const;
+  // A str or int dict key: its hash (computed once per node), and whether two keys are equal.
+  std::optional<size_t> KeyHash(PickleNodeId id);
+  bool SameKey(PickleNodeId a, PickleNodeId b) const;
+  // Counts `n` items or bytes that set/frozenset/torch.Size/_codecs.encode copy; in all they
+  // may not pass the pickle's size (each made by an opcode of its own in any pickle that
+  // Python writes), so that a container recalled from the memo cannot be copied over and over.
+  Status Copying(uint64_t n, const char* what);
 
   std::span<const std::byte> in_;
   const PickleOptions& options_;
@@ -155,7 +161,9 @@ class PickleMachine {
   std::unordered_map<uint64_t, PickleNodeId> memo_;
   std::unordered_map<PickleNodeId, GlobalRole> roles_;
   // Per dict, the position of each str/int key in its entries (so a repeated key replaces).
-  std::unordered_map<PickleNodeId, std::unordered_map<std::string, size_t>> keys_;
+  std::unordered_map<PickleNodeId, std::unordered_multimap<size_t, size_t>> keys_;
+  std::unordered_map<PickleNodeId, size_t> key_hash_;
+  uint64_t copied_ = 0;
 };
 
 Result<std::span<const std::byte>> PickleMachine::Take(uint64_t n) {
@@ -187,8 +195,8 @@ Result<std::string_view> PickleMachine::TakeLine() {
 
 Result<PickleNodeId> PickleMachine::New(PickleKind kind) {
   if (tree_.nodes_.size() >= options_.limits.max_nodes) {
-    return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) + ": more than " +
-                                  std::to_string(options_.limits.max_nodes) + " objects");
+    return Error("more than " + std::to_string(options_.limits.max_nodes) +
+                 " objects (PickleLimits::max_nodes)");
   }
   tree_.nodes_.emplace_back();
   tree_.nodes_.back().kind = kind;
@@ -267,8 +275,8 @@ Status PickleMachine::PushGlobal(std::string name) {
 Status PickleMachine::Memo(uint64_t index) {
   RESHARD_ASSIGN_OR_RETURN(const PickleNodeId top, Top());
   if (memo_.size() >= options_.limits.max_memo && !memo_.contains(index)) {
-    return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) + ": more than " +
-                                  std::to_string(options_.limits.max_memo) + " memo entries");
+    return Error("more than " + std::to_string(options_.limits.max_memo) +
+                 " memo entries (PickleLimits::max_memo)");
   }
   memo_[index] = top;
   return Status::Ok();
@@ -281,11 +289,35 @@ Status PickleMachine::Recall(uint64_t index) {
   return Status::Ok();
 }
 
-std::string PickleMachine::KeyOf(PickleNodeId id) const {
+std::optional<size_t> PickleMachine::KeyHash(PickleNodeId id) {
   const PickleNode& n = tree_.nodes_[id];
-  if (n.kind == PickleKind::kStr) return "s" + n.text;
-  if (n.kind == PickleKind::kInt) return "i" + std::to_string(n.int_value);
-  return {};
+  if (n.kind != PickleKind::kStr && n.kind != PickleKind::kInt) return std::nullopt;
+  const auto it = key_hash_.find(id);
+  if (it != key_hash_.end()) return it->second;
+  const size_t h = n.kind == PickleKind::kStr
+                       ? std::hash<std::string_view>{}(n.text)
+                       : std::hash<int64_t>{}(n.int_value) ^ size_t { 0x9e3779b97f4a7c15u };
+  key_hash_.emplace(id, h);
+  return h;
+}
+
+bool PickleMachine::SameKey(PickleNodeId a, PickleNodeId b) const {
+  if (a == b) return true;
+  const PickleNode& x = tree_.nodes_[a];
+  const PickleNode& y = tree_.nodes_[b];
+  if (x.kind != y.kind) return false;
+  return x.kind == PickleKind::kStr ? x.text == y.text : x.int_value == y.int_value;
+}
+
+Status PickleMachine::Copying(uint64_t n, const char* what) {
+  copied_ += n;
+  if (copied_ > in_.size()) {
+    return Error(std::string(what) + " would copy more than the pickle's " +
+                 std::to_string(in_.size()) +
+                 " bytes in all: a container or string recalled from the memo and copied "
+                 "again and again");
+  }
+  return Status::Ok();
 }
 
 Status PickleMachine::SetItems(PickleNodeId dict, const std::vector<PickleNodeId>& kv) {
@@ -295,14 +327,18 @@ Status PickleMachine::SetItems(PickleNodeId dict, const std::vector<PickleNodeId
   if (kv.size() % 2 != 0) return Error("SETITEMS with an odd number of stack items");
   auto& keys = keys_[dict];
   for (size_t i = 0; i < kv.size(); i += 2) {
-    const std::string key = KeyOf(kv[i]);
+    const std::optional<size_t> hash = KeyHash(kv[i]);
     auto& entries = N(dict).entries;
-    if (!key.empty()) {
-      const auto [it, inserted] = keys.emplace(key, entries.size());
-      if (!inserted) {
-        entries[it->second].second = kv[i + 1];
-        continue;
+    if (hash) {
+      bool replaced = false;
+      for (auto [it, end] = keys.equal_range(*hash); it != end && !replaced; ++it) {
+        if (SameKey(entries[it->second].first, kv[i])) {
+          entries[it->second].second = kv[i + 1];
+          replaced = true;
+        }
       }
+      if (replaced) continue;
+      keys.emplace(*hash, entries.size());
     }
     entries.emplace_back(kv[i], kv[i + 1]);
   }
@@ -332,14 +368,17 @@ Status PickleMachine::Call(bool newobj) {
     return Error(std::string(op) + " of " + N(callee).text + " with a " +
                  std::string(PickleKindName(N(args).kind)) + " for arguments, not a tuple");
   }
-  const std::vector<PickleNodeId> a = N(args).items;  // copied: New() may move the arena
+  // The arguments, not copied (a large tuple recalled from the memo for many calls would make
+  // that quadratic); read again after New(), which may move the arena.
+  const size_t num_args = N(args).items.size();
+  const auto arg = [this, args](size_t i) -> const PickleNode& { return N(N(args).items[i]); };
   const std::string name = N(callee).text;
   const auto bad = [&](const char* expected) {
     return Error(name + " called with arguments other than " + expected);
   };
   switch (roles_.at(callee)) {
     case GlobalRole::kOrderedDict: {
-      if (!a.empty()) return bad("()");
+      if (num_args != 0) return bad("()");
       RESHARD_ASSIGN_OR_RETURN(const PickleNodeId id, PushNew(PickleKind::kDict));
       N(id).ordered = true;
       return Status::Ok();
@@ -348,25 +387,27 @@ Status PickleMachine::Call(bool newobj) {
     case GlobalRole::kSize: {
       const PickleKind from =
           roles_.at(callee) == GlobalRole::kSet ? PickleKind::kList : PickleKind::kTuple;
-      if (a.size() != 1 || N(a[0]).kind != from) {
+      if (num_args != 1 || arg(0).kind != from) {
         return bad(from == PickleKind::kList ? "(list,)" : "(tuple,)");
       }
+      RESHARD_RETURN_IF_ERROR(Copying(arg(0).items.size(), name.c_str()));
       RESHARD_ASSIGN_OR_RETURN(
           const PickleNodeId id,
           New(roles_.at(callee) == GlobalRole::kSet ? PickleKind::kSet : PickleKind::kTuple));
-      N(id).items = N(a[0]).items;
+      N(id).items = arg(0).items;
       N(id).torch_size = roles_.at(callee) == GlobalRole::kSize;
       N(id).frozen = name.ends_with(".frozenset");
       stack_.push_back(id);
       return Status::Ok();
     }
     case GlobalRole::kCodecsEncode: {
-      if (a.size() != 2 || N(a[0]).kind != PickleKind::kStr || N(a[1]).kind != PickleKind::kStr ||
-          N(a[1]).text != "latin1") {
+      if (num_args != 2 || arg(0).kind != PickleKind::kStr || arg(1).kind != PickleKind::kStr ||
+          arg(1).text != "latin1") {
         return bad("(str, \"latin1\")");
       }
+      RESHARD_RETURN_IF_ERROR(Copying(arg(0).text.size(), name.c_str()));
       std::string bytes;
-      const std::optional<std::vector<uint32_t>> code_points = DecodeUtf8(N(a[0]).text);
+      const std::optional<std::vector<uint32_t>> code_points = DecodeUtf8(arg(0).text);
       for (uint32_t cp : code_points.value_or(std::vector<uint32_t>{})) {
         if (cp > 0xFF) return Error("_codecs.encode of a character beyond latin-1");
         bytes.push_back(static_cast<char>(cp));
@@ -417,8 +458,8 @@ Status PickleMachine::ControlOp(uint8_t op) {
     }
     case '(':  // MARK
       if (marks_.size() >= options_.limits.max_depth) {
-        return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) + ": more than " +
-                                      std::to_string(options_.limits.max_depth) + " nested MARKs");
+        return Error("more than " + std::to_string(options_.limits.max_depth) +
+                     " nested MARKs (PickleLimits::max_depth)");
       }
       marks_.push_back(stack_.size());
       return Status::Ok();
@@ -664,20 +705,24 @@ Status PickleMachine::Step(uint8_t op) {
 // Refuses cycles and nesting deeper than the limit, walking the finished tree once. A shared
 // object is walked once, so its height (the longest chain of objects below it, itself included)
 // is kept: the nesting is the root's height, whichever path first reached the shared objects.
+// Its expanded size (counting shared objects once per path) is kept the same way.
 Status PickleMachine::CheckAcyclic() {
   enum : uint8_t { kUnseen, kOnPath, kDone };
   std::vector<uint8_t> color(tree_.nodes_.size(), kUnseen);
   std::vector<size_t> height(tree_.nodes_.size(), 0);
+  std::vector<uint64_t>& expanded = tree_.expanded_;
+  expanded.assign(tree_.nodes_.size(), 0);
+  const auto add = [](uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; };
   struct Frame {
     PickleNodeId id;
     size_t next;
     size_t tallest_child = 0;
+    uint64_t expanded = 1;  // itself and, so far, its children expanded
   };
   const auto too_deep = [this](PickleNodeId id) {
     op_at_ = tree_.nodes_[id].offset;
-    return ResourceExhaustedError("pickle byte " + std::to_string(op_at_) +
-                                  ": objects nested deeper than " +
-                                  std::to_string(options_.limits.max_depth));
+    return Error("objects nested deeper than " + std::to_string(options_.limits.max_depth) +
+                 " (PickleLimits::max_depth)");
   };
   const auto child = [&](const PickleNode& n, size_t k) -> PickleNodeId {
     if (k < n.items.size()) return n.items[k];
@@ -698,10 +743,12 @@ Status PickleMachine::CheckAcyclic() {
       const PickleNodeId done = f.id;
       color[done] = kDone;
       height[done] = f.tallest_child + 1;
+      expanded[done] = f.expanded;
       if (height[done] > options_.limits.max_depth) return too_deep(done);
       path.pop_back();
       if (!path.empty()) {
         path.back().tallest_child = std::max(path.back().tallest_child, height[done]);
+        path.back().expanded = add(path.back().expanded, expanded[done]);
       }
       continue;
     }
@@ -712,6 +759,7 @@ Status PickleMachine::CheckAcyclic() {
     }
     if (color[c] == kDone) {
       f.tallest_child = std::max(f.tallest_child, height[c]);
+      f.expanded = add(f.expanded, expanded[c]);
       if (f.tallest_child + 1 > options_.limits.max_depth) return too_deep(f.id);
       continue;
     }

@@ -30,8 +30,11 @@
 // Any other global refuses the pickle (InvalidArgument) naming `module.name` and its byte.
 //
 // Sizes are bounded by the input (a string or container cannot be longer than the bytes that
-// make it) and by PickleLimits: nodes, memo entries and nesting depth. Cyclic structures
-// (a list that contains itself through the memo) are refused.
+// make it; what set, frozenset, torch.Size and _codecs.encode copy may not pass the input's size
+// in all) and by PickleLimits: nodes, memo entries and nesting depth. Cyclic structures (a list
+// that contains itself through the memo) are refused. An object recalled from the memo is one
+// node referenced from each place (a DAG), so the tree costs what the pickle holds, however
+// often its objects are shared; PickleTree::expanded_size says what expanding them would cost.
 #ifndef RESHARD_IO_PICKLE_H_
 #define RESHARD_IO_PICKLE_H_
 
@@ -92,6 +95,9 @@ struct PickleLimits {
   size_t max_nodes = size_t{1} << 22;
   size_t max_memo = size_t{1} << 22;
   size_t max_depth = 1000;  // nesting of the finished tree and of MARKs
+  /// Objects a reader may visit when it expands the tree into paths, a shared object once per
+  /// path to it: TorchFile naming its tensors (io/torch_file.h). Parsing does not expand.
+  size_t max_expanded = size_t{1} << 22;
 };
 
 struct PickleOptions {
@@ -109,6 +115,14 @@ class PickleTree {
   PickleNodeId root() const { return root_; }
   const PickleNode& node(PickleNodeId id) const { return nodes_[id]; }
   size_t size() const { return nodes_.size(); }
+  /// Of a tree read by ParsePickle: how many objects the tree under `id` would hold if every
+  /// shared object were a copy (each counted once per path to it), saturating at UINT64_MAX.
+  /// l = (l, l) nested 60 times is 61 nodes and expands to 2^61 - 1. 0 for a node the root
+  /// does not reach or a tree built with Add. Readers that walk paths (dotted names) bound
+  /// their work with it; those that print print a shared object once.
+  uint64_t expanded_size(PickleNodeId id) const {
+    return id < expanded_.size() ? expanded_[id] : 0;
+  }
 
   /// Appends a node and returns its id.
   PickleNodeId Add(PickleNode node) {
@@ -122,14 +136,15 @@ class PickleTree {
  private:
   friend class PickleMachine;
   std::vector<PickleNode> nodes_;
+  std::vector<uint64_t> expanded_;  // by ParsePickle
   PickleNodeId root_ = kNoPickleNode;
 };
 
 /// Runs the pickle in `bytes` (inertly, as above) and returns its tree. Errors carry the byte
 /// offset of the opcode: DataLoss for a malformed pickle (truncated operands, stack or memo
-/// misuse, wrong types for an opcode, invalid UTF-8, trailing bytes after STOP, a cycle);
-/// InvalidArgument for a global outside the allowlist; Unimplemented for an opcode outside
-/// the set above; ResourceExhausted past a limit.
+/// misuse, wrong types for an opcode, invalid UTF-8, trailing bytes after STOP, a cycle, a
+/// limit of PickleLimits passed, copies past the input's size); InvalidArgument for a global
+/// outside the allowlist; Unimplemented for an opcode outside the set above.
 Result<PickleTree> ParsePickle(std::span<const std::byte> bytes, const PickleOptions& options = {});
 
 /// The pickle of the tree under `root`, as Python's pickle writes protocol 2 (torch.save's

@@ -209,7 +209,7 @@ TEST(PickleTest, EveryCorruptionRefusedWithItsOwnMessage) {
       {P().global("collections", "OrderedDict").i1(1).op('\x85').op('R').stop(),
        "collections.OrderedDict called with arguments other than ()"},
       {P().op('c').raw("os").stop(), "no newline"},
-      {deep, "nested deeper than 1000", StatusCode::kResourceExhausted},
+      {deep, "nested deeper than 1000"},
   };
   for (const Case& c : cases) {
     Result<PickleTree> t = Parse(c.pickle);
@@ -219,15 +219,82 @@ TEST(PickleTest, EveryCorruptionRefusedWithItsOwnMessage) {
   }
 }
 
+// A pickle past a limit is malformed input (DataLoss), as no torch.save file comes near them.
 TEST(PickleTest, LimitsOnNodesMemoAndMarks) {
   PickleOptions options;
   options.limits = {.max_nodes = 3, .max_memo = 1, .max_depth = 2};
   EXPECT_EQ(Parse(P().op('N').op('N').op('N').op('N').op('l').stop(), options).status().code(),
-            StatusCode::kResourceExhausted);
+            StatusCode::kDataLoss);
   EXPECT_EQ(Parse(P().op('N').put(0).put(1).stop(), options).status().code(),
-            StatusCode::kResourceExhausted);
+            StatusCode::kDataLoss);
   EXPECT_EQ(Parse(P().op('(').op('(').op('(').stop(), options).status().code(),
-            StatusCode::kResourceExhausted);
+            StatusCode::kDataLoss);
+}
+
+// Nesting 10^5 deep, by tuples or by MARKs, is refused as malformed at the default limit.
+TEST(PickleTest, HundredThousandDeepIsMalformed) {
+  P tuples;
+  tuples.i1(1);
+  for (int i = 0; i < 100000; ++i) tuples.op('\x85');
+  P marks;
+  for (int i = 0; i < 100000; ++i) marks.op('(');
+  marks.op('N');
+  const struct {
+    std::string pickle;
+    std::string message;
+  } cases[] = {{tuples.stop(), "objects nested deeper than 1000"},
+               {marks.stop(), "more than 1000 nested MARKs"}};
+  for (const auto& c : cases) {
+    const Result<PickleTree> t = Parse(c.pickle);
+    ASSERT_FALSE(t.ok()) << c.message;
+    EXPECT_EQ(t.status().code(), StatusCode::kDataLoss) << t.status().ToString();
+    EXPECT_NE(t.status().message().find(c.message), std::string::npos) << t.status().ToString();
+  }
+}
+
+// l = (l, l) sixty times over, as torch.save writes it: each level recalls the one below
+// from the memo twice. The tree holds one node per level (cost in proportion to the pickle),
+// and says how large it is when every shared object is counted once per path to it.
+TEST(PickleTest, SharedMemoDagIsOneNodePerObjectWithItsExpandedSize) {
+  P p;
+  p.i1(7).put(0);
+  for (uint8_t i = 0; i < 60; ++i) p.get(i).get(i).op('\x86').put(static_cast<uint8_t>(i + 1));
+  const Result<PickleTree> t = Parse(p.stop());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->size(), 61u);
+  // e(0) = 1, e(d) = 1 + 2 e(d - 1): 2^(d+1) - 1.
+  EXPECT_EQ(t->expanded_size(t->root()), (uint64_t{1} << 61) - 1);
+  const PickleNodeId level1 = t->node(t->root()).items[0];
+  EXPECT_EQ(t->expanded_size(level1), (uint64_t{1} << 60) - 1);
+  // Past 2^64 the count saturates rather than wraps.
+  P q;
+  q.i1(7).put(0);
+  for (uint8_t i = 0; i < 70; ++i) q.get(i).get(i).op('\x86').put(static_cast<uint8_t>(i + 1));
+  const Result<PickleTree> big = Parse(q.stop());
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  EXPECT_EQ(big->expanded_size(big->root()), UINT64_MAX);
+}
+
+// set(l) and torch.Size(t) copy the items of l or t into a new node: recalled from the memo a
+// hundred times, a list of a hundred items would make 10^4 references from a kilobyte. What
+// they copy may not pass the pickle's size in all (each item of a list Python pickles has an
+// opcode of its own).
+TEST(PickleTest, CopiesMayNotPassThePicklesSize) {
+  const auto pickle = [](int copies) {
+    P p;
+    p.op(']').put(0).op('(');
+    for (int i = 0; i < 100; ++i) p.i1(1);
+    p.op('e').global("builtins", "set").put(1).op('0');
+    for (int i = 0; i < copies; ++i) p.get(1).get(0).op('\x85').op('R').op('0');
+    return p.get(0).stop();
+  };
+  EXPECT_TRUE(Parse(pickle(1)).ok()) << Parse(pickle(1)).status().ToString();
+  const Result<PickleTree> t = Parse(pickle(100));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(t.status().message().find("builtins.set would copy more than the pickle's"),
+            std::string::npos)
+      << t.status().ToString();
 }
 
 // A shared object walked first through a short path still counts at its deepest use: root =
@@ -255,7 +322,7 @@ TEST(PickleTest, DepthCountsASharedObjectAtItsDeepestUse) {
   options.limits.max_depth = 5;
   const Result<PickleTree> refused = Parse(pickle, options);
   ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().code(), StatusCode::kDataLoss);
   EXPECT_NE(refused.status().message().find("nested deeper than 5"), std::string::npos)
       << refused.status().ToString();
 }

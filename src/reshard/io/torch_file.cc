@@ -119,12 +119,30 @@ bool TorchTensor::is_contiguous() const {
 }
 
 // Walks the object tree, naming tensors by their path and checking each against its storage.
+//
+// A shared object (recalled from the pickle's memo) is walked once per path to it, since each
+// path names its tensors; parts of the tree that hold no tensor are not entered, and the walk
+// is bounded (PickleLimits::max_expanded objects, 64 times as many bytes of paths), so that a
+// DAG of shared objects costs what the file holds or is refused.
 class TorchTreeReader {
  public:
-  explicit TorchTreeReader(TorchFile& file) : f_(file) {}
-  Status Walk(PickleNodeId id, const std::string& path);
+  TorchTreeReader(TorchFile& file, const PickleLimits& limits)
+      : f_(file),
+        limits_(limits),
+        holds_tensor_(file.tree_.size(), kUnknown),
+        walk_cost_(file.tree_.size(), 0) {}
+  /// Walks the whole tree from its root, refusing first a walk past the bound.
+  Status WalkRoot();
 
  private:
+  enum : int8_t { kUnknown = -1, kNo = 0, kYes = 1 };
+  Status Walk(PickleNodeId id, const std::string& path);
+  // Whether the walk below `id` can meet a tensor, and how many objects Walk(id) visits
+  // (saturating); each computed once per node.
+  bool HoldsTensor(PickleNodeId id);
+  uint64_t WalkCost(PickleNodeId id);
+  Status TooMuch(PickleNodeId id, const std::string& path) const;
+  Status Count(PickleNodeId id, const std::string& path);
   const PickleNode& N(PickleNodeId id) const { return f_.tree_.node(id); }
   Status Error(const std::string& path, const std::string& message) const {
     return DataLossError("tensor " + Quote(path) + ": " + message);
@@ -138,8 +156,101 @@ class TorchTreeReader {
   Status CheckBounds(const TorchTensor& t) const;
 
   TorchFile& f_;
+  const PickleLimits& limits_;
+  std::vector<int8_t> holds_tensor_;
+  std::vector<uint64_t> walk_cost_;  // 0: not known yet
+  uint64_t path_bytes_ = 0;
   std::unordered_map<std::string, size_t> storage_by_key_;
 };
+
+bool IsTensorRecord(const std::string& name) {
+  return name == kRebuildV2 || name == kRebuildV3 || name == kRebuildParameter ||
+         name == kRebuildParameterWithState || name == kRebuildFromType;
+}
+
+bool TorchTreeReader::HoldsTensor(PickleNodeId id) {
+  if (holds_tensor_[id] != kUnknown) return holds_tensor_[id] == kYes;
+  const PickleNode& n = N(id);
+  bool holds = false;
+  switch (n.kind) {
+    case PickleKind::kDict:
+      for (const auto& [k, v] : n.entries) holds = holds || HoldsTensor(v);
+      break;
+    case PickleKind::kList:
+    case PickleKind::kTuple:
+      for (PickleNodeId c : n.items) holds = holds || HoldsTensor(c);
+      break;
+    case PickleKind::kRecord:
+      holds = IsTensorRecord(n.text) || (n.state != kNoPickleNode && HoldsTensor(n.state));
+      for (PickleNodeId c : N(n.args).items) holds = holds || HoldsTensor(c);
+      break;
+    default:
+      break;
+  }
+  holds_tensor_[id] = holds ? kYes : kNo;
+  return holds;
+}
+
+// Mirrors Walk: one for `id`, and what its walk enters.
+uint64_t TorchTreeReader::WalkCost(PickleNodeId id) {
+  if (walk_cost_[id] != 0) return walk_cost_[id];
+  const auto add = [](uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; };
+  uint64_t cost = 1;
+  const PickleNode& n = N(id);
+  if (HoldsTensor(id)) {
+    switch (n.kind) {
+      case PickleKind::kDict:
+        for (const auto& [k, v] : n.entries) cost = add(cost, WalkCost(v));
+        break;
+      case PickleKind::kList:
+      case PickleKind::kTuple:
+        for (PickleNodeId c : n.items) cost = add(cost, WalkCost(c));
+        break;
+      case PickleKind::kRecord: {
+        const std::vector<PickleNodeId>& a = N(n.args).items;
+        if (n.text == kRebuildFromType) {
+          if (a.size() == 4) cost = add(cost, WalkCost(a[3]));
+        } else if (!IsTensorRecord(n.text)) {
+          if (n.state != kNoPickleNode) cost = add(cost, WalkCost(n.state));
+          for (PickleNodeId c : a) cost = add(cost, WalkCost(c));
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  walk_cost_[id] = cost;
+  return cost;
+}
+
+Status TorchTreeReader::WalkRoot() {
+  const PickleNodeId root = f_.tree_.root();
+  if (WalkCost(root) > limits_.max_expanded) return TooMuch(root, "");
+  return Walk(root, "");
+}
+
+Status TorchTreeReader::Count(PickleNodeId id, const std::string& path) {
+  path_bytes_ += path.size();
+  if (++f_.objects_walked_ <= limits_.max_expanded && path_bytes_ <= 64 * limits_.max_expanded) {
+    return Status::Ok();
+  }
+  return TooMuch(id, path);
+}
+
+Status TorchTreeReader::TooMuch(PickleNodeId id, const std::string& path) const {
+  const uint64_t expanded = f_.tree_.expanded_size(f_.tree_.root());
+  return DataLossError(
+      "naming the tensors by their paths from the root would walk more than " +
+      std::to_string(limits_.max_expanded) + " objects or " +
+      std::to_string(64 * limits_.max_expanded) + " bytes of paths (PickleLimits::max_expanded)" +
+      (path.empty() ? std::string() : ", at " + Quote(path)) + " (pickle byte " +
+      std::to_string(N(id).offset) +
+      "): objects shared through the pickle's memo are reached by too many paths (the tree, "
+      "each shared object copied, would hold " +
+      (expanded == UINT64_MAX ? std::string("2^64 or more") : std::to_string(expanded)) +
+      " objects)");
+}
 
 Result<Index> TorchTreeReader::Int(PickleNodeId id, const std::string& path,
                                    const char* what) const {
@@ -222,6 +333,11 @@ Status TorchTreeReader::CheckBounds(const TorchTensor& t) const {
   const Result<Index> numel = CheckedProduct(t.shape);
   if (!numel.ok())
     return Error(t.name, "size " + FormatShape(t.shape) + " has more than 2^62 elements");
+  const std::optional<Index> bytes = CheckedMul(*numel, static_cast<Index>(t.dtype.size));
+  if (!bytes || *bytes > kMaxIndex) {
+    return Error(t.name, "size " + FormatShape(t.shape) + " of " + std::string(t.dtype.name) +
+                             " has more than 2^62 bytes");
+  }
   const TorchStorage& s = f_.storages_[t.storage];
   const uint64_t storage_bytes = s.bytes.size();
   if (*numel == 0) return Status::Ok();
@@ -308,6 +424,8 @@ Status TorchTreeReader::AddTensorOfType(PickleNodeId id, const std::string& path
 }
 
 Status TorchTreeReader::Walk(PickleNodeId id, const std::string& path) {
+  RESHARD_RETURN_IF_ERROR(Count(id, path));
+  if (!HoldsTensor(id)) return Status::Ok();
   const auto join = [&](const std::string& c) { return path.empty() ? c : path + "." + c; };
   const PickleNode& n = N(id);
   switch (n.kind) {
@@ -375,8 +493,8 @@ Status TorchFile::Load(std::span<const std::byte> bytes, const PickleOptions& op
   Result<PickleTree> tree = ParsePickle(zip_.data(*pkl), options);
   if (!tree.ok()) return tree.status().Annotate(root_ + "/data.pkl");
   tree_ = std::move(tree).value();
-  TorchTreeReader reader(*this);
-  RESHARD_RETURN_IF_ERROR(reader.Walk(tree_.root(), "").Annotate(root_ + "/data.pkl"));
+  TorchTreeReader reader(*this, options.limits);
+  RESHARD_RETURN_IF_ERROR(reader.WalkRoot().Annotate(root_ + "/data.pkl"));
   for (size_t i = 0; i < tensors_.size(); ++i) tensor_by_node_.emplace(tensors_[i].node, i);
   return Status::Ok();
 }
@@ -449,6 +567,26 @@ void TorchFile::ReleasePages(const TorchTensor& tensor) const {
 Status ExportToSafetensors(const TorchFile& file, const std::string& path, bool overwrite) {
   std::vector<TensorToWrite> tensors;
   std::unordered_map<std::string_view, const TorchTensor*> names;
+  // What is written dense may add to the storages at most their own size or 1 GiB.
+  uint64_t storage_bytes = 0;
+  for (const TorchStorage& s : file.storages()) storage_bytes += s.bytes.size();
+  const uint64_t allowed = storage_bytes + std::max<uint64_t>(storage_bytes, uint64_t{1} << 30);
+  uint64_t dense_bytes = 0;
+  for (const TorchTensor& t : file.tensors()) {
+    dense_bytes += t.num_bytes();  // each at most 2^62 (TorchFile), so this cannot wrap
+    if (dense_bytes <= allowed) continue;
+    return InvalidArgumentError(
+        "tensor " + Quote(t.name) + " (" + std::string(t.dtype.name) + ", size " +
+        FormatShape(t.shape) + ", stride " + FormatShape(t.strides) + ") is " +
+        std::to_string(t.num_bytes()) +
+        " bytes written dense, which brings the tensors to write to " +
+        std::to_string(dense_bytes) + " bytes for the " + std::to_string(storage_bytes) +
+        " bytes of storages in the file. safetensors holds dense tensors only; what repeats "
+        "the storages (views with stride 0, as expand() makes; a tensor under several names) "
+        "may add at most the storages' own size or 1 GiB. Export to a .pt file instead (it "
+        "keeps storages and strides as torch.save does), or save the tensors you need with "
+        ".contiguous()");
+  }
   for (const TorchTensor& t : file.tensors()) {
     if (!t.dtype.dtype) {
       return UnimplementedError("tensor " + Quote(t.name) + " is " + std::string(t.dtype.name) +

@@ -23,7 +23,11 @@
 // int keys in decimal, bool/None keys as Python prints them; a record (a DeepSpeed loss
 // scaler, argparse.Namespace) is entered through its BUILD state and its arguments. A tensor
 // reached twice (the same object under two keys) is listed under each name, as a view of the
-// same storage.
+// same storage. Naming walks a shared object once per path to it, but only the parts of the
+// tree that hold tensors, and at most PickleLimits::max_expanded objects (2^22) and 64 times as
+// many bytes of paths: a file whose shared objects make more paths than that (l = (l, l) nested
+// 60 deep over a tensor names it 2^60 times) is refused (DataLoss). A view's size in bytes is
+// at most 2^62, as its element count is (DataLoss past it).
 #ifndef RESHARD_IO_TORCH_FILE_H_
 #define RESHARD_IO_TORCH_FILE_H_
 
@@ -97,6 +101,9 @@ class TorchFile {
   const TorchTensor* TensorAt(PickleNodeId node) const;
   /// The entries of the archive (byteorder, version, ...), for listing.
   const ZipArchive& archive() const { return zip_; }
+  /// How many objects of the tree were visited to name the tensors (the work of reading it
+  /// beyond parsing; at most PickleLimits::max_expanded).
+  uint64_t objects_walked() const { return objects_walked_; }
 
   /// Copies `tensor`'s elements in row-major order into `out` (exactly num_bytes()).
   Status CopyTo(const TorchTensor& tensor, std::span<std::byte> out) const;
@@ -115,6 +122,7 @@ class TorchFile {
   std::vector<TorchStorage> storages_;
   std::vector<TorchTensor> tensors_;
   std::unordered_map<PickleNodeId, size_t> tensor_by_node_;  // first tensor of each record
+  uint64_t objects_walked_ = 0;
   friend class TorchTreeReader;
 };
 
@@ -125,7 +133,11 @@ bool LooksLikeTorchFile(std::span<const std::byte> bytes);
 /// Writes every tensor of `file` to a safetensors file at `path` (atomically, io/safetensors.h)
 /// under its dotted name, bit for bit; a view is written as its own contiguous tensor, and a
 /// tensor reached under two names is written under each. Metadata {"format": "pt"}, as
-/// Hugging Face writes it. Unimplemented for a dtype safetensors files here cannot hold
+/// Hugging Face writes it. What is written dense may exceed the file's storages by at most
+/// their own size or 1 GiB, whichever is more (a view with stride 0, as expand() makes, or a
+/// tensor under several names repeats storage bytes): past that InvalidArgument, naming the
+/// tensor, before anything is allocated or written (RewriteTorchFile keeps such views as
+/// views). Unimplemented for a dtype safetensors files here cannot hold
 /// (complex, F8_E8M0); InvalidArgument for two tensors whose dotted names collide; errors of
 /// the writer (AlreadyExists unless `overwrite`, ResourceExhausted for a full disk).
 Status ExportToSafetensors(const TorchFile& file, const std::string& path, bool overwrite);

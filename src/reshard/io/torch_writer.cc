@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <span>
 #include <string_view>
 #include <unordered_set>
@@ -263,6 +264,17 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
     if (s.bytes.empty()) largest = std::max(largest, s.num_bytes);
   }
   RESHARD_RETURN_IF_ERROR(CheckPersistentIds(tree, root, sizes));
+  // One buffer, as large as the largest filled storage, serves every fill in turn; made before
+  // the output, so that a size memory cannot hold leaves nothing behind.
+  std::unique_ptr<std::byte[]> buffer;
+  if (largest > 0) {
+    buffer.reset(largest <= SIZE_MAX ? new (std::nothrow) std::byte[static_cast<size_t>(largest)]
+                                     : nullptr);
+    if (buffer == nullptr) {
+      return ResourceExhaustedError("cannot allocate a buffer of " + std::to_string(largest) +
+                                    " bytes for the largest storage to write to " + Quote(path));
+    }
+  }
   RESHARD_ASSIGN_OR_RETURN(
       AtomicFileWriter out,
       AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
@@ -274,9 +286,6 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.format_version", AsBytes("1")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.storage_alignment", AsBytes("64")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/byteorder", AsBytes("little")));
-  // One buffer, as large as the largest filled storage, serves every fill in turn.
-  std::unique_ptr<std::byte[]> buffer;
-  if (largest > 0) buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
   for (const TorchStorageToWrite& s : storages) {
     std::span<const std::byte> bytes = s.bytes;
     if (bytes.empty() && s.num_bytes > 0) {

@@ -139,6 +139,19 @@ PickleNodeId Get(const PickleTree& tree, PickleNodeId dict, std::string_view key
   return kNoPickleNode;
 }
 
+// A storage larger than memory can hold is a Status (ResourceExhausted), found before the
+// output is made: no exception escapes and nothing is left.
+TEST(TorchWriterTest, AStorageMemoryCannotHoldIsRefusedLeavingNothing) {
+  const TempDir tmp;
+  TorchTreeBuilder b;
+  const PickleNodeId t =
+      b.Tensor(DType::kU8, {Index{1} << 61}, [](std::span<std::byte>) { return Status::Ok(); });
+  const Status s = b.Write((tmp / "huge.pt").string(), t);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_NE(s.message().find("cannot allocate"), std::string::npos) << s.ToString();
+  EXPECT_TRUE(fs::is_empty(fs::path((tmp / "huge.pt").string()).parent_path()));
+}
+
 TEST(TorchTreeBuilderTest, EveryKindOfNodeReadsBackWithItsClassAndSharing) {
   const TempDir tmp;
   const std::string path = (tmp / "tree.pt").string();

@@ -1,0 +1,137 @@
+"""Buffers (DESIGN 16): rank tensors that hold pieces of many checkpoint tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Union
+
+from . import _core
+from ._maps import MapLike, ParamMap, Shape, View, as_map
+
+
+class Block(NamedTuple):
+    """``shape`` elements of a buffer at the strided ``view`` ``(offset, strides)``."""
+
+    shape: Shape
+    view: View
+
+
+class Buffer(NamedTuple):
+    """One named rank tensor: its dtype name (``"BF16"``) and, per rank, its shape and the
+    blocks that are padding (left zero; no checkpoint tensor has them)."""
+
+    name: str
+    dtype: str
+    shapes: tuple[Shape, ...]
+    padding: tuple[tuple[Block, ...], ...]
+
+    def shape(self, rank: int) -> Shape:
+        return self.shapes[rank]
+
+
+def _buffer_from_dict(name: str, entry: Mapping[str, Any]) -> Buffer:
+    ranks = entry["ranks"]
+    world = len(ranks)
+    shapes = []
+    padding = []
+    for r in range(world):
+        rank = ranks[str(r)]
+        shapes.append(tuple(int(d) for d in rank["shape"]))
+        padding.append(tuple(
+            Block(tuple(int(d) for d in b["shape"]),
+                  (int(b["view"][0]), tuple(int(s) for s in b["view"][1])))
+            for b in rank.get("padding", ())))
+    return Buffer(name, str(entry["dtype"]), tuple(shapes), tuple(padding))
+
+
+class BufferSet:
+    """The buffers of one topology, validated with the maps that write into them.
+
+    Every element of every buffer on every rank must be written by exactly one piece of one map,
+    or be declared padding: ``BufferSet(decls, maps)`` raises :class:`reshard.MapError` naming
+    the buffer, rank, element and writers otherwise. ``decls`` is the ``"buffers"`` object of a
+    version-2 map document (``{name: {"dtype", "ranks": {"0": {"shape", "padding"?}}}}``) or
+    :class:`Buffer` values.
+    """
+
+    __slots__ = ("_buffers", "_maps")
+
+    def __init__(self, decls: Union[Mapping[str, Any], "list[Buffer]"],
+                 maps: Mapping[str, MapLike]) -> None:
+        if isinstance(decls, Mapping):
+            decls_dict = dict(decls)
+        else:
+            decls_dict = {b.name: _buffer_to_dict(b) for b in decls}
+        self._maps = {name: as_map(m) for name, m in maps.items()}
+        params = [(name, m._handle) for name, m in self._maps.items()]
+        text = _core.write_map_document(params, json.dumps(decls_dict))
+        buffers = json.loads(text).get("buffers", {})
+        self._buffers = {name: _buffer_from_dict(name, b) for name, b in buffers.items()}
+
+    @property
+    def maps(self) -> dict[str, ParamMap]:
+        """The maps over the buffers (and any others given), by tensor name."""
+        return dict(self._maps)
+
+    def __getitem__(self, name: str) -> Buffer:
+        return self._buffers[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._buffers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._buffers)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def tensors_of(self, buffer: str, rank: int) -> list[str]:
+        """The tensors whose pieces rank ``rank``'s ``buffer`` holds, in map order."""
+        return [name for name, m in self._maps.items() if m.buffer(rank) == buffer]
+
+    def empty(self, rank: int, *, like: Any = None) -> dict[str, Any]:
+        """Zeroed buffers of rank ``rank`` (``{name: tensor}``): torch tensors, or numpy arrays
+        when ``like`` is a numpy array (dtypes from the declarations; numpy needs ml_dtypes for
+        BF16 and FP8)."""
+        from ._tensors import zeros_of
+        return {name: zeros_of(b.dtype, b.shapes[rank], like) for name, b in self._buffers.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``"buffers"`` object of a version-2 map document."""
+        return {name: _buffer_to_dict(b) for name, b in self._buffers.items()}
+
+    def to_json(self) -> str:
+        """A version-2 map document of the maps and their buffers, deterministic."""
+        params = [(name, m._handle) for name, m in self._maps.items()]
+        return str(_core.write_map_document(params, json.dumps(self.to_dict())))
+
+    def __repr__(self) -> str:
+        world = len(next(iter(self._buffers.values())).shapes) if self._buffers else 0
+        return f"BufferSet({len(self._buffers)} buffers, {len(self._maps)} maps, world {world})"
+
+
+def _buffer_to_dict(b: Buffer) -> dict[str, Any]:
+    ranks: dict[str, Any] = {}
+    for r, shape in enumerate(b.shapes):
+        entry: dict[str, Any] = {"shape": list(shape)}
+        if b.padding and b.padding[r]:
+            entry["padding"] = [{"shape": list(p.shape), "view": [p.view[0], list(p.view[1])]}
+                                for p in b.padding[r]]
+        ranks[str(r)] = entry
+    return {"dtype": b.dtype, "ranks": ranks}
+
+
+def read_buffers(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Optional[BufferSet]:
+    """The buffers of a map document (a path, JSON text or a dict) with its maps, or None when it
+    declares none (a version-1 document)."""
+    from ._maps import _document_text, read_maps
+    text = _document_text(source)
+    maps = read_maps(text)
+    decls = json.loads(_core.read_map_document_buffers(text))
+    if not decls:
+        return None
+    return BufferSet(decls, maps)
+
+
+__all__ = ["Block", "Buffer", "BufferSet", "read_buffers"]

@@ -1,0 +1,222 @@
+"""Buffers (DESIGN 16): rank tensors that hold pieces of many checkpoint tensors.
+
+The expectations are written with torch's own slicing and stacking (what transformers and vLLM
+do when they fuse): an MoE layer's per-expert gate and up rows stacked into one `gate_up_proj`
+per rank, experts placed over EP ranks, and q/k/v rows into one `qkv_proj`. reshard must
+produce exactly those rank tensors from the per-expert checkpoint through maps over buffers,
+give the checkpoint back, and move between topologies buffer to buffer.
+"""
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import reshard
+
+E, INTER, HIDDEN = 6, 4, 3
+
+
+def gate_up_maps(placement, tp=1, buffer="mlp.experts.gate_up_proj", dtype="F32"):
+    """Per-expert gate [I, H] and up [I, H] of each expert stacked into `buffer`
+    [len(experts on the rank), 2I/tp, H]: the rank's gate rows then its up rows, rank order
+    ep_rank * tp + tp_rank. `placement[k]`: EP rank k's experts in slot order."""
+    world = len(placement) * tp
+    part = INTER // tp
+    shapes = {k * tp + t: [len(placement[k]), 2 * part, HIDDEN]
+              for k in range(len(placement)) for t in range(tp)}
+    maps = {}
+    for member, row0 in (("gate_proj", 0), ("up_proj", part)):
+        for e in range(E):
+            holders = [k for k in range(len(placement)) if e in placement[k]]
+            ranks = {}
+            for r in range(world):
+                k, t = divmod(r, tp)
+                pieces = []
+                if e in placement[k]:
+                    slot = placement[k].index(e)
+                    pieces.append({"shape": [part, HIDDEN],
+                                   "source": [t * part * HIDDEN, [HIDDEN, 1]],
+                                   "dest": [(slot * 2 * part + row0) * HIDDEN, [HIDDEN, 1]],
+                                   "locations": sorted(h * tp + t for h in holders)})
+                ranks[str(r)] = {"buffer": buffer, "shard_shape": shapes[r], "pieces": pieces}
+            maps[f"mlp.experts.{e}.{member}.weight"] = {"logical_shape": [INTER, HIDDEN],
+                                                        "ranks": ranks}
+    decls = {buffer: {"dtype": dtype, "ranks": {str(r): {"shape": s} for r, s in shapes.items()}}}
+    return maps, decls
+
+
+def expected_gate_up(weights, placement, tp=1):
+    """What each rank holds, by torch: experts stacked, gate rows then up rows of the TP slice."""
+    part = INTER // tp
+    out = {}
+    for k, experts in enumerate(placement):
+        for t in range(tp):
+            rows = [torch.cat([weights[f"mlp.experts.{e}.gate_proj.weight"][t * part:(t + 1) * part],
+                               weights[f"mlp.experts.{e}.up_proj.weight"][t * part:(t + 1) * part]])
+                    for e in experts]
+            out[k * tp + t] = (torch.stack(rows) if rows
+                               else torch.zeros(0, 2 * part, HIDDEN, dtype=torch.float32))
+    return out
+
+
+@pytest.fixture
+def weights():
+    g = torch.Generator().manual_seed(7)
+    return {f"mlp.experts.{e}.{m}.weight": torch.randn(INTER, HIDDEN, generator=g)
+            for e in range(E) for m in ("gate_proj", "up_proj")}
+
+
+EP2 = [[0, 1, 2], [3, 4, 5]]
+EP3_ROUND_ROBIN = [[0, 3], [1, 4], [2, 5]]
+EPLB = [[0, 1, 2, 5], [3, 4, 5, 0]]  # experts 0 and 5 have a redundant copy
+
+
+@pytest.mark.parametrize("placement,tp", [(EP2, 1), (EP3_ROUND_ROBIN, 1), (EPLB, 1), (EP2, 2)])
+def test_extract_fills_each_buffer_as_torch_stacks_it(weights, placement, tp):
+    maps, decls = gate_up_maps(placement, tp)
+    buffers = reshard.BufferSet(decls, maps)
+    want = expected_gate_up(weights, placement, tp)
+    for r, expected in want.items():
+        out = buffers.empty(r)["mlp.experts.gate_up_proj"]
+        for name in buffers.tensors_of("mlp.experts.gate_up_proj", r):
+            reshard.extract(buffers.maps[name], weights[name], r, out=out)
+        assert torch.equal(out, expected)
+        # Without out=, each tensor's extract is its part of a zeroed buffer.
+        one = reshard.extract(maps["mlp.experts.0.up_proj.weight"], weights["mlp.experts.0.up_proj.weight"], r)
+        assert one.shape == expected.shape
+        assert torch.count_nonzero(one) <= INTER * HIDDEN // tp
+    # Rebuild from the buffers gives each tensor back (replicas compared).
+    for name, m in buffers.maps.items():
+        assert torch.equal(reshard.rebuild(m, [want[r] for r in range(len(want))]), weights[name])
+
+
+def test_numpy_buffers_match_torch(weights):
+    maps, decls = gate_up_maps(EP2)
+    buffers = reshard.BufferSet(decls, maps)
+    want = expected_gate_up(weights, EP2)
+    out = buffers.empty(1, like=np.zeros(1, np.float32))["mlp.experts.gate_up_proj"]
+    assert isinstance(out, np.ndarray)
+    for name in buffers.tensors_of("mlp.experts.gate_up_proj", 1):
+        reshard.extract(maps[name], weights[name].numpy(), 1, out=out)
+    assert np.array_equal(out, want[1].numpy())
+
+
+def test_transfer_moves_between_expert_topologies_buffer_to_buffer(weights):
+    src_maps, _ = gate_up_maps(EP2)
+    dst_maps, _ = gate_up_maps(EP3_ROUND_ROBIN, tp=2)
+    src = expected_gate_up(weights, EP2)
+    want = expected_gate_up(weights, EP3_ROUND_ROBIN, tp=2)
+    outs = [torch.full_like(want[r], float("nan")) for r in range(len(want))]
+    for name in src_maps:
+        plan = reshard.compose(source=src_maps[name], target=dst_maps[name])
+        reshard.transfer(plan, [src[r] for r in range(len(src))], out=outs)
+    for r, expected in want.items():
+        assert torch.equal(outs[r], expected), f"rank {r}"
+
+
+def test_a_missing_or_doubled_writer_is_named(weights):
+    maps, decls = gate_up_maps(EP2)
+    del maps["mlp.experts.4.up_proj.weight"]
+    with pytest.raises(reshard.MapError, match=r'buffers\["mlp.experts.gate_up_proj"\]\.ranks\["1"\]: '
+                                               r"element \[1, 4, 0\].*written by no map"):
+        reshard.BufferSet(decls, maps)
+    maps, decls = gate_up_maps(EP2)
+    maps["mlp.experts.4.up_proj.weight"] = maps["mlp.experts.4.gate_proj.weight"]
+    with pytest.raises(reshard.MapError, match=r"written by params\[\"mlp.experts.4.gate_proj.weight\"\]"):
+        reshard.BufferSet(decls, maps)
+    maps, decls = gate_up_maps(EP2)
+    decls["mlp.experts.gate_up_proj"]["dtype"] = "F16"
+    with pytest.raises(reshard.MapError):
+        reshard.BufferSet({"other": decls["mlp.experts.gate_up_proj"]}, maps)
+
+
+def test_buffered_documents_round_trip(tmp_path, weights):
+    maps, decls = gate_up_maps(EPLB)
+    buffers = reshard.BufferSet(decls, maps)
+    text = buffers.to_json()
+    assert json.loads(text)["version"] == 2
+    back = reshard.read_buffers(text)
+    assert back is not None and back.to_dict() == buffers.to_dict()
+    assert {n: m.to_dict() for n, m in reshard.read_maps(text).items()} == \
+        {n: reshard.ParamMap.from_dict(m).to_dict() for n, m in maps.items()}
+    whole = {"logical_shape": [4, 3], "ranks": {"0": {"shard_shape": [4, 3], "pieces": [
+        {"shape": [4, 3], "source": [0, [3, 1]], "dest": [0, [3, 1]], "locations": [0]}]}}}
+    assert reshard.read_buffers(reshard.maps_to_json({"w": whole})) is None
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True)
+
+
+def test_checkpoint_scatter_gather_convert_through_buffers(tmp_path, reshard_bin, weights):
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file(weights, str(full / "model.safetensors"))
+    maps, decls = gate_up_maps(EP2)
+    doc = tmp_path / "ep2.json"
+    doc.write_text(reshard.BufferSet(decls, maps).to_json())
+    assert run(reshard_bin, "verify", doc).returncode == 0
+
+    sharded = tmp_path / "ep2"
+    r = run(reshard_bin, "scatter", full, "--maps", doc, "-o", sharded)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((sharded / "reshard.json").read_text())
+    assert manifest["version"] == 2 and "mlp.experts.gate_up_proj" in manifest["buffers"]
+    want = expected_gate_up(weights, EP2)
+    for rank in range(2):
+        held = load_file(str(sharded / f"model-rank-{rank}-part-0.safetensors"))
+        assert set(held) == {"mlp.experts.gate_up_proj"}  # the buffer, not per-expert tensors
+        assert torch.equal(held["mlp.experts.gate_up_proj"], want[rank])
+
+    gathered = tmp_path / "gathered"
+    r = run(reshard_bin, "gather", sharded, "-o", gathered)
+    assert r.returncode == 0, r.stderr
+    back = load_file(str(gathered / "model.safetensors"))
+    assert set(back) == set(weights) and all(torch.equal(back[n], weights[n]) for n in weights)
+
+    # EP 2 -> EP 3 (round robin) x expert TP 2: six ranks, straight from buffer to buffer.
+    target_maps, target_decls = gate_up_maps(EP3_ROUND_ROBIN, tp=2)
+    target = tmp_path / "ep3tp2.json"
+    target.write_text(reshard.BufferSet(target_decls, target_maps).to_json())
+    converted = tmp_path / "ep3tp2"
+    r = run(reshard_bin, "convert", sharded, "--tp", 6, "--target-maps", target, "-o", converted)
+    assert r.returncode == 0, r.stderr
+    want = expected_gate_up(weights, EP3_ROUND_ROBIN, tp=2)
+    for rank in range(6):
+        held = load_file(str(converted / f"model-rank-{rank}-part-0.safetensors"))
+        assert torch.equal(held["mlp.experts.gate_up_proj"], want[rank]), rank
+
+    r = run(reshard_bin, "inspect", converted, "--json")
+    assert r.returncode == 0, r.stderr
+
+    # A corrupt buffer in the files is found: a rank file's buffer of the wrong shape.
+    bad = tmp_path / "bad"
+    r = run(reshard_bin, "scatter", full, "--maps", doc, "-o", bad)
+    held = load_file(str(bad / "model-rank-1-part-0.safetensors"))
+    save_file({"mlp.experts.gate_up_proj": held["mlp.experts.gate_up_proj"][:2]},
+              str(bad / "model-rank-1-part-0.safetensors"))
+    r = run(reshard_bin, "gather", bad, "-o", tmp_path / "bad_out")
+    assert r.returncode == 2, r.stderr
+    assert 'tensor of buffer "mlp.experts.gate_up_proj" has shape [2, 8, 3]' in r.stderr, r.stderr
+    assert not (tmp_path / "bad_out").exists()
+
+
+def test_scatter_refuses_maps_that_leave_a_buffer_unwritten(tmp_path, reshard_bin, weights):
+    full = tmp_path / "full"
+    full.mkdir()
+    del weights["mlp.experts.5.gate_proj.weight"]
+    save_file(weights, str(full / "model.safetensors"))
+    maps, decls = gate_up_maps(EP2)
+    doc = {"version": 2, "buffers": decls, **{n: m for n, m in maps.items()
+                                              if n != "mlp.experts.5.gate_proj.weight"}}
+    path = tmp_path / "maps.json"
+    path.write_text(json.dumps(doc))
+    r = run(reshard_bin, "verify", path)
+    assert r.returncode == 1 and "written by no map" in r.stderr + r.stdout
+    r = run(reshard_bin, "scatter", full, "--maps", path, "-o", tmp_path / "out")
+    assert r.returncode == 1 and "written by no map" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
