@@ -55,9 +55,58 @@ void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
                 "(underflow, overflow, or a factor that is not a power of two)");
 }
 
-Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
+// What a checkpoint command was asked, for the processes of a job to compare before any work:
+// the command, the input's and the output's absolute paths, the input's files, and every
+// option that changes what is written (`extra`: the command's own).
+RunDescription Describe(std::string_view command, const CommonArgs& args, RunDescription extra) {
+  RunDescription d = {{"the command", std::string(command)}};
+  DescribeInput("the input", args.input, d);
+  std::error_code ec;
+  const std::filesystem::path out = std::filesystem::absolute(args.output, ec).lexically_normal();
+  d.emplace_back("-o", ec ? args.output : out.string());
+  auto flag = [](bool on) { return std::string(on ? "on" : "off"); };
+  d.emplace_back("--force", flag(args.force));
+  d.emplace_back("--no-sync", flag(args.no_sync));
+  d.emplace_back("--max-shard-size", args.max_shard_size);
+  d.emplace_back("--allow-scaled-optimizer-state", flag(args.allow_scaled_optimizer_state));
+  d.emplace_back("--allow-lossy-scale", flag(args.allow_lossy_scale));
+  d.emplace_back("--no-verify-replicas", flag(args.no_verify_replicas));
+  d.insert(d.end(), extra.begin(), extra.end());
+  return d;
+}
+
+// A map, layouts or config file given as an option: its identity, when given.
+RunDescription OptionalInput(const std::string& option, const std::string& path) {
+  RunDescription d;
+  if (path.empty()) {
+    d.emplace_back(option, "");
+  } else {
+    DescribeInput(option, path, d);
+  }
+  return d;
+}
+
+// --distributed-config: JSON text as given, or the identity of the file holding it.
+RunDescription DistributedConfigInput(const std::string& value) {
+  std::error_code ec;
+  if (!value.empty() && std::filesystem::is_regular_file(value, ec))
+    return OptionalInput("--distributed-config", value);
+  return {{"--distributed-config", value}};
+}
+
+template <typename... Parts>
+RunDescription Joined(Parts... parts) {
+  RunDescription d;
+  (d.insert(d.end(), parts.begin(), parts.end()), ...);
+  return d;
+}
+
+// The options of a run; under mpirun, once every process has been given the same run.
+Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar,
+                                  const RunDescription& run) {
   CheckpointOptions o;
   RESHARD_ASSIGN_OR_RETURN(o.communicator, Processes(args.peer_timeout));
+  RESHARD_RETURN_IF_ERROR(AgreeOnRun(*o.communicator, run));
   o.stats = &args.stats;
   o.overwrite = args.force;
   o.sync = !args.no_sync;
@@ -196,7 +245,15 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
 
 Status RunScatter(const ScatterArgs& args) {
   ProgressBar bar("scatter", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(args, bar,
+              Describe("scatter", args,
+                       Joined(OptionalInput("--maps", args.maps),
+                              OptionalInput("--layouts", args.layouts),
+                              OptionalInput("--config", args.config),
+                              DistributedConfigInput(args.distributed_config),
+                              RunDescription{{"--tp", std::to_string(args.tp)}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
@@ -212,7 +269,9 @@ Status RunScatter(const ScatterArgs& args) {
 
 Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(args, bar, Describe("gather", args, {{"--fp32", args.fp32 ? "on" : "off"}})));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {}));
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
@@ -264,7 +323,15 @@ Result<std::optional<MapDocument>> RecordedConfigMaps(const ConvertArgs& args) {
 
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(
+          args, bar,
+          Describe("convert", args,
+                   Joined(RunDescription{{"--tp", std::to_string(args.tp)}, {"--to", args.to}},
+                          DistributedConfigInput(args.distributed_config),
+                          OptionalInput("--target-maps", args.target_maps),
+                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps}));
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
