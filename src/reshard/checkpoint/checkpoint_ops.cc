@@ -286,7 +286,7 @@ MapProvider MapsFromDocument(const MapDocument& doc) {
   return [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
     auto it = by_name->find(name);
     if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
-    return ProvidedMap{it->second, std::nullopt};
+    return ProvidedMap{it->second, std::nullopt, true};
   };
 }
 
@@ -307,6 +307,9 @@ Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
   for (auto [suffix, power] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
     const std::string_view s(suffix);
     if (name.size() <= s.size() || !name.ends_with(s)) continue;
+    if (Result<ProvidedMap> own = maps(name, shape); own.ok() && own->exact) {
+      return ResolvedMap{*std::move(own), power};
+    }
     Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), shape);
     if (!base.ok() && base.status().code() == StatusCode::kNotFound) base = maps(name, shape);
     if (!base.ok()) return base.status();

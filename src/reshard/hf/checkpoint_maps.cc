@@ -27,7 +27,7 @@ Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string
   RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(maps, tensors));
   auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
   for (CheckpointTensorMap& t : planned.tensors) {
-    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout)});
+    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout), true});
   }
   ConfigScatter out;
   out.maps = [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {

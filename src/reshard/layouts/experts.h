@@ -110,9 +110,9 @@ struct StackedExpertMaps {
 /// inner...]) and the maps of every member of every expert into it. An expert's slice on a
 /// (ep, tp) rank is its `split_dim` block tp_rank of tp (whole when not split); its pieces'
 /// locations are every rank holding that same slice (an expert placed on several EP ranks
-/// is replicated there). `interleave` > 1: the members are interleaved along `fused_dim` in
-/// groups of that many rows (gpt-oss' gate/up: 1 row each, gate first) rather than
-/// concatenated.
+/// is replicated there; so is every expert-DP replica). Members are concatenated along
+/// `fused_dim` in order (a checkpoint that already stores them fused, such as gpt-oss' gate/up
+/// interleaved on the last dim, keeps its fused tensor as its F and needs no buffer).
 Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType dtype,
                                                  const std::vector<ExpertMember>& members,
                                                  const ExpertPlacement& placement,
