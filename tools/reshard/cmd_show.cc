@@ -240,6 +240,10 @@ Status RunShow(const ShowArgs& args) {
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   size_t buffered = 0;
   for (const ShownParam& p : shown.params) {
+    if (!args.json && IsBuffered(p.map)) {
+      ++buffered;  // summarised with its buffer
+      continue;
+    }
     MapSummary s = Summarize(p.map);
     Result<std::vector<std::string>> picture = HolderPicture(p.map, args.rows, args.cols);
     if (args.json) {
@@ -249,18 +253,18 @@ Status RunShow(const ShowArgs& args) {
         if (!b.empty()) entry["ranks"][static_cast<size_t>(r)]["buffer"] = b;
       }
       out.push_back(std::move(entry));
-    } else if (IsBuffered(p.map)) {
-      ++buffered;  // summarised with its buffer
     } else {
       PrintText(p.name, p.map, s, DTypeSize(p.dtype), DTypeName(p.dtype),
                 picture.ok() ? *picture : std::vector<std::string>{});
       fmt::print("\n");
     }
   }
-  for (const BufferSummary& b : buffers) {
-    if (args.json) {
-      out.push_back(BufferJson(b));
-    } else {
+  // Text and picture draw each layout once (a model's layers alike); --json lists every buffer.
+  const std::vector<BufferSummary> drawn = MergeSameLayouts(buffers);
+  if (args.json) {
+    for (const BufferSummary& b : buffers) out.push_back(BufferJson(b));
+  } else {
+    for (const BufferSummary& b : drawn) {
       for (const std::string& line : BufferTable(b, args.cols)) fmt::print("{}\n", line);
       fmt::print("\n");
     }
@@ -276,7 +280,7 @@ Status RunShow(const ShowArgs& args) {
           "--svg draws buffers (which rank holds which experts), and \"{}\" has none", args.path));
     }
     const std::string inputs[] = {args.path};
-    RESHARD_RETURN_IF_ERROR(WriteOutputFile(args.svg, BuffersSvg(buffers), args.force, inputs));
+    RESHARD_RETURN_IF_ERROR(WriteOutputFile(args.svg, BuffersSvg(drawn), args.force, inputs));
   }
   return failure;
 }

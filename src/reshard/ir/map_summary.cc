@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 
 #include "reshard/ir/box_cover.h"
 
@@ -209,6 +210,17 @@ std::string CellText(const BufferColumn& col, const BufferCell& cell) {
 
 Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
                                                     std::span<const NamedMapRef> maps) {
+  // The maps over each buffer, in the order given (a map may write into several).
+  std::map<std::string_view, std::vector<const NamedMapRef*>> maps_over;
+  for (const NamedMapRef& m : maps) {
+    std::string_view last;
+    for (const RankShard& r : m.map->ranks()) {
+      if (!r.is_buffered() || r.buffer == last) continue;
+      last = r.buffer;
+      auto& list = maps_over[r.buffer];
+      if (list.empty() || list.back() != &m) list.push_back(&m);
+    }
+  }
   std::vector<BufferSummary> out;
   for (const BufferDecl& decl : set.buffers()) {
     BufferSummary s;
@@ -221,14 +233,9 @@ Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
       for (const BufferBlock& b : br.padding) pad += ProductOf(b.shape);
       s.padding_elements.push_back(pad);
     }
-    std::vector<const NamedMapRef*> over;
-    for (const NamedMapRef& m : maps) {
-      const auto& ranks = m.map->ranks();
-      if (std::any_of(ranks.begin(), ranks.end(),
-                      [&](const RankShard& r) { return r.buffer == decl.name; })) {
-        over.push_back(&m);
-      }
-    }
+    const auto found = maps_over.find(decl.name);
+    const std::vector<const NamedMapRef*> over =
+        found == maps_over.end() ? std::vector<const NamedMapRef*>{} : found->second;
     std::vector<std::vector<std::string_view>> parts;
     for (const NamedMapRef* m : over) parts.push_back(SplitDots(m->name));
     const int ec = ExpertComponent(parts);
@@ -330,6 +337,80 @@ Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
   return out;
 }
 
+namespace {
+
+// `name` with every run of digits as "#".
+std::string WithoutNumbers(std::string_view name) {
+  std::string out;
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (name[i] >= '0' && name[i] <= '9') {
+      if (out.empty() || out.back() != '#') out += '#';
+    } else {
+      out += name[i];
+    }
+  }
+  return out;
+}
+
+bool SameLayout(const BufferSummary& a, const BufferSummary& b) {
+  if (a.dtype != b.dtype || a.rank_shapes != b.rank_shapes ||
+      a.padding_elements != b.padding_elements || a.columns.size() != b.columns.size() ||
+      a.members.size() != b.members.size() || WithoutNumbers(a.name) != WithoutNumbers(b.name)) {
+    return false;
+  }
+  for (size_t i = 0; i < a.members.size(); ++i) {
+    if (WithoutNumbers(a.members[i]) != WithoutNumbers(b.members[i])) return false;
+  }
+  for (size_t c = 0; c < a.columns.size(); ++c) {
+    const BufferColumn& x = a.columns[c];
+    const BufferColumn& y = b.columns[c];
+    if (x.expert != y.expert || x.elements != y.elements || x.holders != y.holders ||
+        x.sample_rows != y.sample_rows || x.sample_cols != y.sample_cols ||
+        x.tensors.size() != y.tensors.size() ||
+        (x.expert < 0 && WithoutNumbers(x.label) != WithoutNumbers(y.label))) {
+      return false;
+    }
+  }
+  for (size_t r = 0; r < a.cells.size(); ++r) {
+    for (size_t c = 0; c < a.columns.size(); ++c) {
+      const BufferCell& x = a.cells[r][c];
+      const BufferCell& y = b.cells[r][c];
+      if (x.slots != y.slots || x.elements != y.elements || x.replicated != y.replicated ||
+          x.samples != y.samples) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// "a, b, ..., z (N)" for long lists.
+std::string NameList(const std::vector<std::string>& names) {
+  if (names.size() <= 3) {
+    std::string out;
+    for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+    return out;
+  }
+  return fmt::format("{}, {}, ..., {}", names[0], names[1], names.back());
+}
+
+}  // namespace
+
+std::vector<BufferSummary> MergeSameLayouts(std::vector<BufferSummary> buffers) {
+  std::vector<BufferSummary> out;
+  for (BufferSummary& b : buffers) {
+    auto like = std::find_if(out.begin(), out.end(),
+                             [&](const BufferSummary& o) { return SameLayout(o, b); });
+    if (like == out.end()) {
+      out.push_back(std::move(b));
+    } else {
+      like->same_layout.push_back(b.name);
+      like->same_layout.insert(like->same_layout.end(), b.same_layout.begin(), b.same_layout.end());
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> BufferTable(const BufferSummary& s, int max_width) {
   std::vector<std::string> lines;
   const bool experts = s.expert_columns();
@@ -341,6 +422,10 @@ std::vector<std::string> BufferTable(const BufferSummary& s, int max_width) {
     for (size_t i = 0; i < s.members.size(); ++i) heading += (i ? ", " : " ") + s.members[i];
   }
   lines.push_back(std::move(heading));
+  if (!s.same_layout.empty()) {
+    lines.push_back(fmt::format("  and {} more buffer(s) laid out the same: {}",
+                                s.same_layout.size(), NameList(s.same_layout)));
+  }
   lines.push_back(fmt::format("  {:>4}  {:<18}  {}", "rank", "buffer shape",
                               experts ? "experts in slot order" : "tensors"));
   for (int r = 0; r < s.world_size(); ++r) {
@@ -531,6 +616,12 @@ std::string BuffersSvg(std::span<const BufferSummary> buffers) {
       for (size_t i = 0; i < s.members.size(); ++i) members += (i ? ", " : "") + s.members[i];
       body +=
           fmt::format("<text x=\"8\" y=\"{}\" class=\"note\">{}</text>\n", y + 10, Xml(members));
+      y += 16;
+    }
+    if (!s.same_layout.empty()) {
+      body += fmt::format("<text x=\"8\" y=\"{}\" class=\"note\">{}</text>\n", y + 10,
+                          Xml(fmt::format("and {} more buffer(s) laid out the same: {}",
+                                          s.same_layout.size(), NameList(s.same_layout))));
       y += 16;
     }
     // Column labels: every one when they fit, else every k-th.

@@ -85,6 +85,10 @@ struct BufferSummary {
   std::vector<std::string> members;
   std::vector<BufferColumn> columns;           // experts by id, or tensors in the maps' order
   std::vector<std::vector<BufferCell>> cells;  // [rank][column]
+  /// Other buffers laid out exactly like this one (a model's other layers: names that differ
+  /// only in their numbers, the same shapes, columns, holders and cells), set by
+  /// MergeSameLayouts.
+  std::vector<std::string> same_layout;
 
   int world_size() const { return static_cast<int>(rank_shapes.size()); }
   bool expert_columns() const { return !columns.empty() && columns[0].expert >= 0; }
@@ -97,6 +101,10 @@ struct BufferSummary {
 /// maps too fragmented to sample.
 Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
                                                     std::span<const NamedMapRef> maps);
+
+/// `buffers` with every buffer laid out like an earlier one folded into that one's
+/// `same_layout` (so a model of 61 identical MoE layers draws one grid per kind of buffer).
+std::vector<BufferSummary> MergeSameLayouts(std::vector<BufferSummary> buffers);
 
 /// The summary as text lines (no newlines): a heading, one line per rank (its shape and the
 /// experts in slot order), the replicated experts, and a grid of ranks x columns at most

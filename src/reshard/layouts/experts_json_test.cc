@@ -333,6 +333,33 @@ TEST(BufferViewTest, SvgIsDeterministicAndMarksReplicas) {
   EXPECT_THAT(svg, HasSubstr("<title>rank 1, expert 0: not held</title>"));
 }
 
+TEST(BufferViewTest, LayersLaidOutAlikeAreDrawnOnce) {
+  // Layers 0 and 1 round robin, layer 2 contiguous: two layouts.
+  auto layer = [](int l, std::string_view family) {
+    std::string d = GateUp(fmt::format(R"({{"family": "{}", "num_experts": 4}})", family));
+    const std::string to = fmt::format("layers.{}.", l);
+    for (size_t at = d.find("layers.0."); at != std::string::npos;
+         at = d.find("layers.0.", at + to.size())) {
+      d.replace(at, 9, to);
+    }
+    return d;
+  };
+  Result<MapDocument> doc = LayOut("[" + layer(0, "round_robin") + ", " + layer(1, "round_robin") +
+                                       ", " + layer(2, "contiguous") + "]",
+                                   2);
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  const std::vector<BufferSummary> all = ViewOf(*doc);
+  ASSERT_EQ(all.size(), 3u);
+  const std::vector<BufferSummary> drawn = MergeSameLayouts(all);
+  ASSERT_EQ(drawn.size(), 2u);
+  EXPECT_EQ(drawn[0].name, "model.layers.0.mlp.experts.gate_up_proj");
+  EXPECT_EQ(drawn[0].same_layout,
+            (std::vector<std::string>{"model.layers.1.mlp.experts.gate_up_proj"}));
+  EXPECT_TRUE(drawn[1].same_layout.empty());
+  EXPECT_EQ(BufferTable(drawn[0])[1],
+            "  and 1 more buffer(s) laid out the same: model.layers.1.mlp.experts.gate_up_proj");
+}
+
 TEST(BufferViewTest, SvgEscapesNames) {
   std::vector<BufferSummary> view = ViewOf(Redundant());
   view[0].name = "a<b>&\"c\"";
