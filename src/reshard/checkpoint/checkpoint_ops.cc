@@ -265,13 +265,14 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
                              }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
-                                {.sync = options.sync});
+                                OutputFileOptions(options));
       });
+  const Status synced = SyncOutputFiles(out, written, mine.files, options);
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
   manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
   for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
-  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+  return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest, options.sync));
     return out.Commit(options.sync);
   });
@@ -512,11 +513,12 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
                }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
-                                {.sync = options.sync});
+                                OutputFileOptions(options));
       });
+  const Status synced = SyncOutputFiles(out, written, mine.files, options);
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
-  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+  return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     if (files.front().name != "model.safetensors") {
       RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, options.sync, files));
     }

@@ -65,16 +65,21 @@ Result<ExpertPlacement> ExpertsByFamily(std::string_view family, int num_experts
 Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text);
 std::string ExpertPlacementToJson(const ExpertPlacement& placement);
 
-/// How EP and expert-TP ranks make the world's ranks.
+/// How EP, expert-TP and expert-DP ranks make the world's ranks.
 struct RankOrder {
   int ep = 1;
   int tp = 1;
-  /// true: global rank = ep_rank · tp + tp_rank (Megatron: tp fastest); false: tp_rank · ep +
-  /// ep_rank.
+  /// true: global rank = (dp_rank · ep + ep_rank) · tp + tp_rank — Megatron's order (tp, cp, ep,
+  /// dp, pp) with context and pipeline parallelism 1: tp fastest, then ep, then dp;
+  /// false: (dp_rank · tp + tp_rank) · ep + ep_rank.
   bool tp_fastest = true;
-  int world() const { return ep * tp; }
-  Rank Of(int ep_rank, int tp_rank) const {
-    return tp_fastest ? ep_rank * tp + tp_rank : tp_rank * ep + ep_rank;
+  /// Expert data parallelism: `dp` replicas of the whole EP x TP layout, every expert slice
+  /// held by one rank of each replica (its pieces' locations name all of them).
+  int dp = 1;
+  int world() const { return ep * tp * dp; }
+  Rank Of(int ep_rank, int tp_rank, int dp_rank = 0) const {
+    return tp_fastest ? (dp_rank * ep + ep_rank) * tp + tp_rank
+                      : (dp_rank * tp + tp_rank) * ep + ep_rank;
   }
 };
 
