@@ -75,19 +75,23 @@ def ep_experts(placement, ep):
     return out
 
 
+def rank_of(k, t, d, ep, tp, tp_fastest):
+    """The global rank of EP rank k, TP rank t, expert-DP replica d (docs/layouts.md)."""
+    return (d * ep + k) * tp + t if tp_fastest else (d * tp + t) * ep + k
+
+
 def expected_buffers(weights, placement, ep, tp, dp, tp_fastest=True):
     """Each rank's gate_up buffer built with torch: per slot, the expert's gate rows then up
     rows of its TP slice; ranks in the (tp, ep, dp) order asked for."""
-    per_ep = ep_experts(placement, ep) * dp  # expert-DP groups repeat the EP ranks
-    world = ep * tp * dp
-    out = [None] * world
-    for k, experts in enumerate(per_ep):
-        for t in range(tp):
-            rank = k * tp + t if tp_fastest else t * ep * dp + k
-            rows = slice(t * I // tp, (t + 1) * I // tp)
-            slots = [torch.cat([weights[GATE.format(e=e)][rows], weights[UP.format(e=e)][rows]])
-                     for e in experts]
-            out[rank] = torch.stack(slots) if slots else torch.zeros(0, 2 * I // tp, H)
+    out = [None] * (ep * tp * dp)
+    for d in range(dp):  # expert-DP replicas of the whole EP x TP layout
+        for k, experts in enumerate(ep_experts(placement, ep)):
+            for t in range(tp):
+                rows = slice(t * I // tp, (t + 1) * I // tp)
+                slots = [torch.cat([weights[GATE.format(e=e)][rows],
+                                    weights[UP.format(e=e)][rows]]) for e in experts]
+                out[rank_of(k, t, d, ep, tp, tp_fastest)] = \
+                    torch.stack(slots) if slots else torch.zeros(0, 2 * I // tp, H)
     return out
 
 
@@ -106,6 +110,7 @@ CASES = [
     ({"family": "round_robin", "num_experts": 6}, 2, 1, "tp_fastest", 4),
     ({"family": "contiguous", "num_experts": 4}, 2, 2, "tp_fastest", 8),  # Megatron tp, ep, dp
     ({"family": "contiguous", "num_experts": 4}, 2, 1, "ep_fastest", 4),
+    ({"family": "linear", "num_experts": 3}, 2, 2, "ep_fastest", 8),
     (autoep(4, [[0, 3], [], [1, 2, 0]]), 1, 1, "tp_fastest", 3),  # uneven, empty, redundant
     (autoep(3, [[2, 0], [1, 0]]), 2, 1, "tp_fastest", 4),
 ]
@@ -303,11 +308,11 @@ def test_random_expert_layouts_verify_scatter_and_gather_exactly(tmp_path, resha
         r = run(reshard_bin, "verify", maps, "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["valid"], (desc, r.stdout)
         (b,) = [e for e in json.loads(show(reshard_bin, maps, "--json")) if "buffer" in e]
-        per_ep = ep_experts(placement, ep) * dp
+        per_ep = ep_experts(placement, ep)
         for x in b["experts"]:
-            holders = sorted(k * tp + t if order == "tp_fastest" else t * ep * dp + k
+            holders = sorted(rank_of(k, t, d, ep, tp, order == "tp_fastest")
                              for k, held in enumerate(per_ep) if x["expert"] in held
-                             for t in range(tp))
+                             for t in range(tp) for d in range(dp))
             assert x["holders"] == holders, (desc, x)
         full, weights = checkpoint(work, placement["num_experts"], seed=trial)
         sharded = work / "sharded"

@@ -326,17 +326,15 @@ Result<MapDocument> BuildStackedExpertsDocument(const std::vector<StackedExperts
                                                  where, world, ep, d.tp, d.dp,
                                                  placed.status().message()));
     }
-    // Expert data parallelism: the EP groups repeated, dp_rank slowest among EP ranks.
-    ExpertPlacement placement{placed->num_experts, {}};
-    for (int r = 0; r < d.dp; ++r) {
-      placement.experts.insert(placement.experts.end(), placed->experts.begin(),
-                               placed->experts.end());
-    }
     std::vector<ExpertMember> members = d.members;
     for (ExpertMember& m : members) m.fused_dim = d.fused_dim;
-    const RankOrder order{ep * d.dp, d.tp, d.tp_fastest};
+    RankOrder order;
+    order.ep = ep;
+    order.tp = d.tp;
+    order.tp_fastest = d.tp_fastest;
+    order.dp = d.dp;
     Result<StackedExpertMaps> built =
-        BuildStackedExpertMaps(d.buffer, d.dtype, members, placement, order);
+        BuildStackedExpertMaps(d.buffer, d.dtype, members, *placed, order);
     if (!built.ok()) {
       return FailedPreconditionError(
           fmt::format("{} at {} ranks: {}", where, world, built.status().message()));

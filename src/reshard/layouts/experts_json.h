@@ -14,9 +14,10 @@
 //                 "split_dim": 0, "permutation": [0, 1]?}, ...],
 //    "fused_dim": 0, "placement": <placement>, "tp": 1, "dp": 1, "rank_order": "tp_fastest"}
 // laid out at a world of ep × tp × dp ranks: expert TP `tp` splits each member along its
-// `split_dim`, `dp` repeats the EP groups (expert data parallelism: every replica group holds
-// the same experts), and the rank order puts tp fastest (Megatron's (tp, cp, ep, dp, pp) with
-// cp = pp = 1: rank = tp_rank + tp·(ep_rank + ep·dp_rank)) or EP fastest.
+// `split_dim`, `dp` replicates the whole EP x TP layout (expert data parallelism), and the rank
+// order (layouts/experts.h RankOrder) puts tp fastest (Megatron's (tp, cp, ep, dp, pp) with
+// cp = pp = 1: rank = (dp_rank · ep + ep_rank) · tp + tp_rank) or EP fastest
+// ((dp_rank · tp + tp_rank) · ep + ep_rank).
 //
 // Reading is strict: unknown keys, a key of the other placement form, wrong types, a member
 // name without "{e}", a dimension outside the member's shape, an AutoEP descriptor that misses
