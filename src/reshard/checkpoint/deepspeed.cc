@@ -92,8 +92,14 @@ std::optional<int64_t> IntAt(const PickleTree& t, PickleNodeId id) {
 }
 
 // Plain data (dicts with str keys, lists, tuples, scalars) as JSON; anything else is null.
+// Shared objects are copied into the JSON, so a tree that would expand past this many objects
+// (a pickle DAG whose memo entries are reused level after level) is not plain data either:
+// its cost is bounded before any of it is expanded.
+constexpr uint64_t kMaxJsonObjects = uint64_t{1} << 20;
+
 Value ToJson(const PickleTree& t, PickleNodeId id, int depth = 0) {
   if (id == kNoPickleNode || depth > 64) return nullptr;
+  if (depth == 0 && t.expanded_size(id) > kMaxJsonObjects) return nullptr;
   const PickleNode& n = t.node(id);
   switch (n.kind) {
     case PickleKind::kBool:
@@ -260,6 +266,12 @@ Result<UcInfo> ReadUcInfo(const PickleTree& t, PickleNodeId root) {
   UcInfo uc;
   const PickleNodeId node = Get(t, root, "universal_checkpoint_info");
   if (IsNone(t, node)) return uc;
+  if (t.expanded_size(node) > kMaxJsonObjects) {
+    return InvalidArgumentError(fmt::format(
+        "universal_checkpoint_info: its shared pickle objects expand to more than {} objects; "
+        "DeepSpeed writes plain metadata here",
+        kMaxJsonObjects));
+  }
   uc.raw = ToJson(t, node);
   if (!uc.raw.is_object()) return InvalidArgumentError("universal_checkpoint_info: not a dict");
   if (auto a = uc.raw.find("affine_map"); a != uc.raw.end() && a->is_object()) {
