@@ -7,6 +7,10 @@ each to TP 8, then times `cp -r` of the TP 8 directory against `reshard convert 
 and reports the peak resident memory of each convert (GNU time's maximum RSS).
 
     python bench/convert_bench.py [--reshard build-release/tools/reshard/reshard] [--scale-gb 1]
+        [--repeat 2] [--only 1|4]
+
+The load average is printed before and after: on a shared machine, read the ratios of a run
+taken while nothing else ran (more --repeat narrows the noise: the best of each is kept).
 
 With --replica-cost it measures instead what verifying replicas costs convert: a checkpoint
 whose every tensor is replicated (the worst case: every byte is compared) is scattered to
@@ -85,6 +89,8 @@ def main():
     ap.add_argument("--reshard", default="build-release/tools/reshard/reshard")
     ap.add_argument("--scale-gb", type=float, default=1.0, help="size of the 1x checkpoint")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--repeat", type=int, default=2, help="measurements of each, best kept")
+    ap.add_argument("--only", type=int, choices=(1, 4), help="measure one checkpoint size only")
     ap.add_argument("--replica-cost", action="store_true",
                     help="measure the cost of verifying replicas in convert instead")
     args = ap.parse_args()
@@ -106,7 +112,8 @@ def main():
         print(f"reshard convert vs cp; largest tensor {largest_rows}x{hidden} U16 = "
               f"{largest_rows * hidden * 2 / 2**20:.0f} MiB in both checkpoints")
         results = {}
-        for factor in (1, 4):
+        print(f"load average at start: {os.getloadavg()[0]:.2f}")
+        for factor in (args.only,) if args.only else (1, 4):
             full = os.path.join(work, f"full{factor}")
             total = make_checkpoint(full, largest_rows, hidden, base_others * factor + (factor - 1) * 3,
                                     other_rows, factor)
@@ -119,12 +126,12 @@ def main():
             # with no dirty pages. reshard syncs its outputs before renaming them into place,
             # so the like-for-like reference is a copy that is synced too (cp, then sync).
             subprocess.run(["cat"] + [os.path.join(tp8, f) for f in os.listdir(tp8)], stdout=subprocess.DEVNULL, check=True)
-            # Each measured twice, alternating, best kept; outputs are deleted (and the
+            # Each measured --repeat times, alternating, best kept; outputs are deleted (and the
             # deletion synced) before the next run so neither inherits the other's page cache.
             copy, tp2 = os.path.join(work, "copy"), os.path.join(work, "tp2")
             t_cp = t_cv = float("inf")
             peak = 0
-            for _ in range(2):
+            for _ in range(args.repeat):
                 subprocess.run(["sync"], check=True)
                 t, p = timed([args.reshard, "convert", tp8, "--tp", "2", "-o", tp2])
                 if t < t_cv:
@@ -142,8 +149,10 @@ def main():
                   f"convert TP 8 -> 2 {t_cv:6.2f} s ({cv_rate:5.2f} GB/s) = {cv_rate / cp_rate:4.2f}x cp "
                   f"(bar 0.5x: {'PASS' if cv_rate >= 0.5 * cp_rate else 'MISS'}); "
                   f"convert peak RSS {peak / 1024:7.1f} MiB")
-        print(f"peak RSS 4x / 1x: {results[4] / results[1]:.2f} (the largest tensor is the same: "
-              f"memory follows it, not the checkpoint)")
+        if len(results) == 2:
+            print(f"peak RSS 4x / 1x: {results[4] / results[1]:.2f} (the largest tensor is the "
+                  f"same: memory follows it, not the checkpoint)")
+        print(f"load average at end: {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -53,7 +53,8 @@ COUNT_KEYS = (
     "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
     "shared_expert_intermediate_size", "n_shared_experts", "num_experts", "num_local_experts",
-    "n_routed_experts", "tie_word_embeddings",
+    "n_routed_experts", "tie_word_embeddings", "num_shared_experts", "moe_num_shared_experts",
+    "moe_shared_expert_intermediate_size",
 )
 
 # Head classes whose `_tp_plan` is the LM head's entry, most specific first.

@@ -19,6 +19,7 @@ import os
 from typing import Any, Callable, Mapping, Optional, Union
 
 from . import _core
+from ._buffers import BufferSet, read_buffers
 from ._maps import MapLike, as_map, read_maps
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -45,10 +46,31 @@ def _options(overwrite: bool, max_shard_size: Union[None, int, str], verify_repl
     return o
 
 
-def _map_list(maps: Union[PathLike, Mapping[str, MapLike]]) -> list[tuple[str, Any]]:
+def _map_list(maps: Union[PathLike, Mapping[str, MapLike], BufferSet]
+              ) -> tuple[list[tuple[str, Any]], str]:
+    """The maps as (name, handle) pairs, and their buffers' declarations as JSON ("" for none):
+    from a BufferSet, a {name: map} mapping, or a map document's path (version 2: with its
+    buffers)."""
+    if isinstance(maps, BufferSet):
+        return ([(name, m._handle) for name, m in maps.maps.items()],
+                json.dumps(maps.to_dict()))
     if isinstance(maps, Mapping):
-        return [(name, as_map(m)._handle) for name, m in maps.items()]
-    return [(name, m._handle) for name, m in read_maps(maps).items()]
+        return [(name, as_map(m)._handle) for name, m in maps.items()], ""
+    buffers = read_buffers(maps)
+    if buffers is not None:
+        return _map_list(buffers)
+    return [(name, m._handle) for name, m in read_maps(maps).items()], ""
+
+
+def _dc_text(dc: Union[None, str, Mapping[str, Any]]) -> Optional[str]:
+    """A distributed config (dict or JSON text) as JSON text."""
+    if dc is None:
+        return None
+    if isinstance(dc, Mapping):
+        return json.dumps(dict(dc))
+    if not isinstance(dc, str):
+        raise TypeError(f"distributed_config must be a dict or JSON text, got {type(dc).__name__}")
+    return dc
 
 
 def _path(path: PathLike, what: str) -> str:
@@ -76,10 +98,17 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
             overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
             allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            sync: bool = True) -> None:
-    """Full checkpoint -> sharded checkpoint, by ``maps`` ({name: ParamMap} or a map document
-    path), by ``layouts`` (a layouts document: path or dict) at ``tp`` ranks, or by a model's
-    ``config`` (config.json path or dict) at ``tp`` ranks."""
+            sync: bool = True,
+            distributed_config: Union[None, str, Mapping[str, Any]] = None) -> None:
+    """Full checkpoint -> sharded checkpoint, by ``maps`` ({name: ParamMap}, a
+    :class:`reshard.BufferSet`, or a map document path), by ``layouts`` (a layouts document:
+    path or dict) at ``tp`` ranks, or by a model's ``config`` (config.json path or dict) at
+    ``tp`` processes as transformers holds it there under ``distributed_config``
+    (transformers' DistributedConfig as a dict or JSON text: ``{"tp_plan": "auto", "ep_size":
+    tp}`` for expert parallelism; MoE experts are stacked into buffers as transformers
+    stacks them)."""
+    if distributed_config is not None and config is None:
+        raise ValueError("distributed_config= goes with config=")
     given = [k for k, v in (("maps", maps), ("layouts", layouts), ("config", config)) if v is not None]
     if len(given) != 1:
         raise ValueError("scatter needs exactly one of maps=, layouts= (with tp=) or config= "
@@ -88,7 +117,7 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
                  allow_lossy_scale, progress, warn, sync)
     src, dst = _path(full_dir, "full_dir"), _path(out_dir, "out_dir")
     if maps is not None:
-        _core.scatter_with_maps(src, dst, _map_list(maps), o)
+        _core.scatter_with_maps(src, dst, *_map_list(maps), o)
         return
     if tp is None or tp < 1:
         raise ValueError(f"scatter with {given[0]}= needs tp= (a world size of at least 1)")
@@ -96,7 +125,8 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
         _core.scatter_with_layouts(src, dst, _read_text(layouts), tp, o)
     else:
         assert config is not None
-        _core.scatter_with_config(src, dst, _read_text(config), tp, o)
+        _core.scatter_with_config(src, dst, _read_text(config), tp,
+                                  _dc_text(distributed_config), o)
 
 
 def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
@@ -121,10 +151,13 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             max_shard_size: Union[None, int, str] = None, verify_replicas: bool = True,
             allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
-            sync: bool = True) -> None:
+            sync: bool = True,
+            distributed_config: Union[None, str, Mapping[str, Any]] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
-    building a full tensor. Target maps come from ``target_maps`` or from the layouts the
-    manifest records.
+    building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
+    document path), from the model's plans when the checkpoint was scattered from a config
+    (at ``tp`` processes under ``distributed_config``: TP <-> EP, buffer to buffer), or from the
+    layouts the manifest records.
 
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard convert``): the module
     weights and, unless ``weights_only``, the fp32 master weights and Adam's moments
@@ -152,8 +185,9 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"convert needs tp= (a world size of at least 1; got {tp!r}) or "
                          "to=\"universal\"")
-    targets = None if target_maps is None else _map_list(target_maps)
-    _core.convert(src, tp, dst, targets, bool(weights_only), o)
+    targets, buffers = (None, "") if target_maps is None else _map_list(target_maps)
+    _core.convert(src, tp, dst, targets, buffers, bool(weights_only),
+                  _dc_text(distributed_config), o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:

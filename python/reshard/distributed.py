@@ -138,6 +138,11 @@ class Redistributor:
     world) constructs it with the same arguments: construction is collective, and refuses
     maps that differ between processes.
 
+    Buffers (DESIGN 16): where a map keeps a rank's pieces in a buffer (an MoE layer's
+    ``experts.gate_up_proj``), that process's shards and results are keyed by the buffer's name,
+    one tensor standing for every parameter over it; a new target buffer starts zeroed and each
+    parameter's moves write only its own elements of it.
+
     ``dtypes`` (one dtype, or ``{name: dtype}``) lets processes that hold no source shard know
     what they receive; without it the first run learns the dtypes from the source shards.
     ``bucket_bytes`` bounds the chunks a process stages per round in each direction (it packs
@@ -289,14 +294,17 @@ class Redistributor:
                 raise RedistributeError(f"holds no source rank but was given shards for "
                                         f"{sorted(shards)[:4]}")
             return [None] * len(self._names)
-        missing = [n for n in self._names if n not in shards]
-        extra = sorted(set(shards) - set(self._names))
+        # A buffered rank's shard is its buffer (DESIGN 16): shards are keyed by rank tensor,
+        # a buffer's name standing for every parameter whose pieces it holds.
+        keys = [self._src[i].buffer(rank) or n for i, n in enumerate(self._names)]
+        missing = sorted({k for k in keys if k not in shards})
+        extra = sorted(set(shards) - set(keys))
         if missing or extra:
             raise RedistributeError(
                 f"holds source rank {rank}: " + (f"no shard given for {missing[:4]}" if missing
                                                   else f"shards of unknown parameters {extra[:4]}"))
         out: list[Optional[torch.Tensor]] = []
-        for i, name in enumerate(self._names):
+        for i, name in enumerate(keys):
             t = shards[name]
             if not isinstance(t, torch.Tensor):
                 raise RedistributeError(f"shards[\"{name}\"] is a {type(t).__name__}, "
@@ -351,24 +359,38 @@ class Redistributor:
             if not isinstance(out, Mapping):
                 raise RedistributeError(f"out must be a mapping {{name: tensor}}, got "
                                         f"{type(out).__name__}")
-            extra = sorted(set(out) - set(self._names), key=str)
+        rank = self._target_ranks.index(me) if me in self._target_ranks else None
+        if out is not None:
+            known = set(self._names) if rank is None else \
+                {self._dst[i].buffer(rank) or n for i, n in enumerate(self._names)}
+            extra = sorted(set(out) - known, key=str)
             if extra:
                 raise RedistributeError(f"out names unknown parameters {extra[:4]}")
-        rank = self._target_ranks.index(me) if me in self._target_ranks else None
         results: list[Optional[torch.Tensor]] = []
         dense: list[Optional[torch.Tensor]] = []
         given_extents: list[tuple[int, int, str]] = []
-        for i, name in enumerate(self._names):
+        # A buffer is one target tensor for every parameter over it: made (zeroed) or checked
+        # once, then written by each parameter's moves in turn.
+        by_key: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._target_keys = []
+        for i, param in enumerate(self._names):
             if rank is None:
                 results.append(None)
                 dense.append(None)
+                continue
+            buffer = self._dst[i].buffer(rank)
+            name = buffer or param
+            self._target_keys.append(name)
+            if name in by_key:
+                results.append(by_key[name][0])
+                dense.append(by_key[name][1])
                 continue
             shape = self._dst[i].shard_shape(rank)
             dtype = _torch_dtype(self._dtypes[i])
             given = None if out is None else out.get(name)
             what = f"out[\"{name}\"]"
             if given is None:
-                given = torch.empty(shape, dtype=dtype, device=device)
+                given = (torch.zeros if buffer else torch.empty)(shape, dtype=dtype, device=device)
             else:
                 if not isinstance(given, torch.Tensor):
                     raise RedistributeError(f"{what} is a {type(given).__name__}, not a "
@@ -385,9 +407,13 @@ class Redistributor:
                 if extent is not None:
                     given_extents.append((*extent, what))
             results.append(given)
-            host = given if given.device.type == "cpu" and given.is_contiguous() else \
-                torch.empty(shape, dtype=dtype)
+            if given.device.type == "cpu" and given.is_contiguous():
+                host = given
+            else:  # a buffer's other elements are kept: staged through a copy of it
+                host = given.detach().to("cpu").contiguous().clone() if buffer else \
+                    torch.empty(shape, dtype=dtype)
             dense.append(host)
+            by_key[name] = (given, host)
         given_extents.sort()
         for a, b in zip(given_extents, given_extents[1:]):
             if b[0] < a[1]:
@@ -463,8 +489,9 @@ class Redistributor:
             return self.schedule()
         self._move(sources, dense, comm)
         answer: dict[str, torch.Tensor] = {}
-        for name, result, host in zip(self._names, results, dense):
-            if result is None or host is None:
+        keys = getattr(self, "_target_keys", None) or self._names
+        for name, result, host in zip(keys, results, dense):
+            if result is None or host is None or name in answer:
                 continue
             if host is not result:
                 result.copy_(host)

@@ -15,6 +15,7 @@
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_config.h"
+#include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
@@ -92,14 +93,23 @@ void RunCheckpointOp(const PyCheckpointOptions& py_options, Op op) {
   if (!s.ok()) Raise(s, ErrorKind::kCheckpoint);
 }
 
+// The buffers of a version-2 map document (their JSON), unvalidated; none when empty.
+BufferSetBuilder BuffersOf(const std::string& buffers_json) {
+  if (buffers_json.empty()) return {};
+  Result<BufferSetBuilder> b = ParseBufferSetJson(buffers_json);
+  if (!b.ok()) Raise(b.status(), ErrorKind::kMap);
+  return *std::move(b);
+}
+
 void ScatterWithMaps(const std::string& full_dir, const std::string& out_dir,
                      const std::vector<std::pair<std::string, MapHandle*>>& maps,
-                     const PyCheckpointOptions& o) {
+                     const std::string& buffers_json, const PyCheckpointOptions& o) {
   const MapDocument doc = DocumentOf(maps);
   if (doc.params.empty()) throw py::value_error("scatter: no maps given");
   const int world = doc.params.front().second.world_size();
+  const BufferSetBuilder buffers = BuffersOf(buffers_json);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    return Scatter(full_dir, world, MapsFromDocument(doc), out_dir, options);
+    return Scatter(full_dir, world, MapsFromDocument(doc), buffers, out_dir, options);
   });
 }
 
@@ -113,22 +123,35 @@ void ScatterWithLayouts(const std::string& full_dir, const std::string& out_dir,
   });
 }
 
-// Maps from the model's tensor-parallel plan at `world`, with the plan's degree constraints
-// recorded in the manifest (as `reshard scatter --config`).
+// A distributed config (JSON text) as plan options; none when empty.
+PlanOptions PlanOptionsOf(const std::optional<std::string>& distributed_config_json) {
+  PlanOptions options;
+  if (distributed_config_json) {
+    Result<DistributedConfig> d =
+        ParseDistributedConfigJson(BuiltinTpRegistry(), *distributed_config_json);
+    if (!d.ok()) Raise(d.status().Annotate("distributed_config"), ErrorKind::kCheckpoint);
+    options.distributed = *std::move(d);
+  }
+  return options;
+}
+
+// Every tensor laid out as transformers holds it at `world` processes under the distributed
+// config (MoE experts into their stacked buffers), with the plan's degree constraints and the
+// config recorded in the manifest (as `reshard scatter --config`).
 void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
-                       const std::string& config_json, int world, const PyCheckpointOptions& o) {
-  Result<ConfigMaps> from_config =
-      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), config_json, world);
-  if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
-  auto config_maps = std::make_shared<ConfigMaps>(*std::move(from_config));
-  MapProvider maps = [config_maps](const std::string& name,
-                                   const Shape& shape) -> Result<ProvidedMap> {
-    RESHARD_ASSIGN_OR_RETURN(TensorMap m, config_maps->Map(name, shape));
-    return ProvidedMap{std::move(m.map), std::move(m.layout)};
-  };
+                       const std::string& config_json, int world,
+                       const std::optional<std::string>& distributed_config_json,
+                       const PyCheckpointOptions& o) {
+  const PlanOptions plan_options = PlanOptionsOf(distributed_config_json);
+  Result<ConfigScatter> planned = [&] {
+    py::gil_scoped_release release;
+    return ConfigScatterMaps(full_dir, config_json, world, plan_options);
+  }();
+  if (!planned.ok()) Raise(planned.status(), ErrorKind::kCheckpoint);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    options.degree_constraints = DegreeConstraints(config_maps->plan());
-    return Scatter(full_dir, world, maps, out_dir, options);
+    options.degree_constraints = planned->constraints;
+    options.model_config = planned->model_config;
+    return Scatter(full_dir, world, planned->maps, planned->buffers, out_dir, options);
   });
 }
 
@@ -147,45 +170,22 @@ void PyGather(const std::string& sharded_dir, const std::string& out_dir, bool f
   });
 }
 
-// The target maps of a DeepSpeed checkpoint whose parameters record no layout (TP 1 without
-// universal_checkpoint_info), from the model's plan in the save dir's config.json, for every
-// tensor convert writes; nullopt when every parameter has a layout or there is no
-// config.json. The same rule as `reshard convert`.
-Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, int world,
-                                                       bool weights_only) {
-  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ckpt, DeepSpeedCheckpoint::Open(dir));
-  const std::vector<DeepSpeedParam>& params = ckpt.params();
-  const bool all_laid_out =
-      std::all_of(params.begin(), params.end(), [](const auto& p) { return p.layout.has_value(); });
-  if (all_laid_out || ckpt.config_path().empty()) return std::optional<MapDocument>();
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(ckpt.config_path()));
-  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
-  if (!maps.ok()) return maps.status().Annotate("\"" + ckpt.config_path() + "\"");
-  std::vector<std::string> suffixes = {""};
-  if (!weights_only && ckpt.has_optimizer_state()) {
-    for (DeepSpeedState s :
-         {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
-      suffixes.push_back("." + std::string(DeepSpeedStateName(s)));
-    }
-  }
-  MapDocument doc;
-  for (const std::string& suffix : suffixes) {
-    for (const DeepSpeedParam& p : params) {
-      Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
-      if (!m.ok()) return m.status().Annotate("\"" + ckpt.config_path() + "\"");
-      doc.params.emplace_back(p.name + suffix, std::move(m->map));
-    }
-  }
-  return std::optional<MapDocument>(std::move(doc));
-}
-
 // A reshard sharded checkpoint or, as `reshard convert` reads it, a DeepSpeed checkpoint
 // (module weights and, unless `weights_only`, its optimizer state).
 void PyConvert(const std::string& sharded_dir, int world, const std::string& out_dir,
                const std::optional<std::vector<std::pair<std::string, MapHandle*>>>& target_maps,
-               bool weights_only, const PyCheckpointOptions& o) {
+               const std::string& buffers_json, bool weights_only,
+               const std::optional<std::string>& distributed_config_json,
+               const PyCheckpointOptions& o) {
   std::optional<MapDocument> target;
-  if (target_maps) target = DocumentOf(*target_maps);
+  if (target_maps) {
+    target = DocumentOf(*target_maps);
+    const Status valid = ValidateBuffers(*target, BuffersOf(buffers_json));
+    if (!valid.ok()) Raise(valid, ErrorKind::kMap);
+  }
+  if (target_maps && distributed_config_json) {
+    throw py::value_error("give target_maps= or distributed_config=, not both");
+  }
   const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
   if (weights_only && !deepspeed) {
     throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" + sharded_dir +
@@ -196,6 +196,16 @@ void PyConvert(const std::string& sharded_dir, int world, const std::string& out
         DeepSpeedConfigMaps(sharded_dir, world, weights_only);
     if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
     target = *std::move(from_config);
+  }
+  if (!deepspeed && !target) {
+    // Scattered from a config.json: the target layout from the model's plans again.
+    Result<std::optional<MapDocument>> from_config = RecordedConfigMaps(
+        sharded_dir, world, PlanOptionsOf(distributed_config_json), distributed_config_json.has_value());
+    if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
+    target = *std::move(from_config);
+  } else if (distributed_config_json) {
+    throw py::value_error("distributed_config= applies to a checkpoint scattered from a "
+                          "config.json; give target_maps= instead");
   }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     Status s = deepspeed

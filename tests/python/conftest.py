@@ -18,6 +18,7 @@ SHARED_DATA = pathlib.Path(os.environ.get("RESHARD_SHARED_DATA", REPO.parent / "
 # imported into several test modules would be made (and its checkpoints trained) once per
 # module.
 from ds_checkpoints import ds_checkpoint  # noqa: E402,F401
+from moe_truth import moe_truth  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

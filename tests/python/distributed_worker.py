@@ -49,22 +49,46 @@ def setup(case, step):
 
 
 def local_shards(params, source_ranks, me):
+    """This process's source rank tensors: a shard per parameter, or one buffer (by its name)
+    that every parameter over it is extracted into."""
     if me not in source_ranks:
         return {}
     r = source_ranks.index(me)
-    return {name: reshard.extract(src, full, r) for name, (src, _, full) in params.items()}
+    out = {}
+    for name, (src, _, full) in params.items():
+        buffer = src.buffer(r)
+        if buffer:
+            out.setdefault(buffer, torch.zeros(src.shard_shape(r), dtype=full.dtype))
+            reshard.extract(src, full, r, out=out[buffer])
+        else:
+            out[name] = reshard.extract(src, full, r)
+    return out
 
 
 def reference(params, target_ranks, me):
-    """What this process must end up with: the offline transfer of every parameter."""
+    """What this process must end up with: the offline transfer of every parameter (into a
+    buffer: each parameter's plan run into the same zeroed target)."""
     if me not in target_ranks:
         return {}
     t = target_ranks.index(me)
     out = {}
     for name, (src, dst, full) in params.items():
         shards = [reshard.extract(src, full, r) for r in range(src.world_size)]
-        out[name] = reshard.transfer(reshard.compose(source=src, target=dst), shards)[t]
+        plan = reshard.compose(source=src, target=dst)
+        buffer = dst.buffer(t)
+        if not buffer:
+            out[name] = reshard.transfer(plan, shards)[t]
+            continue
+        outs = [torch.zeros(dst.shard_shape(r), dtype=full.dtype) for r in range(dst.world_size)]
+        outs[t] = out.setdefault(buffer, outs[t])
+        reshard.transfer(plan, shards, out=outs)
     return out
+
+
+def marked(m, marker, r):
+    """Rank r's shard of an index marker; a buffer's elements of other tensors read -1."""
+    out = torch.full(m.shard_shape(r), -1, dtype=torch.int64) if m.buffer(r) else None
+    return reshard.extract(m, marker, r, out=out, scale_power=0)
 
 
 def lower_bound(params, source_ranks, target_ranks, me):
@@ -82,12 +106,11 @@ def lower_bound(params, source_ranks, target_ranks, me):
             marker = torch.full(m.logical_shape, -1, dtype=torch.int64)
             marker[valid] = index
             markers.append(marker)
-        need = set(reshard.extract(dst, markers[1], target_ranks.index(me), scale_power=0).flatten().tolist())
+        need = set(marked(dst, markers[1], target_ranks.index(me)).flatten().tolist())
         need.discard(-1)
         have = set()
         if me in source_ranks:
-            have = set(reshard.extract(src, markers[0], source_ranks.index(me),
-                                       scale_power=0).flatten().tolist())
+            have = set(marked(src, markers[0], source_ranks.index(me)).flatten().tolist())
         total += len(need - have) * full.element_size()
     return total
 

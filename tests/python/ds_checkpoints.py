@@ -47,7 +47,11 @@ class Spec:
     layers, hidden 64, 4 heads of 16, intermediate 128, untied embeddings. vocab 250 does not
     divide by 4, so TP 4 cuts the vocabulary unevenly (63, 63, 62, 62). Every size is a
     multiple of 64, so ZeRO pads only when DP does not divide it: DP 3 pads ZeRO 3's
-    parameters, and DP 3 with vocab 251 (total not a multiple of 3) ZeRO 1/2's flat group."""
+    parameters, and DP 3 with vocab 251 (total not a multiple of 3) ZeRO 1/2's flat group.
+    "mixtral" has 4 experts per layer; ep > 1 trains it with DeepSpeed's AutoEP at that EP
+    size (inside the DP ranks: at DP 2 and EP 2 each rank holds two experts; DP 4
+    adds an expert-DP degree of 2), and the reference is the model as transformers holds it
+    (ref/hf, by save_pretrained) rather than the module's TP shards."""
 
     family: str = "llama"
     tp: int = 1
@@ -55,6 +59,7 @@ class Spec:
     stage: int = 1
     dtype: str = "float32"  # or "bfloat16"
     steps: int = 2
+    ep: int = 1
     vocab: int = 250
     seed: int = 20261130
 
@@ -66,10 +71,14 @@ class Spec:
     def name(self):
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
         vocab = "" if self.vocab == 250 else f"-v{self.vocab}"
-        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}-z{self.stage}-{dtype}"
+        ep = "" if self.ep == 1 else f"-ep{self.ep}"
+        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}{ep}-z{self.stage}-{dtype}"
 
     def to_json(self):
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if self.ep == 1:  # the checkpoints of dense specs keep their cache keys
+            del fields["ep"]
+        return json.dumps(fields, sort_keys=True)
 
 
 class DeepSpeedRefused(Exception):
@@ -124,8 +133,13 @@ class DsCheckpoint:
         assert len(facts) == self.spec.world_size, f"{self.spec.name}: no resume ({how}) ran"
         return {int(k): v for k, v in facts[0]["next_loss"].items()}
 
+    def hf_dir(self):
+        """AutoEP specs: the trained model saved by transformers' save_pretrained."""
+        return self.root / "ref" / "hf"
+
     def full(self):
-        """Every module weight whole, in the module's dtype ({name: tensor})."""
+        """Every module weight whole, in the module's dtype ({name: tensor}; AutoEP specs: by the
+        engine's names, experts.w1/w2/w3 stacked over every expert)."""
         from safetensors.torch import load_file
 
         return load_file(str(self.root / "ref" / "full.safetensors"))
@@ -146,8 +160,9 @@ def _train_env():
 
 def universal_accepts(spec):
     """Whether ds_to_universal converts a checkpoint of `spec` (DeepSpeed 0.19.8): not stage 0
-    (no optimizer files), and not TP 1 below stage 3 (no universal_checkpoint_info)."""
-    return spec.stage > 0 and (spec.tp > 1 or spec.stage == 3)
+    (no optimizer files), and not TP 1 below stage 3 (no universal_checkpoint_info) unless
+    AutoEP wrote one."""
+    return spec.stage > 0 and (spec.tp > 1 or spec.stage == 3 or spec.ep > 1)
 
 
 def _read_facts(root, world_size, kind="facts"):

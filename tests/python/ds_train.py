@@ -53,7 +53,31 @@ FAMILIES = {
     # q, k and v, so the model computes what it computes whole. AutoTP records these as
     # parameter_with_sub_params, with no affine map.
     "llama_subparams": dict(model_type="llama"),
+    # Mixture of experts: 4 experts of intermediate 128, 2 per token. With "ep" > 1 AutoEP
+    # ("expert_parallel": {"autoep_size": EP}) replaces each layer's mlp by its own layer
+    # (router.gate, experts.w1/w2/w3 [E/EP, ...]) and saves every expert in a file of its own
+    # (layer_{L}_expert_{e}_mp_rank_00_model_states.pt).
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
 }
+
+
+def allow_autoep_with_this_transformers():
+    """DeepSpeed 0.19.8's AutoEP calls dict.get(key, default) on transformers' registry of
+    output recorders, whose get (transformers 5.24) takes one argument: an AutoEP engine cannot
+    even be built. This gives that get its dict form back for string keys, which is all
+    AutoEP asks of it."""
+    from transformers.utils import output_capturing
+
+    registry = output_capturing._CanRecordRegistry
+    if getattr(registry, "_dict_get_restored", False):
+        return
+    model_get = registry.get
+
+    def get(self, key, *default):
+        return dict.get(self, key, *default) if isinstance(key, str) else model_get(self, key)
+
+    registry.get = get
+    registry._dict_get_restored = True
 
 
 def build_model(spec):
@@ -64,6 +88,8 @@ def build_model(spec):
         num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=spec["vocab"],
         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
+    if spec.get("ep", 1) > 1:
+        allow_autoep_with_this_transformers()
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(spec["seed"])
@@ -95,6 +121,9 @@ def ds_config(spec):
         cfg["tensor_parallel"]["partition_config"] = {"layer_specs": [
             {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column",
              "shape": [2, -1], "partition_dim": 0}]}
+    if spec.get("ep", 1) > 1:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": spec["ep"],
+                                  "use_grouped_mm": False}
     if spec["dtype"] == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -152,6 +181,11 @@ def train(spec, out):
     dist.all_gather_object(losses, {"dp": dp_rank, "loss": next_loss})
     facts["next_loss"] = {str(x["dp"]): x["loss"] for x in losses}
 
+    if spec.get("ep", 1) > 1:
+        save_hf_reference(engine, spec, out / "ref" / "hf", dp_rank, next_loss)
+        engine.destroy()
+        return facts
+
     zero3 = spec["stage"] == 3
     local = tp_local_state(engine, zero3)
     ref = out / "ref"
@@ -164,6 +198,50 @@ def train(spec, out):
                   str(ref / "full.safetensors"))
     engine.destroy()
     return facts
+
+
+def save_hf_reference(engine, spec, where, dp_rank, next_loss):
+    """The trained AutoEP model as transformers holds it, saved by save_pretrained (rank 0,
+    into `where`): the dense weights under their own names (AutoEP's router.gate is the
+    layer's gate), each layer's experts gathered from every EP rank (rank k holds experts
+    [k E/EP, (k+1) E/EP)) and fused as transformers fuses them (gate_up_proj = w1 then w3 on
+    dim 1, down_proj = w2). The rebuilt model must compute the engine's loss: that checks the
+    names and the fusing here, not only the files."""
+    from safetensors.torch import save_file
+
+    state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    local = {n: t for n, t in state.items() if ".experts.w" in n}
+    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "experts": local})
+    ep = spec["ep"]
+    # The first EP group (global ranks 0..EP-1 hold EP ranks 0..EP-1 when DP runs over them).
+    by_rank = {g["rank"]: g["experts"] for g in gathered}
+    model = build_model(spec)
+    hf = {}
+    for name in model.state_dict():
+        if ".experts." in name:
+            continue
+        hf[name] = state[name.replace(".mlp.gate.weight", ".mlp.router.gate.weight")]
+    for name in [n for n in state if n.endswith(".experts.w1")]:
+        prefix = name[: -len(".w1")]
+        full = {w: torch.cat([by_rank[k][f"{prefix}.{w}"] for k in range(ep)])
+                for w in ("w1", "w2", "w3")}
+        hf[f"{prefix}.gate_up_proj"] = torch.cat([full["w1"], full["w3"]], dim=1)
+        hf[f"{prefix}.down_proj"] = full["w2"]
+    model.load_state_dict(hf, strict=True)
+    with torch.no_grad():
+        ids = batch(spec, spec["steps"], dp_rank)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    assert abs(loss - next_loss) <= 1e-4 * max(1.0, abs(next_loss)), (loss, next_loss)
+    if dist.get_rank() == 0:
+        model.save_pretrained(str(where))
+        # The engine's own view too: its parameters by their DeepSpeed names, whole.
+        engine_full = {n: t for n, t in state.items() if ".experts.w" not in n}
+        for name in [n for n in state if ".experts.w" in n]:
+            engine_full[name] = torch.cat([by_rank[k][name] for k in range(ep)])
+        save_file({n: t.contiguous() for n, t in engine_full.items()},
+                  str(where.parent / "full.safetensors"))
+    dist.barrier()
 
 
 def resume(spec, out, source, universal):

@@ -146,3 +146,37 @@ def random_map(rng, allow_scale=True, allow_padding=True):
     if allow_padding:
         m["valid_shape"] = [vocab, hidden]
     return m, kind
+
+
+def stacked_expert_maps(placement, members, tp=1, buffer="experts.gate_up_proj", dtype="F32"):
+    """Per-expert tensors stacked into one buffer per rank (DESIGN 16), written independently of
+    the library: `members` is [(name with "{e}", [rows, cols])] concatenated along rows, each
+    expert's slice the TP rank's block of rows; `placement[k]` EP rank k's experts in slot order
+    (an expert on several ranks is replicated there); global rank = ep_rank * tp + tp_rank.
+    Returns (maps by tensor name, the buffer declarations)."""
+    world = len(placement) * tp
+    parts = [rows // tp for _, (rows, _) in members]
+    cols = members[0][1][1]
+    inner = sum(parts)
+    shapes = {k * tp + t: [len(placement[k]), inner, cols]
+              for k in range(len(placement)) for t in range(tp)}
+    experts = sorted({e for p in placement for e in p})
+    maps = {}
+    row0 = 0
+    for (name, (rows, _)), part in zip(members, parts):
+        for e in experts:
+            holders = [k for k in range(len(placement)) if e in placement[k]]
+            ranks = {}
+            for r in range(world):
+                k, t = divmod(r, tp)
+                pieces = []
+                if e in placement[k]:
+                    slot = placement[k].index(e)
+                    pieces.append(piece([part, cols], t * part * cols, [cols, 1],
+                                        (slot * inner + row0) * cols, [cols, 1],
+                                        [h * tp + t for h in holders]))
+                ranks[str(r)] = {"buffer": buffer, "shard_shape": shapes[r], "pieces": pieces}
+            maps[name.format(e=e)] = {"logical_shape": [rows, cols], "ranks": ranks}
+        row0 += part
+    decls = {buffer: {"dtype": dtype, "ranks": {str(r): {"shape": s} for r, s in shapes.items()}}}
+    return maps, decls

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
+from maps import stacked_expert_maps
 
 E, INTER, HIDDEN = 6, 4, 3
 
@@ -24,29 +25,8 @@ def gate_up_maps(placement, tp=1, buffer="mlp.experts.gate_up_proj", dtype="F32"
     """Per-expert gate [I, H] and up [I, H] of each expert stacked into `buffer`
     [len(experts on the rank), 2I/tp, H]: the rank's gate rows then its up rows, rank order
     ep_rank * tp + tp_rank. `placement[k]`: EP rank k's experts in slot order."""
-    world = len(placement) * tp
-    part = INTER // tp
-    shapes = {k * tp + t: [len(placement[k]), 2 * part, HIDDEN]
-              for k in range(len(placement)) for t in range(tp)}
-    maps = {}
-    for member, row0 in (("gate_proj", 0), ("up_proj", part)):
-        for e in range(E):
-            holders = [k for k in range(len(placement)) if e in placement[k]]
-            ranks = {}
-            for r in range(world):
-                k, t = divmod(r, tp)
-                pieces = []
-                if e in placement[k]:
-                    slot = placement[k].index(e)
-                    pieces.append({"shape": [part, HIDDEN],
-                                   "source": [t * part * HIDDEN, [HIDDEN, 1]],
-                                   "dest": [(slot * 2 * part + row0) * HIDDEN, [HIDDEN, 1]],
-                                   "locations": sorted(h * tp + t for h in holders)})
-                ranks[str(r)] = {"buffer": buffer, "shard_shape": shapes[r], "pieces": pieces}
-            maps[f"mlp.experts.{e}.{member}.weight"] = {"logical_shape": [INTER, HIDDEN],
-                                                        "ranks": ranks}
-    decls = {buffer: {"dtype": dtype, "ranks": {str(r): {"shape": s} for r, s in shapes.items()}}}
-    return maps, decls
+    members = [(f"mlp.experts.{{e}}.{m}.weight", [INTER, HIDDEN]) for m in ("gate_proj", "up_proj")]
+    return stacked_expert_maps(placement, members, tp, buffer, dtype)
 
 
 def expected_gate_up(weights, placement, tp=1):

@@ -10,9 +10,11 @@ import sys
 import numpy as np
 import pytest
 import transformers
+from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file
 from transformers import AutoConfig
 
+import moe_truth as truth
 from conftest import REPO
 
 CONFIGS = REPO / "tests" / "data" / "hf-configs"
@@ -152,7 +154,8 @@ def test_smollm2_135m_refuses_two_ranks_naming_nine_heads(reshard_bin):
 def test_json_has_exactly_the_documented_keys(reshard_bin):
     _, answer = degree_json(reshard_bin, CONFIGS / "Qwen--Qwen3-8B.json", "--tp", 4)
     assert list(answer) == ["max_tp_degree", "degrees", "requested", "chosen", "constraints",
-                            "refusal"]
+                            "refusal", "combinations"]
+    assert list(answer["combinations"]) == ["tp", "tp_ep"]
     assert answer["requested"] == 4 and answer["chosen"] == 4 and answer["refusal"] is None
     for c in answer["constraints"]:
         assert list(c) == ["module", "style", "count", "meaning"]
@@ -231,16 +234,47 @@ def test_distributed_config(reshard_bin, tmp_path):
 def test_expert_parallel_uses_the_ep_plan(reshard_bin):
     path = CONFIGS / "mistralai--Mixtral-8x7B-v0.1.json"
     plan = transformers.MixtralConfig.base_model_ep_plan
-    r, answer = degree_json(reshard_bin, path, "--distributed-config",
-                            '{"tp_size": 8, "enable_expert_parallel": true}')
+    r, answer = degree_json(reshard_bin, path, "--tp", "8", "--distributed-config",
+                            '{"tp_plan": "auto", "ep_size": 8}')
     assert r.returncode == 0, answer
     modules = {c["module"]: c for c in answer["constraints"]}
     for module, style in plan.items():
         if style == "grouped_gemm":
             assert modules[module]["count"] == 8 and modules[module]["meaning"] == "experts"
+    assert answer["combinations"]["tp_ep"] == [1, 2, 4, 8]
+    # The deprecated flag alone sets tp_plan = {}, which transformers refuses at tp_size 8.
+    r, answer = degree_json(reshard_bin, path, "--distributed-config",
+                            '{"tp_size": 8, "enable_expert_parallel": true}')
+    assert r.returncode == 1 and answer["refusal"]["reason"] == "distributed_config", answer
     r, answer = degree_json(reshard_bin, CONFIGS / "Qwen--Qwen3-8B.json", "--distributed-config",
                             '{"tp_size": 2, "ep_size": 2}')
     assert r.returncode == 1 and answer["refusal"]["reason"] == "no_ep_plan"
+    assert answer["combinations"]["tp_ep"] is None
+
+
+# transformers' own verdicts on the MoE toy models (moe_truth.py), per load mode.
+MOE_VERDICTS = sorted((name, mode) for name, case in truth.CASES.items() for mode in case.works)
+
+
+@pytest.mark.parametrize("name,mode", MOE_VERDICTS)
+def test_degree_verdict_on_moe_matches_what_transformers_does(name, mode, moe_truth,
+                                                              reshard_bin, tmp_path):
+    works = moe_truth.works(name, mode)
+    assert works == truth.CASES[name].works[mode], moe_truth.statuses(name, mode)
+    config = moe_truth.checkpoint_dir(name) / "config.json"
+    distributed = json.dumps(truth.MODES[mode])
+    r = run(reshard_bin, config, "--tp", truth.WORLD, "--distributed-config", distributed)
+    errors = [s["error"] for s in moe_truth.statuses(name, mode)]
+    assert r.returncode == (0 if works else 1), (errors, r.stdout, r.stderr)
+    if not works and "Cannot evenly shard" in errors[0]:
+        assert errors[0].split(": ", 1)[1] in r.stderr  # transformers' own words
+    # scatter --config refuses the same degrees (at TP, where it takes no distributed config)
+    if mode == "tp2":
+        s = subprocess.run([reshard_bin, "scatter", str(moe_truth.checkpoint_dir(name)),
+                            "--config", str(config), "--tp", str(truth.WORLD), "-o",
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+        if not works:
+            assert s.returncode == 1 and r.stderr.split(": ", 1)[1].strip() in s.stderr, s.stderr
 
 
 def test_older_transformers_rules_leave_out_the_lm_head(reshard_bin, tmp_path):
@@ -452,27 +486,37 @@ def scatter_config(reshard_bin, full, config, tp, out):
                            "-o", out], capture_output=True, text=True, timeout=120)
 
 
-def test_scatter_refuses_per_expert_tensors_naming_the_fusion(reshard_bin, tmp_path):
+def test_scatter_stacks_per_expert_tensors_as_transformers_does(reshard_bin, tmp_path):
     # Mixtral stores one tensor per expert; transformers stacks them into experts.gate_up_proj
-    # and experts.down_proj at load and splits those. Replicating them would differ silently.
+    # (each expert's w1 rows, then its w3 rows) and experts.down_proj at load and splits those:
+    # at TP 2 rank r holds rows [3r, 3r + 3) of every expert's w1 and w3 (docs/moe.md).
     config = {"model_type": "mixtral", "hidden_size": 8, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 6,
               "num_local_experts": 2, "vocab_size": 16}
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text(json.dumps(config))
-    z = lambda *s: np.zeros(s, dtype=np.float32)  # noqa: E731
-    save_file({"model.layers.0.self_attn.q_proj.weight": z(8, 8),
-               "model.layers.0.block_sparse_moe.gate.weight": z(2, 8),
-               "model.layers.0.block_sparse_moe.experts.0.w1.weight": z(6, 8),
-               "model.layers.0.block_sparse_moe.experts.0.w2.weight": z(8, 6),
-               "model.layers.0.block_sparse_moe.experts.0.w3.weight": z(6, 8)},
+    values = iter(range(10**6))
+    t = lambda *s: np.array([next(values) for _ in range(math.prod(s))],  # noqa: E731
+                            dtype=np.float32).reshape(s)
+    experts = {f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": t(*shape)
+               for e in range(2) for w, shape in (("w1", (6, 8)), ("w2", (8, 6)), ("w3", (6, 8)))}
+    save_file({"model.layers.0.block_sparse_moe.gate.weight": t(2, 8), **experts},
               str(full / "model.safetensors"))
-    r = scatter_config(reshard_bin, full, full / "config.json", 2, tmp_path / "tp2")
-    assert r.returncode == 1, r.stderr
-    assert "experts.gate_up_proj" in r.stderr or "experts.down_proj" in r.stderr, r.stderr
-    assert "MergeModulelist" in r.stderr
-    assert not (tmp_path / "tp2").exists()
+    out = tmp_path / "tp2"
+    r = scatter_config(reshard_bin, full, full / "config.json", 2, out)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "reshard.json").read_text())
+    for rank in range(2):
+        held = {}
+        for file in manifest["files"][str(rank)]:
+            held.update(load_numpy(str(out / file)))
+        rows = slice(3 * rank, 3 * rank + 3)
+        prefix = "model.layers.0.block_sparse_moe.experts"
+        want = np.stack([np.concatenate([experts[f"{prefix}.{e}.w1.weight"][rows],
+                                         experts[f"{prefix}.{e}.w3.weight"][rows]])
+                         for e in range(2)])
+        np.testing.assert_array_equal(held["model.layers.0.mlp.experts.gate_up_proj"], want)
 
 
 def test_scatter_gives_the_last_rank_the_short_vocabulary_slice(reshard_bin, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import BUILD
 from ds_checkpoints import free_loopback_port
-from maps import replicated_map, split_map
+from maps import replicated_map, split_map, stacked_expert_maps
 
 torch = pytest.importorskip("torch")
 
@@ -96,6 +96,12 @@ def cases(reshard_bin, tmp):
     replicated = {f"norm.{i}": {"source": replicated_map([64], 2),
                                 "target": split_map([64], 0, [32, 32])} for i in range(8)}
     w = {"w": rows_to_cols["w"]}
+    # An MoE layer's 6 experts' gate and up rows stacked in one gate_up_proj per process: EP 2
+    # on two processes -> EP 2 (round robin) x expert TP 2 on four, buffer to buffer.
+    gate_up = [("experts.{e}.gate_proj.weight", [4, 3]), ("experts.{e}.up_proj.weight", [4, 3])]
+    ep_src, _ = stacked_expert_maps([[0, 1, 2], [3, 4, 5]], gate_up)
+    ep_dst, _ = stacked_expert_maps([[0, 2, 4], [1, 3, 5]], gate_up, tp=2)
+    experts = {n: {"source": ep_src[n], "target": ep_dst[n]} for n in ep_src}
     other_target = split_map([8, 12], 1, [4, 8])
     everyone = [0, 1, 2, 3]
     return [
@@ -138,6 +144,8 @@ def cases(reshard_bin, tmp):
          "target_ranks": [2, 3],
          "different_map": {"process": 3, "param": "w", "source": w["w"]["source"],
                            "target": other_target}},
+        {"name": "moe_ep2_to_ep2_tp2_buffers", "params": experts, "source_ranks": [2, 3],
+         "target_ranks": [0, 2, 1, 3], "seed": 9, "bucket_bytes": 64},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
@@ -166,7 +174,7 @@ def launch(tmp_path_factory, reshard_bin):
 
 GOOD = ["tp4_to_tp2_overlapping", "tp4_to_tp2_small_buckets_two_steps",
         "rows_to_columns_disjoint", "tp2_to_tp4", "llama_tp4_to_tp2", "replicated_sources_balanced",
-        "subgroup_of_three", "after_errors"]
+        "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "after_errors"]
 
 
 @pytest.mark.parametrize("name", GOOD)

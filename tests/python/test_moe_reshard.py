@@ -129,3 +129,47 @@ def test_convert_refuses_what_transformers_refuses(moe_truth, scattered, reshard
     r = run(reshard_bin, "convert", out, "--tp", 2, "--distributed-config", EP2,
             "--target-maps", tmp_path / "none.json", "-o", tmp_path / "y")
     assert r.returncode == 2
+
+
+def test_optimizer_states_stack_and_move_with_their_parameters(moe_truth, reshard_bin, tmp_path):
+    """Adam's moments ("<param>.exp_avg", ".exp_avg_sq") of per-expert tensors stack into
+    buffers of the same suffix, laid out as their parameters, through scatter, TP -> EP convert
+    and gather."""
+    from safetensors.torch import save_file
+    source = moe_truth.checkpoint_dir("mixtral")
+    weights = load_file(str(source / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    states = dict(weights)
+    for name, t in weights.items():
+        for suffix in (".exp_avg", ".exp_avg_sq"):
+            states[name + suffix] = torch.randn(t.shape, generator=g).to(t.dtype)
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file(states, str(full / "model.safetensors"))
+    (full / "config.json").write_text((source / "config.json").read_text())
+    tp = tmp_path / "tp2"
+    r = run(reshard_bin, "scatter", full, "--config", full / "config.json", "--tp", 2, "-o", tp)
+    assert r.returncode == 0, r.stderr
+    ep = tmp_path / "ep2"
+    r = run(reshard_bin, "convert", tp, "--tp", 2, "--distributed-config", EP2, "-o", ep)
+    assert r.returncode == 0, r.stderr
+    stacked = "model.layers.0.mlp.experts.gate_up_proj"
+    for rank in range(2):
+        held = rank_tensors(ep, rank)
+        # The weights are what transformers holds at EP 2; each moment stacks the same way.
+        assert torch.equal(held[stacked], moe_truth.tensors("mixtral", "ep2", rank)[stacked])
+        for suffix in (".exp_avg", ".exp_avg_sq"):
+            want = torch.stack([torch.cat([
+                states[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight{suffix}"],
+                states[f"model.layers.0.block_sparse_moe.experts.{e}.w3.weight{suffix}"]])
+                for e in (2 * rank, 2 * rank + 1)])
+            assert torch.equal(held[stacked + suffix], want), (rank, suffix)
+    manifest = json.loads((ep / "reshard.json").read_text())
+    assert manifest["params"]["model.layers.0.block_sparse_moe.experts.1.w1.weight.exp_avg_sq"][
+        "scale_power"] == -2
+    back = tmp_path / "back"
+    r = run(reshard_bin, "gather", ep, "-o", back)
+    assert r.returncode == 0, r.stderr
+    gathered = load_file(str(back / "model.safetensors"))
+    assert sorted(gathered) == sorted(states)
+    assert all(torch.equal(gathered[n], states[n]) for n in states)

@@ -30,6 +30,14 @@ def mpirun(n, reshard_bin, *args, wrap=None, **kw):
     return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), *command]
 
 
+def mpmd(reshard_bin, *contexts):
+    """mpirun with several app contexts: [(n, args), ...], each `n` processes of reshard."""
+    argv = [MPIRUN, "--allow-run-as-root", "--oversubscribe"]
+    for i, (n, args) in enumerate(contexts):
+        argv += ([":"] if i else []) + ["-n", str(n), reshard_bin, *map(str, args)]
+    return argv
+
+
 def run(argv, **kw):
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
 
@@ -235,4 +243,63 @@ def test_a_hung_process_times_the_others_out_and_leaves_nothing(reshard_bin, lar
     out = large / "hung"
     stderr = catch_mid_way(reshard_bin, large, out, 1, signal.SIGSTOP, "--peer-timeout", 2)
     assert b"did not answer within 2 s" in stderr, stderr
+    assert not os.path.exists(out) and temporaries(out) == []
+
+
+def different_runs(small, other):
+    """(what the job's last process is given differently, the first contexts' args, the last
+    context's args, a word the error must show): each an mpirun whose processes disagree."""
+    base = ["convert", small / "ref-scatter", "--tp", 3]
+    return {
+        "another input": (base, ["convert", other, "--tp", 3], str(other)),
+        "another option": (base, ["convert", small / "ref-scatter", "--tp", 2], "--tp"),
+        "another command": (["gather", small / "ref-convert"], ["convert", small / "ref-convert",
+                                                                 "--tp", 1], "convert"),
+        "another output option": (base, base + ["--max-shard-size", "100kB"], "--max-shard-size"),
+    }
+
+
+@pytest.mark.parametrize("case", ["another input", "another option", "another command",
+                                  "another output option"])
+def test_processes_given_different_runs_fail_together_before_any_work(reshard_bin, small,
+                                                                       tmp_path, case):
+    other = tmp_path / "copy"  # the same files under another path
+    shutil.copytree(small / "ref-scatter", other)
+    first, last, shown = different_runs(small, other)[case]
+    out = tmp_path / "out"
+    r = run(mpmd(reshard_bin, (2, [*first, "-o", out]), (1, [*last, "-o", out])))
+    assert r.returncode == 2, r.stderr
+    assert "not given the same command and inputs" in r.stderr and "process 2" in r.stderr, r.stderr
+    assert shown in r.stderr, r.stderr
+    assert not os.path.exists(out) and temporaries(out) == []
+
+
+def test_processes_given_different_deepspeed_checkpoints_fail_together(reshard_bin, ds_checkpoint,
+                                                                        tmp_path):
+    """The universal conversion of two checkpoints into one output: refused, nothing written."""
+    ckpt = ds_checkpoint(Spec("llama", tp=2, dp=2, stage=1))
+    other = tmp_path / "other"
+    shutil.copytree(ckpt.save_dir, other)
+    out = tmp_path / "out"
+    r = run(mpmd(reshard_bin, (2, ["convert", ckpt.save_dir, "--to", "universal", "-o", out]),
+                 (1, ["convert", other, "--to", "universal", "-o", out])))
+    assert r.returncode == 2, r.stderr
+    assert f"the input is \"{other}\" on process 2" in r.stderr, r.stderr
+    assert not os.path.exists(out) and temporaries(out) == []
+
+
+def test_processes_whose_input_files_differ_fail_together(reshard_bin, small, tmp_path):
+    """One path, other files (as nodes that each hold their own copy): every process reads
+    /proc/self/cwd/ckpt from a directory of its own, and one copy's file has another
+    modification time."""
+    for d in ("a", "b"):
+        shutil.copytree(small / "ref-scatter", tmp_path / d / "ckpt")
+    os.utime(tmp_path / "b" / "ckpt" / "model-rank-1-part-0.safetensors", (1, 1))
+    out = tmp_path / "out"
+    cd = f'if [ "$OMPI_COMM_WORLD_RANK" = 2 ]; then cd {tmp_path / "b"}; else cd {tmp_path / "a"}; fi;'
+    r = run(mpirun(3, reshard_bin, "convert", "/proc/self/cwd/ckpt", "--tp", 3, "-o", out,
+                   wrap=cd))
+    assert r.returncode == 2, r.stderr
+    assert "the input file model-rank-1-part-0.safetensors is" in r.stderr, r.stderr
+    assert "on process 2" in r.stderr, r.stderr
     assert not os.path.exists(out) and temporaries(out) == []

@@ -335,9 +335,13 @@ def test_degree_takes_the_distributed_config(tmp_path):
     # Expert parallelism answers for the model's expert-parallel plan: 8 experts bind.
     mixtral = configs / "mistralai--Mixtral-8x7B-v0.1.json"
     tp_only = reshard.degree(mixtral, tp=8)
-    with_ep = reshard.degree(mixtral, distributed_config={"tp_size": 8,
-                                                          "enable_expert_parallel": True})
+    with_ep = reshard.degree(mixtral, distributed_config={"tp_plan": "auto", "ep_size": 8},
+                             tp=8)
     assert with_ep.ok and with_ep.requested == 8
+    # The deprecated flag alone empties the TP plan, which transformers 5.24 refuses at tp 8.
+    legacy = reshard.degree(mixtral, distributed_config={"tp_size": 8,
+                                                         "enable_expert_parallel": True})
+    assert not legacy.ok and legacy.refusal_reason == "distributed_config"
     assert "experts" in [c.meaning for c in with_ep.constraints]
     assert "experts" not in [c.meaning for c in tp_only.constraints]
 

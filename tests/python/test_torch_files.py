@@ -563,6 +563,26 @@ def test_shared_objects_in_deepspeed_files(deepspeed_checkpoint, tmp_path, resha
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_shared_objects_in_deepspeed_metadata_are_bounded(deepspeed_checkpoint, tmp_path,
+                                                           reshard_bin):
+    """The same DAG inside the metadata reshard reads as JSON (universal_checkpoint_info) is
+    refused at once: copying it out would never end."""
+    import shutil
+    save = tmp_path / "ckpt"
+    shutil.copytree(deepspeed_checkpoint.parent, save)
+    states = save / "step1" / "mp_rank_00_model_states.pt"
+    obj = torch.load(states, weights_only=False)
+    node = [1, "x"]
+    for _ in range(60):
+        node = (node, node)
+    obj["universal_checkpoint_info"] = {"shared": node}
+    torch.save(obj, states)
+    r = subprocess.run([reshard_bin, "gather", save, "-o", tmp_path / "hf"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "expand to more than" in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 def test_directories_list_every_tensor_file(deepspeed_checkpoint, tmp_path, reshard_bin):
     from safetensors.torch import save_file
     save_dir = deepspeed_checkpoint.parent

@@ -4,13 +4,15 @@ Run under torchrun (one process per rank, gloo on CPU):
 
     torchrun --nproc_per_node N tp_load_worker.py CASES.json OUT_DIR
 
-CASES.json is a list of {"name": ..., "dir": ...}. For every case, in order, each rank loads
-DIR with `from_pretrained(DIR, tp_plan="auto")` (tensor parallelism over all N ranks), writes
-the local part of every parameter to OUT_DIR/NAME/rank-R.safetensors under the name
-transformers gives the parameter (a DTensor's local shard, or the whole tensor when the
-parameter is not split), and runs one forward pass on a few tokens. What happened (loaded,
-forward, the error if any) goes to OUT_DIR/NAME/rank-R.json. A failing case does not stop the
-others.
+CASES.json is a list of {"name": ..., "dir": ...}, optionally with "distributed_config" (the
+keyword arguments of transformers' DistributedConfig, such as {"tp_plan": "auto", "ep_size": 2}).
+For every case, in order, each rank loads DIR with `from_pretrained(DIR, tp_plan="auto")`
+(tensor parallelism over all N ranks), or with `distributed_config=DistributedConfig(...)` when
+the case gives one, writes the local part of every parameter to OUT_DIR/NAME/rank-R.safetensors
+under the name transformers gives the parameter (a DTensor's local shard, or the whole tensor
+when the parameter is not split), and runs one forward pass on a few tokens. What happened
+(loaded, forward, the error if any) goes to OUT_DIR/NAME/rank-R.json. A failing case does not
+stop the others.
 """
 
 import datetime
@@ -63,7 +65,13 @@ def run_case(case, out_dir, rank):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # tp_plan= is deprecated, still served
-            model = AutoModelForCausalLM.from_pretrained(case["dir"], tp_plan="auto", dtype="auto")
+            if "distributed_config" in case:
+                from transformers import DistributedConfig
+
+                kwargs = {"distributed_config": DistributedConfig(**case["distributed_config"])}
+            else:
+                kwargs = {"tp_plan": "auto"}
+            model = AutoModelForCausalLM.from_pretrained(case["dir"], dtype="auto", **kwargs)
         status["loaded"] = True
         status["placements"] = placements(model)
         save_file(local_tensors(model), str(case_dir / f"rank-{rank}.safetensors"))

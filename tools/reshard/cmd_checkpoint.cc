@@ -17,6 +17,7 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -54,9 +55,58 @@ void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
                 "(underflow, overflow, or a factor that is not a power of two)");
 }
 
-Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar) {
+// What a checkpoint command was asked, for the processes of a job to compare before any work:
+// the command, the input's and the output's absolute paths, the input's files, and every
+// option that changes what is written (`extra`: the command's own).
+RunDescription Describe(std::string_view command, const CommonArgs& args, RunDescription extra) {
+  RunDescription d = {{"the command", std::string(command)}};
+  DescribeInput("the input", args.input, d);
+  std::error_code ec;
+  const std::filesystem::path out = std::filesystem::absolute(args.output, ec).lexically_normal();
+  d.emplace_back("-o", ec ? args.output : out.string());
+  auto flag = [](bool on) { return std::string(on ? "on" : "off"); };
+  d.emplace_back("--force", flag(args.force));
+  d.emplace_back("--no-sync", flag(args.no_sync));
+  d.emplace_back("--max-shard-size", args.max_shard_size);
+  d.emplace_back("--allow-scaled-optimizer-state", flag(args.allow_scaled_optimizer_state));
+  d.emplace_back("--allow-lossy-scale", flag(args.allow_lossy_scale));
+  d.emplace_back("--no-verify-replicas", flag(args.no_verify_replicas));
+  d.insert(d.end(), extra.begin(), extra.end());
+  return d;
+}
+
+// A map, layouts or config file given as an option: its identity, when given.
+RunDescription OptionalInput(const std::string& option, const std::string& path) {
+  RunDescription d;
+  if (path.empty()) {
+    d.emplace_back(option, "");
+  } else {
+    DescribeInput(option, path, d);
+  }
+  return d;
+}
+
+// --distributed-config: JSON text as given, or the identity of the file holding it.
+RunDescription DistributedConfigInput(const std::string& value) {
+  std::error_code ec;
+  if (!value.empty() && std::filesystem::is_regular_file(value, ec))
+    return OptionalInput("--distributed-config", value);
+  return {{"--distributed-config", value}};
+}
+
+template <typename... Parts>
+RunDescription Joined(Parts... parts) {
+  RunDescription d;
+  (d.insert(d.end(), parts.begin(), parts.end()), ...);
+  return d;
+}
+
+// The options of a run; under mpirun, once every process has been given the same run.
+Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar,
+                                  const RunDescription& run) {
   CheckpointOptions o;
   RESHARD_ASSIGN_OR_RETURN(o.communicator, Processes(args.peer_timeout));
+  RESHARD_RETURN_IF_ERROR(AgreeOnRun(*o.communicator, run));
   o.stats = &args.stats;
   o.overwrite = args.force;
   o.sync = !args.no_sync;
@@ -155,33 +205,20 @@ Result<PlanOptions> PlanOptionsOf(const std::string& distributed_config) {
 }
 
 // The maps of scatter --config: every tensor laid out as transformers holds it at `world`
-// processes under the distributed config (per-expert tensors into the stacked buffers it
-// fuses them into); records the plan's divisibility constraints in `options`.
+// processes under the distributed config; records the plan's constraints and the config in
+// `options` for the manifest.
 Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
                                      CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(args.config));
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
-  Result<ConfigMaps> from_config =
-      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world, plan_options);
-  if (!from_config.ok()) return from_config.status().Annotate(fmt::format("\"{}\"", args.config));
-  options.degree_constraints = DegreeConstraints(from_config->plan());
-  options.model_config = nlohmann::json::parse(text).dump();  // read above: valid JSON
-  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(args.input));
-  std::vector<StoredTensor> tensors;
-  for (const TensorRef& t : full.tensors()) {
-    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+  Result<ConfigScatter> planned = ConfigScatterMaps(args.input, text, world, plan_options);
+  if (!planned.ok() && planned.status().code() != StatusCode::kNotFound) {
+    return planned.status().Annotate(fmt::format("\"{}\"", args.config));
   }
-  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*from_config, tensors));
-  auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
-  for (CheckpointTensorMap& t : planned.tensors) {
-    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout)});
-  }
-  MapProvider provider = [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
-    auto it = by_name->find(name);
-    if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
-    return it->second;
-  };
-  return ScatterMapsOf{std::move(provider), world, std::move(planned.buffers)};
+  RESHARD_RETURN_IF_ERROR(planned.status());
+  options.degree_constraints = std::move(planned->constraints);
+  options.model_config = std::move(planned->model_config);
+  return ScatterMapsOf{std::move(planned->maps), world, std::move(planned->buffers)};
 }
 
 Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
@@ -208,7 +245,15 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
 
 Status RunScatter(const ScatterArgs& args) {
   ProgressBar bar("scatter", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(args, bar,
+              Describe("scatter", args,
+                       Joined(OptionalInput("--maps", args.maps),
+                              OptionalInput("--layouts", args.layouts),
+                              OptionalInput("--config", args.config),
+                              DistributedConfigInput(args.distributed_config),
+                              RunDescription{{"--tp", std::to_string(args.tp)}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
   RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
   const auto t0 = std::chrono::steady_clock::now();
@@ -224,7 +269,9 @@ Status RunScatter(const ScatterArgs& args) {
 
 Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(args, bar, Describe("gather", args, {{"--fp32", args.fp32 ? "on" : "off"}})));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {}));
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
@@ -240,35 +287,6 @@ Status RunGather(const GatherArgs& args) {
          fmt::format("gathered \"{}\" into \"{}\" ({:.2f} s)", args.input, args.output, seconds),
          seconds);
   return Status::Ok();
-}
-
-// The target maps of a DeepSpeed checkpoint whose parameters record no layout (TP 1, without
-// universal_checkpoint_info): from the model's plan in its save dir's config.json, for every
-// tensor convert writes. nullopt when every parameter has a layout or there is no config.json.
-Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const ConvertArgs& args) {
-  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ckpt, DeepSpeedCheckpoint::Open(args.input));
-  const std::vector<DeepSpeedParam>& params = ckpt.params();
-  const bool all_laid_out =
-      std::all_of(params.begin(), params.end(), [](const auto& p) { return p.layout.has_value(); });
-  if (all_laid_out || ckpt.config_path().empty()) return std::optional<MapDocument>();
-  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(ckpt.config_path()));
-  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, args.tp);
-  if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
-  std::vector<std::string> suffixes = {""};
-  if (!args.weights_only && ckpt.has_optimizer_state()) {
-    for (DeepSpeedState s :
-         {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq})
-      suffixes.push_back("." + std::string(DeepSpeedStateName(s)));
-  }
-  MapDocument doc;
-  for (const std::string& suffix : suffixes) {
-    for (const DeepSpeedParam& p : params) {
-      Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
-      if (!m.ok()) return m.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
-      doc.params.emplace_back(p.name + suffix, std::move(m->map));
-    }
-  }
-  return std::optional<MapDocument>(std::move(doc));
 }
 
 // convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
@@ -297,40 +315,23 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
 
 // A sharded checkpoint scattered with --config keeps the model's config.json: its layout at
 // the target topology comes from the model's plans again (MoE experts into their stacked
-// buffers included), so that it converts between TP and EP. nullopt for other checkpoints
-// (their recorded layout descriptors serve).
+// buffers included), so that it converts between TP and EP.
 Result<std::optional<MapDocument>> RecordedConfigMaps(const ConvertArgs& args) {
-  const std::string manifest_path = (std::filesystem::path(args.input) / kManifestName).string();
-  Result<std::string> text = ReadFileToString(manifest_path);
-  if (!text.ok()) return std::optional<MapDocument>();  // Convert reports it
-  Result<Manifest> m = ParseManifestJson(*text);
-  if (!m.ok() || m->model_config.empty()) {
-    if (!args.distributed_config.empty()) {
-      return InvalidArgumentError(fmt::format(
-          "--distributed-config: \"{}\" was not scattered with --config, so reshard does not "
-          "know the model's plans; give the target layout with --target-maps",
-          args.input));
-    }
-    return std::optional<MapDocument>();
-  }
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
-  Result<ConfigMaps> maps =
-      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), m->model_config, args.tp, plan_options);
-  if (!maps.ok()) {
-    return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", manifest_path));
-  }
-  std::vector<StoredTensor> tensors;
-  for (const ShardedParam& p : m->params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
-  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*maps, tensors));
-  MapDocument doc;
-  for (CheckpointTensorMap& t : planned.tensors) doc.params.emplace_back(t.name, std::move(t.map));
-  RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, planned.buffers));
-  return std::optional<MapDocument>(std::move(doc));
+  return RecordedConfigMaps(args.input, args.tp, plan_options, !args.distributed_config.empty());
 }
 
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
-  RESHARD_ASSIGN_OR_RETURN(CheckpointOptions options, Options(args, bar));
+  RESHARD_ASSIGN_OR_RETURN(
+      CheckpointOptions options,
+      Options(
+          args, bar,
+          Describe("convert", args,
+                   Joined(RunDescription{{"--tp", std::to_string(args.tp)}, {"--to", args.to}},
+                          DistributedConfigInput(args.distributed_config),
+                          OptionalInput("--target-maps", args.target_maps),
+                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps}));
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
@@ -345,7 +346,7 @@ Status RunConvert(const ConvertArgs& args) {
                                 args.input + "\" is not one");
   }
   if (deepspeed && !target) {
-    RESHARD_ASSIGN_OR_RETURN(target, DeepSpeedConfigMaps(args));
+    RESHARD_ASSIGN_OR_RETURN(target, DeepSpeedConfigMaps(args.input, args.tp, args.weights_only));
   }
   if (!deepspeed && !target) {
     RESHARD_ASSIGN_OR_RETURN(target, RecordedConfigMaps(args));

@@ -54,7 +54,7 @@ Result<std::vector<std::pair<std::string, Shape>>> CheckpointTensors(const std::
   return tensors;
 }
 
-nlohmann::ordered_json AnswerJson(const DegreeAnswer& a) {
+nlohmann::ordered_json AnswerJson(const DegreeAnswer& a, const DegreeCombinations& c) {
   using J = nlohmann::ordered_json;
   auto opt = [](const std::optional<int64_t>& v) { return v ? J(*v) : J(nullptr); };
   J constraints = J::array();
@@ -69,11 +69,12 @@ nlohmann::ordered_json AnswerJson(const DegreeAnswer& a) {
           {"requested", opt(a.requested)},
           {"chosen", opt(a.chosen)},
           {"constraints", constraints},
-          {"refusal", refusal}};
+          {"refusal", refusal},
+          {"combinations", {{"tp", c.tp}, {"tp_ep", c.tp_ep ? J(*c.tp_ep) : J(nullptr)}}}};
 }
 
 void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegistry& registry,
-               const DegreeAnswer& a) {
+               const DegreeAnswer& a, const DegreeCombinations& c) {
   fmt::print(
       "{}: model type {}{} ({} rules, plans from transformers {})\n", args.config,
       config.model_type,
@@ -92,6 +93,15 @@ void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegist
   if (!a.constraints.empty()) fmt::print("constraints:\n");
   for (const ResolvedEntry& e : a.constraints)
     fmt::print("  {} ({}): {} {}\n", e.pattern, e.style, *e.count, e.meaning);
+  if (args.engine != "vllm") {
+    fmt::print("combinations (N processes):\n  tp N: {}\n", fmt::join(c.tp, ", "));
+    if (c.tp_ep) {
+      fmt::print("  tp N x ep N (experts by expert, the rest by tp): {}\n",
+                 fmt::join(*c.tp_ep, ", "));
+    } else {
+      fmt::print("  tp N x ep N: none (no expert-parallel plan)\n");
+    }
+  }
   if (a.requested) {
     if (a.refusal) {
       fmt::print("tp {}: refused{}\n", *a.requested,
@@ -151,10 +161,11 @@ Status RunDegree(const DegreeArgs& args) {
     return config.status().Annotate(fmt::format("error reading \"{}\"", args.config));
   const ModelPlan plan = ResolvePlan(registry, *config, options);
   const DegreeAnswer answer = PlanDegree(plan, requested);
+  const DegreeCombinations combinations = Combinations(registry, *config, options);
   if (args.json) {
-    fmt::print("{}\n", AnswerJson(answer).dump());
+    fmt::print("{}\n", AnswerJson(answer, combinations).dump());
   } else {
-    PrintText(args, *config, registry, answer);
+    PrintText(args, *config, registry, answer, combinations);
   }
   for (const std::string& note : answer.notes)
     fmt::print(stderr, "reshard degree: note: {}\n", note);
@@ -175,7 +186,7 @@ void AddDegreeOptions(CLI::App* cmd, DegreeArgs* args) {
                   "apply this release's rules (the LM head and tied-embedding entries from 5.15)");
   cmd->add_option("--distributed-config", args->distributed_config,
                   "transformers' DistributedConfig as JSON (inline or a file), e.g. "
-                  "'{\"tp_size\": 4, \"enable_expert_parallel\": true}'");
+                  "'{\"tp_plan\": \"auto\", \"ep_size\": 4}'");
   AddJsonFlag(cmd, args->json, "print the answer as JSON");
   cmd->add_option("--emit-maps", args->emit_maps,
                   "write the param map of every tensor of --weights at degree --tp here");

@@ -1,5 +1,7 @@
 // reshard layout (DESCRIPTOR.json --shape D0,D1,... | --from-deepspeed META.json) --world N
 //                [-o MAP.json] [--force]
+// reshard layout EXPERTS.json --world N [-o MAPS.json] [--force]   (stacked experts: a document)
+// reshard layout --placement PLACEMENT.json [--world EP] [-o OUT.json] [--force]
 #include <fmt/format.h>
 
 #include <charconv>
@@ -10,6 +12,7 @@
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/deepspeed_meta.h"
 #include "reshard/layouts/descriptor.h"
+#include "reshard/layouts/experts_json.h"
 
 namespace reshard::cli {
 
@@ -18,6 +21,7 @@ namespace {
 struct LayoutArgs {
   std::string descriptor;
   std::string deepspeed_meta;
+  std::string placement;
   std::string shape;
   int world = 0;
   std::string output;
@@ -45,19 +49,41 @@ Result<Shape> ParseShapeFlag(std::string_view text) {
 }
 
 Status CheckLayoutArgs(const LayoutArgs& args) {
-  if (args.descriptor.empty() == args.deepspeed_meta.empty()) {
+  const int inputs =
+      !args.descriptor.empty() + !args.deepspeed_meta.empty() + !args.placement.empty();
+  if (inputs != 1) {
     return InvalidArgumentError(
-        "give a DESCRIPTOR.json or --from-deepspeed META.json (one of them)");
+        "give a DESCRIPTOR.json, --from-deepspeed META.json or --placement PLACEMENT.json (one "
+        "of them)");
   }
-  if (args.descriptor.empty() != args.shape.empty()) {
+  // With a descriptor, CheckShapeFlag decides once it is read (stacked experts take no --shape).
+  if (!args.shape.empty() && args.descriptor.empty()) {
     return InvalidArgumentError(
-        args.shape.empty()
-            ? "a descriptor needs --shape D0,D1,... (the parameter's shape)"
+        !args.placement.empty()
+            ? "--shape goes with a descriptor, not with --placement"
             : "--shape goes with a descriptor; DeepSpeed's metadata records the shape");
   }
-  if (args.world < 1) {
+  // --placement with an explicit (AutoEP) placement may leave --world out (0).
+  if (args.world == 0 && args.placement.empty()) {
+    return InvalidArgumentError("--world N is required (the number of ranks)");
+  }
+  if (args.world < 0) {
     return InvalidArgumentError(
         fmt::format("--world {}: expected a positive number of ranks", args.world));
+  }
+  return Status::Ok();
+}
+
+// The descriptor's kind decides whether --shape belongs.
+Status CheckShapeFlag(const LayoutArgs& args, bool stacked_experts) {
+  if (args.descriptor.empty()) return Status::Ok();
+  if (stacked_experts && !args.shape.empty()) {
+    return InvalidArgumentError(
+        "--shape goes with a single-parameter descriptor; a stacked_experts descriptor gives "
+        "each member's shape");
+  }
+  if (!stacked_experts && args.shape.empty()) {
+    return InvalidArgumentError("a descriptor needs --shape D0,D1,... (the parameter's shape)");
   }
   return Status::Ok();
 }
@@ -82,21 +108,72 @@ Result<ParamMap> LayOut(const LayoutArgs& args, const std::string& path, const s
   return map;
 }
 
+// --placement: the DeepSpeed AutoEP placement descriptor of a family at --world EP ranks, or
+// an AutoEP descriptor checked (and, with --world, checked to have that EP size) and written
+// back in reshard's form.
+Result<std::string> LayOutPlacement(const LayoutArgs& args, const std::string& text) {
+  Result<ExpertPlacementSpec> spec = ParseExpertPlacementSpecJson(text);
+  if (!spec.ok()) {
+    return spec.status().Annotate(fmt::format("error reading \"{}\"", args.placement));
+  }
+  int ep = args.world;
+  if (ep == 0) {
+    if (!spec->explicit_placement) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": the placement family \"{}\" needs --world EP (the number of EP ranks)",
+          args.placement, spec->family));
+    }
+    ep = spec->explicit_placement->ep_size();
+  }
+  Result<ExpertPlacement> placement = spec->At(ep);
+  if (!placement.ok()) return placement.status().Annotate(fmt::format("\"{}\"", args.placement));
+  return ExpertPlacementToJson(*placement);
+}
+
+Result<std::string> LayOutStackedExperts(const LayoutArgs& args, const std::string& text) {
+  Result<std::vector<StackedExpertsDescriptor>> ds = ParseStackedExpertsJson(text);
+  if (!ds.ok()) {
+    return ds.status().Annotate(fmt::format("error reading \"{}\"", args.descriptor));
+  }
+  Result<MapDocument> doc = BuildStackedExpertsDocument(*ds, args.world);
+  if (!doc.ok()) return doc.status().Annotate(fmt::format("\"{}\"", args.descriptor));
+  return MapDocumentToJson(*doc);
+}
+
 Status RunLayout(const LayoutArgs& args) {
+  const std::string& path = !args.descriptor.empty()       ? args.descriptor
+                            : !args.deepspeed_meta.empty() ? args.deepspeed_meta
+                                                           : args.placement;
   RESHARD_RETURN_IF_ERROR(CheckLayoutArgs(args));
-  const std::string& path = args.descriptor.empty() ? args.deepspeed_meta : args.descriptor;
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  RESHARD_ASSIGN_OR_RETURN(ParamMap map, LayOut(args, path, text));
+  const bool stacked = !args.descriptor.empty() && IsStackedExpertsJson(text);
+  RESHARD_RETURN_IF_ERROR(CheckShapeFlag(args, stacked));
   const std::string inputs[] = {path};
-  return PrintOrWrite(args.output, ParamMapToJson(map), args.force, inputs);
+  std::string out;
+  if (!args.placement.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(out, LayOutPlacement(args, text));
+  } else if (stacked) {
+    RESHARD_ASSIGN_OR_RETURN(out, LayOutStackedExperts(args, text));
+  } else {
+    RESHARD_ASSIGN_OR_RETURN(ParamMap map, LayOut(args, path, text));
+    out = ParamMapToJson(map);
+  }
+  return PrintOrWrite(args.output, out, args.force, inputs);
 }
 
 void AddLayoutOptions(CLI::App* cmd, LayoutArgs* args) {
-  cmd->add_option("DESCRIPTOR", args->descriptor, "layout descriptor (JSON)");
+  cmd->add_option("DESCRIPTOR", args->descriptor,
+                  "layout descriptor (JSON); a stacked_experts descriptor (or an array of them) "
+                  "gives a map document of per-expert tensors in stacked buffers");
   cmd->add_option("--from-deepspeed", args->deepspeed_meta,
                   "DeepSpeed per-parameter metadata (JSON) instead of a descriptor");
   cmd->add_option("--shape", args->shape, "the parameter's shape, D0,D1,... (with a descriptor)");
-  cmd->add_option("--world", args->world, "number of ranks")->required();
+  cmd->add_option("--placement", args->placement,
+                  "expert placement (a family or a DeepSpeed AutoEP descriptor, JSON): print it "
+                  "as an AutoEP placement descriptor at --world EP ranks");
+  cmd->add_option("--world", args->world,
+                  "number of ranks (EP x expert TP x expert DP for stacked experts; the EP size "
+                  "with --placement, optional for an AutoEP descriptor)");
   AddOutputOptions(cmd, args->output, args->force,
                    "write the map here (atomically) instead of stdout");
 }

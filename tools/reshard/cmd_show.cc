@@ -1,6 +1,8 @@
 // reshard show (MAP.json | DIR/reshard.json | DIR) [--dtype BF16] [--rows R] [--cols C] [--json]
+//              [--svg FILE [--force]]
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -23,6 +25,8 @@ struct ShowArgs {
   int rows = 16;
   int cols = 64;
   bool json = false;
+  std::string svg;
+  bool force = false;
 };
 
 std::string HumanBytes(Index bytes) {
@@ -104,22 +108,29 @@ nlohmann::ordered_json SummaryJson(const ShownParam& p, const MapSummary& s,
   return entry;
 }
 
+// What `show` draws: the parameters, and the buffers their maps write into.
+struct Shown {
+  std::vector<ShownParam> params;
+  BufferSet buffers;
+};
+
 // The parameters of a sharded checkpoint: its manifest (a file) or its directory.
-Result<std::vector<ShownParam>> ReadManifestParams(const std::string& path, std::string text,
-                                                   std::optional<DType> dtype) {
+Result<Shown> ReadManifestParams(const std::string& path, std::string text,
+                                 std::optional<DType> dtype) {
   Result<Manifest> manifest = ParseManifestJson(text);
   if (!manifest.ok()) return manifest.status().Annotate(fmt::format("error reading \"{}\"", path));
-  std::vector<ShownParam> out;
+  Shown out;
   for (ShardedParam& p : manifest->params) {
-    out.push_back({std::move(p.name), std::move(p.map), dtype.value_or(p.dtype)});
+    out.params.push_back({std::move(p.name), std::move(p.map), dtype.value_or(p.dtype)});
   }
+  out.buffers = std::move(manifest->buffers);
   return out;
 }
 
 // What `path` holds: a map document (invalid maps reported and skipped; `failure` is the
 // worst of them), a manifest, or a sharded checkpoint directory.
-Result<std::vector<ShownParam>> ReadShownParams(const std::string& path, std::optional<DType> dtype,
-                                                Status& failure) {
+Result<Shown> ReadShownParams(const std::string& path, std::optional<DType> dtype,
+                              Status& failure) {
   if (std::filesystem::is_directory(path)) {
     const std::string manifest = (std::filesystem::path(path) / kManifestName).string();
     RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest));
@@ -129,7 +140,7 @@ Result<std::vector<ShownParam>> ReadShownParams(const std::string& path, std::op
   if (IsManifestJson(text)) return ReadManifestParams(path, std::move(text), dtype);
   Result<ValidatedMapDocument> doc = ValidateMapDocumentJson(text);
   if (!doc.ok()) return doc.status().Annotate(fmt::format("error reading \"{}\"", path));
-  std::vector<ShownParam> out;
+  Shown out;
   for (ValidatedParam& p : doc->params) {
     if (!p.map.ok()) {
       const Status s = p.status().Annotate(fmt::format("\"{}\"", path));
@@ -137,9 +148,78 @@ Result<std::vector<ShownParam>> ReadShownParams(const std::string& path, std::op
       if (ExitStatusFor(s) > ExitStatusFor(failure)) failure = Status(s.code(), "");
       continue;
     }
-    out.push_back({std::move(p.name), *std::move(p.map), dtype.value_or(DType::kBF16)});
+    out.params.push_back({std::move(p.name), *std::move(p.map), dtype.value_or(DType::kBF16)});
+  }
+  if (doc->buffers.ok()) {
+    out.buffers = *std::move(doc->buffers);
+  } else if (doc->num_invalid() == 0) {
+    // Every map is valid but they do not fill their buffers exactly (as verify reports).
+    const Status s = Status(StatusCode::kFailedPrecondition, doc->buffers.status().message())
+                         .Annotate(fmt::format("\"{}\"", path));
+    fmt::print(stderr, "reshard show: {}\n", s.message());
+    if (ExitStatusFor(s) > ExitStatusFor(failure)) failure = Status(s.code(), "");
   }
   return out;
+}
+
+bool IsBuffered(const ParamMap& map) {
+  return std::any_of(map.ranks().begin(), map.ranks().end(),
+                     [](const RankShard& r) { return r.is_buffered(); });
+}
+
+nlohmann::ordered_json BufferJson(const BufferSummary& s) {
+  const Index elem = static_cast<Index>(DTypeSize(s.dtype));
+  const bool experts = s.expert_columns();
+  nlohmann::ordered_json columns = nlohmann::ordered_json::array();
+  for (const BufferColumn& c : s.columns) {
+    nlohmann::ordered_json j;
+    if (experts) {
+      j["expert"] = c.expert;
+    } else {
+      j["tensor"] = c.label;
+    }
+    j["tensors"] = c.tensors;
+    j["holders"] = c.holders;
+    Index held = 0;
+    for (const auto& row : s.cells)
+      held += row[static_cast<size_t>(&c - s.columns.data())].elements;
+    j["copies"] = c.elements > 0 ? static_cast<double>(held) / static_cast<double>(c.elements) : 0;
+    columns.push_back(std::move(j));
+  }
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (int r = 0; r < s.world_size(); ++r) {
+    nlohmann::ordered_json held = nlohmann::ordered_json::array();
+    const auto& row = s.cells[static_cast<size_t>(r)];
+    for (size_t c = 0; c < row.size(); ++c) {
+      if (row[c].elements == 0) continue;
+      nlohmann::ordered_json h;
+      if (experts) {
+        h["expert"] = s.columns[c].expert;
+      } else {
+        h["tensor"] = s.columns[c].label;
+      }
+      if (experts) h["slots"] = row[c].slots;
+      h["elements"] = row[c].elements;
+      h["fraction"] =
+          static_cast<double>(row[c].elements) / static_cast<double>(s.columns[c].elements);
+      h["replicated"] = row[c].replicated;
+      held.push_back(std::move(h));
+    }
+    const Shape& shape = s.rank_shapes[static_cast<size_t>(r)];
+    ranks.push_back({{"rank", r},
+                     {"shape", shape},
+                     {"bytes", ProductOf(shape) * elem},
+                     {"padding_elements", s.padding_elements[static_cast<size_t>(r)]},
+                     {"held", std::move(held)}});
+  }
+  nlohmann::ordered_json entry = {{"buffer", s.name},
+                                  {"dtype", std::string(DTypeName(s.dtype))},
+                                  {"world_size", s.world_size()},
+                                  {"columns", experts ? "experts" : "tensors"}};
+  if (experts) entry["members"] = s.members;
+  entry[experts ? "experts" : "tensors"] = std::move(columns);
+  entry["ranks"] = std::move(ranks);
+  return entry;
 }
 
 Status RunShow(const ShowArgs& args) {
@@ -152,21 +232,56 @@ Status RunShow(const ShowArgs& args) {
     }
   }
   Status failure;
-  RESHARD_ASSIGN_OR_RETURN(std::vector<ShownParam> params,
-                           ReadShownParams(args.path, dtype, failure));
+  RESHARD_ASSIGN_OR_RETURN(Shown shown, ReadShownParams(args.path, dtype, failure));
+  std::vector<NamedMapRef> refs;
+  for (const ShownParam& p : shown.params) refs.push_back({p.name, &p.map});
+  RESHARD_ASSIGN_OR_RETURN(std::vector<BufferSummary> buffers,
+                           SummarizeBuffers(shown.buffers, refs));
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
-  for (const ShownParam& p : params) {
+  size_t buffered = 0;
+  for (const ShownParam& p : shown.params) {
+    if (!args.json && IsBuffered(p.map)) {
+      ++buffered;  // summarised with its buffer
+      continue;
+    }
     MapSummary s = Summarize(p.map);
     Result<std::vector<std::string>> picture = HolderPicture(p.map, args.rows, args.cols);
     if (args.json) {
-      out.push_back(SummaryJson(p, s, picture));
+      nlohmann::ordered_json entry = SummaryJson(p, s, picture);
+      for (Rank r = 0; r < p.map.world_size(); ++r) {
+        const std::string& b = p.map.rank(r).buffer;
+        if (!b.empty()) entry["ranks"][static_cast<size_t>(r)]["buffer"] = b;
+      }
+      out.push_back(std::move(entry));
     } else {
       PrintText(p.name, p.map, s, DTypeSize(p.dtype), DTypeName(p.dtype),
                 picture.ok() ? *picture : std::vector<std::string>{});
       fmt::print("\n");
     }
   }
+  // Text and picture draw each layout once (a model's layers alike); --json lists every buffer.
+  const std::vector<BufferSummary> drawn = MergeSameLayouts(buffers);
+  if (args.json) {
+    for (const BufferSummary& b : buffers) out.push_back(BufferJson(b));
+  } else {
+    for (const BufferSummary& b : drawn) {
+      for (const std::string& line : BufferTable(b, args.cols)) fmt::print("{}\n", line);
+      fmt::print("\n");
+    }
+  }
+  if (!args.json && buffered > 0) {
+    fmt::print("{} tensor(s) write into the {} buffer(s) above (--json lists each)\n", buffered,
+               buffers.size());
+  }
   if (args.json) fmt::print("{}\n", out.dump(2));
+  if (!args.svg.empty()) {
+    if (buffers.empty()) {
+      return FailedPreconditionError(fmt::format(
+          "--svg draws buffers (which rank holds which experts), and \"{}\" has none", args.path));
+    }
+    const std::string inputs[] = {args.path};
+    RESHARD_RETURN_IF_ERROR(WriteOutputFile(args.svg, BuffersSvg(drawn), args.force, inputs));
+  }
   return failure;
 }
 
@@ -185,6 +300,9 @@ void AddShowOptions(CLI::App* cmd, ShowArgs* args) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   AddJsonFlag(cmd, args->json, "print a machine-readable summary on stdout");
+  cmd->add_option("--svg", args->svg,
+                  "write a picture of which rank holds which experts of each buffer (SVG)");
+  cmd->add_flag("--force", args->force, "replace an existing --svg file");
 }
 
 }  // namespace

@@ -265,13 +265,14 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
                              }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
-                                {.sync = options.sync});
+                                OutputFileOptions(options));
       });
+  const Status synced = SyncOutputFiles(out, written, mine.files, options);
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
   manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
   for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
-  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+  return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest, options.sync));
     return out.Commit(options.sync);
   });
@@ -285,7 +286,7 @@ MapProvider MapsFromDocument(const MapDocument& doc) {
   return [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
     auto it = by_name->find(name);
     if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
-    return ProvidedMap{it->second, std::nullopt};
+    return ProvidedMap{it->second, std::nullopt, true};
   };
 }
 
@@ -306,6 +307,9 @@ Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
   for (auto [suffix, power] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
     const std::string_view s(suffix);
     if (name.size() <= s.size() || !name.ends_with(s)) continue;
+    if (Result<ProvidedMap> own = maps(name, shape); own.ok() && own->exact) {
+      return ResolvedMap{*std::move(own), power};
+    }
     Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), shape);
     if (!base.ok() && base.status().code() == StatusCode::kNotFound) base = maps(name, shape);
     if (!base.ok()) return base.status();
@@ -512,11 +516,12 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
                }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
-                                {.sync = options.sync});
+                                OutputFileOptions(options));
       });
+  const Status synced = SyncOutputFiles(out, written, mine.files, options);
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
-  return FinishOutput(comm, out, written, std::move(mine), options, [&]() -> Status {
+  return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     if (files.front().name != "model.safetensors") {
       RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, options.sync, files));
     }

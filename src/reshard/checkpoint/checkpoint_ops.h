@@ -99,6 +99,10 @@ struct CheckpointOptions {
 struct ProvidedMap {
   ParamMap map;
   std::optional<LayoutDescriptor> layout;
+  /// The provider names this tensor itself (a map document, a model's whole-checkpoint
+  /// layout), rather than giving a default: ResolveMap then takes it as it is for an optimizer
+  /// state too (whose map may differ from its parameter's, e.g. a buffer of its own).
+  bool exact = false;
 };
 
 /// Gives scatter the map of a tensor (name, shape as stored in the full checkpoint).
@@ -113,9 +117,10 @@ struct ResolvedMap {
 
 /// The optimizer-state convention, which holds however a provider matches names (a "*"
 /// default included): a tensor named "<param>.exp_avg" or "<param>.exp_avg_sq" has scale power
-/// -1 or -2 and takes <param>'s map (what `maps` gives for <param> at the tensor's shape); only
-/// when `maps` has nothing for <param> does it take its own. Any other tensor takes its own map
-/// at scale power 1. NotFound when there is no map.
+/// -1 or -2 and takes <param>'s map (what `maps` gives for <param> at the tensor's shape),
+/// unless the provider names the state itself (ProvidedMap::exact); only when `maps` has
+/// nothing for <param> does it take its own. Any other tensor takes its own map at scale
+/// power 1. NotFound when there is no map.
 Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
                                const Shape& shape);
 

@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <filesystem>
 #include <optional>
+#include <set>
 #include <thread>
 #include <vector>
 
+#include "reshard/io/file.h"
 #include "reshard/io/temporaries.h"
 
 namespace reshard {
@@ -85,6 +88,28 @@ Status ForEachIndex(size_t count, int num_threads, const std::function<Status(si
   worker();
   for (std::thread& t : pool) t.join();
   return first;
+}
+
+WriteOptions OutputFileOptions(const CheckpointOptions& options) {
+  WriteOptions o;
+  o.sync = false;
+  o.start_writeback = options.sync;
+  return o;
+}
+
+Status SyncOutputFiles(const OutputDirectory& out, const Status& written,
+                       std::span<const std::string> names, const CheckpointOptions& options) {
+  if (!written.ok() || !options.sync) return written;
+  std::vector<std::string> files;
+  std::set<std::string> dirs;
+  for (const std::string& name : names) {
+    files.push_back(out.FilePath(name));
+    dirs.insert(std::filesystem::path(files.back()).parent_path().string());
+  }
+  // The disk had the files' writeback started as each closed: most of it is done by now.
+  const int threads = std::max(options.num_threads, 8);
+  RESHARD_RETURN_IF_ERROR(SyncFiles(files, threads));
+  return SyncFiles(std::vector<std::string>(dirs.begin(), dirs.end()), threads);
 }
 
 Result<OutputDirectory> OpenOutput(Communicator& comm, const std::string& path,

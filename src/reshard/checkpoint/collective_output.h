@@ -70,6 +70,18 @@ class ProgressCounter {
 /// started are then skipped).
 Status ForEachIndex(size_t count, int num_threads, const std::function<Status(size_t)>& fn);
 
+/// How an operation writes each of its output files: never synced one by one on its writer's
+/// thread (a thread would wait for the disk between two files); with options.sync, each file's
+/// writeback starts as it closes, so the disk works while the next files are written, and
+/// SyncOutputFiles then waits for all of them together, before the commit.
+WriteOptions OutputFileOptions(const CheckpointOptions& options);
+
+/// With options.sync and `written` OK: flushes this process's files (`names`, relative to the
+/// output) to disk on several threads, then the directories holding them (their entries, as
+/// this process renamed them in). Returns `written` when it failed, else the first sync error.
+Status SyncOutputFiles(const OutputDirectory& out, const Status& written,
+                       std::span<const std::string> names, const CheckpointOptions& options);
+
 /// Collective: process 0 creates the output directory, the others join its temporary. They
 /// join before it exists, so that from its creation on a survivor of any process knows what
 /// to remove.

@@ -15,6 +15,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/base/result.h"
@@ -50,6 +51,22 @@ Status AgreeOnStatus(Communicator& comm, const Status& local);
 
 /// Collective: every process's `value` of process `root` (what the others pass is ignored).
 Result<std::string> Broadcast(Communicator& comm, const std::string& value, int root);
+
+/// What a process was asked to do, as named items compared across the processes of a job:
+/// the command, each option's value (paths made absolute), and each input file's identity.
+using RunDescription = std::vector<std::pair<std::string, std::string>>;
+
+/// Collective, before any work: every process's `mine` must equal process 0's, item for item;
+/// otherwise every process gets InvalidArgument naming the first process and item that differ
+/// (both values), so that processes given different commands or inputs (an mpirun with two
+/// app contexts, nodes that see different files) fail together before writing anything.
+Status AgreeOnRun(Communicator& comm, const RunDescription& mine);
+
+/// Appends the identity of the input `path` to `out`: the path made absolute ("<what>") and,
+/// for each regular file at or below it (three levels of directories down, symbolic links
+/// followed), its size and modification time ("<what> file <relative path>"). Copies on each
+/// node's own disk agree when they keep the modification times (cp -p, rsync -a).
+void DescribeInput(const std::string& what, const std::string& path, RunDescription& out);
 
 /// Gives each of `bytes.size()` items (output files, by size in bytes) to one of `processes`,
 /// largest first to the least loaded (ties: the earlier item, the lower process), so every

@@ -3,15 +3,18 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <tuple>
 
 #include "reshard/base/json_writer.h"
+#include "reshard/checkpoint/deepspeed_moe.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/canonicalize.h"
@@ -89,8 +92,14 @@ std::optional<int64_t> IntAt(const PickleTree& t, PickleNodeId id) {
 }
 
 // Plain data (dicts with str keys, lists, tuples, scalars) as JSON; anything else is null.
+// Shared objects are copied into the JSON, so a tree that would expand past this many objects
+// (a pickle DAG whose memo entries are reused level after level) is not plain data either:
+// its cost is bounded before any of it is expanded.
+constexpr uint64_t kMaxJsonObjects = uint64_t{1} << 20;
+
 Value ToJson(const PickleTree& t, PickleNodeId id, int depth = 0) {
   if (id == kNoPickleNode || depth > 64) return nullptr;
+  if (depth == 0 && t.expanded_size(id) > kMaxJsonObjects) return nullptr;
   const PickleNode& n = t.node(id);
   switch (n.kind) {
     case PickleKind::kBool:
@@ -257,6 +266,12 @@ Result<UcInfo> ReadUcInfo(const PickleTree& t, PickleNodeId root) {
   UcInfo uc;
   const PickleNodeId node = Get(t, root, "universal_checkpoint_info");
   if (IsNone(t, node)) return uc;
+  if (t.expanded_size(node) > kMaxJsonObjects) {
+    return InvalidArgumentError(fmt::format(
+        "universal_checkpoint_info: its shared pickle objects expand to more than {} objects; "
+        "DeepSpeed writes plain metadata here",
+        kMaxJsonObjects));
+  }
   uc.raw = ToJson(t, node);
   if (!uc.raw.is_object()) return InvalidArgumentError("universal_checkpoint_info: not a dict");
   if (auto a = uc.raw.find("affine_map"); a != uc.raw.end() && a->is_object()) {
@@ -511,9 +526,13 @@ class DeepSpeedReader {
   Status ReadTopology();
   Status CheckDpModelStates();
   Status ReadParams();
+  Status ReadExperts();
   Status ReadPartitions();
   Status ReadTorchOptimizer();
   Status ReadModuleFragments();
+  Status CheckMetadataAgrees() const;
+  Status CheckModuleIsMasterRounded() const;
+  Status CheckTpReplicasAgree() const;
   Result<FlatGroup> ReadFlatGroup(Rank t, size_t g);
   Status Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
                const std::vector<Index>& flat_offsets, const FlatGroup& group);
@@ -528,6 +547,7 @@ class DeepSpeedReader {
   DeepSpeedCheckpoint& c_;
   std::map<const TorchFile*, std::string> names_;
   std::vector<const TorchFile*> model_;               // [tp] (ZeRO 3: DP rank 0's)
+  std::vector<const TorchFile*> all_model_;           // every model-states file
   std::vector<std::vector<const TorchFile*>> optim_;  // [tp][dp], empty without optimizer files
   std::vector<std::string> names_in_order_;
   std::vector<size_t> group_of_;               // per parameter: its group
@@ -619,6 +639,7 @@ Status DeepSpeedReader::ReadTopology() {
     RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, 0)));
     model_.push_back(f);
   }
+  all_model_ = model_;
   RESHARD_RETURN_IF_ERROR(CheckDpModelStates());
   // The optimizer files, when this stage has them ("bf16_" with DeepSpeed's bf16 optimizer).
   const std::string prefix =
@@ -654,6 +675,7 @@ Status DeepSpeedReader::CheckDpModelStates() {
     const Value want = ToJson(base->tree(), Get(base->tree(), base->tree().root(), "param_shapes"));
     for (int d = 1; d < c_.dp_; ++d) {
       RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, d)));
+      all_model_.push_back(f);
       const Value got = ToJson(f->tree(), Get(f->tree(), f->tree().root(), "param_shapes"));
       if (got != want) {
         return InvalidArgumentError(
@@ -729,6 +751,7 @@ Status DeepSpeedReader::ReadParams() {
         "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read yet",
         Where(model_[0])));
   }
+  RESHARD_RETURN_IF_ERROR(ReadExperts());
   RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
     const std::string& name = names_in_order_[i];
@@ -757,6 +780,36 @@ Status DeepSpeedReader::ReadParams() {
     params_.back().parts.resize(static_cast<size_t>(c_.tp_));
     params_.back().steps.resize(static_cast<size_t>(c_.tp_));
   }
+  return Status::Ok();
+}
+
+// AutoEP's experts (deepspeed_moe.h): read there, and left out of the dense parameters.
+Status DeepSpeedReader::ReadExperts() {
+  AutoEpInput in;
+  in.model_states = model_[0];
+  in.stage = c_.stage_;
+  in.tp = c_.tp_;
+  in.dp = c_.dp_;
+  if (!optim_.empty()) in.optim = optim_[0];
+  in.names = names_in_order_;
+  in.groups = group_of_;
+  for (const auto& shapes : tp_shapes_) in.shapes.push_back(shapes.front());
+  in.open = [this](const std::string& name) { return OpenFile(name); };
+  in.where = [this](const TorchFile* f) { return Where(f); };
+  RESHARD_ASSIGN_OR_RETURN(std::optional<DeepSpeedExperts> experts, ReadAutoEpExperts(in));
+  if (!experts) return Status::Ok();
+  size_t kept = 0;
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (ClaimsName(*experts, names_in_order_[i])) continue;
+    names_in_order_[kept] = names_in_order_[i];
+    group_of_[kept] = group_of_[i];
+    tp_shapes_[kept] = tp_shapes_[i];
+    ++kept;
+  }
+  names_in_order_.resize(kept);
+  group_of_.resize(kept);
+  tp_shapes_.resize(kept);
+  c_.experts_ = std::make_shared<const DeepSpeedExperts>(*std::move(experts));
   return Status::Ok();
 }
 
@@ -922,6 +975,8 @@ Status DeepSpeedReader::ReadPartitions() {
       group_of_.empty() ? 0 : *std::max_element(group_of_.begin(), group_of_.end()) + 1;
   for (Rank t = 0; t < c_.tp_; ++t) {
     for (size_t g = 0; g < groups; ++g) {
+      // AutoEP's expert group is read by ReadExperts.
+      if (std::find(group_of_.begin(), group_of_.end(), g) == group_of_.end()) continue;
       RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(t, g));
       if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(t, g, group));
       Index z3_offset = 0;  // ZeRO 3: where the next parameter starts in every rank's flat group
@@ -1058,6 +1113,445 @@ Status DeepSpeedReader::ReadModuleFragments() {
   return Status::Ok();
 }
 
+// ---- what ties the files together ---------------------------------------------------------
+
+namespace {
+
+// A node as text, for comparing what two files record: plain data, records by class,
+// arguments and state, tensors by dtype, shape and (up to 64 bytes) their bytes. `budget`
+// bounds the nodes visited, a node shared through the memo counting at each use.
+void AppendCanon(const TorchFile& f, PickleNodeId id, int depth, size_t& budget, std::string& out) {
+  if (id == kNoPickleNode) {
+    out += "(absent)";
+    return;
+  }
+  if (budget == 0 || depth > 64) {
+    out += "...";
+    return;
+  }
+  --budget;
+  if (const TorchTensor* t = f.TensorAt(id)) {
+    out += fmt::format("tensor({}, {}", t->dtype.name, FormatShape(t->shape));
+    const TorchStorage& s = f.storages()[t->storage];
+    const uint64_t begin = static_cast<uint64_t>(t->storage_offset) * t->dtype.size;
+    if (t->is_contiguous() && t->num_bytes() <= 64 && begin + t->num_bytes() <= s.bytes.size()) {
+      for (Index k = 0; k < t->numel(); ++k) {
+        const std::byte* e = s.bytes.data() + begin + static_cast<uint64_t>(k) * t->dtype.size;
+        if (t->dtype.dtype) {
+          out += ", " + FormatElement(*t->dtype.dtype, e);
+        } else {
+          out += ", 0x";
+          for (size_t b = 0; b < t->dtype.size; ++b)
+            out += fmt::format("{:02x}", static_cast<unsigned>(e[b]));
+        }
+      }
+    }
+    out += ")";
+    return;
+  }
+  const PickleTree& tree = f.tree();
+  const PickleNode& n = tree.node(id);
+  auto list = [&](const std::vector<PickleNodeId>& items, const char* open, const char* close) {
+    out += open;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (i > 0) out += ", ";
+      AppendCanon(f, items[i], depth + 1, budget, out);
+    }
+    out += close;
+  };
+  switch (n.kind) {
+    case PickleKind::kNone:
+      out += "None";
+      break;
+    case PickleKind::kBool:
+      out += n.bool_value ? "True" : "False";
+      break;
+    case PickleKind::kInt:
+      out += std::to_string(n.int_value);
+      break;
+    case PickleKind::kFloat:
+      out += fmt::format("{}", n.float_value);
+      break;
+    case PickleKind::kStr:
+      out += fmt::format("\"{}\"", n.text);
+      break;
+    case PickleKind::kBigInt:
+    case PickleKind::kBytes:
+      out += "b'";
+      for (char c : n.text) out += fmt::format("{:02x}", static_cast<unsigned char>(c));
+      out += "'";
+      break;
+    case PickleKind::kList:
+      list(n.items, "[", "]");
+      break;
+    case PickleKind::kTuple:
+    case PickleKind::kPersistentId:
+      list(n.items, "(", ")");
+      break;
+    case PickleKind::kSet:
+      list(n.items, "{", "}");
+      break;
+    case PickleKind::kGlobal:
+      out += n.text;
+      break;
+    case PickleKind::kDict:
+      out += "{";
+      for (size_t i = 0; i < n.entries.size(); ++i) {
+        if (i > 0) out += ", ";
+        AppendCanon(f, n.entries[i].first, depth + 1, budget, out);
+        out += ": ";
+        AppendCanon(f, n.entries[i].second, depth + 1, budget, out);
+      }
+      out += "}";
+      if (n.state != kNoPickleNode) AppendCanon(f, n.state, depth + 1, budget, out);
+      break;
+    case PickleKind::kRecord:
+      out += n.text;
+      AppendCanon(f, n.args, depth + 1, budget, out);
+      if (n.state != kNoPickleNode) {
+        out += ".state=";
+        AppendCanon(f, n.state, depth + 1, budget, out);
+      }
+      break;
+  }
+}
+
+std::string Canon(const TorchFile& f, PickleNodeId id) {
+  size_t budget = size_t{1} << 16;
+  std::string out;
+  AppendCanon(f, id, 0, budget, out);
+  return out;
+}
+
+std::string Shortened(const std::string& s) {
+  return s.size() <= 120 ? s : s.substr(0, 117) + "...";
+}
+
+// Where two renderings of a dict first differ, as a dotted key path of `key` (ds_config's
+// keys), for a message; `key` itself when they are not both plain data.
+std::string FirstDifference(const TorchFile& a, const TorchFile& b, std::string_view key) {
+  const Value va = ToJson(a.tree(), Walk(a.tree(), a.tree().root(), key));
+  const Value vb = ToJson(b.tree(), Walk(b.tree(), b.tree().root(), key));
+  if (!va.is_object() || !vb.is_object()) return std::string(key);
+  const Value patch = Value::diff(va, vb);
+  if (patch.empty() || !patch[0].contains("path")) return std::string(key);
+  std::string path = patch[0]["path"].get<std::string>();
+  std::replace(path.begin(), path.end(), '/', '.');
+  return std::string(key) + path;
+}
+
+// Element k (row-major, of the tensor's own shape) of a tensor: its bytes in the mapped
+// storage, or null when it lies outside.
+const std::byte* ElementOf(const TorchFile& f, const TorchTensor& t, Index k) {
+  Index offset = t.storage_offset;
+  for (size_t d = t.shape.size(); d-- > 0;) {
+    if (t.shape[d] == 0) return nullptr;
+    offset += (k % t.shape[d]) * t.strides[d];
+    k /= t.shape[d];
+  }
+  const TorchStorage& s = f.storages()[t.storage];
+  const uint64_t begin = static_cast<uint64_t>(offset) * t.dtype.size;
+  if (offset < 0 || begin + t.dtype.size > s.bytes.size()) return nullptr;
+  return s.bytes.data() + begin;
+}
+
+// Where the elements of a TP shard (flattened) lie in its DP fragments: element k's DP rank
+// and bytes, found by a binary search over the fragments' ranges.
+class ShardElements {
+ public:
+  explicit ShardElements(const DeepSpeedShardParts& parts) : parts_(parts) {
+    for (Rank d = 0; d < parts.dp_map.world_size(); ++d) {
+      for (const Piece& piece : parts.dp_map.rank(d).pieces)
+        ranges_.push_back({piece.source.offset, piece.num_elements(), d, piece.dest.offset});
+    }
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const Range& a, const Range& b) { return a.start < b.start; });
+  }
+  // The DP rank holding element k and its bytes (null: no fragment holds it).
+  std::pair<Rank, const std::byte*> At(Index k) const {
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), k,
+                               [](Index v, const Range& r) { return v < r.start; });
+    if (it == ranges_.begin()) return {-1, nullptr};
+    --it;
+    if (k >= it->start + it->length) return {-1, nullptr};
+    const DeepSpeedFragment& f = parts_.fragments[static_cast<size_t>(it->rank)];
+    return {it->rank, ElementOf(*f.file, *f.tensor, f.offset + it->dest + (k - it->start))};
+  }
+
+ private:
+  struct Range {
+    Index start, length;
+    Rank rank;
+    Index dest;
+  };
+  const DeepSpeedShardParts& parts_;
+  std::vector<Range> ranges_;
+};
+
+// The elements of a TP shard a check compares: the first and the last few of every DP
+// fragment, where a fragment from elsewhere or a misplaced boundary shows, and only those (a
+// bounded sample: a few pages of each file).
+constexpr Index kSampleEnds = 16;
+
+std::vector<Index> SamplePositions(const DeepSpeedShardParts& parts) {
+  std::vector<Index> out;
+  for (Rank d = 0; d < parts.dp_map.world_size(); ++d) {
+    for (const Piece& piece : parts.dp_map.rank(d).pieces) {
+      const Index start = piece.source.offset, n = piece.num_elements();
+      for (Index k = 0; k < std::min(n, kSampleEnds); ++k) out.push_back(start + k);
+      for (Index k = std::max(kSampleEnds, n - kSampleEnds); k < n; ++k) out.push_back(start + k);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// Whether a module element (`dtype`) is the fp32 master weight rounded to that dtype, to
+// nearest even (NaN matches NaN).
+bool IsMasterRounded(DType dtype, const std::byte* module, const std::byte* master) {
+  float m;
+  std::memcpy(&m, master, sizeof m);
+  if (dtype == DType::kF32) {
+    float w;
+    std::memcpy(&w, module, sizeof w);
+    return std::memcmp(&w, &m, sizeof m) == 0 || (std::isnan(w) && std::isnan(m));
+  }
+  uint16_t w;
+  std::memcpy(&w, module, sizeof w);
+  const bool bf16 = dtype == DType::kBF16;
+  if ((bf16 ? FloatToBFloat16(m) : FloatToHalf(m)) == w) return true;
+  return std::isnan(m) && std::isnan(bf16 ? BFloat16ToFloat(w) : HalfToFloat(w));
+}
+
+// Whether TP rank r holds parameter `map` whole, as every other rank does (a replica of all of
+// F, element k of the flattened shard being element k of F).
+bool HeldWholeByEveryRank(const ParamMap& map) {
+  if (map.world_size() < 2) return false;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const RankShard& s = map.rank(r);
+    if (s.pieces.size() != 1) return false;
+    const Piece& p = s.pieces.front();
+    if (p.num_elements() != map.num_elements() ||
+        p.locations.size() != static_cast<size_t>(map.world_size()) || p.scale != 1.0 ||
+        p.source != p.dest || p.source.offset != 0 || s.shard_shape != map.logical_shape()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+// Every file records the DeepSpeed version and the configuration, every model-states file the
+// step it was saved at and the topology, every optimizer file the ZeRO stage, the partition
+// count, the loss scaler, the parameter groups and each group's step: all must agree with the
+// first file's.
+Status DeepSpeedReader::CheckMetadataAgrees() const {
+  const TorchFile* first = all_model_.front();
+  auto compare = [&](const TorchFile* base, const TorchFile* f, std::string_view key) -> Status {
+    const std::string want = Canon(*base, Walk(base->tree(), base->tree().root(), key));
+    const std::string got = Canon(*f, Walk(f->tree(), f->tree().root(), key));
+    if (got == want) return Status::Ok();
+    const std::string where =
+        key == "ds_config" ? FirstDifference(*base, *f, key) : std::string(key);
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" does not belong with \"{}\": {} is {} there but {} here (a file from another run "
+        "or another step? every file of a checkpoint records the same)",
+        Where(f), Where(base), where, Shortened(want), Shortened(got)));
+  };
+  for (size_t k = 1; k < all_model_.size(); ++k) {
+    for (const char* key :
+         {"ds_version", "mp_world_size", "dp_world_size", "global_steps", "global_samples",
+          "skipped_steps", "checkpoint_parallel_dimensions", "ds_config"}) {
+      RESHARD_RETURN_IF_ERROR(compare(first, all_model_[k], key));
+    }
+  }
+  if (optim_.empty()) return Status::Ok();
+  const bool z3 = c_.stage_ == 3;
+  const std::string opt = z3 ? "optimizer_state_dict.optimizer_state_dict"
+                             : "optimizer_state_dict.base_optimizer_state";
+  const TorchFile* o0 = optim_[0][0];
+  // Each group's step, by the group's key in the optimizer's state.
+  auto steps = [&](const TorchFile* f) {
+    const PickleTree& t = f->tree();
+    std::string out;
+    const PickleNodeId groups = Walk(t, t.root(), opt + ".param_groups");
+    for (size_t g = 0; groups != kNoPickleNode && g < t.node(groups).items.size(); ++g) {
+      const std::optional<int64_t> key =
+          IntAt(t, Walk(t, t.root(), fmt::format("{}.param_groups.{}.params.0", opt, g)));
+      const PickleNodeId step =
+          Walk(t, t.root(), fmt::format("{}.state.{}.step", opt, key.value_or(-1)));
+      const TorchTensor* tensor = f->TensorAt(step);
+      std::string value = Canon(*f, step);
+      if (tensor != nullptr && tensor->numel() == 1 && tensor->dtype.dtype) {
+        if (const std::byte* e = ElementOf(*f, *tensor, 0))
+          value = FormatElement(*tensor->dtype.dtype, e);
+      }
+      out += fmt::format("{}group {}: {}", g == 0 ? "" : ", ", g, value);
+    }
+    return out;
+  };
+  const std::string want_steps = steps(o0);
+  for (const auto& by_dp : optim_) {
+    for (const TorchFile* f : by_dp) {
+      RESHARD_RETURN_IF_ERROR(compare(first, f, "ds_version"));
+      RESHARD_RETURN_IF_ERROR(compare(first, f, "ds_config"));
+      if (f == o0) continue;
+      for (const std::string& key :
+           {std::string("optimizer_state_dict.zero_stage"),
+            std::string("optimizer_state_dict.partition_count"),
+            std::string("optimizer_state_dict.loss_scaler"),
+            std::string("optimizer_state_dict.dynamic_loss_scale"),
+            std::string("optimizer_state_dict.overflow"),
+            std::string("optimizer_state_dict.clip_grad"), opt + ".param_groups"}) {
+        RESHARD_RETURN_IF_ERROR(compare(o0, f, key));
+      }
+      const std::string got_steps = steps(f);
+      if (got_steps != want_steps) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" does not belong with \"{}\": the optimizer's step is {} there but {} here (a "
+            "file from another run or another step?)",
+            Where(f), Where(o0), Shortened(want_steps), Shortened(got_steps)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Where the module's weights and the fp32 master weights are kept apart (ZeRO 1/2 in the
+// optimizer files, ZeRO 0 with DeepSpeed's fp16/bf16 wrapper in the model states), DeepSpeed
+// copies the masters into the module after each step: each module element is its master
+// rounded to the module's dtype (to nearest even). A sample of every DP fragment is compared;
+// the file blamed is the DP rank's optimizer file when the others agree with the module, else
+// the model-states file.
+Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
+  const DType dtype = c_.module_dtype_;
+  for (Rank t = 0; t < c_.tp_; ++t) {
+    std::map<Rank, std::string> bad;  // DP rank -> what disagrees there first
+    std::set<Rank> holding;           // DP ranks that hold some compared fragment
+    for (const DeepSpeedParam& p : params_) {
+      const auto& slots = p.parts[static_cast<size_t>(t)];
+      const auto& module = slots[Slot(DeepSpeedState::kModule)];
+      const auto& master = slots[Slot(DeepSpeedState::kMaster)];
+      if (!module || !master || module->fragments.size() != 1) continue;
+      const DeepSpeedFragment& mf = module->fragments.front();
+      if (master->fragments.size() == 1 && master->fragments.front().tensor == mf.tensor) continue;
+      const ShardElements masters(*master);
+      for (const Index k : SamplePositions(*master)) {
+        const auto [d, master_bytes] = masters.At(k);
+        const std::byte* module_bytes = ElementOf(*mf.file, *mf.tensor, k);
+        if (master_bytes == nullptr || module_bytes == nullptr) continue;
+        holding.insert(d);
+        if (bad.contains(d) || IsMasterRounded(dtype, module_bytes, master_bytes)) continue;
+        float m;
+        std::memcpy(&m, master_bytes, sizeof m);
+        const uint16_t rounded = dtype == DType::kBF16 ? FloatToBFloat16(m) : FloatToHalf(m);
+        const std::byte* rounded_bytes =
+            dtype == DType::kF32 ? master_bytes : reinterpret_cast<const std::byte*>(&rounded);
+        const std::string master_is =
+            dtype == DType::kF32
+                ? FormatElement(DType::kF32, master_bytes)
+                : fmt::format("{} (rounded to {}: {})", FormatElement(DType::kF32, master_bytes),
+                              DTypeName(dtype), FormatElement(dtype, rounded_bytes));
+        bad[d] =
+            fmt::format("parameter \"{}\", element {}: the master weight is {}, the module's {}",
+                        p.name, k, master_is, FormatElement(dtype, module_bytes));
+      }
+    }
+    if (bad.empty()) continue;
+    const TorchFile* model = model_[static_cast<size_t>(t)];
+    const auto& [d, what] = *bad.begin();
+    const TorchFile* optim =
+        optim_.empty() ? model : optim_[static_cast<size_t>(t)][static_cast<size_t>(d)];
+    if (optim != model && bad.size() < holding.size()) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" does not belong with \"{}\": its fp32 master weights are not the module's "
+          "weights there ({}), while the other DP ranks' are (a file from another run or "
+          "step?)",
+          Where(optim), Where(model), what));
+    }
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": the module's weights are not the fp32 master weights {} rounded to {} ({}): the "
+        "file (or the optimizer state beside it) is from another run or step",
+        Where(model),
+        optim == model ? "kept in the same file" : fmt::format("of \"{}\"", Where(optim)),
+        DTypeName(dtype), what));
+  }
+  return Status::Ok();
+}
+
+// A parameter every TP rank holds whole (a norm, a replicated bias) is the same on every TP
+// rank in each state: DeepSpeed updates the replicas alike. A sample of every DP fragment of
+// every rank is compared with TP rank 0's (with three or more TP ranks, the odd one is named).
+Status DeepSpeedReader::CheckTpReplicasAgree() const {
+  for (const DeepSpeedParam& p : params_) {
+    if (!HeldWholeByEveryRank(p.tp_map)) continue;
+    for (int s = 0; s < kNumDeepSpeedStates; ++s) {
+      const DeepSpeedState state = static_cast<DeepSpeedState>(s);
+      std::vector<const DeepSpeedShardParts*> ranks;
+      for (Rank t = 0; t < c_.tp_; ++t) {
+        const auto& slot = p.parts[static_cast<size_t>(t)][static_cast<size_t>(s)];
+        if (slot) ranks.push_back(&*slot);
+      }
+      if (ranks.size() != static_cast<size_t>(c_.tp_)) continue;
+      std::vector<ShardElements> elements;
+      std::vector<Index> positions;
+      for (const DeepSpeedShardParts* r : ranks) {
+        elements.emplace_back(*r);
+        const std::vector<Index> mine = SamplePositions(*r);
+        positions.insert(positions.end(), mine.begin(), mine.end());
+      }
+      std::sort(positions.begin(), positions.end());
+      positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+      const size_t size = DTypeSize(c_.StateDType(state));
+      for (const Index k : positions) {
+        std::vector<std::pair<Rank, const std::byte*>> at;
+        for (const ShardElements& r : elements) at.push_back(r.At(k));
+        if (std::any_of(at.begin(), at.end(), [](const auto& e) { return e.second == nullptr; }))
+          continue;
+        auto same = [&](size_t a, size_t b) {
+          return std::memcmp(at[a].second, at[b].second, size) == 0;
+        };
+        size_t odd = 0;
+        for (size_t r = 1; r < at.size() && odd == 0; ++r) {
+          if (!same(0, r)) odd = r;
+        }
+        if (odd == 0) continue;
+        // With three or more ranks, the one that disagrees with the others is named alone.
+        size_t agree_with_odd = 0;
+        for (size_t r = 0; r < at.size(); ++r) agree_with_odd += same(odd, r) ? 1 : 0;
+        const size_t other = agree_with_odd * 2 > at.size() ? 0 : odd;
+        const size_t blamed = at.size() >= 3 ? other : odd;
+        const size_t witness = blamed == 0 ? odd : 0;
+        auto file = [&](size_t r) {
+          const DeepSpeedFragment& f = ranks[r]->fragments[static_cast<size_t>(at[r].first)];
+          return Where(f.file);
+        };
+        const char* what = state == DeepSpeedState::kModule   ? "module weight"
+                           : state == DeepSpeedState::kMaster ? "fp32 master weight"
+                           : state == DeepSpeedState::kExpAvg ? "exp_avg"
+                                                              : "exp_avg_sq";
+        const std::string values =
+            fmt::format("element {} of its {} is {} on TP rank {} but {} on TP rank {}", k, what,
+                        FormatElement(c_.StateDType(state), at[blamed].second), blamed,
+                        FormatElement(c_.StateDType(state), at[witness].second), witness);
+        if (at.size() >= 3) {
+          return InvalidArgumentError(fmt::format(
+              "\"{}\" does not belong with the other TP ranks' files: parameter \"{}\" is held "
+              "whole by every TP rank, and {} (a file from another run or step?)",
+              file(blamed), p.name, values));
+        }
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" and \"{}\" do not belong together: parameter \"{}\" is held whole by every "
+            "TP rank, but {} (one of them is from another run or step)",
+            file(witness), file(blamed), p.name, values));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 Status DeepSpeedReader::Read(const std::string& path) {
   RESHARD_RETURN_IF_ERROR(ResolveTag(path));
   RESHARD_RETURN_IF_ERROR(ReadTopology());
@@ -1069,6 +1563,11 @@ Status DeepSpeedReader::Read(const std::string& path) {
     RESHARD_RETURN_IF_ERROR(ReadTorchOptimizer());
   }
   RESHARD_RETURN_IF_ERROR(ReadModuleFragments());
+  // What ties the files together: the metadata each records, then the values that two files
+  // hold of one parameter.
+  RESHARD_RETURN_IF_ERROR(CheckMetadataAgrees());
+  RESHARD_RETURN_IF_ERROR(CheckModuleIsMasterRounded());
+  RESHARD_RETURN_IF_ERROR(CheckTpReplicasAgree());
   c_.params_ = std::make_shared<std::vector<DeepSpeedParam>>(std::move(params_));
   return Status::Ok();
 }
@@ -1081,6 +1580,13 @@ Result<DeepSpeedCheckpoint> DeepSpeedCheckpoint::Open(const std::string& path) {
 }
 
 std::vector<std::string> DeepSpeedCheckpoint::file_paths() const { return paths_; }
+
+const TorchFile* DeepSpeedCheckpoint::FileAt(const std::string& path) const {
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if (paths_[i] == path) return files_[i].get();
+  }
+  return nullptr;
+}
 
 std::vector<std::string> DeepSpeedCheckpoint::model_states_paths() const {
   std::vector<std::string> out;
@@ -1300,6 +1806,7 @@ Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, 
     RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
     extra.push_back({"config.json", std::move(config)});
   }
+  if (ckpt->experts() != nullptr) return GatherAutoEp(ckpt, states.front(), out_dir, options);
   std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
   return GatherFrom(*source, out_dir, options, extra);
 }
@@ -1314,6 +1821,12 @@ Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
                   {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
   }
   RESHARD_ASSIGN_OR_RETURN(states, StatesToWrite(*ckpt, std::move(states)));
+  if (ckpt->experts() != nullptr) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" is an AutoEP checkpoint: convert writes its experts only as DeepSpeed's "
+        "universal checkpoint (--to universal); gather writes the model",
+        ckpt->tag_dir()));
+  }
   std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
   return ConvertFrom(*source, world_size, target_maps, out_dir, options);
 }
@@ -1347,6 +1860,8 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
     params.push_back(entry);
   }
   doc["params"] = params;
+  if (c.experts() != nullptr)
+    doc["autoep"] = nlohmann::ordered_json::parse(AutoEpSummaryJson(*c.experts()));
   return doc.dump(1) + "\n";
 }
 
@@ -1361,6 +1876,7 @@ std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
                        p.layout ? LayoutToJson(*p.layout) : std::string("(no layout rule)"),
                        fmt::format("  [{}]", p.layout_source));
   }
+  if (c.experts() != nullptr) out += AutoEpSummaryText(*c.experts());
   return out;
 }
 

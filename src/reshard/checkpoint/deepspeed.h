@@ -56,6 +56,8 @@
 
 namespace reshard {
 
+struct DeepSpeedExperts;  // deepspeed_moe.h
+
 /// The tensors a DeepSpeed checkpoint holds per parameter.
 enum class DeepSpeedState {
   kModule,    // the module's weights, in the module's dtype
@@ -145,6 +147,10 @@ class DeepSpeedCheckpoint {
   DType module_dtype() const { return module_dtype_; }
   bool has_optimizer_state() const { return has_optimizer_; }
   const std::vector<DeepSpeedParam>& params() const { return *params_; }
+  /// The AutoEP experts (deepspeed_moe.h), which params() does not list; null without them.
+  const DeepSpeedExperts* experts() const { return experts_.get(); }
+  /// The opened file at `path` (one of file_paths()), or null.
+  const TorchFile* FileAt(const std::string& path) const;
   /// Every file it reads.
   std::vector<std::string> file_paths() const;
   /// The model-states files (mp_rank_XX_model_states.pt; ZeRO 3: zero_pp_rank_D_mp_rank_XX_...).
@@ -177,6 +183,7 @@ class DeepSpeedCheckpoint {
   std::vector<std::unique_ptr<TorchFile>> files_;
   std::vector<std::string> paths_;
   std::shared_ptr<std::vector<DeepSpeedParam>> params_;
+  std::shared_ptr<const DeepSpeedExperts> experts_;
 };
 
 /// Whether `path` looks like a DeepSpeed checkpoint (a save dir with `latest`, or a dir with

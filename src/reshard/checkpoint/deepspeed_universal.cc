@@ -16,12 +16,14 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <set>
 #include <vector>
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed_moe.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_writer.h"
@@ -41,12 +43,13 @@ int ScalePower(DeepSpeedState state) {
 
 // One file of the output: what to write and its size (for ordering and progress).
 struct UniversalJob {
-  enum Kind { kState, kStep, kOptimizer, kCopy } kind = kState;
+  enum Kind { kState, kStep, kOptimizer, kCopy, kAutoEp } kind = kState;
   size_t param = 0;
   DeepSpeedState state = DeepSpeedState::kMaster;
   std::string source;  // kCopy: the input file
   std::string name;    // the output file, relative to the output directory
   uint64_t bytes = 0;
+  std::function<Status(const std::string&, const TorchWriteOptions&)> write = nullptr;  // kAutoEp
 };
 
 // Writes the files of the plan from an open checkpoint (one file per call, any thread).
@@ -287,6 +290,8 @@ Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) 
       return WriteStep(job.param, path);
     case UniversalJob::kOptimizer:
       return WriteOptimizerState(path);
+    case UniversalJob::kAutoEp:
+      return job.write(path, WriteOptionsFor(path, options_));
     case UniversalJob::kCopy: {
       std::error_code ec;
       fs::copy_file(job.source, path, ec);
@@ -299,8 +304,10 @@ Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) 
 }
 
 // The files to write, largest first (so the pool ends evenly), and the folders they need.
-Result<std::vector<UniversalJob>> PlanUniversal(const DeepSpeedCheckpoint& c,
-                                                const std::string& folder) {
+Result<std::vector<UniversalJob>> PlanUniversal(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
+                                                const std::string& folder,
+                                                const CheckpointOptions& options) {
+  const DeepSpeedCheckpoint& c = *ckpt;
   std::vector<UniversalJob> jobs;
   const std::string zero = folder + "/zero";
   for (size_t i = 0; i < c.params().size(); ++i) {
@@ -323,7 +330,15 @@ Result<std::vector<UniversalJob>> PlanUniversal(const DeepSpeedCheckpoint& c,
   }
   jobs.push_back(
       {UniversalJob::kOptimizer, 0, DeepSpeedState::kMaster, "", zero + "/optimizer_state.pt", 0});
+  if (c.experts() != nullptr) {  // the experts' files, and the model states rewritten
+    for (AutoEpUniversalFile& f : AutoEpUniversalFiles(ckpt, folder, options)) {
+      UniversalJob job{UniversalJob::kAutoEp, 0, DeepSpeedState::kMaster, "", f.name, f.bytes};
+      job.write = std::move(f.write);
+      jobs.push_back(std::move(job));
+    }
+  }
   for (const std::string& path : c.model_states_paths()) {
+    if (c.experts() != nullptr) break;
     std::error_code ec;
     const uint64_t size = fs::file_size(path, ec);
     jobs.push_back({UniversalJob::kCopy, 0, DeepSpeedState::kMaster, path,
@@ -343,14 +358,15 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
   Communicator& comm = CommunicatorOf(options);
   Result<DeepSpeedCheckpoint> opened = DeepSpeedCheckpoint::Open(ckpt_dir);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
-  const DeepSpeedCheckpoint& c = *opened;
+  const auto shared = std::make_shared<const DeepSpeedCheckpoint>(*std::move(opened));
+  const DeepSpeedCheckpoint& c = *shared;
   // Every process reads the same files, so these checks and the plan agree without a word.
   if (!c.has_optimizer_state() || c.optimizer_file() == nullptr) {
     return FailedPreconditionError(fmt::format(
         "\"{}\" holds no optimizer state, which a universal checkpoint is made of", c.tag_dir()));
   }
   const std::string folder = fs::path(c.tag_dir()).filename().string() + "_universal";
-  RESHARD_ASSIGN_OR_RETURN(std::vector<UniversalJob> jobs, PlanUniversal(c, folder));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<UniversalJob> jobs, PlanUniversal(shared, folder, options));
   std::vector<std::string> inputs = {c.tag_dir()};
   for (const std::string& p : c.file_paths()) inputs.push_back(p);
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));

@@ -85,16 +85,19 @@ class SyncTest : public ::testing::Test {
     o.sync = sync;
     o.max_shard_bytes = 200;  // a few files a rank, and an index for the full output
     const int before = g_fsyncs;
+    const int writebacks_before = g_writebacks;
     const MapProvider rows =
         MapsFromLayouts({{"*", Layout(R"({"family": "split", "dim": 0})")}}, 2);
     EXPECT_TRUE(Scatter(Path("full"), 2, rows, Path(prefix + "-tp2"), o).ok());
     EXPECT_TRUE(Convert(Path(prefix + "-tp2"), 3, std::nullopt, Path(prefix + "-tp3"), o).ok());
     EXPECT_TRUE(Gather(Path(prefix + "-tp3"), Path(prefix + "-full"), o).ok());
+    writebacks_ = g_writebacks - writebacks_before;
     return g_fsyncs - before;
   }
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
   fs::path dir_;
+  int writebacks_ = 0;  // the sync_file_range calls of the last RunAll
 };
 
 TEST_F(SyncTest, EveryOperationSyncsItsFilesByDefault) {
@@ -105,6 +108,22 @@ TEST_F(SyncTest, EveryOperationSyncsItsFilesByDefault) {
   EXPECT_GE(files, 10u);
   // Each file, its directory's entry, and each output's parent directory.
   EXPECT_GE(fsyncs, static_cast<int>(files) + 3);
+}
+
+// The universal writer's scheme, in every operation: no writer thread waits for the disk
+// between two files; each safetensors file's writeback starts as it closes, and the files are
+// synced together before the commit.
+TEST_F(SyncTest, EveryOperationStartsEachFilesWritebackAsItCloses) {
+  RunAll("synced", true);
+  size_t tensor_files = 0;
+  for (const char* out : {"synced-tp2", "synced-tp3", "synced-full"}) {
+    for (const auto& [name, bytes] : Files(dir_ / out))
+      tensor_files += name.ends_with(".safetensors");
+  }
+  EXPECT_GE(tensor_files, 10u);
+  EXPECT_GE(writebacks_, static_cast<int>(tensor_files));
+  RunAll("unsynced", false);
+  EXPECT_EQ(writebacks_, 0);
 }
 
 TEST_F(SyncTest, NoSyncWritesTheSameBytesWithoutOneFsync) {

@@ -19,7 +19,8 @@ namespace {
 using Buffers = std::vector<std::vector<float>>;  // per rank
 
 // Every map of `s` extracted from its F into fresh (NaN-filled, so a gap would show) buffers.
-Buffers ExtractInto(const StackedExpertMaps& s, const std::map<std::string, std::vector<float>>& f) {
+Buffers ExtractInto(const StackedExpertMaps& s,
+                    const std::map<std::string, std::vector<float>>& f) {
   Buffers out;
   for (const BufferRank& r : s.buffer.ranks) {
     out.emplace_back(static_cast<size_t>(ProductOf(r.shape)), std::nanf(""));
@@ -63,8 +64,8 @@ TEST(BufferPlanTest, ExpertTopologiesConvertBufferToBuffer) {
     std::mt19937_64 rng(seed);
     const int experts = 1 + static_cast<int>(rng() % 8);
     const Index inter = 4, hidden = 3;
-    const std::vector<ExpertMember> members = {
-        {"e.{e}.gate", {inter, hidden}, 0, 0, {}}, {"e.{e}.up", {inter, hidden}, 0, 0, {}}};
+    const std::vector<ExpertMember> members = {{"e.{e}.gate", {inter, hidden}, 0, 0, {}},
+                                               {"e.{e}.up", {inter, hidden}, 0, 0, {}}};
     auto topology = [&] {
       const int ep = 1 + static_cast<int>(rng() % 4);
       const int tp = 1 << (rng() % 3);  // 1, 2, 4: divides the intermediate size

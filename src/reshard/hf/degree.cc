@@ -116,9 +116,14 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine, bool uneven) {
       if (!size) size = Get(v, "intermediate_size");
       what = "expert intermediate features";
     } else if (has({"shared_expert", "shared_experts"})) {
+      // The shared experts' width, under the key each config class uses (Qwen, Nemotron-H),
+      // or the expert width times their count (DeepSeek / GLM, HY-V3 / AFMoE, ERNIE).
       size = Get(v, "shared_expert_intermediate_size");
+      if (!size) size = Get(v, "moe_shared_expert_intermediate_size");
       const std::optional<int64_t> moe = Get(v, "moe_intermediate_size");
-      const std::optional<int64_t> shared = Get(v, "n_shared_experts");
+      std::optional<int64_t> shared = Get(v, "n_shared_experts");
+      if (!shared) shared = Get(v, "num_shared_experts");
+      if (!shared) shared = Get(v, "moe_num_shared_experts");
       if (!size && moe && shared) size = *moe * *shared;
       if (!size) size = Get(v, "intermediate_size");
       what = "shared-expert intermediate features";
@@ -129,6 +134,20 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine, bool uneven) {
       what = "intermediate features";
     }
     e.uneven = uneven && !Gathered(e, engine);
+    if (has({"experts"}) && engine == Engine::kTransformers && size) {
+      // The packed experts are not measured split unevenly; grouped_mm (the [E, 2I, H]
+      // layout's kernel) needs each rank's rows 16-byte aligned (docs/moe.md).
+      e.uneven = false;
+      const bool grouped_mm =
+          e.style == "packed_colwise" || (last == "down_proj" && e.effect == StyleEffect::kSplitIn);
+      const std::optional<int64_t> bytes = Get(v, "dtype_bytes");
+      if (grouped_mm && bytes && *size * *bytes % 16 == 0) {
+        return set(*size * *bytes / 16,
+                   fmt::format("16-byte groups of expert intermediate features ({} x {} bytes; "
+                               "grouped_mm needs each rank's expert rows 16-byte aligned)",
+                               *size, *bytes));
+      }
+    }
     if (last == "gate_up_proj" && e.effect == StyleEffect::kSplitOut && size)
       return set(2 * *size, fmt::format("output features (gate and up, 2 x {})", *size));
     return set(size, what);
@@ -232,13 +251,15 @@ std::vector<ScopedEntry> PlanEntries(std::vector<Scope>& scopes, const PlanOptio
       if (dist.tp_plan) tp = dist.tp_plan->empty() ? Plan{} : Merge(tp, *dist.tp_plan);
       if (dist.ep_plan) ep = Merge(ep, *dist.ep_plan);
       // The deprecated flag alone means "experts only": tp_plan={} across tp_size ranks.
-      if (dist.enable_expert_parallel && !dist.ep_size && !dist.tp_plan) tp.clear();
+      if (dist.enable_expert_parallel && !dist.ep_size && !dist.tp_plan_given) tp.clear();
     }
+    // Before the EP rules take their modules: transformers asks whether the model has a TP
+    // plan (and adds the input embedding to it) on the whole plan.
+    scopes[s].has_tp = !tp.empty();
     if (expert_parallel) {
       std::erase_if(tp, [&](const PlanEntry& e) { return CoveredBy(e.pattern, ep); });
       for (const PlanEntry& e : ep) entries.push_back({e, s});
     }
-    scopes[s].has_tp = !tp.empty();
     for (const PlanEntry& e : tp) entries.push_back({e, s});
   }
   return entries;
@@ -371,6 +392,8 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   }
   const bool any_tp =
       std::any_of(scopes.begin(), scopes.end(), [](const Scope& s) { return s.has_tp; });
+  plan.distributed = dist;
+  plan.tp_plan_empty = !any_tp;
   if (options.engine == Engine::kVllm) {
     AddVllmVocabularyEntries(main_scope, entries);
   } else if (version >= kHeadPlanVersion && any_tp) {
@@ -404,6 +427,92 @@ Result<std::optional<int64_t>> RequestedDegree(std::optional<int64_t> tp,
   return tp ? tp : distributed.tp_size;
 }
 
+namespace {
+
+// What transformers' DistributedConfig and plan resolution refuse for N processes under the
+// plan's distributed config (configuration_utils.py, mixin.py), or nullopt.
+std::optional<PlanRefusal> DistributedRefusal(const ModelPlan& plan, int64_t n) {
+  const DistributedConfig& d = plan.distributed;
+  if (plan.engine != Engine::kTransformers || !d.expert_parallel()) return std::nullopt;
+  const bool derived = !d.tp_size && !d.tp_plan_given;  // transformers takes tp_size = 1
+  const int64_t tp = d.tp_size ? *d.tp_size : (derived ? 1 : n);
+  const int64_t ep = d.ep_size ? *d.ep_size : tp;  // the deprecated flag: ep_size = tp_size
+  const int64_t fsdp = d.fsdp_size.value_or(1);
+  auto refuse = [&](std::string message) {
+    return PlanRefusal{"distributed_config", std::move(message)};
+  };
+  const std::string sizes = fmt::format(
+      "tp_size {}{}, ep_size {}", tp,
+      derived ? " (neither tp_size nor tp_plan is given, so transformers takes 1)" : "", ep);
+  if (ep > 1 && ep % tp != 0) {
+    return refuse(fmt::format(
+        "transformers refuses the distributed config at load: \"`ep_size` must be a multiple of "
+        "`tp_size`.\" ({}). Give ep_size equal to tp_size.",
+        sizes));
+  }
+  if (ep > 1 && (fsdp * tp) % ep != 0) {
+    return refuse(fmt::format(
+        "transformers refuses the distributed config at load: \"`ep_size` must divide "
+        "`fsdp_size * tp_size`.\" ({}, fsdp_size {}). For expert parallelism over {} processes "
+        "give {{\"tp_plan\": \"auto\", \"ep_size\": {}}}.",
+        sizes, fsdp, n, n));
+  }
+  if (tp > 1 && plan.tp_plan_empty) {
+    return refuse(fmt::format(
+        "transformers refuses the distributed config at load: \"`tp_size={}` was requested, but "
+        "the model has no `tp_plan`\" ({}). The deprecated enable_expert_parallel without "
+        "ep_size sets tp_plan = {{}}; give {{\"tp_plan\": \"auto\", \"ep_size\": {}}} to "
+        "split the experts by expert and the rest by the TP plan.",
+        tp,
+        d.enable_expert_parallel && !d.ep_size ? "enable_expert_parallel sets tp_plan = {}"
+                                               : "the tp_plan is empty",
+        tp));
+  }
+  return std::nullopt;
+}
+
+// What transformers does at degree n when `broken` fails, in its own words where it has them.
+std::string BrokenDegreeConsequence(const ModelPlan& plan, const DegreeConstraint& broken,
+                                    int64_t n) {
+  if (plan.engine == Engine::kVllm) return fmt::format("vLLM would refuse the model at tp {}.", n);
+  if (broken.meaning == "experts") {
+    return fmt::format(
+        "transformers refuses it when it applies the expert-parallel plan, before loading: "
+        "\"Cannot evenly shard {} experts across {} expert-parallel ranks.\"",
+        broken.count, n);
+  }
+  if (broken.meaning.find("grouped_mm") != std::string::npos) {
+    return fmt::format(
+        "At tp {} transformers would load the weights and then fail in the first forward with "
+        "\"strides should be multiple of 16 bytes\" (grouped_mm, the experts' kernel). Expert "
+        "parallelism keeps the experts whole.",
+        n);
+  }
+  return TransformersBrokenDegreeConsequence(n);
+}
+
+}  // namespace
+
+DegreeCombinations Combinations(const TpRegistry& registry, const ModelConfig& config,
+                                const PlanOptions& options) {
+  DegreeCombinations out;
+  PlanOptions tp = options;
+  tp.distributed.tp_size.reset();
+  tp.distributed.ep_size.reset();
+  tp.distributed.fsdp_size.reset();
+  tp.distributed.enable_expert_parallel = false;
+  const DegreeAnswer tp_answer = PlanDegree(ResolvePlan(registry, config, tp), std::nullopt);
+  out.tp = tp_answer.degrees;
+  if (options.engine != Engine::kTransformers) return out;
+  PlanOptions ep = tp;
+  ep.distributed.ep_size = 2;  // any size > 1: the EP plan over the TP ranks
+  ep.distributed.tp_plan_given = true;
+  const ModelPlan ep_plan = ResolvePlan(registry, config, ep);
+  if (ep_plan.refusal) return out;
+  out.tp_ep = PlanDegree(ep_plan, std::nullopt).degrees;
+  return out;
+}
+
 DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested) {
   DegreeAnswer answer;
   answer.requested = requested;
@@ -411,6 +520,12 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
   if (plan.refusal) {
     answer.refusal = plan.refusal;
     return answer;
+  }
+  if (requested) {
+    if (std::optional<PlanRefusal> r = DistributedRefusal(plan, *requested)) {
+      answer.refusal = std::move(r);
+      return answer;
+    }
   }
   const std::vector<DegreeConstraint> constraints = DegreeConstraints(plan);
   for (const ResolvedEntry& e : plan.entries) {
@@ -435,9 +550,9 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
           break;
         }
       }
-      const std::string consequence = plan.engine == Engine::kVllm
-                                          ? fmt::format("vLLM would refuse the model at tp {}.", n)
-                                          : TransformersBrokenDegreeConsequence(n);
+      const auto broken = std::find_if(constraints.begin(), constraints.end(),
+                                       [&](const DegreeConstraint& c) { return !c.Allows(n); });
+      const std::string consequence = BrokenDegreeConsequence(plan, *broken, n);
       answer.refusal =
           PlanRefusal{"degree_does_not_divide", DegreeRefusalMessage(constraints, n, consequence)};
     } else {

@@ -20,6 +20,14 @@
 //  - the distributed config's `tp_plan` / `ep_plan` overrides, merged as transformers does.
 // Missing config keys take the config class's defaults from the registry.
 //
+// Mixture of experts under transformers (docs/moe.md): with expert parallelism the
+// distributed config must be one transformers accepts at the requested degree N (ep_size a
+// multiple of tp_size dividing fsdp_size x tp_size, where tp_size is N when given or when a
+// tp_plan is, else 1; a non-empty TP plan at tp_size > 1), and the experts must divide N.
+// Expert tensor parallelism (the packed [E, 2I, H] experts run by grouped_mm) needs each
+// rank's expert rows 16-byte aligned: the count is I x element size / 16 when the config
+// names its dtype, else I; it always binds (no uneven split).
+//
 // `Engine::kVllm` answers for vLLM: its layers split heads and the intermediate size alike,
 // but key/value heads are replicated when the degree exceeds them (so the degree must be a
 // multiple of them, or divide them) and the vocabulary is padded to a multiple of 64.
@@ -93,6 +101,11 @@ struct ModelPlan {
   std::vector<std::pair<std::string, LoadConversion>> load_conversions;
   /// The renamings transformers applies to checkpoint names before it matches the plan.
   std::vector<LoadRename> load_renames;
+  /// The distributed config the plan was resolved for, and whether its TP plan came out empty
+  /// (the deprecated enable_expert_parallel flag, or tp_plan {}): PlanDegree refuses what
+  /// transformers' DistributedConfig and plan resolution refuse at the requested degree.
+  DistributedConfig distributed;
+  bool tp_plan_empty = false;
 };
 
 ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
@@ -118,6 +131,18 @@ Result<std::optional<int64_t>> RequestedDegree(std::optional<int64_t> tp,
 /// the model cannot be split as asked (exit 1): no plan, an unregistered style, a requested
 /// degree that fails a constraint, or counts that share no factor.
 DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested);
+
+/// Which degrees work in each way of splitting the model over N processes (no FSDP): tensor
+/// parallelism alone (tp = N), and expert parallelism over the TP ranks (tp = ep = N, the
+/// only combination transformers allows without FSDP). `tp_ep` is nullopt when the model has
+/// no expert-parallel plan (or the engine is not transformers). The distributed config's plan
+/// overrides apply to both; its sizes and flags are replaced.
+struct DegreeCombinations {
+  std::vector<int64_t> tp;
+  std::optional<std::vector<int64_t>> tp_ep;
+};
+DegreeCombinations Combinations(const TpRegistry& registry, const ModelConfig& config,
+                                const PlanOptions& options);
 
 /// The constraints of every entry that contributes a count, in plan order.
 std::vector<DegreeConstraint> DegreeConstraints(const ModelPlan& plan);

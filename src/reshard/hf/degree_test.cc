@@ -1,5 +1,6 @@
 #include "reshard/hf/degree.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace reshard {
@@ -162,18 +163,148 @@ TEST(DegreeTest, VllmKeyValueRuleRefusesADegreeThatIsNeitherDivisorNorMultiple) 
   EXPECT_EQ(a.degrees, (std::vector<int64_t>{1, 2, 4, 8, 12, 24}));
 }
 
-TEST(DegreeTest, ExpertParallelUsesTheEpPlanCountingExperts) {
-  const char* mixtral = R"({"model_type": "mixtral", "num_attention_heads": 32,
+constexpr const char* kMixtral = R"({"model_type": "mixtral", "num_attention_heads": 32,
     "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
     "vocab_size": 32000})";
-  EXPECT_EQ(Answer(mixtral).max_tp_degree, 8);
-  PlanOptions ep;
-  ep.distributed.enable_expert_parallel = true;  // legacy: experts only, tp_plan = {}
-  DegreeAnswer a = Answer(mixtral, std::nullopt, ep);
+
+PlanOptions Distributed(std::string_view json) {
+  PlanOptions options;
+  Result<DistributedConfig> c = ParseDistributedConfigJson(BuiltinTpRegistry(), json);
+  EXPECT_TRUE(c.ok()) << c.status().message();
+  if (c.ok()) options.distributed = *c;
+  return options;
+}
+
+TEST(DegreeTest, ExpertParallelUsesTheEpPlanCountingExperts) {
+  EXPECT_EQ(Answer(kMixtral).max_tp_degree, 8);
+  // EP over the TP ranks: the experts by the EP plan, attention by the TP plan.
+  DegreeAnswer a = Answer(kMixtral, 8, Distributed(R"({"tp_plan": "auto", "ep_size": 8})"));
   ASSERT_FALSE(a.refusal) << a.refusal->message;
-  ASSERT_FALSE(a.constraints.empty());
-  for (const ResolvedEntry& e : a.constraints) EXPECT_EQ(e.meaning, "experts") << e.pattern;
+  bool saw_experts = false, saw_heads = false;
+  for (const ResolvedEntry& e : a.constraints) {
+    saw_experts |= e.style == "grouped_gemm" && e.meaning == "experts" && e.count == 8;
+    saw_heads |= e.pattern == "layers.*.self_attn.k_proj" && e.count == 8;
+    EXPECT_NE(e.style, "packed_colwise") << "EP rules replace the TP rules on the experts";
+  }
+  EXPECT_TRUE(saw_experts && saw_heads);
   EXPECT_EQ(a.max_tp_degree, 8);
+}
+
+TEST(DegreeTest, ExpertsMustDivideTheEpDegreeWithTransformersMessage) {
+  const char* three = R"({"model_type": "qwen3_moe", "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts": 3, "vocab_size": 256})";
+  EXPECT_FALSE(Answer(three, 2).refusal);  // TP splits every expert, whatever their count
+  DegreeAnswer a = Answer(three, 2, Distributed(R"({"tp_plan": "auto", "ep_size": 2})"));
+  ASSERT_TRUE(a.refusal);
+  EXPECT_EQ(a.refusal->reason, "degree_does_not_divide");
+  EXPECT_NE(a.refusal->message.find("Cannot evenly shard 3 experts across 2 expert-parallel "
+                                    "ranks."),
+            std::string::npos)
+      << a.refusal->message;
+}
+
+TEST(DegreeTest, DistributedConfigsTransformersRefusesAreRefused) {
+  struct Refused {
+    const char* config;
+    int64_t tp;
+    const char* message;
+  };
+  const Refused cases[] = {
+      // the deprecated flag sets tp_plan = {}, and tp_size > 1 then has no plan
+      {R"({"tp_size": 8, "enable_expert_parallel": true})", 8,
+       "`tp_size=8` was requested, but the model has no `tp_plan`"},
+      {R"({"tp_size": 2, "ep_size": 2, "tp_plan": {}})", 2,
+       "`tp_size=2` was requested, but the model has no `tp_plan`"},
+      // neither tp_size nor tp_plan: transformers takes tp_size = 1
+      {R"({"ep_size": 2})", 2, "`ep_size` must divide `fsdp_size * tp_size`."},
+      {R"({"tp_size": 4, "ep_size": 2})", 4, "`ep_size` must be a multiple of `tp_size`."},
+      {R"({"tp_size": 2, "ep_size": 4})", 2, "`ep_size` must divide `fsdp_size * tp_size`."},
+  };
+  for (const Refused& c : cases) {
+    DegreeAnswer a = Answer(kMixtral, c.tp, Distributed(c.config));
+    ASSERT_TRUE(a.refusal) << c.config;
+    EXPECT_EQ(a.refusal->reason, "distributed_config") << c.config;
+    EXPECT_NE(a.refusal->message.find(c.message), std::string::npos) << a.refusal->message;
+  }
+  // The flag with tp_plan "auto" keeps the TP plan: EP over the TP ranks.
+  EXPECT_FALSE(
+      Answer(kMixtral, 8, Distributed(R"({"tp_plan": "auto", "enable_expert_parallel": true})"))
+          .refusal);
+  EXPECT_FALSE(Answer(kMixtral, 2, Distributed(R"({"tp_size": 2, "ep_size": 2})")).refusal);
+}
+
+TEST(DegreeTest, ExpertParallelKeepsATpPlanThatSplitsOnlyExperts) {
+  // AFMoE's TP plan names only its experts: at EP the EP rules take them, but transformers asks
+  // for a TP plan before that, so the model still has one (the embedding and the LM head).
+  const char* afmoe = R"({"model_type": "afmoe", "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts": 4, "vocab_size": 256})";
+  DegreeAnswer a = Answer(afmoe, 2, Distributed(R"({"tp_plan": "auto", "ep_size": 2})"));
+  EXPECT_FALSE(a.refusal) << a.refusal->message;
+}
+
+TEST(DegreeTest, SharedExpertWidthIsReadUnderEachConfigClassKey) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  auto shared_count = [&](std::string_view json) -> std::optional<int64_t> {
+    Result<ModelConfig> config = ReadModelConfigJson(reg, json);
+    EXPECT_TRUE(config.ok()) << config.status().message();
+    if (!config.ok()) return std::nullopt;
+    for (const ResolvedEntry& e : ResolvePlan(reg, *config, {}).entries)
+      if (e.pattern == "layers.*.mlp.shared_experts.down_proj") return e.count;
+    return std::nullopt;
+  };
+  // ERNIE 4.5 MoE: moe_intermediate_size x moe_num_shared_experts; HY-V3: x num_shared_experts.
+  EXPECT_EQ(shared_count(R"({"model_type": "ernie4_5_moe", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "moe_num_shared_experts": 2})"),
+            64);
+  EXPECT_EQ(shared_count(R"({"model_type": "hy_v3", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_shared_experts": 1})"),
+            32);
+  EXPECT_EQ(shared_count(R"({"model_type": "glm4_moe", "intermediate_size": 128,
+    "moe_intermediate_size": 32, "n_shared_experts": 3})"),
+            96);
+}
+
+TEST(DegreeTest, ExpertTensorParallelNeedsSixteenByteRowsForGroupedMm) {
+  auto qwen = [](int intermediate, const char* dtype) {
+    return fmt::format(R"({{"model_type": "qwen3_moe", "num_attention_heads": 64,
+      "num_key_value_heads": 64, "head_dim": 16, "hidden_size": 1024, "intermediate_size": 4096,
+      "moe_intermediate_size": {}, "num_experts": 64, "vocab_size": 256, "dtype": "{}"}})",
+                       intermediate, dtype);
+  };
+  // 36 float32 columns: 18 per rank at tp 2 (72 bytes) fail in grouped_mm; whole experts at EP.
+  DegreeAnswer a = Answer(qwen(36, "float32"), 2);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_NE(a.refusal->message.find("strides should be multiple of 16 bytes"), std::string::npos)
+      << a.refusal->message;
+  EXPECT_FALSE(
+      Answer(qwen(36, "float32"), 2, Distributed(R"({"tp_plan": "auto", "ep_size": 2})")).refusal);
+  // 32 columns: float32 rows stay aligned down to 4 per rank, bfloat16 down to 8.
+  EXPECT_FALSE(Answer(qwen(32, "float32"), 8).refusal);
+  EXPECT_FALSE(Answer(qwen(32, "bfloat16"), 4).refusal);
+  EXPECT_TRUE(Answer(qwen(32, "bfloat16"), 8).refusal);
+  // An uneven split of the packed experts is refused too (33 = 17 + 16 columns).
+  EXPECT_TRUE(Answer(qwen(33, "float32"), 2).refusal);
+}
+
+TEST(DegreeTest, CombinationsSayWhichTpAndEpDegreesWork) {
+  const TpRegistry& reg = BuiltinTpRegistry();
+  Result<ModelConfig> config = ReadModelConfigJson(reg, R"({"model_type": "qwen3_moe",
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_size": 2048,
+    "moe_intermediate_size": 768, "num_experts": 6, "vocab_size": 151936, "dtype": "bfloat16"})");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  const DegreeCombinations c = Combinations(reg, *config, PlanOptions{});
+  EXPECT_EQ(c.tp, (std::vector<int64_t>{1, 2, 4}));
+  ASSERT_TRUE(c.tp_ep);
+  EXPECT_EQ(*c.tp_ep, (std::vector<int64_t>{1, 2}));  // 6 experts: ep 4 does not divide
+  config = ReadModelConfigJson(reg, kMixtral);
+  ASSERT_TRUE(config.ok());
+  EXPECT_TRUE(Combinations(reg, *config, PlanOptions{}).tp_ep);
+  config = ReadModelConfigJson(reg, R"({"model_type": "llama", "num_attention_heads": 8,
+    "num_key_value_heads": 8, "intermediate_size": 64, "vocab_size": 256})");
+  ASSERT_TRUE(config.ok());
+  EXPECT_FALSE(Combinations(reg, *config, PlanOptions{}).tp_ep);  // no expert-parallel plan
 }
 
 TEST(DegreeTest, KeysTheModelClassDoesNotDeclareAreIgnored) {

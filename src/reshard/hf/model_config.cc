@@ -34,6 +34,9 @@ constexpr std::string_view kCountKeys[] = {
     "num_local_experts",
     "n_routed_experts",
     "tie_word_embeddings",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "moe_shared_expert_intermediate_size",
 };
 
 // Keys that only some config classes declare. A stray one in another model's config.json stays
@@ -45,6 +48,9 @@ constexpr std::string_view kDeclaredOnlyKeys[] = {
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "n_shared_experts",
+    "num_shared_experts",
+    "moe_num_shared_experts",
+    "moe_shared_expert_intermediate_size",
 };
 
 // Counts a model cannot have zero of: a config saying 0 (or, for the first four, null) is
@@ -138,6 +144,21 @@ Result<Plan> ParsePlanObject(const Json& j, std::string_view key) {
   return plan;
 }
 
+// The element size of a config's dtype ("float32", "bfloat16", "torch.float16", ...), or
+// nullopt when it names none reshard knows.
+std::optional<int64_t> DtypeBytes(const Json& object) {
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    if (!object.contains(key) || !object[key].is_string()) continue;
+    std::string name = object[key].get<std::string>();
+    if (name.starts_with("torch.")) name = name.substr(6);
+    if (name == "float32" || name == "float") return 4;
+    if (name == "bfloat16" || name == "float16" || name == "half") return 2;
+    if (name == "float64" || name == "double") return 8;
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::optional<int64_t> ConfigValue(const Values& values, std::string_view key) {
@@ -209,6 +230,7 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
       }
       if (key == "tp_size") config.tp_size = value.get<int64_t>();
       if (key == "ep_size") config.ep_size = value.get<int64_t>();
+      if (key == "fsdp_size") config.fsdp_size = value.get<int64_t>();
     } else if (key == "enable_expert_parallel" || key == "enable_sequence_parallel" ||
                key == "fsdp_cpu_offload" || key == "fsdp_mixed_precision") {
       if (!value.is_boolean()) {
@@ -217,7 +239,9 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
       }
       if (key == "enable_expert_parallel") config.enable_expert_parallel = value.get<bool>();
     } else if (key == "tp_plan" || key == "ep_plan") {
-      if (value.is_null() || (key == "tp_plan" && value == "auto")) continue;
+      if (value.is_null()) continue;
+      if (key == "tp_plan") config.tp_plan_given = true;
+      if (key == "tp_plan" && value == "auto") continue;
       if (!value.is_object()) {
         return InvalidArgumentError(
             fmt::format("distributed config: {}: expected an object of module -> style{}, got {}",
@@ -241,6 +265,8 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
   config.model_type = j["model_type"].get<std::string>();
   config.info = registry.Find(config.model_type);
   RESHARD_ASSIGN_OR_RETURN(config.values, ReadValues(j, config.info, ""));
+  const std::optional<int64_t> dtype_bytes = DtypeBytes(j);
+  if (dtype_bytes) config.values["dtype_bytes"] = dtype_bytes;
   if (config.info != nullptr && !config.info->text_config_key.empty()) {
     const std::string& key = config.info->text_config_key;
     Json sub = j.contains(key) && j[key].is_object() ? j[key] : Json::object();
@@ -249,6 +275,9 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
                                  : config.info->text_model_type;
     config.text_info = registry.Find(config.text_model_type);
     RESHARD_ASSIGN_OR_RETURN(config.text_values, ReadValues(sub, config.text_info, key + "."));
+    const std::optional<int64_t> sub_bytes = DtypeBytes(sub);
+    if (sub_bytes || dtype_bytes)
+      config.text_values["dtype_bytes"] = sub_bytes ? sub_bytes : dtype_bytes;
   }
   return config;
 }

@@ -31,7 +31,11 @@ Result<Version> ParseVersion(std::string_view text);
 struct DistributedConfig {
   std::optional<int64_t> tp_size;
   std::optional<int64_t> ep_size;
+  std::optional<int64_t> fsdp_size;
   bool enable_expert_parallel = false;
+  /// tp_plan given ("auto" or an object): transformers then takes tp_size from the number of
+  /// processes when tp_size is not given; without either it takes tp_size = 1.
+  bool tp_plan_given = false;
   /// Overrides merged into the model's plans; an empty tp_plan applies no TP rule.
   std::optional<Plan> tp_plan;
   std::optional<Plan> ep_plan;
@@ -46,6 +50,8 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
 
 /// A config.json read against the registry: the model type and the count keys, defaults
 /// applied. Values are integers (booleans 0/1); nullopt where the config derives the value.
+/// `dtype_bytes` holds the element size of the config's `dtype` (or `torch_dtype`) when it
+/// names a floating-point type (a sub-config without its own takes the top level's).
 struct ModelConfig {
   std::string model_type;
   const ModelTypeInfo* info = nullptr;  // null: transformers has no plan for this model type

@@ -257,14 +257,14 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
         const std::string buffer = hit->first + conversion.target + std::string(suffix);
         auto [it, fresh] = group_of_buffer.try_emplace(buffer, groups.size());
         if (fresh) {
-          groups.push_back({&conversion, buffer, std::vector<std::map<int, size_t>>(
-                                                     conversion.sources.size())});
+          groups.push_back(
+              {&conversion, buffer, std::vector<std::map<int, size_t>>(conversion.sources.size())});
         }
         StackGroup& g = groups[it->second];
         if (!g.members[m].emplace(hit->second, i).second) {
-          return FailedPreconditionError(fmt::format(
-              "tensors \"{}\" and \"{}\" are both expert {} of \"{}\"", tensors[i].name,
-              tensors[g.members[m][hit->second]].name, hit->second, buffer));
+          return FailedPreconditionError(
+              fmt::format("tensors \"{}\" and \"{}\" are both expert {} of \"{}\"", tensors[i].name,
+                          tensors[g.members[m][hit->second]].name, hit->second, buffer));
         }
         stacked[i] = std::pair{it->second, m};
       }
@@ -280,7 +280,8 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
     for (size_t m = 0; m < g.members.size(); ++m) {
       const auto& by_expert = g.members[m];
       const std::string& source = g.conversion->sources[m];
-      if (by_expert.size() != experts || by_expert.rbegin()->first != static_cast<int>(experts) - 1) {
+      if (by_expert.size() != experts ||
+          by_expert.rbegin()->first != static_cast<int>(experts) - 1) {
         return FailedPreconditionError(fmt::format(
             "\"{}\": transformers stacks {} experts' \"{}\" tensors into it, but the checkpoint "
             "holds {} of them (ids {} to {}); every expert 0..E-1 needs each of {}",
@@ -333,9 +334,9 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
         split_dim = static_cast<int>(nd) - 1;
         break;
       default:
-        return FailedPreconditionError(fmt::format(
-            "\"{}\" ({} {}): reshard does not lay out stacked experts under this style",
-            g.buffer, entry->pattern, entry->style));
+        return FailedPreconditionError(
+            fmt::format("\"{}\" ({} {}): reshard does not lay out stacked experts under this style",
+                        g.buffer, entry->pattern, entry->style));
     }
     for (ExpertMember& m : members) {
       m.split_dim = split_dim;
@@ -345,8 +346,9 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
         BuildStackedExpertMaps(g.buffer, dtype, members, placement, order);
     if (!built.ok()) {
       return FailedPreconditionError(built.status().message())
-          .Annotate(fmt::format("\"{}\"{}", g.buffer,
-                                entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
+          .Annotate(
+              fmt::format("\"{}\"{}", g.buffer,
+                          entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
     }
     // built->maps are per member, per expert id in order ("{e}" -> the id).
     for (size_t m = 0; m < g.members.size(); ++m) {

@@ -42,8 +42,8 @@ Status CheckBlockInside(const BufferBlock& b, Index elems, std::string_view path
   if (*n == 0) return Status::Ok();
   auto end = LastOffset(b.view.offset, b.shape, b.view.strides);
   if (!end || *end >= elems) {
-    return OutOfRangeError(fmt::format("{}: ends at offset {} but the buffer has {} elements",
-                                       path, end ? *end + 1 : -1, elems));
+    return OutOfRangeError(fmt::format("{}: ends at offset {} but the buffer has {} elements", path,
+                                       end ? *end + 1 : -1, elems));
   }
   return Status::Ok();
 }
@@ -92,8 +92,8 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
       auto n = CheckedProduct(b.ranks[r].shape);
       if (!n.ok()) return n.status().Annotate(path + ".shape");
       for (size_t k = 0; k < b.ranks[r].padding.size(); ++k) {
-        RESHARD_RETURN_IF_ERROR(CheckBlockInside(b.ranks[r].padding[k], *n,
-                                                 fmt::format("{}.padding[{}]", path, k)));
+        RESHARD_RETURN_IF_ERROR(
+            CheckBlockInside(b.ranks[r].padding[k], *n, fmt::format("{}.padding[{}]", path, k)));
       }
     }
   }
@@ -108,23 +108,22 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
     if (!map.has_buffers()) continue;
     const std::string param = fmt::format("params[\"{}\"]", maps[m].name);
     if (!set.buffers_.empty() && map.world_size() != set.world_size_) {
-      return InvalidArgumentError(
-          fmt::format("{} has {} ranks but its buffers have {}", param, map.world_size(),
-                      set.world_size_));
+      return InvalidArgumentError(fmt::format("{} has {} ranks but its buffers have {}", param,
+                                              map.world_size(), set.world_size_));
     }
     for (Rank r = 0; r < map.world_size(); ++r) {
       const RankShard& shard = map.rank(r);
       if (!shard.is_buffered()) continue;
       const BufferDecl* b = set.Find(shard.buffer);
       if (b == nullptr) {
-        return InvalidArgumentError(fmt::format("{}.{}: buffer \"{}\" is not declared", param,
-                                                RankPath(r), shard.buffer));
+        return InvalidArgumentError(
+            fmt::format("{}.{}: buffer \"{}\" is not declared", param, RankPath(r), shard.buffer));
       }
       const BufferRank& br = b->ranks[static_cast<size_t>(r)];
       if (br.shape != shard.shard_shape) {
         return InvalidArgumentError(fmt::format(
-            "{}.{}: shard_shape {} but buffer \"{}\" has shape {} on that rank", param,
-            RankPath(r), FormatShape(shard.shard_shape), b->name, FormatShape(br.shape)));
+            "{}.{}: shard_shape {} but buffer \"{}\" has shape {} on that rank", param, RankPath(r),
+            FormatShape(shard.shard_shape), b->name, FormatShape(br.shape)));
       }
       if (m < dtypes.size() && dtypes[m] != b->dtype) {
         return InvalidArgumentError(fmt::format("{} is {} but buffer \"{}\" is {}", param,
@@ -178,8 +177,7 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
         const auto tag = static_cast<int32_t>(tags.size());
         tags.push_back({-1, static_cast<int32_t>(k)});
         RESHARD_RETURN_IF_ERROR(
-            boxes.AddView(pad.view.offset, pad.shape, pad.view.strides, tag, limit)
-                .Annotate(path));
+            boxes.AddView(pad.view.offset, pad.shape, pad.view.strides, tag, limit).Annotate(path));
       }
       used_digits += boxes.size() * static_cast<size_t>(radix.rank());
       auto writer_path = [&](int32_t box) {
@@ -198,10 +196,9 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
                   "{}: element {} (shape {}) is written by no map and is not declared padding",
                   path, FormatShape(where), FormatShape(br.shape)));
             }
-            return InvalidArgumentError(fmt::format("{}: element {} is written by {} and by {}",
-                                                    path, FormatShape(where),
-                                                    writer_path(active[0]),
-                                                    writer_path(active[1])));
+            return InvalidArgumentError(
+                fmt::format("{}: element {} is written by {} and by {}", path, FormatShape(where),
+                            writer_path(active[0]), writer_path(active[1])));
           }));
     }
   }

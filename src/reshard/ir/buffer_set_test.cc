@@ -24,10 +24,8 @@ ParamMap RowsInto(const std::string& buffer, Index rows, Index cols, Index dest_
   for (Rank r = 0; r < world; ++r) {
     b.set_shard_shape(r, {buffer_rows, cols});
     b.set_buffer(r, buffer);
-    b.add_piece(r, Piece{{per, cols},
-                         {r * per * cols, {cols, 1}},
-                         {dest_row * cols, {cols, 1}},
-                         {r}});
+    b.add_piece(r,
+                Piece{{per, cols}, {r * per * cols, {cols, 1}}, {dest_row * cols, {cols, 1}}, {r}});
   }
   Result<ParamMap> m = b.Finalize();
   EXPECT_TRUE(m.ok()) << m.status().ToString();

@@ -48,3 +48,42 @@ TEST(MapSummaryTest, PaddingIsDrawnAsDots) {
 
 }  // namespace
 }  // namespace reshard
+
+namespace reshard {
+namespace {
+
+// vLLM-style fused q and k rows in one buffer: the columns are the tensors.
+TEST(MapSummaryTest, BuffersOfUnnumberedTensorsHaveTensorColumns) {
+  auto map = [](Index rows, Index offset) {
+    ParamMapBuilder b;
+    b.set_logical_shape({rows, 2});
+    b.set_shard_shape(0, {6, 2});
+    b.set_buffer(0, "qkv");
+    b.add_piece(0, Piece{{rows, 2}, {0, {2, 1}}, {offset, {2, 1}}, {0}, 1.0});
+    return *b.Finalize();
+  };
+  const ParamMap q = map(4, 0);
+  const ParamMap k = map(2, 8);
+  const NamedMapRef refs[] = {{"q", &q}, {"k", &k}};
+  BufferSetBuilder builder;
+  builder.add(BufferDecl{"qkv", DType::kF32, {BufferRank{{6, 2}, {}}}});
+  Result<BufferSet> set = builder.Finalize(refs);
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  Result<std::vector<BufferSummary>> view = SummarizeBuffers(*set, refs);
+  ASSERT_TRUE(view.ok());
+  ASSERT_EQ(view->size(), 1u);
+  const BufferSummary& s = (*view)[0];
+  EXPECT_FALSE(s.expert_columns());
+  ASSERT_EQ(s.columns.size(), 2u);
+  EXPECT_EQ(s.columns[1].label, "k");
+  EXPECT_EQ(s.cells[0][1].elements, 4);
+  EXPECT_TRUE(s.cells[0][1].slots.empty());
+  const std::vector<std::string> table = BufferTable(s);
+  EXPECT_EQ(table[0], "buffer \"qkv\" (F32): 2 tensors on 1 ranks");
+  EXPECT_EQ(table[2], "     0  [6, 2]              0 1");
+  EXPECT_EQ(table[3], "  column 0: q");
+  EXPECT_EQ(table.back(), "    rank 0 # #");
+}
+
+}  // namespace
+}  // namespace reshard

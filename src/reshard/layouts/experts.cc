@@ -31,9 +31,9 @@ Status ExpertPlacement::Validate() const {
     std::vector<int> seen;
     for (int e : experts[k]) {
       if (e < 0 || e >= num_experts) {
-        return InvalidArgumentError(fmt::format(
-            "EP rank {} holds expert {}, outside the {} experts 0..{}", k, e, num_experts,
-            num_experts - 1));
+        return InvalidArgumentError(
+            fmt::format("EP rank {} holds expert {}, outside the {} experts 0..{}", k, e,
+                        num_experts, num_experts - 1));
       }
       if (std::find(seen.begin(), seen.end(), e) != seen.end()) {
         return InvalidArgumentError(
@@ -101,9 +101,8 @@ Result<ExpertPlacement> ExpertsByFamily(std::string_view family, int num_experts
   if (family == "contiguous") return ContiguousExperts(num_experts, ep_size);
   if (family == "linear") return LinearExperts(num_experts, ep_size);
   if (family == "round_robin") return RoundRobinExperts(num_experts, ep_size);
-  return InvalidArgumentError(
-      fmt::format("unknown expert placement \"{}\"; one of contiguous, linear, round_robin",
-                  family));
+  return InvalidArgumentError(fmt::format(
+      "unknown expert placement \"{}\"; one of contiguous, linear, round_robin", family));
 }
 
 Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text) {
@@ -141,8 +140,7 @@ Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text) {
                            fmt::format("{} is outside the EP ranks 0..{}", k, ep_size - 1));
     }
     if (listed[static_cast<size_t>(k)]) {
-      return json::ErrorAt(json::Member(path, "rank"),
-                           fmt::format("rank {} is listed twice", k));
+      return json::ErrorAt(json::Member(path, "rank"), fmt::format("rank {} is listed twice", k));
     }
     listed[static_cast<size_t>(k)] = true;
     RESHARD_ASSIGN_OR_RETURN(const json::Json* experts, json::Require(entry, path, "experts"));
@@ -206,6 +204,7 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
                                             order.ep, placement.ep_size()));
   }
   if (order.tp < 1) return InvalidArgumentError("expert TP must be at least 1");
+  if (order.dp < 1) return InvalidArgumentError("expert DP must be at least 1");
   if (members.empty()) return InvalidArgumentError("a stacked buffer needs members");
   const size_t nd = members[0].shape.size();
   const int fused = members[0].fused_dim;
@@ -244,9 +243,9 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
         return InvalidArgumentError(where + ": split_dim is not a dimension");
       }
       if (s[static_cast<size_t>(m.split_dim)] % order.tp != 0) {
-        return InvalidArgumentError(fmt::format(
-            "{}: expert TP {} does not divide dimension {} of {} ({})", where, order.tp,
-            m.split_dim, FormatShape(m.shape), s[static_cast<size_t>(m.split_dim)]));
+        return InvalidArgumentError(
+            fmt::format("{}: expert TP {} does not divide dimension {} of {} ({})", where, order.tp,
+                        m.split_dim, FormatShape(m.shape), s[static_cast<size_t>(m.split_dim)]));
       }
       s[static_cast<size_t>(m.split_dim)] /= order.tp;
     }
@@ -276,12 +275,14 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
   const int world = order.world();
   out.buffer.ranks.resize(static_cast<size_t>(world));
   std::vector<Shape> buffer_shape(static_cast<size_t>(world));
-  for (int k = 0; k < order.ep; ++k) {
-    for (int t = 0; t < order.tp; ++t) {
-      Shape shape = {static_cast<Index>(placement.experts[static_cast<size_t>(k)].size())};
-      shape.insert(shape.end(), inner.begin(), inner.end());
-      buffer_shape[static_cast<size_t>(order.Of(k, t))] = shape;
-      out.buffer.ranks[static_cast<size_t>(order.Of(k, t))].shape = std::move(shape);
+  for (int d = 0; d < order.dp; ++d) {
+    for (int k = 0; k < order.ep; ++k) {
+      for (int t = 0; t < order.tp; ++t) {
+        Shape shape = {static_cast<Index>(placement.experts[static_cast<size_t>(k)].size())};
+        shape.insert(shape.end(), inner.begin(), inner.end());
+        buffer_shape[static_cast<size_t>(order.Of(k, t, d))] = shape;
+        out.buffer.ranks[static_cast<size_t>(order.Of(k, t, d))].shape = std::move(shape);
+      }
     }
   }
   for (size_t mi = 0; mi < members.size(); ++mi) {
@@ -296,35 +297,41 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
         b.set_shard_shape(r, buffer_shape[static_cast<size_t>(r)]);
         b.set_buffer(r, out.buffer.name);
       }
-      for (int k : holders) {
-        const auto& list = placement.experts[static_cast<size_t>(k)];
-        const Index slot = std::find(list.begin(), list.end(), e) - list.begin();
-        for (int t = 0; t < order.tp; ++t) {
-          const Rank r = order.Of(k, t);
-          const Shape b_strides = RowMajorStrides(buffer_shape[static_cast<size_t>(r)]);
-          Piece piece;
-          piece.shape = sliced[mi];
-          if (m.split_dim >= 0) {
-            const Index slice = m.shape[static_cast<size_t>(m.split_dim)] / order.tp;
-            piece.source.offset = t * slice * f_strides[static_cast<size_t>(m.split_dim)];
-          }
-          piece.dest.offset = slot * b_strides[0] +
-                              fused_offset[mi] * b_strides[static_cast<size_t>(fused) + 1];
-          for (size_t i = 0; i < nd; ++i) {
-            piece.source.strides.push_back(f_strides[static_cast<size_t>(perms[mi][i])]);
-            piece.dest.strides.push_back(b_strides[i + 1]);
-          }
-          // Every EP rank holding e holds this same slice: on its TP rank t, or, when the
-          // member is not split, on all its TP ranks.
-          for (int k2 : holders) {
+      for (int d = 0; d < order.dp; ++d) {
+        for (int k : holders) {
+          const auto& list = placement.experts[static_cast<size_t>(k)];
+          const Index slot = std::find(list.begin(), list.end(), e) - list.begin();
+          for (int t = 0; t < order.tp; ++t) {
+            const Rank r = order.Of(k, t, d);
+            const Shape b_strides = RowMajorStrides(buffer_shape[static_cast<size_t>(r)]);
+            Piece piece;
+            piece.shape = sliced[mi];
             if (m.split_dim >= 0) {
-              piece.locations.push_back(order.Of(k2, t));
-            } else {
-              for (int t2 = 0; t2 < order.tp; ++t2) piece.locations.push_back(order.Of(k2, t2));
+              const Index slice = m.shape[static_cast<size_t>(m.split_dim)] / order.tp;
+              piece.source.offset = t * slice * f_strides[static_cast<size_t>(m.split_dim)];
             }
+            piece.dest.offset =
+                slot * b_strides[0] + fused_offset[mi] * b_strides[static_cast<size_t>(fused) + 1];
+            for (size_t i = 0; i < nd; ++i) {
+              piece.source.strides.push_back(f_strides[static_cast<size_t>(perms[mi][i])]);
+              piece.dest.strides.push_back(b_strides[i + 1]);
+            }
+            // Every EP rank holding e holds this same slice: on its TP rank t, or, when the
+            // member is not split, on all its TP ranks.
+            for (int d2 = 0; d2 < order.dp; ++d2) {
+              for (int k2 : holders) {
+                if (m.split_dim >= 0) {
+                  piece.locations.push_back(order.Of(k2, t, d2));
+                } else {
+                  for (int t2 = 0; t2 < order.tp; ++t2) {
+                    piece.locations.push_back(order.Of(k2, t2, d2));
+                  }
+                }
+              }
+            }
+            std::sort(piece.locations.begin(), piece.locations.end());
+            b.add_piece(r, std::move(piece));
           }
-          std::sort(piece.locations.begin(), piece.locations.end());
-          b.add_piece(r, std::move(piece));
         }
       }
       const std::string name = ExpertName(m.name, e);

@@ -65,16 +65,21 @@ Result<ExpertPlacement> ExpertsByFamily(std::string_view family, int num_experts
 Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text);
 std::string ExpertPlacementToJson(const ExpertPlacement& placement);
 
-/// How EP and expert-TP ranks make the world's ranks.
+/// How EP, expert-TP and expert-DP ranks make the world's ranks.
 struct RankOrder {
   int ep = 1;
   int tp = 1;
-  /// true: global rank = ep_rank · tp + tp_rank (Megatron: tp fastest); false: tp_rank · ep +
-  /// ep_rank.
+  /// true: global rank = (dp_rank · ep + ep_rank) · tp + tp_rank — Megatron's order (tp, cp, ep,
+  /// dp, pp) with context and pipeline parallelism 1: tp fastest, then ep, then dp;
+  /// false: (dp_rank · tp + tp_rank) · ep + ep_rank.
   bool tp_fastest = true;
-  int world() const { return ep * tp; }
-  Rank Of(int ep_rank, int tp_rank) const {
-    return tp_fastest ? ep_rank * tp + tp_rank : tp_rank * ep + ep_rank;
+  /// Expert data parallelism: `dp` replicas of the whole EP x TP layout, every expert slice
+  /// held by one rank of each replica (its pieces' locations name all of them).
+  int dp = 1;
+  int world() const { return ep * tp * dp; }
+  Rank Of(int ep_rank, int tp_rank, int dp_rank = 0) const {
+    return tp_fastest ? (dp_rank * ep + ep_rank) * tp + tp_rank
+                      : (dp_rank * tp + tp_rank) * ep + ep_rank;
   }
 };
 
@@ -105,9 +110,9 @@ struct StackedExpertMaps {
 /// inner...]) and the maps of every member of every expert into it. An expert's slice on a
 /// (ep, tp) rank is its `split_dim` block tp_rank of tp (whole when not split); its pieces'
 /// locations are every rank holding that same slice (an expert placed on several EP ranks
-/// is replicated there). `interleave` > 1: the members are interleaved along `fused_dim` in
-/// groups of that many rows (gpt-oss' gate/up: 1 row each, gate first) rather than
-/// concatenated.
+/// is replicated there; so is every expert-DP replica). Members are concatenated along
+/// `fused_dim` in order (a checkpoint that already stores them fused, such as gpt-oss' gate/up
+/// interleaved on the last dim, keeps its fused tensor as its F and needs no buffer).
 Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType dtype,
                                                  const std::vector<ExpertMember>& members,
                                                  const ExpertPlacement& placement,

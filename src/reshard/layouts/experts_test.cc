@@ -86,9 +86,8 @@ Status CheckExact(const StackedExpertMaps& s) {
 }
 
 TEST(StackedExpertsTest, EpTwoHoldsContiguousExpertsGateThenUp) {
-  Result<StackedExpertMaps> s =
-      BuildStackedExpertMaps("gate_up_proj", DType::kBF16, GateUp(6, 4), *ContiguousExperts(4, 2),
-                             RankOrder{2, 1, true});
+  Result<StackedExpertMaps> s = BuildStackedExpertMaps(
+      "gate_up_proj", DType::kBF16, GateUp(6, 4), *ContiguousExperts(4, 2), RankOrder{2, 1, true});
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->buffer.ranks[1].shape, (Shape{2, 12, 4}));
   ASSERT_EQ(s->maps.size(), 8u);
@@ -119,10 +118,25 @@ TEST(StackedExpertsTest, ExpertTpSplitsIntermediateAndReplicasAreMultiHolder) {
       BuildStackedExpertMaps("w13", DType::kF32, GateUp(3, 2), p, RankOrder{2, 2, true}).ok());
 }
 
+TEST(StackedExpertsTest, ExpertDataParallelReplicasFollowMegatronRankOrder) {
+  // EP 2 x TP 2 x DP 2, Megatron's order (tp fastest, then ep, then dp): rank 6 is dp 1, ep 1,
+  // tp 0, and holds the same slice as rank 2 (dp 0, ep 1, tp 0).
+  Result<StackedExpertMaps> s = BuildStackedExpertMaps(
+      "w13", DType::kF32, GateUp(4, 2), *ContiguousExperts(4, 2), RankOrder{2, 2, true, 2});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->buffer.ranks.size(), 8u);
+  const ParamMap& gate2 = s->maps[2].second;  // expert 2: EP rank 1
+  ASSERT_EQ(gate2.rank(6).pieces.size(), 1u);
+  EXPECT_EQ(gate2.rank(6).pieces[0].locations, (std::vector<Rank>{2, 6}));
+  EXPECT_EQ(gate2.rank(7).pieces[0].locations, (std::vector<Rank>{3, 7}));
+  EXPECT_TRUE(gate2.rank(0).pieces.empty());
+  EXPECT_TRUE(CheckExact(*s).ok()) << CheckExact(*s).ToString();
+}
+
 TEST(StackedExpertsTest, RandomPlacementsAreExactAndRoundTrip) {
   for (uint64_t seed : PropertyTestSeeds(40)) {
-    SCOPED_TRACE(testing::Message() << "seed " << seed << " (replay with RESHARD_SEED=" << seed
-                                    << ")");
+    SCOPED_TRACE(testing::Message()
+                 << "seed " << seed << " (replay with RESHARD_SEED=" << seed << ")");
     std::mt19937_64 rng(seed);
     const int experts = 1 + static_cast<int>(rng() % 9);
     const int ep = 1 + static_cast<int>(rng() % 4);
@@ -136,8 +150,9 @@ TEST(StackedExpertsTest, RandomPlacementsAreExactAndRoundTrip) {
       if (k2 != k && rng() % 4 == 0) p.experts[static_cast<size_t>(k2)].push_back(e);
     }
     for (auto& list : p.experts) std::shuffle(list.begin(), list.end(), rng);
-    Result<StackedExpertMaps> s = BuildStackedExpertMaps(
-        "b", DType::kF32, GateUp(2 * tp, 3), p, RankOrder{ep, tp, rng() % 2 == 0});
+    const int dp = 1 + static_cast<int>(rng() % 2);
+    Result<StackedExpertMaps> s = BuildStackedExpertMaps("b", DType::kF32, GateUp(2 * tp, 3), p,
+                                                         RankOrder{ep, tp, rng() % 2 == 0, dp});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     ASSERT_TRUE(CheckExact(*s).ok()) << CheckExact(*s).ToString();
     MapDocument doc;

@@ -1,0 +1,101 @@
+#include "reshard/hf/checkpoint_maps.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/hf/registry.h"
+#include "reshard/io/file.h"
+
+namespace reshard {
+
+Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
+                                        int world, const PlanOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
+                                                BuiltinTpRegistry(), config_json, world, options));
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
+  std::vector<StoredTensor> tensors;
+  for (const TensorRef& t : full.tensors()) {
+    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+  }
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(maps, tensors));
+  auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
+  for (CheckpointTensorMap& t : planned.tensors) {
+    by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout), true});
+  }
+  ConfigScatter out;
+  out.maps = [by_name](const std::string& name, const Shape&) -> Result<ProvidedMap> {
+    auto it = by_name->find(name);
+    if (it == by_name->end()) return NotFoundError(fmt::format("no map for \"{}\"", name));
+    return it->second;
+  };
+  out.buffers = std::move(planned.buffers);
+  out.constraints = DegreeConstraints(maps.plan());
+  // Parsed already (FromConfigJson): kept compact.
+  out.model_config = nlohmann::json::parse(config_json).dump();
+  return out;
+}
+
+Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded_dir, int world,
+                                                      const PlanOptions& options, bool require) {
+  const std::string path = (std::filesystem::path(sharded_dir) / kManifestName).string();
+  Result<std::string> text = ReadFileToString(path);
+  Result<Manifest> m = text.ok() ? ParseManifestJson(*text) : text.status();
+  if (!m.ok() || m->model_config.empty()) {
+    if (require) {
+      return InvalidArgumentError(fmt::format(
+          "a distributed config applies to a checkpoint scattered from a config.json (its "
+          "manifest keeps it); \"{}\" was not, so the model's plans are unknown: give the target "
+          "layout as target maps (--target-maps)",
+          sharded_dir));
+    }
+    return std::optional<MapDocument>();  // Convert reports a bad manifest itself
+  }
+  Result<ConfigMaps> maps =
+      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), m->model_config, world, options);
+  if (!maps.ok())
+    return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", path));
+  std::vector<StoredTensor> tensors;
+  for (const ShardedParam& p : m->params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*maps, tensors));
+  MapDocument doc;
+  for (CheckpointTensorMap& t : planned.tensors) doc.params.emplace_back(t.name, std::move(t.map));
+  RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, planned.buffers));
+  return std::optional<MapDocument>(std::move(doc));
+}
+
+Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, int world,
+                                                       bool weights_only) {
+  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ckpt, DeepSpeedCheckpoint::Open(dir));
+  const std::vector<DeepSpeedParam>& params = ckpt.params();
+  const bool all_laid_out =
+      std::all_of(params.begin(), params.end(), [](const auto& p) { return p.layout.has_value(); });
+  if (all_laid_out || ckpt.config_path().empty()) return std::optional<MapDocument>();
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(ckpt.config_path()));
+  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
+  if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
+  std::vector<std::string> suffixes = {""};
+  if (!weights_only && ckpt.has_optimizer_state()) {
+    for (DeepSpeedState s :
+         {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq}) {
+      suffixes.push_back("." + std::string(DeepSpeedStateName(s)));
+    }
+  }
+  MapDocument doc;
+  for (const std::string& suffix : suffixes) {
+    for (const DeepSpeedParam& p : params) {
+      Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
+      if (!m.ok()) return m.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
+      doc.params.emplace_back(p.name + suffix, std::move(m->map));
+    }
+  }
+  return std::optional<MapDocument>(std::move(doc));
+}
+
+}  // namespace reshard

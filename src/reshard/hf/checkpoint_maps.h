@@ -1,0 +1,58 @@
+// Checkpoint layouts from a model's config.json: the glue between the plans (hf/) and the
+// checkpoint formats (checkpoint/), shared by the CLI and the Python package.
+//
+// - scatter --config: every tensor of a full checkpoint laid out as transformers holds it at a
+//   number of processes and a distributed config (PlanCheckpointMaps: per-expert MoE tensors
+//   into the stacked buffers transformers fuses them into);
+// - convert of a sharded checkpoint scattered that way: the target layout from the config.json
+//   its manifest keeps, at another topology (TP <-> EP);
+// - convert of a DeepSpeed checkpoint whose parameters record no layout: maps from the save
+//   dir's config.json.
+#ifndef RESHARD_HF_CHECKPOINT_MAPS_H_
+#define RESHARD_HF_CHECKPOINT_MAPS_H_
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/hf/model_maps.h"
+#include "reshard/ir/buffer_set.h"
+#include "reshard/ir/map_json.h"
+
+namespace reshard {
+
+/// What scatter needs to lay a full checkpoint out from a model's config.json.
+struct ConfigScatter {
+  MapProvider maps;
+  BufferSetBuilder buffers;
+  /// The plan's divisibility constraints, and the config (JSON text) for the manifest.
+  std::vector<DegreeConstraint> constraints;
+  std::string model_config;
+};
+
+/// The layout of the full checkpoint in `full_dir` (its safetensors headers; no data read) at
+/// `world` processes under `options.distributed`.
+/// \error InvalidArgument  malformed config.json; FailedPrecondition  what the degree planner
+///        refuses, or a tensor that does not fit the config (PlanCheckpointMaps).
+Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
+                                        int world, const PlanOptions& options = {});
+
+/// The target maps of a sharded checkpoint scattered with --config (its manifest keeps the
+/// model's config.json) at `world` processes under `options.distributed`; nullopt for a
+/// checkpoint that kept none (its recorded layout descriptors serve) unless `require` is set,
+/// which makes that InvalidArgument.
+Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded_dir, int world,
+                                                      const PlanOptions& options, bool require);
+
+/// The target maps of a DeepSpeed checkpoint whose parameters record no layout, from the save
+/// dir's config.json (with the optimizer states' names unless `weights_only`); nullopt when
+/// every parameter has a layout or there is no config.json.
+Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, int world,
+                                                       bool weights_only);
+
+}  // namespace reshard
+
+#endif  // RESHARD_HF_CHECKPOINT_MAPS_H_
