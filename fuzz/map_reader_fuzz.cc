@@ -50,6 +50,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRoundTrip(*map);
     valid.params.emplace_back(param.name, std::move(map).value());
   }
+  // Buffers (version 2): the valid maps with the document's declarations; a set that does not
+  // check (some map was invalid, or the declarations do not fit) is not written back.
+  if (!reshard::ValidateBuffers(valid, doc->buffers).ok()) return 0;
   const std::string json = reshard::MapDocumentToJson(valid);
   reshard::Result<reshard::MapDocument> back = reshard::ReadMapDocumentJson(json);
   Require(back.ok(), "written document does not read", back.status().ToString() + "\n" + json);
