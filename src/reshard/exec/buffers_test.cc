@@ -114,6 +114,8 @@ TEST(BufferPlanTest, ExpertTopologiesConvertBufferToBuffer) {
       ASSERT_EQ(f, full.at(a.maps[i].first));
     }
     for (size_t r = 0; r < got.size(); ++r) {
+      ASSERT_EQ(got[r].size(), want[r].size());
+      if (got[r].empty()) continue;  // a rank holding no expert
       ASSERT_EQ(std::memcmp(got[r].data(), want[r].data(), got[r].size() * sizeof(float)), 0)
           << "target rank " << r;
     }
