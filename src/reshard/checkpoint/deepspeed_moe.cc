@@ -1,4 +1,5 @@
 #include "reshard/checkpoint/deepspeed_moe.h"
+#include "reshard/checkpoint/pickle_paths.h"
 
 #include <fmt/format.h>
 
@@ -36,74 +37,10 @@ Shape RowMajorStrides(const Shape& shape) {
 
 // ---- the object tree (the dense reader's helpers, for the keys AutoEP adds) --------------
 
-PickleNodeId Get(const PickleTree& t, PickleNodeId id, std::string_view key) {
-  if (id == kNoPickleNode) return kNoPickleNode;
-  const PickleNode* n = &t.node(id);
-  if (n->kind == PickleKind::kRecord && n->state != kNoPickleNode) n = &t.node(n->state);
-  if (n->kind != PickleKind::kDict) return kNoPickleNode;
-  for (const auto& [k, v] : n->entries) {
-    const PickleNode& kn = t.node(k);
-    if ((kn.kind == PickleKind::kStr && kn.text == key) ||
-        (kn.kind == PickleKind::kInt && std::to_string(kn.int_value) == key)) {
-      return v;
-    }
-  }
-  return kNoPickleNode;
-}
-
-PickleNodeId Walk(const PickleTree& t, PickleNodeId id, std::string_view path) {
-  while (!path.empty() && id != kNoPickleNode) {
-    const size_t dot = path.find('.');
-    const std::string_view key = path.substr(0, dot);
-    const PickleNode& n = t.node(id);
-    if (n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) {
-      size_t i = 0;
-      for (char c : key) i = i * 10 + static_cast<size_t>(c - '0');
-      id = i < n.items.size() ? n.items[i] : kNoPickleNode;
-    } else {
-      id = Get(t, id, key);
-    }
-    path = dot == std::string_view::npos ? std::string_view() : path.substr(dot + 1);
-  }
-  return id;
-}
-
-bool IsNone(const PickleTree& t, PickleNodeId id) {
-  return id == kNoPickleNode || t.node(id).kind == PickleKind::kNone;
-}
-
-Value ToJson(const PickleTree& t, PickleNodeId id, int depth = 0) {
-  if (id == kNoPickleNode || depth > 64) return nullptr;
-  const PickleNode& n = t.node(id);
-  switch (n.kind) {
-    case PickleKind::kBool:
-      return n.bool_value;
-    case PickleKind::kInt:
-      return n.int_value;
-    case PickleKind::kFloat:
-      return n.float_value;
-    case PickleKind::kStr:
-      return n.text;
-    case PickleKind::kList:
-    case PickleKind::kTuple: {
-      Value a = Value::array();
-      for (PickleNodeId c : n.items) a.push_back(ToJson(t, c, depth + 1));
-      return a;
-    }
-    case PickleKind::kDict: {
-      Value o = Value::object();
-      for (const auto& [k, v] : n.entries) {
-        const PickleNode& key = t.node(k);
-        if (key.kind == PickleKind::kStr) o[key.text] = ToJson(t, v, depth + 1);
-        if (key.kind == PickleKind::kInt)
-          o[std::to_string(key.int_value)] = ToJson(t, v, depth + 1);
-      }
-      return o;
-    }
-    default:
-      return nullptr;
-  }
-}
+using internal::Get;
+using internal::IsNone;
+using internal::ToJson;
+using internal::Walk;
 
 // The element of F that a piece puts at element `dest` of its rank's shard, if it covers it.
 std::optional<Index> SourceOf(const Piece& p, Index dest) {
