@@ -147,6 +147,19 @@ def _cache_key(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], 
 # ---------------------------------------------------------------------------------------------
 # vLLM's models at each rank, with the parallel state faked.
 
+class _FakeProcessGroup:
+    """The rank and size of a torch process group, which is all construction asks of one."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 class _FakeGroup:
     """What vLLM's layers read of a GroupCoordinator while they are built and loaded."""
 
@@ -160,8 +173,8 @@ class _FakeGroup:
         self.last_rank = size - 1
         self.is_first_rank = rank == 0
         self.is_last_rank = rank == size - 1
-        self.device_group = None
-        self.cpu_group = None
+        self.device_group = _FakeProcessGroup(rank, size)
+        self.cpu_group = _FakeProcessGroup(rank, size)
 
     def __getattr__(self, name: str) -> Any:
         raise LayoutError(f"building vLLM's model at a faked rank needed the parallel group's "
