@@ -10,6 +10,6 @@ sharded-state loader reads, and live weight sync into a running engine.
 Importing this package does not import vLLM; :func:`layout` does.
 """
 
-from .layout import LayoutError, cache_dir, layout
+from .layout import LayoutError, cache_dir, check_engine, layout
 
-__all__ = ["LayoutError", "cache_dir", "layout"]
+__all__ = ["LayoutError", "cache_dir", "check_engine", "layout"]

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
 
-__all__ = ["layout", "LayoutError", "cache_dir"]
+__all__ = ["layout", "LayoutError", "cache_dir", "check_engine"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -425,3 +425,52 @@ def _check_against_model(doc: Mapping[str, Any], ranks: list[dict[str, Any]],
     extra = (set(buffers) | set(own)) - set(ranks[0])
     if extra:
         raise LayoutError(f"the document names {sorted(extra)}, which vLLM's model does not hold")
+
+
+def _engine_parameters(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What a worker's model holds: {name: (shape, safetensors dtype)}, one name per parameter
+    object (the smallest of a module registered under two names, as the layout counts it before
+    loading, when such aliases still share storage). Run in the workers by check_engine."""
+    alias: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        alias[id(t)] = min(alias.get(id(t), name), name)
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        name = alias.get(id(t), name)
+        out[name] = (tuple(t.shape), _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""),
+                                                               str(t.dtype)))
+    return out
+
+
+def check_engine(llm: Any, doc: Mapping[str, Any]) -> None:
+    """Checks a layout against the parameters a running engine (``vllm.LLM``) holds: the same
+    names on every worker, the same dtypes, and the same shapes where vLLM has not repacked a
+    parameter after loading (on CPU the linear weights are emptied for oneDNN). Raises
+    :class:`LayoutError` naming the first difference. With worker processes (TP > 1) vLLM must
+    be allowed to send the check to them: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``."""
+    buffers = doc.get("buffers", {})
+    want: dict[str, tuple[list[list[int]], str]] = {}
+    for name, b in buffers.items():
+        want[name] = ([b["ranks"][r]["shape"] for r in sorted(b["ranks"], key=int)], b["dtype"])
+    own = {k: v for k, v in doc.items() if k not in ("version", "buffers")
+           and not any("buffer" in rank for rank in v["ranks"].values())}
+    for name, m in own.items():
+        want[name] = ([m["ranks"][r]["shard_shape"] for r in sorted(m["ranks"], key=int)], "")
+    held = llm.apply_model(_engine_parameters)
+    world = len(next(iter(want.values()))[0])
+    if len(held) != world:
+        raise LayoutError(f"the engine has {len(held)} workers but the layout {world} ranks")
+    for r, params in enumerate(held):
+        missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+        if missing or extra:
+            raise LayoutError(f"worker {r}: the layout names {missing} that the engine lacks, "
+                              f"and lacks {extra} that the engine holds")
+        for name, (shape, dtype) in params.items():
+            shapes, want_dtype = want[name]
+            if want_dtype and dtype != want_dtype:
+                raise LayoutError(f"worker {r}: {name!r} is {dtype} in the engine, "
+                                  f"{want_dtype} in the layout")
+            if tuple(shape) != (0,) and tuple(shape) != tuple(shapes[r]):
+                raise LayoutError(f"worker {r}: {name!r} has shape {list(shape)} in the engine, "
+                                  f"{shapes[r]} in the layout")
