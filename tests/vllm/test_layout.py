@@ -114,8 +114,10 @@ def test_qwen3_moe_places_every_expert_with_gate_and_up_split_together(toy_moe):
             assert torch.equal(got[name], full[name])
 
 
-def test_layouts_are_cached_by_model_vllm_version_and_degree(toy_llama, layout_cache):
-    cached = lambda: sorted(layout_cache.glob("vllm/*.json"))  # noqa: E731
+def test_layouts_are_cached_by_model_vllm_version_and_degree(toy_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    assert reshard.vllm.cache_dir() == tmp_path / "vllm"
+    cached = lambda: sorted(tmp_path.glob("vllm/*.json"))  # noqa: E731
     before = cached()
     doc = reshard.vllm.layout(toy_llama, 1, dtype="float32")
     files = cached()
@@ -128,7 +130,6 @@ def test_layouts_are_cached_by_model_vllm_version_and_degree(toy_llama, layout_c
     assert reshard.vllm.layout(toy_llama, 1, dtype="float32") == marked
     assert reshard.vllm.layout(toy_llama, 1, dtype="float32", cache=False) == doc
     assert cached() == files  # cache=False neither reads nor writes
-    assert reshard.vllm.layout.__module__ == "reshard.vllm.layout"
     reshard.vllm.layout(toy_llama, 1, dtype="bfloat16")  # another key
     assert len(cached()) == len(files) + 1
 

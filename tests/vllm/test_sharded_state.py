@@ -47,9 +47,12 @@ def test_vllm_loads_the_scattered_files_and_generates_the_checkpoints_tokens(
 
 def test_convert_from_a_sharded_checkpoint_writes_the_same_files(models, tmp_path):
     maps, want = scattered(models, tmp_path, "llama", 2)
-    # The checkpoint as transformers holds it at TP 2, then to vLLM's layout at TP 2.
+    # A checkpoint split by rows over 2 ranks (torch's chunks), then to vLLM's layout at TP 2.
     config = models["llama"] / "config.json"
-    run_reshard("scatter", models["llama"], "--config", config, "--tp", 2, "-o", tmp_path / "hf2")
+    layouts = tmp_path / "rows.json"
+    layouts.write_text(json.dumps({"version": 1, "*": {"family": "split", "dim": 0,
+                                                       "remainder": "ceil"}}))
+    run_reshard("scatter", models["llama"], "--layouts", layouts, "--tp", 2, "-o", tmp_path / "hf2")
     run_reshard("convert", tmp_path / "hf2", "--tp", 2, "--target-maps", maps,
                 "-o", tmp_path / "vllm2")
     for r in range(2):
