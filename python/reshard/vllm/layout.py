@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 __all__ = ["layout", "LayoutError", "cache_dir", "check_engine"]
 
@@ -207,7 +207,7 @@ def _unique_state(model: Any) -> dict[str, Any]:
     """The model's state dict with tensors that share storage counted once (the smaller name), as
     vLLM's sharded-state loader counts them."""
     by_storage: dict[Any, str] = {}
-    out = {}
+    out: dict[str, Any] = {}
     for name, t in model.state_dict().items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride())) if t.numel() else ("empty", name)
@@ -326,7 +326,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     maps: dict[str, Any] = {}
     buffered: set[str] = set()
     for tid, (tname, shape, _) in enumerate(tensors):
-        per_param = holders.get(tid)
+        per_param = holders.get(tid, {})
         if not per_param:
             raise LayoutError(f"checkpoint tensor {tname!r} is loaded into no parameter of "
                               f"vLLM's model at TP {tp} (vLLM drops it, e.g. a tied lm_head); "
@@ -338,7 +338,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
         own = pname == tname and len(by_rank) == tp and all(
             int(torch.count_nonzero(ranks[r][pname][0])) == ranks[r][pname][0].numel() and
             by_rank[r][0].numel() == ranks[r][pname][0].numel() for r in range(tp))
-        observed = []
+        observed: list[tuple[int, Sequence[int], str, Any]] = []
         for r in range(tp):
             ints, pshape, _, _ = ranks[r][pname]
             index_map = torch.full((ints.numel(),), -1, dtype=torch.int64)
