@@ -520,8 +520,7 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
                   "shards); torch loads it at any world size")
       ->check(IntegerIn(1, 1 << 20));
-  auto target =
-      cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  auto target = cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_option("--distributed-config", args->distributed_config,
                   "a checkpoint scattered with --config: transformers' DistributedConfig of the "
                   "target (JSON text or a file), e.g. '{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
