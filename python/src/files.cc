@@ -11,6 +11,7 @@
 
 #include "core.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/hf/degree.h"
@@ -233,6 +234,21 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
   });
 }
 
+// `reshard convert --to dcp --world N`: a PyTorch Distributed Checkpoint saved for `world`
+// ranks, from a reshard sharded checkpoint or a DeepSpeed checkpoint.
+void PyConvertToDcp(const std::string& dir, int world, const std::string& out_dir,
+                    bool weights_only, const PyCheckpointOptions& o) {
+  if (weights_only && !IsDeepSpeedCheckpoint(dir)) {
+    throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" + dir +
+                          "\" is not one");
+  }
+  RunCheckpointOp(o, [&](CheckpointOptions& options) -> Status {
+    RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<ShardSource> source,
+                             OpenDcpSource(dir, weights_only));
+    return WriteDcp(*source, world, out_dir, options);
+  });
+}
+
 py::object OptionalInt(const std::optional<int64_t>& v) {
   return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
@@ -314,6 +330,7 @@ void BindFiles(py::module_& m) {
   m.def("gather", &PyGather);
   m.def("convert", &PyConvert);
   m.def("convert_to_universal", &PyConvertToUniversal);
+  m.def("convert_to_dcp", &PyConvertToDcp);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));

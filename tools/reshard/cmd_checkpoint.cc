@@ -316,50 +316,6 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   return Status::Ok();
 }
 
-// The tensors convert --to dcp writes: any checkpoint's, opened for a convert.
-Result<std::shared_ptr<ShardSource>> DcpSourceOf(const ConvertArgs& args) {
-  if (IsDeepSpeedCheckpoint(args.input)) {
-    RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint opened, DeepSpeedCheckpoint::Open(args.input));
-    auto ckpt = std::make_shared<const DeepSpeedCheckpoint>(std::move(opened));
-    std::vector<DeepSpeedState> states = {DeepSpeedState::kModule};
-    if (!args.weights_only && ckpt->has_optimizer_state()) {
-      states.insert(states.end(),
-                    {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
-    }
-    return std::shared_ptr<ShardSource>(DeepSpeedSource(ckpt, states));
-  }
-  if (args.weights_only) {
-    return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
-                                args.input + "\" is not one");
-  }
-  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint opened, ShardedCheckpoint::Open(args.input));
-  class Source : public ShardSource {
-   public:
-    Source(std::string dir, ShardedCheckpoint ckpt)
-        : dir_(std::move(dir)), ckpt_(std::move(ckpt)) {}
-    const Manifest& manifest() const override { return ckpt_.manifest(); }
-    Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-      const ParamMap& map = ckpt_.manifest().params[i].map;
-      std::vector<ConstBuffer> shards;
-      for (Rank r = 0; r < map.world_size(); ++r) {
-        shards.push_back({ckpt_.shard(i, r).data(), map.shard_num_elements(r)});
-      }
-      return shards;
-    }
-    void ReleaseShards(size_t) override {}
-    std::vector<std::string> inputs() const override {
-      std::vector<std::string> inputs = {dir_};
-      for (std::string& path : ckpt_.file_paths()) inputs.push_back(std::move(path));
-      return inputs;
-    }
-
-   private:
-    std::string dir_;
-    ShardedCheckpoint ckpt_;
-  };
-  return std::shared_ptr<ShardSource>(std::make_shared<Source>(args.input, std::move(opened)));
-}
-
 // convert --to dcp: any checkpoint into a PyTorch Distributed Checkpoint saved for --world
 // ranks (FSDP2's dim-0 chunks), which torch.distributed.checkpoint loads at any world size.
 Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options) {
@@ -372,7 +328,12 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
   if (args.world < 1)
     return InvalidArgumentError("--to dcp needs --world N (the ranks it is saved for)");
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<ShardSource> source, DcpSourceOf(args));
+  if (args.weights_only && !IsDeepSpeedCheckpoint(args.input)) {
+    return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
+                                args.input + "\" is not one");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<ShardSource> source,
+                           OpenDcpSource(args.input, args.weights_only));
   RESHARD_RETURN_IF_ERROR(
       WithForceHint(WriteDcp(*source, args.world, args.output, options), args.force));
   const double seconds = Seconds(t0);
