@@ -192,6 +192,16 @@ def test_any_world_size_writes_what_torch_reads(sharded, reshard_bin, tmp_path):
             assert same(got[dcp_key(name)], t), (world, name)
 
 
+def test_a_hugging_face_dir_converts_as_well(sharded, reshard_bin, tmp_path):
+    src, source = sharded
+    out = tmp_path / "from_hf"
+    r = run(reshard_bin, "convert", src.parent / "full", "--to", "dcp", "--world", 3, "-o", out)
+    assert r.returncode == 0, r.stderr
+    got = load_at_world_1(out, source)
+    for name, t in source.items():
+        assert same(got[dcp_key(name)], t), name
+
+
 def test_python_api_writes_what_the_cli_writes(written, sharded, tmp_path):
     src, source = sharded
     out = tmp_path / "api"
@@ -238,7 +248,7 @@ def test_conflicting_options_are_refused(sharded, reshard_bin, tmp_path):
     src, _ = sharded
     for extra, message in ((["--tp", 2], "--tp"), ([], "--world"),
                            (["--world", 2, "--max-shard-size", "1MB"], "--max-shard-size"),
-                           (["--world", 2, "--weights-only"], "--weights-only")):
+                           (["--world", 2, "--weights-only"], "optimizer state out")):
         r = run(reshard_bin, "convert", src, "--to", "dcp", *extra, "-o", tmp_path / "o")
         assert r.returncode == 2, (extra, r.stderr)
         assert message in r.stderr, (extra, r.stderr)

@@ -9,7 +9,6 @@
 #include <sstream>
 
 #include "reshard/checkpoint/collective_output.h"
-#include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
@@ -425,57 +424,6 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
         WriteFileAtomically(out.FilePath(kDcpMetadataName), metadata, {.sync = options.sync}));
     return out.Commit(options.sync);
   });
-}
-
-namespace {
-
-// A reshard sharded checkpoint as a source: shards are views of its mapped files.
-class ShardedSource : public ShardSource {
- public:
-  ShardedSource(std::string dir, ShardedCheckpoint ckpt)
-      : dir_(std::move(dir)), ckpt_(std::move(ckpt)) {}
-  const Manifest& manifest() const override { return ckpt_.manifest(); }
-  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    const ParamMap& map = ckpt_.manifest().params[i].map;
-    std::vector<ConstBuffer> shards;
-    for (Rank r = 0; r < map.world_size(); ++r) {
-      shards.push_back({ckpt_.shard(i, r).data(), map.shard_num_elements(r)});
-    }
-    return shards;
-  }
-  void ReleaseShards(size_t) override {}
-  std::vector<std::string> inputs() const override {
-    std::vector<std::string> inputs = {dir_};
-    for (std::string& path : ckpt_.file_paths()) inputs.push_back(std::move(path));
-    return inputs;
-  }
-
- private:
-  std::string dir_;
-  ShardedCheckpoint ckpt_;
-};
-
-}  // namespace
-
-Result<std::shared_ptr<ShardSource>> OpenDcpSource(const std::string& path, bool weights_only) {
-  if (IsDeepSpeedCheckpoint(path)) {
-    RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint opened, DeepSpeedCheckpoint::Open(path));
-    auto ckpt = std::make_shared<const DeepSpeedCheckpoint>(std::move(opened));
-    std::vector<DeepSpeedState> states = {DeepSpeedState::kModule};
-    if (!weights_only && ckpt->has_optimizer_state()) {
-      states.insert(states.end(),
-                    {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
-    }
-    return std::shared_ptr<ShardSource>(DeepSpeedSource(ckpt, states));
-  }
-  if (weights_only) {
-    return InvalidArgumentError(fmt::format(
-        "\"{}\" is not a DeepSpeed checkpoint: only a DeepSpeed checkpoint's optimizer state "
-        "is left out on request",
-        path));
-  }
-  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint opened, ShardedCheckpoint::Open(path));
-  return std::shared_ptr<ShardSource>(std::make_shared<ShardedSource>(path, std::move(opened)));
 }
 
 }  // namespace reshard

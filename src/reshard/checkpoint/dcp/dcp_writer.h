@@ -30,7 +30,6 @@
 #define RESHARD_CHECKPOINT_DCP_DCP_WRITER_H_
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,11 +94,6 @@ inline constexpr std::string_view kDcpMetadataPrefix =
 /// input.
 Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
                 const CheckpointOptions& options = {});
-
-/// The tensors of the checkpoint at `path` for WriteDcp: a DeepSpeed checkpoint's module
-/// weights and, unless `weights_only`, its fp32 master weights and Adam's moments (as
-/// ConvertDeepSpeed names them), or a reshard sharded checkpoint's tensors.
-Result<std::shared_ptr<ShardSource>> OpenDcpSource(const std::string& path, bool weights_only);
 
 }  // namespace reshard
 
