@@ -5,6 +5,7 @@ format_utils.dcp_to_torch_save), bit for bit equal to the source."""
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -217,6 +218,28 @@ def test_python_api_writes_what_the_cli_writes(written, sharded, tmp_path):
     with pytest.raises(ValueError, match="tp"):
         reshard.checkpoint.convert(src, tmp_path / "x", to="dcp", world=2, tp=2)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_k_processes_write_what_one_does(written, sharded, tmp_path):
+    src, _ = sharded
+    out = tmp_path / "mpi"
+    r = subprocess.run([shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-n",
+                        "3", str(BUILD / "tools" / "reshard" / "reshard"), "convert", str(src),
+                        "--to", "dcp", "--world", "4", "-o", str(out), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert sorted(f for p in report["processes"] for f in p["files"]) == \
+        [f"__{r}_0.distcp" for r in range(4)]
+    assert all(p["files"] for p in report["processes"])  # each process wrote its share
+    for r in range(4):
+        name = f"__{r}_0.distcp"
+        assert (out / name).read_bytes() == (written / name).read_bytes()
+    a = pickle.loads((out / ".metadata").read_bytes())
+    b = pickle.loads((written / ".metadata").read_bytes())
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
+    assert a.planner_data == b.planner_data
 
 
 def test_an_existing_output_is_replaced_only_with_force_and_only_if_reshard_wrote_it(
