@@ -45,6 +45,7 @@ def model():
         "tiny": r(2, 16),                            # dim 0 below the world size
         "five": r(5),                                # 5 rows at 4 ranks: 2, 2, 1, none
         "scalar": torch.tensor(3.25),                # 0-d
+        "empty": torch.zeros(0, 16),                 # no elements
     }
 
 
@@ -126,8 +127,8 @@ def test_files_and_chunks_are_fsdp2s_dim0_chunks(written, sharded):
     for name, t in source.items():
         entry = md.state_dict_metadata[dcp_key(name)]
         assert entry.size == t.shape and entry.properties.dtype == t.dtype
-        if t.dim() == 0:
-            assert [(c.offsets, c.sizes) for c in entry.chunks] == [((), ())]
+        if t.numel() == 0 or t.dim() == 0:  # whole, on rank 0
+            assert [(c.offsets, c.sizes) for c in entry.chunks] == [((0,) * t.dim(), t.shape)]
             continue
         want = [c.shape[0] for c in torch.chunk(t, 4, dim=0)]  # torch.chunk: ceil-sized
         assert [c.sizes[0] for c in entry.chunks] == want, name
@@ -137,7 +138,7 @@ def test_files_and_chunks_are_fsdp2s_dim0_chunks(written, sharded):
     for index, info in md.storage_data.items():
         files[index.fqn].append(info.relative_path)
     assert files["five"] == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
-    assert files["scalar"] == ["__0_0.distcp"]
+    assert files["scalar"] == files["empty"] == ["__0_0.distcp"]
 
 
 def test_torch_loads_it_at_world_1_bit_for_bit(written, sharded):
