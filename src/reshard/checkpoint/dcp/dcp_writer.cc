@@ -35,17 +35,17 @@ uint64_t ElementBytes(Index elements, DType dtype) {
 
 std::string DcpFileName(Rank rank) { return fmt::format("__{}_0.distcp", rank); }
 
-std::vector<DcpChunk> DcpShard0Chunks(const Shape& shape, int world_size) {
+std::vector<DcpWriteChunk> DcpShard0Chunks(const Shape& shape, int world_size) {
   if (shape.empty() || ProductOf(shape) == 0 || world_size <= 1) {
-    return {DcpChunk{0, Shape(shape.size(), 0), shape}};
+    return {DcpWriteChunk{0, Shape(shape.size(), 0), shape}};
   }
   const Index rows = shape[0];
   const Index per_rank = (rows + world_size - 1) / world_size;
-  std::vector<DcpChunk> chunks;
+  std::vector<DcpWriteChunk> chunks;
   for (Rank r = 0; r < world_size; ++r) {
     const Index begin = static_cast<Index>(r) * per_rank;
     if (begin >= rows) break;
-    DcpChunk c{r, Shape(shape.size(), 0), shape};
+    DcpWriteChunk c{r, Shape(shape.size(), 0), shape};
     c.offsets[0] = begin;
     c.sizes[0] = std::min(per_rank, rows - begin);
     chunks.push_back(std::move(c));
@@ -53,18 +53,18 @@ std::vector<DcpChunk> DcpShard0Chunks(const Shape& shape, int world_size) {
   return chunks;
 }
 
-Result<std::vector<DcpTensor>> PlanDcpTensors(const Manifest& manifest, int world_size) {
+Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size) {
   if (world_size < 1) {
     return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
   }
   std::set<std::string> names;
   for (const ShardedParam& p : manifest.params) names.insert(p.name);
-  std::vector<DcpTensor> out;
+  std::vector<DcpTensorToWrite> out;
   std::map<std::string, size_t> by_key;  // key -> tensor
   bool optimizer_state = false;
   for (size_t i = 0; i < manifest.params.size(); ++i) {
     const ShardedParam& p = manifest.params[i];
-    DcpTensor t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}};
+    DcpTensorToWrite t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}};
     // "<param>.<state>" of another tensor "<param>": its optimizer state (the longest such
     // "<param>").
     for (size_t dot = p.name.rfind('.'); dot != std::string::npos && dot > 0;
@@ -88,7 +88,7 @@ Result<std::vector<DcpTensor>> PlanDcpTensors(const Manifest& manifest, int worl
     out.push_back(std::move(t));
   }
   if (optimizer_state) {
-    for (const DcpTensor& t : out) {
+    for (const DcpTensorToWrite& t : out) {
       if (t.path.size() == 1 &&
           (t.key == kOptimizerKey || t.key.starts_with(std::string(kOptimizerKey) + "."))) {
         return FailedPreconditionError(fmt::format(
@@ -101,8 +101,8 @@ Result<std::vector<DcpTensor>> PlanDcpTensors(const Manifest& manifest, int worl
   return out;
 }
 
-Result<std::string> DcpMetadataPickle(const std::vector<DcpTensor>& tensors,
-                                      const std::vector<std::vector<DcpItem>>& items,
+Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tensors,
+                                      const std::vector<std::vector<DcpWrittenItem>>& items,
                                       const std::string& checkpoint_id) {
   if (items.size() != tensors.size()) {
     return InvalidArgumentError(
@@ -125,7 +125,7 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensor>& tensors,
   const PickleNodeId planner_data = b.Dict();
   const PickleNodeId storage_data = b.Dict();
   for (size_t t = 0; t < tensors.size(); ++t) {
-    const DcpTensor& tensor = tensors[t];
+    const DcpTensorToWrite& tensor = tensors[t];
     if (items[t].size() != tensor.chunks.size()) {
       return InvalidArgumentError(fmt::format("tensor \"{}\" has {} chunks but {} items",
                                               tensor.key, tensor.chunks.size(), items[t].size()));
@@ -141,11 +141,11 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensor>& tensors,
     }
     std::vector<PickleNodeId> chunks;
     for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      const DcpChunk& chunk = tensor.chunks[c];
+      const DcpWriteChunk& chunk = tensor.chunks[c];
       chunks.push_back(
           object(MetadataClass("ChunkStorageMetadata"),
                  {{"offsets", b.Size(chunk.offsets)}, {"sizes", b.Size(chunk.sizes)}}));
-      const DcpItem& item = items[t][c];
+      const DcpWrittenItem& item = items[t][c];
       const PickleNodeId index =
           object(MetadataClass("MetadataIndex"), {{"fqn", b.Str(tensor.key)},
                                                   {"offset", b.Size(chunk.offsets)},
@@ -182,16 +182,16 @@ namespace {
 // A tensor to write: its DCP layout, the map its chunks are the shards of, and the plan from
 // the source's map to it.
 struct PlannedTensor {
-  DcpTensor dcp;
+  DcpTensorToWrite dcp;
   ParamPlan plan;
 };
 
 // The map whose rank-r shard is rank r's chunk (a 0-d tensor: replicated, of which rank 0's
 // copy is taken).
-Result<ParamMap> ChunkMap(const DcpTensor& t, int world_size) {
+Result<ParamMap> ChunkMap(const DcpTensorToWrite& t, int world_size) {
   if (t.shape.empty()) return ReplicatedMap(t.shape, world_size);
   std::vector<Index> rows(static_cast<size_t>(world_size), 0);
-  for (const DcpChunk& c : t.chunks) rows[static_cast<size_t>(c.rank)] = c.sizes[0];
+  for (const DcpWriteChunk& c : t.chunks) rows[static_cast<size_t>(c.rank)] = c.sizes[0];
   return SplitMap(t.shape, 0, rows);
 }
 
@@ -201,9 +201,9 @@ Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
     return InvalidArgumentError(
         "a DCP checkpoint has one file per rank: no maximum file size applies");
   }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<DcpTensor> tensors, PlanDcpTensors(m, world_size));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<DcpTensorToWrite> tensors, PlanDcpTensors(m, world_size));
   std::vector<PlannedTensor> out;
-  for (DcpTensor& t : tensors) {
+  for (DcpTensorToWrite& t : tensors) {
     const ShardedParam& p = m.params[t.param];
     const std::string where = fmt::format("parameter \"{}\"", p.name);
     PlannedTensor planned{std::move(t), {}};
@@ -256,7 +256,7 @@ class Acquired {
 };
 
 // Items written by this process, as "tensor chunk offset length" lines.
-std::string EncodeItems(const std::vector<std::vector<DcpItem>>& items,
+std::string EncodeItems(const std::vector<std::vector<DcpWrittenItem>>& items,
                         const std::vector<std::vector<bool>>& mine) {
   std::string out;
   for (size_t t = 0; t < items.size(); ++t) {
@@ -269,7 +269,7 @@ std::string EncodeItems(const std::vector<std::vector<DcpItem>>& items,
   return out;
 }
 
-Status DecodeItems(const std::string& text, std::vector<std::vector<DcpItem>>& items) {
+Status DecodeItems(const std::string& text, std::vector<std::vector<DcpWrittenItem>>& items) {
   std::istringstream in(text);
   size_t t = 0, c = 0;
   uint64_t offset = 0, length = 0;
@@ -299,9 +299,9 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
 
   // Rank files, their bytes, and the process writing each.
   std::vector<uint64_t> file_bytes(static_cast<size_t>(world_size), 0);
-  std::vector<std::vector<DcpItem>> items(tensors.size());
+  std::vector<std::vector<DcpWrittenItem>> items(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
-    for (const DcpChunk& c : tensors[t].dcp.chunks) {
+    for (const DcpWriteChunk& c : tensors[t].dcp.chunks) {
       items[t].push_back({DcpFileName(c.rank), 0, 0});
       file_bytes[static_cast<size_t>(c.rank)] +=
           ElementBytes(ProductOf(c.sizes), tensors[t].dcp.dtype);
@@ -310,7 +310,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
   const std::vector<int> owners = BalanceByBytes(file_bytes, comm.size());
   std::vector<std::vector<bool>> mine(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
-    for (const DcpChunk& c : tensors[t].dcp.chunks) {
+    for (const DcpWriteChunk& c : tensors[t].dcp.chunks) {
       mine[t].push_back(owners[static_cast<size_t>(c.rank)] == comm.rank());
     }
   }
@@ -343,7 +343,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
       const PlannedTensor& pt = tensors[t];
       const ShardedParam& param = m.params[pt.dcp.param];
       for (size_t c = 0; c < pt.dcp.chunks.size(); ++c) {
-        const DcpChunk& chunk = pt.dcp.chunks[c];
+        const DcpWriteChunk& chunk = pt.dcp.chunks[c];
         if (chunk.rank != r) continue;
         const auto fill = [&](std::span<std::byte> buffer) -> Status {
           if (buffer.empty()) return Status::Ok();
@@ -417,7 +417,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
   }
   const Status outcome = synced.ok() ? gathered : synced;
   return FinishOutput(comm, out, outcome, std::move(stats), options, [&]() -> Status {
-    std::vector<DcpTensor> layout;
+    std::vector<DcpTensorToWrite> layout;
     for (const PlannedTensor& pt : tensors) layout.push_back(pt.dcp);
     RESHARD_ASSIGN_OR_RETURN(const std::string metadata, DcpMetadataPickle(layout, items, out_dir));
     RESHARD_RETURN_IF_ERROR(

@@ -40,34 +40,34 @@
 namespace reshard {
 
 /// The box [offsets, offsets + sizes) of a global tensor, stored by `rank`.
-struct DcpChunk {
+struct DcpWriteChunk {
   Rank rank = 0;
   Shape offsets;
   Shape sizes;
-  friend bool operator==(const DcpChunk&, const DcpChunk&) = default;
+  friend bool operator==(const DcpWriteChunk&, const DcpWriteChunk&) = default;
 };
 
 /// The chunks of a tensor of `shape` at `world_size` ranks (FSDP2's Shard(0), above): one per
 /// rank holding rows, in rank order.
-std::vector<DcpChunk> DcpShard0Chunks(const Shape& shape, int world_size);
+std::vector<DcpWriteChunk> DcpShard0Chunks(const Shape& shape, int world_size);
 
 /// One tensor of a DCP checkpoint to write.
-struct DcpTensor {
+struct DcpTensorToWrite {
   size_t param = 0;               // its index in the source manifest
   std::string key;                // the state dict's flattened key
   std::vector<std::string> path;  // the nested keys it unflattens to (planner_data)
   DType dtype = DType::kF32;
   Shape shape;  // global (the source's valid shape)
-  std::vector<DcpChunk> chunks;
+  std::vector<DcpWriteChunk> chunks;
 };
 
 /// The tensors of `manifest` as DCP stores them at `world_size` (keys and chunks above).
 /// FailedPrecondition when two tensors would take one key, or a key is both a tensor and a
 /// prefix of others.
-Result<std::vector<DcpTensor>> PlanDcpTensors(const Manifest& manifest, int world_size);
+Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size);
 
 /// Where a chunk's item lies.
-struct DcpItem {
+struct DcpWrittenItem {
   std::string file;  // relative to the checkpoint
   uint64_t offset = 0;
   uint64_t length = 0;
@@ -75,8 +75,8 @@ struct DcpItem {
 
 /// The bytes of `.metadata`: `items[t][c]` is where chunk c of tensors[t] lies.
 /// InvalidArgument when items do not match the chunks.
-Result<std::string> DcpMetadataPickle(const std::vector<DcpTensor>& tensors,
-                                      const std::vector<std::vector<DcpItem>>& items,
+Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tensors,
+                                      const std::vector<std::vector<DcpWrittenItem>>& items,
                                       const std::string& checkpoint_id);
 
 /// "__{rank}_0.distcp".

@@ -33,28 +33,28 @@ class TempDir {
   fs::path path_;
 };
 
-Shape Rows(const std::vector<DcpChunk>& chunks) {
+Shape Rows(const std::vector<DcpWriteChunk>& chunks) {
   Shape rows;
-  for (const DcpChunk& c : chunks) rows.push_back(c.sizes.at(0));
+  for (const DcpWriteChunk& c : chunks) rows.push_back(c.sizes.at(0));
   return rows;
 }
 
 TEST(DcpShard0ChunksTest, CeilSizedChunksAsTorchChunkWithTrailingRanksEmpty) {
   // torch.chunk(5 rows, 4): chunks of 2, 2, 1 -- rank 3 holds nothing.
-  std::vector<DcpChunk> c = DcpShard0Chunks({5, 3}, 4);
+  std::vector<DcpWriteChunk> c = DcpShard0Chunks({5, 3}, 4);
   EXPECT_EQ(Rows(c), (Shape{2, 2, 1}));
   ASSERT_EQ(c.size(), 3u);
-  EXPECT_EQ(c[2], (DcpChunk{2, {4, 0}, {1, 3}}));
+  EXPECT_EQ(c[2], (DcpWriteChunk{2, {4, 0}, {1, 3}}));
   EXPECT_EQ(Rows(DcpShard0Chunks({10, 3}, 4)), (Shape{3, 3, 3, 1}));
   EXPECT_EQ(Rows(DcpShard0Chunks({8}, 4)), (Shape{2, 2, 2, 2}));
   // dim 0 below the world size: one row on each of the first ranks.
   c = DcpShard0Chunks({2, 6}, 4);
   ASSERT_EQ(c.size(), 2u);
-  EXPECT_EQ(c[1], (DcpChunk{1, {1, 0}, {1, 6}}));
+  EXPECT_EQ(c[1], (DcpWriteChunk{1, {1, 0}, {1, 6}}));
   // 0-d and empty tensors: whole, on rank 0.
-  EXPECT_EQ(DcpShard0Chunks({}, 4), (std::vector<DcpChunk>{{0, {}, {}}}));
-  EXPECT_EQ(DcpShard0Chunks({0, 5}, 4), (std::vector<DcpChunk>{{0, {0, 0}, {0, 5}}}));
-  EXPECT_EQ(DcpShard0Chunks({7, 2}, 1), (std::vector<DcpChunk>{{0, {0, 0}, {7, 2}}}));
+  EXPECT_EQ(DcpShard0Chunks({}, 4), (std::vector<DcpWriteChunk>{{0, {}, {}}}));
+  EXPECT_EQ(DcpShard0Chunks({0, 5}, 4), (std::vector<DcpWriteChunk>{{0, {0, 0}, {0, 5}}}));
+  EXPECT_EQ(DcpShard0Chunks({7, 2}, 1), (std::vector<DcpWriteChunk>{{0, {0, 0}, {7, 2}}}));
 }
 
 ShardedParam Param(std::string name, Shape shape) {
@@ -69,7 +69,7 @@ TEST(PlanDcpTensorsTest, OptimizerStateNestsUnderOptimStateOthersKeepTheirNames)
   for (const char* name : {"w", "w.exp_avg", "w.exp_avg_sq", "a.b", "a.b.fp32", "x.exp_avg"}) {
     m.params.push_back(Param(name, {4}));
   }
-  Result<std::vector<DcpTensor>> t = PlanDcpTensors(m, 2);
+  Result<std::vector<DcpTensorToWrite>> t = PlanDcpTensors(m, 2);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ASSERT_EQ(t->size(), 6u);
   EXPECT_EQ((*t)[0].key, "w");
@@ -90,7 +90,7 @@ TEST(PlanDcpTensorsTest, KeysThatCollideAreRefused) {
   for (const char* name : {"w", "w.exp_avg", "optim.state.w.exp_avg"}) {
     m.params.push_back(Param(name, {4}));
   }
-  Result<std::vector<DcpTensor>> t = PlanDcpTensors(m, 2);
+  Result<std::vector<DcpTensorToWrite>> t = PlanDcpTensors(m, 2);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(t.status().message().find("optim.state.w.exp_avg"), std::string::npos)
@@ -130,10 +130,10 @@ std::vector<int64_t> Ints(const PickleTree& tree, PickleNodeId id) {
 }
 
 TEST(DcpMetadataPickleTest, HoldsDcpsRecordsWithChunksAndWhereTheirItemsLie) {
-  DcpTensor w{0, "w", {"w"}, DType::kBF16, {5, 3}, DcpShard0Chunks({5, 3}, 4)};
-  DcpTensor s{1,  "optim.state.w.step",  {"optim", "state", "w", "step"}, DType::kF32,
-              {}, DcpShard0Chunks({}, 4)};
-  const std::vector<std::vector<DcpItem>> items = {
+  DcpTensorToWrite w{0, "w", {"w"}, DType::kBF16, {5, 3}, DcpShard0Chunks({5, 3}, 4)};
+  DcpTensorToWrite s{1,  "optim.state.w.step",  {"optim", "state", "w", "step"}, DType::kF32,
+                     {}, DcpShard0Chunks({}, 4)};
+  const std::vector<std::vector<DcpWrittenItem>> items = {
       {{"__0_0.distcp", 0, 100}, {"__1_0.distcp", 0, 101}, {"__2_0.distcp", 0, 99}},
       {{"__0_0.distcp", 100, 7}}};
   Result<std::string> bytes = DcpMetadataPickle({w, s}, items, "/out/ckpt");
