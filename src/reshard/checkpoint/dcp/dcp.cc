@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_file.h"
@@ -392,6 +393,105 @@ Result<std::span<const std::byte>> DcpCheckpoint::ReadBytesItem(
 void DcpCheckpoint::ReleaseChunk(size_t t, size_t c) const {
   const DcpItemLocation& loc = metadata_.tensors[t].chunks[c].location;
   ReleaseMappedPages(files_[loc.file]->mapped.bytes().subspan(loc.offset, loc.length));
+}
+
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// A bytes item's object, inert: its plain value (a torch.save archive of plain data), else
+// what it is.
+ordered_json BytesValue(const DcpCheckpoint& c, size_t i) {
+  std::vector<std::byte> owned;
+  auto bytes = c.ReadBytesItem(i, owned);
+  if (!bytes.ok()) return {{"unread", std::string(bytes.status().message())}};
+  if (!LooksLikeTorchFile(*bytes)) return {{"raw_bytes", bytes->size()}};
+  auto file = TorchFile::Parse(*bytes);
+  if (!file.ok()) return {{"unread", std::string(file.status().message())}};
+  if (!file->tensors().empty()) return {{"tensors", file->tensors().size()}};
+  nlohmann::json v = internal::ToJson(file->tree(), file->tree().root());
+  if (v.is_null() && file->tree().node(file->tree().root()).kind != PickleKind::kNone) {
+    return {{"object", std::string(PickleKindName(file->tree().node(file->tree().root()).kind))}};
+  }
+  return {{"value", ordered_json::parse(v.dump())}};
+}
+
+std::string ShortValue(const ordered_json& v) {
+  std::string text = v.contains("value") ? v["value"].dump() : v.dump();
+  if (text.size() > 120) text = text.substr(0, 117) + "...";
+  return text;
+}
+
+}  // namespace
+
+std::string DcpSummaryJson(const DcpCheckpoint& c) {
+  ordered_json tensors = ordered_json::array();
+  for (size_t i = 0; i < c.tensors().size(); ++i) {
+    const DcpTensor& t = c.tensors()[i];
+    ordered_json chunks = ordered_json::array();
+    for (const DcpChunk& ch : t.chunks) {
+      chunks.push_back({{"offsets", ch.offsets},
+                        {"sizes", ch.sizes},
+                        {"rank", ch.rank},
+                        {"file", c.metadata().files[ch.location.file]},
+                        {"offset", ch.location.offset},
+                        {"length", ch.location.length},
+                        {"transforms", ch.location.transforms}});
+    }
+    tensors.push_back({{"name", t.fqn},
+                       {"dtype", DTypeName(t.dtype)},
+                       {"shape", t.shape},
+                       {"optimizer_state", t.optimizer_state},
+                       {"chunks", chunks}});
+  }
+  ordered_json items = ordered_json::array();
+  for (size_t i = 0; i < c.bytes_items().size(); ++i) {
+    const DcpBytesItem& b = c.bytes_items()[i];
+    items.push_back({{"name", b.fqn},
+                     {"rank", b.rank},
+                     {"file", c.metadata().files[b.location.file]},
+                     {"offset", b.location.offset},
+                     {"length", b.location.length},
+                     {"contents", BytesValue(c, i)}});
+  }
+  ordered_json doc = {{"format", "dcp"},
+                      {"storage", c.storage()},
+                      {"version", c.metadata().version},
+                      {"world_size", c.world_size()},
+                      {"files", c.metadata().files},
+                      {"tensors", tensors},
+                      {"bytes", items}};
+  return doc.dump();
+}
+
+std::string DcpSummaryText(const DcpCheckpoint& c) {
+  size_t optimizer = 0;
+  for (const DcpTensor& t : c.tensors()) optimizer += t.optimizer_state ? 1 : 0;
+  std::string out = fmt::format(
+      "DCP checkpoint \"{}\" ({}{}): written by {} ranks in {} files; {} tensors ({} optimizer "
+      "state), {} bytes items\n",
+      c.dir(), c.storage(), c.metadata().version.empty() ? "" : ", version " + c.metadata().version,
+      c.world_size(), c.metadata().files.size(), c.tensors().size(), optimizer,
+      c.bytes_items().size());
+  for (const DcpTensor& t : c.tensors()) {
+    std::string chunks;
+    for (const DcpChunk& ch : t.chunks) {
+      chunks += fmt::format("{}rank {}: {}+{}", chunks.empty() ? "" : "; ", ch.rank,
+                            FormatShape(ch.offsets), FormatShape(ch.sizes));
+      if (!ch.location.transforms.empty()) {
+        chunks += fmt::format(" ({})", fmt::join(ch.location.transforms, ", "));
+      }
+    }
+    out += fmt::format("  {}  {} {}{}  {} chunk{}\n    {}\n", t.fqn, DTypeName(t.dtype),
+                       FormatShape(t.shape), t.optimizer_state ? "  (optimizer state)" : "",
+                       t.chunks.size(), t.chunks.size() == 1 ? "" : "s", chunks);
+  }
+  for (size_t i = 0; i < c.bytes_items().size(); ++i) {
+    const DcpBytesItem& b = c.bytes_items()[i];
+    out += fmt::format("  {}  bytes ({} bytes, rank {})  {}\n", b.fqn, b.location.length, b.rank,
+                       ShortValue(BytesValue(c, i)));
+  }
+  return out;
 }
 
 namespace {

@@ -171,6 +171,13 @@ class DcpCheckpoint {
 /// `.metadata`, `__0.metadata`, or `shard-*-model-*-of-*.safetensors` in it or in `sharded/`).
 bool IsDcpCheckpoint(const std::string& path);
 
+/// What Open found, for `reshard inspect`: every tensor (dtype, global shape, its chunks: box,
+/// rank, file and bytes, and whether it is optimizer state) and every bytes item, shown inert
+/// (its object's plain value when the item is a torch.save archive of plain data, else what it
+/// is). Text for a person; JSON as docs/formats.md describes ("dcp" of `inspect --json`).
+std::string DcpSummaryText(const DcpCheckpoint& c);
+std::string DcpSummaryJson(const DcpCheckpoint& c);
+
 struct DcpSourceOptions {
   /// Leave out the optimizer state (IsDcpOptimizerState).
   bool weights_only = false;
