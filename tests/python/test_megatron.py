@@ -1,0 +1,205 @@
+"""Megatron-Core dist-ckpt (torch_dist) -> Hugging Face, on checkpoints Megatron itself saves.
+
+megatron-core (in .venv-megatron, see megatron_model.py) builds toy GPT models on the CPU at
+TP 2 x PP 2 (world 4, gloo) with grouped-query attention, SwiGLU and MoE layers at EP 2, and
+saves them with its own torch_dist writer. reshard gathers them with the model's config.json;
+transformers loads the result with nothing missing or unexpected, every tensor equals the one
+Megatron itself holds after loading the checkpoint at TP 1 x PP 1 (its own resharding), and the
+logits equal Megatron's.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import reshard
+from test_checkpoints import run
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TOKENS = [1, 5, 7, 22, 99, 3, 4, 60, 2]
+
+
+def megatron_python():
+    python = os.environ.get("RESHARD_MEGATRON_PYTHON", str(REPO / ".venv-megatron" / "bin" / "python"))
+    assert pathlib.Path(python).exists(), (
+        f"{python} is missing: scripts/dev test installs Megatron-Core there "
+        "(setup_megatron_venv), or point RESHARD_MEGATRON_PYTHON at a Python that has it")
+    return python
+
+
+def megatron(*args, procs=None, timeout=300):
+    cmd = [megatron_python()]
+    if procs:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+    cmd += [str(HERE / "megatron_model.py"), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+# Megatron's model (its spec for megatron_model.py) and the Hugging Face config.json of the same
+# model. The vocabulary is padded in Megatron (112 rows for 100 tokens).
+QWEN3_MOE = (
+    {"layers": 4, "hidden": 64, "heads": 8, "groups": 2, "ffn": 96, "vocab": 112, "experts": 4,
+     "moe_ffn": 32, "moe_layers": [2, 4], "qk_norm": True, "tp": 2, "pp": 2, "ep": 2, "seed": 11},
+    {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 4,
+     "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+     "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+     "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+     "mlp_only_layers": [0, 2], "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+     "max_position_embeddings": 64, "tie_word_embeddings": False, "attention_bias": False,
+     "hidden_act": "silu", "torch_dtype": "float32"},
+)
+# Every layer MoE: homogeneous layers, saved stacked ([L, ...] and [L, E, ...]).
+MIXTRAL = (
+    {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "ffn": 32, "vocab": 100, "experts": 4,
+     "moe_ffn": 32, "moe_layers": [1, 2], "tp": 2, "pp": 2, "ep": 2, "seed": 5},
+    {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_hidden_layers": 2,
+     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+     "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+     "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+     "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+     "sliding_window": None, "torch_dtype": "float32"},
+)
+MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (checkpoint dir, config.json path, Megatron's logits and TP-1 state)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            spec, config = MODELS[name]
+            d = tmp_path_factory.mktemp(name)
+            (d / "spec.json").write_text(json.dumps(spec))
+            (d / "config.json").write_text(json.dumps(config))
+            (d / "tokens.json").write_text(json.dumps(TOKENS))
+            megatron("save", d / "ckpt", d / "spec.json", procs=4)
+            megatron("logits", d / "ckpt", d / "spec.json", d / "tokens.json", d / "ref.pt")
+            made[name] = (d / "ckpt", d / "config.json", torch.load(d / "ref.pt"))
+        return made[name]
+
+    return get
+
+
+def expected_hf(state, spec, config):
+    """The Hugging Face tensors, sliced here from Megatron's own TP-1 state dict."""
+    prefix = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    names = ("w1", "w3", "w2") if prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+    g, heads, d, h = spec["groups"], spec["heads"], spec["hidden"] // spec["heads"], spec["hidden"]
+    n = heads // g
+    v = config["vocab_size"]
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:v],
+           "lm_head.weight": state["output_layer.weight"][:v],
+           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    for l in range(spec["layers"]):
+        m, hf = f"decoder.layers.{l}.", f"model.layers.{l}."
+        qkv = state[m + "self_attention.linear_qkv.weight"].view(g, n + 2, d, h)
+        out[hf + "self_attn.q_proj.weight"] = qkv[:, :n].reshape(heads * d, h)
+        out[hf + "self_attn.k_proj.weight"] = qkv[:, n].reshape(g * d, h)
+        out[hf + "self_attn.v_proj.weight"] = qkv[:, n + 1].reshape(g * d, h)
+        out[hf + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+        if spec.get("qk_norm"):
+            out[hf + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
+            out[hf + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
+        out[hf + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
+        if l + 1 in spec.get("moe_layers", []):
+            out[hf + f"{prefix}.gate.weight"] = state[m + "mlp.router.weight"]
+            for e in range(spec["experts"]):
+                x = f"{m}mlp.experts.local_experts.{e}."
+                gate, up = state[x + "linear_fc1.weight"].chunk(2)
+                for name, t in zip(names, (gate, up, state[x + "linear_fc2.weight"])):
+                    out[f"{hf}{prefix}.experts.{e}.{name}.weight"] = t
+        else:
+            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
+            out[hf + "mlp.gate_proj.weight"] = gate
+            out[hf + "mlp.up_proj.weight"] = up
+            out[hf + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_gather_is_what_megatron_holds_and_transformers_computes_its_logits(
+        reshard_bin, tmp_path, saved, name):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, config, ref = saved(name)
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", config)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text()) == json.loads(config.read_text())
+    got = load_file(str(out / "model.safetensors"))
+    spec, cfg = MODELS[name]
+    want = expected_hf(ref["state"], spec, cfg)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bits(got[k], want[k].contiguous()), k
+
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKENS])).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :cfg["vocab_size"]], rtol=1e-4, atol=1e-4)
+
+
+def test_convert_to_tp2_and_back_is_the_same_checkpoint(reshard_bin, tmp_path, saved):
+    ckpt, config, _ = saved("qwen3_moe")
+    direct, sharded, back = tmp_path / "direct", tmp_path / "tp2", tmp_path / "back"
+    assert run(reshard_bin, "gather", ckpt, "-o", direct, "--config", config).returncode == 0
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--tp", 2, "-o", sharded)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((sharded / "reshard.json").read_text())
+    assert manifest["world_size"] == 2
+    # transformers' TP 2 layout: q_proj split by rows, the experts fused per layer into buffers.
+    q = manifest["params"]["model.layers.0.self_attn.q_proj.weight"]["map"]
+    assert [q["ranks"][r]["shard_shape"] for r in ("0", "1")] == [[32, 64], [32, 64]]
+    r = run(reshard_bin, "gather", sharded, "-o", back)
+    assert r.returncode == 0, r.stderr
+    a, b = load_file(str(direct / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert same_bits(a[k], b[k]), k
+
+
+def test_python_gather_takes_the_config(tmp_path, saved):
+    ckpt, config, ref = saved("mixtral")
+    out = tmp_path / "hf"
+    reshard.checkpoint.gather(ckpt, out, config=config)
+    got = load_file(str(out / "model.safetensors"))
+    want = expected_hf(ref["state"], *MODELS["mixtral"])
+    assert same_bits(got["model.layers.1.self_attn.k_proj.weight"],
+                     want["model.layers.1.self_attn.k_proj.weight"].contiguous())
+
+
+def test_refusals_name_the_problem_and_write_nothing(reshard_bin, tmp_path, saved):
+    ckpt, config, _ = saved("mixtral")
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out)
+    assert r.returncode == 2 and "config.json" in r.stderr, r.stderr
+    wrong = json.loads(config.read_text())
+    wrong["num_key_value_heads"] = 4
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", tmp_path / "wrong.json")
+    assert r.returncode == 2, r.stderr
+    assert "linear_qkv" in r.stderr and "num_key_value_heads" in r.stderr, r.stderr
+    wrong = json.loads(config.read_text())
+    wrong["num_hidden_layers"] = 3
+    (tmp_path / "layers.json").write_text(json.dumps(wrong))
+    r = run(reshard_bin, "convert", ckpt, "--tp", 2, "-o", out, "--config", tmp_path / "layers.json")
+    assert r.returncode == 2 and "num_hidden_layers" in r.stderr, r.stderr
+    assert not out.exists()
