@@ -15,6 +15,7 @@
 #include "processes.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -44,6 +45,7 @@ struct CommonArgs {
 
 struct GatherArgs : CommonArgs {
   bool fp32 = false;
+  bool weights_only = false;
 };
 
 // The flags every checkpoint command takes about scaled values.
@@ -279,8 +281,15 @@ Status RunGather(const GatherArgs& args) {
     return InvalidArgumentError("--fp32 takes a DeepSpeed checkpoint's master weights; \"" +
                                 args.input + "\" is not a DeepSpeed checkpoint");
   }
-  Status s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
-                       : Gather(args.input, args.output, options);
+  Status s;
+  if (IsDcpCheckpoint(args.input)) {
+    RESHARD_ASSIGN_OR_RETURN(auto dcp, DcpCheckpoint::Open(args.input));
+    auto src = DcpSource(dcp, {args.weights_only});
+    s = GatherFrom(*src, args.output, options);
+  } else {
+    s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
+                  : Gather(args.input, args.output, options);
+  }
   RESHARD_RETURN_IF_ERROR(WithForceHint(std::move(s), args.force));
   const double seconds = Seconds(t0);
   Report(args,
@@ -341,6 +350,11 @@ Status RunConvert(const ConvertArgs& args) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
+  if (IsDcpCheckpoint(args.input)) {
+    RESHARD_ASSIGN_OR_RETURN(auto dcp, DcpCheckpoint::Open(args.input));
+    auto src = DcpSource(dcp, {args.weights_only});
+    return WithForceHint(ConvertFrom(*src, args.tp, target, args.output, options), args.force);
+  }
   if (args.weights_only && !deepspeed) {
     return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
                                 args.input + "\" is not one");
@@ -418,6 +432,8 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
+  cmd->add_flag("--weights-only", args->weights_only,
+                "DCP input: the model's tensors only, no optimizer state");
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "sharded checkpoint directory, or a DeepSpeed checkpoint",
                    "write parts of at most this size and an index (e.g. 5GB)");
@@ -440,7 +456,8 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "(what ds_to_universal writes; OUT/latest_universal names its folder)")
       ->check(CLI::IsMember({"universal"}))
       ->excludes(tp);
-  auto target = cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  auto target =
+      cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_option("--distributed-config", args->distributed_config,
                   "a checkpoint scattered with --config: transformers' DistributedConfig of the "
                   "target (JSON text or a file), e.g. '{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
