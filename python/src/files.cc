@@ -11,6 +11,7 @@
 
 #include "core.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/hf/degree.h"
@@ -159,6 +160,13 @@ void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
 // module weights, or with `fp32` the optimizer's fp32 master weights).
 void PyGather(const std::string& sharded_dir, const std::string& out_dir, bool fp32,
               const PyCheckpointOptions& o) {
+  if (IsDcpCheckpoint(sharded_dir) && !fp32) {
+    RunCheckpointOp(o, [&](CheckpointOptions& options) -> Status {
+      RESHARD_ASSIGN_OR_RETURN(auto dcp, DcpCheckpoint::Open(sharded_dir));
+      return GatherFrom(*DcpSource(dcp), out_dir, options);
+    });
+    return;
+  }
   const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
   if (fp32 && !deepspeed) {
     throw py::value_error("fp32=True takes a DeepSpeed checkpoint's master weights; \"" +
@@ -185,6 +193,13 @@ void PyConvert(const std::string& sharded_dir, int world, const std::string& out
   }
   if (target_maps && distributed_config_json) {
     throw py::value_error("give target_maps= or distributed_config=, not both");
+  }
+  if (IsDcpCheckpoint(sharded_dir) && !distributed_config_json) {
+    RunCheckpointOp(o, [&](CheckpointOptions& options) -> Status {
+      RESHARD_ASSIGN_OR_RETURN(auto dcp, DcpCheckpoint::Open(sharded_dir));
+      return ConvertFrom(*DcpSource(dcp, {weights_only}), world, target, out_dir, options);
+    });
+    return;
   }
   const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
   if (weights_only && !deepspeed) {
