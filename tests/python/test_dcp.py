@@ -8,6 +8,7 @@ import os
 import pathlib
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -123,6 +124,34 @@ def test_convert_then_gather_round_trips(dcp_root, reshard_bin, tmp_path):
     assert r.returncode == 0, r.stderr
     assert_same(load_file(tmp_path / "back" / "model.safetensors"),
                 torch_reference(ckpt, tmp_path))
+
+
+def test_per_rank_metadata_and_replicated_chunks(dcp_root, reshard_bin, tmp_path):
+    # use_collectives=False: one __{r}.metadata per rank, and each holder of a replicated
+    # tensor saves its own copy (replicas, compared before anything is written).
+    ckpt = dcp_root / "perrank"
+    assert not (ckpt / ".metadata").exists() and (ckpt / "__3.metadata").exists()
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                torch_reference(dcp_root / "mesh", tmp_path))
+
+
+def test_replicas_that_disagree_fail_the_check(dcp_root, reshard_bin, tmp_path):
+    ckpt = tmp_path / "perrank"
+    shutil.copytree(dcp_root / "perrank", ckpt)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    with open(ckpt / "__2.metadata", "rb") as f:
+        md = pickle.load(f)
+    info = md.storage_data[MetadataIndex("model.norm.scale", [])]
+    data = bytearray((ckpt / info.relative_path).read_bytes())
+    at = data.index(struct.pack("<f", 1.5), info.offset, info.offset + info.length)
+    data[at:at + 4] = struct.pack("<f", 2.5)
+    (ckpt / info.relative_path).write_bytes(bytes(data))
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 1, r.stderr
+    assert "model.norm.scale" in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
 
 
 def test_hf_storage_variant(dcp_root, reshard_bin, tmp_path):

@@ -113,9 +113,12 @@ bool IsDcpOptimizerState(std::span<const std::string> path);
 
 /// The param map of a tensor of shape `shape` from its chunks, at `world_size` ranks: chunk c
 /// is a piece of rank chunks[c].rank (source: the box in the global tensor, row-major; dest: the
-/// next elements of the rank's 1-D shard). Empty chunks are skipped; a rank without chunks has
-/// an empty shard. InvalidArgument (naming `what`, the chunk and its box) for a chunk of the
-/// wrong rank, outside the tensor, overlapping another, or a tensor not exactly covered.
+/// next elements of the rank's 1-D shard). The same box written by several ranks (a replicated
+/// tensor saved without DCP's deduplication, as per-rank saves do) is one piece they hold
+/// together (locations: those ranks). Empty chunks are skipped; a rank without chunks has an
+/// empty shard. InvalidArgument (naming `what`, the chunk and its box) for a chunk of the wrong
+/// rank, outside the tensor, repeated on one rank, overlapping another box, or a tensor not
+/// exactly covered.
 Result<ParamMap> ChunksToMap(std::string_view what, const Shape& shape,
                              std::span<const DcpChunk> chunks, int world_size);
 
