@@ -130,7 +130,7 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
 
 
 def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
-           overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
+           config: Optional[PathLike] = None, overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
            warn: Optional[Warn] = None, sync: bool = True) -> None:
@@ -138,10 +138,12 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``max_shard_size`` and an index), checking that replicas agree, dropping padding.
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
     weights are written, or with ``fp32=True`` the optimizer's fp32 master weights (the CLI's
-    ``--fp32``), with the save dir's config.json copied."""
+    ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
+    read; ``config`` is the model's config.json for a format that needs one (Megatron)."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
-    _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32), o)
+    _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32),
+                 None if config is None else _path(config, "config"), o)
 
 
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,
@@ -152,7 +154,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             sync: bool = True,
-            distributed_config: Union[None, str, Mapping[str, Any]] = None) -> None:
+            distributed_config: Union[None, str, Mapping[str, Any]] = None,
+            config: Optional[PathLike] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -187,7 +190,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
                          "to=\"universal\"")
     targets, buffers = (None, "") if target_maps is None else _map_list(target_maps)
     _core.convert(src, tp, dst, targets, buffers, bool(weights_only),
-                  _dc_text(distributed_config), o)
+                  _dc_text(distributed_config),
+                  None if config is None else _path(config, "config"), o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:

@@ -66,6 +66,11 @@ def torch_reference(ckpt, tmp_path):
     return flat_tensors(torch.load(path, weights_only=False))
 
 
+def model_only(tensors):
+    """The tensors gather writes: all but the optimizer's ("optim." keys here)."""
+    return {k: v for k, v in tensors.items() if not k.startswith("optim.")}
+
+
 def assert_same(got, want):
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -79,7 +84,7 @@ def test_gather_equals_torchs_own_reading(dcp_root, reshard_bin, tmp_path):
     r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     got = load_file(tmp_path / "hf" / "model.safetensors")
-    assert_same(got, torch_reference(ckpt, tmp_path))
+    assert_same(got, model_only(torch_reference(ckpt, tmp_path)))
     # And the full tensors the worker distributed (uneven chunks, empty chunks, 0-d, bf16).
     full = json.loads((dcp_root / "full.json").read_text())
     for name, t in full.items():
@@ -87,13 +92,20 @@ def test_gather_equals_torchs_own_reading(dcp_root, reshard_bin, tmp_path):
         assert got[name].float().flatten().tolist() == t["values"], name
 
 
-def test_weights_only_leaves_the_optimizer_state_out(dcp_root, reshard_bin, tmp_path):
-    r = run(reshard_bin, "gather", dcp_root / "mesh", "-o", tmp_path / "hf", "--weights-only")
+def test_optimizer_state_goes_through_convert(dcp_root, reshard_bin, tmp_path):
+    # gather keeps the optimizer state out of the Hugging Face files; convert carries it (at any
+    # world size, TP 1 included), unless --weights-only, and a gather of that writes it too.
+    ref = torch_reference(dcp_root / "mesh", tmp_path)
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--tp", "1", "-o", tmp_path / "tp1")
     assert r.returncode == 0, r.stderr
-    got = load_file(tmp_path / "hf" / "model.safetensors")
-    want = {k: v for k, v in torch_reference(dcp_root / "mesh", tmp_path).items()
-            if not k.startswith("optim.")}
-    assert_same(got, want)
+    r = run(reshard_bin, "gather", tmp_path / "tp1", "-o", tmp_path / "all")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--tp", "3", "--weights-only", "-o",
+            tmp_path / "tp3")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "tp3" / "reshard.json").read_text())
+    assert sorted(manifest["params"]) == sorted(model_only(ref))
 
 
 def test_fsdp2_fully_shard_checkpoint(dcp_root, reshard_bin, tmp_path):
@@ -101,13 +113,15 @@ def test_fsdp2_fully_shard_checkpoint(dcp_root, reshard_bin, tmp_path):
     ckpt = dcp_root / "fsdp2"
     ref = torch_reference(ckpt, tmp_path)
     assert any(k.startswith("optim.state.") for k in ref)
-    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "all")
-    assert r.returncode == 0, r.stderr
-    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
-    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "weights", "--weights-only")
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "weights")
     assert r.returncode == 0, r.stderr
     assert_same(load_file(tmp_path / "weights" / "model.safetensors"),
                 {k: v for k, v in ref.items() if k.startswith("model.")})
+    r = run(reshard_bin, "convert", ckpt, "--tp", "2", "-o", tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp2", "-o", tmp_path / "all")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
 
 
 def test_convert_then_gather_round_trips(dcp_root, reshard_bin, tmp_path):
@@ -134,7 +148,7 @@ def test_per_rank_metadata_and_replicated_chunks(dcp_root, reshard_bin, tmp_path
     r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
-                torch_reference(dcp_root / "mesh", tmp_path))
+                model_only(torch_reference(dcp_root / "mesh", tmp_path)))
 
 
 def test_replicas_that_disagree_fail_the_check(dcp_root, reshard_bin, tmp_path):
@@ -189,9 +203,12 @@ def test_python_package_takes_dcp_dirs(dcp_root, tmp_path):
     import reshard
     ckpt = dcp_root / "mesh"
     reshard.checkpoint.gather(ckpt, tmp_path / "hf")
-    assert_same(load_file(tmp_path / "hf" / "model.safetensors"), torch_reference(ckpt, tmp_path))
-    reshard.checkpoint.convert(ckpt, tmp_path / "tp2", tp=2)
-    assert json.loads((tmp_path / "tp2" / "reshard.json").read_text())["world_size"] == 2
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                model_only(torch_reference(ckpt, tmp_path)))
+    reshard.checkpoint.convert(ckpt, tmp_path / "tp2", tp=2, weights_only=True)
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    assert manifest["world_size"] == 2
+    assert not any(k.startswith("optim.") for k in manifest["params"])
     info = reshard.checkpoint.inspect(ckpt)
     assert info["dcp"]["world_size"] == 4
 
@@ -235,7 +252,7 @@ def test_zstd_items_are_read(dcp_root, reshard_bin, tmp_path):
     r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
-                torch_reference(dcp_root / "mesh", tmp_path))
+                model_only(torch_reference(dcp_root / "mesh", tmp_path)))
     r = run(reshard_bin, "inspect", ckpt)
     assert "stream.zstd/1" in r.stdout and "  7\n" in r.stdout
 

@@ -14,7 +14,7 @@
 #include "reshard/base/index.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"

@@ -40,6 +40,7 @@
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
 #include "reshard/ir/param_map.h"
 #include "reshard/layouts/descriptor.h"
 
@@ -197,6 +198,17 @@ LayoutDescriptor DcpDefaultLayout(const Shape& shape);
 /// assembled per acquire (memory: the tensors being worked on).
 std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt,
                                        const DcpSourceOptions& options = {});
+
+/// The options a DCP checkpoint takes (the table of formats' check): InvalidArgument for the
+/// master weights (DeepSpeed's), a config.json or a distributed config (DCP names and shapes
+/// its tensors itself), and weights_only on a gather (which writes the model's tensors only).
+Status CheckDcpOptions(const std::string& path, const SourceOptions& options);
+
+/// A DCP checkpoint opened for `options.use` (the table of formats' opener): a gather takes the
+/// model's tensors (IsDcpOptimizerState's keys left out of the Hugging Face files); a convert
+/// takes every tensor, optimizer state included unless `weights_only`, each with its
+/// DcpDefaultLayout recorded so that convert needs no target maps.
+Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options);
 
 }  // namespace reshard
 
