@@ -12,6 +12,7 @@ Makes, under OUT_DIR:
   fsdp2/  a small model wrapped by FSDP2's `fully_shard` over the 4 ranks, one Adam step, saved
           as {"model": ..., "optim": ...} from `get_state_dict` (skipped, with `fsdp2.txt`
           saying why, if fully_shard does not run on the CPU here).
+  perrank/ the mesh state dict saved with use_collectives=False: __{r}.metadata per rank.
   hf/     the mesh state dict's tensors through torch's HuggingFaceStorageWriter with
           save_distributed=True (sharded/shard-*-model-*-of-*.safetensors).
   full.json  on rank 0: every tensor of mesh/ at full size, as lists, for the test to compare.
@@ -120,6 +121,10 @@ def main():
         doc = {name: {"dtype": str(t.dtype), "shape": list(t.shape),
                       "values": t.float().flatten().tolist()} for name, t in full.items()}
         (out / "full.json").write_text(json.dumps(doc))
+    # Every rank on its own (no collectives): one __{r}.metadata per rank, replicated tensors
+    # saved by each of their holders.
+    dcp.save(mesh_state_dict(mesh, full), checkpoint_id=str(out / "perrank"),
+             use_collectives=False)
     save_hf(out, mesh, full)
     save_fsdp2(out, rank)
     dist.barrier()

@@ -236,7 +236,12 @@ bool IsDcpCheckpoint(const std::string& path) {
   for (const std::string& n : ListNames(path)) {
     if (std::regex_match(n, PerRankMetadataName())) return true;
   }
-  return !HfShardDir(path).empty();
+  const std::string shards = HfShardDir(path);
+  if (shards.empty()) return false;
+  // HuggingFaceStorageWriter with consolidation writes the full checkpoint beside sharded/:
+  // that directory is a Hugging Face checkpoint (its sharded/ folder the DCP one).
+  return shards == path ||
+         (!Exists(path + "/model.safetensors") && !Exists(path + "/model.safetensors.index.json"));
 }
 
 Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::string& dir) {
@@ -612,6 +617,43 @@ LayoutDescriptor DcpDefaultLayout(const Shape& shape) {
 std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt,
                                        const DcpSourceOptions& options) {
   return std::make_unique<DcpShardSource>(std::move(ckpt), options);
+}
+
+Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights) {
+    return InvalidArgumentError(fmt::format(
+        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is a "
+        "PyTorch Distributed Checkpoint",
+        path));
+  }
+  if (!options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a PyTorch Distributed Checkpoint, which names and shapes its tensors itself: "
+        "it takes no config.json",
+        path));
+  }
+  if (!options.distributed_config.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "a distributed config applies to a checkpoint scattered from a model's config.json; "
+        "\"{}\" is a PyTorch Distributed Checkpoint: give the target layout as maps instead",
+        path));
+  }
+  if (options.weights_only && options.use == SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a gather of a PyTorch Distributed Checkpoint writes the model's tensors only already");
+  }
+  return Status::Ok();
+}
+
+Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckDcpOptions(path, options));
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(path));
+  OpenedCheckpoint out;
+  out.format = "dcp";
+  DcpSourceOptions source;
+  source.weights_only = options.use == SourceUse::kGather || options.weights_only;
+  out.source = DcpSource(std::move(ckpt), source);
+  return out;
 }
 
 }  // namespace reshard

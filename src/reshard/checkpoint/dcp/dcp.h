@@ -40,6 +40,7 @@
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
 #include "reshard/ir/param_map.h"
 #include "reshard/layouts/descriptor.h"
 
@@ -113,9 +114,12 @@ bool IsDcpOptimizerState(std::span<const std::string> path);
 
 /// The param map of a tensor of shape `shape` from its chunks, at `world_size` ranks: chunk c
 /// is a piece of rank chunks[c].rank (source: the box in the global tensor, row-major; dest: the
-/// next elements of the rank's 1-D shard). Empty chunks are skipped; a rank without chunks has
-/// an empty shard. InvalidArgument (naming `what`, the chunk and its box) for a chunk of the
-/// wrong rank, outside the tensor, overlapping another, or a tensor not exactly covered.
+/// next elements of the rank's 1-D shard). The same box written by several ranks (a replicated
+/// tensor saved without DCP's deduplication, as per-rank saves do) is one piece they hold
+/// together (locations: those ranks). Empty chunks are skipped; a rank without chunks has an
+/// empty shard. InvalidArgument (naming `what`, the chunk and its box) for a chunk of the wrong
+/// rank, outside the tensor, repeated on one rank, overlapping another box, or a tensor not
+/// exactly covered.
 Result<ParamMap> ChunksToMap(std::string_view what, const Shape& shape,
                              std::span<const DcpChunk> chunks, int world_size);
 
@@ -194,6 +198,17 @@ LayoutDescriptor DcpDefaultLayout(const Shape& shape);
 /// assembled per acquire (memory: the tensors being worked on).
 std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt,
                                        const DcpSourceOptions& options = {});
+
+/// The options a DCP checkpoint takes (the table of formats' check): InvalidArgument for the
+/// master weights (DeepSpeed's), a config.json or a distributed config (DCP names and shapes
+/// its tensors itself), and weights_only on a gather (which writes the model's tensors only).
+Status CheckDcpOptions(const std::string& path, const SourceOptions& options);
+
+/// A DCP checkpoint opened for `options.use` (the table of formats' opener): a gather takes the
+/// model's tensors (IsDcpOptimizerState's keys left out of the Hugging Face files); a convert
+/// takes every tensor, optimizer state included unless `weights_only`, each with its
+/// DcpDefaultLayout recorded so that convert needs no target maps.
+Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options);
 
 }  // namespace reshard
 

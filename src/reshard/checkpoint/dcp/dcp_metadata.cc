@@ -429,8 +429,6 @@ Result<ParamMap> ChunksToMap(std::string_view what, const Shape& shape,
   ParamMapBuilder b;
   b.set_logical_shape(shape);
   b.set_world_size(world_size);
-  std::vector<Index> cursor(static_cast<size_t>(world_size), 0);
-  Index volume = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const DcpChunk& ch = chunks[c];
     if (ch.offsets.size() != shape.size() || ch.sizes.size() != shape.size()) {
@@ -439,22 +437,44 @@ Result<ParamMap> ChunksToMap(std::string_view what, const Shape& shape,
     if (ch.rank < 0 || ch.rank >= world_size) {
       return error(c, fmt::format("rank {} is outside the {} ranks", ch.rank, world_size));
     }
-    Index source = 0;
     for (size_t d = 0; d < shape.size(); ++d) {
       if (ch.offsets[d] < 0 || ch.sizes[d] < 0 || ch.offsets[d] > shape[d] ||
           ch.sizes[d] > shape[d] - ch.offsets[d]) {
         return error(c, fmt::format("dim {} runs past the tensor's size {}", d, shape[d]));
       }
-      source += ch.offsets[d] * strides[d];
     }
+  }
+  // The same box from several ranks (a replicated tensor saved without DCP's deduplication,
+  // as per-rank saves do) is one piece those ranks hold together.
+  std::map<std::pair<Shape, Shape>, std::vector<Rank>> holders;
+  std::map<std::pair<Shape, Shape>, size_t> first;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (ProductOf(chunks[c].sizes) == 0) continue;
+    const auto key = std::make_pair(chunks[c].offsets, chunks[c].sizes);
+    std::vector<Rank>& ranks = holders[key];
+    const auto [it, inserted] = first.emplace(key, c);
+    if (std::find(ranks.begin(), ranks.end(), chunks[c].rank) != ranks.end()) {
+      return error(c, fmt::format("repeats chunk {} on the same rank", it->second));
+    }
+    ranks.push_back(chunks[c].rank);
+  }
+  for (auto& [key, ranks] : holders) std::sort(ranks.begin(), ranks.end());
+  std::vector<Index> cursor(static_cast<size_t>(world_size), 0);
+  Index volume = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const DcpChunk& ch = chunks[c];
     const Index n = ProductOf(ch.sizes);
     if (n == 0) continue;
-    volume += n;  // each chunk lies in the tensor, so their sum only passes total by overlaps
+    const auto key = std::make_pair(ch.offsets, ch.sizes);
+    // Each box lies in the tensor, so the sum of distinct boxes only passes total by overlaps.
+    if (first[key] == c) volume += n;
+    Index source = 0;
+    for (size_t d = 0; d < shape.size(); ++d) source += ch.offsets[d] * strides[d];
     Piece p;
     p.shape = ch.sizes;
     p.source = {source, strides};
     p.dest = {cursor[static_cast<size_t>(ch.rank)], RowMajorStrides(ch.sizes)};
-    p.locations = {ch.rank};
+    p.locations = holders[key];
     cursor[static_cast<size_t>(ch.rank)] += n;
     b.add_piece(ch.rank, std::move(p));
     if (volume > total) break;
@@ -464,7 +484,8 @@ Result<ParamMap> ChunksToMap(std::string_view what, const Shape& shape,
     const size_t n = std::min(chunks.size(), kMaxPairwise);
     for (size_t i = 0; i < n; ++i) {
       for (size_t j = i + 1; j < n; ++j) {
-        if (Intersect(chunks[i], chunks[j])) {
+        if (Intersect(chunks[i], chunks[j]) &&
+            (chunks[i].offsets != chunks[j].offsets || chunks[i].sizes != chunks[j].sizes)) {
           return error(j, fmt::format("overlaps chunk {} ({})", i, BoxText(chunks[i])));
         }
       }

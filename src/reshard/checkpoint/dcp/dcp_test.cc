@@ -78,6 +78,21 @@ TEST(DcpChunksToMap, UnevenLastChunkEmptyChunksAndSeveralChunksPerRank) {
   ExpectRebuildsIdentity(*map, chunks);
 }
 
+TEST(DcpChunksToMap, TheSameBoxFromSeveralRanksIsAReplica) {
+  // Row 0..2 written by ranks 0 and 2 (replicated over dp), rows 2..4 by ranks 1 and 3.
+  const std::vector<DcpChunk> chunks = {Box({0, 0}, {2, 3}, 0), Box({2, 0}, {2, 3}, 1),
+                                        Box({0, 0}, {2, 3}, 2), Box({2, 0}, {2, 3}, 3)};
+  auto map = ChunksToMap("r", {4, 3}, chunks, 4);
+  ASSERT_TRUE(map.ok()) << map.status().message();
+  EXPECT_EQ(map->rank(2).pieces[0].locations, std::vector<Rank>({0, 2}));
+  EXPECT_EQ(map->rank(1).pieces[0].locations, std::vector<Rank>({1, 3}));
+  const std::vector<DcpChunk> twice = {Box({0}, {4}, 0), Box({0}, {4}, 0)};
+  auto s = ChunksToMap("t", {4}, twice, 1);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("repeats chunk 0 on the same rank"), std::string::npos)
+      << s.status().message();
+}
+
 TEST(DcpChunksToMap, ZeroDimensionalTensor) {
   const std::vector<DcpChunk> chunks = {Box({}, {}, 0)};
   auto map = ChunksToMap("scale", {}, chunks, 2);

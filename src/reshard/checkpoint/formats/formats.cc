@@ -10,6 +10,7 @@
 
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/communicator.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -214,6 +215,8 @@ constexpr std::array kFormats = {
                      CheckMegatron, OpenMegatron},
     CheckpointFormat{"deepspeed", "a DeepSpeed checkpoint", IsDeepSpeedCheckpoint, CheckDeepSpeed,
                      OpenDeepSpeedWithMaps},
+    CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
+                     OpenDcp},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
 };
 
