@@ -7,6 +7,7 @@
 #include <cctype>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
@@ -413,126 +414,240 @@ Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std:
 
 namespace {
 
-// HF tensors over the rank shards of a DCP source's tensors (the buffers).
+// HF tensors over the chunks of a DCP checkpoint's tensors: each saved chunk is a buffer, so
+// a tensor's shards are the chunks it touches and nothing more (a layer of a stacked key reads
+// that layer's chunks, not the whole stack). A chunk sits on its writing rank; in the rare case
+// that one HF tensor touches two chunks of one rank, the second goes to a further virtual rank
+// (slot s of rank r is rank s * W + r), since a map puts each rank's pieces in one buffer.
 class MegatronShardSource : public ShardSource {
  public:
-  MegatronShardSource(std::unique_ptr<ShardSource> inner, std::vector<std::string> extra_inputs)
-      : inner_(std::move(inner)), extra_inputs_(std::move(extra_inputs)) {}
+  MegatronShardSource(std::shared_ptr<const DcpCheckpoint> ckpt,
+                      std::vector<std::string> extra_inputs)
+      : ckpt_(std::move(ckpt)), extra_inputs_(std::move(extra_inputs)) {}
 
   const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override {
-    std::vector<std::string> in = inner_->inputs();
+    std::vector<std::string> in = {ckpt_->dir()};
+    for (const std::string& p : ckpt_->file_paths()) in.push_back(p);
     in.insert(in.end(), extra_inputs_.begin(), extra_inputs_.end());
     return in;
   }
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    RESHARD_ASSIGN_OR_RETURN(std::vector<ConstBuffer> buffers, inner_->AcquireShards(key_of_[i]));
-    const ParamMap& map = manifest_.params[i].map;
-    for (Rank r = 0; r < map.world_size(); ++r) {
-      // A rank that holds none of this tensor gives an empty shard.
-      if (!map.rank(r).is_buffered()) buffers[static_cast<size_t>(r)].num_elements = 0;
+    std::vector<ConstBuffer> buffers(static_cast<size_t>(manifest_.world_size));
+    const std::vector<ChunkRef>& chunks = chunks_of_[i];
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      Result<ConstBuffer> b = AcquireChunk(chunks[k]);
+      if (!b.ok()) {
+        for (size_t j = 0; j < k; ++j) ReleaseChunk(chunks[j]);
+        return b.status();
+      }
+      buffers[static_cast<size_t>(chunks[k].virtual_rank)] = *b;
     }
     return buffers;
   }
-  void ReleaseShards(size_t i) override { inner_->ReleaseShards(key_of_[i]); }
+  void ReleaseShards(size_t i) override {
+    for (const ChunkRef& c : chunks_of_[i]) ReleaseChunk(c);
+  }
 
   Status Build(const MegatronModelConfig& config, const std::string& dir);
 
  private:
-  std::unique_ptr<ShardSource> inner_;
+  struct ChunkRef {
+    size_t tensor = 0;  // into ckpt_->tensors()
+    size_t chunk = 0;   // into its chunks
+    Rank virtual_rank = 0;
+  };
+  struct Held {
+    int users = 0;
+    ConstBuffer buffer;
+    std::vector<std::byte> owned;
+  };
+
+  Result<ConstBuffer> AcquireChunk(const ChunkRef& c) {
+    const auto key = std::make_pair(c.tensor, c.chunk);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(key);
+      if (it != held_.end()) {
+        ++it->second->users;
+        return it->second->buffer;
+      }
+    }
+    auto h = std::make_shared<Held>();
+    RESHARD_ASSIGN_OR_RETURN(const auto bytes, ckpt_->ReadChunk(c.tensor, c.chunk, h->owned));
+    const DcpChunk& chunk = ckpt_->tensors()[c.tensor].chunks[c.chunk];
+    h->buffer = {bytes.data(), ProductOf(chunk.sizes)};
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, inserted] = held_.emplace(key, h);
+    ++it->second->users;
+    return it->second->buffer;
+  }
+  void ReleaseChunk(const ChunkRef& c) {
+    std::shared_ptr<Held> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(std::make_pair(c.tensor, c.chunk));
+      if (it == held_.end() || --it->second->users > 0) return;
+      done = std::move(it->second);
+      held_.erase(it);
+    }
+    ckpt_->ReleaseChunk(c.tensor, c.chunk);
+  }
+
+  std::shared_ptr<const DcpCheckpoint> ckpt_;
   std::vector<std::string> extra_inputs_;
   Manifest manifest_;
-  std::vector<size_t> key_of_;  // per HF tensor: its Megatron tensor, an index into inner_
+  std::vector<std::vector<ChunkRef>> chunks_of_;  // per HF tensor: the chunks it reads
+  std::mutex mu_;
+  std::map<std::pair<size_t, size_t>, std::shared_ptr<Held>> held_;
+};
+
+// One HF tensor while the source is built.
+struct PlannedPart {
+  MegatronPart part;
+  size_t tensor = 0;
+  // Per chunk it touches: the chunk and its pieces (dest relative to the chunk's start).
+  std::vector<std::pair<size_t, std::vector<Piece>>> pieces;
 };
 
 Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir) {
-  const Manifest& keys = inner_->manifest();
-  manifest_.world_size = keys.world_size;
-  BufferSetBuilder buffers;
+  const int world = ckpt_->world_size();
   std::set<std::string> names;
   bool have_output_layer = false;
-  for (size_t k = 0; k < keys.params.size(); ++k) {
-    const ShardedParam& key = keys.params[k];
+  std::vector<PlannedPart> planned;
+  // Per tensor: each chunk's slot, and the vocabulary padding.
+  std::vector<std::vector<int>> slots(ckpt_->tensors().size());
+  std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
+  std::vector<bool> used(ckpt_->tensors().size(), false);
+  int max_slot = 0;
+  for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
+    const DcpTensor& tensor = ckpt_->tensors()[t];
     // The optimizer's state (Megatron's "optimizer." keys) is not part of the model.
-    if (std::string_view(key.name).starts_with("optimizer.")) continue;
-    const ParamMap& kmap = key.map;
+    if (tensor.optimizer_state || std::string_view(tensor.fqn).starts_with("optimizer.")) continue;
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
-                             MegatronPartsOf(config, key.name, kmap.logical_shape()));
-    if (key.name == "output_layer.weight") have_output_layer = true;
+                             MegatronPartsOf(config, tensor.fqn, tensor.shape));
+    if (tensor.fqn == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;
-    const Shape& shape = kmap.logical_shape();
-    const Shape strides = RowMajorStrides(shape);
-    // The stored boxes (DCP chunks) of each rank: offsets in the tensor, sizes, where in the
-    // rank's shard.
-    BufferDecl decl{key.name, key.dtype, {}};
-    decl.ranks.resize(static_cast<size_t>(kmap.world_size()));
-    for (Rank r = 0; r < kmap.world_size(); ++r) {
-      decl.ranks[static_cast<size_t>(r)].shape = kmap.rank(r).shard_shape;
-    }
-    const auto for_each_box = [&](auto&& fn) -> Status {
-      for (Rank r = 0; r < kmap.world_size(); ++r) {
-        for (const Piece& p : kmap.rank(r).pieces) {
-          if (p.source.strides != strides || p.shape.size() != shape.size()) {
-            return InternalError(fmt::format(
-                "Megatron tensor \"{}\": a DCP chunk that is not a row-major box", key.name));
-          }
-          fn(r, UnravelIndex(p.source.offset, shape), p.shape, p.dest);
-        }
-      }
-      return Status::Ok();
-    };
+    used[t] = true;
+    padding[t] = parts.padding_from;
+    const size_t first = planned.size();
     for (MegatronPart& part : parts.parts) {
-      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, shape)
-                                  .Annotate(fmt::format("Megatron tensor \"{}\"", key.name)));
+      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, tensor.shape)
+                                  .Annotate(fmt::format("Megatron tensor \"{}\"", tensor.fqn)));
       if (!names.insert(part.name).second) {
         return InvalidArgumentError(fmt::format(
             "Megatron tensor \"{}\" holds \"{}\", which another key holds too (the checkpoint "
             "has a layer both stacked and on its own?)",
-            key.name, part.name));
+            tensor.fqn, part.name));
       }
-      ParamMapBuilder b;
-      b.set_logical_shape(part.shape);
-      b.set_world_size(kmap.world_size());
-      std::vector<bool> held(static_cast<size_t>(kmap.world_size()), false);
-      RESHARD_RETURN_IF_ERROR(
-          for_each_box([&](Rank r, const Shape& off, const Shape& sizes, const StridedView& dest) {
-            for (Piece& piece : RegionPieces(part.region, off, sizes, dest, r)) {
-              b.add_piece(r, std::move(piece));
-              held[static_cast<size_t>(r)] = true;
-            }
-          }));
-      for (Rank r = 0; r < kmap.world_size(); ++r) {
-        if (held[static_cast<size_t>(r)]) {
-          b.set_buffer(r, key.name);
-          b.set_shard_shape(r, kmap.rank(r).shard_shape);
-        } else {
-          b.set_shard_shape(r, {0});
+      PlannedPart p{std::move(part), t, {}};
+      for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+        const DcpChunk& chunk = tensor.chunks[c];
+        if (ProductOf(chunk.sizes) == 0) continue;
+        std::vector<Piece> pieces = RegionPieces(p.part.region, chunk.offsets, chunk.sizes,
+                                                 {0, RowMajorStrides(chunk.sizes)}, 0);
+        if (!pieces.empty()) p.pieces.emplace_back(c, std::move(pieces));
+      }
+      planned.push_back(std::move(p));
+    }
+    // Slots: chunks of one rank that one HF tensor both touches (and that are not the same box
+    // saved twice) must differ.
+    std::vector<std::set<size_t>> conflicts(tensor.chunks.size());
+    for (size_t k = first; k < planned.size(); ++k) {
+      const auto& touched = planned[k].pieces;
+      for (size_t a = 0; a < touched.size(); ++a) {
+        for (size_t b = a + 1; b < touched.size(); ++b) {
+          const DcpChunk& x = tensor.chunks[touched[a].first];
+          const DcpChunk& y = tensor.chunks[touched[b].first];
+          if (x.rank == y.rank) {
+            conflicts[touched[a].first].insert(touched[b].first);
+            conflicts[touched[b].first].insert(touched[a].first);
+          }
         }
       }
-      Result<ParamMap> map = b.Finalize();
-      if (!map.ok()) {
-        return map.status().Annotate(
-            fmt::format("\"{}\" from Megatron tensor \"{}\"", part.name, key.name));
+    }
+    slots[t].assign(tensor.chunks.size(), 0);
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      std::set<int> taken;
+      for (size_t o : conflicts[c]) {
+        if (o < c) taken.insert(slots[t][o]);
       }
-      manifest_.params.push_back(ShardedParam{part.name, key.dtype, *std::move(map), {}, 1});
-      key_of_.push_back(k);
+      int s = 0;
+      while (taken.count(s) != 0) ++s;
+      slots[t][c] = s;
+      max_slot = std::max(max_slot, s);
     }
-    if (parts.padding_from) {
-      // Rows [padding_from, rows) of every stored box: zeros no HF tensor holds.
-      const Index from = *parts.padding_from;
-      RESHARD_RETURN_IF_ERROR(
-          for_each_box([&](Rank r, const Shape& off, const Shape& sizes, const StridedView& dest) {
-            const Index lo = std::max(off[0], from);
-            const Index hi = off[0] + sizes[0];
-            if (lo >= hi) return;
-            BufferBlock block;
-            block.shape = sizes;
-            block.shape[0] = hi - lo;
-            block.view = {dest.offset + (lo - off[0]) * dest.strides[0], dest.strides};
-            decl.ranks[static_cast<size_t>(r)].padding.push_back(std::move(block));
-          }));
+  }
+  const int vworld = world * (max_slot + 1);
+  manifest_.world_size = vworld;
+  const auto vrank = [&](size_t t, size_t c) {
+    return static_cast<Rank>(slots[t][c] * world + ckpt_->tensors()[t].chunks[c].rank);
+  };
+  const auto buffer_name = [&](size_t t, size_t c) {
+    const DcpChunk& chunk = ckpt_->tensors()[t].chunks[c];
+    return fmt::format("{}[{}]@{}", ckpt_->tensors()[t].fqn, fmt::join(chunk.offsets, ","),
+                       chunk.rank);
+  };
+  for (PlannedPart& p : planned) {
+    const DcpTensor& tensor = ckpt_->tensors()[p.tensor];
+    // The same box saved by several ranks is one piece they hold together.
+    std::map<std::pair<Shape, Shape>, std::vector<Rank>> holders;
+    for (const auto& [c, pieces] : p.pieces) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      holders[{chunk.offsets, chunk.sizes}].push_back(vrank(p.tensor, c));
     }
-    buffers.add(std::move(decl));
+    for (auto& [box, ranks] : holders) std::sort(ranks.begin(), ranks.end());
+    ParamMapBuilder b;
+    b.set_logical_shape(p.part.shape);
+    b.set_world_size(vworld);
+    for (Rank r = 0; r < vworld; ++r) b.set_shard_shape(r, {0});
+    std::vector<ChunkRef> refs;
+    for (auto& [c, pieces] : p.pieces) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      const Rank r = vrank(p.tensor, c);
+      for (Piece& piece : pieces) {
+        piece.locations = holders[{chunk.offsets, chunk.sizes}];
+        b.add_piece(r, std::move(piece));
+      }
+      b.set_buffer(r, buffer_name(p.tensor, c));
+      b.set_shard_shape(r, {ProductOf(chunk.sizes)});
+      refs.push_back({p.tensor, c, r});
+    }
+    Result<ParamMap> map = b.Finalize();
+    if (!map.ok()) {
+      return map.status().Annotate(
+          fmt::format("\"{}\" from Megatron tensor \"{}\"", p.part.name, tensor.fqn));
+    }
+    manifest_.params.push_back(ShardedParam{p.part.name, tensor.dtype, *std::move(map), {}, 1});
+    chunks_of_.push_back(std::move(refs));
+  }
+  // Every chunk of every tensor used is a buffer, so one that no HF tensor fills is found.
+  BufferSetBuilder buffers;
+  for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
+    if (!used[t]) continue;
+    const DcpTensor& tensor = ckpt_->tensors()[t];
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      if (ProductOf(chunk.sizes) == 0) continue;
+      BufferDecl decl{buffer_name(t, c), tensor.dtype, {}};
+      decl.ranks.resize(static_cast<size_t>(vworld), BufferRank{{0}, {}});
+      BufferRank& mine = decl.ranks[static_cast<size_t>(vrank(t, c))];
+      mine.shape = {ProductOf(chunk.sizes)};
+      if (padding[t]) {
+        // Rows [padding_from, rows) of the chunk: zeros no HF tensor holds.
+        const Index lo = std::max(chunk.offsets[0], *padding[t]);
+        const Index hi = chunk.offsets[0] + chunk.sizes[0];
+        if (lo < hi) {
+          BufferBlock block;
+          block.shape = chunk.sizes;
+          block.shape[0] = hi - lo;
+          const Shape strides = RowMajorStrides(chunk.sizes);
+          block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
+          mine.padding.push_back(std::move(block));
+        }
+      }
+      buffers.add(std::move(decl));
+    }
   }
   if (!have_output_layer && !config.tie_word_embeddings.value_or(false)) {
     return InvalidArgumentError(fmt::format(
@@ -608,8 +723,7 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(dir));
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
-  auto source = std::make_unique<MegatronShardSource>(
-      DcpSource(std::move(ckpt), DcpSourceOptions{.weights_only = true}), std::move(extra));
+  auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
   RESHARD_RETURN_IF_ERROR(source->Build(config, dir));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
