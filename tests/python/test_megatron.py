@@ -203,3 +203,86 @@ def test_refusals_name_the_problem_and_write_nothing(reshard_bin, tmp_path, save
     r = run(reshard_bin, "convert", ckpt, "--tp", 2, "-o", out, "--config", tmp_path / "layers.json")
     assert r.returncode == 2 and "num_hidden_layers" in r.stderr, r.stderr
     assert not out.exists()
+
+
+# A Megatron layout written by torch's DCP itself (world 1, gloo): rank 0 saves linear_qkv as
+# two local shards cut inside a query group (rows [0, 7) and [7, 36)), so q_proj reads two
+# chunks of one rank; everything else is one chunk.
+TORCH_WRITER = r'''
+import json, sys, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+out, pg = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+g = torch.Generator().manual_seed(3)
+def t(*shape):
+    return torch.randn(*shape, generator=g)
+qkv = t(36, 8)
+state = {
+    "embedding.word_embeddings.weight": t(12, 8), "output_layer.weight": t(12, 8),
+    "decoder.final_layernorm.weight": t(8),
+    "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t(8),
+    "decoder.layers.0.self_attention.linear_proj.weight": t(8, 24),
+    "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": t(8),
+    "decoder.layers.0.mlp.linear_fc1.weight": t(20, 8),
+    "decoder.layers.0.mlp.linear_fc2.weight": t(8, 10),
+    "decoder.layers.0.self_attention.linear_qkv.weight": init_from_local_shards(
+        [Shard(qkv[:7].clone(), ShardMetadata([0, 0], [7, 8], "rank:0/cpu")),
+         Shard(qkv[7:].clone(), ShardMetadata([7, 0], [29, 8], "rank:0/cpu"))], [36, 8]),
+}
+full = {k: (qkv if k.endswith("linear_qkv.weight") else v) for k, v in state.items()}
+dcp.save(state, checkpoint_id=out)
+json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}, open(out + "/metadata.json", "w"))
+torch.save(full, out + "/../full.pt")
+dist.destroy_process_group()
+'''
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+         "hidden_size": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 3,
+         "intermediate_size": 10, "vocab_size": 10, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 16, "tie_word_embeddings": False, "hidden_act": "silu",
+         "torch_dtype": "float32"}
+
+
+def test_torch_written_chunks_inside_a_query_group(reshard_bin, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-c", TORCH_WRITER, str(ckpt), str(tmp_path / "pg")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", tmp_path / "config.json")
+    assert r.returncode == 0, r.stderr
+    full = torch.load(tmp_path / "full.pt")
+    got = load_file(str(out / "model.safetensors"))
+    qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"].view(2, 6, 3, 8)
+    fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+    want = {
+        "model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:10],
+        "lm_head.weight": full["output_layer.weight"][:10],
+        "model.norm.weight": full["decoder.final_layernorm.weight"],
+        "model.layers.0.input_layernorm.weight":
+            full["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"],
+        "model.layers.0.post_attention_layernorm.weight":
+            full["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"],
+        "model.layers.0.self_attn.q_proj.weight": qkv[:, :4].reshape(24, 8),
+        "model.layers.0.self_attn.k_proj.weight": qkv[:, 4].reshape(6, 8),
+        "model.layers.0.self_attn.v_proj.weight": qkv[:, 5].reshape(6, 8),
+        "model.layers.0.self_attn.o_proj.weight":
+            full["decoder.layers.0.self_attention.linear_proj.weight"],
+        "model.layers.0.mlp.gate_proj.weight": fc1[:10],
+        "model.layers.0.mlp.up_proj.weight": fc1[10:],
+        "model.layers.0.mlp.down_proj.weight": full["decoder.layers.0.mlp.linear_fc2.weight"],
+    }
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bits(got[k], want[k].contiguous()), k
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # A config with a layer more than the checkpoint holds: refused, naming the layer.
+    (tmp_path / "two.json").write_text(json.dumps(dict(LLAMA, num_hidden_layers=2)))
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf2", "--config", tmp_path / "two.json")
+    assert r.returncode == 2 and "layer 1" in r.stderr, r.stderr
