@@ -168,12 +168,20 @@ def test_convert_to_tp2_and_back_is_the_same_checkpoint(reshard_bin, tmp_path, s
     # transformers' TP 2 layout: q_proj split by rows, the experts fused per layer into buffers.
     q = manifest["params"]["model.layers.0.self_attn.q_proj.weight"]["map"]
     assert [q["ranks"][r]["shard_shape"] for r in ("0", "1")] == [[32, 64], [32, 64]]
-    r = run(reshard_bin, "gather", sharded, "-o", back)
+    # And at EP 2: whole experts per rank, in transformers' stacked buffers.
+    ep = tmp_path / "ep2"
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--tp", 2, "-o", ep,
+            "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')
     assert r.returncode == 0, r.stderr
-    a, b = load_file(str(direct / "model.safetensors")), load_file(str(back / "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert same_bits(a[k], b[k]), k
+    assert json.loads((ep / "reshard.json").read_text())["buffers"]
+    a = load_file(str(direct / "model.safetensors"))
+    for src in (sharded, ep):
+        r = run(reshard_bin, "gather", src, "-o", back, "--force")
+        assert r.returncode == 0, r.stderr
+        b = load_file(str(back / "model.safetensors"))
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert same_bits(a[k], b[k]), (src.name, k)
 
 
 def test_python_gather_takes_the_config(tmp_path, saved):
@@ -282,6 +290,16 @@ def test_torch_written_chunks_inside_a_query_group(reshard_bin, tmp_path):
         assert same_bits(got[k], want[k].contiguous()), k
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # A training save dir: latest_checkpointed_iteration.txt names the iteration.
+    save = tmp_path / "save"
+    save.mkdir()
+    ckpt.rename(save / "iter_0000020")
+    ckpt = save / "iter_0000020"
+    (save / "latest_checkpointed_iteration.txt").write_text("20\n")
+    r = run(reshard_bin, "gather", save, "-o", tmp_path / "hf1", "--config", tmp_path / "config.json")
+    assert r.returncode == 0, r.stderr
+    again = load_file(str(tmp_path / "hf1" / "model.safetensors"))
+    assert all(same_bits(again[k], got[k]) for k in got)
     # A config with a layer more than the checkpoint holds: refused, naming the layer.
     (tmp_path / "two.json").write_text(json.dumps(dict(LLAMA, num_hidden_layers=2)))
     r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf2", "--config", tmp_path / "two.json")
