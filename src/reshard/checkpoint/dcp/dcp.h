@@ -100,7 +100,8 @@ struct DcpMetadata {
 /// and Megatron-Core's planner records. Read as inert records only.
 const std::vector<std::string>& DcpPickleClasses();
 
-/// Reads a `.metadata` pickle (`bytes`). `name` names the file in errors. Ranks come from the
+/// Reads a `.metadata` pickle (`bytes`), with up to 2^25 objects and memo entries (a large
+/// job's metadata lists millions of chunks). `name` names the file in errors. Ranks come from the
 /// item files' names (`__{r}_{n}.distcp`; a file named otherwise gets a rank of its own after
 /// the highest). InvalidArgument for a global outside the allowlist; DataLoss for a malformed
 /// pickle or records that are not what torch writes (naming the key and field). Chunks are

@@ -411,6 +411,10 @@ bool Intersect(const DcpChunk& a, const DcpChunk& b) {
 Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, std::string_view name) {
   PickleOptions options;
   options.extra_record_classes = DcpPickleClasses();
+  // A large job's metadata lists every rank's chunks (Megatron's also every rank's save plan):
+  // millions of objects. Each still costs bytes of the input.
+  options.limits.max_nodes = size_t{1} << 25;
+  options.limits.max_memo = size_t{1} << 25;
   auto tree = ParsePickle(bytes, options);
   if (!tree.ok()) {
     return Status(tree.status().code(), fmt::format("{}: {}", name, tree.status().message()));

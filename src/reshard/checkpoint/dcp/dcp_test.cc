@@ -180,6 +180,16 @@ TEST(DcpMetadata, ReadsMegatronPlannerRecords) {
   EXPECT_EQ(md->bytes_items[0].location.offset, 100u);
 }
 
+// torch 2.0/2.1: TensorProperties from torch.distributed._shard, pickle protocol 2.
+TEST(DcpMetadata, ReadsOlderTorchsShardTensorProperties) {
+  auto md = ParseDcpMetadata(ReadSeed("shard_properties.metadata"), "old");
+  ASSERT_TRUE(md.ok()) << md.status().message();
+  ASSERT_EQ(md->tensors.size(), 1u);
+  EXPECT_EQ(md->tensors[0].dtype, DType::kF16);
+  EXPECT_EQ(md->tensors[0].shape, Shape({3}));
+  EXPECT_EQ(md->tensors[0].chunks[0].location.length, 10u);
+}
+
 TEST(DcpMetadata, RefusesGlobalsOutsideTheAllowlist) {
   const std::string evil =
       "\x80\x02"
