@@ -224,6 +224,21 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
   });
 }
 
+// `reshard convert --to dcp --world N`: any checkpoint -> a PyTorch Distributed Checkpoint
+// saved for `world` ranks.
+void PyConvertToDcp(const std::string& dir, int world, const std::string& out_dir,
+                    bool weights_only, const std::optional<std::string>& config,
+                    const PyCheckpointOptions& o) {
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = weights_only;
+  source.config_path = config.value_or("");
+  CheckOptions(dir, source);
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return WriteDcpCheckpoint(dir, source, world, out_dir, options);
+  });
+}
+
 py::object OptionalInt(const std::optional<int64_t>& v) {
   return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
@@ -305,6 +320,7 @@ void BindFiles(py::module_& m) {
   m.def("gather", &PyGather);
   m.def("convert", &PyConvert);
   m.def("convert_to_universal", &PyConvertToUniversal);
+  m.def("convert_to_dcp", &PyConvertToDcp);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));

@@ -180,7 +180,8 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string distributed_config;
-  std::string to;  // "universal": a DeepSpeed universal checkpoint instead of a sharded dir
+  std::string to;  // "universal" or "dcp": that format instead of a sharded dir
+  int world = 0;   // --to dcp: the world size it is saved for
   std::string target_maps;
   bool weights_only = false;
   std::string config;
@@ -297,10 +298,11 @@ Status RunGather(const GatherArgs& args) {
 // convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
 // resumes from at any TP x DP.
 Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& options) {
-  if (args.tp != 0 || !args.target_maps.empty() || args.weights_only ||
+  if (args.tp != 0 || args.world != 0 || !args.target_maps.empty() || args.weights_only ||
       !args.max_shard_size.empty()) {
     return InvalidArgumentError(
-        "--to universal takes no --tp, --target-maps, --weights-only or --max-shard-size: the "
+        "--to universal takes no --tp, --world, --target-maps, --weights-only or --max-shard-size: "
+        "the "
         "universal checkpoint holds full tensors of every optimizer state");
   }
   if (!IsDeepSpeedCheckpoint(args.input)) {
@@ -318,6 +320,32 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   return Status::Ok();
 }
 
+// convert --to dcp: any checkpoint into a PyTorch Distributed Checkpoint saved for --world
+// ranks (FSDP2's dim-0 chunks), which torch.distributed.checkpoint loads at any world size.
+Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options) {
+  if (!args.target_maps.empty() || !args.max_shard_size.empty() ||
+      !args.distributed_config.empty()) {
+    return InvalidArgumentError(
+        "--to dcp takes no --target-maps, --distributed-config or --max-shard-size: a DCP "
+        "checkpoint holds each tensor in dim-0 chunks, one file per rank");
+  }
+  if (args.world < 1)
+    return InvalidArgumentError("--to dcp needs --world N (the ranks it is saved for)");
+  const auto t0 = std::chrono::steady_clock::now();
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = args.weights_only;
+  source.config_path = args.config;
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      WriteDcpCheckpoint(args.input, source, args.world, args.output, options), args.force));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to a DCP checkpoint for {} ranks in \"{}\" ({:.2f} s)",
+                     args.input, args.world, args.output, seconds),
+         seconds);
+  return Status::Ok();
+}
+
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
@@ -325,14 +353,19 @@ Status RunConvert(const ConvertArgs& args) {
       Options(
           args, bar,
           Describe("convert", args,
-                   Joined(RunDescription{{"--tp", std::to_string(args.tp)}, {"--to", args.to}},
+                   Joined(RunDescription{{"--tp", std::to_string(args.tp)},
+                                         {"--to", args.to},
+                                         {"--world", std::to_string(args.world)}},
                           DistributedConfigInput(args.distributed_config),
                           OptionalInput("--target-maps", args.target_maps),
                           OptionalInput("--config", args.config),
                           RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps, args.config}));
+  if (args.to == "dcp") return RunConvertToDcp(args, options);
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
-  if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
+  if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
+  if (args.tp < 1)
+    return InvalidArgumentError("give --tp N (or --to universal, or --to dcp --world N)");
   std::optional<MapDocument> target;
   if (!args.target_maps.empty()) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
@@ -436,9 +469,14 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
-                  "(what ds_to_universal writes; OUT/latest_universal names its folder)")
-      ->check(CLI::IsMember({"universal"}))
+                  "(what ds_to_universal writes; OUT/latest_universal names its folder); dcp: a "
+                  "PyTorch Distributed Checkpoint saved for --world ranks")
+      ->check(CLI::IsMember({"universal", "dcp"}))
       ->excludes(tp);
+  cmd->add_option("--world", args->world,
+                  "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
+                  "shards); torch loads it at any world size")
+      ->check(IntegerIn(1, 1 << 20));
   auto target =
       cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_option("--distributed-config", args->distributed_config,

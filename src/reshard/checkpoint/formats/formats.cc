@@ -11,6 +11,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/communicator.h"
 #include "reshard/checkpoint/dcp/dcp.h"
+#include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
@@ -230,6 +231,18 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, i
     RESHARD_ASSIGN_OR_RETURN(target, opened.target_maps(world_size));
   }
   return ConvertFrom(*opened.source, world_size, target, out_dir, options);
+}
+
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                          const std::string& out_dir, const CheckpointOptions& options) {
+  if (world_size < 1) {
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  }
+  SourceOptions s = source;
+  s.use = SourceUse::kConvert;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
+  if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
+  return WriteDcp(*opened.source, world_size, out_dir, options);
 }
 
 }  // namespace reshard

@@ -57,6 +57,11 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, i
                          const std::optional<MapDocument>& target_maps, const std::string& out_dir,
                          const CheckpointOptions& options = {});
 
+/// Any checkpoint -> PyTorch Distributed Checkpoint saved for `world_size` ranks (WriteDcp:
+/// its tensors as a convert opens them, optimizer state included unless weights_only).
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                          const std::string& out_dir, const CheckpointOptions& options = {});
+
 }  // namespace reshard
 
 #endif  // RESHARD_CHECKPOINT_FORMATS_FORMATS_H_
