@@ -168,6 +168,16 @@ def test_replicas_that_disagree_fail_the_check(dcp_root, reshard_bin, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_reads_what_convert_to_dcp_writes(dcp_root, reshard_bin, tmp_path):
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--to", "dcp", "--world", "3", "-o",
+            tmp_path / "w3")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "w3", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                model_only(torch_reference(dcp_root / "mesh", tmp_path)))
+
+
 def test_hf_storage_variant(dcp_root, reshard_bin, tmp_path):
     ckpt = dcp_root / "hf"
     assert list((ckpt / "sharded").glob("shard-*-model-*-of-*.safetensors"))

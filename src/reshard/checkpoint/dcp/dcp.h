@@ -108,7 +108,8 @@ const std::vector<std::string>& DcpPickleClasses();
 /// not yet checked against each other (ChunksToMap does).
 Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, std::string_view name);
 
-/// Whether a key is optimizer state: its first path element (the top-level state-dict key) is
+/// Whether a key is optimizer state: its first path element up to a dot (the top-level
+/// state-dict key, also where a writer records flat keys as one-element paths) is
 /// "optim", "optimizer" or "optimizers" (FSDP2's get_state_dict saved as {"model", "optim"},
 /// TorchTitan's "optimizer", Megatron's "optimizer").
 bool IsDcpOptimizerState(std::span<const std::string> path);

@@ -78,7 +78,10 @@ const std::vector<std::string>& DcpPickleClasses() {
 
 bool IsDcpOptimizerState(std::span<const std::string> path) {
   if (path.empty()) return false;
-  const std::string& top = path.front();
+  // The top-level key: the path's first element, up to a dot (a writer that records flat
+  // keys as one-element paths, e.g. ("optim.state.w.exp_avg",), names it there).
+  const std::string_view first = path.front();
+  const std::string_view top = first.substr(0, first.find('.'));
   return top == "optim" || top == "optimizer" || top == "optimizers";
 }
 

@@ -221,6 +221,10 @@ TEST(DcpMetadata, OptimizerStateRule) {
   EXPECT_TRUE(IsDcpOptimizerState(a));
   EXPECT_TRUE(IsDcpOptimizerState(b));
   EXPECT_FALSE(IsDcpOptimizerState(c));
+  const std::vector<std::string> flat = {"optimizer.state.w.exp_avg"};
+  const std::vector<std::string> model = {"model.optimizer_head.weight"};
+  EXPECT_TRUE(IsDcpOptimizerState(flat));
+  EXPECT_FALSE(IsDcpOptimizerState(model));
 }
 
 }  // namespace
