@@ -446,8 +446,8 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Hugging Face "
-                   "(docs/formats.md)",
+                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
+                   "torch_dist (docs/formats.md)",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
@@ -461,8 +461,8 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Hugging Face "
-                   "(docs/formats.md)",
+                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
+                   "torch_dist, Hugging Face (docs/formats.md)",
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
                 "DeepSpeed or DCP input: the model's weights only, no optimizer state");
