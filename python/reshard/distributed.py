@@ -63,11 +63,73 @@ def _message(e: Exception) -> str:
     return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
-def _members(group: Any) -> list[int]:
-    import torch.distributed as dist
-    if group is None:
-        return list(range(dist.get_world_size()))
-    return [int(r) for r in dist.get_process_group_ranks(group)]
+class Transport:
+    """How a :class:`Redistributor` reaches the other processes: the group's members (ranks
+    as the rank lists name them), this process's rank, one collective (every member's value)
+    and point-to-point exchange of byte chunks. The default, made from ``group=`` (a
+    torch.distributed group or None for the world), uses torch.distributed's own functions;
+    a group that torch.distributed does not know of (a ``ProcessGroup`` built over a store
+    of its own, beside a default group of other processes) gives its own subclass as
+    ``group=``."""
+
+    rank: int
+    members: list[int]
+
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every member's ``value``, in member order (a collective)."""
+        raise NotImplementedError
+
+    def any_flag(self, flag: bool) -> bool:
+        """Whether any member passed True (a collective)."""
+        return any(self.gather_object(bool(flag)))
+
+    def device(self) -> "torch.device":
+        """Where the chunks sent and received live (the CPU for gloo, the GPU for NCCL)."""
+        import torch
+        return torch.device("cpu")
+
+    def exchange(self, sends: "list[tuple[torch.Tensor, int]]",
+                 receives: "list[tuple[torch.Tensor, int]]") -> list[Any]:
+        """Start sending and receiving the ``(chunk, peer)`` pairs at once; the handles
+        returned are waited on (``wait()``) before the chunks are reused."""
+        raise NotImplementedError
+
+
+class _TorchGroup(Transport):
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+        self._group = group
+        self.rank = dist.get_rank()
+        self.members = (list(range(dist.get_world_size())) if group is None else
+                        [int(r) for r in dist.get_process_group_ranks(group)])
+
+    def gather_object(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+        out: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def any_flag(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device())
+        dist.all_reduce(t, group=self._group)
+        return bool(int(t.item()))
+
+    def device(self) -> "torch.device":
+        import torch
+        import torch.distributed as dist
+        backend = str(dist.get_backend(self._group)).lower()
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def exchange(self, sends: "list[tuple[torch.Tensor, int]]",
+                 receives: "list[tuple[torch.Tensor, int]]") -> list[Any]:
+        import torch.distributed as dist
+        ops = [dist.P2POp(dist.isend, t, peer, self._group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, self._group) for t, peer in receives]
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _torch_dtype(name: str) -> "torch.dtype":
@@ -157,10 +219,9 @@ class Redistributor:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
                  num_threads: int = 0, _error: Optional[str] = None) -> None:
-        import torch.distributed as dist
-        self._group = group
-        self._me = dist.get_rank()
-        self._members = _members(group)
+        self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
+        self._me = self._comm.rank
+        self._members = list(self._comm.members)
         self._exchange: Optional[_core.Exchange] = None
         self._dtypes: Optional[list[str]] = None
         self.last_stats: Optional[dict[str, int]] = None
@@ -215,10 +276,7 @@ class Redistributor:
     # -- agreement ------------------------------------------------------------------------
 
     def _gather(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
-        out: list[Any] = [None] * len(self._members)
-        dist.all_gather_object(out, value, group=self._group)
-        return out
+        return self._comm.gather_object(value)
 
     def _raise_any(self, errors: list[Optional[str]]) -> None:
         failed = [(self._members[i], e) for i, e in enumerate(errors) if e is not None]
@@ -342,11 +400,7 @@ class Redistributor:
         self._dtypes = list(first)
 
     def _agree_on_run(self, error: Optional[str], device: "torch.device") -> None:
-        import torch
-        import torch.distributed as dist
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, group=self._group)
-        if int(flag.item()):
+        if self._comm.any_flag(error is not None):
             self._raise_any([e for e in self._gather(error)])
 
     def _targets(self, out: Optional[Mapping[str, "torch.Tensor"]], device: Any
@@ -443,16 +497,11 @@ class Redistributor:
         return out
 
     def _comm_device(self) -> "torch.device":
-        import torch
-        import torch.distributed as dist
-        backend = str(dist.get_backend(self._group)).lower()
-        if "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return self._comm.device()
 
     def run(self, shards: Mapping[str, "torch.Tensor"],
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
-            dry_run: bool = False) -> Any:
+            dry_run: bool = False, _error: Optional[str] = None) -> Any:
         """This process's source shards ``{name: tensor}`` (empty when it holds none) -> its
         target shards ``{name: tensor}`` (empty when it holds none), written into ``out`` where
         given. With ``dry_run`` the shards are checked and :meth:`schedule` is returned;
@@ -462,6 +511,8 @@ class Redistributor:
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
         try:
+            if _error is not None:  # a caller's own failure, agreed like the checks' failures
+                raise RedistributeError(_error)
             local = self._check_shards(shards)
         except Exception as e:  # told to every process by the agreement
             error = _message(e)
@@ -501,7 +552,6 @@ class Redistributor:
     def _move(self, sources: list[Optional["torch.Tensor"]],
               targets: list[Optional["torch.Tensor"]], comm: "torch.device") -> None:
         import torch
-        import torch.distributed as dist
         ex = self._exchange
         assert ex is not None
         me = self._me
@@ -535,21 +585,21 @@ class Redistributor:
         if rounds:
             pack(0)
         for k in range(rounds):
-            ops = []
+            outgoing: list[tuple[torch.Tensor, int]] = []
+            incoming: list[tuple[torch.Tensor, int]] = []
             staged: list[tuple[int, int, torch.Tensor]] = []
             for peer, off, n in send_rounds[k]:
                 buf = send_bufs[k % 2][off:off + n]
-                ops.append(dist.P2POp(dist.isend, buf if comm.type == "cpu" else buf.to(comm),
-                                      peer, self._group))
+                outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
                 sent += n
             for peer, off, n in recv_rounds[k]:
                 buf = recv_buf[off:off + n]
                 if comm.type != "cpu":
                     buf = torch.empty(n, dtype=torch.uint8, device=comm)
                     staged.append((off, n, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self._group))
+                incoming.append((buf, peer))
                 received += n
-            requests = dist.batch_isend_irecv(ops) if ops else []
+            requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
                 ex.copy_local(me, src, dst, self._options)
             if k + 1 < rounds:
@@ -607,4 +657,5 @@ def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, M
     return r.run(shards, out, dry_run=dry_run)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "redistribute"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "Transport",
+           "redistribute"]
