@@ -217,12 +217,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         and layer-wise reload (what a full-tensor weight sync does)."""
         from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                              initialize_layerwise_reload)
-        from ..distributed import _torch_dtype
         comm = self._comm
         assert comm is not None
         initialize_layerwise_reload(self.model)
         for name, dtype, shape in tensors:
-            t = torch.empty(shape, dtype=_torch_dtype(dtype), device=comm.device())
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device())
             comm.recv(t, 0)
             self.model.load_weights([(name, t)])
         finalize_layerwise_reload(self.model, self.model_config)

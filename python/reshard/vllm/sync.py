@@ -338,6 +338,61 @@ class WeightSync:
         here = int(ex.stats(self._rank)["sent"])
         return SyncStats(sent, self.plan_minimum(), here, seconds)
 
+    # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
+
+    def _push_raw(self) -> SyncStats:
+        """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
+        own time for what a push moves."""
+        import torch
+        comm = self.transport
+        ex = self.redistributor._exchange
+        assert ex is not None
+        by_round: dict[int, list[tuple[int, int]]] = {}
+        for k, peer, n in ex.sends(self._rank):
+            by_round.setdefault(k, []).append((peer, n))
+        top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
+        scratch = torch.zeros(top, dtype=torch.uint8, device=comm.device())
+
+        def send() -> None:
+            for k in sorted(by_round):
+                at, outgoing = 0, []
+                for peer, n in by_round[k]:
+                    outgoing.append((scratch[at:at + n], peer))
+                    at += n
+                for w in comm.exchange(outgoing, []):
+                    w.wait()
+        return self._push({"step": self._steps, "mode": "raw"}, send)
+
+    def _push_full(self, maps: Mapping[str, MapLike], shards: Mapping[str, "torch.Tensor"]
+                   ) -> SyncStats:
+        """The full-tensor path: the trainer processes gather every tensor whole on process
+        0, which sends each to every worker, where vLLM's own loaders slice it (layer-wise
+        reload). Unbuffered source maps only."""
+        import torch
+        import torch.distributed as dist
+        from .._tensors import rebuild
+        comm = self.transport
+        names = sorted(maps)
+        tensors = []
+        for n in names:
+            m = as_map(maps[n])
+            tensors.append([n, str(shards[n].dtype).replace("torch.", ""),
+                            list(m.logical_shape)])
+
+        def send() -> None:
+            workers = range(self._trainers, self._trainers + self._workers)
+            for (name, _, _), n in zip(tensors, names):
+                mine = shards[n].contiguous()
+                parts = [mine]
+                if self._trainers > 1:
+                    parts = [torch.empty_like(mine) for _ in range(self._trainers)]
+                    dist.all_gather(parts, mine, group=self._group)
+                if self._rank == 0:
+                    full = rebuild(as_map(maps[n]), parts)
+                    for w in comm.exchange([(full, p) for p in workers], []):
+                        w.wait()
+        return self._push({"step": self._steps, "mode": "full", "tensors": tensors}, send)
+
     def close(self) -> None:
         """Leave the group (the engine keeps its weights and keeps serving)."""
         if self._client is not None:
