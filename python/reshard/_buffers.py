@@ -19,12 +19,14 @@ class Block(NamedTuple):
 
 class Buffer(NamedTuple):
     """One named rank tensor: its dtype name (``"BF16"``) and, per rank, its shape and the
-    blocks that are padding (left zero; no checkpoint tensor has them)."""
+    blocks that are padding (no checkpoint tensor has them); they hold ``fill`` (0 unless the
+    document says otherwise: a constant such as vLLM's attention scale ``_k_scale`` = 1)."""
 
     name: str
     dtype: str
     shapes: tuple[Shape, ...]
     padding: tuple[tuple[Block, ...], ...]
+    fill: float = 0.0
 
     def shape(self, rank: int) -> Shape:
         return self.shapes[rank]
@@ -42,7 +44,8 @@ def _buffer_from_dict(name: str, entry: Mapping[str, Any]) -> Buffer:
             Block(tuple(int(d) for d in b["shape"]),
                   (int(b["view"][0]), tuple(int(s) for s in b["view"][1])))
             for b in rank.get("padding", ())))
-    return Buffer(name, str(entry["dtype"]), tuple(shapes), tuple(padding))
+    return Buffer(name, str(entry["dtype"]), tuple(shapes), tuple(padding),
+                  float(entry.get("fill", 0.0)))
 
 
 class BufferSet:
@@ -91,11 +94,17 @@ class BufferSet:
         return [name for name, m in self._maps.items() if m.buffer(rank) == buffer]
 
     def empty(self, rank: int, *, like: Any = None) -> dict[str, Any]:
-        """Zeroed buffers of rank ``rank`` (``{name: tensor}``): torch tensors, or numpy arrays
-        when ``like`` is a numpy array (dtypes from the declarations; numpy needs ml_dtypes for
-        BF16 and FP8)."""
+        """New buffers of rank ``rank`` (``{name: tensor}``), every element the buffer's ``fill``
+        (zero unless declared): torch tensors, or numpy arrays when ``like`` is a numpy array
+        (dtypes from the declarations; numpy needs ml_dtypes for BF16 and FP8)."""
         from ._tensors import zeros_of
-        return {name: zeros_of(b.dtype, b.shapes[rank], like) for name, b in self._buffers.items()}
+        out = {}
+        for name, b in self._buffers.items():
+            t = zeros_of(b.dtype, b.shapes[rank], like)
+            if b.fill != 0.0:
+                t[...] = b.fill
+            out[name] = t
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The ``"buffers"`` object of a version-2 map document."""
@@ -119,7 +128,11 @@ def _buffer_to_dict(b: Buffer) -> dict[str, Any]:
             entry["padding"] = [{"shape": list(p.shape), "view": [p.view[0], list(p.view[1])]}
                                 for p in b.padding[r]]
         ranks[str(r)] = entry
-    return {"dtype": b.dtype, "ranks": ranks}
+    out: dict[str, Any] = {"dtype": b.dtype}
+    if b.fill != 0.0:
+        out["fill"] = b.fill
+    out["ranks"] = ranks
+    return out
 
 
 def read_buffers(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Optional[BufferSet]:

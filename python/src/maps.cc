@@ -159,6 +159,34 @@ void BindMaps(py::module_& m) {
         return MapHandle(*std::move(map));
       },
       py::arg("index_maps_json"), py::arg("allow_uncovered") = false);
+  // The same from index maps held in memory (int64 buffers: what a marker pass over a model's
+  // parameters yields), without a JSON text of every element.
+  m.def(
+      "infer_observed",
+      [](const Shape& logical_shape, const py::list& ranks, bool allow_uncovered) {
+        IndexMaps observed;
+        observed.logical_shape = logical_shape;
+        for (const py::handle& item : ranks) {
+          const auto [rank, shard_shape, buffer, index_map] =
+              py::cast<std::tuple<Rank, Shape, std::string, py::buffer>>(item);
+          const py::buffer_info info = index_map.request();
+          if (info.itemsize != 8 || (info.format != "l" && info.format != "q") || info.ndim != 1 ||
+              info.strides[0] != static_cast<py::ssize_t>(sizeof(int64_t))) {
+            throw py::value_error("rank " + std::to_string(rank) +
+                                  ": index_map must be a contiguous 1-D int64 buffer");
+          }
+          const auto* data = static_cast<const int64_t*>(info.ptr);
+          observed.ranks.push_back(
+              {rank, shard_shape, std::vector<Index>(data, data + info.shape[0]), {}, buffer});
+        }
+        Result<ParamMap> map = [&] {
+          py::gil_scoped_release release;
+          return Infer(observed, {.allow_uncovered = allow_uncovered});
+        }();
+        if (!map.ok()) Raise(map.status(), ErrorKind::kMap);
+        return MapHandle(*std::move(map));
+      },
+      py::arg("logical_shape"), py::arg("ranks"), py::arg("allow_uncovered") = false);
 }
 
 }  // namespace reshard::python

@@ -1,8 +1,21 @@
-"""reshard and vLLM (DESIGN 18): live weight sync from trainer processes into a running
-engine (:class:`WeightSync`; the engine side is the weight-transfer backend ``"reshard"``,
-:mod:`reshard.vllm.engine`, registered by the package's ``vllm.general_plugins`` entry
-point). Importing this module does not import vLLM."""
+"""reshard and vLLM (DESIGN 18): vLLM's layouts learned from vLLM itself, checkpoints that vLLM's
+sharded-state loader reads, and live weight sync into a running engine.
 
-from .sync import SyncStats, WeightSync, WeightSyncError, engine_maps
+- :func:`layout` (``python -m reshard.vllm layout MODEL_DIR --tp N -o MAPS.json``): the maps of
+  every checkpoint tensor onto vLLM's parameters at a tensor parallel degree, a version-2 map
+  document whose buffers are vLLM's parameters. ``reshard scatter HF_DIR --maps MAPS.json -o
+  OUT`` then writes files that ``LLM(model=OUT, load_format="sharded_state",
+  tensor_parallel_size=N)`` loads.
+- :class:`WeightSync`: trainer processes push their shards into a running engine, each worker
+  receiving only the bytes it lacks (the engine side is the weight-transfer backend
+  ``"reshard"``, :mod:`reshard.vllm.engine`, registered by the package's
+  ``vllm.general_plugins`` entry point).
 
-__all__ = ["SyncStats", "WeightSync", "WeightSyncError", "engine_maps"]
+Importing this package does not import vLLM; :func:`layout` does, and so do the engine's side
+and a :class:`WeightSync` that learns the engine's layout.
+"""
+
+from .layout import LayoutError, cache_dir, layout
+from .sync import SyncStats, WeightSync, WeightSyncError
+
+__all__ = ["LayoutError", "SyncStats", "WeightSync", "WeightSyncError", "cache_dir", "layout"]

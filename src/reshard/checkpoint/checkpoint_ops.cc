@@ -52,7 +52,6 @@ uint64_t ElementBytes(Index elements, DType dtype) {
   return static_cast<uint64_t>(elements) * DTypeSize(dtype);
 }
 
-
 // The bytes of every copy of `p`'s replicated pieces: what comparing its replicas reads.
 uint64_t ReplicaBytes(const ShardedParam& p) {
   uint64_t bytes = 0;
@@ -220,6 +219,20 @@ std::vector<int> OwnersOf(const std::vector<OutputFile>& files, int processes) {
   return BalanceByBytes(sizes, processes);
 }
 
+// Every element of `bytes` set to the buffer's fill value.
+Status FillBuffer(const BufferDecl& decl, std::span<std::byte> bytes) {
+  if (decl.fill == 0.0) {
+    std::memset(bytes.data(), 0, bytes.size());
+    return Status::Ok();
+  }
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<std::byte> element,
+                           ElementBytes(decl.dtype, decl.fill));
+  for (size_t at = 0; at + element.size() <= bytes.size(); at += element.size()) {
+    std::memcpy(bytes.data() + at, element.data(), element.size());
+  }
+  return Status::Ok();
+}
+
 Status WriteManifest(const OutputDirectory& out, const Manifest& m, bool sync) {
   return WriteFileAtomically(out.FilePath(kManifestName), ManifestToJson(m), {.sync = sync});
 }
@@ -229,6 +242,26 @@ Status WriteManifest(const OutputDirectory& out, const Manifest& m, bool sync) {
 // fill(param index, rank, buffer) straight into the writer's buffer; then the manifest, then
 // the commit. The manifest's file lists are filled in.
 using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
+
+// The files beside a model's weights that loaders read from the same directory (vLLM's
+// sharded-state loader among them: the output must stand for the model).
+constexpr const char* kModelSideFiles[] = {
+    "config.json",     "generation_config.json",  "tokenizer.json",     "tokenizer_config.json",
+    "tokenizer.model", "special_tokens_map.json", "added_tokens.json",  "vocab.json",
+    "merges.txt",      "chat_template.jinja",     "chat_template.json", "preprocessor_config.json"};
+
+// Copies those of `kModelSideFiles` that `from_dir` holds (regular files) into `out`.
+Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& out, bool sync) {
+  std::error_code ec;
+  if (from_dir.empty() || !std::filesystem::is_directory(from_dir, ec)) return Status::Ok();
+  for (const char* name : kModelSideFiles) {
+    const std::filesystem::path path = std::filesystem::path(from_dir) / name;
+    if (!std::filesystem::is_regular_file(path, ec)) continue;
+    RESHARD_ASSIGN_OR_RETURN(std::string contents, ReadFileToString(path.string()));
+    RESHARD_RETURN_IF_ERROR(WriteFileAtomically(out.FilePath(name), contents, {.sync = sync}));
+  }
+  return Status::Ok();
+}
 
 Status WriteSharded(const std::string& out_dir, std::span<const std::string> inputs,
                     Manifest& manifest, const CheckpointOptions& options,
@@ -245,18 +278,19 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
         std::vector<TensorToWrite> tensors;
         for (const RankTensor& t : f.tensors) {
           tensors.push_back({t.name, t.dtype, t.shape, [&](std::span<std::byte> buffer) -> Status {
-                               // A buffer's padding is left zero; every other element is
-                               // written by exactly one of its parameters' pieces.
+                               // A buffer's padding holds its fill (zero by default); every
+                               // other element is written by exactly one of its parameters'
+                               // pieces.
                                if (t.buffer != nullptr &&
                                    !t.buffer->ranks[static_cast<size_t>(f.rank)].padding.empty()) {
-                                 std::memset(buffer.data(), 0, buffer.size());
+                                 RESHARD_RETURN_IF_ERROR(FillBuffer(*t.buffer, buffer));
                                }
                                // The writer names the tensor in any error.
                                for (size_t i : t.params) {
                                  Status st = fill(i, f.rank, buffer);
                                  if (!st.ok() && t.buffer != nullptr) {
-                                   return std::move(st).Annotate(fmt::format(
-                                       "parameter \"{}\"", manifest.params[i].name));
+                                   return std::move(st).Annotate(
+                                       fmt::format("parameter \"{}\"", manifest.params[i].name));
                                  }
                                  RESHARD_RETURN_IF_ERROR(st);
                                }
@@ -274,6 +308,8 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
   for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
   return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest, options.sync));
+    // The first input is the source directory (the full checkpoint, the sharded one).
+    if (!inputs.empty()) RESHARD_RETURN_IF_ERROR(CopyModelSideFiles(inputs[0], out, options.sync));
     return out.Commit(options.sync);
   });
 }
@@ -427,7 +463,10 @@ std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
   for (size_t part = 0; part < parts.size(); ++part) {
     OutputFile f{!split ? std::string("model.safetensors")
                         : fmt::format("model-{:05d}-of-{:05d}.safetensors", part + 1, parts.size()),
-                 0, parts[part], 0, {}};
+                 0,
+                 parts[part],
+                 0,
+                 {}};
     for (size_t i : f.params) f.bytes += sizes[i];
     files.push_back(std::move(f));
   }

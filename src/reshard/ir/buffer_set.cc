@@ -3,6 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
 #include <unordered_map>
 
 #include "reshard/ir/box_cover.h"
@@ -60,6 +66,107 @@ const BufferDecl* BufferSet::Find(std::string_view name) const {
   return it != buffers_.end() && it->name == name ? &*it : nullptr;
 }
 
+namespace {
+
+template <typename T>
+std::vector<std::byte> BytesOf(T v) {
+  static_assert(std::endian::native == std::endian::little, "safetensors is little-endian");
+  std::vector<std::byte> out(sizeof(T));
+  std::memcpy(out.data(), &v, sizeof(T));
+  return out;
+}
+
+// An exact IEEE half, or nullopt: value = m * 2^e with m an integer of at most 11 bits.
+std::optional<uint16_t> ExactHalf(double value) {
+  const uint16_t sign = std::signbit(value) ? 0x8000 : 0;
+  const double a = std::fabs(value);
+  if (a == 0) return sign;
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  if (e - 1 < -14) {  // subnormal: a = k * 2^-24, k < 1024
+    const double k = std::ldexp(a, 24);
+    if (k != std::floor(k) || k >= 1024) return std::nullopt;
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(k));
+  }
+  if (e - 1 > 15) return std::nullopt;
+  const double frac = std::ldexp(a, 11 - e) - 1024;  // 10 mantissa bits below the leading one
+  if (frac != std::floor(frac)) return std::nullopt;
+  return static_cast<uint16_t>(sign | static_cast<uint16_t>((e - 1 + 15) << 10) |
+                               static_cast<uint16_t>(frac));
+}
+
+template <typename T>
+std::optional<std::vector<std::byte>> ExactInt(double value) {
+  const double end = std::ldexp(1.0, std::numeric_limits<T>::digits);  // 2^63 for int64
+  const double low = std::numeric_limits<T>::is_signed ? -end : 0.0;
+  if (value != std::floor(value) || value < low || value >= end) {
+    return std::nullopt;
+  }
+  return BytesOf(static_cast<T>(value));
+}
+
+}  // namespace
+
+Result<std::vector<std::byte>> ElementBytes(DType dtype, double value) {
+  std::optional<std::vector<std::byte>> bytes;
+  if (std::isfinite(value)) {
+    switch (dtype) {
+      case DType::kF64:
+        bytes = BytesOf(value);
+        break;
+      case DType::kF32:
+        if (static_cast<double>(static_cast<float>(value)) == value)
+          bytes = BytesOf(static_cast<float>(value));
+        break;
+      case DType::kBF16: {
+        const auto bits = std::bit_cast<uint32_t>(static_cast<float>(value));
+        if (static_cast<double>(static_cast<float>(value)) == value && (bits & 0xFFFF) == 0)
+          bytes = BytesOf(static_cast<uint16_t>(bits >> 16));
+        break;
+      }
+      case DType::kF16:
+        if (std::optional<uint16_t> h = ExactHalf(value)) bytes = BytesOf(*h);
+        break;
+      case DType::kI64:
+        bytes = ExactInt<int64_t>(value);
+        break;
+      case DType::kI32:
+        bytes = ExactInt<int32_t>(value);
+        break;
+      case DType::kI16:
+        bytes = ExactInt<int16_t>(value);
+        break;
+      case DType::kI8:
+        bytes = ExactInt<int8_t>(value);
+        break;
+      case DType::kU64:
+        bytes = ExactInt<uint64_t>(value);
+        break;
+      case DType::kU32:
+        bytes = ExactInt<uint32_t>(value);
+        break;
+      case DType::kU16:
+        bytes = ExactInt<uint16_t>(value);
+        break;
+      case DType::kU8:
+        bytes = ExactInt<uint8_t>(value);
+        break;
+      case DType::kBool:
+        if (value == 0 || value == 1) bytes = BytesOf(static_cast<uint8_t>(value));
+        break;
+      case DType::kF8E4M3:
+      case DType::kF8E5M2:
+        if (value == 0) bytes = BytesOf(static_cast<uint8_t>(0));
+        break;
+    }
+  }
+  if (!bytes) {
+    return InvalidArgumentError(
+        fmt::format("{} is not exactly a {} value", value, DTypeName(dtype)));
+  }
+  return *std::move(bytes);
+}
+
 BufferSetBuilder::BufferSetBuilder(const BufferSet& set) : buffers_(set.buffers()) {}
 
 BufferSetBuilder& BufferSetBuilder::add(BufferDecl decl) {
@@ -81,6 +188,10 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
     }
     if (b.ranks.empty()) {
       return InvalidArgumentError(fmt::format("buffers[\"{}\"]: ranks is empty", b.name));
+    }
+    if (b.fill != 0.0) {
+      Result<std::vector<std::byte>> fill = ElementBytes(b.dtype, b.fill);
+      if (!fill.ok()) return fill.status().Annotate(fmt::format("buffers[\"{}\"].fill", b.name));
     }
     if (i > 0 && b.ranks.size() != set.buffers_[0].ranks.size()) {
       return InvalidArgumentError(fmt::format(

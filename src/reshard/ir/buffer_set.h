@@ -20,6 +20,7 @@
 #ifndef RESHARD_IR_BUFFER_SET_H_
 #define RESHARD_IR_BUFFER_SET_H_
 
+#include <cstddef>
 #include <map>
 #include <span>
 #include <string>
@@ -55,6 +56,10 @@ struct BufferDecl {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<BufferRank> ranks;  // world_size entries
+  /// The value of its padding elements: 0, or a constant that no checkpoint has (vLLM's
+  /// attention scales `_k_scale` = 1, stored by its sharded-state files), exactly representable
+  /// in `dtype` (checked by Finalize).
+  double fill = 0.0;
   Index num_elements(Rank r) const { return ProductOf(ranks[static_cast<size_t>(r)].shape); }
   friend bool operator==(const BufferDecl&, const BufferDecl&) = default;
 };
@@ -109,6 +114,10 @@ class BufferSetBuilder {
  private:
   std::vector<BufferDecl> buffers_;
 };
+
+/// `value` as one element of `dtype` (little-endian bytes), or InvalidArgument when the dtype
+/// cannot hold it exactly (a fraction in an integer, 0.1 in BF16, anything but 0 in FP8).
+Result<std::vector<std::byte>> ElementBytes(DType dtype, double value);
 
 /// The path of a buffer's rank in error messages: `buffers["name"].ranks["3"]`.
 std::string BufferRankPath(std::string_view buffer, Rank rank);

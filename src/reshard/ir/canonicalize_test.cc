@@ -8,6 +8,7 @@
 #include <random>
 #include <sstream>
 
+#include "reshard/ir/buffer_set.h"
 #include "reshard/ir/fixtures.h"
 #include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
@@ -138,7 +139,8 @@ TEST(InferTest, ScaleConstantPerBlockBecomesAPieceScale) {
     obs.ranks.push_back({r,
                          {8},
                          {0, 1, 2, 3, 4, 5, 6, 7},
-                         r == 0 ? std::vector<double>{0.5} : std::vector<double>(8, 0.5)});
+                         r == 0 ? std::vector<double>{0.5} : std::vector<double>(8, 0.5),
+                         ""});
   }
   Result<ParamMap> m = Infer(obs);
   ASSERT_TRUE(m.ok()) << m.status().message();
@@ -177,7 +179,7 @@ TEST(InferTest, ErrorsNameTheRankAndElement) {
   };
   IndexMaps base;
   base.logical_shape = {2, 3};
-  base.ranks = {{0, {3}, {0, 1, 2}, {}}, {1, {3}, {3, 4, 5}, {}}};
+  base.ranks = {{0, {3}, {0, 1, 2}, {}, ""}, {1, {3}, {3, 4, 5}, {}, ""}};
   EXPECT_EQ(error(base), "OK");
   IndexMaps outside = base;
   outside.ranks[1].index_map[2] = 6;
@@ -203,11 +205,96 @@ TEST(InferTest, ErrorsNameTheRankAndElement) {
   zero_scale.ranks[0].scale = {0.0};
   EXPECT_EQ(error(zero_scale), "ranks[0] (rank 0): scale[0] = 0 is not a finite non-zero number");
   IndexMaps partial = base;
-  partial.ranks[1] = {1, {2}, {3, 5}, {}};
+  partial.ranks[1] = {1, {2}, {3, 5}, {}, ""};
   EXPECT_EQ(error(partial),
             "element [1, 1] of F (shape [2, 3]) is held by no rank (allow_uncovered accepts a "
             "deliberately partial observation)");
   EXPECT_EQ(error(partial, {.allow_uncovered = true}), "OK");
+}
+
+// vLLM's fused qkv at TP 2: q [4, 2] (two heads of one row) split by rows, k and v [1, 2] (one
+// key/value head, replicated), rank r's qkv_proj [4, 2] = q rows 2r..2r+1, then k, then v.
+std::vector<std::pair<std::string, IndexMaps>> FusedQkvObservation() {
+  std::vector<std::pair<std::string, IndexMaps>> out;
+  IndexMaps q{{4, 2}, std::nullopt, {}};
+  IndexMaps k{{1, 2}, std::nullopt, {}};
+  IndexMaps v = k;
+  for (Rank r = 0; r < 2; ++r) {
+    const Index base = 4 * r;
+    q.ranks.push_back({r, {4, 2}, {base, base + 1, base + 2, base + 3, -1, -1, -1, -1}, {}, "qkv"});
+    k.ranks.push_back({r, {4, 2}, {-1, -1, -1, -1, 0, 1, -1, -1}, {}, "qkv"});
+    v.ranks.push_back({r, {4, 2}, {-1, -1, -1, -1, -1, -1, 0, 1}, {}, "qkv"});
+  }
+  out.emplace_back("q", std::move(q));
+  out.emplace_back("k", std::move(k));
+  out.emplace_back("v", std::move(v));
+  return out;
+}
+
+TEST(InferTest, BufferedShardsInferOneMapPerTensorThatTheBufferSetAccepts) {
+  std::vector<std::pair<std::string, ParamMap>> maps;
+  for (const auto& [name, observed] : FusedQkvObservation()) {
+    Result<ParamMap> m = Infer(observed);
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status().message();
+    maps.emplace_back(name, *std::move(m));
+  }
+  const ParamMap& q = maps[0].second;
+  ASSERT_EQ(q.rank(1).buffer, "qkv");
+  ASSERT_EQ(q.rank(1).pieces.size(), 1u);
+  EXPECT_EQ(q.rank(1).pieces[0].shape, (Shape{2, 2}));
+  EXPECT_EQ(q.rank(1).pieces[0].source, (StridedView{4, {2, 1}}));
+  EXPECT_EQ(q.rank(1).pieces[0].dest, (StridedView{0, {2, 1}}));
+  const ParamMap& v = maps[2].second;
+  ASSERT_EQ(v.rank(0).pieces.size(), 1u);  // one piece held by both ranks
+  EXPECT_EQ(v.rank(0).pieces[0].locations, (std::vector<Rank>{0, 1}));
+  EXPECT_EQ(v.rank(0).pieces[0].dest.offset, 6);
+  // The round trip keeps the buffer, and the three maps fill it exactly.
+  Result<ParamMap> again = Infer(ToIndexMaps(q));
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  EXPECT_EQ(ParamMapToJson(*again), ParamMapToJson(q));
+  BufferSetBuilder buffers;
+  buffers.add({"qkv", DType::kF32, {{{4, 2}, {}}, {{4, 2}, {}}}});
+  std::vector<NamedMapRef> refs;
+  for (const auto& [name, map] : maps) refs.push_back({name, &map});
+  Result<BufferSet> set = buffers.Finalize(refs);
+  EXPECT_TRUE(set.ok()) << set.status().message();
+  // Without v, two elements of every rank's buffer are written by no map.
+  refs.pop_back();
+  set = buffers.Finalize(refs);
+  ASSERT_FALSE(set.ok());
+  EXPECT_NE(set.status().message().find("written by no map"), std::string::npos)
+      << set.status().message();
+}
+
+TEST(InferTest, MinusOneIsAllowedOnlyInABufferedShard) {
+  IndexMaps k = FusedQkvObservation()[1].second;
+  k.ranks[0].buffer.clear();
+  Result<ParamMap> m = Infer(k);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().message(),
+            "rank 0: index_map[0] = -1 is outside F (shape [1, 2], 2 elements); -1 (not this "
+            "tensor's) is allowed only in a buffered shard");
+  k.ranks[0].buffer = "qkv";
+  k.ranks[0].index_map[0] = -2;
+  m = Infer(k);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().message(),
+            "rank 0: index_map[0] = -2 is outside F (shape [1, 2], 2 elements)");
+}
+
+TEST(InferTest, IndexMapsJsonReadsABufferName) {
+  Result<IndexMaps> observed = ParseIndexMapsJson(
+      R"({"logical_shape": [1, 2], "ranks": [{"rank": 0, "shard_shape": [2, 2], "buffer": "kv",)"
+      R"( "index_map": [-1, -1, 0, 1]}]})");
+  ASSERT_TRUE(observed.ok()) << observed.status().message();
+  EXPECT_EQ(observed->ranks[0].buffer, "kv");
+  Result<ParamMap> m = Infer(*observed);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->rank(0).buffer, "kv");
+  EXPECT_EQ(m->rank(0).pieces[0].dest.offset, 2);
+  EXPECT_FALSE(ParseIndexMapsJson(R"({"logical_shape": [1], "ranks": [{"rank": 0,)"
+                                  R"( "shard_shape": [1], "index_map": [0], "buffer": 3}]})")
+                   .ok());
 }
 
 TEST(CanonicalizeTest, RowPerPieceMapFoldsBackAndIsIdempotent) {

@@ -133,12 +133,15 @@ Status CollectHolders(const IndexMaps& observed, const std::vector<const Observe
     const ObservedShard& s = *by_rank[static_cast<size_t>(r)];
     uint32_t cached_from = UINT32_MAX;
     uint32_t cached_to = 0;
+    const bool buffered = !s.buffer.empty();
     for (size_t k = 0; k < s.index_map.size(); ++k) {
       const Index e = s.index_map[k];
+      if (e == -1 && buffered) continue;  // an element of the buffer that is not F's
       if (e < 0 || e >= n) {
-        return InvalidArgumentError(
-            fmt::format("rank {}: index_map[{}] = {} is outside F (shape {}, {} elements)", r, k, e,
-                        FormatShape(observed.logical_shape), n));
+        return InvalidArgumentError(fmt::format(
+            "rank {}: index_map[{}] = {} is outside F (shape {}, {} elements){}", r, k, e,
+            FormatShape(observed.logical_shape), n,
+            e == -1 ? "; -1 (not this tensor's) is allowed only in a buffered shard" : ""));
       }
       uint32_t& h = holders[e];
       if (h != cached_from) {
@@ -193,6 +196,7 @@ void AddRankPieces(const ObservedShard& s, Rank r, const HolderSets& sets,
                    const HolderTable& holders, const Shape& logical_strides,
                    ParamMapBuilder& builder) {
   builder.set_shard_shape(r, s.shard_shape);
+  if (!s.buffer.empty()) builder.set_buffer(r, s.buffer);
   auto scale_at = [&](size_t k) {
     return s.scale.empty() ? 1.0 : s.scale.size() == 1 ? s.scale[0] : s.scale[k];
   };
@@ -201,6 +205,10 @@ void AddRankPieces(const ObservedShard& s, Rank r, const HolderSets& sets,
   size_t k = 0;
   while (k < count) {
     const Index e = s.index_map[k];
+    if (e < 0) {  // a buffer's element that holds nothing of F (checked in CollectHolders)
+      ++k;
+      continue;
+    }
     const uint32_t holder = holders.at(e);
     const double scale = scale_at(k);
     size_t j = k + 1;
@@ -235,7 +243,9 @@ Result<ParamMap> Infer(const IndexMaps& observed, const InferOptions& options) {
   RESHARD_RETURN_IF_ERROR(CheckValidShape(observed));
   RESHARD_ASSIGN_OR_RETURN(const std::vector<const ObservedShard*> by_rank, ShardsByRank(observed));
   Index entries = 0;
-  for (const ObservedShard& s : observed.ranks) entries += static_cast<Index>(s.index_map.size());
+  for (const ObservedShard& s : observed.ranks) {
+    for (const Index e : s.index_map) entries += e >= 0 ? 1 : 0;
+  }
   HolderSets sets;
   HolderTable holders(n, entries);
   RESHARD_RETURN_IF_ERROR(CollectHolders(observed, by_rank, n, sets, holders));
@@ -267,6 +277,7 @@ IndexMaps ToIndexMaps(const ParamMap& map) {
     ObservedShard s;
     s.rank = r;
     s.shard_shape = shard.shard_shape;
+    s.buffer = shard.buffer;
     s.index_map.assign(static_cast<size_t>(ProductOf(shard.shard_shape)), -1);
     if (scaled) s.scale.assign(s.index_map.size(), 1.0);
     for (const Piece& p : shard.pieces) {
@@ -330,6 +341,9 @@ Result<ObservedShard> ReadObservedShard(const Json& r, std::string_view path) {
   RESHARD_ASSIGN_OR_RETURN(s.shard_shape,
                            json::ReadIntArray(*shard_shape, Member(path, "shard_shape")));
   RESHARD_ASSIGN_OR_RETURN(s.index_map, json::ReadIntArray(*index_map, Member(path, "index_map")));
+  if (const Json* buffer = json::Find(r, "buffer"); buffer != nullptr && !buffer->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(s.buffer, json::ReadString(*buffer, Member(path, "buffer")));
+  }
   if (const Json* scale = json::Find(r, "scale"); scale != nullptr && !scale->is_null()) {
     RESHARD_ASSIGN_OR_RETURN(s.scale, ReadScale(*scale, Member(path, "scale")));
   }

@@ -200,7 +200,9 @@ json::OrderedJson BufferSetToJsonValue(const BufferSet& set) {
       }
       ranks[std::to_string(r)] = std::move(rank);
     }
-    j[b.name] = {{"dtype", std::string(DTypeName(b.dtype))}, {"ranks", std::move(ranks)}};
+    j[b.name] = {{"dtype", std::string(DTypeName(b.dtype))}};
+    if (b.fill != 0.0) j[b.name]["fill"] = b.fill;
+    j[b.name]["ranks"] = std::move(ranks);
   }
   return j;
 }
@@ -221,6 +223,9 @@ Result<BufferSetBuilder> BufferSetFromJson(const json::Json& value, std::string_
                      fmt::format("unknown dtype {}", QuoteShort(dtype->get<std::string>())));
     }
     decl.dtype = *d;
+    if (const Json* fill = Find(j, "fill"); fill != nullptr && !fill->is_null()) {
+      RESHARD_ASSIGN_OR_RETURN(decl.fill, json::ReadNumber(*fill, at + ".fill"));
+    }
     RESHARD_ASSIGN_OR_RETURN(const Json* ranks, Require(j, at, "ranks"));
     if (!ranks->is_object()) return TypeError(at + ".ranks", "an object keyed by rank", *ranks);
     decl.ranks.resize(ranks->size());

@@ -1,0 +1,427 @@
+"""vLLM's layouts, learned from vLLM itself (DESIGN 18).
+
+:func:`layout` builds, for every tensor parallel rank, the model vLLM would build there, runs
+vLLM's own weight loaders on *marker* tensors (each checkpoint element holds a number that names
+its tensor and flat offset exactly: float64 parameters, integers below 2^53), reads every
+parameter as it stands before vLLM's post-load processing (on CPU that processing repacks the
+linear weights for oneDNN), and infers from what landed where the maps of every checkpoint tensor
+onto every rank's parameters: a version-2 map document whose buffers are vLLM's parameters
+(``model.layers.0.self_attn.qkv_proj.weight`` holds pieces of ``q_proj``, ``k_proj`` and
+``v_proj``; MoE ``w13_weight`` / ``w2_weight`` hold the experts vLLM places on the rank; a padded
+vocabulary's tail is padding). Nothing here knows a model: a model vLLM can load needs no code.
+
+The ranks' models are built in this process with vLLM's parallel state set to each rank in turn
+(only the rank and size of each group: construction and weight loading do not communicate), so
+no engine starts. Results are cached by the model's config, checkpoint tensors, vLLM's version
+and the degree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Union
+
+__all__ = ["layout", "LayoutError", "cache_dir"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Markers are exact integers in float64: element g of the checkpoint (tensors laid end to end in
+# file order) holds g + 1, and 0 means "no checkpoint element".
+_MAX_MARKER = 2 ** 53
+
+# vLLM's parallel groups that models consult while being built.
+_GROUPS = ("_TP", "_PP", "_DP", "_EP", "_ETP", "_DCP", "_PCP", "_EPLB", "_WORLD")
+
+_TORCH_TO_SAFETENSORS = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+class LayoutError(ValueError):
+    """vLLM's layout of a model could not be learned or is not expressible (the message names
+    the parameter, tensor and rank)."""
+
+
+def cache_dir() -> Path:
+    """Where layouts are cached: ``$RESHARD_CACHE_DIR/vllm``, else
+    ``$XDG_CACHE_HOME/reshard/vllm``, else ``~/.cache/reshard/vllm``."""
+    base = os.environ.get("RESHARD_CACHE_DIR")
+    if base:
+        return Path(base) / "vllm"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "reshard" / "vllm"
+
+
+def layout(model_dir: PathLike, tensor_parallel_size: int = 1, *, dtype: str = "auto",
+           cache: bool = True, trust_remote_code: bool = False) -> dict[str, Any]:
+    """The maps of every checkpoint tensor of ``model_dir`` (a Hugging Face checkpoint directory)
+    onto vLLM's parameters at ``tensor_parallel_size`` ranks: a version-2 map document (a dict;
+    ``json.dump`` it, or give it to ``reshard.read_buffers`` / ``reshard.checkpoint.scatter``).
+
+    - Buffers are vLLM's parameters by name (its state dict, tied tensors once, as its
+      sharded-state loader counts them), per rank of vLLM's shape; their dtype is the one vLLM
+      holds for ``dtype`` (as ``LLM(dtype=...)``: ``"auto"`` is the checkpoint's, which vLLM on
+      CPU turns from float32 into bfloat16). A scatter writes the checkpoint's dtype, so give
+      the dtype of the checkpoint when the two differ.
+    - A parameter no checkpoint tensor writes but that vLLM's state dict holds (the attention
+      scales ``self_attn.attn._k_scale``, ``_v_scale``, ``_q_scale``, ``_prob_scale``) is a
+      buffer that is all padding with its constant as ``fill``: files written from the document
+      carry it, as vLLM's sharded-state loader requires.
+    - A parameter that holds exactly one checkpoint tensor of the same name, whole or split,
+      with nothing else, is that tensor's own shard (no buffer).
+
+    ``cache=False`` recomputes (and does not write the cache, :func:`cache_dir`).
+    Raises :class:`LayoutError` when a loader writes anything but marker values (a loader that
+    computes), when a checkpoint tensor lands in two parameters on one rank, or in none;
+    ImportError without vLLM.
+    """
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, "
+                         f"got {tensor_parallel_size!r}")
+    model_dir = os.fspath(model_dir)
+    tensors = _checkpoint_tensors(model_dir)
+    import vllm  # noqa: F401  (ImportError early, before any work)
+    key = _cache_key(model_dir, tensors, tensor_parallel_size, dtype, trust_remote_code)
+    path = cache_dir() / f"{key}.json"
+    if cache and path.is_file():
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f))
+    doc = _learn(model_dir, tensors, tensor_parallel_size, dtype, trust_remote_code)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint: tensor names, shapes and dtypes, from the safetensors headers.
+
+def _checkpoint_tensors(model_dir: str) -> list[tuple[str, tuple[int, ...], str]]:
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d}: no config.json (expected a Hugging Face model directory)")
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif (d / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{d}: neither model.safetensors nor model.safetensors.index.json")
+    out = []
+    for name in files:
+        with open(d / name, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for tensor, info in header.items():
+            if tensor != "__metadata__":
+                out.append((tensor, tuple(int(x) for x in info["shape"]), str(info["dtype"])))
+    out.sort()
+    return out
+
+
+def _cache_key(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: int,
+               dtype: str, trust_remote_code: bool) -> str:
+    import vllm
+    from .. import __version__ as reshard_version
+    with open(Path(model_dir) / "config.json", "rb") as f:
+        config = f.read()
+    h = hashlib.sha256()
+    h.update(config)
+    h.update(json.dumps({"tensors": tensors, "vllm": vllm.__version__, "reshard": reshard_version,
+                         "tp": tp, "dtype": dtype, "trust_remote_code": trust_remote_code},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's models at each rank, with the parallel state faked.
+
+class _FakeProcessGroup:
+    """The rank and size of a torch process group, which is all construction asks of one."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class _FakeGroup:
+    """What vLLM's layers read of a GroupCoordinator while they are built and loaded."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank_in_group = rank
+        self.world_size = size
+        self.rank = rank
+        self.local_rank = rank
+        self.ranks = list(range(size))
+        self.first_rank = 0
+        self.last_rank = size - 1
+        self.is_first_rank = rank == 0
+        self.is_last_rank = rank == size - 1
+        self.device_group = _FakeProcessGroup(rank, size)
+        self.cpu_group = _FakeProcessGroup(rank, size)
+
+    def __getattr__(self, name: str) -> Any:
+        raise LayoutError(f"building vLLM's model at a faked rank needed the parallel group's "
+                          f"{name!r}, which only a running engine has")
+
+
+@contextlib.contextmanager
+def _parallel_state(tp_rank: int, tp_size: int) -> Iterator[None]:
+    from vllm.distributed import parallel_state as ps
+    saved = {g: getattr(ps, g, None) for g in _GROUPS}
+    try:
+        for g in _GROUPS:
+            setattr(ps, g, _FakeGroup(tp_rank, tp_size) if g in ("_TP", "_ETP")
+                    else _FakeGroup(0, 1))
+        yield
+    finally:
+        for g, v in saved.items():
+            setattr(ps, g, v)
+
+
+def _engine_config(model_dir: str, tp: int, dtype: str, trust_remote_code: bool) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+    args = EngineArgs(model=model_dir, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
+                      skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
+                      distributed_executor_backend="mp" if tp > 1 else None)
+    return args.create_engine_config()
+
+
+def _unique_state(model: Any) -> dict[str, Any]:
+    """The model's state dict with tensors that share storage counted once (the smaller name), as
+    vLLM's sharded-state loader counts them."""
+    by_storage: dict[Any, str] = {}
+    out = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride())) if t.numel() else ("empty", name)
+        other = by_storage.get(key)
+        if other is not None and other < name:
+            continue
+        if other is not None:
+            del out[other]
+        by_storage[key] = name
+        out[name] = t
+    return dict(sorted(out.items()))
+
+
+def _observe_rank(config: Any, rank: int, tp: int,
+                  tensors: list[tuple[str, tuple[int, ...], str]],
+                  bases: list[int]) -> dict[str, tuple[Any, tuple[int, ...], Optional[float], str]]:
+    """Rank `rank`'s parameters after loading markers: {name: (markers, flat int64; shape;
+    the value it was built with when that is one constant, else None; safetensors dtype)}."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with _parallel_state(rank, tp):
+        config.compilation_config.static_forward_context.clear()
+        with set_default_torch_dtype(torch.float64), torch.device("cpu"):
+            model = initialize_model(config)
+        state = _unique_state(model)
+        initial = {}
+        with torch.no_grad():
+            for name, t in state.items():
+                flat = t.reshape(-1)
+                uniform = flat.numel() > 0 and bool(torch.all(flat == flat[0]))
+                initial[name] = float(flat[0]) if uniform else None
+                t.zero_()
+
+            def markers() -> Iterator[tuple[str, Any]]:
+                for (name, shape, _), base in zip(tensors, bases):
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    yield name, (torch.arange(n, dtype=torch.float64) + (base + 1)).reshape(shape)
+
+            model.load_weights(markers())
+        out = {}
+        for name, t in state.items():
+            flat = t.detach().reshape(-1)
+            if t.dtype != torch.float64:
+                if bool(torch.any(flat != 0)):
+                    raise LayoutError(
+                        f"rank {rank}: parameter {name!r} is {t.dtype}, and vLLM's loader wrote "
+                        f"into it; markers are exact only in float64 parameters")
+                ints = torch.zeros(flat.numel(), dtype=torch.int64)
+            else:
+                ints = flat.to(torch.int64)
+                if not bool(torch.all(ints.to(torch.float64) == flat)) or \
+                        bool(torch.any(ints < 0)) or bool(torch.any(ints > bases[-1])):
+                    raise LayoutError(
+                        f"rank {rank}: parameter {name!r} holds values that are no checkpoint "
+                        f"markers: vLLM's loader computes this parameter rather than copying "
+                        f"checkpoint elements, which maps cannot express")
+            dname = _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""))
+            if dname is None:
+                raise LayoutError(f"parameter {name!r}: dtype {t.dtype} has no safetensors name")
+            out[name] = (ints, tuple(t.shape), initial[name], dname)
+        del model
+        return out
+
+
+def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: int, dtype: str,
+           trust_remote_code: bool) -> dict[str, Any]:
+    import torch
+    from .. import _core
+    from .._buffers import BufferSet
+    from .._maps import ParamMap
+
+    bases = [0]
+    for _, shape, _ in tensors:
+        n = 1
+        for d in shape:
+            n *= d
+        bases.append(bases[-1] + n)
+    if bases[-1] >= _MAX_MARKER:
+        raise LayoutError(f"{model_dir}: {bases[-1]} checkpoint elements do not fit float64 "
+                          f"markers (at most 2^53)")
+    config = _engine_config(model_dir, tp, dtype, trust_remote_code)
+    model_dtype = _TORCH_TO_SAFETENSORS[str(config.model_config.dtype).replace("torch.", "")]
+    ranks = [_observe_rank(config, r, tp, tensors, bases) for r in range(tp)]
+    names = list(ranks[0])
+    for r, params in enumerate(ranks):
+        if list(params) != names:
+            raise LayoutError(f"rank {r} has parameters {sorted(set(params) ^ set(names))} that "
+                              f"rank 0 has not (or the reverse)")
+
+    base_t = torch.tensor(bases[:-1], dtype=torch.int64)
+    # holders[tensor id] = {param name: {rank: (positions in the param, offsets in the tensor)}}
+    holders: dict[int, dict[str, dict[int, tuple[Any, Any]]]] = {}
+    written_any: dict[str, bool] = {name: False for name in names}
+    for r, params in enumerate(ranks):
+        for pname, (ints, _, _, _) in params.items():
+            pos = torch.nonzero(ints).reshape(-1)
+            if pos.numel() == 0:
+                continue
+            written_any[pname] = True
+            g = ints[pos] - 1
+            ids = torch.searchsorted(base_t, g, right=True) - 1
+            order = torch.argsort(ids, stable=True)
+            ids, pos, g = ids[order], pos[order], g[order]
+            uniq, counts = torch.unique_consecutive(ids, return_counts=True)
+            start = 0
+            for tid, c in zip(uniq.tolist(), counts.tolist()):
+                sl = slice(start, start + c)
+                start += c
+                per_param = holders.setdefault(tid, {})
+                per_param.setdefault(pname, {})[r] = (pos[sl], g[sl] - bases[tid])
+
+    maps: dict[str, Any] = {}
+    buffered: set[str] = set()
+    for tid, (tname, shape, _) in enumerate(tensors):
+        per_param = holders.get(tid)
+        if not per_param:
+            raise LayoutError(f"checkpoint tensor {tname!r} is loaded into no parameter of "
+                              f"vLLM's model at TP {tp} (vLLM drops it, e.g. a tied lm_head); "
+                              f"remove it from the checkpoint or give it a map of your own")
+        if len(per_param) > 1:
+            raise LayoutError(f"checkpoint tensor {tname!r} lands in several parameters "
+                              f"({sorted(per_param)}); a map puts a tensor in one buffer")
+        (pname, by_rank), = per_param.items()
+        own = pname == tname and len(by_rank) == tp and all(
+            int(torch.count_nonzero(ranks[r][pname][0])) == ranks[r][pname][0].numel() and
+            by_rank[r][0].numel() == ranks[r][pname][0].numel() for r in range(tp))
+        observed = []
+        for r in range(tp):
+            ints, pshape, _, _ = ranks[r][pname]
+            index_map = torch.full((ints.numel(),), -1, dtype=torch.int64)
+            if r in by_rank:
+                pos, off = by_rank[r]
+                index_map[pos] = off
+            observed.append((r, list(pshape), "" if own else pname, index_map.numpy()))
+        if not own:
+            buffered.add(pname)
+        try:
+            maps[tname] = ParamMap(_core.infer_observed(list(shape), observed))
+        except ValueError as e:
+            raise LayoutError(f"checkpoint tensor {tname!r} in {pname!r}: {e}") from None
+
+    decls: dict[str, Any] = {}
+    for pname in names:
+        if pname in buffered or not written_any[pname]:
+            decls[pname] = _buffer_decl(pname, [params[pname] for params in ranks], model_dtype,
+                                        written_any[pname])
+    try:
+        doc = json.loads(BufferSet(decls, maps).to_json())
+    except ValueError as e:
+        raise LayoutError(f"{model_dir} at TP {tp}: the inferred maps and vLLM's parameters "
+                          f"disagree: {e}") from None
+    _check_against_model(doc, ranks, model_dtype)
+    return dict(doc)
+
+
+def _buffer_decl(pname: str, per_rank: list[tuple[Any, Any, Optional[float], str]],
+                 model_dtype: str, written: bool) -> dict[str, Any]:
+    import torch
+    dtype = per_rank[0][3]
+    if dtype == "F64":  # the marker model's default dtype: vLLM holds the model's dtype
+        dtype = model_dtype
+    entry: dict[str, Any] = {"dtype": dtype}
+    if not written:
+        fills = {p[2] for p in per_rank}
+        if len(fills) != 1 or None in fills:
+            raise LayoutError(f"parameter {pname!r} is not loaded from the checkpoint and is not "
+                              f"one constant on every rank; vLLM computes it, which a map "
+                              f"document cannot carry")
+        fill = fills.pop()
+        if fill:
+            entry["fill"] = fill
+    ranks = {}
+    for r, (ints, shape, _, _) in enumerate(per_rank):
+        rank: dict[str, Any] = {"shape": list(shape)}
+        unwritten = (ints == 0).to(torch.int8)
+        if int(unwritten.sum()):
+            # Runs of unwritten elements, in flat order: starts and ends of each run.
+            edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.int8), unwritten,
+                                          torch.zeros(1, dtype=torch.int8)]))
+            starts = torch.nonzero(edges == 1).reshape(-1).tolist()
+            ends = torch.nonzero(edges == -1).reshape(-1).tolist()
+            if len(shape) == 0:
+                rank["padding"] = [{"shape": [], "view": [0, []]}]
+            else:
+                rank["padding"] = [{"shape": [e - s], "view": [s, [1]]}
+                                   for s, e in zip(starts, ends)]
+        ranks[str(r)] = rank
+    entry["ranks"] = ranks
+    return entry
+
+
+def _check_against_model(doc: Mapping[str, Any], ranks: list[dict[str, Any]],
+                         model_dtype: str) -> None:
+    """Every parameter vLLM holds is in the document (a buffer, or a tensor's own shard of the
+    same name), with vLLM's shape on every rank; nothing else is."""
+    buffers = doc.get("buffers", {})
+    own = {k: v for k, v in doc.items() if k not in ("version", "buffers")
+           and not any("buffer" in rank for rank in v["ranks"].values())}
+    for r, params in enumerate(ranks):
+        for pname, (_, shape, _, dtype) in params.items():
+            if pname in buffers:
+                got = buffers[pname]["ranks"][str(r)]["shape"]
+            elif pname in own:
+                got = own[pname]["ranks"][str(r)]["shard_shape"]
+            else:
+                raise LayoutError(f"rank {r}: vLLM's parameter {pname!r} is in no buffer and no "
+                                  f"map of the document")
+            if tuple(got) != tuple(shape):
+                raise LayoutError(f"rank {r}: {pname!r} has shape {list(shape)} in vLLM but "
+                                  f"{list(got)} in the document")
+    extra = (set(buffers) | set(own)) - set(ranks[0])
+    if extra:
+        raise LayoutError(f"the document names {sorted(extra)}, which vLLM's model does not hold")
