@@ -80,7 +80,9 @@ def trainer(args: argparse.Namespace) -> None:
     import reshard
     from reshard.vllm import WeightSync
     torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(args.work, "pg"),
+    if args.backend == "nccl":  # the engine's workers take GPUs 0 .. tp-1, the trainer the next
+        torch.cuda.set_device(args.engine_tp + args.rank)
+    dist.init_process_group("nccl" if args.backend == "nccl" else "gloo", init_method="file://" + os.path.join(args.work, "pg"),
                             rank=args.rank, world_size=2)
     llm = None
     if args.rank == 0:
@@ -89,6 +91,8 @@ def trainer(args: argparse.Namespace) -> None:
                   skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
                   max_model_len=128, weight_transfer_config={"backend": "reshard"})
     maps, shards = reshard.checkpoint.load_rank(args.sharded, args.rank)
+    if args.backend == "nccl":
+        shards = {k: v.cuda() for k, v in shards.items()}
     sync = WeightSync(llm, maps, backend=args.backend)
     times: dict[str, list[float]] = {"reshard": [], "full": [], "raw": []}
     stats = None

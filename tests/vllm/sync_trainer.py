@@ -75,11 +75,13 @@ def run(spec: dict, rank: int) -> None:
                 syncs["sync"].push(own)
             elif kind == "single":  # trainer at TP 1: process 0 alone, full tensors
                 solo = dist.new_group([0])
-                if rank == 0:
-                    full_maps, full = loaded[weights + "1"]
-                    entry["stats"] = WeightSync(llm, full_maps, solo).push(full).__dict__
-                dist.barrier()
                 syncs.pop("sync", None)  # the engine now listens to the other sync
+                try:
+                    if rank == 0:
+                        full_maps, full = loaded[weights + "1"]
+                        entry["stats"] = WeightSync(llm, full_maps, solo).push(full).__dict__
+                finally:
+                    dist.barrier()
             else:
                 raise ValueError(kind)
         except WeightSyncError as e:

@@ -82,7 +82,11 @@ def run_session(models, engine_tp, tmp_path):
     return main, other
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["engine_tp1", "engine_tp2"])
+# RESHARD_VLLM_ENGINE_TPS="1" for a machine with one GPU (bench/gpu_check.sh).
+ENGINE_TPS = [int(t) for t in os.environ.get("RESHARD_VLLM_ENGINE_TPS", "1,2").split(",")]
+
+
+@pytest.fixture(scope="module", params=ENGINE_TPS, ids=[f"engine_tp{t}" for t in ENGINE_TPS])
 def session(request, models, tmp_path_factory):
     return run_session(models, request.param, tmp_path_factory.mktemp(f"tp{request.param}"))
 

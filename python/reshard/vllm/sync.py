@@ -84,11 +84,10 @@ class _Client:
 
 def engine_maps(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
     """The maps of every checkpoint tensor of the model in ``model_dir`` onto vLLM's workers
-    at ``tensor_parallel_size`` ranks."""
-    from ._dense_maps import llama_maps
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    return llama_maps(config, tensor_parallel_size)
+    at ``tensor_parallel_size`` ranks, learned from vLLM (:func:`reshard.vllm.layout`)."""
+    from .._maps import read_maps
+    from .layout import layout
+    return dict(read_maps(layout(model_dir, tensor_parallel_size)))
 
 
 def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
