@@ -26,9 +26,13 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from vllm.logger import init_logger
+
 from ..distributed import RedistributeError, Redistributor
 from ._group import StoreGroup, join_store
 from .sync import torch_dtypes
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -93,17 +97,22 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                           init_info.trainers + workers, init_info.backend, init_info.timeout_s)
         self._comm = comm
         # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
-        report = {"model": self.model_config.model, "tp": self.parallel_config.tensor_parallel_size,
-                  "rank": rank, "params": _tensor_info(self.model)}
+        report = {"model": self.model_config.model,
+                  "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
+                  "params": _tensor_info(self.model)}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]
         error = plan.get("error") or self._check_targets(plan["target"], rank)
-        self._sync = Redistributor(plan["source"], plan["target"],
-                                   source_ranks=range(init_info.trainers),
-                                   target_ranks=range(init_info.trainers,
-                                                      init_info.trainers + workers),
-                                   group=comm, dtypes=torch_dtypes(plan["dtypes"]),
-                                   bucket_bytes=plan["bucket_bytes"], _error=error)
+        # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
+        # every worker (one failing worker's reply would be left unread by vLLM's executor).
+        try:
+            self._sync = Redistributor(
+                plan["source"], plan["target"], source_ranks=range(init_info.trainers),
+                target_ranks=range(init_info.trainers, init_info.trainers + workers),
+                group=comm, dtypes=torch_dtypes(plan["dtypes"]),
+                bucket_bytes=plan["bucket_bytes"], _error=error)
+        except RedistributeError as e:
+            logger.warning("reshard weight sync refused: %s", e)
 
     def _check_targets(self, target: dict[str, Any], rank: int) -> Optional[str]:
         """Every tensor the maps write on this worker is a parameter of its model, of the
@@ -180,6 +189,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             except Exception as e:
                 error = f"worker {rank}: {type(e).__name__}: {e}"
             sync.run({}, out=out, _error=error)
+        except RedistributeError as e:  # agreed: every trainer process raises it
+            self._restore(model)
+            logger.warning("reshard weight update refused, old weights kept: %s", e)
+            return
         except BaseException:
             self._restore(model)
             raise

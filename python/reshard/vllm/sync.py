@@ -317,7 +317,11 @@ class WeightSync:
         try:
             send()
         except RedistributeError as e:
-            self._finish(call)  # the workers raised alike and put the old weights back
+            # The workers refused alike and put their old weights back; their update call
+            # returns, and the session is closed as after a push.
+            problem = self._finish(call)
+            if client is not None and problem is None:
+                client.call("finish_weight_update")
             raise WeightSyncError(str(e)) from None
         except BaseException:
             self._finish(call)
