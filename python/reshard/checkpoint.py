@@ -131,7 +131,7 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
 
 
 def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
-           overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
+           config: Optional[PathLike] = None, overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
            warn: Optional[Warn] = None, sync: bool = True) -> None:
@@ -139,21 +139,24 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``max_shard_size`` and an index), checking that replicas agree, dropping padding.
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
     weights are written, or with ``fp32=True`` the optimizer's fp32 master weights (the CLI's
-    ``--fp32``), with the save dir's config.json copied."""
+    ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
+    read; ``config`` is the model's config.json for a format that needs one (Megatron)."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
-    _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32), o)
+    _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32),
+                 None if config is None else _path(config, "config"), o)
 
 
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,
-            to: Optional[str] = None,
+            to: Optional[str] = None, world: Optional[int] = None,
             target_maps: Union[None, PathLike, Mapping[str, MapLike]] = None,
             weights_only: bool = False, overwrite: bool = False,
             max_shard_size: Union[None, int, str] = None, verify_replicas: bool = True,
             allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             sync: bool = True,
-            distributed_config: Union[None, str, Mapping[str, Any]] = None) -> None:
+            distributed_config: Union[None, str, Mapping[str, Any]] = None,
+            config: Optional[PathLike] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -166,14 +169,35 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     at ``tp``; parameters without a recorded layout take their maps from the save dir's
     config.json. With ``to="universal"`` (and no ``tp``, ``target_maps``, ``weights_only`` or
     ``max_shard_size``) it writes DeepSpeed's universal checkpoint instead, which DeepSpeed
-    resumes from at any TP x DP (``reshard convert --to universal``)."""
+    resumes from at any TP x DP (``reshard convert --to universal``).
+
+    With ``to="dcp"`` and ``world`` (no ``tp``, ``target_maps``, ``max_shard_size`` or
+    ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``
+    ranks, each tensor in FSDP2's dim-0 chunks, which ``torch.distributed.checkpoint.load``
+    reads at any world size (``reshard convert --to dcp --world N``; keys in
+    docs/formats.md)."""
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if to == "dcp":
+        given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
+                                ("max_shard_size", max_shard_size),
+                                ("distributed_config", distributed_config)) if v is not None]
+        if given:
+            raise ValueError(f"to=\"dcp\" takes no {', '.join(given)}: a DCP checkpoint holds "
+                             "each tensor in dim-0 chunks, one file per rank")
+        if world is None or isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"to=\"dcp\" needs world= (the ranks it is saved for, at least 1; "
+                             f"got {world!r})")
+        _core.convert_to_dcp(src, world, dst, bool(weights_only),
+                             None if config is None else _path(config, "config"), o)
+        return
+    if world is not None:
+        raise ValueError("world= applies to to=\"dcp\"; give tp= for a sharded checkpoint")
     if to is not None:
         if to != "universal":
-            raise ValueError(f"to={to!r}: the only other output convert writes is "
-                             "to=\"universal\" (DeepSpeed's universal checkpoint)")
+            raise ValueError(f"to={to!r}: the other outputs convert writes are "
+                             "to=\"universal\" (DeepSpeed's universal checkpoint) and to=\"dcp\"")
         given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
                                 ("max_shard_size", max_shard_size)) if v is not None]
         if weights_only:
@@ -188,7 +212,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
                          "to=\"universal\"")
     targets, buffers = (None, "") if target_maps is None else _map_list(target_maps)
     _core.convert(src, tp, dst, targets, buffers, bool(weights_only),
-                  _dc_text(distributed_config), o)
+                  _dc_text(distributed_config),
+                  None if config is None else _path(config, "config"), o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:

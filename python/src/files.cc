@@ -11,11 +11,13 @@
 
 #include "core.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
+#include "reshard/checkpoint/universal/universal.h"
+#include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_config.h"
-#include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
@@ -155,28 +157,34 @@ void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
   });
 }
 
-// A reshard sharded checkpoint or, as `reshard gather` reads it, a DeepSpeed checkpoint (its
-// module weights, or with `fp32` the optimizer's fp32 master weights).
-void PyGather(const std::string& sharded_dir, const std::string& out_dir, bool fp32,
-              const PyCheckpointOptions& o) {
-  const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
-  if (fp32 && !deepspeed) {
-    throw py::value_error("fp32=True takes a DeepSpeed checkpoint's master weights; \"" +
-                          sharded_dir + "\" is not a DeepSpeed checkpoint");
-  }
+// Option mistakes are ValueError before anything is opened; what the checkpoint says is
+// CheckpointError.
+void CheckOptions(const std::string& dir, const SourceOptions& source) {
+  const Status valid = CheckSourceOptions(dir, source);
+  if (!valid.ok()) throw py::value_error(valid.message());
+}
+
+// Any checkpoint reshard reads (formats/formats.h), as `reshard gather` reads it: a DeepSpeed
+// checkpoint's module weights, or with `fp32` its optimizer's fp32 master weights.
+void PyGather(const std::string& dir, const std::string& out_dir, bool fp32,
+              const std::optional<std::string>& config, const PyCheckpointOptions& o) {
+  SourceOptions source;
+  source.use = SourceUse::kGather;
+  source.master_weights = fp32;
+  source.config_path = config.value_or("");
+  CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    return deepspeed ? GatherDeepSpeed(sharded_dir, out_dir, fp32, options)
-                     : Gather(sharded_dir, out_dir, options);
+    return GatherCheckpoint(dir, source, out_dir, options);
   });
 }
 
-// A reshard sharded checkpoint or, as `reshard convert` reads it, a DeepSpeed checkpoint
-// (module weights and, unless `weights_only`, its optimizer state).
-void PyConvert(const std::string& sharded_dir, int world, const std::string& out_dir,
+// Any checkpoint reshard reads, as `reshard convert` reads it (a DeepSpeed checkpoint: module
+// weights and, unless `weights_only`, its optimizer state).
+void PyConvert(const std::string& dir, int world, const std::string& out_dir,
                const std::optional<std::vector<std::pair<std::string, MapHandle*>>>& target_maps,
                const std::string& buffers_json, bool weights_only,
                const std::optional<std::string>& distributed_config_json,
-               const PyCheckpointOptions& o) {
+               const std::optional<std::string>& config, const PyCheckpointOptions& o) {
   std::optional<MapDocument> target;
   if (target_maps) {
     target = DocumentOf(*target_maps);
@@ -186,31 +194,14 @@ void PyConvert(const std::string& sharded_dir, int world, const std::string& out
   if (target_maps && distributed_config_json) {
     throw py::value_error("give target_maps= or distributed_config=, not both");
   }
-  const bool deepspeed = IsDeepSpeedCheckpoint(sharded_dir);
-  if (weights_only && !deepspeed) {
-    throw py::value_error("weights_only=True applies to a DeepSpeed checkpoint; \"" + sharded_dir +
-                          "\" is not one");
-  }
-  if (deepspeed && !target) {
-    Result<std::optional<MapDocument>> from_config =
-        DeepSpeedConfigMaps(sharded_dir, world, weights_only);
-    if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
-    target = *std::move(from_config);
-  }
-  if (!deepspeed && !target) {
-    // Scattered from a config.json: the target layout from the model's plans again.
-    Result<std::optional<MapDocument>> from_config = RecordedConfigMaps(
-        sharded_dir, world, PlanOptionsOf(distributed_config_json), distributed_config_json.has_value());
-    if (!from_config.ok()) Raise(from_config.status(), ErrorKind::kCheckpoint);
-    target = *std::move(from_config);
-  } else if (distributed_config_json) {
-    throw py::value_error("distributed_config= applies to a checkpoint scattered from a "
-                          "config.json; give target_maps= instead");
-  }
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = weights_only;
+  source.config_path = config.value_or("");
+  source.distributed_config = distributed_config_json.value_or("");
+  CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    Status s = deepspeed
-                   ? ConvertDeepSpeed(sharded_dir, world, target, weights_only, out_dir, options)
-                   : Convert(sharded_dir, world, target, out_dir, options);
+    Status s = ConvertCheckpoint(dir, source, world, target, out_dir, options);
     if (s.message().ends_with("without target maps")) {
       return Status(s.code(), s.message() +
                                   "; give them with target_maps= (or put the model's "
@@ -230,6 +221,21 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
   }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     return ConvertDeepSpeedToUniversal(dir, out_dir, options);
+  });
+}
+
+// `reshard convert --to dcp --world N`: any checkpoint -> a PyTorch Distributed Checkpoint
+// saved for `world` ranks.
+void PyConvertToDcp(const std::string& dir, int world, const std::string& out_dir,
+                    bool weights_only, const std::optional<std::string>& config,
+                    const PyCheckpointOptions& o) {
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = weights_only;
+  source.config_path = config.value_or("");
+  CheckOptions(dir, source);
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return WriteDcpCheckpoint(dir, source, world, out_dir, options);
   });
 }
 
@@ -314,6 +320,7 @@ void BindFiles(py::module_& m) {
   m.def("gather", &PyGather);
   m.def("convert", &PyConvert);
   m.def("convert_to_universal", &PyConvertToUniversal);
+  m.def("convert_to_dcp", &PyConvertToDcp);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));

@@ -200,3 +200,56 @@ def test_scatter_refuses_maps_that_leave_a_buffer_unwritten(tmp_path, reshard_bi
     r = run(reshard_bin, "scatter", full, "--maps", path, "-o", tmp_path / "out")
     assert r.returncode == 1 and "written by no map" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_constant_buffers_hold_their_fill_and_model_files_are_copied(tmp_path, reshard_bin):
+    # q [4, 2] split by rows over 2 ranks into "qkv" [3, 2] (one padding row per rank), and a
+    # scalar that no checkpoint has, 1 on every rank (vLLM's attention scale `_k_scale`).
+    full = tmp_path / "full"
+    full.mkdir()
+    q = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 1
+    save_file({"q": q}, str(full / "model.safetensors"))
+    (full / "config.json").write_text('{"model_type": "llama"}')
+    (full / "tokenizer.json").write_text('{"version": "1.0"}')
+    (full / "notes.txt").write_text("not a model file")
+    qmap = {"logical_shape": [4, 2], "ranks": {str(r): {
+        "buffer": "qkv", "shard_shape": [3, 2],
+        "pieces": [{"shape": [2, 2], "source": [4 * r, [2, 1]], "dest": [0, [2, 1]],
+                    "locations": [r]}]} for r in range(2)}}
+    pad = {"shape": [2], "view": [4, [1]]}
+    decls = {"qkv": {"dtype": "F32", "ranks": {str(r): {"shape": [3, 2], "padding": [pad]}
+                                               for r in range(2)}},
+             "attn._k_scale": {"dtype": "F32", "fill": 1.0, "ranks": {
+                 str(r): {"shape": [], "padding": [{"shape": [], "view": [0, []]}]}
+                 for r in range(2)}}}
+    buffers = reshard.BufferSet(decls, {"q": qmap})
+    assert buffers["attn._k_scale"].fill == 1.0 and buffers["qkv"].fill == 0.0
+    assert float(buffers.empty(1)["attn._k_scale"]) == 1.0
+    doc = tmp_path / "maps.json"
+    doc.write_text(buffers.to_json())
+    assert json.loads(doc.read_text())["buffers"]["attn._k_scale"]["fill"] == 1.0
+
+    out = tmp_path / "out"
+    r = run(reshard_bin, "scatter", full, "--maps", doc, "-o", out)
+    assert r.returncode == 0, r.stderr
+    for rank in range(2):
+        held = load_file(str(out / f"model-rank-{rank}-part-0.safetensors"))
+        assert set(held) == {"qkv", "attn._k_scale"}
+        assert held["attn._k_scale"].shape == () and float(held["attn._k_scale"]) == 1.0
+        assert torch.equal(held["qkv"], torch.cat([q[2 * rank:2 * rank + 2], torch.zeros(1, 2)]))
+    assert (out / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert not (out / "notes.txt").exists()
+    # convert carries the constant and the model's files on.
+    again = tmp_path / "again"
+    r = run(reshard_bin, "convert", out, "--tp", 2, "--target-maps", doc, "-o", again)
+    assert r.returncode == 0, r.stderr
+    held = load_file(str(again / "model-rank-1-part-0.safetensors"))
+    assert float(held["attn._k_scale"]) == 1.0
+    assert (again / "config.json").read_text() == '{"model_type": "llama"}'
+
+    # A fill the dtype cannot hold exactly is refused when the document is read.
+    decls["attn._k_scale"]["dtype"] = "BF16"
+    decls["attn._k_scale"]["fill"] = 0.1
+    with pytest.raises(reshard.MapError, match=r'fill: 0.1 is not exactly a BF16 value'):
+        reshard.BufferSet(decls, {"q": qmap})

@@ -15,8 +15,10 @@
 #include "processes.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
@@ -44,6 +46,7 @@ struct CommonArgs {
 
 struct GatherArgs : CommonArgs {
   bool fp32 = false;
+  std::string config;
 };
 
 // The flags every checkpoint command takes about scaled values.
@@ -177,9 +180,11 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string distributed_config;
-  std::string to;  // "universal": a DeepSpeed universal checkpoint instead of a sharded dir
+  std::string to;  // "universal" or "dcp": that format instead of a sharded dir
+  int world = 0;   // --to dcp: the world size it is saved for
   std::string target_maps;
   bool weights_only = false;
+  std::string config;
 };
 
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
@@ -271,17 +276,18 @@ Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
-      Options(args, bar, Describe("gather", args, {{"--fp32", args.fp32 ? "on" : "off"}})));
-  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {}));
+      Options(args, bar,
+              Describe("gather", args,
+                       Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"}},
+                              OptionalInput("--config", args.config)))));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.config}));
   const auto t0 = std::chrono::steady_clock::now();
-  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
-  if (args.fp32 && !deepspeed) {
-    return InvalidArgumentError("--fp32 takes a DeepSpeed checkpoint's master weights; \"" +
-                                args.input + "\" is not a DeepSpeed checkpoint");
-  }
-  Status s = deepspeed ? GatherDeepSpeed(args.input, args.output, args.fp32, options)
-                       : Gather(args.input, args.output, options);
-  RESHARD_RETURN_IF_ERROR(WithForceHint(std::move(s), args.force));
+  SourceOptions source;
+  source.use = SourceUse::kGather;
+  source.master_weights = args.fp32;
+  source.config_path = args.config;
+  RESHARD_RETURN_IF_ERROR(
+      WithForceHint(GatherCheckpoint(args.input, source, args.output, options), args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("gathered \"{}\" into \"{}\" ({:.2f} s)", args.input, args.output, seconds),
@@ -292,10 +298,11 @@ Status RunGather(const GatherArgs& args) {
 // convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
 // resumes from at any TP x DP.
 Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& options) {
-  if (args.tp != 0 || !args.target_maps.empty() || args.weights_only ||
+  if (args.tp != 0 || args.world != 0 || !args.target_maps.empty() || args.weights_only ||
       !args.max_shard_size.empty()) {
     return InvalidArgumentError(
-        "--to universal takes no --tp, --target-maps, --weights-only or --max-shard-size: the "
+        "--to universal takes no --tp, --world, --target-maps, --weights-only or --max-shard-size: "
+        "the "
         "universal checkpoint holds full tensors of every optimizer state");
   }
   if (!IsDeepSpeedCheckpoint(args.input)) {
@@ -313,12 +320,30 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   return Status::Ok();
 }
 
-// A sharded checkpoint scattered with --config keeps the model's config.json: its layout at
-// the target topology comes from the model's plans again (MoE experts into their stacked
-// buffers included), so that it converts between TP and EP.
-Result<std::optional<MapDocument>> RecordedConfigMaps(const ConvertArgs& args) {
-  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
-  return RecordedConfigMaps(args.input, args.tp, plan_options, !args.distributed_config.empty());
+// convert --to dcp: any checkpoint into a PyTorch Distributed Checkpoint saved for --world
+// ranks (FSDP2's dim-0 chunks), which torch.distributed.checkpoint loads at any world size.
+Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options) {
+  if (!args.target_maps.empty() || !args.max_shard_size.empty() ||
+      !args.distributed_config.empty()) {
+    return InvalidArgumentError(
+        "--to dcp takes no --target-maps, --distributed-config or --max-shard-size: a DCP "
+        "checkpoint holds each tensor in dim-0 chunks, one file per rank");
+  }
+  if (args.world < 1)
+    return InvalidArgumentError("--to dcp needs --world N (the ranks it is saved for)");
+  const auto t0 = std::chrono::steady_clock::now();
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = args.weights_only;
+  source.config_path = args.config;
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      WriteDcpCheckpoint(args.input, source, args.world, args.output, options), args.force));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to a DCP checkpoint for {} ranks in \"{}\" ({:.2f} s)",
+                     args.input, args.world, args.output, seconds),
+         seconds);
+  return Status::Ok();
 }
 
 Status RunConvert(const ConvertArgs& args) {
@@ -328,41 +353,43 @@ Status RunConvert(const ConvertArgs& args) {
       Options(
           args, bar,
           Describe("convert", args,
-                   Joined(RunDescription{{"--tp", std::to_string(args.tp)}, {"--to", args.to}},
+                   Joined(RunDescription{{"--tp", std::to_string(args.tp)},
+                                         {"--to", args.to},
+                                         {"--world", std::to_string(args.world)}},
                           DistributedConfigInput(args.distributed_config),
                           OptionalInput("--target-maps", args.target_maps),
+                          OptionalInput("--config", args.config),
                           RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
-  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps}));
+  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps, args.config}));
+  if (args.to == "dcp") return RunConvertToDcp(args, options);
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
-  if (args.tp < 1) return InvalidArgumentError("give --tp N (or --to universal)");
+  if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
+  if (args.tp < 1)
+    return InvalidArgumentError("give --tp N (or --to universal, or --to dcp --world N)");
   std::optional<MapDocument> target;
   if (!args.target_maps.empty()) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const bool deepspeed = IsDeepSpeedCheckpoint(args.input);
-  if (args.weights_only && !deepspeed) {
-    return InvalidArgumentError("--weights-only applies to a DeepSpeed checkpoint; \"" +
-                                args.input + "\" is not one");
+  std::string distributed_config = args.distributed_config;
+  if (!distributed_config.empty() && distributed_config.find('{') == std::string::npos) {
+    RESHARD_ASSIGN_OR_RETURN(distributed_config, ReadFileToString(distributed_config));
   }
-  if (deepspeed && !target) {
-    RESHARD_ASSIGN_OR_RETURN(target, DeepSpeedConfigMaps(args.input, args.tp, args.weights_only));
-  }
-  if (!deepspeed && !target) {
-    RESHARD_ASSIGN_OR_RETURN(target, RecordedConfigMaps(args));
-  } else if (!args.distributed_config.empty()) {
-    return InvalidArgumentError(
-        "--distributed-config applies to a checkpoint scattered with --config (its manifest "
-        "keeps the model's config.json); give the target layout with --target-maps instead");
-  }
-  Status s = WithForceHint(deepspeed ? ConvertDeepSpeed(args.input, args.tp, target,
-                                                        args.weights_only, args.output, options)
-                                     : Convert(args.input, args.tp, target, args.output, options),
-                           args.force);
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = args.weights_only;
+  source.config_path = args.config;
+  source.distributed_config = distributed_config;
+  Status s = WithForceHint(
+      ConvertCheckpoint(args.input, source, args.tp, target, args.output, options), args.force);
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() +
                                 "; give them with --target-maps MAPS.json (or put the model's "
                                 "config.json in a DeepSpeed save dir)");
+  }
+  if (s.code() == StatusCode::kUnimplemented &&
+      s.message().find("universal") != std::string::npos) {
+    return Status(s.code(), s.message() + " (--to universal)");
   }
   RESHARD_RETURN_IF_ERROR(s);
   const double seconds = Seconds(t0);
@@ -418,33 +445,47 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
-  AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
-                   "write parts of at most this size and an index (e.g. 5GB)");
+  AddCommonOptions(
+      cmd, *args, "SHARDED_DIR",
+      "checkpoint directory: reshard sharded, DeepSpeed, Hugging Face (docs/formats.md)",
+      "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
                 "module's");
+  cmd->add_option("--config", args->config,
+                  "a model's config.json, for a checkpoint that needs one to name and split its "
+                  "tensors (Megatron)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
 }
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
-  AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "sharded checkpoint directory, or a DeepSpeed checkpoint",
-                   "split each rank's file into parts of at most this size");
+  AddCommonOptions(
+      cmd, *args, "SHARDED_DIR",
+      "checkpoint directory: reshard sharded, DeepSpeed, Hugging Face (docs/formats.md)",
+      "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
                 "DeepSpeed input: the module's weights only, no optimizer state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
-                  "(what ds_to_universal writes; OUT/latest_universal names its folder)")
-      ->check(CLI::IsMember({"universal"}))
+                  "(what ds_to_universal writes; OUT/latest_universal names its folder); dcp: a "
+                  "PyTorch Distributed Checkpoint saved for --world ranks")
+      ->check(CLI::IsMember({"universal", "dcp"}))
       ->excludes(tp);
-  auto target = cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
+  cmd->add_option("--world", args->world,
+                  "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
+                  "shards); torch loads it at any world size")
+      ->check(IntegerIn(1, 1 << 20));
+  auto target =
+      cmd->add_option("--target-maps", args->target_maps, "map document of the target layout");
   cmd->add_option("--distributed-config", args->distributed_config,
                   "a checkpoint scattered with --config: transformers' DistributedConfig of the "
                   "target (JSON text or a file), e.g. '{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
       ->excludes(target);
+  cmd->add_option("--config", args->config,
+                  "a model's config.json, for a checkpoint that needs one to name and split its "
+                  "tensors (Megatron)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
 }

@@ -15,7 +15,8 @@ Importing this package does not import vLLM; :func:`layout` does, and so do the 
 and a :class:`WeightSync` that learns the engine's layout.
 """
 
-from .layout import LayoutError, cache_dir, layout
+from .layout import LayoutError, cache_dir, check_engine, layout
 from .sync import SyncStats, WeightSync, WeightSyncError
 
-__all__ = ["LayoutError", "SyncStats", "WeightSync", "WeightSyncError", "cache_dir", "layout"]
+__all__ = ["LayoutError", "SyncStats", "WeightSync", "WeightSyncError", "cache_dir",
+           "check_engine", "layout"]

@@ -24,9 +24,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
-__all__ = ["layout", "LayoutError", "cache_dir"]
+__all__ = ["layout", "LayoutError", "cache_dir", "check_engine"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -207,7 +207,7 @@ def _unique_state(model: Any) -> dict[str, Any]:
     """The model's state dict with tensors that share storage counted once (the smaller name), as
     vLLM's sharded-state loader counts them."""
     by_storage: dict[Any, str] = {}
-    out = {}
+    out: dict[str, Any] = {}
     for name, t in model.state_dict().items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride())) if t.numel() else ("empty", name)
@@ -326,7 +326,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     maps: dict[str, Any] = {}
     buffered: set[str] = set()
     for tid, (tname, shape, _) in enumerate(tensors):
-        per_param = holders.get(tid)
+        per_param = holders.get(tid, {})
         if not per_param:
             raise LayoutError(f"checkpoint tensor {tname!r} is loaded into no parameter of "
                               f"vLLM's model at TP {tp} (vLLM drops it, e.g. a tied lm_head); "
@@ -338,7 +338,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
         own = pname == tname and len(by_rank) == tp and all(
             int(torch.count_nonzero(ranks[r][pname][0])) == ranks[r][pname][0].numel() and
             by_rank[r][0].numel() == ranks[r][pname][0].numel() for r in range(tp))
-        observed = []
+        observed: list[tuple[int, Sequence[int], str, Any]] = []
         for r in range(tp):
             ints, pshape, _, _ = ranks[r][pname]
             index_map = torch.full((ints.numel(),), -1, dtype=torch.int64)
@@ -425,3 +425,48 @@ def _check_against_model(doc: Mapping[str, Any], ranks: list[dict[str, Any]],
     extra = (set(buffers) | set(own)) - set(ranks[0])
     if extra:
         raise LayoutError(f"the document names {sorted(extra)}, which vLLM's model does not hold")
+
+
+def _engine_parameters(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What a worker's model holds: {name: (shape, safetensors dtype)}, one name per parameter
+    object (the smallest of a module registered under two names, as the layout counts it before
+    loading, when such aliases still share storage). Run in the workers by check_engine."""
+    alias: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        alias[id(t)] = min(alias.get(id(t), name), name)
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        name = alias.get(id(t), name)
+        out[name] = (tuple(t.shape), _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""),
+                                                               str(t.dtype)))
+    return out
+
+
+def check_engine(llm: Any, doc: Mapping[str, Any]) -> None:
+    """Checks a layout against the parameters a running engine (``vllm.LLM``) holds: the same
+    names on every worker, none missing and none more, and the same dtypes. Shapes are those
+    before vLLM's post-load processing, which :func:`layout` checks as it learns them (and vLLM's
+    sharded-state loader as it copies); a running engine may hold others (on CPU the linear
+    weights are emptied and the MoE weights repacked for oneDNN). Raises :class:`LayoutError`
+    naming the first difference. With worker processes (TP > 1) vLLM must be allowed to send the
+    check to them: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``."""
+    buffers = doc.get("buffers", {})
+    want: dict[str, str] = {name: b["dtype"] for name, b in buffers.items()}
+    world = len(next(iter(buffers.values()))["ranks"]) if buffers else 0
+    for k, v in doc.items():
+        if k not in ("version", "buffers") and not any("buffer" in r for r in v["ranks"].values()):
+            want[k] = ""  # a tensor's own shard: the checkpoint's dtype
+            world = len(v["ranks"])
+    held = llm.apply_model(_engine_parameters)
+    if len(held) != world:
+        raise LayoutError(f"the engine has {len(held)} workers but the layout {world} ranks")
+    for r, params in enumerate(held):
+        missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+        if missing or extra:
+            raise LayoutError(f"worker {r}: the layout names {missing} that the engine lacks, "
+                              f"and lacks {extra} that the engine holds")
+        for name, (_, dtype) in params.items():
+            if want[name] and dtype != want[name]:
+                raise LayoutError(f"worker {r}: {name!r} is {dtype} in the engine, "
+                                  f"{want[name]} in the layout")

@@ -20,6 +20,7 @@
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/temporaries.h"
 #include "reshard/ir/compose.h"
+#include "reshard/layouts/basic.h"
 
 namespace reshard {
 
@@ -130,31 +131,56 @@ Status CopyValidRegion(const ParamMap& map, DType dtype, const std::byte* src, s
 // A sharded checkpoint as a source: shards are views of its mapped files.
 class ShardedDirSource : public ShardSource {
  public:
-  ShardedDirSource(std::string dir, const ShardedCheckpoint& ckpt)
-      : dir_(std::move(dir)), ckpt_(ckpt) {}
-  const Manifest& manifest() const override { return ckpt_.manifest(); }
+  ShardedDirSource(std::string dir, std::shared_ptr<const ShardedCheckpoint> ckpt)
+      : dir_(std::move(dir)), ckpt_(std::move(ckpt)) {}
+  const Manifest& manifest() const override { return ckpt_->manifest(); }
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    const ParamMap& map = ckpt_.manifest().params[i].map;
+    const ParamMap& map = ckpt_->manifest().params[i].map;
     std::vector<ConstBuffer> shards;
     for (Rank r = 0; r < map.world_size(); ++r) {
-      shards.push_back({ckpt_.shard(i, r).data(), map.shard_num_elements(r)});
+      shards.push_back({ckpt_->shard(i, r).data(), map.shard_num_elements(r)});
     }
     return shards;
   }
   void ReleaseShards(size_t i) override {
-    for (Rank r = 0; r < ckpt_.manifest().world_size; ++r) ReleaseMappedPages(ckpt_.shard(i, r));
+    for (Rank r = 0; r < ckpt_->manifest().world_size; ++r) {
+      ReleaseMappedPages(ckpt_->shard(i, r));
+    }
   }
   // Everything a run from a sharded checkpoint reads, which its output may not touch.
   std::vector<std::string> inputs() const override {
     std::vector<std::string> inputs = {dir_,
                                        (std::filesystem::path(dir_) / kManifestName).string()};
-    for (std::string& path : ckpt_.file_paths()) inputs.push_back(std::move(path));
+    for (std::string& path : ckpt_->file_paths()) inputs.push_back(std::move(path));
     return inputs;
   }
 
  private:
   std::string dir_;
-  const ShardedCheckpoint& ckpt_;
+  std::shared_ptr<const ShardedCheckpoint> ckpt_;
+};
+
+// A full checkpoint as a source at world size 1: each tensor is its own one-rank shard.
+class FullDirSource : public ShardSource {
+ public:
+  FullDirSource(std::string dir, std::shared_ptr<const FullCheckpoint> ckpt, Manifest manifest)
+      : dir_(std::move(dir)), ckpt_(std::move(ckpt)), manifest_(std::move(manifest)) {}
+  const Manifest& manifest() const override { return manifest_; }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const TensorRef& t = ckpt_->tensors()[i];
+    return std::vector<ConstBuffer>{{t.data.data(), manifest_.params[i].map.shard_num_elements(0)}};
+  }
+  void ReleaseShards(size_t i) override { ReleaseMappedPages(ckpt_->tensors()[i].data); }
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> inputs = {dir_};
+    for (std::string& path : ckpt_->file_paths()) inputs.push_back(std::move(path));
+    return inputs;
+  }
+
+ private:
+  std::string dir_;
+  std::shared_ptr<const FullCheckpoint> ckpt_;
+  Manifest manifest_;
 };
 
 // Acquires a parameter's shards and releases them when it goes out of scope.
@@ -516,13 +542,35 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
 
 }  // namespace
 
+std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
+                                                std::shared_ptr<const ShardedCheckpoint> ckpt) {
+  return std::make_unique<ShardedDirSource>(std::move(dir), std::move(ckpt));
+}
+
+Result<std::unique_ptr<ShardSource>> SourceOfFullDir(std::string dir,
+                                                     std::shared_ptr<const FullCheckpoint> ckpt) {
+  Manifest m;
+  m.world_size = 1;
+  for (const TensorRef& t : ckpt->tensors()) {
+    RESHARD_ASSIGN_OR_RETURN(ParamMap map, ReplicatedMap(t.info->shape, 1));
+    m.params.push_back({.name = t.info->name,
+                        .dtype = t.info->dtype,
+                        .map = std::move(map),
+                        .layout = std::nullopt,
+                        .scale_power = 1});
+  }
+  return std::unique_ptr<ShardSource>(
+      std::make_unique<FullDirSource>(std::move(dir), std::move(ckpt), std::move(m)));
+}
+
 Status Gather(const std::string& sharded_dir, const std::string& out_dir,
               const CheckpointOptions& all_options) {
   const CheckpointOptions options = ForThisProcess(all_options);
   Communicator& comm = CommunicatorOf(options);
   Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
-  ShardedDirSource source(sharded_dir, *opened);
+  ShardedDirSource source(sharded_dir,
+                          std::make_shared<const ShardedCheckpoint>(*std::move(opened)));
   return GatherFrom(source, out_dir, all_options);
 }
 
@@ -685,7 +733,8 @@ Status Convert(const std::string& sharded_dir, int world_size,
   Communicator& comm = CommunicatorOf(options);
   Result<ShardedCheckpoint> opened = ShardedCheckpoint::Open(sharded_dir);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
-  ShardedDirSource source(sharded_dir, *opened);
+  ShardedDirSource source(sharded_dir,
+                          std::make_shared<const ShardedCheckpoint>(*std::move(opened)));
   return ConvertFrom(source, world_size, target_maps, out_dir, all_options);
 }
 

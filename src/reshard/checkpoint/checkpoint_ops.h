@@ -19,6 +19,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -147,6 +148,15 @@ class ShardSource {
   /// The paths it reads, which an output may not be, contain or lie inside.
   virtual std::vector<std::string> inputs() const = 0;
 };
+
+/// A reshard sharded checkpoint as a source (its shards: views of its mapped files).
+std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
+                                                std::shared_ptr<const ShardedCheckpoint> ckpt);
+
+/// A full (Hugging Face) checkpoint as a source at world size 1: each tensor is one rank's
+/// whole shard, with no recorded layout (converting it takes target maps).
+Result<std::unique_ptr<ShardSource>> SourceOfFullDir(std::string dir,
+                                                     std::shared_ptr<const FullCheckpoint> ckpt);
 
 /// A file to place in a gathered checkpoint beside the tensors (e.g. the model's config.json).
 struct ExtraFile {

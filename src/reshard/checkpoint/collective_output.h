@@ -2,7 +2,7 @@
 // processes (communicator.h): which processes take part, the output directory that process 0
 // creates and the others join, the progress of the whole job, and the collective end where
 // process 0 commits. For the operations' implementations (checkpoint_ops.cc, deepspeed.cc,
-// deepspeed_universal.cc), not a public interface.
+// universal/universal.cc), not a public interface.
 #ifndef RESHARD_CHECKPOINT_COLLECTIVE_OUTPUT_H_
 #define RESHARD_CHECKPOINT_COLLECTIVE_OUTPUT_H_
 

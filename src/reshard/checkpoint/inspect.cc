@@ -13,7 +13,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/checkpoint/checkpoint.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"

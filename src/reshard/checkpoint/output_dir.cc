@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/io/file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/temporaries.h"
@@ -109,6 +110,24 @@ Status CheckFullOutput(const std::string& path, const fs::path& dir,
   return Status::Ok();
 }
 
+// `names` are a DCP checkpoint reshard wrote (convert --to dcp) only: .metadata, beginning as
+// reshard writes it, and __0_0.distcp ... __{N-1}_0.distcp (DCP's files carry no other mark).
+Status CheckDcpOutput(const std::string& path, const fs::path& dir,
+                      const std::vector<std::string>& names) {
+  std::set<std::string> expected = {kDcpMetadataName};
+  for (size_t r = 0; r + 1 < names.size(); ++r) expected.insert(DcpFileName(static_cast<Rank>(r)));
+  for (const std::string& name : names) {
+    if (!expected.contains(name) || !IsRegularFile(dir / name)) {
+      return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
+    }
+  }
+  Result<std::string> metadata = ReadFileToString((dir / kDcpMetadataName).string());
+  if (!metadata.ok() || !metadata->starts_with(kDcpMetadataPrefix)) {
+    return NotOurs(path, fmt::format("its {} was not written by reshard", kDcpMetadataName));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 const std::map<std::string, std::string>& ProducerMetadata() {
@@ -174,6 +193,7 @@ Status CheckReplaceable(const std::string& path) {
   for (const std::string& name : names) {
     if (name == kManifestName) return CheckShardedOutput(path, target, names);
     if (name == "latest_universal") return CheckUniversalOutput(path, target, names);
+    if (name == kDcpMetadataName) return CheckDcpOutput(path, target, names);
   }
   return CheckFullOutput(path, target, names);
 }

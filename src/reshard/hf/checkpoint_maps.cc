@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "reshard/checkpoint/checkpoint.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
 

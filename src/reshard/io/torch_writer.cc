@@ -129,6 +129,9 @@ class ZipStreamWriter {
     return Append(d);
   }
 
+  /// The bytes appended so far.
+  uint64_t size() const { return pos_; }
+
  private:
   struct Entry {
     std::string name;
@@ -244,12 +247,20 @@ Status WriteTorchStateDict(const std::string& path, std::vector<TensorToWrite> t
   return b.Write(path, root, options);
 }
 
-Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNodeId root,
-                      const std::vector<TorchStorageToWrite>& storages,
-                      const TorchWriteOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(const std::string pickle, SerializePickle(tree, root));
+namespace {
+
+// The checks of WriteTorchTree, before anything is written: the pickle of the tree, and the
+// size of the largest storage to be filled.
+struct CheckedTree {
+  std::string pickle;
+  uint64_t largest_fill = 0;
+};
+
+Result<CheckedTree> CheckTree(const PickleTree& tree, PickleNodeId root,
+                              const std::vector<TorchStorageToWrite>& storages) {
+  CheckedTree out;
+  RESHARD_ASSIGN_OR_RETURN(out.pickle, SerializePickle(tree, root));
   std::unordered_map<std::string, uint64_t> sizes;
-  uint64_t largest = 0;
   for (const TorchStorageToWrite& s : storages) {
     if (!sizes.emplace(s.key, s.num_bytes).second) {
       return InvalidArgumentError("two storages with key " + Quote(s.key));
@@ -261,27 +272,30 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
       return InvalidArgumentError("storage " + Quote(s.key) + " of " + std::to_string(s.num_bytes) +
                                   " bytes is given " + std::to_string(s.bytes.size()));
     }
-    if (s.bytes.empty()) largest = std::max(largest, s.num_bytes);
+    if (s.bytes.empty()) out.largest_fill = std::max(out.largest_fill, s.num_bytes);
   }
   RESHARD_RETURN_IF_ERROR(CheckPersistentIds(tree, root, sizes));
-  // One buffer, as large as the largest filled storage, serves every fill in turn; made before
-  // the output, so that a size memory cannot hold leaves nothing behind.
+  return out;
+}
+
+// A buffer of `bytes` for the fills (null for 0), or ResourceExhausted naming `what`.
+Result<std::unique_ptr<std::byte[]>> FillBuffer(uint64_t bytes, const std::string& what) {
   std::unique_ptr<std::byte[]> buffer;
-  if (largest > 0) {
-    buffer.reset(largest <= SIZE_MAX ? new (std::nothrow) std::byte[static_cast<size_t>(largest)]
-                                     : nullptr);
-    if (buffer == nullptr) {
-      return ResourceExhaustedError("cannot allocate a buffer of " + std::to_string(largest) +
-                                    " bytes for the largest storage to write to " + Quote(path));
-    }
+  if (bytes == 0) return buffer;
+  buffer.reset(bytes <= SIZE_MAX ? new (std::nothrow) std::byte[static_cast<size_t>(bytes)]
+                                 : nullptr);
+  if (buffer == nullptr) {
+    return ResourceExhaustedError("cannot allocate a buffer of " + std::to_string(bytes) +
+                                  " bytes for the largest storage to write to " + what);
   }
-  RESHARD_ASSIGN_OR_RETURN(
-      AtomicFileWriter out,
-      AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
-                                      .sync = options.sync,
-                                      .start_writeback = options.start_writeback}));
+  return buffer;
+}
+
+// Appends the archive to `out`; returns its length.
+Result<uint64_t> AppendArchive(AtomicFileWriter& out, const std::string& pickle,
+                               const std::vector<TorchStorageToWrite>& storages,
+                               const std::string& r, std::byte* buffer) {
   ZipStreamWriter zip(out);
-  const std::string& r = options.root;
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.format_version", AsBytes("1")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.storage_alignment", AsBytes("64")));
@@ -289,7 +303,7 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
   for (const TorchStorageToWrite& s : storages) {
     std::span<const std::byte> bytes = s.bytes;
     if (bytes.empty() && s.num_bytes > 0) {
-      const std::span<std::byte> filled(buffer.get(), s.num_bytes);
+      const std::span<std::byte> filled(buffer, s.num_bytes);
       RESHARD_RETURN_IF_ERROR(s.fill(filled).Annotate("storage " + Quote(s.key)));
       bytes = filled;
     }
@@ -297,7 +311,36 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
   }
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/version", AsBytes("3\n")));
   RESHARD_RETURN_IF_ERROR(zip.Finish());
+  return zip.size();
+}
+
+}  // namespace
+
+Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNodeId root,
+                      const std::vector<TorchStorageToWrite>& storages,
+                      const TorchWriteOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(const CheckedTree checked, CheckTree(tree, root, storages));
+  // One buffer, as large as the largest filled storage, serves every fill in turn; made before
+  // the output, so that a size memory cannot hold leaves nothing behind.
+  RESHARD_ASSIGN_OR_RETURN(const std::unique_ptr<std::byte[]> buffer,
+                           FillBuffer(checked.largest_fill, Quote(path)));
+  RESHARD_ASSIGN_OR_RETURN(
+      AtomicFileWriter out,
+      AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
+                                      .sync = options.sync,
+                                      .start_writeback = options.start_writeback}));
+  RESHARD_RETURN_IF_ERROR(
+      AppendArchive(out, checked.pickle, storages, options.root, buffer.get()).status());
   return out.Commit();
+}
+
+Result<uint64_t> AppendTorchTree(AtomicFileWriter& out, const PickleTree& tree, PickleNodeId root,
+                                 const std::vector<TorchStorageToWrite>& storages,
+                                 const std::string& archive_root) {
+  RESHARD_ASSIGN_OR_RETURN(const CheckedTree checked, CheckTree(tree, root, storages));
+  RESHARD_ASSIGN_OR_RETURN(const std::unique_ptr<std::byte[]> buffer,
+                           FillBuffer(checked.largest_fill, "an archive"));
+  return AppendArchive(out, checked.pickle, storages, archive_root, buffer.get());
 }
 
 Status RewriteTorchFile(const TorchFile& file, const std::string& path,
@@ -542,6 +585,11 @@ Result<PickleNodeId> TorchTreeBuilder::Copy(const TorchFile& file, PickleNodeId 
 Status TorchTreeBuilder::Write(const std::string& path, PickleNodeId root,
                                const TorchWriteOptions& options) const {
   return WriteTorchTree(path, tree_, root, storages_, options);
+}
+
+Result<uint64_t> TorchTreeBuilder::AppendTo(AtomicFileWriter& out, PickleNodeId root,
+                                            const std::string& archive_root) const {
+  return AppendTorchTree(out, tree_, root, storages_, archive_root);
 }
 
 }  // namespace reshard

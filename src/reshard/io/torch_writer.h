@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "reshard/base/result.h"
+#include "reshard/io/file.h"
 #include "reshard/io/pickle.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_file.h"
@@ -79,6 +80,16 @@ struct TorchStorageToWrite {
 Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNodeId root,
                       const std::vector<TorchStorageToWrite>& storages,
                       const TorchWriteOptions& options = {});
+
+/// Appends the torch.save archive of the tree under `root` to `out`, as torch.save writes one
+/// into a stream at its current position (a DCP item): the archive's offsets and alignment
+/// count from its first byte, so its bytes are those WriteTorchTree writes as a file of its
+/// own (root directory `archive_root`). Returns its length in bytes. The errors of
+/// WriteTorchTree (checked before anything is appended; a failure after that leaves `out`
+/// holding part of the archive, for the caller to abandon).
+Result<uint64_t> AppendTorchTree(AtomicFileWriter& out, const PickleTree& tree, PickleNodeId root,
+                                 const std::vector<TorchStorageToWrite>& storages,
+                                 const std::string& archive_root = "archive");
 
 /// Writes `file` (read by TorchFile) back: the same object tree, the same storages bit for
 /// bit, shared objects and views of one storage kept so. `torch.load` of the result gives an
@@ -154,6 +165,9 @@ class TorchTreeBuilder {
   /// Writes the tree under `root` (WriteTorchTree).
   Status Write(const std::string& path, PickleNodeId root,
                const TorchWriteOptions& options = {}) const;
+  /// Appends the tree under `root` to `out` (AppendTorchTree); returns the archive's length.
+  Result<uint64_t> AppendTo(AtomicFileWriter& out, PickleNodeId root,
+                            const std::string& archive_root = "archive") const;
 
  private:
   struct TensorInfo {

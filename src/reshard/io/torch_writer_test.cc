@@ -262,6 +262,47 @@ TEST(TorchTreeBuilderTest, RewrittenFilesKeepTreeAndStoragesAndAreDeterministic)
   EXPECT_EQ(t.node(t.node(t.node(m).items[299]).items[0]).int_value, 299);
 }
 
+TEST(TorchTreeBuilderTest, AppendedArchivesAreTheBytesOfFilesOfTheirOwn) {
+  // Two archives one after the other in one file (DCP's items): each is, byte for byte, the
+  // file written alone, so its zip offsets and alignment count from its own start.
+  const TempDir tmp;
+  const auto tensor = [](DType dtype, Shape shape, uint8_t first) {
+    TorchTreeBuilder b;
+    const TensorToWrite t = Counting("t", dtype, std::move(shape), first);
+    const PickleNodeId root = b.Tensor(t.dtype, t.shape, t.fill);
+    return std::pair{std::move(b), root};
+  };
+  auto [a, a_root] = tensor(DType::kBF16, {3, 5}, 7);
+  auto [b, b_root] = tensor(DType::kF32, {}, 1);
+  ASSERT_TRUE(a.Write((tmp / "a.pt").string(), a_root).ok());
+  ASSERT_TRUE(b.Write((tmp / "b.pt").string(), b_root).ok());
+  const std::string both = (tmp / "both").string();
+  Result<AtomicFileWriter> out = AtomicFileWriter::Create(both, {});
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  ASSERT_TRUE(out->Append(std::string_view("x")).ok());  // the first archive starts unaligned
+  Result<uint64_t> a_len = a.AppendTo(*out, a_root);
+  Result<uint64_t> b_len = b.AppendTo(*out, b_root);
+  ASSERT_TRUE(a_len.ok() && b_len.ok()) << a_len.status().ToString() << b_len.status().ToString();
+  ASSERT_TRUE(out->Commit().ok());
+  Result<std::string> a_file = ReadFileToString((tmp / "a.pt").string());
+  Result<std::string> b_file = ReadFileToString((tmp / "b.pt").string());
+  Result<std::string> joined = ReadFileToString(both);
+  ASSERT_TRUE(a_file.ok() && b_file.ok() && joined.ok());
+  EXPECT_EQ(*a_len, a_file->size());
+  EXPECT_EQ(*b_len, b_file->size());
+  EXPECT_EQ(*joined, "x" + *a_file + *b_file);
+  // A tree the writer refuses appends nothing.
+  TorchTreeBuilder bad;
+  const PickleNodeId bad_root = bad.Global("no_module");
+  Result<AtomicFileWriter> out2 = AtomicFileWriter::Create((tmp / "bad").string(), {});
+  ASSERT_TRUE(out2.ok());
+  EXPECT_FALSE(bad.AppendTo(*out2, bad_root).ok());
+  ASSERT_TRUE(out2->Commit().ok());
+  Result<std::string> bad_file = ReadFileToString((tmp / "bad").string());
+  ASSERT_TRUE(bad_file.ok());
+  EXPECT_TRUE(bad_file->empty());
+}
+
 TEST(TorchTreeBuilderTest, TreesThatCannotBeWrittenAreRefusedNamingThePath) {
   const TempDir tmp;
   const fs::path dir = tmp / "refused";

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "reshard/ir/compose.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/plan_json.h"
@@ -186,6 +188,77 @@ TEST(BufferSetTest, PlansNameTheirBuffers) {
   PlanDocument doc;
   doc.params = {{"q", *plan}};
   EXPECT_THAT(PlanDocumentToJson(doc), HasSubstr("\"src_buffer\": \"qkv\""));
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+
+std::vector<uint8_t> Bytes(DType dtype, double value) {
+  Result<std::vector<std::byte>> b = ElementBytes(dtype, value);
+  if (!b.ok()) return {};
+  std::vector<uint8_t> out;
+  for (std::byte x : *b) out.push_back(static_cast<uint8_t>(x));
+  return out;
+}
+
+TEST(BufferFillTest, ElementBytesAreExactOrRefused) {
+  EXPECT_EQ(Bytes(DType::kF32, 1.0), (std::vector<uint8_t>{0x00, 0x00, 0x80, 0x3f}));
+  EXPECT_EQ(Bytes(DType::kBF16, 1.0), (std::vector<uint8_t>{0x80, 0x3f}));
+  EXPECT_EQ(Bytes(DType::kBF16, -2.0), (std::vector<uint8_t>{0x00, 0xc0}));
+  EXPECT_EQ(Bytes(DType::kF16, 1.0), (std::vector<uint8_t>{0x00, 0x3c}));
+  EXPECT_EQ(Bytes(DType::kF16, 0.5), (std::vector<uint8_t>{0x00, 0x38}));
+  EXPECT_EQ(Bytes(DType::kF16, 65504.0), (std::vector<uint8_t>{0xff, 0x7b}));
+  EXPECT_EQ(Bytes(DType::kF16, std::ldexp(1.0, -24)), (std::vector<uint8_t>{0x01, 0x00}));
+  EXPECT_EQ(Bytes(DType::kF64, 1.0), (std::vector<uint8_t>{0, 0, 0, 0, 0, 0, 0xf0, 0x3f}));
+  EXPECT_EQ(Bytes(DType::kI16, -2.0), (std::vector<uint8_t>{0xfe, 0xff}));
+  EXPECT_EQ(Bytes(DType::kU8, 255.0), (std::vector<uint8_t>{0xff}));
+  EXPECT_EQ(Bytes(DType::kBool, 1.0), (std::vector<uint8_t>{0x01}));
+  for (auto [dtype, value] :
+       {std::pair{DType::kBF16, 0.1}, std::pair{DType::kF32, 0.1}, std::pair{DType::kF16, 65536.0},
+        std::pair{DType::kF16, 1.0 / 3}, std::pair{DType::kU8, 256.0}, std::pair{DType::kU8, -1.0},
+        std::pair{DType::kI64, std::ldexp(1.0, 63)}, std::pair{DType::kI32, 1.5},
+        std::pair{DType::kBool, 2.0}, std::pair{DType::kF8E4M3, 1.0}}) {
+    Result<std::vector<std::byte>> b = ElementBytes(dtype, value);
+    EXPECT_FALSE(b.ok()) << DTypeName(dtype) << " " << value;
+  }
+  EXPECT_EQ(ElementBytes(DType::kBF16, 0.1).status().message(), "0.1 is not exactly a BF16 value");
+}
+
+// vLLM's attention scale: a scalar no checkpoint has, on every rank, all padding, fill 1.
+BufferDecl ScaleDecl(double fill, DType dtype = DType::kF32) {
+  BufferDecl d{"attn._k_scale", dtype, {}};
+  d.fill = fill;
+  for (int r = 0; r < 2; ++r) d.ranks.push_back({{}, {BufferBlock{{}, {0, {}}}}});
+  return d;
+}
+
+TEST(BufferFillTest, AConstantBufferIsAllPaddingAndRoundTripsWithItsFill) {
+  Result<BufferSet> set = BufferSetBuilder().add(ScaleDecl(1.0)).Finalize({});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  const std::string text = BufferSetToJson(*set);
+  EXPECT_THAT(text, HasSubstr("\"fill\": 1"));
+  Result<BufferSetBuilder> back = ParseBufferSetJson(text);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  Result<BufferSet> again = back->Finalize({});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, *set);
+  EXPECT_EQ(again->Find("attn._k_scale")->fill, 1.0);
+  // Fill 0 is the default and not written.
+  EXPECT_THAT(BufferSetToJson(*BufferSetBuilder().add(ScaleDecl(0.0)).Finalize({})),
+              ::testing::Not(HasSubstr("fill")));
+}
+
+TEST(BufferFillTest, AFillTheDtypeCannotHoldIsRefused) {
+  Result<BufferSet> set = BufferSetBuilder().add(ScaleDecl(0.1, DType::kBF16)).Finalize({});
+  ASSERT_FALSE(set.ok());
+  EXPECT_EQ(set.status().message(),
+            "buffers[\"attn._k_scale\"].fill: 0.1 is not exactly a BF16 value");
+  EXPECT_FALSE(
+      ParseBufferSetJson(R"({"b": {"dtype": "F32", "fill": "one", "ranks": {"0": {"shape": []}}}})")
+          .ok());
 }
 
 }  // namespace

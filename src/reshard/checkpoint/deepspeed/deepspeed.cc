@@ -1,5 +1,4 @@
-#include "reshard/checkpoint/deepspeed.h"
-#include "reshard/checkpoint/pickle_paths.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
 
 #include <fmt/format.h>
 
@@ -15,7 +14,8 @@
 #include <tuple>
 
 #include "reshard/base/json_writer.h"
-#include "reshard/checkpoint/deepspeed_moe.h"
+#include "reshard/checkpoint/deepspeed/moe.h"
+#include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/canonicalize.h"
@@ -1698,60 +1698,44 @@ Result<std::vector<DeepSpeedState>> StatesToWrite(const DeepSpeedCheckpoint& c,
 
 }  // namespace
 
-namespace {
-
-// Opens the checkpoint; with several processes, every one must succeed.
-Result<std::shared_ptr<const DeepSpeedCheckpoint>> OpenShared(const std::string& dir,
-                                                              const CheckpointOptions& options) {
-  Result<DeepSpeedCheckpoint> opened = DeepSpeedCheckpoint::Open(dir);
-  if (options.communicator != nullptr) {
-    RESHARD_RETURN_IF_ERROR(AgreeOnStatus(*options.communicator, opened.status()));
-  }
-  RESHARD_RETURN_IF_ERROR(opened.status());
-  return std::make_shared<const DeepSpeedCheckpoint>(*std::move(opened));
-}
-
-}  // namespace
-
 std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
                                              std::vector<DeepSpeedState> states) {
   return std::make_unique<DeepSpeedShardSource>(std::move(ckpt), std::move(states));
 }
 
-Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, bool master_weights,
-                       const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
-  RESHARD_ASSIGN_OR_RETURN(
-      std::vector<DeepSpeedState> states,
-      StatesToWrite(*ckpt, {master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule}));
-  std::vector<ExtraFile> extra;
-  if (!ckpt->config_path().empty()) {
-    RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
-    extra.push_back({"config.json", std::move(config)});
-  }
-  if (ckpt->experts() != nullptr) return GatherAutoEp(ckpt, states.front(), out_dir, options);
-  std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
-  return GatherFrom(*source, out_dir, options, extra);
-}
-
-Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
-                        const std::optional<MapDocument>& target_maps, bool weights_only,
-                        const std::string& out_dir, const CheckpointOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(auto ckpt, OpenShared(ckpt_dir, options));
-  std::vector<DeepSpeedState> states = {DeepSpeedState::kModule};
-  if (!weights_only) {
-    states.insert(states.end(),
-                  {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
+Result<OpenedCheckpoint> OpenDeepSpeed(const std::string& ckpt_dir, const SourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint opened, DeepSpeedCheckpoint::Open(ckpt_dir));
+  auto ckpt = std::make_shared<const DeepSpeedCheckpoint>(std::move(opened));
+  std::vector<DeepSpeedState> states;
+  if (options.use == SourceUse::kGather) {
+    states = {options.master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule};
+  } else {
+    states = {DeepSpeedState::kModule};
+    if (!options.weights_only) {
+      states.insert(states.end(),
+                    {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
+    }
   }
   RESHARD_ASSIGN_OR_RETURN(states, StatesToWrite(*ckpt, std::move(states)));
-  if (ckpt->experts() != nullptr) {
-    return UnimplementedError(fmt::format(
-        "\"{}\" is an AutoEP checkpoint: convert writes its experts only as DeepSpeed's "
-        "universal checkpoint (--to universal); gather writes the model",
-        ckpt->tag_dir()));
+  OpenedCheckpoint out;
+  out.format = "deepspeed";
+  if (options.use == SourceUse::kGather && !ckpt->config_path().empty()) {
+    RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
+    out.extra_files.push_back({"config.json", std::move(config)});
   }
-  std::unique_ptr<ShardSource> source = DeepSpeedSource(ckpt, states);
-  return ConvertFrom(*source, world_size, target_maps, out_dir, options);
+  if (ckpt->experts() != nullptr) {
+    const DeepSpeedState state = states.front();
+    out.gather = [ckpt, state](const std::string& out_dir, const CheckpointOptions& o) {
+      return GatherAutoEp(ckpt, state, out_dir, o);
+    };
+    out.not_convertible = fmt::format(
+        "\"{}\" is an AutoEP checkpoint: convert writes its experts only as DeepSpeed's "
+        "universal checkpoint; gather writes the model",
+        ckpt->tag_dir());
+    return out;
+  }
+  out.source = DeepSpeedSource(ckpt, std::move(states));
+  return out;
 }
 
 // ---- summaries --------------------------------------------------------------------------

@@ -38,7 +38,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
-#include "reshard/checkpoint/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/io/torch_file.h"
 #include "reshard/io/torch_writer.h"
 #include "reshard/ir/param_map.h"

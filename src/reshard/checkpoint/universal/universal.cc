@@ -1,4 +1,4 @@
-// DeepSpeed checkpoint -> universal checkpoint (ConvertDeepSpeedToUniversal, deepspeed.h).
+// DeepSpeed checkpoint -> universal checkpoint (ConvertDeepSpeedToUniversal, universal.h).
 //
 // The output, as ds_to_universal writes it (docs/formats.md, "The universal checkpoint"):
 //   OUT/latest_universal                  "<tag>_universal", no newline
@@ -10,6 +10,8 @@
 // from its TP shards (each from its DP fragments) straight into the writer's buffer. Under
 // several processes (communicator.h) each writes the files BalanceByBytes gives it into the
 // temporary directory process 0 made, and process 0 commits once all have succeeded.
+#include "reshard/checkpoint/universal/universal.h"
+
 #include <fmt/format.h>
 #include <sys/stat.h>
 
@@ -22,8 +24,8 @@
 #include <vector>
 
 #include "reshard/checkpoint/collective_output.h"
-#include "reshard/checkpoint/deepspeed.h"
-#include "reshard/checkpoint/deepspeed_moe.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/moe.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_writer.h"

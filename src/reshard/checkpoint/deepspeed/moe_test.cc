@@ -1,7 +1,7 @@
 // DeepSpeed AutoEP affine maps (checkpoint/deepspeed_moe.h): the maps DeepSpeed's
 // autoep_placement_to_affine_map records, written out here from its rule, and the placement
 // read back from a map.
-#include "reshard/checkpoint/deepspeed_moe.h"
+#include "reshard/checkpoint/deepspeed/moe.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,5 +1,4 @@
-#include "reshard/checkpoint/deepspeed_moe.h"
-#include "reshard/checkpoint/pickle_paths.h"
+#include "reshard/checkpoint/deepspeed/moe.h"
 
 #include <fmt/format.h>
 
@@ -12,6 +11,7 @@
 #include <numeric>
 #include <set>
 
+#include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_writer.h"
@@ -112,9 +112,9 @@ Result<ParamMap> AutoEpAffineMap(const ExpertPlacement& placement, const Shape& 
 Result<ExpertPlacement> AutoEpPlacementOfMap(const ParamMap& map) {
   const Shape& shape = map.logical_shape();
   if (shape.empty() || shape[0] < 1) {
-    return InvalidArgumentError(fmt::format(
-        "an expert parameter's map has shape {}: its first dimension is not experts",
-        FormatShape(shape)));
+    return InvalidArgumentError(
+        fmt::format("an expert parameter's map has shape {}: its first dimension is not experts",
+                    FormatShape(shape)));
   }
   ExpertPlacement placement;
   placement.num_experts = static_cast<int>(shape[0]);
@@ -124,9 +124,9 @@ Result<ExpertPlacement> AutoEpPlacementOfMap(const ParamMap& map) {
     Shape inner(shape.begin() + 1, shape.end());
     if (shard.size() != shape.size() ||
         !std::equal(inner.begin(), inner.end(), shard.begin() + 1)) {
-      return InvalidArgumentError(fmt::format(
-          "EP rank {}: shard shape {} is not whole experts of {}", r, FormatShape(shard),
-          FormatShape(shape)));
+      return InvalidArgumentError(
+          fmt::format("EP rank {}: shard shape {} is not whole experts of {}", r,
+                      FormatShape(shard), FormatShape(shape)));
     }
     std::vector<int> experts;
     for (Index slot = 0; slot < shard[0]; ++slot) {
@@ -135,8 +135,8 @@ Result<ExpertPlacement> AutoEpPlacementOfMap(const ParamMap& map) {
         if ((source = SourceOf(p, slot * per_expert))) break;
       }
       if (!source || per_expert == 0 || *source % per_expert != 0) {
-        return InvalidArgumentError(fmt::format(
-            "EP rank {}, slot {}: the map does not start an expert there", r, slot));
+        return InvalidArgumentError(
+            fmt::format("EP rank {}, slot {}: the map does not start an expert there", r, slot));
       }
       experts.push_back(static_cast<int>(*source / per_expert));
     }
@@ -158,7 +158,7 @@ namespace {
 
 // One EP rank's flat tensors of the expert group in the files of its expert-DP ranks.
 struct ExpertGroupFiles {
-  std::vector<const TorchFile*> files;  // per expert-DP rank
+  std::vector<const TorchFile*> files;                         // per expert-DP rank
   std::vector<std::string> master, exp_avg, exp_avg_sq, step;  // key paths per file
 };
 
@@ -212,9 +212,9 @@ Status ReadLayer(const AutoEpInput& in, const PickleTree& t, PickleNodeId entry,
     }
   }
   if (!out.layers.empty() && ep != out.ep_size) {
-    return InvalidArgumentError(fmt::format(
-        "ep_size {} differs from the first layer's {} (DeepSpeed keeps one EP group)", ep,
-        out.ep_size));
+    return InvalidArgumentError(
+        fmt::format("ep_size {} differs from the first layer's {} (DeepSpeed keeps one EP group)",
+                    ep, out.ep_size));
   }
   out.ep_size = ep;
   if (in.dp % ep != 0) {
@@ -236,9 +236,9 @@ Status ReadLayer(const AutoEpInput& in, const PickleTree& t, PickleNodeId entry,
     }
     const Shape& local = in.shapes[static_cast<size_t>(at - in.names.begin())];
     if (local.empty() || local[0] != num_local) {
-      return InvalidArgumentError(fmt::format(
-          "param_shapes gives \"{}\" the shape {}, not {} experts first", name,
-          FormatShape(local), num_local));
+      return InvalidArgumentError(
+          fmt::format("param_shapes gives \"{}\" the shape {}, not {} experts first", name,
+                      FormatShape(local), num_local));
     }
     Shape logical = local;
     logical[0] = num_experts;
@@ -275,24 +275,22 @@ Status ReadExpertFiles(const AutoEpInput& in, DeepSpeedExperts& out) {
         const size_t f = static_cast<size_t>(k) * held.size() + slot;
         RESHARD_ASSIGN_OR_RETURN(
             const TorchFile* file,
-            in.open(fmt::format("layer_{}_expert_{}_mp_rank_00_model_states.pt",
-                                layer.moe_layer_id, f)));
+            in.open(fmt::format("layer_{}_expert_{}_mp_rank_00_model_states.pt", layer.moe_layer_id,
+                                f)));
         const std::string key = fmt::format("{}.{}.{}", layer.prefix, p.weight, f);
-        const TorchTensor* tensor =
-            file->TensorAt(Get(file->tree(), file->tree().root(), key));
+        const TorchTensor* tensor = file->TensorAt(Get(file->tree(), file->tree().root(), key));
         if (tensor == nullptr || tensor->shape != inner || !tensor->dtype.dtype ||
             !tensor->is_contiguous()) {
-          return InvalidArgumentError(fmt::format(
-              "\"{}\": \"{}\" is missing or is not a dense tensor of shape {}", in.where(file),
-              key, FormatShape(inner)));
+          return InvalidArgumentError(
+              fmt::format("\"{}\": \"{}\" is missing or is not a dense tensor of shape {}",
+                          in.where(file), key, FormatShape(inner)));
         }
         if (first) out.module_dtype = *tensor->dtype.dtype;
         first = false;
         if (*tensor->dtype.dtype != out.module_dtype) {
-          return InvalidArgumentError(fmt::format("\"{}\": \"{}\" is {}, other experts are {}",
-                                                  in.where(file), key,
-                                                  DTypeName(*tensor->dtype.dtype),
-                                                  DTypeName(out.module_dtype)));
+          return InvalidArgumentError(
+              fmt::format("\"{}\": \"{}\" is {}, other experts are {}", in.where(file), key,
+                          DTypeName(*tensor->dtype.dtype), DTypeName(out.module_dtype)));
         }
         p.spans[static_cast<size_t>(k)][Slot(DeepSpeedState::kModule)].push_back(
             {static_cast<Index>(slot) * n, n, {file, tensor, 0}});
@@ -385,10 +383,10 @@ Result<std::optional<DeepSpeedExperts>> ReadAutoEpExperts(const AutoEpInput& in)
   const std::string where = fmt::format("\"{}\": ds_autoep_layers", in.where(in.model_states));
   if (t.node(list).kind != PickleKind::kList) return InvalidArgumentError(where + ": not a list");
   if (in.tp > 1) {
-    return UnimplementedError(fmt::format(
-        "{}: AutoEP folded with AutoTP (TP {}) keeps an expert file per TP rank, which "
-        "DeepSpeed's own converter does not read either",
-        where, in.tp));
+    return UnimplementedError(
+        fmt::format("{}: AutoEP folded with AutoTP (TP {}) keeps an expert file per TP rank, which "
+                    "DeepSpeed's own converter does not read either",
+                    where, in.tp));
   }
   if (in.stage == 3 || in.stage == 0) {
     return UnimplementedError(fmt::format(
@@ -397,8 +395,7 @@ Result<std::optional<DeepSpeedExperts>> ReadAutoEpExperts(const AutoEpInput& in)
         where, in.stage));
   }
   DeepSpeedExperts out;
-  const PickleNodeId before =
-      Walk(t, t.root(), "ds_config.use_data_before_expert_parallelism");
+  const PickleNodeId before = Walk(t, t.root(), "ds_config.use_data_before_expert_parallelism");
   out.data_before_expert = before != kNoPickleNode && t.node(before).kind == PickleKind::kBool &&
                            t.node(before).bool_value;
   const auto& items = t.node(list).items;
@@ -442,8 +439,8 @@ Status ReadAutoEpShard(const DeepSpeedExperts& experts, size_t i, DeepSpeedState
     return NotFoundError(fmt::format("the checkpoint holds no {} for expert parameter \"{}\"",
                                      DeepSpeedStateName(state), p.name));
   }
-  const size_t size = DTypeSize(state == DeepSpeedState::kModule ? experts.module_dtype
-                                                                 : DType::kF32);
+  const size_t size =
+      DTypeSize(state == DeepSpeedState::kModule ? experts.module_dtype : DType::kF32);
   const Index end = begin + out.num_elements;
   Index filled = 0;
   for (const AutoEpSpan& s : spans) {
@@ -504,8 +501,7 @@ std::optional<HfExpertNames> HfNamesOf(const std::string& model_type) {
   }
   if (model_type == "qwen3_moe" || model_type == "qwen2_moe") {
     return HfExpertNames{
-        "mlp",
-        {{"w1", "gate_proj.weight"}, {"w2", "down_proj.weight"}, {"w3", "up_proj.weight"}}};
+        "mlp", {{"w1", "gate_proj.weight"}, {"w2", "down_proj.weight"}, {"w3", "up_proj.weight"}}};
   }
   return std::nullopt;
 }
@@ -577,8 +573,8 @@ class AutoEpGatherSource : public ShardSource {
       const Which& w = which_[i];
       const Index n = manifest_.params[i].map.shard_num_elements(0);
       e.data.resize(static_cast<size_t>(n) * DTypeSize(manifest_.params[i].dtype));
-      Status s = w.expert ? ReadAutoEpShard(*ckpt_->experts(), w.index, state_, w.ep_rank,
-                                            w.begin, {e.data.data(), n})
+      Status s = w.expert ? ReadAutoEpShard(*ckpt_->experts(), w.index, state_, w.ep_rank, w.begin,
+                                            {e.data.data(), n})
                           : ckpt_->ReadTpShard(w.index, state_, 0, {e.data.data(), n});
       if (!s.ok()) {
         cache_.erase(i);
@@ -586,8 +582,7 @@ class AutoEpGatherSource : public ShardSource {
       }
     }
     ++e.users;
-    return std::vector<ConstBuffer>{
-        {e.data.data(), manifest_.params[i].map.shard_num_elements(0)}};
+    return std::vector<ConstBuffer>{{e.data.data(), manifest_.params[i].map.shard_num_elements(0)}};
   }
   void ReleaseShards(size_t i) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -676,8 +671,8 @@ Status ModuleTensorAsF32(const TorchFile& f, const TorchTensor& t, std::span<std
 }
 
 // A model-states file with universal_checkpoint_info as ds_to_universal leaves it.
-Status RewriteModelStates(const DeepSpeedCheckpoint& c, const TorchFile& f,
-                          const std::string& path, const TorchWriteOptions& options) {
+Status RewriteModelStates(const DeepSpeedCheckpoint& c, const TorchFile& f, const std::string& path,
+                          const TorchWriteOptions& options) {
   TorchTreeBuilder b;
   RESHARD_ASSIGN_OR_RETURN(const PickleNodeId root, b.Copy(f, f.tree().root()));
   const PickleTree& t = b.tree();
@@ -705,7 +700,7 @@ Status RewriteModelStates(const DeepSpeedCheckpoint& c, const TorchFile& f,
     b.Insert(uc_dict, b.Str("expert_parameter_patterns"), patterns);
   }
   // The six fields DeepSpeed keeps of each layer's metadata, in its order.
-  constexpr const char* kKept[] = {"moe_layer_id", "module_path", "expert_key_prefix",
+  constexpr const char* kKept[] = {"moe_layer_id", "module_path",       "expert_key_prefix",
                                    "num_experts",  "num_local_experts", "ep_size"};
   const PickleNodeId layers = b.List();
   for (const AutoEpLayer& layer : c.experts()->layers) {
@@ -751,8 +746,7 @@ std::vector<AutoEpUniversalFile> AutoEpUniversalFiles(
                  DType::kF32, shape,
                  [&](std::span<std::byte> out) {
                    return ReadAutoEpFull(*ckpt->experts(), i, s,
-                                         {out.data(), static_cast<Index>(out.size() / 4)},
-                                         options);
+                                         {out.data(), static_cast<Index>(out.size() / 4)}, options);
                  },
                  s == DeepSpeedState::kMaster);
              const PickleNodeId root = b.Dict({{b.Str("param"), tensor},
@@ -763,13 +757,13 @@ std::vector<AutoEpUniversalFile> AutoEpUniversalFiles(
            }});
     }
     if (p.step.file != nullptr && p.step.node != kNoPickleNode) {
-      files.push_back({fmt::format("{}/zero/{}/step.pt", folder, p.name), 4,
-                       [step = p.step](const std::string& path,
-                                       const TorchWriteOptions& o) -> Status {
-                         TorchTreeBuilder b;
-                         RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(*step.file, step.node));
-                         return b.Write(path, root, Options(path, o));
-                       }});
+      files.push_back(
+          {fmt::format("{}/zero/{}/step.pt", folder, p.name), 4,
+           [step = p.step](const std::string& path, const TorchWriteOptions& o) -> Status {
+             TorchTreeBuilder b;
+             RESHARD_ASSIGN_OR_RETURN(PickleNodeId root, b.Copy(*step.file, step.node));
+             return b.Write(path, root, Options(path, o));
+           }});
     }
   }
   // Module tensors that have no optimizer state (AutoEP's gate.gate alias of router.gate):
@@ -785,17 +779,16 @@ std::vector<AutoEpUniversalFile> AutoEpUniversalFiles(
       if (!t.name.starts_with("module.")) continue;
       const std::string name = t.name.substr(7);
       if (!known.insert(name).second || name.find('/') != std::string::npos) continue;
-      files.push_back(
-          {fmt::format("{}/zero/{}/fp32.pt", folder, name),
-           static_cast<uint64_t>(t.numel()) * 4,
-           [f, &t](const std::string& out, const TorchWriteOptions& o) -> Status {
-             TorchTreeBuilder b;
-             const PickleNodeId tensor =
-                 b.Tensor(DType::kF32, t.shape, [f, &t](std::span<std::byte> bytes) {
-                   return ModuleTensorAsF32(*f, t, bytes);
-                 });
-             return b.Write(out, b.Dict({{b.Str("param"), tensor}}), Options(out, o));
-           }});
+      files.push_back({fmt::format("{}/zero/{}/fp32.pt", folder, name),
+                       static_cast<uint64_t>(t.numel()) * 4,
+                       [f, &t](const std::string& out, const TorchWriteOptions& o) -> Status {
+                         TorchTreeBuilder b;
+                         const PickleNodeId tensor =
+                             b.Tensor(DType::kF32, t.shape, [f, &t](std::span<std::byte> bytes) {
+                               return ModuleTensorAsF32(*f, t, bytes);
+                             });
+                         return b.Write(out, b.Dict({{b.Str("param"), tensor}}), Options(out, o));
+                       }});
     }
   }
   // The model-states files: TorchFile handles of the opened checkpoint, by path.
@@ -817,8 +810,7 @@ std::vector<AutoEpUniversalFile> AutoEpUniversalFiles(
 // ---- summaries ----------------------------------------------------------------------------
 
 std::string AutoEpSummaryText(const DeepSpeedExperts& ex) {
-  std::string out =
-      fmt::format("AutoEP: EP {}, {} MoE layers\n", ex.ep_size, ex.layers.size());
+  std::string out = fmt::format("AutoEP: EP {}, {} MoE layers\n", ex.ep_size, ex.layers.size());
   for (const AutoEpLayer& layer : ex.layers) {
     out += fmt::format("  {}  {} experts:", layer.module_path, layer.placement.num_experts);
     for (int k = 0; k < layer.placement.ep_size(); ++k) {

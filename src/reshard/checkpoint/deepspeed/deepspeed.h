@@ -49,6 +49,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/torch_file.h"
 #include "reshard/ir/param_map.h"
@@ -56,7 +57,7 @@
 
 namespace reshard {
 
-struct DeepSpeedExperts;  // deepspeed_moe.h
+struct DeepSpeedExperts;  // deepspeed/moe.h
 
 /// The tensors a DeepSpeed checkpoint holds per parameter.
 enum class DeepSpeedState {
@@ -147,7 +148,7 @@ class DeepSpeedCheckpoint {
   DType module_dtype() const { return module_dtype_; }
   bool has_optimizer_state() const { return has_optimizer_; }
   const std::vector<DeepSpeedParam>& params() const { return *params_; }
-  /// The AutoEP experts (deepspeed_moe.h), which params() does not list; null without them.
+  /// The AutoEP experts (deepspeed/moe.h), which params() does not list; null without them.
   const DeepSpeedExperts* experts() const { return experts_.get(); }
   /// The opened file at `path` (one of file_paths()), or null.
   const TorchFile* FileAt(const std::string& path) const;
@@ -196,33 +197,13 @@ bool IsDeepSpeedCheckpoint(const std::string& path);
 std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
                                              std::vector<DeepSpeedState> states);
 
-/// DeepSpeed checkpoint -> Hugging Face safetensors (the module's weights, or the fp32 master
-/// weights with `master_weights`), with the save dir's config.json copied when there is one.
-Status GatherDeepSpeed(const std::string& ckpt_dir, const std::string& out_dir, bool master_weights,
-                       const CheckpointOptions& options = {});
-
-/// DeepSpeed checkpoint -> reshard sharded checkpoint at `world_size`: module weights, and
-/// unless `weights_only` the fp32 master weights and Adam's moments as "<param>.fp32",
-/// "<param>.exp_avg" and "<param>.exp_avg_sq". Target maps come from `target_maps` or from
-/// each parameter's layout.
-Status ConvertDeepSpeed(const std::string& ckpt_dir, int world_size,
-                        const std::optional<MapDocument>& target_maps, bool weights_only,
-                        const std::string& out_dir, const CheckpointOptions& options = {});
-
-/// DeepSpeed checkpoint -> universal checkpoint, as `python -m
-/// deepspeed.checkpoint.ds_to_universal --output_folder OUT/<tag>_universal` writes it, with
-/// `OUT/latest_universal` naming that folder: OUT is a save dir DeepSpeed loads with
-/// "load_universal". In the folder, zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt hold the full
-/// fp32 tensors ({"param": tensor} and the keys of DeepSpeedUniversalKeys; bare flat tensors
-/// for ZeRO 3 at TP 1, as DeepSpeed writes them), step.pt the optimizer's step (ZeRO 0-2),
-/// zero/optimizer_state.pt its global state, and the model-states files are copied. Each
-/// file is written by one thread from one parameter's fragments (with options.communicator,
-/// each process writes its share of the files); the output appears atomically. Checkpoints
-/// DeepSpeed's converter refuses are converted too: ZeRO 0 (the optimizer of the model
-/// states) and TP 1 without universal_checkpoint_info (as its inject_missing_state option
-/// would). FailedPrecondition without optimizer state.
-Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
-                                   const CheckpointOptions& options = {});
+/// A DeepSpeed checkpoint opened for `options.use`: for a gather, the module's weights (the
+/// fp32 master weights with `master_weights`) and the save dir's config.json to copy; for a
+/// convert, the module's weights and, unless `weights_only`, the fp32 master weights and
+/// Adam's moments as "<param>.fp32", "<param>.exp_avg" and "<param>.exp_avg_sq", each
+/// parameter with its layout. An AutoEP checkpoint is gathered by its own gather and not
+/// converted (its experts go to the universal checkpoint only).
+Result<OpenedCheckpoint> OpenDeepSpeed(const std::string& ckpt_dir, const SourceOptions& options);
 
 /// A human summary (text) and a machine one (JSON) of what Open found: stage, TP x DP, dtype,
 /// parameters with their shapes and where their layouts come from.

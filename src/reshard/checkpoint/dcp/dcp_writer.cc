@@ -1,0 +1,429 @@
+#include "reshard/checkpoint/dcp/dcp_writer.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "reshard/checkpoint/collective_output.h"
+#include "reshard/checkpoint/output_dir.h"
+#include "reshard/exec/executor.h"
+#include "reshard/io/file.h"
+#include "reshard/io/torch_writer.h"
+#include "reshard/ir/compose.h"
+#include "reshard/layouts/basic.h"
+
+namespace reshard {
+
+namespace {
+
+constexpr char kMetadataModule[] = "torch.distributed.checkpoint.metadata.";
+constexpr char kStorageInfoClass[] = "torch.distributed.checkpoint.filesystem._StorageInfo";
+constexpr char kDcpVersion[] = "1.0.0";  // what FileSystemWriter records (torch 2.4 on)
+constexpr char kOptimizerKey[] = "optim";
+
+std::string MetadataClass(std::string_view name) { return kMetadataModule + std::string(name); }
+
+uint64_t ElementBytes(Index elements, DType dtype) {
+  return static_cast<uint64_t>(elements) * DTypeSize(dtype);
+}
+
+}  // namespace
+
+std::string DcpFileName(Rank rank) { return fmt::format("__{}_0.distcp", rank); }
+
+std::vector<DcpWriteChunk> DcpShard0Chunks(const Shape& shape, int world_size) {
+  if (shape.empty() || ProductOf(shape) == 0 || world_size <= 1) {
+    return {DcpWriteChunk{0, Shape(shape.size(), 0), shape}};
+  }
+  const Index rows = shape[0];
+  const Index per_rank = (rows + world_size - 1) / world_size;
+  std::vector<DcpWriteChunk> chunks;
+  for (Rank r = 0; r < world_size; ++r) {
+    const Index begin = static_cast<Index>(r) * per_rank;
+    if (begin >= rows) break;
+    DcpWriteChunk c{r, Shape(shape.size(), 0), shape};
+    c.offsets[0] = begin;
+    c.sizes[0] = std::min(per_rank, rows - begin);
+    chunks.push_back(std::move(c));
+  }
+  return chunks;
+}
+
+Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size) {
+  if (world_size < 1) {
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  }
+  std::set<std::string> names;
+  for (const ShardedParam& p : manifest.params) names.insert(p.name);
+  std::vector<DcpTensorToWrite> out;
+  std::map<std::string, size_t> by_key;  // key -> tensor
+  bool optimizer_state = false;
+  for (size_t i = 0; i < manifest.params.size(); ++i) {
+    const ShardedParam& p = manifest.params[i];
+    DcpTensorToWrite t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}};
+    // "<param>.<state>" of another tensor "<param>": its optimizer state (the longest such
+    // "<param>").
+    for (size_t dot = p.name.rfind('.'); dot != std::string::npos && dot > 0;
+         dot = p.name.rfind('.', dot - 1)) {
+      const std::string base = p.name.substr(0, dot);
+      if (names.contains(base)) {
+        const std::string state = p.name.substr(dot + 1);
+        t.key = fmt::format("{}.state.{}.{}", kOptimizerKey, base, state);
+        t.path = {kOptimizerKey, "state", base, state};
+        optimizer_state = true;
+        break;
+      }
+      if (dot == 0) break;
+    }
+    t.chunks = DcpShard0Chunks(t.shape, world_size);
+    if (const auto [it, fresh] = by_key.emplace(t.key, i); !fresh) {
+      return FailedPreconditionError(
+          fmt::format("tensors \"{}\" and \"{}\" would both be stored under the DCP key \"{}\"",
+                      manifest.params[it->second].name, p.name, t.key));
+    }
+    out.push_back(std::move(t));
+  }
+  if (optimizer_state) {
+    for (const DcpTensorToWrite& t : out) {
+      if (t.path.size() == 1 &&
+          (t.key == kOptimizerKey || t.key.starts_with(std::string(kOptimizerKey) + "."))) {
+        return FailedPreconditionError(fmt::format(
+            "tensor \"{}\" would be stored among the optimizer's state (DCP keys \"{}.*\"), "
+            "which holds the state of other tensors",
+            t.key, kOptimizerKey));
+      }
+    }
+  }
+  return out;
+}
+
+Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tensors,
+                                      const std::vector<std::vector<DcpWrittenItem>>& items,
+                                      const std::string& checkpoint_id) {
+  if (items.size() != tensors.size()) {
+    return InvalidArgumentError(
+        fmt::format("{} tensors but items of {}", tensors.size(), items.size()));
+  }
+  TorchTreeBuilder b;
+  // A dataclass as pickle writes one: NEWOBJ of the class, then BUILD with its fields.
+  const auto object = [&](std::string_view cls,
+                          std::vector<std::pair<std::string, PickleNodeId>> fields) {
+    std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
+    for (auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
+    return b.Object(std::string(cls), b.Dict(std::move(entries)));
+  };
+  // Nodes shared by every tensor (one memo entry each, as pickle writes them).
+  const PickleNodeId strided =
+      b.Record("torch.serialization._get_layout", {b.Str("torch.strided")});
+  const PickleNodeId contiguous = b.Enum(MetadataClass("_MEM_FORMAT_ENCODING"), b.Int(0));
+  std::map<DType, PickleNodeId> properties;
+  const PickleNodeId state_dict_metadata = b.Dict();
+  const PickleNodeId planner_data = b.Dict();
+  const PickleNodeId storage_data = b.Dict();
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const DcpTensorToWrite& tensor = tensors[t];
+    if (items[t].size() != tensor.chunks.size()) {
+      return InvalidArgumentError(fmt::format("tensor \"{}\" has {} chunks but {} items",
+                                              tensor.key, tensor.chunks.size(), items[t].size()));
+    }
+    auto [it, fresh] = properties.emplace(tensor.dtype, kNoPickleNode);
+    if (fresh) {
+      // TensorProperties pickles its state as a tuple (dtype, layout, requires_grad,
+      // memory format, pin_memory).
+      it->second = b.Record(
+          MetadataClass("TensorProperties"), {},
+          b.Tuple({b.DTypeObject(tensor.dtype), strided, b.Bool(false), contiguous, b.Bool(false)}),
+          /*newobj=*/true);
+    }
+    std::vector<PickleNodeId> chunks;
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      const DcpWriteChunk& chunk = tensor.chunks[c];
+      chunks.push_back(
+          object(MetadataClass("ChunkStorageMetadata"),
+                 {{"offsets", b.Size(chunk.offsets)}, {"sizes", b.Size(chunk.sizes)}}));
+      const DcpWrittenItem& item = items[t][c];
+      const PickleNodeId index =
+          object(MetadataClass("MetadataIndex"), {{"fqn", b.Str(tensor.key)},
+                                                  {"offset", b.Size(chunk.offsets)},
+                                                  {"index", b.Int(static_cast<int64_t>(c))}});
+      b.Insert(storage_data, index,
+               object(kStorageInfoClass, {{"relative_path", b.Str(item.file)},
+                                          {"offset", b.Int(static_cast<int64_t>(item.offset))},
+                                          {"length", b.Int(static_cast<int64_t>(item.length))}}));
+    }
+    b.Insert(state_dict_metadata, b.Str(tensor.key),
+             object(MetadataClass("TensorStorageMetadata"), {{"properties", it->second},
+                                                             {"size", b.Size(tensor.shape)},
+                                                             {"chunks", b.List(chunks)}}));
+    std::vector<PickleNodeId> path;
+    for (const std::string& k : tensor.path) path.push_back(b.Str(k));
+    b.Insert(planner_data, b.Str(tensor.key), b.Tuple(std::move(path)));
+  }
+  const PickleNodeId storage_meta =
+      object(MetadataClass("StorageMeta"), {{"checkpoint_id", b.Str(checkpoint_id)},
+                                            {"save_id", b.None()},
+                                            {"load_id", b.None()},
+                                            {"modules", b.List()}});
+  const PickleNodeId root =
+      object(MetadataClass("Metadata"), {{"state_dict_metadata", state_dict_metadata},
+                                         {"planner_data", planner_data},
+                                         {"storage_data", storage_data},
+                                         {"storage_meta", storage_meta},
+                                         {"version", b.Str(kDcpVersion)}});
+  return SerializePickle(b.tree(), root);
+}
+
+namespace {
+
+// A tensor to write: its DCP layout, the map its chunks are the shards of, and the plan from
+// the source's map to it.
+struct PlannedTensor {
+  DcpTensorToWrite dcp;
+  ParamPlan plan;
+};
+
+// The map whose rank-r shard is rank r's chunk (a 0-d tensor: replicated, of which rank 0's
+// copy is taken).
+Result<ParamMap> ChunkMap(const DcpTensorToWrite& t, int world_size) {
+  if (t.shape.empty()) return ReplicatedMap(t.shape, world_size);
+  std::vector<Index> rows(static_cast<size_t>(world_size), 0);
+  for (const DcpWriteChunk& c : t.chunks) rows[static_cast<size_t>(c.rank)] = c.sizes[0];
+  return SplitMap(t.shape, 0, rows);
+}
+
+Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
+                                             const CheckpointOptions& options) {
+  if (options.max_shard_bytes != 0) {
+    return InvalidArgumentError(
+        "a DCP checkpoint has one file per rank: no maximum file size applies");
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::vector<DcpTensorToWrite> tensors, PlanDcpTensors(m, world_size));
+  std::vector<PlannedTensor> out;
+  for (DcpTensorToWrite& t : tensors) {
+    const ShardedParam& p = m.params[t.param];
+    const std::string where = fmt::format("parameter \"{}\"", p.name);
+    PlannedTensor planned{std::move(t), {}};
+    if (ProductOf(planned.dcp.shape) > 0) {
+      Result<ParamMap> target = ChunkMap(planned.dcp, world_size);
+      if (!target.ok()) return target.status().Annotate(where);
+      Result<ParamPlan> plan = Compose(*target, p.map);
+      if (!plan.ok()) return plan.status().Annotate(where);
+      planned.plan = *std::move(plan);
+    }
+    out.push_back(std::move(planned));
+  }
+  return out;
+}
+
+ExecOptions ExecOptionsOf(const CheckpointOptions& options, int scale_power, int threads) {
+  ExecOptions e;
+  e.scale_power = scale_power;
+  e.allow_scaled_optimizer_state = options.allow_scaled_optimizer_state;
+  e.verify_replicas = options.verify_replicas;
+  e.allow_lossy_scale = options.allow_lossy_scale;
+  e.num_threads = threads;
+  return e;
+}
+
+// Acquires a parameter's shards and releases them when it goes out of scope.
+class Acquired {
+ public:
+  Acquired(ShardSource& source, size_t i) : source_(source), i_(i) {
+    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
+    if (shards.ok()) {
+      shards_ = *std::move(shards);
+    } else {
+      status_ = shards.status();
+    }
+  }
+  ~Acquired() {
+    if (status_.ok()) source_.ReleaseShards(i_);
+  }
+  Acquired(const Acquired&) = delete;
+  Acquired& operator=(const Acquired&) = delete;
+  const Status& status() const { return status_; }
+  const std::vector<ConstBuffer>& shards() const { return shards_; }
+
+ private:
+  ShardSource& source_;
+  size_t i_;
+  Status status_;
+  std::vector<ConstBuffer> shards_;
+};
+
+// Items written by this process, as "tensor chunk offset length" lines.
+std::string EncodeItems(const std::vector<std::vector<DcpWrittenItem>>& items,
+                        const std::vector<std::vector<bool>>& mine) {
+  std::string out;
+  for (size_t t = 0; t < items.size(); ++t) {
+    for (size_t c = 0; c < items[t].size(); ++c) {
+      if (mine[t][c]) {
+        out += fmt::format("{} {} {} {}\n", t, c, items[t][c].offset, items[t][c].length);
+      }
+    }
+  }
+  return out;
+}
+
+Status DecodeItems(const std::string& text, std::vector<std::vector<DcpWrittenItem>>& items) {
+  std::istringstream in(text);
+  size_t t = 0, c = 0;
+  uint64_t offset = 0, length = 0;
+  while (in >> t >> c >> offset >> length) {
+    if (t >= items.size() || c >= items[t].size()) {
+      return InternalError(fmt::format("a process reported item {} of tensor {}", c, t));
+    }
+    items[t][c].offset = offset;
+    items[t][c].length = length;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
+                const CheckpointOptions& all_options) {
+  if (world_size < 1) {
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  }
+  const CheckpointOptions options = ForThisProcess(all_options);
+  Communicator& comm = CommunicatorOf(options);
+  const Manifest& m = source.manifest();
+  Result<std::vector<PlannedTensor>> planned = PlanWrite(m, world_size, options);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
+  const std::vector<PlannedTensor>& tensors = *planned;
+
+  // Rank files, their bytes, and the process writing each.
+  std::vector<uint64_t> file_bytes(static_cast<size_t>(world_size), 0);
+  std::vector<std::vector<DcpWrittenItem>> items(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (const DcpWriteChunk& c : tensors[t].dcp.chunks) {
+      items[t].push_back({DcpFileName(c.rank), 0, 0});
+      file_bytes[static_cast<size_t>(c.rank)] +=
+          ElementBytes(ProductOf(c.sizes), tensors[t].dcp.dtype);
+    }
+  }
+  const std::vector<int> owners = BalanceByBytes(file_bytes, comm.size());
+  std::vector<std::vector<bool>> mine(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (const DcpWriteChunk& c : tensors[t].dcp.chunks) {
+      mine[t].push_back(owners[static_cast<size_t>(c.rank)] == comm.rank());
+    }
+  }
+
+  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
+                           OpenOutput(comm, out_dir, options, source.inputs()));
+  uint64_t total = 0;
+  for (uint64_t bytes : file_bytes) total += bytes;
+  ProgressCounter progress(options, total);
+  ProcessStats stats;
+  std::vector<Rank> own;
+  for (Rank r = 0; r < world_size; ++r) {
+    if (owners[static_cast<size_t>(r)] != comm.rank()) continue;
+    own.push_back(r);
+    stats.files.push_back(DcpFileName(r));
+    stats.bytes_written += file_bytes[static_cast<size_t>(r)];
+  }
+  // Replicas agree (P2): each parameter's are compared once, by the first writer to reach it.
+  std::vector<std::once_flag> verify_once(tensors.size());
+  std::vector<Status> verified(tensors.size());
+  std::atomic<uint64_t> bytes_read{0}, bytes_verified{0};
+  const Status written = ForEachIndex(own.size(), options.num_threads, [&](size_t k) -> Status {
+    const Rank r = own[k];
+    const std::string name = DcpFileName(r);
+    RESHARD_ASSIGN_OR_RETURN(
+        AtomicFileWriter file,
+        AtomicFileWriter::Create(out.FilePath(name), OutputFileOptions(options)));
+    uint64_t position = 0;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const PlannedTensor& pt = tensors[t];
+      const ShardedParam& param = m.params[pt.dcp.param];
+      for (size_t c = 0; c < pt.dcp.chunks.size(); ++c) {
+        const DcpWriteChunk& chunk = pt.dcp.chunks[c];
+        if (chunk.rank != r) continue;
+        const auto fill = [&](std::span<std::byte> buffer) -> Status {
+          if (buffer.empty()) return Status::Ok();
+          Acquired shards(source, pt.dcp.param);
+          RESHARD_RETURN_IF_ERROR(shards.status());
+          if (options.verify_replicas) {
+            std::call_once(verify_once[t], [&] {
+              bytes_verified += [&] {
+                uint64_t bytes = 0;
+                for (const RankShard& s : param.map.ranks()) {
+                  for (const Piece& piece : s.pieces) {
+                    if (piece.is_replicated()) {
+                      bytes += ElementBytes(piece.num_elements(), param.dtype);
+                    }
+                  }
+                }
+                return bytes;
+              }();
+              verified[t] = VerifyReplicas(param.map, param.dtype, shards.shards(),
+                                           ExecOptionsOf(options, param.scale_power, 1));
+            });
+            RESHARD_RETURN_IF_ERROR(verified[t]);
+          }
+          ParamPlan moves;  // the moves into rank r's chunk
+          moves.source_world = pt.plan.source_world;
+          moves.target_world = pt.plan.target_world;
+          moves.source_buffers = pt.plan.source_buffers;
+          moves.target_buffers = pt.plan.target_buffers;
+          // A 0-d tensor's target is replicated: rank 0's copy is the chunk.
+          const Rank target = pt.dcp.shape.empty() ? 0 : r;
+          for (const Move& mv : pt.plan.moves) {
+            if (mv.dst_rank != target) continue;
+            moves.moves.push_back(mv);
+            bytes_read += ElementBytes(mv.num_elements(), param.dtype);
+          }
+          std::vector<MutableBuffer> targets(static_cast<size_t>(moves.target_world));
+          targets[static_cast<size_t>(target)] = {buffer.data(), ProductOf(chunk.sizes)};
+          RESHARD_RETURN_IF_ERROR(ExecutePlan(moves, param.dtype, shards.shards(), targets,
+                                              ExecOptionsOf(options, param.scale_power, 1)));
+          progress.Add(buffer.size());
+          return Status::Ok();
+        };
+        TorchTreeBuilder item;
+        const PickleNodeId root = item.Tensor(param.dtype, chunk.sizes, fill);
+        Result<uint64_t> length = item.AppendTo(file, root);
+        if (!length.ok()) {
+          return length.status().Annotate(fmt::format("tensor \"{}\", chunk at {} of \"{}\"",
+                                                      pt.dcp.key, FormatShape(chunk.offsets),
+                                                      name));
+        }
+        items[t][c].offset = position;
+        items[t][c].length = *length;
+        position += *length;
+      }
+    }
+    return file.Commit();
+  });
+  const Status synced = SyncOutputFiles(out, written, stats.files, options);
+  stats.bytes_read = bytes_read;
+  stats.bytes_verified = bytes_verified;
+  // Every process tells process 0 where its items lie (called by all, whatever happened).
+  Status gathered = Status::Ok();
+  if (comm.size() > 1) {
+    Result<std::vector<std::string>> all = comm.AllGather(EncodeItems(items, mine));
+    gathered = all.status();
+    if (all.ok() && comm.rank() == 0) {
+      for (const std::string& text : *all) {
+        if (gathered.ok()) gathered = DecodeItems(text, items);
+      }
+    }
+  }
+  const Status outcome = synced.ok() ? gathered : synced;
+  return FinishOutput(comm, out, outcome, std::move(stats), options, [&]() -> Status {
+    std::vector<DcpTensorToWrite> layout;
+    for (const PlannedTensor& pt : tensors) layout.push_back(pt.dcp);
+    RESHARD_ASSIGN_OR_RETURN(const std::string metadata, DcpMetadataPickle(layout, items, out_dir));
+    RESHARD_RETURN_IF_ERROR(
+        WriteFileAtomically(out.FilePath(kDcpMetadataName), metadata, {.sync = options.sync}));
+    return out.Commit(options.sync);
+  });
+}
+
+}  // namespace reshard

@@ -1,0 +1,245 @@
+#include "reshard/checkpoint/formats/formats.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <filesystem>
+#include <memory>
+#include <system_error>
+#include <utility>
+
+#include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/communicator.h"
+#include "reshard/checkpoint/dcp/dcp_writer.h"
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/hf/checkpoint_maps.h"
+#include "reshard/hf/model_config.h"
+#include "reshard/hf/registry.h"
+#include "reshard/io/file.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool HasFile(const std::string& dir, const char* name) {
+  std::error_code ec;
+  return fs::is_regular_file(fs::path(dir) / name, ec);
+}
+
+Result<PlanOptions> PlanOptionsOf(const SourceOptions& options) {
+  PlanOptions plan;
+  if (options.distributed_config.empty()) return plan;
+  Result<DistributedConfig> parsed =
+      ParseDistributedConfigJson(BuiltinTpRegistry(), options.distributed_config);
+  if (!parsed.ok()) return parsed.status().Annotate("the distributed config");
+  plan.distributed = *std::move(parsed);
+  return plan;
+}
+
+// What every format but the DeepSpeed one refuses.
+Status RefuseDeepSpeedOptions(const std::string& path, const SourceOptions& options,
+                              std::string_view what) {
+  if (options.master_weights) {
+    return InvalidArgumentError(fmt::format(
+        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is not a "
+        "DeepSpeed checkpoint ({})",
+        path, what));
+  }
+  if (options.weights_only) {
+    return InvalidArgumentError(fmt::format(
+        "leaving the optimizer state out applies to a DeepSpeed checkpoint; \"{}\" is not one "
+        "({})",
+        path, what));
+  }
+  return Status::Ok();
+}
+
+Status RefuseConfig(const std::string& path, const SourceOptions& options, std::string_view what) {
+  if (!options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is {}, which names and lays out its tensors itself: it takes no config.json", path,
+        what));
+  }
+  return Status::Ok();
+}
+
+Status RefuseDistributedConfig(const std::string& path, const SourceOptions& options,
+                               std::string_view what) {
+  if (!options.distributed_config.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "a distributed config applies to a checkpoint scattered from a model's config.json (its "
+        "manifest keeps it); \"{}\" is {}: give the target layout as maps instead",
+        path, what));
+  }
+  return Status::Ok();
+}
+
+// ---- reshard sharded checkpoints --------------------------------------------------------
+
+bool DetectSharded(const std::string& path) { return HasFile(path, kManifestName); }
+
+Status CheckSharded(const std::string& path, const SourceOptions& options) {
+  RESHARD_RETURN_IF_ERROR(RefuseDeepSpeedOptions(path, options, "a reshard sharded checkpoint"));
+  return RefuseConfig(path, options, "a reshard sharded checkpoint");
+}
+
+Result<OpenedCheckpoint> OpenSharded(const std::string& path, const SourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint opened, ShardedCheckpoint::Open(path));
+  OpenedCheckpoint out;
+  out.format = "reshard";
+  out.source =
+      SourceOfShardedDir(path, std::make_shared<const ShardedCheckpoint>(std::move(opened)));
+  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
+  const bool require = !options.distributed_config.empty();
+  // Scattered from a config.json: the target layout from the model's plans again (MoE experts
+  // into their stacked buffers included), so that it converts between TP and EP.
+  out.target_maps = [path, plan = std::move(plan), require](int world) {
+    return RecordedConfigMaps(path, world, plan, require);
+  };
+  return out;
+}
+
+// ---- Hugging Face full checkpoints ------------------------------------------------------
+
+bool DetectFull(const std::string& path) {
+  return !DetectSharded(path) &&
+         (HasFile(path, "model.safetensors") || HasFile(path, "model.safetensors.index.json"));
+}
+
+Status CheckFull(const std::string& path, const SourceOptions& options) {
+  if (options.use == SourceUse::kGather) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds full tensors already (model.safetensors, no {}): there is nothing to "
+        "gather",
+        path, kManifestName));
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseDeepSpeedOptions(path, options, "a Hugging Face checkpoint"));
+  RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a Hugging Face checkpoint"));
+  return RefuseDistributedConfig(path, options, "a Hugging Face checkpoint");
+}
+
+Result<OpenedCheckpoint> OpenFull(const std::string& path, const SourceOptions&) {
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint opened, FullCheckpoint::Open(path));
+  OpenedCheckpoint out;
+  out.format = "hf";
+  RESHARD_ASSIGN_OR_RETURN(
+      out.source, SourceOfFullDir(path, std::make_shared<const FullCheckpoint>(std::move(opened))));
+  if (HasFile(path, "config.json")) {
+    RESHARD_ASSIGN_OR_RETURN(std::string config,
+                             ReadFileToString((fs::path(path) / "config.json").string()));
+    out.extra_files.push_back({"config.json", std::move(config)});
+  }
+  return out;
+}
+
+// ---- DeepSpeed --------------------------------------------------------------------------
+
+Status CheckDeepSpeed(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights && options.use != SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a convert of a DeepSpeed checkpoint carries the master weights "
+        "as \"<param>.fp32\" already");
+  }
+  if (options.weights_only && options.use != SourceUse::kConvert) {
+    return InvalidArgumentError("a gather writes the model's weights only already");
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a DeepSpeed checkpoint"));
+  return RefuseDistributedConfig(path, options, "a DeepSpeed checkpoint");
+}
+
+Result<OpenedCheckpoint> OpenDeepSpeedWithMaps(const std::string& path,
+                                               const SourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint out, OpenDeepSpeed(path, options));
+  // Parameters that record no layout take one from the save dir's config.json.
+  out.target_maps = [path, weights_only = options.weights_only](int world) {
+    return DeepSpeedConfigMaps(path, world, weights_only);
+  };
+  return out;
+}
+
+constexpr std::array kFormats = {
+    CheckpointFormat{"reshard", "a reshard sharded checkpoint", DetectSharded, CheckSharded,
+                     OpenSharded},
+    CheckpointFormat{"deepspeed", "a DeepSpeed checkpoint", IsDeepSpeedCheckpoint, CheckDeepSpeed,
+                     OpenDeepSpeedWithMaps},
+    CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
+};
+
+}  // namespace
+
+std::span<const CheckpointFormat> CheckpointFormats() { return kFormats; }
+
+const CheckpointFormat& DetectFormat(const std::string& path) {
+  for (const CheckpointFormat& f : kFormats) {
+    if (f.detect(path)) return f;
+  }
+  return kFormats.front();
+}
+
+Status CheckSourceOptions(const std::string& path, const SourceOptions& options) {
+  return DetectFormat(path).check(path, options);
+}
+
+Result<OpenedCheckpoint> OpenCheckpoint(const std::string& path, const SourceOptions& options) {
+  const CheckpointFormat& format = DetectFormat(path);
+  RESHARD_RETURN_IF_ERROR(format.check(path, options));
+  return format.open(path, options);
+}
+
+namespace {
+
+// Opens `path` on every process; all fail when one does.
+Result<OpenedCheckpoint> OpenEverywhere(const std::string& path, const SourceOptions& source,
+                                        const CheckpointOptions& options) {
+  Result<OpenedCheckpoint> opened = OpenCheckpoint(path, source);
+  if (options.communicator != nullptr) {
+    RESHARD_RETURN_IF_ERROR(AgreeOnStatus(*options.communicator, opened.status()));
+  }
+  return opened;
+}
+
+}  // namespace
+
+Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
+                        const std::string& out_dir, const CheckpointOptions& options) {
+  SourceOptions s = source;
+  s.use = SourceUse::kGather;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
+  if (opened.gather) return opened.gather(out_dir, options);
+  return GatherFrom(*opened.source, out_dir, options, opened.extra_files);
+}
+
+Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                         const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                         const CheckpointOptions& options) {
+  if (world_size < 1) {
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  }
+  SourceOptions s = source;
+  s.use = SourceUse::kConvert;
+  if (target_maps && !s.distributed_config.empty()) {
+    return InvalidArgumentError("give target maps or a distributed config, not both");
+  }
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
+  if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
+  std::optional<MapDocument> target = target_maps;
+  if (!target && opened.target_maps) {
+    RESHARD_ASSIGN_OR_RETURN(target, opened.target_maps(world_size));
+  }
+  return ConvertFrom(*opened.source, world_size, target, out_dir, options);
+}
+
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                          const std::string& out_dir, const CheckpointOptions& options) {
+  if (world_size < 1) {
+    return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
+  }
+  SourceOptions s = source;
+  s.use = SourceUse::kConvert;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
+  if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
+  return WriteDcp(*opened.source, world_size, out_dir, options);
+}
+
+}  // namespace reshard

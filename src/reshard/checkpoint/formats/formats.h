@@ -1,0 +1,67 @@
+// The checkpoint formats reshard reads, and the operations that take any of them.
+//
+// Each format is one row of a table (formats.cc): a cheap detector (file names only) and an
+// opener returning an OpenedCheckpoint (checkpoint/source.h). Detection runs in table order;
+// the first format that claims a path opens it. A new format adds its row, and the CLI and the
+// Python package take it with no other change.
+#ifndef RESHARD_CHECKPOINT_FORMATS_FORMATS_H_
+#define RESHARD_CHECKPOINT_FORMATS_FORMATS_H_
+
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
+#include "reshard/ir/map_json.h"
+
+namespace reshard {
+
+struct CheckpointFormat {
+  std::string_view name;
+  /// "a DeepSpeed checkpoint": for messages.
+  std::string_view description;
+  /// Whether `path` is of this format, from the names of its files (it may still fail to
+  /// open).
+  bool (*detect)(const std::string& path);
+  /// InvalidArgument for a SourceOptions field this format does not take.
+  Status (*check)(const std::string& path, const SourceOptions& options);
+  Result<OpenedCheckpoint> (*open)(const std::string& path, const SourceOptions& options);
+};
+
+/// Every format, in detection order.
+std::span<const CheckpointFormat> CheckpointFormats();
+
+/// The format of `path`: the first whose detector claims it, else the reshard sharded
+/// checkpoint (whose opener then says what is missing).
+const CheckpointFormat& DetectFormat(const std::string& path);
+
+/// Whether `options` suit the format of `path` (CheckpointFormat::check).
+Status CheckSourceOptions(const std::string& path, const SourceOptions& options);
+
+/// Opens `path` in its format with `options` checked.
+Result<OpenedCheckpoint> OpenCheckpoint(const std::string& path, const SourceOptions& options);
+
+/// Any checkpoint -> full Hugging Face checkpoint (GatherFrom, or the format's own gather).
+/// With several processes (options.communicator), every process opens the input and all
+/// fail when one does.
+Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
+                        const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// Any checkpoint -> reshard sharded checkpoint at `world_size` (ConvertFrom). Target maps:
+/// `target_maps`, else the format's (OpenedCheckpoint::target_maps), else the recorded
+/// layouts.
+Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                         const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                         const CheckpointOptions& options = {});
+
+/// Any checkpoint -> PyTorch Distributed Checkpoint saved for `world_size` ranks (WriteDcp:
+/// its tensors as a convert opens them, optimizer state included unless weights_only).
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
+                          const std::string& out_dir, const CheckpointOptions& options = {});
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_FORMATS_FORMATS_H_

@@ -1,0 +1,62 @@
+// One interface for every checkpoint format reshard reads (docs/development.md, "A new
+// directory format"): a format opens a path into its tensors, their maps and buffers (a
+// ShardSource), the files a gather writes beside them, and how convert lays it out at another
+// world size when given no target maps. scatter / gather / convert and the Python package
+// take any format through it (formats/formats.h: the table and the operations), with no branch
+// per format.
+#ifndef RESHARD_CHECKPOINT_SOURCE_H_
+#define RESHARD_CHECKPOINT_SOURCE_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/ir/map_json.h"
+
+namespace reshard {
+
+/// What a checkpoint is opened for.
+enum class SourceUse {
+  kGather,   // full tensors for a Hugging Face checkpoint: the model's weights
+  kConvert,  // a sharded checkpoint at another world size: weights and optimizer state
+};
+
+/// What the caller asks of a source. A format refuses (InvalidArgument) what it cannot give.
+struct SourceOptions {
+  SourceUse use = SourceUse::kGather;
+  /// The fp32 master weights instead of the module's (DeepSpeed).
+  bool master_weights = false;
+  /// Leave optimizer state out of a convert.
+  bool weights_only = false;
+  /// A Hugging Face config.json, for a format whose tensors need one to be named and split
+  /// (Megatron); "" when none was given.
+  std::string config_path;
+  /// A distributed config (JSON text, "" for none) for the target layout of a checkpoint
+  /// whose layout comes from a model's config.json.
+  std::string distributed_config;
+};
+
+/// An opened checkpoint.
+struct OpenedCheckpoint {
+  /// The format's name in the table ("reshard", "hf", "deepspeed", ...).
+  std::string format;
+  /// Its tensors, maps and buffers. Null when the checkpoint can only be gathered (`gather`).
+  std::shared_ptr<ShardSource> source;
+  /// Files a gather writes beside the tensors (the model's config.json).
+  std::vector<ExtraFile> extra_files;
+  /// convert's target maps at a world size when none are given; unset, or nullopt returned:
+  /// the layouts recorded in source->manifest().
+  std::function<Result<std::optional<MapDocument>>(int world_size)> target_maps;
+  /// A gather of the format's own, used instead of GatherFrom(source) when set.
+  std::function<Status(const std::string& out_dir, const CheckpointOptions& options)> gather;
+  /// Why convert cannot take this checkpoint (with `source` null).
+  std::string not_convertible;
+};
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_SOURCE_H_

@@ -1,0 +1,30 @@
+// DeepSpeed's universal checkpoint, written from a DeepSpeed checkpoint (`reshard convert
+// --to universal`).
+#ifndef RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_H_
+#define RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_H_
+
+#include <string>
+
+#include "reshard/base/status.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+
+namespace reshard {
+
+/// DeepSpeed checkpoint -> universal checkpoint, as `python -m
+/// deepspeed.checkpoint.ds_to_universal --output_folder OUT/<tag>_universal` writes it, with
+/// `OUT/latest_universal` naming that folder: OUT is a save dir DeepSpeed loads with
+/// "load_universal". In the folder, zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt hold the full
+/// fp32 tensors ({"param": tensor} and the keys of DeepSpeedUniversalKeys; bare flat tensors
+/// for ZeRO 3 at TP 1, as DeepSpeed writes them), step.pt the optimizer's step (ZeRO 0-2),
+/// zero/optimizer_state.pt its global state, and the model-states files are copied. Each
+/// file is written by one thread from one parameter's fragments (with options.communicator,
+/// each process writes its share of the files); the output appears atomically. Checkpoints
+/// DeepSpeed's converter refuses are converted too: ZeRO 0 (the optimizer of the model
+/// states) and TP 1 without universal_checkpoint_info (as its inject_missing_state option
+/// would). FailedPrecondition without optimizer state.
+Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
+                                   const CheckpointOptions& options = {});
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_H_

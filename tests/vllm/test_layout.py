@@ -1,0 +1,150 @@
+"""reshard.vllm.layout: vLLM's layouts learned from its own weight loaders, checked against what
+vLLM's tensor parallel layers are known to hold (no engine starts here)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reshard
+import reshard.vllm
+from conftest import hf_tensors
+
+LAYOUTS = {}
+
+
+def learned(model_dir, tp):
+    """One layout per (model, degree) for the module (learning one builds every rank's model)."""
+    key = (str(model_dir), tp)
+    if key not in LAYOUTS:
+        LAYOUTS[key] = reshard.vllm.layout(model_dir, tp, dtype="float32", cache=False)
+    return LAYOUTS[key]
+
+
+def rank_tensors(doc, full, rank):
+    """Rank `rank`'s tensors under vLLM's names, produced from the full tensors by the maps."""
+    buffers = reshard.read_buffers(doc)
+    out = buffers.empty(rank)
+    for name, m in buffers.maps.items():
+        if m.buffer(rank):
+            reshard.extract(m, full[name], rank, out=out[m.buffer(rank)])
+        else:
+            out[name] = reshard.extract(m, full[name], rank)
+    return out
+
+
+def rows(t, r, tp):
+    n = t.shape[0] // tp
+    return t[r * n:(r + 1) * n]
+
+
+def cols(t, r, tp):
+    n = t.shape[1] // tp
+    return t[:, r * n:(r + 1) * n]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dense_llama_fuses_qkv_and_gate_up_and_pads_the_vocabulary(toy_llama, tp):
+    doc = learned(toy_llama, tp)
+    assert doc["version"] == 2
+    full = hf_tensors(toy_llama)
+    for r in range(tp):
+        got = rank_tensors(doc, full, r)
+        for layer in range(2):
+            p = f"model.layers.{layer}."
+            q, k, v = (full[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+            # One key/value head: at TP 2 every rank holds it whole (vLLM replicates it).
+            assert torch.equal(got[p + "self_attn.qkv_proj.weight"],
+                               torch.cat([rows(q, r, tp), k, v]))
+            assert torch.equal(got[p + "self_attn.o_proj.weight"],
+                               cols(full[p + "self_attn.o_proj.weight"], r, tp))
+            assert torch.equal(got[p + "mlp.gate_up_proj.weight"],
+                               torch.cat([rows(full[p + "mlp.gate_proj.weight"], r, tp),
+                                          rows(full[p + "mlp.up_proj.weight"], r, tp)]))
+            assert torch.equal(got[p + "mlp.down_proj.weight"],
+                               cols(full[p + "mlp.down_proj.weight"], r, tp))
+            assert torch.equal(got[p + "input_layernorm.weight"], full[p + "input_layernorm.weight"])
+            for scale in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+                t = got[p + "self_attn.attn." + scale]
+                assert t.shape == () and t.dtype == torch.float32 and float(t) == 1.0
+        # The vocabulary (250) padded to a multiple of 64, split over the ranks; the padding zero.
+        per = 256 // tp
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            t = got[name]
+            assert t.shape == (per, 64)
+            held = full[name][r * per:(r + 1) * per]
+            assert torch.equal(t[:held.shape[0]], held)
+            assert not t[held.shape[0]:].any()
+    # Names and shapes as vLLM holds them, with nothing else.
+    names = set(doc["buffers"]) | {k for k, v in doc.items()
+                                   if k not in ("version", "buffers")
+                                   and "buffer" not in v["ranks"]["0"]}
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+    assert "model.layers.0.self_attn.qkv_proj.weight" in doc["buffers"]
+    # Per layer qkv, o, four scales, gate_up, down, two norms; then embed, norm, lm_head.
+    assert len(names) == 2 * 10 + 3
+
+
+def test_qwen3_moe_places_every_expert_with_gate_and_up_split_together(toy_moe):
+    tp = 2
+    doc = learned(toy_moe, tp)
+    full = hf_tensors(toy_moe)
+    buffers = reshard.read_buffers(doc)
+    for r in range(tp):
+        got = rank_tensors(doc, full, r)
+        p = "model.layers.1.mlp."
+        w13 = [name for name in doc["buffers"] if name.startswith(p) and name.endswith("w13_weight")]
+        w2 = [name for name in doc["buffers"] if name.startswith(p) and name.endswith("w2_weight")]
+        assert len(w13) == 1 and len(w2) == 1
+        # TP over experts: every rank holds all 4, each with its slice of the intermediate dim.
+        assert torch.equal(got[w13[0]], torch.stack([
+            torch.cat([rows(full[p + f"experts.{e}.gate_proj.weight"], r, tp),
+                       rows(full[p + f"experts.{e}.up_proj.weight"], r, tp)]) for e in range(4)]))
+        assert torch.equal(got[w2[0]], torch.stack([
+            cols(full[p + f"experts.{e}.down_proj.weight"], r, tp) for e in range(4)]))
+        # The router, whole on every rank, in whatever parameter vLLM holds it.
+        router = buffers.maps[p + "gate.weight"]
+        held = got[router.buffer(r)] if router.buffer(r) else got[p + "gate.weight"]
+        assert torch.equal(held, full[p + "gate.weight"])
+        for norm in ("q_norm", "k_norm"):
+            name = f"model.layers.1.self_attn.{norm}.weight"
+            assert torch.equal(got[name], full[name])
+
+
+def test_layouts_are_cached_by_model_vllm_version_and_degree(toy_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path))
+    assert reshard.vllm.cache_dir() == tmp_path / "vllm"
+    cached = lambda: sorted(tmp_path.glob("vllm/*.json"))  # noqa: E731
+    before = cached()
+    doc = reshard.vllm.layout(toy_llama, 1, dtype="float32")
+    files = cached()
+    assert len(files) == len(before) + 1
+    new = sorted(set(files) - set(before))[0]
+    # A second call reads the file: what it holds is what comes back.
+    marked = dict(doc, **{"buffers": dict(doc["buffers"])})
+    marked["buffers"]["model.norm.weight.extra"] = marked["buffers"]["model.layers.0.self_attn.attn._k_scale"]
+    new.write_text(json.dumps(marked))
+    assert reshard.vllm.layout(toy_llama, 1, dtype="float32") == marked
+    assert reshard.vllm.layout(toy_llama, 1, dtype="float32", cache=False) == doc
+    assert cached() == files  # cache=False neither reads nor writes
+    reshard.vllm.layout(toy_llama, 1, dtype="bfloat16")  # another key
+    assert len(cached()) == len(files) + 1
+
+
+def test_the_command_writes_the_document_scatter_reads(toy_llama, tmp_path):
+    out = tmp_path / "maps.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "reshard.vllm", "layout", str(toy_llama),
+                           "--tp", "2", "--dtype", "float32", "-o", str(out)],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == learned(toy_llama, 2)
+    bad = subprocess.run([sys.executable, "-m", "reshard.vllm", "layout", str(toy_llama),
+                          "--tp", "0", "-o", str(out)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--tp 0" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "reshard.vllm", "layout", str(tmp_path),
+                              "-o", str(out)], capture_output=True, text=True, env=env)
+    assert missing.returncode == 2 and "no config.json" in missing.stderr
