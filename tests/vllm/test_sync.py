@@ -56,8 +56,11 @@ def run_session(models, engine_tp, tmp_path):
             "out": str(tmp_path / "result.json")}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
+    # The engine core and its workers in processes of their own, as in production (the
+    # conftest puts the engine core in the test process for the other tests).
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.pathsep.join(sys.path))
     logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sync_trainer.py"), str(path),
                                str(r)], env=env, stdout=open(logs[r], "w"),
