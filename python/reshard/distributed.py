@@ -208,7 +208,7 @@ class Redistributor:
     ``dtypes`` (one dtype, or ``{name: dtype}``) lets processes that hold no source shard know
     what they receive; without it the first run learns the dtypes from the source shards.
     ``bucket_bytes`` bounds the chunks a process stages per round in each direction (it packs
-    one round ahead, so up to twice that for sending). ``scale_power``,
+    one round ahead and unpacks one round behind, so up to twice that each way). ``scale_power``,
     ``allow_scaled_optimizer_state``, ``allow_lossy_scale`` and ``num_threads`` are those of
     :func:`reshard.transfer`.
     """
@@ -573,17 +573,27 @@ class Redistributor:
         def size(items: list[list[tuple[int, int, int]]]) -> int:
             return max([off + n for r in items for _, off, n in r] or [0])
 
+        # Two buffers each way: round k's chunks travel while round k+1 is packed and round
+        # k-1's are unpacked, so a receiver has posted round k before it unpacks round k-1.
         send_bufs = [torch.empty(size(send_rounds), dtype=torch.uint8) for _ in range(2)]
-        recv_buf = torch.empty(size(recv_rounds), dtype=torch.uint8)
+        recv_bufs = [torch.empty(size(recv_rounds), dtype=torch.uint8) for _ in range(2)]
         base = [int(b.data_ptr()) for b in send_bufs]
 
         def pack(k: int) -> None:
             for peer, off, n in send_rounds[k]:
                 ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options)
 
+        def unpack(k: int, staged: list[tuple[int, int, "torch.Tensor"]]) -> None:
+            recv_buf = recv_bufs[k % 2]
+            for off, n, buf in staged:
+                recv_buf[off:off + n].copy_(buf)
+            for peer, off, n in recv_rounds[k]:
+                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
+
         sent = received = 0
         if rounds:
             pack(0)
+        pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
         for k in range(rounds):
             outgoing: list[tuple[torch.Tensor, int]] = []
             incoming: list[tuple[torch.Tensor, int]] = []
@@ -593,7 +603,7 @@ class Redistributor:
                 outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
                 sent += n
             for peer, off, n in recv_rounds[k]:
-                buf = recv_buf[off:off + n]
+                buf = recv_bufs[k % 2][off:off + n]
                 if comm.type != "cpu":
                     buf = torch.empty(n, dtype=torch.uint8, device=comm)
                     staged.append((off, n, buf))
@@ -602,14 +612,15 @@ class Redistributor:
             requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
                 ex.copy_local(me, src, dst, self._options)
-            if k + 1 < rounds:
+            if pending is not None:  # round k-1 arrived (waited below, last iteration)
+                unpack(*pending)
+            if k + 1 < rounds:  # its buffer's last sends (round k-1) have completed
                 pack(k + 1)
             for request in requests:
                 request.wait()
-            for off, n, buf in staged:
-                recv_buf[off:off + n].copy_(buf)
-            for peer, off, n in recv_rounds[k]:
-                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
+            pending = (k, staged)
+        if pending is not None:
+            unpack(*pending)
         if not rounds:
             ex.copy_local(me, src, dst, self._options)
         stats = ex.stats(me)

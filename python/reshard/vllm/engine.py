@@ -19,6 +19,7 @@ tensors back: the engine serves the weights it had.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -166,6 +167,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its new values)
         out: dict[str, torch.Tensor] = {}
         rank = comm.rank - self._trainers
+        times = [time.perf_counter()]
         try:
             error = None
             try:
@@ -188,7 +190,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                     out[key] = target
             except Exception as e:
                 error = f"worker {rank}: {type(e).__name__}: {e}"
+            times.append(time.perf_counter())
             sync.run({}, out=out, _error=error)
+            times.append(time.perf_counter())
         except RedistributeError as e:  # agreed: every trainer process raises it
             self._restore(model)
             logger.warning("reshard weight update refused, old weights kept: %s", e)
@@ -204,11 +208,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             for module in layers.values():
                 _layerwise_process(module, get_layerwise_info(module))
             finalize_layerwise_reload(model, self.model_config)
+            times.append(time.perf_counter())
         except BaseException as e:
             self._restore(model)
             problem = f"worker {rank}: processing the new weights: " \
                 f"{type(e).__name__}: {e}"
-        comm.gather_object(problem)  # the trainer processes return once every worker is done
+        # The trainer processes return once every worker is done; they hear how long its
+        # parts took (prepare: the layers in loading form; transfer; process: post-load).
+        parts = dict(zip(("prepare", "transfer", "process"),
+                         (b - a for a, b in zip(times, times[1:]))))
+        comm.gather_object({"error": problem, "seconds": parts})
         if problem is not None:
             raise RuntimeError(problem)
 

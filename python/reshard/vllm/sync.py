@@ -38,12 +38,16 @@ class WeightSyncError(RedistributeError):
 class SyncStats:
     """One push: ``bytes_sent`` by all trainer processes together, ``plan_minimum`` (the
     bytes the engine's workers lack, summed: what any transfer must move; equal to
-    ``bytes_sent``), ``bytes_sent_here`` by this process, and the ``seconds`` it took."""
+    ``bytes_sent``), ``bytes_sent_here`` by this process, the ``seconds`` it took, and
+    ``worker_seconds``: how long the slowest worker took to ``prepare`` (its layers back in
+    loading form), to ``transfer`` (receive and unpack) and to ``process`` (vLLM's post-load
+    processing)."""
 
     bytes_sent: int
     plan_minimum: int
     bytes_sent_here: int
     seconds: float
+    worker_seconds: Optional[dict[str, float]] = None
 
 
 class _Client:
@@ -326,7 +330,10 @@ class WeightSync:
         except BaseException:
             self._finish(call)
             raise
-        failed = [f for f in comm.gather_object(None) if f]  # every worker has committed
+        replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
+        failed = [r["error"] for r in replies if r["error"]]  # every worker has committed
+        worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
+                  for k in ("prepare", "transfer", "process")} if replies else {}
         problem = self._finish(call)
         if failed:
             raise WeightSyncError("; ".join(failed))
@@ -339,7 +346,7 @@ class WeightSync:
         assert ex is not None
         sent = sum(int(ex.stats(p)["sent"]) for p in range(self._trainers))
         here = int(ex.stats(self._rank)["sent"])
-        return SyncStats(sent, self.plan_minimum(), here, seconds)
+        return SyncStats(sent, self.plan_minimum(), here, seconds, worker)
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
 
