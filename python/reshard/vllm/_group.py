@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 
 def serve_store(host: str, timeout_s: float) -> Any:
     """A TCPStore served by this process on a free port of ``host`` (``store.port``)."""
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
     return TCPStore(host, 0, is_master=True, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def join_store(host: str, port: int, timeout_s: float) -> Any:
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
     return TCPStore(host, port, is_master=False, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -40,8 +40,10 @@ class StoreGroup(Transport):
         self.rank = rank
         self.members = list(range(size))
         self.backend = backend
-        self.store = dist.PrefixStore(prefix, store)
+        from torch._C._distributed_c10d import PrefixStore
+        self.store = PrefixStore(prefix, store)
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg: Any
         if backend == "nccl":  # every process on a GPU of its own (NCCL refuses a shared one)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
