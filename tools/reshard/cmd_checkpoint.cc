@@ -445,10 +445,10 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
-  AddCommonOptions(
-      cmd, *args, "SHARDED_DIR",
-      "checkpoint directory: reshard sharded, DeepSpeed, Hugging Face (docs/formats.md)",
-      "write parts of at most this size and an index (e.g. 5GB)");
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Hugging Face "
+                   "(docs/formats.md)",
+                   "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
                 "module's");
@@ -460,12 +460,12 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
 }
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
-  AddCommonOptions(
-      cmd, *args, "SHARDED_DIR",
-      "checkpoint directory: reshard sharded, DeepSpeed, Hugging Face (docs/formats.md)",
-      "split each rank's file into parts of at most this size");
+  AddCommonOptions(cmd, *args, "SHARDED_DIR",
+                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Hugging Face "
+                   "(docs/formats.md)",
+                   "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
-                "DeepSpeed input: the module's weights only, no optimizer state");
+                "DeepSpeed or DCP input: the model's weights only, no optimizer state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "

@@ -13,6 +13,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
@@ -550,6 +551,14 @@ Status InspectDirectory(const std::string& path, bool json, std::string& out) {
       doc["deepspeed"] = ordered_json::parse(DeepSpeedSummaryJson(ds));
     } else {
       out += DeepSpeedSummaryText(ds);
+    }
+  }
+  if (!IsDeepSpeedCheckpoint(dir.string()) && IsDcpCheckpoint(dir.string())) {
+    RESHARD_ASSIGN_OR_RETURN(const auto dcp, DcpCheckpoint::Open(dir.string()));
+    if (json) {
+      doc["dcp"] = ordered_json::parse(DcpSummaryJson(*dcp));
+    } else {
+      out += DcpSummaryText(*dcp);
     }
   }
   ordered_json listed = ordered_json::array();

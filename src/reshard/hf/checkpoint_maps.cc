@@ -57,17 +57,23 @@ Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded
     }
     return std::optional<MapDocument>();  // Convert reports a bad manifest itself
   }
-  Result<ConfigMaps> maps =
-      ConfigMaps::FromConfigJson(BuiltinTpRegistry(), m->model_config, world, options);
-  if (!maps.ok())
-    return maps.status().Annotate(fmt::format("the model config kept in \"{}\"", path));
   std::vector<StoredTensor> tensors;
   for (const ShardedParam& p : m->params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
-  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(*maps, tensors));
+  Result<MapDocument> doc = ConfigTargetMaps(m->model_config, tensors, world, options);
+  if (!doc.ok()) return doc.status().Annotate(fmt::format("the model config kept in \"{}\"", path));
+  return std::optional<MapDocument>(*std::move(doc));
+}
+
+Result<MapDocument> ConfigTargetMaps(std::string_view config_json,
+                                     const std::vector<StoredTensor>& tensors, int world,
+                                     const PlanOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
+                                                BuiltinTpRegistry(), config_json, world, options));
+  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(maps, tensors));
   MapDocument doc;
   for (CheckpointTensorMap& t : planned.tensors) doc.params.emplace_back(t.name, std::move(t.map));
   RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, planned.buffers));
-  return std::optional<MapDocument>(std::move(doc));
+  return doc;
 }
 
 Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, int world,

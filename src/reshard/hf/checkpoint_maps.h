@@ -47,6 +47,14 @@ Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string
 Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded_dir, int world,
                                                       const PlanOptions& options, bool require);
 
+/// The maps of `tensors` (name, dtype, valid shape) laid out from a model's config.json (JSON
+/// text) at `world` processes under `options.distributed`: per-expert MoE tensors into the stacked
+/// buffers transformers fuses them into (PlanCheckpointMaps), buffers validated.
+/// \error InvalidArgument  malformed config; FailedPrecondition  what the planner refuses.
+Result<MapDocument> ConfigTargetMaps(std::string_view config_json,
+                                     const std::vector<StoredTensor>& tensors, int world,
+                                     const PlanOptions& options = {});
+
 /// The target maps of a DeepSpeed checkpoint whose parameters record no layout, from the save
 /// dir's config.json (with the optimizer states' names unless `weights_only`); nullopt when
 /// every parameter has a layout or there is no config.json.

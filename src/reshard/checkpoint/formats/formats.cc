@@ -10,8 +10,10 @@
 
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/communicator.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
 #include "reshard/hf/registry.h"
@@ -158,11 +160,64 @@ Result<OpenedCheckpoint> OpenDeepSpeedWithMaps(const std::string& path,
   return out;
 }
 
+// ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
+
+Status CheckMegatron(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a Megatron-Core checkpoint: reshard reads its model weights, not the "
+        "optimizer's fp32 copies",
+        path));
+  }
+  if (options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a Megatron-Core checkpoint, which does not record its model's shapes (heads, "
+        "query groups, MLP widths) or Hugging Face names: give the model's config.json",
+        path));
+  }
+  if (options.distributed_config.empty() || options.use == SourceUse::kConvert) {
+    return Status::Ok();
+  }
+  return InvalidArgumentError("a distributed config applies to a convert, not a gather");
+}
+
+// The optimizer state is never read (the HF tensors are the model's weights), so weights_only
+// holds whether asked or not.
+Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(options.config_path));
+  RESHARD_ASSIGN_OR_RETURN(
+      std::unique_ptr<ShardSource> source,
+      OpenMegatronSource(path, MegatronSourceOptions{config, options.config_path}));
+  OpenedCheckpoint out;
+  out.format = "megatron";
+  out.source = std::move(source);
+  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
+  // convert lays the Hugging Face tensors out as transformers holds them at the target degree.
+  out.target_maps = [source = out.source, config, plan = std::move(plan),
+                     config_path =
+                         options.config_path](int world) -> Result<std::optional<MapDocument>> {
+    std::vector<StoredTensor> tensors;
+    for (const ShardedParam& p : source->manifest().params) {
+      tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+    }
+    Result<MapDocument> doc = ConfigTargetMaps(config, tensors, world, plan);
+    if (!doc.ok()) return doc.status().Annotate(fmt::format("\"{}\"", config_path));
+    return std::optional<MapDocument>(*std::move(doc));
+  };
+  out.extra_files.push_back({"config.json", std::move(config)});
+  return out;
+}
+
 constexpr std::array kFormats = {
     CheckpointFormat{"reshard", "a reshard sharded checkpoint", DetectSharded, CheckSharded,
                      OpenSharded},
+    // Before DCP: a Megatron checkpoint is a DCP checkpoint with a metadata.json.
+    CheckpointFormat{"megatron", "a Megatron-Core dist-ckpt (torch_dist)", IsMegatronCheckpoint,
+                     CheckMegatron, OpenMegatron},
     CheckpointFormat{"deepspeed", "a DeepSpeed checkpoint", IsDeepSpeedCheckpoint, CheckDeepSpeed,
                      OpenDeepSpeedWithMaps},
+    CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
+                     OpenDcp},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
 };
 

@@ -1,0 +1,659 @@
+// DCP checkpoint directories: opening (torch_save items and the HF-storage variant), reading
+// items, and the ShardSource over them.
+#include "reshard/checkpoint/dcp/dcp.h"
+
+#include <fmt/format.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <utility>
+
+#include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/pickle_paths.h"
+#include "reshard/io/mapped_file.h"
+#include "reshard/io/safetensors.h"
+#include "reshard/io/torch_file.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+struct DcpCheckpoint::File {
+  File(std::string p, MappedFile m) : path(std::move(p)), mapped(std::move(m)) {}
+  std::string path;
+  MappedFile mapped;
+};
+
+namespace {
+
+constexpr char kMetadataName[] = ".metadata";
+constexpr char kShardingInfoKey[] = "DCP_SHARDING_INFO";
+// What a zstd item may decompress to beyond the chunk's own bytes (the archive's headers and
+// pickle); a larger item is refused rather than inflated.
+constexpr uint64_t kZstdSlack = uint64_t{64} << 20;
+
+std::string ChunkWhat(const DcpTensor& t, size_t c) {
+  return fmt::format("\"{}\" chunk {}", t.fqn, c);
+}
+
+const std::regex& PerRankMetadataName() {
+  static const std::regex re("__([0-9]+)\\.metadata");
+  return re;
+}
+
+const std::regex& HfShardName() {
+  static const std::regex re("shard-([0-9]+)-model-([0-9]+)-of-([0-9]+)\\.safetensors");
+  return re;
+}
+
+std::vector<std::string> ListNames(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    names.push_back(it->path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+bool IsDir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec);
+}
+
+bool Exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(path, ec);
+}
+
+// Where the HF-storage variant keeps its shards: `dir` or `dir/sharded`; empty: neither.
+std::string HfShardDir(const std::string& dir) {
+  for (const std::string& d : {dir, dir + "/sharded"}) {
+    if (!IsDir(d)) continue;
+    for (const std::string& n : ListNames(d)) {
+      if (std::regex_match(n, HfShardName())) return d;
+    }
+  }
+  return "";
+}
+
+// Merges per-rank metadata (each lists its own items) into one.
+Status Merge(DcpMetadata part, std::string_view name, DcpMetadata& all,
+             std::map<std::string, size_t>& tensor_index) {
+  std::vector<size_t> file_map;
+  for (const std::string& f : part.files) {
+    const auto it = std::find(all.files.begin(), all.files.end(), f);
+    file_map.push_back(static_cast<size_t>(it - all.files.begin()));
+    if (it == all.files.end()) all.files.push_back(f);
+  }
+  if (all.version.empty()) all.version = part.version;
+  for (DcpTensor& t : part.tensors) {
+    for (DcpChunk& c : t.chunks) c.location.file = file_map[c.location.file];
+    const auto [it, inserted] = tensor_index.emplace(t.fqn, all.tensors.size());
+    if (inserted) {
+      all.tensors.push_back(std::move(t));
+      continue;
+    }
+    DcpTensor& have = all.tensors[it->second];
+    if (have.shape != t.shape || have.dtype != t.dtype) {
+      return DataLossError(
+          fmt::format("{}: \"{}\" has shape [{}] {} here but [{}] {} in an "
+                      "earlier rank's metadata",
+                      name, t.fqn, fmt::join(t.shape, ", "), DTypeName(t.dtype),
+                      fmt::join(have.shape, ", "), DTypeName(have.dtype)));
+    }
+    for (DcpChunk& c : t.chunks) have.chunks.push_back(std::move(c));
+  }
+  for (DcpBytesItem& b : part.bytes_items) {
+    b.location.file = file_map[b.location.file];
+    all.bytes_items.push_back(std::move(b));
+  }
+  return Status::Ok();
+}
+
+Result<DcpMetadata> ReadMetadataFile(const std::string& path) {
+  RESHARD_ASSIGN_OR_RETURN(MappedFile f, MappedFile::Open(path));
+  return ParseDcpMetadata(f.bytes(), path);
+}
+
+// The HF-storage variant: every tensor of every shard file is a chunk.
+Result<DcpMetadata> ReadHfShards(const std::string& dir, const std::string& shard_dir) {
+  DcpMetadata out;
+  std::map<std::string, size_t> index;
+  const std::string prefix = shard_dir == dir ? "" : "sharded/";
+  for (const std::string& name : ListNames(shard_dir)) {
+    std::smatch m;
+    if (!std::regex_match(name, m, HfShardName())) continue;
+    const std::string path = shard_dir + "/" + name;
+    int64_t shard = 0;
+    const std::string digits = m[1].str();
+    const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), shard);
+    if (ec != std::errc() || shard < 1 || shard > (int64_t{1} << 16)) {
+      return DataLossError(fmt::format("{}: shard index {} is not 1..65536", path, digits));
+    }
+    RESHARD_ASSIGN_OR_RETURN(const SafetensorsHeader h, ReadSafetensorsHeader(path));
+    json::Json info;
+    const auto meta = h.metadata.find(kShardingInfoKey);
+    if (meta != h.metadata.end()) {
+      auto parsed = json::ParseJson(meta->second);
+      if (!parsed.ok() || !parsed->is_object()) {
+        return DataLossError(fmt::format("{}: {} is not a JSON object", path, kShardingInfoKey));
+      }
+      info = std::move(*parsed);
+    }
+    const size_t file = out.files.size();
+    out.files.push_back(prefix + name);
+    for (const TensorInfo& t : h.tensors) {
+      DcpChunk chunk;
+      chunk.rank = static_cast<Rank>(shard - 1);
+      chunk.sizes = t.shape;
+      chunk.offsets.assign(t.shape.size(), 0);
+      if (const json::Json* e = info.is_object() ? json::Find(info, t.name) : nullptr) {
+        const std::string where = fmt::format("{}: {}[{}]", path, kShardingInfoKey, t.name);
+        RESHARD_ASSIGN_OR_RETURN(const json::Json* off, json::Require(*e, where, "saved_offsets"));
+        RESHARD_ASSIGN_OR_RETURN(chunk.offsets, json::ReadIntArray(*off, where, Index{0}));
+        if (chunk.offsets.size() != t.shape.size()) {
+          return DataLossError(fmt::format("{}: {} offsets for a tensor of {} dims", where,
+                                           chunk.offsets.size(), t.shape.size()));
+        }
+      }
+      chunk.location = {file, h.data_offset + t.data_begin, t.num_bytes(), {}};
+      const auto [it, inserted] = index.emplace(t.name, out.tensors.size());
+      if (inserted) {
+        DcpTensor tensor;
+        tensor.fqn = t.name;
+        tensor.path = {t.name};
+        tensor.dtype = t.dtype;
+        tensor.shape.assign(t.shape.size(), 0);
+        out.tensors.push_back(std::move(tensor));
+      }
+      DcpTensor& tensor = out.tensors[it->second];
+      if (tensor.dtype != t.dtype || tensor.shape.size() != t.shape.size()) {
+        return DataLossError(fmt::format("{}: \"{}\" is {} of {} dims here, {} of {} elsewhere",
+                                         path, t.name, DTypeName(t.dtype), t.shape.size(),
+                                         DTypeName(tensor.dtype), tensor.shape.size()));
+      }
+      // The global shape is the far corner of the chunks, as torch's reader takes it.
+      for (size_t d = 0; d < t.shape.size(); ++d) {
+        const auto end = CheckedAdd(chunk.offsets[d], chunk.sizes[d]);
+        if (!end) return DataLossError(fmt::format("{}: \"{}\" offsets overflow", path, t.name));
+        tensor.shape[d] = std::max(tensor.shape[d], *end);
+      }
+      tensor.chunks.push_back(std::move(chunk));
+    }
+  }
+  return out;
+}
+
+Status DecompressZstd(std::span<const std::byte> in, uint64_t max_bytes, std::string_view what,
+                      std::vector<std::byte>& out) {
+  ZSTD_DCtx* ctx = ZSTD_createDCtx();
+  if (ctx == nullptr) return InternalError("zstd: cannot create a decompression context");
+  out.clear();
+  ZSTD_inBuffer input{in.data(), in.size(), 0};
+  size_t ret = 1;
+  while (true) {
+    if (out.size() == max_bytes && ret != 0) {
+      ZSTD_freeDCtx(ctx);
+      return DataLossError(
+          fmt::format("{}: its zstd stream decompresses to more than the {} bytes its chunk needs",
+                      what, max_bytes));
+    }
+    const size_t have = out.size();
+    const size_t grow = static_cast<size_t>(
+        std::min<uint64_t>(max_bytes - have, std::max<uint64_t>(have, uint64_t{1} << 20)));
+    out.resize(have + grow);
+    ZSTD_outBuffer output{out.data() + have, grow, 0};
+    ret = ZSTD_decompressStream(ctx, &output, &input);
+    out.resize(have + output.pos);
+    if (ZSTD_isError(ret)) {
+      const std::string why = ZSTD_getErrorName(ret);
+      ZSTD_freeDCtx(ctx);
+      return DataLossError(fmt::format("{}: its zstd stream is corrupt ({})", what, why));
+    }
+    if (ret == 0 && input.pos == input.size) break;
+    if (input.pos == input.size && output.pos < grow) {
+      ZSTD_freeDCtx(ctx);
+      return DataLossError(fmt::format("{}: its zstd stream is truncated", what));
+    }
+  }
+  ZSTD_freeDCtx(ctx);
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool IsDcpCheckpoint(const std::string& path) {
+  if (!IsDir(path)) return false;
+  if (Exists(path + "/" + kMetadataName)) return true;
+  for (const std::string& n : ListNames(path)) {
+    if (std::regex_match(n, PerRankMetadataName())) return true;
+  }
+  const std::string shards = HfShardDir(path);
+  if (shards.empty()) return false;
+  // HuggingFaceStorageWriter with consolidation writes the full checkpoint beside sharded/:
+  // that directory is a Hugging Face checkpoint (its sharded/ folder the DCP one).
+  return shards == path ||
+         (!Exists(path + "/model.safetensors") && !Exists(path + "/model.safetensors.index.json"));
+}
+
+Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::string& dir) {
+  if (!IsDir(dir)) return NotFoundError(fmt::format("\"{}\" is not a directory", dir));
+  std::shared_ptr<DcpCheckpoint> c(new DcpCheckpoint());
+  c->dir_ = dir;
+  const std::string single = dir + "/" + kMetadataName;
+  if (Exists(single)) {
+    c->storage_ = "torch_save";
+    c->metadata_files_ = {single};
+    RESHARD_ASSIGN_OR_RETURN(c->metadata_, ReadMetadataFile(single));
+  } else {
+    std::map<std::string, size_t> index;
+    for (const std::string& n : ListNames(dir)) {
+      if (!std::regex_match(n, PerRankMetadataName())) continue;
+      const std::string path = dir + "/" + n;
+      RESHARD_ASSIGN_OR_RETURN(DcpMetadata part, ReadMetadataFile(path));
+      RESHARD_RETURN_IF_ERROR(Merge(std::move(part), path, c->metadata_, index));
+      c->metadata_files_.push_back(path);
+    }
+    if (!c->metadata_files_.empty()) {
+      c->storage_ = "torch_save";
+    } else if (const std::string shards = HfShardDir(dir); !shards.empty()) {
+      c->storage_ = "safetensors";
+      RESHARD_ASSIGN_OR_RETURN(c->metadata_, ReadHfShards(dir, shards));
+    } else {
+      return NotFoundError(fmt::format(
+          "\"{}\" is not a DCP checkpoint: it has no .metadata, no __<rank>.metadata and no "
+          "shard-*-model-*-of-*.safetensors files",
+          dir));
+    }
+  }
+  // Every file the items name, mapped; every item inside its file.
+  for (const std::string& rel : c->metadata_.files) {
+    const std::string path = dir + "/" + rel;
+    auto mapped = MappedFile::Open(path);
+    if (!mapped.ok()) {
+      return Status(mapped.status().code(),
+                    fmt::format("DCP data file {} (named by the checkpoint's metadata): {}", path,
+                                mapped.status().message()));
+    }
+    c->files_.push_back(std::make_shared<File>(path, std::move(*mapped)));
+  }
+  const auto check = [&](const DcpItemLocation& loc, std::string_view what) -> Status {
+    const uint64_t size = c->files_[loc.file]->mapped.bytes().size();
+    if (loc.offset > size || loc.length > size - loc.offset) {
+      return DataLossError(
+          fmt::format("{}: {} is bytes [{}, {}) of {}, which has {} bytes (truncated, or not this "
+                      "checkpoint's file)",
+                      c->files_[loc.file]->path, what, loc.offset, loc.offset + loc.length,
+                      c->metadata_.files[loc.file], size));
+    }
+    return Status::Ok();
+  };
+  Rank high = -1;
+  for (const DcpTensor& t : c->metadata_.tensors) {
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      RESHARD_RETURN_IF_ERROR(check(t.chunks[i].location, ChunkWhat(t, i)));
+      high = std::max(high, t.chunks[i].rank);
+    }
+  }
+  for (const DcpBytesItem& b : c->metadata_.bytes_items) {
+    RESHARD_RETURN_IF_ERROR(check(b.location, fmt::format("\"{}\" (bytes)", b.fqn)));
+    high = std::max(high, b.rank);
+  }
+  c->world_size_ = std::max<int>(1, high + 1);
+  for (const DcpTensor& t : c->metadata_.tensors) {
+    auto map =
+        ChunksToMap(fmt::format("{}: \"{}\"", dir, t.fqn), t.shape, t.chunks, c->world_size_);
+    if (!map.ok()) return DataLossError(map.status().message());
+    c->maps_.push_back(std::move(*map));
+  }
+  return std::shared_ptr<const DcpCheckpoint>(std::move(c));
+}
+
+std::vector<std::string> DcpCheckpoint::file_paths() const {
+  std::vector<std::string> out = metadata_files_;
+  for (const auto& f : files_) out.push_back(f->path);
+  return out;
+}
+
+Result<std::span<const std::byte>> DcpCheckpoint::ItemBytes(const DcpItemLocation& loc,
+                                                            std::string_view what,
+                                                            uint64_t max_bytes,
+                                                            std::vector<std::byte>& owned) const {
+  std::span<const std::byte> bytes =
+      files_[loc.file]->mapped.bytes().subspan(loc.offset, loc.length);
+  for (auto t = loc.transforms.rbegin(); t != loc.transforms.rend(); ++t) {
+    if (t->rfind("stream.zstd/", 0) != 0) {
+      return UnimplementedError(
+          fmt::format("{} in {}: its transform \"{}\" is not one reshard reads (only stream.zstd)",
+                      what, files_[loc.file]->path, *t));
+    }
+    std::vector<std::byte> out;
+    RESHARD_RETURN_IF_ERROR(DecompressZstd(
+        bytes, max_bytes, fmt::format("{} in {}", what, files_[loc.file]->path), out));
+    owned = std::move(out);
+    bytes = owned;
+  }
+  return bytes;
+}
+
+Result<std::span<const std::byte>> DcpCheckpoint::ReadChunk(size_t t, size_t c,
+                                                            std::vector<std::byte>& owned) const {
+  const DcpTensor& tensor = metadata_.tensors[t];
+  const DcpChunk& chunk = tensor.chunks[c];
+  const std::string what = ChunkWhat(tensor, c);
+  const uint64_t need = static_cast<uint64_t>(ProductOf(chunk.sizes)) * DTypeSize(tensor.dtype);
+  const std::string& path = files_[chunk.location.file]->path;
+  RESHARD_ASSIGN_OR_RETURN(std::span<const std::byte> bytes,
+                           ItemBytes(chunk.location, what, need + kZstdSlack, owned));
+  if (storage_ == "safetensors") {
+    if (bytes.size() != need) {
+      return DataLossError(
+          fmt::format("{}: {} holds {} bytes, its chunk needs {}", path, what, bytes.size(), need));
+    }
+    return bytes;
+  }
+  auto file = TorchFile::Parse(bytes);
+  if (!file.ok()) {
+    return Status(file.status().code(),
+                  fmt::format("{}: {} (bytes [{}, {})) is not a torch.save archive: {}", path, what,
+                              chunk.location.offset, chunk.location.offset + chunk.location.length,
+                              file.status().message()));
+  }
+  if (file->tensors().size() != 1) {
+    return DataLossError(
+        fmt::format("{}: {} holds {} tensors, not one", path, what, file->tensors().size()));
+  }
+  const TorchTensor& tt = file->tensors()[0];
+  if (tt.dtype.dtype != tensor.dtype || tt.shape != chunk.sizes) {
+    return DataLossError(
+        fmt::format("{}: {} holds a {} tensor of shape [{}], the metadata says {} [{}]", path, what,
+                    tt.dtype.name, fmt::join(tt.shape, ", "), DTypeName(tensor.dtype),
+                    fmt::join(chunk.sizes, ", ")));
+  }
+  if (tt.is_contiguous()) {
+    const TorchStorage& s = file->storages()[tt.storage];
+    return s.bytes.subspan(static_cast<size_t>(tt.storage_offset) * tt.dtype.size, need);
+  }
+  std::vector<std::byte> dense(need);
+  RESHARD_RETURN_IF_ERROR(file->CopyTo(tt, dense));
+  owned = std::move(dense);
+  return std::span<const std::byte>(owned);
+}
+
+Result<std::span<const std::byte>> DcpCheckpoint::ReadBytesItem(
+    size_t i, std::vector<std::byte>& owned) const {
+  const DcpBytesItem& b = metadata_.bytes_items[i];
+  return ItemBytes(b.location, fmt::format("\"{}\" (bytes)", b.fqn), b.location.length + kZstdSlack,
+                   owned);
+}
+
+void DcpCheckpoint::ReleaseChunk(size_t t, size_t c) const {
+  const DcpItemLocation& loc = metadata_.tensors[t].chunks[c].location;
+  ReleaseMappedPages(files_[loc.file]->mapped.bytes().subspan(loc.offset, loc.length));
+}
+
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// A bytes item's object, inert: its plain value (a torch.save archive of plain data), else
+// what it is.
+ordered_json BytesValue(const DcpCheckpoint& c, size_t i) {
+  std::vector<std::byte> owned;
+  auto bytes = c.ReadBytesItem(i, owned);
+  if (!bytes.ok()) return {{"unread", std::string(bytes.status().message())}};
+  if (!LooksLikeTorchFile(*bytes)) return {{"raw_bytes", bytes->size()}};
+  auto file = TorchFile::Parse(*bytes);
+  if (!file.ok()) return {{"unread", std::string(file.status().message())}};
+  if (!file->tensors().empty()) return {{"tensors", file->tensors().size()}};
+  nlohmann::json v = internal::ToJson(file->tree(), file->tree().root());
+  if (v.is_null() && file->tree().node(file->tree().root()).kind != PickleKind::kNone) {
+    return {{"object", std::string(PickleKindName(file->tree().node(file->tree().root()).kind))}};
+  }
+  return {{"value", ordered_json::parse(v.dump())}};
+}
+
+std::string ShortValue(const ordered_json& v) {
+  std::string text = v.contains("value") ? v["value"].dump() : v.dump();
+  if (text.size() > 120) text = text.substr(0, 117) + "...";
+  return text;
+}
+
+}  // namespace
+
+std::string DcpSummaryJson(const DcpCheckpoint& c) {
+  ordered_json tensors = ordered_json::array();
+  for (size_t i = 0; i < c.tensors().size(); ++i) {
+    const DcpTensor& t = c.tensors()[i];
+    ordered_json chunks = ordered_json::array();
+    for (const DcpChunk& ch : t.chunks) {
+      chunks.push_back({{"offsets", ch.offsets},
+                        {"sizes", ch.sizes},
+                        {"rank", ch.rank},
+                        {"file", c.metadata().files[ch.location.file]},
+                        {"offset", ch.location.offset},
+                        {"length", ch.location.length},
+                        {"transforms", ch.location.transforms}});
+    }
+    tensors.push_back({{"name", t.fqn},
+                       {"dtype", DTypeName(t.dtype)},
+                       {"shape", t.shape},
+                       {"optimizer_state", t.optimizer_state},
+                       {"chunks", chunks}});
+  }
+  ordered_json items = ordered_json::array();
+  for (size_t i = 0; i < c.bytes_items().size(); ++i) {
+    const DcpBytesItem& b = c.bytes_items()[i];
+    items.push_back({{"name", b.fqn},
+                     {"rank", b.rank},
+                     {"file", c.metadata().files[b.location.file]},
+                     {"offset", b.location.offset},
+                     {"length", b.location.length},
+                     {"contents", BytesValue(c, i)}});
+  }
+  ordered_json doc = {{"format", "dcp"},
+                      {"storage", c.storage()},
+                      {"version", c.metadata().version},
+                      {"world_size", c.world_size()},
+                      {"files", c.metadata().files},
+                      {"tensors", tensors},
+                      {"bytes", items}};
+  return doc.dump();
+}
+
+std::string DcpSummaryText(const DcpCheckpoint& c) {
+  size_t optimizer = 0;
+  for (const DcpTensor& t : c.tensors()) optimizer += t.optimizer_state ? 1 : 0;
+  std::string out = fmt::format(
+      "DCP checkpoint \"{}\" ({}{}): written by {} ranks in {} files; {} tensors ({} optimizer "
+      "state), {} bytes items\n",
+      c.dir(), c.storage(), c.metadata().version.empty() ? "" : ", version " + c.metadata().version,
+      c.world_size(), c.metadata().files.size(), c.tensors().size(), optimizer,
+      c.bytes_items().size());
+  for (const DcpTensor& t : c.tensors()) {
+    std::string chunks;
+    for (const DcpChunk& ch : t.chunks) {
+      chunks += fmt::format("{}rank {}: {}+{}", chunks.empty() ? "" : "; ", ch.rank,
+                            FormatShape(ch.offsets), FormatShape(ch.sizes));
+      if (!ch.location.transforms.empty()) {
+        chunks += fmt::format(" ({})", fmt::join(ch.location.transforms, ", "));
+      }
+    }
+    out += fmt::format("  {}  {} {}{}  {} chunk{}\n    {}\n", t.fqn, DTypeName(t.dtype),
+                       FormatShape(t.shape), t.optimizer_state ? "  (optimizer state)" : "",
+                       t.chunks.size(), t.chunks.size() == 1 ? "" : "s", chunks);
+  }
+  for (size_t i = 0; i < c.bytes_items().size(); ++i) {
+    const DcpBytesItem& b = c.bytes_items()[i];
+    out += fmt::format("  {}  bytes ({} bytes, rank {})  {}\n", b.fqn, b.location.length, b.rank,
+                       ShortValue(BytesValue(c, i)));
+  }
+  return out;
+}
+
+namespace {
+
+class DcpShardSource : public ShardSource {
+ public:
+  DcpShardSource(std::shared_ptr<const DcpCheckpoint> ckpt, const DcpSourceOptions& options)
+      : ckpt_(std::move(ckpt)) {
+    manifest_.world_size = ckpt_->world_size();
+    for (size_t i = 0; i < ckpt_->tensors().size(); ++i) {
+      const DcpTensor& t = ckpt_->tensors()[i];
+      if (options.weights_only && t.optimizer_state) continue;
+      manifest_.params.push_back(
+          ShardedParam{t.fqn, t.dtype, ckpt_->map(i), DcpDefaultLayout(t.shape), 1});
+      which_.push_back(i);
+    }
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> inputs = {ckpt_->dir()};
+    for (const std::string& p : ckpt_->file_paths()) inputs.push_back(p);
+    return inputs;
+  }
+
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = cache_.find(i);
+      if (it != cache_.end()) {
+        ++it->second->users;
+        return it->second->buffers;
+      }
+    }
+    auto e = std::make_shared<Entry>();
+    RESHARD_RETURN_IF_ERROR(Read(i, *e));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, inserted] = cache_.emplace(i, e);
+    ++it->second->users;
+    return it->second->buffers;
+  }
+
+  void ReleaseShards(size_t i) override {
+    std::shared_ptr<Entry> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = cache_.find(i);
+      if (it == cache_.end() || --it->second->users > 0) return;
+      done = std::move(it->second);
+      cache_.erase(it);
+    }
+    const size_t t = which_[i];
+    for (size_t c = 0; c < ckpt_->tensors()[t].chunks.size(); ++c) ckpt_->ReleaseChunk(t, c);
+  }
+
+ private:
+  struct Entry {
+    int users = 0;
+    std::vector<ConstBuffer> buffers;           // per rank
+    std::vector<std::vector<std::byte>> owned;  // per rank, when assembled or copied
+  };
+
+  Status Read(size_t i, Entry& e) {
+    const size_t t = which_[i];
+    const DcpTensor& tensor = ckpt_->tensors()[t];
+    const ParamMap& map = manifest_.params[i].map;
+    const size_t esize = DTypeSize(tensor.dtype);
+    const auto world = static_cast<size_t>(map.world_size());
+    e.buffers.assign(world, {});
+    e.owned.assign(world, {});
+    std::vector<std::vector<size_t>> by_rank(world);
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      if (ProductOf(tensor.chunks[c].sizes) > 0) {
+        by_rank[static_cast<size_t>(tensor.chunks[c].rank)].push_back(c);
+      }
+    }
+    for (size_t r = 0; r < world; ++r) {
+      const Index n = map.shard_num_elements(static_cast<Rank>(r));
+      if (by_rank[r].size() == 1) {
+        // One chunk: its bytes in place when the item holds them densely.
+        std::vector<std::byte> owned;
+        RESHARD_ASSIGN_OR_RETURN(const auto bytes, ckpt_->ReadChunk(t, by_rank[r][0], owned));
+        e.owned[r] = std::move(owned);
+        e.buffers[r] = {bytes.data(), n};
+        continue;
+      }
+      std::vector<std::byte>& dense = e.owned[r];
+      dense.resize(static_cast<size_t>(n) * esize);
+      size_t at = 0;
+      for (size_t c : by_rank[r]) {
+        std::vector<std::byte> owned;
+        RESHARD_ASSIGN_OR_RETURN(const auto bytes, ckpt_->ReadChunk(t, c, owned));
+        std::memcpy(dense.data() + at, bytes.data(), bytes.size());
+        at += bytes.size();
+      }
+      e.buffers[r] = {dense.data(), n};
+    }
+    return Status::Ok();
+  }
+
+  std::shared_ptr<const DcpCheckpoint> ckpt_;
+  Manifest manifest_;
+  std::vector<size_t> which_;
+  std::mutex mu_;
+  std::map<size_t, std::shared_ptr<Entry>> cache_;
+};
+
+}  // namespace
+
+LayoutDescriptor DcpDefaultLayout(const Shape& shape) {
+  LayoutDescriptor d;
+  if (shape.empty()) return d;  // replicated
+  d.family = LayoutFamily::kSplit;
+  d.dim = 0;
+  d.rule.remainder = Remainder::kCeil;
+  return d;
+}
+
+std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt,
+                                       const DcpSourceOptions& options) {
+  return std::make_unique<DcpShardSource>(std::move(ckpt), options);
+}
+
+Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights) {
+    return InvalidArgumentError(fmt::format(
+        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is a "
+        "PyTorch Distributed Checkpoint",
+        path));
+  }
+  if (!options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a PyTorch Distributed Checkpoint, which names and shapes its tensors itself: "
+        "it takes no config.json",
+        path));
+  }
+  if (!options.distributed_config.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "a distributed config applies to a checkpoint scattered from a model's config.json; "
+        "\"{}\" is a PyTorch Distributed Checkpoint: give the target layout as maps instead",
+        path));
+  }
+  if (options.weights_only && options.use == SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a gather of a PyTorch Distributed Checkpoint writes the model's tensors only already");
+  }
+  return Status::Ok();
+}
+
+Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckDcpOptions(path, options));
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(path));
+  OpenedCheckpoint out;
+  out.format = "dcp";
+  DcpSourceOptions source;
+  source.weights_only = options.use == SourceUse::kGather || options.weights_only;
+  out.source = DcpSource(std::move(ckpt), source);
+  return out;
+}
+
+}  // namespace reshard

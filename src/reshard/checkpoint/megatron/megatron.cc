@@ -1,0 +1,731 @@
+#include "reshard/checkpoint/megatron/megatron.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/dcp/dcp.h"
+#include "reshard/checkpoint/megatron/megatron_names.h"
+#include "reshard/io/file.h"
+
+namespace reshard {
+
+using megatron::NameFamily;
+using megatron::NameRule;
+using megatron::Part;
+using megatron::Scope;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kLatestName[] = "latest_checkpointed_iteration.txt";
+constexpr uint64_t kMaxSmallFile = 1 << 20;
+
+bool IsFile(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
+// The iteration directory a training save dir's latest_checkpointed_iteration.txt names.
+std::optional<fs::path> LatestIteration(const fs::path& dir) {
+  const fs::path latest = dir / kLatestName;
+  if (!IsFile(latest)) return std::nullopt;
+  Result<std::string> text = ReadFileToString(latest.string());
+  if (!text.ok() || text->size() > 64) return std::nullopt;
+  std::string s = *text;
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  return dir / fmt::format("iter_{:07d}", std::stoll(s));
+}
+
+}  // namespace
+
+Result<std::string> MegatronCheckpointDir(const std::string& path) {
+  const fs::path dir(path);
+  if (IsFile(dir / kMegatronMetadataName)) return path;
+  if (std::optional<fs::path> it = LatestIteration(dir)) {
+    if (IsFile(*it / kMegatronMetadataName)) return it->string();
+    return NotFoundError(fmt::format("\"{}\" names iteration directory \"{}\", which holds no {}",
+                                     (dir / kLatestName).string(), it->string(),
+                                     kMegatronMetadataName));
+  }
+  return NotFoundError(fmt::format("\"{}\" holds no {} (a Megatron-Core dist-ckpt has one)", path,
+                                   kMegatronMetadataName));
+}
+
+bool IsMegatronCheckpoint(const std::string& path) {
+  Result<std::string> dir = MegatronCheckpointDir(path);
+  if (!dir.ok()) return false;
+  const std::string file = (fs::path(*dir) / kMegatronMetadataName).string();
+  std::error_code ec;
+  if (fs::file_size(file, ec) > kMaxSmallFile || ec) return false;
+  Result<std::string> text = ReadFileToString(file);
+  if (!text.ok()) return false;
+  Result<json::Json> j = json::ParseJson(*text);
+  return j.ok() && j->is_object() && j->contains("sharded_backend");
+}
+
+// ---------------------------------------------------------------------------------------------
+// config.json
+
+Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std::string_view what) {
+  Result<json::Json> parsed = json::ParseJson(text);
+  if (!parsed.ok()) return parsed.status().Annotate(what);
+  const json::Json& j = *parsed;
+  if (!j.is_object()) return json::TypeError(what, "an object", j);
+  const auto optional_int = [&](std::string_view key) -> Result<std::optional<Index>> {
+    const json::Json* v = json::Find(j, key);
+    if (v == nullptr || v->is_null()) return std::optional<Index>();
+    RESHARD_ASSIGN_OR_RETURN(Index n, json::ReadInt(*v, json::Member(what, key), json::kPositive));
+    return std::optional<Index>(n);
+  };
+  const auto required_int = [&](std::string_view key) -> Result<Index> {
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n, optional_int(key));
+    if (!n) {
+      return InvalidArgumentError(
+          fmt::format("{}: \"{}\" is missing (the Megatron layout needs it)", what, key));
+    }
+    return *n;
+  };
+  MegatronModelConfig c;
+  if (const json::Json* t = json::Find(j, "model_type"); t != nullptr) {
+    RESHARD_ASSIGN_OR_RETURN(c.model_type, json::ReadString(*t, json::Member(what, "model_type")));
+  }
+  RESHARD_ASSIGN_OR_RETURN(c.layers, required_int("num_hidden_layers"));
+  RESHARD_ASSIGN_OR_RETURN(c.hidden, required_int("hidden_size"));
+  RESHARD_ASSIGN_OR_RETURN(c.heads, required_int("num_attention_heads"));
+  RESHARD_ASSIGN_OR_RETURN(c.vocab, required_int("vocab_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, optional_int("num_key_value_heads"));
+  c.kv_heads = kv.value_or(c.heads);
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, optional_int("head_dim"));
+  if (!head_dim && c.hidden % c.heads != 0) {
+    return InvalidArgumentError(fmt::format(
+        "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
+        what, c.hidden, c.heads));
+  }
+  c.head_dim = head_dim.value_or(c.hidden / c.heads);
+  if (c.heads % c.kv_heads != 0) {
+    return InvalidArgumentError(
+        fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", what,
+                    c.heads, c.kv_heads));
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> ffn, optional_int("intermediate_size"));
+  c.ffn = ffn.value_or(0);
+  for (const char* key : {"num_local_experts", "num_experts", "n_routed_experts"}) {
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> e, optional_int(key));
+    if (e) {
+      c.experts = *e;
+      break;
+    }
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> moe_ffn, optional_int("moe_intermediate_size"));
+  c.moe_ffn = moe_ffn.value_or(c.ffn);
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> shared,
+                           optional_int("shared_expert_intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n_shared, optional_int("n_shared_experts"));
+  c.shared_ffn = shared ? *shared : (n_shared ? *n_shared * c.moe_ffn : 0);
+  if (const json::Json* t = json::Find(j, "tie_word_embeddings"); t != nullptr && !t->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(bool tie,
+                             json::ReadBool(*t, json::Member(what, "tie_word_embeddings")));
+    c.tie_word_embeddings = tie;
+  }
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The name table applied to a key
+
+namespace {
+
+// A key split into its scope and leaf.
+struct ParsedKey {
+  Scope scope = Scope::kModel;
+  std::string_view leaf;
+  std::optional<Index> layer;   // decoder.layers.{l}.; nullopt: stacked (leading dim L)
+  std::optional<Index> expert;  // ...experts.{e}.; nullopt: stacked (leading dim E)
+};
+
+// A leading "{n}." of `s`, consumed.
+std::optional<Index> TakeIndex(std::string_view& s) {
+  size_t k = 0;
+  while (k < s.size() && k < 12 && s[k] >= '0' && s[k] <= '9') ++k;
+  if (k == 0 || k >= s.size() || s[k] != '.') return std::nullopt;
+  const Index n = std::stoll(std::string(s.substr(0, k)));
+  s.remove_prefix(k + 1);
+  return n;
+}
+
+ParsedKey ParseKey(std::string_view key) {
+  ParsedKey p;
+  p.leaf = key;
+  constexpr std::string_view kLayers = "decoder.layers.";
+  if (!key.starts_with(kLayers)) return p;
+  std::string_view rest = key.substr(kLayers.size());
+  p.scope = Scope::kLayer;
+  p.layer = TakeIndex(rest);
+  for (std::string_view experts : {"mlp.experts.experts.", "mlp.experts.local_experts."}) {
+    if (rest.starts_with(experts)) {
+      rest.remove_prefix(experts.size());
+      p.scope = Scope::kExpert;
+      p.expert = TakeIndex(rest);
+      break;
+    }
+  }
+  p.leaf = rest;
+  return p;
+}
+
+std::string Substitute(std::string_view pattern, const NameFamily& f) {
+  std::string out(pattern);
+  const std::pair<std::string_view, std::string_view> subs[] = {
+      {"{moe}", f.moe}, {"{w1}", f.w1}, {"{w3}", f.w3}, {"{w2}", f.w2}, {"{shared}", f.shared}};
+  for (const auto& [from, to] : subs) {
+    for (size_t at = out.find(from); at != std::string::npos; at = out.find(from)) {
+      out.replace(at, from.size(), to);
+    }
+  }
+  return out;
+}
+
+// The config's sizes by table symbol; 0 for a size the config does not give.
+Index SymbolValue(const MegatronModelConfig& c, std::string_view sym) {
+  if (sym == "H") return c.hidden;
+  if (sym == "D") return c.head_dim;
+  if (sym == "A") return c.heads * c.head_dim;
+  if (sym == "QKV") return (c.heads + 2 * c.kv_heads) * c.head_dim;
+  if (sym == "F") return c.ffn;
+  if (sym == "I") return c.moe_ffn;
+  if (sym == "S") return c.shared_ffn;
+  if (sym == "E") return c.experts;
+  if (sym == "V") return c.vocab;
+  if (sym == "1") return 1;
+  return 0;
+}
+
+std::string_view SymbolSource(std::string_view sym) {
+  if (sym == "H") return "hidden_size";
+  if (sym == "D") return "head_dim";
+  if (sym == "A") return "num_attention_heads * head_dim";
+  if (sym == "QKV") return "(num_attention_heads + 2 * num_key_value_heads) * head_dim";
+  if (sym == "F") return "intermediate_size";
+  if (sym == "I") return "moe_intermediate_size";
+  if (sym == "S") return "the shared experts' intermediate size";
+  if (sym == "E") return "the number of experts";
+  if (sym == "V") return "vocab_size (or more: padding)";
+  return "";
+}
+
+std::vector<std::string_view> SplitShape(std::string_view spec) {
+  std::vector<std::string_view> out;
+  while (true) {
+    const size_t comma = spec.find(',');
+    out.push_back(spec.substr(0, comma));
+    if (comma == std::string_view::npos) return out;
+    spec.remove_prefix(comma + 1);
+  }
+}
+
+// Whether `shape` (without stacked dims) is what the rule's shape spec gives; else the error.
+Status CheckLeafShape(const MegatronModelConfig& c, std::string_view key, const NameRule& rule,
+                      std::span<const Index> shape) {
+  const std::vector<std::string_view> syms = SplitShape(rule.shape);
+  bool ok = syms.size() == shape.size();
+  std::vector<std::string> expected;
+  std::vector<std::string> sources;
+  for (size_t d = 0; d < syms.size(); ++d) {
+    std::string_view sym = syms[d];
+    Index factor = 1;
+    if (sym.size() > 1 && sym[0] == '2') {
+      factor = 2;
+      sym.remove_prefix(1);
+    }
+    const Index v = SymbolValue(c, sym) * factor;
+    if (sym == "V") {
+      expected.push_back(fmt::format(">={}", v));
+      if (ok && shape[d] < v) ok = false;
+    } else {
+      expected.push_back(std::to_string(v));
+      if (ok && shape[d] != v) ok = false;
+    }
+    if (sym != "1") {
+      sources.push_back(fmt::format("{}{} = {}", factor == 2 ? "2 * " : "", SymbolSource(sym), v));
+    }
+  }
+  if (ok) return Status::Ok();
+  return InvalidArgumentError(fmt::format(
+      "Megatron tensor \"{}\" has shape {} (per layer and expert), but config.json gives [{}] "
+      "({}): the config does not describe this checkpoint",
+      key, FormatShape(shape), fmt::join(expected, ", "), fmt::join(sources, ", ")));
+}
+
+// The region of `part` in a tensor whose leaf shape (without stacked dims) is `leaf`, after
+// the stacked dims already added to `r`.
+void AddLeafDims(const MegatronModelConfig& c, Part part, std::span<const Index> leaf,
+                 TensorRegion& r, Shape& hf_shape) {
+  const Index groups = c.kv_heads;
+  const Index per_group = c.heads / c.kv_heads;  // query heads per group
+  const Index d = c.head_dim;
+  for (size_t k = 0; k < leaf.size(); ++k) {
+    if (k > 0 || part == Part::kWhole) {
+      AddWholeDim(r, leaf[k]);
+      hf_shape.push_back(leaf[k]);
+      continue;
+    }
+    const Index group_rows = (per_group + 2) * d;
+    switch (part) {
+      case Part::kQ:
+        AddSplitDim(r, {groups, group_rows}, {0, 0}, {groups, per_group * d});
+        hf_shape.push_back(groups * per_group * d);
+        break;
+      case Part::kK:
+        AddSplitDim(r, {groups, group_rows}, {0, per_group * d}, {groups, d});
+        hf_shape.push_back(groups * d);
+        break;
+      case Part::kV:
+        AddSplitDim(r, {groups, group_rows}, {0, (per_group + 1) * d}, {groups, d});
+        hf_shape.push_back(groups * d);
+        break;
+      case Part::kGate:
+      case Part::kUp:
+        AddSplitDim(r, {2, leaf[0] / 2}, {part == Part::kGate ? 0 : 1, 0}, {1, leaf[0] / 2});
+        hf_shape.push_back(leaf[0] / 2);
+        break;
+      case Part::kVocab:
+        AddSplitDim(r, {leaf[0]}, {0}, {c.vocab});
+        hf_shape.push_back(c.vocab);
+        break;
+      case Part::kWhole:
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std::string_view key,
+                                         const Shape& shape) {
+  const ParsedKey pk = ParseKey(key);
+  std::vector<const NameRule*> rules;
+  for (const NameRule& rule : megatron::NameRules()) {
+    if (rule.scope == pk.scope && rule.leaf == pk.leaf) rules.push_back(&rule);
+  }
+  if (rules.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "Megatron tensor \"{}\" is not one the Megatron name table knows (Llama-, Qwen-, Mixtral- "
+        "and DeepSeek-style GPT models; see docs/formats.md)",
+        key));
+  }
+  MegatronKeyParts out;
+  if (key == "output_layer.weight" && config.tie_word_embeddings.value_or(false)) {
+    out.skipped = true;  // transformers ties lm_head to the embedding
+    return out;
+  }
+  // Stacked dims lead: the layers, then the experts.
+  size_t lead = 0;
+  const bool layer_stacked = pk.scope != Scope::kModel && !pk.layer;
+  const bool expert_stacked = pk.scope == Scope::kExpert && !pk.expert;
+  const size_t stacked = (layer_stacked ? 1 : 0) + (expert_stacked ? 1 : 0);
+  if (shape.size() < stacked) {
+    return InvalidArgumentError(
+        fmt::format("Megatron tensor \"{}\" has shape {}: fewer dims than "
+                    "its stacked layers and experts",
+                    key, FormatShape(shape)));
+  }
+  const auto check_count = [&](Index n, Index want, std::string_view what, std::string_view field) {
+    if (n == want) return Status::Ok();
+    return InvalidArgumentError(fmt::format(
+        "Megatron tensor \"{}\" stacks {} {}, but config.json has {} ({}): the config does not "
+        "describe this checkpoint",
+        key, n, what, want, field));
+  };
+  const auto check_index = [&](Index i, Index count, std::string_view what,
+                               std::string_view field) {
+    if (i < count) return Status::Ok();
+    return InvalidArgumentError(fmt::format(
+        "Megatron tensor \"{}\" is {} {}, but config.json has {} ({}): the config does not "
+        "describe this checkpoint",
+        key, what, i, count, field));
+  };
+  if (pk.scope != Scope::kModel) {
+    if (layer_stacked) {
+      RESHARD_RETURN_IF_ERROR(
+          check_count(shape[lead++], config.layers, "layers", "num_hidden_layers"));
+    } else {
+      RESHARD_RETURN_IF_ERROR(check_index(*pk.layer, config.layers, "layer", "num_hidden_layers"));
+    }
+  }
+  if (pk.scope == Scope::kExpert) {
+    if (expert_stacked) {
+      RESHARD_RETURN_IF_ERROR(
+          check_count(shape[lead++], config.experts, "experts", "num_local_experts / num_experts"));
+    } else {
+      RESHARD_RETURN_IF_ERROR(
+          check_index(*pk.expert, config.experts, "expert", "num_local_experts / num_experts"));
+    }
+  }
+  const std::span<const Index> leaf(shape.data() + lead, shape.size() - lead);
+  RESHARD_RETURN_IF_ERROR(CheckLeafShape(config, key, *rules[0], leaf));
+  const NameFamily& family = megatron::FamilyOf(config.model_type);
+  const Index layers = layer_stacked ? config.layers : 1;
+  const Index experts = expert_stacked ? config.experts : 1;
+  for (Index l = 0; l < layers; ++l) {
+    for (Index e = 0; e < experts; ++e) {
+      for (const NameRule* rule : rules) {
+        MegatronPart part;
+        if (layer_stacked) AddIndexDim(part.region, config.layers, l);
+        if (expert_stacked) AddIndexDim(part.region, config.experts, e);
+        AddLeafDims(config, rule->part, leaf, part.region, part.shape);
+        const std::string hf = Substitute(rule->hf, family);
+        const Index layer = layer_stacked ? l : pk.layer.value_or(0);
+        const Index expert = expert_stacked ? e : pk.expert.value_or(0);
+        switch (pk.scope) {
+          case Scope::kModel:
+            part.name = hf;
+            break;
+          case Scope::kLayer:
+            part.name = fmt::format("model.layers.{}.{}", layer, hf);
+            break;
+          case Scope::kExpert:
+            part.name =
+                fmt::format("model.layers.{}.{}.experts.{}.{}", layer, family.moe, expert, hf);
+            break;
+        }
+        out.parts.push_back(std::move(part));
+      }
+    }
+  }
+  if (rules[0]->part == Part::kVocab && leaf[0] > config.vocab) out.padding_from = config.vocab;
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The source
+
+namespace {
+
+// HF tensors over the chunks of a DCP checkpoint's tensors: each saved chunk is a buffer, so
+// a tensor's shards are the chunks it touches and nothing more (a layer of a stacked key reads
+// that layer's chunks, not the whole stack). A chunk sits on its writing rank; in the rare case
+// that one HF tensor touches two chunks of one rank, the second goes to a further virtual rank
+// (slot s of rank r is rank s * W + r), since a map puts each rank's pieces in one buffer.
+class MegatronShardSource : public ShardSource {
+ public:
+  MegatronShardSource(std::shared_ptr<const DcpCheckpoint> ckpt,
+                      std::vector<std::string> extra_inputs)
+      : ckpt_(std::move(ckpt)), extra_inputs_(std::move(extra_inputs)) {}
+
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override {
+    std::vector<std::string> in = {ckpt_->dir()};
+    for (const std::string& p : ckpt_->file_paths()) in.push_back(p);
+    in.insert(in.end(), extra_inputs_.begin(), extra_inputs_.end());
+    return in;
+  }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    std::vector<ConstBuffer> buffers(static_cast<size_t>(manifest_.world_size));
+    const std::vector<ChunkRef>& chunks = chunks_of_[i];
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      Result<ConstBuffer> b = AcquireChunk(chunks[k]);
+      if (!b.ok()) {
+        for (size_t j = 0; j < k; ++j) ReleaseChunk(chunks[j]);
+        return b.status();
+      }
+      buffers[static_cast<size_t>(chunks[k].virtual_rank)] = *b;
+    }
+    return buffers;
+  }
+  void ReleaseShards(size_t i) override {
+    for (const ChunkRef& c : chunks_of_[i]) ReleaseChunk(c);
+  }
+
+  Status Build(const MegatronModelConfig& config, const std::string& dir);
+
+ private:
+  struct ChunkRef {
+    size_t tensor = 0;  // into ckpt_->tensors()
+    size_t chunk = 0;   // into its chunks
+    Rank virtual_rank = 0;
+  };
+  struct Held {
+    int users = 0;
+    ConstBuffer buffer;
+    std::vector<std::byte> owned;
+  };
+
+  Result<ConstBuffer> AcquireChunk(const ChunkRef& c) {
+    const auto key = std::make_pair(c.tensor, c.chunk);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(key);
+      if (it != held_.end()) {
+        ++it->second->users;
+        return it->second->buffer;
+      }
+    }
+    auto h = std::make_shared<Held>();
+    RESHARD_ASSIGN_OR_RETURN(const auto bytes, ckpt_->ReadChunk(c.tensor, c.chunk, h->owned));
+    const DcpChunk& chunk = ckpt_->tensors()[c.tensor].chunks[c.chunk];
+    h->buffer = {bytes.data(), ProductOf(chunk.sizes)};
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, inserted] = held_.emplace(key, h);
+    ++it->second->users;
+    return it->second->buffer;
+  }
+  void ReleaseChunk(const ChunkRef& c) {
+    std::shared_ptr<Held> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(std::make_pair(c.tensor, c.chunk));
+      if (it == held_.end() || --it->second->users > 0) return;
+      done = std::move(it->second);
+      held_.erase(it);
+    }
+    ckpt_->ReleaseChunk(c.tensor, c.chunk);
+  }
+
+  std::shared_ptr<const DcpCheckpoint> ckpt_;
+  std::vector<std::string> extra_inputs_;
+  Manifest manifest_;
+  std::vector<std::vector<ChunkRef>> chunks_of_;  // per HF tensor: the chunks it reads
+  std::mutex mu_;
+  std::map<std::pair<size_t, size_t>, std::shared_ptr<Held>> held_;
+};
+
+// One HF tensor while the source is built.
+struct PlannedPart {
+  MegatronPart part;
+  size_t tensor = 0;
+  // Per chunk it touches: the chunk and its pieces (dest relative to the chunk's start).
+  std::vector<std::pair<size_t, std::vector<Piece>>> pieces;
+};
+
+Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir) {
+  const int world = ckpt_->world_size();
+  std::set<std::string> names;
+  bool have_output_layer = false;
+  std::vector<PlannedPart> planned;
+  // Per tensor: each chunk's slot, and the vocabulary padding.
+  std::vector<std::vector<int>> slots(ckpt_->tensors().size());
+  std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
+  std::vector<bool> used(ckpt_->tensors().size(), false);
+  int max_slot = 0;
+  for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
+    const DcpTensor& tensor = ckpt_->tensors()[t];
+    // The optimizer's state (Megatron's "optimizer." keys) is not part of the model.
+    if (tensor.optimizer_state || std::string_view(tensor.fqn).starts_with("optimizer.")) continue;
+    RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
+                             MegatronPartsOf(config, tensor.fqn, tensor.shape));
+    if (tensor.fqn == "output_layer.weight") have_output_layer = true;
+    if (parts.skipped) continue;
+    used[t] = true;
+    padding[t] = parts.padding_from;
+    const size_t first = planned.size();
+    for (MegatronPart& part : parts.parts) {
+      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, tensor.shape)
+                                  .Annotate(fmt::format("Megatron tensor \"{}\"", tensor.fqn)));
+      if (!names.insert(part.name).second) {
+        return InvalidArgumentError(fmt::format(
+            "Megatron tensor \"{}\" holds \"{}\", which another key holds too (the checkpoint "
+            "has a layer both stacked and on its own?)",
+            tensor.fqn, part.name));
+      }
+      PlannedPart p{std::move(part), t, {}};
+      for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+        const DcpChunk& chunk = tensor.chunks[c];
+        if (ProductOf(chunk.sizes) == 0) continue;
+        std::vector<Piece> pieces = RegionPieces(p.part.region, chunk.offsets, chunk.sizes,
+                                                 {0, RowMajorStrides(chunk.sizes)}, 0);
+        if (!pieces.empty()) p.pieces.emplace_back(c, std::move(pieces));
+      }
+      planned.push_back(std::move(p));
+    }
+    // Slots: chunks of one rank that one HF tensor both touches (and that are not the same box
+    // saved twice) must differ.
+    std::vector<std::set<size_t>> conflicts(tensor.chunks.size());
+    for (size_t k = first; k < planned.size(); ++k) {
+      const auto& touched = planned[k].pieces;
+      for (size_t a = 0; a < touched.size(); ++a) {
+        for (size_t b = a + 1; b < touched.size(); ++b) {
+          const DcpChunk& x = tensor.chunks[touched[a].first];
+          const DcpChunk& y = tensor.chunks[touched[b].first];
+          if (x.rank == y.rank) {
+            conflicts[touched[a].first].insert(touched[b].first);
+            conflicts[touched[b].first].insert(touched[a].first);
+          }
+        }
+      }
+    }
+    slots[t].assign(tensor.chunks.size(), 0);
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      std::set<int> taken;
+      for (size_t o : conflicts[c]) {
+        if (o < c) taken.insert(slots[t][o]);
+      }
+      int s = 0;
+      while (taken.count(s) != 0) ++s;
+      slots[t][c] = s;
+      max_slot = std::max(max_slot, s);
+    }
+  }
+  const int vworld = world * (max_slot + 1);
+  manifest_.world_size = vworld;
+  const auto vrank = [&](size_t t, size_t c) {
+    return static_cast<Rank>(slots[t][c] * world + ckpt_->tensors()[t].chunks[c].rank);
+  };
+  const auto buffer_name = [&](size_t t, size_t c) {
+    const DcpChunk& chunk = ckpt_->tensors()[t].chunks[c];
+    return fmt::format("{}[{}]@{}", ckpt_->tensors()[t].fqn, fmt::join(chunk.offsets, ","),
+                       chunk.rank);
+  };
+  for (PlannedPart& p : planned) {
+    const DcpTensor& tensor = ckpt_->tensors()[p.tensor];
+    // The same box saved by several ranks is one piece they hold together.
+    std::map<std::pair<Shape, Shape>, std::vector<Rank>> holders;
+    for (const auto& [c, pieces] : p.pieces) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      holders[{chunk.offsets, chunk.sizes}].push_back(vrank(p.tensor, c));
+    }
+    for (auto& [box, ranks] : holders) std::sort(ranks.begin(), ranks.end());
+    ParamMapBuilder b;
+    b.set_logical_shape(p.part.shape);
+    b.set_world_size(vworld);
+    for (Rank r = 0; r < vworld; ++r) b.set_shard_shape(r, {0});
+    std::vector<ChunkRef> refs;
+    for (auto& [c, pieces] : p.pieces) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      const Rank r = vrank(p.tensor, c);
+      for (Piece& piece : pieces) {
+        piece.locations = holders[{chunk.offsets, chunk.sizes}];
+        b.add_piece(r, std::move(piece));
+      }
+      b.set_buffer(r, buffer_name(p.tensor, c));
+      b.set_shard_shape(r, {ProductOf(chunk.sizes)});
+      refs.push_back({p.tensor, c, r});
+    }
+    Result<ParamMap> map = b.Finalize();
+    if (!map.ok()) {
+      return map.status().Annotate(
+          fmt::format("\"{}\" from Megatron tensor \"{}\"", p.part.name, tensor.fqn));
+    }
+    manifest_.params.push_back(ShardedParam{p.part.name, tensor.dtype, *std::move(map), {}, 1});
+    chunks_of_.push_back(std::move(refs));
+  }
+  // Every chunk of every tensor used is a buffer, so one that no HF tensor fills is found.
+  BufferSetBuilder buffers;
+  for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
+    if (!used[t]) continue;
+    const DcpTensor& tensor = ckpt_->tensors()[t];
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      if (ProductOf(chunk.sizes) == 0) continue;
+      BufferDecl decl{buffer_name(t, c), tensor.dtype, {}};
+      decl.ranks.resize(static_cast<size_t>(vworld), BufferRank{{0}, {}});
+      BufferRank& mine = decl.ranks[static_cast<size_t>(vrank(t, c))];
+      mine.shape = {ProductOf(chunk.sizes)};
+      if (padding[t]) {
+        // Rows [padding_from, rows) of the chunk: zeros no HF tensor holds.
+        const Index lo = std::max(chunk.offsets[0], *padding[t]);
+        const Index hi = chunk.offsets[0] + chunk.sizes[0];
+        if (lo < hi) {
+          BufferBlock block;
+          block.shape = chunk.sizes;
+          block.shape[0] = hi - lo;
+          const Shape strides = RowMajorStrides(chunk.sizes);
+          block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
+          mine.padding.push_back(std::move(block));
+        }
+      }
+      buffers.add(std::move(decl));
+    }
+  }
+  if (!have_output_layer && !config.tie_word_embeddings.value_or(false)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" has no output_layer.weight (Megatron shares the embedding with the output layer), "
+        "but config.json does not say tie_word_embeddings: true; transformers would start lm_head "
+        "from random values",
+        dir));
+  }
+  // The model whole: every layer's attention and MLP, every expert of an MoE layer.
+  const NameFamily& family = megatron::FamilyOf(config.model_type);
+  const auto require = [&](const std::string& name, std::string_view what) -> Status {
+    if (names.count(name) != 0) return Status::Ok();
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" does not hold {} (\"{}\"), which config.json's model has: the config does not "
+        "describe this checkpoint, or the checkpoint is incomplete",
+        dir, what, name));
+  };
+  RESHARD_RETURN_IF_ERROR(require("model.embed_tokens.weight", "the embedding"));
+  RESHARD_RETURN_IF_ERROR(require("model.norm.weight", "the final norm"));
+  for (Index l = 0; l < config.layers; ++l) {
+    const std::string layer = fmt::format("model.layers.{}.", l);
+    RESHARD_RETURN_IF_ERROR(
+        require(layer + "self_attn.q_proj.weight", fmt::format("layer {}'s attention", l)));
+    const std::string router = layer + Substitute("{moe}.gate.weight", family);
+    if (names.count(router) != 0) {
+      for (Index e = 0; e < config.experts; ++e) {
+        for (std::string_view w : {family.w1, family.w3, family.w2}) {
+          RESHARD_RETURN_IF_ERROR(
+              require(fmt::format("{}{}.experts.{}.{}.weight", layer, family.moe, e, w),
+                      fmt::format("layer {}'s expert {}", l, e)));
+        }
+      }
+    } else {
+      RESHARD_RETURN_IF_ERROR(
+          require(layer + "mlp.down_proj.weight", fmt::format("layer {}'s MLP", l)));
+    }
+  }
+  return ValidateManifestBuffers(manifest_, buffers)
+      .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
+                                                        const MegatronSourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(const std::string dir, MegatronCheckpointDir(path));
+  const std::string meta_path = (fs::path(dir) / kMegatronMetadataName).string();
+  RESHARD_ASSIGN_OR_RETURN(const std::string meta_text, ReadFileToString(meta_path));
+  Result<json::Json> parsed_meta = json::ParseJson(meta_text);
+  if (!parsed_meta.ok()) return parsed_meta.status().Annotate(meta_path);
+  const json::Json& meta = *parsed_meta;
+  if (!meta.is_object()) return json::TypeError(meta_path, "an object", meta);
+  RESHARD_ASSIGN_OR_RETURN(const json::Json* backend,
+                           json::Require(meta, meta_path, "sharded_backend"));
+  RESHARD_ASSIGN_OR_RETURN(const std::string backend_name,
+                           json::ReadString(*backend, json::Member(meta_path, "sharded_backend")));
+  if (backend_name != "torch_dist") {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" was saved with Megatron's \"{}\" backend; reshard reads \"torch_dist\" (load it "
+        "in Megatron and save it again with --ckpt-format torch_dist)",
+        dir, backend_name));
+  }
+  if (options.config_json.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a Megatron-Core checkpoint, which does not record its model's shapes (heads, "
+        "query groups, MLP widths): give the Hugging Face config.json of the model",
+        dir));
+  }
+  const std::string what =
+      options.config_path.empty() ? std::string("config.json") : options.config_path;
+  RESHARD_ASSIGN_OR_RETURN(MegatronModelConfig config,
+                           ParseMegatronModelConfig(options.config_json, what));
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(dir));
+  std::vector<std::string> extra = {meta_path};
+  if (!options.config_path.empty()) extra.push_back(options.config_path);
+  auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
+  RESHARD_RETURN_IF_ERROR(source->Build(config, dir));
+  return std::unique_ptr<ShardSource>(std::move(source));
+}
+
+}  // namespace reshard

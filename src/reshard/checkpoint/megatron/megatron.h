@@ -1,0 +1,114 @@
+// Megatron-Core dist-ckpt with the torch_dist backend, read as Hugging Face tensors.
+//
+// A torch_dist checkpoint is a DCP checkpoint (checkpoint/dcp/dcp.h: `.metadata`,
+// `__{r}_{n}.distcp`) plus `metadata.json` ({"sharded_backend": "torch_dist", ...}) and the
+// common state (bytes items, or a legacy `common.pt`: pickles, never loaded). Its keys are
+// Megatron's module paths:
+//   embedding.word_embeddings.weight  [Vp, H]    (the vocabulary padded to Vp >= V)
+//   output_layer.weight               [Vp, H]    (absent when tied to the embedding)
+//   decoder.final_layernorm.weight    [H]
+//   decoder.layers.<leaf>             [L, ...]   every layer stacked (homogeneous layers), or
+//   decoder.layers.{l}.<leaf>         [...]      one key per layer (MoE and dense layers mixed)
+//   .. mlp.experts.experts.<leaf>     [.., E, ...] experts stacked, or
+//   .. mlp.experts.experts.{e}.<leaf> one key per expert (singleton local shards)
+// with `linear_qkv` interleaved per query group ([q1 .. qn k v] rows for each of G groups, n =
+// heads / G, each head_dim rows) and a SwiGLU `linear_fc1` holding every gate row then every up
+// row. Which Hugging Face tensor each key holds is a declarative name table
+// (megatron_names.cc: Llama-, Qwen- and Mixtral/DeepSeek-style models); the shapes that the
+// split needs (heads, query groups, head_dim, the MLP widths, experts) come from the model's
+// config.json, which the checkpoint does not carry.
+//
+// In IR terms (DESIGN 16) every Hugging Face tensor is a parameter whose map puts its pieces into
+// the Megatron tensors' rank shards, which are buffers named by their Megatron key: the source's
+// manifest lists HF tensors with buffered maps over the DCP ranks, the buffer set validated
+// exact (every element of every Megatron tensor goes to exactly one HF tensor, or is vocabulary
+// padding), so gather and convert work on it unchanged.
+#ifndef RESHARD_CHECKPOINT_MEGATRON_MEGATRON_H_
+#define RESHARD_CHECKPOINT_MEGATRON_MEGATRON_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/megatron/regions.h"
+
+namespace reshard {
+
+inline constexpr char kMegatronMetadataName[] = "metadata.json";
+
+/// Whether `path` holds a Megatron-Core dist-ckpt: a directory with a `metadata.json` that
+/// names a `sharded_backend`, or a training save dir whose `latest_checkpointed_iteration.txt`
+/// names an `iter_*` directory that does.
+bool IsMegatronCheckpoint(const std::string& path);
+
+/// The checkpoint directory `path` names: `path` itself, or the iteration a training save dir's
+/// `latest_checkpointed_iteration.txt` names (`iter_0000100`). NotFound when neither holds a
+/// metadata.json.
+Result<std::string> MegatronCheckpointDir(const std::string& path);
+
+/// What the name table needs of a model's config.json.
+struct MegatronModelConfig {
+  std::string model_type;
+  Index layers = 0;      // num_hidden_layers
+  Index hidden = 0;      // hidden_size
+  Index heads = 0;       // num_attention_heads
+  Index kv_heads = 0;    // num_key_value_heads (default: heads): Megatron's query groups
+  Index head_dim = 0;    // head_dim (default: hidden / heads): Megatron's kv_channels
+  Index ffn = 0;         // intermediate_size
+  Index vocab = 0;       // vocab_size
+  Index experts = 0;     // num_local_experts / num_experts / n_routed_experts (0: dense)
+  Index moe_ffn = 0;     // moe_intermediate_size (default: intermediate_size)
+  Index shared_ffn = 0;  // shared_expert_intermediate_size, or moe_ffn * n_shared_experts
+  std::optional<bool> tie_word_embeddings;
+};
+
+/// Reads the fields above from config.json text (`what` names it in errors). InvalidArgument
+/// for malformed JSON, a missing or non-positive size, heads not a multiple of the key/value
+/// heads.
+Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view json, std::string_view what);
+
+/// One Hugging Face tensor held by a Megatron tensor: its name and shape, and the region of the
+/// Megatron tensor that it is.
+struct MegatronPart {
+  std::string name;
+  Shape shape;
+  TensorRegion region;
+};
+
+/// What a Megatron tensor holds under the name table and the config.
+struct MegatronKeyParts {
+  std::vector<MegatronPart> parts;
+  /// Rows [padding_from, rows) of dim 0 are vocabulary padding (no HF tensor holds them);
+  /// nullopt: none.
+  std::optional<Index> padding_from;
+  /// The tensor is left out (an output layer tied to the embedding).
+  bool skipped = false;
+};
+
+/// The HF tensors of Megatron key `key` (global shape `shape`). InvalidArgument naming the key
+/// for a key the name table does not know, a shape the config does not give (the message shows
+/// both and the config fields it came from), a layer or expert index beyond the config's.
+Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std::string_view key,
+                                         const Shape& shape);
+
+struct MegatronSourceOptions {
+  /// The model's config.json (its text) and its path (an input the output may not replace).
+  std::string config_json;
+  std::string config_path;
+};
+
+/// The checkpoint in `path` (see MegatronCheckpointDir) as a source of Hugging Face tensors
+/// (names, shapes and dtypes as transformers loads them; the optimizer state left out), world
+/// size = the ranks that wrote it. InvalidArgument for a backend other than torch_dist, no
+/// config, a config that disagrees with the checkpoint's shapes, or a model the checkpoint
+/// does not hold whole (a layer, an expert or the output layer missing).
+Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
+                                                        const MegatronSourceOptions& options);
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_MEGATRON_MEGATRON_H_

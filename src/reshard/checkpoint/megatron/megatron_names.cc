@@ -1,0 +1,81 @@
+#include "reshard/checkpoint/megatron/megatron_names.h"
+
+#include <iterator>
+
+namespace reshard::megatron {
+namespace {
+
+using enum Part;
+using enum Scope;
+
+// Megatron-Core's keys (local and Transformer Engine specs alike: the local spec saves its
+// norms under TE's fused names) and the Hugging Face tensors of Llama-, Qwen2/3-, Mixtral-,
+// Qwen-MoE- and DeepSeek-style (non-MLA) checkpoints.
+constexpr NameRule kRules[] = {
+    {kModel, "embedding.word_embeddings.weight", kVocab, "V,H", "model.embed_tokens.weight"},
+    {kModel, "decoder.final_layernorm.weight", kWhole, "H", "model.norm.weight"},
+    {kModel, "output_layer.weight", kVocab, "V,H", "lm_head.weight"},
+
+    {kLayer, "self_attention.linear_qkv.layer_norm_weight", kWhole, "H", "input_layernorm.weight"},
+    {kLayer, "input_layernorm.weight", kWhole, "H", "input_layernorm.weight"},
+    {kLayer, "self_attention.linear_qkv.weight", kQ, "QKV,H", "self_attn.q_proj.weight"},
+    {kLayer, "self_attention.linear_qkv.weight", kK, "QKV,H", "self_attn.k_proj.weight"},
+    {kLayer, "self_attention.linear_qkv.weight", kV, "QKV,H", "self_attn.v_proj.weight"},
+    {kLayer, "self_attention.linear_qkv.bias", kQ, "QKV", "self_attn.q_proj.bias"},
+    {kLayer, "self_attention.linear_qkv.bias", kK, "QKV", "self_attn.k_proj.bias"},
+    {kLayer, "self_attention.linear_qkv.bias", kV, "QKV", "self_attn.v_proj.bias"},
+    {kLayer, "self_attention.q_layernorm.weight", kWhole, "D", "self_attn.q_norm.weight"},
+    {kLayer, "self_attention.k_layernorm.weight", kWhole, "D", "self_attn.k_norm.weight"},
+    {kLayer, "self_attention.linear_proj.weight", kWhole, "H,A", "self_attn.o_proj.weight"},
+    {kLayer, "self_attention.linear_proj.bias", kWhole, "H", "self_attn.o_proj.bias"},
+    {kLayer, "mlp.linear_fc1.layer_norm_weight", kWhole, "H", "post_attention_layernorm.weight"},
+    {kLayer, "pre_mlp_layernorm.weight", kWhole, "H", "post_attention_layernorm.weight"},
+    {kLayer, "mlp.linear_fc1.weight", kGate, "2F,H", "mlp.gate_proj.weight"},
+    {kLayer, "mlp.linear_fc1.weight", kUp, "2F,H", "mlp.up_proj.weight"},
+    {kLayer, "mlp.linear_fc1.weight_w", kWhole, "F,H", "mlp.gate_proj.weight"},
+    {kLayer, "mlp.linear_fc1.weight_v", kWhole, "F,H", "mlp.up_proj.weight"},
+    {kLayer, "mlp.linear_fc2.weight", kWhole, "H,F", "mlp.down_proj.weight"},
+    {kLayer, "mlp.router.weight", kWhole, "E,H", "{moe}.gate.weight"},
+    {kLayer, "mlp.router.expert_bias", kWhole, "E", "{moe}.gate.e_score_correction_bias"},
+    {kLayer, "mlp.shared_experts.linear_fc1.weight", kGate, "2S,H",
+     "mlp.{shared}.gate_proj.weight"},
+    {kLayer, "mlp.shared_experts.linear_fc1.weight", kUp, "2S,H", "mlp.{shared}.up_proj.weight"},
+    {kLayer, "mlp.shared_experts.linear_fc2.weight", kWhole, "H,S",
+     "mlp.{shared}.down_proj.weight"},
+    {kLayer, "mlp.shared_experts.gate_weight", kWhole, "1,H", "mlp.shared_expert_gate.weight"},
+
+    {kExpert, "linear_fc1.weight", kGate, "2I,H", "{w1}.weight"},
+    {kExpert, "linear_fc1.weight", kUp, "2I,H", "{w3}.weight"},
+    {kExpert, "linear_fc1.weight_w", kWhole, "I,H", "{w1}.weight"},
+    {kExpert, "linear_fc1.weight_v", kWhole, "I,H", "{w3}.weight"},
+    {kExpert, "linear_fc2.weight", kWhole, "H,I", "{w2}.weight"},
+};
+
+constexpr NameFamily kFamilies[] = {
+    {"mixtral minimax phimoe", "block_sparse_moe", "w1", "w3", "w2", "shared_experts"},
+    {"qwen2_moe", "mlp", "gate_proj", "up_proj", "down_proj", "shared_expert"},
+    {"", "mlp", "gate_proj", "up_proj", "down_proj", "shared_experts"},
+};
+
+bool ListNames(std::string_view list, std::string_view word) {
+  while (!list.empty()) {
+    const size_t space = list.find(' ');
+    if (list.substr(0, space) == word) return true;
+    if (space == std::string_view::npos) break;
+    list.remove_prefix(space + 1);
+  }
+  return false;
+}
+
+}  // namespace
+
+std::span<const NameRule> NameRules() { return kRules; }
+
+const NameFamily& FamilyOf(std::string_view model_type) {
+  for (const NameFamily& f : kFamilies) {
+    if (ListNames(f.model_types, model_type)) return f;
+  }
+  return kFamilies[std::size(kFamilies) - 1];
+}
+
+}  // namespace reshard::megatron

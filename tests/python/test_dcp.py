@@ -1,0 +1,332 @@
+"""PyTorch Distributed Checkpoints (DCP) read by reshard: checkpoints written by torch's own
+`dcp.save` under torchrun (dcp_save_worker.py: DTensors on a 2 x 2 mesh, FSDP2, the HF-storage
+variant), gathered and converted through the CLI and the Python package, compared with torch's
+`dcp_to_torch_save`; and a corrupt-file table."""
+
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "dcp_save_worker.py"
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory):
+    """One torchrun launch (4 ranks, gloo) writing every checkpoint of dcp_save_worker.py."""
+    out = tmp_path_factory.mktemp("dcp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER),
+           str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert (out / "done").exists(), f"torchrun exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return out
+
+
+def run(reshard_bin, *args):
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True)
+
+
+def flat_tensors(obj, prefix=""):
+    """The tensors of a nested state dict, by DCP's flattened names."""
+    out = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_tensors(v, f"{prefix}{k}."))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flat_tensors(v, f"{prefix}{i}."))
+    elif isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = obj
+    return out
+
+
+def torch_reference(ckpt, tmp_path):
+    """What torch itself reads from the checkpoint: dcp_to_torch_save, then torch.load."""
+    path = tmp_path / f"{ckpt.name}-ref.pt"
+    dcp_to_torch_save(str(ckpt), str(path))
+    return flat_tensors(torch.load(path, weights_only=False))
+
+
+def model_only(tensors):
+    """The tensors gather writes: all but the optimizer's ("optim." keys here)."""
+    return {k: v for k, v in tensors.items() if not k.startswith("optim.")}
+
+
+def assert_same(got, want):
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_gather_equals_torchs_own_reading(dcp_root, reshard_bin, tmp_path):
+    ckpt = dcp_root / "mesh"
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert_same(got, model_only(torch_reference(ckpt, tmp_path)))
+    # And the full tensors the worker distributed (uneven chunks, empty chunks, 0-d, bf16).
+    full = json.loads((dcp_root / "full.json").read_text())
+    for name, t in full.items():
+        assert list(got[name].shape) == t["shape"], name
+        assert got[name].float().flatten().tolist() == t["values"], name
+
+
+def test_optimizer_state_goes_through_convert(dcp_root, reshard_bin, tmp_path):
+    # gather keeps the optimizer state out of the Hugging Face files; convert carries it (at any
+    # world size, TP 1 included), unless --weights-only, and a gather of that writes it too.
+    ref = torch_reference(dcp_root / "mesh", tmp_path)
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--tp", "1", "-o", tmp_path / "tp1")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp1", "-o", tmp_path / "all")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--tp", "3", "--weights-only", "-o",
+            tmp_path / "tp3")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "tp3" / "reshard.json").read_text())
+    assert sorted(manifest["params"]) == sorted(model_only(ref))
+
+
+def test_fsdp2_fully_shard_checkpoint(dcp_root, reshard_bin, tmp_path):
+    assert not (dcp_root / "fsdp2.txt").exists(), (dcp_root / "fsdp2.txt").read_text()
+    ckpt = dcp_root / "fsdp2"
+    ref = torch_reference(ckpt, tmp_path)
+    assert any(k.startswith("optim.state.") for k in ref)
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "weights")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "weights" / "model.safetensors"),
+                {k: v for k, v in ref.items() if k.startswith("model.")})
+    r = run(reshard_bin, "convert", ckpt, "--tp", "2", "-o", tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp2", "-o", tmp_path / "all")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
+
+
+def test_convert_then_gather_round_trips(dcp_root, reshard_bin, tmp_path):
+    ckpt = dcp_root / "mesh"
+    r = run(reshard_bin, "convert", ckpt, "--tp", "2", "-o", tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    assert manifest["world_size"] == 2
+    # The default layout: dim-0 row splits as DTensor's Shard(0) makes them.
+    assert manifest["params"]["model.embed.weight"]["layout"] == {
+        "family": "split", "dim": 0, "remainder": "ceil"}
+    assert manifest["params"]["model.embed.weight"]["map"]["ranks"]["1"]["shard_shape"] == [5, 6]
+    r = run(reshard_bin, "gather", tmp_path / "tp2", "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "back" / "model.safetensors"),
+                torch_reference(ckpt, tmp_path))
+
+
+def test_per_rank_metadata_and_replicated_chunks(dcp_root, reshard_bin, tmp_path):
+    # use_collectives=False: one __{r}.metadata per rank, and each holder of a replicated
+    # tensor saves its own copy (replicas, compared before anything is written).
+    ckpt = dcp_root / "perrank"
+    assert not (ckpt / ".metadata").exists() and (ckpt / "__3.metadata").exists()
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                model_only(torch_reference(dcp_root / "mesh", tmp_path)))
+
+
+def test_replicas_that_disagree_fail_the_check(dcp_root, reshard_bin, tmp_path):
+    ckpt = tmp_path / "perrank"
+    shutil.copytree(dcp_root / "perrank", ckpt)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    with open(ckpt / "__2.metadata", "rb") as f:
+        md = pickle.load(f)
+    info = md.storage_data[MetadataIndex("model.norm.scale", [])]
+    data = bytearray((ckpt / info.relative_path).read_bytes())
+    at = data.index(struct.pack("<f", 1.5), info.offset, info.offset + info.length)
+    data[at:at + 4] = struct.pack("<f", 2.5)
+    (ckpt / info.relative_path).write_bytes(bytes(data))
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 1, r.stderr
+    assert "model.norm.scale" in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_hf_storage_variant(dcp_root, reshard_bin, tmp_path):
+    ckpt = dcp_root / "hf"
+    assert list((ckpt / "sharded").glob("shard-*-model-*-of-*.safetensors"))
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    full = json.loads((dcp_root / "full.json").read_text())
+    want = {k: v for k, v in full.items() if v["shape"]}
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].float().flatten().tolist() == t["values"], name
+
+
+def test_inspect_shows_chunks_and_bytes_items(dcp_root, reshard_bin):
+    r = run(reshard_bin, "inspect", dcp_root / "mesh")
+    assert r.returncode == 0, r.stderr
+    assert "DCP checkpoint" in r.stdout
+    assert "model.embed.weight  F32 [10, 6]" in r.stdout
+    assert "rank 3: [5, 3]+[5, 3]" in r.stdout
+    assert "step  bytes" in r.stdout and "  7\n" in r.stdout
+    r = run(reshard_bin, "inspect", dcp_root / "mesh", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)["dcp"]
+    assert doc["world_size"] == 4
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["model.norm.scale"]["shape"] == []
+    assert tensors["optim.state.model.embed.weight.exp_avg"]["optimizer_state"] is True
+    items = {b["name"]: b for b in doc["bytes"]}
+    assert items["note"]["contents"] == {"value": "hello"}
+
+
+def test_python_package_takes_dcp_dirs(dcp_root, tmp_path):
+    import reshard
+    ckpt = dcp_root / "mesh"
+    reshard.checkpoint.gather(ckpt, tmp_path / "hf")
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                model_only(torch_reference(ckpt, tmp_path)))
+    reshard.checkpoint.convert(ckpt, tmp_path / "tp2", tp=2, weights_only=True)
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    assert manifest["world_size"] == 2
+    assert not any(k.startswith("optim.") for k in manifest["params"])
+    info = reshard.checkpoint.inspect(ckpt)
+    assert info["dcp"]["world_size"] == 4
+
+
+# --- zstd items ---------------------------------------------------------------------------
+
+
+def load_metadata(ckpt):
+    with open(ckpt / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def save_metadata(ckpt, md):
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def compress_file_items(ckpt, file_name, descriptor="stream.zstd/1"):
+    """Rewrites `file_name` with each of its items zstd-compressed (the `zstd` tool), and the
+    metadata with the transform descriptor torch's ZStandard extension records."""
+    md = load_metadata(ckpt)
+    data = (ckpt / file_name).read_bytes()
+    out = bytearray()
+    for index, info in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset):
+        if info.relative_path != file_name:
+            continue
+        raw = data[info.offset:info.offset + info.length]
+        packed = subprocess.run(["zstd", "-q", "-c"], input=raw, capture_output=True,
+                                check=True).stdout
+        info.offset, info.length = len(out), len(packed)
+        info.transform_descriptors = [descriptor]
+        out += packed
+    (ckpt / file_name).write_bytes(bytes(out))
+    save_metadata(ckpt, md)
+
+
+def test_zstd_items_are_read(dcp_root, reshard_bin, tmp_path):
+    ckpt = tmp_path / "zstd"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    compress_file_items(ckpt, "__1_0.distcp")
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "hf" / "model.safetensors"),
+                model_only(torch_reference(dcp_root / "mesh", tmp_path)))
+    r = run(reshard_bin, "inspect", ckpt)
+    assert "stream.zstd/1" in r.stdout and "  7\n" in r.stdout
+
+
+# --- corrupt files ------------------------------------------------------------------------
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > pwned.txt",))
+
+
+def missing_distcp(ckpt):
+    (ckpt / "__2_0.distcp").unlink()
+    return "__2_0.distcp"
+
+
+def item_past_end(ckpt):
+    f = ckpt / "__3_0.distcp"
+    f.write_bytes(f.read_bytes()[:100])
+    return "__3_0.distcp"
+
+
+def overlapping_chunks(ckpt):
+    md = load_metadata(ckpt)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    meta = md.state_dict_metadata["model.embed.weight"]
+    old = meta.chunks[1].offsets
+    info = md.storage_data.pop(MetadataIndex("model.embed.weight", old))
+    meta.chunks[1].offsets = torch.Size([0, 2])
+    md.storage_data[MetadataIndex("model.embed.weight", [0, 2])] = info
+    save_metadata(ckpt, md)
+    return "model.embed.weight\" chunk 1"
+
+
+def malicious_global(ckpt):
+    md = load_metadata(ckpt)
+    md.planner_data["x"] = Evil()
+    save_metadata(ckpt, md)
+    return "system"
+
+
+def truncated_metadata(ckpt):
+    f = ckpt / ".metadata"
+    f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+    return ".metadata"
+
+
+def unknown_transform(ckpt):
+    compress_file_items(ckpt, "__0_0.distcp", descriptor="stream.lz4/1")
+    return "stream.lz4/1"
+
+
+def corrupt_zstd(ckpt):
+    compress_file_items(ckpt, "__0_0.distcp")
+    data = bytearray((ckpt / "__0_0.distcp").read_bytes())
+    for i in range(20, len(data), 7):
+        data[i] ^= 0x5A
+    (ckpt / "__0_0.distcp").write_bytes(bytes(data))
+    return "zstd"
+
+
+CORRUPTIONS = [missing_distcp, item_past_end, overlapping_chunks, malicious_global,
+               truncated_metadata, unknown_transform, corrupt_zstd]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+def test_corrupt_checkpoints_exit_2_naming_what(dcp_root, reshard_bin, tmp_path, corrupt):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    needle = corrupt(ckpt)
+    r = subprocess.run([reshard_bin, "gather", str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "pwned.txt").exists()

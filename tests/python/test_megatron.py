@@ -1,0 +1,306 @@
+"""Megatron-Core dist-ckpt (torch_dist) -> Hugging Face, on checkpoints Megatron itself saves.
+
+megatron-core (in .venv-megatron, see megatron_model.py) builds toy GPT models on the CPU at
+TP 2 x PP 2 (world 4, gloo) with grouped-query attention, SwiGLU and MoE layers at EP 2, and
+saves them with its own torch_dist writer. reshard gathers them with the model's config.json;
+transformers loads the result with nothing missing or unexpected, every tensor equals the one
+Megatron itself holds after loading the checkpoint at TP 1 x PP 1 (its own resharding), and the
+logits equal Megatron's.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import reshard
+from test_checkpoints import run
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TOKENS = [1, 5, 7, 22, 99, 3, 4, 60, 2]
+
+
+def megatron_python():
+    python = os.environ.get("RESHARD_MEGATRON_PYTHON", str(REPO / ".venv-megatron" / "bin" / "python"))
+    assert pathlib.Path(python).exists(), (
+        f"{python} is missing: scripts/dev test installs Megatron-Core there "
+        "(setup_megatron_venv), or point RESHARD_MEGATRON_PYTHON at a Python that has it")
+    return python
+
+
+def megatron(*args, procs=None, timeout=300):
+    cmd = [megatron_python()]
+    if procs:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+    cmd += [str(HERE / "megatron_model.py"), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+# Megatron's model (its spec for megatron_model.py) and the Hugging Face config.json of the same
+# model. The vocabulary is padded in Megatron (112 rows for 100 tokens).
+QWEN3_MOE = (
+    {"layers": 4, "hidden": 64, "heads": 8, "groups": 2, "ffn": 96, "vocab": 112, "experts": 4,
+     "moe_ffn": 32, "moe_layers": [2, 4], "qk_norm": True, "tp": 2, "pp": 2, "ep": 2, "seed": 11},
+    {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 4,
+     "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+     "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+     "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+     "mlp_only_layers": [0, 2], "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+     "max_position_embeddings": 64, "tie_word_embeddings": False, "attention_bias": False,
+     "hidden_act": "silu", "torch_dtype": "float32"},
+)
+# Every layer MoE: homogeneous layers, saved stacked ([L, ...] and [L, E, ...]).
+MIXTRAL = (
+    {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "ffn": 32, "vocab": 100, "experts": 4,
+     "moe_ffn": 32, "moe_layers": [1, 2], "tp": 2, "pp": 2, "ep": 2, "seed": 5},
+    {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_hidden_layers": 2,
+     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+     "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+     "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+     "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
+     "sliding_window": None, "torch_dtype": "float32"},
+)
+MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (checkpoint dir, config.json path, Megatron's logits and TP-1 state)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            spec, config = MODELS[name]
+            d = tmp_path_factory.mktemp(name)
+            (d / "spec.json").write_text(json.dumps(spec))
+            (d / "config.json").write_text(json.dumps(config))
+            (d / "tokens.json").write_text(json.dumps(TOKENS))
+            megatron("save", d / "ckpt", d / "spec.json", procs=4)
+            megatron("logits", d / "ckpt", d / "spec.json", d / "tokens.json", d / "ref.pt")
+            made[name] = (d / "ckpt", d / "config.json", torch.load(d / "ref.pt"))
+        return made[name]
+
+    return get
+
+
+def expected_hf(state, spec, config):
+    """The Hugging Face tensors, sliced here from Megatron's own TP-1 state dict."""
+    prefix = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    names = ("w1", "w3", "w2") if prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+    g, heads, d, h = spec["groups"], spec["heads"], spec["hidden"] // spec["heads"], spec["hidden"]
+    n = heads // g
+    v = config["vocab_size"]
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:v],
+           "lm_head.weight": state["output_layer.weight"][:v],
+           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    for l in range(spec["layers"]):
+        m, hf = f"decoder.layers.{l}.", f"model.layers.{l}."
+        qkv = state[m + "self_attention.linear_qkv.weight"].view(g, n + 2, d, h)
+        out[hf + "self_attn.q_proj.weight"] = qkv[:, :n].reshape(heads * d, h)
+        out[hf + "self_attn.k_proj.weight"] = qkv[:, n].reshape(g * d, h)
+        out[hf + "self_attn.v_proj.weight"] = qkv[:, n + 1].reshape(g * d, h)
+        out[hf + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+        if spec.get("qk_norm"):
+            out[hf + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
+            out[hf + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
+        out[hf + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
+        if l + 1 in spec.get("moe_layers", []):
+            out[hf + f"{prefix}.gate.weight"] = state[m + "mlp.router.weight"]
+            for e in range(spec["experts"]):
+                x = f"{m}mlp.experts.local_experts.{e}."
+                gate, up = state[x + "linear_fc1.weight"].chunk(2)
+                for name, t in zip(names, (gate, up, state[x + "linear_fc2.weight"])):
+                    out[f"{hf}{prefix}.experts.{e}.{name}.weight"] = t
+        else:
+            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
+            out[hf + "mlp.gate_proj.weight"] = gate
+            out[hf + "mlp.up_proj.weight"] = up
+            out[hf + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_gather_is_what_megatron_holds_and_transformers_computes_its_logits(
+        reshard_bin, tmp_path, saved, name):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, config, ref = saved(name)
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", config)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text()) == json.loads(config.read_text())
+    got = load_file(str(out / "model.safetensors"))
+    spec, cfg = MODELS[name]
+    want = expected_hf(ref["state"], spec, cfg)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bits(got[k], want[k].contiguous()), k
+
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKENS])).logits
+    torch.testing.assert_close(logits, ref["logits"][..., :cfg["vocab_size"]], rtol=1e-4, atol=1e-4)
+
+
+def test_convert_to_tp2_and_back_is_the_same_checkpoint(reshard_bin, tmp_path, saved):
+    ckpt, config, _ = saved("qwen3_moe")
+    direct, sharded, back = tmp_path / "direct", tmp_path / "tp2", tmp_path / "back"
+    assert run(reshard_bin, "gather", ckpt, "-o", direct, "--config", config).returncode == 0
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--tp", 2, "-o", sharded)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((sharded / "reshard.json").read_text())
+    assert manifest["world_size"] == 2
+    # transformers' TP 2 layout: q_proj split by rows, the experts fused per layer into buffers.
+    q = manifest["params"]["model.layers.0.self_attn.q_proj.weight"]["map"]
+    assert [q["ranks"][r]["shard_shape"] for r in ("0", "1")] == [[32, 64], [32, 64]]
+    # And at EP 2: whole experts per rank, in transformers' stacked buffers.
+    ep = tmp_path / "ep2"
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--tp", 2, "-o", ep,
+            "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ep / "reshard.json").read_text())["buffers"]
+    a = load_file(str(direct / "model.safetensors"))
+    for src in (sharded, ep):
+        r = run(reshard_bin, "gather", src, "-o", back, "--force")
+        assert r.returncode == 0, r.stderr
+        b = load_file(str(back / "model.safetensors"))
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert same_bits(a[k], b[k]), (src.name, k)
+
+
+def test_python_gather_takes_the_config(tmp_path, saved):
+    ckpt, config, ref = saved("mixtral")
+    out = tmp_path / "hf"
+    reshard.checkpoint.gather(ckpt, out, config=config)
+    got = load_file(str(out / "model.safetensors"))
+    want = expected_hf(ref["state"], *MODELS["mixtral"])
+    assert same_bits(got["model.layers.1.self_attn.k_proj.weight"],
+                     want["model.layers.1.self_attn.k_proj.weight"].contiguous())
+
+
+def test_refusals_name_the_problem_and_write_nothing(reshard_bin, tmp_path, saved):
+    ckpt, config, _ = saved("mixtral")
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out)
+    assert r.returncode == 2 and "config.json" in r.stderr, r.stderr
+    wrong = json.loads(config.read_text())
+    wrong["num_key_value_heads"] = 4
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", tmp_path / "wrong.json")
+    assert r.returncode == 2, r.stderr
+    assert "linear_qkv" in r.stderr and "num_key_value_heads" in r.stderr, r.stderr
+    wrong = json.loads(config.read_text())
+    wrong["num_hidden_layers"] = 3
+    (tmp_path / "layers.json").write_text(json.dumps(wrong))
+    r = run(reshard_bin, "convert", ckpt, "--tp", 2, "-o", out, "--config", tmp_path / "layers.json")
+    assert r.returncode == 2 and "num_hidden_layers" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+# A Megatron layout written by torch's DCP itself (world 1, gloo): rank 0 saves linear_qkv as
+# two local shards cut inside a query group (rows [0, 7) and [7, 36)), so q_proj reads two
+# chunks of one rank; everything else is one chunk.
+TORCH_WRITER = r'''
+import json, sys, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+out, pg = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+g = torch.Generator().manual_seed(3)
+def t(*shape):
+    return torch.randn(*shape, generator=g)
+qkv = t(36, 8)
+state = {
+    "embedding.word_embeddings.weight": t(12, 8), "output_layer.weight": t(12, 8),
+    "decoder.final_layernorm.weight": t(8),
+    "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t(8),
+    "decoder.layers.0.self_attention.linear_proj.weight": t(8, 24),
+    "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": t(8),
+    "decoder.layers.0.mlp.linear_fc1.weight": t(20, 8),
+    "decoder.layers.0.mlp.linear_fc2.weight": t(8, 10),
+    "decoder.layers.0.self_attention.linear_qkv.weight": init_from_local_shards(
+        [Shard(qkv[:7].clone(), ShardMetadata([0, 0], [7, 8], "rank:0/cpu")),
+         Shard(qkv[7:].clone(), ShardMetadata([7, 0], [29, 8], "rank:0/cpu"))], [36, 8]),
+}
+full = {k: (qkv if k.endswith("linear_qkv.weight") else v) for k, v in state.items()}
+dcp.save(state, checkpoint_id=out)
+json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}, open(out + "/metadata.json", "w"))
+torch.save(full, out + "/../full.pt")
+dist.destroy_process_group()
+'''
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+         "hidden_size": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 3,
+         "intermediate_size": 10, "vocab_size": 10, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 16, "tie_word_embeddings": False, "hidden_act": "silu",
+         "torch_dtype": "float32"}
+
+
+def test_torch_written_chunks_inside_a_query_group(reshard_bin, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-c", TORCH_WRITER, str(ckpt), str(tmp_path / "pg")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", tmp_path / "config.json")
+    assert r.returncode == 0, r.stderr
+    full = torch.load(tmp_path / "full.pt")
+    got = load_file(str(out / "model.safetensors"))
+    qkv = full["decoder.layers.0.self_attention.linear_qkv.weight"].view(2, 6, 3, 8)
+    fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+    want = {
+        "model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:10],
+        "lm_head.weight": full["output_layer.weight"][:10],
+        "model.norm.weight": full["decoder.final_layernorm.weight"],
+        "model.layers.0.input_layernorm.weight":
+            full["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"],
+        "model.layers.0.post_attention_layernorm.weight":
+            full["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"],
+        "model.layers.0.self_attn.q_proj.weight": qkv[:, :4].reshape(24, 8),
+        "model.layers.0.self_attn.k_proj.weight": qkv[:, 4].reshape(6, 8),
+        "model.layers.0.self_attn.v_proj.weight": qkv[:, 5].reshape(6, 8),
+        "model.layers.0.self_attn.o_proj.weight":
+            full["decoder.layers.0.self_attention.linear_proj.weight"],
+        "model.layers.0.mlp.gate_proj.weight": fc1[:10],
+        "model.layers.0.mlp.up_proj.weight": fc1[10:],
+        "model.layers.0.mlp.down_proj.weight": full["decoder.layers.0.mlp.linear_fc2.weight"],
+    }
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bits(got[k], want[k].contiguous()), k
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    # A training save dir: latest_checkpointed_iteration.txt names the iteration.
+    save = tmp_path / "save"
+    save.mkdir()
+    ckpt.rename(save / "iter_0000020")
+    ckpt = save / "iter_0000020"
+    (save / "latest_checkpointed_iteration.txt").write_text("20\n")
+    r = run(reshard_bin, "gather", save, "-o", tmp_path / "hf1", "--config", tmp_path / "config.json")
+    assert r.returncode == 0, r.stderr
+    again = load_file(str(tmp_path / "hf1" / "model.safetensors"))
+    assert all(same_bits(again[k], got[k]) for k in got)
+    # A config with a layer more than the checkpoint holds: refused, naming the layer.
+    (tmp_path / "two.json").write_text(json.dumps(dict(LLAMA, num_hidden_layers=2)))
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf2", "--config", tmp_path / "two.json")
+    assert r.returncode == 2 and "layer 1" in r.stderr, r.stderr
