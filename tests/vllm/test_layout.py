@@ -148,3 +148,21 @@ def test_the_command_writes_the_document_scatter_reads(toy_llama, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "reshard.vllm", "layout", str(tmp_path),
                               "-o", str(out)], capture_output=True, text=True, env=env)
     assert missing.returncode == 2 and "no config.json" in missing.stderr
+
+
+def test_tied_embeddings_are_one_parameter_under_the_name_vllm_keeps(tmp_path):
+    import transformers
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(tmp_path)
+    full = hf_tensors(tmp_path)
+    assert "lm_head.weight" not in full
+    doc = reshard.vllm.layout(tmp_path, 1, dtype="float32", cache=False)
+    # vLLM's state dict holds the tied pair once, under the smaller name (its sharded-state
+    # loader counts it so): the checkpoint's embedding lands in "lm_head.weight".
+    assert "lm_head.weight" in doc["buffers"] and "model.embed_tokens.weight" not in doc["buffers"]
+    got = rank_tensors(doc, full, 0)
+    assert torch.equal(got["lm_head.weight"][:250], full["model.embed_tokens.weight"])
