@@ -19,6 +19,7 @@ import os
 from typing import Any, Callable, Mapping, Optional, Union
 
 from . import _core
+from ._errors import CheckpointError
 from ._buffers import BufferSet, read_buffers
 from ._maps import MapLike, as_map, read_maps
 
@@ -224,4 +225,48 @@ def inspect(path: PathLike) -> dict[str, Any]:
     return result
 
 
-__all__ = ["convert", "gather", "inspect", "scatter"]
+def load_rank(sharded_dir: PathLike, rank: int, *, weights_only: bool = True
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One rank of a reshard sharded checkpoint, as a process that holds it would: ``(maps,
+    shards)`` with ``maps`` every parameter's :class:`reshard.ParamMap` (over all ranks) and
+    ``shards`` rank ``rank``'s torch tensors by name (a buffer's name for the parameters a
+    buffer holds: DESIGN 16), exactly what :class:`reshard.distributed.Redistributor` and
+    :class:`reshard.vllm.WeightSync` take. The manifest's checks apply (present, dtype,
+    shape). ``weights_only`` leaves out optimizer state (parameters with a ``scale_power``
+    other than 1, and ``.fp32`` master weights)."""
+    import warnings
+    import torch
+    from ._maps import ParamMap
+    from ._tensors import zeros_of
+    directory = _path(sharded_dir, "sharded_dir")
+    with open(os.path.join(directory, "reshard.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    world = int(manifest["world_size"])
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r}: {directory} has ranks 0 .. {world - 1}")
+    maps: dict[str, Any] = {}
+    for name, entry in manifest["params"].items():
+        if weights_only and (int(entry.get("scale_power", 1)) != 1 or name.endswith(".fp32")):
+            continue
+        maps[name] = ParamMap.from_dict(entry["map"])
+    keys = {m.buffer(rank) or name for name, m in maps.items()}
+    shards: dict[str, Any] = {}
+    for file in manifest["files"][str(rank)]:
+        for name, (dtype, shape, data) in _core.read_safetensors(
+                os.path.join(directory, file)).items():
+            if name not in keys:
+                continue
+            t = zeros_of(dtype, tuple(shape), None)
+            if t.numel():
+                with warnings.catch_warnings():  # read only, and copied at once
+                    warnings.simplefilter("ignore", UserWarning)
+                    raw = torch.frombuffer(data, dtype=torch.uint8)
+                t.view(-1).view(torch.uint8).copy_(raw)
+            shards[name] = t
+    missing = sorted(keys - set(shards))
+    if missing:
+        raise CheckpointError(f"{directory}: rank {rank}'s files hold no tensor {missing[:4]}")
+    return maps, shards
+
+
+__all__ = ["convert", "gather", "inspect", "load_rank", "scatter"]

@@ -63,11 +63,73 @@ def _message(e: Exception) -> str:
     return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
-def _members(group: Any) -> list[int]:
-    import torch.distributed as dist
-    if group is None:
-        return list(range(dist.get_world_size()))
-    return [int(r) for r in dist.get_process_group_ranks(group)]
+class Transport:
+    """How a :class:`Redistributor` reaches the other processes: the group's members (ranks
+    as the rank lists name them), this process's rank, one collective (every member's value)
+    and point-to-point exchange of byte chunks. The default, made from ``group=`` (a
+    torch.distributed group or None for the world), uses torch.distributed's own functions;
+    a group that torch.distributed does not know of (a ``ProcessGroup`` built over a store
+    of its own, beside a default group of other processes) gives its own subclass as
+    ``group=``."""
+
+    rank: int
+    members: list[int]
+
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every member's ``value``, in member order (a collective)."""
+        raise NotImplementedError
+
+    def any_flag(self, flag: bool) -> bool:
+        """Whether any member passed True (a collective)."""
+        return any(self.gather_object(bool(flag)))
+
+    def device(self) -> "torch.device":
+        """Where the chunks sent and received live (the CPU for gloo, the GPU for NCCL)."""
+        import torch
+        return torch.device("cpu")
+
+    def exchange(self, sends: "list[tuple[torch.Tensor, int]]",
+                 receives: "list[tuple[torch.Tensor, int]]") -> list[Any]:
+        """Start sending and receiving the ``(chunk, peer)`` pairs at once; the handles
+        returned are waited on (``wait()``) before the chunks are reused."""
+        raise NotImplementedError
+
+
+class _TorchGroup(Transport):
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+        self._group = group
+        self.rank = dist.get_rank()
+        self.members = (list(range(dist.get_world_size())) if group is None else
+                        [int(r) for r in dist.get_process_group_ranks(group)])
+
+    def gather_object(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+        out: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def any_flag(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device())
+        dist.all_reduce(t, group=self._group)
+        return bool(int(t.item()))
+
+    def device(self) -> "torch.device":
+        import torch
+        import torch.distributed as dist
+        backend = str(dist.get_backend(self._group)).lower()
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def exchange(self, sends: "list[tuple[torch.Tensor, int]]",
+                 receives: "list[tuple[torch.Tensor, int]]") -> list[Any]:
+        import torch.distributed as dist
+        ops = [dist.P2POp(dist.isend, t, peer, self._group) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, self._group) for t, peer in receives]
+        return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _torch_dtype(name: str) -> "torch.dtype":
@@ -146,7 +208,7 @@ class Redistributor:
     ``dtypes`` (one dtype, or ``{name: dtype}``) lets processes that hold no source shard know
     what they receive; without it the first run learns the dtypes from the source shards.
     ``bucket_bytes`` bounds the chunks a process stages per round in each direction (it packs
-    one round ahead, so up to twice that for sending). ``scale_power``,
+    one round ahead and unpacks one round behind, so up to twice that each way). ``scale_power``,
     ``allow_scaled_optimizer_state``, ``allow_lossy_scale`` and ``num_threads`` are those of
     :func:`reshard.transfer`.
     """
@@ -157,10 +219,9 @@ class Redistributor:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
                  num_threads: int = 0, _error: Optional[str] = None) -> None:
-        import torch.distributed as dist
-        self._group = group
-        self._me = dist.get_rank()
-        self._members = _members(group)
+        self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
+        self._me = self._comm.rank
+        self._members = list(self._comm.members)
         self._exchange: Optional[_core.Exchange] = None
         self._dtypes: Optional[list[str]] = None
         self.last_stats: Optional[dict[str, int]] = None
@@ -215,10 +276,7 @@ class Redistributor:
     # -- agreement ------------------------------------------------------------------------
 
     def _gather(self, value: Any) -> list[Any]:
-        import torch.distributed as dist
-        out: list[Any] = [None] * len(self._members)
-        dist.all_gather_object(out, value, group=self._group)
-        return out
+        return self._comm.gather_object(value)
 
     def _raise_any(self, errors: list[Optional[str]]) -> None:
         failed = [(self._members[i], e) for i, e in enumerate(errors) if e is not None]
@@ -342,11 +400,7 @@ class Redistributor:
         self._dtypes = list(first)
 
     def _agree_on_run(self, error: Optional[str], device: "torch.device") -> None:
-        import torch
-        import torch.distributed as dist
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, group=self._group)
-        if int(flag.item()):
+        if self._comm.any_flag(error is not None):
             self._raise_any([e for e in self._gather(error)])
 
     def _targets(self, out: Optional[Mapping[str, "torch.Tensor"]], device: Any
@@ -443,16 +497,11 @@ class Redistributor:
         return out
 
     def _comm_device(self) -> "torch.device":
-        import torch
-        import torch.distributed as dist
-        backend = str(dist.get_backend(self._group)).lower()
-        if "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return self._comm.device()
 
     def run(self, shards: Mapping[str, "torch.Tensor"],
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
-            dry_run: bool = False) -> Any:
+            dry_run: bool = False, _error: Optional[str] = None) -> Any:
         """This process's source shards ``{name: tensor}`` (empty when it holds none) -> its
         target shards ``{name: tensor}`` (empty when it holds none), written into ``out`` where
         given. With ``dry_run`` the shards are checked and :meth:`schedule` is returned;
@@ -462,6 +511,8 @@ class Redistributor:
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
         try:
+            if _error is not None:  # a caller's own failure, agreed like the checks' failures
+                raise RedistributeError(_error)
             local = self._check_shards(shards)
         except Exception as e:  # told to every process by the agreement
             error = _message(e)
@@ -501,7 +552,6 @@ class Redistributor:
     def _move(self, sources: list[Optional["torch.Tensor"]],
               targets: list[Optional["torch.Tensor"]], comm: "torch.device") -> None:
         import torch
-        import torch.distributed as dist
         ex = self._exchange
         assert ex is not None
         me = self._me
@@ -523,43 +573,54 @@ class Redistributor:
         def size(items: list[list[tuple[int, int, int]]]) -> int:
             return max([off + n for r in items for _, off, n in r] or [0])
 
+        # Two buffers each way: round k's chunks travel while round k+1 is packed and round
+        # k-1's are unpacked, so a receiver has posted round k before it unpacks round k-1.
         send_bufs = [torch.empty(size(send_rounds), dtype=torch.uint8) for _ in range(2)]
-        recv_buf = torch.empty(size(recv_rounds), dtype=torch.uint8)
+        recv_bufs = [torch.empty(size(recv_rounds), dtype=torch.uint8) for _ in range(2)]
         base = [int(b.data_ptr()) for b in send_bufs]
 
         def pack(k: int) -> None:
             for peer, off, n in send_rounds[k]:
                 ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options)
 
-        sent = received = 0
-        if rounds:
-            pack(0)
-        for k in range(rounds):
-            ops = []
-            staged: list[tuple[int, int, torch.Tensor]] = []
-            for peer, off, n in send_rounds[k]:
-                buf = send_bufs[k % 2][off:off + n]
-                ops.append(dist.P2POp(dist.isend, buf if comm.type == "cpu" else buf.to(comm),
-                                      peer, self._group))
-                sent += n
-            for peer, off, n in recv_rounds[k]:
-                buf = recv_buf[off:off + n]
-                if comm.type != "cpu":
-                    buf = torch.empty(n, dtype=torch.uint8, device=comm)
-                    staged.append((off, n, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self._group))
-                received += n
-            requests = dist.batch_isend_irecv(ops) if ops else []
-            if k == 0:
-                ex.copy_local(me, src, dst, self._options)
-            if k + 1 < rounds:
-                pack(k + 1)
-            for request in requests:
-                request.wait()
+        def unpack(k: int, staged: list[tuple[int, int, "torch.Tensor"]]) -> None:
+            recv_buf = recv_bufs[k % 2]
             for off, n, buf in staged:
                 recv_buf[off:off + n].copy_(buf)
             for peer, off, n in recv_rounds[k]:
                 ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
+
+        sent = received = 0
+        if rounds:
+            pack(0)
+        pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
+        for k in range(rounds):
+            outgoing: list[tuple[torch.Tensor, int]] = []
+            incoming: list[tuple[torch.Tensor, int]] = []
+            staged: list[tuple[int, int, torch.Tensor]] = []
+            for peer, off, n in send_rounds[k]:
+                buf = send_bufs[k % 2][off:off + n]
+                outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
+                sent += n
+            for peer, off, n in recv_rounds[k]:
+                buf = recv_bufs[k % 2][off:off + n]
+                if comm.type != "cpu":
+                    buf = torch.empty(n, dtype=torch.uint8, device=comm)
+                    staged.append((off, n, buf))
+                incoming.append((buf, peer))
+                received += n
+            requests = self._comm.exchange(outgoing, incoming)
+            if k == 0:
+                ex.copy_local(me, src, dst, self._options)
+            if pending is not None:  # round k-1 arrived (waited below, last iteration)
+                unpack(*pending)
+            if k + 1 < rounds:  # its buffer's last sends (round k-1) have completed
+                pack(k + 1)
+            for request in requests:
+                request.wait()
+            pending = (k, staged)
+        if pending is not None:
+            unpack(*pending)
         if not rounds:
             ex.copy_local(me, src, dst, self._options)
         stats = ex.stats(me)
@@ -607,4 +668,5 @@ def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, M
     return r.run(shards, out, dry_run=dry_run)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "redistribute"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "Transport",
+           "redistribute"]

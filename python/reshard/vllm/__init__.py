@@ -6,10 +6,17 @@ sharded-state loader reads, and live weight sync into a running engine.
   document whose buffers are vLLM's parameters. ``reshard scatter HF_DIR --maps MAPS.json -o
   OUT`` then writes files that ``LLM(model=OUT, load_format="sharded_state",
   tensor_parallel_size=N)`` loads.
+- :class:`WeightSync`: trainer processes push their shards into a running engine, each worker
+  receiving only the bytes it lacks (the engine side is the weight-transfer backend
+  ``"reshard"``, :mod:`reshard.vllm.engine`, registered by the package's
+  ``vllm.general_plugins`` entry point).
 
-Importing this package does not import vLLM; :func:`layout` does.
+Importing this package does not import vLLM; :func:`layout` does, and so do the engine's side
+and a :class:`WeightSync` that learns the engine's layout.
 """
 
 from .layout import LayoutError, cache_dir, check_engine, layout
+from .sync import SyncStats, WeightSync, WeightSyncError
 
-__all__ = ["LayoutError", "cache_dir", "check_engine", "layout"]
+__all__ = ["LayoutError", "SyncStats", "WeightSync", "WeightSyncError", "cache_dir",
+           "check_engine", "layout"]

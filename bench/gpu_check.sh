@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The live-sync checks on a GPU machine, in one go (under 5 minutes on one GPU):
+#   1. the live tests (tests/vllm/test_sync.py) with the engine on the GPU, at TP 1;
+#   2. the benchmark (bench/vllm_sync_bench.py), engine TP 1 on the GPU;
+#   3. with at least three GPUs, the benchmark over NCCL (two trainer processes and one worker,
+#      each on a GPU of its own: NCCL refuses two processes of one group on the same GPU).
+#
+# Needs a Python with a CUDA build of vLLM 0.32 and reshard installed in it (pip install
+# --no-deps a wheel of this checkout), given as VLLM_PYTHON (default: python3). Run from the
+# repository root:  VLLM_PYTHON=/path/to/venv/bin/python bench/gpu_check.sh
+# Prints what each step gave; exits non-zero at the first step that fails.
+set -euo pipefail
+
+PY=${VLLM_PYTHON:-python3}
+OUT=${OUT:-$(mktemp -d)}
+cd "$(dirname "$0")/.."
+
+step() { echo; echo "== $*"; }
+
+step "environment"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+"$PY" - <<'EOF'
+import importlib.metadata as md
+import torch, vllm, reshard
+assert torch.cuda.is_available(), "torch sees no GPU: a CUDA build of torch and vLLM is needed"
+plugins = [e.value for e in md.entry_points(group="vllm.general_plugins")]
+assert "reshard.vllm.plugin:register" in plugins, f"reshard's vLLM plugin is not installed: {plugins}"
+print("torch", torch.__version__, "vllm", vllm.__version__, "reshard", reshard.__version__,
+      "GPUs", torch.cuda.device_count())
+EOF
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+
+step "live tests, engine on the GPU (TP 1)"
+RESHARD_VLLM_ENGINE_TPS=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/vllm/test_sync.py \
+  --basetemp="$OUT/tests" -x
+
+step "benchmark, engine TP 1 on the GPU, gloo between trainer processes and worker"
+timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3
+
+if [ "$GPUS" -ge 3 ]; then
+  step "benchmark over NCCL (trainer processes on GPUs 1 and 2, the worker on GPU 0)"
+  timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3 --backend nccl
+else
+  step "NCCL benchmark skipped: $GPUS GPU(s), NCCL needs one per process (3)"
+fi
+echo; echo "gpu_check: done ($OUT)"

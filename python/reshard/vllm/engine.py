@@ -1,0 +1,280 @@
+"""vLLM's weight-transfer backend ``"reshard"``, run inside every worker of the engine.
+
+Registered in every vLLM process by the ``vllm.general_plugins`` entry point
+(:func:`reshard.vllm.plugin.register`); chosen with ``weight_transfer_config={"backend":
+"reshard"}`` (``vllm serve --weight-transfer-config '{"backend": "reshard"}'``). The trainer
+side is :class:`reshard.vllm.WeightSync`, which drives ``init_weight_transfer_engine`` (join
+the group, agree on one plan) and, per push, ``start_weight_update`` → ``update_weights``
+(receive the bytes this worker lacks straight into its parameters, then vLLM's post-load
+processing) → ``finish_weight_update``.
+
+An update is all or nothing. vLLM's layer-wise reload puts the layers back in their loading
+form (on the meta device; on CPU the live linear weights are repacked for oneDNN and cannot be
+written); the layers the maps write are materialized, zeroed and handed to the transfer as its
+``out``, while the old (kernel) tensors stay untouched. Only when every byte has arrived, on
+every worker, does each layer run its post-load processing and copy into the kernel tensors.
+Any failure before that (a check on any process, a peer lost mid-transfer) puts the old
+tensors back: the engine serves the weights it had.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from vllm.logger import init_logger
+
+from ..distributed import RedistributeError, Redistributor
+from ._group import StoreGroup, join_store
+from .sync import torch_dtypes
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """Where the trainer's store is, and the group's shape (sent by WeightSync)."""
+
+    host: str
+    port: int
+    prefix: str
+    trainers: int
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """One push: ``mode`` "plan" (the plan's bytes), or for measuring against other paths
+    "full" (full tensors from trainer process 0, loaded by vLLM's loaders) and "raw" (the
+    plan's bytes received and dropped)."""
+
+    step: int = 0
+    mode: str = "plan"
+    tensors: list[list[Any]] = field(default_factory=list)  # "full": [name, dtype, shape]
+
+
+def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
+    """The worker's parameters in their loading form: {name: (shape, dtype)}."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    out: dict[str, tuple[list[int], str]] = {}
+    for module_name, module in model.named_modules():
+        params, _ = get_layerwise_info(module).restore_metadata
+        for name, t in params.items():
+            out[f"{module_name}.{name}" if module_name else name] = (list(t.shape),
+                                                                     str(t.dtype))
+    return out
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._comm: Optional[StoreGroup] = None
+        self._sync: Optional[Redistributor] = None
+        self._trainers = 0
+
+    # -- init: join the group, agree on one plan ---------------------------------------------
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        import torch.distributed as dist
+        self.shutdown()
+        workers = self.parallel_config.world_size
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        store = join_store(init_info.host, init_info.port, init_info.timeout_s)
+        if rank == 0:  # the trainer processes learn the group's size from here
+            store.set(init_info.prefix + "/workers", str(workers))
+        self._trainers = init_info.trainers
+        comm = StoreGroup(store, init_info.prefix + "/pg", init_info.trainers + rank,
+                          init_info.trainers + workers, init_info.backend, init_info.timeout_s)
+        self._comm = comm
+        # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
+        report = {"model": self.model_config.model,
+                  "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
+                  "params": _tensor_info(self.model)}
+        comm.gather_object(report)
+        plan = comm.gather_object(None)[0]
+        error = plan.get("error") or self._check_targets(plan["target"], rank)
+        # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
+        # every worker (one failing worker's reply would be left unread by vLLM's executor).
+        try:
+            self._sync = Redistributor(
+                plan["source"], plan["target"], source_ranks=range(init_info.trainers),
+                target_ranks=range(init_info.trainers, init_info.trainers + workers),
+                group=comm, dtypes=torch_dtypes(plan["dtypes"]),
+                bucket_bytes=plan["bucket_bytes"], _error=error)
+        except RedistributeError as e:
+            logger.warning("reshard weight sync refused: %s", e)
+
+    def _check_targets(self, target: dict[str, Any], rank: int) -> Optional[str]:
+        """Every tensor the maps write on this worker is a parameter of its model, of the
+        shape vLLM loads it with; every parameter of a layer the maps write is written."""
+        from .._maps import as_map
+        params = _tensor_info(self.model)
+        keys: dict[str, tuple[int, ...]] = {}
+        for name, m in target.items():
+            pm = as_map(m)
+            keys[pm.buffer(rank) or name] = pm.shard_shape(rank)
+        for key, shape in sorted(keys.items()):
+            if key not in params:
+                return (f"the engine has no parameter \"{key}\" (worker {rank}); its "
+                        f"parameters are {sorted(params)[:6]}...")
+            if tuple(params[key][0]) != tuple(shape):
+                return (f"parameter \"{key}\": the maps write a shard of shape {list(shape)}, "
+                        f"worker {rank} holds {params[key][0]}")
+        modules = {k.rpartition(".")[0] for k in keys}
+        unwritten = sorted(k for k in params if k.rpartition(".")[0] in modules and k not in keys)
+        if unwritten:
+            return (f"parameters {unwritten[:4]} of layers the maps write are not written "
+                    f"by them (worker {rank})")
+        return None
+
+    # -- one update -----------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        if self._sync is None:
+            raise RuntimeError("the reshard weight transfer is not initialized: create a "
+                               "reshard.vllm.WeightSync first")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronises the accelerator, which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        if update_info.mode == "raw":
+            return self._receive_raw()
+        if update_info.mode == "full":
+            return self._receive_full(update_info.tensors)
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process, finalize_layerwise_reload, get_layerwise_info,
+            initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+        sync, comm = self._sync, self._comm
+        assert sync is not None and comm is not None
+        model = self.model
+        layers: dict[str, torch.nn.Module] = {}
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its new values)
+        out: dict[str, torch.Tensor] = {}
+        rank = comm.rank - self._trainers
+        times = [time.perf_counter()]
+        try:
+            error = None
+            try:
+                initialize_layerwise_reload(model)
+                keys = sorted({m.buffer(rank) or n for n, m in zip(sync._names, sync._dst)})
+                live = set()  # tensors vLLM keeps live through a reload (a layer's bias)
+                for key in keys:
+                    module_name, _, name = key.rpartition(".")
+                    module = model.get_submodule(module_name)
+                    if module_name not in layers:
+                        live |= {f"{module_name}.{n}" for n, t in module.named_parameters(
+                            recurse=False) if not t.is_meta}
+                        materialize_layer(module, get_layerwise_info(module))
+                        layers[module_name] = module
+                    target = getattr(module, name).data
+                    if key in live:  # written only at commit, so a failure leaves it as it is
+                        kept.append((target, torch.empty_like(target)))
+                        target = kept[-1][1]
+                    target.zero_()  # padding (a vocabulary's last rows) reads as zeros
+                    out[key] = target
+            except Exception as e:
+                error = f"worker {rank}: {type(e).__name__}: {e}"
+            times.append(time.perf_counter())
+            sync.run({}, out=out, _error=error)
+            times.append(time.perf_counter())
+        except RedistributeError as e:  # agreed: every trainer process raises it
+            self._restore(model)
+            logger.warning("reshard weight update refused, old weights kept: %s", e)
+            return
+        except BaseException:
+            self._restore(model)
+            raise
+        # Every byte is here on every worker: process each layer into its kernel tensors.
+        problem = None
+        try:
+            for held, new in kept:
+                held.copy_(new)
+            for module in layers.values():
+                _layerwise_process(module, get_layerwise_info(module))
+            finalize_layerwise_reload(model, self.model_config)
+            times.append(time.perf_counter())
+        except BaseException as e:
+            self._restore(model)
+            problem = f"worker {rank}: processing the new weights: " \
+                f"{type(e).__name__}: {e}"
+        # The trainer processes return once every worker is done; they hear how long its
+        # parts took (prepare: the layers in loading form; transfer; process: post-load).
+        parts = dict(zip(("prepare", "transfer", "process"),
+                         (b - a for a, b in zip(times, times[1:]))))
+        comm.gather_object({"error": problem, "seconds": parts})
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def _restore(self, model: torch.nn.Module) -> None:
+        """Put every layer's kernel tensors back as they were (the old weights)."""
+        from vllm.model_executor.model_loader.reload.layerwise import (_place_kernel_tensors,
+                                                                       get_layerwise_info)
+        for module in model.modules():
+            info = get_layerwise_info(module)
+            if info.can_load():
+                if info.kernel_tensors is not None:
+                    _place_kernel_tensors(module, info)
+                info.reset()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+
+    def _receive_full(self, tensors: list[list[Any]]) -> None:
+        """Full tensors from trainer process 0, one after another, through vLLM's own loaders
+        and layer-wise reload (what a full-tensor weight sync does)."""
+        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                             initialize_layerwise_reload)
+        comm = self._comm
+        assert comm is not None
+        initialize_layerwise_reload(self.model)
+        for name, dtype, shape in tensors:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device())
+            comm.recv(t, 0)
+            self.model.load_weights([(name, t)])
+        finalize_layerwise_reload(self.model, self.model_config)
+        comm.gather_object(None)
+
+    def _receive_raw(self) -> None:
+        """The plan's bytes, received into scratch memory and dropped (the transport alone)."""
+        sync, comm = self._sync, self._comm
+        assert sync is not None and comm is not None
+        ex = sync._exchange
+        assert ex is not None
+        by_round: dict[int, list[tuple[int, int]]] = {}
+        for k, peer, n in ex.receives(comm.rank):
+            by_round.setdefault(k, []).append((peer, n))
+        top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
+        scratch = torch.empty(top, dtype=torch.uint8, device=comm.device())
+        for k in sorted(by_round):
+            at, incoming = 0, []
+            for peer, n in by_round[k]:
+                incoming.append((scratch[at:at + n], peer))
+                at += n
+            for w in comm.exchange([], incoming):
+                w.wait()
+        comm.gather_object(None)
+
+    def finish_weight_update(self) -> None:
+        pass  # update_weights has committed (or restored) already
+
+    def shutdown(self) -> None:
+        if self._comm is not None:
+            self._comm.shutdown()
+        self._comm = None
+        self._sync = None
+

@@ -1,0 +1,418 @@
+"""Live weight sync from trainer processes into a running vLLM engine (DESIGN 18).
+
+Every trainer process builds one :class:`WeightSync` and calls :meth:`WeightSync.push` after
+each step with the shards it holds. One process group spans the trainer processes (ranks 0 ..
+T-1) and the engine's workers (T .. T+W-1), built over a TCPStore the first trainer process
+serves, beside whatever default groups either side has. One plan goes from the trainer's maps
+to the engine's (:class:`reshard.distributed.Redistributor`): each worker receives only the
+bytes it lacks, from the trainer process that holds them, packed by the strided-copy engine in
+chunks of at most ``bucket_bytes`` per round, and written straight into its (fused)
+parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+
+from .._maps import MapLike, as_map
+from ..distributed import DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, _message
+from ._group import StoreGroup, join_store, serve_store
+
+if TYPE_CHECKING:
+    import torch
+
+
+class WeightSyncError(RedistributeError):
+    """A weight sync that cannot run; raised on every trainer process alike, the engine left
+    serving the weights it had."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One push: ``bytes_sent`` by all trainer processes together, ``plan_minimum`` (the
+    bytes the engine's workers lack, summed: what any transfer must move; equal to
+    ``bytes_sent``), ``bytes_sent_here`` by this process, the ``seconds`` it took, and
+    ``worker_seconds``: how long the slowest worker took to ``prepare`` (its layers back in
+    loading form), to ``transfer`` (receive and unpack) and to ``process`` (vLLM's post-load
+    processing)."""
+
+    bytes_sent: int
+    plan_minimum: int
+    bytes_sent_here: int
+    seconds: float
+    worker_seconds: Optional[dict[str, float]] = None
+
+
+class _Client:
+    """The engine's four weight-transfer calls: on an ``LLM`` object, or as the HTTP routes of
+    a ``vllm serve`` server (started with ``VLLM_SERVER_DEV_MODE=1``)."""
+
+    def __init__(self, engine: Any, timeout_s: float) -> None:
+        self._engine = engine
+        self._timeout = timeout_s
+
+    def _post(self, route: str, body: dict[str, Any]) -> None:
+        url = str(self._engine).rstrip("/") + "/" + route
+        request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as reply:
+                reply.read()
+        except urllib.error.HTTPError as e:
+            raise WeightSyncError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}")
+        except OSError as e:
+            raise WeightSyncError(f"{url}: {e}; is it a vllm serve server started with "
+                                  "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                                  "'{\"backend\": \"reshard\"}'?") from e
+
+    def call(self, method: str, body: Optional[dict[str, Any]] = None) -> None:
+        if isinstance(self._engine, str):
+            self._post(method, body or {})
+        elif body is None:
+            getattr(self._engine, method)()
+        else:
+            getattr(self._engine, method)(body)
+
+    def tensor_parallel_size(self) -> Optional[int]:
+        if isinstance(self._engine, str):
+            return None
+        return int(self._engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+
+
+def engine_maps(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
+    """The maps of every checkpoint tensor of the model in ``model_dir`` onto vLLM's workers
+    at ``tensor_parallel_size`` ranks, learned from vLLM (:func:`reshard.vllm.layout`)."""
+    from .._maps import read_maps
+    from .layout import layout
+    return dict(read_maps(layout(model_dir, tensor_parallel_size)))
+
+
+def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
+    """{name: "bfloat16"} -> {name: torch.bfloat16}."""
+    import torch
+    return None if names is None else {n: getattr(torch, d) for n, d in names.items()}
+
+
+class _Background:
+    """A call on a thread of its own, its exception kept for :meth:`result`."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: Optional[BaseException] = None
+
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as e:  # handed to result()
+                self._error = e
+        self._thread = threading.Thread(target=body, daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def result(self) -> Optional[BaseException]:
+        self._thread.join()
+        return self._error
+
+
+class WeightSync:
+    """Pushes the trainer's weights into a running vLLM engine, planned once.
+
+    Every trainer process constructs it (a collective over the trainer processes and the
+    engine's workers). ``engine`` is the ``vllm.LLM`` in the process that owns it (None in
+    the others), or the URL of a ``vllm serve`` server (in one process, or in all);
+    ``source_maps`` is the trainer's layout ``{checkpoint name: ParamMap | dict}`` (any
+    reshard describes: TP splits, DeepSpeed AutoTP, FSDP rows, TP 1; buffers too), the same
+    in every process; ``group`` the torch.distributed group of the trainer processes (None:
+    the world, or this process alone when torch.distributed is not initialized).
+    ``target_maps`` defaults to vLLM's layout of the engine's model; ``dtypes`` (one dtype or
+    ``{name: dtype}``) to the engine's parameter dtypes. ``bucket_bytes`` bounds the memory
+    each process stages per round; ``backend`` is "gloo" (CPU) or "nccl" (GPU); ``host`` the
+    address of this machine the engine's workers reach (the store is served there).
+    """
+
+    def __init__(self, engine: Any, source_maps: Mapping[str, MapLike], group: Any = None, *,
+                 target_maps: Optional[Mapping[str, MapLike]] = None,
+                 dtypes: Union[None, Any, Mapping[str, Any]] = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
+                 host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+        self._group = group
+        if dist.is_initialized():
+            self._rank = dist.get_rank(group)
+            self._trainers = dist.get_world_size(group)
+        else:
+            self._rank, self._trainers = 0, 1
+        if backend is None:
+            import torch
+            backend = "nccl" if torch.cuda.is_available() and \
+                dist.is_initialized() and "nccl" in str(dist.get_backend(group)) else "gloo"
+        self._steps = 0
+        self._comm: Optional[StoreGroup] = None
+        self._sync: Optional[Redistributor] = None
+        # Who drives the engine: the process holding the LLM, or the first naming a URL.
+        has = self._trainer_gather(engine is not None)
+        if not any(has):
+            raise WeightSyncError("no trainer process was given the engine: pass the vllm.LLM "
+                                  "(or the server's URL) in the process that has it")
+        if sum(has) > 1 and not isinstance(engine, (str, type(None))):
+            raise WeightSyncError("more than one trainer process was given an LLM object; "
+                                  "give it in the process that owns it, None in the others")
+        self._driver = has.index(True)
+        self._client = _Client(engine, timeout_s) if self._rank == self._driver else None
+        prefix = f"reshard-{uuid.uuid4().hex}"
+        store, where = None, None
+        if self._client is not None:
+            store = serve_store(host, timeout_s)
+            where = (host, int(store.port), prefix)
+        host, port, prefix = [w for w in self._trainer_gather(where) if w is not None][0]
+        init: Optional[_Background] = None
+        if self._client is not None:
+            info = {"host": host, "port": port, "prefix": prefix, "trainers": self._trainers,
+                    "backend": backend, "timeout_s": timeout_s}
+            client = self._client
+            init = _Background(lambda: client.call("init_weight_transfer_engine", {"init_info": info}))
+        else:
+            store = join_store(host, port, timeout_s)
+        self._store = store
+        try:
+            workers = self._workers_of(store, prefix, init, timeout_s)
+            self._workers = workers
+            comm = StoreGroup(store, prefix + "/pg", self._rank, self._trainers + workers,
+                              backend, timeout_s)
+            self._comm = comm
+            reports = [r for r in comm.gather_object(None) if r is not None]
+            plan = None
+            if self._rank == 0:
+                try:
+                    plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes)
+                except Exception as e:
+                    plan = {"error": _message(e), "source": {}, "target": {}, "dtypes": None,
+                            "bucket_bytes": bucket_bytes}
+            plan = comm.gather_object(plan)[0]
+            self._sync = Redistributor(
+                source_maps, plan["target"], source_ranks=range(self._trainers),
+                target_ranks=range(self._trainers, self._trainers + workers), group=comm,
+                dtypes=torch_dtypes(plan["dtypes"]), bucket_bytes=bucket_bytes,
+                _error=plan["error"])
+        except RedistributeError as e:
+            self._finish(init)
+            raise WeightSyncError(str(e)) from None
+        except BaseException as e:
+            problem = self._finish(init)
+            if problem is not None:
+                raise WeightSyncError(f"the engine could not join: {problem}") from e
+            raise
+        problem = self._finish(init)
+        if problem is not None:
+            raise WeightSyncError(f"the engine could not join: {problem}")
+
+    # -- construction -------------------------------------------------------------------
+
+    def _trainer_gather(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+        if self._trainers == 1:
+            return [value]
+        out: list[Any] = [None] * self._trainers
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    @staticmethod
+    def _workers_of(store: Any, prefix: str, init: Optional["_Background"],
+                    timeout_s: float) -> int:
+        """The engine's worker count, which its worker 0 publishes on joining; the driver
+        publishes the engine's refusal instead when its init call fails first."""
+        key = prefix + "/workers"
+        deadline = time.monotonic() + timeout_s
+        while not store.check([key]):
+            if init is not None and not init.running():
+                store.set(key, f"error: {init.result()}")  # the engine refused to join
+            elif time.monotonic() > deadline:
+                raise WeightSyncError(f"the engine's workers did not join within {timeout_s} s")
+            time.sleep(0.05)
+        value = store.get(key).decode()
+        if value.startswith("error: "):
+            raise WeightSyncError(f"the engine could not join: {value[7:]}")
+        return int(value)
+
+    @staticmethod
+    def _finish(call: Optional[_Background]) -> Optional[BaseException]:
+        return None if call is None else call.result()
+
+    def _plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
+              target_maps: Optional[Mapping[str, MapLike]], dtypes: Any,
+              bucket_bytes: int) -> dict[str, Any]:
+        """(trainer process 0) The engine's maps and the dtypes the workers receive, from what
+        the workers report of themselves."""
+        first = reports[0]
+        tp = int(first["tp"])
+        if len(reports) != tp:
+            raise WeightSyncError(f"the engine has {len(reports)} workers for tensor parallel "
+                                  f"size {tp}; reshard syncs engines without pipeline or data "
+                                  "parallelism")
+        if target_maps is None:
+            target_maps = engine_maps(first["model"], tp)
+        target = {n: json.loads(as_map(m).to_json()) for n, m in target_maps.items()}
+        if dtypes is None:
+            dtypes = {}
+            params = first["params"]
+            for name, m in target.items():
+                key = as_map(m).buffer(0) or name
+                if key in params:
+                    dtypes[name] = params[key][1].replace("torch.", "")
+            missing = sorted(set(target) - set(dtypes))
+            if missing:
+                raise WeightSyncError(f"the engine has no parameter for {missing[:4]}")
+        elif not isinstance(dtypes, Mapping):
+            dtypes = {n: str(dtypes).replace("torch.", "") for n in target}
+        else:
+            dtypes = {n: str(d).replace("torch.", "") for n, d in dtypes.items()}
+        unknown = sorted(set(source_maps) - set(target))
+        if unknown:
+            raise WeightSyncError(f"the engine has no parameter for {unknown[:4]} "
+                                  f"({len(unknown)} of the trainer's tensors)")
+        source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
+        return {"error": None, "source": source, "target": target, "dtypes": dtypes,
+                "bucket_bytes": bucket_bytes}
+
+    # -- pushes -------------------------------------------------------------------------
+
+    @property
+    def redistributor(self) -> Redistributor:
+        assert self._sync is not None
+        return self._sync
+
+    @property
+    def transport(self) -> StoreGroup:
+        assert self._comm is not None
+        return self._comm
+
+    def plan_minimum(self) -> int:
+        """The bytes the engine's workers lack (what any push must move at least)."""
+        ex = self.redistributor._exchange
+        assert ex is not None
+        return sum(int(ex.stats(p)["lower_bound"])
+                   for p in range(self._trainers, self._trainers + self._workers))
+
+    def push(self, shards: Mapping[str, "torch.Tensor"]) -> SyncStats:
+        """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
+        weights. Every trainer process calls it; it returns once every worker holds the new
+        weights, or raises :class:`WeightSyncError` on every trainer process with the
+        engine serving the weights it had."""
+        return self._push({"step": self._steps, "mode": "plan"},
+                          lambda: self.redistributor.run(shards))
+
+    def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
+        comm = self.transport
+        start = time.perf_counter()
+        self._steps += 1
+        call: Optional[_Background] = None
+        client = self._client
+        if client is not None:
+            client.call("start_weight_update")
+            call = _Background(lambda: client.call("update_weights", {"update_info": update}))
+        try:
+            send()
+        except RedistributeError as e:
+            # The workers refused alike and put their old weights back; their update call
+            # returns, and the session is closed as after a push.
+            problem = self._finish(call)
+            if client is not None and problem is None:
+                client.call("finish_weight_update")
+            raise WeightSyncError(str(e)) from None
+        except BaseException:
+            self._finish(call)
+            raise
+        replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
+        failed = [r["error"] for r in replies if r["error"]]  # every worker has committed
+        worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
+                  for k in ("prepare", "transfer", "process")} if replies else {}
+        problem = self._finish(call)
+        if failed:
+            raise WeightSyncError("; ".join(failed))
+        if problem is not None:
+            raise WeightSyncError(f"the engine's update failed: {problem}")
+        if client is not None:
+            client.call("finish_weight_update")
+        seconds = time.perf_counter() - start
+        ex = self.redistributor._exchange
+        assert ex is not None
+        sent = sum(int(ex.stats(p)["sent"]) for p in range(self._trainers))
+        here = int(ex.stats(self._rank)["sent"])
+        return SyncStats(sent, self.plan_minimum(), here, seconds, worker)
+
+    # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
+
+    def _push_raw(self) -> SyncStats:
+        """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
+        own time for what a push moves."""
+        import torch
+        comm = self.transport
+        ex = self.redistributor._exchange
+        assert ex is not None
+        by_round: dict[int, list[tuple[int, int]]] = {}
+        for k, peer, n in ex.sends(self._rank):
+            by_round.setdefault(k, []).append((peer, n))
+        top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
+        scratch = torch.zeros(top, dtype=torch.uint8, device=comm.device())
+
+        def send() -> None:
+            for k in sorted(by_round):
+                at, outgoing = 0, []
+                for peer, n in by_round[k]:
+                    outgoing.append((scratch[at:at + n], peer))
+                    at += n
+                for w in comm.exchange(outgoing, []):
+                    w.wait()
+        return self._push({"step": self._steps, "mode": "raw"}, send)
+
+    def _push_full(self, maps: Mapping[str, MapLike], shards: Mapping[str, "torch.Tensor"]
+                   ) -> SyncStats:
+        """The full-tensor path: the trainer processes gather every tensor whole on process
+        0, which sends each to every worker, where vLLM's own loaders slice it (layer-wise
+        reload). Unbuffered source maps only."""
+        import torch
+        import torch.distributed as dist
+        from .._tensors import rebuild
+        comm = self.transport
+        names = sorted(maps)
+        tensors = []
+        for n in names:
+            m = as_map(maps[n])
+            tensors.append([n, str(shards[n].dtype).replace("torch.", ""),
+                            list(m.logical_shape)])
+
+        def send() -> None:
+            workers = range(self._trainers, self._trainers + self._workers)
+            for (name, _, _), n in zip(tensors, names):
+                mine = shards[n].contiguous()
+                parts = [mine]
+                if self._trainers > 1:
+                    parts = [torch.empty_like(mine) for _ in range(self._trainers)]
+                    dist.all_gather(parts, mine, group=self._group)
+                if self._rank == 0:
+                    full = rebuild(as_map(maps[n]), parts)
+                    for w in comm.exchange([(full, p) for p in workers], []):
+                        w.wait()
+        return self._push({"step": self._steps, "mode": "full", "tensors": tensors}, send)
+
+    def close(self) -> None:
+        """Leave the group (the engine keeps its weights and keeps serving)."""
+        if self._client is not None:
+            try:
+                self._client.call("shutdown_weight_transfer_engine")
+            except Exception:  # the engine may be gone already
+                pass
+        if self._comm is not None:
+            self._comm.shutdown()
+        self._comm = None
+
+
+__all__ = ["SyncStats", "WeightSync", "WeightSyncError", "engine_maps"]

@@ -1,0 +1,109 @@
+"""A trainer process of the live-sync tests: ``python sync_trainer.py SPEC.json RANK``.
+
+Process 0 owns a vLLM engine (``LLM`` with the reshard backend) over the model of
+``spec["model"]`` (weights A); every process loads its rank of the sharded checkpoints of
+weights A and B (``reshard.checkpoint.load_rank``) and runs the spec's steps in order, each a
+push (or a failing push) followed, on process 0, by greedy generation. Process 0 writes
+``{"steps": [{"tokens", "stats", "error"}]}`` to ``spec["out"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def run(spec: dict, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import reshard
+    from reshard.vllm import WeightSync, WeightSyncError
+    torch.set_num_threads(1)
+    world = spec["trainers"]
+    dist.init_process_group("gloo", init_method="file://" + spec["rendezvous"], rank=rank,
+                            world_size=world)
+    llm = None
+    if rank == 0:
+        from vllm import LLM
+        llm = LLM(model=spec["model"], tensor_parallel_size=spec["engine_tp"],
+                  enforce_eager=True, skip_tokenizer_init=True, dtype="float32",
+                  kv_cache_memory_bytes=32 << 20, max_model_len=128,
+                  weight_transfer_config={"backend": "reshard"})
+
+    def generate() -> list:
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    loaded = {}
+    for key, where in spec["sharded"].items():  # {"A": dir, "B": dir, "A1": dir at TP 1, ...}
+        if not key.endswith("1") or rank == 0:
+            loaded[key] = reshard.checkpoint.load_rank(where, rank)
+    results = []
+    if rank == 0:
+        results.append({"step": "start", "tokens": generate()})
+    syncs = {}
+    for step in spec["steps"]:
+        kind, weights = step["kind"], step.get("weights", "B")
+        maps, shards = loaded.get(weights, ({}, {}))
+        entry: dict = {"step": step["name"]}
+        try:
+            if kind == "push":
+                if "sync" not in syncs:
+                    syncs["sync"] = WeightSync(llm, maps)
+                stats = syncs["sync"].push(shards)
+                entry["stats"] = stats.__dict__
+            elif kind == "extra_name":  # the trainer has a tensor the engine lacks
+                bad = dict(maps)
+                bad["model.layers.0.mlp.extra.weight"] = maps["model.norm.weight"]
+                WeightSync(llm, bad)
+            elif kind == "bad_shape":  # a map describing another shape than the engine's
+                bad = dict(maps)  # down_proj [H, I] described by q_proj's map [heads * d, H]
+                name = "model.layers.0.mlp.down_proj.weight"
+                d = maps["model.layers.0.self_attn.q_proj.weight"].to_dict()
+                bad[name] = reshard.ParamMap.from_dict(d)
+                WeightSync(llm, bad)
+            elif kind == "failing_process":  # the last trainer process's shards are wrong
+                own = dict(shards)
+                if rank == world - 1:
+                    own.pop("model.layers.1.mlp.down_proj.weight")
+                syncs["sync"] = WeightSync(llm, maps)  # the failed ones above replaced it
+                syncs["sync"].push(own)
+            elif kind == "single":  # trainer at TP 1: process 0 alone, full tensors
+                solo = dist.new_group([0])
+                syncs.pop("sync", None)  # the engine now listens to the other sync
+                try:
+                    if rank == 0:
+                        full_maps, full = loaded[weights + "1"]
+                        entry["stats"] = WeightSync(llm, full_maps, solo).push(full).__dict__
+                finally:
+                    dist.barrier()
+            else:
+                raise ValueError(kind)
+        except WeightSyncError as e:
+            entry["error"] = str(e)
+        if rank == 0:
+            entry["tokens"] = generate()
+        results.append(entry)
+        with open(spec["out"] + ("" if rank == 0 else f".{rank}"), "w") as f:
+            json.dump({"steps": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test's stacks
+    try:
+        run(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)

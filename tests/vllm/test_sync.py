@@ -1,0 +1,131 @@
+"""Live weight sync into a running vLLM engine (DESIGN 18): trainer processes at TP 2 (and 1)
+push weights B into an engine serving A, at TP 1 and TP 2; after each push the engine's
+greedy tokens are transformers' for the weights pushed; failures raise on every trainer
+process and leave the engine serving what it had."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import toy  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1]]
+NEW_TOKENS = 8
+STEPS = [
+    {"name": "push B", "kind": "push", "weights": "B"},
+    {"name": "push A", "kind": "push", "weights": "A"},
+    {"name": "push B again", "kind": "push", "weights": "B"},
+    {"name": "a name the engine lacks", "kind": "extra_name", "weights": "A"},
+    {"name": "a shape that disagrees", "kind": "bad_shape", "weights": "A"},
+    {"name": "a trainer process failing", "kind": "failing_process", "weights": "A"},
+    {"name": "trainer at TP 1 pushes A", "kind": "single", "weights": "A"},
+    {"name": "trainer at TP 2 pushes B after", "kind": "push", "weights": "B"},
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import reshard
+    root = tmp_path_factory.mktemp("models")
+    config = toy.llama_config()
+    weights = {"A": toy.weights(config, 1), "B": toy.weights(config, 2)}
+    sharded = {}
+    for key, tensors in weights.items():
+        full = toy.write(str(root / key), config, tensors)
+        for tp in (2, 1):
+            out = str(root / f"{key}-tp{tp}")
+            reshard.checkpoint.scatter(full, out, config=os.path.join(full, "config.json"), tp=tp)
+            sharded[key if tp == 2 else key + "1"] = out
+    expected = {k: toy.greedy(config, t, PROMPTS, NEW_TOKENS) for k, t in weights.items()}
+    assert expected["A"] != expected["B"]  # the pushes can be told apart
+    return {"root": root, "model": str(root / "A"), "sharded": sharded, "expected": expected}
+
+
+def run_session(models, engine_tp, tmp_path):
+    spec = {"model": models["model"], "engine_tp": engine_tp, "trainers": 2,
+            "sharded": models["sharded"], "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+            "steps": STEPS, "rendezvous": str(tmp_path / "rendezvous"),
+            "out": str(tmp_path / "result.json")}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    # The engine core and its workers in processes of their own, as in production (the
+    # conftest puts the engine core in the test process for the other tests).
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.pathsep.join(sys.path))
+    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sync_trainer.py"), str(path),
+                               str(r)], env=env, stdout=open(logs[r], "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=480)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # the processes and whatever they started (the engine's own processes)
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if any(p.returncode for p in procs):
+        tail = "\n".join(log.read_text()[-6000:] for log in logs)
+        pytest.fail(f"trainer processes failed ({[p.returncode for p in procs]}):\n{tail}")
+    main = json.loads((tmp_path / "result.json").read_text())["steps"]
+    other = json.loads((tmp_path / "result.json.1").read_text())["steps"]
+    return main, other
+
+
+# RESHARD_VLLM_ENGINE_TPS="1" for a machine with one GPU (bench/gpu_check.sh).
+ENGINE_TPS = [int(t) for t in os.environ.get("RESHARD_VLLM_ENGINE_TPS", "1,2").split(",")]
+
+
+@pytest.fixture(scope="module", params=ENGINE_TPS, ids=[f"engine_tp{t}" for t in ENGINE_TPS])
+def session(request, models, tmp_path_factory):
+    return run_session(models, request.param, tmp_path_factory.mktemp(f"tp{request.param}"))
+
+
+def test_engine_starts_with_weights_a(session, models):
+    main, _ = session
+    assert main[0]["tokens"] == models["expected"]["A"]
+
+
+@pytest.mark.parametrize("index", [1, 2, 3], ids=["B", "A", "B_again"])
+def test_push_gives_transformers_tokens_of_the_weights_pushed(session, models, index):
+    main, other = session
+    step = main[index]
+    assert "error" not in step, step
+    assert step["tokens"] == models["expected"][STEPS[index - 1]["weights"]]
+    stats = step["stats"]
+    assert stats["bytes_sent"] == stats["plan_minimum"] > 0
+    # Both trainer processes sent (each holds half of every split tensor).
+    assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
+    assert other[index - 1]["stats"]["bytes_sent"] == stats["bytes_sent"]
+
+
+@pytest.mark.parametrize("index,words", [(4, "no parameter"), (5, "shape"),
+                                         (6, "no shard given")],
+                         ids=["extra_name", "bad_shape", "failing_process"])
+def test_failures_raise_on_every_trainer_and_keep_the_old_weights(session, models, index,
+                                                                   words):
+    main, other = session
+    assert words in main[index]["error"], main[index]
+    assert words in other[index - 1]["error"], other[index - 1]
+    assert main[index]["tokens"] == models["expected"]["B"]  # still what the last push gave
+
+
+def test_trainer_at_tp1_then_tp2_again(session, models):
+    main, _ = session
+    assert "error" not in main[7], main[7]
+    assert main[7]["tokens"] == models["expected"]["A"]
+    assert main[7]["stats"]["bytes_sent"] == main[7]["stats"]["plan_minimum"]
+    assert main[8]["tokens"] == models["expected"]["B"]
