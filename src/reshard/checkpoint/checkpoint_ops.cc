@@ -183,32 +183,6 @@ class FullDirSource : public ShardSource {
   Manifest manifest_;
 };
 
-// Acquires a parameter's shards and releases them when it goes out of scope.
-class AcquiredShards {
- public:
-  AcquiredShards(ShardSource& source, size_t i) : source_(source), i_(i) {
-    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
-    if (shards.ok()) {
-      shards_ = *std::move(shards);
-    } else {
-      status_ = shards.status();
-    }
-  }
-  ~AcquiredShards() {
-    if (status_.ok()) source_.ReleaseShards(i_);
-  }
-  AcquiredShards(const AcquiredShards&) = delete;
-  AcquiredShards& operator=(const AcquiredShards&) = delete;
-  const Status& status() const { return status_; }
-  const std::vector<ConstBuffer>& shards() const { return shards_; }
-
- private:
-  ShardSource& source_;
-  size_t i_;
-  Status status_;
-  std::vector<ConstBuffer> shards_;
-};
-
 ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
   ExecOptions e;
   e.scale_power = scale_power;

@@ -149,6 +149,33 @@ class ShardSource {
   virtual std::vector<std::string> inputs() const = 0;
 };
 
+/// Acquires parameter i's shards from a source and releases them when it goes out of scope
+/// (status() says whether the acquire succeeded).
+class AcquiredShards {
+ public:
+  AcquiredShards(ShardSource& source, size_t i) : source_(source), i_(i) {
+    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
+    if (shards.ok()) {
+      shards_ = *std::move(shards);
+    } else {
+      status_ = shards.status();
+    }
+  }
+  ~AcquiredShards() {
+    if (status_.ok()) source_.ReleaseShards(i_);
+  }
+  AcquiredShards(const AcquiredShards&) = delete;
+  AcquiredShards& operator=(const AcquiredShards&) = delete;
+  const Status& status() const { return status_; }
+  const std::vector<ConstBuffer>& shards() const { return shards_; }
+
+ private:
+  ShardSource& source_;
+  size_t i_;
+  Status status_;
+  std::vector<ConstBuffer> shards_;
+};
+
 /// A reshard sharded checkpoint as a source (its shards: views of its mapped files).
 std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
                                                 std::shared_ptr<const ShardedCheckpoint> ckpt);

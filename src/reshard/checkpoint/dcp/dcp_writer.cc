@@ -229,32 +229,6 @@ ExecOptions ExecOptionsOf(const CheckpointOptions& options, int scale_power, int
   return e;
 }
 
-// Acquires a parameter's shards and releases them when it goes out of scope.
-class Acquired {
- public:
-  Acquired(ShardSource& source, size_t i) : source_(source), i_(i) {
-    Result<std::vector<ConstBuffer>> shards = source.AcquireShards(i);
-    if (shards.ok()) {
-      shards_ = *std::move(shards);
-    } else {
-      status_ = shards.status();
-    }
-  }
-  ~Acquired() {
-    if (status_.ok()) source_.ReleaseShards(i_);
-  }
-  Acquired(const Acquired&) = delete;
-  Acquired& operator=(const Acquired&) = delete;
-  const Status& status() const { return status_; }
-  const std::vector<ConstBuffer>& shards() const { return shards_; }
-
- private:
-  ShardSource& source_;
-  size_t i_;
-  Status status_;
-  std::vector<ConstBuffer> shards_;
-};
-
 // Items written by this process, as "tensor chunk offset length" lines.
 std::string EncodeItems(const std::vector<std::vector<DcpWrittenItem>>& items,
                         const std::vector<std::vector<bool>>& mine) {
@@ -347,7 +321,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
         if (chunk.rank != r) continue;
         const auto fill = [&](std::span<std::byte> buffer) -> Status {
           if (buffer.empty()) return Status::Ok();
-          Acquired shards(source, pt.dcp.param);
+          AcquiredShards shards(source, pt.dcp.param);
           RESHARD_RETURN_IF_ERROR(shards.status());
           if (options.verify_replicas) {
             std::call_once(verify_once[t], [&] {
