@@ -73,7 +73,8 @@ def scatter_with_layouts(full_dir: str, out_dir: str, layouts_json: str, world: 
 def scatter_with_config(full_dir: str, out_dir: str, config_json: str, world: int,
                         distributed_config_json: Optional[str],
                         options: CheckpointOptions) -> None: ...
-def gather(sharded_dir: str, out_dir: str, fp32: bool, config: Optional[str],
+def gather(sharded_dir: str, out_dir: str, fp32: bool, optimizer_state: bool,
+           config: Optional[str],
            options: CheckpointOptions) -> None: ...
 def convert(sharded_dir: str, world: int, out_dir: str,
             target_maps: Optional[Sequence[tuple[str, Map]]], buffers_json: str,

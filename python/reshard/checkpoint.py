@@ -131,7 +131,8 @@ def scatter(full_dir: PathLike, out_dir: PathLike, *,
 
 
 def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
-           config: Optional[PathLike] = None, overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
+           optimizer_state: bool = False, config: Optional[PathLike] = None,
+           overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
            warn: Optional[Warn] = None, sync: bool = True) -> None:
@@ -140,11 +141,13 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
     weights are written, or with ``fp32=True`` the optimizer's fp32 master weights (the CLI's
     ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
-    read; ``config`` is the model's config.json for a format that needs one (Megatron)."""
+    read; ``config`` is the model's config.json for a format that needs one (Megatron). From a
+    PyTorch Distributed Checkpoint, the optimizer's state is left out unless
+    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
     _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32),
-                 None if config is None else _path(config, "config"), o)
+                 bool(optimizer_state), None if config is None else _path(config, "config"), o)
 
 
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,

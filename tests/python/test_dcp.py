@@ -108,6 +108,23 @@ def test_optimizer_state_goes_through_convert(dcp_root, reshard_bin, tmp_path):
     assert sorted(manifest["params"]) == sorted(model_only(ref))
 
 
+def test_gather_writes_the_optimizer_state_when_asked(dcp_root, reshard_bin, tmp_path):
+    ref = torch_reference(dcp_root / "mesh", tmp_path)
+    assert any(k.startswith("optim.") for k in ref)
+    r = run(reshard_bin, "gather", dcp_root / "mesh", "--optimizer-state", "-o", tmp_path / "all")
+    assert r.returncode == 0, r.stderr
+    assert_same(load_file(tmp_path / "all" / "model.safetensors"), ref)
+    import reshard
+    reshard.checkpoint.gather(dcp_root / "mesh", tmp_path / "py", optimizer_state=True)
+    assert_same(load_file(tmp_path / "py" / "model.safetensors"), ref)
+    # Formats whose gather cannot add it refuse, before writing anything.
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--tp", "1", "-o", tmp_path / "tp1")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp1", "--optimizer-state", "-o", tmp_path / "x")
+    assert r.returncode == 2 and "optimizer state included" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_fsdp2_fully_shard_checkpoint(dcp_root, reshard_bin, tmp_path):
     assert not (dcp_root / "fsdp2.txt").exists(), (dcp_root / "fsdp2.txt").read_text()
     ckpt = dcp_root / "fsdp2"

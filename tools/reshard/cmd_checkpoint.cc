@@ -46,6 +46,7 @@ struct CommonArgs {
 
 struct GatherArgs : CommonArgs {
   bool fp32 = false;
+  bool optimizer_state = false;
   std::string config;
 };
 
@@ -277,14 +278,17 @@ Status RunGather(const GatherArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
       Options(args, bar,
-              Describe("gather", args,
-                       Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"}},
-                              OptionalInput("--config", args.config)))));
+              Describe(
+                  "gather", args,
+                  Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"},
+                                        {"--optimizer-state", args.optimizer_state ? "on" : "off"}},
+                         OptionalInput("--config", args.config)))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.config}));
   const auto t0 = std::chrono::steady_clock::now();
   SourceOptions source;
   source.use = SourceUse::kGather;
   source.master_weights = args.fp32;
+  source.optimizer_state = args.optimizer_state;
   source.config_path = args.config;
   RESHARD_RETURN_IF_ERROR(
       WithForceHint(GatherCheckpoint(args.input, source, args.output, options), args.force));
@@ -452,6 +456,8 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
                 "module's");
+  cmd->add_flag("--optimizer-state", args->optimizer_state,
+                "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...)");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");

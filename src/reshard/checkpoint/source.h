@@ -32,6 +32,8 @@ struct SourceOptions {
   bool master_weights = false;
   /// Leave optimizer state out of a convert.
   bool weights_only = false;
+  /// Write the optimizer's state beside the weights in a gather, by its keys (DCP).
+  bool optimizer_state = false;
   /// A Hugging Face config.json, for a format whose tensors need one to be named and split
   /// (Megatron); "" when none was given.
   std::string config_path;

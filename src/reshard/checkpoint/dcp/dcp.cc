@@ -642,6 +642,10 @@ Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
     return InvalidArgumentError(
         "a gather of a PyTorch Distributed Checkpoint writes the model's tensors only already");
   }
+  if (options.optimizer_state && options.use != SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a convert carries the optimizer's state already (unless it is to leave it out)");
+  }
   return Status::Ok();
 }
 
@@ -651,7 +655,8 @@ Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& o
   OpenedCheckpoint out;
   out.format = "dcp";
   DcpSourceOptions source;
-  source.weights_only = options.use == SourceUse::kGather || options.weights_only;
+  source.weights_only =
+      options.use == SourceUse::kGather ? !options.optimizer_state : options.weights_only;
   out.source = DcpSource(std::move(ckpt), source);
   return out;
 }

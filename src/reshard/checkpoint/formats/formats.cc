@@ -57,6 +57,20 @@ Status RefuseDeepSpeedOptions(const std::string& path, const SourceOptions& opti
   return Status::Ok();
 }
 
+// A gather that also writes the optimizer's state: formats whose optimizer state has keys of
+// its own (DCP) take it.
+Status RefuseOptimizerState(const std::string& path, const SourceOptions& options,
+                            std::string_view what) {
+  if (options.optimizer_state) {
+    return InvalidArgumentError(fmt::format(
+        "a gather with the optimizer's state applies to a PyTorch Distributed Checkpoint; \"{}\" "
+        "is {}: convert it (optimizer state included) to a sharded checkpoint at 1 rank and gather "
+        "that",
+        path, what));
+  }
+  return Status::Ok();
+}
+
 Status RefuseConfig(const std::string& path, const SourceOptions& options, std::string_view what) {
   if (!options.config_path.empty()) {
     return InvalidArgumentError(fmt::format(
@@ -83,6 +97,12 @@ bool DetectSharded(const std::string& path) { return HasFile(path, kManifestName
 
 Status CheckSharded(const std::string& path, const SourceOptions& options) {
   RESHARD_RETURN_IF_ERROR(RefuseDeepSpeedOptions(path, options, "a reshard sharded checkpoint"));
+  if (options.optimizer_state) {
+    return InvalidArgumentError(fmt::format(
+        "a gather of a reshard sharded checkpoint writes every tensor it holds, optimizer state "
+        "included; \"{}\" needs no more",
+        path));
+  }
   return RefuseConfig(path, options, "a reshard sharded checkpoint");
 }
 
@@ -147,6 +167,7 @@ Status CheckDeepSpeed(const std::string& path, const SourceOptions& options) {
     return InvalidArgumentError("a gather writes the model's weights only already");
   }
   RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a DeepSpeed checkpoint"));
+  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(path, options, "a DeepSpeed checkpoint"));
   return RefuseDistributedConfig(path, options, "a DeepSpeed checkpoint");
 }
 
@@ -163,6 +184,8 @@ Result<OpenedCheckpoint> OpenDeepSpeedWithMaps(const std::string& path,
 // ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
 
 Status CheckMegatron(const std::string& path, const SourceOptions& options) {
+  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(
+      path, options, "a Megatron-Core checkpoint, read for its model weights"));
   if (options.master_weights) {
     return InvalidArgumentError(fmt::format(
         "\"{}\" is a Megatron-Core checkpoint: reshard reads its model weights, not the "
