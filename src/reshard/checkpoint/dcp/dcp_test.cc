@@ -2,9 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -76,6 +78,53 @@ TEST(DcpChunksToMap, UnevenLastChunkEmptyChunksAndSeveralChunksPerRank) {
   ASSERT_EQ(map->rank(0).pieces.size(), 2u);
   EXPECT_EQ(map->rank(0).pieces[1].dest.offset, 10);
   ExpectRebuildsIdentity(*map, chunks);
+}
+
+// Splits the box [offsets, offsets + sizes) at random along random dims, at most `depth` times
+// deep, into boxes (some empty), each given to a random rank.
+void SplitAtRandom(std::mt19937& rng, Shape offsets, Shape sizes, int depth, int world,
+                   std::vector<DcpChunk>& out) {
+  std::uniform_int_distribution<int> coin(0, 3);
+  if (depth == 0 || coin(rng) == 0) {
+    out.push_back(Box(offsets, sizes, std::uniform_int_distribution<int>(0, world - 1)(rng)));
+    return;
+  }
+  const size_t d = std::uniform_int_distribution<size_t>(0, sizes.size() - 1)(rng);
+  const Index cut = std::uniform_int_distribution<Index>(0, sizes[d])(rng);
+  Shape lo_sizes = sizes, hi_offsets = offsets, hi_sizes = sizes;
+  lo_sizes[d] = cut;
+  hi_offsets[d] += cut;
+  hi_sizes[d] -= cut;
+  SplitAtRandom(rng, offsets, lo_sizes, depth - 1, world, out);
+  SplitAtRandom(rng, hi_offsets, hi_sizes, depth - 1, world, out);
+}
+
+TEST(DcpChunksToMap, RandomBoxPartitionsRebuildTheTensor) {
+  // Any partition of F into boxes (empty ones, several per rank, ranks holding nothing) is a
+  // valid map whose shards, the boxes row-major in order, rebuild F; removing a non-empty box
+  // leaves a hole that is refused.
+  std::mt19937 rng(20261201);
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t dims = std::uniform_int_distribution<size_t>(1, 3)(rng);
+    Shape shape;
+    for (size_t d = 0; d < dims; ++d) {
+      shape.push_back(std::uniform_int_distribution<Index>(1, 9)(rng));
+    }
+    const int world = std::uniform_int_distribution<int>(1, 5)(rng);
+    std::vector<DcpChunk> chunks;
+    SplitAtRandom(rng, Shape(shape.size(), 0), shape, 5, world, chunks);
+    std::shuffle(chunks.begin(), chunks.end(), rng);
+    auto map = ChunksToMap("w", shape, chunks, world);
+    ASSERT_TRUE(map.ok()) << "trial " << trial << ": " << map.status().message();
+    ExpectRebuildsIdentity(*map, chunks);  // each rank's shard: its boxes in the given order
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (ProductOf(chunks[i].sizes) == 0) continue;
+      std::vector<DcpChunk> holed = chunks;
+      holed.erase(holed.begin() + static_cast<std::ptrdiff_t>(i));
+      EXPECT_FALSE(ChunksToMap("w", shape, holed, world).ok()) << "trial " << trial;
+      break;
+    }
+  }
 }
 
 TEST(DcpChunksToMap, TheSameBoxFromSeveralRanksIsAReplica) {
