@@ -556,9 +556,26 @@ class Redistributor:
         assert ex is not None
         me = self._me
         src, dst = _addresses(sources), _addresses(targets)
-        sends = ex.sends(me)
-        receives = ex.receives(me)
         rounds = ex.num_rounds
+        # A chunk whose boxes are all contiguous on both sides travels as its runs, straight
+        # from the source shards into the target shards (over a CPU transport); the others
+        # are packed into a staging buffer and unpacked from one.
+        direct_ok = comm.type == "cpu"
+        sends, receives = [], []
+        direct_sends: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
+        direct_receives: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
+        for k, peer, n in ex.sends(me):
+            runs = ex.direct_runs(me, peer, k) if direct_ok else []
+            if not runs:
+                sends.append((k, peer, n))
+            for param, at, _, size in runs:
+                direct_sends[k].append((_bytes_of(sources[param])[at:at + size], peer))
+        for k, peer, n in ex.receives(me):
+            runs = ex.direct_runs(peer, me, k) if direct_ok else []
+            if not runs:
+                receives.append((k, peer, n))
+            for param, _, at, size in runs:
+                direct_receives[k].append((_bytes_of(targets[param])[at:at + size], peer))
 
         def by_round(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
             out: list[list[tuple[int, int, int]]] = [[] for _ in range(rounds)]
@@ -590,7 +607,7 @@ class Redistributor:
             for peer, off, n in recv_rounds[k]:
                 ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
 
-        sent = received = 0
+        sent = received = direct = 0
         if rounds:
             pack(0)
         pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
@@ -609,6 +626,12 @@ class Redistributor:
                     staged.append((off, n, buf))
                 incoming.append((buf, peer))
                 received += n
+            outgoing += direct_sends[k]
+            incoming += direct_receives[k]
+            direct_in = sum(t.numel() for t, _ in direct_receives[k])
+            sent += sum(t.numel() for t, _ in direct_sends[k])
+            received += direct_in
+            direct += direct_in
             requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
                 ex.copy_local(me, src, dst, self._options)
@@ -624,8 +647,16 @@ class Redistributor:
         if not rounds:
             ex.copy_local(me, src, dst, self._options)
         stats = ex.stats(me)
-        self.last_stats = {"sent": sent, "received": received, "local": int(stats["local"]),
+        self.last_stats = {"sent": sent, "received": received, "direct": direct,
+                           "local": int(stats["local"]),
                            "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
+
+
+def _bytes_of(t: Optional["torch.Tensor"]) -> "torch.Tensor":
+    """A dense shard's bytes, as a flat uint8 view (the exchange's byte offsets index it)."""
+    import torch
+    assert t is not None and t.is_contiguous()
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _addresses(ts: list[Optional["torch.Tensor"]]) -> list[tuple[int, int]]:

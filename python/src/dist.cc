@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <tuple>
@@ -96,10 +97,30 @@ struct Step {
   ParamPlan plan;
 };
 
+// A contiguous run of one parameter's bytes in both its source and its target shard.
+struct DirectRun {
+  size_t param = 0;
+  Index src_byte = 0, dst_byte = 0, bytes = 0;
+};
+
+// Whether a box of `shape` at `strides` is one contiguous run of elements in row-major order.
+bool Contiguous(const Shape& shape, const Shape& strides) {
+  Index expected = 1;
+  for (size_t k = shape.size(); k-- > 0;) {
+    if (shape[k] == 1) continue;
+    if (strides[k] != expected) return false;
+    expected *= shape[k];
+  }
+  return true;
+}
+
 struct Chunk {
   Index bytes = 0;
   std::vector<Segment> segments;
   std::vector<Step> pack, unpack;
+  // When every box is a contiguous run on both sides and unscaled: the runs, in chunk order
+  // (adjacent ones merged), which travel as they lie in the shards; else empty (packed).
+  std::vector<DirectRun> direct;
 };
 
 // The replica policy between processes: a holder in the target's own process when there is
@@ -198,6 +219,18 @@ class Exchange {
     d["lower_bound"] = Lookup(lower_bound_, proc);
     d["segments_sent"] = segments;
     return d;
+  }
+
+  // [(parameter, source byte offset, target byte offset, bytes)]: the runs in which the chunk
+  // of `round` from process `src` to `dst` travels straight from the source shard into the
+  // target shard, without packing; empty when the chunk is packed (see Chunk::direct).
+  std::vector<std::tuple<size_t, Index, Index, Index>> DirectRuns(int src, int dst,
+                                                                  size_t round) const {
+    std::vector<std::tuple<size_t, Index, Index, Index>> out;
+    for (const DirectRun& r : ChunkOf(src, dst, round, std::numeric_limits<Index>::max()).direct) {
+      out.emplace_back(r.param, r.src_byte, r.dst_byte, r.bytes);
+    }
+    return out;
   }
 
   // Source shards of this process (one (address, elements) per parameter; (0, 0) for a
@@ -419,8 +452,10 @@ class Exchange {
     }
   }
 
-  // The pack and unpack plans of one chunk: one step per parameter, one move per box.
+  // The pack and unpack plans of one chunk: one step per parameter, one move per box; and its
+  // direct runs when every box allows them.
   void Steps(const std::vector<ParamPlan>& plans, Chunk& c) const {
+    bool direct = true;
     for (const Segment& seg : c.segments) {
       const Move& m = plans[seg.param].moves[seg.move];
       const Index item = static_cast<Index>(DTypeSize(dtypes_[seg.param]));
@@ -439,9 +474,25 @@ class Exchange {
         const StridedView in_dst{m.dst.offset + Dot(at, m.dst.strides), m.dst.strides};
         c.pack.back().plan.moves.push_back({0, 0, shape, in_src, in_chunk, m.factor});
         c.unpack.back().plan.moves.push_back({0, 0, shape, in_chunk, in_dst, 1.0});
+        direct = direct && m.factor == 1.0 && Contiguous(shape, m.src.strides) &&
+                 Contiguous(shape, m.dst.strides);
+        if (!direct) return;
+        Index n = item;
+        for (Index d : shape) n *= d;
+        const DirectRun run{seg.param, in_src.offset * item, in_dst.offset * item, n};
+        if (!c.direct.empty()) {
+          DirectRun& last = c.direct.back();
+          if (last.param == run.param && last.src_byte + last.bytes == run.src_byte &&
+              last.dst_byte + last.bytes == run.dst_byte) {
+            last.bytes += run.bytes;
+            return;
+          }
+        }
+        c.direct.push_back(run);
       };
       RangeBoxes(m.shape, 0, start, seg.lo, seg.hi, emit);
     }
+    if (!direct) c.direct.clear();
   }
 
   std::vector<std::string> names_;
@@ -466,6 +517,8 @@ void BindDist(py::module_& m) {
       .def("sends", [](const Exchange& e, int proc) { return e.Transfers(proc, true); })
       .def("receives", [](const Exchange& e, int proc) { return e.Transfers(proc, false); })
       .def("stats", &Exchange::Stats, py::arg("proc"))
+      .def("direct_runs", &Exchange::DirectRuns, py::arg("source_proc"), py::arg("target_proc"),
+           py::arg("round"))
       .def("pack", &Exchange::Pack, py::arg("proc"), py::arg("peer"), py::arg("round"),
            py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"))
       .def("unpack", &Exchange::Unpack, py::arg("proc"), py::arg("peer"), py::arg("round"),

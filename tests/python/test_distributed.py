@@ -217,6 +217,23 @@ def test_small_buckets_cut_moves_into_many_rounds(launch):
             assert n <= 64 // 4, (rnd, n)
 
 
+def test_chunks_contiguous_on_both_sides_travel_unpacked(launch):
+    """A chunk that is one run of bytes in the source shard and in the target shard (whole
+    norms into row splits) goes straight from one into the other; one that is not (rows to
+    columns) is packed; the layout families at TP 2 -> 4 mix both. All give the offline
+    transfer's result (test_every_process_gets_what_the_offline_transfer_gives)."""
+    def direct_and_received(name):
+        stats = [r["stats"][0] for r in launch[name][1]]
+        return sum(s["direct"] for s in stats), sum(s["received"] for s in stats)
+
+    direct, received = direct_and_received("replicated_sources_balanced")
+    assert direct == received > 0
+    direct, received = direct_and_received("rows_to_columns_disjoint")
+    assert direct == 0 < received
+    direct, received = direct_and_received("tp2_to_tp4")
+    assert 0 < direct < received
+
+
 def test_replicated_sources_share_the_sending(launch):
     _, ranks = launch["replicated_sources_balanced"]
     sent = [r["stats"][0]["sent"] for r in ranks]

@@ -1,7 +1,8 @@
 """Live weight sync into a running vLLM engine (DESIGN 18): trainer processes at TP 2 (and 1)
 push weights B into an engine serving A, at TP 1 and TP 2; after each push the engine's
 greedy tokens are transformers' for the weights pushed; failures raise on every trainer
-process and leave the engine serving what it had."""
+process and leave the engine serving what it had. A Qwen3-MoE model takes pushes too (its
+experts land in vLLM's fused w13/w2 parameters, which the CPU kernel repacks)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,33 @@ def models(tmp_path_factory):
     return {"root": root, "model": str(root / "A"), "sharded": sharded, "expected": expected}
 
 
-def run_session(models, engine_tp, tmp_path):
+MOE_STEPS = [{"name": "push B", "kind": "push", "weights": "B"},
+             {"name": "push A", "kind": "push", "weights": "A"},
+             {"name": "push B again", "kind": "push", "weights": "B"}]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """Qwen3-MoE weights A and B as transformers saves them (per-expert tensors), each
+    scattered at TP 2."""
+    import reshard
+    root = tmp_path_factory.mktemp("moe_models")
+    config = toy.qwen3_moe_config()
+    sharded, expected = {}, {}
+    for key, seed in (("A", 1), ("B", 2)):
+        full = toy.write_pretrained(str(root / key), config, seed)
+        sharded[key] = str(root / f"{key}-tp2")
+        reshard.checkpoint.scatter(full, sharded[key], config=os.path.join(full, "config.json"),
+                                   tp=2)
+        expected[key] = toy.greedy_of_dir(full, PROMPTS, NEW_TOKENS)
+    assert expected["A"] != expected["B"]
+    return {"root": root, "model": str(root / "A"), "sharded": sharded, "expected": expected}
+
+
+def run_session(models, engine_tp, tmp_path, steps=STEPS):
     spec = {"model": models["model"], "engine_tp": engine_tp, "trainers": 2,
             "sharded": models["sharded"], "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
-            "steps": STEPS, "rendezvous": str(tmp_path / "rendezvous"),
+            "steps": steps, "rendezvous": str(tmp_path / "rendezvous"),
             "out": str(tmp_path / "result.json")}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -129,3 +153,18 @@ def test_trainer_at_tp1_then_tp2_again(session, models):
     assert main[7]["tokens"] == models["expected"]["A"]
     assert main[7]["stats"]["bytes_sent"] == main[7]["stats"]["plan_minimum"]
     assert main[8]["tokens"] == models["expected"]["B"]
+
+
+@pytest.mark.parametrize("engine_tp", ENGINE_TPS, ids=[f"engine_tp{t}" for t in ENGINE_TPS])
+def test_moe_pushes_give_transformers_tokens(moe_models, engine_tp, tmp_path):
+    """B, then A, then B again, each equal to transformers' tokens for the weights pushed
+    (at engine TP 2 both workers hold every expert, each its slice of the intermediate
+    dimension, which the CPU kernel pads)."""
+    main, other = run_session(moe_models, engine_tp, tmp_path, MOE_STEPS)
+    assert main[0]["tokens"] == moe_models["expected"]["A"]
+    for index, step in enumerate(MOE_STEPS, 1):
+        assert "error" not in main[index], main[index]
+        assert main[index]["tokens"] == moe_models["expected"][step["weights"]], step["name"]
+        stats = main[index]["stats"]
+        assert stats["bytes_sent"] == stats["plan_minimum"] > 0
+        assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]

@@ -16,27 +16,49 @@ LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size
              bos_token_id=1, eos_token_id=2)
 
 
+# Qwen3-MoE: four experts, two per token; the intermediate size of an expert at TP 2 (16) is
+# not a multiple of the CPU MoE kernel's alignment, so vLLM pads it when it repacks.
+QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64,
+                 intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True, vocab_size=250,
+                 max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 torch_dtype="float32", bos_token_id=1, eos_token_id=2)
+
+
 def llama_config(**overrides: Any) -> dict[str, Any]:
     return {**LLAMA, **overrides}
 
 
-def weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """The model's checkpoint tensors, drawn from ``seed`` (transformers' own init, then
-    re-drawn larger so that different seeds give different greedy tokens)."""
+def qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
+    return {**QWEN3_MOE, **overrides}
+
+
+def _model(config: dict[str, Any]) -> Any:
     import transformers
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items()
-                                               if k not in ("architectures",)})
+                                               if k not in ("architectures", "torch_dtype")})
     cfg.architectures = config["architectures"]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _draw(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor re-drawn from ``seed``, larger than transformers' init, so that different
+    seeds give different greedy tokens."""
     out = {}
     g = torch.Generator().manual_seed(seed)
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             out[name] = 1 + 0.1 * torch.randn(t.shape, generator=g)
         else:
             out[name] = 0.08 * torch.randn(t.shape, generator=g)
     return out
+
+
+def weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The model's tensors under transformers' names, drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return _draw(_model(config).state_dict(), seed)
 
 
 def write(model_dir: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
@@ -52,20 +74,40 @@ def write(model_dir: str, config: dict[str, Any], tensors: dict[str, torch.Tenso
     return model_dir
 
 
-def greedy(config: dict[str, Any], tensors: dict[str, torch.Tensor],
-           prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, ``n`` tokens."""
+def write_pretrained(model_dir: str, config: dict[str, Any], seed: int) -> str:
+    """The model with weights drawn from ``seed``, saved by transformers' ``save_pretrained``
+    (which writes a checkpoint's own names, such as an MoE model's per-expert tensors)."""
+    torch.manual_seed(seed)
+    model = _model(config)
+    model.load_state_dict(_draw(model.state_dict(), seed))
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+def greedy_of_dir(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, ``n`` tokens, of a saved model."""
     import transformers
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items()
-                                               if k not in ("architectures",)})
-    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    model.load_state_dict(tensors)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return _generate(model, prompts, n)
+
+
+def _generate(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy decoding by hand: the argmax every step, end-of-sequence tokens included (as
+    vLLM's ``ignore_eos`` gives; transformers' ``min_new_tokens`` would mask them instead)."""
     model.eval()
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            got = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-            out.append(got[0, len(p):].tolist())
+            for _ in range(n):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+            out.append(ids[0, len(p):].tolist())
     return out
+
+
+def greedy(config: dict[str, Any], tensors: dict[str, torch.Tensor],
+           prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, ``n`` tokens."""
+    model = _model(config)
+    model.load_state_dict(tensors)
+    return _generate(model, prompts, n)

@@ -19,9 +19,10 @@ tensors back: the engine serves the weights it had.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -60,15 +61,53 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
-    """The worker's parameters in their loading form: {name: (shape, dtype)}."""
+    """The worker's parameters in their loading form: {name: (shape, dtype)}. A module
+    registered under two names (Qwen3-MoE's router, ``mlp.gate`` and ``mlp.experts.gate``) is
+    named by the smaller, as the layout names it."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    names: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        names[id(module)] = min(names.get(id(module), module_name), module_name)
     out: dict[str, tuple[list[int], str]] = {}
-    for module_name, module in model.named_modules():
+    for module in model.modules():
+        module_name = names[id(module)]
         params, _ = get_layerwise_info(module).restore_metadata
         for name, t in params.items():
             out[f"{module_name}.{name}" if module_name else name] = (list(t.shape),
                                                                      str(t.dtype))
     return out
+
+
+@contextlib.contextmanager
+def _experts_processed_again(layers: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """vLLM runs an unquantized MoE layer's experts' own post-load step only on the first
+    load: on a reload it copies the new weights into the kernel tensors as they are. On CPU
+    that step pads the experts' intermediate dimension and prepacks w13/w2 for the grouped
+    GEMM, so a reload without it fails (padded shapes) or serves wrong tokens. Inside this
+    block the layers' post-load processing runs that step after its own."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod)
+    patched = []
+    for layer in layers:
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or experts is None or \
+                type(experts).process_weights_after_loading is \
+                FusedMoEExperts.process_weights_after_loading:
+            continue
+
+        def process(module: torch.nn.Module, first: Any = method.process_weights_after_loading,
+                    experts: Any = experts) -> None:
+            first(module)
+            experts.process_weights_after_loading(module)
+        method.process_weights_after_loading = process  # on the instance, removed below
+        patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -182,11 +221,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                             recurse=False) if not t.is_meta}
                         materialize_layer(module, get_layerwise_info(module))
                         layers[module_name] = module
+                    # The transfer writes every element: its pieces, and zeros where none
+                    # lands (a padded vocabulary's last rows).
                     target = getattr(module, name).data
                     if key in live:  # written only at commit, so a failure leaves it as it is
                         kept.append((target, torch.empty_like(target)))
                         target = kept[-1][1]
-                    target.zero_()  # padding (a vocabulary's last rows) reads as zeros
                     out[key] = target
             except Exception as e:
                 error = f"worker {rank}: {type(e).__name__}: {e}"
@@ -205,21 +245,23 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             for held, new in kept:
                 held.copy_(new)
-            for module in layers.values():
-                _layerwise_process(module, get_layerwise_info(module))
-            finalize_layerwise_reload(model, self.model_config)
+            with _experts_processed_again(layers.values()):
+                for module in layers.values():
+                    _layerwise_process(module, get_layerwise_info(module))
+                finalize_layerwise_reload(model, self.model_config)
             times.append(time.perf_counter())
         except BaseException as e:
             self._restore(model)
             problem = f"worker {rank}: processing the new weights: " \
                 f"{type(e).__name__}: {e}"
-        # The trainer processes return once every worker is done; they hear how long its
-        # parts took (prepare: the layers in loading form; transfer; process: post-load).
+            logger.error("reshard weight update failed, old weights kept: %s", problem)
+        # The trainer processes return once every worker is done, and raise any worker's
+        # problem; they hear how long its parts took (prepare: the layers in loading form;
+        # transfer; process: post-load). The call itself returns either way, so that the
+        # engine's next update starts clean.
         parts = dict(zip(("prepare", "transfer", "process"),
                          (b - a for a, b in zip(times, times[1:]))))
         comm.gather_object({"error": problem, "seconds": parts})
-        if problem is not None:
-            raise RuntimeError(problem)
 
     def _restore(self, model: torch.nn.Module) -> None:
         """Put every layer's kernel tensors back as they were (the old weights)."""

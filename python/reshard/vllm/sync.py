@@ -315,8 +315,17 @@ class WeightSync:
         self._steps += 1
         call: Optional[_Background] = None
         client = self._client
+        refused: Optional[str] = None
         if client is not None:
-            client.call("start_weight_update")
+            try:
+                client.call("start_weight_update")
+            except Exception as e:
+                refused = f"the engine did not start an update: {_message(e)}"
+        # Agreed among the trainer processes before any sends (the workers wait for none).
+        refusals = [r for r in self._trainer_gather(refused) if r is not None]
+        if refusals:
+            raise WeightSyncError(refusals[0])
+        if client is not None:
             call = _Background(lambda: client.call("update_weights", {"update_info": update}))
         try:
             send()
@@ -335,12 +344,12 @@ class WeightSync:
         worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
                   for k in ("prepare", "transfer", "process")} if replies else {}
         problem = self._finish(call)
+        if client is not None and problem is None:
+            client.call("finish_weight_update")
         if failed:
             raise WeightSyncError("; ".join(failed))
         if problem is not None:
             raise WeightSyncError(f"the engine's update failed: {problem}")
-        if client is not None:
-            client.call("finish_weight_update")
         seconds = time.perf_counter() - start
         ex = self.redistributor._exchange
         assert ex is not None
