@@ -20,17 +20,13 @@ each case's verdicts, which is how the facts in docs/moe.md were read.
 
 import dataclasses
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
 
 WORLD = 2
 SEED = 20260620
-WORKER = pathlib.Path(__file__).resolve().parent / "tp_load_worker.py"
 
 # The distributed configs transformers 5.24 is asked for, by mode (WORLD processes each).
 MODES = {
@@ -140,12 +136,6 @@ def build_toy_model(case, seed, out_dir):
     model.to(getattr(torch, case.dtype)).save_pretrained(out_dir)
 
 
-def free_loopback_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MoeTruth:
     """What transformers put on each rank, per (case, mode)."""
 
@@ -183,15 +173,9 @@ def run_transformers(root):
     cases = [{"name": f"{name}.{mode}", "dir": str(models / name),
               "distributed_config": MODES[mode]}
              for name, case in sorted(CASES.items()) for mode in case.works]
-    (root / "cases.json").write_text(json.dumps(cases, indent=1))
-    # Loopback only: gloo binds the interface named here, the rendezvous the address below.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
-           str(WORKER), str(root / "cases.json"), str(dumps)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stderr[-4000:]}"
+    from tp_load_worker import launch  # imported here: conftest imports this module
+
+    launch(cases, root, WORLD)
     return MoeTruth(models, dumps)
 
 

@@ -17,10 +17,8 @@ local tensors (tp_load_worker.py). Then:
 
 import dataclasses
 import json
-import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
@@ -28,10 +26,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tp_load_worker import launch
 
 TP = 2
 SEED = 20260601
-WORKER = pathlib.Path(__file__).resolve().parent / "tp_load_worker.py"
 
 # Every toy model starts from this (the keys its config class has); token ids stay inside the
 # vocabulary. The expert keys are the names the MoE config classes use.
@@ -108,12 +106,6 @@ def build_toy_model(case, seed, out_dir):
         out_dir, **({"max_shard_size": case.max_shard_size} if case.max_shard_size else {}))
 
 
-def free_loopback_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TransformersRun:
     """What transformers put on each rank, per case (the worker's output)."""
 
@@ -137,19 +129,10 @@ class TransformersRun:
 @pytest.fixture(scope="module")
 def transformers_tp(tmp_path_factory):
     root = tmp_path_factory.mktemp("transformers_tp")
-    models, dumps = root / "models", root / "dumps"
+    models = root / "models"
     for i, (name, case) in enumerate(sorted(CASES.items())):
         build_toy_model(case, SEED + i, models / name)
-    cases = root / "cases.json"
-    cases.write_text(json.dumps([{"name": n, "dir": str(models / n)} for n in sorted(CASES)]))
-    # Loopback only: gloo binds the interface named here, the rendezvous the address below.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(TP),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
-           str(WORKER), str(cases), str(dumps)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"torchrun failed ({r.returncode}):\n{r.stderr[-4000:]}"
+    dumps = launch([{"name": n, "dir": str(models / n)} for n in sorted(CASES)], root, TP)
     return TransformersRun(models, dumps)
 
 
