@@ -14,7 +14,15 @@ written); the layers the maps write are materialized, zeroed and handed to the t
 ``out``, while the old (kernel) tensors stay untouched. Only when every byte has arrived, on
 every worker, does each layer run its post-load processing and copy into the kernel tensors.
 Any failure before that (a check on any process, a peer lost mid-transfer) puts the old
-tensors back: the engine serves the weights it had.
+tensors back: the engine serves the weights it had. The workers commit together: after the
+transfer they agree over vLLM's own group of the workers (which a lost trainer process does not
+break) that every one of them has all its bytes, else every one puts its old tensors back.
+
+No RPC of this backend fails for a refusal or a lost peer: when an RPC fails on more than one
+worker, vLLM's executor reads the first failed reply and leaves the others unread, and every
+later RPC then reads a stale reply. An update abandoned that way is left open in vLLM (its
+``finish_weight_update`` not called); the workers report it to the next ``WeightSync``, whose
+driving process finishes it.
 """
 
 from __future__ import annotations
@@ -121,6 +129,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[Redistributor] = None
         self._trainers = 0
+        self._open = False  # an update started and not finished (its trainer may be gone)
 
     # -- init: join the group, agree on one plan ---------------------------------------------
 
@@ -139,7 +148,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
         report = {"model": self.model_config.model,
                   "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
-                  "params": _tensor_info(self.model)}
+                  "params": _tensor_info(self.model), "open": self._open}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]
         error = plan.get("error") or self._check_targets(plan["target"], rank)
@@ -183,12 +192,35 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self._sync is None:
             raise RuntimeError("the reshard weight transfer is not initialized: create a "
                                "reshard.vllm.WeightSync first")
+        self._open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronises the accelerator, which raises on CPU.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._open = False  # vLLM closes the update of a worker whose RPC fails
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _all_workers(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every worker, agreed over vLLM's own group of the workers
+        (a trainer process lost mid-transfer breaks the sync's group, not this one)."""
+        if self.parallel_config.world_size == 1:
+            return ok
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        dist.all_reduce(flag, group=get_tp_group().cpu_group)
+        return int(flag.item()) == 0
+
+    def _abandon(self, what: str) -> None:
+        """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
+        processes still waiting on this worker hear of it at once."""
+        logger.warning("reshard weight update: %s; the sync's group is shut down (a new "
+                       "WeightSync joins again)", what)
+        self.shutdown()
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         if update_info.mode == "raw":
@@ -207,6 +239,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         out: dict[str, torch.Tensor] = {}
         rank = comm.rank - self._trainers
         times = [time.perf_counter()]
+        refused: Optional[RedistributeError] = None
+        lost: Optional[Exception] = None
         try:
             error = None
             try:
@@ -234,12 +268,23 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             sync.run({}, out=out, _error=error)
             times.append(time.perf_counter())
         except RedistributeError as e:  # agreed: every trainer process raises it
-            self._restore(model)
-            logger.warning("reshard weight update refused, old weights kept: %s", e)
-            return
+            refused = e
+        except Exception as e:  # a peer lost mid-transfer (the transport raised)
+            lost = e
         except BaseException:
             self._restore(model)
             raise
+        # Every worker commits, or none: one that lacks bytes (a trainer process lost after
+        # sending to some workers) makes all of them keep their old weights.
+        if not self._all_workers(refused is None and lost is None):
+            self._restore(model)
+            if refused is not None:
+                logger.warning("reshard weight update refused, old weights kept: %s", refused)
+            else:
+                why = f"{type(lost).__name__}: {lost}" if lost else \
+                    "another worker lost a peer mid-transfer"
+                self._abandon(f"worker {rank} kept its old weights: {why}")
+            return
         # Every byte is here on every worker: process each layer into its kernel tensors.
         problem = None
         try:
@@ -261,7 +306,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # engine's next update starts clean.
         parts = dict(zip(("prepare", "transfer", "process"),
                          (b - a for a, b in zip(times, times[1:]))))
-        comm.gather_object({"error": problem, "seconds": parts})
+        try:
+            comm.gather_object({"error": problem, "seconds": parts})
+        except Exception as e:  # a trainer process lost once every byte had arrived
+            self._abandon(f"worker {rank} holds the new weights; then {type(e).__name__}: {e}")
 
     def _restore(self, model: torch.nn.Module) -> None:
         """Put every layer's kernel tensors back as they were (the old weights)."""
@@ -312,7 +360,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         comm.gather_object(None)
 
     def finish_weight_update(self) -> None:
-        pass  # update_weights has committed (or restored) already
+        self._open = False  # update_weights has committed (or restored) already
 
     def shutdown(self) -> None:
         if self._comm is not None:

