@@ -557,23 +557,24 @@ class Redistributor:
         me = self._me
         src, dst = _addresses(sources), _addresses(targets)
         rounds = ex.num_rounds
-        # A chunk whose boxes are all contiguous on both sides travels as its runs, straight
-        # from the source shards into the target shards (over a CPU transport); the others
-        # are packed into a staging buffer and unpacked from one.
-        direct_ok = comm.type == "cpu"
+        # Over a CPU transport a chunk's boxes that are one run of bytes in both shards travel
+        # as those runs, straight from the source shards into the target shards; the rest of
+        # the chunk (all of it over NCCL, where chunks are staged on the device) is packed into
+        # a staging buffer and unpacked from one.
+        direct = comm.type == "cpu"
         sends, receives = [], []
         direct_sends: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
         direct_receives: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
         for k, peer, n in ex.sends(me):
-            runs = ex.direct_runs(me, peer, k) if direct_ok else []
-            if not runs:
-                sends.append((k, peer, n))
+            rest, runs = ex.direct_runs(me, peer, k) if direct else (n, [])
+            if rest:
+                sends.append((k, peer, rest))
             for param, at, _, size in runs:
                 direct_sends[k].append((_bytes_of(sources[param])[at:at + size], peer))
         for k, peer, n in ex.receives(me):
-            runs = ex.direct_runs(peer, me, k) if direct_ok else []
-            if not runs:
-                receives.append((k, peer, n))
+            rest, runs = ex.direct_runs(peer, me, k) if direct else (n, [])
+            if rest:
+                receives.append((k, peer, rest))
             for param, _, at, size in runs:
                 direct_receives[k].append((_bytes_of(targets[param])[at:at + size], peer))
 
@@ -598,16 +599,17 @@ class Redistributor:
 
         def pack(k: int) -> None:
             for peer, off, n in send_rounds[k]:
-                ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options)
+                ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, direct)
 
         def unpack(k: int, staged: list[tuple[int, int, "torch.Tensor"]]) -> None:
             recv_buf = recv_bufs[k % 2]
             for off, n, buf in staged:
                 recv_buf[off:off + n].copy_(buf)
             for peer, off, n in recv_rounds[k]:
-                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options)
+                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options,
+                          direct)
 
-        sent = received = direct = 0
+        sent = received = direct_bytes = 0
         if rounds:
             pack(0)
         pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
@@ -631,7 +633,7 @@ class Redistributor:
             direct_in = sum(t.numel() for t, _ in direct_receives[k])
             sent += sum(t.numel() for t, _ in direct_sends[k])
             received += direct_in
-            direct += direct_in
+            direct_bytes += direct_in
             requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
                 ex.copy_local(me, src, dst, self._options)
@@ -647,7 +649,7 @@ class Redistributor:
         if not rounds:
             ex.copy_local(me, src, dst, self._options)
         stats = ex.stats(me)
-        self.last_stats = {"sent": sent, "received": received, "direct": direct,
+        self.last_stats = {"sent": sent, "received": received, "direct": direct_bytes,
                            "local": int(stats["local"]),
                            "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
 

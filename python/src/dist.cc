@@ -117,10 +117,13 @@ bool Contiguous(const Shape& shape, const Shape& strides) {
 struct Chunk {
   Index bytes = 0;
   std::vector<Segment> segments;
-  std::vector<Step> pack, unpack;
-  // When every box is a contiguous run on both sides and unscaled: the runs, in chunk order
-  // (adjacent ones merged), which travel as they lie in the shards; else empty (packed).
+  std::vector<Step> pack, unpack;  // every box, at its place in the chunk
+  // The chunk as it travels over a transport that sends from and receives into the shards:
+  // the unscaled boxes that are one contiguous run in both shards travel as those runs
+  // (adjacent ones merged), the rest packed into `rest_bytes` of staging.
   std::vector<DirectRun> direct;
+  std::vector<Step> pack_rest, unpack_rest;
+  Index rest_bytes = 0;
 };
 
 // The replica policy between processes: a holder in the target's own process when there is
@@ -221,31 +224,33 @@ class Exchange {
     return d;
   }
 
-  // [(parameter, source byte offset, target byte offset, bytes)]: the runs in which the chunk
-  // of `round` from process `src` to `dst` travels straight from the source shard into the
-  // target shard, without packing; empty when the chunk is packed (see Chunk::direct).
-  std::vector<std::tuple<size_t, Index, Index, Index>> DirectRuns(int src, int dst,
-                                                                  size_t round) const {
-    std::vector<std::tuple<size_t, Index, Index, Index>> out;
-    for (const DirectRun& r : ChunkOf(src, dst, round, std::numeric_limits<Index>::max()).direct) {
-      out.emplace_back(r.param, r.src_byte, r.dst_byte, r.bytes);
-    }
-    return out;
+  // The chunk of `round` from process `src` to `dst` as it travels when the shards themselves
+  // are sent from and received into: (bytes staged for the packed rest, [(parameter, source
+  // byte offset, target byte offset, bytes)] of the runs that go straight between the shards).
+  std::pair<Index, std::vector<std::tuple<size_t, Index, Index, Index>>> DirectRuns(
+      int src, int dst, size_t round) const {
+    const Chunk& c = ChunkOf(src, dst, round, std::numeric_limits<Index>::max());
+    std::vector<std::tuple<size_t, Index, Index, Index>> runs;
+    for (const DirectRun& r : c.direct) runs.emplace_back(r.param, r.src_byte, r.dst_byte, r.bytes);
+    return {c.rest_bytes, std::move(runs)};
   }
 
   // Source shards of this process (one (address, elements) per parameter; (0, 0) for a
   // parameter it holds no source shard of) -> the chunk of `round` it sends to `peer`.
+  // With `rest`, only the boxes that do not travel as direct runs, at their staging places.
   void Pack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
-            const std::vector<std::pair<uintptr_t, Index>>& sources, const ExecOptions& options) {
-    const Chunk& c = ChunkOf(proc, peer, round, buffer_bytes);
-    Run(c.pack, sources, buffer, buffer_bytes, true, options,
+            const std::vector<std::pair<uintptr_t, Index>>& sources, const ExecOptions& options,
+            bool rest) {
+    const Chunk& c = ChunkOf(proc, peer, round, buffer_bytes, rest);
+    Run(rest ? c.pack_rest : c.pack, sources, buffer, buffer_bytes, true, options,
         "packing for process " + std::to_string(peer));
   }
 
   void Unpack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
-              const std::vector<std::pair<uintptr_t, Index>>& targets, const ExecOptions& options) {
-    const Chunk& c = ChunkOf(peer, proc, round, buffer_bytes);
-    Run(c.unpack, targets, buffer, buffer_bytes, false, options,
+              const std::vector<std::pair<uintptr_t, Index>>& targets, const ExecOptions& options,
+              bool rest) {
+    const Chunk& c = ChunkOf(peer, proc, round, buffer_bytes, rest);
+    Run(rest ? c.unpack_rest : c.unpack, targets, buffer, buffer_bytes, false, options,
         "unpacking from process " + std::to_string(peer));
   }
 
@@ -310,16 +315,18 @@ class Exchange {
     return *dtype;
   }
 
-  const Chunk& ChunkOf(int src, int dst, size_t round, Index buffer_bytes) const {
+  const Chunk& ChunkOf(int src, int dst, size_t round, Index buffer_bytes,
+                       bool rest = false) const {
     auto it = streams_.find({src, dst});
     if (it == streams_.end() || round >= it->second.size()) {
       throw py::index_error("no chunk from process " + std::to_string(src) + " to process " +
                             std::to_string(dst) + " in round " + std::to_string(round));
     }
     const Chunk& c = it->second[round];
-    if (buffer_bytes < c.bytes) {
+    const Index needed = rest ? c.rest_bytes : c.bytes;
+    if (buffer_bytes < needed) {
       throw py::value_error("chunk buffer has " + std::to_string(buffer_bytes) + " bytes, needs " +
-                            std::to_string(c.bytes));
+                            std::to_string(needed));
     }
     return c;
   }
@@ -452,19 +459,20 @@ class Exchange {
     }
   }
 
-  // The pack and unpack plans of one chunk: one step per parameter, one move per box; and its
-  // direct runs when every box allows them.
+  // The pack and unpack plans of one chunk: one step per parameter, one move per box; and the
+  // same split into direct runs and the packed rest.
   void Steps(const std::vector<ParamPlan>& plans, Chunk& c) const {
-    bool direct = true;
+    auto step_of = [](std::vector<Step>& steps, size_t param) -> ParamPlan& {
+      if (steps.empty() || steps.back().param != param) {
+        ParamPlan one;
+        one.source_world = one.target_world = 1;
+        steps.push_back({param, one});
+      }
+      return steps.back().plan;
+    };
     for (const Segment& seg : c.segments) {
       const Move& m = plans[seg.param].moves[seg.move];
       const Index item = static_cast<Index>(DTypeSize(dtypes_[seg.param]));
-      if (c.pack.empty() || c.pack.back().param != seg.param) {
-        ParamPlan one;
-        one.source_world = one.target_world = 1;
-        c.pack.push_back({seg.param, one});
-        c.unpack.push_back({seg.param, one});
-      }
       const Shape move_strides = RowMajor(m.shape);
       Shape start(m.shape.size(), 0);
       auto emit = [&](const Shape& at, const Shape& shape) {
@@ -472,14 +480,20 @@ class Exchange {
                                    RowMajor(shape)};
         const StridedView in_src{m.src.offset + Dot(at, m.src.strides), m.src.strides};
         const StridedView in_dst{m.dst.offset + Dot(at, m.dst.strides), m.dst.strides};
-        c.pack.back().plan.moves.push_back({0, 0, shape, in_src, in_chunk, m.factor});
-        c.unpack.back().plan.moves.push_back({0, 0, shape, in_chunk, in_dst, 1.0});
-        direct = direct && m.factor == 1.0 && Contiguous(shape, m.src.strides) &&
-                 Contiguous(shape, m.dst.strides);
-        if (!direct) return;
-        Index n = item;
-        for (Index d : shape) n *= d;
-        const DirectRun run{seg.param, in_src.offset * item, in_dst.offset * item, n};
+        step_of(c.pack, seg.param).moves.push_back({0, 0, shape, in_src, in_chunk, m.factor});
+        step_of(c.unpack, seg.param).moves.push_back({0, 0, shape, in_chunk, in_dst, 1.0});
+        Index bytes = item;
+        for (Index d : shape) bytes *= d;
+        if (m.factor != 1.0 || !Contiguous(shape, m.src.strides) ||
+            !Contiguous(shape, m.dst.strides)) {
+          const Index offset = (c.rest_bytes + item - 1) / item * item;
+          const StridedView in_rest{offset / item, RowMajor(shape)};
+          step_of(c.pack_rest, seg.param).moves.push_back({0, 0, shape, in_src, in_rest, m.factor});
+          step_of(c.unpack_rest, seg.param).moves.push_back({0, 0, shape, in_rest, in_dst, 1.0});
+          c.rest_bytes = offset + bytes;
+          return;
+        }
+        const DirectRun run{seg.param, in_src.offset * item, in_dst.offset * item, bytes};
         if (!c.direct.empty()) {
           DirectRun& last = c.direct.back();
           if (last.param == run.param && last.src_byte + last.bytes == run.src_byte &&
@@ -492,7 +506,6 @@ class Exchange {
       };
       RangeBoxes(m.shape, 0, start, seg.lo, seg.hi, emit);
     }
-    if (!direct) c.direct.clear();
   }
 
   std::vector<std::string> names_;
@@ -520,9 +533,11 @@ void BindDist(py::module_& m) {
       .def("direct_runs", &Exchange::DirectRuns, py::arg("source_proc"), py::arg("target_proc"),
            py::arg("round"))
       .def("pack", &Exchange::Pack, py::arg("proc"), py::arg("peer"), py::arg("round"),
-           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"))
+           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"),
+           py::arg("rest") = false)
       .def("unpack", &Exchange::Unpack, py::arg("proc"), py::arg("peer"), py::arg("round"),
-           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("targets"), py::arg("options"))
+           py::arg("buffer"), py::arg("buffer_bytes"), py::arg("targets"), py::arg("options"),
+           py::arg("rest") = false)
       .def("check_sources", &Exchange::CheckSources, py::arg("proc"), py::arg("sources"),
            py::arg("options"))
       .def("copy_local", &Exchange::CopyLocal, py::arg("proc"), py::arg("sources"),
