@@ -557,39 +557,42 @@ class Redistributor:
         me = self._me
         src, dst = _addresses(sources), _addresses(targets)
         rounds = ex.num_rounds
-        # Over a CPU transport a chunk's boxes that are one run of bytes in both shards travel
-        # as those runs, straight from the source shards into the target shards; the rest of
-        # the chunk (all of it over NCCL, where chunks are staged on the device) is packed into
-        # a staging buffer and unpacked from one.
-        direct = comm.type == "cpu"
-        sends, receives = [], []
-        direct_sends: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
-        direct_receives: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(rounds)]
+        # Over a CPU transport a chunk travels as its messages: a side where a box is one run
+        # of bytes in the shard sends from (or receives into) the shard as it lies, the other
+        # side packs it into (or unpacks it from) staging. Over NCCL every chunk is staged
+        # whole on both sides (and copied between host and device).
+        messages = comm.type == "cpu"
+        # (round, peer, staging bytes, [(shard's parameter or -1 for staging, byte, bytes)])
+        sends: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
+        receives: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
         for k, peer, n in ex.sends(me):
-            rest, runs = ex.direct_runs(me, peer, k) if direct else (n, [])
-            if rest:
-                sends.append((k, peer, rest))
-            for param, at, _, size in runs:
-                direct_sends[k].append((_bytes_of(sources[param])[at:at + size], peer))
+            if messages:
+                rest, _, ms = ex.messages(me, peer, k)
+                sends.append((k, peer, rest, [(sp, sb, b) for sp, sb, _, _, b in ms]))
+            else:
+                sends.append((k, peer, n, [(-1, 0, n)]))
         for k, peer, n in ex.receives(me):
-            rest, runs = ex.direct_runs(peer, me, k) if direct else (n, [])
-            if rest:
-                receives.append((k, peer, rest))
-            for param, _, at, size in runs:
-                direct_receives[k].append((_bytes_of(targets[param])[at:at + size], peer))
+            if messages:
+                _, rest, ms = ex.messages(peer, me, k)
+                receives.append((k, peer, rest, [(dp, db, b) for _, _, dp, db, b in ms]))
+            else:
+                receives.append((k, peer, n, [(-1, 0, n)]))
 
-        def by_round(items: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-            out: list[list[tuple[int, int, int]]] = [[] for _ in range(rounds)]
+        def by_round(items: list[tuple[int, int, int, list[tuple[int, int, int]]]]
+                     ) -> list[list[tuple[int, int, int, list[tuple[int, int, int]]]]]:
+            """Per round: (peer, offset in the round's staging, staging bytes, messages)."""
+            out: list[list[tuple[int, int, int, list[tuple[int, int, int]]]]] = \
+                [[] for _ in range(rounds)]
             offset = [0] * rounds
-            for k, peer, n in items:
-                out[k].append((peer, offset[k], n))
+            for k, peer, n, ms in items:
+                out[k].append((peer, offset[k], n, ms))
                 offset[k] += (n + 63) // 64 * 64
             return out
 
         send_rounds, recv_rounds = by_round(sends), by_round(receives)
 
-        def size(items: list[list[tuple[int, int, int]]]) -> int:
-            return max([off + n for r in items for _, off, n in r] or [0])
+        def size(items: list[list[tuple[int, int, int, list[tuple[int, int, int]]]]]) -> int:
+            return max([off + n for r in items for _, off, n, _ in r] or [0])
 
         # Two buffers each way: round k's chunks travel while round k+1 is packed and round
         # k-1's are unpacked, so a receiver has posted round k before it unpacks round k-1.
@@ -598,18 +601,20 @@ class Redistributor:
         base = [int(b.data_ptr()) for b in send_bufs]
 
         def pack(k: int) -> None:
-            for peer, off, n in send_rounds[k]:
-                ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, direct)
+            for peer, off, n, _ in send_rounds[k]:
+                if n:
+                    ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, messages)
 
         def unpack(k: int, staged: list[tuple[int, int, "torch.Tensor"]]) -> None:
             recv_buf = recv_bufs[k % 2]
             for off, n, buf in staged:
                 recv_buf[off:off + n].copy_(buf)
-            for peer, off, n in recv_rounds[k]:
-                ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst, self._options,
-                          direct)
+            for peer, off, n, _ in recv_rounds[k]:
+                if n:
+                    ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst,
+                              self._options, messages)
 
-        sent = received = direct_bytes = 0
+        sent = received = sent_direct = received_direct = 0
         if rounds:
             pack(0)
         pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
@@ -617,23 +622,27 @@ class Redistributor:
             outgoing: list[tuple[torch.Tensor, int]] = []
             incoming: list[tuple[torch.Tensor, int]] = []
             staged: list[tuple[int, int, torch.Tensor]] = []
-            for peer, off, n in send_rounds[k]:
-                buf = send_bufs[k % 2][off:off + n]
-                outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
-                sent += n
-            for peer, off, n in recv_rounds[k]:
-                buf = recv_bufs[k % 2][off:off + n]
-                if comm.type != "cpu":
-                    buf = torch.empty(n, dtype=torch.uint8, device=comm)
-                    staged.append((off, n, buf))
-                incoming.append((buf, peer))
-                received += n
-            outgoing += direct_sends[k]
-            incoming += direct_receives[k]
-            direct_in = sum(t.numel() for t, _ in direct_receives[k])
-            sent += sum(t.numel() for t, _ in direct_sends[k])
-            received += direct_in
-            direct_bytes += direct_in
+            for peer, off, _, ms in send_rounds[k]:
+                for param, at, n in ms:
+                    if param >= 0:
+                        outgoing.append((_bytes_of(sources[param])[at:at + n], peer))
+                        sent_direct += n
+                    else:
+                        buf = send_bufs[k % 2][off + at:off + at + n]
+                        outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
+                    sent += n
+            for peer, off, _, ms in recv_rounds[k]:
+                for param, at, n in ms:
+                    if param >= 0:
+                        incoming.append((_bytes_of(targets[param])[at:at + n], peer))
+                        received_direct += n
+                    else:
+                        buf = recv_bufs[k % 2][off + at:off + at + n]
+                        if comm.type != "cpu":
+                            buf = torch.empty(n, dtype=torch.uint8, device=comm)
+                            staged.append((off + at, n, buf))
+                        incoming.append((buf, peer))
+                    received += n
             requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
                 ex.copy_local(me, src, dst, self._options)
@@ -649,7 +658,8 @@ class Redistributor:
         if not rounds:
             ex.copy_local(me, src, dst, self._options)
         stats = ex.stats(me)
-        self.last_stats = {"sent": sent, "received": received, "direct": direct_bytes,
+        self.last_stats = {"sent": sent, "received": received, "sent_direct": sent_direct,
+                           "received_direct": received_direct,
                            "local": int(stats["local"]),
                            "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
 

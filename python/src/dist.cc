@@ -97,9 +97,13 @@ struct Step {
   ParamPlan plan;
 };
 
-// A contiguous run of one parameter's bytes in both its source and its target shard.
-struct DirectRun {
-  size_t param = 0;
+// One message of a chunk as it travels when the shards themselves can be sent from and
+// received into: `bytes` read from the source shard of `src_param` at `src_byte` when that
+// side is one contiguous run there (src_param >= 0), else from the sender's staging at
+// `src_byte`; and written likewise into the target shard of `dst_param` or the receiver's
+// staging at `dst_byte`.
+struct Message {
+  long src_param = -1, dst_param = -1;
   Index src_byte = 0, dst_byte = 0, bytes = 0;
 };
 
@@ -119,11 +123,12 @@ struct Chunk {
   std::vector<Segment> segments;
   std::vector<Step> pack, unpack;  // every box, at its place in the chunk
   // The chunk as it travels over a transport that sends from and receives into the shards:
-  // the unscaled boxes that are one contiguous run in both shards travel as those runs
-  // (adjacent ones merged), the rest packed into `rest_bytes` of staging.
-  std::vector<DirectRun> direct;
+  // one message per box (adjacent ones merged). A side where the box is one contiguous run
+  // (and, on the sending side, unscaled) uses the shard as it lies; the other side packs it
+  // into (or unpacks it from) its staging: `send_rest` bytes of it, `recv_rest` bytes.
+  std::vector<Message> messages;
   std::vector<Step> pack_rest, unpack_rest;
-  Index rest_bytes = 0;
+  Index send_rest = 0, recv_rest = 0;
 };
 
 // The replica policy between processes: a holder in the target's own process when there is
@@ -225,23 +230,25 @@ class Exchange {
   }
 
   // The chunk of `round` from process `src` to `dst` as it travels when the shards themselves
-  // are sent from and received into: (bytes staged for the packed rest, [(parameter, source
-  // byte offset, target byte offset, bytes)] of the runs that go straight between the shards).
-  std::pair<Index, std::vector<std::tuple<size_t, Index, Index, Index>>> DirectRuns(
+  // can be sent from and received into: (staging bytes of the sender, of the receiver,
+  // [(source parameter or -1 for staging, its byte offset, target parameter or -1, its byte
+  // offset, bytes)] per message, in order).
+  std::tuple<Index, Index, std::vector<std::tuple<long, Index, long, Index, Index>>> Messages(
       int src, int dst, size_t round) const {
     const Chunk& c = ChunkOf(src, dst, round, std::numeric_limits<Index>::max());
-    std::vector<std::tuple<size_t, Index, Index, Index>> runs;
-    for (const DirectRun& r : c.direct) runs.emplace_back(r.param, r.src_byte, r.dst_byte, r.bytes);
-    return {c.rest_bytes, std::move(runs)};
+    std::vector<std::tuple<long, Index, long, Index, Index>> out;
+    for (const Message& m : c.messages) {
+      out.emplace_back(m.src_param, m.src_byte, m.dst_param, m.dst_byte, m.bytes);
+    }
+    return {c.send_rest, c.recv_rest, std::move(out)};
   }
 
-  // Source shards of this process (one (address, elements) per parameter; (0, 0) for a
-  // parameter it holds no source shard of) -> the chunk of `round` it sends to `peer`.
-  // With `rest`, only the boxes that do not travel as direct runs, at their staging places.
+  // With `rest`, only the boxes that use staging on this side of a message, at their places.
   void Pack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
             const std::vector<std::pair<uintptr_t, Index>>& sources, const ExecOptions& options,
             bool rest) {
-    const Chunk& c = ChunkOf(proc, peer, round, buffer_bytes, rest);
+    const Chunk& c =
+        ChunkOf(proc, peer, round, buffer_bytes, rest ? Staged::kSend : Staged::kWhole);
     Run(rest ? c.pack_rest : c.pack, sources, buffer, buffer_bytes, true, options,
         "packing for process " + std::to_string(peer));
   }
@@ -249,7 +256,8 @@ class Exchange {
   void Unpack(int proc, int peer, size_t round, uintptr_t buffer, Index buffer_bytes,
               const std::vector<std::pair<uintptr_t, Index>>& targets, const ExecOptions& options,
               bool rest) {
-    const Chunk& c = ChunkOf(peer, proc, round, buffer_bytes, rest);
+    const Chunk& c =
+        ChunkOf(peer, proc, round, buffer_bytes, rest ? Staged::kReceive : Staged::kWhole);
     Run(rest ? c.unpack_rest : c.unpack, targets, buffer, buffer_bytes, false, options,
         "unpacking from process " + std::to_string(peer));
   }
@@ -315,15 +323,20 @@ class Exchange {
     return *dtype;
   }
 
+  // Which staging a buffer holds: the whole chunk, or a message form's sending or receiving rest.
+  enum class Staged { kWhole, kSend, kReceive };
+
   const Chunk& ChunkOf(int src, int dst, size_t round, Index buffer_bytes,
-                       bool rest = false) const {
+                       Staged staged = Staged::kWhole) const {
     auto it = streams_.find({src, dst});
     if (it == streams_.end() || round >= it->second.size()) {
       throw py::index_error("no chunk from process " + std::to_string(src) + " to process " +
                             std::to_string(dst) + " in round " + std::to_string(round));
     }
     const Chunk& c = it->second[round];
-    const Index needed = rest ? c.rest_bytes : c.bytes;
+    const Index needed = staged == Staged::kSend      ? c.send_rest
+                         : staged == Staged::kReceive ? c.recv_rest
+                                                      : c.bytes;
     if (buffer_bytes < needed) {
       throw py::value_error("chunk buffer has " + std::to_string(buffer_bytes) + " bytes, needs " +
                             std::to_string(needed));
@@ -460,7 +473,7 @@ class Exchange {
   }
 
   // The pack and unpack plans of one chunk: one step per parameter, one move per box; and the
-  // same split into direct runs and the packed rest.
+  // chunk's messages, with the plans of their staged sides.
   void Steps(const std::vector<ParamPlan>& plans, Chunk& c) const {
     auto step_of = [](std::vector<Step>& steps, size_t param) -> ParamPlan& {
       if (steps.empty() || steps.back().param != param) {
@@ -484,29 +497,53 @@ class Exchange {
         step_of(c.unpack, seg.param).moves.push_back({0, 0, shape, in_chunk, in_dst, 1.0});
         Index bytes = item;
         for (Index d : shape) bytes *= d;
-        if (m.factor != 1.0 || !Contiguous(shape, m.src.strides) ||
-            !Contiguous(shape, m.dst.strides)) {
-          const Index offset = (c.rest_bytes + item - 1) / item * item;
-          const StridedView in_rest{offset / item, RowMajor(shape)};
-          step_of(c.pack_rest, seg.param).moves.push_back({0, 0, shape, in_src, in_rest, m.factor});
-          step_of(c.unpack_rest, seg.param).moves.push_back({0, 0, shape, in_rest, in_dst, 1.0});
-          c.rest_bytes = offset + bytes;
-          return;
+        Message msg;
+        msg.bytes = bytes;
+        if (m.factor == 1.0 && Contiguous(shape, m.src.strides)) {
+          msg.src_param = static_cast<long>(seg.param);
+          msg.src_byte = in_src.offset * item;
+        } else {
+          msg.src_byte = (c.send_rest + item - 1) / item * item;
+          step_of(c.pack_rest, seg.param)
+              .moves.push_back({0, 0, shape, in_src,
+                                StridedView{msg.src_byte / item, RowMajor(shape)}, m.factor});
+          c.send_rest = msg.src_byte + bytes;
         }
-        const DirectRun run{seg.param, in_src.offset * item, in_dst.offset * item, bytes};
-        if (!c.direct.empty()) {
-          DirectRun& last = c.direct.back();
-          if (last.param == run.param && last.src_byte + last.bytes == run.src_byte &&
-              last.dst_byte + last.bytes == run.dst_byte) {
-            last.bytes += run.bytes;
+        if (Contiguous(shape, m.dst.strides)) {
+          msg.dst_param = static_cast<long>(seg.param);
+          msg.dst_byte = in_dst.offset * item;
+        } else {
+          msg.dst_byte = (c.recv_rest + item - 1) / item * item;
+          step_of(c.unpack_rest, seg.param)
+              .moves.push_back(
+                  {0, 0, shape, StridedView{msg.dst_byte / item, RowMajor(shape)}, in_dst, 1.0});
+          c.recv_rest = msg.dst_byte + bytes;
+        }
+        if (!c.messages.empty()) {  // one message with the last when it continues on both sides
+          Message& last = c.messages.back();
+          if (last.src_param == msg.src_param && last.dst_param == msg.dst_param &&
+              last.src_byte + last.bytes == msg.src_byte &&
+              last.dst_byte + last.bytes == msg.dst_byte) {
+            last.bytes += msg.bytes;
             return;
           }
         }
-        c.direct.push_back(run);
+        c.messages.push_back(msg);
       };
       RangeBoxes(m.shape, 0, start, seg.lo, seg.hi, emit);
     }
+    // Many small messages cost more than staging: such a chunk travels whole, staged both sides.
+    const Index n = static_cast<Index>(c.messages.size());
+    if (n > kMaxMessages || (n > 1 && c.bytes / n < kMinMessageBytes)) {
+      c.messages = {Message{-1, -1, 0, 0, c.bytes}};
+      c.pack_rest = c.pack;
+      c.unpack_rest = c.unpack;
+      c.send_rest = c.recv_rest = c.bytes;
+    }
   }
+
+  static constexpr Index kMaxMessages = 256;
+  static constexpr Index kMinMessageBytes = 16 << 10;
 
   std::vector<std::string> names_;
   std::vector<DType> dtypes_;
@@ -530,7 +567,7 @@ void BindDist(py::module_& m) {
       .def("sends", [](const Exchange& e, int proc) { return e.Transfers(proc, true); })
       .def("receives", [](const Exchange& e, int proc) { return e.Transfers(proc, false); })
       .def("stats", &Exchange::Stats, py::arg("proc"))
-      .def("direct_runs", &Exchange::DirectRuns, py::arg("source_proc"), py::arg("target_proc"),
+      .def("messages", &Exchange::Messages, py::arg("source_proc"), py::arg("target_proc"),
            py::arg("round"))
       .def("pack", &Exchange::Pack, py::arg("proc"), py::arg("peer"), py::arg("round"),
            py::arg("buffer"), py::arg("buffer_bytes"), py::arg("sources"), py::arg("options"),

@@ -146,6 +146,13 @@ def cases(reshard_bin, tmp):
                            "target": other_target}},
         {"name": "moe_ep2_to_ep2_tp2_buffers", "params": experts, "source_ranks": [2, 3],
          "target_ranks": [0, 2, 1, 3], "seed": 9, "bucket_bytes": 64},
+        # 512 KiB of float32: chunks large enough to travel as messages over the shards.
+        {"name": "big_rows_to_rows", "source_ranks": [0, 1], "target_ranks": everyone,
+         "params": {"w": {"source": split_map([512, 256], 0, [256, 256]),
+                          "target": split_map([512, 256], 0, [128] * 4)}}, "seed": 10},
+        {"name": "big_rows_to_columns", "source_ranks": [0, 1], "target_ranks": [2, 3],
+         "params": {"w": {"source": split_map([512, 256], 0, [256, 256]),
+                          "target": split_map([512, 256], 1, [128, 128])}}, "seed": 11},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
@@ -174,7 +181,8 @@ def launch(tmp_path_factory, reshard_bin):
 
 GOOD = ["tp4_to_tp2_overlapping", "tp4_to_tp2_small_buckets_two_steps",
         "rows_to_columns_disjoint", "tp2_to_tp4", "llama_tp4_to_tp2", "replicated_sources_balanced",
-        "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "after_errors"]
+        "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_rows",
+        "big_rows_to_columns", "after_errors"]
 
 
 @pytest.mark.parametrize("name", GOOD)
@@ -217,21 +225,26 @@ def test_small_buckets_cut_moves_into_many_rounds(launch):
             assert n <= 64 // 4, (rnd, n)
 
 
-def test_chunks_contiguous_on_both_sides_travel_unpacked(launch):
-    """A chunk that is one run of bytes in the source shard and in the target shard (whole
-    norms into row splits) goes straight from one into the other; one that is not (rows to
-    columns) is packed; the layout families at TP 2 -> 4 mix both. All give the offline
-    transfer's result (test_every_process_gets_what_the_offline_transfer_gives)."""
-    def direct_and_received(name):
-        stats = [r["stats"][0] for r in launch[name][1]]
-        return sum(s["direct"] for s in stats), sum(s["received"] for s in stats)
+def test_contiguous_sides_of_a_chunk_use_the_shards_as_they_lie(launch):
+    """Rows into rows: each chunk is one run of bytes in the source shard and in the target
+    shard, so it is sent from one and received into the other (nothing staged). Rows into
+    columns: each box is strided in the source shard (packed by the sender) and one run in
+    the target shard (received into it). Small chunks (rows to columns of 8 x 12) are staged
+    whole on both sides. All give the offline transfer's result
+    (test_every_process_gets_what_the_offline_transfer_gives)."""
+    def stats(name):
+        return [r["stats"][0] for r in launch[name][1]]
 
-    direct, received = direct_and_received("replicated_sources_balanced")
-    assert direct == received > 0
-    direct, received = direct_and_received("rows_to_columns_disjoint")
-    assert direct == 0 < received
-    direct, received = direct_and_received("tp2_to_tp4")
-    assert 0 < direct < received
+    rows = stats("big_rows_to_rows")
+    assert all(s["sent_direct"] == s["sent"] and s["received_direct"] == s["received"]
+               for s in rows)
+    assert sum(s["received"] for s in rows) == 3 * 128 * 256 * 4
+    columns = stats("big_rows_to_columns")
+    assert [s["sent_direct"] for s in columns] == [0, 0, 0, 0]
+    assert all(s["received_direct"] == s["received"] > 0 for s in columns[2:])
+    small = stats("rows_to_columns_disjoint")
+    assert sum(s["received"] for s in small) > 0
+    assert all(s["sent_direct"] == s["received_direct"] == 0 for s in small)
 
 
 def test_replicated_sources_share_the_sending(launch):
