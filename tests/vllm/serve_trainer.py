@@ -28,6 +28,8 @@ import time
 import traceback
 import urllib.request
 
+import toy
+
 
 def completions(url: str, prompts: list, n: int, timeout: float = 60) -> list:
     """The server's greedy continuations of ``prompts`` (token ids in, token ids out)."""
@@ -103,13 +105,4 @@ def run(spec: dict, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    import faulthandler
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test's stacks
-    try:
-        run(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    toy.trainer_main(run)

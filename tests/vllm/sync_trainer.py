@@ -10,9 +10,8 @@ push (or a failing push) followed, on process 0, by greedy generation. Process 0
 from __future__ import annotations
 
 import json
-import os
-import sys
-import traceback
+
+import toy
 
 
 def run(spec: dict, rank: int) -> None:
@@ -96,14 +95,4 @@ def run(spec: dict, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    import faulthandler
-    import signal
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test's stacks
-    try:
-        run(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    toy.trainer_main(run)

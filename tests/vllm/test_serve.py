@@ -36,19 +36,8 @@ TIMEOUT_S = 20  # the trainers' WeightSync timeout: how long a lost peer can hol
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    import reshard
-    root = tmp_path_factory.mktemp("serve-models")
-    config = toy.llama_config()
-    weights = {"A": toy.weights(config, 1), "B": toy.weights(config, 2)}
-    sharded = {}
-    for key, tensors in weights.items():
-        full = toy.write(str(root / key), config, tensors)
-        out = str(root / f"{key}-tp2")
-        reshard.checkpoint.scatter(full, out, config=os.path.join(full, "config.json"), tp=2)
-        sharded[key] = out
-    expected = {k: toy.greedy(config, t, PROMPTS, NEW_TOKENS) for k, t in weights.items()}
-    assert expected["A"] != expected["B"]  # the pushes can be told apart
-    return {"model": str(root / "A"), "sharded": sharded, "expected": expected}
+    return toy.llama_a_and_b(str(tmp_path_factory.mktemp("serve-models")), (2,), PROMPTS,
+                             NEW_TOKENS)
 
 
 def _plugin_path(tmp_path) -> list[str]:
@@ -130,29 +119,15 @@ def run_trainers(models, server, tmp_path, steps, trainers=2):
     path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     logs = [tmp_path / f"trainer{r}.log" for r in range(trainers)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "serve_trainer.py"),
-                               str(path), str(r)], env=env, stdout=open(logs[r], "w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
-             for r in range(trainers)]
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+    codes = toy.run_processes(os.path.join(HERE, "serve_trainer.py"), str(path), trainers,
+                              env, logs, 300)
     results = []
     for r in range(trainers):
         where = tmp_path / f"result.json.{r}"
         results.append(json.loads(where.read_text())["steps"] if where.exists() else None)
     tails = "\n".join(f"--- trainer {r}\n" + log.read_text()[-4000:]
                       for r, log in enumerate(logs))
-    return results, [p.returncode for p in procs], tails
+    return results, codes, tails
 
 
 @pytest.fixture(scope="module")

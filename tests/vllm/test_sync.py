@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -34,20 +32,8 @@ STEPS = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    import reshard
-    root = tmp_path_factory.mktemp("models")
-    config = toy.llama_config()
-    weights = {"A": toy.weights(config, 1), "B": toy.weights(config, 2)}
-    sharded = {}
-    for key, tensors in weights.items():
-        full = toy.write(str(root / key), config, tensors)
-        for tp in (2, 1):
-            out = str(root / f"{key}-tp{tp}")
-            reshard.checkpoint.scatter(full, out, config=os.path.join(full, "config.json"), tp=tp)
-            sharded[key if tp == 2 else key + "1"] = out
-    expected = {k: toy.greedy(config, t, PROMPTS, NEW_TOKENS) for k, t in weights.items()}
-    assert expected["A"] != expected["B"]  # the pushes can be told apart
-    return {"root": root, "model": str(root / "A"), "sharded": sharded, "expected": expected}
+    return toy.llama_a_and_b(str(tmp_path_factory.mktemp("models")), (2, 1), PROMPTS,
+                             NEW_TOKENS)
 
 
 MOE_STEPS = [{"name": "push B", "kind": "push", "weights": "B"},
@@ -86,24 +72,11 @@ def run_session(models, engine_tp, tmp_path, steps=STEPS):
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.pathsep.join(sys.path))
     logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sync_trainer.py"), str(path),
-                               str(r)], env=env, stdout=open(logs[r], "w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
-             for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=480)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:  # the processes and whatever they started (the engine's own processes)
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    if any(p.returncode for p in procs):
+    codes = toy.run_processes(os.path.join(HERE, "sync_trainer.py"), str(path), 2, env, logs,
+                              480)
+    if any(c != 0 for c in codes):
         tail = "\n".join(log.read_text()[-6000:] for log in logs)
-        pytest.fail(f"trainer processes failed ({[p.returncode for p in procs]}):\n{tail}")
+        pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
     main = json.loads((tmp_path / "result.json").read_text())["steps"]
     other = json.loads((tmp_path / "result.json.1").read_text())["steps"]
     return main, other

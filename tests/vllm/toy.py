@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+import signal
+import subprocess
+import sys
+import traceback
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -111,3 +115,66 @@ def greedy(config: dict[str, Any], tensors: dict[str, torch.Tensor],
     model = _model(config)
     model.load_state_dict(tensors)
     return _generate(model, prompts, n)
+
+
+def llama_a_and_b(root: str, tps: tuple[int, ...], prompts: list[list[int]],
+                  n: int) -> dict[str, Any]:
+    """The toy Llama with weights A (seed 1) and B (seed 2), each scattered by reshard at every
+    degree of ``tps`` (keys "A", "B" for TP 2, "A1", "B1" for TP 1, ...), and transformers'
+    greedy tokens for each."""
+    import reshard
+    config = llama_config()
+    tensors_of = {"A": weights(config, 1), "B": weights(config, 2)}
+    sharded = {}
+    for key, tensors in tensors_of.items():
+        full = write(os.path.join(root, key), config, tensors)
+        for tp in tps:
+            out = os.path.join(root, f"{key}-tp{tp}")
+            reshard.checkpoint.scatter(full, out, config=os.path.join(full, "config.json"), tp=tp)
+            sharded[key if tp == 2 else f"{key}{tp}"] = out
+    expected = {k: greedy(config, t, prompts, n) for k, t in tensors_of.items()}
+    assert expected["A"] != expected["B"]  # the pushes can be told apart
+    return {"root": root, "model": os.path.join(root, "A"), "sharded": sharded,
+            "expected": expected}
+
+
+def run_processes(script: str, spec: str, n: int, env: dict[str, str], logs: list[Any],
+                  timeout_s: float) -> list[Optional[int]]:
+    """``python SCRIPT SPEC RANK`` for ranks 0 .. n-1, each in a session of its own, output to
+    ``logs``; waited for up to ``timeout_s``, then they and whatever they started (an
+    engine's processes) are killed. Their exit codes (None: killed at the timeout)."""
+    procs = [subprocess.Popen([sys.executable, script, spec, str(r)], env=env,
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in range(n)]
+    codes: list[Optional[int]] = []
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            codes.append(p.poll())
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    return codes
+
+
+def trainer_main(run: Callable[[dict[str, Any], int], None]) -> None:
+    """A trainer script's entry point: ``run(spec, rank)`` with SIGUSR1 dumping every thread's
+    stack (a stuck test's), exiting 1 on any exception and skipping interpreter teardown (the
+    engine's threads and the process group)."""
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        with open(sys.argv[1]) as f:
+            run(json.load(f), int(sys.argv[2]))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
