@@ -622,8 +622,8 @@ class Redistributor:
             outgoing: list[tuple[torch.Tensor, int]] = []
             incoming: list[tuple[torch.Tensor, int]] = []
             staged: list[tuple[int, int, torch.Tensor]] = []
-            for peer, off, _, ms in send_rounds[k]:
-                for param, at, n in ms:
+            for peer, off, _, parts in send_rounds[k]:
+                for param, at, n in parts:
                     if param >= 0:
                         outgoing.append((_bytes_of(sources[param])[at:at + n], peer))
                         sent_direct += n
@@ -631,8 +631,8 @@ class Redistributor:
                         buf = send_bufs[k % 2][off + at:off + at + n]
                         outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
                     sent += n
-            for peer, off, _, ms in recv_rounds[k]:
-                for param, at, n in ms:
+            for peer, off, _, parts in recv_rounds[k]:
+                for param, at, n in parts:
                     if param >= 0:
                         incoming.append((_bytes_of(targets[param])[at:at + n], peer))
                         received_direct += n
