@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The live-sync checks on a GPU machine, in one go (under 5 minutes on one GPU):
-#   1. the live tests (tests/vllm/test_sync.py) with the engine on the GPU, at TP 1;
+#   1. the live tests (tests/vllm/test_sync.py: the toy Llama and the toy Qwen3-MoE) with the
+#      engine on the GPU, at TP 1;
 #   2. the benchmark (bench/vllm_sync_bench.py), engine TP 1 on the GPU;
 #   3. with at least three GPUs, the benchmark over NCCL (two trainer processes and one worker,
 #      each on a GPU of its own: NCCL refuses two processes of one group on the same GPU).
@@ -31,7 +32,7 @@ EOF
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 step "live tests, engine on the GPU (TP 1)"
-RESHARD_VLLM_ENGINE_TPS=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/vllm/test_sync.py \
+RESHARD_VLLM_ENGINE_TPS=1 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/vllm/test_sync.py \
   --basetemp="$OUT/tests" -x
 
 step "benchmark, engine TP 1 on the GPU, gloo between trainer processes and worker"
