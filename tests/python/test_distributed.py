@@ -153,6 +153,13 @@ def cases(reshard_bin, tmp):
         {"name": "big_rows_to_columns", "source_ranks": [0, 1], "target_ranks": [2, 3],
          "params": {"w": {"source": split_map([512, 256], 0, [256, 256]),
                           "target": split_map([512, 256], 1, [128, 128])}}, "seed": 11},
+        # Three tensors of other sizes in one chunk per pair: several messages between each
+        # pair in one round, matched in the order they are posted.
+        {"name": "big_three_rows", "source_ranks": [0, 1], "target_ranks": [2, 3], "seed": 12,
+         "params": {name: {"source": split_map(shape, 0, [shape[0] // 2] * 2),
+                           "target": split_map(shape, 0, [shape[0] // 4, shape[0] * 3 // 4])}
+                    for name, shape in (("a", [256, 64]), ("b", [128, 256]),
+                                        ("c", [64, 512]))}},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
@@ -182,7 +189,7 @@ def launch(tmp_path_factory, reshard_bin):
 GOOD = ["tp4_to_tp2_overlapping", "tp4_to_tp2_small_buckets_two_steps",
         "rows_to_columns_disjoint", "tp2_to_tp4", "llama_tp4_to_tp2", "replicated_sources_balanced",
         "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_rows",
-        "big_rows_to_columns", "after_errors"]
+        "big_rows_to_columns", "big_three_rows", "after_errors"]
 
 
 @pytest.mark.parametrize("name", GOOD)
@@ -242,6 +249,9 @@ def test_contiguous_sides_of_a_chunk_use_the_shards_as_they_lie(launch):
     columns = stats("big_rows_to_columns")
     assert [s["sent_direct"] for s in columns] == [0, 0, 0, 0]
     assert all(s["received_direct"] == s["received"] > 0 for s in columns[2:])
+    three = stats("big_three_rows")
+    assert [s["received_direct"] for s in three] == [0, 0] + [s["received"] for s in three[2:]]
+    assert all(s["sent_direct"] == s["sent"] > 0 for s in three[:2])
     small = stats("rows_to_columns_disjoint")
     assert sum(s["received"] for s in small) > 0
     assert all(s["sent_direct"] == s["received_direct"] == 0 for s in small)
