@@ -41,7 +41,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Sequence, Union, overload
+from typing import (TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union,
+                    overload)
 
 from . import _core
 from ._maps import MapLike, ParamMap, as_map
@@ -227,6 +228,10 @@ class Redistributor:
         self.last_stats: Optional[dict[str, int]] = None
         self._scale = (scale_power, allow_scaled_optimizer_state, allow_lossy_scale)
         self._written: list[tuple[int, int]] = []  # the memory of this run's given outs
+        # Copy with torch's strided copies on the shards' device instead of the host executor
+        # (see _torch_copies); forced on by tests to run that path on the CPU.
+        self._force_torch_copies = False
+        self._boxes_allow_torch: Optional[bool] = None
         error, fingerprint = _error, None
         try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
             if error is not None:
@@ -403,9 +408,10 @@ class Redistributor:
         if self._comm.any_flag(error is not None):
             self._raise_any([e for e in self._gather(error)])
 
-    def _targets(self, out: Optional[Mapping[str, "torch.Tensor"]], device: Any
+    def _targets(self, out: Optional[Mapping[str, "torch.Tensor"]], device: Any,
+                 stage: Any = "cpu"
                  ) -> tuple[list[Optional["torch.Tensor"]], list[Optional["torch.Tensor"]]]:
-        """(the tensors returned, the dense host tensors written) per parameter."""
+        """(the tensors returned, the dense tensors written, on ``stage``) per parameter."""
         import torch
         assert self._dtypes is not None
         me = self._me
@@ -461,11 +467,11 @@ class Redistributor:
                 if extent is not None:
                     given_extents.append((*extent, what))
             results.append(given)
-            if given.device.type == "cpu" and given.is_contiguous():
+            if given.device == torch.device(stage) and given.is_contiguous():
                 host = given
             else:  # a buffer's other elements are kept: staged through a copy of it
-                host = given.detach().to("cpu").contiguous().clone() if buffer else \
-                    torch.empty(shape, dtype=dtype)
+                host = given.detach().to(stage).contiguous().clone() if buffer else \
+                    torch.empty(shape, dtype=dtype, device=stage)
             dense.append(host)
             by_key[name] = (given, host)
         given_extents.sort()
@@ -496,6 +502,46 @@ class Redistributor:
             out.append(h)
         return out
 
+    def _torch_copies(self, local: list[Optional["torch.Tensor"]],
+                      out: Optional[Mapping[str, "torch.Tensor"]], comm: "torch.device") -> bool:
+        """Whether this process copies with torch's strided copies on the transport's device
+        (a GPU: no host staging) rather than with the host executor: when the transport is on
+        a GPU and every source shard and given output of this process is there too, and no
+        copy of its plan is scaled (the host executor checks scales for exactness) or has a
+        negative stride. Each process decides for itself; the messages are the same."""
+        if comm.type == "cpu" and not self._force_torch_copies:
+            return False
+        given = [t for t in (out or {}).values() if hasattr(t, "device")]
+        if any(t.device != comm for t in [*(t for t in local if t is not None), *given]):
+            return False
+        if self._boxes_allow_torch is None:
+            ex = self._exchange
+            assert ex is not None
+            me = self._me
+            boxes = ex.boxes(me, "local") + ex.boxes(me, "padding")
+            for k, peer, _ in ex.sends(me):
+                boxes += ex.boxes(me, "pack", peer, k)
+            for k, peer, _ in ex.receives(me):
+                boxes += ex.boxes(me, "unpack", peer, k)
+            self._boxes_allow_torch = all(f == 1.0 and min([*ss, *ds, 0]) >= 0
+                                          for _, _, _, ss, _, ds, f in boxes)
+        return self._boxes_allow_torch
+
+    @staticmethod
+    def _device_sources(local: list[Optional["torch.Tensor"]],
+                        targets: list[Optional["torch.Tensor"]]) -> list[Optional["torch.Tensor"]]:
+        """The source shards as dense tensors where they are; one sharing memory with a
+        target is copied first, so that it is read as it was before anything is written."""
+        written = {t.untyped_storage().data_ptr() for t in targets if t is not None}
+        out: list[Optional["torch.Tensor"]] = []
+        for t in local:
+            if t is None:
+                out.append(None)
+                continue
+            d = t.detach().contiguous()
+            out.append(d.clone() if d.untyped_storage().data_ptr() in written else d)
+        return out
+
     def _comm_device(self) -> "torch.device":
         return self._comm.device()
 
@@ -524,21 +570,27 @@ class Redistributor:
         results: list[Optional[torch.Tensor]] = []
         dense: list[Optional[torch.Tensor]] = []
         sources: list[Optional[torch.Tensor]] = []
+        on_device = False
         if error is None:
             try:
                 self._written = []
-                results, dense = self._targets(out, device)
-                sources = self._host_sources(local)
-                # A scale that loses values shows in the data, on the process that holds it:
-                # found now, every process hears of it before anything is sent.
-                assert self._exchange is not None
-                self._exchange.check_sources(self._me, _addresses(sources), self._options)
+                on_device = self._torch_copies(local, out, comm)
+                if on_device:
+                    results, dense = self._targets(out, comm, comm)
+                    sources = self._device_sources(local, dense)
+                else:
+                    results, dense = self._targets(out, device)
+                    sources = self._host_sources(local)
+                    # A scale that loses values shows in the data, on the process that holds
+                    # it: found now, every process hears of it before anything is sent.
+                    assert self._exchange is not None
+                    self._exchange.check_sources(self._me, _addresses(sources), self._options)
             except Exception as e:
                 error = _message(e)
         self._agree_on_run(error, comm)
         if dry_run:
             return self.schedule()
-        self._move(sources, dense, comm)
+        self._move(sources, dense, comm, on_device)
         answer: dict[str, torch.Tensor] = {}
         keys = getattr(self, "_target_keys", None) or self._names
         for name, result, host in zip(keys, results, dense):
@@ -550,33 +602,29 @@ class Redistributor:
         return answer
 
     def _move(self, sources: list[Optional["torch.Tensor"]],
-              targets: list[Optional["torch.Tensor"]], comm: "torch.device") -> None:
+              targets: list[Optional["torch.Tensor"]], comm: "torch.device",
+              on_device: bool) -> None:
+        """Every round's messages, with the staged sides packed and unpacked by the host
+        executor (shards in host memory; over a GPU transport every message is copied between
+        host and device) or, ``on_device``, by torch's strided copies where the shards are."""
         import torch
         ex = self._exchange
         assert ex is not None
         me = self._me
         src, dst = _addresses(sources), _addresses(targets)
         rounds = ex.num_rounds
-        # Over a CPU transport a chunk travels as its messages: a side where a box is one run
-        # of bytes in the shard sends from (or receives into) the shard as it lies, the other
-        # side packs it into (or unpacks it from) staging. Over NCCL every chunk is staged
-        # whole on both sides (and copied between host and device).
-        messages = comm.type == "cpu"
+        # A chunk travels as its messages: a side where a box is one run of bytes in the shard
+        # sends from (or receives into) the shard as it lies, the other side packs it into (or
+        # unpacks it from) staging. Both sides derive the same messages from the plan.
         # (round, peer, staging bytes, [(shard's parameter or -1 for staging, byte, bytes)])
         sends: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
         receives: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
-        for k, peer, n in ex.sends(me):
-            if messages:
-                rest, _, ms = ex.messages(me, peer, k)
-                sends.append((k, peer, rest, [(sp, sb, b) for sp, sb, _, _, b in ms]))
-            else:
-                sends.append((k, peer, n, [(-1, 0, n)]))
-        for k, peer, n in ex.receives(me):
-            if messages:
-                _, rest, ms = ex.messages(peer, me, k)
-                receives.append((k, peer, rest, [(dp, db, b) for _, _, dp, db, b in ms]))
-            else:
-                receives.append((k, peer, n, [(-1, 0, n)]))
+        for k, peer, _ in ex.sends(me):
+            rest, _, ms = ex.messages(me, peer, k)
+            sends.append((k, peer, rest, [(sp, sb, b) for sp, sb, _, _, b in ms]))
+        for k, peer, _ in ex.receives(me):
+            _, rest, ms = ex.messages(peer, me, k)
+            receives.append((k, peer, rest, [(dp, db, b) for _, _, dp, db, b in ms]))
 
         def by_round(items: list[tuple[int, int, int, list[tuple[int, int, int]]]]
                      ) -> list[list[tuple[int, int, int, list[tuple[int, int, int]]]]]:
@@ -592,60 +640,101 @@ class Redistributor:
         send_rounds, recv_rounds = by_round(sends), by_round(receives)
 
         def size(items: list[list[tuple[int, int, int, list[tuple[int, int, int]]]]]) -> int:
-            return max([off + n for r in items for _, off, n, _ in r] or [0])
+            return max([off + (n + 63) // 64 * 64 for r in items for _, off, n, _ in r] or [0])
 
         # Two buffers each way: round k's chunks travel while round k+1 is packed and round
         # k-1's are unpacked, so a receiver has posted round k before it unpacks round k-1.
-        send_bufs = [torch.empty(size(send_rounds), dtype=torch.uint8) for _ in range(2)]
-        recv_bufs = [torch.empty(size(recv_rounds), dtype=torch.uint8) for _ in range(2)]
+        where = comm if on_device else torch.device("cpu")
+        send_bufs = [torch.empty(size(send_rounds), dtype=torch.uint8, device=where)
+                     for _ in range(2)]
+        recv_bufs = [torch.empty(size(recv_rounds), dtype=torch.uint8, device=where)
+                     for _ in range(2)]
         base = [int(b.data_ptr()) for b in send_bufs]
+        dtypes = [_torch_dtype(d) for d in self._dtypes or []]
+
+        def flat(t: Optional["torch.Tensor"]) -> "torch.Tensor":
+            assert t is not None
+            return t.reshape(-1)
+
+        def staging(buf: "torch.Tensor", off: int, n: int, param: int) -> "torch.Tensor":
+            return buf[off:off + (n + 63) // 64 * 64].view(dtypes[param])
+
+        def box(t: "torch.Tensor", shape: list[int], strides: list[int],
+                offset: int) -> "torch.Tensor":
+            return t.as_strided(shape, strides, t.storage_offset() + offset)
+
+        def copy(boxes: list[Any], source: Callable[[int], "torch.Tensor"],
+                 target: Callable[[int], "torch.Tensor"]) -> None:
+            """Boxes between two flat tensors per parameter, by torch's strided copies."""
+            for param, shape, so, ss, do, ds, _ in boxes:
+                box(target(param), shape, ds, do).copy_(box(source(param), shape, ss, so))
 
         def pack(k: int) -> None:
             for peer, off, n, _ in send_rounds[k]:
-                if n:
-                    ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, messages)
+                if not n:
+                    continue
+                if on_device:
+                    copy(ex.boxes(me, "pack", peer, k), lambda p: flat(sources[p]),
+                         lambda p: staging(send_bufs[k % 2], off, n, p))
+                else:
+                    ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, True)
 
-        def unpack(k: int, staged: list[tuple[int, int, "torch.Tensor"]]) -> None:
+        def unpack(k: int, staged: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+            for into, buf in staged:  # host staging of messages that travelled on a device
+                into.copy_(buf)
             recv_buf = recv_bufs[k % 2]
-            for off, n, buf in staged:
-                recv_buf[off:off + n].copy_(buf)
             for peer, off, n, _ in recv_rounds[k]:
-                if n:
+                if not n:
+                    continue
+                if on_device:
+                    copy(ex.boxes(me, "unpack", peer, k),
+                         lambda p: staging(recv_buf, off, n, p), lambda p: flat(targets[p]))
+                else:
                     ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst,
-                              self._options, messages)
+                              self._options, True)
 
+        def copy_local() -> None:
+            if not on_device:
+                ex.copy_local(me, src, dst, self._options)
+                return
+            copy(ex.boxes(me, "local"), lambda p: flat(sources[p]), lambda p: flat(targets[p]))
+            for param, shape, _, _, do, ds, _ in ex.boxes(me, "padding"):
+                box(flat(targets[param]), shape, ds, do).zero_()
+
+        # Over a GPU transport, host memory travels through device copies of each message.
+        through = comm.type != "cpu" and not on_device
         sent = received = sent_direct = received_direct = 0
         if rounds:
             pack(0)
-        pending: Optional[tuple[int, list[tuple[int, int, torch.Tensor]]]] = None
+        pending: Optional[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = None
         for k in range(rounds):
             outgoing: list[tuple[torch.Tensor, int]] = []
             incoming: list[tuple[torch.Tensor, int]] = []
-            staged: list[tuple[int, int, torch.Tensor]] = []
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
             for peer, off, _, parts in send_rounds[k]:
                 for param, at, n in parts:
                     if param >= 0:
-                        outgoing.append((_bytes_of(sources[param])[at:at + n], peer))
+                        buf = _bytes_of(sources[param])[at:at + n]
                         sent_direct += n
                     else:
                         buf = send_bufs[k % 2][off + at:off + at + n]
-                        outgoing.append((buf if comm.type == "cpu" else buf.to(comm), peer))
+                    outgoing.append((buf.to(comm) if through else buf, peer))
                     sent += n
             for peer, off, _, parts in recv_rounds[k]:
                 for param, at, n in parts:
                     if param >= 0:
-                        incoming.append((_bytes_of(targets[param])[at:at + n], peer))
+                        buf = _bytes_of(targets[param])[at:at + n]
                         received_direct += n
                     else:
                         buf = recv_bufs[k % 2][off + at:off + at + n]
-                        if comm.type != "cpu":
-                            buf = torch.empty(n, dtype=torch.uint8, device=comm)
-                            staged.append((off + at, n, buf))
-                        incoming.append((buf, peer))
+                    if through:
+                        staged.append((buf, torch.empty(n, dtype=torch.uint8, device=comm)))
+                        buf = staged[-1][1]
+                    incoming.append((buf, peer))
                     received += n
             requests = self._comm.exchange(outgoing, incoming)
             if k == 0:
-                ex.copy_local(me, src, dst, self._options)
+                copy_local()
             if pending is not None:  # round k-1 arrived (waited below, last iteration)
                 unpack(*pending)
             if k + 1 < rounds:  # its buffer's last sends (round k-1) have completed
@@ -656,12 +745,13 @@ class Redistributor:
         if pending is not None:
             unpack(*pending)
         if not rounds:
-            ex.copy_local(me, src, dst, self._options)
+            copy_local()
         stats = ex.stats(me)
         self.last_stats = {"sent": sent, "received": received, "sent_direct": sent_direct,
                            "received_direct": received_direct,
                            "local": int(stats["local"]),
-                           "lower_bound": int(stats["lower_bound"]), "rounds": rounds}
+                           "lower_bound": int(stats["lower_bound"]), "rounds": rounds,
+                           "on_device": on_device}
 
 
 def _bytes_of(t: Optional["torch.Tensor"]) -> "torch.Tensor":

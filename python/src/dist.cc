@@ -289,6 +289,47 @@ class Exchange {
     if (!status.ok()) Raise(status, ErrorKind::kData);
   }
 
+  // Every copy a process makes, as boxes for a copier outside this executor (torch's strided
+  // copies on a GPU): (parameter, shape, source offset, source strides, target offset, target
+  // strides, factor), offsets and strides in elements. `kind` "local": the moves inside the
+  // process; "padding": the blocks of its targets that no move writes (the source fields
+  // empty); "pack" / "unpack": the staged rest of the chunk of `round` between it and `peer`
+  // (the staging side at its element offset, strides row-major).
+  using Box = std::tuple<size_t, Shape, Index, Shape, Index, Shape, double>;
+  std::vector<Box> Boxes(int proc, const std::string& kind, int peer, size_t round) const {
+    std::vector<Box> out;
+    auto add = [&out](const std::vector<Step>& steps) {
+      for (const Step& step : steps) {
+        for (const Move& m : step.plan.moves) {
+          out.emplace_back(step.param, m.shape, m.src.offset, m.src.strides, m.dst.offset,
+                           m.dst.strides, m.factor);
+        }
+      }
+    };
+    if (kind == "local" || kind == "padding") {
+      auto it = local_.find(proc);
+      if (it == local_.end()) return out;
+      if (kind == "local") {
+        add(it->second);
+        return out;
+      }
+      for (const Step& step : it->second) {
+        for (const UnwrittenBlock& u : step.plan.unwritten) {
+          out.emplace_back(step.param, u.shape, 0, Shape{}, u.dst.offset, u.dst.strides, 1.0);
+        }
+      }
+      return out;
+    }
+    if (kind == "pack") {
+      add(ChunkOf(proc, peer, round, std::numeric_limits<Index>::max()).pack_rest);
+    } else if (kind == "unpack") {
+      add(ChunkOf(peer, proc, round, std::numeric_limits<Index>::max()).unpack_rest);
+    } else {
+      throw py::value_error("kind must be local, padding, pack or unpack, not \"" + kind + "\"");
+    }
+    return out;
+  }
+
   // The moves inside this process, and zeros in its target padding.
   void CopyLocal(int proc, const std::vector<std::pair<uintptr_t, Index>>& sources,
                  const std::vector<std::pair<uintptr_t, Index>>& targets,
@@ -567,6 +608,8 @@ void BindDist(py::module_& m) {
       .def("sends", [](const Exchange& e, int proc) { return e.Transfers(proc, true); })
       .def("receives", [](const Exchange& e, int proc) { return e.Transfers(proc, false); })
       .def("stats", &Exchange::Stats, py::arg("proc"))
+      .def("boxes", &Exchange::Boxes, py::arg("proc"), py::arg("kind"), py::arg("peer") = 0,
+           py::arg("round") = 0)
       .def("messages", &Exchange::Messages, py::arg("source_proc"), py::arg("target_proc"),
            py::arg("round"))
       .def("pack", &Exchange::Pack, py::arg("proc"), py::arg("peer"), py::arg("round"),

@@ -200,6 +200,8 @@ def run_case(case, me):
         sync = rd.Redistributor(maps_of(case, me, "source"), maps_of(case, me, "target"),
                                 source_ranks=source_ranks, target_ranks=target_ranks,
                                 group=group, **options)
+        # The copies a GPU process makes with torch where its shards are, run on the CPU.
+        sync._force_torch_copies = bool(case.get("torch_copies"))
         out = fault.get("out")
         for step in range(case.get("steps", 1)):
             params = setup(case, step)
@@ -210,6 +212,13 @@ def run_case(case, me):
                 shards = {n: torch._neg_view(-t) for n, t in shards.items()}
             if case.get("out_over_shards") == me:  # out in the memory of its own source shards
                 out = {n: t.view(_target_shape(case, me, n)) for n, t in shards.items()}
+            if case.get("garbage_out") and me in target_ranks:  # every byte 0xFF (NaN)
+                want_shapes = reference(params, target_ranks, me)
+                out = {n: torch.full(w.shape, -1, dtype=torch.int8).view(w.dtype)
+                       if w.element_size() == 1 else
+                       torch.full(w.reshape(-1).view(torch.uint8).shape, 255,
+                                  dtype=torch.uint8).view(w.dtype).view(w.shape)
+                       for n, w in want_shapes.items()}
             if case.get("dry_run"):
                 result["schedule"] = sync.run(shards, dry_run=True)
                 continue

@@ -104,7 +104,7 @@ def cases(reshard_bin, tmp):
     experts = {n: {"source": ep_src[n], "target": ep_dst[n]} for n in ep_src}
     other_target = split_map([8, 12], 1, [4, 8])
     everyone = [0, 1, 2, 3]
-    return [
+    listed = [
         {"name": "tp4_to_tp2_overlapping", "params": four_to_two, "source_ranks": everyone,
          "target_ranks": [0, 1], "seed": 1},
         {"name": "tp4_to_tp2_small_buckets_two_steps", "params": four_to_two, "seed": 2,
@@ -160,9 +160,22 @@ def cases(reshard_bin, tmp):
                            "target": split_map(shape, 0, [shape[0] // 4, shape[0] * 3 // 4])}
                     for name, shape in (("a", [256, 64]), ("b", [128, 256]),
                                         ("c", [64, 512]))}},
+        # A padded vocabulary (13 rows at TP 4: the last rank's last 3 rows are padding).
+        {"name": "padded_vocab_tp2_to_tp4", "source_ranks": [0, 1], "target_ranks": everyone,
+         "seed": 13, "params": {"emb": {
+             "source": layout(reshard_bin, tmp, FAMILIES["padded_vocab"][0], [13, 64], 2),
+             "target": layout(reshard_bin, tmp, FAMILIES["padded_vocab"][0], [13, 64], 4),
+             "dtype": "float32"}}},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
+    # The same moves with torch's strided copies where the shards are (a GPU process's copier),
+    # run on the CPU; in the small-bucket case the processes holding pre-divided biases keep
+    # the host executor (it checks scales), the others use torch: each decides for itself.
+    # Outputs given full of 0xFF bytes: padding (the vocabulary's last rows) must be zeroed.
+    return listed + [{**case, "name": f"torch_{case['name']}", "torch_copies": True,
+                      "garbage_out": True}
+                     for case in listed if case["name"] in TORCH_COPIES]
 
 
 @pytest.fixture(scope="module")
@@ -186,13 +199,17 @@ def launch(tmp_path_factory, reshard_bin):
     return results
 
 
+TORCH_COPIES = ["llama_tp4_to_tp2", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_columns",
+                "big_three_rows", "subgroup_of_three", "tp4_to_tp2_small_buckets_two_steps",
+                "padded_vocab_tp2_to_tp4"]
+
 GOOD = ["tp4_to_tp2_overlapping", "tp4_to_tp2_small_buckets_two_steps",
         "rows_to_columns_disjoint", "tp2_to_tp4", "llama_tp4_to_tp2", "replicated_sources_balanced",
         "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_rows",
-        "big_rows_to_columns", "big_three_rows", "after_errors"]
+        "big_rows_to_columns", "big_three_rows", "padded_vocab_tp2_to_tp4", "after_errors"]
 
 
-@pytest.mark.parametrize("name", GOOD)
+@pytest.mark.parametrize("name", GOOD + [f"torch_{n}" for n in TORCH_COPIES])
 def test_every_process_gets_what_the_offline_transfer_gives(launch, name):
     case, ranks = launch[name]
     for p, r in enumerate(ranks):
@@ -255,6 +272,20 @@ def test_contiguous_sides_of_a_chunk_use_the_shards_as_they_lie(launch):
     small = stats("rows_to_columns_disjoint")
     assert sum(s["received"] for s in small) > 0
     assert all(s["sent_direct"] == s["received_direct"] == 0 for s in small)
+
+
+def test_torch_copies_run_where_no_copy_is_scaled(launch):
+    """The torch copier ran in every process of the unscaled cases, and only in the processes
+    without a pre-divided bias in the scaled one; the host executor everywhere else."""
+    for name in TORCH_COPIES:
+        torch_ran = [r["stats"][0]["on_device"] for r in launch[f"torch_{name}"][1]
+                     if not r.get("skipped")]
+        host_ran = [r["stats"][0]["on_device"] for r in launch[name][1] if not r.get("skipped")]
+        assert not any(host_ran), name
+        if name == "tp4_to_tp2_small_buckets_two_steps":
+            assert any(torch_ran) and not all(torch_ran), torch_ran
+        else:
+            assert all(torch_ran), (name, torch_ran)
 
 
 def test_replicated_sources_share_the_sending(launch):

@@ -7,8 +7,10 @@ the engine's workers (T .. T+W-1)."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import pickle
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..distributed import Transport
@@ -28,6 +30,18 @@ def join_store(host: str, port: int, timeout_s: float) -> Any:
     from torch._C._distributed_c10d import TCPStore
     return TCPStore(host, port, is_master=False, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# Groups still open when the interpreter exits are shut down first: torch 2.13's gloo can abort
+# the process in C++ ("terminate called without an active exception") when a process group's
+# threads meet interpreter finalization.
+_OPEN: "weakref.WeakSet[StoreGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_open_groups() -> None:
+    for group in list(_OPEN):
+        group.shutdown()
 
 
 class StoreGroup(Transport):
@@ -55,6 +69,7 @@ class StoreGroup(Transport):
         else:
             raise ValueError(f"backend {backend!r}: reshard's weight sync runs over \"gloo\" "
                              "(CPU) or \"nccl\" (GPU)")
+        _OPEN.add(self)
 
     def device(self) -> "torch.device":
         return self._device
