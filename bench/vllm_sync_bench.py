@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -162,6 +163,7 @@ def main() -> None:
     if not os.path.exists(path):
         sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
     r = json.load(open(path))
+    shutil.rmtree(work, ignore_errors=True)  # the model and its shards (kept on a failure)
     mb = r["model_bytes"] / 1e6
     print(f"model {mb:.0f} MB float32 ({config['num_hidden_layers']} layers), trainer TP 2 -> "
           f"engine TP {r['engine_tp']}, {args.backend}, median of {args.repeat}")
