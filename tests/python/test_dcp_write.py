@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
 from conftest import BUILD
+from dcp_load_worker import bits, nest
 from ds_checkpoints import HERE, Spec, free_loopback_port
 
 # Source layouts of every kind the maps express: a padded vocabulary, a split along dim 1, a
@@ -60,8 +61,17 @@ def dcp_key(name, names=tuple(model())):
     return name
 
 
-def bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+def same_dcp_output(out, written, planner_data=False):
+    """`out` holds the same four data files as `written`, byte for byte, and the same
+    metadata records (and planner data, when asked)."""
+    for r in range(4):
+        name = f"__{r}_0.distcp"
+        assert (out / name).read_bytes() == (written / name).read_bytes()
+    a = pickle.loads((out / ".metadata").read_bytes())
+    b = pickle.loads((written / ".metadata").read_bytes())
+    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
+    if planner_data:
+        assert a.planner_data == b.planner_data
 
 
 def same(a, b):
@@ -92,18 +102,6 @@ def written(sharded, tmp_path_factory, reshard_bin):
     out = tmp_path_factory.mktemp("dcp_out") / "dcp"
     r = run(reshard_bin, "convert", src, "--to", "dcp", "--world", 4, "-o", out)
     assert r.returncode == 0, r.stderr
-    return out
-
-
-def nest(flat):
-    """{"optim.state.<p>.<s>": t} -> {"optim": {"state": {p: {s: t}}}}; other keys stay."""
-    out = {}
-    for key, value in flat.items():
-        if key.startswith("optim.state."):
-            param, state = key[len("optim.state."):].rsplit(".", 1)
-            out.setdefault("optim", {"state": {}})["state"].setdefault(param, {})[state] = value
-        else:
-            out[key] = value
     return out
 
 
@@ -217,12 +215,7 @@ def test_python_api_writes_what_the_cli_writes(written, sharded, tmp_path):
     src, source = sharded
     out = tmp_path / "api"
     reshard.checkpoint.convert(src, out, to="dcp", world=4)
-    for r in range(4):
-        name = f"__{r}_0.distcp"
-        assert (out / name).read_bytes() == (written / name).read_bytes()
-    a = pickle.loads((out / ".metadata").read_bytes())
-    b = pickle.loads((written / ".metadata").read_bytes())
-    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
+    same_dcp_output(out, written)
     with pytest.raises(ValueError, match="world"):
         reshard.checkpoint.convert(src, tmp_path / "x", to="dcp")
     with pytest.raises(ValueError, match="tp"):
@@ -243,13 +236,7 @@ def test_k_processes_write_what_one_does(written, sharded, tmp_path):
     assert sorted(f for p in report["processes"] for f in p["files"]) == \
         [f"__{r}_0.distcp" for r in range(4)]
     assert all(p["files"] for p in report["processes"])  # each process wrote its share
-    for r in range(4):
-        name = f"__{r}_0.distcp"
-        assert (out / name).read_bytes() == (written / name).read_bytes()
-    a = pickle.loads((out / ".metadata").read_bytes())
-    b = pickle.loads((written / ".metadata").read_bytes())
-    assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
-    assert a.planner_data == b.planner_data
+    same_dcp_output(out, written, planner_data=True)
 
 
 def test_an_existing_output_is_replaced_only_with_force_and_only_if_reshard_wrote_it(

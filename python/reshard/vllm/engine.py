@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 from ..distributed import RedistributeError, Redistributor
 from ._group import StoreGroup, join_store
-from .sync import torch_dtypes
+from .sync import raw_exchange, torch_dtypes
 
 logger = init_logger(__name__)
 
@@ -345,18 +345,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         assert sync is not None and comm is not None
         ex = sync._exchange
         assert ex is not None
-        by_round: dict[int, list[tuple[int, int]]] = {}
-        for k, peer, n in ex.receives(comm.rank):
-            by_round.setdefault(k, []).append((peer, n))
-        top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
-        scratch = torch.empty(top, dtype=torch.uint8, device=comm.device())
-        for k in sorted(by_round):
-            at, incoming = 0, []
-            for peer, n in by_round[k]:
-                incoming.append((scratch[at:at + n], peer))
-                at += n
-            for w in comm.exchange([], incoming):
-                w.wait()
+        raw_exchange(comm, ex.receives(comm.rank), sending=False)
         comm.gather_object(None)
 
     def finish_weight_update(self) -> None:

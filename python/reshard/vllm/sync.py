@@ -94,6 +94,25 @@ def engine_maps(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
     return dict(read_maps(layout(model_dir, tensor_parallel_size)))
 
 
+def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
+                 sending: bool) -> None:
+    """The plan's chunks ``[(round, peer, bytes)]`` as scratch bytes, round by round: sent, or
+    received and dropped (the transport alone, for measuring a push against)."""
+    import torch
+    by_round: dict[int, list[tuple[int, int]]] = {}
+    for k, peer, n in transfers:
+        by_round.setdefault(k, []).append((peer, n))
+    top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
+    scratch = torch.zeros(top, dtype=torch.uint8, device=comm.device())
+    for k in sorted(by_round):
+        at, parts = 0, []
+        for peer, n in by_round[k]:
+            parts.append((scratch[at:at + n], peer))
+            at += n
+        for w in comm.exchange(parts, []) if sending else comm.exchange([], parts):
+            w.wait()
+
+
 def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
     """{name: "bfloat16"} -> {name: torch.bfloat16}."""
     import torch
@@ -391,25 +410,12 @@ class WeightSync:
     def _push_raw(self) -> SyncStats:
         """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
         own time for what a push moves."""
-        import torch
         comm = self.transport
         ex = self.redistributor._exchange
         assert ex is not None
-        by_round: dict[int, list[tuple[int, int]]] = {}
-        for k, peer, n in ex.sends(self._rank):
-            by_round.setdefault(k, []).append((peer, n))
-        top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
-        scratch = torch.zeros(top, dtype=torch.uint8, device=comm.device())
-
-        def send() -> None:
-            for k in sorted(by_round):
-                at, outgoing = 0, []
-                for peer, n in by_round[k]:
-                    outgoing.append((scratch[at:at + n], peer))
-                    at += n
-                for w in comm.exchange(outgoing, []):
-                    w.wait()
-        return self._push({"step": self._steps, "mode": "raw"}, send)
+        transfers = ex.sends(self._rank)
+        return self._push({"step": self._steps, "mode": "raw"},
+                          lambda: raw_exchange(comm, transfers, sending=True))
 
     def _push_full(self, maps: Mapping[str, MapLike], shards: Mapping[str, "torch.Tensor"]
                    ) -> SyncStats:
