@@ -5,9 +5,11 @@ it is one that reshard wrote; inputs and foreign files are never removed."""
 import hashlib
 import json
 import os
+import pathlib
 import shutil
 import stat
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -58,15 +60,21 @@ def test_unreadable_inputs_are_usage_errors(reshard_bin, tmp_path, full):
     (sharded / "model-rank-1-part-0.safetensors").mkdir()
     r = run(reshard_bin, "convert", sharded, "--tp", 4, "-o", tmp_path / "out")
     assert r.returncode == 2 and "directory" in r.stderr, r.stderr
-    # A layouts file nobody may read (as root, the command runs as an unprivileged user).
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o755)
-    os.chmod(tmp_path, 0o755)
-    (locked / "layouts.json").write_text(json.dumps(LAYOUTS))
-    os.chmod(locked / "layouts.json", 0)
-    r = run(reshard_bin, "layout", locked / "layouts.json", "--shape", "4,4", "--world", 2,
-            preexec_fn=as_nobody)
-    assert r.returncode == 2 and "Permission denied" in r.stderr, r.stderr
+    # A layouts file nobody may read (as root, the command runs as an unprivileged user). The
+    # file and a copy of the binary sit in a directory everyone may enter, so that only the
+    # file's own permissions refuse it (a checkout or pytest's base directory may be 0700).
+    locked = pathlib.Path(tempfile.mkdtemp(prefix="reshard-locked-"))
+    try:
+        os.chmod(locked, 0o755)
+        binary = shutil.copy(reshard_bin, locked / "reshard")
+        (locked / "layouts.json").write_text(json.dumps(LAYOUTS))
+        os.chmod(locked / "layouts.json", 0)
+        r = run(binary, "layout", locked / "layouts.json", "--shape", "4,4", "--world", 2,
+                preexec_fn=as_nobody)
+        assert r.returncode == 2 and "Permission denied" in r.stderr, r.stderr
+        assert "layouts.json" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(locked)
     assert siblings(tmp_path / "out") == []
 
 
