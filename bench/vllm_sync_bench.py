@@ -96,7 +96,7 @@ def trainer(args: argparse.Namespace) -> None:
         shards = {k: v.cuda() for k, v in shards.items()}
     sync = WeightSync(llm, maps, backend=args.backend)
     times: dict[str, list[float]] = {"reshard": [], "full": [], "raw": [], "transfer": [],
-                                     "prepare": [], "process": []}
+                                     "prepare": [], "process": [], "commit": []}
     stats = None
     for _ in range(args.repeat):  # interleaved, so that drift hits every path alike
         stats = sync.push(shards)
@@ -174,7 +174,8 @@ def main() -> None:
     print(f"  full tensor    {r['full']:.3f} s   reshard is {r['full'] / r['reshard']:.2f}x "
           f"faster (bar >= 2x)")
     print(f"    of which, on the slowest worker: prepare {r['prepare']:.3f} s, transfer "
-          f"{r['transfer']:.3f} s, post-load processing {r['process']:.3f} s")
+          f"{r['transfer']:.3f} s (post-load processing during it {r['process']:.3f} s), "
+          f"commit {r['commit']:.3f} s")
     print(f"  raw send       {r['raw']:.3f} s   reshard's transfer takes "
           f"{r['transfer'] / r['raw']:.2f}x of it (bar <= 1.25x), the whole push "
           f"{r['reshard'] / r['raw']:.2f}x")

@@ -232,6 +232,7 @@ class Redistributor:
         # (see _torch_copies); forced on by tests to run that path on the CPU.
         self._force_torch_copies = False
         self._boxes_allow_torch: Optional[bool] = None
+        self._last_rounds_cache: Optional[list[int]] = None  # see _last_rounds
         error, fingerprint = _error, None
         try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
             if error is not None:
@@ -322,6 +323,7 @@ class Redistributor:
         peers = max(len(self._source_ranks), len(self._target_ranks))
         chunk = max(self._bucket_bytes // peers, 8)
         try:  # the same agreed arguments on every process: each fails alike, without waiting
+            self._last_rounds_cache = None
             self._exchange = _core.Exchange([m._handle for m in self._dst],
                                             [m._handle for m in self._src], self._names,
                                             self._dtypes, self._source_ranks, self._target_ranks,
@@ -547,11 +549,21 @@ class Redistributor:
 
     def run(self, shards: Mapping[str, "torch.Tensor"],
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
-            dry_run: bool = False, _error: Optional[str] = None) -> Any:
+            dry_run: bool = False,
+            on_ready: Optional[Callable[[dict[str, "torch.Tensor"]], None]] = None,
+            _error: Optional[str] = None) -> Any:
         """This process's source shards ``{name: tensor}`` (empty when it holds none) -> its
         target shards ``{name: tensor}`` (empty when it holds none), written into ``out`` where
         given. With ``dry_run`` the shards are checked and :meth:`schedule` is returned;
-        nothing moves. Every process of the group must call it."""
+        nothing moves. Every process of the group must call it.
+
+        ``on_ready``, when given, is called with ``{name: tensor}`` of this process's target
+        shards (a buffer by its own name) as soon as every element of them is in place: after
+        the local copies, then after each round that completes some, while later rounds
+        travel, so that a receiver can start on one tensor (an engine processes a layer)
+        before the others arrive. Each shard comes once, as the tensor ``run`` returns. An
+        exception it raises stops the calls and is raised once this process's transfer has
+        completed, so that no peer is left waiting."""
         import torch
         comm = self._comm_device()
         error = None
@@ -590,23 +602,72 @@ class Redistributor:
         self._agree_on_run(error, comm)
         if dry_run:
             return self.schedule()
-        self._move(sources, dense, comm, on_device)
         answer: dict[str, torch.Tensor] = {}
         keys = getattr(self, "_target_keys", None) or self._names
-        for name, result, host in zip(keys, results, dense):
-            if result is None or host is None or name in answer:
-                continue
-            if host is not result:
-                result.copy_(host)
-            answer[name] = result
+        # The round after which each target shard is complete: the last of its parameters'.
+        complete: dict[str, int] = {}
+        if on_ready is not None:
+            for name, result, last in zip(keys, results, self._last_rounds()):
+                if result is not None:
+                    complete[name] = max(complete.get(name, -1), last)
+        by_round: dict[int, list[str]] = {}
+        for name, k in complete.items():
+            by_round.setdefault(k, []).append(name)
+        failure: list[BaseException] = []
+
+        def deliver(names: Any) -> dict[str, "torch.Tensor"]:
+            done = {}
+            for name, result, host in zip(keys, results, dense):
+                if result is None or host is None or name in answer or name not in names:
+                    continue
+                if host is not result:
+                    result.copy_(host)
+                answer[name] = done[name] = result
+            return done
+
+        def finished(k: int) -> None:
+            """Round k (-1: the local copies) is unpacked: hand on what it completed."""
+            names = by_round.get(k)
+            if not names or failure or on_ready is None:
+                return
+            try:
+                on_ready(deliver(set(names)))
+            except BaseException as e:  # raised once the transfer is through
+                failure.append(e)
+
+        self._move(sources, dense, comm, on_device, finished)
+        deliver(set(keys))
+        if failure:
+            raise failure[0]
         return answer
+
+    def _last_rounds(self) -> list[int]:
+        """Per parameter, the last round in which this process receives any of its bytes (-1:
+        none; its elements come from local copies and padding). Planned once."""
+        if self._last_rounds_cache is not None:
+            return self._last_rounds_cache
+        ex = self._exchange
+        assert ex is not None
+        me = self._me
+        last = [-1] * len(self._names)
+        for k, peer, _ in ex.receives(me):
+            _, rest, messages = ex.messages(peer, me, k)
+            for _, _, param, _, _ in messages:
+                if param >= 0:
+                    last[param] = max(last[param], k)
+            if rest:
+                for box in ex.boxes(me, "unpack", peer, k):
+                    last[box[0]] = max(last[box[0]], k)
+        self._last_rounds_cache = last
+        return last
 
     def _move(self, sources: list[Optional["torch.Tensor"]],
               targets: list[Optional["torch.Tensor"]], comm: "torch.device",
-              on_device: bool) -> None:
+              on_device: bool, finished: Callable[[int], None]) -> None:
         """Every round's messages, with the staged sides packed and unpacked by the host
         executor (shards in host memory; over a GPU transport every message is copied between
-        host and device) or, ``on_device``, by torch's strided copies where the shards are."""
+        host and device) or, ``on_device``, by torch's strided copies where the shards are.
+        ``finished(k)`` is called once round k is unpacked (k = -1: the local copies)."""
         import torch
         ex = self._exchange
         assert ex is not None
@@ -739,13 +800,20 @@ class Redistributor:
                 unpack(*pending)
             if k + 1 < rounds:  # its buffer's last sends (round k-1) have completed
                 pack(k + 1)
+            # What the local copies and round k-1 completed is used while round k travels.
+            if k == 0:
+                finished(-1)
+            if pending is not None:
+                finished(pending[0])
             for request in requests:
                 request.wait()
             pending = (k, staged)
         if pending is not None:
             unpack(*pending)
+            finished(pending[0])
         if not rounds:
             copy_local()
+            finished(-1)
         stats = ex.stats(me)
         self.last_stats = {"sent": sent, "received": received, "sent_direct": sent_direct,
                            "received_direct": received_direct,

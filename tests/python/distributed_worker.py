@@ -159,6 +159,8 @@ FAULTS = {
     "out_expanded": lambda c, me: {"out": {"w": torch.zeros(_target_shape(c, me, "w")[-1:])
                                            .expand(_target_shape(c, me, "w"))}},
     "out_unknown_name": lambda c, me: {"out": {"nope": torch.zeros(3)}},
+    # Not a refusal: raised on this process alone, once its transfer is through.
+    "on_ready_raises": lambda c, me: {"on_ready_raises": True},
 }
 
 
@@ -177,13 +179,19 @@ def maps_of(case, me, side):
     return maps
 
 
+def same(got, want):
+    """Bit for bit equal, dtype and shape included."""
+    return got is not None and want is not None and got.dtype == want.dtype and \
+        got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def run_case(case, me):
     group = None
     if "group" in case:
         group = dist.new_group(case["group"])  # every process takes part in new_group
         if me not in case["group"]:
             return {"skipped": True}
-    result = {"error": None, "mismatch": [], "stats": [], "schedule": None}
+    result = {"error": None, "mismatch": [], "stats": [], "schedule": None, "handed_on": []}
     source_ranks, target_ranks = case["source_ranks"], case["target_ranks"]
     try:
         dtypes = case.get("dtypes")
@@ -222,18 +230,24 @@ def run_case(case, me):
             if case.get("dry_run"):
                 result["schedule"] = sync.run(shards, dry_run=True)
                 continue
-            got = sync.run(shards, out)
+            handed_on = []  # per on_ready call: {name: whether it held its final values}
+
+            def on_ready(tensors, params=params):
+                want = reference(params, target_ranks, me)
+                handed_on.append({n: same(t, want.get(n)) for n, t in tensors.items()})
+                if fault.get("on_ready_raises"):
+                    raise RuntimeError(f"on_ready of process {me} fails on purpose")
+            got = sync.run(shards, out, on_ready=on_ready)
+            result["handed_on"].append(handed_on)
             if case.get("reuse_out"):
                 out = got
             want = reference(params, target_ranks, me)
             if sorted(got) != sorted(want):
                 result["mismatch"].append(f"step {step}: got {sorted(got)}, want {sorted(want)}")
             for name, w in want.items():
-                g = got.get(name)
-                if g is None or g.dtype != w.dtype or g.shape != w.shape or \
-                        not torch.equal(g.view(torch.uint8), w.view(torch.uint8)):
+                if not same(got.get(name), w):
                     result["mismatch"].append(f"step {step}: {name}")
-                if out is not None and g is not out[name]:
+                if out is not None and got.get(name) is not out[name]:
                     result["mismatch"].append(f"step {step}: {name} not written into out")
             result["stats"].append(sync.last_stats)
             result["lower_bound"] = lower_bound(params, source_ranks, target_ranks, me)

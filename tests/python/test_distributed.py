@@ -225,6 +225,33 @@ def test_every_process_gets_what_the_offline_transfer_gives(launch, name):
             assert stats["received"] == r["lower_bound"] == stats["lower_bound"], (p, stats)
 
 
+@pytest.mark.parametrize("name", GOOD + [f"torch_{n}" for n in TORCH_COPIES])
+def test_on_ready_hands_on_each_target_once_complete(launch, name):
+    """run(on_ready=...) names every target shard of the process exactly once, and each held
+    its final values when it was handed on."""
+    case, ranks = launch[name]
+    for p, r in enumerate(ranks):
+        if r.get("skipped"):
+            continue
+        for step, calls in enumerate(r["handed_on"]):
+            names = [n for call in calls for n in call]
+            assert len(names) == len(set(names)), (p, step, names)
+            want = [n for n, prm in case["params"].items() if p in case["target_ranks"]]
+            if "moe" not in name:  # buffers are handed on by the buffer's name
+                assert sorted(names) == sorted(want), (p, step)
+            assert all(ok for call in calls for ok in call.values()), (p, step, calls)
+
+
+def test_on_ready_hands_targets_on_while_later_rounds_travel(launch):
+    """With many rounds (4 KiB buckets), a target process hears of its shards over several
+    calls, not all at the end."""
+    for name in ("llama_tp4_to_tp2", "torch_llama_tp4_to_tp2"):
+        case, ranks = launch[name]
+        for p in case["target_ranks"]:
+            calls = ranks[p]["handed_on"][0]
+            assert ranks[p]["stats"][0]["rounds"] > 10 and len(calls) > 5, (name, p, len(calls))
+
+
 def test_bytes_sent_equal_bytes_received_over_the_group(launch):
     for name in GOOD:
         case, ranks = launch[name]

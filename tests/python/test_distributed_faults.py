@@ -67,6 +67,9 @@ def cases(reshard_bin, tmp):
     # Process 1 holds source rank 1 ([3, 8]) and target rank 0 ([6, 4]): its out is a view
     # of its own source shard's memory.
     out.append({**base, "name": "out_over_own_shards", "out_over_shards": 1, "seed": 15})
+    # Process 1 (a source and a target) raises from on_ready: the others finish their run.
+    out.append({**base, "name": "on_ready_raises", "seed": 16,
+                "fault": {"process": 1, "kind": "on_ready_raises"}})
     out.append({**base, "name": "after_faults", "seed": 14})
     return out
 
@@ -124,3 +127,13 @@ def test_good_cases_give_the_offline_result(launch, name):
     # group after every fault: each bit for bit the offline transfer.
     for p, r in enumerate(launch[name]):
         assert r["error"] is None and r["mismatch"] == [], (name, p, r)
+
+
+def test_an_exception_from_on_ready_is_raised_after_the_transfer(launch):
+    """Raised on the process whose callback failed, once its transfer was through: the other
+    processes got their shards, and the next case ran in step (after_faults)."""
+    ranks = launch["on_ready_raises"]
+    assert ranks[1]["error"] == "RuntimeError: on_ready of process 1 fails on purpose", ranks[1]
+    for p in (0, 2):
+        assert ranks[p]["error"] is None and ranks[p]["mismatch"] == [], (p, ranks[p])
+    assert ranks[2]["handed_on"] and all(all(c.values()) for c in ranks[2]["handed_on"][0])

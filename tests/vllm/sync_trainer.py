@@ -72,6 +72,13 @@ def run(spec: dict, rank: int) -> None:
                     own.pop("model.layers.1.mlp.down_proj.weight")
                 syncs["sync"] = WeightSync(llm, maps)  # the failed ones above replaced it
                 syncs["sync"].push(own)
+            elif kind == "processing_fails":  # on the last worker, in layer 1's MLP
+                if rank == 0:
+                    hit = llm.collective_rpc(toy.fail_processing_once, args=(
+                        spec["engine_tp"] - 1, "model.layers.1.mlp.down_proj"))
+                    assert sum(hit) == 1, hit
+                dist.barrier()
+                syncs["sync"].push(shards)
             elif kind == "single":  # trainer at TP 1: process 0 alone, full tensors
                 solo = dist.new_group([0])
                 syncs.pop("sync", None)  # the engine now listens to the other sync

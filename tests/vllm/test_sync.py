@@ -27,6 +27,8 @@ STEPS = [
     {"name": "a trainer process failing", "kind": "failing_process", "weights": "A"},
     {"name": "trainer at TP 1 pushes A", "kind": "single", "weights": "A"},
     {"name": "trainer at TP 2 pushes B after", "kind": "push", "weights": "B"},
+    {"name": "processing fails on one worker", "kind": "processing_fails", "weights": "A"},
+    {"name": "push A after", "kind": "push", "weights": "A"},
 ]
 
 
@@ -68,9 +70,12 @@ def run_session(models, engine_tp, tmp_path, steps=STEPS):
     path.write_text(json.dumps(spec))
     # The engine core and its workers in processes of their own, as in production (the
     # conftest puts the engine core in the test process for the other tests).
+    # (VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc of a test's function, which makes a
+    # worker's post-load processing fail.)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.pathsep.join(sys.path))
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(sys.path))
     logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
     codes = toy.run_processes(os.path.join(HERE, "sync_trainer.py"), str(path), 2, env, logs,
                               480)
@@ -107,6 +112,10 @@ def test_push_gives_transformers_tokens_of_the_weights_pushed(session, models, i
     # Both trainer processes sent (each holds half of every split tensor).
     assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
     assert other[index - 1]["stats"]["bytes_sent"] == stats["bytes_sent"]
+    # The layers were processed within the transfer, then committed.
+    seconds = stats["worker_seconds"]
+    assert sorted(seconds) == ["commit", "prepare", "process", "transfer"], seconds
+    assert 0 < seconds["process"] < seconds["transfer"], seconds
 
 
 @pytest.mark.parametrize("index,words", [(4, "no parameter"), (5, "shape"),
@@ -141,3 +150,18 @@ def test_moe_pushes_give_transformers_tokens(moe_models, engine_tp, tmp_path):
         stats = main[index]["stats"]
         assert stats["bytes_sent"] == stats["plan_minimum"] > 0
         assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
+
+
+def test_processing_failing_on_one_worker_keeps_the_old_weights_on_all(session, models):
+    """The last worker's post-load processing of layer 1's MLP raises, after the layers
+    before it were processed (on every worker, at engine TP 2 the other worker's too): every
+    trainer process raises it, every worker keeps its old weights (B), and the next push
+    works."""
+    main, other = session
+    for step in (main[9], other[8]):
+        assert "processing the new weights" in step["error"], step
+        assert "model.layers.1.mlp.down_proj" in step["error"], step
+        assert "fails on purpose" in step["error"], step
+    assert main[9]["tokens"] == models["expected"]["B"]
+    assert "error" not in main[10], main[10]
+    assert main[10]["tokens"] == models["expected"]["A"]

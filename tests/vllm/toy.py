@@ -13,11 +13,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+# Biases on the attention and MLP projections: vLLM keeps a bias live through a reload
+# (it is not put on the meta device as the weights are), and a row-parallel layer's bias is
+# whole on every worker.
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=250, max_position_embeddings=256,
              rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="float32",
-             bos_token_id=1, eos_token_id=2)
+             attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2)
 
 
 # Qwen3-MoE: four experts, two per token; the intermediate size of an expert at TP 2 (16) is
@@ -136,6 +139,21 @@ def llama_a_and_b(root: str, tps: tuple[int, ...], prompts: list[list[int]],
     assert expected["A"] != expected["B"]  # the pushes can be told apart
     return {"root": root, "model": os.path.join(root, "A"), "sharded": sharded,
             "expected": expected}
+
+
+def fail_processing_once(worker: Any, rank: int, module: str) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, the
+    next post-load processing of the layer ``module`` raises. Whether this worker is it."""
+    import torch.distributed as dist
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    method = worker.get_model().get_submodule(module).quant_method
+
+    def fail(layer: Any) -> None:
+        del method.process_weights_after_loading  # once
+        raise RuntimeError("post-load processing fails on purpose")
+    method.process_weights_after_loading = fail
+    return True
 
 
 def run_processes(script: str, spec: str, n: int, env: dict[str, str], logs: list[Any],

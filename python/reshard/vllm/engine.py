@@ -10,13 +10,15 @@ processing) → ``finish_weight_update``.
 
 An update is all or nothing. vLLM's layer-wise reload puts the layers back in their loading
 form (on the meta device; on CPU the live linear weights are repacked for oneDNN and cannot be
-written); the layers the maps write are materialized, zeroed and handed to the transfer as its
-``out``, while the old (kernel) tensors stay untouched. Only when every byte has arrived, on
-every worker, does each layer run its post-load processing and copy into the kernel tensors.
-Any failure before that (a check on any process, a peer lost mid-transfer) puts the old
-tensors back: the engine serves the weights it had. The workers commit together: after the
-transfer they agree over vLLM's own group of the workers (which a lost trainer process does not
-break) that every one of them has all its bytes, else every one puts its old tensors back.
+written); the layers the maps write are materialized and handed to the transfer as its
+``out``, while the old (kernel) tensors stay untouched. Each layer runs vLLM's post-load
+processing as soon as its last tensor has arrived, while the next ones travel, short of
+copying into the kernel tensors; what that processing sets on the layer (on CPU, the handle of
+its packed weight) is recorded. Only when every byte has arrived and been processed, on every
+worker, are the kernel tensors written. Any failure before that (a check on any process, a
+peer lost mid-transfer, a layer whose processing fails on one worker) puts the old tensors and
+the recorded state back, on every worker: the engine serves the weights it had. The workers
+agree over vLLM's own group of the workers (which a lost trainer process does not break).
 
 No RPC of this backend fails for a refusal or a lost peer: when an RPC fails on more than one
 worker, vLLM's executor reads the first failed reply and leaves the others unread, and every
@@ -30,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -73,13 +75,17 @@ def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
     registered under two names (Qwen3-MoE's router, ``mlp.gate`` and ``mlp.experts.gate``) is
     named by the smaller, as the layout names it."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
     names: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         names[id(module)] = min(names.get(id(module), module_name), module_name)
+    live = SKIP_TENSORS - SKIP_LOAD_TENSORS  # loaded, but kept as they are through a reload
     out: dict[str, tuple[list[int], str]] = {}
     for module in model.modules():
         module_name = names[id(module)]
         params, _ = get_layerwise_info(module).restore_metadata
+        params = {**{n: t for n, t in module.named_parameters(recurse=False) if n in live},
+                  **params}
         for name, t in params.items():
             out[f"{module_name}.{name}" if module_name else name] = (list(t.shape),
                                                                      str(t.dtype))
@@ -116,6 +122,99 @@ def _experts_processed_again(layers: Iterable[torch.nn.Module]) -> Iterator[None
     finally:
         for method in patched:
             del method.process_weights_after_loading
+
+
+# The outcome of a push's transfer on one worker, agreed as the worst on any worker.
+_READY, _UNPROCESSED, _LOST = 0, 1, 2
+
+
+class _Layers:
+    """The layers a push writes on one worker, in vLLM's layer-wise reload: each put in its
+    loading form (materialized) for the transfer to write, and processed (vLLM's post-load
+    step: on CPU the oneDNN repack) as soon as its last tensor has arrived, while later ones
+    travel. Nothing of the old weights is changed before commit: the kernel tensors stay
+    aside (vLLM's reload keeps them), a tensor the reload keeps live (a bias) is replaced by
+    a fresh one, and what processing sets on a layer (the handle of its packed weight) is
+    recorded so that :meth:`restore_state` can put it back."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, torch.nn.Module] = {}
+        self._waiting: dict[str, set[str]] = {}
+        self._state: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self.problem: Optional[str] = None  # the first layer that could not be processed
+        self.seconds = 0.0  # spent processing
+
+    def modules(self) -> list[torch.nn.Module]:
+        return list(self._by_name.values())
+
+    def materialize(self, model: torch.nn.Module, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors the transfer writes, ``{key: tensor}``, of the layers of ``keys``."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import (
+            materialize_layer, materialize_meta_tensor, to_meta_tensor)
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:
+            module_name, _, name = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            info = get_layerwise_info(module)
+            if module_name not in self._by_name:
+                materialize_layer(module, info)
+                self._by_name[module_name] = module
+                self._waiting[module_name] = set()
+            self._waiting[module_name].add(key)
+            t = getattr(module, name)
+            if info.kernel_tensors is not None and info.kernel_tensors[0].get(name) is t:
+                with info.restore_device:  # live through the reload: the old weights' own
+                    setattr(module, name, materialize_meta_tensor(to_meta_tensor(t)))
+            out[key] = getattr(module, name).data
+        return out
+
+    def arrived(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """(Redistributor's on_ready) Process each layer whose tensors have all arrived. A
+        failure is kept in :attr:`problem`, never raised: the transfer goes on."""
+        for key in tensors:
+            module_name = key.rpartition(".")[0]
+            waiting = self._waiting[module_name]
+            waiting.discard(key)
+            if not waiting:
+                self._process(module_name)
+
+    def process_the_rest(self) -> None:
+        """Any layer not processed yet (none, when every tensor was handed on)."""
+        for module_name, waiting in self._waiting.items():
+            if waiting:
+                waiting.clear()
+                self._process(module_name)
+
+    def _process(self, module_name: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (_layerwise_process,
+                                                                       get_layerwise_info)
+        if self.problem is not None:
+            return
+        module = self._by_name[module_name]
+        info = get_layerwise_info(module)
+        start = time.perf_counter()
+        self._state.append((module, dict(vars(module))))
+        # vLLM's own processing of a reloaded layer, short of copying into the kernel tensors
+        # (done at commit, when every worker has processed every layer).
+        kernel = info.kernel_tensors
+        non_persistent, total = info.kernel_non_persistent_buffers, info.load_numel_total
+        info.kernel_tensors = None
+        try:
+            _layerwise_process(module, info)
+        except Exception as e:
+            self.problem = f"{module_name}: {type(e).__name__}: {e}"
+        finally:
+            info.kernel_tensors = kernel
+            info.kernel_non_persistent_buffers, info.load_numel_total = non_persistent, total
+            self.seconds += time.perf_counter() - start
+
+    def restore_state(self) -> None:
+        """Each processed layer's attributes as they were before it was processed."""
+        for module, state in reversed(self._state):
+            module.__dict__.clear()
+            module.__dict__.update(state)
+        self._state = []
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -204,16 +303,17 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _all_workers(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every worker, agreed over vLLM's own group of the workers
-        (a trainer process lost mid-transfer breaks the sync's group, not this one)."""
+    def _worst_of_workers(self, mine: int) -> int:
+        """The worst outcome of the transfer on any worker (_READY < _UNPROCESSED < _LOST),
+        agreed over vLLM's own group of the workers (a trainer process lost mid-transfer
+        breaks the sync's group, not this one)."""
         if self.parallel_config.world_size == 1:
-            return ok
+            return mine
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_tp_group
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-        dist.all_reduce(flag, group=get_tp_group().cpu_group)
-        return int(flag.item()) == 0
+        flag = torch.tensor([mine], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return int(flag.item())
 
     def _abandon(self, what: str) -> None:
         """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
@@ -228,91 +328,92 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         if update_info.mode == "full":
             return self._receive_full(update_info.tensors)
         from vllm.model_executor.model_loader.reload.layerwise import (
-            _layerwise_process, finalize_layerwise_reload, get_layerwise_info,
+            _copy_and_restore_kernel_tensors, finalize_layerwise_reload, get_layerwise_info,
             initialize_layerwise_reload)
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
         sync, comm = self._sync, self._comm
         assert sync is not None and comm is not None
         model = self.model
-        layers: dict[str, torch.nn.Module] = {}
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, its new values)
-        out: dict[str, torch.Tensor] = {}
         rank = comm.rank - self._trainers
+        layers = _Layers()
         times = [time.perf_counter()]
         refused: Optional[RedistributeError] = None
         lost: Optional[Exception] = None
         try:
             error = None
+            out: dict[str, torch.Tensor] = {}
             try:
                 initialize_layerwise_reload(model)
                 keys = sorted({m.buffer(rank) or n for n, m in zip(sync._names, sync._dst)})
-                live = set()  # tensors vLLM keeps live through a reload (a layer's bias)
-                for key in keys:
-                    module_name, _, name = key.rpartition(".")
-                    module = model.get_submodule(module_name)
-                    if module_name not in layers:
-                        live |= {f"{module_name}.{n}" for n, t in module.named_parameters(
-                            recurse=False) if not t.is_meta}
-                        materialize_layer(module, get_layerwise_info(module))
-                        layers[module_name] = module
-                    # The transfer writes every element: its pieces, and zeros where none
-                    # lands (a padded vocabulary's last rows).
-                    target = getattr(module, name).data
-                    if key in live:  # written only at commit, so a failure leaves it as it is
-                        kept.append((target, torch.empty_like(target)))
-                        target = kept[-1][1]
-                    out[key] = target
+                out = layers.materialize(model, keys)
             except Exception as e:
                 error = f"worker {rank}: {type(e).__name__}: {e}"
             times.append(time.perf_counter())
-            sync.run({}, out=out, _error=error)
+            with _experts_processed_again(layers.modules()):
+                sync.run({}, out=out, on_ready=layers.arrived, _error=error)
+                layers.process_the_rest()
             times.append(time.perf_counter())
         except RedistributeError as e:  # agreed: every trainer process raises it
             refused = e
         except Exception as e:  # a peer lost mid-transfer (the transport raised)
             lost = e
         except BaseException:
-            self._restore(model)
+            self._restore(model, layers)
             raise
         # Every worker commits, or none: one that lacks bytes (a trainer process lost after
-        # sending to some workers) makes all of them keep their old weights.
-        if not self._all_workers(refused is None and lost is None):
-            self._restore(model)
+        # sending to some workers) or could not process them makes all keep their old weights.
+        mine = _LOST if refused is not None or lost is not None else \
+            _UNPROCESSED if layers.problem is not None else _READY
+        worst = self._worst_of_workers(mine)
+        if worst != _READY:
+            self._restore(model, layers)
             if refused is not None:
                 logger.warning("reshard weight update refused, old weights kept: %s", refused)
-            else:
+                return
+            if worst == _LOST:
                 why = f"{type(lost).__name__}: {lost}" if lost else \
                     "another worker lost a peer mid-transfer"
                 self._abandon(f"worker {rank} kept its old weights: {why}")
+                return
+            # Every byte arrived everywhere, and some worker could not process its own.
+            problem = None
+            if layers.problem is not None:
+                problem = f"worker {rank}: processing the new weights: {layers.problem}"
+                logger.error("reshard weight update failed, old weights kept: %s", problem)
+            self._report(comm, rank, problem, times, layers.seconds)
             return
-        # Every byte is here on every worker: process each layer into its kernel tensors.
+        # Every byte is here and processed on every worker: into the kernel tensors.
         problem = None
         try:
-            for held, new in kept:
-                held.copy_(new)
-            with _experts_processed_again(layers.values()):
-                for module in layers.values():
-                    _layerwise_process(module, get_layerwise_info(module))
-                finalize_layerwise_reload(model, self.model_config)
+            for module in layers.modules():
+                _copy_and_restore_kernel_tensors(module, get_layerwise_info(module))
+                get_layerwise_info(module).reset()
+            finalize_layerwise_reload(model, self.model_config)
             times.append(time.perf_counter())
         except BaseException as e:
-            self._restore(model)
-            problem = f"worker {rank}: processing the new weights: " \
-                f"{type(e).__name__}: {e}"
+            self._restore(model, layers)
+            problem = f"worker {rank}: committing the new weights: {type(e).__name__}: {e}"
             logger.error("reshard weight update failed, old weights kept: %s", problem)
-        # The trainer processes return once every worker is done, and raise any worker's
-        # problem; they hear how long its parts took (prepare: the layers in loading form;
-        # transfer; process: post-load). The call itself returns either way, so that the
-        # engine's next update starts clean.
-        parts = dict(zip(("prepare", "transfer", "process"),
+        self._report(comm, rank, problem, times, layers.seconds)
+
+    def _report(self, comm: StoreGroup, rank: int, problem: Optional[str], times: list[float],
+                processing: float = 0.0) -> None:
+        """Tell the trainer processes this worker is done (they raise any worker's problem)
+        and how long its parts took: prepare (the layers in loading form), transfer (receive
+        and unpack, each layer's post-load processing as it completes), process (that
+        processing alone) and commit (into the kernel tensors). The call itself returns either
+        way, so that the engine's next update starts clean."""
+        parts = dict(zip(("prepare", "transfer", "commit"),
                          (b - a for a, b in zip(times, times[1:]))))
+        parts["process"] = processing
         try:
             comm.gather_object({"error": problem, "seconds": parts})
         except Exception as e:  # a trainer process lost once every byte had arrived
-            self._abandon(f"worker {rank} holds the new weights; then {type(e).__name__}: {e}")
+            self._abandon(f"worker {rank}: then {type(e).__name__}: {e}")
 
-    def _restore(self, model: torch.nn.Module) -> None:
-        """Put every layer's kernel tensors back as they were (the old weights)."""
+    def _restore(self, model: torch.nn.Module, layers: Optional["_Layers"] = None) -> None:
+        """Put every layer's kernel tensors back as they were (the old weights), and the
+        state a layer's post-load processing set on it (on CPU, the oneDNN handle of its
+        packed weight)."""
         from vllm.model_executor.model_loader.reload.layerwise import (_place_kernel_tensors,
                                                                        get_layerwise_info)
         for module in model.modules():
@@ -321,6 +422,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 if info.kernel_tensors is not None:
                     _place_kernel_tensors(module, info)
                 info.reset()
+        if layers is not None:
+            layers.restore_state()
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
 

@@ -40,8 +40,9 @@ class SyncStats:
     bytes the engine's workers lack, summed: what any transfer must move; equal to
     ``bytes_sent``), ``bytes_sent_here`` by this process, the ``seconds`` it took, and
     ``worker_seconds``: how long the slowest worker took to ``prepare`` (its layers back in
-    loading form), to ``transfer`` (receive and unpack) and to ``process`` (vLLM's post-load
-    processing)."""
+    loading form), to ``transfer`` (receive and unpack, each layer processed as soon as it
+    has arrived), of that to ``process`` (vLLM's post-load processing), and to ``commit``
+    (the processed layers into the tensors the engine serves)."""
 
     bytes_sent: int
     plan_minimum: int
@@ -373,9 +374,10 @@ class WeightSync:
             replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
         except Exception as e:
             raise self._lost_peer(call, e) from None
-        failed = [r["error"] for r in replies if r["error"]]  # every worker has committed
+        # Every worker has committed, or (a worker's problem) every one kept its old weights.
+        failed = [r["error"] for r in replies if r["error"]]
         worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
-                  for k in ("prepare", "transfer", "process")} if replies else {}
+                  for k in ("prepare", "transfer", "process", "commit")} if replies else {}
         problem = self._finish(call)
         if client is not None and problem is None:
             client.call("finish_weight_update")
