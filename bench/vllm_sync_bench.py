@@ -4,7 +4,9 @@ over one gloo group on CPU (NCCL with --backend nccl, every process on a GPU of 
 ways, each --repeat times (median):
 
   reshard      WeightSync.push: each worker receives only the bytes it lacks, written
-               straight into its (fused) parameters, then vLLM's post-load processing
+               straight into its (fused) parameters, each layer run through vLLM's post-load
+               processing as soon as it has arrived (and, to measure that overlap, the same
+               push with every layer processed after the transfer)
   full tensor  the trainer processes gather each tensor whole on process 0, which sends it
                to every worker, where vLLM's own loaders slice it (layer-wise reload): what
                a full-tensor weight sync does
@@ -95,14 +97,25 @@ def trainer(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         shards = {k: v.cuda() for k, v in shards.items()}
     sync = WeightSync(llm, maps, backend=args.backend)
-    times: dict[str, list[float]] = {"reshard": [], "full": [], "raw": [], "transfer": [],
-                                     "prepare": [], "process": [], "commit": []}
+    # The push as WeightSync makes it by default (layers processed after the transfer on a
+    # CPU engine, during it on a GPU engine), and the other way, to show what the choice gives.
+    default_overlap = torch.cuda.is_available()
+    parts = ("transfer", "prepare", "process", "commit")
+    times: dict[str, list[float]] = {k: [] for k in ("reshard", "other", "full", "raw", *parts,
+                                                      *(f"other_{p}" for p in parts))}
     stats = None
-    for _ in range(args.repeat):  # interleaved, so that drift hits every path alike
-        stats = sync.push(shards)
-        times["reshard"].append(stats.seconds)
-        for part, seconds in (stats.worker_seconds or {}).items():
-            times[part].append(seconds)
+    for i in range(args.repeat):  # interleaved, so that drift hits every path alike
+        # The two pushes take turns going first (the first after the other paths pays more
+        # for fresh memory).
+        for which in (("reshard", "other") if i % 2 == 0 else ("other", "reshard")):
+            if which == "reshard":
+                stats = sync.push(shards)
+                got, prefix = stats, ""
+            else:
+                got, prefix = sync._push_overlapped(shards, not default_overlap), "other_"
+            times[which].append(got.seconds)
+            for part, seconds in (got.worker_seconds or {}).items():
+                times[prefix + part].append(seconds)
         times["full"].append(sync._push_full(maps, shards).seconds)
         times["raw"].append(sync._push_raw().seconds)
     assert stats is not None
@@ -111,6 +124,7 @@ def trainer(args: argparse.Namespace) -> None:
         # full tensor: the gather to process 0 (half the model), then the model to each worker
         full_wire = model_bytes // 2 + args.engine_tp * model_bytes
         result = {"engine_tp": args.engine_tp, "model_bytes": model_bytes,
+                  "overlap": default_overlap,
                   "bytes_sent": stats.bytes_sent, "plan_minimum": stats.plan_minimum,
                   "full_bytes": full_wire,
                   **{k: statistics.median(v) for k, v in times.items()},
@@ -170,12 +184,16 @@ def main() -> None:
     print(f"  bytes on the wire: reshard {r['bytes_sent'] / 1e6:.1f} MB "
           f"(plan minimum {r['plan_minimum'] / 1e6:.1f} MB), full tensor "
           f"{r['full_bytes'] / 1e6:.1f} MB")
-    print(f"  reshard push   {r['reshard']:.3f} s")
+    ways = ("processed during the transfer", "processed after the transfer")
+    default, other = ways if r["overlap"] else ways[::-1]
+    print(f"  reshard push   {r['reshard']:.3f} s (default: layers {default})")
     print(f"  full tensor    {r['full']:.3f} s   reshard is {r['full'] / r['reshard']:.2f}x "
           f"faster (bar >= 2x)")
     print(f"    of which, on the slowest worker: prepare {r['prepare']:.3f} s, transfer "
-          f"{r['transfer']:.3f} s (post-load processing during it {r['process']:.3f} s), "
-          f"commit {r['commit']:.3f} s")
+          f"{r['transfer']:.3f} s, post-load processing {r['process']:.3f} s, commit "
+          f"{r['commit']:.3f} s")
+    print(f"  reshard push with layers {other}: {r['other']:.3f} s (transfer "
+          f"{r['other_transfer']:.3f} s, processing {r['other_process']:.3f} s)")
     print(f"  raw send       {r['raw']:.3f} s   reshard's transfer takes "
           f"{r['transfer'] / r['raw']:.2f}x of it (bar <= 1.25x), the whole push "
           f"{r['reshard'] / r['raw']:.2f}x")

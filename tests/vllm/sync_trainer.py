@@ -53,7 +53,8 @@ def run(spec: dict, rank: int) -> None:
         try:
             if kind == "push":
                 if "sync" not in syncs:
-                    syncs["sync"] = WeightSync(llm, maps)
+                    syncs["sync"] = WeightSync(llm, maps,
+                                               overlap_processing=step.get("overlap"))
                 stats = syncs["sync"].push(shards)
                 entry["stats"] = stats.__dict__
             elif kind == "extra_name":  # the trainer has a tensor the engine lacks
@@ -78,6 +79,8 @@ def run(spec: dict, rank: int) -> None:
                         spec["engine_tp"] - 1, "model.layers.1.mlp.down_proj"))
                     assert sum(hit) == 1, hit
                 dist.barrier()
+                if "overlap" in step:
+                    syncs["sync"] = WeightSync(llm, maps, overlap_processing=step["overlap"])
                 syncs["sync"].push(shards)
             elif kind == "single":  # trainer at TP 1: process 0 alone, full tensors
                 solo = dist.new_group([0])

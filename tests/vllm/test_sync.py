@@ -18,8 +18,10 @@ import toy  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1]]
 NEW_TOKENS = 8
+# The first WeightSync processes each layer as it arrives (overlap_processing=True), the
+# later ones (the default on CPU) after the transfer.
 STEPS = [
-    {"name": "push B", "kind": "push", "weights": "B"},
+    {"name": "push B", "kind": "push", "weights": "B", "overlap": True},
     {"name": "push A", "kind": "push", "weights": "A"},
     {"name": "push B again", "kind": "push", "weights": "B"},
     {"name": "a name the engine lacks", "kind": "extra_name", "weights": "A"},
@@ -29,6 +31,9 @@ STEPS = [
     {"name": "trainer at TP 2 pushes B after", "kind": "push", "weights": "B"},
     {"name": "processing fails on one worker", "kind": "processing_fails", "weights": "A"},
     {"name": "push A after", "kind": "push", "weights": "A"},
+    {"name": "processing fails on one worker, overlapped", "kind": "processing_fails",
+     "weights": "B", "overlap": True},
+    {"name": "push B after, overlapped", "kind": "push", "weights": "B"},
 ]
 
 
@@ -112,7 +117,7 @@ def test_push_gives_transformers_tokens_of_the_weights_pushed(session, models, i
     # Both trainer processes sent (each holds half of every split tensor).
     assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
     assert other[index - 1]["stats"]["bytes_sent"] == stats["bytes_sent"]
-    # The layers were processed within the transfer, then committed.
+    # The layers were processed within the transfer (overlapped), then committed.
     seconds = stats["worker_seconds"]
     assert sorted(seconds) == ["commit", "prepare", "process", "transfer"], seconds
     assert 0 < seconds["process"] < seconds["transfer"], seconds
@@ -153,15 +158,18 @@ def test_moe_pushes_give_transformers_tokens(moe_models, engine_tp, tmp_path):
 
 
 def test_processing_failing_on_one_worker_keeps_the_old_weights_on_all(session, models):
-    """The last worker's post-load processing of layer 1's MLP raises, after the layers
-    before it were processed (on every worker, at engine TP 2 the other worker's too): every
-    trainer process raises it, every worker keeps its old weights (B), and the next push
-    works."""
+    """The last worker's post-load processing of layer 1's MLP raises, after other layers
+    were processed (at engine TP 2 every layer of the other worker too): every trainer
+    process raises it, every worker keeps its old weights, and the next push works; with
+    every layer processed after the transfer, then with each processed as it arrived."""
     main, other = session
-    for step in (main[9], other[8]):
-        assert "processing the new weights" in step["error"], step
-        assert "model.layers.1.mlp.down_proj" in step["error"], step
-        assert "fails on purpose" in step["error"], step
-    assert main[9]["tokens"] == models["expected"]["B"]
-    assert "error" not in main[10], main[10]
-    assert main[10]["tokens"] == models["expected"]["A"]
+    for failed, kept, after in ((9, "B", "A"), (11, "A", "B")):  # after, then overlapped
+        for step in (main[failed], other[failed - 1]):
+            assert "processing the new weights" in step["error"], step
+            assert "model.layers.1.mlp.down_proj" in step["error"], step
+            assert "fails on purpose" in step["error"], step
+        assert main[failed]["tokens"] == models["expected"][kept]
+        assert "error" not in main[failed + 1], main[failed + 1]
+        assert main[failed + 1]["tokens"] == models["expected"][after]
+        seconds = main[failed + 1]["stats"]["worker_seconds"]
+        assert seconds["process"] > 0 and seconds["commit"] > 0, seconds

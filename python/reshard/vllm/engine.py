@@ -67,6 +67,9 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
     step: int = 0
     mode: str = "plan"
+    # "plan": each layer processed as soon as it has arrived (True), or every layer after the
+    # transfer (False); None: overlapped on a GPU, after on CPU (see _Layers).
+    overlap: Optional[bool] = None
     tensors: list[list[Any]] = field(default_factory=list)  # "full": [name, dtype, shape]
 
 
@@ -132,15 +135,20 @@ class _Layers:
     """The layers a push writes on one worker, in vLLM's layer-wise reload: each put in its
     loading form (materialized) for the transfer to write, and processed (vLLM's post-load
     step: on CPU the oneDNN repack) as soon as its last tensor has arrived, while later ones
-    travel. Nothing of the old weights is changed before commit: the kernel tensors stay
+    travel (on a GPU engine, or when the trainer asks; on a CPU engine the processing and the
+    transport compete for the same cores, and overlapping them made pushes slower, so there
+    every layer is processed after the transfer). Nothing of the old weights is changed
+    before commit: the kernel tensors stay
     aside (vLLM's reload keeps them), a tensor the reload keeps live (a bias) is replaced by
     a fresh one, and what processing sets on a layer (the handle of its packed weight) is
     recorded so that :meth:`restore_state` can put it back."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
+        self._overlap = overlap  # process layers during the transfer, or all after it
         self._by_name: dict[str, torch.nn.Module] = {}
         self._waiting: dict[str, set[str]] = {}
         self._state: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self._processed: set[str] = set()
         self.problem: Optional[str] = None  # the first layer that could not be processed
         self.seconds = 0.0  # spent processing
 
@@ -176,21 +184,21 @@ class _Layers:
             module_name = key.rpartition(".")[0]
             waiting = self._waiting[module_name]
             waiting.discard(key)
-            if not waiting:
+            if not waiting and self._overlap:
                 self._process(module_name)
 
     def process_the_rest(self) -> None:
-        """Any layer not processed yet (none, when every tensor was handed on)."""
-        for module_name, waiting in self._waiting.items():
-            if waiting:
-                waiting.clear()
+        """Every layer not processed yet (without overlap, all of them)."""
+        for module_name in self._by_name:
+            if module_name not in self._processed:
                 self._process(module_name)
 
     def _process(self, module_name: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import (_layerwise_process,
                                                                        get_layerwise_info)
-        if self.problem is not None:
+        if self.problem is not None or module_name in self._processed:
             return
+        self._processed.add(module_name)
         module = self._by_name[module_name]
         info = get_layerwise_info(module)
         start = time.perf_counter()
@@ -334,7 +342,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         assert sync is not None and comm is not None
         model = self.model
         rank = comm.rank - self._trainers
-        layers = _Layers()
+        overlap = update_info.overlap
+        layers = _Layers(self.device.type != "cpu" if overlap is None else overlap)
         times = [time.perf_counter()]
         refused: Optional[RedistributeError] = None
         lost: Optional[Exception] = None
@@ -350,8 +359,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             times.append(time.perf_counter())
             with _experts_processed_again(layers.modules()):
                 sync.run({}, out=out, on_ready=layers.arrived, _error=error)
+                times.append(time.perf_counter())
                 layers.process_the_rest()
-            times.append(time.perf_counter())
         except RedistributeError as e:  # agreed: every trainer process raises it
             refused = e
         except Exception as e:  # a peer lost mid-transfer (the transport raised)
@@ -383,6 +392,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             return
         # Every byte is here and processed on every worker: into the kernel tensors.
         problem = None
+        times.append(time.perf_counter())
         try:
             for module in layers.modules():
                 _copy_and_restore_kernel_tensors(module, get_layerwise_info(module))
@@ -399,11 +409,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 processing: float = 0.0) -> None:
         """Tell the trainer processes this worker is done (they raise any worker's problem)
         and how long its parts took: prepare (the layers in loading form), transfer (receive
-        and unpack, each layer's post-load processing as it completes), process (that
-        processing alone) and commit (into the kernel tensors). The call itself returns either
+        and unpack; with overlap, each layer's post-load processing as it completes), process
+        (that processing alone, during the transfer or after it) and commit (into the kernel
+        tensors). The call itself returns either
         way, so that the engine's next update starts clean."""
-        parts = dict(zip(("prepare", "transfer", "commit"),
-                         (b - a for a, b in zip(times, times[1:]))))
+        parts = dict(zip(("prepare", "transfer"), (b - a for a, b in zip(times, times[1:]))))
+        if len(times) == 5:  # [start, prepared, transferred, committing, committed]
+            parts["commit"] = times[4] - times[3]
         parts["process"] = processing
         try:
             comm.gather_object({"error": problem, "seconds": parts})

@@ -40,9 +40,10 @@ class SyncStats:
     bytes the engine's workers lack, summed: what any transfer must move; equal to
     ``bytes_sent``), ``bytes_sent_here`` by this process, the ``seconds`` it took, and
     ``worker_seconds``: how long the slowest worker took to ``prepare`` (its layers back in
-    loading form), to ``transfer`` (receive and unpack, each layer processed as soon as it
-    has arrived), of that to ``process`` (vLLM's post-load processing), and to ``commit``
-    (the processed layers into the tensors the engine serves)."""
+    loading form), to ``transfer`` (receive and unpack; with ``overlap_processing``, each
+    layer processed as soon as it has arrived), to ``process`` (vLLM's post-load processing,
+    during the transfer or after it) and to ``commit`` (the processed layers into the tensors
+    the engine serves)."""
 
     bytes_sent: int
     plan_minimum: int
@@ -156,15 +157,25 @@ class WeightSync:
     ``{name: dtype}``) to the engine's parameter dtypes. ``bucket_bytes`` bounds the memory
     each process stages per round; ``backend`` is "gloo" (CPU) or "nccl" (GPU); ``host`` the
     address of this machine the engine's workers reach (the store is served there).
+    ``overlap_processing``: whether a worker runs vLLM's post-load processing of each layer
+    as soon as the layer has arrived, while the next ones travel (True), or of every layer
+    after the transfer (False); None (default) overlaps on GPU engines and not on CPU
+    engines, where processing and transport compete for the same cores. Either way nothing
+    the engine serves changes until every worker has every layer processed.
     """
 
     def __init__(self, engine: Any, source_maps: Mapping[str, MapLike], group: Any = None, *,
                  target_maps: Optional[Mapping[str, MapLike]] = None,
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
-                 host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+                 host: str = "127.0.0.1", timeout_s: float = 600.0,
+                 overlap_processing: Optional[bool] = None) -> None:
         import torch.distributed as dist
         self._group = group
+        if overlap_processing is not None and not isinstance(overlap_processing, bool):
+            raise WeightSyncError(f"overlap_processing must be True, False or None, got "
+                                  f"{overlap_processing!r}")
+        self._overlap = overlap_processing
         if dist.is_initialized():
             self._rank = dist.get_rank(group)
             self._trainers = dist.get_world_size(group)
@@ -333,7 +344,7 @@ class WeightSync:
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
         makes the others raise it within ``timeout_s``; this sync cannot push again."""
-        return self._push({"step": self._steps, "mode": "plan"},
+        return self._push({"step": self._steps, "mode": "plan", "overlap": self._overlap},
                           lambda: self.redistributor.run(shards))
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
@@ -408,6 +419,12 @@ class WeightSync:
         return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
+
+    def _push_overlapped(self, shards: Mapping[str, "torch.Tensor"], overlap: bool
+                         ) -> SyncStats:
+        """A push with ``overlap_processing`` forced (to measure both ways)."""
+        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap},
+                          lambda: self.redistributor.run(shards))
 
     def _push_raw(self) -> SyncStats:
         """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
