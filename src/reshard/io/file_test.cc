@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/temporaries.h"
 
 namespace reshard {
@@ -19,19 +20,10 @@ namespace fs = std::filesystem;
 
 class FileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("reshard_file_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
-  size_t FileCount() const {
-    size_t n = 0;
-    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++n;
-    return n;
-  }
-  fs::path dir_;
+  std::string Path(const std::string& name) const { return (tmp_ / name).string(); }
+  size_t FileCount() const { return tmp_.Listing().size(); }
+  test_support::TempDir tmp_;
+  const fs::path& dir_ = tmp_.path();
 };
 
 TEST_F(FileTest, WriteThenReadRoundTrips) {

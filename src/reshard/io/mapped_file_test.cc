@@ -1,26 +1,21 @@
 #include "reshard/io/mapped_file.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <string>
+
+#include "reshard/base/temp_dir_testing.h"
 
 namespace reshard {
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path TempDir() {
-  const fs::path dir =
-      fs::temp_directory_path() / ("mapped_file_test_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  return dir;
-}
-
 TEST(MappedFileTest, MapsTheWholeFileAndSurvivesMoves) {
-  const fs::path path = TempDir() / "data.bin";
+  const test_support::TempDir tmp;
+  const fs::path path = tmp / "data.bin";
   std::ofstream(path, std::ios::binary) << "hello, mapping";
   Result<MappedFile> file = MappedFile::Open(path.string());
   ASSERT_TRUE(file.ok()) << file.status().ToString();
@@ -33,7 +28,8 @@ TEST(MappedFileTest, MapsTheWholeFileAndSurvivesMoves) {
 }
 
 TEST(MappedFileTest, EmptyFileIsAnEmptySpan) {
-  const fs::path path = TempDir() / "empty.bin";
+  const test_support::TempDir tmp;
+  const fs::path path = tmp / "empty.bin";
   std::ofstream(path, std::ios::binary).flush();
   Result<MappedFile> file = MappedFile::Open(path.string());
   ASSERT_TRUE(file.ok()) << file.status().ToString();
@@ -41,7 +37,8 @@ TEST(MappedFileTest, EmptyFileIsAnEmptySpan) {
 }
 
 TEST(MappedFileTest, MissingFilesAndDirectoriesAreRefusedByName) {
-  const fs::path dir = TempDir();
+  const test_support::TempDir tmp;
+  const fs::path& dir = tmp.path();
   Result<MappedFile> missing = MappedFile::Open((dir / "nope").string());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("nope"), std::string::npos);

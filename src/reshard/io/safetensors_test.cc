@@ -11,6 +11,7 @@
 #include <set>
 #include <string>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/file.h"
 
 namespace reshard {
@@ -64,20 +65,11 @@ TensorToWrite Tensor(std::string name, DType dtype, Shape shape) {
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("reshard_safetensors_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
-  size_t FileCount() const {
-    size_t n = 0;
-    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir_)) ++n;
-    return n;
-  }
+  std::string Path(const std::string& name) const { return (tmp_ / name).string(); }
+  size_t FileCount() const { return tmp_.Listing().size(); }
   std::string Contents(const std::string& name) const { return *ReadFileToString(Path(name)); }
-  fs::path dir_;
+  test_support::TempDir tmp_;
+  const fs::path& dir_ = tmp_.path();
 };
 
 TEST_F(SafetensorsTest, EveryDTypeRoundTripsBitExactly) {

@@ -1,13 +1,12 @@
 #include "reshard/io/torch_file.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/pickle.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_writer.h"
@@ -15,29 +14,9 @@
 namespace reshard {
 namespace {
 
+using test_support::TempDir;
+
 namespace fs = std::filesystem;
-
-// A fresh directory per test, removed with everything in it when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("torch_file_test_" + std::to_string(::getpid()) + "_" + test->name());
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  std::vector<std::string> Listing() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
 
 TorchTreeBuilder::Fill Ones() {
   return [](std::span<std::byte> out) {

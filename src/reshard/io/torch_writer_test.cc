@@ -1,13 +1,13 @@
 #include "reshard/io/torch_writer.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/file.h"
 #include "reshard/io/pickle.h"
 #include "reshard/io/torch_file.h"
@@ -15,23 +15,9 @@
 namespace reshard {
 namespace {
 
+using test_support::TempDir;
+
 namespace fs = std::filesystem;
-
-// A fresh directory per test, removed with everything in it when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("torch_writer_test_" + std::to_string(::getpid()) + "_" + test->name());
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
 
 // A tensor whose bytes are i, i+1, ... (mod 256).
 TensorToWrite Counting(std::string name, DType dtype, Shape shape, uint8_t first) {

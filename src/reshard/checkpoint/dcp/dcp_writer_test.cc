@@ -1,13 +1,13 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/file.h"
 #include "reshard/io/pickle.h"
 #include "reshard/io/torch_file.h"
@@ -16,22 +16,9 @@
 namespace reshard {
 namespace {
 
+using test_support::TempDir;
+
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("dcp_writer_test_" + std::to_string(::getpid()) + "_" + test->name());
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
 
 Shape Rows(const std::vector<DcpWriteChunk>& chunks) {
   Shape rows;
@@ -253,7 +240,7 @@ TEST(WriteDcpTest, EachRanksFileHoldsItsChunksOfEveryTensorInOrder) {
   source.Add("w", *w, 0);
   source.Add("b", *b, 100);
   source.Add("s", *s, 7);
-  const std::string out = tmp / "dcp";
+  const std::string out = (tmp / "dcp").string();
   ASSERT_TRUE(WriteDcp(source, 4, out).ok());
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(out)) names.push_back(e.path().filename());
