@@ -136,12 +136,12 @@ class _Layers:
     loading form (materialized) for the transfer to write, and processed (vLLM's post-load
     step: on CPU the oneDNN repack) as soon as its last tensor has arrived, while later ones
     travel (on a GPU engine, or when the trainer asks; on a CPU engine the processing and the
-    transport compete for the same cores, and overlapping them made pushes slower, so there
+    transport compete for the same cores, and overlapping them made pushes no faster, so there
     every layer is processed after the transfer). Nothing of the old weights is changed
-    before commit: the kernel tensors stay
-    aside (vLLM's reload keeps them), a tensor the reload keeps live (a bias) is replaced by
-    a fresh one, and what processing sets on a layer (the handle of its packed weight) is
-    recorded so that :meth:`restore_state` can put it back."""
+    before commit: the kernel tensors stay aside (vLLM's reload keeps them), a tensor the
+    reload keeps live (a bias) is replaced by a fresh one, and what processing sets on a
+    layer (the handle of its packed weight) is recorded so that :meth:`restore_state` can put
+    it back."""
 
     def __init__(self, overlap: bool = True) -> None:
         self._overlap = overlap  # process layers during the transfer, or all after it
