@@ -107,7 +107,7 @@ def trainer(args: argparse.Namespace) -> None:
     # One untimed round of every path first (the first push of a process pays one-time costs:
     # its first oneDNN repack, fresh memory).
     sync.push(shards)
-    sync._push_overlapped(shards, not default_overlap)
+    sync._push_plan(shards, not default_overlap)
     sync._push_full(maps, shards)
     sync._push_raw()
     for i in range(args.repeat):  # interleaved, so that drift hits every path alike
@@ -118,7 +118,7 @@ def trainer(args: argparse.Namespace) -> None:
                 stats = sync.push(shards)
                 got, prefix = stats, ""
             else:
-                got, prefix = sync._push_overlapped(shards, not default_overlap), "other_"
+                got, prefix = sync._push_plan(shards, not default_overlap), "other_"
             times[which].append(got.seconds)
             for part, seconds in (got.worker_seconds or {}).items():
                 times[prefix + part].append(seconds)

@@ -41,8 +41,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-from typing import (TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union,
-                    overload)
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional,
+                    Sequence, Union, overload)
 
 from . import _core
 from ._maps import MapLike, ParamMap, as_map
@@ -602,24 +602,26 @@ class Redistributor:
         self._agree_on_run(error, comm)
         if dry_run:
             return self.schedule()
-        answer: dict[str, torch.Tensor] = {}
         keys = getattr(self, "_target_keys", None) or self._names
-        # The round after which each target shard is complete: the last of its parameters'.
+        # Each target shard once (a buffer stands for every parameter over it), with the round
+        # after which it is complete: the last of its parameters'.
+        targets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         complete: dict[str, int] = {}
-        if on_ready is not None:
-            for name, result, last in zip(keys, results, self._last_rounds()):
-                if result is not None:
-                    complete[name] = max(complete.get(name, -1), last)
+        lasts = self._last_rounds() if on_ready is not None else [-1] * len(keys)
+        for name, result, host, last in zip(keys, results, dense, lasts):
+            if result is not None and host is not None:
+                targets.setdefault(name, (result, host))
+                complete[name] = max(complete.get(name, -1), last)
         by_round: dict[int, list[str]] = {}
         for name, k in complete.items():
             by_round.setdefault(k, []).append(name)
+        answer: dict[str, torch.Tensor] = {}
         failure: list[BaseException] = []
 
-        def deliver(names: Any) -> dict[str, "torch.Tensor"]:
+        def deliver(names: Iterable[str]) -> dict[str, "torch.Tensor"]:
             done = {}
-            for name, result, host in zip(keys, results, dense):
-                if result is None or host is None or name in answer or name not in names:
-                    continue
+            for name in names:
+                result, host = targets[name]
                 if host is not result:
                     result.copy_(host)
                 answer[name] = done[name] = result
@@ -631,12 +633,12 @@ class Redistributor:
             if not names or failure or on_ready is None:
                 return
             try:
-                on_ready(deliver(set(names)))
+                on_ready(deliver(names))
             except BaseException as e:  # raised once the transfer is through
                 failure.append(e)
 
         self._move(sources, dense, comm, on_device, finished)
-        deliver(set(keys))
+        deliver([n for n in targets if n not in answer])
         if failure:
             raise failure[0]
         return answer

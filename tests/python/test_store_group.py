@@ -92,3 +92,11 @@ def test_load_rank_reads_what_scatter_wrote(tmp_path):
         assert torch.equal(shards["w"], reshard.extract(m, full, rank))
     with pytest.raises(ValueError, match="has ranks 0 .. 1"):
         reshard.checkpoint.load_rank(tmp_path / "tp2", 2)
+
+
+def test_weight_sync_refuses_a_bad_overlap_processing_before_joining():
+    """Refused before anything is served or joined, naming the process."""
+    from reshard.vllm import WeightSync, WeightSyncError
+    with pytest.raises(WeightSyncError, match="overlap_processing must be True, False or "
+                                              "None, got 'yes' \\(trainer process 0\\)"):
+        WeightSync(None, {}, overlap_processing="yes")

@@ -411,8 +411,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         and how long its parts took: prepare (the layers in loading form), transfer (receive
         and unpack; with overlap, each layer's post-load processing as it completes), process
         (that processing alone, during the transfer or after it) and commit (into the kernel
-        tensors). The call itself returns either
-        way, so that the engine's next update starts clean."""
+        tensors). The call itself returns either way, so that the engine's next update starts
+        clean."""
         parts = dict(zip(("prepare", "transfer"), (b - a for a, b in zip(times, times[1:]))))
         if len(times) == 5:  # [start, prepared, transferred, committing, committed]
             parts["commit"] = times[4] - times[3]

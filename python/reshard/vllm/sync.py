@@ -172,9 +172,6 @@ class WeightSync:
                  overlap_processing: Optional[bool] = None) -> None:
         import torch.distributed as dist
         self._group = group
-        if overlap_processing is not None and not isinstance(overlap_processing, bool):
-            raise WeightSyncError(f"overlap_processing must be True, False or None, got "
-                                  f"{overlap_processing!r}")
         self._overlap = overlap_processing
         if dist.is_initialized():
             self._rank = dist.get_rank(group)
@@ -189,8 +186,17 @@ class WeightSync:
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[Redistributor] = None
-        # Who drives the engine: the process holding the LLM, or the first naming a URL.
-        has = self._trainer_gather(engine is not None)
+        # Who drives the engine: the process holding the LLM, or the first naming a URL; and
+        # an argument wrong on any process, refused on all.
+        bad = None
+        if overlap_processing is not None and not isinstance(overlap_processing, bool):
+            bad = (f"overlap_processing must be True, False or None, got "
+                   f"{overlap_processing!r} (trainer process {self._rank})")
+        gathered = self._trainer_gather((engine is not None, bad))
+        refusals = [b for _, b in gathered if b is not None]
+        if refusals:
+            raise WeightSyncError("; ".join(refusals))
+        has = [h for h, _ in gathered]
         if not any(has):
             raise WeightSyncError("no trainer process was given the engine: pass the vllm.LLM "
                                   "(or the server's URL) in the process that has it")
@@ -344,7 +350,13 @@ class WeightSync:
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
         makes the others raise it within ``timeout_s``; this sync cannot push again."""
-        return self._push({"step": self._steps, "mode": "plan", "overlap": self._overlap},
+        return self._push_plan(shards, self._overlap)
+
+    def _push_plan(self, shards: Mapping[str, "torch.Tensor"], overlap: Optional[bool]
+                   ) -> SyncStats:
+        """A push, the workers processing layers during the transfer or after it (``overlap``,
+        None: the engine's default; the benchmark forces each way)."""
+        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap},
                           lambda: self.redistributor.run(shards))
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
@@ -419,12 +431,6 @@ class WeightSync:
         return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
-
-    def _push_overlapped(self, shards: Mapping[str, "torch.Tensor"], overlap: bool
-                         ) -> SyncStats:
-        """A push with ``overlap_processing`` forced (to measure both ways)."""
-        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap},
-                          lambda: self.redistributor.run(shards))
 
     def _push_raw(self) -> SyncStats:
         """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
