@@ -153,6 +153,7 @@ void ScatterWithConfig(const std::string& full_dir, const std::string& out_dir,
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     options.degree_constraints = planned->constraints;
     options.model_config = planned->model_config;
+    options.block_scales = planned->block_scales;
     return Scatter(full_dir, world, planned->maps, planned->buffers, out_dir, options);
   });
 }

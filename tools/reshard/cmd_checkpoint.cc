@@ -48,7 +48,25 @@ struct GatherArgs : CommonArgs {
   bool fp32 = false;
   bool optimizer_state = false;
   std::string config;
+  bool dequantize = false;
+  std::string dtype = "bf16";
 };
+
+// --dequantize [--dtype bf16|fp16|fp32] as options.
+Result<std::optional<DequantizeOptions>> DequantizeOf(bool on, const std::string& dtype) {
+  if (!on) return std::optional<DequantizeOptions>();
+  DequantizeOptions d;
+  if (dtype == "bf16") {
+    d.dtype = DType::kBF16;
+  } else if (dtype == "fp16") {
+    d.dtype = DType::kF16;
+  } else if (dtype == "fp32") {
+    d.dtype = DType::kF32;
+  } else {
+    return InvalidArgumentError(fmt::format("--dtype {}: expected bf16, fp16 or fp32", dtype));
+  }
+  return std::optional<DequantizeOptions>(std::move(d));
+}
 
 // The flags every checkpoint command takes about scaled values.
 void AddScaleFlags(CLI::App* cmd, CommonArgs& args) {
@@ -224,6 +242,7 @@ Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
   RESHARD_RETURN_IF_ERROR(planned.status());
   options.degree_constraints = std::move(planned->constraints);
   options.model_config = std::move(planned->model_config);
+  options.block_scales = std::move(planned->block_scales);
   return ScatterMapsOf{std::move(planned->maps), world, std::move(planned->buffers)};
 }
 
@@ -232,7 +251,9 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
     if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
     const int world = doc.params.front().second.world_size();
-    return ScatterMapsOf{MapsFromDocument(doc), world, BufferSetBuilder(doc.buffers)};
+    MapProvider provider = MapsFromDocument(doc);
+    RESHARD_ASSIGN_OR_RETURN(options.block_scales, FollowBlockScales(args.input, provider));
+    return ScatterMapsOf{std::move(provider), world, BufferSetBuilder(doc.buffers)};
   }
   if (args.layouts.empty() && args.config.empty()) {
     return InvalidArgumentError(
@@ -244,7 +265,9 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
   }
   if (!args.layouts.empty()) {
     RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
-    return ScatterMapsOf{MapsFromLayouts(std::move(doc.layouts), args.tp), args.tp, {}};
+    MapProvider provider = MapsFromLayouts(std::move(doc.layouts), args.tp);
+    RESHARD_ASSIGN_OR_RETURN(options.block_scales, FollowBlockScales(args.input, provider));
+    return ScatterMapsOf{std::move(provider), args.tp, {}};
   }
   return MapsFromConfig(args, args.tp, options);
 }
@@ -281,9 +304,11 @@ Status RunGather(const GatherArgs& args) {
               Describe(
                   "gather", args,
                   Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"},
-                                        {"--optimizer-state", args.optimizer_state ? "on" : "off"}},
+                                        {"--optimizer-state", args.optimizer_state ? "on" : "off"},
+                                        {"--dequantize", args.dequantize ? args.dtype : "off"}},
                          OptionalInput("--config", args.config)))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.config}));
+  RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   const auto t0 = std::chrono::steady_clock::now();
   SourceOptions source;
   source.use = SourceUse::kGather;
@@ -463,6 +488,13 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
                   "tensors (Megatron)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
+  auto dequantize = cmd->add_flag(
+      "--dequantize", args->dequantize,
+      "write block-quantized tensors (FP8, MXFP4, NVFP4) as numbers, without their scales, and "
+      "config.json without quantization_config (docs/quantization.md); takes a Hugging Face "
+      "directory too");
+  cmd->add_option("--dtype", args->dtype, "with --dequantize: bf16 (default), fp16 or fp32")
+      ->needs(dequantize);
 }
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {

@@ -25,6 +25,33 @@ namespace {
 
 std::string TypeName(const Json& j) { return j.type_name(); }
 
+// A scale tensor's tie: {"of": "<data>", "block": [..], "format": "fp8-block", "dequantizes"?}.
+Result<BlockScales> BlockScalesFromJson(const Json& j, const std::string& path) {
+  if (!j.is_object()) return json::TypeError(path, "an object", j);
+  RESHARD_RETURN_IF_ERROR(json::CheckKeys(j, path, {"of", "block", "format", "dequantizes"},
+                                          "block_scales"));
+  BlockScales tie;
+  RESHARD_ASSIGN_OR_RETURN(const Json* of, json::Require(j, path, "of"));
+  RESHARD_ASSIGN_OR_RETURN(tie.data, json::ReadString(*of, path + ".of"));
+  RESHARD_ASSIGN_OR_RETURN(const Json* block, json::Require(j, path, "block"));
+  RESHARD_ASSIGN_OR_RETURN(tie.block, json::ReadIntArray(*block, path + ".block", json::kPositive));
+  RESHARD_ASSIGN_OR_RETURN(const Json* format, json::Require(j, path, "format"));
+  RESHARD_ASSIGN_OR_RETURN(tie.format, json::ReadString(*format, path + ".format"));
+  if (const Json* d = json::Find(j, "dequantizes")) {
+    RESHARD_ASSIGN_OR_RETURN(tie.dequantizes, json::ReadBool(*d, path + ".dequantizes"));
+  }
+  return tie;
+}
+
+json::OrderedJson BlockScalesToJson(const BlockScales& tie) {
+  json::OrderedJson j;
+  j["of"] = tie.data;
+  j["block"] = tie.block;
+  j["format"] = tie.format;
+  if (!tie.dequantizes) j["dequantizes"] = false;
+  return j;
+}
+
 Result<Index> ReadInt(const Json& j, const std::string& path) {
   if (!j.is_number_integer() || (j.is_number_unsigned() && j.get<uint64_t>() > INT64_MAX)) {
     return InvalidArgumentError(fmt::format("{}: expected an integer, got {}", path,
@@ -203,9 +230,49 @@ Result<Manifest> ParseManifestJson(std::string_view text) {
     }
     m.params.push_back(
         ShardedParam{it.key(), *d, *std::move(built), std::move(layout_desc), scale_power});
+    if (auto tie = p.find("block_scales"); tie != p.end() && !tie->is_null()) {
+      RESHARD_ASSIGN_OR_RETURN(BlockScales b, BlockScalesFromJson(*tie, path + ".block_scales"));
+      m.block_scales.emplace(it.key(), std::move(b));
+    }
   }
   RESHARD_RETURN_IF_ERROR(ValidateManifestBuffers(m, buffers));
+  RESHARD_RETURN_IF_ERROR(CheckBlockTies(m));
   return m;
+}
+
+Status CheckBlockTies(const Manifest& m) {
+  std::map<std::string_view, const ShardedParam*> by_name;
+  for (const ShardedParam& p : m.params) by_name.emplace(p.name, &p);
+  for (const auto& [scale_name, tie] : m.block_scales) {
+    auto scale = by_name.find(scale_name);
+    if (scale == by_name.end()) {
+      return InvalidArgumentError(fmt::format(
+          "block_scales: \"{}\" is not a parameter of the checkpoint", scale_name));
+    }
+    const ShardedParam& p = *scale->second;
+    auto data = by_name.find(tie.data);
+    if (data == by_name.end()) {
+      return InvalidArgumentError(fmt::format(
+          "params[\"{}\"].block_scales: the data tensor \"{}\" is not in the checkpoint", p.name,
+          tie.data));
+    }
+    if (m.block_scales.contains(tie.data)) {
+      return InvalidArgumentError(fmt::format(
+          "params[\"{}\"].block_scales: \"{}\" is itself a scale tensor", p.name, tie.data));
+    }
+    if (tie.block.size() != data->second->map.logical_shape().size()) {
+      return InvalidArgumentError(fmt::format(
+          "params[\"{}\"].block_scales.block: {} for data of shape {}", p.name,
+          FormatShape(tie.block), FormatShape(data->second->map.logical_shape())));
+    }
+    Status tied = CheckBlockTie(data->second->map, p.map, tie.block);
+    if (!tied.ok()) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" are the scales of \"{}\" in blocks of {}, but {}", p.name, tie.data,
+          FormatShape(tie.block), tied.message()));
+    }
+  }
+  return Status::Ok();
 }
 
 Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers) {
@@ -299,6 +366,8 @@ std::string ManifestToJson(const Manifest& m) {
     param["dtype"] = std::string(DTypeName(p.dtype));
     if (p.scale_power != 1) param["scale_power"] = p.scale_power;
     if (p.layout) param["layout"] = LayoutToJsonValue(*p.layout);
+    if (auto tie = m.block_scales.find(p.name); tie != m.block_scales.end())
+      param["block_scales"] = BlockScalesToJson(tie->second);
     param["map"] = ParamMapToJsonValue(p.map);
     params[p.name] = std::move(param);
   }

@@ -41,6 +41,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/result.h"
 #include "reshard/io/safetensors.h"
+#include "reshard/ir/block_grid.h"
 #include "reshard/ir/buffer_set.h"
 #include "reshard/ir/param_map.h"
 #include "reshard/layouts/degree_constraints.h"
@@ -71,7 +72,15 @@ struct Manifest {
   /// The model's config.json (JSON text, "" when unknown): recorded by scatter --config so
   /// that convert can lay the model out at another topology from its plans.
   std::string model_config;
+  /// The scales of block-quantized tensors, by the scale parameter's name: the data they
+  /// scale and the block (DESIGN 20). Their maps are the block images of the data's maps
+  /// (checked when a manifest is read, CheckBlockTies).
+  std::map<std::string, BlockScales> block_scales;
 };
+
+/// Checks every block tie of `m`: both parameters exist, and the scales' map is the block image
+/// of the data's map. FailedPrecondition naming both tensors.
+Status CheckBlockTies(const Manifest& m);
 
 /// One tensor of a rank's files: a parameter's own shard, or a buffer that several
 /// parameters' pieces fill.

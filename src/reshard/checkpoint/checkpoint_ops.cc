@@ -8,17 +8,21 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/exec/dequantize.h"
 #include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/temporaries.h"
+#include "reshard/ir/block_grid.h"
 #include "reshard/ir/compose.h"
 #include "reshard/layouts/basic.h"
 
@@ -394,6 +398,11 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
     sources.push_back(&t);
   }
   RESHARD_RETURN_IF_ERROR(ValidateManifestBuffers(manifest, buffers));
+  for (const ShardedParam& p : manifest.params) {
+    if (auto tie = options.block_scales.find(p.name); tie != options.block_scales.end())
+      manifest.block_scales.insert(*tie);
+  }
+  RESHARD_RETURN_IF_ERROR(CheckBlockTies(manifest));
   return manifest;
 }
 
@@ -514,6 +523,172 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
   return Status::Ok();
 }
 
+// A tensor a gather writes: one parameter rebuilt as it is, or a dequantized one (its data
+// and scales rebuilt, then dequantized).
+struct GatherOutput {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  size_t param = 0;
+  // Dequantized outputs only:
+  std::optional<size_t> scales;
+  std::optional<size_t> global;  // a per-tensor second-level scale (NVFP4's weight_scale_2)
+  DequantizeSpec spec;
+  bool mxfp4 = false;  // written [E, G * 32, R] as transformers holds gpt-oss's experts
+};
+
+// A rebuilt parameter in memory of its own (uninitialised).
+struct Rebuilt {
+  std::unique_ptr<std::byte[]> bytes;
+  size_t size = 0;
+  std::span<std::byte> span() { return {bytes.get(), size}; }
+};
+
+Result<Rebuilt> RebuildOwned(ShardSource& source, size_t i, const CheckpointOptions& options,
+                             Counters& counters) {
+  const ShardedParam& p = source.manifest().params[i];
+  Rebuilt out;
+  out.size = static_cast<size_t>(ElementBytes(ProductOf(p.map.valid_shape()), p.dtype));
+  out.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(out.size, 1)]);
+  if (!out.bytes) {
+    return ResourceExhaustedError(fmt::format("cannot allocate {} bytes for \"{}\"", out.size, p.name));
+  }
+  RESHARD_RETURN_IF_ERROR(RebuildInto(source, i, options, out.span(), counters));
+  return out;
+}
+
+// Writes a dequantized output into `buffer`.
+Status FillDequantized(ShardSource& source, const GatherOutput& o, const CheckpointOptions& options,
+                       std::span<std::byte> buffer, Counters& counters) {
+  const Manifest& m = source.manifest();
+  RESHARD_ASSIGN_OR_RETURN(Rebuilt data, RebuildOwned(source, o.param, options, counters));
+  RESHARD_ASSIGN_OR_RETURN(Rebuilt scales, RebuildOwned(source, *o.scales, options, counters));
+  DequantizeSpec spec = o.spec;
+  if (o.global) {
+    RESHARD_ASSIGN_OR_RETURN(Rebuilt g, RebuildOwned(source, *o.global, options, counters));
+    if (m.params[*o.global].dtype != DType::kF32 || g.size != 4) {
+      return FailedPreconditionError(fmt::format("\"{}\": expected one F32 value",
+                                                 m.params[*o.global].name));
+    }
+    std::memcpy(&spec.global_scale, g.bytes.get(), 4);
+  }
+  const auto annotate = [&](Status st) {
+    return st.ok() ? st
+                   : Status(st.code(), fmt::format("dequantizing \"{}\" with \"{}\": {}",
+                                                   m.params[o.param].name,
+                                                   m.params[*o.scales].name, st.message()));
+  };
+  if (!o.mxfp4) return annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, buffer));
+  // [E, R, G * 32] dequantized, then its last two dimensions swapped.
+  Rebuilt flat;
+  flat.size = buffer.size();
+  flat.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(flat.size, 1)]);
+  if (!flat.bytes) return ResourceExhaustedError("cannot allocate the dequantized experts");
+  RESHARD_RETURN_IF_ERROR(annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, flat.span())));
+  const Shape& out_shape = o.shape;  // [..., cols, rows]
+  const size_t nd = out_shape.size();
+  const Index rows = out_shape[nd - 1], cols = out_shape[nd - 2];
+  const Index outer = ProductOf(std::span(out_shape).first(nd - 2));
+  const size_t es = DTypeSize(o.dtype);
+  for (Index e = 0; e < outer; ++e) {
+    const std::byte* from = flat.bytes.get() + static_cast<size_t>(e * rows * cols) * es;
+    std::byte* to = buffer.data() + static_cast<size_t>(e * rows * cols) * es;
+    for (Index r = 0; r < rows; ++r) {
+      for (Index c = 0; c < cols; ++c) {
+        std::memcpy(to + static_cast<size_t>(c * rows + r) * es,
+                    from + static_cast<size_t>(r * cols + c) * es, es);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// The dequantized output of data parameter `d` scaled by parameter `s` under `tie`.
+Result<GatherOutput> DequantizedOutput(const Manifest& m, size_t d, size_t s,
+                                       const BlockScales& tie, DType dtype) {
+  const ShardedParam& data = m.params[d];
+  const ShardedParam& scales = m.params[s];
+  GatherOutput o{data.name, dtype, data.map.valid_shape(), d, s, std::nullopt, {}, false};
+  o.spec = DequantizeSpec{data.dtype, data.map.valid_shape(), scales.dtype, tie.block, 1.0f};
+  const bool packed = tie.format == "mxfp4" || tie.format == "nvfp4";
+  if (packed != (data.dtype == DType::kU8)) {
+    return FailedPreconditionError(fmt::format("\"{}\" is {}, which {} does not store", data.name,
+                                               DTypeName(data.dtype), tie.format));
+  }
+  if (packed) o.shape.back() *= 2;
+  if (tie.format == "mxfp4") {
+    // gpt-oss: X_blocks [E, R, G, 16] -> X [E, G * 32, R] (transformers' dequantized experts).
+    if (o.shape.size() != 4 || !data.name.ends_with("_blocks")) {
+      return FailedPreconditionError(
+          fmt::format("MXFP4 blocks \"{}\" {}: expected [experts, rows, groups, 16] named *_blocks",
+                      data.name, FormatShape(data.map.valid_shape())));
+    }
+    o.name = data.name.substr(0, data.name.size() - 7);
+    o.shape = {o.shape[0], o.shape[2] * o.shape[3], o.shape[1]};
+    o.mxfp4 = true;
+  }
+  return o;
+}
+
+// What a gather writes: every parameter as it is, or, dequantizing, each quantized tensor as
+// numbers and no scales.
+Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m, const CheckpointOptions& options) {
+  std::vector<GatherOutput> out;
+  if (!options.dequantize) {
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      const ShardedParam& p = m.params[i];
+      out.push_back({p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
+    }
+    return out;
+  }
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < m.params.size(); ++i) index.emplace(m.params[i].name, i);
+  std::map<size_t, std::pair<size_t, BlockScales>> scales_of;  // data -> block scale
+  std::map<size_t, size_t> global_of;                          // data -> second-level scale
+  std::set<size_t> dropped;
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const ShardedParam& p = m.params[i];
+    auto given = options.dequantize->ties.find(p.name);
+    auto recorded = m.block_scales.find(p.name);
+    const BlockScales* tie = given != options.dequantize->ties.end() ? &given->second
+                             : recorded != m.block_scales.end()        ? &recorded->second
+                                                                       : nullptr;
+    if (tie == nullptr) continue;
+    auto d = index.find(tie->data);
+    if (d == index.end()) {
+      return FailedPreconditionError(
+          fmt::format("\"{}\" scales \"{}\", which the checkpoint does not hold", p.name, tie->data));
+    }
+    dropped.insert(i);
+    if (tie->dequantizes) {
+      if (!scales_of.emplace(d->second, std::pair{i, *tie}).second) {
+        return FailedPreconditionError(fmt::format("\"{}\" has two block scales", tie->data));
+      }
+    } else if (p.name.ends_with(".weight_scale_2")) {
+      global_of[d->second] = i;
+    } else if (p.name.ends_with(".weight_global_scale")) {
+      return UnimplementedError(fmt::format(
+          "\"{}\": dequantizing compressed-tensors' NVFP4 (a weight_global_scale) is not supported",
+          p.name));
+    }
+  }
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    if (dropped.contains(i)) continue;
+    const ShardedParam& p = m.params[i];
+    auto sc = scales_of.find(i);
+    if (sc == scales_of.end()) {
+      out.push_back({p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(GatherOutput o, DequantizedOutput(m, i, sc->second.first,
+                                                               sc->second.second,
+                                                               options.dequantize->dtype));
+    if (auto g = global_of.find(i); g != global_of.end()) o.global = g->second;
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
 }  // namespace
 
 std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
@@ -554,9 +729,18 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
   Communicator& comm = CommunicatorOf(options);
   const Manifest& m = source.manifest();
   for (const ShardedParam& p : m.params) WarnAboutScales(options, p, "undoing");
+  Result<std::vector<GatherOutput>> outputs_or = GatherOutputs(m, options);
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, outputs_or.status()));
+  const std::vector<GatherOutput>& outputs = *outputs_or;
+  // What is written, as a manifest of full tensors (for the file plan and the index).
+  Manifest written_m;
+  for (const GatherOutput& o : outputs) {
+    RESHARD_ASSIGN_OR_RETURN(ParamMap full, ReplicatedMap(o.shape, 1));
+    written_m.params.push_back({o.name, o.dtype, std::move(full), std::nullopt, 1});
+  }
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
                            OpenOutput(comm, out_dir, options, source.inputs()));
-  const std::vector<OutputFile> files = FullFiles(m, options.max_shard_bytes);
+  const std::vector<OutputFile> files = FullFiles(written_m, options.max_shard_bytes);
   const std::vector<int> owners = OwnersOf(files, comm.size());
   uint64_t total = 0;
   for (const OutputFile& f : files) total += f.bytes;
@@ -567,14 +751,15 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
   const Status written =
       WriteOwnFiles(comm, files, owners, 1, mine, [&](const OutputFile& f) -> Status {
         std::vector<TensorToWrite> tensors;
-        for (const size_t i : f.params) {
-          const ShardedParam& p = m.params[i];
-          tensors.push_back(
-              {p.name, p.dtype, p.map.valid_shape(), [&, i](std::span<std::byte> buffer) {
-                 RESHARD_RETURN_IF_ERROR(RebuildInto(source, i, options, buffer, counters));
-                 progress.Add(buffer.size());
-                 return Status::Ok();
-               }});
+        for (const size_t k : f.params) {
+          const GatherOutput& o = outputs[k];
+          tensors.push_back({o.name, o.dtype, o.shape, [&](std::span<std::byte> buffer) {
+                               RESHARD_RETURN_IF_ERROR(
+                                   o.scales ? FillDequantized(source, o, options, buffer, counters)
+                                            : RebuildInto(source, o.param, options, buffer, counters));
+                               progress.Add(buffer.size());
+                               return Status::Ok();
+                             }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
                                 OutputFileOptions(options));
@@ -584,7 +769,7 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
   mine.bytes_verified = counters.verified;
   return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     if (files.front().name != "model.safetensors") {
-      RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, m, options.sync, files));
+      RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, written_m, options.sync, files));
     }
     for (const ExtraFile& f : extra_files) {
       RESHARD_RETURN_IF_ERROR(
@@ -647,9 +832,27 @@ Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
   out.target.world_size = world_size;
   out.target.constraints = src.constraints;
   out.target.model_config = src.model_config;
+  // Scales without target maps or a layout follow their data (block images): data first.
+  std::map<std::string_view, ParamMap> data_targets;
+  auto tie_of = [&](const ShardedParam& p) -> const BlockScales* {
+    auto it = src.block_scales.find(p.name);
+    return it == src.block_scales.end() ? nullptr : &it->second;
+  };
   for (const ShardedParam& p : src.params) {
-    RESHARD_ASSIGN_OR_RETURN(ParamMap target,
-                             TargetMapOf(p, world_size, target_maps.has_value(), given));
+    if (!tie_of(p) || target_maps || p.layout) continue;
+    auto data = std::find_if(src.params.begin(), src.params.end(),
+                             [&](const ShardedParam& q) { return q.name == tie_of(p)->data; });
+    if (data == src.params.end()) continue;  // CheckBlockTies names it
+    RESHARD_ASSIGN_OR_RETURN(ParamMap t, TargetMapOf(*data, world_size, false, given));
+    data_targets.emplace(data->name, std::move(t));
+  }
+  for (const ShardedParam& p : src.params) {
+    Result<ParamMap> target_or =
+        tie_of(p) && data_targets.contains(tie_of(p)->data)
+            ? BlockImage(data_targets.at(tie_of(p)->data), tie_of(p)->block, p.map.logical_shape())
+            : TargetMapOf(p, world_size, target_maps.has_value(), given);
+    if (!target_or.ok()) return target_or.status().Annotate(fmt::format("parameter \"{}\"", p.name));
+    ParamMap target = *std::move(target_or);
     Result<ParamPlan> plan = Compose(target, p.map);
     if (!plan.ok()) return plan.status().Annotate(fmt::format("parameter \"{}\"", p.name));
     if (options.warn && options.allow_lossy_scale && DTypeKindOf(p.dtype) == DTypeKind::kFloat) {
@@ -676,6 +879,8 @@ Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
         ValidateManifestBuffers(out.target, BufferSetBuilder(target_maps->buffers))
             .Annotate("the target maps"));
   }
+  out.target.block_scales = src.block_scales;
+  RESHARD_RETURN_IF_ERROR(CheckBlockTies(out.target).Annotate("the target layout"));
   return out;
 }
 

@@ -56,6 +56,14 @@ struct CheckpointStats {
   std::vector<ProcessStats> processes;
 };
 
+/// Dequantization on gather (DESIGN 20): every block-quantized tensor written as numbers of
+/// `dtype`, its scales dropped.
+struct DequantizeOptions {
+  DType dtype = DType::kBF16;
+  /// The scale tensors by name and their ties; empty: the ties the source's manifest records.
+  std::map<std::string, BlockScales> ties;
+};
+
 struct CheckpointOptions {
   /// Replace an existing output directory.
   bool overwrite = false;
@@ -93,6 +101,11 @@ struct CheckpointOptions {
   Communicator* communicator = nullptr;
   /// When set, receives what the run did (also when it fails after writing began).
   CheckpointStats* stats = nullptr;
+  /// gather: dequantize block-quantized tensors (DequantizeOptions).
+  std::optional<DequantizeOptions> dequantize;
+  /// scatter: the scale tensors of block-quantized tensors and their ties, recorded in the
+  /// manifest (Manifest::block_scales).
+  std::map<std::string, BlockScales> block_scales;
 };
 
 /// A tensor's layout for scatter: its map at the target world size, and the descriptor it came

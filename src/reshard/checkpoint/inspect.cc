@@ -70,6 +70,12 @@ ordered_json ShardedJson(const ShardedCheckpoint& c) {
     if (p.map.has_padding()) one["valid_shape"] = p.map.valid_shape();
     one["scale_power"] = p.scale_power;
     if (p.layout) one["layout"] = ordered_json::parse(LayoutToJson(*p.layout));
+    if (auto tie = m.block_scales.find(p.name); tie != m.block_scales.end()) {
+      one["block_scales"] = {{"of", tie->second.data},
+                             {"block", tie->second.block},
+                             {"format", tie->second.format},
+                             {"dequantizes", tie->second.dequantizes}};
+    }
     one["ranks"] = RanksJson(p);
     params.push_back(std::move(one));
   }
@@ -98,6 +104,13 @@ void AppendSharded(const std::string& dir, const ordered_json& j, std::string& o
       fmt::format_to(std::back_inserter(out), "  scale^{}", p["scale_power"].get<int>());
     if (p.contains("layout"))
       fmt::format_to(std::back_inserter(out), "  layout {}", p["layout"].dump());
+    if (p.contains("block_scales")) {
+      const ordered_json& b = p["block_scales"];
+      fmt::format_to(std::back_inserter(out), "  {} scales of \"{}\" in blocks of {}{}",
+                     b["format"].get<std::string>(), b["of"].get<std::string>(),
+                     FormatShape(b["block"].get<Shape>()),
+                     b["dequantizes"].get<bool>() ? "" : " (per tensor, not applied)");
+    }
     std::string ranks;
     for (const ordered_json& r : p["ranks"]) {
       const auto pieces = r["pieces"].get<int64_t>();

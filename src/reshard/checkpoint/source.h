@@ -40,6 +40,8 @@ struct SourceOptions {
   /// A distributed config (JSON text, "" for none) for the target layout of a checkpoint
   /// whose layout comes from a model's config.json.
   std::string distributed_config;
+  /// A gather that dequantizes (a Hugging Face directory is then a source too).
+  bool dequantize = false;
 };
 
 /// An opened checkpoint.

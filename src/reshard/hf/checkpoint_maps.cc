@@ -10,6 +10,7 @@
 
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/hf/quantized_maps.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
 
@@ -24,7 +25,9 @@ Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string
   for (const TensorRef& t : full.tensors()) {
     tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
   }
-  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(maps, tensors));
+  RESHARD_ASSIGN_OR_RETURN(ModelCheckpointMaps model,
+                           PlanModelCheckpointMaps(maps, config_json, tensors));
+  CheckpointMaps& planned = model.maps;
   auto by_name = std::make_shared<std::map<std::string, ProvidedMap>>();
   for (CheckpointTensorMap& t : planned.tensors) {
     by_name->emplace(t.name, ProvidedMap{std::move(t.map), std::move(t.layout), true});
@@ -36,9 +39,63 @@ Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string
     return it->second;
   };
   out.buffers = std::move(planned.buffers);
+  for (const QuantTie& tie : model.ties) {
+    out.block_scales.emplace(tie.scale, BlockScales{tie.data, tie.block,
+                                                    std::string(QuantFormatName(tie.format)),
+                                                    tie.dequantizes});
+  }
   out.constraints = DegreeConstraints(maps.plan());
   // Parsed already (FromConfigJson): kept compact.
   out.model_config = nlohmann::json::parse(config_json).dump();
+  return out;
+}
+
+Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& full_dir,
+                                                             MapProvider& maps) {
+  const std::string config_path = (std::filesystem::path(full_dir) / "config.json").string();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(config_path, ec)) return std::map<std::string, BlockScales>();
+  RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
+  Result<std::optional<QuantScheme>> scheme = ReadQuantScheme(text);
+  if (!scheme.ok()) return scheme.status().Annotate(fmt::format("\"{}\"", config_path));
+  if (!*scheme) return std::map<std::string, BlockScales>();
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
+  std::vector<QuantTensor> tensors;
+  std::map<std::string, Shape> shapes;
+  for (const TensorRef& t : full.tensors()) {
+    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+    shapes.emplace(t.info->name, t.info->shape);
+  }
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties, TieQuantizedTensors(**scheme, tensors));
+  std::map<std::string, BlockScales> out;
+  auto by_scale = std::make_shared<std::map<std::string, std::pair<BlockScales, Shape>>>();
+  for (const QuantTie& t : ties) {
+    BlockScales b{t.data, t.block, std::string(QuantFormatName(t.format)), t.dequantizes};
+    out.emplace(t.scale, b);
+    by_scale->emplace(t.scale, std::pair{b, shapes.at(t.data)});
+  }
+  maps = [inner = maps, by_scale](const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+    auto it = by_scale->find(name);
+    if (it == by_scale->end()) return inner(name, shape);
+    const auto& [tie, data_shape] = it->second;
+    RESHARD_ASSIGN_OR_RETURN(ProvidedMap data, inner(tie.data, data_shape));
+    Result<ParamMap> image = BlockImage(data.map, tie.block, shape);
+    if (!image.ok()) {
+      return Status(image.status().code(),
+                    fmt::format("the scales \"{}\" of \"{}\" (blocks of {}) cannot follow its map: {}",
+                                name, tie.data, FormatShape(tie.block), image.status().message()));
+    }
+    if (Result<ProvidedMap> own = inner(name, shape); own.ok() && own->exact) {
+      if (Status tied = CheckBlockTie(data.map, own->map, tie.block); !tied.ok()) {
+        return FailedPreconditionError(fmt::format("the map given for \"{}\", the scales of \"{}\" "
+                                                   "in blocks of {}: {}",
+                                                   name, tie.data, FormatShape(tie.block),
+                                                   tied.message()));
+      }
+      return own;
+    }
+    return ProvidedMap{*std::move(image), std::nullopt, true};
+  };
   return out;
 }
 
@@ -69,7 +126,9 @@ Result<MapDocument> ConfigTargetMaps(std::string_view config_json,
                                      const PlanOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
                                                 BuiltinTpRegistry(), config_json, world, options));
-  RESHARD_ASSIGN_OR_RETURN(CheckpointMaps planned, PlanCheckpointMaps(maps, tensors));
+  RESHARD_ASSIGN_OR_RETURN(ModelCheckpointMaps model,
+                           PlanModelCheckpointMaps(maps, config_json, tensors));
+  CheckpointMaps& planned = model.maps;
   MapDocument doc;
   for (CheckpointTensorMap& t : planned.tensors) doc.params.emplace_back(t.name, std::move(t.map));
   RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, planned.buffers));

@@ -31,6 +31,8 @@ struct ConfigScatter {
   /// The plan's divisibility constraints, and the config (JSON text) for the manifest.
   std::vector<DegreeConstraint> constraints;
   std::string model_config;
+  /// The scale tensors of block-quantized tensors and their ties (for the manifest).
+  std::map<std::string, BlockScales> block_scales;
 };
 
 /// The layout of the full checkpoint in `full_dir` (its safetensors headers; no data read) at
@@ -39,6 +41,14 @@ struct ConfigScatter {
 ///        refuses, or a tensor that does not fit the config (PlanCheckpointMaps).
 Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
                                         int world, const PlanOptions& options = {});
+
+/// Scales that follow their data wherever a map is made (DESIGN 20): when `full_dir`'s
+/// config.json has a quantization_config, `maps` is wrapped so that each scale tensor gets the
+/// block image of its data tensor's map (a map `maps` names for a scale tensor itself must be
+/// that image: FailedPrecondition naming both otherwise). Returns the ties for the manifest
+/// (empty, `maps` unchanged, without such a config).
+Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& full_dir,
+                                                             MapProvider& maps);
 
 /// The target maps of a sharded checkpoint scattered with --config (its manifest keeps the
 /// model's config.json) at `world` processes under `options.distributed`; nullopt for a

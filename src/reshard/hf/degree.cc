@@ -1,4 +1,5 @@
 #include "reshard/hf/degree.h"
+#include "reshard/hf/degree_blocks.h"
 
 #include <fmt/format.h>
 
@@ -410,6 +411,7 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
                            registry.load_renames.end());
   const bool uneven = options.engine == Engine::kTransformers && version >= kUnevenSplitVersion;
   ClassifyEntries(registry, entries, scopes, options.engine, uneven, plan);
+  AddBlockEntries(config, plan);
   return plan;
 }
 
@@ -474,6 +476,16 @@ std::optional<PlanRefusal> DistributedRefusal(const ModelPlan& plan, int64_t n) 
 // What transformers does at degree n when `broken` fails, in its own words where it has them.
 std::string BrokenDegreeConsequence(const ModelPlan& plan, const DegreeConstraint& broken,
                                     int64_t n) {
+  if (broken.meaning.starts_with("FP8 blocks")) {
+    return plan.engine == Engine::kVllm
+               ? fmt::format("At tp {} vLLM refuses the layer when it creates its weights, or "
+                             "for a merged layer loads scales that are wrong for some rows.",
+                             n)
+               : fmt::format("At tp {} transformers' load of the FP8 weights fails "
+                             "(ZeroDivisionError in Fp8Dequantize): a rank without a whole "
+                             "block has no scale row for it.",
+                             n);
+  }
   if (plan.engine == Engine::kVllm) return fmt::format("vLLM would refuse the model at tp {}.", n);
   if (broken.meaning == "experts") {
     return fmt::format(

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/hf/quantization.h"
 
 namespace reshard {
 
@@ -267,6 +268,12 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
   RESHARD_ASSIGN_OR_RETURN(config.values, ReadValues(j, config.info, ""));
   const std::optional<int64_t> dtype_bytes = DtypeBytes(j);
   if (dtype_bytes) config.values["dtype_bytes"] = dtype_bytes;
+  // Block rules (degree_blocks.cc) apply to the FP8 block formats; other quantization
+  // configs are the checkpoint readers' to refuse.
+  if (Result<std::optional<QuantScheme>> q = ReadQuantScheme(text);
+      q.ok() && *q && (*q)->format == QuantFormat::kFp8Block) {
+    config.fp8_block = (*q)->block;
+  }
   if (config.info != nullptr && !config.info->text_config_key.empty()) {
     const std::string& key = config.info->text_config_key;
     Json sub = j.contains(key) && j[key].is_object() ? j[key] : Json::object();

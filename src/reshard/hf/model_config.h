@@ -60,6 +60,9 @@ struct ModelConfig {
   std::string text_model_type;
   const ModelTypeInfo* text_info = nullptr;
   std::map<std::string, std::optional<int64_t>> text_values;
+  /// The FP8 block [rows, columns] of a block-quantized checkpoint (quantization_config
+  /// weight_block_size, hf/quantization.h); empty when it is not one.
+  std::vector<int64_t> fp8_block;
 };
 
 /// InvalidArgument for malformed JSON, a missing model_type, or a count key of the wrong type.

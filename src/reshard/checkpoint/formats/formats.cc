@@ -2,9 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <system_error>
 #include <utility>
 
@@ -16,6 +18,7 @@
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
+#include "reshard/hf/quantization.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
 
@@ -130,7 +133,7 @@ bool DetectFull(const std::string& path) {
 }
 
 Status CheckFull(const std::string& path, const SourceOptions& options) {
-  if (options.use == SourceUse::kGather) {
+  if (options.use == SourceUse::kGather && !options.dequantize) {
     return InvalidArgumentError(fmt::format(
         "\"{}\" holds full tensors already (model.safetensors, no {}): there is nothing to "
         "gather",
@@ -277,15 +280,73 @@ Result<OpenedCheckpoint> OpenEverywhere(const std::string& path, const SourceOpt
   return opened;
 }
 
+// The ties a dequantizing gather applies (those the manifest records, else those of the model's
+// quantization_config) and its config.json without quantization_config.
+Status DequantizePlan(const std::string& path, const Manifest& m, DequantizeOptions& dequantize,
+                      std::vector<ExtraFile>& extra) {
+  std::string config = m.model_config;
+  ExtraFile* config_file = nullptr;
+  for (ExtraFile& f : extra) {
+    if (f.name == "config.json") config_file = &f;
+  }
+  if (config_file != nullptr) config = config_file->contents;
+  const bool recorded = !m.block_scales.empty();
+  if (!recorded && dequantize.ties.empty()) {
+    if (config.empty()) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" records no block scales and has no config.json: nothing says what to dequantize",
+          path));
+    }
+    RESHARD_ASSIGN_OR_RETURN(const std::optional<QuantScheme> scheme, ReadQuantScheme(config));
+    if (!scheme) {
+      return FailedPreconditionError(fmt::format(
+          "the config.json of \"{}\" has no quantization_config: nothing to dequantize", path));
+    }
+    std::vector<QuantTensor> tensors;
+    for (const ShardedParam& p : m.params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+    RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties, TieQuantizedTensors(*scheme, tensors));
+    for (const QuantTie& t : ties) {
+      dequantize.ties.emplace(t.scale, BlockScales{t.data, t.block,
+                                                   std::string(QuantFormatName(t.format)),
+                                                   t.dequantizes});
+    }
+  }
+  if (config.empty()) return Status::Ok();
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(config, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgumentError(fmt::format("the config.json of \"{}\" is not a JSON object", path));
+  }
+  j.erase("quantization_config");
+  const std::string dropped = j.dump(2) + "\n";
+  if (config_file != nullptr) {
+    config_file->contents = dropped;
+  } else {
+    extra.push_back({"config.json", dropped});
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
                         const std::string& out_dir, const CheckpointOptions& options) {
   SourceOptions s = source;
   s.use = SourceUse::kGather;
+  s.dequantize = options.dequantize.has_value();
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
-  if (opened.gather) return opened.gather(out_dir, options);
-  return GatherFrom(*opened.source, out_dir, options, opened.extra_files);
+  if (!options.dequantize) {
+    if (opened.gather) return opened.gather(out_dir, options);
+    return GatherFrom(*opened.source, out_dir, options, opened.extra_files);
+  }
+  if (opened.gather || opened.source == nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is {}: dequantizing takes a reshard sharded or a Hugging Face checkpoint", path,
+        DetectFormat(path).description));
+  }
+  CheckpointOptions o = options;
+  std::vector<ExtraFile> extra = opened.extra_files;
+  RESHARD_RETURN_IF_ERROR(DequantizePlan(path, opened.source->manifest(), *o.dequantize, extra));
+  return GatherFrom(*opened.source, out_dir, o, extra);
 }
 
 Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, int world_size,

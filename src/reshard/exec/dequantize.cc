@@ -1,0 +1,150 @@
+#include "reshard/exec/dequantize.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "reshard/exec/strided_copy.h"
+
+namespace reshard {
+
+namespace {
+
+// FP4 E2M1: sign, two exponent bits (bias 1), one mantissa bit.
+constexpr std::array<float, 16> kFp4Values = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                              4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                              -2.0f, -3.0f, -4.0f, -6.0f};
+
+std::array<float, 256> Float8Table(DType dtype) {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = Float8ToFloat(dtype, static_cast<uint8_t>(b));
+  return t;
+}
+
+float ScaleAt(DType dtype, const std::byte* p) {
+  switch (dtype) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return dtype == DType::kBF16 ? BFloat16ToFloat(h) : HalfToFloat(h);
+    }
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return Float8ToFloat(dtype, static_cast<uint8_t>(*p));
+    case DType::kU8: {
+      const int e = static_cast<int>(static_cast<uint8_t>(*p));
+      return e == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, e - 127);
+    }
+    default:
+      return std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+void Store(DType out, float v, std::byte* p) {
+  if (out == DType::kF32) {
+    std::memcpy(p, &v, 4);
+  } else {
+    const uint16_t h = out == DType::kBF16 ? FloatToBFloat16(v) : FloatToHalf(v);
+    std::memcpy(p, &h, 2);
+  }
+}
+
+}  // namespace
+
+float Float8ToFloat(DType dtype, uint8_t bits) {
+  const bool negative = (bits & 0x80) != 0;
+  const int exp_bits = dtype == DType::kF8E4M3 ? 4 : 5;
+  const int man_bits = 7 - exp_bits;
+  const int bias = dtype == DType::kF8E4M3 ? 7 : 15;
+  const int e = (bits >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = bits & ((1 << man_bits) - 1);
+  float v;
+  if (dtype == DType::kF8E4M3 && e == 15 && m == 7) {
+    v = std::numeric_limits<float>::quiet_NaN();
+  } else if (dtype == DType::kF8E5M2 && e == 31) {
+    v = m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+  } else {
+    v = std::ldexp(static_cast<float>(m + (1 << man_bits)), e - bias - man_bits);
+  }
+  return negative ? -v : v;
+}
+
+Index DequantizedElements(const DequantizeSpec& spec) {
+  const Index n = ProductOf(spec.data_shape);
+  return spec.data_dtype == DType::kU8 ? 2 * n : n;
+}
+
+Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
+                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out) {
+  const bool fp4 = spec.data_dtype == DType::kU8;
+  if (!fp4 && spec.data_dtype != DType::kF8E4M3 && spec.data_dtype != DType::kF8E5M2) {
+    return InvalidArgumentError(
+        fmt::format("cannot dequantize {} data", DTypeName(spec.data_dtype)));
+  }
+  if (out_dtype != DType::kBF16 && out_dtype != DType::kF16 && out_dtype != DType::kF32) {
+    return InvalidArgumentError(fmt::format("cannot dequantize into {}", DTypeName(out_dtype)));
+  }
+  const size_t nd = spec.data_shape.size();
+  if (spec.block.size() != nd || nd == 0) {
+    return InvalidArgumentError(fmt::format("block {} for data {}", FormatShape(spec.block),
+                                            FormatShape(spec.data_shape)));
+  }
+  Shape grid(nd);
+  for (size_t j = 0; j < nd; ++j) grid[j] = (spec.data_shape[j] + spec.block[j] - 1) / spec.block[j];
+  const size_t ssize = DTypeSize(spec.scale_dtype), osize = DTypeSize(out_dtype);
+  const Index n = ProductOf(spec.data_shape);
+  if (data.size() != static_cast<size_t>(n) || scales.size() != static_cast<size_t>(ProductOf(grid)) * ssize ||
+      out.size() != static_cast<size_t>(DequantizedElements(spec)) * osize) {
+    return InvalidArgumentError("dequantize: buffer sizes do not fit the shapes");
+  }
+  // Scales first: each checked once.
+  std::vector<float> s(static_cast<size_t>(ProductOf(grid)));
+  for (size_t i = 0; i < s.size(); ++i) {
+    const float v = ScaleAt(spec.scale_dtype, scales.data() + i * ssize) * spec.global_scale;
+    if (!std::isfinite(v) || v < 0) {
+      return FailedPreconditionError(fmt::format("the scale of block {} is {}",
+                                                 FormatShape(UnravelIndex(static_cast<Index>(i), grid)), v));
+    }
+    s[i] = v;
+  }
+  const std::array<float, 256> table = Float8Table(fp4 ? DType::kF8E4M3 : spec.data_dtype);
+  // Rows of the last dimension: the block index varies along it by block[last].
+  const Index cols = spec.data_shape[nd - 1], bcols = spec.block[nd - 1];
+  const Index rows = cols == 0 ? 0 : n / cols;
+  const Shape gstrides = RowMajorStrides(grid);
+  Shape row_shape(spec.data_shape.begin(), spec.data_shape.end() - 1);
+  const auto* in = reinterpret_cast<const uint8_t*>(data.data());
+  std::byte* o = out.data();
+  for (Index r = 0; r < rows; ++r) {
+    const Shape idx = UnravelIndex(r, row_shape);
+    Index base = 0;
+    for (size_t j = 0; j + 1 < nd; ++j) base += idx[j] / spec.block[j] * gstrides[j];
+    const uint8_t* x = in + r * cols;
+    for (Index c = 0; c < cols; ++c) {
+      const float sc = s[static_cast<size_t>(base + c / bcols)];
+      if (fp4) {
+        Store(out_dtype, kFp4Values[x[c] & 0x0F] * sc, o);
+        Store(out_dtype, kFp4Values[x[c] >> 4] * sc, o + osize);
+        o += 2 * osize;
+      } else {
+        Store(out_dtype, table[x[c]] * sc, o);
+        o += osize;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace reshard

@@ -1,0 +1,53 @@
+// Dequantization of block-quantized tensors (DESIGN 20): the elementwise step from stored
+// data and one scale per block to numbers, as transformers computes it on the CPU.
+//
+// Every element is `out_dtype(float(x) * float(s))`: x the element as float (FP8 exactly; a
+// packed FP4 E2M1 nibble from its table of 16 values), s its block's scale as float, one
+// multiplication in float (round to nearest even), then a round to nearest even into
+// `out_dtype` (BF16, F16 or F32). That is transformers' FP8 dequantization
+// (`Fp8Dequantize`: both sides promoted to float32, multiplied, cast) and its MXFP4 one
+// (`ldexp` of the table value by the E8M0 exponent, exact in float), so the results are equal
+// to theirs bit for bit.
+#ifndef RESHARD_EXEC_DEQUANTIZE_H_
+#define RESHARD_EXEC_DEQUANTIZE_H_
+
+#include <cstddef>
+#include <span>
+
+#include "reshard/base/dtype.h"
+#include "reshard/base/index.h"
+#include "reshard/base/status.h"
+
+namespace reshard {
+
+struct DequantizeSpec {
+  /// F8_E4M3 / F8_E5M2, or U8 holding two FP4 E2M1 values a byte (low nibble first).
+  DType data_dtype = DType::kF8E4M3;
+  /// The stored data tensor's shape (bytes for packed FP4).
+  Shape data_shape;
+  /// F32, BF16, F16, F8_E4M3 (NVFP4's per-16 scales) or U8 (E8M0 exponents: 2^(b - 127)).
+  DType scale_dtype = DType::kF32;
+  /// In stored data elements, one extent per dimension of data_shape; the scales are the grid
+  /// ceil(data_shape / block), row-major.
+  Shape block;
+  /// A second, per-tensor factor the scale is multiplied by first (NVFP4's weight_scale_2; 1).
+  float global_scale = 1.0f;
+};
+
+/// The number of output elements (packed FP4: two a byte).
+Index DequantizedElements(const DequantizeSpec& spec);
+
+/// Dequantizes `data` (dense, row-major) with `scales` into `out` (dense, row-major, of the
+/// data's logical elements: a packed byte gives two along the last dimension).
+/// \error InvalidArgument  a size or dtype that does not fit the spec.
+/// \error FailedPrecondition  a scale that is NaN, infinite or negative (an E8M0 byte of 255 is
+///        NaN), naming its block's multi-index.
+Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
+                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out);
+
+/// The float value of an FP8 byte (E4M3 "fn": no infinities, S.1111.111 is NaN; E5M2: IEEE).
+float Float8ToFloat(DType dtype, uint8_t bits);
+
+}  // namespace reshard
+
+#endif  // RESHARD_EXEC_DEQUANTIZE_H_

@@ -1,0 +1,120 @@
+#include "reshard/exec/dequantize.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "reshard/exec/strided_copy.h"
+
+namespace reshard {
+namespace {
+
+std::vector<std::byte> Bytes(const std::vector<uint8_t>& v) {
+  std::vector<std::byte> out(v.size());
+  std::memcpy(out.data(), v.data(), v.size());
+  return out;
+}
+
+template <typename T>
+std::vector<std::byte> BytesOf(const std::vector<T>& v) {
+  std::vector<std::byte> out(v.size() * sizeof(T));
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+std::vector<float> AsFloats(const std::vector<std::byte>& b) {
+  std::vector<float> out(b.size() / 4);
+  std::memcpy(out.data(), b.data(), b.size());
+  return out;
+}
+
+TEST(DequantizeTest, Float8ValuesAreExact) {
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x7E), 448.0f);   // largest finite E4M3
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x38), 1.0f);
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0xC0), -2.0f);
+  EXPECT_TRUE(std::isnan(Float8ToFloat(DType::kF8E4M3, 0x7F)));
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x78), 256.0f);  // no infinity in E4M3
+  EXPECT_EQ(Float8ToFloat(DType::kF8E5M2, 0x7B), 57344.0f);
+  EXPECT_TRUE(std::isinf(Float8ToFloat(DType::kF8E5M2, 0x7C)));
+}
+
+TEST(DequantizeTest, EachElementTakesItsBlocksScaleEdgeBlocksIncluded) {
+  // [3, 5] in blocks of [2, 2]: a 2 x 3 grid whose last row and column are edge blocks.
+  std::vector<uint8_t> x(15, 0x38);  // all 1.0
+  std::vector<float> s = {1, 2, 4, 8, 16, 32};
+  DequantizeSpec spec{DType::kF8E4M3, {3, 5}, DType::kF32, {2, 2}, 1.0f};
+  std::vector<std::byte> out(15 * 4);
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), BytesOf(s), DType::kF32, out).ok());
+  EXPECT_EQ(AsFloats(out), (std::vector<float>{1, 1, 2, 2, 4, 1, 1, 2, 2, 4, 8, 8, 16, 16, 32}));
+}
+
+TEST(DequantizeTest, ProductIsRoundedOnceIntoBFloat16) {
+  // 1.125 * 1.0078125 = 1.1337890625 (exact in float); bfloat16 rounds it to 1.1328125.
+  std::vector<uint8_t> x = {0x39};  // 1.125
+  std::vector<float> s = {1.0078125f};
+  DequantizeSpec spec{DType::kF8E4M3, {1, 1}, DType::kF32, {128, 128}, 1.0f};
+  std::vector<std::byte> out(2);
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), BytesOf(s), DType::kBF16, out).ok());
+  uint16_t b;
+  std::memcpy(&b, out.data(), 2);
+  EXPECT_EQ(b, FloatToBFloat16(1.125f * 1.0078125f));
+  EXPECT_EQ(BFloat16ToFloat(b), 1.1328125f);
+}
+
+TEST(DequantizeTest, Mxfp4NibblesLowFirstTimesPowersOfTwo) {
+  // One group of 32 values (16 bytes): byte 0 = 0x21 -> values 0.5 (low) then 1.0 (high).
+  std::vector<uint8_t> x(16, 0x00);
+  x[0] = 0x21;
+  x[15] = 0xF7;  // 6.0 then -6.0
+  std::vector<uint8_t> e = {128};  // 2^1
+  DequantizeSpec spec{DType::kU8, {1, 16}, DType::kU8, {1, 16}, 1.0f};
+  ASSERT_EQ(DequantizedElements(spec), 32);
+  std::vector<std::byte> out(32 * 4);
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), Bytes(e), DType::kF32, out).ok());
+  const std::vector<float> v = AsFloats(out);
+  EXPECT_EQ(v[0], 1.0f);
+  EXPECT_EQ(v[1], 2.0f);
+  EXPECT_EQ(v[30], 12.0f);
+  EXPECT_EQ(v[31], -12.0f);
+  EXPECT_EQ(v[2], 0.0f);
+}
+
+TEST(DequantizeTest, BadScalesAreRefusedNamingTheBlock) {
+  struct Case {
+    const char* what;
+    DType dtype;
+    std::vector<std::byte> scales;
+  };
+  const std::vector<Case> cases = {
+      {"nan", DType::kF32, BytesOf(std::vector<float>{1, NAN})},
+      {"inf", DType::kF32, BytesOf(std::vector<float>{INFINITY, 1})},
+      {"negative", DType::kF32, BytesOf(std::vector<float>{1, -0.5f})},
+      {"e8m0 255", DType::kU8, Bytes({127, 255})},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const bool fp4 = c.dtype == DType::kU8;
+    DequantizeSpec spec{fp4 ? DType::kU8 : DType::kF8E4M3, {2, fp4 ? 16 : 4}, c.dtype,
+                        {1, fp4 ? 16 : 4}, 1.0f};
+    std::vector<std::byte> data(static_cast<size_t>(ProductOf(spec.data_shape)));
+    std::vector<std::byte> out(static_cast<size_t>(DequantizedElements(spec)) * 4);
+    Status st = Dequantize(spec, data, c.scales, DType::kF32, out);
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("the scale of block ["), std::string::npos) << st.message();
+  }
+}
+
+TEST(DequantizeTest, SizesThatDoNotFitAreRefused) {
+  DequantizeSpec spec{DType::kF8E4M3, {2, 2}, DType::kF32, {2, 2}, 1.0f};
+  std::vector<std::byte> data(4), scales(4), out(7);
+  EXPECT_EQ(Dequantize(spec, data, scales, DType::kBF16, out).code(), StatusCode::kInvalidArgument);
+  std::vector<std::byte> ok(8);
+  EXPECT_EQ(Dequantize(spec, data, scales, DType::kI32, ok).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace reshard

@@ -1,0 +1,158 @@
+"""Tiny block-quantized checkpoints, made in the test: Qwen3-FP8-shaped (128 x 128 blocks,
+float32 `weight_scale_inv`), DeepSeek-V3-shaped per-expert FP8, gpt-oss MXFP4 experts and an
+NVFP4 (ModelOpt) Llama.
+
+The FP8 quantizer is the reference one: per 128 x 128 block, scale = amax / 448 and the data
+round-to-nearest-even cast of w / scale (what DeepSeek's and transformers' quantizers do).
+"""
+
+import json
+import pathlib
+
+import torch
+from safetensors.torch import save_file
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_blocks(w, block=(128, 128)):
+    """(float8_e4m3fn data, float32 scales) of a 2-D (or stacked 3-D) tensor."""
+    *lead, n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    w = w.float()
+    data = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(*lead, gn, gk, dtype=torch.float32)
+    for i in range(gn):
+        for j in range(gk):
+            blk = w[..., i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            amax = blk.abs().amax(dim=(-2, -1)).clamp(min=1e-12)
+            s = amax / FP8_MAX
+            scales[..., i, j] = s
+            data[..., i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s[..., None, None]).to(
+                torch.float8_e4m3fn)
+    return data, scales
+
+
+def _write(out, tensors, config):
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def qwen3_fp8(out, *, kv_heads=2, intermediate=512, seed=0):
+    """A one-layer Qwen3 with FP8 128 x 128 blocks: head_dim 64, so 2 key/value heads are one
+    128-row block (half a block a rank at TP 2) and 4 are two."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, head_dim, vocab = 256, 4, 64, 512
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128], "fmt": "e4m3"},
+    }
+    t = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    p = "model.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        t[p + n + ".weight"] = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
+    for n in ("q_norm", "k_norm"):
+        t[p + "self_attn." + n + ".weight"] = (1 + 0.1 * torch.randn(head_dim, generator=g)).bfloat16()
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden),
+              "self_attn.k_proj": (kv_heads * head_dim, hidden),
+              "self_attn.v_proj": (kv_heads * head_dim, hidden),
+              "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+              "mlp.down_proj": (hidden, intermediate)}
+    for n, shape in shapes.items():
+        w, s = quantize_fp8_blocks(0.05 * torch.randn(*shape, generator=g))
+        t[p + n + ".weight"] = w
+        t[p + n + ".weight_scale_inv"] = s
+    return _write(out, t, config)
+
+
+def gpt_oss_mxfp4(out, *, experts=4, seed=0):
+    """A one-layer gpt-oss whose experts are MXFP4: `*_blocks` [E, R, G, 16] (two FP4 values a
+    byte) and `*_scales` [E, R, G] (E8M0 exponents near 127)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, heads, kv, head_dim, vocab = 64, 64, 2, 1, 32, 128
+    config = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": vocab,
+        "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 128,
+        "sliding_window": 128, "layer_types": ["full_attention"], "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4",
+                                "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                           "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"]},
+    }
+    t = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    p = "model.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        t[p + n + ".weight"] = torch.ones(hidden).bfloat16()
+    for n, (rows, cols) in {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
+                            "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}.items():
+        t[p + "self_attn." + n + ".weight"] = (0.05 * torch.randn(rows, cols, generator=g)).bfloat16()
+        t[p + "self_attn." + n + ".bias"] = (0.05 * torch.randn(rows, generator=g)).bfloat16()
+    t[p + "self_attn.sinks"] = torch.randn(heads, generator=g).bfloat16()
+    t[p + "mlp.router.weight"] = (0.1 * torch.randn(experts, hidden, generator=g)).bfloat16()
+    t[p + "mlp.router.bias"] = (0.1 * torch.randn(experts, generator=g)).bfloat16()
+    for n, (rows, cols) in {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}.items():
+        t[p + "mlp.experts." + n + "_blocks"] = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+        t[p + "mlp.experts." + n + "_scales"] = torch.randint(
+            120, 131, (experts, rows, cols // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+        t[p + "mlp.experts." + n + "_bias"] = (0.05 * torch.randn(experts, rows, generator=g)).bfloat16()
+    return _write(out, t, config)
+
+
+def llama_nvfp4(out, *, seed=0):
+    """A one-layer Llama quantized as ModelOpt NVFP4: `weight` U8 [N, K/2], `weight_scale`
+    F8_E4M3 [N, K/16], `weight_scale_2` and `input_scale` F32 scalars."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, heads, kv, vocab = 64, 128, 4, 2, 128
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                "group_size": 16, "exclude_modules": ["lm_head"]},
+    }
+    t = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    p = "model.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        t[p + n + ".weight"] = torch.ones(hidden).bfloat16()
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden),
+              "self_attn.k_proj": (kv * head_dim, hidden),
+              "self_attn.v_proj": (kv * head_dim, hidden),
+              "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    for n, (rows, cols) in shapes.items():
+        t[p + n + ".weight"] = torch.randint(0, 256, (rows, cols // 2), generator=g,
+                                             dtype=torch.int32).to(torch.uint8)
+        t[p + n + ".weight_scale"] = (torch.rand(rows, cols // 16, generator=g) + 0.5).to(
+            torch.float8_e4m3fn)
+        t[p + n + ".weight_scale_2"] = torch.tensor(0.01 + torch.rand((), generator=g).item())
+        t[p + n + ".input_scale"] = torch.tensor(0.02)
+    return _write(out, t, config)

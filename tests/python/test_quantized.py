@@ -1,0 +1,326 @@
+"""Block-quantized checkpoints (DESIGN 20, docs/quantization.md): scales move with their data as
+the block image of the data's map, gather gives the input back byte for byte, splits that would
+cut a block so that one local block needs two scales are refused, and `--dequantize` equals
+transformers' own dequantization on the CPU bit for bit."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import quant_models
+
+
+def run(*args, ok=True):
+    r = subprocess.run([str(a) for a in args], capture_output=True, text=True)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def manifest(d):
+    return json.loads((d / "reshard.json").read_text())
+
+
+def rank_tensors(d, rank):
+    out = {}
+    for f in manifest(d)["files"][str(rank)]:
+        out.update(load_file(str(d / f)))
+    return out
+
+
+def assert_same_tensors(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def half_block_layouts(path):
+    """Layouts that split the key/value rows at TP 2 (64 rows a rank, half a 128-row block),
+    every other tensor replicated; the scales are not named: they follow their data."""
+    k = "model.layers.0.self_attn."
+    doc = {"version": 1, "*": {"family": "replicated"},
+           k + "k_proj.weight": {"family": "split", "dim": 0},
+           k + "v_proj.weight": {"family": "split", "dim": 0},
+           k + "o_proj.weight": {"family": "split", "dim": 1}}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_half_blocks_are_refused_for_transformers_and_exact_through_layouts(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=2)
+    full = load_file(str(src / "model.safetensors"))
+    # transformers splits the [1, 2] key/value scales as it splits the weight: rank 1 would get
+    # no scale row. scatter --config follows transformers, so it refuses, in those words.
+    r = run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o",
+            tmp_path / "refused", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "k_proj" in r.stderr and "Fp8Dequantize" in r.stderr, r.stderr
+    d = run(reshard_bin, "degree", src / "config.json", "--tp", 2, ok=False)
+    assert d.returncode == 1 and "FP8 blocks of 128 rows" in d.stdout + d.stderr
+    # The exact layout exists: both ranks hold the block's scale row (a replica).
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--layouts", half_block_layouts(tmp_path / "l.json"), "--tp",
+        2, "-o", out)
+    k = "model.layers.0.self_attn.k_proj"
+    assert manifest(out)["params"][k + ".weight_scale_inv"]["block_scales"]["of"] == k + ".weight"
+    for r in range(2):
+        t = rank_tensors(out, r)
+        assert torch.equal(t[k + ".weight"].view(torch.uint8),
+                           full[k + ".weight"][64 * r:64 * r + 64].view(torch.uint8))
+        assert torch.equal(t[k + ".weight_scale_inv"], full[k + ".weight_scale_inv"])
+    g = tmp_path / "g"
+    run(reshard_bin, "gather", out, "-o", g)
+    assert_same_tensors(load_file(str(g / "model.safetensors")), full)
+    # A replica that disagrees is found when gathering.
+    files = manifest(out)["files"]["1"]
+    t1 = load_file(str(out / files[0]))
+    t1[k + ".weight_scale_inv"][0, 0] *= 2
+    save_file(t1, str(out / files[0]))
+    r = run(reshard_bin, "gather", out, "-o", tmp_path / "g2", ok=False)
+    assert r.returncode == 1 and "k_proj.weight_scale_inv" in r.stderr, r.stderr
+
+
+def test_fp8_scatter_puts_each_ranks_blocks_scales_beside_them(reshard_bin, tmp_path):
+    kv_heads = 4
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=kv_heads)
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out)
+    m = manifest(out)
+    k = "model.layers.0.self_attn.k_proj"
+    assert m["params"][k + ".weight_scale_inv"]["block_scales"] == {
+        "of": k + ".weight", "block": [128, 128], "format": "fp8-block"}
+    for r in range(2):
+        t = rank_tensors(out, r)
+        rows = kv_heads * 64 // 2
+        # Data: a row split. Scales: the block row the rank's rows lie in.
+        assert torch.equal(t[k + ".weight"].view(torch.uint8),
+                           full[k + ".weight"][r * rows:(r + 1) * rows].view(torch.uint8))
+        assert torch.equal(t[k + ".weight_scale_inv"], full[k + ".weight_scale_inv"][r:r + 1])
+        # o_proj is split by columns (rowwise): each rank holds one block column.
+        o = "model.layers.0.self_attn.o_proj"
+        assert torch.equal(t[o + ".weight_scale_inv"], full[o + ".weight_scale_inv"][:, r:r + 1])
+    gathered = tmp_path / "g"
+    run(reshard_bin, "gather", out, "-o", gathered)
+    assert_same_tensors(load_file(str(gathered / "model.safetensors")), full)
+
+
+def test_fp8_convert_moves_scales_with_their_data(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    full = load_file(str(src / "model.safetensors"))
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", tp2)
+    run(reshard_bin, "convert", tp2, "--tp", 1, "-o", tp1)
+    assert_same_tensors(rank_tensors(tp1, 0), full)
+    back = tmp_path / "back"
+    run(reshard_bin, "convert", tp1, "--tp", 2, "-o", back)
+    for r in range(2):
+        assert_same_tensors(rank_tensors(back, r), rank_tensors(tp2, r))
+
+
+def test_a_split_that_cuts_a_block_across_two_is_refused(reshard_bin, tmp_path):
+    # 384 MLP rows at TP 2: rank 1 starts at row 192, half way into block 1.
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4, intermediate=384)
+    out = tmp_path / "tp2"
+    r = run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out,
+            ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "gate_proj" in r.stderr and "3 FP8 blocks of 128 rows (384 intermediate" in r.stderr
+    assert not out.exists()
+    d = run(reshard_bin, "degree", src / "config.json", "--json", ok=False)
+    assert json.loads(d.stdout)["max_tp_degree"] == 1, d.stdout
+    # A layout that asks for it anyway: rank 1's first local block would need two scales.
+    layouts = tmp_path / "l.json"
+    layouts.write_text(json.dumps({"version": 1, "*": {"family": "replicated"},
+                                   "model.layers.0.mlp.gate_proj.weight": {"family": "split"}}))
+    r = run(reshard_bin, "scatter", src, "--layouts", layouts, "--tp", 2, "-o", out, ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "gate_proj.weight_scale_inv" in r.stderr and "blocks 1 and 2" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_manifest_whose_scale_map_is_not_the_block_image_is_refused(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out)
+    m = manifest(out)
+    # Claim o_proj's scales are blocks of 64 columns: its map is then not their block image.
+    m["params"]["model.layers.0.self_attn.o_proj.weight_scale_inv"]["block_scales"]["block"] = [128, 64]
+    (out / "reshard.json").write_text(json.dumps(m))
+    r = run(reshard_bin, "gather", out, "-o", tmp_path / "g", ok=False)
+    assert r.returncode in (1, 2), r.stderr
+    assert "o_proj.weight_scale_inv" in r.stderr and "o_proj.weight" in r.stderr, r.stderr
+    assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("via_shards", [False, True])
+def test_fp8_dequantize_equals_transformers_dequantized_load(reshard_bin, tmp_path, via_shards):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    inp = src
+    if via_shards:
+        inp = tmp_path / "tp2"
+        run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", inp)
+    out = tmp_path / "bf16"
+    run(reshard_bin, "gather", inp, "--dequantize", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    assert not any(k.endswith("_scale_inv") for k in ours)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16)
+    theirs = {k: v for k, v in model.state_dict().items()}
+    assert ours.keys() == theirs.keys()
+    for k, v in theirs.items():
+        assert ours[k].dtype == v.dtype, k
+        assert torch.equal(ours[k].view(torch.int16), v.view(torch.int16)), k
+    # The output is a plain bf16 checkpoint transformers loads as it is, to the same logits.
+    plain = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, model(ids).logits)
+
+
+def test_dequantize_into_fp32_and_fp16(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=2)
+    full = load_file(str(src / "model.safetensors"))
+    w = "model.layers.0.mlp.down_proj.weight"
+    s = full[w + "_scale_inv"]
+    expected = full[w].float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    for dtype, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
+        out = tmp_path / dtype
+        run(reshard_bin, "gather", src, "--dequantize", "--dtype", dtype, "-o", out)
+        got = load_file(str(out / "model.safetensors"))[w]
+        assert got.dtype == torch_dtype
+        assert torch.equal(got, expected.to(torch_dtype))
+
+
+BAD_SCALES = {
+    "nan": float("nan"),
+    "inf": float("inf"),
+    "negative": -1.0,
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SCALES))
+def test_dequantize_refuses_bad_scales_and_writes_nothing(reshard_bin, tmp_path, case):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=2)
+    t = load_file(str(src / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight_scale_inv"][1, 1] = BAD_SCALES[case]
+    save_file(t, str(src / "model.safetensors"))
+    r = run(reshard_bin, "gather", src, "--dequantize", "-o", tmp_path / "out", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "up_proj.weight_scale_inv" in r.stderr and "block [1, 1]" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_scales_that_do_not_fit_the_data_or_are_missing_are_refused(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    t = load_file(str(src / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    cases = {
+        "shape": lambda d: d.__setitem__(q + "_scale_inv", torch.ones(3, 2)),
+        "missing": lambda d: d.pop(q + "_scale_inv"),
+        "orphan": lambda d: d.pop(q),
+    }
+    for name, tamper in cases.items():
+        d = dict(t)
+        tamper(d)
+        bad = tmp_path / name
+        bad.mkdir()
+        save_file(d, str(bad / "model.safetensors"))
+        (bad / "config.json").write_text((src / "config.json").read_text())
+        for cmd in (["scatter", bad, "--config", bad / "config.json", "--tp", 2],
+                    ["gather", bad, "--dequantize"]):
+            r = run(reshard_bin, *cmd, "-o", tmp_path / f"out-{name}", ok=False)
+            assert r.returncode == 1, (name, cmd[0], r.stderr)
+            assert "q_proj.weight" in r.stderr, (name, r.stderr)
+            assert not (tmp_path / f"out-{name}").exists()
+
+
+def test_a_config_that_lies_about_the_block_is_refused(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 128]
+    (src / "config.json").write_text(json.dumps(config))
+    r = run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o",
+            tmp_path / "out", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "not the block grid" in r.stderr, r.stderr
+    config["quantization_config"] = {"quant_method": "awq"}
+    (src / "config.json").write_text(json.dumps(config))
+    r = run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o",
+            tmp_path / "out", ok=False)
+    assert r.returncode == 2 and "awq" in r.stderr, r.stderr
+
+
+def test_mxfp4_experts_scatter_at_ep2_and_gather_back(reshard_bin, tmp_path):
+    src = quant_models.gpt_oss_mxfp4(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "ep2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2,
+        "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}', "-o", out)
+    e = "model.layers.0.mlp.experts."
+    for r in range(2):
+        t = rank_tensors(out, r)
+        for n in ("gate_up_proj", "down_proj"):
+            assert torch.equal(t[e + n + "_blocks"], full[e + n + "_blocks"][2 * r:2 * r + 2])
+            assert torch.equal(t[e + n + "_scales"], full[e + n + "_scales"][2 * r:2 * r + 2])
+    g = tmp_path / "g"
+    run(reshard_bin, "gather", out, "-o", g)
+    assert_same_tensors(load_file(str(g / "model.safetensors")), full)
+
+
+def test_mxfp4_dequantize_equals_transformers(reshard_bin, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = quant_models.gpt_oss_mxfp4(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "bf16"
+    run(reshard_bin, "gather", src, "--dequantize", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    e = "model.layers.0.mlp.experts."
+    for n in ("gate_up_proj", "down_proj"):
+        theirs = convert_moe_packed_tensors(full[e + n + "_blocks"], full[e + n + "_scales"])
+        assert ours[e + n].shape == theirs.shape  # [E, H, 2I]: as a bf16 gpt-oss holds it
+        assert torch.equal(ours[e + n].view(torch.int16), theirs.view(torch.int16)), n
+        assert e + n + "_blocks" not in ours and e + n + "_scales" not in ours
+        assert torch.equal(ours[e + n + "_bias"], full[e + n + "_bias"])
+
+
+def test_nvfp4_scatter_and_gather_move_every_scale(reshard_bin, tmp_path):
+    src = quant_models.llama_nvfp4(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out)
+    q = "model.layers.0.self_attn.q_proj."
+    o = "model.layers.0.self_attn.o_proj."
+    for r in range(2):
+        t = rank_tensors(out, r)
+        assert torch.equal(t[q + "weight_scale"].view(torch.uint8),
+                           full[q + "weight_scale"][32 * r:32 * r + 32].view(torch.uint8))
+        # Row-parallel o_proj: 16 packed bytes (32 values, two scales) a rank.
+        assert torch.equal(t[o + "weight"], full[o + "weight"][:, 16 * r:16 * r + 16])
+        assert torch.equal(t[o + "weight_scale"].view(torch.uint8),
+                           full[o + "weight_scale"][:, 2 * r:2 * r + 2].view(torch.uint8))
+        for s in ("weight_scale_2", "input_scale"):
+            assert torch.equal(t[q + s], full[q + s])
+    g = tmp_path / "g"
+    run(reshard_bin, "gather", out, "-o", g)
+    assert_same_tensors(load_file(str(g / "model.safetensors")), full)
+
+
+def test_inspect_shows_each_quantized_pair(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out)
+    r = run(reshard_bin, "inspect", out)
+    assert "fp8-block" in r.stdout and "[128, 128]" in r.stdout, r.stdout
+    assert "k_proj.weight_scale_inv" in r.stdout, r.stdout
