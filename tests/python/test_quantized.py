@@ -324,3 +324,32 @@ def test_inspect_shows_each_quantized_pair(reshard_bin, tmp_path):
     r = run(reshard_bin, "inspect", out)
     assert "fp8-block" in r.stdout and "[128, 128]" in r.stdout, r.stdout
     assert "k_proj.weight_scale_inv" in r.stdout, r.stdout
+
+
+QWEN3_30B_A3B_FP8 = {
+    # Qwen/Qwen3-30B-A3B-FP8's config.json (the fields the planner reads).
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_hidden_layers": 48, "vocab_size": 151936, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_degree_knows_the_block_rules(reshard_bin, tmp_path, engine):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_30B_A3B_FP8))
+    # 768 expert rows at TP 4 are 192 a rank: one and a half blocks.
+    r = run(reshard_bin, "degree", config, "--engine", engine, "--tp", 4, ok=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "6 FP8 blocks of 128" in out and "768 expert intermediate features" in out, out
+    assert "vLLM" in out if engine == "vllm" else "Fp8Dequantize" in out, out
+    r = run(reshard_bin, "degree", config, "--engine", engine, "--tp", 2)
+    # The same model unquantized splits 4 ways: the blocks are what binds.
+    plain = dict(QWEN3_30B_A3B_FP8)
+    del plain["quantization_config"]
+    config.write_text(json.dumps(plain))
+    run(reshard_bin, "degree", config, "--engine", engine, "--tp", 4)

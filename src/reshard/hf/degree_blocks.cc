@@ -51,6 +51,14 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
       if (mla || !head_dim) continue;
       features = *e.count * *head_dim;
       what = fmt::format("{} x {} {}", *e.count, *head_dim, e.meaning);
+    } else if (e.meaning.find("expert intermediate features") != std::string::npos) {
+      // Counted in 16-byte groups for grouped_mm under transformers: the width itself here.
+      std::optional<int64_t> width = e.meaning.starts_with("shared") ? std::nullopt
+                                                                      : value("moe_intermediate_size");
+      features = width ? *width : *e.count;
+      what = fmt::format("{} {}", features,
+                         e.meaning.starts_with("shared") ? e.meaning
+                                                         : std::string("expert intermediate features"));
     } else if (e.meaning.ends_with("intermediate features")) {
       features = *e.count;
       what = fmt::format("{} {}", features, e.meaning);
@@ -67,15 +75,11 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
       // Replicated key/value heads hold head_dim rows each: whole blocks when it is a multiple.
       if (e.replicate_above && *head_dim % bn == 0) continue;
       if (experts) block = std::lcm(bn, bk);
-      why = experts ? "vLLM's fused experts need whole blocks of the per-rank intermediate size"
-            : rows  ? "vLLM: \"Weight output_partition_size ... is not divisible by weight "
-                      "quantization block_n\", or for a merged layer a scale row shared by two "
-                      "parts"
-                    : "vLLM: \"Weight input_size_per_partition ... is not divisible by weight "
-                      "quantization block_k\"";
+      why = experts ? "vLLM's fused experts (validate_fp8_block_shape_moe)"
+            : rows  ? "vLLM's validate_fp8_block_shape, block_n"
+                    : "vLLM's validate_fp8_block_shape, block_k";
     } else {
-      why = "transformers splits the scales by the same plan, so a rank holding part of a block "
-            "gets no scale for it (its TP load fails in Fp8Dequantize)";
+      why = "transformers gives a rank holding part of a block no scale";
     }
     ResolvedEntry b = e;
     b.count = features % block == 0 ? features / block : 1;
