@@ -74,7 +74,7 @@ def scatter_with_config(full_dir: str, out_dir: str, config_json: str, world: in
                         distributed_config_json: Optional[str],
                         options: CheckpointOptions) -> None: ...
 def gather(sharded_dir: str, out_dir: str, fp32: bool, optimizer_state: bool,
-           config: Optional[str],
+           config: Optional[str], dequantize: Optional[str],
            options: CheckpointOptions) -> None: ...
 def convert(sharded_dir: str, world: int, out_dir: str,
             target_maps: Optional[Sequence[tuple[str, Map]]], buffers_json: str,

@@ -135,7 +135,8 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
            overwrite: bool = False, max_shard_size: Union[None, int, str] = None,
            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
-           warn: Optional[Warn] = None, sync: bool = True) -> None:
+           warn: Optional[Warn] = None, sync: bool = True,
+           dequantize: Optional[str] = None) -> None:
     """Sharded checkpoint -> full checkpoint (model.safetensors, or parts of at most
     ``max_shard_size`` and an index), checking that replicas agree, dropping padding.
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
@@ -143,11 +144,17 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
     read; ``config`` is the model's config.json for a format that needs one (Megatron). From a
     PyTorch Distributed Checkpoint, the optimizer's state is left out unless
-    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys."""
+    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys.
+
+    ``dequantize="bf16"`` (or ``"fp16"``, ``"fp32"``; the CLI's ``--dequantize --dtype``)
+    writes block-quantized tensors (FP8, MXFP4, NVFP4) as numbers without their scales, and
+    config.json without quantization_config (docs/quantization.md); ``sharded_dir`` may then
+    be a Hugging Face directory too."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
     _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32),
-                 bool(optimizer_state), None if config is None else _path(config, "config"), o)
+                 bool(optimizer_state), None if config is None else _path(config, "config"),
+                 dequantize, o)
 
 
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,

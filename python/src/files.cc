@@ -168,14 +168,31 @@ void CheckOptions(const std::string& dir, const SourceOptions& source) {
 // Any checkpoint reshard reads (formats/formats.h), as `reshard gather` reads it: a DeepSpeed
 // checkpoint's module weights, or with `fp32` its optimizer's fp32 master weights.
 void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, bool optimizer_state,
-              const std::optional<std::string>& config, const PyCheckpointOptions& o) {
+              const std::optional<std::string>& config, const std::optional<std::string>& dequantize,
+              const PyCheckpointOptions& o) {
   SourceOptions source;
   source.use = SourceUse::kGather;
   source.master_weights = fp32;
   source.optimizer_state = optimizer_state;
   source.config_path = config.value_or("");
+  source.dequantize = dequantize.has_value();
+  std::optional<DequantizeOptions> deq;
+  if (dequantize) {
+    deq.emplace();
+    if (*dequantize == "bf16") {
+      deq->dtype = DType::kBF16;
+    } else if (*dequantize == "fp16") {
+      deq->dtype = DType::kF16;
+    } else if (*dequantize == "fp32") {
+      deq->dtype = DType::kF32;
+    } else {
+      throw py::value_error("dequantize: expected \"bf16\", \"fp16\" or \"fp32\", got \"" +
+                            *dequantize + "\"");
+    }
+  }
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    options.dequantize = deq;
     return GatherCheckpoint(dir, source, out_dir, options);
   });
 }

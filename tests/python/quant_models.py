@@ -156,3 +156,60 @@ def llama_nvfp4(out, *, seed=0):
         t[p + n + ".weight_scale_2"] = torch.tensor(0.01 + torch.rand((), generator=g).item())
         t[p + n + ".input_scale"] = torch.tensor(0.02)
     return _write(out, t, config)
+
+
+def deepseek_v3_fp8(out, *, experts=4, seed=0):
+    """A one-layer DeepSeek-V3 (MLA attention, routed and shared experts), every linear FP8 in
+    128 x 128 blocks as DeepSeek ships it: per-expert tensors, and `kv_a_proj_with_mqa`'s 576
+    rows (kv_lora_rank 512 + rope 64) ending in a half block."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, moe_inter, heads, vocab = 256, 256, 2, 256
+    nope, rope, v_dim, kv_rank, q_rank = 64, 64, 64, 512, 256
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": hidden, "intermediate_size": 512, "moe_intermediate_size": moe_inter,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1,
+        "q_lora_rank": q_rank, "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope, "v_head_dim": v_dim, "vocab_size": vocab,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "rope_scaling": None,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128], "fmt": "e4m3"},
+    }
+    t = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    p = "model.layers.0."
+    for n, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
+                    ("self_attn.q_a_layernorm", q_rank), ("self_attn.kv_a_layernorm", kv_rank)):
+        t[p + n + ".weight"] = torch.ones(size).bfloat16()
+    t[p + "mlp.gate.weight"] = (0.1 * torch.randn(experts, hidden, generator=g)).bfloat16()
+    t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(experts)
+    shapes = {"self_attn.q_a_proj": (q_rank, hidden),
+              "self_attn.q_b_proj": (heads * (nope + rope), q_rank),
+              "self_attn.kv_a_proj_with_mqa": (kv_rank + rope, hidden),
+              "self_attn.kv_b_proj": (heads * (nope + v_dim), kv_rank),
+              "self_attn.o_proj": (hidden, heads * v_dim),
+              "mlp.shared_experts.gate_proj": (moe_inter, hidden),
+              "mlp.shared_experts.up_proj": (moe_inter, hidden),
+              "mlp.shared_experts.down_proj": (hidden, moe_inter)}
+    for e in range(experts):
+        shapes[f"mlp.experts.{e}.gate_proj"] = (moe_inter, hidden)
+        shapes[f"mlp.experts.{e}.up_proj"] = (moe_inter, hidden)
+        shapes[f"mlp.experts.{e}.down_proj"] = (hidden, moe_inter)
+    for n, shape in shapes.items():
+        w, s = quantize_fp8_blocks(0.05 * torch.randn(*shape, generator=g))
+        t[p + n + ".weight"] = w
+        t[p + n + ".weight_scale_inv"] = s
+    return _write(out, t, config)
+
+
+def dequantize_fp8_reference(w, s, block=(128, 128), dtype=torch.bfloat16):
+    """The reference formula: float32(w) * float32(s) per ceil-grid block, then one rounding."""
+    n, k = w.shape
+    full = s.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (w.float() * full).to(dtype)

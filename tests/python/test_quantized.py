@@ -353,3 +353,56 @@ def test_degree_knows_the_block_rules(reshard_bin, tmp_path, engine):
     del plain["quantization_config"]
     config.write_text(json.dumps(plain))
     run(reshard_bin, "degree", config, "--engine", engine, "--tp", 4)
+
+
+def test_deepseek_v3_per_expert_fp8_at_ep2_stacks_scales_beside_the_experts(reshard_bin, tmp_path):
+    src = quant_models.deepseek_v3_fp8(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "ep2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2,
+        "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}', "-o", out)
+    p = "model.layers.0.mlp.experts."
+    for r in range(2):
+        t = rank_tensors(out, r)
+        # transformers' FP8 experts: gate_up_proj [E, 2I, H] beside gate_up_proj_scale_inv
+        # [E, 2I / 128, H / 128], two experts a rank.
+        data = torch.stack([torch.cat([full[f"{p}{e}.gate_proj.weight"].view(torch.uint8),
+                                       full[f"{p}{e}.up_proj.weight"].view(torch.uint8)])
+                            for e in (2 * r, 2 * r + 1)])
+        scales = torch.stack([torch.cat([full[f"{p}{e}.gate_proj.weight_scale_inv"],
+                                         full[f"{p}{e}.up_proj.weight_scale_inv"]])
+                              for e in (2 * r, 2 * r + 1)])
+        assert torch.equal(t[p + "gate_up_proj"].view(torch.uint8), data)
+        assert torch.equal(t[p + "gate_up_proj_scale_inv"], scales)
+        down = torch.stack([full[f"{p}{e}.down_proj.weight_scale_inv"] for e in (2 * r, 2 * r + 1)])
+        assert torch.equal(t[p + "down_proj_scale_inv"], down)
+    g = tmp_path / "g"
+    run(reshard_bin, "gather", out, "-o", g)
+    assert_same_tensors(load_file(str(g / "model.safetensors")), full)
+    # Dequantized from the shards: the reference formula on every tensor, the 576-row edge
+    # block of kv_a_proj_with_mqa included (transformers' converter refuses that grid).
+    deq = tmp_path / "bf16"
+    run(reshard_bin, "gather", out, "--dequantize", "-o", deq)
+    ours = load_file(str(deq / "model.safetensors"))
+    for name, w in full.items():
+        if name.endswith("_scale_inv"):
+            assert name not in ours
+        elif w.dtype == torch.float8_e4m3fn:
+            want = quant_models.dequantize_fp8_reference(w, full[name + "_scale_inv"])
+            assert torch.equal(ours[name].view(torch.int16), want.view(torch.int16)), name
+        else:
+            assert torch.equal(ours[name], w), name
+
+
+def test_python_gather_dequantizes_as_the_cli_does(reshard_bin, tmp_path):
+    import reshard
+
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    run(reshard_bin, "gather", src, "--dequantize", "-o", tmp_path / "cli")
+    reshard.checkpoint.gather(src, tmp_path / "py", dequantize="bf16")
+    assert_same_tensors(load_file(str(tmp_path / "py" / "model.safetensors")),
+                        load_file(str(tmp_path / "cli" / "model.safetensors")))
+    with pytest.raises(ValueError, match="bf16"):
+        reshard.checkpoint.gather(src, tmp_path / "bad", dequantize="int4")
+    with pytest.raises(ValueError, match="nothing to gather"):
+        reshard.checkpoint.gather(src, tmp_path / "plain")
