@@ -2,11 +2,17 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <cstring>
 #include <vector>
 
+#include "reshard/exec/executor.h"
 #include "reshard/exec/strided_copy.h"
+#include "reshard/ir/block_grid.h"
+#include "reshard/ir/fixtures.h"
+#include "reshard/ir/random_map.h"
 
 namespace reshard {
 namespace {
@@ -114,6 +120,60 @@ TEST(DequantizeTest, SizesThatDoNotFitAreRefused) {
   EXPECT_EQ(Dequantize(spec, data, scales, DType::kBF16, out).code(), StatusCode::kInvalidArgument);
   std::vector<std::byte> ok(8);
   EXPECT_EQ(Dequantize(spec, data, scales, DType::kI32, ok).code(), StatusCode::kInvalidArgument);
+}
+
+// dequantize(scatter(D, S)) == scatter(dequantize(D, S)): each rank's data shard dequantized
+// with its own scale shard (the block image of the data's map) is its shard of the dequantized
+// tensor, for random shapes, blocks and splits, half blocks included.
+TEST(DequantizeTest, DequantizingEachShardEqualsTheShardOfTheDequantizedTensor) {
+  int exact = 0;
+  for (uint64_t seed : PropertyTestSeeds(200)) {
+    SCOPED_TRACE(testing::Message() << "RESHARD_SEED=" << seed);
+    std::mt19937_64 rng(seed);
+    auto pick = [&](Index lo, Index hi) { return std::uniform_int_distribution<Index>(lo, hi)(rng); };
+    const Shape block{pick(1, 5), pick(1, 5)};
+    const Shape shape{pick(1, 16), pick(1, 16)};
+    const size_t dim = static_cast<size_t>(pick(0, 1));
+    const int world = static_cast<int>(pick(1, 4));
+    std::vector<Index> cuts{0, shape[dim]};
+    for (int r = 1; r < world; ++r) cuts.push_back(pick(0, shape[dim]));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<Index> sizes;
+    for (size_t i = 1; i < cuts.size(); ++i) sizes.push_back(cuts[i] - cuts[i - 1]);
+    Result<ParamMap> data_map = fixtures::SplitBuilder(shape, dim, sizes).Finalize();
+    ASSERT_TRUE(data_map.ok());
+    const Shape grid = *BlockGridShape(shape, block);
+    Result<ParamMap> scale_map = BlockImage(*data_map, block, grid);
+    if (!scale_map.ok()) continue;  // a local block across two blocks: refused (block_grid_test)
+    ++exact;
+    const Index n = ProductOf(shape), g = ProductOf(grid);
+    std::vector<std::byte> data(static_cast<size_t>(n));
+    for (auto& b : data) b = static_cast<std::byte>(pick(0, 0x7E));  // finite E4M3
+    std::vector<float> scales(static_cast<size_t>(g));
+    for (auto& v : scales) v = static_cast<float>(pick(1, 64)) / 8.0f;
+    const DequantizeSpec full_spec{DType::kF8E4M3, shape, DType::kF32, block, 1.0f};
+    std::vector<std::byte> full_out(static_cast<size_t>(n) * 4);
+    ASSERT_TRUE(Dequantize(full_spec, data, BytesOf(scales), DType::kF32, full_out).ok());
+    for (Rank r = 0; r < world; ++r) {
+      const Shape& ds = data_map->rank(r).shard_shape;
+      const Shape& ss = scale_map->rank(r).shard_shape;
+      std::vector<std::byte> d(static_cast<size_t>(ProductOf(ds)));
+      std::vector<std::byte> s(static_cast<size_t>(ProductOf(ss)) * 4);
+      std::vector<std::byte> want(d.size() * 4), got(d.size() * 4);
+      ASSERT_TRUE(Extract(*data_map, DType::kU8, r, {data.data(), n}, {d.data(), ProductOf(ds)}).ok());
+      ASSERT_TRUE(Extract(*scale_map, DType::kF32, r, {BytesOf(scales).data(), g},
+                          {s.data(), ProductOf(ss)})
+                      .ok());
+      ASSERT_TRUE(Extract(*data_map, DType::kF32, r, {full_out.data(), n},
+                          {want.data(), ProductOf(ds)})
+                      .ok());
+      if (d.empty()) continue;
+      const DequantizeSpec spec{DType::kF8E4M3, ds, DType::kF32, block, 1.0f};
+      ASSERT_TRUE(Dequantize(spec, d, s, DType::kF32, got).ok());
+      EXPECT_EQ(got, want) << "rank " << r;
+    }
+  }
+  EXPECT_GT(exact, 100);
 }
 
 }  // namespace
