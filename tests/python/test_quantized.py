@@ -406,3 +406,25 @@ def test_python_gather_dequantizes_as_the_cli_does(reshard_bin, tmp_path):
         reshard.checkpoint.gather(src, tmp_path / "bad", dequantize="int4")
     with pytest.raises(ValueError, match="nothing to gather"):
         reshard.checkpoint.gather(src, tmp_path / "plain")
+
+
+def test_fp8_shards_dequantized_equal_transformers_own_tp2_load(reshard_bin, tmp_path):
+    """transformers' TP 2 load on the CPU (torchrun, gloo) dequantizes each rank's FP8 shard
+    with the scale rows it gets; reshard's shards of the same checkpoint, each dequantized with
+    the rank's own scales, are those tensors bit for bit."""
+    import tp_load_worker
+
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    dumps = tp_load_worker.launch([{"name": "fp8", "dir": str(src)}], tmp_path, 2)
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", out)
+    for r in range(2):
+        status = json.loads((dumps / "fp8" / f"rank-{r}.json").read_text())
+        assert status["loaded"] and status["forward"], status
+        theirs = load_file(str(dumps / "fp8" / f"rank-{r}.safetensors"))
+        ours = rank_tensors(out, r)
+        for name, t in theirs.items():
+            mine = ours[name]
+            if mine.dtype == torch.float8_e4m3fn:
+                mine = quant_models.dequantize_fp8_reference(mine, ours[name + "_scale_inv"])
+            assert torch.equal(mine.view(torch.int16), t.view(torch.int16)), (r, name)
