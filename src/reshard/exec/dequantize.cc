@@ -5,7 +5,9 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "reshard/exec/strided_copy.h"
@@ -87,7 +89,8 @@ Index DequantizedElements(const DequantizeSpec& spec) {
 }
 
 Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
-                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out) {
+                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out,
+                  int num_threads) {
   const bool fp4 = spec.data_dtype == DType::kU8;
   if (!fp4 && spec.data_dtype != DType::kF8E4M3 && spec.data_dtype != DType::kF8E5M2) {
     return InvalidArgumentError(
@@ -126,24 +129,42 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   const Shape gstrides = RowMajorStrides(grid);
   Shape row_shape(spec.data_shape.begin(), spec.data_shape.end() - 1);
   const auto* in = reinterpret_cast<const uint8_t*>(data.data());
-  std::byte* o = out.data();
-  for (Index r = 0; r < rows; ++r) {
-    const Shape idx = UnravelIndex(r, row_shape);
-    Index base = 0;
-    for (size_t j = 0; j + 1 < nd; ++j) base += idx[j] / spec.block[j] * gstrides[j];
-    const uint8_t* x = in + r * cols;
-    for (Index c = 0; c < cols; ++c) {
-      const float sc = s[static_cast<size_t>(base + c / bcols)];
-      if (fp4) {
-        Store(out_dtype, kFp4Values[x[c] & 0x0F] * sc, o);
-        Store(out_dtype, kFp4Values[x[c] >> 4] * sc, o + osize);
-        o += 2 * osize;
-      } else {
-        Store(out_dtype, table[x[c]] * sc, o);
-        o += osize;
+  const size_t per_row = static_cast<size_t>(cols) * (fp4 ? 2 : 1) * osize;
+  auto run_rows = [&](Index first, Index last) {
+    for (Index r = first; r < last; ++r) {
+      const Shape idx = UnravelIndex(r, row_shape);
+      Index base = 0;
+      for (size_t j = 0; j + 1 < nd; ++j) base += idx[j] / spec.block[j] * gstrides[j];
+      const uint8_t* x = in + r * cols;
+      std::byte* o = out.data() + static_cast<size_t>(r) * per_row;
+      for (Index c = 0; c < cols; ++c) {
+        const float sc = s[static_cast<size_t>(base + c / bcols)];
+        if (fp4) {
+          Store(out_dtype, kFp4Values[x[c] & 0x0F] * sc, o);
+          Store(out_dtype, kFp4Values[x[c] >> 4] * sc, o + osize);
+          o += 2 * osize;
+        } else {
+          Store(out_dtype, table[x[c]] * sc, o);
+          o += osize;
+        }
       }
     }
+  };
+  if (rows == 0) return Status::Ok();
+  // Threads for tensors of at least a few MB; each takes a contiguous range of rows.
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = static_cast<int>(std::clamp<Index>(
+      std::min<Index>(num_threads > 0 ? num_threads : hw, n / (Index{1} << 21)), 1, rows));
+  if (threads <= 1) {
+    run_rows(0, rows);
+    return Status::Ok();
   }
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    const Index first = rows * t / threads, last = rows * (t + 1) / threads;
+    pool.emplace_back(run_rows, first, last);
+  }
+  for (std::thread& th : pool) th.join();
   return Status::Ok();
 }
 

@@ -42,8 +42,10 @@ Index DequantizedElements(const DequantizeSpec& spec);
 /// \error InvalidArgument  a size or dtype that does not fit the spec.
 /// \error FailedPrecondition  a scale that is NaN, infinite or negative (an E8M0 byte of 255 is
 ///        NaN), naming its block's multi-index.
+/// Rows are spread over `num_threads` threads (0: the machine's cores).
 Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
-                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out);
+                  std::span<const std::byte> scales, DType out_dtype, std::span<std::byte> out,
+                  int num_threads = 0);
 
 /// The float value of an FP8 byte (E4M3 "fn": no infinities, S.1111.111 is NaN; E5M2: IEEE).
 float Float8ToFloat(DType dtype, uint8_t bits);
