@@ -77,6 +77,14 @@ def test_half_blocks_are_refused_for_transformers_and_exact_through_layouts(resh
     g = tmp_path / "g"
     run(reshard_bin, "gather", out, "-o", g)
     assert_same_tensors(load_file(str(g / "model.safetensors")), full)
+    # convert derives the scales' target maps from their data's recorded layouts.
+    tp1, tp4 = tmp_path / "tp1", tmp_path / "tp4"
+    run(reshard_bin, "convert", out, "--tp", 1, "-o", tp1)
+    assert_same_tensors(rank_tensors(tp1, 0), full)
+    run(reshard_bin, "convert", out, "--tp", 4, "-o", tp4)
+    for r in range(4):
+        # 32 key/value rows a rank: all four hold the one block row of scales.
+        assert torch.equal(rank_tensors(tp4, r)[k + ".weight_scale_inv"], full[k + ".weight_scale_inv"])
     # A replica that disagrees is found when gathering.
     files = manifest(out)["files"]["1"]
     t1 = load_file(str(out / files[0]))
