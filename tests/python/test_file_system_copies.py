@@ -12,7 +12,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from test_crash_consistency import write_layered_model
 
 
@@ -20,7 +19,7 @@ def run(argv, env=None, without=()):
     """Runs argv with `env` added to this process's environment and `without` removed."""
     full = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in without}
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120,
-                          env=full)
+                          env=full, check=False)
 
 
 def files_of(d):
