@@ -19,10 +19,12 @@ def rss_anon(pid):
     return 0
 
 
-def timed(cmd):
-    """(seconds, peak RSS bytes of the child, peak anonymous RSS bytes)."""
+def timed(cmd, env=None):
+    """(seconds, peak RSS bytes of the child, peak anonymous RSS bytes); `env`: variables to
+    set for the child."""
     t0 = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=None if env is None else {**os.environ, **env})
     anon, done = [0], threading.Event()
 
     def sample():

@@ -14,6 +14,7 @@ each rank's tensors dumped (the `moe_truth` session fixture). Then:
 """
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -82,6 +83,27 @@ def test_scatter_puts_on_each_rank_what_transformers_holds(moe_truth, scattered,
         return
     assert rc == 0, stderr
     assert_ranks_equal(out, moe_truth, case, mode)
+
+
+@pytest.mark.parametrize("case,mode", [p for p in PAIRS if CASES[p[0]].works.get(p[1])])
+def test_scatter_writes_the_same_bytes_through_memory(moe_truth, scattered, reshard_bin, tmp_path,
+                                                     case, mode):
+    # The scatter above had the file system copy the whole experts (EP) and row halves (TP);
+    # RESHARD_COPY_FILE_RANGE=0 sends every byte through memory: the same files.
+    rc, out, stderr = scattered[(case, mode)]
+    assert rc == 0, stderr
+    ckpt = moe_truth.checkpoint_dir(case)
+    again = tmp_path / "through_memory"
+    r = subprocess.run([str(a) for a in (reshard_bin, "scatter", ckpt, "--config",
+                                         ckpt / "config.json", "--tp", 2, "--distributed-config",
+                                         MODE_DC[mode], "--json", "-o", again)],
+                       capture_output=True, text=True, check=False,
+                       env={**os.environ, "RESHARD_COPY_FILE_RANGE": "0"})
+    assert r.returncode == 0, r.stderr
+    assert all(p["bytes_copied"] == 0 for p in json.loads(r.stdout)["processes"])
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in out.iterdir())
+    for p in out.iterdir():
+        assert p.read_bytes() == (again / p.name).read_bytes(), (case, mode, p.name)
 
 
 @pytest.mark.parametrize("case,mode", [p for p in PAIRS if CASES[p[0]].works.get(p[1])])

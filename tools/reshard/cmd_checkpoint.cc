@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "commands.h"
@@ -132,6 +134,10 @@ Result<CheckpointOptions> Options(const CommonArgs& args, ProgressBar& bar,
   o.stats = &args.stats;
   o.overwrite = args.force;
   o.sync = !args.no_sync;
+  // RESHARD_COPY_FILE_RANGE=0: every byte through memory (to compare, or where a file system's
+  // copy_file_range misbehaves); the output is the same.
+  const char* copy = std::getenv("RESHARD_COPY_FILE_RANGE");
+  o.copy_file_ranges = copy == nullptr || std::string_view(copy) != "0";
   o.allow_scaled_optimizer_state = args.allow_scaled_optimizer_state;
   o.allow_lossy_scale = args.allow_lossy_scale;
   o.verify_replicas = !args.no_verify_replicas;
@@ -183,7 +189,8 @@ void Report(const CommonArgs& args, const std::string& line, double seconds) {
                                 {"files", s.files},
                                 {"bytes_written", s.bytes_written},
                                 {"bytes_read", s.bytes_read},
-                                {"bytes_verified", s.bytes_verified}});
+                                {"bytes_verified", s.bytes_verified},
+                                {"bytes_copied", s.bytes_copied}});
   }
   fmt::print("{}\n", doc.dump(2));
 }

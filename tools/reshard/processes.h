@@ -1,7 +1,8 @@
 // The processes a run of the CLI belongs to. Under `mpirun -n K` (or `srun` with PMIx), when
 // reshard is built with MPI, scatter, gather and convert run as the K processes of the job
 // (checkpoint/communicator.h): process 0 prints the results, the progress bar and the job's
-// errors. Started any other way, every command runs in this process alone and MPI is never
+// errors. The MPI runner is a plugin beside the CLI (reshard/dist/mpi_plugin.h), loaded, with
+// the system's MPI library, only then. Started any other way, every command runs in this process alone and MPI is never
 // initialised.
 #ifndef RESHARD_TOOLS_PROCESSES_H_
 #define RESHARD_TOOLS_PROCESSES_H_

@@ -289,8 +289,8 @@ Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers) {
   Result<BufferSet> set = buffers.Finalize(refs, dtypes);
   if (!set.ok()) return AsFailedCheck(set.status());
   if (!set->empty() && set->world_size() != m.world_size) {
-    return InvalidArgumentError(fmt::format("buffers: {} ranks but world_size is {}",
-                                            set->world_size(), m.world_size));
+    return InvalidArgumentError(
+        fmt::format("buffers: {} ranks but world_size is {}", set->world_size(), m.world_size));
   }
   for (const BufferDecl& b : set->buffers()) {
     if (own.count(b.name)) {
@@ -415,7 +415,8 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
                                          path.string(), t.name));
       }
       ckpt.by_name_[t.name] = ckpt.tensors_.size();
-      ckpt.tensors_.push_back({&t, file->data(t), ckpt.files_.size()});
+      ckpt.tensors_.push_back(
+          {&t, file->data(t), ckpt.files_.size(), file->header().data_offset + t.data_begin});
     }
     ckpt.files_.push_back(std::move(file));
     return Status::Ok();
@@ -554,8 +555,7 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
       if (info->dtype != t.dtype) {
         return DataLossError(
             fmt::format("\"{}\": rank {}'s tensor of {} \"{}\" is {} but the manifest says {}",
-                        file->path(), r, what, t.name, DTypeName(info->dtype),
-                        DTypeName(t.dtype)));
+                        file->path(), r, what, t.name, DTypeName(info->dtype), DTypeName(t.dtype)));
       }
       if (info->shape != t.shape) {
         return DataLossError(fmt::format(

@@ -22,9 +22,9 @@
 //   rank r's pieces in buffer B has no tensor of its own in rank r's files; rank r's files
 //   hold B (named B, of its shape on r), which the pieces of every map over it fill exactly.
 //   A buffer may not share its name with a parameter that has a tensor of its own.
-//   "model_config": {<config.json>}? is the model's config, kept by scatter --config. `scale_power` (default 1)
-//   says how the map's scales apply to the tensor: the shard holds F * scale^p (weights 1,
-//   Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
+//   "model_config": {<config.json>}? is the model's config, kept by scatter --config. `scale_power`
+//   (default 1) says how the map's scales apply to the tensor: the shard holds F * scale^p (weights
+//   1, Adam's first moment -1, second moment -2). `layout` lets the checkpoint be re-laid out at
 //   another world size. `constraints` (from the model's tensor-parallel plan, when the
 //   checkpoint was scattered from a config.json) are the counts every world size must divide;
 //   a conversion refuses a world size that breaks one.
@@ -119,7 +119,8 @@ Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers);
 struct TensorRef {
   const TensorInfo* info = nullptr;
   std::span<const std::byte> data;
-  size_t file = 0;  // the file holding it: an index into file_paths()
+  size_t file = 0;      // the file holding it: an index into file_paths()
+  uint64_t offset = 0;  // where `data` begins in that file
 };
 
 /// A full checkpoint opened read-only: single file or index + parts, headers validated, the

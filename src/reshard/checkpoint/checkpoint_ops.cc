@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "reshard/checkpoint/collective_output.h"
@@ -201,6 +202,7 @@ ExecOptions ExecOptionsFor(const CheckpointOptions& options, int scale_power) {
 struct Counters {
   std::atomic<uint64_t> read{0};
   std::atomic<uint64_t> verified{0};
+  std::atomic<uint64_t> copied{0};  // by the file system (copy_file_range)
 };
 
 // Writes the files of `files` that `owners` gives this process; write(k) writes file k.
@@ -267,10 +269,87 @@ Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& ou
   return Status::Ok();
 }
 
+// Where rank `rank`'s shard of parameter `param` is bytes of an input file unchanged: those
+// ranges, each with its byte offset in the rank's tensor; nullopt where it is not.
+using PlacedRange = std::pair<uint64_t, FileRange>;
+using ShardRanges = std::function<std::optional<std::vector<PlacedRange>>(size_t param, Rank rank)>;
+
+// The bytes of `t` (`bytes` of them) on rank `rank` as ranges of input files, in order, when
+// every parameter's pieces are such ranges and together cover the tensor; else none.
+// Neighbouring ranges of one file are merged (an expert's gate and up rows, stored one after
+// the other, become one copy).
+std::vector<FileRange> TensorRanges(const RankTensor& t, Rank rank, uint64_t bytes,
+                                    const ShardRanges& ranges) {
+  if (!ranges || bytes == 0) return {};
+  if (t.buffer != nullptr && !t.buffer->ranks[static_cast<size_t>(rank)].padding.empty()) {
+    return {};
+  }
+  std::vector<PlacedRange> placed;
+  for (size_t i : t.params) {
+    std::optional<std::vector<PlacedRange>> mine = ranges(i, rank);
+    if (!mine) return {};
+    placed.insert(placed.end(), mine->begin(), mine->end());
+  }
+  std::sort(placed.begin(), placed.end(),
+            [](const PlacedRange& a, const PlacedRange& b) { return a.first < b.first; });
+  std::vector<FileRange> out;
+  uint64_t at = 0;
+  for (auto& [dest, range] : placed) {
+    if (dest != at) return {};  // a gap or an overlap: the fill decides
+    at += range.length;
+    if (!out.empty() && out.back().path == range.path &&
+        out.back().offset + out.back().length == range.offset) {
+      out.back().length += range.length;
+    } else {
+      out.push_back(std::move(range));
+    }
+  }
+  if (at != bytes) return {};
+  return out;
+}
+
+// Whether `strides` lay out `shape` densely in row-major order (dimensions of one element
+// aside).
+bool IsDenseRowMajor(const Shape& shape, const Shape& strides) {
+  Index expected = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+// A range copy costs a system call: pieces smaller than this go through memory, unless the
+// shard is one piece.
+constexpr uint64_t kMinRangeBytes = 64 * 1024;
+
+// Rank r's shard of `map` as ranges of the file `path` holding the full tensor at `offset`:
+// when every piece is an unscaled dense block of the tensor, densely placed in the shard.
+std::optional<std::vector<PlacedRange>> FullTensorRanges(const ParamMap& map, DType dtype, Rank r,
+                                                         const std::string& path, uint64_t offset) {
+  if (map.has_padding()) return std::nullopt;
+  const std::vector<Piece>& pieces = map.rank(r).pieces;
+  const uint64_t element = DTypeSize(dtype);
+  std::vector<PlacedRange> out;
+  for (const Piece& p : pieces) {
+    const uint64_t bytes = static_cast<uint64_t>(p.num_elements()) * element;
+    if (p.scale != 1.0 || !IsDenseRowMajor(p.shape, p.source.strides) ||
+        !IsDenseRowMajor(p.shape, p.dest.strides) ||
+        (bytes < kMinRangeBytes && pieces.size() > 1)) {
+      return std::nullopt;
+    }
+    out.push_back(
+        {static_cast<uint64_t>(p.dest.offset) * element,
+         FileRange{path, offset + static_cast<uint64_t>(p.source.offset) * element, bytes}});
+  }
+  return out;
+}
+
 Status WriteSharded(const std::string& out_dir, std::span<const std::string> inputs,
                     Manifest& manifest, const CheckpointOptions& options,
                     const std::vector<OutputFile>& files, const std::vector<int>& owners,
-                    const Counters& counters, const ShardFill& fill) {
+                    Counters& counters, const ShardFill& fill, const ShardRanges& ranges = {}) {
   Communicator& comm = CommunicatorOf(options);
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
   uint64_t total = 0;
@@ -280,7 +359,9 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
   const Status written = WriteOwnFiles(
       comm, files, owners, options.num_threads, mine, [&](const OutputFile& f) -> Status {
         std::vector<TensorToWrite> tensors;
+        std::vector<TensorCopy> copies;
         for (const RankTensor& t : f.tensors) {
+          const uint64_t bytes = ElementBytes(ProductOf(t.shape), t.dtype);
           tensors.push_back({t.name, t.dtype, t.shape, [&](std::span<std::byte> buffer) -> Status {
                                // A buffer's padding holds its fill (zero by default); every
                                // other element is written by exactly one of its parameters'
@@ -301,13 +382,19 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
                                progress.Add(buffer.size());
                                return Status::Ok();
                              }});
+          copies.push_back({TensorRanges(t, f.rank, bytes, ranges), [&progress, &counters, bytes] {
+                              counters.read += bytes;
+                              counters.copied += bytes;
+                              progress.Add(bytes);
+                            }});
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
-                                OutputFileOptions(options));
+                                OutputFileOptions(options), std::move(copies));
       });
   const Status synced = SyncOutputFiles(out, written, mine.files, options);
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
+  mine.bytes_copied = counters.copied;
   manifest.files.assign(static_cast<size_t>(manifest.world_size), {});
   for (const OutputFile& f : files) manifest.files[static_cast<size_t>(f.rank)].push_back(f.name);
   return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
@@ -430,7 +517,8 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
   CheckpointOptions per_file = options;
   per_file.num_threads = 1;
   std::vector<std::string> inputs = {full_dir};
-  for (std::string& path : full->file_paths()) inputs.push_back(std::move(path));
+  const std::vector<std::string> input_paths = full->file_paths();
+  inputs.insert(inputs.end(), input_paths.begin(), input_paths.end());
   Counters counters;
   return WriteSharded(
       out_dir, inputs, manifest, options, files, owners, counters,
@@ -453,6 +541,11 @@ Status Scatter(const std::string& full_dir, int world_size, const MapProvider& m
                                         ExecOptionsFor(per_file, param.scale_power)));
         ReleaseMappedPages(src->data);
         return Status::Ok();
+      },
+      [&](size_t i, Rank r) {
+        const TensorRef* src = sources[i];
+        return FullTensorRanges(manifest.params[i].map, manifest.params[i].dtype, r,
+                                input_paths[src->file], src->offset);
       });
 }
 

@@ -48,6 +48,9 @@ struct ProcessStats {
   /// Source tensor bytes it read to compare replicas: every copy of the replicated pieces of
   /// the parameters it compares (each parameter is compared by one process).
   uint64_t bytes_verified = 0;
+  /// Of bytes_written, those the file system copied from an input file unchanged
+  /// (CheckpointOptions::copy_file_ranges), never passing through this process's memory.
+  uint64_t bytes_copied = 0;
 };
 
 /// What a checkpoint operation did: on process 0, every process's figures in rank order;
@@ -82,6 +85,11 @@ struct CheckpointOptions {
   /// (`--no-sync`), the output still appears by one rename, but is in the page cache only: a
   /// crash of the machine soon after may leave it incomplete, as `cp` would.
   bool sync = true;
+  /// Let the file system copy what an output holds unchanged from an input (whole tensors,
+  /// whole experts, row blocks) with copy_file_range(2): reflinks where it has them, and no
+  /// pass through this process's memory. Off: every byte is copied through memory; the output
+  /// is the same byte for byte.
+  bool copy_file_ranges = true;
   /// Called after each tensor with the bytes written so far and the total to write.
   std::function<void(uint64_t done, uint64_t total)> progress;
   /// With allow_lossy_scale, called once per parameter that is moved through a scale (or a

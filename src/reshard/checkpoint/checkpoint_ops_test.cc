@@ -164,5 +164,67 @@ TEST_F(ShardedCheckpointTest, ConvertRefusesDisagreeingReplicasUnlessTold) {
   EXPECT_TRUE(Convert(sharded(), 1, std::nullopt, out(), no_verify).ok());
 }
 
+// Every file of `dir` (name -> bytes).
+std::map<std::string, std::string> FilesOf(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir)) {
+    out[e.path().filename().string()] = *ReadFileToString(e.path().string());
+  }
+  return out;
+}
+
+// Scatter with the file system's range copies and without: the same files byte for byte, and
+// the copies used exactly where a shard is an unscaled dense block of a tensor.
+TEST(ScatterCopyTest, RangeCopiesWriteTheSameBytesAsCopiesThroughMemory) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("scatter_copy_test_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "full");
+  struct Tensor {
+    const char* name;
+    Shape shape;
+    const char* layout;
+    Index copied;  // elements the file system copies, both ranks together
+  } table[] = {
+      {"rows", {64, 1024}, R"({"family": "split", "dim": 0})", 64 * 1024},
+      {"whole", {3000}, kReplicated, 2 * 3000},
+      {"cols", {64, 1024}, R"({"family": "split", "dim": 1})", 0},  // strided
+      {"halved", {256}, kPreDivided, 0},                            // scaled
+      {"vocab", {33, 512}, R"({"family": "padded_vocab", "dim": 0, "pad_multiple": 8})", 0},
+  };
+  std::vector<TensorToWrite> tensors;
+  std::map<std::string, LayoutDescriptor> layouts;
+  uint64_t expected_copied = 0;
+  for (const Tensor& t : table) {
+    tensors.push_back({t.name, DType::kF32, t.shape, [](std::span<std::byte> out) {
+                         for (size_t i = 0; i < out.size(); ++i) {
+                           out[i] = static_cast<std::byte>(i * 29 + 3);
+                         }
+                         return Status::Ok();
+                       }});
+    layouts[t.name] = Layout(t.layout);
+    expected_copied += static_cast<uint64_t>(t.copied) * 4;
+  }
+  ASSERT_TRUE(
+      WriteSafetensors((dir / "full" / "model.safetensors").string(), std::move(tensors)).ok());
+  std::map<std::string, std::string> outputs[2];
+  for (const bool copy : {true, false}) {
+    CheckpointOptions options;
+    options.copy_file_ranges = copy;
+    CheckpointStats stats;
+    options.stats = &stats;
+    const fs::path out = dir / (copy ? "copied" : "through_memory");
+    const Status s =
+        Scatter((dir / "full").string(), 2, MapsFromLayouts(layouts, 2), out.string(), options);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_EQ(stats.processes.size(), 1u);
+    EXPECT_EQ(stats.processes[0].bytes_copied, copy ? expected_copied : 0) << copy;
+    outputs[copy ? 0 : 1] = FilesOf(out);
+  }
+  EXPECT_EQ(outputs[0].size(), 3u);  // two rank files and the manifest
+  EXPECT_TRUE(outputs[0] == outputs[1]);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace reshard

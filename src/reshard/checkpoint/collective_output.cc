@@ -6,6 +6,7 @@
 #include <atomic>
 #include <charconv>
 #include <filesystem>
+#include <iterator>
 #include <optional>
 #include <set>
 #include <thread>
@@ -18,9 +19,10 @@ namespace reshard {
 
 namespace {
 
-// "<read> <verified> <written> <file>..." (file names hold no spaces).
+// "<read> <verified> <written> <copied> <file>..." (file names hold no spaces).
 std::string EncodeStats(const ProcessStats& s) {
-  std::string text = fmt::format("{} {} {}", s.bytes_read, s.bytes_verified, s.bytes_written);
+  std::string text =
+      fmt::format("{} {} {} {}", s.bytes_read, s.bytes_verified, s.bytes_written, s.bytes_copied);
   for (const std::string& f : s.files) text += " " + f;
   return text;
 }
@@ -34,9 +36,9 @@ ProcessStats DecodeStats(int rank, const std::string& text) {
     words.push_back(text.substr(begin, space - begin));
     begin = space + 1;
   }
-  uint64_t* numbers[] = {&s.bytes_read, &s.bytes_verified, &s.bytes_written};
+  uint64_t* numbers[] = {&s.bytes_read, &s.bytes_verified, &s.bytes_written, &s.bytes_copied};
   for (size_t k = 0; k < words.size(); ++k) {
-    if (k >= 3) {
+    if (k >= std::size(numbers)) {
       s.files.push_back(words[k]);
     } else {
       std::from_chars(words[k].data(), words[k].data() + words[k].size(), *numbers[k]);
@@ -94,6 +96,7 @@ WriteOptions OutputFileOptions(const CheckpointOptions& options) {
   WriteOptions o;
   o.sync = false;
   o.start_writeback = options.sync;
+  o.copy_file_ranges = options.copy_file_ranges;
   return o;
 }
 

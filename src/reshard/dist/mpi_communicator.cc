@@ -137,10 +137,6 @@ struct MpiCommunicator::State {
   }
 };
 
-bool MpiCommunicator::LaunchedByMpi() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr;
-}
-
 Result<std::unique_ptr<MpiCommunicator>> MpiCommunicator::Start(
     std::chrono::duration<double> timeout) {
   auto state = std::make_unique<State>();

@@ -21,10 +21,6 @@ namespace reshard {
 
 class MpiCommunicator final : public Communicator {
  public:
-  /// Whether this process was started by an MPI launcher (the environment mpirun, or srun
-  /// with PMIx, sets). A process started otherwise runs alone and never initialises MPI.
-  static bool LaunchedByMpi();
-
   /// Initialises MPI (threads: serialized) for the job's processes, with errors returned, not
   /// fatal. `timeout`: the longest a process waits in one collective for its peers.
   /// Unavailable when MPI cannot be initialised.

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -172,8 +173,7 @@ Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
     if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
     return Status::Ok();
   }));
-  return AtomicFileWriter(path, std::move(tmp), fd, options.sync,
-                          !options.sync && options.start_writeback);
+  return AtomicFileWriter(path, std::move(tmp), fd, options);
 }
 
 AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
@@ -181,7 +181,8 @@ AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
       tmp_(std::move(other.tmp_)),
       fd_(other.fd_),
       sync_(other.sync_),
-      start_writeback_(other.start_writeback_) {
+      start_writeback_(other.start_writeback_),
+      copy_file_ranges_(other.copy_file_ranges_) {
   other.fd_ = -1;
 }
 
@@ -215,6 +216,40 @@ Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
     done += static_cast<size_t>(n);
   }
   return Status::Ok();
+}
+
+Result<bool> CopyFileRange(int in, uint64_t in_offset, int out, uint64_t length,
+                           const std::string& out_path) {
+  const off_t start = ::lseek(out, 0, SEEK_CUR);
+  if (start < 0) return false;  // a pipe or another unseekable output
+  auto off = static_cast<off_t>(in_offset);
+  uint64_t done = 0;
+  while (done < length) {
+    // At most 1 GiB a call: the kernel caps one call near 2 GiB anyway.
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(length - done, uint64_t{1} << 30));
+    const ssize_t n = ::copy_file_range(in, &off, out, nullptr, chunk, 0);
+    if (n > 0) {
+      done += static_cast<uint64_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    const int err = n < 0 ? errno : 0;
+    const bool unsupported = n == 0 || err == EXDEV || err == ENOSYS || err == EINVAL ||
+                             err == EOPNOTSUPP || err == EBADF || err == ETXTBSY || err == EPERM;
+    if (!unsupported) return ErrnoStatus(err, "cannot write", out_path);
+    // What was copied is overwritten by the caller's own write of the whole range.
+    if (::lseek(out, start, SEEK_SET) != start) return ErrnoStatus(errno, "cannot seek", out_path);
+    return false;
+  }
+  return true;
+}
+
+Result<bool> AtomicFileWriter::AppendCopyOf(int in, uint64_t offset, uint64_t length) {
+  if (fd_ < 0) return InternalError(fmt::format("\"{}\" is no longer open for writing", tmp_));
+  if (!copy_file_ranges_) return false;
+  Result<bool> copied = CopyFileRange(in, offset, fd_, length, tmp_);
+  if (!copied.ok()) Abandon();
+  return copied;
 }
 
 Status AtomicFileWriter::Commit() {

@@ -6,6 +6,7 @@
 #ifndef RESHARD_IO_FILE_H_
 #define RESHARD_IO_FILE_H_
 
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -70,7 +71,20 @@ struct WriteOptions {
   /// waiting, for a writer that syncs it later with others (SyncFiles): the disk then works
   /// while the next files are written, and the final sync has little left to do.
   bool start_writeback = false;
+  /// Let the file system copy unchanged byte ranges of other files (AppendCopyOf with
+  /// copy_file_range(2): in the kernel, a reflink where the file system has them). Off: every
+  /// byte is written from memory; the bytes written are the same.
+  bool copy_file_ranges = true;
 };
+
+/// Copies `length` bytes of `in` from `in_offset` to `out` at its current position with
+/// copy_file_range(2), the position advancing by what was copied. True once all were copied;
+/// false, with `out`'s position back where it was, where the kernel cannot copy this pair (one
+/// end not a regular file, the files on different or unsupporting file systems: EXDEV, ENOSYS,
+/// EINVAL, EOPNOTSUPP, EBADF, ETXTBSY) or `in` ends early: the caller then writes the bytes
+/// itself. A real failure of the output (ENOSPC, EIO) is an error naming `out_path`.
+Result<bool> CopyFileRange(int in, uint64_t in_offset, int out, uint64_t length,
+                           const std::string& out_path);
 
 /// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno: what
 /// the caller named wrongly or may not use is its input's fault (ENOENT NotFound, EEXIST
@@ -95,22 +109,28 @@ class AtomicFileWriter {
   /// Appends bytes; ResourceExhausted on a full disk or a file size limit.
   Status Append(std::span<const std::byte> bytes);
   Status Append(std::string_view bytes);
+  /// Appends `length` bytes of `in` from `offset` through the file system (CopyFileRange)
+  /// when options.copy_file_ranges allows it: true once appended, false when the caller is to
+  /// Append them itself (nothing appended then).
+  Result<bool> AppendCopyOf(int in, uint64_t offset, uint64_t length);
   /// Flushes to disk and renames into place. Once called (ok or not) the writer is spent.
   Status Commit();
 
  private:
-  AtomicFileWriter(std::string path, std::string tmp, int fd, bool sync, bool start_writeback)
+  AtomicFileWriter(std::string path, std::string tmp, int fd, const WriteOptions& options)
       : path_(std::move(path)),
         tmp_(std::move(tmp)),
         fd_(fd),
-        sync_(sync),
-        start_writeback_(start_writeback) {}
+        sync_(options.sync),
+        start_writeback_(!options.sync && options.start_writeback),
+        copy_file_ranges_(options.copy_file_ranges) {}
   void Abandon();
   std::string path_;
   std::string tmp_;
   int fd_ = -1;  // -1 once committed or abandoned
   bool sync_ = true;
   bool start_writeback_ = false;
+  bool copy_file_ranges_ = true;
 };
 
 /// Has the kernel start writing `path` to disk without waiting (WriteOptions::start_writeback

@@ -1,5 +1,6 @@
 #include "reshard/io/file.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -99,6 +100,78 @@ TEST_F(FileTest, PipeWithAWriterIsReadToItsEnd) {
   ::close(fds[0]);
   ASSERT_TRUE(read.ok()) << read.status().ToString();
   EXPECT_EQ(*read, text);
+}
+
+// The bytes of `path`, read back.
+std::string Slurp(const std::string& path) { return *ReadFileToString(path); }
+
+TEST_F(FileTest, CopyFileRangeCopiesAtThePositionAndAdvancesIt) {
+  std::string text(300000, '\0');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>(i * 131 + 7);
+  ASSERT_TRUE(WriteFileAtomically(Path("in"), text).ok());
+  Result<FileHandle> in = FileHandle::OpenForReading(Path("in"));
+  ASSERT_TRUE(in.ok());
+  FileHandle out(::open(Path("out").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ASSERT_TRUE(out.valid());
+  ASSERT_EQ(::write(out.get(), "head", 4), 4);
+  Result<bool> copied = CopyFileRange(in->get(), 1000, out.get(), 200000, Path("out"));
+  ASSERT_TRUE(copied.ok()) << copied.status().ToString();
+  ASSERT_TRUE(*copied);  // ext4, tmpfs, xfs, btrfs: all copy within one file system
+  EXPECT_EQ(::lseek(out.get(), 0, SEEK_CUR), 200004);
+  ASSERT_EQ(::write(out.get(), "tail", 4), 4);
+  EXPECT_EQ(Slurp(Path("out")), "head" + text.substr(1000, 200000) + "tail");
+  // The input's own position is untouched: it is read at the offsets given.
+  EXPECT_EQ(::lseek(in->get(), 0, SEEK_CUR), 0);
+}
+
+TEST_F(FileTest, CopyFileRangeDeclinesWhatTheKernelCannotCopyAndLeavesThePosition) {
+  ASSERT_TRUE(WriteFileAtomically(Path("in"), std::string(5000, 'a')).ok());
+  Result<FileHandle> in = FileHandle::OpenForReading(Path("in"));
+  ASSERT_TRUE(in.ok());
+  FileHandle out(::open(Path("out").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ASSERT_EQ(::write(out.get(), "xy", 2), 2);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  FileHandle pipe_read(fds[0]), pipe_write(fds[1]);
+  struct Case {
+    const char* what;
+    int in;
+    uint64_t offset, length;
+    int out;
+  } cases[] = {
+      {"to a pipe", in->get(), 0, 100, pipe_write.get()},
+      {"from a pipe", pipe_read.get(), 0, 100, out.get()},
+      {"past the input's end", in->get(), 4000, 2000, out.get()},  // a short copy
+      {"from a descriptor opened for writing only", out.get(), 0, 1, out.get()},
+  };
+  for (const Case& c : cases) {
+    Result<bool> copied = CopyFileRange(c.in, c.offset, c.out, c.length, Path("out"));
+    ASSERT_TRUE(copied.ok()) << c.what << ": " << copied.status().ToString();
+    EXPECT_FALSE(*copied) << c.what;
+    EXPECT_EQ(::lseek(out.get(), 0, SEEK_CUR), 2) << c.what;
+  }
+}
+
+TEST_F(FileTest, AppendCopyOfGivesTheSameFileAsAppendAndCanBeTurnedOff) {
+  const std::string text = std::string(70000, 'q') + "end";
+  ASSERT_TRUE(WriteFileAtomically(Path("in"), text).ok());
+  Result<FileHandle> in = FileHandle::OpenForReading(Path("in"));
+  ASSERT_TRUE(in.ok());
+  for (const bool fast : {true, false}) {
+    const std::string out = Path(fast ? "fast" : "slow");
+    Result<AtomicFileWriter> w = AtomicFileWriter::Create(out, {.copy_file_ranges = fast});
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE(w->Append("<").ok());
+    Result<bool> copied = w->AppendCopyOf(in->get(), 3, text.size() - 3);
+    ASSERT_TRUE(copied.ok());
+    EXPECT_EQ(*copied, fast);
+    if (!*copied) {
+      ASSERT_TRUE(w->Append(std::string_view(text).substr(3)).ok());
+    }
+    ASSERT_TRUE(w->Append(">").ok());
+    ASSERT_TRUE(w->Commit().ok());
+    EXPECT_EQ(Slurp(out), "<" + text.substr(3) + ">");
+  }
 }
 
 TEST_F(FileTest, UnreadableInputIsTheInputsFaultButIoErrorsAreTheEnvironments) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
@@ -597,10 +598,47 @@ std::span<const std::byte> SafetensorsFile::data(const TensorInfo& tensor) const
   return file_.bytes().subspan(header_.data_offset + tensor.data_begin, tensor.num_bytes());
 }
 
+namespace {
+
+// Writes one tensor's bytes: its ranges copied file to file where the file system can, else
+// its fill into `buffer`, then appended. `inputs` keeps the files of ranges open across tensors.
+Status WriteTensorBytes(AtomicFileWriter& out, const TensorToWrite& t, const TensorCopy* copy,
+                        std::span<std::byte> buffer, std::map<std::string, FileHandle>& inputs) {
+  bool copied = copy != nullptr && !copy->ranges.empty();
+  uint64_t done = 0;
+  for (size_t k = 0; copied && k < copy->ranges.size(); ++k) {
+    const FileRange& range = copy->ranges[k];
+    auto it = inputs.find(range.path);
+    if (it == inputs.end()) {
+      Result<FileHandle> in = FileHandle::OpenForReading(range.path);
+      if (!in.ok()) return in.status().Annotate(fmt::format("tensor \"{}\"", t.name));
+      it = inputs.emplace(range.path, *std::move(in)).first;
+    }
+    RESHARD_ASSIGN_OR_RETURN(copied,
+                             out.AppendCopyOf(it->second.get(), range.offset, range.length));
+    if (copied) done += range.length;
+  }
+  if (copied) {
+    if (copy->copied) copy->copied();
+    return Status::Ok();
+  }
+  // The kernel copied the first ranges (`done` bytes); the buffer holds the whole tensor, so its
+  // tail is appended from where the copies stopped.
+  Status filled = t.fill(buffer);
+  if (!filled.ok()) return filled.Annotate(fmt::format("tensor \"{}\"", t.name));
+  return out.Append(buffer.subspan(static_cast<size_t>(done)));
+}
+
+}  // namespace
+
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
                         const std::map<std::string, std::string>& metadata,
-                        const WriteOptions& options) {
+                        const WriteOptions& options, std::vector<TensorCopy> copies) {
   // Check everything before touching the disk.
+  if (!copies.empty() && copies.size() != tensors.size()) {
+    return InvalidArgumentError(
+        fmt::format("{} copies given for {} tensors", copies.size(), tensors.size()));
+  }
   std::vector<uint64_t> sizes(tensors.size());
   std::unordered_set<std::string_view> names;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -623,6 +661,14 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
     }
     if (!t.fill) return InvalidArgumentError(fmt::format("tensor \"{}\" has no fill", t.name));
     sizes[i] = static_cast<uint64_t>(*bytes);
+    uint64_t in_ranges = 0;
+    const std::vector<FileRange> no_ranges;
+    const std::vector<FileRange>& ranges = copies.empty() ? no_ranges : copies[i].ranges;
+    for (const FileRange& r : ranges) in_ranges += r.length;
+    if (!ranges.empty() && in_ranges != sizes[i]) {
+      return InvalidArgumentError(fmt::format(
+          "tensor \"{}\": its file ranges hold {} bytes, not {}", t.name, in_ranges, sizes[i]));
+    }
   }
   for (const auto& [key, value] : metadata) {
     if (FirstInvalidUtf8(key) || FirstInvalidUtf8(value)) {
@@ -678,11 +724,11 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
   // One buffer, as large as the largest tensor, serves every fill in turn.
   std::unique_ptr<std::byte[]> buffer;
   if (largest > 0) buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
+  std::map<std::string, FileHandle> inputs;
   for (const size_t i : order) {
     const std::span<std::byte> bytes(buffer.get(), static_cast<size_t>(sizes[i]));
-    Status filled = tensors[i].fill(bytes);
-    if (!filled.ok()) return filled.Annotate(fmt::format("tensor \"{}\"", tensors[i].name));
-    RESHARD_RETURN_IF_ERROR(out.Append(bytes));
+    RESHARD_RETURN_IF_ERROR(
+        WriteTensorBytes(out, tensors[i], copies.empty() ? nullptr : &copies[i], bytes, inputs));
   }
   return out.Commit();
 }

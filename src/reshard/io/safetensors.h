@@ -94,6 +94,13 @@ class SafetensorsFile {
   SafetensorsHeader header_;
 };
 
+/// A byte range of a file: `length` bytes from `offset`.
+struct FileRange {
+  std::string path;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
 /// One tensor to write: its bytes are produced on demand (so a writer can stream tensors
 /// without holding the whole file in memory).
 struct TensorToWrite {
@@ -104,17 +111,27 @@ struct TensorToWrite {
   std::function<Status(std::span<std::byte> out)> fill;
 };
 
+/// The bytes a tensor's fill gives, as ranges of files, in order, adding up to the tensor's
+/// size: the writer has the file system copy them (copy_file_range: no pass through memory)
+/// and calls `copied` instead of the fill; where the kernel cannot copy them it calls the fill.
+struct TensorCopy {
+  std::vector<FileRange> ranges;  // none: the fill writes the tensor
+  std::function<void()> copied;
+};
+
 /// Writes a safetensors file atomically (temporary name in the same directory, fsync, rename),
 /// tensors and header keys in the reference writer's order (above, whatever the order of
 /// `tensors`), header padded with spaces to 8 bytes. Each `fill` is called once, in file
 /// order, on one reused buffer as large as the largest tensor: that buffer is the writer's
 /// peak memory. InvalidArgument for duplicate or non-UTF-8 names, "__metadata__" as a name,
-/// a bad shape or a missing fill (checked before anything is written); AlreadyExists if
-/// `path` exists and !options.overwrite; ResourceExhausted on a full disk; a failing fill's
-/// Status is returned. Nothing is left behind on failure.
+/// a bad shape, a missing fill or copies that do not add up to their tensors (checked before
+/// anything is written); AlreadyExists if `path` exists and !options.overwrite;
+/// ResourceExhausted on a full disk; a failing fill's Status is returned. Nothing is left behind on
+/// failure. `copies`: none, or one per tensor (copies[i] for tensors[i]); used where
+/// options.copy_file_ranges allows.
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
                         const std::map<std::string, std::string>& metadata = {},
-                        const WriteOptions& options = {});
+                        const WriteOptions& options = {}, std::vector<TensorCopy> copies = {});
 
 }  // namespace reshard
 

@@ -419,6 +419,96 @@ TEST_F(SafetensorsTest, WriterRefusesBadTensorsBeforeWriting) {
   EXPECT_EQ(FileCount(), 0u);
 }
 
+TEST_F(SafetensorsTest, RangesCopiedByTheFileSystemGiveTheBytesTheFillsGive) {
+  // A source file whose bytes the tensors of the output take, as ranges, in pieces.
+  const std::string source = PatternFor("source", 400000);
+  ASSERT_TRUE(WriteFileAtomically(Path("source.bin"), source).ok());
+  auto from_source = [&](std::string name, Shape shape, const std::vector<FileRange>& ranges) {
+    TensorToWrite t{.name = name, .dtype = DType::kU8, .shape = shape, .fill = {}};
+    t.fill = [&source, ranges](std::span<std::byte> out) {
+      size_t at = 0;
+      for (const FileRange& r : ranges) {
+        std::memcpy(out.data() + at, source.data() + r.offset, r.length);
+        at += r.length;
+      }
+      return Status::Ok();
+    };
+    return t;
+  };
+  const std::string src = Path("source.bin");
+  ASSERT_TRUE(WriteFileAtomically(Path("short.bin"), "12345").ok());
+  struct Run {
+    const char* name;
+    bool copy;
+    int copied = 0;
+    int filled = 0;
+  } runs[] = {{"fast.safetensors", true}, {"slow.safetensors", false}};
+  for (Run& run : runs) {
+    const std::vector<std::vector<FileRange>> ranges = {
+        {{src, 5, 1000}},
+        {{src, 300000, 100000}, {src, 0, 100000}, {src, 100000, 100000}},
+        {},
+        // A range past the source's end: the file system copies less, the fill writes it all.
+        {{Path("short.bin"), 0, 10}},
+    };
+    std::vector<TensorToWrite> tensors = {
+        from_source("whole", {1000}, ranges[0]),
+        from_source("stacked", {3, 100000}, ranges[1]),
+        Tensor("filled", DType::kF32, {10}),
+        from_source("short", {10}, {}),
+    };
+    tensors[3].fill = [](std::span<std::byte> out) {
+      std::memset(out.data(), 'z', out.size());
+      return Status::Ok();
+    };
+    std::vector<TensorCopy> copies;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      copies.push_back({ranges[i], [&run] { ++run.copied; }});
+      tensors[i].fill = [&run, inner = tensors[i].fill](std::span<std::byte> out) {
+        ++run.filled;
+        return inner(out);
+      };
+    }
+    ASSERT_TRUE(WriteSafetensors(Path(run.name), std::move(tensors), {},
+                                 {.copy_file_ranges = run.copy}, std::move(copies))
+                    .ok());
+  }
+  EXPECT_EQ(Contents("fast.safetensors"), Contents("slow.safetensors"));
+  EXPECT_EQ(runs[0].copied, 2);  // whole and stacked
+  EXPECT_EQ(runs[0].filled, 2);  // filled and short
+  EXPECT_EQ(runs[1].copied, 0);
+  EXPECT_EQ(runs[1].filled, 4);
+  Result<SafetensorsFile> f = SafetensorsFile::Open(Path("fast.safetensors"));
+  ASSERT_TRUE(f.ok());
+  auto bytes_of = [&](const std::string& name) {
+    for (const TensorInfo& t : f->header().tensors) {
+      if (t.name != name) continue;
+      const std::span<const std::byte> d = f->data(t);
+      return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(bytes_of("stacked"), source.substr(300000, 100000) + source.substr(0, 200000));
+  EXPECT_EQ(bytes_of("short"), std::string(10, 'z'));
+}
+
+TEST_F(SafetensorsTest, RangesThatDoNotAddUpToTheTensorAreRefusedBeforeWriting) {
+  for (const uint64_t length : {uint64_t{3}, uint64_t{5}, uint64_t{0}}) {
+    const Status s = WriteSafetensors(Path("r.safetensors"), {Tensor("r", DType::kU8, {4})}, {}, {},
+                                      {{{{Path("any"), 0, length}}, {}}});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << length;
+    EXPECT_NE(s.message().find("tensor \"r\": its file ranges hold"), std::string::npos)
+        << s.message();
+  }
+  // One copy for two tensors.
+  EXPECT_EQ(WriteSafetensors(Path("r.safetensors"),
+                             {Tensor("a", DType::kU8, {4}), Tensor("b", DType::kU8, {4})}, {}, {},
+                             {TensorCopy{}})
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(FileCount(), 0u);
+}
+
 TEST_F(SafetensorsTest, ExistingOutputIsKeptWithoutOverwrite) {
   ASSERT_TRUE(WriteSafetensors(Path("x.safetensors"), {Tensor("a", DType::kU8, {1})}).ok());
   const std::string before = Contents("x.safetensors");
