@@ -264,6 +264,41 @@ def test_an_existing_output_is_replaced_only_with_force_and_only_if_reshard_wrot
     assert sorted(os.listdir(tmp_path)) == ["dcp"]
 
 
+def test_force_never_replaces_a_dcp_dir_reshard_did_not_write(sharded, written, reshard_bin,
+                                                              tmp_path):
+    src, _ = sharded
+    prefix = (written / ".metadata").read_bytes()[:48]
+    # A checkpoint torch wrote, its .metadata re-pickled at protocol 2 (torch still loads it):
+    # it begins as reshard's do.
+    theirs = tmp_path / "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=str(theirs), no_dist=True)
+    md = pickle.loads((theirs / ".metadata").read_bytes())
+    (theirs / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    assert (theirs / ".metadata").read_bytes().startswith(prefix)
+    back = {"w": torch.zeros(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(theirs), no_dist=True)
+    assert torch.equal(back["w"], torch.arange(8.0))
+    # A folder of a user's files, the first beginning with those bytes.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".metadata").write_bytes(prefix + b"my notes")
+    (mine / "__0_0.distcp").write_bytes(b"my data")
+    for target in (theirs, mine):
+        before = {p.name: p.read_bytes() for p in target.iterdir()}
+        r = run(reshard_bin, "convert", src, "--to", "dcp", "--world", 1, "-o", target, "--force")
+        assert r.returncode == 2, (target, r.stderr)
+        assert "not an output of reshard" in r.stderr and ".metadata" in r.stderr, r.stderr
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    # What reshard writes carries its mark (StorageMeta.save_id), torch's a uuid.
+    assert pickle.loads((written / ".metadata").read_bytes()).storage_meta.save_id == \
+        "reshard/dcp-writer"
+    assert md.storage_meta.save_id != "reshard/dcp-writer"
+
+
 def test_conflicting_options_are_refused(sharded, reshard_bin, tmp_path):
     src, _ = sharded
     for extra, message in ((["--tp", 2], "--tp"), ([], "--world"),

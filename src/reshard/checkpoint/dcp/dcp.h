@@ -88,6 +88,7 @@ struct DcpBytesItem {
 /// The metadata of a DCP checkpoint as read from one `.metadata` pickle.
 struct DcpMetadata {
   std::string version;  // Metadata.version ("1.0.0"; empty in older files)
+  std::string save_id;  // Metadata.storage_meta.save_id ("" when none)
   std::vector<DcpTensor> tensors;
   std::vector<DcpBytesItem> bytes_items;
   /// The files the items name (relative paths, in first-use order); locations index it.

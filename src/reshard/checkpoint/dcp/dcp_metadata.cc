@@ -147,6 +147,10 @@ class MetadataReader {
     }
     DcpMetadata out;
     if (const auto v = StrAt(t_, Get(t_, root, "version"))) out.version = *v;
+    const PickleNodeId storage_meta = Get(t_, root, "storage_meta");
+    if (!IsNone(t_, storage_meta)) {
+      if (const auto id = StrAt(t_, Get(t_, storage_meta, "save_id"))) out.save_id = *id;
+    }
     RESHARD_RETURN_IF_ERROR(ReadPlannerData(Get(t_, root, "planner_data")));
     RESHARD_RETURN_IF_ERROR(ReadStorageData(Get(t_, root, "storage_data")));
     const PickleNodeId sdm = Get(t_, root, "state_dict_metadata");

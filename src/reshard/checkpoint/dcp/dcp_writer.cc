@@ -165,7 +165,7 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
   }
   const PickleNodeId storage_meta =
       object(MetadataClass("StorageMeta"), {{"checkpoint_id", b.Str(checkpoint_id)},
-                                            {"save_id", b.None()},
+                                            {"save_id", b.Str(kDcpSaveId)},
                                             {"load_id", b.None()},
                                             {"modules", b.List()}});
   const PickleNodeId root =

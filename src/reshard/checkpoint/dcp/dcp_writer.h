@@ -12,7 +12,7 @@
 //   - `.metadata` is the pickle of DCP's Metadata: per key a TensorStorageMetadata (properties,
 //     global size, chunks), planner_data (each key's nested path), storage_data (per chunk, a
 //     MetadataIndex to its _StorageInfo: file, offset, length), StorageMeta (checkpoint_id the
-//     output path as a str, no save_id) and version "1.0.0". Only DCP's dataclasses,
+//     output path as a str, save_id kDcpSaveId) and version "1.0.0". Only DCP's dataclasses,
 //     torch.Size, dtypes, torch.strided and DCP's memory-format enum appear in it, so
 //     torch.distributed.checkpoint.load reads it at any world size and
 //     format_utils.dcp_to_torch_save reads it whole.
@@ -83,10 +83,14 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
 std::string DcpFileName(Rank rank);
 inline constexpr char kDcpMetadataName[] = ".metadata";
 /// How every `.metadata` reshard writes begins (a protocol-2 pickle of DCP's Metadata; torch
-/// writes protocol 4): what lets --force replace a DCP output of reshard's (output_dir.h).
+/// writes protocol 4).
 inline constexpr std::string_view kDcpMetadataPrefix =
     "\x80\x02"
     "ctorch.distributed.checkpoint.metadata\nMetadata\n";
+/// The StorageMeta.save_id of every `.metadata` reshard writes (torch's FileSystemWriter records
+/// a uuid4 there, which never takes this form): with the files the metadata names and nothing
+/// else beside it, what lets an output replace a DCP checkpoint of reshard's (output_dir.h).
+inline constexpr char kDcpSaveId[] = "reshard/dcp-writer";
 
 /// Writes `source` as a DCP checkpoint for `world_size` ranks into `out_dir` (above), with
 /// the options of ConvertFrom (replicas verified unless told not to; max_shard_bytes must be
