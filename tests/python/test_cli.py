@@ -260,3 +260,14 @@ def test_layout_counts_near_2_62_are_refused_not_crashed(reshard_bin, tmp_path, 
     r = run(reshard_bin, "layout", path, "--shape", shape, "--world", 4)
     assert r.returncode == status, (r.returncode, r.stderr)
     assert fragment in r.stderr
+
+def test_layout_names_a_world_of_zero_ranks(reshard_bin, tmp_path):
+    desc = tmp_path / "split.json"
+    desc.write_text(json.dumps({"family": "split", "dim": 0}))
+    assert run(reshard_bin, "layout", desc, "--shape", "4", "--world", 2).returncode == 0
+    for world in ("0", "-1"):
+        r = run(reshard_bin, "layout", desc, "--shape", "4", "--world", world)
+        assert r.returncode == 2, r.stderr
+        assert f"{world} is not an integer from 1" in r.stderr and "required" not in r.stderr, \
+            r.stderr
+

@@ -299,6 +299,27 @@ def test_force_never_replaces_a_dcp_dir_reshard_did_not_write(sharded, written, 
     assert md.storage_meta.save_id != "reshard/dcp-writer"
 
 
+def test_a_models_tensors_stay_model_keys(reshard_bin, tmp_path):
+    # "a.b" beside "a" (a module "a" with a parameter "b" and a parameter of its own), and
+    # "a.step": what dcp.load(model.state_dict()) looks for; only exp_avg, exp_avg_sq and fp32
+    # name optimizer state.
+    tensors = {"a": torch.arange(4.0), "a.b": torch.arange(3.0), "a.b.c": torch.ones(2),
+               "a.step": torch.full((2,), 2.0)}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(tensors, str(hf / "model.safetensors"))
+    out = tmp_path / "dcp"
+    r = run(reshard_bin, "convert", hf, "--to", "dcp", "--world", 2, "-o", out)
+    assert r.returncode == 0, r.stderr
+    md = pickle.loads((out / ".metadata").read_bytes())
+    assert sorted(md.state_dict_metadata) == sorted(tensors)
+    back = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(out), no_dist=True)
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
 def test_conflicting_options_are_refused(sharded, reshard_bin, tmp_path):
     src, _ = sharded
     for extra, message in ((["--tp", 2], "--tp"), ([], "--world"),

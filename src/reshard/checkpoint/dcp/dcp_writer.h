@@ -16,11 +16,12 @@
 //     torch.Size, dtypes, torch.strided and DCP's memory-format enum appear in it, so
 //     torch.distributed.checkpoint.load reads it at any world size and
 //     format_utils.dcp_to_torch_save reads it whole.
-// Keys: a tensor "<param>.<state>" where "<param>" is another tensor of the source (reshard's
-// naming of optimizer state: exp_avg, exp_avg_sq, DeepSpeed's fp32 master weights) is stored
-// as "optim.state.<param>.<state>", nested as get_state_dict's optimizer state dict
-// (planner_data ("optim", "state", "<param>", "<state>")); every other tensor under its own
-// name at the top level, as dcp.save(model.state_dict()) stores it. Neither the optimizer's
+// Keys: a tensor "<param>.<state>" where "<param>" is another tensor of the source and
+// "<state>" one of reshard's names of optimizer state (exp_avg, exp_avg_sq, DeepSpeed's fp32
+// master weights) is stored as "optim.state.<param>.<state>", nested as get_state_dict's
+// optimizer state dict (planner_data ("optim", "state", "<param>", "<state>")); every other
+// tensor ("a.b" beside "a" included) under its own name at the top level, as
+// dcp.save(model.state_dict()) stores it. Neither the optimizer's
 // step nor its param_groups are written (shard sources hold tensors only).
 //
 // Each chunk is produced straight from the source shards by a transfer plan (never the full

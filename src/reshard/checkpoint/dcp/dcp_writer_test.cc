@@ -72,6 +72,24 @@ TEST(PlanDcpTensorsTest, OptimizerStateNestsUnderOptimStateOthersKeepTheirNames)
   EXPECT_EQ(Rows((*t)[0].chunks), (Shape{2, 2}));
 }
 
+TEST(PlanDcpTensorsTest, OnlyTheOptimizersStatesAreOptimizerState) {
+  // "a.b" beside "a" is a model's tensor: only exp_avg, exp_avg_sq and fp32 are states.
+  Manifest m;
+  m.world_size = 1;
+  for (const char* name : {"a", "a.b", "a.fp32", "a.exp_avg", "a.exp_avg_sq", "a.b.c", "a.step"}) {
+    m.params.push_back(Param(name, {4}));
+  }
+  Result<std::vector<DcpTensorToWrite>> t = PlanDcpTensors(m, 2);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  std::vector<std::string> keys;
+  for (const DcpTensorToWrite& w : *t) keys.push_back(w.key);
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{"a", "a.b", "optim.state.a.fp32", "optim.state.a.exp_avg",
+                                      "optim.state.a.exp_avg_sq", "a.b.c", "a.step"}));
+  EXPECT_EQ((*t)[1].path, (std::vector<std::string>{"a.b"}));
+  EXPECT_EQ((*t)[5].path, (std::vector<std::string>{"a.b.c"}));
+}
+
 TEST(PlanDcpTensorsTest, KeysThatCollideAreRefused) {
   Manifest m;
   m.world_size = 1;
