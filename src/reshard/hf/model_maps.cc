@@ -168,6 +168,23 @@ Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view 
   return TensorMap{*std::move(map), *std::move(layout)};
 }
 
+Status CheckLaidOutDistributedConfig(const DistributedConfig& d, int world) {
+  if (!d.not_laid_out.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "distributed config: {} set, but the maps lay out tensor and expert parallelism only "
+        "(tp_size, tp_plan, ep_size, ep_plan, enable_expert_parallel): a layout over those "
+        "would not be what transformers builds; leave {} out",
+        fmt::join(d.not_laid_out, ", "), d.not_laid_out.size() == 1 ? "it" : "them"));
+  }
+  if (d.tp_size && *d.tp_size != world) {
+    return InvalidArgumentError(fmt::format(
+        "distributed config: tp_size {} and the {} processes of the layout disagree: give one, "
+        "or make them equal",
+        *d.tp_size, world));
+  }
+  return Status::Ok();
+}
+
 Result<ConfigMaps> ConfigMaps::FromConfigJson(const TpRegistry& registry,
                                               std::string_view config_json, int tp,
                                               const PlanOptions& options) {
@@ -182,6 +199,13 @@ Result<ConfigMaps> ConfigMaps::FromPlan(ModelPlan plan, int tp) {
         "vocabulary) are not generated");
   }
   if (tp < 1) return InvalidArgumentError(fmt::format("tp {}: expected a positive degree", tp));
+  RESHARD_RETURN_IF_ERROR(CheckLaidOutDistributedConfig(plan.distributed, tp));
+  // One process splits nothing: a model without a plan is laid out whole.
+  if (tp == 1 && plan.refusal && plan.refusal->reason == "no_tp_plan") {
+    plan.refusal.reset();
+    plan.entries.clear();
+    return ConfigMaps(std::move(plan), tp);
+  }
   if (plan.refusal) return FailedPreconditionError(plan.refusal->message);
   // The gate the degree planner uses, asked again entry by entry: the two refuse one set.
   for (const ResolvedEntry& e : plan.entries) {

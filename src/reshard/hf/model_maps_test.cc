@@ -306,5 +306,53 @@ TEST(PlanCheckpointMapsTest, TheExpertsOfTheCheckpointMustBeTheConfigs) {
   }
 }
 
+TEST(ConfigMapsTest, DegreeOneLaysOutAModelWithoutAPlanWhole) {
+  // GPT-2 has no tensor-parallel plan: at 2 processes that is refused, at 1 nothing is split.
+  ModelPlan plan = Plan(R"({"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1,
+    "vocab_size": 16})");
+  ASSERT_TRUE(plan.refusal.has_value());
+  EXPECT_EQ(ConfigMaps::FromPlan(plan, 2).status().code(), StatusCode::kFailedPrecondition);
+  Result<ConfigMaps> one = ConfigMaps::FromPlan(plan, 1);
+  ASSERT_TRUE(one.ok()) << one.status().message();
+  Result<TensorMap> m = one->Map("h.0.attn.c_attn.weight", {8, 24});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->layout.family, LayoutFamily::kReplicated);
+  EXPECT_EQ(m->map.world_size(), 1);
+}
+
+TEST(ConfigMapsTest, ADistributedConfigTheMapsCannotFollowIsRefused) {
+  struct Case {
+    std::string distributed;
+    int world;
+    std::string error;  // "" when accepted
+  };
+  const Case cases[] = {
+      {R"({"tp_size": 2})", 2, ""},
+      {R"({"tp_size": 4})", 2, "tp_size 4 and the 2 processes"},
+      {R"({"tp_size": 2, "pp_size": 1, "fsdp_size": null})", 2, ""},
+      {R"({"tp_plan": "auto", "fsdp_size": 2})", 2, "fsdp_size 2"},
+      {R"({"tp_plan": "auto", "pp_size": 2})", 2, "pp_size 2"},
+      {R"({"tp_plan": "auto", "dp_replicate_size": 2})", 2, "dp_replicate_size 2"},
+      {R"({"tp_plan": "auto", "enable_sequence_parallel": true})", 2,
+       "enable_sequence_parallel true"},
+      {R"({"tp_plan": "auto", "fsdp_plan": {"layers": "x"}})", 2, "fsdp_plan"},
+  };
+  for (const Case& c : cases) {
+    Result<DistributedConfig> d = ParseDistributedConfigJson(BuiltinTpRegistry(), c.distributed);
+    ASSERT_TRUE(d.ok()) << c.distributed << ": " << d.status().message();
+    PlanOptions options;
+    options.distributed = *d;
+    Result<ConfigMaps> maps = ConfigMaps::FromPlan(Plan(kTinyLlama, options), c.world);
+    if (c.error.empty()) {
+      EXPECT_TRUE(maps.ok()) << c.distributed << ": " << maps.status().message();
+      continue;
+    }
+    ASSERT_FALSE(maps.ok()) << c.distributed;
+    EXPECT_EQ(maps.status().code(), StatusCode::kInvalidArgument) << c.distributed;
+    EXPECT_NE(maps.status().message().find(c.error), std::string::npos)
+        << c.distributed << ": " << maps.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace reshard
