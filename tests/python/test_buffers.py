@@ -185,6 +185,39 @@ def test_checkpoint_scatter_gather_convert_through_buffers(tmp_path, reshard_bin
     assert not (tmp_path / "bad_out").exists()
 
 
+def test_adams_moments_over_buffered_maps_go_into_buffers_of_their_own(tmp_path, reshard_bin,
+                                                                         weights):
+    # The checkpoint holds each expert's moments beside its weights; the map document names the
+    # weights only, so each moment takes its parameter's map, into "<buffer>.exp_avg".
+    g = torch.Generator().manual_seed(8)
+    moments = {f"{n}.{s}": torch.randn(INTER, HIDDEN, generator=g).abs()
+               for n in weights for s in ("exp_avg", "exp_avg_sq")}
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({**weights, **moments}, str(full / "model.safetensors"))
+    maps, decls = gate_up_maps(EP2)
+    doc = tmp_path / "ep2.json"
+    doc.write_text(reshard.BufferSet(decls, maps).to_json())
+    sharded = tmp_path / "ep2"
+    r = run(reshard_bin, "scatter", full, "--maps", doc, "-o", sharded)
+    assert r.returncode == 0, r.stderr
+    want = expected_gate_up(weights, EP2)
+    for suffix in ("exp_avg", "exp_avg_sq"):
+        want_state = expected_gate_up(
+            {n: moments[f"{n}.{suffix}"] for n in weights}, EP2)
+        for rank in range(2):
+            held = load_file(str(sharded / f"model-rank-{rank}-part-0.safetensors"))
+            assert set(held) == {"mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj.exp_avg",
+                                 "mlp.experts.gate_up_proj.exp_avg_sq"}
+            assert torch.equal(held["mlp.experts.gate_up_proj"], want[rank])
+            assert torch.equal(held[f"mlp.experts.gate_up_proj.{suffix}"], want_state[rank])
+    r = run(reshard_bin, "gather", sharded, "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    want = {**weights, **moments}
+    assert set(back) == set(want) and all(torch.equal(back[n], t) for n, t in want.items())
+
+
 def test_scatter_refuses_maps_that_leave_a_buffer_unwritten(tmp_path, reshard_bin, weights):
     full = tmp_path / "full"
     full.mkdir()

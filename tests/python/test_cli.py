@@ -260,3 +260,74 @@ def test_layout_counts_near_2_62_are_refused_not_crashed(reshard_bin, tmp_path, 
     r = run(reshard_bin, "layout", path, "--shape", shape, "--world", 4)
     assert r.returncode == status, (r.returncode, r.stderr)
     assert fragment in r.stderr
+
+
+def test_layout_names_a_world_of_zero_ranks(reshard_bin, tmp_path):
+    desc = tmp_path / "split.json"
+    desc.write_text(json.dumps({"family": "split", "dim": 0}))
+    assert run(reshard_bin, "layout", desc, "--shape", "4", "--world", 2).returncode == 0
+    for world in ("0", "-1"):
+        r = run(reshard_bin, "layout", desc, "--shape", "4", "--world", world)
+        assert r.returncode == 2, r.stderr
+        assert f"{world} is not an integer from 1" in r.stderr and "required" not in r.stderr, \
+            r.stderr
+
+
+def tiny_checkpoint(tmp_path, config, tensors):
+    import torch
+    from safetensors.torch import save_file
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({n: torch.randn(*s) for n, s in tensors.items()}, str(full / "model.safetensors"))
+    (full / "config.json").write_text(json.dumps(config))
+    return full
+
+
+def test_scatter_config_at_tp_1_splits_nothing_even_without_a_plan(reshard_bin, tmp_path):
+    # GPT-2 has no tensor-parallel plan in transformers: TP 2 is refused, TP 1 splits nothing.
+    full = tiny_checkpoint(tmp_path, {"model_type": "gpt2", "n_embd": 8, "n_head": 2,
+                                      "n_layer": 1, "vocab_size": 16},
+                           {"wte.weight": (16, 8), "h.0.attn.c_attn.weight": (8, 24)})
+    config = full / "config.json"
+    r = run(reshard_bin, "scatter", full, "--config", config, "--tp", 2, "-o", tmp_path / "tp2")
+    assert r.returncode == 1 and "no tensor-parallel plan" in r.stderr, r.stderr
+    r = run(reshard_bin, "scatter", full, "--config", config, "--tp", 1, "-o", tmp_path / "tp1")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp1", "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() != b""
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32, "vocab_size": 64,
+         "tie_word_embeddings": False}
+
+# (--distributed-config, what the message names; "" when accepted) at --tp 2.
+DISTRIBUTED_CONFIGS = [
+    ('{"tp_size": 2}', ""),
+    ('{"tp_size": 4}', "tp_size 4 and the 2 processes"),
+    ('{"tp_plan": "auto", "fsdp_size": 2}', "fsdp_size 2"),
+    ('{"tp_plan": "auto", "pp_size": 2}', "pp_size 2"),
+    ("", "is empty"),
+    ("  ", "is empty"),
+    ("[1,2]", "expected a JSON object"),
+    ('"auto"', "expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize("dc,needle", DISTRIBUTED_CONFIGS, ids=[d[0] or "empty" for d in
+                                                                 DISTRIBUTED_CONFIGS])
+def test_scatter_refuses_a_distributed_config_it_would_not_follow(reshard_bin, tmp_path, dc,
+                                                                   needle):
+    full = tiny_checkpoint(tmp_path, LLAMA, {"model.embed_tokens.weight": (64, 32),
+                                             "model.layers.0.self_attn.q_proj.weight": (32, 32)})
+    out = tmp_path / "out"
+    r = run(reshard_bin, "scatter", full, "--config", full / "config.json", "--tp", 2,
+            "--distributed-config", dc, "-o", out)
+    if not needle:
+        assert r.returncode == 0, r.stderr
+        return
+    assert r.returncode == 2, (dc, r.stderr)
+    assert needle in r.stderr and "--distributed-config" in r.stderr, r.stderr
+    assert str(full / "config.json") not in r.stderr, r.stderr  # not config.json's fault
+    assert not out.exists()

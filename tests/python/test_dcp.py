@@ -342,8 +342,31 @@ def corrupt_zstd(ckpt):
     return "zstd"
 
 
+def nul_in_relative_path(ckpt):
+    md = load_metadata(ckpt)
+    for info in md.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = "__0_0.distcp\0junk"
+    save_metadata(ckpt, md)
+    return "__0_0.distcp\\u0000junk"
+
+
+def unknown_version(ckpt):
+    md = load_metadata(ckpt)
+    md.version = "9.9.9"
+    save_metadata(ckpt, md)
+    return "9.9.9"
+
+
+def metadata_symlink_loop(ckpt):
+    (ckpt / ".metadata").unlink()
+    os.symlink(".metadata", ckpt / ".metadata")
+    return ".metadata"
+
+
 CORRUPTIONS = [missing_distcp, item_past_end, overlapping_chunks, malicious_global,
-               truncated_metadata, unknown_transform, corrupt_zstd]
+               truncated_metadata, unknown_transform, corrupt_zstd, nul_in_relative_path,
+               unknown_version, metadata_symlink_loop]
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
@@ -357,3 +380,31 @@ def test_corrupt_checkpoints_exit_2_naming_what(dcp_root, reshard_bin, tmp_path,
     assert needle in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "pwned.txt").exists()
+
+
+@pytest.mark.parametrize("corrupt", [nul_in_relative_path, unknown_version, metadata_symlink_loop],
+                         ids=lambda f: f.__name__)
+def test_inspect_refuses_malformed_metadata_naming_it(dcp_root, reshard_bin, tmp_path, corrupt):
+    ckpt = tmp_path / "bad"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    needle = corrupt(ckpt)
+    for args in (["inspect", ckpt], ["inspect", "--json", ckpt],
+                 ["convert", ckpt, "--tp", 2, "-o", tmp_path / "out"]):
+        r = run(reshard_bin, *args)
+        assert r.returncode == 2, (args, r.returncode, r.stdout, r.stderr)
+        assert needle in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_rank_metadata_that_disagree_on_the_version_are_refused(dcp_root, reshard_bin,
+                                                                     tmp_path):
+    ckpt = tmp_path / "perrank"
+    shutil.copytree(dcp_root / "perrank", ckpt)
+    with open(ckpt / "__2.metadata", "rb") as f:
+        md = pickle.load(f)
+    md.version = None if md.version else "1.0.0"  # a version torch writes, not the others'
+    with open(ckpt / "__2.metadata", "wb") as f:
+        pickle.dump(md, f)
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf")
+    assert r.returncode == 2 and "__2.metadata" in r.stderr and "version" in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()

@@ -264,6 +264,62 @@ def test_an_existing_output_is_replaced_only_with_force_and_only_if_reshard_wrot
     assert sorted(os.listdir(tmp_path)) == ["dcp"]
 
 
+def test_force_never_replaces_a_dcp_dir_reshard_did_not_write(sharded, written, reshard_bin,
+                                                              tmp_path):
+    src, _ = sharded
+    prefix = (written / ".metadata").read_bytes()[:48]
+    # A checkpoint torch wrote, its .metadata re-pickled at protocol 2 (torch still loads it):
+    # it begins as reshard's do.
+    theirs = tmp_path / "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=str(theirs), no_dist=True)
+    md = pickle.loads((theirs / ".metadata").read_bytes())
+    (theirs / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    assert (theirs / ".metadata").read_bytes().startswith(prefix)
+    back = {"w": torch.zeros(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(theirs), no_dist=True)
+    assert torch.equal(back["w"], torch.arange(8.0))
+    # A folder of a user's files, the first beginning with those bytes.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".metadata").write_bytes(prefix + b"my notes")
+    (mine / "__0_0.distcp").write_bytes(b"my data")
+    for target in (theirs, mine):
+        before = {p.name: p.read_bytes() for p in target.iterdir()}
+        r = run(reshard_bin, "convert", src, "--to", "dcp", "--world", 1, "-o", target, "--force")
+        assert r.returncode == 2, (target, r.stderr)
+        assert "not an output of reshard" in r.stderr and ".metadata" in r.stderr, r.stderr
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    # What reshard writes carries its mark (StorageMeta.save_id), torch's a uuid.
+    assert pickle.loads((written / ".metadata").read_bytes()).storage_meta.save_id == \
+        "reshard/dcp-writer"
+    assert md.storage_meta.save_id != "reshard/dcp-writer"
+
+
+def test_a_models_tensors_stay_model_keys(reshard_bin, tmp_path):
+    # "a.b" beside "a" (a module "a" with a parameter "b" and a parameter of its own), and
+    # "a.step": what dcp.load(model.state_dict()) looks for; only exp_avg, exp_avg_sq and fp32
+    # name optimizer state.
+    tensors = {"a": torch.arange(4.0), "a.b": torch.arange(3.0), "a.b.c": torch.ones(2),
+               "a.step": torch.full((2,), 2.0)}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(tensors, str(hf / "model.safetensors"))
+    out = tmp_path / "dcp"
+    r = run(reshard_bin, "convert", hf, "--to", "dcp", "--world", 2, "-o", out)
+    assert r.returncode == 0, r.stderr
+    md = pickle.loads((out / ".metadata").read_bytes())
+    assert sorted(md.state_dict_metadata) == sorted(tensors)
+    back = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(out), no_dist=True)
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
 def test_conflicting_options_are_refused(sharded, reshard_bin, tmp_path):
     src, _ = sharded
     for extra, message in ((["--tp", 2], "--tp"), ([], "--world"),

@@ -11,6 +11,7 @@ logits equal Megatron's.
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -211,6 +212,90 @@ def test_refusals_name_the_problem_and_write_nothing(reshard_bin, tmp_path, save
     r = run(reshard_bin, "convert", ckpt, "--tp", 2, "-o", out, "--config", tmp_path / "layers.json")
     assert r.returncode == 2 and "num_hidden_layers" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def config_with(path, tmp_path, name, **changes):
+    config = json.loads(path.read_text())
+    config.update(changes)
+    out = tmp_path / f"{name}.json"
+    out.write_text(json.dumps(config))
+    return out
+
+
+# Configs that do not describe the checkpoint: each leaves a tensor of the checkpoint nowhere, or
+# implies one the checkpoint lacks. (model, name, changes, what the message names)
+LYING_CONFIGS = [
+    # Its own output layer: transformers would tie lm_head to the embedding and drop it.
+    ("mixtral", "tied", {"tie_word_embeddings": True}, "output_layer.weight"),
+    # Layers 1 and 3 are MoE layers in the checkpoint, all dense in the config.
+    ("qwen3_moe", "all_dense", {"mlp_only_layers": [0, 1, 2, 3]}, "layer 1 holds experts"),
+    # Layers 0 and 2 are dense in the checkpoint, MoE in the config.
+    ("qwen3_moe", "all_moe", {"mlp_only_layers": []}, "layer 0 is a dense MLP"),
+    ("qwen3_moe", "sparse_step", {"mlp_only_layers": [], "decoder_sparse_step": 4},
+     "layer 1 holds experts"),
+]
+
+
+@pytest.mark.parametrize("model,name,changes,needle", LYING_CONFIGS,
+                         ids=[c[1] for c in LYING_CONFIGS])
+def test_a_config_that_does_not_describe_the_checkpoint_is_refused(
+        reshard_bin, tmp_path, saved, model, name, changes, needle):
+    ckpt, config, _ = saved(model)
+    wrong = config_with(config, tmp_path, name, **changes)
+    for command in (["gather"], ["convert", "--tp", 2]):
+        out = tmp_path / "out"
+        r = run(reshard_bin, command[0], ckpt, *command[1:], "-o", out, "--config", wrong)
+        assert r.returncode == 2, (command, r.stderr)
+        assert needle in r.stderr and "does not describe" in r.stderr, r.stderr
+        assert not out.exists()
+
+
+def test_the_layers_a_config_makes_moe_are_the_checkpoints(reshard_bin, tmp_path, saved):
+    # decoder_sparse_step 2 makes layers 1 and 3 MoE layers, as mlp_only_layers [0, 2] does.
+    ckpt, config, _ = saved("qwen3_moe")
+    same = config_with(config, tmp_path, "step", mlp_only_layers=[], decoder_sparse_step=2)
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "a", "--config", config)
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "b", "--config", same)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999999", "-7", "../../etc", "garbage\n",
+                                  "", "7 8", "0x7"])
+def test_a_latest_iteration_file_that_names_no_iteration_is_refused(reshard_bin, tmp_path, saved,
+                                                                    text):
+    ckpt, config, _ = saved("mixtral")
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / "iter_0000007").symlink_to(ckpt)
+    latest = save_dir / "latest_checkpointed_iteration.txt"
+    latest.write_text("7\n")
+    r = run(reshard_bin, "gather", save_dir, "-o", tmp_path / "ok", "--config", config)
+    assert r.returncode == 0, r.stderr
+    latest.write_text(text)
+    for args in (["gather", save_dir, "-o", tmp_path / "out", "--config", config],
+                 ["convert", save_dir, "--tp", 2, "-o", tmp_path / "out", "--config", config]):
+        r = run(reshard_bin, *args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "latest_checkpointed_iteration.txt" in r.stderr, r.stderr
+        assert "not an iteration number" in r.stderr and "uncaught" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_sharded_backend_version_is_refused(reshard_bin, tmp_path, saved):
+    ckpt, config, _ = saved("mixtral")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    assert meta["sharded_backend_version"] == 1  # what Megatron-Core's torch_dist writes
+    meta["sharded_backend_version"] = 99
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    r = run(reshard_bin, "gather", copy, "-o", tmp_path / "out", "--config", config)
+    assert r.returncode == 2 and "sharded_backend_version" in r.stderr and "99" in r.stderr, \
+        r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # A Megatron layout written by torch's DCP itself (world 1, gloo): rank 0 saves linear_qkv as

@@ -224,11 +224,9 @@ struct ScatterMapsOf {
 // --distributed-config (JSON text, or a file holding it) as plan options.
 Result<PlanOptions> PlanOptionsOf(const std::string& distributed_config) {
   PlanOptions options;
-  if (distributed_config.empty()) return options;
-  std::string text = distributed_config;
-  if (text.find('{') == std::string::npos) {  // a file holding the JSON
-    RESHARD_ASSIGN_OR_RETURN(text, ReadFileToString(text));
-  }
+  if (distributed_config.empty()) return options;  // not given (NotEmptyJson refuses "")
+  RESHARD_ASSIGN_OR_RETURN(const std::string text,
+                           JsonTextOrFile("--distributed-config", distributed_config));
   Result<DistributedConfig> parsed = ParseDistributedConfigJson(BuiltinTpRegistry(), text);
   if (!parsed.ok()) return parsed.status().Annotate("--distributed-config");
   options.distributed = *std::move(parsed);
@@ -242,6 +240,8 @@ Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
                                      CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(args.config));
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan_options, PlanOptionsOf(args.distributed_config));
+  RESHARD_RETURN_IF_ERROR(CheckLaidOutDistributedConfig(plan_options.distributed, world)
+                              .Annotate(fmt::format("--distributed-config with --tp {}", world)));
   Result<ConfigScatter> planned = ConfigScatterMaps(args.input, text, world, plan_options);
   if (!planned.ok() && planned.status().code() != StatusCode::kNotFound) {
     return planned.status().Annotate(fmt::format("\"{}\"", args.config));
@@ -407,9 +407,10 @@ Status RunConvert(const ConvertArgs& args) {
     RESHARD_ASSIGN_OR_RETURN(target, ReadMapDocument(args.target_maps));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  std::string distributed_config = args.distributed_config;
-  if (!distributed_config.empty() && distributed_config.find('{') == std::string::npos) {
-    RESHARD_ASSIGN_OR_RETURN(distributed_config, ReadFileToString(distributed_config));
+  std::string distributed_config;
+  if (!args.distributed_config.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(distributed_config,
+                             JsonTextOrFile("--distributed-config", args.distributed_config));
   }
   SourceOptions source;
   source.use = SourceUse::kConvert;
@@ -477,7 +478,8 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   cmd->add_option("--distributed-config", args->distributed_config,
                   "with --config: transformers' DistributedConfig as JSON text or a file, e.g. "
                   "'{\"tp_plan\": \"auto\", \"ep_size\": 2}' for expert parallelism")
-      ->needs(config);
+      ->needs(config)
+      ->check(NotEmptyJson());
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
@@ -527,7 +529,8 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   cmd->add_option("--distributed-config", args->distributed_config,
                   "a checkpoint scattered with --config: transformers' DistributedConfig of the "
                   "target (JSON text or a file), e.g. '{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
-      ->excludes(target);
+      ->excludes(target)
+      ->check(NotEmptyJson());
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");

@@ -121,10 +121,8 @@ Result<PlanOptions> ReadPlanOptions(const DegreeArgs& args, const TpRegistry& re
     options.transformers_version = *v;
   }
   if (!args.distributed_config.empty()) {
-    std::string text = args.distributed_config;
-    if (text.find('{') == std::string::npos) {  // a file holding the JSON
-      RESHARD_ASSIGN_OR_RETURN(text, ReadFileToString(text));
-    }
+    RESHARD_ASSIGN_OR_RETURN(const std::string text,
+                             JsonTextOrFile("--distributed-config", args.distributed_config));
     RESHARD_ASSIGN_OR_RETURN(options.distributed, ParseDistributedConfigJson(registry, text));
   }
   return options;
@@ -186,7 +184,8 @@ void AddDegreeOptions(CLI::App* cmd, DegreeArgs* args) {
                   "apply this release's rules (the LM head and tied-embedding entries from 5.15)");
   cmd->add_option("--distributed-config", args->distributed_config,
                   "transformers' DistributedConfig as JSON (inline or a file), e.g. "
-                  "'{\"tp_plan\": \"auto\", \"ep_size\": 4}'");
+                  "'{\"tp_plan\": \"auto\", \"ep_size\": 4}'")
+      ->check(NotEmptyJson());
   AddJsonFlag(cmd, args->json, "print the answer as JSON");
   cmd->add_option("--emit-maps", args->emit_maps,
                   "write the param map of every tensor of --weights at degree --tp here");

@@ -173,7 +173,8 @@ void AddLayoutOptions(CLI::App* cmd, LayoutArgs* args) {
                   "as an AutoEP placement descriptor at --world EP ranks");
   cmd->add_option("--world", args->world,
                   "number of ranks (EP x expert TP x expert DP for stacked experts; the EP size "
-                  "with --placement, optional for an AutoEP descriptor)");
+                  "with --placement, optional for an AutoEP descriptor)")
+      ->check(IntegerIn(1, 1 << 20));
   AddOutputOptions(cmd, args->output, args->force,
                    "write the map here (atomically) instead of stdout");
 }

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "exit_status.h"
+#include "reshard/base/result.h"
 #include "reshard/base/status.h"
 
 namespace reshard::cli {
@@ -76,6 +77,14 @@ void AddJsonFlag(CLI::App* cmd, bool& json, const std::string& what);
 /// A CLI11 check that the text is a decimal integer in [min, max], read without clamping or
 /// wrapping (99999999999999999999 is refused, not taken as INT64_MAX).
 CLI::Validator IntegerIn(int64_t min, int64_t max);
+
+/// The JSON text an option takes inline or from a file (`option` names it in errors): `value`
+/// itself when it reads as JSON text (its first non-blank character is "{", "[" or a quote),
+/// else the contents of the file it names. An empty value is refused (InvalidArgument), never
+/// taken as no option.
+Result<std::string> JsonTextOrFile(const std::string& option, const std::string& value);
+/// A CLI11 check for such an option: an empty (or blank) value is refused.
+CLI::Validator NotEmptyJson();
 
 /// `status` with the hint "; pass --force to replace it" when it says an output exists and
 /// `force` was not given (the library names no flags).

@@ -24,6 +24,29 @@ CLI::Validator IntegerIn(int64_t min, int64_t max) {
       fmt::format("INT in [{} - {}]", min, max));
 }
 
+CLI::Validator NotEmptyJson() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text.find_first_not_of(" \t\r\n") != std::string::npos) return "";
+        return "is empty: give JSON text (an object) or a file holding it, or leave the option "
+               "out";
+      },
+      "JSON");
+}
+
+Result<std::string> JsonTextOrFile(const std::string& option, const std::string& value) {
+  const size_t first = value.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) {
+    return InvalidArgumentError(fmt::format(
+        "{} is empty: give JSON text (an object) or a file holding it, or leave the option out",
+        option));
+  }
+  if (const char c = value[first]; c == '{' || c == '[' || c == '"') return value;
+  Result<std::string> text = ReadFileToString(value);
+  if (!text.ok()) return text.status().Annotate(option);
+  return text;
+}
+
 Status WithForceHint(Status status, bool force) {
   if (force || status.code() != StatusCode::kAlreadyExists) return status;
   return Status(status.code(), status.message() + "; pass --force to replace it");

@@ -438,9 +438,12 @@ Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
       return ResolvedMap{*std::move(own), power};
     }
     Result<ProvidedMap> base = maps(name.substr(0, name.size() - s.size()), shape);
-    if (!base.ok() && base.status().code() == StatusCode::kNotFound) base = maps(name, shape);
+    if (!base.ok() && base.status().code() == StatusCode::kNotFound) {
+      RESHARD_ASSIGN_OR_RETURN(ProvidedMap own, maps(name, shape));
+      return ResolvedMap{std::move(own), power};
+    }
     if (!base.ok()) return base.status();
-    return ResolvedMap{*std::move(base), power};
+    return ResolvedMap{*std::move(base), power, true};
   }
   RESHARD_ASSIGN_OR_RETURN(ProvidedMap own, maps(name, shape));
   return ResolvedMap{std::move(own), 1};
@@ -448,10 +451,40 @@ Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
 
 namespace {
 
+// An optimizer state that takes its parameter's map over buffers lies in buffers of its own,
+// "<buffer><suffix>" (".exp_avg"), each declared as the parameter's buffer is but of the state's
+// dtype (added to `buffers` unless declared already): the state never writes its parameter's
+// elements.
+Result<ParamMap> StateInOwnBuffers(const ParamMap& map, std::string_view name, DType dtype,
+                                   BufferSetBuilder& buffers) {
+  const std::string suffix(name.substr(name.rfind('.')));
+  ParamMapBuilder b(map);
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    if (!map.rank(r).is_buffered()) continue;
+    const std::string& base = map.buffer(r);
+    const std::string own = base + suffix;
+    b.set_buffer(r, own);
+    const auto named = [&](const std::string& n) {
+      return [&n](const BufferDecl& d) { return d.name == n; };
+    };
+    const std::vector<BufferDecl>& declared = buffers.buffers();
+    if (std::any_of(declared.begin(), declared.end(), named(own))) continue;
+    const auto it = std::find_if(declared.begin(), declared.end(), named(base));
+    if (it == declared.end()) continue;  // undeclared: the buffer set's check names it
+    BufferDecl decl = *it;
+    decl.name = own;
+    decl.dtype = dtype;
+    buffers.add(std::move(decl));
+  }
+  return b.Finalize();
+}
+
 // The sharded manifest of a scatter and, per parameter, its source tensor.
 Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const MapProvider& maps,
-                             const BufferSetBuilder& buffers, const CheckpointOptions& options,
+                             const BufferSetBuilder& given_buffers,
+                             const CheckpointOptions& options,
                              std::vector<const TensorRef*>& sources) {
+  BufferSetBuilder buffers = given_buffers;
   Manifest manifest;
   manifest.world_size = world_size;
   manifest.constraints = options.degree_constraints;
@@ -479,8 +512,14 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
           fmt::format("the map of \"{}\" is for a tensor of shape {} but the checkpoint stores {}",
                       name, FormatShape(map.valid_shape()), FormatShape(t.info->shape)));
     }
-    manifest.params.push_back(
-        ShardedParam{name, t.info->dtype, map, provided->layout, resolved->scale_power});
+    ParamMap placed = map;
+    if (resolved->inherited && map.has_buffers()) {
+      Result<ParamMap> own = StateInOwnBuffers(map, name, t.info->dtype, buffers);
+      if (!own.ok()) return own.status().Annotate(fmt::format("\"{}\"", name));
+      placed = *std::move(own);
+    }
+    manifest.params.push_back(ShardedParam{name, t.info->dtype, std::move(placed), provided->layout,
+                                           resolved->scale_power});
     WarnAboutScales(options, manifest.params.back(), "holding it at");
     sources.push_back(&t);
   }

@@ -135,6 +135,9 @@ using MapProvider = std::function<Result<ProvidedMap>(const std::string& name, c
 struct ResolvedMap {
   ProvidedMap provided;
   int scale_power = 1;
+  /// An optimizer state that took its parameter's map (scatter puts it in buffers of its own
+  /// when that map is buffered: "<buffer>.exp_avg").
+  bool inherited = false;
 };
 
 /// The optimizer-state convention, which holds however a provider matches names (a "*"

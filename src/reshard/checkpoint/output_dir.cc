@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/io/file.h"
 #include "reshard/io/safetensors.h"
@@ -110,20 +111,49 @@ Status CheckFullOutput(const std::string& path, const fs::path& dir,
   return Status::Ok();
 }
 
-// `names` are a DCP checkpoint reshard wrote (convert --to dcp) only: .metadata, beginning as
-// reshard writes it, and __0_0.distcp ... __{N-1}_0.distcp (DCP's files carry no other mark).
+// "__{r}_0.distcp", a rank's file as the DCP writer names it.
+bool IsDcpRankFileName(std::string_view name) {
+  constexpr std::string_view kPrefix = "__", kSuffix = "_0.distcp";
+  if (!name.starts_with(kPrefix) || !name.ends_with(kSuffix)) return false;
+  const std::string_view digits =
+      name.substr(kPrefix.size(), name.size() - kPrefix.size() - kSuffix.size());
+  return !digits.empty() && digits.size() <= 7 &&
+         std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+         DcpFileName(static_cast<Rank>(std::stoi(std::string(digits)))) == name;
+}
+
+// `names` are a DCP checkpoint reshard wrote (convert --to dcp) only: a .metadata that reads as
+// DCP metadata, marked with reshard's save_id (kDcpSaveId), the files it names, and empty rank
+// files __{r}_0.distcp (of ranks that hold no rows; DCP's data files carry no mark of their
+// own).
 Status CheckDcpOutput(const std::string& path, const fs::path& dir,
                       const std::vector<std::string>& names) {
-  std::set<std::string> expected = {kDcpMetadataName};
-  for (size_t r = 0; r + 1 < names.size(); ++r) expected.insert(DcpFileName(static_cast<Rank>(r)));
+  const fs::path metadata_path = dir / kDcpMetadataName;
+  if (!IsRegularFile(metadata_path)) {
+    return NotOurs(path, fmt::format("its {} is not a regular file", kDcpMetadataName));
+  }
+  Result<std::string> bytes = ReadFileToString(metadata_path.string());
+  Result<DcpMetadata> metadata =
+      bytes.ok() ? ParseDcpMetadata(std::as_bytes(std::span(*bytes)), metadata_path.string())
+                 : Result<DcpMetadata>(bytes.status());
+  if (!metadata.ok() || metadata->save_id != kDcpSaveId) {
+    return NotOurs(path, fmt::format("its {} was not written by reshard", kDcpMetadataName));
+  }
+  std::set<std::string> expected(metadata->files.begin(), metadata->files.end());
+  expected.insert(kDcpMetadataName);
+  size_t named = 0;
   for (const std::string& name : names) {
-    if (!expected.contains(name) || !IsRegularFile(dir / name)) {
+    std::error_code ec;
+    const bool empty_rank_file = IsDcpRankFileName(name) && IsRegularFile(dir / name) &&
+                                 fs::file_size(dir / name, ec) == 0 && !ec;
+    if (expected.contains(name) && IsRegularFile(dir / name)) {
+      ++named;
+    } else if (!empty_rank_file) {
       return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
     }
   }
-  Result<std::string> metadata = ReadFileToString((dir / kDcpMetadataName).string());
-  if (!metadata.ok() || !metadata->starts_with(kDcpMetadataPrefix)) {
-    return NotOurs(path, fmt::format("its {} was not written by reshard", kDcpMetadataName));
+  if (named != expected.size()) {
+    return NotOurs(path, fmt::format("it lacks files its {} names", kDcpMetadataName));
   }
   return Status::Ok();
 }

@@ -12,8 +12,9 @@
 //   - a universal checkpoint: latest_universal naming the one folder beside it, which holds
 //     only *_model_states.pt files and zero/, which holds only optimizer_state.pt and folders
 //     of {fp32,exp_avg,exp_avg_sq,step}.pt (DeepSpeed's format: its files carry no mark);
-//   - a DCP checkpoint that reshard wrote: .metadata, beginning as reshard's writer begins it
-//     (kDcpMetadataPrefix), and __0_0.distcp ... __{N-1}_0.distcp, nothing else.
+//   - a DCP checkpoint that reshard wrote: a .metadata that reads as DCP metadata and carries
+//     reshard's StorageMeta.save_id (kDcpSaveId; torch records a uuid4 there), and exactly the
+//     data files it names and empty __{r}_0.distcp files (ranks without rows), nothing else.
 // Anything else (a file, a symbolic link, a directory holding a file reshard did not write)
 // is refused with AlreadyExists naming what is in the way; nothing is ever removed but the
 // replaced output.

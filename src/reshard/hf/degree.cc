@@ -370,6 +370,18 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   }
   std::vector<Scope> scopes = Scopes(config);
   const size_t main_scope = scopes.size() - 1;
+  for (const Scope& s : scopes) {
+    for (const LoadConversion& c : s.info->load_conversions)
+      plan.load_conversions.push_back({s.model_type, c});
+    plan.load_renames.insert(plan.load_renames.end(), s.info->load_renames.begin(),
+                             s.info->load_renames.end());
+  }
+  plan.load_renames.insert(plan.load_renames.end(), registry.load_renames.begin(),
+                           registry.load_renames.end());
+  for (const char* key : {"num_local_experts", "num_experts", "n_routed_experts"}) {
+    if (plan.experts) break;
+    plan.experts = Get(*scopes[main_scope].values, key);
+  }
   std::vector<ScopedEntry> entries = PlanEntries(scopes, options);
   const bool any_ep_plan = std::any_of(scopes.begin(), scopes.end(),
                                        [](const Scope& s) { return !s.info->ep_plan.empty(); });
@@ -401,14 +413,6 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
     AddInputEmbeddingEntries(registry, config, scopes, version, registry_version, entries);
     AddHeadEntries(config, main_scope, entries);
   }
-  for (const Scope& s : scopes) {
-    for (const LoadConversion& c : s.info->load_conversions)
-      plan.load_conversions.push_back({s.model_type, c});
-    plan.load_renames.insert(plan.load_renames.end(), s.info->load_renames.begin(),
-                             s.info->load_renames.end());
-  }
-  plan.load_renames.insert(plan.load_renames.end(), registry.load_renames.begin(),
-                           registry.load_renames.end());
   const bool uneven = options.engine == Engine::kTransformers && version >= kUnevenSplitVersion;
   ClassifyEntries(registry, entries, scopes, options.engine, uneven, plan);
   AddBlockEntries(config, plan);

@@ -101,6 +101,9 @@ struct ModelPlan {
   std::vector<std::pair<std::string, LoadConversion>> load_conversions;
   /// The renamings transformers applies to checkpoint names before it matches the plan.
   std::vector<LoadRename> load_renames;
+  /// The model's experts per MoE layer (num_local_experts, num_experts or n_routed_experts of
+  /// the config that carries the layers); nullopt when the config gives none.
+  std::optional<int64_t> experts;
   /// The distributed config the plan was resolved for, and whether its TP plan came out empty
   /// (the deprecated enable_expert_parallel flag, or tp_plan {}): PlanDegree refuses what
   /// transformers' DistributedConfig and plan resolution refuse at the requested degree.

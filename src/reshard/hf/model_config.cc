@@ -230,6 +230,9 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
             "distributed config: {}: expected a positive integer, got {}", key, value.dump()));
       }
       if (key == "tp_size") config.tp_size = value.get<int64_t>();
+      if (key != "tp_size" && key != "ep_size" && value.get<int64_t>() != 1) {
+        config.not_laid_out.push_back(fmt::format("{} {}", key, value.get<int64_t>()));
+      }
       if (key == "ep_size") config.ep_size = value.get<int64_t>();
       if (key == "fsdp_size") config.fsdp_size = value.get<int64_t>();
     } else if (key == "enable_expert_parallel" || key == "enable_sequence_parallel" ||
@@ -239,6 +242,9 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
             "distributed config: {}: expected true or false, got {}", key, value.dump()));
       }
       if (key == "enable_expert_parallel") config.enable_expert_parallel = value.get<bool>();
+      if (key != "enable_expert_parallel" && value.get<bool>()) {
+        config.not_laid_out.push_back(key + " true");
+      }
     } else if (key == "tp_plan" || key == "ep_plan") {
       if (value.is_null()) continue;
       if (key == "tp_plan") config.tp_plan_given = true;
@@ -250,6 +256,8 @@ Result<DistributedConfig> ParseDistributedConfigJson(const TpRegistry& registry,
       }
       RESHARD_ASSIGN_OR_RETURN(Plan plan, ParsePlanObject(value, key));
       (key == "tp_plan" ? config.tp_plan : config.ep_plan) = std::move(plan);
+    } else if (key == "fsdp_plan" && !value.is_null()) {
+      config.not_laid_out.push_back(key);
     }
   }
   return config;

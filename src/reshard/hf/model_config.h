@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "reshard/base/result.h"
 #include "reshard/hf/registry.h"
@@ -39,6 +40,10 @@ struct DistributedConfig {
   /// Overrides merged into the model's plans; an empty tp_plan applies no TP rule.
   std::optional<Plan> tp_plan;
   std::optional<Plan> ep_plan;
+  /// Keys given with a value other than their default that change how transformers lays the
+  /// model out in ways the degree answer reads (fsdp_size) but maps do not express ("fsdp_size
+  /// 2", "pp_size 2", "enable_sequence_parallel true", ...).
+  std::vector<std::string> not_laid_out;
 
   bool expert_parallel() const { return enable_expert_parallel || ep_size.value_or(1) > 1; }
 };

@@ -168,6 +168,23 @@ Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view 
   return TensorMap{*std::move(map), *std::move(layout)};
 }
 
+Status CheckLaidOutDistributedConfig(const DistributedConfig& d, int world) {
+  if (!d.not_laid_out.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "distributed config: {} set, but the maps lay out tensor and expert parallelism only "
+        "(tp_size, tp_plan, ep_size, ep_plan, enable_expert_parallel): a layout over those "
+        "would not be what transformers builds; leave {} out",
+        fmt::join(d.not_laid_out, ", "), d.not_laid_out.size() == 1 ? "it" : "them"));
+  }
+  if (d.tp_size && *d.tp_size != world) {
+    return InvalidArgumentError(fmt::format(
+        "distributed config: tp_size {} and the {} processes of the layout disagree: give one, "
+        "or make them equal",
+        *d.tp_size, world));
+  }
+  return Status::Ok();
+}
+
 Result<ConfigMaps> ConfigMaps::FromConfigJson(const TpRegistry& registry,
                                               std::string_view config_json, int tp,
                                               const PlanOptions& options) {
@@ -182,6 +199,13 @@ Result<ConfigMaps> ConfigMaps::FromPlan(ModelPlan plan, int tp) {
         "vocabulary) are not generated");
   }
   if (tp < 1) return InvalidArgumentError(fmt::format("tp {}: expected a positive degree", tp));
+  RESHARD_RETURN_IF_ERROR(CheckLaidOutDistributedConfig(plan.distributed, tp));
+  // One process splits nothing: a model without a plan is laid out whole.
+  if (tp == 1 && plan.refusal && plan.refusal->reason == "no_tp_plan") {
+    plan.refusal.reset();
+    plan.entries.clear();
+    return ConfigMaps(std::move(plan), tp);
+  }
   if (plan.refusal) return FailedPreconditionError(plan.refusal->message);
   // The gate the degree planner uses, asked again entry by entry: the two refuse one set.
   for (const ResolvedEntry& e : plan.entries) {
@@ -227,6 +251,59 @@ struct StackGroup {
   std::vector<std::map<int, size_t>> members;
 };
 
+// Whether a renamed tensor name holds stacked experts: a component "experts" followed by one
+// that is not an expert id ("mlp.experts.gate_up_proj", not "mlp.experts.3.w1.weight").
+bool IsStackedExpertsName(std::string_view name) {
+  for (size_t at = name.find("experts."); at != std::string_view::npos;
+       at = name.find("experts.", at + 1)) {
+    if (at != 0 && name[at - 1] != '.') continue;
+    const std::string_view next = name.substr(at + 8);
+    if (!next.empty() && !std::isdigit(static_cast<unsigned char>(next[0]))) return true;
+  }
+  return false;
+}
+
+// Every MoE layer's experts are the model's: each stacked group holds (per member) as many
+// experts as the config gives (or, when it gives none, as the first group), and so does dim 0 of
+// every tensor stored stacked (gpt-oss' experts.gate_up_proj and down_proj).
+Status CheckExpertCounts(const ModelPlan& plan, const std::vector<StoredTensor>& tensors,
+                         const std::vector<StackGroup>& groups,
+                         const std::vector<std::optional<std::pair<size_t, size_t>>>& stacked) {
+  std::optional<int64_t> expected = plan.experts;
+  std::string first;  // what set `expected` when the config does not
+  const auto check = [&](int64_t n, const std::string& what) -> Status {
+    if (!expected) {
+      expected = n;
+      first = what;
+      return Status::Ok();
+    }
+    if (n == *expected) return Status::Ok();
+    return FailedPreconditionError(fmt::format(
+        "{} holds {} experts, but {}: the config does not describe this checkpoint (or an "
+        "expert's tensor is missing)",
+        what, n,
+        first.empty() ? fmt::format("config.json's model has {} (num_local_experts / num_experts "
+                                    "/ n_routed_experts)",
+                                    *expected)
+                      : fmt::format("{} holds {}", first, *expected)));
+  };
+  for (const StackGroup& g : groups) {
+    for (size_t m = 0; m < g.members.size(); ++m) {
+      RESHARD_RETURN_IF_ERROR(check(static_cast<int64_t>(g.members[m].size()),
+                                    fmt::format("\"{}\" (from the checkpoint's \"{}\" tensors)",
+                                                g.buffer, g.conversion->sources[m])));
+    }
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (stacked[i] || tensors[i].shape.empty()) continue;
+    if (!IsStackedExpertsName(ApplyLoadRenames(plan.load_renames, tensors[i].name))) continue;
+    RESHARD_RETURN_IF_ERROR(
+        check(tensors[i].shape[0], fmt::format("tensor \"{}\" (shape {}, experts along dim 0)",
+                                               tensors[i].name, FormatShape(tensors[i].shape))));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
@@ -271,6 +348,7 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
       if (stacked[i]) break;
     }
   }
+  RESHARD_RETURN_IF_ERROR(CheckExpertCounts(plan, tensors, groups, stacked));
   // The buffers and the maps of their members.
   std::map<size_t, CheckpointTensorMap> stacked_maps;
   for (const StackGroup& g : groups) {

@@ -60,13 +60,20 @@ struct TensorMap {
 Result<TensorMap> PlanTensorMap(const ModelPlan& plan, int tp, std::string_view tensor_name,
                                 const Shape& shape);
 
+/// Whether maps at `world` processes can follow the distributed config `d`: InvalidArgument for
+/// a key the maps do not lay out (DistributedConfig::not_laid_out: FSDP, pipeline, sequence
+/// parallelism) and a tp_size other than `world` (rather than either ignored).
+Status CheckLaidOutDistributedConfig(const DistributedConfig& d, int world);
+
 /// The one route from a model's config.json to the maps of its tensors at a degree: the
 /// config is read against `registry`, the plan resolved with `options`, and the degree
 /// checked against every constraint before any map is built. `scatter --config` and
 /// `degree --emit-maps` both go through it.
 class ConfigMaps {
  public:
-  /// \error InvalidArgument  malformed config.json, or a degree below 1.
+  /// \error InvalidArgument  malformed config.json, a degree below 1, or a distributed config
+  ///        the maps cannot follow (CheckLaidOutDistributedConfig). A model without a
+  ///        tensor-parallel plan is laid out whole (replicated) at degree 1.
   /// \error FailedPrecondition  the plan is refused (no plan, an unregistered style) or `tp`
   ///        breaks a constraint: the degree planner's message.
   /// \error Unimplemented  the vLLM engine (its layouts are not transformers').

@@ -1,5 +1,6 @@
 #include "reshard/hf/model_maps.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "reshard/layouts/descriptor.h"
@@ -222,6 +223,135 @@ TEST(ModelMapsTest, VllmMapsAreNotGenerated) {
   vllm.engine = Engine::kVllm;
   EXPECT_EQ(ModelMaps(Plan(kTinyLlama, vllm), 2, TinyLlamaTensors()).status().code(),
             StatusCode::kUnimplemented);
+}
+
+// One MoE layer of `experts` experts per member name ("w1", ...), each [rows, cols] of the
+// member's shape, under "model.layers.0.<moe>.experts.{e}.".
+std::vector<StoredTensor> PerExpertLayer(std::string_view moe,
+                                         const std::vector<std::pair<std::string, Shape>>& members,
+                                         int experts, std::string_view skip = "") {
+  std::vector<StoredTensor> out;
+  for (int e = 0; e < experts; ++e) {
+    for (const auto& [member, shape] : members) {
+      const std::string name = fmt::format("model.layers.0.{}.experts.{}.{}", moe, e, member);
+      if (name != skip) out.push_back({name, DType::kF32, shape});
+    }
+  }
+  return out;
+}
+
+TEST(PlanCheckpointMapsTest, TheExpertsOfTheCheckpointMustBeTheConfigs) {
+  const std::string mixtral = R"({"model_type": "mixtral", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 6,
+    "vocab_size": 16, "num_local_experts": )";
+  const std::string qwen = R"({"model_type": "qwen2_moe", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 6,
+    "moe_intermediate_size": 6, "vocab_size": 16, "num_experts": )";
+  const std::string gpt_oss = R"({"model_type": "gpt_oss", "hidden_size": 8,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 6,
+    "vocab_size": 16, "num_local_experts": )";
+  const std::vector<std::pair<std::string, Shape>> mixtral_members = {
+      {"w1.weight", {6, 8}}, {"w3.weight", {6, 8}}, {"w2.weight", {8, 6}}};
+  const std::vector<std::pair<std::string, Shape>> qwen_members = {
+      {"gate_proj.weight", {6, 8}}, {"up_proj.weight", {6, 8}}, {"down_proj.weight", {8, 6}}};
+  const auto gpt_oss_layer = [](Index gate_up, Index down) {
+    return std::vector<StoredTensor>{
+        {"model.layers.0.mlp.experts.gate_up_proj", DType::kF32, {gate_up, 8, 12}},
+        {"model.layers.0.mlp.experts.down_proj", DType::kF32, {down, 6, 8}}};
+  };
+  const std::string ep = R"({"tp_plan": "auto", "ep_size": 2})";
+  struct Case {
+    std::string name;
+    std::string config;
+    std::string distributed;  // "" for none
+    std::vector<StoredTensor> tensors;
+    std::string error;  // "" when it is laid out
+  };
+  const Case cases[] = {
+      {"mixtral as the config says", mixtral + "4}", "",
+       PerExpertLayer("block_sparse_moe", mixtral_members, 4), ""},
+      {"mixtral, fewer in the config", mixtral + "2}", ep,
+       PerExpertLayer("block_sparse_moe", mixtral_members, 4), "holds 4 experts"},
+      {"mixtral, more in the config", mixtral + "8}", ep,
+       PerExpertLayer("block_sparse_moe", mixtral_members, 4), "model has 8"},
+      {"qwen2-moe as the config says", qwen + "4}", "", PerExpertLayer("mlp", qwen_members, 4), ""},
+      {"qwen2-moe missing an expert's down_proj", qwen + "4}", "",
+       PerExpertLayer("mlp", qwen_members, 4, "model.layers.0.mlp.experts.3.down_proj.weight"),
+       "holds 3 experts"},
+      {"gpt-oss as the config says", gpt_oss + "4}", ep, gpt_oss_layer(4, 4), ""},
+      {"gpt-oss, down_proj of other experts", gpt_oss + "4}", ep, gpt_oss_layer(4, 8),
+       "\"model.layers.0.mlp.experts.down_proj\" (shape [8, 6, 8], experts along dim 0) "
+       "holds 8 experts"},
+      {"gpt-oss, fewer in the config", gpt_oss + "2}", ep, gpt_oss_layer(4, 4),
+       "holds 4 experts, but config.json's model has 2"},
+  };
+  for (const Case& c : cases) {
+    PlanOptions options;
+    if (!c.distributed.empty()) {
+      Result<DistributedConfig> d = ParseDistributedConfigJson(BuiltinTpRegistry(), c.distributed);
+      ASSERT_TRUE(d.ok()) << d.status().message();
+      options.distributed = *d;
+    }
+    Result<ConfigMaps> maps = ConfigMaps::FromPlan(Plan(c.config, options), 2);
+    ASSERT_TRUE(maps.ok()) << c.name << ": " << maps.status().message();
+    Result<CheckpointMaps> planned = PlanCheckpointMaps(*maps, c.tensors);
+    if (c.error.empty()) {
+      EXPECT_TRUE(planned.ok()) << c.name << ": " << planned.status().message();
+      continue;
+    }
+    ASSERT_FALSE(planned.ok()) << c.name;
+    EXPECT_EQ(planned.status().code(), StatusCode::kFailedPrecondition) << c.name;
+    EXPECT_NE(planned.status().message().find(c.error), std::string::npos)
+        << c.name << ": " << planned.status().message();
+  }
+}
+
+TEST(ConfigMapsTest, DegreeOneLaysOutAModelWithoutAPlanWhole) {
+  // GPT-2 has no tensor-parallel plan: at 2 processes that is refused, at 1 nothing is split.
+  ModelPlan plan = Plan(R"({"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1,
+    "vocab_size": 16})");
+  ASSERT_TRUE(plan.refusal.has_value());
+  EXPECT_EQ(ConfigMaps::FromPlan(plan, 2).status().code(), StatusCode::kFailedPrecondition);
+  Result<ConfigMaps> one = ConfigMaps::FromPlan(plan, 1);
+  ASSERT_TRUE(one.ok()) << one.status().message();
+  Result<TensorMap> m = one->Map("h.0.attn.c_attn.weight", {8, 24});
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->layout.family, LayoutFamily::kReplicated);
+  EXPECT_EQ(m->map.world_size(), 1);
+}
+
+TEST(ConfigMapsTest, ADistributedConfigTheMapsCannotFollowIsRefused) {
+  struct Case {
+    std::string distributed;
+    int world;
+    std::string error;  // "" when accepted
+  };
+  const Case cases[] = {
+      {R"({"tp_size": 2})", 2, ""},
+      {R"({"tp_size": 4})", 2, "tp_size 4 and the 2 processes"},
+      {R"({"tp_size": 2, "pp_size": 1, "fsdp_size": null})", 2, ""},
+      {R"({"tp_plan": "auto", "fsdp_size": 2})", 2, "fsdp_size 2"},
+      {R"({"tp_plan": "auto", "pp_size": 2})", 2, "pp_size 2"},
+      {R"({"tp_plan": "auto", "dp_replicate_size": 2})", 2, "dp_replicate_size 2"},
+      {R"({"tp_plan": "auto", "enable_sequence_parallel": true})", 2,
+       "enable_sequence_parallel true"},
+      {R"({"tp_plan": "auto", "fsdp_plan": {"layers": "x"}})", 2, "fsdp_plan"},
+  };
+  for (const Case& c : cases) {
+    Result<DistributedConfig> d = ParseDistributedConfigJson(BuiltinTpRegistry(), c.distributed);
+    ASSERT_TRUE(d.ok()) << c.distributed << ": " << d.status().message();
+    PlanOptions options;
+    options.distributed = *d;
+    Result<ConfigMaps> maps = ConfigMaps::FromPlan(Plan(kTinyLlama, options), c.world);
+    if (c.error.empty()) {
+      EXPECT_TRUE(maps.ok()) << c.distributed << ": " << maps.status().message();
+      continue;
+    }
+    ASSERT_FALSE(maps.ok()) << c.distributed;
+    EXPECT_EQ(maps.status().code(), StatusCode::kInvalidArgument) << c.distributed;
+    EXPECT_NE(maps.status().message().find(c.error), std::string::npos)
+        << c.distributed << ": " << maps.status().message();
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Buffers (ir/buffer_set.h): maps of several tensors over one rank tensor, validated together.
 #include "reshard/ir/buffer_set.h"
 
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -256,9 +257,14 @@ TEST(BufferFillTest, AFillTheDtypeCannotHoldIsRefused) {
   ASSERT_FALSE(set.ok());
   EXPECT_EQ(set.status().message(),
             "buffers[\"attn._k_scale\"].fill: 0.1 is not exactly a BF16 value");
-  EXPECT_FALSE(
-      ParseBufferSetJson(R"({"b": {"dtype": "F32", "fill": "one", "ranks": {"0": {"shape": []}}}})")
-          .ok());
+  // A fill that is no number (null included: it is not the default 0) is refused.
+  for (const char* fill : {R"("one")", "null", "true", "[0]"}) {
+    const Result<BufferSetBuilder> parsed = ParseBufferSetJson(fmt::format(
+        R"({{"b": {{"dtype": "F32", "fill": {}, "ranks": {{"0": {{"shape": []}}}}}}}})", fill));
+    ASSERT_FALSE(parsed.ok()) << fill;
+    EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument) << fill;
+    EXPECT_THAT(parsed.status().message(), HasSubstr("fill")) << fill;
+  }
 }
 
 }  // namespace

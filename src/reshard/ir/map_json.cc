@@ -223,7 +223,7 @@ Result<BufferSetBuilder> BufferSetFromJson(const json::Json& value, std::string_
                      fmt::format("unknown dtype {}", QuoteShort(dtype->get<std::string>())));
     }
     decl.dtype = *d;
-    if (const Json* fill = Find(j, "fill"); fill != nullptr && !fill->is_null()) {
+    if (const Json* fill = Find(j, "fill"); fill != nullptr) {  // null is no number either
       RESHARD_ASSIGN_OR_RETURN(decl.fill, json::ReadNumber(*fill, at + ".fill"));
     }
     RESHARD_ASSIGN_OR_RETURN(const Json* ranks, Require(j, at, "ranks"));

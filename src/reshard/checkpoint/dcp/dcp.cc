@@ -73,6 +73,13 @@ bool Exists(const std::string& path) {
   return fs::exists(path, ec);
 }
 
+// Whether `dir` has an entry `name`, whatever it is (a symbolic link that loops or dangles
+// included: opening it then says what is wrong with it).
+bool HasEntry(const std::string& dir, std::string_view name) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(fs::path(dir) / name, ec));
+}
+
 // Where the HF-storage variant keeps its shards: `dir` or `dir/sharded`; empty: neither.
 std::string HfShardDir(const std::string& dir) {
   for (const std::string& d : {dir, dir + "/sharded"}) {
@@ -84,16 +91,22 @@ std::string HfShardDir(const std::string& dir) {
   return "";
 }
 
-// Merges per-rank metadata (each lists its own items) into one.
-Status Merge(DcpMetadata part, std::string_view name, DcpMetadata& all,
+// Merges per-rank metadata (each lists its own items) into one (`first`: the first rank's).
+Status Merge(DcpMetadata part, std::string_view name, bool first, DcpMetadata& all,
              std::map<std::string, size_t>& tensor_index) {
+  if (first) {
+    all.version = part.version;
+  } else if (part.version != all.version) {
+    return DataLossError(
+        fmt::format("{}: version \"{}\", but an earlier rank's metadata has \"{}\"", name,
+                    part.version, all.version));
+  }
   std::vector<size_t> file_map;
   for (const std::string& f : part.files) {
     const auto it = std::find(all.files.begin(), all.files.end(), f);
     file_map.push_back(static_cast<size_t>(it - all.files.begin()));
     if (it == all.files.end()) all.files.push_back(f);
   }
-  if (all.version.empty()) all.version = part.version;
   for (DcpTensor& t : part.tensors) {
     for (DcpChunk& c : t.chunks) c.location.file = file_map[c.location.file];
     const auto [it, inserted] = tensor_index.emplace(t.fqn, all.tensors.size());
@@ -232,7 +245,7 @@ Status DecompressZstd(std::span<const std::byte> in, uint64_t max_bytes, std::st
 
 bool IsDcpCheckpoint(const std::string& path) {
   if (!IsDir(path)) return false;
-  if (Exists(path + "/" + kMetadataName)) return true;
+  if (HasEntry(path, kMetadataName)) return true;
   for (const std::string& n : ListNames(path)) {
     if (std::regex_match(n, PerRankMetadataName())) return true;
   }
@@ -249,7 +262,7 @@ Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::stri
   std::shared_ptr<DcpCheckpoint> c(new DcpCheckpoint());
   c->dir_ = dir;
   const std::string single = dir + "/" + kMetadataName;
-  if (Exists(single)) {
+  if (HasEntry(dir, kMetadataName)) {
     c->storage_ = "torch_save";
     c->metadata_files_ = {single};
     RESHARD_ASSIGN_OR_RETURN(c->metadata_, ReadMetadataFile(single));
@@ -259,7 +272,8 @@ Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::stri
       if (!std::regex_match(n, PerRankMetadataName())) continue;
       const std::string path = dir + "/" + n;
       RESHARD_ASSIGN_OR_RETURN(DcpMetadata part, ReadMetadataFile(path));
-      RESHARD_RETURN_IF_ERROR(Merge(std::move(part), path, c->metadata_, index));
+      RESHARD_RETURN_IF_ERROR(
+          Merge(std::move(part), path, c->metadata_files_.empty(), c->metadata_, index));
       c->metadata_files_.push_back(path);
     }
     if (!c->metadata_files_.empty()) {

@@ -88,11 +88,16 @@ struct DcpBytesItem {
 /// The metadata of a DCP checkpoint as read from one `.metadata` pickle.
 struct DcpMetadata {
   std::string version;  // Metadata.version ("1.0.0"; empty in older files)
+  std::string save_id;  // Metadata.storage_meta.save_id ("" when none)
   std::vector<DcpTensor> tensors;
   std::vector<DcpBytesItem> bytes_items;
   /// The files the items name (relative paths, in first-use order); locations index it.
   std::vector<std::string> files;
 };
+
+/// The Metadata.version values torch writes: none (torch before 2.4, and writers that leave it
+/// unset) and "1.0.0" (FileSystemWriter from torch 2.4 on).
+inline constexpr std::string_view kDcpVersions[] = {"", "1.0.0"};
 
 /// "module.name" of every class and function a DCP `.metadata` pickle may name beyond the
 /// reader's built-in allowlist: torch.distributed.checkpoint's metadata, planner and filesystem
@@ -104,8 +109,9 @@ const std::vector<std::string>& DcpPickleClasses();
 /// job's metadata lists millions of chunks). `name` names the file in errors. Ranks come from the
 /// item files' names (`__{r}_{n}.distcp`; a file named otherwise gets a rank of its own after
 /// the highest). InvalidArgument for a global outside the allowlist; DataLoss for a malformed
-/// pickle or records that are not what torch writes (naming the key and field). Chunks are
-/// not yet checked against each other (ChunksToMap does).
+/// pickle, records that are not what torch writes (naming the key and field), a version torch
+/// does not write (kDcpVersions) or an item file that is not a plain name (a "/", a NUL). Chunks
+/// are not yet checked against each other (ChunksToMap does).
 Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, std::string_view name);
 
 /// Whether a key is optimizer state: its first path element up to a dot (the top-level

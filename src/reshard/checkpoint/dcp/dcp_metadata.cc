@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/io/torch_file.h"
@@ -146,7 +147,23 @@ class MetadataReader {
       return Error("is not a DCP Metadata record (torch.distributed.checkpoint.metadata.Metadata)");
     }
     DcpMetadata out;
-    if (const auto v = StrAt(t_, Get(t_, root, "version"))) out.version = *v;
+    const PickleNodeId version = Get(t_, root, "version");
+    if (!IsNone(t_, version)) {
+      const auto v = StrAt(t_, version);
+      if (!v) return Error("Metadata.version is not a str");
+      out.version = *v;
+    }
+    if (std::find(std::begin(kDcpVersions), std::end(kDcpVersions), out.version) ==
+        std::end(kDcpVersions)) {
+      return Error(fmt::format(
+          "Metadata.version \"{}\" is not a DCP version torch writes (none, or \"1.0.0\"): a "
+          "newer format this reader does not know",
+          out.version));
+    }
+    const PickleNodeId storage_meta = Get(t_, root, "storage_meta");
+    if (!IsNone(t_, storage_meta)) {
+      if (const auto id = StrAt(t_, Get(t_, storage_meta, "save_id"))) out.save_id = *id;
+    }
     RESHARD_RETURN_IF_ERROR(ReadPlannerData(Get(t_, root, "planner_data")));
     RESHARD_RETURN_IF_ERROR(ReadStorageData(Get(t_, root, "storage_data")));
     const PickleNodeId sdm = Get(t_, root, "state_dict_metadata");
@@ -235,11 +252,11 @@ class MetadataReader {
             "length",
             *fqn));
       }
-      if (rel->empty() || rel->find('/') != std::string::npos || *rel == "." || *rel == "..") {
+      if (rel->empty() || rel->find_first_of(std::string_view("/\0", 2)) != std::string::npos ||
+          *rel == "." || *rel == "..") {
         return Error(
-            fmt::format("\"{}\": item file \"{}\" is not a file name in the checkpoint "
-                        "directory",
-                        *fqn, *rel));
+            fmt::format("\"{}\": item file {} is not a file name in the checkpoint directory", *fqn,
+                        json::Quote(*rel)));
       }
       Info info;
       const auto [fit, inserted] = file_index_.emplace(*rel, files_.size());

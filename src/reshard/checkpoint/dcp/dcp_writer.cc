@@ -24,6 +24,8 @@ constexpr char kMetadataModule[] = "torch.distributed.checkpoint.metadata.";
 constexpr char kStorageInfoClass[] = "torch.distributed.checkpoint.filesystem._StorageInfo";
 constexpr char kDcpVersion[] = "1.0.0";  // what FileSystemWriter records (torch 2.4 on)
 constexpr char kOptimizerKey[] = "optim";
+// The optimizer states a source names "<param>.<state>" (DeepSpeed's and reshard's naming).
+const std::set<std::string> kOptimizerStates = {"exp_avg", "exp_avg_sq", "fp32"};
 
 std::string MetadataClass(std::string_view name) { return kMetadataModule + std::string(name); }
 
@@ -65,19 +67,15 @@ Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, i
   for (size_t i = 0; i < manifest.params.size(); ++i) {
     const ShardedParam& p = manifest.params[i];
     DcpTensorToWrite t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}};
-    // "<param>.<state>" of another tensor "<param>": its optimizer state (the longest such
-    // "<param>").
-    for (size_t dot = p.name.rfind('.'); dot != std::string::npos && dot > 0;
-         dot = p.name.rfind('.', dot - 1)) {
+    // "<param>.<state>" of another tensor "<param>": its optimizer state.
+    const size_t dot = p.name.rfind('.');
+    if (dot != std::string::npos && dot > 0 && kOptimizerStates.contains(p.name.substr(dot + 1)) &&
+        names.contains(p.name.substr(0, dot))) {
       const std::string base = p.name.substr(0, dot);
-      if (names.contains(base)) {
-        const std::string state = p.name.substr(dot + 1);
-        t.key = fmt::format("{}.state.{}.{}", kOptimizerKey, base, state);
-        t.path = {kOptimizerKey, "state", base, state};
-        optimizer_state = true;
-        break;
-      }
-      if (dot == 0) break;
+      const std::string state = p.name.substr(dot + 1);
+      t.key = fmt::format("{}.state.{}.{}", kOptimizerKey, base, state);
+      t.path = {kOptimizerKey, "state", base, state};
+      optimizer_state = true;
     }
     t.chunks = DcpShard0Chunks(t.shape, world_size);
     if (const auto [it, fresh] = by_key.emplace(t.key, i); !fresh) {
@@ -165,7 +163,7 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
   }
   const PickleNodeId storage_meta =
       object(MetadataClass("StorageMeta"), {{"checkpoint_id", b.Str(checkpoint_id)},
-                                            {"save_id", b.None()},
+                                            {"save_id", b.Str(kDcpSaveId)},
                                             {"load_id", b.None()},
                                             {"modules", b.List()}});
   const PickleNodeId root =

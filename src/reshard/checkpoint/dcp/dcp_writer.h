@@ -12,15 +12,16 @@
 //   - `.metadata` is the pickle of DCP's Metadata: per key a TensorStorageMetadata (properties,
 //     global size, chunks), planner_data (each key's nested path), storage_data (per chunk, a
 //     MetadataIndex to its _StorageInfo: file, offset, length), StorageMeta (checkpoint_id the
-//     output path as a str, no save_id) and version "1.0.0". Only DCP's dataclasses,
+//     output path as a str, save_id kDcpSaveId) and version "1.0.0". Only DCP's dataclasses,
 //     torch.Size, dtypes, torch.strided and DCP's memory-format enum appear in it, so
 //     torch.distributed.checkpoint.load reads it at any world size and
 //     format_utils.dcp_to_torch_save reads it whole.
-// Keys: a tensor "<param>.<state>" where "<param>" is another tensor of the source (reshard's
-// naming of optimizer state: exp_avg, exp_avg_sq, DeepSpeed's fp32 master weights) is stored
-// as "optim.state.<param>.<state>", nested as get_state_dict's optimizer state dict
-// (planner_data ("optim", "state", "<param>", "<state>")); every other tensor under its own
-// name at the top level, as dcp.save(model.state_dict()) stores it. Neither the optimizer's
+// Keys: a tensor "<param>.<state>" where "<param>" is another tensor of the source and
+// "<state>" one of reshard's names of optimizer state (exp_avg, exp_avg_sq, DeepSpeed's fp32
+// master weights) is stored as "optim.state.<param>.<state>", nested as get_state_dict's
+// optimizer state dict (planner_data ("optim", "state", "<param>", "<state>")); every other
+// tensor ("a.b" beside "a" included) under its own name at the top level, as
+// dcp.save(model.state_dict()) stores it. Neither the optimizer's
 // step nor its param_groups are written (shard sources hold tensors only).
 //
 // Each chunk is produced straight from the source shards by a transfer plan (never the full
@@ -83,10 +84,14 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
 std::string DcpFileName(Rank rank);
 inline constexpr char kDcpMetadataName[] = ".metadata";
 /// How every `.metadata` reshard writes begins (a protocol-2 pickle of DCP's Metadata; torch
-/// writes protocol 4): what lets --force replace a DCP output of reshard's (output_dir.h).
+/// writes protocol 4).
 inline constexpr std::string_view kDcpMetadataPrefix =
     "\x80\x02"
     "ctorch.distributed.checkpoint.metadata\nMetadata\n";
+/// The StorageMeta.save_id of every `.metadata` reshard writes (torch's FileSystemWriter records
+/// a uuid4 there, which never takes this form): with the files the metadata names and nothing
+/// else beside it, what lets an output replace a DCP checkpoint of reshard's (output_dir.h).
+inline constexpr char kDcpSaveId[] = "reshard/dcp-writer";
 
 /// Writes `source` as a DCP checkpoint for `world_size` ranks into `out_dir` (above), with
 /// the options of ConvertFrom (replicas verified unless told not to; max_shard_bytes must be

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "reshard/base/temp_dir_testing.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/io/file.h"
 #include "reshard/io/pickle.h"
 #include "reshard/io/torch_file.h"
@@ -71,6 +72,24 @@ TEST(PlanDcpTensorsTest, OptimizerStateNestsUnderOptimStateOthersKeepTheirNames)
   EXPECT_EQ(Rows((*t)[0].chunks), (Shape{2, 2}));
 }
 
+TEST(PlanDcpTensorsTest, OnlyTheOptimizersStatesAreOptimizerState) {
+  // "a.b" beside "a" is a model's tensor: only exp_avg, exp_avg_sq and fp32 are states.
+  Manifest m;
+  m.world_size = 1;
+  for (const char* name : {"a", "a.b", "a.fp32", "a.exp_avg", "a.exp_avg_sq", "a.b.c", "a.step"}) {
+    m.params.push_back(Param(name, {4}));
+  }
+  Result<std::vector<DcpTensorToWrite>> t = PlanDcpTensors(m, 2);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  std::vector<std::string> keys;
+  for (const DcpTensorToWrite& w : *t) keys.push_back(w.key);
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{"a", "a.b", "optim.state.a.fp32", "optim.state.a.exp_avg",
+                                      "optim.state.a.exp_avg_sq", "a.b.c", "a.step"}));
+  EXPECT_EQ((*t)[1].path, (std::vector<std::string>{"a.b"}));
+  EXPECT_EQ((*t)[5].path, (std::vector<std::string>{"a.b.c"}));
+}
+
 TEST(PlanDcpTensorsTest, KeysThatCollideAreRefused) {
   Manifest m;
   m.world_size = 1;
@@ -125,7 +144,11 @@ TEST(DcpMetadataPickleTest, HoldsDcpsRecordsWithChunksAndWhereTheirItemsLie) {
       {{"__0_0.distcp", 100, 7}}};
   Result<std::string> bytes = DcpMetadataPickle({w, s}, items, "/out/ckpt");
   ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
-  EXPECT_TRUE(bytes->starts_with(kDcpMetadataPrefix));  // what --force recognises
+  EXPECT_TRUE(bytes->starts_with(kDcpMetadataPrefix));
+  // The mark an output that replaces it recognises, read back by the DCP reader.
+  Result<DcpMetadata> read = ParseDcpMetadata(std::as_bytes(std::span(*bytes)), ".metadata");
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->save_id, kDcpSaveId);
   PickleOptions options;
   options.extra_record_classes = kDcpClasses;
   Result<PickleTree> tree = ParsePickle(std::as_bytes(std::span(*bytes)), options);
@@ -137,6 +160,7 @@ TEST(DcpMetadataPickleTest, HoldsDcpsRecordsWithChunksAndWhereTheirItemsLie) {
   const PickleNodeId meta = Field(t, t.root(), "storage_meta");
   EXPECT_EQ(t.node(Field(t, meta, "checkpoint_id")).kind, PickleKind::kStr);
   EXPECT_EQ(t.node(Field(t, meta, "checkpoint_id")).text, "/out/ckpt");
+  EXPECT_EQ(t.node(Field(t, meta, "save_id")).text, kDcpSaveId);
   // state_dict_metadata: w's global size and its three chunks.
   const PickleNode& sdm = t.node(Field(t, t.root(), "state_dict_metadata"));
   ASSERT_EQ(sdm.entries.size(), 2u);
@@ -284,9 +308,17 @@ TEST(WriteDcpTest, EachRanksFileHoldsItsChunksOfEveryTensorInOrder) {
   ASSERT_TRUE(WriteFileAtomically(out + "/notes.txt", "mine").ok());
   EXPECT_EQ(WriteDcp(source, 2, out, overwrite).code(), StatusCode::kAlreadyExists);
   fs::remove(out + "/notes.txt");
-  ASSERT_TRUE(WriteFileAtomically(out + "/.metadata", "\x80\x04other", {.overwrite = true}).ok());
-  EXPECT_EQ(WriteDcp(source, 2, out, overwrite).code(), StatusCode::kAlreadyExists);
-  EXPECT_TRUE(fs::exists(out + "/__1_0.distcp"));
+  // Nor one that begins as reshard's does but is not (a user's file, or DCP metadata without
+  // reshard's save_id).
+  for (const std::string& other :
+       {std::string("\x80\x04other"), std::string(kDcpMetadataPrefix) + "my notes"}) {
+    ASSERT_TRUE(WriteFileAtomically(out + "/.metadata", other, {.overwrite = true}).ok());
+    EXPECT_EQ(WriteDcp(source, 2, out, overwrite).code(), StatusCode::kAlreadyExists);
+    EXPECT_TRUE(fs::exists(out + "/__1_0.distcp"));
+    Result<std::string> kept = ReadFileToString(out + "/.metadata");
+    ASSERT_TRUE(kept.ok());
+    EXPECT_EQ(*kept, other);
+  }
 }
 
 }  // namespace

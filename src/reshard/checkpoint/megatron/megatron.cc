@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -36,17 +37,34 @@ bool IsFile(const fs::path& p) {
   return fs::is_regular_file(p, ec);
 }
 
-// The iteration directory a training save dir's latest_checkpointed_iteration.txt names.
-std::optional<fs::path> LatestIteration(const fs::path& dir) {
+// The iteration directory a training save dir's latest_checkpointed_iteration.txt names
+// (nullopt: the dir has none). InvalidArgument for a file that names no iteration: Megatron
+// writes the last saved iteration's number, or "release".
+Result<std::optional<fs::path>> LatestIteration(const fs::path& dir) {
   const fs::path latest = dir / kLatestName;
-  if (!IsFile(latest)) return std::nullopt;
-  Result<std::string> text = ReadFileToString(latest.string());
-  if (!text.ok() || text->size() > 64) return std::nullopt;
-  std::string s = *text;
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
-  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    return std::nullopt;
-  return dir / fmt::format("iter_{:07d}", std::stoll(s));
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(latest, ec))) return std::optional<fs::path>();
+  if (!IsFile(latest)) {
+    return InvalidArgumentError(fmt::format("\"{}\" is not a regular file", latest.string()));
+  }
+  if (fs::file_size(latest, ec) > 64 || ec) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is not an iteration number (over 64 bytes, or unreadable)", latest.string()));
+  }
+  RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(latest.string()));
+  std::string_view s = text;
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  if (s == "release") return std::optional<fs::path>(dir / "release");
+  int64_t iteration = -1;
+  const auto [end, err] = std::from_chars(s.data(), s.data() + s.size(), iteration);
+  if (s.empty() || err != std::errc() || end != s.data() + s.size() || iteration < 0 ||
+      !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds {}, which is not an iteration number (Megatron writes the last saved "
+        "iteration, a non-negative integer below 2^63, or \"release\")",
+        latest.string(), json::QuoteShort(s)));
+  }
+  return std::optional<fs::path>(dir / fmt::format("iter_{:07d}", iteration));
 }
 
 }  // namespace
@@ -54,7 +72,8 @@ std::optional<fs::path> LatestIteration(const fs::path& dir) {
 Result<std::string> MegatronCheckpointDir(const std::string& path) {
   const fs::path dir(path);
   if (IsFile(dir / kMegatronMetadataName)) return path;
-  if (std::optional<fs::path> it = LatestIteration(dir)) {
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<fs::path> it, LatestIteration(dir));
+  if (it) {
     if (IsFile(*it / kMegatronMetadataName)) return it->string();
     return NotFoundError(fmt::format("\"{}\" names iteration directory \"{}\", which holds no {}",
                                      (dir / kLatestName).string(), it->string(),
@@ -66,6 +85,9 @@ Result<std::string> MegatronCheckpointDir(const std::string& path) {
 
 bool IsMegatronCheckpoint(const std::string& path) {
   Result<std::string> dir = MegatronCheckpointDir(path);
+  // A latest_checkpointed_iteration.txt that names no iteration is Megatron's file gone wrong:
+  // the opener says what is wrong with it.
+  if (dir.status().code() == StatusCode::kInvalidArgument) return true;
   if (!dir.ok()) return false;
   const std::string file = (fs::path(*dir) / kMegatronMetadataName).string();
   std::error_code ec;
@@ -140,7 +162,28 @@ Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std:
                              json::ReadBool(*t, json::Member(what, "tie_word_embeddings")));
     c.tie_word_embeddings = tie;
   }
+  if (const json::Json* m = json::Find(j, "mlp_only_layers"); m != nullptr && !m->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(c.mlp_only_layers,
+                             json::ReadIntArray(*m, json::Member(what, "mlp_only_layers"), 0));
+  }
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> step, optional_int("decoder_sparse_step"));
+  c.sparse_step = step.value_or(1);
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> freq, optional_int("moe_layer_freq"));
+  c.moe_freq = freq.value_or(1);
+  if (const json::Json* k = json::Find(j, "first_k_dense_replace"); k != nullptr && !k->is_null()) {
+    RESHARD_ASSIGN_OR_RETURN(c.first_dense,
+                             json::ReadInt(*k, json::Member(what, "first_k_dense_replace"), 0));
+  }
   return c;
+}
+
+bool IsMoeLayer(const MegatronModelConfig& c, Index layer) {
+  if (c.experts == 0) return false;
+  if (std::find(c.mlp_only_layers.begin(), c.mlp_only_layers.end(), layer) !=
+      c.mlp_only_layers.end()) {
+    return false;
+  }
+  return (layer + 1) % c.sparse_step == 0 && layer >= c.first_dense && layer % c.moe_freq == 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,6 +553,77 @@ struct PlannedPart {
   std::vector<std::pair<size_t, std::vector<Piece>>> pieces;
 };
 
+// The model config.json describes, whole, in `names` (the HF tensors the checkpoint holds):
+// the output layer as tied or not, every layer's attention and its MLP (dense, or the router and
+// every expert) as the config makes that layer.
+Status CheckWholeModel(const MegatronModelConfig& config, const std::set<std::string>& names,
+                       bool have_output_layer, const std::string& dir) {
+  if (have_output_layer && config.tie_word_embeddings.value_or(false)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds its own output_layer.weight (an untied output layer), but config.json says "
+        "tie_word_embeddings: true; transformers would drop it and tie lm_head to the embedding: "
+        "the config does not describe this checkpoint",
+        dir));
+  }
+  if (!have_output_layer && !config.tie_word_embeddings.value_or(false)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" has no output_layer.weight (Megatron shares the embedding with the output layer), "
+        "but config.json does not say tie_word_embeddings: true; transformers would start lm_head "
+        "from random values",
+        dir));
+  }
+  // The model whole: every layer's attention and MLP, every expert of an MoE layer.
+  const NameFamily& family = megatron::FamilyOf(config.model_type);
+  const auto require = [&](const std::string& name, std::string_view what) -> Status {
+    if (names.count(name) != 0) return Status::Ok();
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" does not hold {} (\"{}\"), which config.json's model has: the config does not "
+        "describe this checkpoint, or the checkpoint is incomplete",
+        dir, what, name));
+  };
+  RESHARD_RETURN_IF_ERROR(require("model.embed_tokens.weight", "the embedding"));
+  RESHARD_RETURN_IF_ERROR(require("model.norm.weight", "the final norm"));
+  for (Index l = 0; l < config.layers; ++l) {
+    const std::string layer = fmt::format("model.layers.{}.", l);
+    RESHARD_RETURN_IF_ERROR(
+        require(layer + "self_attn.q_proj.weight", fmt::format("layer {}'s attention", l)));
+    const std::string router = layer + Substitute("{moe}.gate.weight", family);
+    const std::string dense = layer + "mlp.down_proj.weight";
+    const bool moe = IsMoeLayer(config, l);
+    const std::string experts = layer + Substitute("{moe}.experts.", family);
+    const auto expert = names.lower_bound(experts);
+    if (!moe && expert != names.end() && expert->starts_with(experts)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": layer {} holds experts in the checkpoint (\"{}\"), but config.json's model "
+          "has a dense MLP there: the config does not describe this checkpoint",
+          dir, l, *expert));
+    }
+    if (names.contains(moe ? dense : router)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": layer {} is {} in the checkpoint (\"{}\"), but config.json's model has {} "
+          "there{}: the config does not describe this checkpoint",
+          dir, l, moe ? "a dense MLP" : "an MoE layer", moe ? dense : router,
+          moe ? "experts" : "a dense MLP",
+          moe ? ""
+              : " (num_experts, mlp_only_layers, decoder_sparse_step, first_k_dense_replace, "
+                "moe_layer_freq)"));
+    }
+    if (moe) {
+      RESHARD_RETURN_IF_ERROR(require(router, fmt::format("layer {}'s router", l)));
+      for (Index e = 0; e < config.experts; ++e) {
+        for (std::string_view w : {family.w1, family.w3, family.w2}) {
+          RESHARD_RETURN_IF_ERROR(
+              require(fmt::format("{}{}.experts.{}.{}.weight", layer, family.moe, e, w),
+                      fmt::format("layer {}'s expert {}", l, e)));
+        }
+      }
+    } else {
+      RESHARD_RETURN_IF_ERROR(require(dense, fmt::format("layer {}'s MLP", l)));
+    }
+  }
+  return Status::Ok();
+}
+
 Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir) {
   const int world = ckpt_->world_size();
   std::set<std::string> names;
@@ -649,42 +763,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
       buffers.add(std::move(decl));
     }
   }
-  if (!have_output_layer && !config.tie_word_embeddings.value_or(false)) {
-    return InvalidArgumentError(fmt::format(
-        "\"{}\" has no output_layer.weight (Megatron shares the embedding with the output layer), "
-        "but config.json does not say tie_word_embeddings: true; transformers would start lm_head "
-        "from random values",
-        dir));
-  }
-  // The model whole: every layer's attention and MLP, every expert of an MoE layer.
-  const NameFamily& family = megatron::FamilyOf(config.model_type);
-  const auto require = [&](const std::string& name, std::string_view what) -> Status {
-    if (names.count(name) != 0) return Status::Ok();
-    return InvalidArgumentError(fmt::format(
-        "\"{}\" does not hold {} (\"{}\"), which config.json's model has: the config does not "
-        "describe this checkpoint, or the checkpoint is incomplete",
-        dir, what, name));
-  };
-  RESHARD_RETURN_IF_ERROR(require("model.embed_tokens.weight", "the embedding"));
-  RESHARD_RETURN_IF_ERROR(require("model.norm.weight", "the final norm"));
-  for (Index l = 0; l < config.layers; ++l) {
-    const std::string layer = fmt::format("model.layers.{}.", l);
-    RESHARD_RETURN_IF_ERROR(
-        require(layer + "self_attn.q_proj.weight", fmt::format("layer {}'s attention", l)));
-    const std::string router = layer + Substitute("{moe}.gate.weight", family);
-    if (names.count(router) != 0) {
-      for (Index e = 0; e < config.experts; ++e) {
-        for (std::string_view w : {family.w1, family.w3, family.w2}) {
-          RESHARD_RETURN_IF_ERROR(
-              require(fmt::format("{}{}.experts.{}.{}.weight", layer, family.moe, e, w),
-                      fmt::format("layer {}'s expert {}", l, e)));
-        }
-      }
-    } else {
-      RESHARD_RETURN_IF_ERROR(
-          require(layer + "mlp.down_proj.weight", fmt::format("layer {}'s MLP", l)));
-    }
-  }
+  RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
   return ValidateManifestBuffers(manifest_, buffers)
       .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
 }
@@ -709,6 +788,16 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
         "\"{}\" was saved with Megatron's \"{}\" backend; reshard reads \"torch_dist\" (load it "
         "in Megatron and save it again with --ckpt-format torch_dist)",
         dir, backend_name));
+  }
+  if (const json::Json* v = json::Find(meta, "sharded_backend_version"); v != nullptr) {
+    const std::string field = json::Member(meta_path, "sharded_backend_version");
+    RESHARD_ASSIGN_OR_RETURN(const Index version, json::ReadInt(*v, field));
+    if (version != 1) {
+      return InvalidArgumentError(fmt::format(
+          "{} is {}: Megatron-Core's torch_dist backend writes version 1, and reshard reads no "
+          "other",
+          field, version));
+    }
   }
   if (options.config_json.empty()) {
     return InvalidArgumentError(fmt::format(

@@ -64,7 +64,18 @@ struct MegatronModelConfig {
   Index moe_ffn = 0;     // moe_intermediate_size (default: intermediate_size)
   Index shared_ffn = 0;  // shared_expert_intermediate_size, or moe_ffn * n_shared_experts
   std::optional<bool> tie_word_embeddings;
+  // Which layers are MoE layers (IsMoeLayer): none without experts; else every layer but
+  // Qwen-MoE's mlp_only_layers, those off its decoder_sparse_step, and DeepSeek's first
+  // first_k_dense_replace layers and those off its moe_layer_freq.
+  std::vector<Index> mlp_only_layers;
+  Index sparse_step = 1;  // decoder_sparse_step
+  Index first_dense = 0;  // first_k_dense_replace
+  Index moe_freq = 1;     // moe_layer_freq
 };
+
+/// Whether the model config.json describes has experts in layer `layer` (as transformers builds
+/// the model: fields above).
+bool IsMoeLayer(const MegatronModelConfig& config, Index layer);
 
 /// Reads the fields above from config.json text (`what` names it in errors). InvalidArgument
 /// for malformed JSON, a missing or non-positive size, heads not a multiple of the key/value
