@@ -1,11 +1,11 @@
 #include "reshard/base/json_reader.h"
 
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <string>
 #include <vector>
 
+#include "reshard/base/cpu_limit_testing.h"
 #include "reshard/base/json_writer.h"
 
 namespace reshard::json {
@@ -59,18 +59,15 @@ TEST(JsonReaderTest, WhatItParsesEqualsThePlainParse) {
 // Many objects in one container cost in proportion to their number. 400 000 objects took 44 s
 // of CPU when each object's end rescanned its parent (nlohmann's callback parser); a linear parse
 // takes well under a second, so a 10 s CPU limit (SIGXCPU ends the child) catches only a square.
-void ParseManyObjectsUnderACpuLimit() {
-  const rlimit limit{10, 10};
-  setrlimit(RLIMIT_CPU, &limit);
-  std::string text = R"({"ignored": [)";
-  for (int i = 0; i < 400000; ++i) text += i == 0 ? R"({"a":1})" : R"(,{"a":1})";
-  text += "]}";
-  Result<Json> parsed = ParseJson(text);
-  std::exit(parsed.ok() && (*parsed)["ignored"].size() == 400000 ? 0 : 1);
-}
-
 TEST(JsonReaderDeathTest, ManyObjectsParseInLinearTime) {
-  EXPECT_EXIT(ParseManyObjectsUnderACpuLimit(), ::testing::ExitedWithCode(0), "");
+  const auto parse = [] {
+    std::string text = R"({"ignored": [)";
+    for (int i = 0; i < 400000; ++i) text += i == 0 ? R"({"a":1})" : R"(,{"a":1})";
+    text += "]}";
+    Result<Json> parsed = ParseJson(text);
+    return parsed.ok() && (*parsed)["ignored"].size() == 400000;
+  };
+  EXPECT_EXIT(test_support::RunUnderCpuLimit(10, parse), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(JsonReaderTest, TopLevelKeysKeepFileOrder) {

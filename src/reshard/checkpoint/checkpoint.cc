@@ -222,8 +222,8 @@ Status ValidateManifestBuffers(Manifest& m, const BufferSetBuilder& buffers) {
   Result<BufferSet> set = buffers.Finalize(refs, dtypes);
   if (!set.ok()) return AsFailedCheck(set.status());
   if (!set->empty() && set->world_size() != m.world_size) {
-    return InvalidArgumentError(fmt::format("buffers: {} ranks but world_size is {}",
-                                            set->world_size(), m.world_size));
+    return InvalidArgumentError(
+        fmt::format("buffers: {} ranks but world_size is {}", set->world_size(), m.world_size));
   }
   for (const BufferDecl& b : set->buffers()) {
     if (own.count(b.name)) {
@@ -287,7 +287,8 @@ std::string ManifestToJson(const Manifest& m) {
   j["version"] = m.buffers.empty() ? kManifestVersion : kBufferedManifestVersion;
   j["world_size"] = m.world_size;
   json::OrderedJson& files = j["files"] = json::OrderedJson::object();
-  for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
+  for (size_t r = 0; r < m.files.size(); ++r)
+    json::AppendMember(files, std::to_string(r), m.files[r]);
   if (!m.constraints.empty()) j["constraints"] = ConstraintsToJson(m.constraints);
   if (!m.buffers.empty()) j["buffers"] = BufferSetToJsonValue(m.buffers);
   if (!m.model_config.empty()) {
@@ -300,7 +301,7 @@ std::string ManifestToJson(const Manifest& m) {
     if (p.scale_power != 1) param["scale_power"] = p.scale_power;
     if (p.layout) param["layout"] = LayoutToJsonValue(*p.layout);
     param["map"] = ParamMapToJsonValue(p.map);
-    params[p.name] = std::move(param);
+    json::AppendMember(params, p.name, std::move(param));
   }
   return json::WriteJson(j) + "\n";
 }
@@ -485,8 +486,7 @@ Result<ShardedCheckpoint> ShardedCheckpoint::Open(const std::string& dir) {
       if (info->dtype != t.dtype) {
         return DataLossError(
             fmt::format("\"{}\": rank {}'s tensor of {} \"{}\" is {} but the manifest says {}",
-                        file->path(), r, what, t.name, DTypeName(info->dtype),
-                        DTypeName(t.dtype)));
+                        file->path(), r, what, t.name, DTypeName(info->dtype), DTypeName(t.dtype)));
       }
       if (info->shape != t.shape) {
         return DataLossError(fmt::format(
