@@ -94,6 +94,7 @@ WriteOptions OutputFileOptions(const CheckpointOptions& options) {
   WriteOptions o;
   o.sync = false;
   o.start_writeback = options.sync;
+  o.in_fresh_directory = true;
   return o;
 }
 

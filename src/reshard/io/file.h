@@ -70,6 +70,10 @@ struct WriteOptions {
   /// waiting, for a writer that syncs it later with others (SyncFiles): the disk then works
   /// while the next files are written, and the final sync has little left to do.
   bool start_writeback = false;
+  /// The file's directory is an output directory's temporary that this operation made
+  /// (checkpoint/output_dir.h): no earlier run left temporaries in it, so none is looked for.
+  /// Looking lists the directory, so writing n files there would list n^2 entries.
+  bool in_fresh_directory = false;
 };
 
 /// A Status for a failed system call: "<what> \"<path>\": <strerror>", coded by errno: what
