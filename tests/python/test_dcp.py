@@ -284,6 +284,88 @@ def test_zstd_items_are_read(dcp_root, reshard_bin, tmp_path):
     assert "stream.zstd/1" in r.stdout and "  7\n" in r.stdout
 
 
+def zstd_zeros(blocks):
+    """A zstd frame of `blocks` RLE blocks of 128 KiB zeros each: 4 bytes of file per block, so
+    1 GiB of zeros is a 32 KiB stream (no content size in the header, no checksum)."""
+    header = struct.pack("<I", 0xFD2FB528) + bytes([0x00, 0x38])  # window 128 KiB
+    block = lambda last: struct.pack("<I", (128 << 10) << 3 | 1 << 1 | last)[:3] + b"\0"
+    return header + b"".join(block(int(i == blocks - 1)) for i in range(blocks))
+
+
+def add_zstd_bomb(ckpt, claimed_elements, blocks):
+    """Adds tensor "model.huge" (F32, `claimed_elements`, one chunk) whose item is
+    zstd_zeros(blocks) in a file of its own."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+    md = load_metadata(ckpt)
+    size = torch.Size([claimed_elements])
+    md.state_dict_metadata["model.huge"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), size,
+        [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size)])
+    stream = zstd_zeros(blocks)
+    (ckpt / "__0_1.distcp").write_bytes(stream)
+    md.storage_data[MetadataIndex("model.huge", torch.Size([0]))] = _StorageInfo(
+        "__0_1.distcp", 0, len(stream), ["stream.zstd/1"])
+    md.planner_data["model.huge"] = ("model", "huge")
+    save_metadata(ckpt, md)
+
+
+def limited_memory(gib):
+    import resource
+    limit = int(gib * (1 << 30))
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+@pytest.mark.parametrize("command", [["gather"], ["convert", "--tp", "2"]])
+def test_zstd_item_memory_follows_the_stream_not_its_growth(dcp_root, reshard_bin, tmp_path,
+                                                            command):
+    # A 32 KiB stream of 1 GiB of zeros for a 1 GiB chunk, in 3 GiB of address space: the
+    # stream is decompressed into memory reserved once (it grew by doubling, past the chunk,
+    # and ended in std::bad_alloc: exit 3, or std::terminate from a worker thread). The zeros
+    # are no torch.save archive: exit 2 naming the item (or, where the output's own buffers
+    # leave no room for the reservation, the item refused by name before decompressing).
+    ckpt = tmp_path / "bomb"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=8192)
+    r = subprocess.run([reshard_bin, *command, str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path, preexec_fn=limited_memory(3))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert '"model.huge" chunk 0' in r.stderr, r.stderr
+    assert ("not a torch.save archive" in r.stderr
+            or "more memory than this process" in r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [["gather"], ["convert", "--tp", "2"]])
+def test_a_tensor_no_memory_can_hold_exits_2_naming_it(dcp_root, reshard_bin, tmp_path, command):
+    # The same stream under a claim of 256 GiB: the output needs the tensor (or its shard),
+    # which 2.5 GiB of address space cannot hold: exit 2 naming the tensor, nothing written.
+    ckpt = tmp_path / "bomb"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 36, blocks=8192)
+    r = subprocess.run([reshard_bin, *command, str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path,
+                       preexec_fn=limited_memory(2.5))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "model.huge" in r.stderr and "more memory than this process" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_claim_no_memory_can_hold_exits_2_naming_the_item(dcp_root, reshard_bin, tmp_path):
+    # A stream of 2^17 blocks (512 KiB of file, 16 GiB of zeros) under a 256 GiB claim, in 2 GiB
+    # of address space: neither the output's tensor nor the stream's bound can be reserved:
+    # refused by name before any byte is decompressed (never std::bad_alloc, exit 3).
+    ckpt = tmp_path / "bomb"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 36, blocks=1 << 17)
+    r = subprocess.run([reshard_bin, "gather", str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path, preexec_fn=limited_memory(2))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "model.huge" in r.stderr and "more memory than this process" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # --- corrupt files ------------------------------------------------------------------------
 
 

@@ -10,7 +10,9 @@ DP 2 and at DP 4, the latter with an expert-DP degree of 2).
   resumes from ours, at the saved topology and at another expert-DP degree;
 - placements other than contiguous (checkpoints rewritten with DeepSpeed's own placement
   descriptors and maps) read as DeepSpeed reads them; a recorded map that disagrees with its
-  placement, and a missing expert file, are refused;
+  placement, a missing expert file, an expert file of another run (its weights not its
+  masters rounded), a stray expert file and a module_path its experts do not lie in, are
+  refused;
 - DeepSpeed's AutoEP maps of random placements (uneven, non-contiguous, replicated, empty
   ranks) load here and extract what DeepSpeed extracts.
 """
@@ -222,6 +224,56 @@ def test_a_missing_expert_file_is_named(ckpts, reshard_bin, tmp_path):
     r = run(reshard_bin, "gather", save, "-o", tmp_path / "out")
     assert r.returncode == 2
     assert "layer_1_expert_3_mp_rank_00_model_states.pt" in r.stderr and "missing" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def expert_from_another_run(ckpts, save, tag):
+    # The DP 4 run: the same geometry and expert shapes, trained otherwise.
+    other = ckpts[EP2_EDP2]
+    name = "layer_0_expert_2_mp_rank_00_model_states.pt"
+    shutil.copy(other.save_dir / other.tag / name, save / tag / name)
+    return name
+
+
+def expert_perturbed(ckpts, save, tag):
+    name = "layer_1_expert_1_mp_rank_00_model_states.pt"
+    states = torch.load(save / tag / name, weights_only=False)
+    key = next(k for k in states if ".w2." in k)
+    states[key].view(-1)[-1] += 1.0
+    torch.save(states, save / tag / name)
+    return name
+
+
+def extra_expert_file(ckpts, save, tag):
+    shutil.copy(save / tag / "layer_0_expert_3_mp_rank_00_model_states.pt",
+                save / tag / "layer_0_expert_4_mp_rank_00_model_states.pt")
+    return "layer_0_expert_4_mp_rank_00_model_states.pt"
+
+
+def module_path_renamed(ckpts, save, tag):
+    path = save / tag / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states["ds_autoep_layers"][0]["module_path"] = "model.layers.0.mlp2"
+    torch.save(states, path)
+    return "model.layers.0.mlp2"
+
+
+@pytest.mark.parametrize("tamper", [expert_from_another_run, expert_perturbed,
+                                    extra_expert_file, module_path_renamed],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fp32", [False, True], ids=["module", "fp32"])
+def test_expert_files_are_tied_to_their_run(ckpts, reshard_bin, tmp_path, tamper, fp32):
+    # Each expert file's weights are its fp32 masters (in the optimizer files, tied to the run
+    # by their metadata) rounded, as DeepSpeed leaves them; every expert file is one the
+    # layers name; the experts lie in their layer's module. Otherwise gather would write one
+    # run's expert from the module and another's from the masters.
+    ckpt = ckpts[EP2]
+    save = tmp_path / "save"
+    shutil.copytree(ckpt.save_dir, save)
+    needle = tamper(ckpts, save, ckpt.tag)
+    r = run(reshard_bin, "gather", save, "-o", tmp_path / "out", *(["--fp32"] if fp32 else []))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -30,6 +31,20 @@ namespace {
   std::_Exit(reshard::cli::kExitInternal);
 }
 
+// An allocation that failed: a size an input claims (a chunk, a tensor, a count) that this
+// process cannot hold. Malformed or oversized input, not a bug: exit status 2, outputs removed.
+[[noreturn]] void EndByOutOfMemory() {
+  ::alarm(30);
+  reshard::RemoveTemporariesAndHold();
+  std::fprintf(stderr,
+               "reshard: out of memory (std::bad_alloc): an input claims more memory than this "
+               "process can have (a size in its metadata, or a limit such as ulimit -v); the "
+               "unfinished outputs were removed.\n");
+  std::fflush(stderr);
+  std::fflush(stdout);
+  std::_Exit(reshard::cli::kExitUsage);
+}
+
 // What an exception in flight is, for the message.
 std::string DescribeCurrentException() {
   try {
@@ -41,11 +56,22 @@ std::string DescribeCurrentException() {
   }
 }
 
+// Ends for the exception in flight: out of memory, or an internal error.
+[[noreturn]] void EndByCurrentException() {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    EndByOutOfMemory();
+  } catch (...) {
+    EndByInternalError(DescribeCurrentException());
+  }
+}
+
 // std::terminate's handler: an exception escaping a thread (or a noexcept function) ends here
 // instead of in abort().
 [[noreturn]] void OnTerminate() {
-  EndByInternalError(std::current_exception() ? DescribeCurrentException()
-                                              : "std::terminate called");
+  if (std::current_exception()) EndByCurrentException();
+  EndByInternalError("std::terminate called");
 }
 
 }  // namespace
@@ -77,7 +103,7 @@ int main(int argc, char** argv) {
   } catch (...) {
     // The stack is unwound by now, so every output's temporary has been removed by its owner;
     // anything left is removed here.
-    EndByInternalError(DescribeCurrentException());
+    EndByCurrentException();
   }
   EndProcesses();
   return exit_status;

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <unordered_set>
 
 namespace reshard::json {
 namespace {
@@ -49,95 +48,118 @@ Status CheckNesting(std::string_view text) {
   return Status::Ok();
 }
 
-// The parser's own account of why `text` is not JSON. The DOM parser does not report it
-// without throwing, so a second pass with a SAX handler that only records the error gets it.
-std::string DescribeSyntaxError(std::string_view text) {
-  struct ErrorSax : nlohmann::json_sax<Json> {
-    std::string message = "malformed JSON";
-    bool null() override { return true; }
-    bool boolean(bool) override { return true; }
-    bool number_integer(number_integer_t) override { return true; }
-    bool number_unsigned(number_unsigned_t) override { return true; }
-    bool number_float(number_float_t, const string_t&) override { return true; }
-    bool string(string_t&) override { return true; }
-    bool binary(binary_t&) override { return true; }
-    bool start_object(std::size_t) override { return true; }
-    bool key(string_t&) override { return true; }
-    bool end_object() override { return true; }
-    bool start_array(std::size_t) override { return true; }
-    bool end_array() override { return true; }
-    bool parse_error(std::size_t, const std::string&,
-                     const nlohmann::detail::exception& e) override {
-      // "[json.exception.parse_error.101] parse error at line 1, column 4: ..." -> from "parse
-      // error" on, cut to a readable length.
-      std::string_view what = e.what();
-      if (const size_t start = what.find("] "); start != std::string_view::npos) {
-        what.remove_prefix(start + 2);
-      }
-      if (what.size() > 200) what = what.substr(0, 200);
-      message = fmt::format("malformed JSON: {}", what);
-      return false;
+// Builds the DOM from the parser's events, refusing duplicate keys. Each event costs time in
+// proportion to its own size, never to its siblings' (nlohmann's callback parser rescans the
+// parent container at every object's end, quadratic in the number of objects).
+class DomBuilder : public nlohmann::json_sax<Json> {
+ public:
+  DomBuilder(Json& root, std::vector<std::string>* top_level_keys)
+      : root_(root), top_level_keys_(top_level_keys) {}
+
+  bool null() override { return Add(nullptr); }
+  bool boolean(bool v) override { return Add(v); }
+  bool number_integer(number_integer_t v) override { return Add(v); }
+  bool number_unsigned(number_unsigned_t v) override { return Add(v); }
+  bool number_float(number_float_t v, const string_t&) override { return Add(v); }
+  bool string(string_t& v) override { return Add(std::move(v)); }
+  bool binary(binary_t& v) override { return Add(Json::binary(std::move(v))); }
+  bool start_object(std::size_t) override { return Open(Json::object()); }
+  bool start_array(std::size_t) override { return Open(Json::array()); }
+  bool end_object() override { return Close(); }
+  bool end_array() override { return Close(); }
+
+  bool key(string_t& k) override {
+    Frame& top = stack_.back();
+    Json::object_t& object = *top.value->get_ptr<Json::object_t*>();
+    if (stack_.size() == 1 && top_level_keys_ != nullptr) top_level_keys_->push_back(k);
+    auto [it, inserted] = object.try_emplace(k);
+    if (!inserted && !error_) {
+      error_ = ErrorAt(PathOfTop(), fmt::format("duplicate key {}", QuoteShort(k)));
     }
+    // A duplicate's value goes to a scratch slot: the first one stays, the error says so.
+    slot_ = inserted ? &it->second : &scratch_;
+    top.key = std::move(k);
+    return true;
+  }
+
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    // "[json.exception.parse_error.101] parse error at line 1, column 4: ..." -> from "parse
+    // error" on, cut to a readable length.
+    std::string_view what = e.what();
+    if (const size_t start = what.find("] "); start != std::string_view::npos) {
+      what.remove_prefix(start + 2);
+    }
+    if (what.size() > 200) what = what.substr(0, 200);
+    syntax_error_ = fmt::format("malformed JSON: {}", what);
+    return false;
+  }
+
+  const std::optional<std::string>& syntax_error() const { return syntax_error_; }
+  const std::optional<Status>& error() const { return error_; }
+
+ private:
+  struct Frame {
+    Json* value = nullptr;
+    std::string key;  // the current member's key, for objects
   };
-  ErrorSax sax;
-  Json::sax_parse(text.begin(), text.end(), &sax);
-  return sax.message;
-}
+
+  // Where the next value goes: the root, the end of the open array, or the member just keyed.
+  Json* Place(Json value) {
+    if (stack_.empty()) {
+      root_ = std::move(value);
+      return &root_;
+    }
+    Json* parent = stack_.back().value;
+    if (Json::array_t* array = parent->get_ptr<Json::array_t*>()) {
+      array->push_back(std::move(value));
+      return &array->back();
+    }
+    *slot_ = std::move(value);
+    return slot_;
+  }
+  bool Add(Json value) {
+    Place(std::move(value));
+    return true;
+  }
+  bool Open(Json empty) {
+    Json* placed = Place(std::move(empty));
+    stack_.push_back(Frame{placed, {}});
+    return true;
+  }
+  bool Close() {
+    stack_.pop_back();
+    return true;
+  }
+  // The JSON path of the open container (for a duplicate key's message).
+  std::string PathOfTop() const {
+    std::string path;
+    for (size_t i = 0; i + 1 < stack_.size(); ++i) {
+      const Json& v = *stack_[i].value;
+      path = v.is_object() ? Member(path, stack_[i].key) : Element(path, v.size() - 1);
+    }
+    return path;
+  }
+
+  Json& root_;
+  std::vector<std::string>* top_level_keys_;
+  std::vector<Frame> stack_;
+  Json* slot_ = nullptr;
+  Json scratch_;
+  std::optional<std::string> syntax_error_;
+  std::optional<Status> error_;
+};
 
 // Parses text that holds no NUL byte (nlohmann's lexer reads a NUL as the end of the input).
 Result<Json> ParseWithoutNul(std::string_view text, std::vector<std::string>* top_level_keys) {
   RESHARD_RETURN_IF_ERROR(CheckNesting(text));
-  struct Frame {
-    bool is_object = false;
-    size_t count = 0;  // completed elements, for arrays
-    std::string key;   // current key, for objects
-    std::unordered_set<std::string> keys;
-  };
-  std::vector<Frame> stack;
-  std::optional<Status> error;
+  Json root;
   std::vector<std::string> keys_in_order;
-  auto path_of_top = [&] {
-    std::string path;
-    for (size_t i = 0; i + 1 < stack.size(); ++i) {
-      path = stack[i].is_object ? Member(path, stack[i].key) : Element(path, stack[i].count);
-    }
-    return path;
-  };
-  auto element_done = [&] {
-    if (!stack.empty() && !stack.back().is_object) ++stack.back().count;
-  };
-  Json::parser_callback_t callback = [&](int /*depth*/, Json::parse_event_t event,
-                                         Json& value) -> bool {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
-        stack.emplace_back();
-        stack.back().is_object = event == Json::parse_event_t::object_start;
-        break;
-      case Json::parse_event_t::key: {
-        if (stack.empty() || !value.is_string()) break;
-        Frame& top = stack.back();
-        top.key = *value.get_ptr<const Json::string_t*>();
-        if (!top.keys.insert(top.key).second && !error) {
-          error = ErrorAt(path_of_top(), fmt::format("duplicate key {}", QuoteShort(top.key)));
-        }
-        if (stack.size() == 1 && top_level_keys != nullptr) keys_in_order.push_back(top.key);
-        break;
-      }
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!stack.empty()) stack.pop_back();
-        element_done();
-        break;
-      case Json::parse_event_t::value:
-        element_done();
-        break;
-    }
-    return true;
-  };
-  Json root = Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return InvalidArgumentError(DescribeSyntaxError(text));
-  if (error) return *error;
+  DomBuilder builder(root, &keys_in_order);
+  const bool parsed = Json::sax_parse(text.begin(), text.end(), &builder);
+  if (!parsed || builder.syntax_error()) {
+    return InvalidArgumentError(builder.syntax_error().value_or("malformed JSON"));
+  }
+  if (builder.error()) return *builder.error();
   if (top_level_keys != nullptr) {
     *top_level_keys = root.is_object() ? std::move(keys_in_order) : std::vector<std::string>{};
   }

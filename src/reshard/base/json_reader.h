@@ -2,11 +2,11 @@
 // nlohmann/json, which public headers do not).
 //
 // Every JSON file reshard reads is untrusted, so reading is two passes:
-//   1. `ParseJson` builds a DOM from text. It refuses malformed JSON (with the parser's line
-//      and column), duplicate keys (the DOM would keep only the last one), nesting deeper than
-//      `kMaxJsonDepth` (checked before parsing, so no step grows with it) and any byte after
-//      the value but whitespace (a NUL would otherwise end the text early). It can record the
-//      order of the top-level keys, which the DOM sorts.
+//   1. `ParseJson` builds a DOM from text, in time linear in the text. It refuses malformed
+//      JSON (with the parser's line and column), duplicate keys (the DOM would keep only the
+//      last one), nesting deeper than `kMaxJsonDepth` (checked before parsing, so no step grows
+//      with it) and any byte after the value but whitespace (a NUL would otherwise end the text
+//      early). It can record the order of the top-level keys, which the DOM sorts.
 //   2. A typed walk over the DOM with the functions below. None throws: every value's type is
 //      checked before it is read, and each error names the JSON path of the value it refuses,
 //      outer to inner: `ranks["3"].pieces[1].source[1][0]: expected an integer, got 2.5`.

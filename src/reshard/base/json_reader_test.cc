@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "reshard/base/cpu_limit_testing.h"
 #include "reshard/base/json_writer.h"
 
 namespace reshard::json {
@@ -38,6 +39,35 @@ TEST(JsonReaderTest, DepthIsLimitedBeforeParsing) {
   EXPECT_TRUE(ParseJson(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']')).ok());
   EXPECT_EQ(Error(std::string(kMaxJsonDepth + 1, '[')),
             "JSON nests deeper than 128 levels (at byte 128)");
+}
+
+TEST(JsonReaderTest, DuplicateKeysKeepTheFirstValueAndSyntaxErrorsComeFirst) {
+  EXPECT_EQ(Error(R"([1, {"x": [2, {"y": 0, "y": {"z": 1}}]}])"), R"([1].x[1]: duplicate key "y")");
+  EXPECT_EQ(Error(R"({"a": 1, "a": 2, "b": })"),
+            "malformed JSON: parse error at line 1, column 23: syntax error while parsing value - "
+            "unexpected '}'; expected '[', '{', or a literal");
+}
+
+TEST(JsonReaderTest, WhatItParsesEqualsThePlainParse) {
+  const std::string text =
+      R"({"a": [1, -2, 3.5, "s", null, true, [], {}], "b": {"c": [{"d": [[0]]}]}, "é": 1})";
+  Result<Json> parsed = ParseJson("\xEF\xBB\xBF" + text);  // a BOM is skipped, as nlohmann does
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(*parsed, Json::parse(text));
+}
+
+// Many objects in one container cost in proportion to their number. 400 000 objects took 44 s
+// of CPU when each object's end rescanned its parent (nlohmann's callback parser); a linear parse
+// takes well under a second, so a 10 s CPU limit (SIGXCPU ends the child) catches only a square.
+TEST(JsonReaderDeathTest, ManyObjectsParseInLinearTime) {
+  const auto parse = [] {
+    std::string text = R"({"ignored": [)";
+    for (int i = 0; i < 400000; ++i) text += i == 0 ? R"({"a":1})" : R"(,{"a":1})";
+    text += "]}";
+    Result<Json> parsed = ParseJson(text);
+    return parsed.ok() && (*parsed)["ignored"].size() == 400000;
+  };
+  EXPECT_EXIT(test_support::RunUnderCpuLimit(10, parse), ::testing::ExitedWithCode(0), "");
 }
 
 TEST(JsonReaderTest, TopLevelKeysKeepFileOrder) {

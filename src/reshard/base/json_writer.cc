@@ -55,6 +55,14 @@ void Write(std::string& out, const OrderedJson& value, int inline_depth, size_t 
 
 }  // namespace
 
+void AppendMember(OrderedJson& object, std::string key, OrderedJson value) {
+  if (object.is_null()) object = OrderedJson::object();
+  // The members are a vector of (key, value) pairs: append to it without the search.
+  auto& members =
+      static_cast<OrderedJson::object_t::Container&>(*object.get_ptr<OrderedJson::object_t*>());
+  members.emplace_back(std::move(key), std::move(value));
+}
+
 std::string WriteJson(const OrderedJson& value, int inline_depth) {
   std::string out;
   Write(out, value, inline_depth, 0);

@@ -23,6 +23,11 @@ using OrderedJson = nlohmann::ordered_json;
 /// Depth of a param map's piece: {"source": [offset, [strides]]} is three levels.
 inline constexpr int kInlineDepth = 3;
 
+/// Appends the member `key` to `object` (an object, or null: it becomes one) in constant time.
+/// `key` must not be a member yet. ordered_json's operator[] searches the members first, so
+/// filling an object of n members with it costs n^2 key comparisons.
+void AppendMember(OrderedJson& object, std::string key, OrderedJson value);
+
 /// `value` as text, ending without a newline (see the header comment for the layout).
 std::string WriteJson(const OrderedJson& value, int inline_depth = kInlineDepth);
 

@@ -354,7 +354,8 @@ std::string ManifestToJson(const Manifest& m) {
   j["version"] = m.buffers.empty() ? kManifestVersion : kBufferedManifestVersion;
   j["world_size"] = m.world_size;
   json::OrderedJson& files = j["files"] = json::OrderedJson::object();
-  for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
+  for (size_t r = 0; r < m.files.size(); ++r)
+    json::AppendMember(files, std::to_string(r), m.files[r]);
   if (!m.constraints.empty()) j["constraints"] = ConstraintsToJson(m.constraints);
   if (!m.buffers.empty()) j["buffers"] = BufferSetToJsonValue(m.buffers);
   if (!m.model_config.empty()) {
@@ -369,7 +370,7 @@ std::string ManifestToJson(const Manifest& m) {
     if (auto tie = m.block_scales.find(p.name); tie != m.block_scales.end())
       param["block_scales"] = BlockScalesToJson(tie->second);
     param["map"] = ParamMapToJsonValue(p.map);
-    params[p.name] = std::move(param);
+    json::AppendMember(params, p.name, std::move(param));
   }
   return json::WriteJson(j) + "\n";
 }

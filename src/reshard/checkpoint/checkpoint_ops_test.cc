@@ -1,5 +1,6 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -9,7 +10,9 @@
 #include <map>
 #include <string>
 
+#include "reshard/base/cpu_limit_testing.h"
 #include "reshard/io/file.h"
+#include "reshard/layouts/basic.h"
 
 namespace reshard {
 namespace {
@@ -224,6 +227,27 @@ TEST(ScatterCopyTest, RangeCopiesWriteTheSameBytesAsCopiesThroughMemory) {
   EXPECT_EQ(outputs[0].size(), 3u);  // two rank files and the manifest
   EXPECT_TRUE(outputs[0] == outputs[1]);
   fs::remove_all(dir);
+}
+
+// A checkpoint of very many tensors: its manifest is written in time linear in them. Each
+// parameter's key was appended by searching the keys before it: for 10^5 keys 14 s of CPU for
+// the keys alone (`convert --tp 2` of a DCP checkpoint of 10^5 keys did not finish in 300 s).
+// Now the whole write takes 1-3 s.
+TEST(ManifestDeathTest, ManyTensorsAreWrittenInLinearTime) {
+  const auto write = [] {
+    Manifest m;
+    m.world_size = 2;
+    m.files = {{"model-rank-0-part-0.safetensors"}, {"model-rank-1-part-0.safetensors"}};
+    Result<ParamMap> map = ReplicatedMap({2}, 2);
+    if (!map.ok()) return false;
+    for (int i = 0; i < 100000; ++i) {
+      m.params.push_back(
+          ShardedParam{fmt::format("model.t{}.weight", i), DType::kF32, *map, std::nullopt, 1});
+    }
+    const std::string json = ManifestToJson(m);
+    return json.find("model.t99999.weight") != std::string::npos;
+  };
+  EXPECT_EXIT(test_support::RunUnderCpuLimit(10, write), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

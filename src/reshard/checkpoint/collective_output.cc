@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <exception>
 #include <filesystem>
 #include <iterator>
 #include <optional>
@@ -70,11 +71,15 @@ Status ForEachIndex(size_t count, int num_threads, const std::function<Status(si
   std::atomic<size_t> next{0};
   std::mutex mu;
   Status first;
-  auto worker = [&] {
+  // An exception (std::bad_alloc: a size an input claims that cannot be held) is carried to
+  // the calling thread and rethrown there once every worker is joined, rather than ending the
+  // process from a worker (std::terminate) with no word of what failed.
+  std::exception_ptr thrown;
+  auto work = [&] {
     while (true) {
       {
         std::lock_guard<std::mutex> lock(mu);
-        if (!first.ok()) return;
+        if (!first.ok() || thrown) return;
       }
       const size_t i = next.fetch_add(1);
       if (i >= count) return;
@@ -85,10 +90,19 @@ Status ForEachIndex(size_t count, int num_threads, const std::function<Status(si
       }
     }
   };
+  auto worker = [&] {
+    try {
+      work();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!thrown) thrown = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (std::thread& t : pool) t.join();
+  if (thrown) std::rethrow_exception(thrown);
   return first;
 }
 
@@ -97,6 +111,7 @@ WriteOptions OutputFileOptions(const CheckpointOptions& options) {
   o.sync = false;
   o.start_writeback = options.sync;
   o.copy_file_ranges = options.copy_file_ranges;
+  o.in_fresh_directory = true;
   return o;
 }
 

@@ -73,7 +73,9 @@ Status ForEachIndex(size_t count, int num_threads, const std::function<Status(si
 /// How an operation writes each of its output files: never synced one by one on its writer's
 /// thread (a thread would wait for the disk between two files); with options.sync, each file's
 /// writeback starts as it closes, so the disk works while the next files are written, and
-/// SyncOutputFiles then waits for all of them together, before the commit.
+/// SyncOutputFiles then waits for all of them together, before the commit. For files in the
+/// output directory's temporary (OutputDirectory::FilePath): no stale temporaries are looked
+/// for there, so writing n files costs n file creations, not n directory listings.
 WriteOptions OutputFileOptions(const CheckpointOptions& options);
 
 /// With options.sync and `written` OK: flushes this process's files (`names`, relative to the

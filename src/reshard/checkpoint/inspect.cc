@@ -12,6 +12,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
+#include "reshard/base/json_writer.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
@@ -54,7 +55,8 @@ ordered_json RanksJson(const ShardedParam& p) {
 ordered_json ShardedJson(const ShardedCheckpoint& c) {
   const Manifest& m = c.manifest();
   ordered_json files = ordered_json::object();
-  for (size_t r = 0; r < m.files.size(); ++r) files[std::to_string(r)] = m.files[r];
+  for (size_t r = 0; r < m.files.size(); ++r)
+    json::AppendMember(files, std::to_string(r), m.files[r]);
   ordered_json constraints = ordered_json::array();
   for (const DegreeConstraint& k : m.constraints) {
     constraints.push_back({{"module", k.module},

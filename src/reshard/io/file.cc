@@ -165,7 +165,7 @@ Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
   if (!options.overwrite && std::filesystem::exists(std::filesystem::path(path), ec)) {
     return AlreadyExistsError(fmt::format("\"{}\" already exists", path));
   }
-  RemoveStaleTemporaries(path);
+  if (!options.in_fresh_directory) RemoveStaleTemporaries(path);
   std::string tmp = TemporaryPathFor(path);
   int fd = -1;
   RESHARD_RETURN_IF_ERROR(CreateTemporary(tmp, [&]() -> Status {

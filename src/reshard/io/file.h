@@ -75,6 +75,10 @@ struct WriteOptions {
   /// copy_file_range(2): in the kernel, a reflink where the file system has them). Off: every
   /// byte is written from memory; the bytes written are the same.
   bool copy_file_ranges = true;
+  /// The file's directory is an output directory's temporary that this operation made
+  /// (checkpoint/output_dir.h): no earlier run left temporaries in it, so none is looked for.
+  /// Looking lists the directory, so writing n files there would list n^2 entries.
+  bool in_fresh_directory = false;
 };
 
 /// Copies `length` bytes of `in` from `in_offset` to `out` at its current position with

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
@@ -723,7 +724,18 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
   RESHARD_RETURN_IF_ERROR(out.Append(header));
   // One buffer, as large as the largest tensor, serves every fill in turn.
   std::unique_ptr<std::byte[]> buffer;
-  if (largest > 0) buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
+  if (largest > 0) {
+    try {
+      buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
+    } catch (const std::bad_alloc&) {
+      const size_t i =
+          static_cast<size_t>(std::find(sizes.begin(), sizes.end(), largest) - sizes.begin());
+      return InvalidArgumentError(fmt::format(
+          "tensor \"{}\" of shape [{}] needs {} bytes, more memory than this process can have "
+          "(is the shape its input declares real?)",
+          tensors[i].name, fmt::join(tensors[i].shape, ", "), largest));
+    }
+  }
   std::map<std::string, FileHandle> inputs;
   for (const size_t i : order) {
     const std::span<std::byte> bytes(buffer.get(), static_cast<size_t>(sizes[i]));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 
@@ -598,6 +599,96 @@ void AddUnwritten(const BoxedMaps& boxed, const AffineBox& t, ParamPlan& plan) {
   }
 }
 
+// The source boxes that may meet a box, found without trying every one: the boxes sorted by
+// their low end on one digit (the digit whose low ends differ most), under a tree of the
+// largest high end in each range of that order. A query visits the boxes that overlap it on
+// that digit and O(log n) tree nodes for each, so planning many small pieces costs in
+// proportion to the pieces, not to their square.
+class SourceBoxIndex {
+ public:
+  explicit SourceBoxIndex(const std::vector<AffineBox>& boxes) {
+    const size_t n = boxes.size();
+    if (n == 0 || boxes[0].lo.size() == 0) {
+      digit_ = -1;
+      order_.resize(n);
+      std::iota(order_.begin(), order_.end(), size_t{0});
+      return;
+    }
+    digit_ = MostVariedDigit(boxes);
+    const auto j = static_cast<size_t>(digit_);
+    order_.resize(n);
+    std::iota(order_.begin(), order_.end(), size_t{0});
+    std::sort(order_.begin(), order_.end(), [&](size_t a, size_t b) {
+      return std::tie(boxes[a].lo[j], a) < std::tie(boxes[b].lo[j], b);
+    });
+    lo_.resize(n);
+    hi_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      lo_[i] = boxes[order_[i]].lo[j];
+      hi_[i] = boxes[order_[i]].hi[j];
+    }
+    max_hi_.assign(4 * n, 0);
+    Build(1, 0, n);
+  }
+
+  // Calls f(s) for every source box s whose extent on the index's digit meets [lo, hi) of `t`
+  // (each once; the caller intersects the other digits).
+  template <typename F>
+  void ForEachCandidate(const AffineBox& t, F&& f) const {
+    if (digit_ < 0) {
+      for (size_t s : order_) f(s);
+      return;
+    }
+    const Index lo = t.lo[static_cast<size_t>(digit_)];
+    const Index hi = t.hi[static_cast<size_t>(digit_)];
+    const auto end =
+        static_cast<size_t>(std::lower_bound(lo_.begin(), lo_.end(), hi) - lo_.begin());
+    Visit(1, 0, order_.size(), end, lo, f);
+  }
+
+ private:
+  static int MostVariedDigit(const std::vector<AffineBox>& boxes) {
+    int best = 0;
+    size_t best_distinct = 0;
+    std::vector<Index> values(boxes.size());
+    for (size_t j = 0; j < boxes[0].lo.size(); ++j) {
+      for (size_t i = 0; i < boxes.size(); ++i) values[i] = boxes[i].lo[j];
+      std::sort(values.begin(), values.end());
+      const auto distinct =
+          static_cast<size_t>(std::unique(values.begin(), values.end()) - values.begin());
+      if (distinct > best_distinct) {
+        best = static_cast<int>(j);
+        best_distinct = distinct;
+      }
+    }
+    return best;
+  }
+
+  Index Build(size_t node, size_t l, size_t r) {
+    if (r - l == 1) return max_hi_[node] = hi_[l];
+    const size_t mid = l + (r - l) / 2;
+    return max_hi_[node] = std::max(Build(2 * node, l, mid), Build(2 * node + 1, mid, r));
+  }
+
+  // Boxes among positions [l, r) of the order, before `end`, whose high end is above `lo`.
+  template <typename F>
+  void Visit(size_t node, size_t l, size_t r, size_t end, Index lo, F& f) const {
+    if (l >= end || max_hi_[node] <= lo) return;
+    if (r - l == 1) {
+      f(order_[l]);
+      return;
+    }
+    const size_t mid = l + (r - l) / 2;
+    Visit(2 * node, l, mid, end, lo, f);
+    Visit(2 * node + 1, mid, r, end, lo, f);
+  }
+
+  int digit_ = -1;
+  std::vector<size_t> order_;   // box indices by low end on the digit
+  std::vector<Index> lo_, hi_;  // their extents on the digit, in that order
+  std::vector<Index> max_hi_;   // the tree: largest high end under each node
+};
+
 // Plans one target box: for each set of source holders of a part of it, picks a holder and
 // adds that holder's moves to `groups`.
 class TargetBoxPlanner {
@@ -608,6 +699,7 @@ class TargetBoxPlanner {
         source_(source),
         boxed_(boxed),
         options_(options),
+        index_(boxed.source_boxes),
         assigned_(static_cast<size_t>(source.world_size()), 0) {}
 
   Status Plan(const AffineBox& t, MoveGroups& groups) {
@@ -616,11 +708,11 @@ class TargetBoxPlanner {
     // set's boxes in ascending order).
     Region inter;
     meeting_.clear();
-    for (size_t s = 0; s < boxed_.source_boxes.size(); ++s) {
+    index_.ForEachCandidate(t, [&](size_t s) {
       if (Intersect(t, boxed_.source_boxes[s], inter)) {
         meeting_.push_back({&SourcePiece(boxed_.source_boxes[s]).locations, s});
       }
-    }
+    });
     std::sort(meeting_.begin(), meeting_.end(), [](const Meeting& a, const Meeting& b) {
       return *a.holders != *b.holders ? *a.holders < *b.holders : a.box < b.box;
     });
@@ -710,6 +802,7 @@ class TargetBoxPlanner {
   const ParamMap& source_;
   const BoxedMaps& boxed_;
   const ComposeOptions& options_;
+  const SourceBoxIndex index_;
   std::vector<Index> assigned_;
   std::vector<Meeting> meeting_;  // scratch of Plan
   std::vector<size_t> boxes_;     // scratch of Plan

@@ -198,11 +198,12 @@ json::OrderedJson BufferSetToJsonValue(const BufferSet& set) {
         }
         rank["padding"] = std::move(pads);
       }
-      ranks[std::to_string(r)] = std::move(rank);
+      json::AppendMember(ranks, std::to_string(r), std::move(rank));
     }
-    j[b.name] = {{"dtype", std::string(DTypeName(b.dtype))}};
-    if (b.fill != 0.0) j[b.name]["fill"] = b.fill;
-    j[b.name]["ranks"] = std::move(ranks);
+    json::OrderedJson buffer = {{"dtype", std::string(DTypeName(b.dtype))}};
+    if (b.fill != 0.0) buffer["fill"] = b.fill;
+    buffer["ranks"] = std::move(ranks);
+    json::AppendMember(j, b.name, std::move(buffer));
   }
   return j;
 }
@@ -459,7 +460,7 @@ json::OrderedJson ParamMapToJsonValue(const ParamMap& map) {
     if (shard.is_buffered()) entry["buffer"] = shard.buffer;
     entry["shard_shape"] = shard.shard_shape;
     entry["pieces"] = std::move(pieces);
-    ranks[std::to_string(r)] = std::move(entry);
+    json::AppendMember(ranks, std::to_string(r), std::move(entry));
   }
   return j;
 }
@@ -481,7 +482,9 @@ std::string MapDocumentToJson(const MapDocument& doc) {
   json::OrderedJson j;
   j["version"] = doc.buffers.empty() ? kMapDocumentVersion : kBufferedMapDocumentVersion;
   if (!doc.buffers.empty()) j["buffers"] = BufferSetToJsonValue(doc.buffers);
-  for (const auto& [name, map] : doc.params) j[EncodeParamKey(name)] = ParamMapToJsonValue(map);
+  for (const auto& [name, map] : doc.params) {
+    json::AppendMember(j, EncodeParamKey(name), ParamMapToJsonValue(map));
+  }
   return json::WriteJson(j) + "\n";
 }
 

@@ -21,25 +21,36 @@ std::vector<int> ExpertPlacement::HoldersOf(int e) const {
   return out;
 }
 
+std::vector<std::vector<ExpertSlot>> ExpertPlacement::SlotsByExpert() const {
+  std::vector<std::vector<ExpertSlot>> out(static_cast<size_t>(std::max(num_experts, 0)));
+  for (size_t k = 0; k < experts.size(); ++k) {
+    const auto& list = experts[k];
+    for (size_t i = 0; i < list.size(); ++i) {
+      out[static_cast<size_t>(list[i])].push_back({static_cast<int>(k), static_cast<Index>(i)});
+    }
+  }
+  return out;
+}
+
 Status ExpertPlacement::Validate() const {
   if (num_experts < 1) {
     return InvalidArgumentError(fmt::format("num_experts {} is not a positive count", num_experts));
   }
   if (experts.empty()) return InvalidArgumentError("an expert placement needs at least one rank");
   std::vector<int> held(static_cast<size_t>(num_experts), 0);
+  std::vector<size_t> last_rank(static_cast<size_t>(num_experts), experts.size());
   for (size_t k = 0; k < experts.size(); ++k) {
-    std::vector<int> seen;
     for (int e : experts[k]) {
       if (e < 0 || e >= num_experts) {
         return InvalidArgumentError(
             fmt::format("EP rank {} holds expert {}, outside the {} experts 0..{}", k, e,
                         num_experts, num_experts - 1));
       }
-      if (std::find(seen.begin(), seen.end(), e) != seen.end()) {
+      if (last_rank[static_cast<size_t>(e)] == k) {
         return InvalidArgumentError(
             fmt::format("EP rank {} names expert {} twice; a rank holds an expert once", k, e));
       }
-      seen.push_back(e);
+      last_rank[static_cast<size_t>(e)] = k;
       ++held[static_cast<size_t>(e)];
     }
   }
@@ -129,6 +140,7 @@ Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text) {
   ExpertPlacement p{static_cast<int>(num_experts),
                     std::vector<std::vector<int>>(static_cast<size_t>(ep_size))};
   std::vector<bool> listed(static_cast<size_t>(ep_size), false);
+  std::vector<Index> listed_on(static_cast<size_t>(num_experts), -1);  // last rank naming e
   for (size_t i = 0; i < ranks->size(); ++i) {
     const std::string path = json::Element("ranks", i);
     const json::Json& entry = (*ranks)[i];
@@ -152,11 +164,11 @@ Result<ExpertPlacement> ParseExpertPlacementJson(std::string_view text) {
       if (e < 0 || e >= num_experts) {
         return json::ErrorAt(at, fmt::format("expert {} is outside 0..{}", e, num_experts - 1));
       }
-      auto& list = p.experts[static_cast<size_t>(k)];
-      if (std::find(list.begin(), list.end(), static_cast<int>(e)) != list.end()) {
+      if (listed_on[static_cast<size_t>(e)] == k) {
         return json::ErrorAt(at, fmt::format("rank {} names expert {} twice", k, e));
       }
-      list.push_back(static_cast<int>(e));
+      listed_on[static_cast<size_t>(e)] = k;
+      p.experts[static_cast<size_t>(k)].push_back(static_cast<int>(e));
     }
   }
   for (Index k = 0; k < ep_size; ++k) {
@@ -285,11 +297,12 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
       }
     }
   }
+  const std::vector<std::vector<ExpertSlot>> slots = placement.SlotsByExpert();
   for (size_t mi = 0; mi < members.size(); ++mi) {
     const ExpertMember& m = members[mi];
     const Shape f_strides = RowMajorStrides(m.shape);
     for (int e = 0; e < placement.num_experts; ++e) {
-      const std::vector<int> holders = placement.HoldersOf(e);
+      const std::vector<ExpertSlot>& holders = slots[static_cast<size_t>(e)];
       ParamMapBuilder b;
       b.set_logical_shape(m.shape);
       b.set_world_size(world);
@@ -298,9 +311,7 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
         b.set_buffer(r, out.buffer.name);
       }
       for (int d = 0; d < order.dp; ++d) {
-        for (int k : holders) {
-          const auto& list = placement.experts[static_cast<size_t>(k)];
-          const Index slot = std::find(list.begin(), list.end(), e) - list.begin();
+        for (const auto [k, slot] : holders) {
           for (int t = 0; t < order.tp; ++t) {
             const Rank r = order.Of(k, t, d);
             const Shape b_strides = RowMajorStrides(buffer_shape[static_cast<size_t>(r)]);
@@ -319,12 +330,12 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
             // Every EP rank holding e holds this same slice: on its TP rank t, or, when the
             // member is not split, on all its TP ranks.
             for (int d2 = 0; d2 < order.dp; ++d2) {
-              for (int k2 : holders) {
+              for (const ExpertSlot& k2 : holders) {
                 if (m.split_dim >= 0) {
-                  piece.locations.push_back(order.Of(k2, t, d2));
+                  piece.locations.push_back(order.Of(k2.rank, t, d2));
                 } else {
                   for (int t2 = 0; t2 < order.tp; ++t2) {
-                    piece.locations.push_back(order.Of(k2, t2, d2));
+                    piece.locations.push_back(order.Of(k2.rank, t2, d2));
                   }
                 }
               }

@@ -31,6 +31,12 @@
 
 namespace reshard {
 
+/// Where one copy of an expert lives: an EP rank and the expert's slot in that rank's buffers.
+struct ExpertSlot {
+  int rank = 0;
+  Index slot = 0;
+};
+
 /// Which experts each EP rank holds, in slot order.
 struct ExpertPlacement {
   int num_experts = 0;
@@ -40,6 +46,9 @@ struct ExpertPlacement {
   int ep_size() const { return static_cast<int>(experts.size()); }
   /// The EP ranks holding expert `e`, ascending.
   std::vector<int> HoldersOf(int e) const;
+  /// For every expert 0..E-1, the copies of it by ascending EP rank, in one pass over the
+  /// placement (HoldersOf for every expert would cost E x the placement). Requires Validate().
+  std::vector<std::vector<ExpertSlot>> SlotsByExpert() const;
   /// Every expert 0..E-1 on at least one rank, none outside that range, none twice on one rank,
   /// at least one rank. InvalidArgument naming the rank and the expert otherwise.
   Status Validate() const;

@@ -3,6 +3,8 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 
 #include <fmt/format.h>
+// ZSTD_decompressBound (stable in the library since 1.4.0, still declared in the advanced section).
+#define ZSTD_STATIC_LINKING_ONLY
 #include <zstd.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <regex>
 #include <utility>
@@ -205,40 +208,59 @@ Result<DcpMetadata> ReadHfShards(const std::string& dir, const std::string& shar
   return out;
 }
 
+// Decompresses `in` into `out`, which ends up no larger than what the stream holds and never
+// beyond `max_bytes` (what the chunk needs). Memory follows the stream, bounded twice: by the
+// file (ZSTD_decompressBound: what these compressed bytes can hold at most) and by the claim;
+// `out` is reserved once at the smaller bound and filled through a small window, so it never
+// doubles or copies. A bound this process cannot allocate is refused naming the item.
 Status DecompressZstd(std::span<const std::byte> in, uint64_t max_bytes, std::string_view what,
                       std::vector<std::byte>& out) {
+  out.clear();
+  const unsigned long long bound = ZSTD_decompressBound(in.data(), in.size());
+  if (bound == ZSTD_CONTENTSIZE_ERROR) {
+    return DataLossError(fmt::format("{}: its zstd stream is corrupt (no valid frame)", what));
+  }
+  const uint64_t reserve = std::min<uint64_t>(bound, max_bytes);
+  try {
+    out.reserve(static_cast<size_t>(reserve));
+  } catch (const std::bad_alloc&) {
+    return DataLossError(fmt::format(
+        "{}: its zstd stream may decompress to {} bytes (the chunk's claimed size), more memory "
+        "than this process can have",
+        what, reserve));
+  }
   ZSTD_DCtx* ctx = ZSTD_createDCtx();
   if (ctx == nullptr) return InternalError("zstd: cannot create a decompression context");
-  out.clear();
+  std::vector<std::byte> window(std::min<size_t>(ZSTD_DStreamOutSize(), size_t{1} << 20) + 1);
   ZSTD_inBuffer input{in.data(), in.size(), 0};
-  size_t ret = 1;
+  Status status;
   while (true) {
-    if (out.size() == max_bytes && ret != 0) {
-      ZSTD_freeDCtx(ctx);
-      return DataLossError(
+    ZSTD_outBuffer output{window.data(), window.size(), 0};
+    const size_t ret = ZSTD_decompressStream(ctx, &output, &input);
+    if (ZSTD_isError(ret)) {
+      status = DataLossError(
+          fmt::format("{}: its zstd stream is corrupt ({})", what, ZSTD_getErrorName(ret)));
+      break;
+    }
+    if (output.pos > max_bytes - out.size()) {
+      status = DataLossError(
           fmt::format("{}: its zstd stream decompresses to more than the {} bytes its chunk needs",
                       what, max_bytes));
+      break;
     }
-    const size_t have = out.size();
-    const size_t grow = static_cast<size_t>(
-        std::min<uint64_t>(max_bytes - have, std::max<uint64_t>(have, uint64_t{1} << 20)));
-    out.resize(have + grow);
-    ZSTD_outBuffer output{out.data() + have, grow, 0};
-    ret = ZSTD_decompressStream(ctx, &output, &input);
-    out.resize(have + output.pos);
-    if (ZSTD_isError(ret)) {
-      const std::string why = ZSTD_getErrorName(ret);
-      ZSTD_freeDCtx(ctx);
-      return DataLossError(fmt::format("{}: its zstd stream is corrupt ({})", what, why));
+    if (output.pos > reserve - out.size()) {  // the file's bound is a bound: never reached
+      status = DataLossError(fmt::format("{}: its zstd stream is corrupt", what));
+      break;
     }
+    out.insert(out.end(), window.begin(), window.begin() + static_cast<std::ptrdiff_t>(output.pos));
     if (ret == 0 && input.pos == input.size) break;
-    if (input.pos == input.size && output.pos < grow) {
-      ZSTD_freeDCtx(ctx);
-      return DataLossError(fmt::format("{}: its zstd stream is truncated", what));
+    if (input.pos == input.size && output.pos < window.size()) {
+      status = DataLossError(fmt::format("{}: its zstd stream is truncated", what));
+      break;
     }
   }
   ZSTD_freeDCtx(ctx);
-  return Status::Ok();
+  return status;
 }
 
 }  // namespace

@@ -178,11 +178,52 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
 namespace {
 
 // A tensor to write: its DCP layout, the map its chunks are the shards of, and the plan from
-// the source's map to it.
+// the source's map to it, its moves grouped by the chunk they write.
 struct PlannedTensor {
   DcpTensorToWrite dcp;
   ParamPlan plan;
+  /// moves_into[c]: the indices in plan.moves of the moves into chunk c.
+  std::vector<std::vector<size_t>> moves_into;
 };
+
+// Groups the plan's moves by the chunk they write (one pass over the moves).
+void GroupMovesByChunk(PlannedTensor& t) {
+  t.moves_into.assign(t.dcp.chunks.size(), {});
+  // A 0-d tensor's target is replicated: rank 0's copy is the chunk.
+  if (t.dcp.shape.empty()) {
+    for (size_t i = 0; i < t.plan.moves.size(); ++i) {
+      if (t.plan.moves[i].dst_rank == 0 && !t.moves_into.empty()) t.moves_into[0].push_back(i);
+    }
+    return;
+  }
+  std::vector<size_t> chunk_of(static_cast<size_t>(t.plan.target_world), t.dcp.chunks.size());
+  for (size_t c = 0; c < t.dcp.chunks.size(); ++c) {
+    chunk_of[static_cast<size_t>(t.dcp.chunks[c].rank)] = c;
+  }
+  for (size_t i = 0; i < t.plan.moves.size(); ++i) {
+    const size_t c = chunk_of[static_cast<size_t>(t.plan.moves[i].dst_rank)];
+    if (c < t.dcp.chunks.size()) t.moves_into[c].push_back(i);
+  }
+}
+
+// The plan of the moves into chunk c alone, as a plan to a world of one target rank (so
+// executing it costs in proportion to the chunk's moves, not to the world size).
+ParamPlan ChunkPlan(const PlannedTensor& t, size_t c) {
+  ParamPlan moves;
+  moves.source_world = t.plan.source_world;
+  moves.target_world = 1;
+  moves.source_buffers = t.plan.source_buffers;
+  const Rank target = t.dcp.shape.empty() ? 0 : t.dcp.chunks[c].rank;
+  if (!t.plan.target_buffers.empty()) {
+    moves.target_buffers = {t.plan.target_buffers[static_cast<size_t>(target)]};
+  }
+  moves.moves.reserve(t.moves_into[c].size());
+  for (size_t i : t.moves_into[c]) {
+    moves.moves.push_back(t.plan.moves[i]);
+    moves.moves.back().dst_rank = 0;
+  }
+  return moves;
+}
 
 // The map whose rank-r shard is rank r's chunk (a 0-d tensor: replicated, of which rank 0's
 // copy is taken).
@@ -204,7 +245,7 @@ Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
   for (DcpTensorToWrite& t : tensors) {
     const ShardedParam& p = m.params[t.param];
     const std::string where = fmt::format("parameter \"{}\"", p.name);
-    PlannedTensor planned{std::move(t), {}};
+    PlannedTensor planned{std::move(t), {}, {}};
     if (ProductOf(planned.dcp.shape) > 0) {
       Result<ParamMap> target = ChunkMap(planned.dcp, world_size);
       if (!target.ok()) return target.status().Annotate(where);
@@ -212,9 +253,21 @@ Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
       if (!plan.ok()) return plan.status().Annotate(where);
       planned.plan = *std::move(plan);
     }
+    GroupMovesByChunk(planned);
     out.push_back(std::move(planned));
   }
   return out;
+}
+
+// The bytes of `param`'s replicated pieces (what comparing its replicas reads).
+uint64_t ReplicatedBytes(const ShardedParam& param) {
+  uint64_t bytes = 0;
+  for (const RankShard& s : param.map.ranks()) {
+    for (const Piece& piece : s.pieces) {
+      if (piece.is_replicated()) bytes += ElementBytes(piece.num_elements(), param.dtype);
+    }
+  }
+  return bytes;
 }
 
 ExecOptions ExecOptionsOf(const CheckpointOptions& options, int scale_power, int threads) {
@@ -225,6 +278,27 @@ ExecOptions ExecOptionsOf(const CheckpointOptions& options, int scale_power, int
   e.allow_lossy_scale = options.allow_lossy_scale;
   e.num_threads = threads;
   return e;
+}
+
+// chunks[r]: the (tensor, chunk) pairs rank r's file holds, in the order it writes them.
+using ChunksByRank = std::vector<std::vector<std::pair<size_t, size_t>>>;
+
+// Each rank's chunks, adding each chunk's bytes to its rank's `file_bytes` and its item (in
+// its rank's file, where it lies not known yet) to `items`.
+ChunksByRank ChunksOfRanks(const std::vector<PlannedTensor>& tensors, int world_size,
+                           std::vector<uint64_t>& file_bytes,
+                           std::vector<std::vector<DcpWrittenItem>>& items) {
+  ChunksByRank chunks(static_cast<size_t>(world_size));
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (size_t c = 0; c < tensors[t].dcp.chunks.size(); ++c) {
+      const DcpWriteChunk& chunk = tensors[t].dcp.chunks[c];
+      items[t].push_back({DcpFileName(chunk.rank), 0, 0});
+      file_bytes[static_cast<size_t>(chunk.rank)] +=
+          ElementBytes(ProductOf(chunk.sizes), tensors[t].dcp.dtype);
+      chunks[static_cast<size_t>(chunk.rank)].emplace_back(t, c);
+    }
+  }
+  return chunks;
 }
 
 // Items written by this process, as "tensor chunk offset length" lines.
@@ -272,13 +346,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
   // Rank files, their bytes, and the process writing each.
   std::vector<uint64_t> file_bytes(static_cast<size_t>(world_size), 0);
   std::vector<std::vector<DcpWrittenItem>> items(tensors.size());
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    for (const DcpWriteChunk& c : tensors[t].dcp.chunks) {
-      items[t].push_back({DcpFileName(c.rank), 0, 0});
-      file_bytes[static_cast<size_t>(c.rank)] +=
-          ElementBytes(ProductOf(c.sizes), tensors[t].dcp.dtype);
-    }
-  }
+  const ChunksByRank chunks_of = ChunksOfRanks(tensors, world_size, file_bytes, items);
   const std::vector<int> owners = BalanceByBytes(file_bytes, comm.size());
   std::vector<std::vector<bool>> mine(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
@@ -311,65 +379,42 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
         AtomicFileWriter file,
         AtomicFileWriter::Create(out.FilePath(name), OutputFileOptions(options)));
     uint64_t position = 0;
-    for (size_t t = 0; t < tensors.size(); ++t) {
+    for (const std::pair<size_t, size_t>& chunk_index : chunks_of[static_cast<size_t>(r)]) {
+      const size_t t = chunk_index.first;
+      const size_t c = chunk_index.second;
       const PlannedTensor& pt = tensors[t];
       const ShardedParam& param = m.params[pt.dcp.param];
-      for (size_t c = 0; c < pt.dcp.chunks.size(); ++c) {
-        const DcpWriteChunk& chunk = pt.dcp.chunks[c];
-        if (chunk.rank != r) continue;
-        const auto fill = [&](std::span<std::byte> buffer) -> Status {
-          if (buffer.empty()) return Status::Ok();
-          AcquiredShards shards(source, pt.dcp.param);
-          RESHARD_RETURN_IF_ERROR(shards.status());
-          if (options.verify_replicas) {
-            std::call_once(verify_once[t], [&] {
-              bytes_verified += [&] {
-                uint64_t bytes = 0;
-                for (const RankShard& s : param.map.ranks()) {
-                  for (const Piece& piece : s.pieces) {
-                    if (piece.is_replicated()) {
-                      bytes += ElementBytes(piece.num_elements(), param.dtype);
-                    }
-                  }
-                }
-                return bytes;
-              }();
-              verified[t] = VerifyReplicas(param.map, param.dtype, shards.shards(),
-                                           ExecOptionsOf(options, param.scale_power, 1));
-            });
-            RESHARD_RETURN_IF_ERROR(verified[t]);
-          }
-          ParamPlan moves;  // the moves into rank r's chunk
-          moves.source_world = pt.plan.source_world;
-          moves.target_world = pt.plan.target_world;
-          moves.source_buffers = pt.plan.source_buffers;
-          moves.target_buffers = pt.plan.target_buffers;
-          // A 0-d tensor's target is replicated: rank 0's copy is the chunk.
-          const Rank target = pt.dcp.shape.empty() ? 0 : r;
-          for (const Move& mv : pt.plan.moves) {
-            if (mv.dst_rank != target) continue;
-            moves.moves.push_back(mv);
-            bytes_read += ElementBytes(mv.num_elements(), param.dtype);
-          }
-          std::vector<MutableBuffer> targets(static_cast<size_t>(moves.target_world));
-          targets[static_cast<size_t>(target)] = {buffer.data(), ProductOf(chunk.sizes)};
-          RESHARD_RETURN_IF_ERROR(ExecutePlan(moves, param.dtype, shards.shards(), targets,
-                                              ExecOptionsOf(options, param.scale_power, 1)));
-          progress.Add(buffer.size());
-          return Status::Ok();
-        };
-        TorchTreeBuilder item;
-        const PickleNodeId root = item.Tensor(param.dtype, chunk.sizes, fill);
-        Result<uint64_t> length = item.AppendTo(file, root);
-        if (!length.ok()) {
-          return length.status().Annotate(fmt::format("tensor \"{}\", chunk at {} of \"{}\"",
-                                                      pt.dcp.key, FormatShape(chunk.offsets),
-                                                      name));
+      const DcpWriteChunk& chunk = pt.dcp.chunks[c];
+      const auto fill = [&](std::span<std::byte> buffer) -> Status {
+        if (buffer.empty()) return Status::Ok();
+        AcquiredShards shards(source, pt.dcp.param);
+        RESHARD_RETURN_IF_ERROR(shards.status());
+        if (options.verify_replicas) {
+          std::call_once(verify_once[t], [&] {
+            bytes_verified += ReplicatedBytes(param);
+            verified[t] = VerifyReplicas(param.map, param.dtype, shards.shards(),
+                                         ExecOptionsOf(options, param.scale_power, 1));
+          });
+          RESHARD_RETURN_IF_ERROR(verified[t]);
         }
-        items[t][c].offset = position;
-        items[t][c].length = *length;
-        position += *length;
+        const ParamPlan moves = ChunkPlan(pt, c);
+        bytes_read += ElementBytes(moves.num_moved_elements(), param.dtype);
+        std::vector<MutableBuffer> targets = {{buffer.data(), ProductOf(chunk.sizes)}};
+        RESHARD_RETURN_IF_ERROR(ExecutePlan(moves, param.dtype, shards.shards(), targets,
+                                            ExecOptionsOf(options, param.scale_power, 1)));
+        progress.Add(buffer.size());
+        return Status::Ok();
+      };
+      TorchTreeBuilder item;
+      const PickleNodeId root = item.Tensor(param.dtype, chunk.sizes, fill);
+      Result<uint64_t> length = item.AppendTo(file, root);
+      if (!length.ok()) {
+        return length.status().Annotate(fmt::format("tensor \"{}\", chunk at {} of \"{}\"",
+                                                    pt.dcp.key, FormatShape(chunk.offsets), name));
       }
+      items[t][c].offset = position;
+      items[t][c].length = *length;
+      position += *length;
     }
     return file.Commit();
   });

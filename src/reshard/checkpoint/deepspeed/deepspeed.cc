@@ -719,6 +719,13 @@ Status DeepSpeedReader::ReadExperts() {
   for (const auto& shapes : tp_shapes_) in.shapes.push_back(shapes.front());
   in.open = [this](const std::string& name) { return OpenFile(name); };
   in.where = [this](const TorchFile* f) { return Where(f); };
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(c_.tag_dir_, ec)) {
+    in.files.push_back(e.path().filename().string());
+  }
+  if (ec) {
+    return NotFoundError(fmt::format("\"{}\": cannot list it: {}", c_.tag_dir_, ec.message()));
+  }
   RESHARD_ASSIGN_OR_RETURN(std::optional<DeepSpeedExperts> experts, ReadAutoEpExperts(in));
   if (!experts) return Status::Ok();
   size_t kept = 0;
@@ -1230,23 +1237,6 @@ std::vector<Index> SamplePositions(const DeepSpeedShardParts& parts) {
   return out;
 }
 
-// Whether a module element (`dtype`) is the fp32 master weight rounded to that dtype, to
-// nearest even (NaN matches NaN).
-bool IsMasterRounded(DType dtype, const std::byte* module, const std::byte* master) {
-  float m;
-  std::memcpy(&m, master, sizeof m);
-  if (dtype == DType::kF32) {
-    float w;
-    std::memcpy(&w, module, sizeof w);
-    return std::memcmp(&w, &m, sizeof m) == 0 || (std::isnan(w) && std::isnan(m));
-  }
-  uint16_t w;
-  std::memcpy(&w, module, sizeof w);
-  const bool bf16 = dtype == DType::kBF16;
-  if ((bf16 ? FloatToBFloat16(m) : FloatToHalf(m)) == w) return true;
-  return std::isnan(m) && std::isnan(bf16 ? BFloat16ToFloat(w) : HalfToFloat(w));
-}
-
 // Whether TP rank r holds parameter `map` whole, as every other rank does (a replica of all of
 // F, element k of the flattened shard being element k of F).
 bool HeldWholeByEveryRank(const ParamMap& map) {
@@ -1265,6 +1255,21 @@ bool HeldWholeByEveryRank(const ParamMap& map) {
 }
 
 }  // namespace
+
+bool IsMasterRounded(DType dtype, const std::byte* module, const std::byte* master) {
+  float m;
+  std::memcpy(&m, master, sizeof m);
+  if (dtype == DType::kF32) {
+    float w;
+    std::memcpy(&w, module, sizeof w);
+    return std::memcmp(&w, &m, sizeof m) == 0 || (std::isnan(w) && std::isnan(m));
+  }
+  uint16_t w;
+  std::memcpy(&w, module, sizeof w);
+  const bool bf16 = dtype == DType::kBF16;
+  if ((bf16 ? FloatToBFloat16(m) : FloatToHalf(m)) == w) return true;
+  return std::isnan(m) && std::isnan(bf16 ? BFloat16ToFloat(w) : HalfToFloat(w));
+}
 
 // Every file records the DeepSpeed version and the configuration, every model-states file the
 // step it was saved at and the topology, every optimizer file the ZeRO stage, the partition

@@ -78,6 +78,11 @@ struct DeepSpeedFragment {
   Index offset = 0;  // elements into `tensor`
 };
 
+/// Whether a module element (`dtype`) is the fp32 master weight `master` rounded to that
+/// dtype, to nearest even (NaN matches NaN): what DeepSpeed's copy of the masters into the
+/// module after each step leaves.
+bool IsMasterRounded(DType dtype, const std::byte* module, const std::byte* master);
+
 /// One TP shard of one state as DeepSpeed keeps it: a DP map (the flattened shard -> its
 /// fragments) and where each of that map's ranks keeps its fragment.
 struct DeepSpeedShardParts {

@@ -9,10 +9,12 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <regex>
 #include <set>
 
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/exec/executor.h"
+#include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_writer.h"
 #include "reshard/ir/map_json.h"
@@ -77,6 +79,12 @@ Result<std::string> AutoEpAffineMapJson(const ExpertPlacement& placement,
   const Shape inner(logical_shape.begin() + 1, logical_shape.end());
   const Index per_expert = ProductOf(inner);
   const Shape source_strides = RowMajorStrides(logical_shape);
+  const std::vector<std::vector<ExpertSlot>> slots = placement.SlotsByExpert();
+  auto holders_of = [&](int e) {
+    std::vector<int> holders;
+    for (const ExpertSlot& s : slots[static_cast<size_t>(e)]) holders.push_back(s.rank);
+    return holders;
+  };
   Value ranks = Value::object();
   for (int k = 0; k < placement.ep_size(); ++k) {
     const std::vector<int>& experts = placement.experts[static_cast<size_t>(k)];
@@ -88,15 +96,15 @@ Result<std::string> AutoEpAffineMapJson(const ExpertPlacement& placement,
     for (size_t i = 1; i <= experts.size(); ++i) {
       // A run continues through consecutive ids held by this rank alone.
       const bool run = i < experts.size() && experts[i] == experts[i - 1] + 1 &&
-                       placement.HoldersOf(experts[i]).size() == 1 &&
-                       placement.HoldersOf(experts[i - 1]).size() == 1;
+                       slots[static_cast<size_t>(experts[i])].size() == 1 &&
+                       slots[static_cast<size_t>(experts[i - 1])].size() == 1;
       if (run) continue;
       Shape shape = inner;
       shape.insert(shape.begin(), static_cast<Index>(i - start));
       pieces.push_back({{"shape", shape},
                         {"source", {experts[start] * per_expert, source_strides}},
                         {"dest", {static_cast<Index>(start) * per_expert, dest_strides}},
-                        {"locations", placement.HoldersOf(experts[start])}});
+                        {"locations", holders_of(experts[start])}});
       start = i;
     }
     ranks[std::to_string(k)] = {{"shard_shape", shard}, {"pieces", pieces}};
@@ -181,6 +189,18 @@ Status ReadLayer(const AutoEpInput& in, const PickleTree& t, PickleNodeId entry,
   RESHARD_ASSIGN_OR_RETURN(layer.moe_layer_id, integer("moe_layer_id"));
   RESHARD_ASSIGN_OR_RETURN(layer.module_path, str("module_path"));
   RESHARD_ASSIGN_OR_RETURN(layer.prefix, str("expert_key_prefix"));
+  // AutoEP's layer at module_path holds its experts and its router: both named under it.
+  if (!layer.prefix.starts_with(layer.module_path + ".")) {
+    return InvalidArgumentError(
+        fmt::format("expert_key_prefix \"{}\" does not lie in module_path \"{}\" (AutoEP keeps "
+                    "a layer's experts in its module)",
+                    layer.prefix, layer.module_path));
+  }
+  if (const std::string router = layer.module_path + ".router.gate.weight";
+      std::find(in.names.begin(), in.names.end(), router) == in.names.end()) {
+    return InvalidArgumentError(fmt::format(
+        "module_path \"{}\": its router \"{}\" is not in param_shapes", layer.module_path, router));
+  }
   RESHARD_ASSIGN_OR_RETURN(const int num_experts, integer("num_experts"));
   RESHARD_ASSIGN_OR_RETURN(const int num_local, integer("num_local_experts"));
   RESHARD_ASSIGN_OR_RETURN(const int ep, integer("ep_size"));
@@ -294,6 +314,86 @@ Status ReadExpertFiles(const AutoEpInput& in, DeepSpeedExperts& out) {
         }
         p.spans[static_cast<size_t>(k)][Slot(DeepSpeedState::kModule)].push_back(
             {static_cast<Index>(slot) * n, n, {file, tensor, 0}});
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Every file of the tag dir named as an expert file is one a layer of ds_autoep_layers names:
+// a stray one (another run's, a larger world's) is refused rather than ignored.
+Status CheckNoStrayExpertFiles(const AutoEpInput& in, const DeepSpeedExperts& out) {
+  static const std::regex kExpertFile(
+      "layer_[0-9]+_expert_[0-9]+_mp_rank_[0-9]+_model_states\\.pt");
+  std::set<std::string> named;
+  for (const AutoEpLayer& layer : out.layers) {
+    const size_t files =
+        static_cast<size_t>(layer.placement.ep_size()) * layer.placement.experts[0].size();
+    for (size_t f = 0; f < files; ++f) {
+      named.insert(
+          fmt::format("layer_{}_expert_{}_mp_rank_00_model_states.pt", layer.moe_layer_id, f));
+    }
+  }
+  for (const std::string& name : in.files) {
+    if (!std::regex_match(name, kExpertFile) || named.contains(name)) continue;
+    return InvalidArgumentError(
+        fmt::format("\"{}\": an expert file that no layer of ds_autoep_layers names (they name "
+                    "{} expert files; a file from another run or another world size?)",
+                    name, named.size()));
+  }
+  return Status::Ok();
+}
+
+// The element at `k` of an EP rank's flattened shard, from the span holding it, or nullptr.
+const std::byte* SpanElement(const std::vector<AutoEpSpan>& spans, Index k, size_t size,
+                             const AutoEpSpan** holder) {
+  auto it = std::upper_bound(spans.begin(), spans.end(), k,
+                             [](Index v, const AutoEpSpan& s) { return v < s.start; });
+  if (it == spans.begin()) return nullptr;
+  --it;
+  if (k >= it->start + it->length) return nullptr;
+  *holder = &*it;
+  const TorchTensor& t = *it->where.tensor;
+  return it->where.file->storages()[t.storage].bytes.data() +
+         static_cast<size_t>(t.storage_offset + it->where.offset + (k - it->start)) * size;
+}
+
+// DeepSpeed copies the fp32 masters into the module after each step, experts included: every
+// element of an expert file is its master (in the expert-DP ranks' optimizer files, which the
+// run's metadata ties together) rounded to the module's dtype. The first and last elements of
+// every expert file and of every fragment are compared (a bounded sample), so an expert file
+// from another run is refused naming it.
+Status CheckExpertModulesAreMastersRounded(const AutoEpInput& in, const DeepSpeedExperts& out) {
+  constexpr Index kEnds = 16;
+  const size_t module_size = DTypeSize(out.module_dtype);
+  for (const AutoEpParam& p : out.params) {
+    for (size_t k = 0; k < p.spans.size(); ++k) {
+      const auto& module = p.spans[k][Slot(DeepSpeedState::kModule)];
+      const auto& master = p.spans[k][Slot(DeepSpeedState::kMaster)];
+      std::vector<Index> positions;
+      for (const auto* spans : {&module, &master}) {
+        for (const AutoEpSpan& s : *spans) {
+          for (Index i = 0; i < std::min(s.length, kEnds); ++i) positions.push_back(s.start + i);
+          for (Index i = std::max(kEnds, s.length - kEnds); i < s.length; ++i) {
+            positions.push_back(s.start + i);
+          }
+        }
+      }
+      std::sort(positions.begin(), positions.end());
+      positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
+      for (const Index at : positions) {
+        const AutoEpSpan* module_span = nullptr;
+        const AutoEpSpan* master_span = nullptr;
+        const std::byte* w = SpanElement(module, at, module_size, &module_span);
+        const std::byte* m = SpanElement(master, at, sizeof(float), &master_span);
+        if (w == nullptr || m == nullptr || IsMasterRounded(out.module_dtype, w, m)) continue;
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" does not belong with \"{}\": expert parameter \"{}\" (EP rank {}), element {} "
+            "of the file's expert is {} there but its fp32 master weight is {} (a file from "
+            "another run or another step?)",
+            in.where(module_span->where.file), in.where(master_span->where.file), p.name, k,
+            at - module_span->start, FormatElement(out.module_dtype, w),
+            FormatElement(DType::kF32, m)));
       }
     }
   }
@@ -423,6 +523,8 @@ Result<std::optional<DeepSpeedExperts>> ReadAutoEpExperts(const AutoEpInput& in)
         fmt::format("{}: the optimizer files of the {} DP ranks are missing", where, in.dp));
   }
   RESHARD_RETURN_IF_ERROR(ReadExpertPartitions(in, out));
+  RESHARD_RETURN_IF_ERROR(CheckNoStrayExpertFiles(in, out));
+  RESHARD_RETURN_IF_ERROR(CheckExpertModulesAreMastersRounded(in, out));
   return std::optional<DeepSpeedExperts>(std::move(out));
 }
 
@@ -545,10 +647,9 @@ class AutoEpGatherSource : public ShardSource {
       const AutoEpLayer& layer = ex.layers[p.layer];
       const Shape inner(p.ep_map.logical_shape().begin() + 1, p.ep_map.logical_shape().end());
       RESHARD_ASSIGN_OR_RETURN(ParamMap whole, ReplicatedMap(inner, 1));
+      const std::vector<std::vector<ExpertSlot>> slots = layer.placement.SlotsByExpert();
       for (int e = 0; e < layer.placement.num_experts; ++e) {
-        const int k = layer.placement.HoldersOf(e).front();
-        const auto& held = layer.placement.experts[static_cast<size_t>(k)];
-        const Index slot = std::find(held.begin(), held.end(), e) - held.begin();
+        const auto [k, slot] = slots[static_cast<size_t>(e)].front();
         manifest_.params.push_back(
             ShardedParam{fmt::format("{}.experts.{}.{}", BlockName(layer.module_path, names), e,
                                      names.weights.at(p.weight)),

@@ -113,6 +113,8 @@ struct AutoEpInput {
   std::vector<std::string> names;
   std::vector<size_t> groups;
   std::vector<Shape> shapes;
+  /// The names of the files in the tag dir (an expert file no layer names is refused).
+  std::vector<std::string> files;
   /// Opens a file of the tag dir (NotFound when missing).
   std::function<Result<const TorchFile*>(const std::string& name)> open;
   std::function<std::string(const TorchFile*)> where;
