@@ -136,12 +136,12 @@ def _buffer_to_dict(b: Buffer) -> dict[str, Any]:
 
 
 def read_buffers(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Optional[BufferSet]:
-    """The buffers of a map document (a path, JSON text or a dict) with its maps, or None when it
-    declares none (a version-1 document)."""
-    from ._maps import _document_text, read_maps
-    text = _document_text(source)
-    maps = read_maps(text)
-    decls = json.loads(_core.read_map_document_buffers(text))
+    """The buffers of a map document (a path, JSON text or a dict, as :func:`reshard.read_maps`
+    tells them apart) with its maps, or None when it declares none (a version-1 document)."""
+    from ._maps import _document
+    text, path = _document(source)
+    maps = {name: ParamMap(h) for name, h in _core.read_map_document(text, path)}
+    decls = json.loads(_core.read_map_document_buffers(text, path))
     if not decls:
         return None
     return BufferSet(decls, maps)
