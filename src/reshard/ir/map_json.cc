@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -201,7 +202,7 @@ json::OrderedJson BufferSetToJsonValue(const BufferSet& set) {
       ranks[std::to_string(r)] = std::move(rank);
     }
     j[b.name] = {{"dtype", std::string(DTypeName(b.dtype))}};
-    if (b.fill != 0.0) j[b.name]["fill"] = b.fill;
+    if (b.fill != 0.0 || std::signbit(b.fill)) j[b.name]["fill"] = b.fill;
     j[b.name]["ranks"] = std::move(ranks);
   }
   return j;
