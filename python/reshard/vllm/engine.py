@@ -255,6 +255,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
         report = {"model": self.model_config.model,
                   "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
+                  "dtype": str(self.model_config.dtype).replace("torch.", ""),
                   "params": _tensor_info(self.model), "open": self._open}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]

@@ -88,12 +88,14 @@ class _Client:
         return int(self._engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
 
 
-def engine_maps(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
+def engine_maps(model_dir: str, tensor_parallel_size: int, dtype: str = "auto"
+                ) -> dict[str, Any]:
     """The maps of every checkpoint tensor of the model in ``model_dir`` onto vLLM's workers
-    at ``tensor_parallel_size`` ranks, learned from vLLM (:func:`reshard.vllm.layout`)."""
+    at ``tensor_parallel_size`` ranks holding ``dtype`` (the engine's: ``LLM(dtype=...)``),
+    learned from vLLM (:func:`reshard.vllm.layout`)."""
     from .._maps import read_maps
     from .layout import layout
-    return dict(read_maps(layout(model_dir, tensor_parallel_size)))
+    return dict(read_maps(layout(model_dir, tensor_parallel_size, dtype=dtype)))
 
 
 def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
@@ -300,8 +302,8 @@ class WeightSync:
             raise WeightSyncError(f"the engine has {len(reports)} workers for tensor parallel "
                                   f"size {tp}; reshard syncs engines without pipeline or data "
                                   "parallelism")
-        if target_maps is None:
-            target_maps = engine_maps(first["model"], tp)
+        if target_maps is None:  # learned for the dtype the engine runs, not the config's
+            target_maps = engine_maps(first["model"], tp, first.get("dtype", "auto"))
         target = {n: json.loads(as_map(m).to_json()) for n, m in target_maps.items()}
         if dtypes is None:
             dtypes = {}
