@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Iterator, Mapping, NamedTuple, Optional, Union
 
 from . import _core
+from ._errors import MapError
 from ._maps import MapLike, ParamMap, Shape, View, as_map
 
 
@@ -29,7 +31,20 @@ class Buffer(NamedTuple):
     fill: float = 0.0
 
     def shape(self, rank: int) -> Shape:
-        return self.shapes[rank]
+        return self.shapes[_rank_of(rank, len(self.shapes), f"buffer {self.name!r}")]
+
+
+def _rank_of(rank: Any, world: int, what: str) -> int:
+    """``rank`` checked against a world of ``world`` ranks (an int, not a bool, and no negative
+    index from the end)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r}: {what} has ranks 0 .. {world - 1}")
+    return rank
+
+
+def _zero_fill(fill: float) -> bool:
+    """Whether a fill is +0.0, the default (-0.0 is a fill of its own)."""
+    return fill == 0.0 and math.copysign(1.0, fill) > 0
 
 
 def _buffer_from_dict(name: str, entry: Mapping[str, Any]) -> Buffer:
@@ -65,7 +80,14 @@ class BufferSet:
         if isinstance(decls, Mapping):
             decls_dict = dict(decls)
         else:
-            decls_dict = {b.name: _buffer_to_dict(b) for b in decls}
+            decls_dict = {}
+            for b in decls:
+                if not isinstance(b, Buffer):
+                    raise TypeError(f"buffers are reshard.Buffer values or a dict of "
+                                    f"declarations, got {type(b).__name__}")
+                if b.name in decls_dict:
+                    raise MapError(f"buffers: \"{b.name}\" is declared twice")
+                decls_dict[b.name] = _buffer_to_dict(b)
         self._maps = {name: as_map(m) for name, m in maps.items()}
         params = [(name, m._handle) for name, m in self._maps.items()]
         text = _core.write_map_document(params, json.dumps(decls_dict))
@@ -98,10 +120,13 @@ class BufferSet:
         (zero unless declared): torch tensors, or numpy arrays when ``like`` is a numpy array
         (dtypes from the declarations; numpy needs ml_dtypes for BF16 and FP8)."""
         from ._tensors import zeros_of
+        if self._buffers:
+            world = len(next(iter(self._buffers.values())).shapes)
+            _rank_of(rank, world, "the buffer set")
         out = {}
         for name, b in self._buffers.items():
             t = zeros_of(b.dtype, b.shapes[rank], like)
-            if b.fill != 0.0:
+            if not _zero_fill(b.fill):
                 t[...] = b.fill
             out[name] = t
         return out
@@ -121,6 +146,9 @@ class BufferSet:
 
 
 def _buffer_to_dict(b: Buffer) -> dict[str, Any]:
+    if b.padding and len(b.padding) != len(b.shapes):
+        raise MapError(f"buffers[\"{b.name}\"]: padding has {len(b.padding)} entries for "
+                       f"{len(b.shapes)} ranks (one tuple of blocks per rank, or none)")
     ranks: dict[str, Any] = {}
     for r, shape in enumerate(b.shapes):
         entry: dict[str, Any] = {"shape": list(shape)}
@@ -129,19 +157,19 @@ def _buffer_to_dict(b: Buffer) -> dict[str, Any]:
                                 for p in b.padding[r]]
         ranks[str(r)] = entry
     out: dict[str, Any] = {"dtype": b.dtype}
-    if b.fill != 0.0:
+    if not _zero_fill(b.fill):
         out["fill"] = b.fill
     out["ranks"] = ranks
     return out
 
 
 def read_buffers(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> Optional[BufferSet]:
-    """The buffers of a map document (a path, JSON text or a dict) with its maps, or None when it
-    declares none (a version-1 document)."""
-    from ._maps import _document_text, read_maps
-    text = _document_text(source)
-    maps = read_maps(text)
-    decls = json.loads(_core.read_map_document_buffers(text))
+    """The buffers of a map document (a path, JSON text or a dict, as :func:`reshard.read_maps`
+    tells them apart) with its maps, or None when it declares none (a version-1 document)."""
+    from ._maps import _document
+    text, path = _document(source)
+    maps = {name: ParamMap(h) for name, h in _core.read_map_document(text, path)}
+    decls = json.loads(_core.read_map_document_buffers(text, path))
     if not decls:
         return None
     return BufferSet(decls, maps)

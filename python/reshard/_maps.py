@@ -213,21 +213,37 @@ def infer(index_maps: Union[str, Mapping[str, Any]], *, allow_uncovered: bool = 
     return ParamMap(_core.infer(text, allow_uncovered))
 
 
-def _document_text(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> str:
+def _is_json_text(source: str) -> bool:
+    """Whether a str is a document's JSON text rather than a path: an object (``{`` ... ``}``,
+    after a byte-order mark and whitespace) that names no file."""
+    text = source.lstrip("\ufeff \t\r\n").rstrip(" \t\r\n")
+    return text.startswith("{") and text.endswith("}") and not os.path.lexists(source)
+
+
+def _document(source: Union[str, os.PathLike[str], Mapping[str, Any]]
+              ) -> tuple[Union[str, bytes], str]:
+    """A map document's text and the path it was read from ("" for text or a dict). A path is
+    read as the CLI reads its inputs (a FIFO nobody writes is refused at once)."""
     if isinstance(source, Mapping):
-        return json.dumps(source)
-    if isinstance(source, os.PathLike) or not str(source).lstrip().startswith("{"):
-        with open(source, encoding="utf-8") as f:
-            return f.read()
-    return str(source)
+        return json.dumps(source), ""
+    if isinstance(source, str) and _is_json_text(source):
+        return source, ""
+    path = os.fspath(source)
+    if not isinstance(path, str):
+        raise TypeError(f"a map document is a path, JSON text or a dict, got {type(path).__name__}")
+    if "\0" in path:
+        raise ValueError(f"embedded null byte in path {path!r}")
+    return _core.read_text_file(path), path
 
 
 def read_maps(source: Union[str, os.PathLike[str], Mapping[str, Any]]) -> dict[str, ParamMap]:
     """A map document (a path, JSON text or a dict) as ``{name: ParamMap}`` in file order;
     ``^name$`` keys are read as names; a bare param map is one entry named "". A version-2
-    document's buffers are checked with its maps (:func:`reshard.read_buffers` returns them)."""
-    text = _document_text(source)
-    return {name: ParamMap(h) for name, h in _core.read_map_document(text)}
+    document's buffers are checked with its maps (:func:`reshard.read_buffers` returns them).
+    A str is JSON text when it is an object (``{...}``, a byte-order mark allowed) and names no
+    file; otherwise a path, read as the CLI reads it."""
+    text, path = _document(source)
+    return {name: ParamMap(h) for name, h in _core.read_map_document(text, path)}
 
 
 def maps_to_json(maps: Mapping[str, MapLike]) -> str:

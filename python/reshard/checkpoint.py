@@ -19,7 +19,6 @@ import os
 from typing import Any, Callable, Mapping, Optional, Union
 
 from . import _core
-from ._errors import CheckpointError
 from ._buffers import BufferSet, read_buffers
 from ._maps import MapLike, as_map, read_maps
 
@@ -241,41 +240,32 @@ def load_rank(sharded_dir: PathLike, rank: int, *, weights_only: bool = True
     shards)`` with ``maps`` every parameter's :class:`reshard.ParamMap` (over all ranks) and
     ``shards`` rank ``rank``'s torch tensors by name (a buffer's name for the parameters a
     buffer holds: DESIGN 16), exactly what :class:`reshard.distributed.Redistributor` and
-    :class:`reshard.vllm.WeightSync` take. The manifest's checks apply (present, dtype,
-    shape). ``weights_only`` leaves out optimizer state (parameters with a ``scale_power``
-    other than 1, and ``.fp32`` master weights)."""
-    import warnings
-    import torch
+    :class:`reshard.vllm.WeightSync` take. The checkpoint is opened as ``reshard gather``
+    opens it, and refused alike (:class:`reshard.CheckpointError` with the CLI's message;
+    FileNotFoundError for a missing one): the manifest read strictly, and every rank's files
+    checked against it (each tensor present, of the manifest's dtype and shape, nothing else;
+    files inside the checkpoint, each serving one rank) before any data is read.
+    ``weights_only`` leaves out optimizer state (parameters with a ``scale_power`` other than
+    1, and ``.fp32`` master weights)."""
     from ._maps import ParamMap
     from ._tensors import zeros_of
     directory = _path(sharded_dir, "sharded_dir")
-    with open(os.path.join(directory, "reshard.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
-    world = int(manifest["world_size"])
+    ckpt = _core.ShardedCheckpoint.open(directory)
+    world = ckpt.world_size
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"rank {rank!r}: {directory} has ranks 0 .. {world - 1}")
-    maps: dict[str, Any] = {}
-    for name, entry in manifest["params"].items():
-        if weights_only and (int(entry.get("scale_power", 1)) != 1 or name.endswith(".fp32")):
-            continue
-        maps[name] = ParamMap.from_dict(entry["map"])
-    keys = {m.buffer(rank) or name for name, m in maps.items()}
+    params = ckpt.params()
+    kept = [not (weights_only and (scale_power != 1 or name.endswith(".fp32")))
+            for name, _, _, scale_power in params]
+    maps = {name: ParamMap(handle)
+            for (name, _, handle, _), keep in zip(params, kept) if keep}
     shards: dict[str, Any] = {}
-    for file in manifest["files"][str(rank)]:
-        for name, (dtype, shape, data) in _core.read_safetensors(
-                os.path.join(directory, file)).items():
-            if name not in keys:
-                continue
-            t = zeros_of(dtype, tuple(shape), None)
-            if t.numel():
-                with warnings.catch_warnings():  # read only, and copied at once
-                    warnings.simplefilter("ignore", UserWarning)
-                    raw = torch.frombuffer(data, dtype=torch.uint8)
-                t.view(-1).view(torch.uint8).copy_(raw)
-            shards[name] = t
-    missing = sorted(keys - set(shards))
-    if missing:
-        raise CheckpointError(f"{directory}: rank {rank}'s files hold no tensor {missing[:4]}")
+    for index, (name, dtype, shape, holders) in enumerate(ckpt.rank_tensors(rank)):
+        if not any(kept[i] for i in holders):
+            continue  # optimizer state only, or a buffer that is all padding
+        t = zeros_of(dtype, tuple(shape), None)
+        ckpt.copy_tensor(rank, index, t.data_ptr(), t.numel() * t.element_size())
+        shards[name] = t
     return maps, shards
 
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "reshard/base/dtype.h"
+#include "reshard/base/json_reader.h"
 #include "reshard/io/safetensors.h"
 
 namespace reshard::python {
@@ -59,6 +60,14 @@ py::dict ReadSafetensors(const std::string& path) {
                        py::bytes(reinterpret_cast<const char*>(data.data()), data.size()));
   }
   return out;
+}
+
+// JSON text read by the library's strict reader (duplicate keys, nesting past its bound, bytes
+// after the value refused), which must be an object: ValueError naming the problem otherwise.
+void CheckJsonObject(const std::string& text) {
+  Result<json::Json> value = json::ParseJson(text);
+  if (!value.ok()) Raise(value.status(), ErrorKind::kFile);
+  if (!value->is_object()) Raise(json::TypeError("", "an object", *value), ErrorKind::kFile);
 }
 
 std::map<std::string, std::string> SafetensorsMetadata(const std::string& path) {
@@ -153,6 +162,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("read_safetensors", &ReadSafetensors, py::arg("path"),
         "A safetensors file as {name: (dtype, shape, bytes)} in file order; ValueError naming "
         "the rule for a corrupt file.");
+  m.def("check_json_object", &CheckJsonObject, py::arg("text"),
+        "Reads JSON text strictly, as reshard reads its inputs; ValueError unless it is one "
+        "object.");
   m.def("safetensors_metadata", &SafetensorsMetadata, py::arg("path"),
         "The __metadata__ string map of a safetensors file (header only).");
   m.def("write_safetensors", &PyWriteSafetensors, py::arg("path"), py::arg("tensors"),

@@ -4,12 +4,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core.h"
+#include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
@@ -318,6 +320,73 @@ std::string PyInspect(const std::string& path, bool json) {
   return *std::move(report);
 }
 
+// A reshard sharded checkpoint opened as `reshard gather` opens it (ShardedCheckpoint::Open:
+// the manifest read strictly, every rank's files checked against it before any data is read),
+// for reshard.checkpoint.load_rank. Its files stay mapped while the object lives.
+class PyShardedCheckpoint {
+ public:
+  static std::shared_ptr<PyShardedCheckpoint> Open(const std::string& dir) {
+    Result<ShardedCheckpoint> ckpt = [&] {
+      py::gil_scoped_release release;
+      return ShardedCheckpoint::Open(dir);
+    }();
+    if (!ckpt.ok()) Raise(ckpt.status(), ErrorKind::kCheckpoint);
+    return std::make_shared<PyShardedCheckpoint>(*std::move(ckpt));
+  }
+  explicit PyShardedCheckpoint(ShardedCheckpoint ckpt) : ckpt_(std::move(ckpt)) {}
+
+  int world_size() const { return ckpt_.manifest().world_size; }
+
+  // [(name, dtype, map, scale_power)] in manifest order.
+  py::list Params() const {
+    py::list out;
+    for (const ShardedParam& p : ckpt_.manifest().params) {
+      out.append(
+          py::make_tuple(p.name, std::string(DTypeName(p.dtype)), MapHandle(p.map), p.scale_power));
+    }
+    return out;
+  }
+
+  // Rank `rank`'s tensors: [(name, dtype, shape, [indices into Params()])], a buffer once
+  // (with every parameter whose pieces it holds; none for a buffer that is all padding).
+  py::list RankTensors(Rank rank) const {
+    py::list out;
+    for (const RankTensor& t : RankTensorsOf(ckpt_.manifest(), CheckRank(rank))) {
+      out.append(py::make_tuple(t.name, std::string(DTypeName(t.dtype)),
+                                py::tuple(py::cast(t.shape)), py::cast(t.params)));
+    }
+    return out;
+  }
+
+  // Copies the bytes of rank `rank`'s tensor `index` (of RankTensors) to `address`, which
+  // holds `bytes` bytes (exactly the tensor's).
+  void CopyTensor(Rank rank, size_t index, uintptr_t address, uint64_t bytes) const {
+    const std::vector<RankTensor> tensors = RankTensorsOf(ckpt_.manifest(), CheckRank(rank));
+    if (index >= tensors.size() || tensors[index].params.empty()) {
+      throw py::index_error("rank " + std::to_string(rank) + " has no stored tensor " +
+                            std::to_string(index));
+    }
+    const std::span<const std::byte> data = ckpt_.shard(tensors[index].params.front(), rank);
+    if (data.size() != bytes) {
+      throw py::value_error("tensor \"" + tensors[index].name + "\" holds " +
+                            std::to_string(data.size()) + " bytes, not " + std::to_string(bytes));
+    }
+    py::gil_scoped_release release;
+    if (bytes) std::memcpy(reinterpret_cast<void*>(address), data.data(), bytes);
+  }
+
+ private:
+  Rank CheckRank(Rank rank) const {
+    if (rank < 0 || rank >= world_size()) {
+      throw py::index_error("rank " + std::to_string(rank) + " is outside the checkpoint's " +
+                            std::to_string(world_size()) + " ranks");
+    }
+    return rank;
+  }
+
+  ShardedCheckpoint ckpt_;
+};
+
 }  // namespace
 
 void BindFiles(py::module_& m) {
@@ -343,6 +412,13 @@ void BindFiles(py::module_& m) {
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));
+  py::class_<PyShardedCheckpoint, std::shared_ptr<PyShardedCheckpoint>>(m, "ShardedCheckpoint")
+      .def_static("open", &PyShardedCheckpoint::Open, py::arg("dir"))
+      .def_property_readonly("world_size", &PyShardedCheckpoint::world_size)
+      .def("params", &PyShardedCheckpoint::Params)
+      .def("rank_tensors", &PyShardedCheckpoint::RankTensors, py::arg("rank"))
+      .def("copy_tensor", &PyShardedCheckpoint::CopyTensor, py::arg("rank"), py::arg("index"),
+           py::arg("address"), py::arg("bytes"));
   m.def("parse_byte_size", [](const std::string& text) {
     Result<uint64_t> bytes = ParseByteSize(text);
     if (!bytes.ok()) Raise(bytes.status(), ErrorKind::kCheckpoint);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core.h"
+#include "reshard/io/file.h"
 #include "reshard/ir/canonicalize.h"
 #include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
@@ -32,10 +33,18 @@ Rank CheckRank(const ParamMapBuilder& map, Rank rank) {
   return rank;
 }
 
+// A map document's text, read from `path` ("" for text given as such) as the CLI reads it.
+Result<MapDocument> ParseDocument(const std::string& text, const std::string& path) {
+  Result<MapDocument> doc = ReadMapDocumentJson(text);
+  if (!doc.ok() && !path.empty()) return doc.status().Annotate("error reading \"" + path + "\"");
+  return doc;
+}
+
 // {"version": 1, ...} (or a bare map, named "") -> [(name, map)] in file order, every map
 // validated.
-std::vector<std::pair<std::string, MapHandle>> ReadDocument(const std::string& text) {
-  Result<MapDocument> doc = ReadMapDocumentJson(text);
+std::vector<std::pair<std::string, MapHandle>> ReadDocument(const std::string& text,
+                                                            const std::string& path) {
+  Result<MapDocument> doc = ParseDocument(text, path);
   if (!doc.ok()) Raise(doc.status(), ErrorKind::kMap);
   std::vector<std::pair<std::string, MapHandle>> out;
   for (auto& [name, map] : doc->params) out.emplace_back(name, MapHandle(std::move(map)));
@@ -56,8 +65,8 @@ std::string WriteDocument(std::vector<std::pair<std::string, MapHandle*>>& param
 }
 
 // A document's buffer declarations as JSON ("{}" when it has none), validated with its maps.
-std::string ReadDocumentBuffers(const std::string& text) {
-  Result<MapDocument> doc = ReadMapDocumentJson(text);
+std::string ReadDocumentBuffers(const std::string& text, const std::string& path) {
+  Result<MapDocument> doc = ParseDocument(text, path);
   if (!doc.ok()) Raise(doc.status(), ErrorKind::kMap);
   return BufferSetToJson(doc->buffers);
 }
@@ -146,9 +155,22 @@ void BindPlan(py::module_& m) {
 void BindMaps(py::module_& m) {
   BindMap(m);
   BindPlan(m);
-  m.def("read_map_document", &ReadDocument, py::arg("text"));
+  m.def("read_map_document", &ReadDocument, py::arg("text"), py::arg("path") = "");
   m.def("write_map_document", &WriteDocument, py::arg("params"), py::arg("buffers_json") = "");
-  m.def("read_map_document_buffers", &ReadDocumentBuffers, py::arg("text"));
+  m.def("read_map_document_buffers", &ReadDocumentBuffers, py::arg("text"), py::arg("path") = "");
+  // A whole file as the CLI reads its inputs (a FIFO with no writer refused at once, never
+  // waited on): bytes, or FileNotFoundError / MapError naming the file.
+  m.def(
+      "read_text_file",
+      [](const std::string& path) {
+        Result<std::string> text = [&] {
+          py::gil_scoped_release release;
+          return ReadFileToString(path);
+        }();
+        if (!text.ok()) Raise(text.status(), ErrorKind::kMap);
+        return py::bytes(*text);
+      },
+      py::arg("path"));
   m.def(
       "infer",
       [](const std::string& index_maps_json, bool allow_uncovered) {

@@ -286,3 +286,55 @@ def test_constant_buffers_hold_their_fill_and_model_files_are_copied(tmp_path, r
     decls["attn._k_scale"]["fill"] = 0.1
     with pytest.raises(reshard.MapError, match=r'fill: 0.1 is not exactly a BF16 value'):
         reshard.BufferSet(decls, {"q": qmap})
+
+
+def qkv_buffer(**fields):
+    """One buffer "B" [3, 2] over 2 ranks, q's rows 2r..2r+1 then a padding row, as a Buffer."""
+    pad = (reshard.Block((2,), (4, (1,))),)
+    b = dict(name="B", dtype="F32", shapes=((3, 2), (3, 2)), padding=(pad, pad))
+    b.update(fields)
+    return reshard.Buffer(**b)
+
+
+def q_into_b():
+    return {"q": {"logical_shape": [4, 2], "ranks": {str(r): {
+        "buffer": "B", "shard_shape": [3, 2],
+        "pieces": [{"shape": [2, 2], "source": [4 * r, [2, 1]], "dest": [0, [2, 1]],
+                    "locations": [r]}]} for r in range(2)}}}
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: reshard.BufferSet([qkv_buffer(), qkv_buffer()], q_into_b()), reshard.MapError,
+     r'buffers: "B" is declared twice'),
+    (lambda: reshard.BufferSet([qkv_buffer(padding=(qkv_buffer().padding[0],))], q_into_b()),
+     reshard.MapError, r'buffers\["B"\]: padding has 1 entries for 2 ranks'),
+    (lambda: reshard.BufferSet([qkv_buffer()], q_into_b()).empty(-1), ValueError,
+     r"rank -1: the buffer set has ranks 0 \.\. 1"),
+    (lambda: reshard.BufferSet([qkv_buffer()], q_into_b()).empty(True), ValueError,
+     r"rank True: the buffer set has ranks 0 \.\. 1"),
+    (lambda: reshard.BufferSet([qkv_buffer()], q_into_b()).empty(2), ValueError,
+     r"rank 2: the buffer set has ranks 0 \.\. 1"),
+    (lambda: reshard.BufferSet([qkv_buffer()], q_into_b()).empty(1.0), ValueError,
+     r"rank 1\.0: the buffer set has ranks 0 \.\. 1"),
+    (lambda: qkv_buffer().shape(-1), ValueError, r"rank -1: buffer 'B' has ranks 0 \.\. 1"),
+], ids=["same_name_twice", "short_padding", "rank_-1", "rank_True", "rank_past_world",
+        "rank_float", "buffer_shape_rank_-1"])
+def test_a_buffer_set_refuses_what_the_cli_refuses_naming_it(build, error, message):
+    """Two buffers of one name (the CLI refuses a duplicate key), a padding tuple short of the
+    ranks, and ranks outside the world (no index from the end, no bool): clear errors, never a
+    silent choice, a wrong rank or a bare IndexError."""
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_a_fill_of_negative_zero_keeps_its_sign():
+    buffers = reshard.BufferSet([qkv_buffer(fill=-0.0)], q_into_b())
+    assert str(buffers["B"].fill) == "-0.0"
+    assert json.loads(buffers.to_json())["buffers"]["B"]["fill"] == 0.0
+    assert '"fill": -0.0' in buffers.to_json()
+    assert str(reshard.read_buffers(buffers.to_json())["B"].fill) == "-0.0"
+    t = buffers.empty(0)["B"]
+    assert torch.signbit(t).all()
+    # +0.0 is the default, written as no fill at all.
+    assert "fill" not in json.loads(reshard.BufferSet([qkv_buffer()], q_into_b()).to_json())[
+        "buffers"]["B"]

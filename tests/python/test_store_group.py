@@ -100,3 +100,19 @@ def test_weight_sync_refuses_a_bad_overlap_processing_before_joining():
     with pytest.raises(WeightSyncError, match="overlap_processing must be True, False or "
                                               "None, got 'yes' \\(trainer process 0\\)"):
         WeightSync(None, {}, overlap_processing="yes")
+
+
+def test_weight_sync_learns_the_engine_layout_at_the_dtype_the_engine_runs(monkeypatch):
+    """The default target maps are learned for the dtype the workers report (an engine run at
+    float32 over a bfloat16 config), not at "auto" (the config's)."""
+    import reshard
+    from reshard.vllm import sync
+    m = reshard.ParamMap.from_dict(split_map([8, 6], 0, [4, 4]))
+    learned = []
+    monkeypatch.setattr(sync, "engine_maps", lambda model, tp, dtype="auto": (
+        learned.append((model, tp, dtype)) or {"w": m}))
+    reports = [{"model": "/models/m", "tp": 2, "rank": r, "dtype": "float32",
+                "params": {"w": ([4, 6], "torch.float32")}} for r in range(2)]
+    plan = sync.WeightSync._plan(None, reports, {"w": m}, None, None, 1 << 20)
+    assert learned == [("/models/m", 2, "float32")]
+    assert plan["dtypes"] == {"w": "float32"} and plan["error"] is None

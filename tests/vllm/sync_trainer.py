@@ -10,8 +10,46 @@ push (or a failing push) followed, on process 0, by greedy generation. Process 0
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
 
 import toy
+
+
+class DuringPush(Mapping):
+    """Shards that call ``during()`` when the push first reads one (the push is then under
+    way), once."""
+
+    def __init__(self, shards: dict, during: Callable[[], None]) -> None:
+        self._shards, self._during = shards, during
+
+    def __getitem__(self, name: str) -> Any:
+        during, self._during = self._during, None
+        if during is not None:
+            during()
+        return self._shards[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+
+def push_in_thread(sync: Any, shards: dict) -> dict:
+    """``sync.push(shards)`` on a thread of its own, waited for: what it returned or raised."""
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            out["stats"] = sync.push(shards).__dict__
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return out
 
 
 def run(spec: dict, rank: int) -> None:
@@ -29,6 +67,7 @@ def run(spec: dict, rank: int) -> None:
         llm = LLM(model=spec["model"], tensor_parallel_size=spec["engine_tp"],
                   enforce_eager=True, skip_tokenizer_init=True, dtype="float32",
                   kv_cache_memory_bytes=32 << 20, max_model_len=128,
+                  block_size=spec.get("block_size", 32),  # a long prompt fills a cached block
                   weight_transfer_config={"backend": "reshard"})
 
     def generate() -> list:
@@ -57,6 +96,16 @@ def run(spec: dict, rank: int) -> None:
                                                overlap_processing=step.get("overlap"))
                 stats = syncs["sync"].push(shards)
                 entry["stats"] = stats.__dict__
+            elif kind == "nan":  # every element NaN: generating fills KV blocks with NaN
+                nan = {n: torch.full_like(t, float("nan")) for n, t in shards.items()}
+                syncs["sync"].push(nan)
+            elif kind == "two_at_once":  # a second push, from another thread, mid-push
+                other = loaded[step["second"]][1]
+                second: dict = {}
+                stats = syncs["sync"].push(DuringPush(
+                    shards, lambda: second.update(push_in_thread(syncs["sync"], other))))
+                entry["stats"] = stats.__dict__
+                entry["second"] = second
             elif kind == "extra_name":  # the trainer has a tensor the engine lacks
                 bad = dict(maps)
                 bad["model.layers.0.mlp.extra.weight"] = maps["model.norm.weight"]

@@ -166,3 +166,109 @@ def test_tied_embeddings_are_one_parameter_under_the_name_vllm_keeps(tmp_path):
     assert "lm_head.weight" in doc["buffers"] and "model.embed_tokens.weight" not in doc["buffers"]
     got = rank_tensors(doc, full, 0)
     assert torch.equal(got["lm_head.weight"][:250], full["model.embed_tokens.weight"])
+
+
+def model_dir_of(tmp_path, config, tensors, drop=()):
+    """The toy model (config as a dict) with its tensors, less those of ``drop``."""
+    import toy
+    return toy.write(str(tmp_path), config, {k: v for k, v in tensors.items() if k not in drop})
+
+
+@pytest.mark.parametrize("missing, holder", [
+    ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
+    ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.qkv_proj.bias"),
+    ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"),
+    ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),
+], ids=["k_proj", "q_proj_bias", "up_proj", "down_proj"])
+def test_a_tensor_missing_from_the_checkpoint_is_refused_never_padding(tmp_path, missing, holder):
+    """The elements a missing tensor should have written (a fused parameter's K rows, its Q
+    bias) are no padding: padding is only what vLLM's loaders leave for every checkpoint (the
+    vocabulary's tail, the attention scales)."""
+    import toy
+    config = toy.llama_config()
+    model = model_dir_of(tmp_path, config, toy.weights(config, 1), drop=[missing])
+    with pytest.raises(reshard.vllm.LayoutError) as e:
+        reshard.vllm.layout(model, 1, dtype="float32", cache=False)
+    assert holder in str(e.value) and "written by no checkpoint tensor" in str(e.value)
+    if holder != missing:  # a fused parameter: the missing tensor by name
+        assert str(e.value).startswith(f"checkpoint tensor {missing!r} is missing"), e.value
+
+
+def lying(config_text):
+    return lambda d: (d / "config.json").write_text(config_text(json.loads(
+        (d / "config.json").read_text())))
+
+
+@pytest.mark.parametrize("lie, words, status", [
+    (lying(lambda c: json.dumps(dict(c, vocab_size=300))),
+     "loading checkpoint tensor 'lm_head.weight': AssertionError: \\(no message\\)", 1),
+    (lying(lambda c: json.dumps(dict(c, vocab_size=2 ** 31))),
+     "config.json does not describe this checkpoint", 1),
+    (lying(lambda c: json.dumps(c)[:-1] + ', "model_type": "mistral"}'),
+     'duplicate key "model_type"', 2),
+    (lying(lambda c: json.dumps(c)[:-1] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}"),
+     "nests deeper than 128 levels", 2),
+    (lying(lambda c: "[1, 2]"), "expected an object", 2),
+], ids=["vocab_past_rows", "vocab_2^31", "model_type_twice", "deep", "not_an_object"])
+def test_a_config_that_does_not_describe_the_checkpoint_is_a_layout_error(toy_llama, tmp_path,
+                                                                          lie, words, status):
+    """Refused with LayoutError naming the problem, before vLLM allocates what the config
+    claims (a vocabulary of 2^31 rows) or its reader recurses; malformed JSON is the
+    command's exit 2, a config that lies about the checkpoint its exit 1."""
+    import shutil
+    from reshard.vllm.__main__ import main
+    model = tmp_path / "model"
+    shutil.copytree(toy_llama, model)
+    lie(model)
+    with pytest.raises(reshard.vllm.LayoutError, match=words):
+        reshard.vllm.layout(model, 1, dtype="float32", cache=False)
+    assert main(["layout", str(model), "--no-cache", "-o", str(tmp_path / "o.json")]) == status
+    assert not (tmp_path / "o.json").exists()
+
+
+OLMO2 = """
+import sys, torch, transformers
+torch.manual_seed(3)
+config = transformers.Olmo2Config(vocab_size=250, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=False, eos_token_id=2, pad_token_id=0,
+                                  bos_token_id=1)
+transformers.Olmo2ForCausalLM(config).to(torch.float32).save_pretrained(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory):
+    """A toy OLMo2, which vLLM 0.32 serves through its Transformers backend (no model class
+    of its own). Written in a process of its own: once vLLM is imported, transformers' OLMo2
+    modules are vLLM's custom ops, which build only inside vLLM's config."""
+    out = tmp_path_factory.mktemp("olmo2")
+    subprocess.run([sys.executable, "-c", OLMO2, str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_model_of_the_transformers_backend_is_laid_out(olmo2, tp):
+    """vLLM builds it through its Transformers backend (transformers' modules, parameters in
+    the model config's dtype, q/k/v and gate/up fused); the layout learned holds what
+    transformers' plan gives each rank."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    model = olmo2
+    config = EngineArgs(model=str(model), dtype="float32", skip_tokenizer_init=True,
+                        enforce_eager=True).create_engine_config()
+    assert get_model_architecture(config.model_config)[0].__name__.startswith("Transformers")
+    doc = reshard.vllm.layout(model, tp, dtype="float32", cache=False)
+    full = hf_tensors(model)
+    p = "model.layers.0."
+    for r in range(tp):
+        got = rank_tensors(doc, full, r)
+        assert torch.equal(got[p + "self_attn.qkv_proj.weight"], torch.cat(
+            [rows(full[p + f"self_attn.{x}_proj.weight"], r, tp) for x in "qkv"]))
+        assert torch.equal(got[p + "mlp.gate_up_proj.weight"], torch.cat(
+            [rows(full[p + f"mlp.{x}_proj.weight"], r, tp) for x in ("gate", "up")]))
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert torch.equal(got[p + name + ".weight"], cols(full[p + name + ".weight"], r, tp))
+        assert torch.equal(got["model.norm.weight"], full["model.norm.weight"])
+        assert all(t.dtype == torch.float32 for t in got.values())

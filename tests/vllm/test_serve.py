@@ -136,6 +136,11 @@ def sessions(models, server, tmp_path_factory):
     push of A during which trainer process 1 is killed; a push of A, then a push of B during
     which trainer process 0 (the one that drives the server) is killed; new trainer processes
     pushing B."""
+    import reshard.vllm
+    # The engine's layout, learned once here into the session's cache (at the dtype the server
+    # runs, which its workers report): the trainers' TIMEOUT_S bounds a lost peer's hold on a
+    # push, not learning a layout on a loaded machine.
+    reshard.vllm.layout(models["model"], 2, dtype="float32")
     out = {"start": serve_trainer.completions(server["url"], PROMPTS, NEW_TOKENS)}
     out["url"] = run_trainers(models, server, tmp_path_factory.mktemp("url"), [
         {"name": "push B", "kind": "push", "weights": "B"},

@@ -16,7 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import toy  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1]]
+# The last prompt fills a KV block (the engine's blocks are 32 tokens), which the engine's
+# prefix cache keeps for the next request of that prompt.
+PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1], [(7 * i + 3) % 250 for i in range(40)]]
 NEW_TOKENS = 8
 # The first WeightSync processes each layer as it arrives (overlap_processing=True), the
 # later ones (the default on CPU) after the transfer.
@@ -34,6 +36,11 @@ STEPS = [
     {"name": "processing fails on one worker, overlapped", "kind": "processing_fails",
      "weights": "B", "overlap": True},
     {"name": "push B after, overlapped", "kind": "push", "weights": "B"},
+    {"name": "push NaN", "kind": "nan", "weights": "A"},
+    {"name": "push A after NaN", "kind": "push", "weights": "A"},
+    {"name": "push B, and A from another thread mid-push", "kind": "two_at_once",
+     "weights": "B", "second": "A"},
+    {"name": "push A after two at once", "kind": "push", "weights": "A"},
 ]
 
 
@@ -173,3 +180,30 @@ def test_processing_failing_on_one_worker_keeps_the_old_weights_on_all(session, 
         assert main[failed + 1]["tokens"] == models["expected"][after]
         seconds = main[failed + 1]["stats"]["worker_seconds"]
         assert seconds["process"] > 0 and seconds["commit"] > 0, seconds
+
+
+def test_nothing_computed_with_the_old_weights_answers_after_a_push(session, models):
+    """Every push above was followed by generating the same prompts, one of which fills a KV
+    block the prefix cache keeps: each gave the tokens of the weights pushed, not of the
+    blocks cached under the weights before. Weights of NaN leave NaN in the KV blocks their
+    requests used; the next push's tokens are still its own (the blocks were cleared)."""
+    main, other = session
+    nan = main[13]
+    assert "error" not in nan, nan
+    assert nan["tokens"] != models["expected"]["B"]
+    assert "error" not in main[14] and "error" not in other[13], (main[14], other[13])
+    assert main[14]["tokens"] == models["expected"]["A"]
+
+
+def test_a_second_push_mid_push_is_refused_on_every_process(session, models):
+    """Each trainer process starts a push of A from another thread while its push of B is
+    under way: refused at once with WeightSyncError on both processes; B's push completes and
+    the engine serves B; the next push works."""
+    main, other = session
+    for step in (main[15], other[14]):
+        assert "error" not in step, step
+        assert step["second"].get("error", "").startswith("WeightSyncError: a push of this "
+                                                          "WeightSync is in progress"), step
+    assert main[15]["tokens"] == models["expected"]["B"]
+    assert "error" not in main[16], main[16]
+    assert main[16]["tokens"] == models["expected"]["A"]

@@ -30,14 +30,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp {args.tp}: a tensor parallel size is at least 1")
-    from .layout import LayoutError, layout
+    from .layout import LayoutError, _MalformedInput, layout
     try:
         doc = layout(args.model_dir, args.tp, dtype=args.dtype, cache=not args.no_cache,
                      trust_remote_code=args.trust_remote_code)
     except ImportError as e:
         print(f"error: vLLM is not importable here: {e}", file=sys.stderr)
         return 3
-    except FileNotFoundError as e:
+    except (FileNotFoundError, _MalformedInput) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LayoutError as e:

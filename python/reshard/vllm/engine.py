@@ -127,6 +127,21 @@ def _experts_processed_again(layers: Iterable[torch.nn.Module]) -> Iterator[None
             del method.process_weights_after_loading
 
 
+def _clear_kv_caches(vllm_config: Any) -> None:
+    """Zeroes the KV cache of every attention layer of the worker. Blocks computed with the old
+    weights must not reach a request served by the new ones: the trainer's driving process
+    drops the prefix cache (requests in flight computed again), and the blocks' memory is
+    cleared here, since a freed block is handed to new requests as it is and a NaN left in it
+    by the old weights survives the attention's masking (0 * NaN)."""
+    seen: set[int] = set()
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        caches = getattr(layer, "kv_cache", None)
+        for t in caches if isinstance(caches, (list, tuple)) else (caches,):
+            if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                t.zero_()
+
+
 # The outcome of a push's transfer on one worker, agreed as the worst on any worker.
 _READY, _UNPROCESSED, _LOST = 0, 1, 2
 
@@ -255,6 +270,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
         report = {"model": self.model_config.model,
                   "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
+                  "dtype": str(self.model_config.dtype).replace("torch.", ""),
                   "params": _tensor_info(self.model), "open": self._open}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]
@@ -398,6 +414,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 _copy_and_restore_kernel_tensors(module, get_layerwise_info(module))
                 get_layerwise_info(module).reset()
             finalize_layerwise_reload(model, self.model_config)
+            _clear_kv_caches(self.vllm_config)
             times.append(time.perf_counter())
         except BaseException as e:
             self._restore(model, layers)
@@ -452,6 +469,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             comm.recv(t, 0)
             self.model.load_weights([(name, t)])
         finalize_layerwise_reload(self.model, self.model_config)
+        _clear_kv_caches(self.vllm_config)
         comm.gather_object(None)
 
     def _receive_raw(self) -> None:

@@ -49,6 +49,11 @@ class LayoutError(ValueError):
     the parameter, tensor and rank)."""
 
 
+class _MalformedInput(LayoutError):
+    """A file of the model directory that is not what its format says (``python -m
+    reshard.vllm`` exits 2 for it, 1 for another LayoutError)."""
+
+
 def cache_dir() -> Path:
     """Where layouts are cached: ``$RESHARD_CACHE_DIR/vllm``, else
     ``$XDG_CACHE_HOME/reshard/vllm``, else ``~/.cache/reshard/vllm``."""
@@ -87,6 +92,7 @@ def layout(model_dir: PathLike, tensor_parallel_size: int = 1, *, dtype: str = "
                          f"got {tensor_parallel_size!r}")
     model_dir = os.fspath(model_dir)
     tensors = _checkpoint_tensors(model_dir)
+    _check_config(model_dir)
     import vllm  # noqa: F401  (ImportError early, before any work)
     key = _cache_key(model_dir, tensors, tensor_parallel_size, dtype, trust_remote_code)
     path = cache_dir() / f"{key}.json"
@@ -128,6 +134,20 @@ def _checkpoint_tensors(model_dir: str) -> list[tuple[str, tuple[int, ...], str]
                 out.append((tensor, tuple(int(x) for x in info["shape"]), str(info["dtype"])))
     out.sort()
     return out
+
+
+def _check_config(model_dir: str) -> None:
+    """config.json read by reshard's strict JSON reader before vLLM and transformers read it:
+    a duplicated key (which they would take the last of), nesting past the reader's bound
+    (which would exhaust their recursion) or anything but one JSON object is refused."""
+    from .. import _core
+    path = os.path.join(model_dir, "config.json")
+    try:
+        _core.check_json_object(_core.read_text_file(path))
+    except FileNotFoundError:
+        raise
+    except ValueError as e:
+        raise _MalformedInput(f"{path}: {e}") from None
 
 
 def _cache_key(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: int,
@@ -221,20 +241,97 @@ def _unique_state(model: Any) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
+@contextlib.contextmanager
+def _marker_build(config: Any, meta: bool = False) -> Iterator[None]:
+    """vLLM's model built for markers: float64 parameters (vLLM's own layers take torch's
+    default dtype, its Transformers backend the model config's, so both are set), on the meta
+    device with ``meta`` (nothing allocated: vLLM's layers follow torch's default device, the
+    Transformers backend the device config's)."""
+    import torch
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    model_config, device_config = config.model_config, config.device_config
+    saved = model_config.dtype, device_config.device
+    model_config.dtype = torch.float64
+    if meta:
+        device_config.device = torch.device("meta")
+    try:
+        with set_default_torch_dtype(torch.float64), \
+                torch.device("meta" if meta else "cpu"):
+            yield
+    finally:
+        model_config.dtype, device_config.device = saved
+
+
+def _built(config: Any, rank: int, tp: int, meta: bool = False) -> Any:
+    """Rank ``rank``'s model as vLLM builds it (see _marker_build); what vLLM raises for a
+    config it cannot build is a LayoutError."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+    config.compilation_config.static_forward_context.clear()
+    try:
+        with _marker_build(config, meta):
+            return initialize_model(config)
+    except LayoutError:
+        raise
+    except (AssertionError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        raise LayoutError(f"rank {rank} of {tp}: vLLM could not build the model of config.json: "
+                          f"{type(e).__name__}: {str(e) or '(no message)'}") from None
+
+
+def _check_size(config: Any, tp: int, checkpoint_elements: int) -> None:
+    """Refuses, before anything is allocated, a model whose config.json makes one rank hold
+    far more than the checkpoint has (a rank holds each element at most once, beside vLLM's
+    padding of the vocabulary and its constants): a config that does not describe the
+    checkpoint, which would size the marker model (8 bytes an element) by its claims."""
+    with _parallel_state(0, tp):
+        model = _built(config, 0, tp, meta=True)
+        held = sum(t.numel() for t in model.state_dict().values())
+        del model
+    limit = 2 * checkpoint_elements + (1 << 20)
+    if held > limit:
+        raise LayoutError(f"config.json describes a model whose rank 0 of {tp} holds {held} "
+                          f"elements, but the checkpoint has {checkpoint_elements}: config.json "
+                          f"does not describe this checkpoint (vocab_size, hidden_size, "
+                          f"intermediate_size, num_hidden_layers)")
+
+
+def _required(model: Any) -> dict[str, Optional[int]]:
+    """How much of each entry of the state dict vLLM's loaders must write, in leading flat
+    elements (None: all of it). A vocabulary embedding's rank holds its rows of the vocabulary,
+    then rows vLLM pads; a registered buffer (the attention scales) is a constant vLLM holds
+    when no checkpoint tensor writes it (0)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    out: dict[str, Optional[int]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = module_name + "." if module_name else ""
+        indices = getattr(module, "shard_indices", None)
+        for name, t in module.named_parameters(recurse=False):
+            rows = None
+            if isinstance(module, VocabParallelEmbedding) and indices is not None and t.dim():
+                rows = int(indices.num_org_elements) * (t.numel() // max(t.shape[0], 1))
+            out[prefix + name] = rows
+        for name, _ in module.named_buffers(recurse=False):
+            out[prefix + name] = 0
+    return out
+
+
+# One parameter of a rank after loading markers: markers (flat int64), shape, the value it was
+# built with when that is one constant (else None), safetensors dtype, and the leading elements
+# the checkpoint must write (see _required).
+_Observed = tuple[Any, tuple[int, ...], Optional[float], str, Optional[int]]
+
+
 def _observe_rank(config: Any, rank: int, tp: int,
                   tensors: list[tuple[str, tuple[int, ...], str]],
-                  bases: list[int]) -> dict[str, tuple[Any, tuple[int, ...], Optional[float], str]]:
-    """Rank `rank`'s parameters after loading markers: {name: (markers, flat int64; shape;
-    the value it was built with when that is one constant, else None; safetensors dtype)}."""
+                  bases: list[int]) -> tuple[dict[str, _Observed], dict[str, list[str]]]:
+    """Rank `rank`'s parameters after loading markers, and the model's packed modules (vLLM's
+    ``packed_modules_mapping``: a fused module's name -> the checkpoint modules it holds)."""
     import torch
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     with _parallel_state(rank, tp):
-        config.compilation_config.static_forward_context.clear()
-        with set_default_torch_dtype(torch.float64), torch.device("cpu"):
-            model = initialize_model(config)
+        model = _built(config, rank, tp)
         state = _unique_state(model)
+        required = _required(model)
+        packed = dict(getattr(model, "packed_modules_mapping", None) or {})
         initial = {}
         with torch.no_grad():
             for name, t in state.items():
@@ -243,14 +340,24 @@ def _observe_rank(config: Any, rank: int, tp: int,
                 initial[name] = float(flat[0]) if uniform else None
                 t.zero_()
 
+            loading: list[str] = []
+
             def markers() -> Iterator[tuple[str, Any]]:
                 for (name, shape, _), base in zip(tensors, bases):
                     n = 1
                     for d in shape:
                         n *= d
+                    loading[:] = [name]
                     yield name, (torch.arange(n, dtype=torch.float64) + (base + 1)).reshape(shape)
 
-            model.load_weights(markers())
+            try:
+                model.load_weights(markers())
+            except (AssertionError, ValueError, TypeError, KeyError, IndexError,
+                    RuntimeError) as e:
+                at = f" loading checkpoint tensor {loading[0]!r}" if loading else ""
+                raise LayoutError(f"rank {rank} of {tp}: vLLM's loader failed{at}: "
+                                  f"{type(e).__name__}: {str(e) or '(no message)'}; config.json may "
+                                  f"not describe the checkpoint") from None
         out = {}
         for name, t in state.items():
             flat = t.detach().reshape(-1)
@@ -271,9 +378,52 @@ def _observe_rank(config: Any, rank: int, tp: int,
             dname = _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""))
             if dname is None:
                 raise LayoutError(f"parameter {name!r}: dtype {t.dtype} has no safetensors name")
-            out[name] = (ints, tuple(t.shape), initial[name], dname)
+            out[name] = (ints, tuple(t.shape), initial[name], dname, required.get(name))
         del model
-        return out
+        return out, packed
+
+
+def _missing_tensors(pname: str, present: list[str], packed: Mapping[str, list[str]],
+                     names: set[str]) -> list[str]:
+    """The checkpoint tensors a fused parameter lacks: where vLLM packs its module
+    (``qkv_proj`` holds ``q_proj``, ``k_proj``, ``v_proj``), the siblings of the tensors that
+    land in it (or, when none does, the modules named in its own name) that the checkpoint
+    does not have."""
+    parts = pname.split(".")
+    subs = packed.get(parts[-2], []) if len(parts) > 1 else []
+    expected = set()
+    for name in present or [pname]:
+        p = name.split(".")
+        at = [i for i, part in enumerate(p) if part in subs or part == parts[-2]]
+        if subs and at:
+            expected |= {".".join(p[:at[-1]] + [sub] + p[at[-1] + 1:]) for sub in subs}
+    return sorted(expected - names)
+
+
+def _check_loaded(ranks: list[dict[str, _Observed]], packed: Mapping[str, list[str]],
+                  holders: Mapping[str, set[str]], names: set[str], tp: int) -> None:
+    """Every element of a parameter that vLLM's loaders write for any checkpoint is written by
+    one of this checkpoint's tensors. What they leave for every checkpoint is not data: a
+    vocabulary embedding's rows past the vocabulary (vLLM pads it) and the constants vLLM holds
+    as buffers (the attention scales); anything else unwritten is a tensor the checkpoint
+    lacks, refused by name, never declared padding."""
+    import torch
+    for pname in ranks[0]:
+        for r, params in enumerate(ranks):
+            ints, _, _, _, required = params[pname]
+            need = ints[:required] if required is not None else ints
+            unwritten = need.numel() - int(torch.count_nonzero(need))
+            if not unwritten:
+                continue
+            present = sorted(holders.get(pname, ()))
+            missing = _missing_tensors(pname, present, packed, names)
+            where = (f"{unwritten} of the {ints.numel()} elements of vLLM's parameter {pname!r} "
+                     f"on rank {r} of {tp} are written by no checkpoint tensor")
+            if missing:
+                raise LayoutError(f"checkpoint tensor {missing[0]!r} is missing: {where} "
+                                  f"(it holds {present})")
+            raise LayoutError(f"{where} (it holds {present[:4]}); the checkpoint lacks a tensor "
+                              f"vLLM loads into it")
 
 
 def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: int, dtype: str,
@@ -294,7 +444,10 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
                           f"markers (at most 2^53)")
     config = _engine_config(model_dir, tp, dtype, trust_remote_code)
     model_dtype = _TORCH_TO_SAFETENSORS[str(config.model_config.dtype).replace("torch.", "")]
-    ranks = [_observe_rank(config, r, tp, tensors, bases) for r in range(tp)]
+    _check_size(config, tp, bases[-1])
+    observed_ranks = [_observe_rank(config, r, tp, tensors, bases) for r in range(tp)]
+    ranks = [params for params, _ in observed_ranks]
+    packed = observed_ranks[0][1]
     names = list(ranks[0])
     for r, params in enumerate(ranks):
         if list(params) != names:
@@ -306,7 +459,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     holders: dict[int, dict[str, dict[int, tuple[Any, Any]]]] = {}
     written_any: dict[str, bool] = {name: False for name in names}
     for r, params in enumerate(ranks):
-        for pname, (ints, _, _, _) in params.items():
+        for pname, (ints, _, _, _, _) in params.items():
             pos = torch.nonzero(ints).reshape(-1)
             if pos.numel() == 0:
                 continue
@@ -322,6 +475,12 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
                 start += c
                 per_param = holders.setdefault(tid, {})
                 per_param.setdefault(pname, {})[r] = (pos[sl], g[sl] - bases[tid])
+
+    in_param: dict[str, set[str]] = {}
+    for tid, per_param in holders.items():
+        for pname in per_param:
+            in_param.setdefault(pname, set()).add(tensors[tid][0])
+    _check_loaded(ranks, packed, in_param, {t[0] for t in tensors}, tp)
 
     maps: dict[str, Any] = {}
     buffered: set[str] = set()
@@ -340,7 +499,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
             by_rank[r][0].numel() == ranks[r][pname][0].numel() for r in range(tp))
         observed: list[tuple[int, Sequence[int], str, Any]] = []
         for r in range(tp):
-            ints, pshape, _, _ = ranks[r][pname]
+            ints, pshape, _, _, _ = ranks[r][pname]
             index_map = torch.full((ints.numel(),), -1, dtype=torch.int64)
             if r in by_rank:
                 pos, off = by_rank[r]
@@ -367,7 +526,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     return dict(doc)
 
 
-def _buffer_decl(pname: str, per_rank: list[tuple[Any, Any, Optional[float], str]],
+def _buffer_decl(pname: str, per_rank: list[_Observed],
                  model_dtype: str, written: bool) -> dict[str, Any]:
     import torch
     dtype = per_rank[0][3]
@@ -384,7 +543,7 @@ def _buffer_decl(pname: str, per_rank: list[tuple[Any, Any, Optional[float], str
         if fill:
             entry["fill"] = fill
     ranks = {}
-    for r, (ints, shape, _, _) in enumerate(per_rank):
+    for r, (ints, shape, _, _, _) in enumerate(per_rank):
         rank: dict[str, Any] = {"shape": list(shape)}
         unwritten = (ints == 0).to(torch.int8)
         if int(unwritten.sum()):
@@ -411,7 +570,7 @@ def _check_against_model(doc: Mapping[str, Any], ranks: list[dict[str, Any]],
     own = {k: v for k, v in doc.items() if k not in ("version", "buffers")
            and not any("buffer" in rank for rank in v["ranks"].values())}
     for r, params in enumerate(ranks):
-        for pname, (_, shape, _, dtype) in params.items():
+        for pname, (_, shape, _, _, _) in params.items():
             if pname in buffers:
                 got = buffers[pname]["ranks"][str(r)]["shape"]
             elif pname in own:

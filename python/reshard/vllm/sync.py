@@ -82,18 +82,33 @@ class _Client:
         else:
             getattr(self._engine, method)(body)
 
+    def reset_caches(self) -> None:
+        """Drops what the engine computed with the weights it had: its prefix cache (requests
+        in flight are preempted and computed again) and its encoder cache."""
+        if isinstance(self._engine, str):
+            self._post("reset_prefix_cache?reset_running_requests=true", {})
+            self._post("reset_encoder_cache", {})
+            return
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        reset_encoder = getattr(getattr(self._engine, "llm_engine", None),
+                                "reset_encoder_cache", None)
+        if reset_encoder is not None:
+            reset_encoder()
+
     def tensor_parallel_size(self) -> Optional[int]:
         if isinstance(self._engine, str):
             return None
         return int(self._engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
 
 
-def engine_maps(model_dir: str, tensor_parallel_size: int) -> dict[str, Any]:
+def engine_maps(model_dir: str, tensor_parallel_size: int, dtype: str = "auto"
+                ) -> dict[str, Any]:
     """The maps of every checkpoint tensor of the model in ``model_dir`` onto vLLM's workers
-    at ``tensor_parallel_size`` ranks, learned from vLLM (:func:`reshard.vllm.layout`)."""
+    at ``tensor_parallel_size`` ranks holding ``dtype`` (the engine's: ``LLM(dtype=...)``),
+    learned from vLLM (:func:`reshard.vllm.layout`)."""
     from .._maps import read_maps
     from .layout import layout
-    return dict(read_maps(layout(model_dir, tensor_parallel_size)))
+    return dict(read_maps(layout(model_dir, tensor_parallel_size, dtype=dtype)))
 
 
 def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
@@ -183,6 +198,7 @@ class WeightSync:
             backend = "nccl" if torch.cuda.is_available() and \
                 dist.is_initialized() and "nccl" in str(dist.get_backend(group)) else "gloo"
         self._steps = 0
+        self._pushing = threading.Lock()  # held by the push in progress (one at a time)
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[Redistributor] = None
@@ -300,8 +316,8 @@ class WeightSync:
             raise WeightSyncError(f"the engine has {len(reports)} workers for tensor parallel "
                                   f"size {tp}; reshard syncs engines without pipeline or data "
                                   "parallelism")
-        if target_maps is None:
-            target_maps = engine_maps(first["model"], tp)
+        if target_maps is None:  # learned for the dtype the engine runs, not the config's
+            target_maps = engine_maps(first["model"], tp, first.get("dtype", "auto"))
         target = {n: json.loads(as_map(m).to_json()) for n, m in target_maps.items()}
         if dtypes is None:
             dtypes = {}
@@ -360,6 +376,18 @@ class WeightSync:
                           lambda: self.redistributor.run(shards))
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
+        # A second push while one is in progress (another thread) is refused at once, before
+        # it touches the engine or the group: on every process that starts one, each refusing
+        # its own, while the push in progress goes on.
+        if not self._pushing.acquire(blocking=False):
+            raise WeightSyncError("a push of this WeightSync is in progress (in another "
+                                  "thread); push again once it has returned")
+        try:
+            return self._push_alone(update, send)
+        finally:
+            self._pushing.release()
+
+    def _push_alone(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
         comm = self.transport
         if self._lost is not None:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
@@ -406,8 +434,22 @@ class WeightSync:
             client.call("finish_weight_update")
         if failed:
             raise WeightSyncError("; ".join(failed))
+        # Only the driving process knows how the engine's own calls went: agreed, so that
+        # every trainer process raises alike.
+        outcome = None
         if problem is not None:
-            raise WeightSyncError(f"the engine's update failed: {problem}")
+            outcome = f"the engine's update failed: {problem}"
+        elif client is not None and update.get("mode") != "raw":
+            # The new weights are served (each worker cleared its KV cache as it committed):
+            # nothing computed with the old ones may answer a request.
+            try:
+                client.reset_caches()
+            except Exception as e:
+                outcome = (f"the engine serves the new weights but could not drop what it "
+                           f"computed with the old ones: {_message(e)}")
+        outcomes = [o for o in self._trainer_gather(outcome) if o is not None]
+        if outcomes:
+            raise WeightSyncError(outcomes[0])
         seconds = time.perf_counter() - start
         ex = self.redistributor._exchange
         assert ex is not None

@@ -227,7 +227,7 @@ std::vector<int> OwnersOf(const std::vector<OutputFile>& files, int processes) {
 
 // Every element of `bytes` set to the buffer's fill value.
 Status FillBuffer(const BufferDecl& decl, std::span<std::byte> bytes) {
-  if (decl.fill == 0.0) {
+  if (decl.fill == 0.0 && !std::signbit(decl.fill)) {  // +0.0: zero bytes
     std::memset(bytes.data(), 0, bytes.size());
     return Status::Ok();
   }

@@ -189,7 +189,7 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
     if (b.ranks.empty()) {
       return InvalidArgumentError(fmt::format("buffers[\"{}\"]: ranks is empty", b.name));
     }
-    if (b.fill != 0.0) {
+    if (b.fill != 0.0 || std::signbit(b.fill)) {  // -0.0 is a fill of its own
       Result<std::vector<std::byte>> fill = ElementBytes(b.dtype, b.fill);
       if (!fill.ok()) return fill.status().Annotate(fmt::format("buffers[\"{}\"].fill", b.name));
     }

@@ -252,6 +252,18 @@ TEST(BufferFillTest, AConstantBufferIsAllPaddingAndRoundTripsWithItsFill) {
               ::testing::Not(HasSubstr("fill")));
 }
 
+TEST(BufferFillTest, NegativeZeroIsAFillOfItsOwnAndKeepsItsSign) {
+  Result<BufferSet> set = BufferSetBuilder().add(ScaleDecl(-0.0)).Finalize({});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  const std::string text = BufferSetToJson(*set);
+  EXPECT_THAT(text, HasSubstr("\"fill\": -0.0"));
+  Result<BufferSetBuilder> back = ParseBufferSetJson(text);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  Result<BufferSet> again = back->Finalize({});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_TRUE(std::signbit(again->Find("attn._k_scale")->fill));
+}
+
 TEST(BufferFillTest, AFillTheDtypeCannotHoldIsRefused) {
   Result<BufferSet> set = BufferSetBuilder().add(ScaleDecl(0.1, DType::kBF16)).Finalize({});
   ASSERT_FALSE(set.ok());

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -201,7 +202,7 @@ json::OrderedJson BufferSetToJsonValue(const BufferSet& set) {
       json::AppendMember(ranks, std::to_string(r), std::move(rank));
     }
     json::OrderedJson buffer = {{"dtype", std::string(DTypeName(b.dtype))}};
-    if (b.fill != 0.0) buffer["fill"] = b.fill;
+    if (b.fill != 0.0 || std::signbit(b.fill)) buffer["fill"] = b.fill;
     buffer["ranks"] = std::move(ranks);
     json::AppendMember(j, b.name, std::move(buffer));
   }
