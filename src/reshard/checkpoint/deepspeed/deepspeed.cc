@@ -421,7 +421,14 @@ Result<ParamMap> FragmentMap(Index n, int world, const std::vector<FragmentSpan>
   for (const FragmentSpan& s : spans) {
     b.set_shard_shape(s.rank, {s.length});
     if (s.length == 0) continue;
-    b.add_piece(s.rank, Piece{{s.length}, {s.start, {1}}, {0, {1}}, {s.rank}, 1.0});
+    // Member by member: GCC 12 at -O3 takes the nested braced temporaries of one aggregate
+    // initializer for uninitialized vectors (-Wmaybe-uninitialized).
+    Piece piece;
+    piece.shape = {s.length};
+    piece.source = StridedView{s.start, {1}};
+    piece.dest = StridedView{0, {1}};
+    piece.locations = {s.rank};
+    b.add_piece(s.rank, std::move(piece));
   }
   return b.Finalize();
 }
