@@ -52,12 +52,52 @@ float ScaleAt(DType dtype, const std::byte* p) {
   }
 }
 
-void Store(DType out, float v, std::byte* p) {
-  if (out == DType::kF32) {
+// float -> bfloat16, to nearest even, NaN as torch makes it (0x7FC0); inline for the loop.
+inline uint16_t ToBFloat16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <DType kOut>
+void StoreAs(float v, std::byte* p) {
+  if constexpr (kOut == DType::kF32) {
     std::memcpy(p, &v, 4);
   } else {
-    const uint16_t h = out == DType::kBF16 ? FloatToBFloat16(v) : FloatToHalf(v);
+    const uint16_t h = kOut == DType::kBF16 ? ToBFloat16(v) : FloatToHalf(v);
     std::memcpy(p, &h, 2);
+  }
+}
+
+// Rows [first, last) of the data (its last dimension), each block of columns with its scale.
+template <DType kOut>
+void DequantizeRows(const DequantizeSpec& spec, bool fp4, const std::array<float, 256>& table,
+                    const std::vector<float>& s, const Shape& gstrides, const Shape& row_shape,
+                    const uint8_t* in, std::span<std::byte> out, Index first, Index last) {
+  constexpr size_t kSize = kOut == DType::kF32 ? 4 : 2;
+  const size_t nd = spec.data_shape.size();
+  const Index cols = spec.data_shape[nd - 1], bcols = spec.block[nd - 1];
+  const size_t per_row = static_cast<size_t>(cols) * (fp4 ? 2 : 1) * kSize;
+  for (Index r = first; r < last; ++r) {
+    const Shape idx = UnravelIndex(r, row_shape);
+    Index base = 0;
+    for (size_t j = 0; j + 1 < nd; ++j) base += idx[j] / spec.block[j] * gstrides[j];
+    const uint8_t* x = in + r * cols;
+    std::byte* o = out.data() + static_cast<size_t>(r) * per_row;
+    for (Index c0 = 0, b = 0; c0 < cols; c0 += bcols, ++b) {
+      const float sc = s[static_cast<size_t>(base + b)];
+      const Index c1 = std::min(cols, c0 + bcols);
+      if (fp4) {
+        for (Index c = c0; c < c1; ++c, o += 2 * kSize) {
+          StoreAs<kOut>(kFp4Values[x[c] & 0x0F] * sc, o);
+          StoreAs<kOut>(kFp4Values[x[c] >> 4] * sc, o + kSize);
+        }
+      } else {
+        for (Index c = c0; c < c1; ++c, o += kSize) StoreAs<kOut>(table[x[c]] * sc, o);
+      }
+    }
   }
 }
 
@@ -124,30 +164,23 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   }
   const std::array<float, 256> table = Float8Table(fp4 ? DType::kF8E4M3 : spec.data_dtype);
   // Rows of the last dimension: the block index varies along it by block[last].
-  const Index cols = spec.data_shape[nd - 1], bcols = spec.block[nd - 1];
+  const Index cols = spec.data_shape[nd - 1];
   const Index rows = cols == 0 ? 0 : n / cols;
   const Shape gstrides = RowMajorStrides(grid);
   Shape row_shape(spec.data_shape.begin(), spec.data_shape.end() - 1);
   const auto* in = reinterpret_cast<const uint8_t*>(data.data());
-  const size_t per_row = static_cast<size_t>(cols) * (fp4 ? 2 : 1) * osize;
   auto run_rows = [&](Index first, Index last) {
-    for (Index r = first; r < last; ++r) {
-      const Shape idx = UnravelIndex(r, row_shape);
-      Index base = 0;
-      for (size_t j = 0; j + 1 < nd; ++j) base += idx[j] / spec.block[j] * gstrides[j];
-      const uint8_t* x = in + r * cols;
-      std::byte* o = out.data() + static_cast<size_t>(r) * per_row;
-      for (Index c = 0; c < cols; ++c) {
-        const float sc = s[static_cast<size_t>(base + c / bcols)];
-        if (fp4) {
-          Store(out_dtype, kFp4Values[x[c] & 0x0F] * sc, o);
-          Store(out_dtype, kFp4Values[x[c] >> 4] * sc, o + osize);
-          o += 2 * osize;
-        } else {
-          Store(out_dtype, table[x[c]] * sc, o);
-          o += osize;
-        }
-      }
+    switch (out_dtype) {
+      case DType::kF32:
+        DequantizeRows<DType::kF32>(spec, fp4, table, s, gstrides, row_shape, in, out, first, last);
+        break;
+      case DType::kF16:
+        DequantizeRows<DType::kF16>(spec, fp4, table, s, gstrides, row_shape, in, out, first, last);
+        break;
+      default:
+        DequantizeRows<DType::kBF16>(spec, fp4, table, s, gstrides, row_shape, in, out, first,
+                                     last);
+        break;
     }
   };
   if (rows == 0) return Status::Ok();

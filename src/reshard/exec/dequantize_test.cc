@@ -114,6 +114,29 @@ TEST(DequantizeTest, BadScalesAreRefusedNamingTheBlock) {
   }
 }
 
+TEST(DequantizeTest, BFloat16RoundingIsTheExecutorsForEveryFloat8AndScale) {
+  // Every E4M3 value times a set of scales: the loop's own rounding equals FloatToBFloat16 (the
+  // executor's, torch's) bit for bit; NaN data gives torch's NaN.
+  std::vector<uint8_t> x(256);
+  for (int i = 0; i < 256; ++i) x[static_cast<size_t>(i)] = static_cast<uint8_t>(i);
+  for (float sc : {1.0f, 0.0078125f, 1.0078125f, 3.3e-5f, 1e30f, 0.0f}) {
+    std::vector<float> s = {sc};
+    DequantizeSpec spec{DType::kF8E4M3, {1, 256}, DType::kF32, {1, 256}, 1.0f};
+    std::vector<std::byte> out(512);
+    ASSERT_TRUE(Dequantize(spec, Bytes(x), BytesOf(s), DType::kBF16, out).ok());
+    for (int i = 0; i < 256; ++i) {
+      uint16_t got;
+      std::memcpy(&got, out.data() + 2 * i, 2);
+      const float v = Float8ToFloat(DType::kF8E4M3, static_cast<uint8_t>(i)) * sc;
+      if (std::isnan(v)) {
+        EXPECT_EQ(got, 0x7FC0) << i;
+      } else {
+        EXPECT_EQ(got, FloatToBFloat16(v)) << i << " x " << sc;
+      }
+    }
+  }
+}
+
 TEST(DequantizeTest, SizesThatDoNotFitAreRefused) {
   DequantizeSpec spec{DType::kF8E4M3, {2, 2}, DType::kF32, {2, 2}, 1.0f};
   std::vector<std::byte> data(4), scales(4), out(7);
