@@ -34,6 +34,19 @@ def quantize_fp8_blocks(w, block=(128, 128)):
     return data, scales
 
 
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128], "fmt": "e4m3"}
+
+
+def _outer_tensors(g, vocab, hidden):
+    """The embedding, LM head and final norm every model here has (bf16, unquantized)."""
+    return {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+
+
 def _write(out, tensors, config):
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,14 +66,9 @@ def qwen3_fp8(out, *, kv_heads=2, intermediate=512, seed=0):
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": [128, 128], "fmt": "e4m3"},
+        "quantization_config": FP8_BLOCK_CONFIG,
     }
-    t = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "model.norm.weight": torch.ones(hidden).bfloat16(),
-    }
+    t = _outer_tensors(g, vocab, hidden)
     p = "model.layers.0."
     for n in ("input_layernorm", "post_attention_layernorm"):
         t[p + n + ".weight"] = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
@@ -96,11 +104,7 @@ def gpt_oss_mxfp4(out, *, experts=4, seed=0):
                                                            "model.layers.*.mlp.router",
                                                            "model.embed_tokens", "lm_head"]},
     }
-    t = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "model.norm.weight": torch.ones(hidden).bfloat16(),
-    }
+    t = _outer_tensors(g, vocab, hidden)
     p = "model.layers.0."
     for n in ("input_layernorm", "post_attention_layernorm"):
         t[p + n + ".weight"] = torch.ones(hidden).bfloat16()
@@ -134,11 +138,7 @@ def llama_nvfp4(out, *, seed=0):
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
                                 "group_size": 16, "exclude_modules": ["lm_head"]},
     }
-    t = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "model.norm.weight": torch.ones(hidden).bfloat16(),
-    }
+    t = _outer_tensors(g, vocab, hidden)
     p = "model.layers.0."
     for n in ("input_layernorm", "post_attention_layernorm"):
         t[p + n + ".weight"] = torch.ones(hidden).bfloat16()
@@ -175,14 +175,9 @@ def deepseek_v3_fp8(out, *, experts=4, seed=0):
         "qk_rope_head_dim": rope, "v_head_dim": v_dim, "vocab_size": vocab,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "rope_scaling": None,
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                "weight_block_size": [128, 128], "fmt": "e4m3"},
+        "quantization_config": FP8_BLOCK_CONFIG,
     }
-    t = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "lm_head.weight": torch.randn(vocab, hidden, generator=g).bfloat16(),
-        "model.norm.weight": torch.ones(hidden).bfloat16(),
-    }
+    t = _outer_tensors(g, vocab, hidden)
     p = "model.layers.0."
     for n, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
                     ("self_attn.q_a_layernorm", q_rank), ("self_attn.kv_a_layernorm", kv_rank)):
