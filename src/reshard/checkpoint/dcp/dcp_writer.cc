@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -196,7 +197,12 @@ void GroupMovesByChunk(PlannedTensor& t) {
     }
     return;
   }
-  std::vector<size_t> chunk_of(static_cast<size_t>(t.plan.target_world), t.dcp.chunks.size());
+  // An empty tensor has no plan (target_world 0) but still its chunks.
+  size_t ranks = static_cast<size_t>(t.plan.target_world);
+  for (const DcpWriteChunk& chunk : t.dcp.chunks) {
+    ranks = std::max(ranks, static_cast<size_t>(chunk.rank) + 1);
+  }
+  std::vector<size_t> chunk_of(ranks, t.dcp.chunks.size());
   for (size_t c = 0; c < t.dcp.chunks.size(); ++c) {
     chunk_of[static_cast<size_t>(t.dcp.chunks[c].rank)] = c;
   }
