@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <list>
 #include <optional>
 
 namespace reshard::json {
@@ -76,8 +77,11 @@ class DomBuilder : public nlohmann::json_sax<Json> {
     if (!inserted && !error_) {
       error_ = ErrorAt(PathOfTop(), fmt::format("duplicate key {}", QuoteShort(k)));
     }
-    // A duplicate's value goes to a scratch slot: the first one stays, the error says so.
-    slot_ = inserted ? &it->second : &scratch_;
+    // A duplicate's value goes to a scratch slot of its own (a duplicate nested in a
+    // duplicate's value must not overwrite the container the stack still points into): the
+    // first value stays, the error says so.
+    if (!inserted) scratch_.emplace_back();
+    slot_ = inserted ? &it->second : &scratch_.back();
     top.key = std::move(k);
     return true;
   }
@@ -144,7 +148,7 @@ class DomBuilder : public nlohmann::json_sax<Json> {
   std::vector<std::string>* top_level_keys_;
   std::vector<Frame> stack_;
   Json* slot_ = nullptr;
-  Json scratch_;
+  std::list<Json> scratch_;  // stable addresses
   std::optional<std::string> syntax_error_;
   std::optional<Status> error_;
 };
