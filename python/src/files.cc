@@ -170,8 +170,8 @@ void CheckOptions(const std::string& dir, const SourceOptions& source) {
 // Any checkpoint reshard reads (formats/formats.h), as `reshard gather` reads it: a DeepSpeed
 // checkpoint's module weights, or with `fp32` its optimizer's fp32 master weights.
 void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, bool optimizer_state,
-              const std::optional<std::string>& config, const std::optional<std::string>& dequantize,
-              const PyCheckpointOptions& o) {
+              const std::optional<std::string>& config,
+              const std::optional<std::string>& dequantize, const PyCheckpointOptions& o) {
   SourceOptions source;
   source.use = SourceUse::kGather;
   source.master_weights = fp32;

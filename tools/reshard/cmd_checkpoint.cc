@@ -307,13 +307,13 @@ Status RunGather(const GatherArgs& args) {
   ProgressBar bar("gather", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
-      Options(args, bar,
-              Describe(
-                  "gather", args,
-                  Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"},
-                                        {"--optimizer-state", args.optimizer_state ? "on" : "off"},
-                                        {"--dequantize", args.dequantize ? args.dtype : "off"}},
-                         OptionalInput("--config", args.config)))));
+      Options(
+          args, bar,
+          Describe("gather", args,
+                   Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"},
+                                         {"--optimizer-state", args.optimizer_state ? "on" : "off"},
+                                         {"--dequantize", args.dequantize ? args.dtype : "off"}},
+                          OptionalInput("--config", args.config)))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.config}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   const auto t0 = std::chrono::steady_clock::now();

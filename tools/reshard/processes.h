@@ -2,8 +2,8 @@
 // reshard is built with MPI, scatter, gather and convert run as the K processes of the job
 // (checkpoint/communicator.h): process 0 prints the results, the progress bar and the job's
 // errors. The MPI runner is a plugin beside the CLI (reshard/dist/mpi_plugin.h), loaded, with
-// the system's MPI library, only then. Started any other way, every command runs in this process alone and MPI is never
-// initialised.
+// the system's MPI library, only then. Started any other way, every command runs in this process
+// alone and MPI is never initialised.
 #ifndef RESHARD_TOOLS_PROCESSES_H_
 #define RESHARD_TOOLS_PROCESSES_H_
 

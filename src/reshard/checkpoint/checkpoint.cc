@@ -28,8 +28,8 @@ std::string TypeName(const Json& j) { return j.type_name(); }
 // A scale tensor's tie: {"of": "<data>", "block": [..], "format": "fp8-block", "dequantizes"?}.
 Result<BlockScales> BlockScalesFromJson(const Json& j, const std::string& path) {
   if (!j.is_object()) return json::TypeError(path, "an object", j);
-  RESHARD_RETURN_IF_ERROR(json::CheckKeys(j, path, {"of", "block", "format", "dequantizes"},
-                                          "block_scales"));
+  RESHARD_RETURN_IF_ERROR(
+      json::CheckKeys(j, path, {"of", "block", "format", "dequantizes"}, "block_scales"));
   BlockScales tie;
   RESHARD_ASSIGN_OR_RETURN(const Json* of, json::Require(j, path, "of"));
   RESHARD_ASSIGN_OR_RETURN(tie.data, json::ReadString(*of, path + ".of"));
@@ -246,8 +246,8 @@ Status CheckBlockTies(const Manifest& m) {
   for (const auto& [scale_name, tie] : m.block_scales) {
     auto scale = by_name.find(scale_name);
     if (scale == by_name.end()) {
-      return InvalidArgumentError(fmt::format(
-          "block_scales: \"{}\" is not a parameter of the checkpoint", scale_name));
+      return InvalidArgumentError(
+          fmt::format("block_scales: \"{}\" is not a parameter of the checkpoint", scale_name));
     }
     const ShardedParam& p = *scale->second;
     auto data = by_name.find(tie.data);
@@ -261,15 +261,15 @@ Status CheckBlockTies(const Manifest& m) {
           "params[\"{}\"].block_scales: \"{}\" is itself a scale tensor", p.name, tie.data));
     }
     if (tie.block.size() != data->second->map.logical_shape().size()) {
-      return InvalidArgumentError(fmt::format(
-          "params[\"{}\"].block_scales.block: {} for data of shape {}", p.name,
-          FormatShape(tie.block), FormatShape(data->second->map.logical_shape())));
+      return InvalidArgumentError(
+          fmt::format("params[\"{}\"].block_scales.block: {} for data of shape {}", p.name,
+                      FormatShape(tie.block), FormatShape(data->second->map.logical_shape())));
     }
     Status tied = CheckBlockTie(data->second->map, p.map, tie.block);
     if (!tied.ok()) {
-      return FailedPreconditionError(fmt::format(
-          "\"{}\" are the scales of \"{}\" in blocks of {}, but {}", p.name, tie.data,
-          FormatShape(tie.block), tied.message()));
+      return FailedPreconditionError(
+          fmt::format("\"{}\" are the scales of \"{}\" in blocks of {}, but {}", p.name, tie.data,
+                      FormatShape(tie.block), tied.message()));
     }
   }
   return Status::Ok();

@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
-#include <set>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "reshard/checkpoint/collective_output.h"
@@ -683,7 +683,8 @@ Result<Rebuilt> RebuildOwned(ShardSource& source, size_t i, const CheckpointOpti
   out.size = static_cast<size_t>(ElementBytes(ProductOf(p.map.valid_shape()), p.dtype));
   out.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(out.size, 1)]);
   if (!out.bytes) {
-    return ResourceExhaustedError(fmt::format("cannot allocate {} bytes for \"{}\"", out.size, p.name));
+    return ResourceExhaustedError(
+        fmt::format("cannot allocate {} bytes for \"{}\"", out.size, p.name));
   }
   RESHARD_RETURN_IF_ERROR(RebuildInto(source, i, options, out.span(), counters));
   return out;
@@ -699,16 +700,16 @@ Status FillDequantized(ShardSource& source, const GatherOutput& o, const Checkpo
   if (o.global) {
     RESHARD_ASSIGN_OR_RETURN(Rebuilt g, RebuildOwned(source, *o.global, options, counters));
     if (m.params[*o.global].dtype != DType::kF32 || g.size != 4) {
-      return FailedPreconditionError(fmt::format("\"{}\": expected one F32 value",
-                                                 m.params[*o.global].name));
+      return FailedPreconditionError(
+          fmt::format("\"{}\": expected one F32 value", m.params[*o.global].name));
     }
     std::memcpy(&spec.global_scale, g.bytes.get(), 4);
   }
   const auto annotate = [&](Status st) {
     return st.ok() ? st
                    : Status(st.code(), fmt::format("dequantizing \"{}\" with \"{}\": {}",
-                                                   m.params[o.param].name,
-                                                   m.params[*o.scales].name, st.message()));
+                                                   m.params[o.param].name, m.params[*o.scales].name,
+                                                   st.message()));
   };
   if (!o.mxfp4) return annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, buffer));
   // [E, R, G * 32] dequantized, then its last two dimensions swapped.
@@ -716,7 +717,8 @@ Status FillDequantized(ShardSource& source, const GatherOutput& o, const Checkpo
   flat.size = buffer.size();
   flat.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(flat.size, 1)]);
   if (!flat.bytes) return ResourceExhaustedError("cannot allocate the dequantized experts");
-  RESHARD_RETURN_IF_ERROR(annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, flat.span())));
+  RESHARD_RETURN_IF_ERROR(
+      annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, flat.span())));
   const Shape& out_shape = o.shape;  // [..., cols, rows]
   const size_t nd = out_shape.size();
   const Index rows = out_shape[nd - 1], cols = out_shape[nd - 2];
@@ -764,12 +766,14 @@ Result<GatherOutput> DequantizedOutput(const Manifest& m, size_t d, size_t s,
 
 // What a gather writes: every parameter as it is, or, dequantizing, each quantized tensor as
 // numbers and no scales.
-Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m, const CheckpointOptions& options) {
+Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m,
+                                                const CheckpointOptions& options) {
   std::vector<GatherOutput> out;
   if (!options.dequantize) {
     for (size_t i = 0; i < m.params.size(); ++i) {
       const ShardedParam& p = m.params[i];
-      out.push_back({p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
+      out.push_back(
+          {p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
     }
     return out;
   }
@@ -783,13 +787,13 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m, const Checkpo
     auto given = options.dequantize->ties.find(p.name);
     auto recorded = m.block_scales.find(p.name);
     const BlockScales* tie = given != options.dequantize->ties.end() ? &given->second
-                             : recorded != m.block_scales.end()        ? &recorded->second
-                                                                       : nullptr;
+                             : recorded != m.block_scales.end()      ? &recorded->second
+                                                                     : nullptr;
     if (tie == nullptr) continue;
     auto d = index.find(tie->data);
     if (d == index.end()) {
-      return FailedPreconditionError(
-          fmt::format("\"{}\" scales \"{}\", which the checkpoint does not hold", p.name, tie->data));
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" scales \"{}\", which the checkpoint does not hold", p.name, tie->data));
     }
     dropped.insert(i);
     if (tie->dequantizes) {
@@ -809,12 +813,13 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m, const Checkpo
     const ShardedParam& p = m.params[i];
     auto sc = scales_of.find(i);
     if (sc == scales_of.end()) {
-      out.push_back({p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
+      out.push_back(
+          {p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
       continue;
     }
-    RESHARD_ASSIGN_OR_RETURN(GatherOutput o, DequantizedOutput(m, i, sc->second.first,
-                                                               sc->second.second,
-                                                               options.dequantize->dtype));
+    RESHARD_ASSIGN_OR_RETURN(
+        GatherOutput o,
+        DequantizedOutput(m, i, sc->second.first, sc->second.second, options.dequantize->dtype));
     if (auto g = global_of.find(i); g != global_of.end()) o.global = g->second;
     out.push_back(std::move(o));
   }
@@ -887,8 +892,9 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
           const GatherOutput& o = outputs[k];
           tensors.push_back({o.name, o.dtype, o.shape, [&](std::span<std::byte> buffer) {
                                RESHARD_RETURN_IF_ERROR(
-                                   o.scales ? FillDequantized(source, o, options, buffer, counters)
-                                            : RebuildInto(source, o.param, options, buffer, counters));
+                                   o.scales
+                                       ? FillDequantized(source, o, options, buffer, counters)
+                                       : RebuildInto(source, o.param, options, buffer, counters));
                                progress.Add(buffer.size());
                                return Status::Ok();
                              }});
@@ -983,7 +989,8 @@ Result<ConvertPlan> PlanConvert(const Manifest& src, int world_size,
         tie_of(p) && data_targets.contains(tie_of(p)->data)
             ? BlockImage(data_targets.at(tie_of(p)->data), tie_of(p)->block, p.map.logical_shape())
             : TargetMapOf(p, world_size, target_maps.has_value(), given);
-    if (!target_or.ok()) return target_or.status().Annotate(fmt::format("parameter \"{}\"", p.name));
+    if (!target_or.ok())
+      return target_or.status().Annotate(fmt::format("parameter \"{}\"", p.name));
     ParamMap target = *std::move(target_or);
     Result<ParamPlan> plan = Compose(target, p.map);
     if (!plan.ok()) return plan.status().Annotate(fmt::format("parameter \"{}\"", p.name));

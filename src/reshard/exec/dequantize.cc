@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <algorithm>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -23,7 +23,8 @@ constexpr std::array<float, 16> kFp4Values = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f, 
 
 std::array<float, 256> Float8Table(DType dtype) {
   std::array<float, 256> t{};
-  for (int b = 0; b < 256; ++b) t[static_cast<size_t>(b)] = Float8ToFloat(dtype, static_cast<uint8_t>(b));
+  for (int b = 0; b < 256; ++b)
+    t[static_cast<size_t>(b)] = Float8ToFloat(dtype, static_cast<uint8_t>(b));
   return t;
 }
 
@@ -141,14 +142,16 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   }
   const size_t nd = spec.data_shape.size();
   if (spec.block.size() != nd || nd == 0) {
-    return InvalidArgumentError(fmt::format("block {} for data {}", FormatShape(spec.block),
-                                            FormatShape(spec.data_shape)));
+    return InvalidArgumentError(
+        fmt::format("block {} for data {}", FormatShape(spec.block), FormatShape(spec.data_shape)));
   }
   Shape grid(nd);
-  for (size_t j = 0; j < nd; ++j) grid[j] = (spec.data_shape[j] + spec.block[j] - 1) / spec.block[j];
+  for (size_t j = 0; j < nd; ++j)
+    grid[j] = (spec.data_shape[j] + spec.block[j] - 1) / spec.block[j];
   const size_t ssize = DTypeSize(spec.scale_dtype), osize = DTypeSize(out_dtype);
   const Index n = ProductOf(spec.data_shape);
-  if (data.size() != static_cast<size_t>(n) || scales.size() != static_cast<size_t>(ProductOf(grid)) * ssize ||
+  if (data.size() != static_cast<size_t>(n) ||
+      scales.size() != static_cast<size_t>(ProductOf(grid)) * ssize ||
       out.size() != static_cast<size_t>(DequantizedElements(spec)) * osize) {
     return InvalidArgumentError("dequantize: buffer sizes do not fit the shapes");
   }
@@ -157,8 +160,9 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   for (size_t i = 0; i < s.size(); ++i) {
     const float v = ScaleAt(spec.scale_dtype, scales.data() + i * ssize) * spec.global_scale;
     if (!std::isfinite(v) || v < 0) {
-      return FailedPreconditionError(fmt::format("the scale of block {} is {}",
-                                                 FormatShape(UnravelIndex(static_cast<Index>(i), grid)), v));
+      return FailedPreconditionError(
+          fmt::format("the scale of block {} is {}",
+                      FormatShape(UnravelIndex(static_cast<Index>(i), grid)), v));
     }
     s[i] = v;
   }

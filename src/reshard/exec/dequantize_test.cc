@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "reshard/exec/executor.h"
@@ -37,7 +37,7 @@ std::vector<float> AsFloats(const std::vector<std::byte>& b) {
 }
 
 TEST(DequantizeTest, Float8ValuesAreExact) {
-  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x7E), 448.0f);   // largest finite E4M3
+  EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x7E), 448.0f);                // largest finite E4M3
   EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x01), std::ldexp(1.0f, -9));  // smallest subnormal
   EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0x38), 1.0f);
   EXPECT_EQ(Float8ToFloat(DType::kF8E4M3, 0xC0), -2.0f);
@@ -74,7 +74,7 @@ TEST(DequantizeTest, Mxfp4NibblesLowFirstTimesPowersOfTwo) {
   // One group of 32 values (16 bytes): byte 0 = 0x21 -> values 0.5 (low) then 1.0 (high).
   std::vector<uint8_t> x(16, 0x00);
   x[0] = 0x21;
-  x[15] = 0xF7;  // 6.0 then -6.0
+  x[15] = 0xF7;                    // 6.0 then -6.0
   std::vector<uint8_t> e = {128};  // 2^1
   DequantizeSpec spec{DType::kU8, {1, 16}, DType::kU8, {1, 16}, 1.0f};
   ASSERT_EQ(DequantizedElements(spec), 32);
@@ -103,8 +103,8 @@ TEST(DequantizeTest, BadScalesAreRefusedNamingTheBlock) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     const bool fp4 = c.dtype == DType::kU8;
-    DequantizeSpec spec{fp4 ? DType::kU8 : DType::kF8E4M3, {2, fp4 ? 16 : 4}, c.dtype,
-                        {1, fp4 ? 16 : 4}, 1.0f};
+    DequantizeSpec spec{
+        fp4 ? DType::kU8 : DType::kF8E4M3, {2, fp4 ? 16 : 4}, c.dtype, {1, fp4 ? 16 : 4}, 1.0f};
     std::vector<std::byte> data(static_cast<size_t>(ProductOf(spec.data_shape)));
     std::vector<std::byte> out(static_cast<size_t>(DequantizedElements(spec)) * 4);
     Status st = Dequantize(spec, data, c.scales, DType::kF32, out);
@@ -153,7 +153,9 @@ TEST(DequantizeTest, DequantizingEachShardEqualsTheShardOfTheDequantizedTensor) 
   for (uint64_t seed : PropertyTestSeeds(200)) {
     SCOPED_TRACE(testing::Message() << "RESHARD_SEED=" << seed);
     std::mt19937_64 rng(seed);
-    auto pick = [&](Index lo, Index hi) { return std::uniform_int_distribution<Index>(lo, hi)(rng); };
+    auto pick = [&](Index lo, Index hi) {
+      return std::uniform_int_distribution<Index>(lo, hi)(rng);
+    };
     const Shape block{pick(1, 5), pick(1, 5)};
     const Shape shape{pick(1, 16), pick(1, 16)};
     const size_t dim = static_cast<size_t>(pick(0, 1));
@@ -183,13 +185,14 @@ TEST(DequantizeTest, DequantizingEachShardEqualsTheShardOfTheDequantizedTensor) 
       std::vector<std::byte> d(static_cast<size_t>(ProductOf(ds)));
       std::vector<std::byte> s(static_cast<size_t>(ProductOf(ss)) * 4);
       std::vector<std::byte> want(d.size() * 4), got(d.size() * 4);
-      ASSERT_TRUE(Extract(*data_map, DType::kU8, r, {data.data(), n}, {d.data(), ProductOf(ds)}).ok());
+      ASSERT_TRUE(
+          Extract(*data_map, DType::kU8, r, {data.data(), n}, {d.data(), ProductOf(ds)}).ok());
       ASSERT_TRUE(Extract(*scale_map, DType::kF32, r, {BytesOf(scales).data(), g},
                           {s.data(), ProductOf(ss)})
                       .ok());
-      ASSERT_TRUE(Extract(*data_map, DType::kF32, r, {full_out.data(), n},
-                          {want.data(), ProductOf(ds)})
-                      .ok());
+      ASSERT_TRUE(
+          Extract(*data_map, DType::kF32, r, {full_out.data(), n}, {want.data(), ProductOf(ds)})
+              .ok());
       if (d.empty()) continue;
       const DequantizeSpec spec{DType::kF8E4M3, ds, DType::kF32, block, 1.0f};
       ASSERT_TRUE(Dequantize(spec, d, s, DType::kF32, got).ok());

@@ -40,9 +40,9 @@ Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string
   };
   out.buffers = std::move(planned.buffers);
   for (const QuantTie& tie : model.ties) {
-    out.block_scales.emplace(tie.scale, BlockScales{tie.data, tie.block,
-                                                    std::string(QuantFormatName(tie.format)),
-                                                    tie.dequantizes});
+    out.block_scales.emplace(
+        tie.scale, BlockScales{tie.data, tie.block, std::string(QuantFormatName(tie.format)),
+                               tie.dequantizes});
   }
   out.constraints = DegreeConstraints(maps.plan());
   // Parsed already (FromConfigJson): kept compact.
@@ -54,7 +54,8 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
                                                              MapProvider& maps) {
   const std::string config_path = (std::filesystem::path(full_dir) / "config.json").string();
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(config_path, ec)) return std::map<std::string, BlockScales>();
+  if (!std::filesystem::is_regular_file(config_path, ec))
+    return std::map<std::string, BlockScales>();
   RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path));
   Result<std::optional<QuantScheme>> scheme = ReadQuantScheme(text);
   if (!scheme.ok()) return scheme.status().Annotate(fmt::format("\"{}\"", config_path));
@@ -66,7 +67,8 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
     tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
     shapes.emplace(t.info->name, t.info->shape);
   }
-  RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties, TieQuantizedTensors(**scheme, tensors));
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties,
+                           TieQuantizedTensors(**scheme, tensors));
   std::map<std::string, BlockScales> out;
   auto by_scale = std::make_shared<std::map<std::string, std::pair<BlockScales, Shape>>>();
   for (const QuantTie& t : ties) {
@@ -74,23 +76,25 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
     out.emplace(t.scale, b);
     by_scale->emplace(t.scale, std::pair{b, shapes.at(t.data)});
   }
-  maps = [inner = maps, by_scale](const std::string& name, const Shape& shape) -> Result<ProvidedMap> {
+  maps = [inner = maps, by_scale](const std::string& name,
+                                  const Shape& shape) -> Result<ProvidedMap> {
     auto it = by_scale->find(name);
     if (it == by_scale->end()) return inner(name, shape);
     const auto& [tie, data_shape] = it->second;
     RESHARD_ASSIGN_OR_RETURN(ProvidedMap data, inner(tie.data, data_shape));
     Result<ParamMap> image = BlockImage(data.map, tie.block, shape);
     if (!image.ok()) {
-      return Status(image.status().code(),
-                    fmt::format("the scales \"{}\" of \"{}\" (blocks of {}) cannot follow its map: {}",
-                                name, tie.data, FormatShape(tie.block), image.status().message()));
+      return Status(
+          image.status().code(),
+          fmt::format("the scales \"{}\" of \"{}\" (blocks of {}) cannot follow its map: {}", name,
+                      tie.data, FormatShape(tie.block), image.status().message()));
     }
     if (Result<ProvidedMap> own = inner(name, shape); own.ok() && own->exact) {
       if (Status tied = CheckBlockTie(data.map, own->map, tie.block); !tied.ok()) {
-        return FailedPreconditionError(fmt::format("the map given for \"{}\", the scales of \"{}\" "
-                                                   "in blocks of {}: {}",
-                                                   name, tie.data, FormatShape(tie.block),
-                                                   tied.message()));
+        return FailedPreconditionError(
+            fmt::format("the map given for \"{}\", the scales of \"{}\" "
+                        "in blocks of {}: {}",
+                        name, tie.data, FormatShape(tie.block), tied.message()));
       }
       return own;
     }

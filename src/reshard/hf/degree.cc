@@ -1,9 +1,10 @@
 #include "reshard/hf/degree.h"
-#include "reshard/hf/degree_blocks.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+
+#include "reshard/hf/degree_blocks.h"
 
 namespace reshard {
 
@@ -482,13 +483,15 @@ std::string BrokenDegreeConsequence(const ModelPlan& plan, const DegreeConstrain
                                     int64_t n) {
   if (broken.meaning.starts_with("FP8 blocks")) {
     return plan.engine == Engine::kVllm
-               ? fmt::format("At tp {} vLLM refuses the layer when it creates its weights, or "
-                             "for a merged layer loads scales that are wrong for some rows.",
-                             n)
-               : fmt::format("At tp {} transformers' load of the FP8 weights fails "
-                             "(ZeroDivisionError in Fp8Dequantize): a rank without a whole "
-                             "block has no scale row for it.",
-                             n);
+               ? fmt::format(
+                     "At tp {} vLLM refuses the layer when it creates its weights, or "
+                     "for a merged layer loads scales that are wrong for some rows.",
+                     n)
+               : fmt::format(
+                     "At tp {} transformers' load of the FP8 weights fails "
+                     "(ZeroDivisionError in Fp8Dequantize): a rank without a whole "
+                     "block has no scale row for it.",
+                     n);
   }
   if (plan.engine == Engine::kVllm) return fmt::format("vLLM would refuse the model at tp {}.", n);
   if (broken.meaning == "experts") {

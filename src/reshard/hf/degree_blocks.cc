@@ -9,6 +9,8 @@
 // gate_up_proj) is let through when a part is not, and its parts then share scale rows (V's
 // rows read K's scale): reshard counts that a break too, for every part but the last (v, up).
 // Fused MoE experts need the per-rank intermediate size to be whole blocks of both dimensions.
+#include "reshard/hf/degree_blocks.h"
+
 #include <fmt/format.h>
 
 #include <numeric>
@@ -16,7 +18,6 @@
 #include <vector>
 
 #include "reshard/hf/degree.h"
-#include "reshard/hf/degree_blocks.h"
 
 namespace reshard {
 
@@ -53,12 +54,13 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
       what = fmt::format("{} x {} {}", *e.count, *head_dim, e.meaning);
     } else if (e.meaning.find("expert intermediate features") != std::string::npos) {
       // Counted in 16-byte groups for grouped_mm under transformers: the width itself here.
-      std::optional<int64_t> width = e.meaning.starts_with("shared") ? std::nullopt
-                                                                      : value("moe_intermediate_size");
+      std::optional<int64_t> width =
+          e.meaning.starts_with("shared") ? std::nullopt : value("moe_intermediate_size");
       features = width ? *width : *e.count;
       what = fmt::format("{} {}", features,
-                         e.meaning.starts_with("shared") ? e.meaning
-                                                         : std::string("expert intermediate features"));
+                         e.meaning.starts_with("shared")
+                             ? e.meaning
+                             : std::string("expert intermediate features"));
     } else if (e.meaning.ends_with("intermediate features")) {
       features = *e.count;
       what = fmt::format("{} {}", features, e.meaning);
@@ -85,8 +87,8 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
     b.count = features % block == 0 ? features / block : 1;
     b.uneven = false;
     b.replicate_above = false;
-    b.meaning = fmt::format("FP8 blocks of {} {} ({}; {})", block, rows ? "rows" : "columns", what,
-                            why);
+    b.meaning =
+        fmt::format("FP8 blocks of {} {} ({}; {})", block, rows ? "rows" : "columns", what, why);
     added.push_back(std::move(b));
   }
   plan.entries.insert(plan.entries.end(), added.begin(), added.end());

@@ -68,7 +68,8 @@ Status ReadCompressedTensors(const Json& q, QuantScheme& scheme) {
     } else if (strategy == "block") {
       f = QuantFormat::kFp8Block;
       const Json* b = json::Find(*w, "block_structure");
-      if (b == nullptr) return json::ErrorAt(path + ".weights", "block strategy without block_structure");
+      if (b == nullptr)
+        return json::ErrorAt(path + ".weights", "block strategy without block_structure");
       RESHARD_ASSIGN_OR_RETURN(scheme.block,
                                json::ReadIntArray(*b, path + ".weights.block_structure", 1));
     } else {
@@ -86,9 +87,9 @@ Status ReadCompressedTensors(const Json& q, QuantScheme& scheme) {
 }
 
 // The known suffixes of per-tensor scales beside a quantized module's weight.
-constexpr std::string_view kPerTensorSuffixes[] = {
-    ".weight_scale_2", ".weight_global_scale", ".input_scale", ".input_global_scale",
-    ".activation_scale"};
+constexpr std::string_view kPerTensorSuffixes[] = {".weight_scale_2", ".weight_global_scale",
+                                                   ".input_scale", ".input_global_scale",
+                                                   ".activation_scale"};
 
 bool IsFp8(DType d) { return d == DType::kF8E4M3 || d == DType::kF8E5M2; }
 
@@ -137,24 +138,24 @@ Result<Shape> BlockOf(const QuantScheme& scheme, const QuantTensor& data, const 
         block[d - scheme.block.size() + i] = scheme.block[i];
       return block;
     case QuantFormat::kFp8Tensor:
-      return InvalidArgumentError(fmt::format(
-          "quantization_config says one scale per tensor, but \"{}\" has shape {}", scale.name,
-          FormatShape(scale.shape)));
+      return InvalidArgumentError(
+          fmt::format("quantization_config says one scale per tensor, but \"{}\" has shape {}",
+                      scale.name, FormatShape(scale.shape)));
     case QuantFormat::kFp8Channel:
       block[d - 1] = L[d - 1];
       return block;
     case QuantFormat::kMxfp4:
       if (data.dtype != DType::kU8 || L[d - 1] != 16) {
-        return InvalidArgumentError(fmt::format(
-            "MXFP4 blocks \"{}\" are {} {}, not U8 [..., groups, 16]", data.name,
-            DTypeName(data.dtype), FormatShape(L)));
+        return InvalidArgumentError(
+            fmt::format("MXFP4 blocks \"{}\" are {} {}, not U8 [..., groups, 16]", data.name,
+                        DTypeName(data.dtype), FormatShape(L)));
       }
       block[d - 1] = 16;
       return block;
     case QuantFormat::kNvfp4:
       if (data.dtype != DType::kU8) {
-        return InvalidArgumentError(fmt::format("NVFP4 data \"{}\" is {}, not packed U8",
-                                                data.name, DTypeName(data.dtype)));
+        return InvalidArgumentError(fmt::format("NVFP4 data \"{}\" is {}, not packed U8", data.name,
+                                                DTypeName(data.dtype)));
       }
       block[d - 1] = 8;  // 16 FP4 values, two a byte
       return block;
@@ -197,9 +198,9 @@ Result<std::optional<QuantScheme>> ReadQuantScheme(std::string_view config_json)
       RESHARD_ASSIGN_OR_RETURN(scheme.block,
                                json::ReadIntArray(*b, "quantization_config.weight_block_size", 1));
       if (scheme.block.size() != 2) {
-        return InvalidArgumentError(fmt::format(
-            "quantization_config.weight_block_size: expected [rows, columns], got {}",
-            FormatShape(scheme.block)));
+        return InvalidArgumentError(
+            fmt::format("quantization_config.weight_block_size: expected [rows, columns], got {}",
+                        FormatShape(scheme.block)));
       }
     } else if (b != nullptr) {
       scheme.format = QuantFormat::kFp8Tensor;
@@ -218,15 +219,15 @@ Result<std::optional<QuantScheme>> ReadQuantScheme(std::string_view config_json)
     } else if (algo == "NVFP4") {
       scheme.format = QuantFormat::kNvfp4;
     } else {
-      return InvalidArgumentError(fmt::format(
-          "quantization_config.quant_algo {}: reshard reads ModelOpt's FP8 and NVFP4",
-          json::Quote(algo)));
+      return InvalidArgumentError(
+          fmt::format("quantization_config.quant_algo {}: reshard reads ModelOpt's FP8 and NVFP4",
+                      json::Quote(algo)));
     }
   } else {
-    return InvalidArgumentError(fmt::format(
-        "quantization_config.quant_method {}: reshard moves the block formats fp8, "
-        "compressed-tensors (FP8, NVFP4), modelopt (FP8, NVFP4) and mxfp4",
-        json::Quote(scheme.method)));
+    return InvalidArgumentError(
+        fmt::format("quantization_config.quant_method {}: reshard moves the block formats fp8, "
+                    "compressed-tensors (FP8, NVFP4), modelopt (FP8, NVFP4) and mxfp4",
+                    json::Quote(scheme.method)));
   }
   return std::optional<QuantScheme>(std::move(scheme));
 }
@@ -244,9 +245,9 @@ Result<std::vector<QuantTie>> TieQuantizedTensors(const QuantScheme& scheme,
     if (data == index.end()) {
       // Scalars with no weight beside them (an attention's k_scale) are no block scales.
       if (c->per_tensor) continue;
-      return FailedPreconditionError(fmt::format(
-          "\"{}\" looks like the scales of \"{}\", which the checkpoint does not hold", s.name,
-          c->data));
+      return FailedPreconditionError(
+          fmt::format("\"{}\" looks like the scales of \"{}\", which the checkpoint does not hold",
+                      s.name, c->data));
     }
     const QuantTensor& d = tensors[data->second];
     Result<Shape> block = BlockOf(scheme, d, s, c->per_tensor);
@@ -283,8 +284,7 @@ Result<std::vector<QuantTie>> TieQuantizedTensors(const QuantScheme& scheme,
 
 std::string PlanNameOfData(const QuantTie& tie) {
   const std::string& n = tie.data;
-  if (tie.format == QuantFormat::kMxfp4 && n.ends_with("_blocks"))
-    return n.substr(0, n.size() - 7);
+  if (tie.format == QuantFormat::kMxfp4 && n.ends_with("_blocks")) return n.substr(0, n.size() - 7);
   if (n.ends_with(".weight_packed")) return n.substr(0, n.size() - 7);
   return n;
 }

@@ -98,8 +98,8 @@ Result<ModelCheckpointMaps> PlanModelCheckpointMaps(const ConfigMaps& maps,
     if (packed.contains(t.name) && !t.shape.empty()) t.shape.back() *= 2;
     if (auto it = plan_name.find(t.name); it != plan_name.end() && it->second != t.name) {
       if (index.contains(it->second)) {
-        return FailedPreconditionError(fmt::format(
-            "\"{}\" and \"{}\" are both the model's \"{}\"", t.name, it->second, it->second));
+        return FailedPreconditionError(fmt::format("\"{}\" and \"{}\" are both the model's \"{}\"",
+                                                   t.name, it->second, it->second));
       }
       stored_name.emplace(it->second, t.name);
       t.name = it->second;
@@ -129,7 +129,8 @@ Result<ModelCheckpointMaps> PlanModelCheckpointMaps(const ConfigMaps& maps,
     const std::string suffix = ScaleSuffix(tie);
     options.scale_buffer = [&](Rank r, const std::string& data_buffer) {
       const std::string name = data_buffer + suffix;
-      ScaleBuffer& b = scale_buffers.try_emplace(name, ScaleBuffer{scale.dtype, {}, 0, {}}).first->second;
+      ScaleBuffer& b =
+          scale_buffers.try_emplace(name, ScaleBuffer{scale.dtype, {}, 0, {}}).first->second;
       if (b.shapes.size() <= static_cast<size_t>(r)) b.shapes.resize(static_cast<size_t>(r) + 1);
       b.shapes[static_cast<size_t>(r)] = *BlockGridShape(data.rank(r).shard_shape, tie.block);
       return name;
@@ -139,12 +140,13 @@ Result<ModelCheckpointMaps> PlanModelCheckpointMaps(const ConfigMaps& maps,
       const StoredTensor& d = tensors[index.at(tie.data)];
       const std::vector<int> work =
           DegreesKeepingBlocks(maps, plan_name.at(tie.data), d, tie, scale.shape);
-      return Status(image.status().code(),
-                    fmt::format("\"{}\" ({} {}, blocks of {}) at {} processes: {}; its scales \"{}\" "
-                                "cannot follow. Degrees up to 64 that keep its blocks whole: {}",
-                                tie.data, DTypeName(d.dtype), FormatShape(d.shape),
-                                FormatShape(tie.block), maps.tp(), image.status().message(),
-                                tie.scale, work.empty() ? "none" : fmt::format("{}", fmt::join(work, ", "))));
+      return Status(
+          image.status().code(),
+          fmt::format("\"{}\" ({} {}, blocks of {}) at {} processes: {}; its scales \"{}\" "
+                      "cannot follow. Degrees up to 64 that keep its blocks whole: {}",
+                      tie.data, DTypeName(d.dtype), FormatShape(d.shape), FormatShape(tie.block),
+                      maps.tp(), image.status().message(), tie.scale,
+                      work.empty() ? "none" : fmt::format("{}", fmt::join(work, ", "))));
     }
     for (Rank r = 0; r < image->world_size(); ++r) {
       if (!image->rank(r).is_buffered()) continue;

@@ -20,12 +20,14 @@ Index CeilDiv(Index a, Index b) { return a == 0 ? 0 : (a - 1) / b + 1; }
 // `block` for a tensor of `ndim` dimensions: aligned to its last dimensions, 1 before.
 Result<Shape> AlignBlock(size_t ndim, const Shape& block) {
   if (block.size() > ndim) {
-    return InvalidArgumentError(fmt::format("block {} has more dimensions than a tensor of {}",
-                                            FormatShape(block), ndim));
+    return InvalidArgumentError(
+        fmt::format("block {} has more dimensions than a tensor of {}", FormatShape(block), ndim));
   }
   Shape out(ndim - block.size(), 1);
   for (Index b : block) {
-    if (b < 1) return InvalidArgumentError(fmt::format("block {} has an extent below 1", FormatShape(block)));
+    if (b < 1)
+      return InvalidArgumentError(
+          fmt::format("block {} has an extent below 1", FormatShape(block)));
     out.push_back(b);
   }
   return out;
@@ -59,9 +61,9 @@ Status StepsOf(const Shape& piece_shape, const StridedView& view, const Shape& s
       }
     }
     if (steps[k].dim < 0) {
-      return UnimplementedError(fmt::format(
-          "piece dimension {} (stride {}) does not step along one dimension of {}", k, s,
-          FormatShape(space)));
+      return UnimplementedError(
+          fmt::format("piece dimension {} (stride {}) does not step along one dimension of {}", k,
+                      s, FormatShape(space)));
     }
   }
   for (size_t j = 0; j < space.size(); ++j) {
@@ -158,9 +160,8 @@ Status PieceAxes(const Piece& p, const Shape& data_shape, const Shape& data_bloc
   for (size_t j = 0; j < data_shape.size(); ++j) {
     if (data_block[j] == 1) continue;
     if (dest_block[j + lead] != data_block[j]) {
-      return UnimplementedError(
-          fmt::format("rank {}: blocked dimension {} lands on a shard dimension of another block",
-                      rank, j));
+      return UnimplementedError(fmt::format(
+          "rank {}: blocked dimension {} lands on a shard dimension of another block", rank, j));
     }
     const Index length = run_of_dim[j] >= 0 ? p.shape[static_cast<size_t>(run_of_dim[j])] : 1;
     Axis a;
@@ -338,7 +339,8 @@ Result<ParamMap> ImageFromPieces(const std::vector<ImageRank>& ranks, const Shap
       ranges.push_back({p.source.offset, hi, static_cast<Rank>(r)});
     }
   }
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.lo < b.lo; });
   ParamMapBuilder b;
   b.set_logical_shape(scale_shape).set_world_size(static_cast<int>(ranks.size()));
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -394,8 +396,9 @@ Result<ParamMap> BlockImage(const ParamMap& data_in, const Shape& block, const S
                             const BlockImageOptions& options) {
   const Shape& shape = data_in.logical_shape();
   if (block.size() != shape.size()) {
-    return InvalidArgumentError(fmt::format("block {} for data of shape {}: one extent per dimension",
-                                            FormatShape(block), FormatShape(shape)));
+    return InvalidArgumentError(
+        fmt::format("block {} for data of shape {}: one extent per dimension", FormatShape(block),
+                    FormatShape(shape)));
   }
   RESHARD_ASSIGN_OR_RETURN(const Shape grid, BlockGridShape(shape, block));
   if (!MatchesGrid(scale_shape, grid)) {
@@ -413,8 +416,9 @@ Result<ParamMap> BlockImage(const ParamMap& data_in, const Shape& block, const S
     const RankShard& shard = data.rank(r);
     ImageRank& out = ranks[static_cast<size_t>(r)];
     if (shard.shard_shape.size() < shape.size()) {
-      return UnimplementedError(fmt::format("rank {}'s shard {} has fewer dimensions than the data {}",
-                                            r, FormatShape(shard.shard_shape), FormatShape(shape)));
+      return UnimplementedError(
+          fmt::format("rank {}'s shard {} has fewer dimensions than the data {}", r,
+                      FormatShape(shard.shard_shape), FormatShape(shape)));
     }
     RESHARD_ASSIGN_OR_RETURN(const Shape dest_block, AlignBlock(shard.shard_shape.size(), block));
     RESHARD_ASSIGN_OR_RETURN(const Shape local, BlockGridShape(shard.shard_shape, dest_block));

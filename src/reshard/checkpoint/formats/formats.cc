@@ -303,18 +303,21 @@ Status DequantizePlan(const std::string& path, const Manifest& m, DequantizeOpti
           "the config.json of \"{}\" has no quantization_config: nothing to dequantize", path));
     }
     std::vector<QuantTensor> tensors;
-    for (const ShardedParam& p : m.params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
-    RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties, TieQuantizedTensors(*scheme, tensors));
+    for (const ShardedParam& p : m.params)
+      tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+    RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties,
+                             TieQuantizedTensors(*scheme, tensors));
     for (const QuantTie& t : ties) {
-      dequantize.ties.emplace(t.scale, BlockScales{t.data, t.block,
-                                                   std::string(QuantFormatName(t.format)),
-                                                   t.dequantizes});
+      dequantize.ties.emplace(
+          t.scale,
+          BlockScales{t.data, t.block, std::string(QuantFormatName(t.format)), t.dequantizes});
     }
   }
   if (config.empty()) return Status::Ok();
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(config, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
-    return InvalidArgumentError(fmt::format("the config.json of \"{}\" is not a JSON object", path));
+    return InvalidArgumentError(
+        fmt::format("the config.json of \"{}\" is not a JSON object", path));
   }
   j.erase("quantization_config");
   const std::string dropped = j.dump(2) + "\n";
