@@ -17,6 +17,7 @@
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/checkpoint/universal/universal.h"
+#include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/degree.h"
 #include "reshard/hf/model_config.h"
@@ -180,17 +181,12 @@ void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, boo
   source.dequantize = dequantize.has_value();
   std::optional<DequantizeOptions> deq;
   if (dequantize) {
-    deq.emplace();
-    if (*dequantize == "bf16") {
-      deq->dtype = DType::kBF16;
-    } else if (*dequantize == "fp16") {
-      deq->dtype = DType::kF16;
-    } else if (*dequantize == "fp32") {
-      deq->dtype = DType::kF32;
-    } else {
+    const std::optional<DType> d = DequantizedDTypeFromName(*dequantize);
+    if (!d) {
       throw py::value_error("dequantize: expected \"bf16\", \"fp16\" or \"fp32\", got \"" +
                             *dequantize + "\"");
     }
+    deq = DequantizeOptions{*d, {}};
   }
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {

@@ -21,6 +21,7 @@
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/universal/universal.h"
+#include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
@@ -57,17 +58,10 @@ struct GatherArgs : CommonArgs {
 // --dequantize [--dtype bf16|fp16|fp32] as options.
 Result<std::optional<DequantizeOptions>> DequantizeOf(bool on, const std::string& dtype) {
   if (!on) return std::optional<DequantizeOptions>();
-  DequantizeOptions d;
-  if (dtype == "bf16") {
-    d.dtype = DType::kBF16;
-  } else if (dtype == "fp16") {
-    d.dtype = DType::kF16;
-  } else if (dtype == "fp32") {
-    d.dtype = DType::kF32;
-  } else {
+  const std::optional<DType> d = DequantizedDTypeFromName(dtype);
+  if (!d)
     return InvalidArgumentError(fmt::format("--dtype {}: expected bf16, fp16 or fp32", dtype));
-  }
-  return std::optional<DequantizeOptions>(std::move(d));
+  return std::optional<DequantizeOptions>(DequantizeOptions{*d, {}});
 }
 
 // The flags every checkpoint command takes about scaled values.

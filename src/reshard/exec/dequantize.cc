@@ -124,6 +124,13 @@ float Float8ToFloat(DType dtype, uint8_t bits) {
   return negative ? -v : v;
 }
 
+std::optional<DType> DequantizedDTypeFromName(std::string_view name) {
+  if (name == "bf16") return DType::kBF16;
+  if (name == "fp16") return DType::kF16;
+  if (name == "fp32") return DType::kF32;
+  return std::nullopt;
+}
+
 Index DequantizedElements(const DequantizeSpec& spec) {
   const Index n = ProductOf(spec.data_shape);
   return spec.data_dtype == DType::kU8 ? 2 * n : n;

@@ -12,7 +12,9 @@
 #define RESHARD_EXEC_DEQUANTIZE_H_
 
 #include <cstddef>
+#include <optional>
 #include <span>
+#include <string_view>
 
 #include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
@@ -33,6 +35,10 @@ struct DequantizeSpec {
   /// A second, per-tensor factor the scale is multiplied by first (NVFP4's weight_scale_2; 1).
   float global_scale = 1.0f;
 };
+
+/// The output dtype a dequantization is asked for by name: "bf16", "fp16" or "fp32" (nullopt
+/// for any other name). The CLI's --dtype and Python's dequantize= both read it.
+std::optional<DType> DequantizedDTypeFromName(std::string_view name);
 
 /// The number of output elements (packed FP4: two a byte).
 Index DequantizedElements(const DequantizeSpec& spec);
