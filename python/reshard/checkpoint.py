@@ -165,7 +165,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             sync: bool = True,
             distributed_config: Union[None, str, Mapping[str, Any]] = None,
-            config: Optional[PathLike] = None) -> None:
+            config: Optional[PathLike] = None, dequantize: Optional[str] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -184,10 +184,18 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``
     ranks, each tensor in FSDP2's dim-0 chunks, which ``torch.distributed.checkpoint.load``
     reads at any world size (``reshard convert --to dcp --world N``; keys in
-    docs/formats.md)."""
+    docs/formats.md).
+
+    ``dequantize="bf16"`` (or ``"fp16"``, ``"fp32"``; ``--dequantize --dtype``) writes
+    block-quantized tensors as numbers without their scales, and config.json without
+    quantization_config; ``target_maps`` then name the dequantized tensors, and a checkpoint
+    scattered from a config is laid out from that config unquantized (docs/quantization.md).
+    ``sharded_dir`` may be a Hugging Face directory (a one-rank source)."""
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if dequantize is not None and to is not None:
+        raise ValueError(f"dequantize= converts to a reshard sharded checkpoint, not to={to!r}")
     if to == "dcp":
         given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
                                 ("max_shard_size", max_shard_size),
@@ -222,7 +230,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     targets, buffers = (None, "") if target_maps is None else _map_list(target_maps)
     _core.convert(src, tp, dst, targets, buffers, bool(weights_only),
                   _dc_text(distributed_config),
-                  None if config is None else _path(config, "config"), o)
+                  None if config is None else _path(config, "config"), dequantize, o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:

@@ -168,6 +168,17 @@ void CheckOptions(const std::string& dir, const SourceOptions& source) {
   if (!valid.ok()) throw py::value_error(valid.message());
 }
 
+// dequantize="bf16" / "fp16" / "fp32" (None: off) as options; ValueError for another.
+std::optional<DequantizeOptions> DequantizeOptionsOf(const std::optional<std::string>& dequantize) {
+  if (!dequantize) return std::nullopt;
+  const std::optional<DType> d = DequantizedDTypeFromName(*dequantize);
+  if (!d) {
+    throw py::value_error("dequantize: expected \"bf16\", \"fp16\" or \"fp32\", got \"" +
+                          *dequantize + "\"");
+  }
+  return DequantizeOptions{*d, {}};
+}
+
 // Any checkpoint reshard reads (formats/formats.h), as `reshard gather` reads it: a DeepSpeed
 // checkpoint's module weights, or with `fp32` its optimizer's fp32 master weights.
 void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, bool optimizer_state,
@@ -179,15 +190,7 @@ void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, boo
   source.optimizer_state = optimizer_state;
   source.config_path = config.value_or("");
   source.dequantize = dequantize.has_value();
-  std::optional<DequantizeOptions> deq;
-  if (dequantize) {
-    const std::optional<DType> d = DequantizedDTypeFromName(*dequantize);
-    if (!d) {
-      throw py::value_error("dequantize: expected \"bf16\", \"fp16\" or \"fp32\", got \"" +
-                            *dequantize + "\"");
-    }
-    deq = DequantizeOptions{*d, {}};
-  }
+  const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     options.dequantize = deq;
@@ -201,7 +204,9 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
                const std::optional<std::vector<std::pair<std::string, MapHandle*>>>& target_maps,
                const std::string& buffers_json, bool weights_only,
                const std::optional<std::string>& distributed_config_json,
-               const std::optional<std::string>& config, const PyCheckpointOptions& o) {
+               const std::optional<std::string>& config,
+               const std::optional<std::string>& dequantize, const PyCheckpointOptions& o) {
+  const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
   std::optional<MapDocument> target;
   if (target_maps) {
     target = DocumentOf(*target_maps);
@@ -218,6 +223,7 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
   source.distributed_config = distributed_config_json.value_or("");
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    options.dequantize = deq;
     Status s = ConvertCheckpoint(dir, source, world, target, out_dir, options);
     if (s.message().ends_with("without target maps")) {
       return Status(s.code(), s.message() +

@@ -436,3 +436,86 @@ def test_fp8_shards_dequantized_equal_transformers_own_tp2_load(reshard_bin, tmp
             if mine.dtype == torch.float8_e4m3fn:
                 mine = quant_models.dequantize_fp8_reference(mine, ours[name + "_scale_inv"])
             assert torch.equal(mine.view(torch.int16), t.view(torch.int16)), (r, name)
+
+
+def dequantized_then_scattered(reshard_bin, src, tmp_path, *scatter_args):
+    """The oracle of a dequantizing scatter: gather --dequantize, then a plain scatter --config of
+    the bf16 checkpoint (its config.json has no quantization_config)."""
+    bf16 = tmp_path / "bf16-full"
+    run(reshard_bin, "gather", src, "--dequantize", "-o", bf16)
+    assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
+    out = tmp_path / "oracle"
+    run(reshard_bin, "scatter", bf16, "--config", bf16 / "config.json", *scatter_args, "-o", out)
+    return out
+
+
+def assert_same_shards(a, b):
+    ma, mb = manifest(a), manifest(b)
+    assert ma["world_size"] == mb["world_size"]
+    assert "block_scales" not in json.dumps(ma)
+    for r in range(ma["world_size"]):
+        assert_same_tensors(rank_tensors(a, r), rank_tensors(b, r))
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+
+
+@pytest.mark.parametrize("model,args", [
+    # Half blocks: scatter --config refuses the FP8 checkpoint at TP 2, not its numbers.
+    ("qwen3-kv2", ("--tp", 2)),
+    ("deepseek-v3-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
+    ("gpt-oss-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
+])
+def test_scatter_dequantize_equals_scatter_of_the_dequantized_model(reshard_bin, tmp_path, model,
+                                                                    args):
+    make = {"qwen3-kv2": lambda p: quant_models.qwen3_fp8(p, kv_heads=2),
+            "deepseek-v3-ep2": quant_models.deepseek_v3_fp8,
+            "gpt-oss-ep2": quant_models.gpt_oss_mxfp4}[model]
+    src = make(tmp_path / "m")
+    oracle = dequantized_then_scattered(reshard_bin, src, tmp_path, *args)
+    out = tmp_path / "out"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", *args, "--dequantize",
+        "-o", out)
+    assert_same_shards(out, oracle)
+    # The manifest records the bf16 model's config: convert lays it out from that again.
+    assert "quantization_config" not in manifest(out)["model_config"]
+    run(reshard_bin, "convert", out, "--tp", 1, "-o", tmp_path / "tp1")
+    run(reshard_bin, "convert", oracle, "--tp", 1, "-o", tmp_path / "oracle-tp1")
+    assert_same_shards(tmp_path / "tp1", tmp_path / "oracle-tp1")
+
+
+def test_convert_dequantize_of_fp8_shards_and_of_a_hugging_face_dir(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    tp2 = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", tp2)
+    oracle = dequantized_then_scattered(reshard_bin, src, tmp_path, "--tp", 4)
+    # FP8 TP 2 -> bf16 TP 4 (4 key/value heads: one a rank), laid out from the kept config.
+    out = tmp_path / "tp4"
+    run(reshard_bin, "convert", tp2, "--tp", 4, "--dequantize", "-o", out)
+    assert_same_shards(out, oracle)
+    import reshard
+    reshard.checkpoint.convert(tp2, tmp_path / "py", tp=4, dequantize="bf16")
+    assert_same_shards(tmp_path / "py", oracle)
+    with pytest.raises(ValueError, match="not to='dcp'"):
+        reshard.checkpoint.convert(tp2, tmp_path / "dcp", to="dcp", world=2, dequantize="bf16")
+    # fp32 through target maps that name the dequantized tensors.
+    maps = tmp_path / "maps.json"
+    run(reshard_bin, "degree", tmp_path / "bf16-full" / "config.json", "--tp", 4, "--emit-maps",
+        maps, "--weights", tmp_path / "bf16-full")
+    f32 = tmp_path / "f32"
+    run(reshard_bin, "convert", src, "--tp", 4, "--dequantize", "--dtype", "fp32",
+        "--target-maps", maps, "-o", f32)
+    bf16, compared = rank_tensors(oracle, 3), 0
+    for name, t in rank_tensors(f32, 3).items():
+        if bf16[name].dtype == torch.bfloat16 and t.dtype == torch.float32:
+            assert torch.equal(t.to(torch.bfloat16), bf16[name]), name
+            compared += 1
+    assert compared >= 7  # q, k, v, o, gate, up, down
+    # What cannot be dequantized is refused before anything is written.
+    plain = tmp_path / "plain"
+    run(reshard_bin, "gather", src, "--dequantize", "-o", plain)
+    r = run(reshard_bin, "scatter", plain, "--config", plain / "config.json", "--tp", 2,
+            "--dequantize", "-o", tmp_path / "none", ok=False)
+    assert r.returncode == 1 and "nothing to dequantize" in r.stderr, r.stderr
+    assert not (tmp_path / "none").exists()
+    r = run(reshard_bin, "convert", tp2, "--to", "dcp", "--world", 2, "--dequantize", "-o",
+            tmp_path / "dcp", ok=False)
+    assert r.returncode == 2 and "--dequantize" in r.stderr, r.stderr

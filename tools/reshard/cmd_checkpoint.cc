@@ -23,6 +23,7 @@
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
+#include "reshard/hf/quantization.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
@@ -44,6 +45,8 @@ struct CommonArgs {
   bool json = false;
   bool progress = false;
   double peer_timeout = 600;
+  bool dequantize = false;  // --dequantize [--dtype]
+  std::string dtype = "bf16";
   mutable CheckpointStats stats;  // filled by the run
 };
 
@@ -51,8 +54,6 @@ struct GatherArgs : CommonArgs {
   bool fp32 = false;
   bool optimizer_state = false;
   std::string config;
-  bool dequantize = false;
-  std::string dtype = "bf16";
 };
 
 // --dequantize [--dtype bf16|fp16|fp32] as options.
@@ -247,15 +248,9 @@ Result<ScatterMapsOf> MapsFromConfig(const ScatterArgs& args, int world,
   return ScatterMapsOf{std::move(planned->maps), world, std::move(planned->buffers)};
 }
 
-Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
-  if (!args.maps.empty()) {
-    RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
-    if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
-    const int world = doc.params.front().second.world_size();
-    MapProvider provider = MapsFromDocument(doc);
-    RESHARD_ASSIGN_OR_RETURN(options.block_scales, FollowBlockScales(args.input, provider));
-    return ScatterMapsOf{std::move(provider), world, BufferSetBuilder(doc.buffers)};
-  }
+// --maps, or --layouts / --config with --tp.
+Status CheckScatterMapArgs(const ScatterArgs& args) {
+  if (!args.maps.empty()) return Status::Ok();
   if (args.layouts.empty() && args.config.empty()) {
     return InvalidArgumentError(
         "give --maps MAPS.json, --layouts LAYOUTS.json --tp N, or --config config.json --tp N");
@@ -264,6 +259,19 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     return InvalidArgumentError(
         fmt::format("{} needs --tp N", args.layouts.empty() ? "--config" : "--layouts"));
   }
+  return Status::Ok();
+}
+
+Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckScatterMapArgs(args));
+  if (!args.maps.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
+    if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
+    const int world = doc.params.front().second.world_size();
+    MapProvider provider = MapsFromDocument(doc);
+    RESHARD_ASSIGN_OR_RETURN(options.block_scales, FollowBlockScales(args.input, provider));
+    return ScatterMapsOf{std::move(provider), world, BufferSetBuilder(doc.buffers)};
+  }
   if (!args.layouts.empty()) {
     RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
     MapProvider provider = MapsFromLayouts(std::move(doc.layouts), args.tp);
@@ -271,6 +279,30 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     return ScatterMapsOf{std::move(provider), args.tp, {}};
   }
   return MapsFromConfig(args, args.tp, options);
+}
+
+// scatter --dequantize: the dequantized tensors laid out by --maps (which name them), --layouts
+// or --config (the model's plan without its quantization_config).
+ScatterLayoutOf DequantizedLayout(const ScatterArgs& args) {
+  return [&args](const std::vector<StoredTensor>& tensors,
+                 const std::string&) -> Result<ScatterLayout> {
+    if (!args.maps.empty()) {
+      RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
+      return ScatterLayout{MapsFromDocument(doc), BufferSetBuilder(doc.buffers), {}, {}};
+    }
+    if (!args.layouts.empty()) {
+      RESHARD_ASSIGN_OR_RETURN(LayoutsDocument doc, ReadLayoutsDocument(args.layouts));
+      return ScatterLayout{MapsFromLayouts(std::move(doc.layouts), args.tp), {}, {}, {}};
+    }
+    RESHARD_ASSIGN_OR_RETURN(const std::string quantized, ReadFileToString(args.config));
+    Result<std::string> text = WithoutQuantizationConfig(quantized);
+    if (!text.ok()) return text.status().Annotate(fmt::format("\"{}\"", args.config));
+    RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(args.distributed_config));
+    Result<ConfigScatter> laid = ConfigScatterMaps(tensors, *text, args.tp, plan);
+    if (!laid.ok()) return laid.status().Annotate(fmt::format("\"{}\"", args.config));
+    return ScatterLayout{std::move(laid->maps), std::move(laid->buffers),
+                         std::move(laid->model_config), std::move(laid->constraints)};
+  };
 }
 
 Status RunScatter(const ScatterArgs& args) {
@@ -283,16 +315,27 @@ Status RunScatter(const ScatterArgs& args) {
                               OptionalInput("--layouts", args.layouts),
                               OptionalInput("--config", args.config),
                               DistributedConfigInput(args.distributed_config),
-                              RunDescription{{"--tp", std::to_string(args.tp)}}))));
+                              RunDescription{{"--tp", std::to_string(args.tp)},
+                                             {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
-  RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
+  RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_RETURN_IF_ERROR(WithForceHint(
-      Scatter(args.input, maps.world, maps.maps, maps.buffers, args.output, options), args.force));
+  int world = args.tp;  // of --maps: the document's
+  if (options.dequantize) {
+    RESHARD_RETURN_IF_ERROR(CheckScatterMapArgs(args));
+    RESHARD_RETURN_IF_ERROR(WithForceHint(
+        ScatterDequantized(args.input, DequantizedLayout(args), args.output, options), args.force));
+  } else {
+    RESHARD_ASSIGN_OR_RETURN(auto maps, ScatterMaps(args, options));
+    world = maps.world;
+    RESHARD_RETURN_IF_ERROR(WithForceHint(
+        Scatter(args.input, maps.world, maps.maps, maps.buffers, args.output, options),
+        args.force));
+  }
   const double seconds = Seconds(t0);
   Report(args,
-         fmt::format("scattered \"{}\" to {} ranks in \"{}\" ({:.2f} s)", args.input, maps.world,
-                     args.output, seconds),
+         fmt::format("scattered \"{}\"{} in \"{}\" ({:.2f} s)", args.input,
+                     world > 0 ? fmt::format(" to {} ranks", world) : "", args.output, seconds),
          seconds);
   return Status::Ok();
 }
@@ -389,8 +432,14 @@ Status RunConvert(const ConvertArgs& args) {
                           DistributedConfigInput(args.distributed_config),
                           OptionalInput("--target-maps", args.target_maps),
                           OptionalInput("--config", args.config),
-                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"}}))));
+                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
+                                         {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps, args.config}));
+  RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
+  if (options.dequantize && !args.to.empty()) {
+    return InvalidArgumentError("--dequantize converts to a reshard sharded checkpoint, not --to " +
+                                args.to);
+  }
   if (args.to == "dcp") return RunConvertToDcp(args, options);
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
@@ -453,6 +502,17 @@ void AddCommonOptions(CLI::App* cmd, CommonArgs& args, const std::string& input,
       ->check(CLI::Range(1.0, 1e7));
 }
 
+// --dequantize [--dtype bf16|fp16|fp32].
+void AddDequantizeFlags(CLI::App* cmd, CommonArgs& args, const std::string& more_help) {
+  auto dequantize = cmd->add_flag(
+      "--dequantize", args.dequantize,
+      "write block-quantized tensors (FP8, MXFP4, NVFP4) as numbers, without their scales, and "
+      "config.json without quantization_config (docs/quantization.md)" +
+          more_help);
+  cmd->add_option("--dtype", args.dtype, "with --dequantize: bf16 (default), fp16 or fp32")
+      ->needs(dequantize);
+}
+
 void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
   AddCommonOptions(cmd, *args, "FULL_DIR", "full checkpoint directory",
                    "split each rank's file into parts of at most this size (e.g. 5GB)");
@@ -474,6 +534,7 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
                   "'{\"tp_plan\": \"auto\", \"ep_size\": 2}' for expert parallelism")
       ->needs(config)
       ->check(NotEmptyJson());
+  AddDequantizeFlags(cmd, *args, "; --maps and --layouts then name the dequantized tensors");
 }
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
@@ -491,13 +552,7 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
                   "tensors (Megatron)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
-  auto dequantize = cmd->add_flag(
-      "--dequantize", args->dequantize,
-      "write block-quantized tensors (FP8, MXFP4, NVFP4) as numbers, without their scales, and "
-      "config.json without quantization_config (docs/quantization.md); takes a Hugging Face "
-      "directory too");
-  cmd->add_option("--dtype", args->dtype, "with --dequantize: bf16 (default), fp16 or fp32")
-      ->needs(dequantize);
+  AddDequantizeFlags(cmd, *args, "; takes a Hugging Face directory too");
 }
 
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
@@ -530,6 +585,9 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "tensors (Megatron)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
+  AddDequantizeFlags(cmd, *args,
+                     "; --target-maps then name the dequantized tensors; a checkpoint scattered "
+                     "with --config is laid out from that config without quantization_config");
 }
 
 }  // namespace

@@ -256,11 +256,18 @@ constexpr const char* kModelSideFiles[] = {
     "tokenizer.model", "special_tokens_map.json", "added_tokens.json",  "vocab.json",
     "merges.txt",      "chat_template.jinja",     "chat_template.json", "preprocessor_config.json"};
 
-// Copies those of `kModelSideFiles` that `from_dir` holds (regular files) into `out`.
-Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& out, bool sync) {
+// Copies those of `kModelSideFiles` that `from_dir` holds (regular files) into `out`; a
+// non-empty `config` is written as config.json instead.
+Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& out, bool sync,
+                          const std::string& config = {}) {
+  if (!config.empty()) {
+    RESHARD_RETURN_IF_ERROR(
+        WriteFileAtomically(out.FilePath("config.json"), config, {.sync = sync}));
+  }
   std::error_code ec;
   if (from_dir.empty() || !std::filesystem::is_directory(from_dir, ec)) return Status::Ok();
   for (const char* name : kModelSideFiles) {
+    if (!config.empty() && std::string_view(name) == "config.json") continue;
     const std::filesystem::path path = std::filesystem::path(from_dir) / name;
     if (!std::filesystem::is_regular_file(path, ec)) continue;
     RESHARD_ASSIGN_OR_RETURN(std::string contents, ReadFileToString(path.string()));
@@ -400,7 +407,8 @@ Status WriteSharded(const std::string& out_dir, std::span<const std::string> inp
   return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
     RESHARD_RETURN_IF_ERROR(WriteManifest(out, manifest, options.sync));
     // The first input is the source directory (the full checkpoint, the sharded one).
-    if (!inputs.empty()) RESHARD_RETURN_IF_ERROR(CopyModelSideFiles(inputs[0], out, options.sync));
+    RESHARD_RETURN_IF_ERROR(CopyModelSideFiles(inputs.empty() ? std::string() : inputs[0], out,
+                                               options.sync, options.output_config));
     return out.Commit(options.sync);
   });
 }
@@ -427,6 +435,31 @@ MapProvider MapsFromLayouts(std::map<std::string, LayoutDescriptor> layouts, int
     if (!map.ok()) return map.status().Annotate(fmt::format("layout of \"{}\"", name));
     return ProvidedMap{*std::move(map), it->second};
   };
+}
+
+namespace {
+
+// A provider's NotFound for tensor `name` as scatter says it; other errors as they are.
+Status NoMapError(const Status& st, const std::string& name, const Shape& shape) {
+  if (st.code() != StatusCode::kNotFound) return st;
+  return FailedPreconditionError(
+      fmt::format("tensor \"{}\" (shape {}) has no map; give it one in the maps or layouts (a "
+                  "layouts file may set a default with the key \"*\")",
+                  name, FormatShape(shape)));
+}
+
+}  // namespace
+
+Result<MapDocument> DocumentOfMaps(const MapProvider& maps, const BufferSetBuilder& buffers,
+                                   const Manifest& m) {
+  MapDocument doc;
+  for (const ShardedParam& p : m.params) {
+    Result<ProvidedMap> provided = maps(p.name, p.map.valid_shape());
+    if (!provided.ok()) return NoMapError(provided.status(), p.name, p.map.valid_shape());
+    doc.params.emplace_back(p.name, std::move(provided->map));
+  }
+  RESHARD_RETURN_IF_ERROR(ValidateBuffers(doc, buffers));
+  return doc;
 }
 
 Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
@@ -493,13 +526,7 @@ Result<Manifest> PlanScatter(const FullCheckpoint& full, int world_size, const M
     const std::string& name = t.info->name;
     Result<ResolvedMap> resolved = ResolveMap(maps, name, t.info->shape);
     if (!resolved.ok()) {
-      if (resolved.status().code() == StatusCode::kNotFound) {
-        return FailedPreconditionError(fmt::format(
-            "tensor \"{}\" (shape {}) has no map; give it one in the maps or layouts (a "
-            "layouts file may set a default with the key \"*\")",
-            name, FormatShape(t.info->shape)));
-      }
-      return resolved.status();
+      return NoMapError(resolved.status(), name, t.info->shape);
     }
     const ProvidedMap* provided = &resolved->provided;
     const ParamMap& map = provided->map;
@@ -826,7 +853,104 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m,
   return out;
 }
 
+// A map of `shape` at `world` ranks that rank 0 holds whole and the others not at all.
+Result<ParamMap> HeldByRankZero(const Shape& shape, int world) {
+  RESHARD_ASSIGN_OR_RETURN(ParamMap one, ReplicatedMap(shape, 1));
+  if (world == 1) return one;
+  ParamMapBuilder b;
+  b.set_logical_shape(shape).set_world_size(world).set_shard_shape(0, shape);
+  for (Rank r = 1; r < world; ++r) b.set_shard_shape(r, Shape{0});
+  for (const Piece& piece : one.rank(0).pieces) b.add_piece(0, piece);
+  return b.Finalize();
+}
+
+// A source with its block-quantized tensors read as numbers (DequantizedView). A dequantized
+// tensor is made whole (on rank 0) at its first acquire and freed at its last release: memory
+// is set by the tensors being written, never the checkpoint.
+class DequantizedSource : public ShardSource {
+ public:
+  DequantizedSource(ShardSource& inner, CheckpointOptions options,
+                    std::vector<GatherOutput> outputs, Manifest manifest)
+      : inner_(inner),
+        options_(std::move(options)),
+        outputs_(std::move(outputs)),
+        manifest_(std::move(manifest)),
+        made_(outputs_.size()) {
+    for (auto& m : made_) m = std::make_unique<Made>();
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const GatherOutput& o = outputs_[i];
+    if (!o.scales) return inner_.AcquireShards(o.param);
+    Made& made = *made_[i];
+    std::lock_guard lock(made.mu);
+    if (made.refs == 0) {
+      made.tensor.size = static_cast<size_t>(ElementBytes(ProductOf(o.shape), o.dtype));
+      made.tensor.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(made.tensor.size, 1)]);
+      if (!made.tensor.bytes) {
+        return ResourceExhaustedError(
+            fmt::format("cannot allocate {} bytes for \"{}\"", made.tensor.size, o.name));
+      }
+      RESHARD_RETURN_IF_ERROR(FillDequantized(inner_, o, options_, made.tensor.span(), counters_));
+    }
+    ++made.refs;
+    std::vector<ConstBuffer> shards(static_cast<size_t>(manifest_.world_size));
+    shards[0] = {made.tensor.bytes.get(), ProductOf(o.shape)};
+    return shards;
+  }
+  void ReleaseShards(size_t i) override {
+    const GatherOutput& o = outputs_[i];
+    if (!o.scales) return inner_.ReleaseShards(o.param);
+    Made& made = *made_[i];
+    std::lock_guard lock(made.mu);
+    if (--made.refs == 0) made.tensor = Rebuilt();
+  }
+  std::vector<std::string> inputs() const override { return inner_.inputs(); }
+
+ private:
+  struct Made {
+    std::mutex mu;
+    int refs = 0;
+    Rebuilt tensor;
+  };
+  ShardSource& inner_;
+  const CheckpointOptions options_;
+  const std::vector<GatherOutput> outputs_;
+  const Manifest manifest_;
+  std::vector<std::unique_ptr<Made>> made_;
+  Counters counters_;
+};
+
 }  // namespace
+
+Result<std::unique_ptr<ShardSource>> DequantizedView(ShardSource& inner,
+                                                     const CheckpointOptions& options,
+                                                     const DequantizedManifest& recorded) {
+  if (!options.dequantize) return InvalidArgumentError("a dequantized view needs DequantizeOptions");
+  const Manifest& in = inner.manifest();
+  RESHARD_ASSIGN_OR_RETURN(std::vector<GatherOutput> outputs, GatherOutputs(in, options));
+  Manifest m;
+  m.world_size = in.world_size;
+  m.model_config = recorded.model_config ? *recorded.model_config : in.model_config;
+  m.constraints = recorded.constraints ? *recorded.constraints : in.constraints;
+  for (const GatherOutput& o : outputs) {
+    const ShardedParam& p = in.params[o.param];
+    if (!o.scales) {
+      m.params.push_back(p);
+      continue;
+    }
+    RESHARD_ASSIGN_OR_RETURN(ParamMap map, HeldByRankZero(o.shape, in.world_size));
+    // A layout descriptor is in terms of the data's dimensions: it holds while they do.
+    std::optional<LayoutDescriptor> layout;
+    if (o.shape == p.map.valid_shape()) layout = p.layout;
+    m.params.push_back({o.name, o.dtype, std::move(map), std::move(layout), 1});
+  }
+  CheckpointOptions own = options;
+  own.progress = nullptr;  // the scatter or convert reads through the view reports
+  own.warn = nullptr;
+  return std::unique_ptr<ShardSource>(
+      std::make_unique<DequantizedSource>(inner, own, std::move(outputs), std::move(m)));
+}
 
 std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
                                                 std::shared_ptr<const ShardedCheckpoint> ckpt) {

@@ -109,8 +109,12 @@ struct CheckpointOptions {
   Communicator* communicator = nullptr;
   /// When set, receives what the run did (also when it fails after writing began).
   CheckpointStats* stats = nullptr;
-  /// gather: dequantize block-quantized tensors (DequantizeOptions).
+  /// gather: dequantize block-quantized tensors (DequantizeOptions); scatter and convert
+  /// dequantize through DequantizedView.
   std::optional<DequantizeOptions> dequantize;
+  /// scatter and convert: the config.json written beside the shards instead of a copy of the
+  /// input's ("": copied), e.g. a dequantized model's, without quantization_config.
+  std::string output_config;
   /// scatter: the scale tensors of block-quantized tensors and their ties, recorded in the
   /// manifest (Manifest::block_scales).
   std::map<std::string, BlockScales> block_scales;
@@ -130,6 +134,12 @@ struct ProvidedMap {
 /// Gives scatter the map of a tensor (name, shape as stored in the full checkpoint).
 /// NotFound when the tensor has no layout.
 using MapProvider = std::function<Result<ProvidedMap>(const std::string& name, const Shape& shape)>;
+
+/// The maps `maps` gives the parameters of `m` (by name and valid shape), with `buffers`, as one
+/// document (convert's target maps for a scatter that reads through a view).
+/// \error FailedPrecondition  a parameter with no map, or buffers that do not fit the maps
+Result<MapDocument> DocumentOfMaps(const MapProvider& maps, const BufferSetBuilder& buffers,
+                                   const Manifest& m);
 
 /// A tensor's map for scatter and the scale power it is stored with.
 struct ResolvedMap {
@@ -208,6 +218,25 @@ std::unique_ptr<ShardSource> SourceOfShardedDir(std::string dir,
 /// whole shard, with no recorded layout (converting it takes target maps).
 Result<std::unique_ptr<ShardSource>> SourceOfFullDir(std::string dir,
                                                      std::shared_ptr<const FullCheckpoint> ckpt);
+
+/// What a dequantized view records in its manifest instead of its source's (nullopt: the
+/// source's): the model's config.json without quantization_config, and that plan's constraints.
+struct DequantizedManifest {
+  std::optional<std::string> model_config;
+  std::optional<std::vector<DegreeConstraint>> constraints;
+};
+
+/// `inner` with its block-quantized tensors read as numbers (DESIGN 20), for a scatter or a
+/// convert that dequantizes: the ties of `options.dequantize` (else those `inner`'s manifest
+/// records) say which; each quantized tensor becomes one of `options.dequantize->dtype`, held
+/// whole by rank 0 (the others hold none of it), under its data tensor's name (gpt-oss's
+/// `X_blocks` becomes `X` [E, G * 32, R]) and layout, its scales dropped. A dequantized tensor is
+/// made at its first acquire and freed at its last release. `inner` must outlive the view.
+/// \error FailedPrecondition  a tie that names a tensor the source lacks, or a format it does
+///        not store (as gather --dequantize says)
+Result<std::unique_ptr<ShardSource>> DequantizedView(ShardSource& inner,
+                                                     const CheckpointOptions& options,
+                                                     const DequantizedManifest& recorded = {});
 
 /// A file to place in a gathered checkpoint beside the tensors (e.g. the model's config.json).
 struct ExtraFile {

@@ -18,13 +18,19 @@ namespace reshard {
 
 Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
                                         int world, const PlanOptions& options) {
-  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
-                                                BuiltinTpRegistry(), config_json, world, options));
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
   std::vector<StoredTensor> tensors;
   for (const TensorRef& t : full.tensors()) {
     tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
   }
+  return ConfigScatterMaps(tensors, config_json, world, options);
+}
+
+Result<ConfigScatter> ConfigScatterMaps(const std::vector<StoredTensor>& tensors,
+                                        std::string_view config_json, int world,
+                                        const PlanOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(ConfigMaps maps, ConfigMaps::FromConfigJson(
+                                                BuiltinTpRegistry(), config_json, world, options));
   RESHARD_ASSIGN_OR_RETURN(ModelCheckpointMaps model,
                            PlanModelCheckpointMaps(maps, config_json, tensors));
   CheckpointMaps& planned = model.maps;

@@ -42,6 +42,12 @@ struct ConfigScatter {
 Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
                                         int world, const PlanOptions& options = {});
 
+/// ConfigScatterMaps of `tensors` (name, dtype, valid shape) rather than a directory's (a
+/// scatter through a dequantized view).
+Result<ConfigScatter> ConfigScatterMaps(const std::vector<StoredTensor>& tensors,
+                                        std::string_view config_json, int world,
+                                        const PlanOptions& options = {});
+
 /// Scales that follow their data wherever a map is made (DESIGN 20): when `full_dir`'s
 /// config.json has a quantization_config, `maps` is wrapped so that each scale tensor gets the
 /// block image of its data tensor's map (a map `maps` names for a scale tensor itself must be

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <map>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
@@ -287,6 +288,15 @@ std::string PlanNameOfData(const QuantTie& tie) {
   if (tie.format == QuantFormat::kMxfp4 && n.ends_with("_blocks")) return n.substr(0, n.size() - 7);
   if (n.ends_with(".weight_packed")) return n.substr(0, n.size() - 7);
   return n;
+}
+
+Result<std::string> WithoutQuantizationConfig(std::string_view config_json) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(config_json, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgumentError("a config.json is a JSON object; this one is not");
+  }
+  j.erase("quantization_config");
+  return j.dump(2) + "\n";
 }
 
 }  // namespace reshard

@@ -52,6 +52,11 @@ struct QuantScheme {
 ///        (the message names its quant_method and the formats known).
 Result<std::optional<QuantScheme>> ReadQuantScheme(std::string_view config_json);
 
+/// A config.json (JSON text, an object) without its quantization_config: a dequantized
+/// model's, which transformers and vLLM load as unquantized. Key order is kept.
+/// \error InvalidArgument  not a JSON object
+Result<std::string> WithoutQuantizationConfig(std::string_view config_json);
+
 /// A tensor of a checkpoint as the pairing sees it.
 struct QuantTensor {
   std::string name;

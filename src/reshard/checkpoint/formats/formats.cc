@@ -314,13 +314,9 @@ Status DequantizePlan(const std::string& path, const Manifest& m, DequantizeOpti
     }
   }
   if (config.empty()) return Status::Ok();
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(config, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) {
-    return InvalidArgumentError(
-        fmt::format("the config.json of \"{}\" is not a JSON object", path));
-  }
-  j.erase("quantization_config");
-  const std::string dropped = j.dump(2) + "\n";
+  Result<std::string> without = WithoutQuantizationConfig(config);
+  if (!without.ok()) return without.status().Annotate(fmt::format("\"{}\"", path));
+  const std::string& dropped = *without;
   if (config_file != nullptr) {
     config_file->contents = dropped;
   } else {
@@ -329,7 +325,94 @@ Status DequantizePlan(const std::string& path, const Manifest& m, DequantizeOpti
   return Status::Ok();
 }
 
+// Opens `path` with its block-quantized tensors dequantized: the checkpoint, the options (with
+// the ties), the view, and the model's config.json without quantization_config ("": none).
+struct DequantizedCheckpoint {
+  OpenedCheckpoint opened;
+  CheckpointOptions options;
+  std::unique_ptr<ShardSource> view;
+  std::string config;
+};
+
+Result<DequantizedCheckpoint> OpenDequantized(const std::string& path, const SourceOptions& source,
+                                              const CheckpointOptions& options) {
+  SourceOptions s = source;
+  s.dequantize = true;
+  DequantizedCheckpoint d;
+  RESHARD_ASSIGN_OR_RETURN(d.opened, OpenEverywhere(path, s, options));
+  if (d.opened.gather || d.opened.source == nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is {}: dequantizing takes a reshard sharded or a Hugging Face checkpoint", path,
+        DetectFormat(path).description));
+  }
+  d.options = options;
+  std::vector<ExtraFile> extra = d.opened.extra_files;
+  RESHARD_RETURN_IF_ERROR(
+      DequantizePlan(path, d.opened.source->manifest(), *d.options.dequantize, extra));
+  for (const ExtraFile& f : extra) {
+    if (f.name == "config.json") d.config = f.contents;
+  }
+  d.options.output_config = d.config;
+  RESHARD_ASSIGN_OR_RETURN(d.view, DequantizedView(*d.opened.source, d.options));
+  return d;
+}
+
+std::vector<StoredTensor> StoredTensorsOf(const Manifest& m) {
+  std::vector<StoredTensor> tensors;
+  for (const ShardedParam& p : m.params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+  return tensors;
+}
+
+// Dequantizing converts of a checkpoint scattered from a config.json (its manifest keeps it)
+// lay the numbers out from the config without quantization_config: the view's target maps,
+// and the view again recording that config and its plan's constraints.
+Result<std::optional<MapDocument>> DequantizedConfigMaps(DequantizedCheckpoint& d,
+                                                         const SourceOptions& source, int world) {
+  if (d.config.empty() || d.opened.source->manifest().model_config.empty()) {
+    return std::optional<MapDocument>();
+  }
+  RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(source));
+  RESHARD_ASSIGN_OR_RETURN(
+      ConfigScatter laid, ConfigScatterMaps(StoredTensorsOf(d.view->manifest()), d.config, world, plan));
+  RESHARD_ASSIGN_OR_RETURN(MapDocument doc,
+                           DocumentOfMaps(laid.maps, laid.buffers, d.view->manifest()));
+  RESHARD_ASSIGN_OR_RETURN(d.view, DequantizedView(*d.opened.source, d.options,
+                                                   {laid.model_config, laid.constraints}));
+  return std::optional<MapDocument>(std::move(doc));
+}
+
+Status ConvertDequantized(const std::string& path, const SourceOptions& source, int world_size,
+                          const std::optional<MapDocument>& target_maps,
+                          const std::string& out_dir, const CheckpointOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(DequantizedCheckpoint d, OpenDequantized(path, source, options));
+  std::optional<MapDocument> target = target_maps;
+  if (!target) {
+    RESHARD_ASSIGN_OR_RETURN(target, DequantizedConfigMaps(d, source, world_size));
+  }
+  return ConvertFrom(*d.view, world_size, target, out_dir, d.options);
+}
+
 }  // namespace
+
+Status ScatterDequantized(const std::string& full_dir, const ScatterLayoutOf& layout,
+                          const std::string& out_dir, const CheckpointOptions& options) {
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  if (!DetectFull(full_dir)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is not a Hugging Face checkpoint (no model.safetensors or its index)", full_dir));
+  }
+  RESHARD_ASSIGN_OR_RETURN(DequantizedCheckpoint d, OpenDequantized(full_dir, source, options));
+  RESHARD_ASSIGN_OR_RETURN(ScatterLayout laid,
+                           layout(StoredTensorsOf(d.view->manifest()), d.config));
+  RESHARD_ASSIGN_OR_RETURN(MapDocument doc,
+                           DocumentOfMaps(laid.maps, laid.buffers, d.view->manifest()));
+  if (doc.params.empty()) return InvalidArgumentError("the checkpoint holds no tensors");
+  const int world = doc.params.front().second.world_size();
+  RESHARD_ASSIGN_OR_RETURN(d.view, DequantizedView(*d.opened.source, d.options,
+                                                   {laid.model_config, laid.constraints}));
+  return ConvertFrom(*d.view, world, doc, out_dir, d.options);
+}
 
 Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
                         const std::string& out_dir, const CheckpointOptions& options) {
@@ -363,6 +446,7 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, i
   if (target_maps && !s.distributed_config.empty()) {
     return InvalidArgumentError("give target maps or a distributed config, not both");
   }
+  if (options.dequantize) return ConvertDequantized(path, s, world_size, target_maps, out_dir, options);
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
   std::optional<MapDocument> target = target_maps;

@@ -7,6 +7,7 @@
 #ifndef RESHARD_CHECKPOINT_FORMATS_FORMATS_H_
 #define RESHARD_CHECKPOINT_FORMATS_FORMATS_H_
 
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -15,6 +16,7 @@
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/source.h"
+#include "reshard/hf/model_maps.h"
 #include "reshard/ir/map_json.h"
 
 namespace reshard {
@@ -52,10 +54,32 @@ Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
 
 /// Any checkpoint -> reshard sharded checkpoint at `world_size` (ConvertFrom). Target maps:
 /// `target_maps`, else the format's (OpenedCheckpoint::target_maps), else the recorded
-/// layouts.
+/// layouts. With `options.dequantize`, through a DequantizedView (a reshard sharded or a Hugging
+/// Face checkpoint): a checkpoint scattered from a config.json is laid out from that config
+/// without quantization_config.
 Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
                          const std::optional<MapDocument>& target_maps, const std::string& out_dir,
                          const CheckpointOptions& options = {});
+
+/// A scatter's layout of given tensors: the maps, the buffers they fill and, from a model's
+/// config.json, what the manifest records (the config, its plan's constraints).
+struct ScatterLayout {
+  MapProvider maps;
+  BufferSetBuilder buffers;
+  std::optional<std::string> model_config;
+  std::optional<std::vector<DegreeConstraint>> constraints;
+};
+/// Lays out `tensors` (name, dtype, valid shape); `config` is the model's config.json without
+/// quantization_config ("" when the checkpoint has none).
+using ScatterLayoutOf = std::function<Result<ScatterLayout>(
+    const std::vector<StoredTensor>& tensors, const std::string& config)>;
+
+/// scatter --dequantize: the Hugging Face checkpoint at `full_dir` with its block-quantized
+/// tensors as numbers of `options.dequantize->dtype` (DequantizedView; the ties from its
+/// config.json's quantization_config), laid out by `layout` at the maps' world size, beside
+/// config.json without quantization_config. Memory: the tensors being written.
+Status ScatterDequantized(const std::string& full_dir, const ScatterLayoutOf& layout,
+                          const std::string& out_dir, const CheckpointOptions& options);
 
 /// Any checkpoint -> PyTorch Distributed Checkpoint saved for `world_size` ranks (WriteDcp:
 /// its tensors as a convert opens them, optimizer state included unless weights_only).
