@@ -519,3 +519,33 @@ def test_convert_dequantize_of_fp8_shards_and_of_a_hugging_face_dir(reshard_bin,
     r = run(reshard_bin, "convert", tp2, "--to", "dcp", "--world", 2, "--dequantize", "-o",
             tmp_path / "dcp", ok=False)
     assert r.returncode == 2 and "--dequantize" in r.stderr, r.stderr
+
+
+def test_show_draws_which_rank_holds_each_block(reshard_bin, tmp_path):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    tp2 = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", tp2)
+    # o_proj [256, 256] split by columns at TP 4 through layouts: 64 columns a rank, so ranks 0
+    # and 1 share block column 0 and ranks 2 and 3 block column 1.
+    tp4 = tmp_path / "tp4"
+    run(reshard_bin, "scatter", src, "--layouts", half_block_layouts(tmp_path / "l.json"), "--tp",
+        4, "-o", tp4)
+    a = "model.layers.0.self_attn."
+
+    def holders(d):
+        shown = json.loads(run(reshard_bin, "show", d, "--json").stdout)
+        return {e["block_scales"]["of"]: e["block_scales"]["holders"]
+                for e in shown if "block_scales" in e}
+
+    whole = holders(tp2)
+    assert whole[a + "k_proj.weight"] == ["00", "11"]  # [2, 2] grid: a block row a rank
+    assert whole[a + "o_proj.weight"] == ["01", "01"]  # split by columns: a block column a rank
+    cut = holders(tp4)
+    assert cut[a + "o_proj.weight"] == ["++", "++"]
+    assert cut[a + "q_proj.weight"] == ["**", "**"]  # replicated
+    text = run(reshard_bin, "show", tp4, "--svg", tmp_path / "b.svg").stdout
+    assert f'blocks of "{a}o_proj.weight" (fp8-block [128, 128], grid [2, 2])' in text
+    svg = (tmp_path / "b.svg").read_text()
+    plus = sum(line.count("+") for picture in cut.values() for line in picture)
+    assert plus == 12  # o_proj's 4 blocks, and k_proj's and v_proj's (64 rows a rank)
+    assert svg.startswith("<?xml") and svg.count("several ranks: a block cut") == plus

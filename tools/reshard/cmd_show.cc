@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -108,11 +109,31 @@ nlohmann::ordered_json SummaryJson(const ShownParam& p, const MapSummary& s,
   return entry;
 }
 
-// What `show` draws: the parameters, and the buffers their maps write into.
+// What `show` draws: the parameters, the buffers their maps write into, and the ties of
+// block-quantized tensors (scale tensor -> its data, block and format).
 struct Shown {
   std::vector<ShownParam> params;
   BufferSet buffers;
+  std::map<std::string, BlockScales> block_scales;
 };
+
+// The block grid of the data tensor `tie` scales: which rank holds each block's scale (the
+// scales' map, one element a block).
+BlockDrawing BlocksOf(const ShownParam& scales, const BlockScales& tie,
+                      const std::vector<std::string>& picture) {
+  return {fmt::format("blocks of \"{}\" ({} {}, grid {}): which rank holds each block's scale",
+                      tie.data, tie.format, FormatShape(tie.block),
+                      FormatShape(scales.map.valid_shape())),
+          picture};
+}
+
+void PrintBlocks(const BlockDrawing& d) {
+  fmt::print("{}\n  (one character a block, sampled; digit = rank, + = several ranks: a block cut "
+             "between them, * = all ranks)\n",
+             d.title);
+  for (const std::string& line : d.picture) fmt::print("    |{}|\n", line);
+  fmt::print("\n");
+}
 
 // The parameters of a sharded checkpoint: its manifest (a file) or its directory.
 Result<Shown> ReadManifestParams(const std::string& path, std::string text,
@@ -124,6 +145,7 @@ Result<Shown> ReadManifestParams(const std::string& path, std::string text,
     out.params.push_back({std::move(p.name), std::move(p.map), dtype.value_or(p.dtype)});
   }
   out.buffers = std::move(manifest->buffers);
+  out.block_scales = std::move(manifest->block_scales);
   return out;
 }
 
@@ -239,9 +261,17 @@ Status RunShow(const ShowArgs& args) {
                            SummarizeBuffers(shown.buffers, refs));
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   size_t buffered = 0;
+  std::vector<BlockDrawing> blocks;
   for (const ShownParam& p : shown.params) {
+    const auto tie = shown.block_scales.find(p.name);
+    if (tie != shown.block_scales.end()) {
+      RESHARD_ASSIGN_OR_RETURN(std::vector<std::string> picture,
+                               HolderPicture(p.map, args.rows, args.cols));
+      blocks.push_back(BlocksOf(p, tie->second, picture));
+    }
     if (!args.json && IsBuffered(p.map)) {
       ++buffered;  // summarised with its buffer
+      if (tie != shown.block_scales.end()) PrintBlocks(blocks.back());
       continue;
     }
     MapSummary s = Summarize(p.map);
@@ -252,11 +282,18 @@ Status RunShow(const ShowArgs& args) {
         const std::string& b = p.map.rank(r).buffer;
         if (!b.empty()) entry["ranks"][static_cast<size_t>(r)]["buffer"] = b;
       }
+      if (tie != shown.block_scales.end()) {
+        entry["block_scales"] = {{"of", tie->second.data},
+                                 {"block", tie->second.block},
+                                 {"format", tie->second.format},
+                                 {"holders", blocks.back().picture}};
+      }
       out.push_back(std::move(entry));
     } else {
       PrintText(p.name, p.map, s, DTypeSize(p.dtype), DTypeName(p.dtype),
                 picture.ok() ? *picture : std::vector<std::string>{});
       fmt::print("\n");
+      if (tie != shown.block_scales.end()) PrintBlocks(blocks.back());
     }
   }
   // Text and picture draw each layout once (a model's layers alike); --json lists every buffer.
@@ -275,12 +312,15 @@ Status RunShow(const ShowArgs& args) {
   }
   if (args.json) fmt::print("{}\n", out.dump(2));
   if (!args.svg.empty()) {
-    if (buffers.empty()) {
-      return FailedPreconditionError(fmt::format(
-          "--svg draws buffers (which rank holds which experts), and \"{}\" has none", args.path));
+    if (buffers.empty() && blocks.empty()) {
+      return FailedPreconditionError(
+          fmt::format("--svg draws buffers (which rank holds which experts) or quantization "
+                      "blocks (which rank holds which block), and \"{}\" has neither",
+                      args.path));
     }
     const std::string inputs[] = {args.path};
-    RESHARD_RETURN_IF_ERROR(WriteOutputFile(args.svg, BuffersSvg(drawn), args.force, inputs));
+    RESHARD_RETURN_IF_ERROR(WriteOutputFile(
+        args.svg, blocks.empty() ? BuffersSvg(drawn) : BlocksSvg(blocks), args.force, inputs));
   }
   return failure;
 }
@@ -301,7 +341,8 @@ void AddShowOptions(CLI::App* cmd, ShowArgs* args) {
       ->check(CLI::Range(1, 1000));
   AddJsonFlag(cmd, args->json, "print a machine-readable summary on stdout");
   cmd->add_option("--svg", args->svg,
-                  "write a picture of which rank holds which experts of each buffer (SVG)");
+                  "write a picture (SVG) of which rank holds which block of each quantized "
+                  "tensor, or else which experts of each buffer");
   cmd->add_flag("--force", args->force, "replace an existing --svg file");
 }
 

@@ -595,6 +595,11 @@ std::vector<SvgRect> HeldRects(const BufferColumn& col, const BufferCell& bc, in
 
 }  // namespace
 
+namespace {
+// A standalone SVG document of `width` x `height` around `body` (styles and the hatching).
+std::string SvgDocument(int width, int height, const std::string& body);
+}  // namespace
+
 std::string BuffersSvg(std::span<const BufferSummary> buffers) {
   constexpr int kLeft = 84;
   constexpr int kWidth = 960;
@@ -690,6 +695,70 @@ std::string BuffersSvg(std::span<const BufferSummary> buffers) {
     y += 15;
   }
   y += 4;
+  return SvgDocument(width, y, body);
+}
+
+namespace {
+
+// The rank a picture glyph names (RankGlyph's inverse); -1 for any other character.
+int RankOfGlyph(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'z') return c - 'a' + 10;
+  return -1;
+}
+
+}  // namespace
+
+std::string BlocksSvg(std::span<const BlockDrawing> drawings) {
+  constexpr int kLeft = 8;
+  std::string body;
+  int y = 16;
+  int width = 640;
+  for (const BlockDrawing& d : drawings) {
+    const int ncols = d.picture.empty() ? 1 : static_cast<int>(d.picture.front().size());
+    const int cell = std::clamp(900 / std::max(ncols, 1), 6, 24);
+    width = std::max(width, kLeft + ncols * cell + 16);
+    body += fmt::format("<g class=\"blocks\">\n<text x=\"8\" y=\"{}\" class=\"title\">{}</text>\n",
+                        y + 12, Xml(d.title));
+    y += 22;
+    for (size_t row = 0; row < d.picture.size(); ++row) {
+      const std::string& line = d.picture[row];
+      for (size_t c = 0; c < line.size(); ++c) {
+        const int rank = RankOfGlyph(line[c]);
+        const char* fill = rank >= 0   ? kPalette[static_cast<size_t>(rank) % std::size(kPalette)]
+                           : line[c] == '*' ? "#444444"
+                           : line[c] == '+' ? "#9a9a9a"
+                                            : "#f2f2f2";
+        const std::string tip = rank >= 0        ? fmt::format("rank {}", rank)
+                                : line[c] == '*' ? std::string("every rank")
+                                : line[c] == '+' ? std::string("several ranks: a block cut between them")
+                                                 : std::string("no rank");
+        body += fmt::format(
+            "<g><title>{}</title><rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"{}\" "
+            "class=\"block\"/>{}</g>\n",
+            Xml(fmt::format("block row {}, column {}: {}", row, c, tip)),
+            kLeft + static_cast<int>(c) * cell, y, cell, cell, fill,
+            line[c] == '+' ? fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" "
+                                         "fill=\"url(#replica)\"/>",
+                                         kLeft + static_cast<int>(c) * cell, y, cell, cell)
+                           : std::string());
+      }
+      y += cell;
+    }
+    body += "</g>\n";
+    y += 18;
+  }
+  body += fmt::format(
+      "<text x=\"8\" y=\"{}\" class=\"note\">one cell a block (sampled when there are many): "
+      "colour = the rank holding its scale; grey, hatched = several ranks (a block cut between "
+      "them); dark = every rank</text>\n",
+      y + 4);
+  return SvgDocument(width, y + 24, body);
+}
+
+namespace {
+
+std::string SvgDocument(int width, int y, const std::string& body) {
   std::string out = fmt::format(
       "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" "
@@ -701,12 +770,15 @@ std::string BuffersSvg(std::span<const BufferSummary> buffers) {
       ".title {{ font-size: 13px; font-weight: bold; }} .note {{ fill: #555; }} "
       ".slot {{ fill: #111; font-weight: bold; stroke: #fff; stroke-width: 2px; "
       "paint-order: stroke; }} "
-      ".cell {{ fill: #f2f2f2; stroke: #c8c8c8; stroke-width: 1; }}</style></defs>\n"
+      ".cell {{ fill: #f2f2f2; stroke: #c8c8c8; stroke-width: 1; }} "
+      ".block {{ stroke: #ffffff; stroke-width: 1; }}</style></defs>\n"
       "<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n",
       width, y);
   out += body;
   out += "</svg>\n";
   return out;
 }
+
+}  // namespace
 
 }  // namespace reshard

@@ -119,6 +119,17 @@ std::vector<std::string> BufferTable(const BufferSummary& summary, int max_width
 /// well-formed XML; names are escaped.
 std::string BuffersSvg(std::span<const BufferSummary> buffers);
 
+/// One block-quantized tensor's grid for `show`: a title and its holder picture (HolderPicture
+/// of the scales' map: one character a block, the rank that holds its scale, "+" several).
+struct BlockDrawing {
+  std::string title;
+  std::vector<std::string> picture;
+};
+
+/// A standalone SVG picture of block grids (one cell a block, coloured by the rank holding its
+/// scale, hatched grey where a block is cut between ranks). Deterministic; names escaped.
+std::string BlocksSvg(std::span<const BlockDrawing> drawings);
+
 }  // namespace reshard
 
 #endif  // RESHARD_IR_MAP_SUMMARY_H_
