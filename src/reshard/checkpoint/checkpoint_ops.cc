@@ -717,12 +717,66 @@ Result<Rebuilt> RebuildOwned(ShardSource& source, size_t i, const CheckpointOpti
   return out;
 }
 
+// Whether `v` walks `shape` row-major from offset 0 (dimensions of one element aside).
+bool IsDenseView(const StridedView& v, const Shape& shape) {
+  if (v.offset != 0) return false;
+  Index expect = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] != 1 && v.strides[d] != expect) return false;
+    expect *= shape[d];
+  }
+  return true;
+}
+
+// A rank whose shard is the whole tensor as it is, held by no other rank (one unscaled piece,
+// row-major in F and in the shard): its shard can be read in place of a rebuild, with no
+// replica to compare.
+std::optional<Rank> SoleWholeHolder(const ParamMap& map) {
+  if (map.has_padding()) return std::nullopt;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const RankShard& s = map.rank(r);
+    if (s.is_buffered() || s.pieces.size() != 1) continue;
+    const Piece& p = s.pieces[0];
+    if (p.scale != 1.0 || p.is_replicated() || p.num_elements() != map.num_elements() ||
+        ProductOf(s.shard_shape) != map.num_elements()) {
+      continue;
+    }
+    if (IsDenseView(p.source, p.shape) && IsDenseView(p.dest, p.shape)) return r;
+  }
+  return std::nullopt;
+}
+
+// A parameter's valid bytes: the shard of its sole whole holder read in place (a Hugging Face
+// file's tensor, mapped), else rebuilt into memory of its own.
+struct ParamBytes {
+  std::unique_ptr<AcquiredShards> held;
+  Rebuilt rebuilt;
+  std::span<const std::byte> bytes;
+};
+
+Result<ParamBytes> ReadParamBytes(ShardSource& source, size_t i, const CheckpointOptions& options,
+                                  Counters& counters) {
+  const ShardedParam& p = source.manifest().params[i];
+  ParamBytes out;
+  if (const std::optional<Rank> r = SoleWholeHolder(p.map)) {
+    out.held = std::make_unique<AcquiredShards>(source, i);
+    RESHARD_RETURN_IF_ERROR(out.held->status());
+    const ConstBuffer& shard = out.held->shards()[static_cast<size_t>(*r)];
+    out.bytes = {shard.data, static_cast<size_t>(ElementBytes(shard.num_elements, p.dtype))};
+    counters.read += out.bytes.size();
+    return out;
+  }
+  RESHARD_ASSIGN_OR_RETURN(out.rebuilt, RebuildOwned(source, i, options, counters));
+  out.bytes = out.rebuilt.span();
+  return out;
+}
+
 // Writes a dequantized output into `buffer`.
 Status FillDequantized(ShardSource& source, const GatherOutput& o, const CheckpointOptions& options,
                        std::span<std::byte> buffer, Counters& counters) {
   const Manifest& m = source.manifest();
-  RESHARD_ASSIGN_OR_RETURN(Rebuilt data, RebuildOwned(source, o.param, options, counters));
-  RESHARD_ASSIGN_OR_RETURN(Rebuilt scales, RebuildOwned(source, *o.scales, options, counters));
+  RESHARD_ASSIGN_OR_RETURN(ParamBytes data, ReadParamBytes(source, o.param, options, counters));
+  RESHARD_ASSIGN_OR_RETURN(ParamBytes scales, ReadParamBytes(source, *o.scales, options, counters));
   DequantizeSpec spec = o.spec;
   if (o.global) {
     RESHARD_ASSIGN_OR_RETURN(Rebuilt g, RebuildOwned(source, *o.global, options, counters));
@@ -738,14 +792,14 @@ Status FillDequantized(ShardSource& source, const GatherOutput& o, const Checkpo
                                                    m.params[o.param].name, m.params[*o.scales].name,
                                                    st.message()));
   };
-  if (!o.mxfp4) return annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, buffer));
+  if (!o.mxfp4) return annotate(Dequantize(spec, data.bytes, scales.bytes, o.dtype, buffer));
   // [E, R, G * 32] dequantized, then its last two dimensions swapped.
   Rebuilt flat;
   flat.size = buffer.size();
   flat.bytes.reset(new (std::nothrow) std::byte[std::max<size_t>(flat.size, 1)]);
   if (!flat.bytes) return ResourceExhaustedError("cannot allocate the dequantized experts");
   RESHARD_RETURN_IF_ERROR(
-      annotate(Dequantize(spec, data.span(), scales.span(), o.dtype, flat.span())));
+      annotate(Dequantize(spec, data.bytes, scales.bytes, o.dtype, flat.span())));
   const Shape& out_shape = o.shape;  // [..., cols, rows]
   const size_t nd = out_shape.size();
   const Index rows = out_shape[nd - 1], cols = out_shape[nd - 2];
