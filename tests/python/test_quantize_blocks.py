@@ -115,3 +115,35 @@ def test_refusals_name_the_tensor():
                               {**m, "s": {}})
     with pytest.raises(rd.RedistributeError, match=r"block \[0, 128\]"):
         _quantize.quant_specs({"w": {"scale": "s", "block": [0, 128]}}, m, {**m, "s": {}})
+
+
+class OneProcess(rd.Transport):
+    """A group of this process alone (no torch.distributed)."""
+
+    rank, members = 0, [0]
+
+    def gather_object(self, value):
+        return [value]
+
+    def exchange(self, sends, receives):
+        assert not sends and not receives
+        return []
+
+
+def test_one_process_quantizes_into_its_own_fp8_buffers():
+    """Trainer and engine in one process: every block is whole, nothing is gathered or sent,
+    and the local copies give the quantization of the full tensor; dry_run moves nothing."""
+    shape = [260, 300]
+    maps = {"w": split_map(shape, 0, [260])}
+    target = {"w": split_map(shape, 1, [300]), "w_scale_inv": split_map([3, 3], 1, [3])}
+    sync = rd.QuantizingRedistributor(maps, target, quantize={"block": [128, 128]},
+                                      source_ranks=[0], target_ranks=[0], group=OneProcess())
+    full = torch.randn(shape).to(torch.bfloat16)
+    schedule = sync.run({"w": full.clone()}, dry_run=True)
+    assert schedule["rounds"] == 0 and sync.last_stats is None
+    got = sync.run({"w": full.clone()})
+    data, scale = rd.quantize_fp8_blocks(full, (128, 128))
+    assert torch.equal(got["w"].view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(got["w_scale_inv"], scale)
+    assert sync.last_stats["sent"] == sync.last_stats["gathered_sent"] == 0
+    assert sync.gathered() == 0 and [q.scale for q in sync.quantized] == ["w_scale_inv"]
