@@ -871,5 +871,9 @@ def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, M
     return r.run(shards, out, dry_run=dry_run)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "Transport",
-           "redistribute"]
+# Targets holding FP8 blocks of tensors the sources hold in bf16 (below Redistributor, which it
+# builds on).
+from ._quantize import QuantizingRedistributor, quantize_fp8_blocks  # noqa: E402
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "QuantizingRedistributor", "RedistributeError",
+           "Redistributor", "Transport", "quantize_fp8_blocks", "redistribute"]

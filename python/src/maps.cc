@@ -6,6 +6,7 @@
 
 #include "core.h"
 #include "reshard/io/file.h"
+#include "reshard/ir/block_grid.h"
 #include "reshard/ir/canonicalize.h"
 #include "reshard/ir/infer.h"
 #include "reshard/ir/map_json.h"
@@ -158,6 +159,15 @@ void BindMaps(py::module_& m) {
   m.def("read_map_document", &ReadDocument, py::arg("text"), py::arg("path") = "");
   m.def("write_map_document", &WriteDocument, py::arg("params"), py::arg("buffers_json") = "");
   m.def("read_map_document_buffers", &ReadDocumentBuffers, py::arg("text"), py::arg("path") = "");
+  // Raises MapError saying how `scale` differs from the block image of `data` (ir/block_grid.h),
+  // or why there is none (a local block taking elements of two blocks of the data).
+  m.def(
+      "check_block_tie",
+      [](MapHandle& data, MapHandle& scale, const Shape& block) {
+        const Status tie = CheckBlockTie(data.Valid(), scale.Valid(), block);
+        if (!tie.ok()) Raise(tie, ErrorKind::kMap);
+      },
+      py::arg("data"), py::arg("scale"), py::arg("block"));
   // A whole file as the CLI reads its inputs (a FIFO with no writer refused at once, never
   // waited on): bytes, or FileNotFoundError / MapError naming the file.
   m.def(

@@ -40,9 +40,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from vllm.logger import init_logger
 
-from ..distributed import RedistributeError, Redistributor
+from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from .sync import raw_exchange, torch_dtypes
+from .sync import AnyRedistributor, plan_redistributor, raw_exchange
 
 logger = init_logger(__name__)
 
@@ -249,7 +249,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self._comm: Optional[StoreGroup] = None
-        self._sync: Optional[Redistributor] = None
+        self._sync: Optional[AnyRedistributor] = None
         self._trainers = 0
         self._open = False  # an update started and not finished (its trainer may be gone)
 
@@ -278,11 +278,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
         # every worker (one failing worker's reply would be left unread by vLLM's executor).
         try:
-            self._sync = Redistributor(
-                plan["source"], plan["target"], source_ranks=range(init_info.trainers),
-                target_ranks=range(init_info.trainers, init_info.trainers + workers),
-                group=comm, dtypes=torch_dtypes(plan["dtypes"]),
-                bucket_bytes=plan["bucket_bytes"], _error=error)
+            self._sync = plan_redistributor(plan["source"], plan, init_info.trainers, workers,
+                                            comm, error)
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)
 

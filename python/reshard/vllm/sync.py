@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 from .._maps import MapLike, as_map
-from ..distributed import DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, _message
+from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
+                           Redistributor, _message)
 from ._group import StoreGroup, join_store, serve_store
 
 if TYPE_CHECKING:
@@ -43,13 +44,16 @@ class SyncStats:
     loading form), to ``transfer`` (receive and unpack; with ``overlap_processing``, each
     layer processed as soon as it has arrived), to ``process`` (vLLM's post-load processing,
     during the transfer or after it) and to ``commit`` (the processed layers into the tensors
-    the engine serves)."""
+    the engine serves). ``bytes_gathered``: with ``quantize=``, the bytes of blocks split
+    between trainer processes sent to the one that quantizes them (among the trainer processes,
+    in the source dtype; not in ``bytes_sent``)."""
 
     bytes_sent: int
     plan_minimum: int
     bytes_sent_here: int
     seconds: float
     worker_seconds: Optional[dict[str, float]] = None
+    bytes_gathered: int = 0
 
 
 class _Client:
@@ -130,6 +134,23 @@ def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
             w.wait()
 
 
+AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
+
+
+def plan_redistributor(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
+                       workers: int, comm: Any, error: Optional[str]) -> AnyRedistributor:
+    """The exchange of an agreed plan (trainer processes 0 .. T-1, then the workers): FP8
+    blocks quantized at the source where the plan says ``quantize``."""
+    options: dict[str, Any] = dict(
+        source_ranks=range(trainers), target_ranks=range(trainers, trainers + workers),
+        group=comm, dtypes=torch_dtypes(plan["dtypes"]), bucket_bytes=plan["bucket_bytes"],
+        _error=error)
+    if plan.get("quantize") is not None:
+        return QuantizingRedistributor(source, plan["target"], quantize=plan["quantize"],
+                                       **options)
+    return Redistributor(source, plan["target"], **options)
+
+
 def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
     """{name: "bfloat16"} -> {name: torch.bfloat16}."""
     import torch
@@ -177,6 +198,9 @@ class WeightSync:
     after the transfer (False); None (default) overlaps on GPU engines and not on CPU
     engines, where processing and transport compete for the same cores. Either way nothing
     the engine serves changes until every worker has every layer processed.
+    ``quantize`` (:class:`reshard.distributed.QuantizingRedistributor`'s: ``{"block": [128,
+    128]}`` for every ``X`` the engine holds as FP8 ``X`` + ``X_scale_inv``) pushes bf16
+    shards into an FP8-block engine, quantized at the trainer.
     """
 
     def __init__(self, engine: Any, source_maps: Mapping[str, MapLike], group: Any = None, *,
@@ -184,7 +208,7 @@ class WeightSync:
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 overlap_processing: Optional[bool] = None) -> None:
+                 overlap_processing: Optional[bool] = None, quantize: Any = None) -> None:
         import torch.distributed as dist
         self._group = group
         self._overlap = overlap_processing
@@ -201,7 +225,7 @@ class WeightSync:
         self._pushing = threading.Lock()  # held by the push in progress (one at a time)
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
-        self._sync: Optional[Redistributor] = None
+        self._sync: Optional[AnyRedistributor] = None
         # Who drives the engine: the process holding the LLM, or the first naming a URL; and
         # an argument wrong on any process, refused on all.
         bad = None
@@ -247,15 +271,13 @@ class WeightSync:
             if self._rank == 0:
                 try:
                     plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes)
+                    plan["quantize"] = quantize
                 except Exception as e:
                     plan = {"error": _message(e), "source": {}, "target": {}, "dtypes": None,
-                            "bucket_bytes": bucket_bytes}
+                            "bucket_bytes": bucket_bytes, "quantize": None}
             plan = comm.gather_object(plan)[0]
-            self._sync = Redistributor(
-                source_maps, plan["target"], source_ranks=range(self._trainers),
-                target_ranks=range(self._trainers, self._trainers + workers), group=comm,
-                dtypes=torch_dtypes(plan["dtypes"]), bucket_bytes=bucket_bytes,
-                _error=plan["error"])
+            self._sync = plan_redistributor(source_maps, plan, self._trainers, workers, comm,
+                                            plan["error"])
         except RedistributeError as e:
             self._finish(init)
             raise WeightSyncError(str(e)) from None
@@ -333,7 +355,7 @@ class WeightSync:
             dtypes = {n: str(dtypes).replace("torch.", "") for n in target}
         else:
             dtypes = {n: str(d).replace("torch.", "") for n, d in dtypes.items()}
-        unknown = sorted(set(source_maps) - set(target))
+        unknown = sorted(set(source_maps) - set(target))  # the scales of quantize= are made
         if unknown:
             raise WeightSyncError(f"the engine has no parameter for {unknown[:4]} "
                                   f"({len(unknown)} of the trainer's tensors)")
@@ -344,7 +366,7 @@ class WeightSync:
     # -- pushes -------------------------------------------------------------------------
 
     @property
-    def redistributor(self) -> Redistributor:
+    def redistributor(self) -> AnyRedistributor:
         assert self._sync is not None
         return self._sync
 
@@ -455,7 +477,9 @@ class WeightSync:
         assert ex is not None
         sent = sum(int(ex.stats(p)["sent"]) for p in range(self._trainers))
         here = int(ex.stats(self._rank)["sent"])
-        return SyncStats(sent, self.plan_minimum(), here, seconds, worker)
+        sync = self.redistributor
+        gathered = sync.gathered() if isinstance(sync, QuantizingRedistributor) else 0
+        return SyncStats(sent, self.plan_minimum(), here, seconds, worker, gathered)
 
     def _lost_peer(self, call: Optional[_Background], e: Exception) -> WeightSyncError:
         """A process of the group (a trainer process, a worker) was lost mid-push. The workers
