@@ -316,7 +316,7 @@ py::dict Degree(const std::string& config_json, std::optional<int64_t> tp,
 std::string PyInspect(const std::string& path, bool json) {
   Result<std::string> report = [&] {
     py::gil_scoped_release release;
-    return Inspect(path, json ? InspectFormat::kJson : InspectFormat::kText);
+    return Inspect(path, json ? InspectFormat::kJson : InspectFormat::kText, BlockScalesOfDir);
   }();
   if (!report.ok()) Raise(report.status(), ErrorKind::kCheckpoint);
   return *std::move(report);

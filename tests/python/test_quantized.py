@@ -332,6 +332,25 @@ def test_inspect_shows_each_quantized_pair(reshard_bin, tmp_path):
     r = run(reshard_bin, "inspect", out)
     assert "fp8-block" in r.stdout and "[128, 128]" in r.stdout, r.stdout
     assert "k_proj.weight_scale_inv" in r.stdout, r.stdout
+    # A Hugging Face directory: the pairs its config.json says, in text and JSON (CLI, Python).
+    k = "model.layers.0.self_attn.k_proj.weight"
+    text = run(reshard_bin, "inspect", src).stdout
+    assert f'{k}_scale_inv  F32 [2, 2]  model.safetensors  fp8-block scales of "{k}" in blocks ' \
+           "of [128, 128]" in text, text
+    import reshard
+    for doc in (json.loads(run(reshard_bin, "inspect", src, "--json").stdout),
+                reshard.checkpoint.inspect(src)):
+        tensors = {t["name"]: t for t in doc["model"]["tensors"]}
+        assert tensors[k + "_scale_inv"]["block_scales"] == {
+            "of": k, "block": [128, 128], "format": "fp8-block", "dequantizes": True}
+        assert "block_scales" not in tensors[k]
+        assert sum("block_scales" in t for t in tensors.values()) == 7
+    # A quantization_config reshard cannot read is reported, not raised.
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq"}
+    (src / "config.json").write_text(json.dumps(config))
+    text = run(reshard_bin, "inspect", src).stdout
+    assert "quantization: " in text and "awq" in text, text
 
 
 QWEN3_30B_A3B_FP8 = {

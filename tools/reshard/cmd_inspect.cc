@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "exit_status.h"
 #include "reshard/checkpoint/inspect.h"
+#include "reshard/hf/checkpoint_maps.h"
 
 namespace reshard::cli {
 
@@ -19,7 +20,8 @@ struct InspectArgs {
 Status RunInspect(const InspectArgs& args) {
   RESHARD_ASSIGN_OR_RETURN(
       const std::string report,
-      Inspect(args.path, args.json ? InspectFormat::kJson : InspectFormat::kText));
+      Inspect(args.path, args.json ? InspectFormat::kJson : InspectFormat::kText,
+              BlockScalesOfDir));
   fmt::print("{}", report);
   return Status::Ok();
 }

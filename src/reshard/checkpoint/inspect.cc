@@ -85,6 +85,15 @@ ordered_json ShardedJson(const ShardedCheckpoint& c) {
           {"files", files},      {"constraints", constraints}, {"params", params}};
 }
 
+// "  fp8-block scales of "D" in blocks of [128, 128]" for a tensor with block_scales.
+std::string BlockScalesText(const ordered_json& t) {
+  if (!t.contains("block_scales")) return "";
+  const ordered_json& b = t["block_scales"];
+  return fmt::format("  {} scales of \"{}\" in blocks of {}{}", b["format"].get<std::string>(),
+                     b["of"].get<std::string>(), FormatShape(b["block"].get<Shape>()),
+                     b["dequantizes"].get<bool>() ? "" : " (per tensor, not applied)");
+}
+
 void AppendSharded(const std::string& dir, const ordered_json& j, std::string& out) {
   fmt::format_to(std::back_inserter(out),
                  "\"{}\": reshard sharded checkpoint: world size {}, {} parameters, {} bytes\n",
@@ -106,13 +115,7 @@ void AppendSharded(const std::string& dir, const ordered_json& j, std::string& o
       fmt::format_to(std::back_inserter(out), "  scale^{}", p["scale_power"].get<int>());
     if (p.contains("layout"))
       fmt::format_to(std::back_inserter(out), "  layout {}", p["layout"].dump());
-    if (p.contains("block_scales")) {
-      const ordered_json& b = p["block_scales"];
-      fmt::format_to(std::back_inserter(out), "  {} scales of \"{}\" in blocks of {}{}",
-                     b["format"].get<std::string>(), b["of"].get<std::string>(),
-                     FormatShape(b["block"].get<Shape>()),
-                     b["dequantizes"].get<bool>() ? "" : " (per tensor, not applied)");
-    }
+    out += BlockScalesText(p);
     std::string ranks;
     for (const ordered_json& r : p["ranks"]) {
       const auto pieces = r["pieces"].get<int64_t>();
@@ -129,7 +132,20 @@ void AppendSharded(const std::string& dir, const ordered_json& j, std::string& o
   }
 }
 
-ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
+ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c,
+                             const QuantizedPairs& pairs) {
+  // The block-quantized pairs its config.json says (a config that cannot be read is reported,
+  // not raised: inspect shows what is there).
+  std::map<std::string, BlockScales> ties;
+  std::string quantization_error;
+  if (pairs) {
+    Result<std::map<std::string, BlockScales>> found = pairs(dir);
+    if (found.ok()) {
+      ties = *std::move(found);
+    } else {
+      quantization_error = found.status().message();
+    }
+  }
   const std::vector<std::string> paths = c.file_paths();
   ordered_json files = ordered_json::array();
   for (const std::string& p : paths) files.push_back(fs::path(p).filename().string());
@@ -140,15 +156,25 @@ ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c) {
                        {"shape", t.info->shape},
                        {"bytes", t.data.size()},
                        {"file", files[t.file]}});
+    if (auto tie = ties.find(t.info->name); tie != ties.end()) {
+      tensors.back()["block_scales"] = {{"of", tie->second.data},
+                                        {"block", tie->second.block},
+                                        {"format", tie->second.format},
+                                        {"dequantizes", tie->second.dequantizes}};
+    }
   }
   std::error_code ec;
   const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json", ec);
-  return {{"format", "huggingface"},
-          {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
-          {"bytes", c.total_bytes()},
-          {"files", files},
-          {"tensors", tensors}};
+  ordered_json out = {
+      {"format", "huggingface"},
+      {"index", index ? ordered_json("model.safetensors.index.json") : ordered_json(nullptr)},
+      {"bytes", c.total_bytes()},
+      {"files", files},
+      {"tensors", tensors}};
+  if (!quantization_error.empty()) out["quantization_error"] = quantization_error;
+  return out;
 }
+
 
 void AppendHuggingFace(const std::string& dir, const ordered_json& j, std::string& out) {
   fmt::format_to(std::back_inserter(out),
@@ -156,9 +182,13 @@ void AppendHuggingFace(const std::string& dir, const ordered_json& j, std::strin
                  j["index"].is_null() ? "" : " (model.safetensors.index.json)", j["tensors"].size(),
                  j["bytes"].get<uint64_t>(), j["files"].size(), j["files"].size() == 1 ? "" : "s");
   for (const ordered_json& t : j["tensors"]) {
-    fmt::format_to(std::back_inserter(out), "  {}  {} {}  {}\n", t["name"].get<std::string>(),
+    fmt::format_to(std::back_inserter(out), "  {}  {} {}  {}{}\n", t["name"].get<std::string>(),
                    t["dtype"].get<std::string>(), FormatShape(t["shape"].get<Shape>()),
-                   t["file"].get<std::string>());
+                   t["file"].get<std::string>(), BlockScalesText(t));
+  }
+  if (j.contains("quantization_error")) {
+    fmt::format_to(std::back_inserter(out), "  quantization: {}\n",
+                   j["quantization_error"].get<std::string>());
   }
 }
 
@@ -174,14 +204,15 @@ ModelDir ModelDirOf(const std::string& dir) {
   return ModelDir::kNone;
 }
 
-Result<ordered_json> ModelView(const std::string& dir, ModelDir kind) {
+Result<ordered_json> ModelView(const std::string& dir, ModelDir kind,
+                               const QuantizedPairs& pairs) {
   if (kind == ModelDir::kSharded) {
     RESHARD_ASSIGN_OR_RETURN(const ShardedCheckpoint c, ShardedCheckpoint::Open(dir));
     return ShardedJson(c);
   }
   if (kind == ModelDir::kHuggingFace) {
     RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint c, FullCheckpoint::Open(dir));
-    return HuggingFaceJson(dir, c);
+    return HuggingFaceJson(dir, c, pairs);
   }
   return ordered_json(nullptr);
 }
@@ -521,7 +552,8 @@ bool IsTensorFile(const std::filesystem::path& p) {
 
 // A directory: every .pt/.pth/.bin/.safetensors file in it (not recursive), in name order. A
 // DeepSpeed save dir (a `latest` file naming a tag dir) is read through its tag dir.
-Status InspectDirectory(const std::string& path, bool json, std::string& out) {
+Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs& pairs,
+                        std::string& out) {
   fs::path dir = path;
   std::string tag;
   std::error_code error;
@@ -578,7 +610,7 @@ Status InspectDirectory(const std::string& path, bool json, std::string& out) {
   }
   ordered_json listed = ordered_json::array();
   const ModelDir model_dir = ModelDirOf(dir.string());
-  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir));
+  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir, pairs));
   const std::vector<std::string> model_files = ModelFiles(model);
   for (const fs::path& f : files) {
     // A Hugging Face model's tensors are listed once, by its model view below.
@@ -606,12 +638,13 @@ Status InspectDirectory(const std::string& path, bool json, std::string& out) {
 
 }  // namespace
 
-Result<std::string> Inspect(const std::string& path, InspectFormat format) {
+Result<std::string> Inspect(const std::string& path, InspectFormat format,
+                            const QuantizedPairs& pairs) {
   const bool json = format == InspectFormat::kJson;
   std::string out;
   std::error_code ec;  // a path that cannot be looked at is InspectFile's to report
   if (fs::is_directory(path, ec)) {
-    RESHARD_RETURN_IF_ERROR(InspectDirectory(path, json, out));
+    RESHARD_RETURN_IF_ERROR(InspectDirectory(path, json, pairs, out));
     return out;
   }
   if (!json) {

@@ -11,9 +11,12 @@
 #ifndef RESHARD_CHECKPOINT_INSPECT_H_
 #define RESHARD_CHECKPOINT_INSPECT_H_
 
+#include <functional>
+#include <map>
 #include <string>
 
 #include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint.h"
 
 namespace reshard {
 
@@ -22,10 +25,18 @@ enum class InspectFormat {
   kJson,  // one JSON object, 2-space indented (docs/formats.md, "reshard inspect --json")
 };
 
+/// The block-quantized pairs of a Hugging Face directory (its config.json's quantization_config):
+/// the ties by scale tensor name. The caller gives it (hf/checkpoint_maps.h: BlockScalesOfDir,
+/// which sits above this library); an error is reported in the output, not raised.
+using QuantizedPairs =
+    std::function<Result<std::map<std::string, BlockScales>>(const std::string& dir)>;
+
 /// The report on the file or directory at `path`, as `reshard inspect` prints it (ending in a
-/// newline). \error NotFound for a missing path; DataLoss or InvalidArgument naming the file for
-/// one that is corrupt or of no known format.
-Result<std::string> Inspect(const std::string& path, InspectFormat format);
+/// newline); a Hugging Face directory's scale tensors are marked with their data tensors and
+/// blocks when `pairs` is given. \error NotFound for a missing path; DataLoss or
+/// InvalidArgument naming the file for one that is corrupt or of no known format.
+Result<std::string> Inspect(const std::string& path, InspectFormat format,
+                            const QuantizedPairs& pairs = {});
 
 }  // namespace reshard
 

@@ -56,8 +56,7 @@ Result<ConfigScatter> ConfigScatterMaps(const std::vector<StoredTensor>& tensors
   return out;
 }
 
-Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& full_dir,
-                                                             MapProvider& maps) {
+Result<std::map<std::string, BlockScales>> BlockScalesOfDir(const std::string& full_dir) {
   const std::string config_path = (std::filesystem::path(full_dir) / "config.json").string();
   std::error_code ec;
   if (!std::filesystem::is_regular_file(config_path, ec))
@@ -68,20 +67,29 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
   if (!*scheme) return std::map<std::string, BlockScales>();
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
   std::vector<QuantTensor> tensors;
-  std::map<std::string, Shape> shapes;
   for (const TensorRef& t : full.tensors()) {
     tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
-    shapes.emplace(t.info->name, t.info->shape);
   }
   RESHARD_ASSIGN_OR_RETURN(const std::vector<QuantTie> ties,
                            TieQuantizedTensors(**scheme, tensors));
   std::map<std::string, BlockScales> out;
-  auto by_scale = std::make_shared<std::map<std::string, std::pair<BlockScales, Shape>>>();
   for (const QuantTie& t : ties) {
-    BlockScales b{t.data, t.block, std::string(QuantFormatName(t.format)), t.dequantizes};
-    out.emplace(t.scale, b);
-    by_scale->emplace(t.scale, std::pair{b, shapes.at(t.data)});
+    out.emplace(t.scale,
+                BlockScales{t.data, t.block, std::string(QuantFormatName(t.format)), t.dequantizes});
   }
+  return out;
+}
+
+Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& full_dir,
+                                                             MapProvider& maps) {
+  using Ties = std::map<std::string, BlockScales>;
+  RESHARD_ASSIGN_OR_RETURN(Ties out, BlockScalesOfDir(full_dir));
+  if (out.empty()) return out;
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));
+  std::map<std::string, Shape> shapes;
+  for (const TensorRef& t : full.tensors()) shapes.emplace(t.info->name, t.info->shape);
+  auto by_scale = std::make_shared<std::map<std::string, std::pair<BlockScales, Shape>>>();
+  for (const auto& [scale, b] : out) by_scale->emplace(scale, std::pair{b, shapes.at(b.data)});
   maps = [inner = maps, by_scale](const std::string& name,
                                   const Shape& shape) -> Result<ProvidedMap> {
     auto it = by_scale->find(name);

@@ -48,6 +48,12 @@ Result<ConfigScatter> ConfigScatterMaps(const std::vector<StoredTensor>& tensors
                                         std::string_view config_json, int world,
                                         const PlanOptions& options = {});
 
+/// The block-quantized pairs of the Hugging Face checkpoint in `full_dir` (its safetensors
+/// headers and config.json's quantization_config): the ties by scale tensor; empty without a
+/// quantization_config. \error InvalidArgument  a quantization_config reshard cannot read;
+/// FailedPrecondition  tensors that do not pair (TieQuantizedTensors)
+Result<std::map<std::string, BlockScales>> BlockScalesOfDir(const std::string& full_dir);
+
 /// Scales that follow their data wherever a map is made (DESIGN 20): when `full_dir`'s
 /// config.json has a quantization_config, `maps` is wrapped so that each scale tensor gets the
 /// block image of its data tensor's map (a map `maps` names for a scale tensor itself must be
