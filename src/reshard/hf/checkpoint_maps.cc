@@ -96,13 +96,8 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
     if (it == by_scale->end()) return inner(name, shape);
     const auto& [tie, data_shape] = it->second;
     RESHARD_ASSIGN_OR_RETURN(ProvidedMap data, inner(tie.data, data_shape));
-    Result<ParamMap> image = BlockImage(data.map, tie.block, shape);
-    if (!image.ok()) {
-      return Status(
-          image.status().code(),
-          fmt::format("the scales \"{}\" of \"{}\" (blocks of {}) cannot follow its map: {}", name,
-                      tie.data, FormatShape(tie.block), image.status().message()));
-    }
+    // A map given for the scales is checked against the data's (a buffered one names its scale
+    // buffers, as vLLM's fused block-scale parameters do); else the scales follow the data.
     if (Result<ProvidedMap> own = inner(name, shape); own.ok() && own->exact) {
       if (Status tied = CheckBlockTie(data.map, own->map, tie.block); !tied.ok()) {
         return FailedPreconditionError(
@@ -111,6 +106,13 @@ Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& 
                         name, tie.data, FormatShape(tie.block), tied.message()));
       }
       return own;
+    }
+    Result<ParamMap> image = BlockImage(data.map, tie.block, shape);
+    if (!image.ok()) {
+      return Status(
+          image.status().code(),
+          fmt::format("the scales \"{}\" of \"{}\" (blocks of {}) cannot follow its map: {}", name,
+                      tie.data, FormatShape(tie.block), image.status().message()));
     }
     return ProvidedMap{*std::move(image), std::nullopt, true};
   };
