@@ -180,7 +180,8 @@ py::list BlockTies(const std::string& config_json,
 
 void BindBlocks(py::module_& m) {
   m.def("block_ties", &BlockTies, py::arg("config_json"), py::arg("tensors"));
-  // MapError unless `scale` is the block image of `data` in blocks of `block` (CheckBlockTie).
+  // MapError saying how `scale` differs from the block image of `data` in blocks of `block`
+  // (CheckBlockTie), or why there is none (a local block taking elements of two data blocks).
   m.def(
       "check_block_tie",
       [](MapHandle& data, MapHandle& scale, const Shape& block) {
@@ -199,15 +200,6 @@ void BindMaps(py::module_& m) {
   m.def("read_map_document", &ReadDocument, py::arg("text"), py::arg("path") = "");
   m.def("write_map_document", &WriteDocument, py::arg("params"), py::arg("buffers_json") = "");
   m.def("read_map_document_buffers", &ReadDocumentBuffers, py::arg("text"), py::arg("path") = "");
-  // Raises MapError saying how `scale` differs from the block image of `data` (ir/block_grid.h),
-  // or why there is none (a local block taking elements of two blocks of the data).
-  m.def(
-      "check_block_tie",
-      [](MapHandle& data, MapHandle& scale, const Shape& block) {
-        const Status tie = CheckBlockTie(data.Valid(), scale.Valid(), block);
-        if (!tie.ok()) Raise(tie, ErrorKind::kMap);
-      },
-      py::arg("data"), py::arg("scale"), py::arg("block"));
   // A whole file as the CLI reads its inputs (a FIFO with no writer refused at once, never
   // waited on): bytes, or FileNotFoundError / MapError naming the file.
   m.def(
