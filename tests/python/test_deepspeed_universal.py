@@ -246,7 +246,7 @@ def test_an_interrupted_universal_conversion_leaves_nothing_or_everything(
     input_before = tree_digest(ckpt.save_dir)
     out = tmp_path / "uc"
     args = ["convert", ckpt.save_dir, "--to", "universal", "-o", out]
-    for _ in range(5):  # a run that ends before the signal proves nothing: try again
+    for _ in range(12):  # a run that ends before the signal proves nothing: try again
         shutil.rmtree(out, ignore_errors=True)
         proc = start(reshard_bin, args)
         mid_run = signal_at(proc, out, 0.0, 1, sig)

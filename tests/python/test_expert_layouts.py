@@ -275,7 +275,7 @@ def test_show_svg_without_buffers_is_refused(tmp_path, reshard_bin):
         "shard_shape": [2], "pieces": [{"shape": [2], "source": [0, [1]], "dest": [0, [1]],
                                         "locations": [0]}]}}})
     r = run(reshard_bin, "show", m, "--svg", tmp_path / "x.svg")
-    assert r.returncode == 1 and "has none" in r.stderr
+    assert r.returncode == 1 and "has neither" in r.stderr
 
 
 def test_random_expert_layouts_verify_scatter_and_gather_exactly(tmp_path, reshard_bin, rng):

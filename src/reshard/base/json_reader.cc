@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <list>
@@ -61,7 +62,20 @@ class DomBuilder : public nlohmann::json_sax<Json> {
   bool boolean(bool v) override { return Add(v); }
   bool number_integer(number_integer_t v) override { return Add(v); }
   bool number_unsigned(number_unsigned_t v) override { return Add(v); }
-  bool number_float(number_float_t v, const string_t&) override { return Add(v); }
+  // A literal a double cannot hold (1e400, 1e-400) is refused rather than read as inf or 0.
+  bool number_float(number_float_t v, const string_t& text) override {
+    // The literal as written, cut short (a number may be a megabyte of digits).
+    const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+    if (!error_ && !std::isfinite(v)) {
+      error_ = ErrorAt(PathOfTop(), fmt::format("number {} is out of the range of a double", shown));
+    }
+    const std::string_view mantissa = std::string_view(text).substr(0, text.find_first_of("eE"));
+    if (!error_ && v == 0 && mantissa.find_first_of("123456789") != std::string_view::npos) {
+      error_ = ErrorAt(PathOfTop(),
+                       fmt::format("number {} is too small for a double (it would read as 0)", shown));
+    }
+    return Add(v);
+  }
   bool string(string_t& v) override { return Add(std::move(v)); }
   bool binary(binary_t& v) override { return Add(Json::binary(std::move(v))); }
   bool start_object(std::size_t) override { return Open(Json::object()); }

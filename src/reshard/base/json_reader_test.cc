@@ -35,6 +35,16 @@ TEST(JsonReaderTest, DuplicateKeysAreRefusedWithTheirPath) {
   EXPECT_TRUE(ParseJson(R"({"a": {"b": 1}, "c": {"b": 1}})").ok());
 }
 
+TEST(JsonReaderTest, NumbersADoubleCannotHoldAreRefused) {
+  EXPECT_EQ(Error(R"({"b": {"fill": 1e-400}})"),
+            "b: number 1e-400 is too small for a double (it would read as 0)");
+  EXPECT_EQ(Error(R"([-2.5E-999])"), "number -2.5E-999 is too small for a double (it would read as 0)");
+  const std::string big = Error(R"({"fill": 1e400})");
+  EXPECT_NE(big.find("1e400"), std::string::npos) << big;
+  // Zero written as zero, and subnormal values, are numbers a double holds.
+  EXPECT_TRUE(ParseJson(R"([0.0, 0e-999, -0.0, 1e-310, 1.7976931348623157e308])").ok());
+}
+
 TEST(JsonReaderTest, DepthIsLimitedBeforeParsing) {
   EXPECT_TRUE(ParseJson(std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']')).ok());
   EXPECT_EQ(Error(std::string(kMaxJsonDepth + 1, '[')),
