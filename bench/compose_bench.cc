@@ -125,10 +125,13 @@ std::vector<std::pair<std::string, ParamMap>> DeepSeekV3Experts(int ep, int tp) 
   const ExpertPlacement placement = *ContiguousExperts(experts, ep);
   for (int l = dense; l < layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.mlp.experts.", l);
-    const std::vector<ExpertMember> gate_up = {{p + "{e}.gate_proj.weight", {inter, hidden}, 0, 0, {}},
-                                               {p + "{e}.up_proj.weight", {inter, hidden}, 0, 0, {}}};
-    const std::vector<ExpertMember> down = {{p + "{e}.down_proj.weight", {hidden, inter}, 1, 0, {}}};
-    for (auto [name, members] : {std::pair{p + "gate_up_proj", gate_up}, std::pair{p + "down_proj", down}}) {
+    const std::vector<ExpertMember> gate_up = {
+        {p + "{e}.gate_proj.weight", {inter, hidden}, 0, 0, {}},
+        {p + "{e}.up_proj.weight", {inter, hidden}, 0, 0, {}}};
+    const std::vector<ExpertMember> down = {
+        {p + "{e}.down_proj.weight", {hidden, inter}, 1, 0, {}}};
+    for (auto [name, members] :
+         {std::pair{p + "gate_up_proj", gate_up}, std::pair{p + "down_proj", down}}) {
       Result<StackedExpertMaps> s =
           BuildStackedExpertMaps(name, DType::kBF16, members, placement, RankOrder{ep, tp, true});
       if (!s.ok()) {
@@ -166,9 +169,10 @@ void BenchExperts(const char* what, int from_ep, int from_tp, int to_ep, int to_
     doc = std::move(d);
   }
   if (g_json_out != nullptr) DumpJson(title, PlanDocumentToJson(doc));
-  fmt::print("compose DeepSeek-V3 routed experts, {} tensors, {}: {:7.1f} ms (bar 1000 ms: {}), "
-             "{} moves\n",
-             src.size(), what, best, best < 1000 ? "PASS" : "MISS", moves);
+  fmt::print(
+      "compose DeepSeek-V3 routed experts, {} tensors, {}: {:7.1f} ms (bar 1000 ms: {}), "
+      "{} moves\n",
+      src.size(), what, best, best < 1000 ? "PASS" : "MISS", moves);
 }
 
 }  // namespace

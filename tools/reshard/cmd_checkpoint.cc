@@ -23,8 +23,8 @@
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
-#include "reshard/hf/quantization.h"
 #include "reshard/hf/model_maps.h"
+#include "reshard/hf/quantization.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/layouts/descriptor.h"
@@ -309,14 +309,15 @@ Status RunScatter(const ScatterArgs& args) {
   ProgressBar bar("scatter", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
-      Options(args, bar,
-              Describe("scatter", args,
-                       Joined(OptionalInput("--maps", args.maps),
-                              OptionalInput("--layouts", args.layouts),
-                              OptionalInput("--config", args.config),
-                              DistributedConfigInput(args.distributed_config),
-                              RunDescription{{"--tp", std::to_string(args.tp)},
-                                             {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
+      Options(
+          args, bar,
+          Describe(
+              "scatter", args,
+              Joined(OptionalInput("--maps", args.maps), OptionalInput("--layouts", args.layouts),
+                     OptionalInput("--config", args.config),
+                     DistributedConfigInput(args.distributed_config),
+                     RunDescription{{"--tp", std::to_string(args.tp)},
+                                    {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.maps, args.layouts, args.config}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   const auto t0 = std::chrono::steady_clock::now();
@@ -423,17 +424,17 @@ Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
-      Options(
-          args, bar,
-          Describe("convert", args,
-                   Joined(RunDescription{{"--tp", std::to_string(args.tp)},
-                                         {"--to", args.to},
-                                         {"--world", std::to_string(args.world)}},
-                          DistributedConfigInput(args.distributed_config),
-                          OptionalInput("--target-maps", args.target_maps),
-                          OptionalInput("--config", args.config),
-                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
-                                         {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
+      Options(args, bar,
+              Describe(
+                  "convert", args,
+                  Joined(RunDescription{{"--tp", std::to_string(args.tp)},
+                                        {"--to", args.to},
+                                        {"--world", std::to_string(args.world)}},
+                         DistributedConfigInput(args.distributed_config),
+                         OptionalInput("--target-maps", args.target_maps),
+                         OptionalInput("--config", args.config),
+                         RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
+                                        {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps, args.config}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   if (options.dequantize && !args.to.empty()) {

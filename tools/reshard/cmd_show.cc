@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -128,9 +128,10 @@ BlockDrawing BlocksOf(const ShownParam& scales, const BlockScales& tie,
 }
 
 void PrintBlocks(const BlockDrawing& d) {
-  fmt::print("{}\n  (one character a block, sampled; digit = rank, + = several ranks: a block cut "
-             "between them, * = all ranks)\n",
-             d.title);
+  fmt::print(
+      "{}\n  (one character a block, sampled; digit = rank, + = several ranks: a block cut "
+      "between them, * = all ranks)\n",
+      d.title);
   for (const std::string& line : d.picture) fmt::print("    |{}|\n", line);
   fmt::print("\n");
 }

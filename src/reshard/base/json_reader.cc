@@ -67,12 +67,14 @@ class DomBuilder : public nlohmann::json_sax<Json> {
     // The literal as written, cut short (a number may be a megabyte of digits).
     const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
     if (!error_ && !std::isfinite(v)) {
-      error_ = ErrorAt(PathOfTop(), fmt::format("number {} is out of the range of a double", shown));
+      error_ =
+          ErrorAt(PathOfTop(), fmt::format("number {} is out of the range of a double", shown));
     }
     const std::string_view mantissa = std::string_view(text).substr(0, text.find_first_of("eE"));
     if (!error_ && v == 0 && mantissa.find_first_of("123456789") != std::string_view::npos) {
-      error_ = ErrorAt(PathOfTop(),
-                       fmt::format("number {} is too small for a double (it would read as 0)", shown));
+      error_ =
+          ErrorAt(PathOfTop(),
+                  fmt::format("number {} is too small for a double (it would read as 0)", shown));
     }
     return Add(v);
   }

@@ -980,7 +980,8 @@ class DequantizedSource : public ShardSource {
 Result<std::unique_ptr<ShardSource>> DequantizedView(ShardSource& inner,
                                                      const CheckpointOptions& options,
                                                      const DequantizedManifest& recorded) {
-  if (!options.dequantize) return InvalidArgumentError("a dequantized view needs DequantizeOptions");
+  if (!options.dequantize)
+    return InvalidArgumentError("a dequantized view needs DequantizeOptions");
   const Manifest& in = inner.manifest();
   RESHARD_ASSIGN_OR_RETURN(std::vector<GatherOutput> outputs, GatherOutputs(in, options));
   Manifest m;

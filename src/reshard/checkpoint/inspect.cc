@@ -175,7 +175,6 @@ ordered_json HuggingFaceJson(const std::string& dir, const FullCheckpoint& c,
   return out;
 }
 
-
 void AppendHuggingFace(const std::string& dir, const ordered_json& j, std::string& out) {
   fmt::format_to(std::back_inserter(out),
                  "\"{}\": Hugging Face checkpoint{}: {} tensors, {} bytes in {} file{}\n", dir,
@@ -204,8 +203,7 @@ ModelDir ModelDirOf(const std::string& dir) {
   return ModelDir::kNone;
 }
 
-Result<ordered_json> ModelView(const std::string& dir, ModelDir kind,
-                               const QuantizedPairs& pairs) {
+Result<ordered_json> ModelView(const std::string& dir, ModelDir kind, const QuantizedPairs& pairs) {
   if (kind == ModelDir::kSharded) {
     RESHARD_ASSIGN_OR_RETURN(const ShardedCheckpoint c, ShardedCheckpoint::Open(dir));
     return ShardedJson(c);

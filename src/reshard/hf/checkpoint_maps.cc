@@ -74,8 +74,8 @@ Result<std::map<std::string, BlockScales>> BlockScalesOfDir(const std::string& f
                            TieQuantizedTensors(**scheme, tensors));
   std::map<std::string, BlockScales> out;
   for (const QuantTie& t : ties) {
-    out.emplace(t.scale,
-                BlockScales{t.data, t.block, std::string(QuantFormatName(t.format)), t.dequantizes});
+    out.emplace(t.scale, BlockScales{t.data, t.block, std::string(QuantFormatName(t.format)),
+                                     t.dequantizes});
   }
   return out;
 }

@@ -56,10 +56,12 @@ struct ParamPlan {
   Index num_moved_elements() const;
   /// The buffer move `m` reads from and writes into ("" for the parameter's own shards).
   std::string_view src_buffer(const Move& m) const {
-    return source_buffers.empty() ? std::string_view() : source_buffers[static_cast<size_t>(m.src_rank)];
+    return source_buffers.empty() ? std::string_view()
+                                  : source_buffers[static_cast<size_t>(m.src_rank)];
   }
   std::string_view dst_buffer(const Move& m) const {
-    return target_buffers.empty() ? std::string_view() : target_buffers[static_cast<size_t>(m.dst_rank)];
+    return target_buffers.empty() ? std::string_view()
+                                  : target_buffers[static_cast<size_t>(m.dst_rank)];
   }
   friend bool operator==(const ParamPlan&, const ParamPlan&) = default;
 };

@@ -725,14 +725,15 @@ std::string BlocksSvg(std::span<const BlockDrawing> drawings) {
       const std::string& line = d.picture[row];
       for (size_t c = 0; c < line.size(); ++c) {
         const int rank = RankOfGlyph(line[c]);
-        const char* fill = rank >= 0   ? kPalette[static_cast<size_t>(rank) % std::size(kPalette)]
+        const char* fill = rank >= 0 ? kPalette[static_cast<size_t>(rank) % std::size(kPalette)]
                            : line[c] == '*' ? "#444444"
                            : line[c] == '+' ? "#9a9a9a"
                                             : "#f2f2f2";
         const std::string tip = rank >= 0        ? fmt::format("rank {}", rank)
                                 : line[c] == '*' ? std::string("every rank")
-                                : line[c] == '+' ? std::string("several ranks: a block cut between them")
-                                                 : std::string("no rank");
+                                : line[c] == '+'
+                                    ? std::string("several ranks: a block cut between them")
+                                    : std::string("no rank");
         body += fmt::format(
             "<g><title>{}</title><rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"{}\" "
             "class=\"block\"/>{}</g>\n",

@@ -373,17 +373,18 @@ Result<std::optional<MapDocument>> DequantizedConfigMaps(DequantizedCheckpoint& 
   }
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(source));
   RESHARD_ASSIGN_OR_RETURN(
-      ConfigScatter laid, ConfigScatterMaps(StoredTensorsOf(d.view->manifest()), d.config, world, plan));
+      ConfigScatter laid,
+      ConfigScatterMaps(StoredTensorsOf(d.view->manifest()), d.config, world, plan));
   RESHARD_ASSIGN_OR_RETURN(MapDocument doc,
                            DocumentOfMaps(laid.maps, laid.buffers, d.view->manifest()));
-  RESHARD_ASSIGN_OR_RETURN(d.view, DequantizedView(*d.opened.source, d.options,
-                                                   {laid.model_config, laid.constraints}));
+  RESHARD_ASSIGN_OR_RETURN(
+      d.view, DequantizedView(*d.opened.source, d.options, {laid.model_config, laid.constraints}));
   return std::optional<MapDocument>(std::move(doc));
 }
 
 Status ConvertDequantized(const std::string& path, const SourceOptions& source, int world_size,
-                          const std::optional<MapDocument>& target_maps,
-                          const std::string& out_dir, const CheckpointOptions& options) {
+                          const std::optional<MapDocument>& target_maps, const std::string& out_dir,
+                          const CheckpointOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(DequantizedCheckpoint d, OpenDequantized(path, source, options));
   std::optional<MapDocument> target = target_maps;
   if (!target) {
@@ -409,8 +410,8 @@ Status ScatterDequantized(const std::string& full_dir, const ScatterLayoutOf& la
                            DocumentOfMaps(laid.maps, laid.buffers, d.view->manifest()));
   if (doc.params.empty()) return InvalidArgumentError("the checkpoint holds no tensors");
   const int world = doc.params.front().second.world_size();
-  RESHARD_ASSIGN_OR_RETURN(d.view, DequantizedView(*d.opened.source, d.options,
-                                                   {laid.model_config, laid.constraints}));
+  RESHARD_ASSIGN_OR_RETURN(
+      d.view, DequantizedView(*d.opened.source, d.options, {laid.model_config, laid.constraints}));
   return ConvertFrom(*d.view, world, doc, out_dir, d.options);
 }
 
@@ -446,7 +447,8 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, i
   if (target_maps && !s.distributed_config.empty()) {
     return InvalidArgumentError("give target maps or a distributed config, not both");
   }
-  if (options.dequantize) return ConvertDequantized(path, s, world_size, target_maps, out_dir, options);
+  if (options.dequantize)
+    return ConvertDequantized(path, s, world_size, target_maps, out_dir, options);
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
   std::optional<MapDocument> target = target_maps;
