@@ -115,8 +115,8 @@ def main():
         print(f"load average at start: {os.getloadavg()[0]:.2f}")
         for factor in (args.only,) if args.only else (1, 4):
             full = os.path.join(work, f"full{factor}")
-            total = make_checkpoint(full, largest_rows, hidden, base_others * factor + (factor - 1) * 3,
-                                    other_rows, factor)
+            make_checkpoint(full, largest_rows, hidden, base_others * factor + (factor - 1) * 3,
+                            other_rows, factor)
             tp8 = os.path.join(work, f"tp8-{factor}")
             subprocess.run([args.reshard, "scatter", full, "--layouts", layouts, "--tp", "8", "-o", tp8], check=True,
                            capture_output=True)

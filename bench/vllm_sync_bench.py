@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 def config_for(mb: int) -> dict:

@@ -39,6 +39,7 @@ device the group's backend communicates from, and the results copied to the devi
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 from typing import (TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional,
@@ -564,7 +565,6 @@ class Redistributor:
         before the others arrive. Each shard comes once, as the tensor ``run`` returns. An
         exception it raises stops the calls and is raised once this process's transfer has
         completed, so that no peer is left waiting."""
-        import torch
         comm = self._comm_device()
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
@@ -738,7 +738,7 @@ class Redistributor:
                     continue
                 if on_device:
                     copy(ex.boxes(me, "pack", peer, k), lambda p: flat(sources[p]),
-                         lambda p: staging(send_bufs[k % 2], off, n, p))
+                         functools.partial(staging, send_bufs[k % 2], off, n))
                 else:
                     ex.pack(me, peer, k, base[k % 2] + off, n, src, self._options, True)
 
@@ -751,7 +751,7 @@ class Redistributor:
                     continue
                 if on_device:
                     copy(ex.boxes(me, "unpack", peer, k),
-                         lambda p: staging(recv_buf, off, n, p), lambda p: flat(targets[p]))
+                         functools.partial(staging, recv_buf, off, n), lambda p: flat(targets[p]))
                 else:
                     ex.unpack(me, peer, k, int(recv_buf.data_ptr()) + off, n, dst,
                               self._options, True)

@@ -232,7 +232,7 @@ def run_case(case, me):
                 continue
             handed_on = []  # per on_ready call: {name: whether it held its final values}
 
-            def on_ready(tensors, params=params):
+            def on_ready(tensors, params=params, handed_on=handed_on):
                 want = reference(params, target_ranks, me)
                 handed_on.append({n: same(t, want.get(n)) for n, t in tensors.items()})
                 if fault.get("on_ready_raises"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import reshard
 import reshard.distributed as rd
-from maps import piece, replicated_map, row_major, split_map
+from maps import piece, replicated_map, split_map
 
 BLOCK = (128, 128)
 TRAINERS, WORKERS = [0, 1], [2, 3]

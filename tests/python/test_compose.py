@@ -39,7 +39,7 @@ LAYOUTS = {
 
 
 def cases():
-    for name, (shape, make) in LAYOUTS.items():
+    for name, (_shape, make) in LAYOUTS.items():
         for a, b in itertools.permutations(TPS, 2):
             if make(a) is not None and make(b) is not None:
                 yield name, a, b

@@ -259,7 +259,7 @@ def compress_file_items(ckpt, file_name, descriptor="stream.zstd/1"):
     md = load_metadata(ckpt)
     data = (ckpt / file_name).read_bytes()
     out = bytearray()
-    for index, info in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset):
+    for _index, info in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset):
         if info.relative_path != file_name:
             continue
         raw = data[info.offset:info.offset + info.length]
@@ -288,7 +288,10 @@ def zstd_zeros(blocks):
     """A zstd frame of `blocks` RLE blocks of 128 KiB zeros each: 4 bytes of file per block, so
     1 GiB of zeros is a 32 KiB stream (no content size in the header, no checksum)."""
     header = struct.pack("<I", 0xFD2FB528) + bytes([0x00, 0x38])  # window 128 KiB
-    block = lambda last: struct.pack("<I", (128 << 10) << 3 | 1 << 1 | last)[:3] + b"\0"
+
+    def block(last):
+        return struct.pack("<I", (128 << 10) << 3 | 1 << 1 | last)[:3] + b"\0"
+
     return header + b"".join(block(int(i == blocks - 1)) for i in range(blocks))
 
 

@@ -50,7 +50,7 @@ def model():
     }
 
 
-def dcp_key(name, names=tuple(model())):
+def dcp_key(name, names=tuple(model())):  # noqa: B008 (the names, computed once)
     """The DCP key of tensor `name` among `names`: "<param>.<state>" of another tensor "<param>"
     is that tensor's optimizer state."""
     base = name

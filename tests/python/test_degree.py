@@ -3,7 +3,6 @@ its config classes' defaults and its DistributedConfig."""
 
 import json
 import math
-import pathlib
 import subprocess
 import sys
 

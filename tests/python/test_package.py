@@ -190,7 +190,7 @@ def test_wrong_out_is_a_clear_value_error():
         "read-only": (np.zeros((4, 6), dtype=np.float32), "read-only"),
     }
     cases["read-only"][0].flags.writeable = False
-    for what, (out, message) in cases.items():
+    for _what, (out, message) in cases.items():
         with pytest.raises(ValueError, match=message):
             reshard.extract(pm, full, 0, out=out)
     with pytest.raises(ValueError, match=r"full has shape \[48\]"):

@@ -1,7 +1,6 @@
 """docs/python.md runs as written, and a typed user program passes mypy --strict."""
 
 import os
-import pathlib
 import re
 import subprocess
 import sys

@@ -166,7 +166,7 @@ def test_a_fifo_document_is_refused_at_once(tmp_path, reshard_bin, read):
     cli = subprocess.run([reshard_bin, "verify", str(fifo)], capture_output=True, text=True)
     assert cli.returncode == 2, cli.stderr
     for source in (fifo, str(fifo)):
-        e = refused_at_once(lambda: read(source), fifo)
+        e = refused_at_once(lambda source=source: read(source), fifo)
         assert isinstance(e, reshard.MapError) and str(e) in cli.stderr
 
 

@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import quant_models

@@ -5,8 +5,6 @@ one. The re-sharded shards must equal reshard.transfer's, and a shard missing on
 must raise on all of them, the next run still in step; load_rank reads a rank as it was written."""
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 

@@ -5,7 +5,6 @@ import argparse
 import collections
 import io
 import json
-import pathlib
 import struct
 import subprocess
 import zipfile

@@ -17,10 +17,8 @@ local tensors (tp_load_worker.py). Then:
 
 import dataclasses
 import json
-import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -150,7 +150,7 @@ def launch(cases, root, world, attempts=2):
     missing = [c["name"] for c in cases if not finished(c, dumps, world)]
     assert not missing, f"{len(missing)} cases unfinished\n" + "\n".join(failures)
     if failures:  # finished on a later launch: say so without failing
-        warnings.warn("tp_load_worker: " + failures[0][:2000])
+        warnings.warn("tp_load_worker: " + failures[0][:2000], stacklevel=2)
     return dumps
 
 

@@ -84,7 +84,7 @@ def run(spec: dict, rank: int) -> None:
         shards = loaded[step["weights"]][1]
         entry: dict = {"step": step["name"]}
         if step["kind"] == "killed_push" and rank == step["victim"]:
-            die_inside_the_transfer(sync, lambda peers: record({**entry, **peers}))
+            die_inside_the_transfer(sync, lambda peers, entry=entry: record({**entry, **peers}))
         start = time.monotonic()
         try:
             entry["stats"] = sync.push(shards).__dict__

@@ -103,7 +103,7 @@ def run(spec: dict, rank: int) -> None:
                 other = loaded[step["second"]][1]
                 second: dict = {}
                 stats = syncs["sync"].push(DuringPush(
-                    shards, lambda: second.update(push_in_thread(syncs["sync"], other))))
+                    shards, lambda second=second, other=other: second.update(push_in_thread(syncs["sync"], other))))
                 entry["stats"] = stats.__dict__
                 entry["second"] = second
             elif kind == "extra_name":  # the trainer has a tensor the engine lacks

@@ -23,7 +23,7 @@ import reshard
 import reshard.vllm
 from reshard import _core
 vllm_layout = sys.modules["reshard.vllm.layout"]  # the module (reshard.vllm.layout is the function)
-from conftest import hf_tensors, run_reshard
+from conftest import hf_tensors, run_reshard  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
 import quant_models  # noqa: E402

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -118,7 +118,7 @@ def _experts_processed_again(layers: Iterable[torch.nn.Module]) -> Iterator[None
                     experts: Any = experts) -> None:
             first(module)
             experts.process_weights_after_loading(module)
-        method.process_weights_after_loading = process  # on the instance, removed below
+        cast(Any, method).process_weights_after_loading = process  # on the instance, removed below
         patched.append(method)
     try:
         yield
@@ -186,7 +186,8 @@ class _Layers:
                 self._waiting[module_name] = set()
             self._waiting[module_name].add(key)
             t = getattr(module, name)
-            if info.kernel_tensors is not None and info.kernel_tensors[0].get(name) is t:
+            if info.kernel_tensors is not None and info.kernel_tensors[0].get(name) is t and \
+                    t is not None:
                 with info.restore_device:  # live through the reload: the old weights' own
                     setattr(module, name, materialize_meta_tensor(to_meta_tensor(t)))
             out[key] = getattr(module, name).data
@@ -409,8 +410,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             for module in layers.modules():
                 _copy_and_restore_kernel_tensors(module, get_layerwise_info(module))
-                get_layerwise_info(module).reset()
-            finalize_layerwise_reload(model, self.model_config)
+                get_layerwise_info(module).reset()  # type: ignore[no-untyped-call]
+            finalize_layerwise_reload(model, self.model_config)  # type: ignore[no-untyped-call]
             _clear_kv_caches(self.vllm_config)
             times.append(time.perf_counter())
         except BaseException as e:
@@ -447,7 +448,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             if info.can_load():
                 if info.kernel_tensors is not None:
                     _place_kernel_tensors(module, info)
-                info.reset()
+                info.reset()  # type: ignore[no-untyped-call]
         if layers is not None:
             layers.restore_state()
         if hasattr(model, "_original_do_torchao_reload"):
@@ -464,8 +465,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         for name, dtype, shape in tensors:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device())
             comm.recv(t, 0)
-            self.model.load_weights([(name, t)])
-        finalize_layerwise_reload(self.model, self.model_config)
+            cast(Any, self.model).load_weights([(name, t)])
+        finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
         _clear_kv_caches(self.vllm_config)
         comm.gather_object(None)
 

@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union, cast
 
 __all__ = ["layout", "LayoutError", "cache_dir", "check_engine"]
 
@@ -230,7 +230,7 @@ def _parallel_state(tp_rank: int, tp_size: int) -> Iterator[None]:
 
 def _engine_config(model_dir: str, tp: int, dtype: str, trust_remote_code: bool) -> Any:
     from vllm.engine.arg_utils import EngineArgs
-    args = EngineArgs(model=model_dir, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
+    args = EngineArgs(model=model_dir, tensor_parallel_size=tp, dtype=cast(Any, dtype), enforce_eager=True,
                       skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
                       distributed_executor_backend="mp" if tp > 1 else None)
     return args.create_engine_config()

@@ -13,7 +13,6 @@ parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.request
@@ -72,7 +71,7 @@ class _Client:
             with urllib.request.urlopen(request, timeout=self._timeout) as reply:
                 reply.read()
         except urllib.error.HTTPError as e:
-            raise WeightSyncError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}")
+            raise WeightSyncError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
         except OSError as e:
             raise WeightSyncError(f"{url}: {e}; is it a vllm serve server started with "
                                   "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
@@ -526,7 +525,7 @@ class WeightSync:
 
         def send() -> None:
             workers = range(self._trainers, self._trainers + self._workers)
-            for (name, _, _), n in zip(tensors, names):
+            for _, n in zip(tensors, names):
                 mine = shards[n].contiguous()
                 parts = [mine]
                 if self._trainers > 1:
