@@ -28,6 +28,36 @@ bool In(std::string_view s, std::initializer_list<std::string_view> set) {
 
 int64_t PaddedVocab(int64_t vocab) { return (vocab + 63) / 64 * 64; }
 
+// An MLP's intermediate width from the config, and what its features are: the routed
+// experts', the shared experts' or a dense MLP's.
+std::optional<int64_t> MlpWidth(const Values& v, bool experts, bool shared_experts,
+                                std::string& what) {
+  std::optional<int64_t> size;
+  if (experts) {
+    size = Get(v, "moe_intermediate_size");
+    if (!size) size = Get(v, "intermediate_size");
+    what = "expert intermediate features";
+  } else if (shared_experts) {
+    // The shared experts' width, under the key each config class uses (Qwen, Nemotron-H),
+    // or the expert width times their count (DeepSeek / GLM, HY-V3 / AFMoE, ERNIE).
+    size = Get(v, "shared_expert_intermediate_size");
+    if (!size) size = Get(v, "moe_shared_expert_intermediate_size");
+    const std::optional<int64_t> moe = Get(v, "moe_intermediate_size");
+    std::optional<int64_t> shared = Get(v, "n_shared_experts");
+    if (!shared) shared = Get(v, "num_shared_experts");
+    if (!shared) shared = Get(v, "moe_num_shared_experts");
+    if (!size && moe && shared) size = *moe * *shared;
+    if (!size) size = Get(v, "intermediate_size");
+    what = "shared-expert intermediate features";
+  } else {
+    size = Get(v, "intermediate_size_mlp");
+    if (!size) size = Get(v, "intermediate_size");
+    if (!size && Get(v, "hidden_size")) size = 4 * *Get(v, "hidden_size");
+    what = "intermediate features";
+  }
+  return size;
+}
+
 // Sets e.count and e.meaning from the pattern's module names and the config; returns false
 // when a split entry's count cannot be derived.
 // `uneven`: the engine splits vocabulary and MLP widths in ceil chunks, so those counts need
@@ -111,30 +141,9 @@ bool Classify(ResolvedEntry& e, const Values& v, Engine engine, bool uneven) {
   }
   if (In(last, {"gate_proj", "up_proj", "down_proj", "fc1", "fc2", "fc_in", "fc_out", "c_fc",
                 "c_proj", "dense_h_to_4h", "dense_4h_to_h", "gate_up_proj", "w1", "w2", "w3"})) {
-    std::optional<int64_t> size;
     std::string what;
-    if (has({"experts"})) {
-      size = Get(v, "moe_intermediate_size");
-      if (!size) size = Get(v, "intermediate_size");
-      what = "expert intermediate features";
-    } else if (has({"shared_expert", "shared_experts"})) {
-      // The shared experts' width, under the key each config class uses (Qwen, Nemotron-H),
-      // or the expert width times their count (DeepSeek / GLM, HY-V3 / AFMoE, ERNIE).
-      size = Get(v, "shared_expert_intermediate_size");
-      if (!size) size = Get(v, "moe_shared_expert_intermediate_size");
-      const std::optional<int64_t> moe = Get(v, "moe_intermediate_size");
-      std::optional<int64_t> shared = Get(v, "n_shared_experts");
-      if (!shared) shared = Get(v, "num_shared_experts");
-      if (!shared) shared = Get(v, "moe_num_shared_experts");
-      if (!size && moe && shared) size = *moe * *shared;
-      if (!size) size = Get(v, "intermediate_size");
-      what = "shared-expert intermediate features";
-    } else {
-      size = Get(v, "intermediate_size_mlp");
-      if (!size) size = Get(v, "intermediate_size");
-      if (!size && Get(v, "hidden_size")) size = 4 * *Get(v, "hidden_size");
-      what = "intermediate features";
-    }
+    const std::optional<int64_t> size =
+        MlpWidth(v, has({"experts"}), has({"shared_expert", "shared_experts"}), what);
     e.uneven = uneven && !Gathered(e, engine);
     if (has({"experts"}) && engine == Engine::kTransformers && size) {
       // The packed experts are not measured split unevenly; grouped_mm (the [E, 2I, H]

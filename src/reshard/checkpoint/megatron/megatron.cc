@@ -553,6 +553,86 @@ struct PlannedPart {
   std::vector<std::pair<size_t, std::vector<Piece>>> pieces;
 };
 
+// Slots of one tensor's chunks: chunks of one rank that one HF tensor of `planned[first...]`
+// both touches (and that are not the same box saved twice) must differ.
+std::vector<int> ChunkSlots(const DcpTensor& tensor, const std::vector<PlannedPart>& planned,
+                            size_t first) {
+  std::vector<std::set<size_t>> conflicts(tensor.chunks.size());
+  for (size_t k = first; k < planned.size(); ++k) {
+    const auto& touched = planned[k].pieces;
+    for (size_t a = 0; a < touched.size(); ++a) {
+      for (size_t b = a + 1; b < touched.size(); ++b) {
+        const DcpChunk& x = tensor.chunks[touched[a].first];
+        const DcpChunk& y = tensor.chunks[touched[b].first];
+        if (x.rank == y.rank) {
+          conflicts[touched[a].first].insert(touched[b].first);
+          conflicts[touched[b].first].insert(touched[a].first);
+        }
+      }
+    }
+  }
+  std::vector<int> slots(tensor.chunks.size(), 0);
+  for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+    std::set<int> taken;
+    for (size_t o : conflicts[c]) {
+      if (o < c) taken.insert(slots[o]);
+    }
+    int s = 0;
+    while (taken.count(s) != 0) ++s;
+    slots[c] = s;
+  }
+  return slots;
+}
+
+// Each chunk's virtual rank: slot s of rank r is rank s * world + r.
+struct ChunkSlotTable {
+  int world = 0;
+  int count = 1;                        // slots a rank has
+  std::vector<std::vector<int>> ranks;  // per tensor, per chunk: its slot
+
+  int world_size() const { return world * count; }
+  Rank Of(const DcpCheckpoint& ckpt, size_t t, size_t c) const {
+    return static_cast<Rank>(ranks[t][c] * world + ckpt.tensors()[t].chunks[c].rank);
+  }
+};
+
+std::string ChunkBufferName(const DcpCheckpoint& ckpt, size_t t, size_t c) {
+  const DcpChunk& chunk = ckpt.tensors()[t].chunks[c];
+  return fmt::format("{}[{}]@{}", ckpt.tensors()[t].fqn, fmt::join(chunk.offsets, ","), chunk.rank);
+}
+
+// Every chunk of every tensor used is a buffer, so one that no HF tensor fills is found; rows
+// [padding_from, rows) of a padded vocabulary are zeros no HF tensor holds.
+BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& slots,
+                              const std::vector<bool>& used,
+                              const std::vector<std::optional<Index>>& padding) {
+  BufferSetBuilder buffers;
+  for (size_t t = 0; t < ckpt.tensors().size(); ++t) {
+    if (!used[t]) continue;
+    const DcpTensor& tensor = ckpt.tensors()[t];
+    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+      const DcpChunk& chunk = tensor.chunks[c];
+      if (ProductOf(chunk.sizes) == 0) continue;
+      BufferDecl decl{ChunkBufferName(ckpt, t, c), tensor.dtype, {}};
+      decl.ranks.resize(static_cast<size_t>(slots.world_size()), BufferRank{{0}, {}});
+      BufferRank& mine = decl.ranks[static_cast<size_t>(slots.Of(ckpt, t, c))];
+      mine.shape = {ProductOf(chunk.sizes)};
+      const Index lo = padding[t] ? std::max(chunk.offsets[0], *padding[t]) : 0;
+      const Index hi = padding[t] ? chunk.offsets[0] + chunk.sizes[0] : 0;
+      if (lo < hi) {
+        BufferBlock block;
+        block.shape = chunk.sizes;
+        block.shape[0] = hi - lo;
+        const Shape strides = RowMajorStrides(chunk.sizes);
+        block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
+        mine.padding.push_back(std::move(block));
+      }
+      buffers.add(std::move(decl));
+    }
+  }
+  return buffers;
+}
+
 // The model config.json describes, whole, in `names` (the HF tensors the checkpoint holds):
 // the output layer as tied or not, every layer's attention and its MLP (dense, or the router and
 // every expert) as the config makes that layer.
@@ -630,10 +710,9 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   bool have_output_layer = false;
   std::vector<PlannedPart> planned;
   // Per tensor: each chunk's slot, and the vocabulary padding.
-  std::vector<std::vector<int>> slots(ckpt_->tensors().size());
+  ChunkSlotTable slots{world, 1, std::vector<std::vector<int>>(ckpt_->tensors().size())};
   std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
   std::vector<bool> used(ckpt_->tensors().size(), false);
-  int max_slot = 0;
   for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
     const DcpTensor& tensor = ckpt_->tensors()[t];
     // The optimizer's state (Megatron's "optimizer." keys) is not part of the model.
@@ -664,44 +743,13 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
       }
       planned.push_back(std::move(p));
     }
-    // Slots: chunks of one rank that one HF tensor both touches (and that are not the same box
-    // saved twice) must differ.
-    std::vector<std::set<size_t>> conflicts(tensor.chunks.size());
-    for (size_t k = first; k < planned.size(); ++k) {
-      const auto& touched = planned[k].pieces;
-      for (size_t a = 0; a < touched.size(); ++a) {
-        for (size_t b = a + 1; b < touched.size(); ++b) {
-          const DcpChunk& x = tensor.chunks[touched[a].first];
-          const DcpChunk& y = tensor.chunks[touched[b].first];
-          if (x.rank == y.rank) {
-            conflicts[touched[a].first].insert(touched[b].first);
-            conflicts[touched[b].first].insert(touched[a].first);
-          }
-        }
-      }
-    }
-    slots[t].assign(tensor.chunks.size(), 0);
-    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      std::set<int> taken;
-      for (size_t o : conflicts[c]) {
-        if (o < c) taken.insert(slots[t][o]);
-      }
-      int s = 0;
-      while (taken.count(s) != 0) ++s;
-      slots[t][c] = s;
-      max_slot = std::max(max_slot, s);
-    }
+    slots.ranks[t] = ChunkSlots(tensor, planned, first);
+    for (int s : slots.ranks[t]) slots.count = std::max(slots.count, s + 1);
   }
-  const int vworld = world * (max_slot + 1);
+  const int vworld = slots.world_size();
   manifest_.world_size = vworld;
-  const auto vrank = [&](size_t t, size_t c) {
-    return static_cast<Rank>(slots[t][c] * world + ckpt_->tensors()[t].chunks[c].rank);
-  };
-  const auto buffer_name = [&](size_t t, size_t c) {
-    const DcpChunk& chunk = ckpt_->tensors()[t].chunks[c];
-    return fmt::format("{}[{}]@{}", ckpt_->tensors()[t].fqn, fmt::join(chunk.offsets, ","),
-                       chunk.rank);
-  };
+  const auto vrank = [&](size_t t, size_t c) { return slots.Of(*ckpt_, t, c); };
+  const auto buffer_name = [&](size_t t, size_t c) { return ChunkBufferName(*ckpt_, t, c); };
   for (PlannedPart& p : planned) {
     const DcpTensor& tensor = ckpt_->tensors()[p.tensor];
     // The same box saved by several ranks is one piece they hold together.
@@ -735,36 +783,8 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     manifest_.params.push_back(ShardedParam{p.part.name, tensor.dtype, *std::move(map), {}, 1});
     chunks_of_.push_back(std::move(refs));
   }
-  // Every chunk of every tensor used is a buffer, so one that no HF tensor fills is found.
-  BufferSetBuilder buffers;
-  for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
-    if (!used[t]) continue;
-    const DcpTensor& tensor = ckpt_->tensors()[t];
-    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      const DcpChunk& chunk = tensor.chunks[c];
-      if (ProductOf(chunk.sizes) == 0) continue;
-      BufferDecl decl{buffer_name(t, c), tensor.dtype, {}};
-      decl.ranks.resize(static_cast<size_t>(vworld), BufferRank{{0}, {}});
-      BufferRank& mine = decl.ranks[static_cast<size_t>(vrank(t, c))];
-      mine.shape = {ProductOf(chunk.sizes)};
-      if (padding[t]) {
-        // Rows [padding_from, rows) of the chunk: zeros no HF tensor holds.
-        const Index lo = std::max(chunk.offsets[0], *padding[t]);
-        const Index hi = chunk.offsets[0] + chunk.sizes[0];
-        if (lo < hi) {
-          BufferBlock block;
-          block.shape = chunk.sizes;
-          block.shape[0] = hi - lo;
-          const Shape strides = RowMajorStrides(chunk.sizes);
-          block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
-          mine.padding.push_back(std::move(block));
-        }
-      }
-      buffers.add(std::move(decl));
-    }
-  }
   RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
-  return ValidateManifestBuffers(manifest_, buffers)
+  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding))
       .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
 }
 
