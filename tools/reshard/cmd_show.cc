@@ -137,7 +137,7 @@ void PrintBlocks(const BlockDrawing& d) {
 }
 
 // The parameters of a sharded checkpoint: its manifest (a file) or its directory.
-Result<Shown> ReadManifestParams(const std::string& path, std::string text,
+Result<Shown> ReadManifestParams(const std::string& path, const std::string& text,
                                  std::optional<DType> dtype) {
   Result<Manifest> manifest = ParseManifestJson(text);
   if (!manifest.ok()) return manifest.status().Annotate(fmt::format("error reading \"{}\"", path));
@@ -157,10 +157,10 @@ Result<Shown> ReadShownParams(const std::string& path, std::optional<DType> dtyp
   if (std::filesystem::is_directory(path)) {
     const std::string manifest = (std::filesystem::path(path) / kManifestName).string();
     RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest));
-    return ReadManifestParams(manifest, std::move(text), dtype);
+    return ReadManifestParams(manifest, text, dtype);
   }
   RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
-  if (IsManifestJson(text)) return ReadManifestParams(path, std::move(text), dtype);
+  if (IsManifestJson(text)) return ReadManifestParams(path, text, dtype);
   Result<ValidatedMapDocument> doc = ValidateMapDocumentJson(text);
   if (!doc.ok()) return doc.status().Annotate(fmt::format("error reading \"{}\"", path));
   Shown out;

@@ -74,11 +74,8 @@ std::string DescribeCurrentException() {
   EndByInternalError("std::terminate called");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int RunCli(int argc, char** argv) {
   using namespace reshard::cli;
-  std::set_terminate(OnTerminate);
   HandleInterruptions();
   CLI::App app{
       "reshard: describe, validate and move tensor-parallel shards as affine maps.\n"
@@ -107,4 +104,15 @@ int main(int argc, char** argv) {
   }
   EndProcesses();
   return exit_status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::set_terminate(OnTerminate);
+  try {
+    return RunCli(argc, argv);
+  } catch (...) {  // from building the command table or printing help
+    EndByCurrentException();
+  }
 }

@@ -54,9 +54,12 @@ class [[nodiscard]] Result {
 /// returning the Status from the enclosing function when it is not ok.
 #define RESHARD_ASSIGN_OR_RETURN(lhs, expr) \
   RESHARD_ASSIGN_OR_RETURN_IMPL_(RESHARD_STATUS_CONCAT_(reshard_result_, __LINE__), lhs, expr)
+// `lhs` is a declaration and `tmp` a name: neither can be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define RESHARD_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                   \
   if (!tmp.ok()) return std::move(tmp).status();       \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // RESHARD_BASE_RESULT_H_

@@ -94,10 +94,13 @@ RESHARD_STATUS_CODES(RESHARD_STATUS_CONSTRUCTOR)
 /// Returns from the enclosing function if `expr` (a Status) is not ok.
 #define RESHARD_RETURN_IF_ERROR(expr) \
   RESHARD_RETURN_IF_ERROR_IMPL_(RESHARD_STATUS_CONCAT_(reshard_status_, __COUNTER__), expr)
+// `name` is a variable's name: it cannot be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define RESHARD_RETURN_IF_ERROR_IMPL_(name, expr) \
   do {                                            \
     ::reshard::Status name = (expr);              \
     if (!name.ok()) return name;                  \
   } while (0)
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // RESHARD_BASE_STATUS_H_

@@ -329,7 +329,7 @@ bool IsDenseRowMajor(const Shape& shape, const Shape& strides) {
 
 // A range copy costs a system call: pieces smaller than this go through memory, unless the
 // shard is one piece.
-constexpr uint64_t kMinRangeBytes = 64 * 1024;
+constexpr uint64_t kMinRangeBytes = uint64_t{64} * 1024;
 
 // Rank r's shard of `map` as ranges of the file `path` holding the full tensor at `offset`:
 // when every piece is an unscaled dense block of the tensor, densely placed in the shard.
@@ -786,7 +786,7 @@ Status FillDequantized(ShardSource& source, const GatherOutput& o, const Checkpo
     }
     std::memcpy(&spec.global_scale, g.bytes.get(), 4);
   }
-  const auto annotate = [&](Status st) {
+  const auto annotate = [&](const Status& st) {
     return st.ok() ? st
                    : Status(st.code(), fmt::format("dequantizing \"{}\" with \"{}\": {}",
                                                    m.params[o.param].name, m.params[*o.scales].name,

@@ -620,8 +620,11 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     RESHARD_RETURN_IF_ERROR(InspectFile(f.string(), json ? &one : nullptr, &out));
     if (json) listed.push_back({{"file", f.filename().string()}, {"contents", one}});
   }
-  if (json && model_dir != ModelDir::kNone) doc["model"] = std::move(model);
-  if (!json) AppendModelView(dir.string(), model, out);
+  if (!json) {
+    AppendModelView(dir.string(), model, out);
+  } else if (model_dir != ModelDir::kNone) {
+    doc["model"] = std::move(model);
+  }
   ordered_json rest = ordered_json::array();
   for (const fs::path& f : others) rest.push_back(f.filename().string());
   if (json) {

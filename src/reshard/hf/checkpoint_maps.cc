@@ -129,7 +129,7 @@ Result<std::optional<MapDocument>> RecordedConfigMaps(const std::string& sharded
       return InvalidArgumentError(fmt::format(
           "a distributed config applies to a checkpoint scattered from a config.json (its "
           "manifest keeps it); \"{}\" was not, so the model's plans are unknown: give the target "
-          "layout as target maps (--target-maps)",
+          "layout as target maps",
           sharded_dir));
     }
     return std::optional<MapDocument>();  // Convert reports a bad manifest itself

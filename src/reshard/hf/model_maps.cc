@@ -304,17 +304,14 @@ Status CheckExpertCounts(const ModelPlan& plan, const std::vector<StoredTensor>&
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
-                                          const std::vector<StoredTensor>& tensors) {
-  const ModelPlan& plan = maps.plan();
-  const int world = maps.tp();
-  CheckpointMaps out;
-  // Stacked groups by buffer name, in first-seen order; which tensor goes where.
+// Which tensors stack into which buffers (transformers' load conversions: one buffer per
+// group, a member per conversion source), in first-seen order; stacked[i] = (group, member) of
+// tensor i.
+Result<std::vector<StackGroup>> GroupStackedExperts(
+    const ModelPlan& plan, const std::vector<StoredTensor>& tensors,
+    std::vector<std::optional<std::pair<size_t, size_t>>>& stacked) {
   std::vector<StackGroup> groups;
   std::map<std::string, size_t> group_of_buffer;
-  std::vector<std::optional<std::pair<size_t, size_t>>> stacked(tensors.size());  // group, member
   for (size_t i = 0; i < tensors.size(); ++i) {
     // Adam's moments ("<param>.exp_avg", ".exp_avg_sq") stack as their parameter does, into a
     // buffer of the same suffix.
@@ -348,94 +345,115 @@ Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
       if (stacked[i]) break;
     }
   }
+  return groups;
+}
+
+// One stacked group laid out: its buffer (into `buffers`) and each member expert's map (into
+// `stacked_maps`, by tensor index), split as the stacked tensor's plan entry says.
+Status LayOutStackGroup(const StackGroup& g, const ModelPlan& plan,
+                        const std::vector<StoredTensor>& tensors, int world,
+                        BufferSetBuilder& buffers,
+                        std::map<size_t, CheckpointTensorMap>& stacked_maps) {
+  const size_t experts = g.members[0].size();
+  std::vector<ExpertMember> members;
+  DType dtype = tensors[g.members[0].begin()->second].dtype;
+  for (size_t m = 0; m < g.members.size(); ++m) {
+    const auto& by_expert = g.members[m];
+    const std::string& source = g.conversion->sources[m];
+    if (by_expert.size() != experts || by_expert.rbegin()->first != static_cast<int>(experts) - 1) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\": transformers stacks {} experts' \"{}\" tensors into it, but the checkpoint "
+          "holds {} of them (ids {} to {}); every expert 0..E-1 needs each of {}",
+          g.buffer, experts, source, by_expert.size(), by_expert.begin()->first,
+          by_expert.rbegin()->first, fmt::join(g.conversion->sources, ", ")));
+    }
+    const StoredTensor& first = tensors[by_expert.begin()->second];
+    for (const auto& [e, i] : by_expert) {
+      if (tensors[i].shape != first.shape || tensors[i].dtype != dtype) {
+        return FailedPreconditionError(
+            fmt::format("\"{}\" ({} {}) does not stack with \"{}\" ({} {}) into \"{}\"",
+                        tensors[i].name, DTypeName(tensors[i].dtype), FormatShape(tensors[i].shape),
+                        first.name, DTypeName(dtype), FormatShape(first.shape), g.buffer));
+      }
+    }
+    // The member's name pattern for BuildStackedExpertMaps: its first expert's name with the
+    // id replaced (names are matched back by expert id below).
+    members.push_back({std::string(), first.shape, -1, 0, {}});
+  }
+  // The stacked tensor is [E, member...] (members concatenated along member dim 0, the
+  // stacked dim 1: Concatenate(dim=1)); its plan entry says how it is split.
+  std::string_view stacked_name = g.buffer;
+  for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+    if (stacked_name.ends_with(s)) stacked_name.remove_suffix(s.size());
+  }
+  const ResolvedEntry* entry = MatchPlanEntry(plan, stacked_name);
+  const StyleEffect effect = entry ? entry->effect : StyleEffect::kNone;
+  const size_t nd = members[0].shape.size();
+  RankOrder order{1, world, true};
+  ExpertPlacement placement{static_cast<int>(experts), {{}}};
+  for (int e = 0; e < static_cast<int>(experts); ++e) placement.experts[0].push_back(e);
+  int split_dim = -1;  // of the member
+  switch (effect) {
+    case StyleEffect::kNone:
+      break;
+    case StyleEffect::kExperts: {
+      Result<ExpertPlacement> p = ContiguousExperts(static_cast<int>(experts), world);
+      if (!p.ok()) return FailedPreconditionError(p.status().message()).Annotate(g.buffer);
+      placement = *std::move(p);
+      order = RankOrder{world, 1, true};
+      break;
+    }
+    case StyleEffect::kPackedOut:
+    case StyleEffect::kSplitOut:
+      // The stacked dim ndim-2 (>= 1) is the member's dim ndim-3... of [E, rows, cols]: rows.
+      split_dim = static_cast<int>(nd) - 2;
+      break;
+    case StyleEffect::kPackedIn:
+    case StyleEffect::kSplitIn:
+      split_dim = static_cast<int>(nd) - 1;
+      break;
+    default:
+      return FailedPreconditionError(
+          fmt::format("\"{}\" ({} {}): reshard does not lay out stacked experts under this style",
+                      g.buffer, entry->pattern, entry->style));
+  }
+  for (ExpertMember& m : members) {
+    m.split_dim = split_dim;
+    m.name = "{e}";
+  }
+  Result<StackedExpertMaps> built =
+      BuildStackedExpertMaps(g.buffer, dtype, members, placement, order);
+  if (!built.ok()) {
+    return FailedPreconditionError(built.status().message())
+        .Annotate(fmt::format("\"{}\"{}", g.buffer,
+                              entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
+  }
+  // built->maps are per member, per expert id in order ("{e}" -> the id).
+  for (size_t m = 0; m < g.members.size(); ++m) {
+    for (const auto& [e, i] : g.members[m]) {
+      ParamMap map = built->maps[m * experts + static_cast<size_t>(e)].second;
+      stacked_maps.emplace(i, CheckpointTensorMap{tensors[i].name, std::move(map), std::nullopt});
+    }
+  }
+  buffers.add(std::move(built->buffer));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<CheckpointMaps> PlanCheckpointMaps(const ConfigMaps& maps,
+                                          const std::vector<StoredTensor>& tensors) {
+  const ModelPlan& plan = maps.plan();
+  const int world = maps.tp();
+  CheckpointMaps out;
+  std::vector<std::optional<std::pair<size_t, size_t>>> stacked(tensors.size());  // group, member
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<StackGroup> groups,
+                           GroupStackedExperts(plan, tensors, stacked));
   RESHARD_RETURN_IF_ERROR(CheckExpertCounts(plan, tensors, groups, stacked));
   // The buffers and the maps of their members.
   std::map<size_t, CheckpointTensorMap> stacked_maps;
   for (const StackGroup& g : groups) {
-    const size_t experts = g.members[0].size();
-    std::vector<ExpertMember> members;
-    DType dtype = tensors[g.members[0].begin()->second].dtype;
-    for (size_t m = 0; m < g.members.size(); ++m) {
-      const auto& by_expert = g.members[m];
-      const std::string& source = g.conversion->sources[m];
-      if (by_expert.size() != experts ||
-          by_expert.rbegin()->first != static_cast<int>(experts) - 1) {
-        return FailedPreconditionError(fmt::format(
-            "\"{}\": transformers stacks {} experts' \"{}\" tensors into it, but the checkpoint "
-            "holds {} of them (ids {} to {}); every expert 0..E-1 needs each of {}",
-            g.buffer, experts, source, by_expert.size(), by_expert.begin()->first,
-            by_expert.rbegin()->first, fmt::join(g.conversion->sources, ", ")));
-      }
-      const StoredTensor& first = tensors[by_expert.begin()->second];
-      for (const auto& [e, i] : by_expert) {
-        if (tensors[i].shape != first.shape || tensors[i].dtype != dtype) {
-          return FailedPreconditionError(fmt::format(
-              "\"{}\" ({} {}) does not stack with \"{}\" ({} {}) into \"{}\"", tensors[i].name,
-              DTypeName(tensors[i].dtype), FormatShape(tensors[i].shape), first.name,
-              DTypeName(dtype), FormatShape(first.shape), g.buffer));
-        }
-      }
-      // The member's name pattern for BuildStackedExpertMaps: its first expert's name with the
-      // id replaced (names are matched back by expert id below).
-      members.push_back({std::string(), first.shape, -1, 0, {}});
-    }
-    // The stacked tensor is [E, member...] (members concatenated along member dim 0, the
-    // stacked dim 1: Concatenate(dim=1)); its plan entry says how it is split.
-    std::string_view stacked_name = g.buffer;
-    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
-      if (stacked_name.ends_with(s)) stacked_name.remove_suffix(s.size());
-    }
-    const ResolvedEntry* entry = MatchPlanEntry(plan, stacked_name);
-    const StyleEffect effect = entry ? entry->effect : StyleEffect::kNone;
-    const size_t nd = members[0].shape.size();
-    RankOrder order{1, world, true};
-    ExpertPlacement placement{static_cast<int>(experts), {{}}};
-    for (int e = 0; e < static_cast<int>(experts); ++e) placement.experts[0].push_back(e);
-    int split_dim = -1;  // of the member
-    switch (effect) {
-      case StyleEffect::kNone:
-        break;
-      case StyleEffect::kExperts: {
-        Result<ExpertPlacement> p = ContiguousExperts(static_cast<int>(experts), world);
-        if (!p.ok()) return FailedPreconditionError(p.status().message()).Annotate(g.buffer);
-        placement = *std::move(p);
-        order = RankOrder{world, 1, true};
-        break;
-      }
-      case StyleEffect::kPackedOut:
-      case StyleEffect::kSplitOut:
-        // The stacked dim ndim-2 (>= 1) is the member's dim ndim-3... of [E, rows, cols]: rows.
-        split_dim = static_cast<int>(nd) - 2;
-        break;
-      case StyleEffect::kPackedIn:
-      case StyleEffect::kSplitIn:
-        split_dim = static_cast<int>(nd) - 1;
-        break;
-      default:
-        return FailedPreconditionError(
-            fmt::format("\"{}\" ({} {}): reshard does not lay out stacked experts under this style",
-                        g.buffer, entry->pattern, entry->style));
-    }
-    for (ExpertMember& m : members) {
-      m.split_dim = split_dim;
-      m.name = "{e}";
-    }
-    Result<StackedExpertMaps> built =
-        BuildStackedExpertMaps(g.buffer, dtype, members, placement, order);
-    if (!built.ok()) {
-      return FailedPreconditionError(built.status().message())
-          .Annotate(
-              fmt::format("\"{}\"{}", g.buffer,
-                          entry ? fmt::format(" ({} {})", entry->pattern, entry->style) : ""));
-    }
-    // built->maps are per member, per expert id in order ("{e}" -> the id).
-    for (size_t m = 0; m < g.members.size(); ++m) {
-      for (const auto& [e, i] : g.members[m]) {
-        ParamMap map = built->maps[m * experts + static_cast<size_t>(e)].second;
-        stacked_maps.emplace(i, CheckpointTensorMap{tensors[i].name, std::move(map), std::nullopt});
-      }
-    }
-    out.buffers.add(std::move(built->buffer));
+    RESHARD_RETURN_IF_ERROR(LayOutStackGroup(g, plan, tensors, world, out.buffers, stacked_maps));
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (auto it = stacked_maps.find(i); it != stacked_maps.end()) {

@@ -128,7 +128,7 @@ Result<ModelCheckpointMaps> PlanModelCheckpointMaps(const ConfigMaps& maps,
     BlockImageOptions options;
     const std::string suffix = ScaleSuffix(tie);
     options.scale_buffer = [&](Rank r, const std::string& data_buffer) {
-      const std::string name = data_buffer + suffix;
+      std::string name = data_buffer + suffix;
       ScaleBuffer& b =
           scale_buffers.try_emplace(name, ScaleBuffer{scale.dtype, {}, 0, {}}).first->second;
       if (b.shapes.size() <= static_cast<size_t>(r)) b.shapes.resize(static_cast<size_t>(r) + 1);

@@ -823,7 +823,6 @@ std::string_view PickleKindName(PickleKind kind) {
     case PickleKind::kBool:
       return "bool";
     case PickleKind::kInt:
-      return "int";
     case PickleKind::kBigInt:
       return "int";
     case PickleKind::kFloat:

@@ -65,8 +65,12 @@ class BoxSet {
 
   const Radix& radix() const { return *radix_; }
   size_t size() const { return tags_.size(); }
-  Index lo(size_t box, int digit) const { return bounds_[Base(box) + 2 * digit]; }
-  Index hi(size_t box, int digit) const { return bounds_[Base(box) + 2 * digit + 1]; }
+  Index lo(size_t box, int digit) const {
+    return bounds_[Base(box) + 2 * static_cast<size_t>(digit)];
+  }
+  Index hi(size_t box, int digit) const {
+    return bounds_[Base(box) + 2 * static_cast<size_t>(digit) + 1];
+  }
   int32_t tag(size_t box) const { return tags_[box]; }
 
   /// Adds the offsets of the view (offset, shape, strides) as boxes tagged `tag`. The view

@@ -174,16 +174,16 @@ BufferSetBuilder& BufferSetBuilder::add(BufferDecl decl) {
   return *this;
 }
 
-Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
-                                             std::span<const DType> dtypes) const {
-  BufferSet set;
-  set.buffers_ = buffers_;
-  std::sort(set.buffers_.begin(), set.buffers_.end(),
-            [](const BufferDecl& a, const BufferDecl& b) { return a.name < b.name; });
-  for (size_t i = 0; i < set.buffers_.size(); ++i) {
-    const BufferDecl& b = set.buffers_[i];
+namespace {
+
+// Each declaration on its own, and the set one world: names unique and not empty, ranks, a
+// fill the dtype holds exactly, shapes and padding blocks inside them. `buffers` is sorted by
+// name.
+Status CheckBufferDecls(const std::vector<BufferDecl>& buffers) {
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const BufferDecl& b = buffers[i];
     if (b.name.empty()) return InvalidArgumentError("buffers: a buffer has an empty name");
-    if (i > 0 && set.buffers_[i - 1].name == b.name) {
+    if (i > 0 && buffers[i - 1].name == b.name) {
       return InvalidArgumentError(fmt::format("buffers: \"{}\" is declared twice", b.name));
     }
     if (b.ranks.empty()) {
@@ -193,10 +193,10 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
       Result<std::vector<std::byte>> fill = ElementBytes(b.dtype, b.fill);
       if (!fill.ok()) return fill.status().Annotate(fmt::format("buffers[\"{}\"].fill", b.name));
     }
-    if (i > 0 && b.ranks.size() != set.buffers_[0].ranks.size()) {
+    if (i > 0 && b.ranks.size() != buffers[0].ranks.size()) {
       return InvalidArgumentError(fmt::format(
           "buffers[\"{}\"] has {} ranks but buffers[\"{}\"] has {}; a buffer set is one world",
-          b.name, b.ranks.size(), set.buffers_[0].name, set.buffers_[0].ranks.size()));
+          b.name, b.ranks.size(), buffers[0].name, buffers[0].ranks.size()));
     }
     for (size_t r = 0; r < b.ranks.size(); ++r) {
       const std::string path = BufferRankPath(b.name, static_cast<Rank>(r));
@@ -208,19 +208,22 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
       }
     }
   }
-  set.world_size_ = set.buffers_.empty() ? 0 : static_cast<int>(set.buffers_[0].ranks.size());
+  return Status::Ok();
+}
 
-  // Every buffered rank of every map: a declared buffer of the map's dtype, at its shape.
-  // writers[buffer][rank]: (map, rank's pieces) that write it.
-  std::vector<std::vector<std::vector<int32_t>>> writers(set.buffers_.size());
-  for (auto& w : writers) w.resize(static_cast<size_t>(set.world_size_));
+// writers[buffer][rank]: the maps (indices into `maps`) whose pieces write it. Every buffered
+// rank of every map is a declared buffer of the map's dtype, at its shape.
+Result<std::vector<std::vector<std::vector<int32_t>>>> BufferWriters(
+    const BufferSet& set, std::span<const NamedMapRef> maps, std::span<const DType> dtypes) {
+  std::vector<std::vector<std::vector<int32_t>>> writers(set.buffers().size());
+  for (auto& w : writers) w.resize(static_cast<size_t>(set.world_size()));
   for (size_t m = 0; m < maps.size(); ++m) {
     const ParamMap& map = *maps[m].map;
     if (!map.has_buffers()) continue;
     const std::string param = fmt::format("params[\"{}\"]", maps[m].name);
-    if (!set.buffers_.empty() && map.world_size() != set.world_size_) {
+    if (!set.buffers().empty() && map.world_size() != set.world_size()) {
       return InvalidArgumentError(fmt::format("{} has {} ranks but its buffers have {}", param,
-                                              map.world_size(), set.world_size_));
+                                              map.world_size(), set.world_size()));
     }
     for (Rank r = 0; r < map.world_size(); ++r) {
       const RankShard& shard = map.rank(r);
@@ -241,17 +244,22 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
                                                 DTypeName(dtypes[m]), b->name,
                                                 DTypeName(b->dtype)));
       }
-      writers[static_cast<size_t>(b - set.buffers_.data())][static_cast<size_t>(r)].push_back(
+      writers[static_cast<size_t>(b - set.buffers().data())][static_cast<size_t>(r)].push_back(
           static_cast<int32_t>(m));
     }
   }
+  return writers;
+}
 
-  // Exactness, per buffer and rank, by one box sweep over every writer's views.
+// Exactness, per buffer and rank, by one box sweep over every writer's views: every element
+// written by exactly one piece of one map, or declared padding.
+Status CheckBuffersExact(const BufferSet& set, std::span<const NamedMapRef> maps,
+                         const std::vector<std::vector<std::vector<int32_t>>>& writers) {
   size_t used_digits = 0;
   std::vector<Writer> tags;
-  for (size_t bi = 0; bi < set.buffers_.size(); ++bi) {
-    const BufferDecl& b = set.buffers_[bi];
-    for (Rank r = 0; r < set.world_size_; ++r) {
+  for (size_t bi = 0; bi < set.buffers().size(); ++bi) {
+    const BufferDecl& b = set.buffers()[bi];
+    for (Rank r = 0; r < set.world_size(); ++r) {
       const BufferRank& br = b.ranks[static_cast<size_t>(r)];
       const Index n = ProductOf(br.shape);
       const std::vector<int32_t>& ws = writers[bi][static_cast<size_t>(r)];
@@ -313,6 +321,21 @@ Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
           }));
     }
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<BufferSet> BufferSetBuilder::Finalize(std::span<const NamedMapRef> maps,
+                                             std::span<const DType> dtypes) const {
+  BufferSet set;
+  set.buffers_ = buffers_;
+  std::sort(set.buffers_.begin(), set.buffers_.end(),
+            [](const BufferDecl& a, const BufferDecl& b) { return a.name < b.name; });
+  RESHARD_RETURN_IF_ERROR(CheckBufferDecls(set.buffers_));
+  set.world_size_ = set.buffers_.empty() ? 0 : static_cast<int>(set.buffers_[0].ranks.size());
+  RESHARD_ASSIGN_OR_RETURN(const auto writers, BufferWriters(set, maps, dtypes));
+  RESHARD_RETURN_IF_ERROR(CheckBuffersExact(set, maps, writers));
   return set;
 }
 

@@ -206,6 +206,48 @@ std::string CellText(const BufferColumn& col, const BufferCell& cell) {
   return out;
 }
 
+// The columns of a buffer's summary (one per expert when the maps over it name experts, else
+// one per map), its member patterns, and the column of each map in `over`. `ec` is the
+// dot-separated component of the names that holds the expert's number, or -1.
+std::vector<size_t> AddBufferColumns(const std::vector<const NamedMapRef*>& over, BufferSummary& s,
+                                     int& ec) {
+  std::vector<std::vector<std::string_view>> parts;
+  for (const NamedMapRef* m : over) parts.push_back(SplitDots(m->name));
+  ec = ExpertComponent(parts);
+  std::vector<size_t> column_of(over.size());
+  if (ec < 0) {
+    for (size_t i = 0; i < over.size(); ++i) {
+      BufferColumn col;
+      col.label = std::string(over[i]->name);
+      s.columns.push_back(std::move(col));
+      column_of[i] = i;
+    }
+    return column_of;
+  }
+  std::vector<int> ids;
+  for (const auto& t : parts) ids.push_back(std::stoi(std::string(t[static_cast<size_t>(ec)])));
+  std::vector<int> sorted = ids;
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  for (int e : sorted) {
+    BufferColumn col;
+    col.label = std::to_string(e);
+    col.expert = e;
+    s.columns.push_back(std::move(col));
+  }
+  for (size_t i = 0; i < over.size(); ++i) {
+    column_of[i] = static_cast<size_t>(std::lower_bound(sorted.begin(), sorted.end(), ids[i]) -
+                                       sorted.begin());
+    std::vector<std::string_view> pattern = parts[i];
+    pattern[static_cast<size_t>(ec)] = "{e}";
+    std::string member = JoinDots(pattern);
+    if (std::find(s.members.begin(), s.members.end(), member) == s.members.end()) {
+      s.members.push_back(std::move(member));
+    }
+  }
+  return column_of;
+}
+
 }  // namespace
 
 Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
@@ -236,41 +278,8 @@ Result<std::vector<BufferSummary>> SummarizeBuffers(const BufferSet& set,
     const auto found = maps_over.find(decl.name);
     const std::vector<const NamedMapRef*> over =
         found == maps_over.end() ? std::vector<const NamedMapRef*>{} : found->second;
-    std::vector<std::vector<std::string_view>> parts;
-    for (const NamedMapRef* m : over) parts.push_back(SplitDots(m->name));
-    const int ec = ExpertComponent(parts);
-    // Columns, and the column of each map.
-    std::vector<size_t> column_of(over.size());
-    if (ec >= 0) {
-      std::vector<int> ids;
-      for (const auto& t : parts) ids.push_back(std::stoi(std::string(t[static_cast<size_t>(ec)])));
-      std::vector<int> sorted = ids;
-      std::sort(sorted.begin(), sorted.end());
-      sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-      for (int e : sorted) {
-        BufferColumn col;
-        col.label = std::to_string(e);
-        col.expert = e;
-        s.columns.push_back(std::move(col));
-      }
-      for (size_t i = 0; i < over.size(); ++i) {
-        column_of[i] = static_cast<size_t>(std::lower_bound(sorted.begin(), sorted.end(), ids[i]) -
-                                           sorted.begin());
-        std::vector<std::string_view> pattern = parts[i];
-        pattern[static_cast<size_t>(ec)] = "{e}";
-        std::string member = JoinDots(pattern);
-        if (std::find(s.members.begin(), s.members.end(), member) == s.members.end()) {
-          s.members.push_back(std::move(member));
-        }
-      }
-    } else {
-      for (size_t i = 0; i < over.size(); ++i) {
-        BufferColumn col;
-        col.label = std::string(over[i]->name);
-        s.columns.push_back(std::move(col));
-        column_of[i] = i;
-      }
-    }
+    int ec = -1;
+    const std::vector<size_t> column_of = AddBufferColumns(over, s, ec);
     s.cells.assign(static_cast<size_t>(world), std::vector<BufferCell>(s.columns.size()));
     for (size_t i = 0; i < over.size(); ++i) {
       const ParamMap& map = *over[i]->map;
@@ -563,7 +572,7 @@ std::vector<SvgRect> HeldRects(const BufferColumn& col, const BufferCell& bc, in
   const bool all = std::all_of(bc.samples.begin(), bc.samples.end(), [](bool b) { return b; });
   if (all || col.sample_rows == 0 || col.sample_cols == 0) return {{x, y, size, size}};
   const auto held = [&](int a, int b) {
-    return static_cast<bool>(bc.samples[static_cast<size_t>(a * col.sample_cols + b)]);
+    return static_cast<bool>(bc.samples[static_cast<size_t>(a) * col.sample_cols + b]);
   };
   const auto same_row = [&](int a, int a2) {
     for (int b = 0; b < col.sample_cols; ++b) {

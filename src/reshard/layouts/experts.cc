@@ -204,31 +204,23 @@ std::string ExpertName(std::string_view pattern, int e) {
   return out;
 }
 
-}  // namespace
-
-Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType dtype,
-                                                 const std::vector<ExpertMember>& members,
-                                                 const ExpertPlacement& placement,
-                                                 const RankOrder& order) {
-  RESHARD_RETURN_IF_ERROR(placement.Validate());
-  if (order.ep != placement.ep_size()) {
-    return InvalidArgumentError(fmt::format("the rank order has {} EP ranks but the placement {}",
-                                            order.ep, placement.ep_size()));
-  }
-  if (order.tp < 1) return InvalidArgumentError("expert TP must be at least 1");
-  if (order.dp < 1) return InvalidArgumentError("expert DP must be at least 1");
-  if (members.empty()) return InvalidArgumentError("a stacked buffer needs members");
-  const size_t nd = members[0].shape.size();
-  const int fused = members[0].fused_dim;
-  if (fused < 0 || static_cast<size_t>(fused) >= nd) {
-    return InvalidArgumentError(
-        fmt::format("fused_dim {} is not a dimension of {}", fused, FormatShape(members[0].shape)));
-  }
-  // Each member's slice shape, in buffer order, and its offset along the fused dimension.
+// How the members stack in the buffer: each member's permutation, its slice shape (after the
+// expert TP split) in buffer order, and its offset along the fused dimension; `inner` is one
+// expert's slot of the buffer.
+struct MemberStack {
   std::vector<std::vector<int>> perms;
   std::vector<Shape> sliced;  // in buffer order
   std::vector<Index> fused_offset;
   Shape inner;
+};
+
+Result<MemberStack> StackMembers(const std::vector<ExpertMember>& members, const RankOrder& order,
+                                 size_t nd, int fused) {
+  MemberStack stack;
+  std::vector<std::vector<int>>& perms = stack.perms;
+  std::vector<Shape>& sliced = stack.sliced;
+  std::vector<Index>& fused_offset = stack.fused_offset;
+  Shape& inner = stack.inner;
   for (const ExpertMember& m : members) {
     const std::string where = fmt::format("member \"{}\"", m.name);
     if (m.shape.size() != nd || m.fused_dim != fused) {
@@ -280,6 +272,34 @@ Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType 
     perms.push_back(std::move(perm));
     sliced.push_back(std::move(b));
   }
+  return stack;
+}
+
+}  // namespace
+
+Result<StackedExpertMaps> BuildStackedExpertMaps(std::string buffer_name, DType dtype,
+                                                 const std::vector<ExpertMember>& members,
+                                                 const ExpertPlacement& placement,
+                                                 const RankOrder& order) {
+  RESHARD_RETURN_IF_ERROR(placement.Validate());
+  if (order.ep != placement.ep_size()) {
+    return InvalidArgumentError(fmt::format("the rank order has {} EP ranks but the placement {}",
+                                            order.ep, placement.ep_size()));
+  }
+  if (order.tp < 1) return InvalidArgumentError("expert TP must be at least 1");
+  if (order.dp < 1) return InvalidArgumentError("expert DP must be at least 1");
+  if (members.empty()) return InvalidArgumentError("a stacked buffer needs members");
+  const size_t nd = members[0].shape.size();
+  const int fused = members[0].fused_dim;
+  if (fused < 0 || static_cast<size_t>(fused) >= nd) {
+    return InvalidArgumentError(
+        fmt::format("fused_dim {} is not a dimension of {}", fused, FormatShape(members[0].shape)));
+  }
+  RESHARD_ASSIGN_OR_RETURN(MemberStack stack, StackMembers(members, order, nd, fused));
+  const std::vector<std::vector<int>>& perms = stack.perms;
+  const std::vector<Shape>& sliced = stack.sliced;
+  const std::vector<Index>& fused_offset = stack.fused_offset;
+  const Shape& inner = stack.inner;
 
   StackedExpertMaps out;
   out.buffer.name = std::move(buffer_name);

@@ -147,7 +147,7 @@ Result<DcpMetadata> ReadHfShards(const std::string& dir, const std::string& shar
   for (const std::string& name : ListNames(shard_dir)) {
     std::smatch m;
     if (!std::regex_match(name, m, HfShardName())) continue;
-    const std::string path = shard_dir + "/" + name;
+    const std::string path = fmt::format("{}/{}", shard_dir, name);
     int64_t shard = 0;
     const std::string digits = m[1].str();
     const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), shard);
@@ -292,7 +292,7 @@ Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::stri
     std::map<std::string, size_t> index;
     for (const std::string& n : ListNames(dir)) {
       if (!std::regex_match(n, PerRankMetadataName())) continue;
-      const std::string path = dir + "/" + n;
+      const std::string path = fmt::format("{}/{}", dir, n);
       RESHARD_ASSIGN_OR_RETURN(DcpMetadata part, ReadMetadataFile(path));
       RESHARD_RETURN_IF_ERROR(
           Merge(std::move(part), path, c->metadata_files_.empty(), c->metadata_, index));
@@ -312,7 +312,7 @@ Result<std::shared_ptr<const DcpCheckpoint>> DcpCheckpoint::Open(const std::stri
   }
   // Every file the items name, mapped; every item inside its file.
   for (const std::string& rel : c->metadata_.files) {
-    const std::string path = dir + "/" + rel;
+    const std::string path = fmt::format("{}/{}", dir, rel);
     auto mapped = MappedFile::Open(path);
     if (!mapped.ok()) {
       return Status(mapped.status().code(),

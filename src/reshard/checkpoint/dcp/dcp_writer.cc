@@ -110,9 +110,10 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
   TorchTreeBuilder b;
   // A dataclass as pickle writes one: NEWOBJ of the class, then BUILD with its fields.
   const auto object = [&](std::string_view cls,
-                          std::vector<std::pair<std::string, PickleNodeId>> fields) {
+                          const std::vector<std::pair<std::string, PickleNodeId>>& fields) {
     std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
-    for (auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
+    entries.reserve(fields.size());
+    for (const auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
     return b.Object(std::string(cls), b.Dict(std::move(entries)));
   };
   // Nodes shared by every tensor (one memo entry each, as pickle writes them).

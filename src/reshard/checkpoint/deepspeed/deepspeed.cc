@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -1269,7 +1270,8 @@ bool IsMasterRounded(DType dtype, const std::byte* module, const std::byte* mast
   if (dtype == DType::kF32) {
     float w;
     std::memcpy(&w, module, sizeof w);
-    return std::memcmp(&w, &m, sizeof m) == 0 || (std::isnan(w) && std::isnan(m));
+    return std::bit_cast<uint32_t>(w) == std::bit_cast<uint32_t>(m) ||
+           (std::isnan(w) && std::isnan(m));
   }
   uint16_t w;
   std::memcpy(&w, module, sizeof w);

@@ -713,7 +713,7 @@ class AutoEpGatherSource : public ShardSource {
 
 }  // namespace
 
-Status GatherAutoEp(std::shared_ptr<const DeepSpeedCheckpoint> ckpt, DeepSpeedState state,
+Status GatherAutoEp(const std::shared_ptr<const DeepSpeedCheckpoint>& ckpt, DeepSpeedState state,
                     const std::string& out_dir, const CheckpointOptions& options) {
   if (ckpt->config_path().empty()) {
     return FailedPreconditionError(fmt::format(
@@ -732,8 +732,8 @@ Status GatherAutoEp(std::shared_ptr<const DeepSpeedCheckpoint> ckpt, DeepSpeedSt
   if (!names) {
     return UnimplementedError(fmt::format(
         "\"{}\": gather of an AutoEP checkpoint of model type \"{}\": the per-expert names of "
-        "its checkpoint are known for mixtral, qwen3_moe and qwen2_moe (convert --to universal "
-        "reads any)",
+        "its checkpoint are known for mixtral, qwen3_moe and qwen2_moe (a conversion to a "
+        "universal checkpoint reads any)",
         ckpt->config_path(), model_type));
   }
   auto source = std::make_unique<AutoEpGatherSource>(ckpt, state);

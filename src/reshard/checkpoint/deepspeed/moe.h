@@ -148,7 +148,7 @@ Status ReadAutoEpFull(const DeepSpeedExperts& experts, size_t i, DeepSpeedState 
 /// `block_sparse_moe.gate.weight`; Qwen3-MoE, Qwen2-MoE without shared experts:
 /// `mlp.experts.{e}.{gate,up,down}_proj.weight`). The model type is config.json's: without
 /// one, or for another type, Unimplemented saying what is known.
-Status GatherAutoEp(std::shared_ptr<const DeepSpeedCheckpoint> ckpt, DeepSpeedState state,
+Status GatherAutoEp(const std::shared_ptr<const DeepSpeedCheckpoint>& ckpt, DeepSpeedState state,
                     const std::string& out_dir, const CheckpointOptions& options);
 
 /// One file of a universal checkpoint that the AutoEP experts add or change.

@@ -306,9 +306,9 @@ Status UniversalWriter::Write(const UniversalJob& job, const std::string& path) 
 }
 
 // The files to write, largest first (so the pool ends evenly), and the folders they need.
-Result<std::vector<UniversalJob>> PlanUniversal(std::shared_ptr<const DeepSpeedCheckpoint> ckpt,
-                                                const std::string& folder,
-                                                const CheckpointOptions& options) {
+Result<std::vector<UniversalJob>> PlanUniversal(
+    const std::shared_ptr<const DeepSpeedCheckpoint>& ckpt, const std::string& folder,
+    const CheckpointOptions& options) {
   const DeepSpeedCheckpoint& c = *ckpt;
   std::vector<UniversalJob> jobs;
   const std::string zero = folder + "/zero";
