@@ -325,6 +325,76 @@ def test_nvfp4_scatter_and_gather_move_every_scale(reshard_bin, tmp_path):
     assert_same_tensors(load_file(str(g / "model.safetensors")), full)
 
 
+NVFP4_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("global_shape", [(1,), ()], ids=["global-1", "global-0d"])
+@pytest.mark.parametrize("via_shards", [False, True], ids=["hf-dir", "tp2-shards"])
+def test_nvfp4_compressed_tensors_dequantize_equals_its_decompression(reshard_bin, tmp_path,
+                                                                      global_shape, via_shards):
+    """compressed-tensors' own NVFP4 decompression (what transformers runs to load such a model
+    unquantized) divides each FP8 scale by the global scale: bfloat16(fp4 x (scale / global))."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m", global_shape=global_shape)
+    full = load_file(str(src / "model.safetensors"))
+    given = src
+    if via_shards:
+        given = tmp_path / "tp2"
+        run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", given)
+    out = tmp_path / "bf16"
+    run(reshard_bin, "gather", given, "--dequantize", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    for n in NVFP4_LINEARS:
+        x = "model.layers.0." + n + "."
+        state = {k: full[x + k] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+        assert ours[x + "weight"].dtype == theirs.dtype == torch.bfloat16
+        assert torch.equal(ours[x + "weight"].view(torch.int16), theirs.view(torch.int16)), n
+        for k in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+            assert x + k not in ours, k
+    # The arithmetic differs from ModelOpt's (a product with weight_scale_2): the test can tell.
+    q = "model.layers.0.self_attn.q_proj."
+    times = NVFP4PackedCompressor.decompress(
+        {"weight_packed": full[q + "weight_packed"], "weight_scale": full[q + "weight_scale"],
+         "weight_global_scale": 1.0 / full[q + "weight_global_scale"]}, scheme)["weight"]
+    assert not torch.equal(ours[q + "weight"], times)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_nvfp4_compressed_tensors_dequantize_into_fp32(reshard_bin, tmp_path):
+    from compressed_tensors.compressors.nvfp4 import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "fp32"
+    run(reshard_bin, "gather", src, "--dequantize", "--dtype", "fp32", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    for n in NVFP4_LINEARS:
+        x = "model.layers.0." + n + "."
+        packed = full[x + "weight_packed"]
+        fp4 = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, torch.float32)
+        theirs = dequantize(fp4, full[x + "weight_scale"].float(),
+                            global_scale=full[x + "weight_global_scale"], dtype=torch.float32)
+        assert torch.equal(ours[x + "weight"].view(torch.int32), theirs.view(torch.int32)), n
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_nvfp4_compressed_tensors_bad_global_scale_is_refused(reshard_bin, tmp_path, bad):
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m")
+    t = load_file(str(src / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight_global_scale"] = torch.tensor([bad])
+    save_file(t, str(src / "model.safetensors"))
+    r = run(reshard_bin, "gather", src, "--dequantize", "-o", tmp_path / "out", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "up_proj.weight_global_scale" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_inspect_shows_each_quantized_pair(reshard_bin, tmp_path):
     src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
     out = tmp_path / "tp2"
