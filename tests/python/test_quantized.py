@@ -452,6 +452,47 @@ def test_degree_knows_the_block_rules(reshard_bin, tmp_path, engine):
     run(reshard_bin, "degree", config, "--engine", engine, "--tp", 4)
 
 
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+    "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "quantization_config": {"quant_method": "mxfp4",
+                            "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                       "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"]},
+}
+
+
+def test_degree_says_where_vllm_pads_mxfp4_experts(reshard_bin, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT_OSS_120B))
+    # TP 8: 90 groups of 32 are 11.25 a rank; vLLM gives ranks 12 groups, the last one 6.
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 8)
+    assert "tp 8: works, with the MXFP4 experts padded" in r.stdout, r.stdout
+    assert "ranks 0 to 6 take 384, rank 7 takes 192" in r.stderr, r.stderr
+    assert "384 features on vLLM's CPU backend" in r.stderr, r.stderr
+    answer = json.loads(run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 2,
+                            "--json").stdout)
+    m = answer["vllm_mxfp4"]
+    assert m["whole_group_degrees"] == [1, 2] and m["padded_degrees"] == [4, 8]
+    assert m["requested"]["whole_groups"] and m["requested"]["features_per_rank"] == 1440
+    assert m["requested"]["parameter_features"] == {"cpu": 1440, "align_64": 1472,
+                                                     "align_128": 1536, "align_256": 1536}
+    # What vLLM refuses, in its words: no key/value head at TP 16; its MLP block's assertion
+    # where the degree does not divide the experts' 96 features (three groups).
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 16, ok=False)
+    assert r.returncode == 1 and "0 key/value heads a rank" in r.stderr, r.stderr
+    small = dict(GPT_OSS_120B, intermediate_size=96, num_key_value_heads=64, vocab_size=256)
+    config.write_text(json.dumps(small))
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 64, ok=False)
+    assert r.returncode == 1
+    assert "assert config.intermediate_size % self.world_size == 0" in r.stderr, r.stderr
+    # transformers' plan for gpt-oss splits only the embedding: no rule of vLLM's there.
+    assert json.loads(run(reshard_bin, "degree", config, "--tp", 2, "--json").stdout)[
+        "vllm_mxfp4"] is None
+
+
 def test_deepseek_v3_per_expert_fp8_at_ep2_stacks_scales_beside_the_experts(reshard_bin, tmp_path):
     src = quant_models.deepseek_v3_fp8(tmp_path / "m")
     full = load_file(str(src / "model.safetensors"))
