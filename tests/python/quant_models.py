@@ -88,11 +88,12 @@ def qwen3_fp8(out, *, kv_heads=2, intermediate=512, heads=4, seed=0):
     return _write(out, t, config)
 
 
-def gpt_oss_mxfp4(out, *, experts=4, seed=0):
+def gpt_oss_mxfp4(out, *, experts=4, seed=0, inter=64, kv=1):
     """A one-layer gpt-oss whose experts are MXFP4: `*_blocks` [E, R, G, 16] (two FP4 values a
-    byte) and `*_scales` [E, R, G] (E8M0 exponents near 127)."""
+    byte) and `*_scales` [E, R, G] (E8M0 exponents near 127); `inter` features, a multiple of
+    32 (96 is three groups: half a group a rank at TP 2), and `kv` key/value heads of 2."""
     g = torch.Generator().manual_seed(seed)
-    hidden, inter, heads, kv, head_dim, vocab = 64, 64, 2, 1, 32, 128
+    hidden, heads, head_dim, vocab = 64, 2, 32, 128
     config = {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": hidden,
         "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
