@@ -163,7 +163,8 @@ std::optional<std::string> VllmMxfp4Note(const std::string& module, const VllmMx
         "of {}); vLLM sizes a rank's experts {}, zeros past {}",
         s.degree, s.groups / s.degree, per_rank, s.intermediate, module, BackendSizes(s), per_rank);
   }
-  std::string held = fmt::format("{} take {}", Ranks(0, s.holding_ranks - 2), s.rows_per_rank);
+  std::string held = fmt::format("{} {} {}", Ranks(0, s.holding_ranks - 2),
+                                 s.holding_ranks == 2 ? "takes" : "take", s.rows_per_rank);
   if (s.holding_ranks == 1) held.clear();
   const std::string last =
       fmt::format("{} takes {}", Ranks(s.holding_ranks - 1, s.holding_ranks - 1), s.last_rows);
