@@ -593,12 +593,15 @@ def assert_same_shards(a, b):
     ("qwen3-kv2", ("--tp", 2)),
     ("deepseek-v3-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
     ("gpt-oss-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
+    # compressed-tensors NVFP4: X.weight_packed is laid out as the bf16 model's X.weight.
+    ("llama-nvfp4-compressed-tp2", ("--tp", 2)),
 ])
 def test_scatter_dequantize_equals_scatter_of_the_dequantized_model(reshard_bin, tmp_path, model,
                                                                     args):
     make = {"qwen3-kv2": lambda p: quant_models.qwen3_fp8(p, kv_heads=2),
             "deepseek-v3-ep2": quant_models.deepseek_v3_fp8,
-            "gpt-oss-ep2": quant_models.gpt_oss_mxfp4}[model]
+            "gpt-oss-ep2": quant_models.gpt_oss_mxfp4,
+            "llama-nvfp4-compressed-tp2": quant_models.llama_nvfp4_compressed}[model]
     src = make(tmp_path / "m")
     oracle = dequantized_then_scattered(reshard_bin, src, tmp_path, *args)
     out = tmp_path / "out"
