@@ -88,11 +88,12 @@ def qwen3_fp8(out, *, kv_heads=2, intermediate=512, heads=4, seed=0):
     return _write(out, t, config)
 
 
-def gpt_oss_mxfp4(out, *, experts=4, seed=0):
+def gpt_oss_mxfp4(out, *, experts=4, seed=0, inter=64, kv=1):
     """A one-layer gpt-oss whose experts are MXFP4: `*_blocks` [E, R, G, 16] (two FP4 values a
-    byte) and `*_scales` [E, R, G] (E8M0 exponents near 127)."""
+    byte) and `*_scales` [E, R, G] (E8M0 exponents near 127); `inter` features, a multiple of
+    32 (96 is three groups: half a group a rank at TP 2), and `kv` key/value heads of 2."""
     g = torch.Generator().manual_seed(seed)
-    hidden, inter, heads, kv, head_dim, vocab = 64, 64, 2, 1, 32, 128
+    hidden, heads, head_dim, vocab = 64, 2, 32, 128
     config = {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": hidden,
         "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
@@ -156,6 +157,56 @@ def llama_nvfp4(out, *, seed=0):
             torch.float8_e4m3fn)
         t[p + n + ".weight_scale_2"] = torch.tensor(0.01 + torch.rand((), generator=g).item())
         t[p + n + ".input_scale"] = torch.tensor(0.02)
+    return _write(out, t, config)
+
+
+NVFP4_COMPRESSED_TENSORS_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
+                    "strategy": "tensor_group", "dynamic": False, "observer": "minmax"},
+        "input_activations": {"num_bits": 4, "type": "float", "symmetric": True,
+                              "group_size": 16, "strategy": "tensor_group", "dynamic": "local",
+                              "observer": "minmax"}}},
+}
+
+
+def llama_nvfp4_compressed(out, *, global_shape=(1,), seed=0):
+    """A one-layer Llama quantized as compressed-tensors NVFP4 (`nvfp4-pack-quantized`):
+    `weight_packed` U8 [N, K/2], `weight_scale` F8_E4M3 [N, K/16], `weight_global_scale` and
+    `input_global_scale` F32 of shape `global_shape` ([1] as compressed-tensors writes them)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, heads, kv, vocab = 64, 128, 4, 2, 128
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": NVFP4_COMPRESSED_TENSORS_CONFIG,
+    }
+    t = _outer_tensors(g, vocab, hidden)
+    p = "model.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        t[p + n + ".weight"] = torch.ones(hidden).bfloat16()
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden),
+              "self_attn.k_proj": (kv * head_dim, hidden),
+              "self_attn.v_proj": (kv * head_dim, hidden),
+              "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    for n, (rows, cols) in shapes.items():
+        t[p + n + ".weight_packed"] = torch.randint(0, 256, (rows, cols // 2), generator=g,
+                                                    dtype=torch.int32).to(torch.uint8)
+        # Scales over E4M3's range, subnormals included; global scales that make the quotient
+        # round (448 x 6 / amax, as compressed-tensors computes them, is no power of two).
+        t[p + n + ".weight_scale"] = (torch.rand(rows, cols // 16, generator=g) * 440 + 0.004).to(
+            torch.float8_e4m3fn)
+        amax = 0.05 + torch.rand((), generator=g).item()
+        t[p + n + ".weight_global_scale"] = torch.full(global_shape, 448.0 * 6.0 / amax)
+        t[p + n + ".input_global_scale"] = torch.full(global_shape, 448.0 * 6.0 / 3.0)
     return _write(out, t, config)
 
 

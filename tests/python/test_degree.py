@@ -153,7 +153,8 @@ def test_smollm2_135m_refuses_two_ranks_naming_nine_heads(reshard_bin):
 def test_json_has_exactly_the_documented_keys(reshard_bin):
     _, answer = degree_json(reshard_bin, CONFIGS / "Qwen--Qwen3-8B.json", "--tp", 4)
     assert list(answer) == ["max_tp_degree", "degrees", "requested", "chosen", "constraints",
-                            "refusal", "combinations"]
+                            "refusal", "vllm_mxfp4", "combinations"]
+    assert answer["vllm_mxfp4"] is None  # only vLLM's MXFP4 experts (gpt-oss) have one
     assert list(answer["combinations"]) == ["tp", "tp_ep"]
     assert answer["requested"] == 4 and answer["chosen"] == 4 and answer["refusal"] is None
     for c in answer["constraints"]:

@@ -324,6 +324,76 @@ def test_nvfp4_scatter_and_gather_move_every_scale(reshard_bin, tmp_path):
     assert_same_tensors(load_file(str(g / "model.safetensors")), full)
 
 
+NVFP4_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("global_shape", [(1,), ()], ids=["global-1", "global-0d"])
+@pytest.mark.parametrize("via_shards", [False, True], ids=["hf-dir", "tp2-shards"])
+def test_nvfp4_compressed_tensors_dequantize_equals_its_decompression(reshard_bin, tmp_path,
+                                                                      global_shape, via_shards):
+    """compressed-tensors' own NVFP4 decompression (what transformers runs to load such a model
+    unquantized) divides each FP8 scale by the global scale: bfloat16(fp4 x (scale / global))."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m", global_shape=global_shape)
+    full = load_file(str(src / "model.safetensors"))
+    given = src
+    if via_shards:
+        given = tmp_path / "tp2"
+        run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", given)
+    out = tmp_path / "bf16"
+    run(reshard_bin, "gather", given, "--dequantize", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    for n in NVFP4_LINEARS:
+        x = "model.layers.0." + n + "."
+        state = {k: full[x + k] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+        assert ours[x + "weight"].dtype == theirs.dtype == torch.bfloat16
+        assert torch.equal(ours[x + "weight"].view(torch.int16), theirs.view(torch.int16)), n
+        for k in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+            assert x + k not in ours, k
+    # The arithmetic differs from ModelOpt's (a product with weight_scale_2): the test can tell.
+    q = "model.layers.0.self_attn.q_proj."
+    times = NVFP4PackedCompressor.decompress(
+        {"weight_packed": full[q + "weight_packed"], "weight_scale": full[q + "weight_scale"],
+         "weight_global_scale": 1.0 / full[q + "weight_global_scale"]}, scheme)["weight"]
+    assert not torch.equal(ours[q + "weight"], times)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+
+
+def test_nvfp4_compressed_tensors_dequantize_into_fp32(reshard_bin, tmp_path):
+    from compressed_tensors.compressors.nvfp4 import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m")
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "fp32"
+    run(reshard_bin, "gather", src, "--dequantize", "--dtype", "fp32", "-o", out)
+    ours = load_file(str(out / "model.safetensors"))
+    for n in NVFP4_LINEARS:
+        x = "model.layers.0." + n + "."
+        packed = full[x + "weight_packed"]
+        fp4 = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, torch.float32)
+        theirs = dequantize(fp4, full[x + "weight_scale"].float(),
+                            global_scale=full[x + "weight_global_scale"], dtype=torch.float32)
+        assert torch.equal(ours[x + "weight"].view(torch.int32), theirs.view(torch.int32)), n
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_nvfp4_compressed_tensors_bad_global_scale_is_refused(reshard_bin, tmp_path, bad):
+    src = quant_models.llama_nvfp4_compressed(tmp_path / "m")
+    t = load_file(str(src / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight_global_scale"] = torch.tensor([bad])
+    save_file(t, str(src / "model.safetensors"))
+    r = run(reshard_bin, "gather", src, "--dequantize", "-o", tmp_path / "out", ok=False)
+    assert r.returncode == 1, r.stderr
+    assert "up_proj.weight_global_scale" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_inspect_shows_each_quantized_pair(reshard_bin, tmp_path):
     src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
     out = tmp_path / "tp2"
@@ -379,6 +449,47 @@ def test_degree_knows_the_block_rules(reshard_bin, tmp_path, engine):
     del plain["quantization_config"]
     config.write_text(json.dumps(plain))
     run(reshard_bin, "degree", config, "--engine", engine, "--tp", 4)
+
+
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+    "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "quantization_config": {"quant_method": "mxfp4",
+                            "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                       "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"]},
+}
+
+
+def test_degree_says_where_vllm_pads_mxfp4_experts(reshard_bin, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT_OSS_120B))
+    # TP 8: 90 groups of 32 are 11.25 a rank; vLLM gives ranks 12 groups, the last one 6.
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 8)
+    assert "tp 8: works, with the MXFP4 experts padded" in r.stdout, r.stdout
+    assert "ranks 0 to 6 take 384, rank 7 takes 192" in r.stderr, r.stderr
+    assert "384 features on vLLM's CPU backend" in r.stderr, r.stderr
+    answer = json.loads(run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 2,
+                            "--json").stdout)
+    m = answer["vllm_mxfp4"]
+    assert m["whole_group_degrees"] == [1, 2] and m["padded_degrees"] == [4, 8]
+    assert m["requested"]["whole_groups"] and m["requested"]["features_per_rank"] == 1440
+    assert m["requested"]["parameter_features"] == {"cpu": 1440, "align_64": 1472,
+                                                     "align_128": 1536, "align_256": 1536}
+    # What vLLM refuses, in its words: no key/value head at TP 16; its MLP block's assertion
+    # where the degree does not divide the experts' 96 features (three groups).
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 16, ok=False)
+    assert r.returncode == 1 and "0 key/value heads a rank" in r.stderr, r.stderr
+    small = dict(GPT_OSS_120B, intermediate_size=96, num_key_value_heads=64, vocab_size=256)
+    config.write_text(json.dumps(small))
+    r = run(reshard_bin, "degree", config, "--engine", "vllm", "--tp", 64, ok=False)
+    assert r.returncode == 1
+    assert "assert config.intermediate_size % self.world_size == 0" in r.stderr, r.stderr
+    # transformers' plan for gpt-oss splits only the embedding: no rule of vLLM's there.
+    assert json.loads(run(reshard_bin, "degree", config, "--tp", 2, "--json").stdout)[
+        "vllm_mxfp4"] is None
 
 
 def test_deepseek_v3_per_expert_fp8_at_ep2_stacks_scales_beside_the_experts(reshard_bin, tmp_path):
@@ -481,12 +592,15 @@ def assert_same_shards(a, b):
     ("qwen3-kv2", ("--tp", 2)),
     ("deepseek-v3-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
     ("gpt-oss-ep2", ("--tp", 2, "--distributed-config", '{"tp_plan": "auto", "ep_size": 2}')),
+    # compressed-tensors NVFP4: X.weight_packed is laid out as the bf16 model's X.weight.
+    ("llama-nvfp4-compressed-tp2", ("--tp", 2)),
 ])
 def test_scatter_dequantize_equals_scatter_of_the_dequantized_model(reshard_bin, tmp_path, model,
                                                                     args):
     make = {"qwen3-kv2": lambda p: quant_models.qwen3_fp8(p, kv_heads=2),
             "deepseek-v3-ep2": quant_models.deepseek_v3_fp8,
-            "gpt-oss-ep2": quant_models.gpt_oss_mxfp4}[model]
+            "gpt-oss-ep2": quant_models.gpt_oss_mxfp4,
+            "llama-nvfp4-compressed-tp2": quant_models.llama_nvfp4_compressed}[model]
     src = make(tmp_path / "m")
     oracle = dequantized_then_scattered(reshard_bin, src, tmp_path, *args)
     out = tmp_path / "out"

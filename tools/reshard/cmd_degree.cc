@@ -64,13 +64,41 @@ nlohmann::ordered_json AnswerJson(const DegreeAnswer& a, const DegreeCombination
   }
   J refusal = nullptr;
   if (a.refusal) refusal = {{"reason", a.refusal->reason}, {"message", a.refusal->message}};
+  J mxfp4 = nullptr;
+  if (a.vllm_mxfp4) {
+    const VllmMxfp4Degrees& m = *a.vllm_mxfp4;
+    J requested = nullptr;
+    if (m.requested) {
+      const VllmMxfp4Split& s = *m.requested;
+      requested = {{"degree", s.degree},
+                   {"whole_groups", s.whole_groups()},
+                   {"features_per_rank", s.rows_per_rank},
+                   {"holding_ranks", s.holding_ranks},
+                   {"last_rank_features", s.last_rows},
+                   {"parameter_features",
+                    {{"cpu", s.ParameterRows(32)},
+                     {"align_64", s.ParameterRows(64)},
+                     {"align_128", s.ParameterRows(128)},
+                     {"align_256", s.ParameterRows(256)}}}};
+    }
+    mxfp4 = {{"module", m.module},
+             {"group", 32},
+             {"whole_group_degrees", m.whole_groups},
+             {"padded_degrees", m.padded},
+             {"requested", requested}};
+  }
   return {{"max_tp_degree", opt(a.max_tp_degree)},
           {"degrees", a.degrees},
           {"requested", opt(a.requested)},
           {"chosen", opt(a.chosen)},
           {"constraints", constraints},
           {"refusal", refusal},
+          {"vllm_mxfp4", mxfp4},
           {"combinations", {{"tp", c.tp}, {"tp_ep", c.tp_ep ? J(*c.tp_ep) : J(nullptr)}}}};
+}
+
+std::string FormatDegrees(const std::vector<int64_t>& degrees) {
+  return degrees.empty() ? std::string("none") : fmt::format("{}", fmt::join(degrees, ", "));
 }
 
 void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegistry& registry,
@@ -93,6 +121,11 @@ void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegist
   if (!a.constraints.empty()) fmt::print("constraints:\n");
   for (const ResolvedEntry& e : a.constraints)
     fmt::print("  {} ({}): {} {}\n", e.pattern, e.style, *e.count, e.meaning);
+  if (a.vllm_mxfp4) {
+    fmt::print("MXFP4 experts ({}, vLLM): whole groups of 32 a rank at {}; padded at {}\n",
+               a.vllm_mxfp4->module, FormatDegrees(a.vllm_mxfp4->whole_groups),
+               FormatDegrees(a.vllm_mxfp4->padded));
+  }
   if (args.engine != "vllm") {
     fmt::print("combinations (N processes):\n  tp N: {}\n", fmt::join(c.tp, ", "));
     if (c.tp_ep) {
@@ -107,7 +140,10 @@ void PrintText(const DegreeArgs& args, const ModelConfig& config, const TpRegist
       fmt::print("tp {}: refused{}\n", *a.requested,
                  a.chosen ? fmt::format("; use {}", *a.chosen) : "");
     } else {
-      fmt::print("tp {}: works\n", *a.requested);
+      const bool padded =
+          a.vllm_mxfp4 && a.vllm_mxfp4->requested && !a.vllm_mxfp4->requested->whole_groups();
+      fmt::print("tp {}: works{}\n", *a.requested,
+                 padded ? ", with the MXFP4 experts padded (see the note)" : "");
     }
   }
 }

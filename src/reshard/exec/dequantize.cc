@@ -165,7 +165,9 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   // Scales first: each checked once.
   std::vector<float> s(static_cast<size_t>(ProductOf(grid)));
   for (size_t i = 0; i < s.size(); ++i) {
-    const float v = ScaleAt(spec.scale_dtype, scales.data() + i * ssize) * spec.global_scale;
+    const float stored = ScaleAt(spec.scale_dtype, scales.data() + i * ssize);
+    float v = spec.global_divides ? stored / spec.global_scale : stored * spec.global_scale;
+    if (spec.factor_to_bf16) v = BFloat16ToFloat(ToBFloat16(v));
     if (!std::isfinite(v) || v < 0) {
       return FailedPreconditionError(
           fmt::format("the scale of block {} is {}",

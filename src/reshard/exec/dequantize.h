@@ -2,7 +2,9 @@
 // data and one scale per block to numbers, as transformers computes it on the CPU.
 //
 // Every element is `out_dtype(float(x) * float(s))`: x the element as float (FP8 exactly; a
-// packed FP4 E2M1 nibble from its table of 16 values), s its block's scale as float, one
+// packed FP4 E2M1 nibble from its table of 16 values), s its block's scale as float (for NVFP4
+// first multiplied by ModelOpt's second-level scale, or divided by compressed-tensors' global
+// scale, in float: compressed-tensors' decompression, bit for bit), one
 // multiplication in float (round to nearest even), then a round to nearest even into
 // `out_dtype` (BF16, F16 or F32). That is transformers' FP8 dequantization
 // (`Fp8Dequantize`: both sides promoted to float32, multiplied, cast) and its MXFP4 one
@@ -32,8 +34,17 @@ struct DequantizeSpec {
   /// In stored data elements, one extent per dimension of data_shape; the scales are the grid
   /// ceil(data_shape / block), row-major.
   Shape block;
-  /// A second, per-tensor factor the scale is multiplied by first (NVFP4's weight_scale_2; 1).
+  /// A second, per-tensor factor applied to every block's scale first (1 when there is none):
+  /// ModelOpt NVFP4's `weight_scale_2` multiplies it; compressed-tensors NVFP4's
+  /// `weight_global_scale` divides it (`global_divides`), one float division per block, as
+  /// compressed-tensors' own decompression computes `scale / global_scale`.
   float global_scale = 1.0f;
+  bool global_divides = false;
+  /// Rounds each block's factor to bfloat16 (nearest even) before the multiplication: what
+  /// compressed-tensors computes when the global scale is 0-d (a bfloat16 scale divided by a
+  /// 0-d float32 tensor stays bfloat16); with the [1]-shaped global scale it writes, the
+  /// factor stays float.
+  bool factor_to_bf16 = false;
 };
 
 /// The output dtype a dequantization is asked for by name: "bf16", "fp16" or "fp32" (nullopt

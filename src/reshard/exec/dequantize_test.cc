@@ -88,6 +88,34 @@ TEST(DequantizeTest, Mxfp4NibblesLowFirstTimesPowersOfTwo) {
   EXPECT_EQ(v[2], 0.0f);
 }
 
+// compressed-tensors' NVFP4: x * (scale / global) with the quotient in float (a [1] global
+// scale), or rounded to bfloat16 first (a 0-d one). 1.5 / 3 = 0.5 exactly; 1 / 3 is not, and
+// its bfloat16 rounding (0x3EAB = 0.333984375) differs from the float one.
+TEST(DequantizeTest, Nvfp4GlobalScaleDividesTheBlockScale) {
+  std::vector<uint8_t> x(8, 0x00);
+  x[0] = 0x73;                              // 1.5 then 6.0
+  const std::vector<uint8_t> s = {0x3C};    // F8_E4M3 1.5
+  const std::vector<uint8_t> one = {0x38};  // F8_E4M3 1.0
+  DequantizeSpec spec{DType::kU8, {1, 8}, DType::kF8E4M3, {1, 8}, 3.0f};
+  spec.global_divides = true;
+  std::vector<std::byte> out(16 * 4);
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), Bytes(s), DType::kF32, out).ok());
+  std::vector<float> v = AsFloats(out);
+  EXPECT_EQ(v[0], 0.75f);
+  EXPECT_EQ(v[1], 3.0f);
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), Bytes(one), DType::kF32, out).ok());
+  v = AsFloats(out);
+  EXPECT_EQ(v[1], 6.0f * (1.0f / 3.0f));
+  spec.factor_to_bf16 = true;
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), Bytes(one), DType::kF32, out).ok());
+  v = AsFloats(out);
+  EXPECT_EQ(v[1], 6.0f * 0.333984375f);
+  // Multiplying instead (ModelOpt's weight_scale_2) gives another number.
+  spec.global_divides = spec.factor_to_bf16 = false;
+  ASSERT_TRUE(Dequantize(spec, Bytes(x), Bytes(one), DType::kF32, out).ok());
+  EXPECT_EQ(AsFloats(out)[1], 18.0f);
+}
+
 TEST(DequantizeTest, BadScalesAreRefusedNamingTheBlock) {
   struct Case {
     const char* what;

@@ -327,6 +327,23 @@ void AddVllmVocabularyEntries(size_t main_scope, std::vector<ScopedEntry>& entri
     entries.push_back({{"lm_head", "colwise_gather_output"}, main_scope});
 }
 
+// vLLM's gpt-oss splits what transformers' gpt_oss plan (the embedding alone) leaves whole:
+// attention by heads (QKVParallelLinear, RowParallelLinear, the sinks) and the fused experts by
+// their intermediate size (FusedMoE).
+void AddVllmGptOssEntries(size_t main_scope, std::vector<ScopedEntry>& entries) {
+  static constexpr std::pair<std::string_view, std::string_view> kSplit[] = {
+      {"layers.*.self_attn.q_proj", "colwise"},
+      {"layers.*.self_attn.k_proj", "colwise"},
+      {"layers.*.self_attn.v_proj", "colwise"},
+      {"layers.*.self_attn.o_proj", "rowwise"},
+      {"layers.*.mlp.experts.gate_up_proj", "packed_colwise"},
+      {"layers.*.mlp.experts.down_proj", "rowwise"}};
+  for (const auto& [pattern, style] : kSplit) {
+    if (!HasPattern(entries, pattern, main_scope))
+      entries.push_back({{std::string(pattern), std::string(style)}, main_scope});
+  }
+}
+
 // Each entry through the style registry and the config's counts; false with plan.refusal set
 // when a style is not registered.
 bool ClassifyEntries(const TpRegistry& registry, const std::vector<ScopedEntry>& entries,
@@ -419,6 +436,7 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   plan.tp_plan_empty = !any_tp;
   if (options.engine == Engine::kVllm) {
     AddVllmVocabularyEntries(main_scope, entries);
+    if (config.model_type == "gpt_oss") AddVllmGptOssEntries(main_scope, entries);
   } else if (version >= kHeadPlanVersion && any_tp) {
     AddInputEmbeddingEntries(registry, config, scopes, version, registry_version, entries);
     AddHeadEntries(config, main_scope, entries);
@@ -426,6 +444,8 @@ ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
   const bool uneven = options.engine == Engine::kTransformers && version >= kUnevenSplitVersion;
   ClassifyEntries(registry, entries, scopes, options.engine, uneven, plan);
   AddBlockEntries(config, plan);
+  if (options.engine == Engine::kVllm && config.model_type == "gpt_oss")
+    ApplyVllmGptOssRules(config, plan);
   return plan;
 }
 
@@ -502,6 +522,18 @@ std::string BrokenDegreeConsequence(const ModelPlan& plan, const DegreeConstrain
                      "block has no scale row for it.",
                      n);
   }
+  if (plan.engine == Engine::kVllm && broken.meaning.find("MLPBlock") != std::string::npos) {
+    return fmt::format(
+        "At tp {} vLLM stops while it builds the model: `assert config.intermediate_size % "
+        "self.world_size == 0` fails (AssertionError, gpt-oss's MLPBlock).",
+        n);
+  }
+  if (plan.engine == Engine::kVllm && broken.meaning.find("no replication") != std::string::npos) {
+    return fmt::format(
+        "At tp {} vLLM's gpt-oss attention would get {} // {} = 0 key/value heads a rank and "
+        "cannot be built.",
+        n, broken.count, n);
+  }
   if (plan.engine == Engine::kVllm) return fmt::format("vLLM would refuse the model at tp {}.", n);
   if (broken.meaning == "experts") {
     return fmt::format(
@@ -517,6 +549,23 @@ std::string BrokenDegreeConsequence(const ModelPlan& plan, const DegreeConstrain
         n);
   }
   return TransformersBrokenDegreeConsequence(n);
+}
+
+// Where vLLM splits MXFP4 experts into whole groups and where it pads (degree_blocks.h).
+void DescribeVllmMxfp4(const ModelPlan& plan, DegreeAnswer& answer) {
+  const int64_t intermediate = *plan.vllm_mxfp4_intermediate;
+  VllmMxfp4Degrees d;
+  d.module = "layers.*.mlp.experts";
+  for (int64_t n : answer.degrees) {
+    (VllmMxfp4SplitAt(intermediate, n).whole_groups() ? d.whole_groups : d.padded).push_back(n);
+  }
+  if (answer.requested && !BrokenConstraint(plan, *answer.requested)) {
+    const VllmMxfp4Split split = VllmMxfp4SplitAt(intermediate, *answer.requested);
+    if (std::optional<std::string> note = VllmMxfp4Note(d.module, split))
+      answer.notes.push_back(*std::move(note));
+    d.requested = split;
+  }
+  answer.vllm_mxfp4 = std::move(d);
 }
 
 }  // namespace
@@ -569,6 +618,7 @@ DegreeAnswer PlanDegree(const ModelPlan& plan, std::optional<int64_t> requested)
   }
   answer.degrees = WorkingDegrees(constraints);
   answer.max_tp_degree = answer.degrees.back();
+  if (plan.vllm_mxfp4_intermediate) DescribeVllmMxfp4(plan, answer);
   if (requested) {
     const int64_t n = *requested;
     if (FirstBrokenConstraint(constraints, n)) {

@@ -89,6 +89,34 @@ struct PlanRefusal {
   std::string message;
 };
 
+/// How vLLM splits gpt-oss's MXFP4 experts at a degree N that divides their intermediate size
+/// I (vLLM 0.32, GptOssModel._load_weights_mxfp4 and mxfp4_round_up_hidden_size_and_
+/// intermediate_size): I is G = I / 32 groups; every rank takes ceil(G / N) groups from the
+/// start, the last ranks fewer or none, and its parameters hold I / N features rounded up to
+/// the MoE kernel's alignment, zeros past what it took. Whole groups a rank exactly when N
+/// divides G; otherwise vLLM pads.
+struct VllmMxfp4Split {
+  int64_t degree = 1;
+  int64_t intermediate = 0;   // I, in features
+  int64_t groups = 0;         // G = I / 32
+  int64_t rows_per_rank = 0;  // ceil(G / N) x 32 features: what every rank but the last takes
+  int64_t holding_ranks = 0;  // ranks that take any feature
+  int64_t last_rows = 0;      // what the last of them takes
+  bool whole_groups() const { return groups % degree == 0; }
+  /// A rank's parameter size in features when the kernel aligns it to `alignment`:
+  /// I / N rounded up (32 on vLLM's CPU backend, where it equals rows_per_rank).
+  int64_t ParameterRows(int64_t alignment) const;
+};
+
+/// vLLM's MXFP4 experts over a model's working degrees.
+struct VllmMxfp4Degrees {
+  std::string module;                 // "layers.*.mlp.experts"
+  std::vector<int64_t> whole_groups;  // working degrees dividing G
+  std::vector<int64_t> padded;        // working degrees where ranks take ceil(G / N) groups
+  /// At the requested degree, when it works.
+  std::optional<VllmMxfp4Split> requested;
+};
+
 /// The plan that applies to a model, or why there is none.
 struct ModelPlan {
   const TpRegistry* registry = nullptr;
@@ -109,6 +137,9 @@ struct ModelPlan {
   /// transformers' DistributedConfig and plan resolution refuse at the requested degree.
   DistributedConfig distributed;
   bool tp_plan_empty = false;
+  /// vLLM engine, gpt-oss with MXFP4 experts: their intermediate size (PlanDegree says where
+  /// vLLM pads them).
+  std::optional<int64_t> vllm_mxfp4_intermediate;
 };
 
 ModelPlan ResolvePlan(const TpRegistry& registry, const ModelConfig& config,
@@ -123,6 +154,7 @@ struct DegreeAnswer {
   std::vector<ResolvedEntry> constraints;  // entries that contribute a count
   std::optional<PlanRefusal> refusal;
   std::vector<std::string> notes;
+  std::optional<VllmMxfp4Degrees> vllm_mxfp4;
 };
 
 /// The degree asked for: `tp`, else the distributed config's `tp_size`, else none.

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "reshard/hf/degree_blocks.h"
+
 namespace reshard {
 namespace {
 
@@ -321,6 +323,88 @@ TEST(DegreeTest, KeysTheModelClassDoesNotDeclareAreIgnored) {
     "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 6,
     "shared_expert_intermediate_size": 5632, "num_experts": 8, "vocab_size": 151936})";
   EXPECT_EQ(Answer(qwen2_moe, std::nullopt, vllm).max_tp_degree, 2);
+}
+
+// gpt-oss-120b's shape: 64 heads, 8 key/value heads, 2880 expert features (90 MXFP4 groups).
+constexpr const char* kGptOssMxfp4 = R"({"model_type": "gpt_oss", "num_attention_heads": 64,
+  "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+  "num_local_experts": 128, "vocab_size": 201088,
+  "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}})";
+
+TEST(DegreeTest, VllmSplitsGptOssAttentionAndExpertsThatTransformersLeavesWhole) {
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  DegreeAnswer a = Answer(kGptOssMxfp4, std::nullopt, vllm);
+  EXPECT_EQ(a.degrees, (std::vector<int64_t>{1, 2, 4, 8}));  // no replication of 8 kv heads
+  // 2880 = 2^6 x 45: tp 3 divides the experts but not the 64 heads; 16 has no key/value head.
+  a = Answer(kGptOssMxfp4, 16, vllm);
+  ASSERT_TRUE(a.refusal);
+  EXPECT_NE(a.refusal->message.find("0 key/value heads a rank"), std::string::npos)
+      << a.refusal->message;
+  // transformers' plan splits only the embedding: no MXFP4 rule there.
+  EXPECT_FALSE(Answer(kGptOssMxfp4, 8).vllm_mxfp4);
+}
+
+TEST(DegreeTest, VllmRefusesGptOssExpertsItsMlpBlockAssertsOn) {
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  const char* odd = R"({"model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_key_value_heads": 64, "head_dim": 64, "hidden_size": 512, "intermediate_size": 96,
+    "num_local_experts": 4, "vocab_size": 256, "quantization_config": {"quant_method": "mxfp4"}})";
+  const DegreeAnswer a = Answer(odd, 64, vllm);  // 96 = 3 groups of 32; 64 divides the heads
+  ASSERT_TRUE(a.refusal);
+  EXPECT_NE(a.refusal->message.find("assert config.intermediate_size % self.world_size == 0"),
+            std::string::npos)
+      << a.refusal->message;
+  EXPECT_EQ(a.chosen, std::nullopt);
+}
+
+TEST(DegreeTest, VllmMxfp4ExpertsPadWhereARankWouldHoldPartOfAGroup) {
+  PlanOptions vllm;
+  vllm.engine = Engine::kVllm;
+  DegreeAnswer a = Answer(kGptOssMxfp4, 8, vllm);
+  ASSERT_FALSE(a.refusal) << a.refusal->message;
+  ASSERT_TRUE(a.vllm_mxfp4);
+  EXPECT_EQ(a.vllm_mxfp4->whole_groups, (std::vector<int64_t>{1, 2}));  // divisors of 90
+  EXPECT_EQ(a.vllm_mxfp4->padded, (std::vector<int64_t>{4, 8}));
+  ASSERT_TRUE(a.vllm_mxfp4->requested);
+  const VllmMxfp4Split& s = *a.vllm_mxfp4->requested;
+  EXPECT_FALSE(s.whole_groups());
+  EXPECT_EQ(s.rows_per_rank, 384);  // ceil(90 / 8) = 12 groups, not 360 = 11.25
+  EXPECT_EQ(s.holding_ranks, 8);
+  EXPECT_EQ(s.last_rows, 192);  // 2880 - 7 x 384
+  EXPECT_EQ(s.ParameterRows(32), 384);
+  EXPECT_EQ(s.ParameterRows(256), 512);
+  ASSERT_EQ(a.notes.size(), 1u);
+  EXPECT_NE(a.notes[0].find("ranks 0 to 6 take 384, rank 7 takes 192"), std::string::npos)
+      << a.notes[0];
+  // At tp 2 every rank holds 45 whole groups; only kernels aligned to 64 and more pad.
+  a = Answer(kGptOssMxfp4, 2, vllm);
+  ASSERT_TRUE(a.vllm_mxfp4 && a.vllm_mxfp4->requested);
+  EXPECT_TRUE(a.vllm_mxfp4->requested->whole_groups());
+  EXPECT_EQ(a.vllm_mxfp4->requested->ParameterRows(32), 1440);
+  EXPECT_EQ(a.vllm_mxfp4->requested->ParameterRows(128), 1536);
+  // Without MXFP4 there is nothing to pad.
+  std::string bf16 = kGptOssMxfp4;
+  bf16 = bf16.substr(0, bf16.find(",\n  \"quantization_config\"")) + "}";
+  a = Answer(bf16, 8, vllm);
+  EXPECT_FALSE(a.refusal);
+  EXPECT_FALSE(a.vllm_mxfp4);
+}
+
+TEST(DegreeTest, VllmMxfp4SplitLeavesTrailingRanksEmpty) {
+  // 2880 at tp 64: 45 features a rank nominally; vLLM's loader gives ranks 0 to 44 two groups
+  // each and ranks 45 to 63 nothing.
+  const VllmMxfp4Split s = VllmMxfp4SplitAt(2880, 64);
+  EXPECT_EQ(s.rows_per_rank, 64);
+  EXPECT_EQ(s.holding_ranks, 45);
+  EXPECT_EQ(s.last_rows, 64);
+  EXPECT_EQ(s.ParameterRows(32), 64);
+  const std::optional<std::string> note = VllmMxfp4Note("experts", s);
+  ASSERT_TRUE(note);
+  EXPECT_NE(note->find("ranks 45 to 63 none"), std::string::npos) << *note;
+  // Whole groups and 256-aligned ranks: no backend pads.
+  EXPECT_FALSE(VllmMxfp4Note("experts", VllmMxfp4SplitAt(1024, 4)));
 }
 
 TEST(DegreeTest, CompositeModelUsesItsTextSubConfig) {

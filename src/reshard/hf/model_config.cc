@@ -278,9 +278,9 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
   if (dtype_bytes) config.values["dtype_bytes"] = dtype_bytes;
   // Block rules (degree_blocks.cc) apply to the FP8 block formats; other quantization
   // configs are the checkpoint readers' to refuse.
-  if (Result<std::optional<QuantScheme>> q = ReadQuantScheme(text);
-      q.ok() && *q && (*q)->format == QuantFormat::kFp8Block) {
-    config.fp8_block = (*q)->block;
+  if (Result<std::optional<QuantScheme>> q = ReadQuantScheme(text); q.ok() && *q) {
+    if ((*q)->format == QuantFormat::kFp8Block) config.fp8_block = (*q)->block;
+    config.mxfp4 = (*q)->format == QuantFormat::kMxfp4;
   }
   if (config.info != nullptr && !config.info->text_config_key.empty()) {
     const std::string& key = config.info->text_config_key;

@@ -68,6 +68,8 @@ struct ModelConfig {
   /// The FP8 block [rows, columns] of a block-quantized checkpoint (quantization_config
   /// weight_block_size, hf/quantization.h); empty when it is not one.
   std::vector<int64_t> fp8_block;
+  /// Whether the quantization_config says MXFP4 (quant_method "mxfp4": gpt-oss's experts).
+  bool mxfp4 = false;
 };
 
 /// InvalidArgument for malformed JSON, a missing model_type, or a count key of the wrong type.

@@ -449,11 +449,42 @@ Result<ParamMap> BlockImage(const ParamMap& data_in, const Shape& block, const S
   return ImageFromElements(ranks, scale_shape);
 }
 
-Status CheckBlockTie(const ParamMap& data, const ParamMap& scale, const Shape& block) {
-  if (scale.world_size() != data.world_size()) {
-    return FailedPreconditionError(fmt::format("the scales have {} ranks and the data {}",
-                                               scale.world_size(), data.world_size()));
+namespace {
+
+// MXFP4 data is stored [..., groups, 16] and vLLM's parameters hold it [..., groups x 16]. Where
+// a rank's shard has fewer dimensions than the data and the block is 1 along the data's
+// next-to-last dimension, the tie is checked on the data seen with its last two dimensions as
+// one (the same elements in the same order: every piece's views unchanged) and the block
+// [..., 1, b] as [..., b]. Anything else is returned as it is.
+Result<std::pair<ParamMap, Shape>> WithMergedGroups(const ParamMap& data, const Shape& block) {
+  const Shape& shape = data.logical_shape();
+  const size_t nd = shape.size();
+  bool fewer = false;
+  for (Rank r = 0; r < data.world_size(); ++r) fewer |= data.rank(r).shard_shape.size() < nd;
+  if (!fewer || nd < 2 || block.size() != nd || block[nd - 2] != 1 || block[nd - 1] <= 0 ||
+      shape[nd - 1] % block[nd - 1] != 0 || data.has_padding()) {
+    return std::pair{data, block};
   }
+  Shape merged(shape.begin(), shape.end() - 2);
+  merged.push_back(shape[nd - 2] * shape[nd - 1]);
+  Shape merged_block(block.begin(), block.end() - 2);
+  merged_block.push_back(block[nd - 1]);
+  ParamMapBuilder b(data);
+  b.set_logical_shape(merged).set_valid_shape(std::nullopt);
+  RESHARD_ASSIGN_OR_RETURN(const ParamMap m, b.Finalize());
+  RESHARD_ASSIGN_OR_RETURN(ParamMap canonical, Canonicalize(m));
+  return std::pair{std::move(canonical), std::move(merged_block)};
+}
+
+}  // namespace
+
+Status CheckBlockTie(const ParamMap& data_in, const ParamMap& scale, const Shape& block_in) {
+  if (scale.world_size() != data_in.world_size()) {
+    return FailedPreconditionError(fmt::format("the scales have {} ranks and the data {}",
+                                               scale.world_size(), data_in.world_size()));
+  }
+  RESHARD_ASSIGN_OR_RETURN(const auto merged, WithMergedGroups(data_in, block_in));
+  const auto& [data, block] = merged;
   BlockImageOptions options;
   options.scale_buffer = [&](Rank r, const std::string&) { return scale.rank(r).buffer; };
   RESHARD_ASSIGN_OR_RETURN(const ParamMap image,

@@ -69,7 +69,9 @@ Result<ParamMap> BlockImage(const ParamMap& data, const Shape& block, const Shap
 
 /// Checks that `scale` is the block image of `data` (the tie a sharded checkpoint records):
 /// FailedPrecondition saying how they differ (the caller names both tensors), or what
-/// BlockImage refuses.
+/// BlockImage refuses. Data whose ranks hold it with its last two dimensions as one (MXFP4's
+/// [..., groups, 16] in vLLM's [..., groups x 16] parameters, block [..., 1, 16]) is checked
+/// as the same elements of shape [..., groups x 16] in blocks of [..., 16].
 Status CheckBlockTie(const ParamMap& data, const ParamMap& scale, const Shape& block);
 
 }  // namespace reshard

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "reshard/ir/canonicalize.h"
@@ -163,6 +164,38 @@ TEST(BlockGridTest, CostIsSetByPiecesNotElements) {
   ASSERT_TRUE(s.ok()) << s.status().message();
   EXPECT_EQ(s->rank(3).shard_shape, (Shape{rows / 4, cols / 32}));
   EXPECT_EQ(s->num_pieces(), 4);
+}
+
+// MXFP4 as vLLM holds it at TP 2 with 3 groups: data [E=2, R=4, G=3, 16] in buffers [2, 4, 32]
+// (rank 0 takes groups 0 and 1 of every row, rank 1 group 2, then its buffer's padding), scales
+// [2, 4, 3] in buffers [2, 4, 2]; `swapped`: rank 0 takes the scales of groups 1 and 2 and rank
+// 1 those of group 0 (a map, but not the data's block image).
+std::pair<ParamMap, ParamMap> Mxfp4InVllmBuffers(bool swapped) {
+  ParamMapBuilder d, s;
+  d.set_logical_shape({2, 4, 3, 16}).set_world_size(2);
+  s.set_logical_shape({2, 4, 3}).set_world_size(2);
+  for (Rank r = 0; r < 2; ++r) {
+    d.set_shard_shape(r, {2, 4, 32}).set_buffer(r, "w2_weight");
+    s.set_shard_shape(r, {2, 4, 2}).set_buffer(r, "w2_weight_scale");
+  }
+  d.add_piece(0, Piece{{2, 4, 2, 16}, {0, {192, 48, 16, 1}}, {0, {128, 32, 16, 1}}, {0}});
+  d.add_piece(1, Piece{{2, 4, 16}, {32, {192, 48, 1}}, {0, {128, 32, 1}}, {1}});
+  s.add_piece(0, Piece{{2, 4, 2}, {swapped ? 1 : 0, {12, 3, 1}}, {0, {8, 2, 1}}, {0}});
+  s.add_piece(1, Piece{{2, 4}, {swapped ? 0 : 2, {12, 3}}, {0, {8, 2}}, {1}});
+  Result<ParamMap> dm = d.Finalize(), sm = s.Finalize();
+  EXPECT_TRUE(dm.ok()) << dm.status().message();
+  EXPECT_TRUE(sm.ok()) << sm.status().message();
+  return {*dm, *sm};
+}
+
+TEST(BlockGridTest, Mxfp4GroupsHeldFlatInVllmParametersAreCheckedAsOneDimension) {
+  auto [data, scales] = Mxfp4InVllmBuffers(false);
+  const Status ok = CheckBlockTie(data, scales, {1, 1, 1, 16});
+  EXPECT_TRUE(ok.ok()) << ok.message();
+  // Ranks holding other groups' scales are caught.
+  auto [same, wrong] = Mxfp4InVllmBuffers(true);
+  const Status bad = CheckBlockTie(same, wrong, {1, 1, 1, 16});
+  EXPECT_EQ(bad.code(), StatusCode::kFailedPrecondition) << bad.message();
 }
 
 TEST(BlockGridTest, RandomSplitsMatchTheElementOracle) {
