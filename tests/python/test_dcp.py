@@ -229,6 +229,14 @@ def test_convert_to_dcp_keeps_every_key_its_nesting_and_the_bytes_items(dcp_root
     assert without_tensors(got) == without_tensors(want)
 
 
+def test_convert_to_universal_needs_both_of_adams_moments(dcp_root, reshard_bin, tmp_path):
+    # mesh/ holds optimizer state of one parameter, exp_avg alone.
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 1, r.stderr
+    assert '"model.embed.weight" has no exp_avg and exp_avg_sq' in r.stderr, r.stderr
+    assert not (tmp_path / "uc").exists()
+
+
 def without_tensors(obj):
     """A nested state dict with each tensor replaced by a marker."""
     if isinstance(obj, dict):

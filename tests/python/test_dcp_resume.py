@@ -158,3 +158,47 @@ def test_weights_only_leaves_the_optimizers_items_out_and_keeps_the_rest(trained
     keys = set(metadata(out).state_dict_metadata)
     assert not [k for k in keys if k.startswith("optim.")]
     assert {"model.tok_embeddings.weight", "dataloader.position", "train_state.step"} <= keys
+
+
+@pytest.mark.parametrize("source", ["ckpt", "world3"])
+def test_universal_checkpoint_holds_each_parameters_full_state(trained, reshard_bin, tmp_path,
+                                                               source):
+    """convert --to universal of the FSDP2 checkpoint (and of its re-sharding at 3 ranks):
+    per parameter fp32.pt, exp_avg.pt, exp_avg_sq.pt ({"param": full tensor}) and step.pt,
+    and optimizer_state.pt's param_groups, all equal to torch's own reading of the source."""
+    src = trained / "ckpt" if source == "ckpt" else converted(reshard_bin, trained, 3)
+    r = run(reshard_bin, "convert", src, "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    folder = f"{src.name}_universal"
+    assert (tmp_path / "uc" / "latest_universal").read_text() == folder
+    dcp_to_torch_save(str(trained / "ckpt"), str(tmp_path / "src.pt"))
+    want = torch.load(tmp_path / "src.pt", weights_only=False)
+    zero = tmp_path / "uc" / folder / "zero"
+    names = sorted(want["optim"]["state"])
+    assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == names
+    for name in names:
+        files = {f.stem: torch.load(f, weights_only=False) for f in (zero / name).iterdir()}
+        assert sorted(files) == ["exp_avg", "exp_avg_sq", "fp32", "step"], name
+        fp32 = files["fp32"]["param"]
+        assert list(files["fp32"]) == ["param"] and fp32.requires_grad, name
+        assert fp32.dtype == torch.float32 and torch.equal(fp32, want["model"][name]), name
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(files[state]["param"], want["optim"]["state"][name][state]), name
+        assert torch.equal(files["step"], want["optim"]["state"][name]["step"]), name
+    optimizer = torch.load(zero / "optimizer_state.pt", weights_only=False)
+    assert optimizer == {"param_groups": want["optim"]["param_groups"]}
+
+
+def test_python_api_writes_what_the_cli_writes(trained, reshard_bin, tmp_path):
+    import reshard
+
+    reshard.checkpoint.convert(trained / "ckpt", tmp_path / "py3", to="dcp", world=3)
+    reshard.checkpoint.convert(trained / "ckpt", tmp_path / "pyuc", to="universal")
+    cli = converted(reshard_bin, trained, 3)
+    assert metadata(tmp_path / "py3").planner_data == metadata(cli).planner_data
+    for f in cli.iterdir():
+        if f.name != ".metadata":
+            assert (tmp_path / "py3" / f.name).read_bytes() == f.read_bytes(), f.name
+    zero = tmp_path / "pyuc" / "ckpt_universal" / "zero"
+    assert (zero / "tok_embeddings.weight" / "fp32.pt").exists()
+    assert (zero / "optimizer_state.pt").exists()
