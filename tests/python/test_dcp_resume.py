@@ -5,8 +5,10 @@ whole by a fresh trainer at another world size (dcp.load of the same structure, 
 set_state_dict), whose next step equals the source run's next step exactly: the same loss and
 the same updated parameters, bit for bit (dcp_resume_worker.py)."""
 
+import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -202,3 +204,25 @@ def test_python_api_writes_what_the_cli_writes(trained, reshard_bin, tmp_path):
     zero = tmp_path / "pyuc" / "ckpt_universal" / "zero"
     assert (zero / "tok_embeddings.weight" / "fp32.pt").exists()
     assert (zero / "optimizer_state.pt").exists()
+
+
+@pytest.mark.parametrize("to", [["dcp", "--world", "3"], ["universal"]])
+def test_k_processes_write_what_one_does(trained, reshard_bin, tmp_path, to):
+    """Under mpirun each process writes its share of the files (rank 0's, with the bytes items,
+    by one of them) and process 0 the metadata: the same checkpoint as one process writes."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    assert run(reshard_bin, "convert", trained / "ckpt", "--to", *to, "-o", one).returncode == 0
+    r = subprocess.run([shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-n",
+                        "2", reshard_bin, "convert", str(trained / "ckpt"), "--to", *to, "-o",
+                        str(many), "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert all(p["files"] for p in json.loads(r.stdout)["processes"])  # each wrote its share
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(many) for p in many.rglob("*") if p.is_file())
+    for f in files:
+        if f.name == ".metadata":  # it names its own path (storage_meta.checkpoint_id)
+            a, b = metadata(one), metadata(many)
+            assert (a.planner_data, a.storage_data, a.state_dict_metadata) == \
+                (b.planner_data, b.storage_data, b.state_dict_metadata)
+        else:
+            assert (one / f).read_bytes() == (many / f).read_bytes(), f
