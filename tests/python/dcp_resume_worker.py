@@ -3,7 +3,8 @@
 Run under torchrun, gloo on the CPU:
 
     torchrun --nproc_per_node 2 dcp_resume_worker.py train OUT_DIR [RESHARD_BIN]
-    torchrun --nproc_per_node 3 dcp_resume_worker.py resume CKPT RESULT.pt
+    torchrun --nproc_per_node 4 dcp_resume_worker.py train-tp OUT_DIR
+    torchrun --nproc_per_node 3 dcp_resume_worker.py resume RESULT_DIR CKPT...
 
 `train`: a tiny language model wrapped by FSDP2's `fully_shard` (each block, then the root),
 AdamW with a step learning-rate schedule, trained STEPS steps; then the whole state
@@ -14,13 +15,20 @@ OUT_DIR/reference.pt. With RESHARD_BIN, rank 0 then has `reshard convert --to dc
 the checkpoint for this world size into OUT_DIR/world2, and the same processes resume from it
 (`resume` below) into OUT_DIR/resumed-2.pt: one launch for the same-world case.
 
-`resume`: a fresh model and optimizer at this world size, `get_state_dict`, `dcp.load` of the
-whole structure, `set_state_dict`, the scheduler and loader restored, then the same next step;
-its loss, updated parameters and the restored non-tensor values go to RESULT.pt (rank 0).
+`train-tp`: the same at 4 ranks with FSDP2 over tensor parallelism, as TorchTitan applies them
+on a (dp 2, tp 2) mesh: each block's w1 column-wise and w2 row-wise over "tp", then
+`fully_shard` over "dp"; its checkpoint only (OUT_DIR/ckpt).
+
+`resume`: a fresh model and optimizer at this world size (FSDP2 alone), `get_state_dict`,
+`dcp.load` of the whole structure, `set_state_dict`, the scheduler and loader restored, then
+the same next step; its loss, updated parameters and the restored non-tensor values go to
+RESULT_DIR/<CKPT's name>.pt (rank 0), for each CKPT in turn.
 
 Every step is exact at any world size: every rank computes the same full batch, rank 0's loss
 alone is back-propagated (the others' times 0) and the gradients are summed, not averaged
-(divide factor 1), so each gradient is the single-process one; AdamW is elementwise.
+(divide factor 1), so each gradient is the single-process one; AdamW is elementwise. Not so
+under tensor parallelism: a row-wise layer sums partial products across "tp", in another order
+than one rank does.
 """
 
 import os
@@ -70,19 +78,24 @@ def batch(step):
     return tokens, targets
 
 
-def build(world):
-    """The model (under FSDP2 over `world` ranks when a process group is up, else plain), AdamW
-    and its scheduler."""
+def build(world, tp=1):
+    """The model (under FSDP2 over `world` ranks when a process group is up, over TP of degree
+    `tp` when > 1; else plain), AdamW and its scheduler."""
     torch.manual_seed(0)
     model = TinyLM()
     if dist.is_initialized():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            if tp > 1:
+                parallelize_module(layer, mesh["tp"],
+                                   {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
@@ -125,12 +138,14 @@ def state(model, optim, sched, loader, step):
             "dataloader": {"position": loader}, "train_state": {"step": step}}
 
 
-def train(out, reshard_bin=None):
-    model, optim, sched = build(dist.get_world_size())
+def train(out, reshard_bin=None, tp=1):
+    model, optim, sched = build(dist.get_world_size(), tp)
     for step in range(STEPS):
         train_step(model, optim, sched, step)
     dcp.save(state(model, optim, sched, loader=STEPS * 4, step=STEPS),
              checkpoint_id=str(out / "ckpt"))
+    if tp > 1:
+        return
     restored = {"position": STEPS * 4, "step": STEPS, **schedule(optim, sched)}
     loss = train_step(model, optim, sched, STEPS)
     params = full_params(model)
@@ -173,10 +188,13 @@ def main():
     dist.init_process_group("gloo")
     if sys.argv[1] == "train":
         train(pathlib.Path(sys.argv[2]), *sys.argv[3:])
+    elif sys.argv[1] == "train-tp":
+        train(pathlib.Path(sys.argv[2]), tp=2)
     else:
-        result = resume(sys.argv[2])
-        if dist.get_rank() == 0:
-            torch.save(result, sys.argv[3])
+        for ckpt in map(pathlib.Path, sys.argv[3:]):
+            result = resume(ckpt)
+            if dist.get_rank() == 0:
+                torch.save(result, pathlib.Path(sys.argv[2]) / f"{ckpt.name}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -3,7 +3,8 @@
 loader's and the training step's non-tensor state), re-sharded by `convert --to dcp`, is loaded
 whole by a fresh trainer at another world size (dcp.load of the same structure, then
 set_state_dict), whose next step equals the source run's next step exactly: the same loss and
-the same updated parameters, bit for bit (dcp_resume_worker.py)."""
+the same updated parameters, bit for bit (dcp_resume_worker.py). FSDP2 over tensor parallelism
+resumes as from the source itself."""
 
 import json
 import os
@@ -79,8 +80,8 @@ def reference(trained):
 
 def test_resumes_at_world_3_with_the_sources_next_step(trained, reshard_bin):
     ckpt = converted(reshard_bin, trained, 3)
-    torchrun(3, "resume", ckpt, trained / "resumed-3.pt")
-    assert_same_next_step(torch.load(trained / "resumed-3.pt", weights_only=False),
+    torchrun(3, "resume", trained, ckpt)
+    assert_same_next_step(torch.load(trained / f"{ckpt.name}.pt", weights_only=False),
                           reference(trained))
 
 
@@ -226,3 +227,23 @@ def test_k_processes_write_what_one_does(trained, reshard_bin, tmp_path, to):
                 (b.planner_data, b.storage_data, b.state_dict_metadata)
         else:
             assert (one / f).read_bytes() == (many / f).read_bytes(), f
+
+
+@pytest.fixture(scope="module")
+def trained_tp(tmp_path_factory):
+    """FSDP2 over TP on a (dp 2, tp 2) mesh at 4 ranks: its checkpoint (2-D boxes)."""
+    out = tmp_path_factory.mktemp("resume_tp")
+    torchrun(4, "train-tp", out)
+    return out
+
+
+def test_fsdp2_over_tp_resumes_at_world_3_as_from_the_source_itself(trained_tp, reshard_bin):
+    """A step without TP sums a row-wise layer's products in another order than the TP run, so
+    the reference is torch's own re-sharding on load: the trainer at 3 ranks resumed from the
+    source itself. From reshard's re-sharding it takes the same step, bit for bit."""
+    ckpt = converted(reshard_bin, trained_tp, 3)
+    assert metadata(ckpt).planner_data == metadata(trained_tp / "ckpt").planner_data
+    torchrun(3, "resume", trained_tp, trained_tp / "ckpt", ckpt)
+    source = torch.load(trained_tp / "ckpt.pt", weights_only=False)
+    assert source["restored"]["step"] == 3  # the source loaded whole too
+    assert_same_next_step(torch.load(trained_tp / f"{ckpt.name}.pt", weights_only=False), source)
