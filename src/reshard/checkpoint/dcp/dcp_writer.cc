@@ -139,9 +139,10 @@ Result<PickleNodeId> PathTuple(TorchTreeBuilder& b, const std::string& key,
 
 // A dataclass as pickle writes one: NEWOBJ of the class, then BUILD with its fields.
 PickleNodeId Dataclass(TorchTreeBuilder& b, std::string_view cls,
-                       std::vector<std::pair<std::string, PickleNodeId>> fields) {
+                       const std::vector<std::pair<std::string, PickleNodeId>>& fields) {
   std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
-  for (auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
+  entries.reserve(fields.size());
+  for (const auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
   return b.Object(std::string(cls), b.Dict(std::move(entries)));
 }
 
@@ -167,7 +168,7 @@ Status AddObjects(TorchTreeBuilder& b, const std::vector<DcpObjectToWrite>& obje
       for (const std::string& t : o.transforms) transforms.push_back(b.Str(t));
       info.emplace_back("transform_descriptors", b.List(std::move(transforms)));
     }
-    b.Insert(storage_data, index, Dataclass(b, kStorageInfoClass, std::move(info)));
+    b.Insert(storage_data, index, Dataclass(b, kStorageInfoClass, info));
   }
   return Status::Ok();
 }
@@ -185,7 +186,7 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
   TorchTreeBuilder b;
   const auto object = [&](std::string_view cls,
                           std::vector<std::pair<std::string, PickleNodeId>> fields) {
-    return Dataclass(b, cls, std::move(fields));
+    return Dataclass(b, cls, fields);
   };
   // Nodes shared by every tensor (one memo entry each, as pickle writes them).
   const PickleNodeId strided =

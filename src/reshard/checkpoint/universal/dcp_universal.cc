@@ -145,7 +145,8 @@ UniversalFile StateFile(std::shared_ptr<ShardSource> source, size_t i, std::stri
 
 // zero/optimizer_state.pt: {"param_groups": [...]}, the groups rebuilt from the bytes items
 // "<opt>.param_groups.<g>.<key>" (get_state_dict's nesting), each value copied as pickled.
-UniversalFile OptimizerStateFile(std::shared_ptr<const DcpCheckpoint> ckpt, std::string name) {
+UniversalFile OptimizerStateFile(const std::shared_ptr<const DcpCheckpoint>& ckpt,
+                                 std::string name) {
   return {std::move(name), 0,
           [ckpt](const std::string& path, const TorchWriteOptions& options) -> Status {
             std::map<int64_t, std::vector<std::pair<std::string, size_t>>> groups;
@@ -186,9 +187,9 @@ UniversalFile OptimizerStateFile(std::shared_ptr<const DcpCheckpoint> ckpt, std:
 }
 
 // The files, largest first (so the pool ends evenly).
-Result<std::vector<UniversalFile>> PlanDcpUniversal(std::shared_ptr<const DcpCheckpoint> ckpt,
-                                                    std::shared_ptr<ShardSource> source,
-                                                    const std::string& folder, bool verify) {
+Result<std::vector<UniversalFile>> PlanDcpUniversal(
+    const std::shared_ptr<const DcpCheckpoint>& ckpt, const std::shared_ptr<ShardSource>& source,
+    const std::string& folder, bool verify) {
   RESHARD_ASSIGN_OR_RETURN(const std::vector<UniversalParam> params,
                            DcpParams(source->manifest(), ckpt->dir()));
   const std::string zero = folder + "/zero";
