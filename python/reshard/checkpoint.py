@@ -178,13 +178,16 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     at ``tp``; parameters without a recorded layout take their maps from the save dir's
     config.json. With ``to="universal"`` (and no ``tp``, ``target_maps``, ``weights_only`` or
     ``max_shard_size``) it writes DeepSpeed's universal checkpoint instead, which DeepSpeed
-    resumes from at any TP x DP (``reshard convert --to universal``).
+    resumes from at any TP x DP (``reshard convert --to universal``). A PyTorch Distributed
+    Checkpoint with Adam's state (FSDP2, TorchTitan) converts to the universal checkpoint's
+    per-parameter files too (docs/formats.md).
 
     With ``to="dcp"`` and ``world`` (no ``tp``, ``target_maps``, ``max_shard_size`` or
     ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``
     ranks, each tensor in FSDP2's dim-0 chunks, which ``torch.distributed.checkpoint.load``
     reads at any world size (``reshard convert --to dcp --world N``; keys in
-    docs/formats.md).
+    docs/formats.md). From a DCP checkpoint it keeps the source's keys, their nesting and every
+    non-tensor value, so the trainer loads its whole state dict back.
 
     ``dequantize="bf16"`` (or ``"fp16"``, ``"fp32"``; ``--dequantize --dtype``) writes
     block-quantized tensors as numbers without their scales, and config.json without

@@ -13,6 +13,7 @@
 #include "core.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
@@ -238,12 +239,16 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
 // DeepSpeed resumes from at any TP x DP.
 void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
                           const PyCheckpointOptions& o) {
-  if (!IsDeepSpeedCheckpoint(dir)) {
-    throw py::value_error("to=\"universal\" converts a DeepSpeed checkpoint; \"" + dir +
-                          "\" is not one");
+  const bool dcp = IsDcpCheckpoint(dir);
+  if (!IsDeepSpeedCheckpoint(dir) && !dcp) {
+    throw py::value_error(
+        "to=\"universal\" converts a DeepSpeed checkpoint or a PyTorch Distributed Checkpoint; "
+        "\"" +
+        dir + "\" is not one");
   }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    return ConvertDeepSpeedToUniversal(dir, out_dir, options);
+    return dcp ? ConvertDcpToUniversal(dir, out_dir, options)
+               : ConvertDeepSpeedToUniversal(dir, out_dir, options);
   });
 }
 

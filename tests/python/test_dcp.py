@@ -195,6 +195,57 @@ def test_reads_what_convert_to_dcp_writes(dcp_root, reshard_bin, tmp_path):
                 model_only(torch_reference(dcp_root / "mesh", tmp_path)))
 
 
+@pytest.mark.parametrize("ckpt", ["mesh", "perrank", "fsdp2"])
+def test_convert_to_dcp_keeps_every_key_its_nesting_and_the_bytes_items(dcp_root, reshard_bin,
+                                                                        tmp_path, ckpt):
+    """From 2-D boxes on a 2 x 2 mesh, per-rank metadata and FSDP2: torch's own reading of the
+    whole structure (dcp_to_torch_save, which nests by planner_data) is the source's, bytes items
+    (an int, a str, param_groups' values and lists) included, and planner_data is torch's."""
+    src = dcp_root / ckpt
+    if ckpt == "fsdp2" and not src.exists():
+        pytest.skip((dcp_root / "fsdp2.txt").read_text())
+    r = run(reshard_bin, "convert", src, "--to", "dcp", "--world", "3", "-o", tmp_path / "w3")
+    assert r.returncode == 0, r.stderr
+    metadata = []
+    for d in (src, tmp_path / "w3"):
+        names = [".metadata"] if (d / ".metadata").exists() else \
+            sorted(p.name for p in d.glob("__*.metadata"))
+        planner = {}
+        for name in names:
+            with open(d / name, "rb") as f:
+                planner.update(pickle.load(f).planner_data)
+        metadata.append(planner)
+    assert metadata[1] == metadata[0]
+    assert any(isinstance(e, int) for path in metadata[0].values() for e in path)
+    # torch's dcp_to_torch_save does not merge per-rank metadata (it returns uninitialised
+    # tensors); the per-rank save holds the mesh save's state dict, which it reads.
+    dcp_to_torch_save(str(dcp_root / "mesh" if ckpt == "perrank" else src),
+                      str(tmp_path / "src.pt"))
+    dcp_to_torch_save(str(tmp_path / "w3"), str(tmp_path / "w3.pt"))
+    want = torch.load(tmp_path / "src.pt", weights_only=False)
+    got = torch.load(tmp_path / "w3.pt", weights_only=False)
+    assert sorted(got) == sorted(want)
+    assert_same(flat_tensors(got), flat_tensors(want))
+    assert without_tensors(got) == without_tensors(want)
+
+
+def test_convert_to_universal_needs_both_of_adams_moments(dcp_root, reshard_bin, tmp_path):
+    # mesh/ holds optimizer state of one parameter, exp_avg alone.
+    r = run(reshard_bin, "convert", dcp_root / "mesh", "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 1, r.stderr
+    assert '"model.embed.weight" has no exp_avg and exp_avg_sq' in r.stderr, r.stderr
+    assert not (tmp_path / "uc").exists()
+
+
+def without_tensors(obj):
+    """A nested state dict with each tensor replaced by a marker."""
+    if isinstance(obj, dict):
+        return {k: without_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(without_tensors(v) for v in obj)
+    return "<tensor>" if isinstance(obj, torch.Tensor) else obj
+
+
 def test_hf_storage_variant(dcp_root, reshard_bin, tmp_path):
     ckpt = dcp_root / "hf"
     assert list((ckpt / "sharded").glob("shard-*-model-*-of-*.safetensors"))

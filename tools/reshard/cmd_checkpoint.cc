@@ -17,6 +17,7 @@
 #include "processes.h"
 #include "progress.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/output_dir.h"
@@ -379,13 +380,17 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
         "the "
         "universal checkpoint holds full tensors of every optimizer state");
   }
-  if (!IsDeepSpeedCheckpoint(args.input)) {
-    return InvalidArgumentError("--to universal converts a DeepSpeed checkpoint; \"" + args.input +
-                                "\" is not one");
+  const bool dcp = IsDcpCheckpoint(args.input);
+  if (!IsDeepSpeedCheckpoint(args.input) && !dcp) {
+    return InvalidArgumentError(
+        "--to universal converts a DeepSpeed checkpoint or a PyTorch Distributed Checkpoint; \"" +
+        args.input + "\" is not one");
   }
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(
-      WithForceHint(ConvertDeepSpeedToUniversal(args.input, args.output, options), args.force));
+      WithForceHint(dcp ? ConvertDcpToUniversal(args.input, args.output, options)
+                        : ConvertDeepSpeedToUniversal(args.input, args.output, options),
+                    args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("converted \"{}\" to a universal checkpoint in \"{}\" ({:.2f} s)", args.input,
@@ -566,8 +571,10 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
-                  "(what ds_to_universal writes; OUT/latest_universal names its folder); dcp: a "
-                  "PyTorch Distributed Checkpoint saved for --world ranks")
+                  "(what ds_to_universal writes; OUT/latest_universal names its folder), or the "
+                  "per-parameter files of one from a DCP checkpoint with Adam's state; dcp: a "
+                  "PyTorch Distributed Checkpoint saved for --world ranks (from a DCP checkpoint: "
+                  "its keys and non-tensor values kept)")
       ->check(CLI::IsMember({"universal", "dcp"}))
       ->excludes(tp);
   cmd->add_option("--world", args->world,

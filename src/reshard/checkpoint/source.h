@@ -7,9 +7,13 @@
 #ifndef RESHARD_CHECKPOINT_SOURCE_H_
 #define RESHARD_CHECKPOINT_SOURCE_H_
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,6 +48,35 @@ struct SourceOptions {
   bool dequantize = false;
 };
 
+/// Where a value sits in a trainer's nested state dict (DCP's planner_data): one element per
+/// level, a dict key, or a list index where a list was traversed (`param_groups`' 0).
+struct StateDictPath {
+  std::vector<std::string> keys;  // an index in decimal
+  std::vector<bool> is_index;     // parallel to keys
+  friend bool operator==(const StateDictPath&, const StateDictPath&) = default;
+};
+
+/// A value of a trainer's state dict that is no tensor (an optimizer's param_groups or step, a
+/// learning-rate scheduler's or a data loader's state), as its checkpoint stores it.
+struct StateDictObject {
+  std::string key;  // its flattened key ("optim.param_groups.0.lr")
+  StateDictPath path;
+  /// The stream transforms its stored bytes went through ("stream.zstd/1"; empty: none).
+  std::vector<std::string> transforms;
+  uint64_t stored_bytes = 0;  // how many bytes `read` gives
+  /// Its stored bytes (for DCP a torch.save archive of the object, transformed as said), valid
+  /// while the opened checkpoint lives.
+  std::function<Result<std::span<const std::byte>>()> read;
+};
+
+/// What a checkpoint of a trainer's state dict holds beyond its tensors: where each tensor sits
+/// in the nested state dict, and every other value. A writer of the same kind keeps both, so
+/// the trainer loads its whole state dict back.
+struct StateDictStructure {
+  std::map<std::string, StateDictPath> tensor_paths;  // by the manifest's parameter name
+  std::vector<StateDictObject> objects;
+};
+
 /// An opened checkpoint.
 struct OpenedCheckpoint {
   /// The format's name in the table ("reshard", "hf", "deepspeed", ...).
@@ -59,6 +92,9 @@ struct OpenedCheckpoint {
   std::function<Status(const std::string& out_dir, const CheckpointOptions& options)> gather;
   /// Why convert cannot take this checkpoint (with `source` null).
   std::string not_convertible;
+  /// A trainer's state dict's structure, for a convert into the same kind of checkpoint (DCP);
+  /// null when the format records none.
+  std::shared_ptr<const StateDictStructure> state_dict;
 };
 
 }  // namespace reshard

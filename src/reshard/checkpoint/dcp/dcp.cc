@@ -186,6 +186,7 @@ Result<DcpMetadata> ReadHfShards(const std::string& dir, const std::string& shar
         DcpTensor tensor;
         tensor.fqn = t.name;
         tensor.path = {t.name};
+        tensor.path_is_index = {false};
         tensor.dtype = t.dtype;
         tensor.shape.assign(t.shape.size(), 0);
         out.tensors.push_back(std::move(tensor));
@@ -429,6 +430,11 @@ Result<std::span<const std::byte>> DcpCheckpoint::ReadBytesItem(
   const DcpBytesItem& b = metadata_.bytes_items[i];
   return ItemBytes(b.location, fmt::format("\"{}\" (bytes)", b.fqn), b.location.length + kZstdSlack,
                    owned);
+}
+
+std::span<const std::byte> DcpCheckpoint::StoredBytesItem(size_t i) const {
+  const DcpItemLocation& loc = metadata_.bytes_items[i].location;
+  return files_[loc.file]->mapped.bytes().subspan(loc.offset, loc.length);
 }
 
 void DcpCheckpoint::ReleaseChunk(size_t t, size_t c) const {
@@ -685,6 +691,39 @@ Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
   return Status::Ok();
 }
 
+std::shared_ptr<const StateDictStructure> DcpStateDict(std::shared_ptr<const DcpCheckpoint> ckpt,
+                                                       bool weights_only) {
+  auto out = std::make_shared<StateDictStructure>();
+  // A path planner_data does not record: the key alone, as torch's loader then takes it.
+  const auto path_of = [](const auto& item) {
+    if (item.path_recorded) return StateDictPath{item.path, item.path_is_index};
+    return StateDictPath{{item.fqn}, {false}};
+  };
+  for (const DcpTensor& t : ckpt->tensors()) {
+    if (weights_only && t.optimizer_state) continue;
+    out->tensor_paths.emplace(t.fqn, path_of(t));
+  }
+  // Per-rank saves store a value once per rank under one key: the lowest rank's copy is kept
+  // (copies are not compared: torch.save archives of one object differ in their random
+  // serialization_id).
+  std::map<std::string, size_t> first;  // key -> its lowest-rank item
+  for (size_t i = 0; i < ckpt->bytes_items().size(); ++i) {
+    const DcpBytesItem& b = ckpt->bytes_items()[i];
+    const auto [it, fresh] = first.emplace(b.fqn, i);
+    if (!fresh && b.rank < ckpt->bytes_items()[it->second].rank) it->second = i;
+  }
+  for (size_t i = 0; i < ckpt->bytes_items().size(); ++i) {
+    const DcpBytesItem& b = ckpt->bytes_items()[i];
+    if (first.at(b.fqn) != i || (weights_only && IsDcpOptimizerState(b.path))) continue;
+    StateDictObject object{b.fqn, path_of(b), b.location.transforms, b.location.length, {}};
+    object.read = [ckpt, i]() -> Result<std::span<const std::byte>> {
+      return ckpt->StoredBytesItem(i);
+    };
+    out->objects.push_back(std::move(object));
+  }
+  return out;
+}
+
 Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options) {
   RESHARD_RETURN_IF_ERROR(CheckDcpOptions(path, options));
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(path));
@@ -693,6 +732,7 @@ Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& o
   DcpSourceOptions source;
   source.weights_only =
       options.use == SourceUse::kGather ? !options.optimizer_state : options.weights_only;
+  if (options.use == SourceUse::kConvert) out.state_dict = DcpStateDict(ckpt, source.weights_only);
   out.source = DcpSource(std::move(ckpt), source);
   return out;
 }

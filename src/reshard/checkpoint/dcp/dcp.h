@@ -68,8 +68,12 @@ struct DcpChunk {
 struct DcpTensor {
   std::string fqn;
   /// The key's path in the nested state dict (planner_data), as text: str keys as they are,
-  /// ints in decimal. Just {fqn} when the checkpoint does not record one.
+  /// ints in decimal. The key's dotted parts when the checkpoint does not record one.
   std::vector<std::string> path;
+  /// Parallel to `path`: which elements are ints in planner_data (list indices).
+  std::vector<bool> path_is_index;
+  /// Whether planner_data records the path (of str and int elements only).
+  bool path_recorded = false;
   DType dtype = DType::kF32;
   Shape shape;
   std::vector<DcpChunk> chunks;  // in metadata order
@@ -80,7 +84,9 @@ struct DcpTensor {
 /// A non-tensor value: the bytes of a torch.save'd object (shown inert, never loaded).
 struct DcpBytesItem {
   std::string fqn;
-  std::vector<std::string> path;
+  std::vector<std::string> path;    // as DcpTensor's
+  std::vector<bool> path_is_index;  // as DcpTensor's
+  bool path_recorded = false;       // as DcpTensor's
   Rank rank = 0;
   DcpItemLocation location;
 };
@@ -161,6 +167,9 @@ class DcpCheckpoint {
                                                std::vector<std::byte>& owned) const;
   /// The raw bytes of bytes_items()[i] (decompressed into `owned` when transformed).
   Result<std::span<const std::byte>> ReadBytesItem(size_t i, std::vector<std::byte>& owned) const;
+  /// The bytes of bytes_items()[i] as stored (its transforms not undone): a view into the
+  /// mapped file.
+  std::span<const std::byte> StoredBytesItem(size_t i) const;
   /// Drops the mapped pages of chunk `c` of tensors()[t] (streaming keeps memory flat).
   void ReleaseChunk(size_t t, size_t c) const;
 
@@ -212,10 +221,18 @@ std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt
 /// its tensors itself), and weights_only on a gather (which writes the model's tensors only).
 Status CheckDcpOptions(const std::string& path, const SourceOptions& options);
 
+/// The state dict's structure of `ckpt` (DcpStateDict), for a DCP output: each tensor's path
+/// (planner_data, else its key alone) and every bytes item, its stored bytes as they are (a key
+/// stored by several ranks, as per-rank saves store it: the lowest rank's copy); with
+/// `weights_only`, neither of the optimizer's (IsDcpOptimizerState).
+std::shared_ptr<const StateDictStructure> DcpStateDict(std::shared_ptr<const DcpCheckpoint> ckpt,
+                                                       bool weights_only);
+
 /// A DCP checkpoint opened for `options.use` (the table of formats' opener): a gather takes the
 /// model's tensors (IsDcpOptimizerState's keys left out of the Hugging Face files); a convert
 /// takes every tensor, optimizer state included unless `weights_only`, each with its
-/// DcpDefaultLayout recorded so that convert needs no target maps.
+/// DcpDefaultLayout recorded so that convert needs no target maps, and the state dict's
+/// structure (DcpStateDict) for a DCP output.
 Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options);
 
 }  // namespace reshard

@@ -195,9 +195,22 @@ class MetadataReader {
     bool used = false;
   };
 
-  std::vector<std::string> PathOf(const std::string& fqn) const {
-    const auto it = paths_.find(fqn);
-    if (it != paths_.end()) return it->second;
+  // Fills `path`, `path_is_index` and `path_recorded` of a tensor or bytes item.
+  template <typename Item>
+  void SetPath(Item& item) const {
+    const auto it = paths_.find(item.fqn);
+    if (it != paths_.end()) {
+      item.path = it->second.keys;
+      item.path_is_index = it->second.is_index;
+      item.path_recorded = true;
+      return;
+    }
+    item.path = PathOf(item.fqn);
+    item.path_is_index.assign(item.path.size(), false);
+  }
+
+  // The key's dotted parts (a key planner_data does not record).
+  static std::vector<std::string> PathOf(const std::string& fqn) {
     std::vector<std::string> path;
     size_t begin = 0;
     while (true) {
@@ -215,9 +228,15 @@ class MetadataReader {
       const auto fqn = StrAt(t_, k);
       const PickleNode& p = t_.node(v);
       if (!fqn || (p.kind != PickleKind::kTuple && p.kind != PickleKind::kList)) continue;
-      std::vector<std::string> path;
-      for (PickleNodeId e : p.items) path.push_back(KeyText(t_, e));
-      paths_[*fqn] = std::move(path);
+      StateDictPath path;
+      bool plain = true;  // str and int elements only
+      for (PickleNodeId e : p.items) {
+        const PickleKind kind = t_.node(e).kind;
+        plain = plain && (kind == PickleKind::kStr || kind == PickleKind::kInt);
+        path.keys.push_back(KeyText(t_, e));
+        path.is_index.push_back(kind == PickleKind::kInt);
+      }
+      if (plain) paths_[*fqn] = std::move(path);
     }
     return Status::Ok();
   }
@@ -330,7 +349,7 @@ class MetadataReader {
   Status AddBytes(const std::string& fqn, DcpMetadata& out) {
     DcpBytesItem item;
     item.fqn = fqn;
-    item.path = PathOf(fqn);
+    SetPath(item);
     RESHARD_ASSIGN_OR_RETURN(item.location, Locate(fqn, std::nullopt, " (bytes)", &item.rank));
     out.bytes_items.push_back(std::move(item));
     return Status::Ok();
@@ -339,7 +358,7 @@ class MetadataReader {
   Status AddTensor(const std::string& fqn, PickleNodeId v, DcpMetadata& out) {
     DcpTensor tensor;
     tensor.fqn = fqn;
-    tensor.path = PathOf(fqn);
+    SetPath(tensor);
     tensor.optimizer_state = IsDcpOptimizerState(tensor.path);
     const auto shape = IntsAt(t_, Get(t_, v, "size"));
     if (!shape) return Error(fmt::format("\"{}\": TensorStorageMetadata.size is not ints", fqn));
@@ -404,7 +423,7 @@ class MetadataReader {
 
   const PickleTree& t_;
   std::string_view name_;
-  std::map<std::string, std::vector<std::string>> paths_;
+  std::map<std::string, StateDictPath> paths_;
   std::map<std::string, Info> infos_;
   std::map<std::string, size_t> file_index_;
   std::vector<std::string> files_;

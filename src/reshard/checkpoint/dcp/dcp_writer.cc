@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <map>
 #include <mutex>
 #include <set>
@@ -56,7 +57,8 @@ std::vector<DcpWriteChunk> DcpShard0Chunks(const Shape& shape, int world_size) {
   return chunks;
 }
 
-Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size) {
+Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size,
+                                                     const StateDictStructure* structure) {
   if (world_size < 1) {
     return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
   }
@@ -67,11 +69,21 @@ Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, i
   bool optimizer_state = false;
   for (size_t i = 0; i < manifest.params.size(); ++i) {
     const ShardedParam& p = manifest.params[i];
-    DcpTensorToWrite t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}};
-    // "<param>.<state>" of another tensor "<param>": its optimizer state.
+    DcpTensorToWrite t{i, p.name, {p.name}, p.dtype, p.map.valid_shape(), {}, {}};
+    const StateDictPath* recorded = nullptr;
+    if (structure != nullptr) {
+      const auto it = structure->tensor_paths.find(p.name);
+      if (it != structure->tensor_paths.end()) recorded = &it->second;
+    }
     const size_t dot = p.name.rfind('.');
-    if (dot != std::string::npos && dot > 0 && kOptimizerStates.contains(p.name.substr(dot + 1)) &&
-        names.contains(p.name.substr(0, dot))) {
+    if (recorded != nullptr) {
+      // The source's own key and nesting.
+      t.path = recorded->keys;
+      t.path_is_index = recorded->is_index;
+    } else if (dot != std::string::npos && dot > 0 &&
+               kOptimizerStates.contains(p.name.substr(dot + 1)) &&
+               names.contains(p.name.substr(0, dot))) {
+      // "<param>.<state>" of another tensor "<param>": its optimizer state.
       const std::string base = p.name.substr(0, dot);
       const std::string state = p.name.substr(dot + 1);
       t.key = fmt::format("{}.state.{}.{}", kOptimizerKey, base, state);
@@ -100,21 +112,81 @@ Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, i
   return out;
 }
 
+namespace {
+
+// The tuple planner_data records for a path: str keys, and ints where a list was traversed.
+Result<PickleNodeId> PathTuple(TorchTreeBuilder& b, const std::string& key,
+                               const std::vector<std::string>& keys,
+                               const std::vector<bool>& is_index) {
+  std::vector<PickleNodeId> path;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (k < is_index.size() && is_index[k]) {
+      int64_t index = 0;
+      const auto [end, ec] =
+          std::from_chars(keys[k].data(), keys[k].data() + keys[k].size(), index);
+      if (ec != std::errc() || end != keys[k].data() + keys[k].size()) {
+        return InvalidArgumentError(fmt::format(
+            "key \"{}\": path element {} (\"{}\") is said to be a list index but is no integer",
+            key, k, keys[k]));
+      }
+      path.push_back(b.Int(index));
+    } else {
+      path.push_back(b.Str(keys[k]));
+    }
+  }
+  return b.Tuple(std::move(path));
+}
+
+// A dataclass as pickle writes one: NEWOBJ of the class, then BUILD with its fields.
+PickleNodeId Dataclass(TorchTreeBuilder& b, std::string_view cls,
+                       const std::vector<std::pair<std::string, PickleNodeId>>& fields) {
+  std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
+  entries.reserve(fields.size());
+  for (const auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
+  return b.Object(std::string(cls), b.Dict(std::move(entries)));
+}
+
+// The non-tensor values' entries, as torch records a bytes item: a BytesStorageMetadata (no
+// fields: NEWOBJ alone), its path, and a MetadataIndex without offset (fqn and index None) to
+// its _StorageInfo (transform_descriptors only when there are some).
+Status AddObjects(TorchTreeBuilder& b, const std::vector<DcpObjectToWrite>& objects,
+                  PickleNodeId state_dict_metadata, PickleNodeId planner_data,
+                  PickleNodeId storage_data) {
+  for (const DcpObjectToWrite& o : objects) {
+    b.Insert(state_dict_metadata, b.Str(o.key),
+             b.Record(MetadataClass("BytesStorageMetadata"), {}, kNoPickleNode, /*newobj=*/true));
+    RESHARD_ASSIGN_OR_RETURN(const PickleNodeId path, PathTuple(b, o.key, o.path, o.path_is_index));
+    b.Insert(planner_data, b.Str(o.key), path);
+    const PickleNodeId index =
+        Dataclass(b, MetadataClass("MetadataIndex"), {{"fqn", b.Str(o.key)}, {"index", b.None()}});
+    std::vector<std::pair<std::string, PickleNodeId>> info = {
+        {"relative_path", b.Str(o.item.file)},
+        {"offset", b.Int(static_cast<int64_t>(o.item.offset))},
+        {"length", b.Int(static_cast<int64_t>(o.item.length))}};
+    if (!o.transforms.empty()) {
+      std::vector<PickleNodeId> transforms;
+      for (const std::string& t : o.transforms) transforms.push_back(b.Str(t));
+      info.emplace_back("transform_descriptors", b.List(std::move(transforms)));
+    }
+    b.Insert(storage_data, index, Dataclass(b, kStorageInfoClass, info));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tensors,
                                       const std::vector<std::vector<DcpWrittenItem>>& items,
-                                      const std::string& checkpoint_id) {
+                                      const std::string& checkpoint_id,
+                                      const std::vector<DcpObjectToWrite>& objects) {
   if (items.size() != tensors.size()) {
     return InvalidArgumentError(
         fmt::format("{} tensors but items of {}", tensors.size(), items.size()));
   }
   TorchTreeBuilder b;
-  // A dataclass as pickle writes one: NEWOBJ of the class, then BUILD with its fields.
   const auto object = [&](std::string_view cls,
                           const std::vector<std::pair<std::string, PickleNodeId>>& fields) {
-    std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
-    entries.reserve(fields.size());
-    for (const auto& [name, value] : fields) entries.emplace_back(b.Str(name), value);
-    return b.Object(std::string(cls), b.Dict(std::move(entries)));
+    return Dataclass(b, cls, fields);
   };
   // Nodes shared by every tensor (one memo entry each, as pickle writes them).
   const PickleNodeId strided =
@@ -159,10 +231,11 @@ Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tenso
              object(MetadataClass("TensorStorageMetadata"), {{"properties", it->second},
                                                              {"size", b.Size(tensor.shape)},
                                                              {"chunks", b.List(chunks)}}));
-    std::vector<PickleNodeId> path;
-    for (const std::string& k : tensor.path) path.push_back(b.Str(k));
-    b.Insert(planner_data, b.Str(tensor.key), b.Tuple(std::move(path)));
+    RESHARD_ASSIGN_OR_RETURN(const PickleNodeId path,
+                             PathTuple(b, tensor.key, tensor.path, tensor.path_is_index));
+    b.Insert(planner_data, b.Str(tensor.key), path);
   }
+  RESHARD_RETURN_IF_ERROR(AddObjects(b, objects, state_dict_metadata, planner_data, storage_data));
   const PickleNodeId storage_meta =
       object(MetadataClass("StorageMeta"), {{"checkpoint_id", b.Str(checkpoint_id)},
                                             {"save_id", b.Str(kDcpSaveId)},
@@ -242,12 +315,14 @@ Result<ParamMap> ChunkMap(const DcpTensorToWrite& t, int world_size) {
 }
 
 Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
-                                             const CheckpointOptions& options) {
+                                             const CheckpointOptions& options,
+                                             const StateDictStructure* structure) {
   if (options.max_shard_bytes != 0) {
     return InvalidArgumentError(
         "a DCP checkpoint has one file per rank: no maximum file size applies");
   }
-  RESHARD_ASSIGN_OR_RETURN(std::vector<DcpTensorToWrite> tensors, PlanDcpTensors(m, world_size));
+  RESHARD_ASSIGN_OR_RETURN(std::vector<DcpTensorToWrite> tensors,
+                           PlanDcpTensors(m, world_size, structure));
   std::vector<PlannedTensor> out;
   for (DcpTensorToWrite& t : tensors) {
     const ShardedParam& p = m.params[t.param];
@@ -264,6 +339,40 @@ Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
     out.push_back(std::move(planned));
   }
   return out;
+}
+
+// The non-tensor values of `structure` (none when null), their items one after the other at
+// the start of rank 0's file. FailedPrecondition for one that would take a tensor's key.
+Result<std::vector<DcpObjectToWrite>> PlanObjects(const StateDictStructure* structure,
+                                                  const std::vector<PlannedTensor>& tensors) {
+  std::vector<DcpObjectToWrite> out;
+  if (structure == nullptr) return out;
+  std::set<std::string> keys;
+  for (const PlannedTensor& t : tensors) keys.insert(t.dcp.key);
+  uint64_t offset = 0;
+  for (const StateDictObject& o : structure->objects) {
+    if (!keys.insert(o.key).second) {
+      return FailedPreconditionError(
+          fmt::format("the non-tensor value \"{}\" would take a key already taken", o.key));
+    }
+    out.push_back({o.key, o.path.keys, o.path.is_index, o.transforms,
+                   DcpWrittenItem{DcpFileName(0), offset, o.stored_bytes}});
+    offset += o.stored_bytes;
+  }
+  return out;
+}
+
+// Appends the stored bytes of `structure`'s objects to `file` (as PlanObjects placed them).
+Status AppendObjects(AtomicFileWriter& file, const StateDictStructure& structure) {
+  for (const StateDictObject& o : structure.objects) {
+    RESHARD_ASSIGN_OR_RETURN(const std::span<const std::byte> bytes, o.read());
+    if (bytes.size() != o.stored_bytes) {
+      return InternalError(fmt::format("\"{}\" holds {} bytes, {} were expected", o.key,
+                                       bytes.size(), o.stored_bytes));
+    }
+    RESHARD_RETURN_IF_ERROR(file.Append(bytes));
+  }
+  return Status::Ok();
 }
 
 // The bytes of `param`'s replicated pieces (what comparing its replicas reads).
@@ -336,22 +445,40 @@ Status DecodeItems(const std::string& text, std::vector<std::vector<DcpWrittenIt
   return Status::Ok();
 }
 
+// Every process tells process 0 where its items lie (called by all, whatever happened).
+Status GatherItems(Communicator& comm, const std::vector<std::vector<bool>>& mine,
+                   std::vector<std::vector<DcpWrittenItem>>& items) {
+  if (comm.size() <= 1) return Status::Ok();
+  Result<std::vector<std::string>> all = comm.AllGather(EncodeItems(items, mine));
+  Status gathered = all.status();
+  if (all.ok() && comm.rank() == 0) {
+    for (const std::string& text : *all) {
+      if (gathered.ok()) gathered = DecodeItems(text, items);
+    }
+  }
+  return gathered;
+}
+
 }  // namespace
 
 Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
-                const CheckpointOptions& all_options) {
+                const CheckpointOptions& all_options, const StateDictStructure* structure) {
   if (world_size < 1) {
     return InvalidArgumentError(fmt::format("{} is not a world size", world_size));
   }
   const CheckpointOptions options = ForThisProcess(all_options);
   Communicator& comm = CommunicatorOf(options);
   const Manifest& m = source.manifest();
-  Result<std::vector<PlannedTensor>> planned = PlanWrite(m, world_size, options);
-  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, planned.status()));
+  Result<std::vector<PlannedTensor>> planned = PlanWrite(m, world_size, options, structure);
+  Result<std::vector<DcpObjectToWrite>> objects =
+      planned.ok() ? PlanObjects(structure, *planned) : planned.status();
+  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, objects.status()));
   const std::vector<PlannedTensor>& tensors = *planned;
 
-  // Rank files, their bytes, and the process writing each.
+  // Rank files, their bytes (rank 0's begins with the objects), and the process writing each.
   std::vector<uint64_t> file_bytes(static_cast<size_t>(world_size), 0);
+  for (const DcpObjectToWrite& o : *objects) file_bytes[0] += o.item.length;
+  const uint64_t objects_bytes = file_bytes[0];
   std::vector<std::vector<DcpWrittenItem>> items(tensors.size());
   const ChunksByRank chunks_of = ChunksOfRanks(tensors, world_size, file_bytes, items);
   const std::vector<int> owners = BalanceByBytes(file_bytes, comm.size());
@@ -386,6 +513,11 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
         AtomicFileWriter file,
         AtomicFileWriter::Create(out.FilePath(name), OutputFileOptions(options)));
     uint64_t position = 0;
+    if (r == 0 && structure != nullptr) {
+      RESHARD_RETURN_IF_ERROR(AppendObjects(file, *structure).Annotate(name));
+      position = objects_bytes;
+      progress.Add(objects_bytes);
+    }
     for (const std::pair<size_t, size_t>& chunk_index : chunks_of[static_cast<size_t>(r)]) {
       const size_t t = chunk_index.first;
       const size_t c = chunk_index.second;
@@ -428,22 +560,13 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
   const Status synced = SyncOutputFiles(out, written, stats.files, options);
   stats.bytes_read = bytes_read;
   stats.bytes_verified = bytes_verified;
-  // Every process tells process 0 where its items lie (called by all, whatever happened).
-  Status gathered = Status::Ok();
-  if (comm.size() > 1) {
-    Result<std::vector<std::string>> all = comm.AllGather(EncodeItems(items, mine));
-    gathered = all.status();
-    if (all.ok() && comm.rank() == 0) {
-      for (const std::string& text : *all) {
-        if (gathered.ok()) gathered = DecodeItems(text, items);
-      }
-    }
-  }
+  const Status gathered = GatherItems(comm, mine, items);
   const Status outcome = synced.ok() ? gathered : synced;
   return FinishOutput(comm, out, outcome, std::move(stats), options, [&]() -> Status {
     std::vector<DcpTensorToWrite> layout;
     for (const PlannedTensor& pt : tensors) layout.push_back(pt.dcp);
-    RESHARD_ASSIGN_OR_RETURN(const std::string metadata, DcpMetadataPickle(layout, items, out_dir));
+    RESHARD_ASSIGN_OR_RETURN(const std::string metadata,
+                             DcpMetadataPickle(layout, items, out_dir, *objects));
     RESHARD_RETURN_IF_ERROR(
         WriteFileAtomically(out.FilePath(kDcpMetadataName), metadata, {.sync = options.sync}));
     return out.Commit(options.sync);

@@ -21,8 +21,13 @@
 // master weights) is stored as "optim.state.<param>.<state>", nested as get_state_dict's
 // optimizer state dict (planner_data ("optim", "state", "<param>", "<state>")); every other
 // tensor ("a.b" beside "a" included) under its own name at the top level, as
-// dcp.save(model.state_dict()) stores it. Neither the optimizer's
-// step nor its param_groups are written (shard sources hold tensors only).
+// dcp.save(model.state_dict()) stores it. A source that records its state dict's structure (a
+// DCP checkpoint: StateDictStructure) keeps it instead: each tensor its key and nested path
+// (planner_data, list indices as ints), and every non-tensor value (the optimizer's
+// param_groups and step, a scheduler's or data loader's state: DCP's bytes items) is written
+// as stored, a BytesStorageMetadata item at the start of rank 0's file, so that
+// dcp.load of the trainer's whole state dict finds every key. Other sources hold tensors only:
+// neither the optimizer's step nor its param_groups are written.
 //
 // Each chunk is produced straight from the source shards by a transfer plan (never the full
 // tensor): memory is bounded by the largest chunk. Files are written in parallel, each by one
@@ -37,6 +42,7 @@
 
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
 
 namespace reshard {
 
@@ -60,25 +66,39 @@ struct DcpTensorToWrite {
   DType dtype = DType::kF32;
   Shape shape;  // global (the source's valid shape)
   std::vector<DcpWriteChunk> chunks;
+  std::vector<bool> path_is_index;  // parallel to path: list indices (ints); empty: none
 };
 
-/// The tensors of `manifest` as DCP stores them at `world_size` (keys and chunks above).
+/// The tensors of `manifest` as DCP stores them at `world_size` (keys and chunks above): a
+/// tensor `structure` gives a path keeps its name as its key, with that path.
 /// FailedPrecondition when two tensors would take one key, or a key is both a tensor and a
 /// prefix of others.
-Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size);
+Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size,
+                                                     const StateDictStructure* structure = nullptr);
 
-/// Where a chunk's item lies.
+/// Where an item lies.
 struct DcpWrittenItem {
   std::string file;  // relative to the checkpoint
   uint64_t offset = 0;
   uint64_t length = 0;
 };
 
-/// The bytes of `.metadata`: `items[t][c]` is where chunk c of tensors[t] lies.
-/// InvalidArgument when items do not match the chunks.
+/// A non-tensor value to write (a BytesStorageMetadata item): its key, path, stored bytes'
+/// transforms and where its bytes lie.
+struct DcpObjectToWrite {
+  std::string key;
+  std::vector<std::string> path;
+  std::vector<bool> path_is_index;  // parallel to path
+  std::vector<std::string> transforms;
+  DcpWrittenItem item;
+};
+
+/// The bytes of `.metadata`: `items[t][c]` is where chunk c of tensors[t] lies; `objects` are
+/// the non-tensor values. InvalidArgument when items do not match the chunks.
 Result<std::string> DcpMetadataPickle(const std::vector<DcpTensorToWrite>& tensors,
                                       const std::vector<std::vector<DcpWrittenItem>>& items,
-                                      const std::string& checkpoint_id);
+                                      const std::string& checkpoint_id,
+                                      const std::vector<DcpObjectToWrite>& objects = {});
 
 /// "__{rank}_0.distcp".
 std::string DcpFileName(Rank rank);
@@ -95,10 +115,12 @@ inline constexpr char kDcpSaveId[] = "reshard/dcp-writer";
 
 /// Writes `source` as a DCP checkpoint for `world_size` ranks into `out_dir` (above), with
 /// the options of ConvertFrom (replicas verified unless told not to; max_shard_bytes must be
-/// 0: one file per rank). With several processes, every process passes a source of the same
-/// input.
+/// 0: one file per rank), keeping `structure` (the source's state dict's, or null) when given.
+/// FailedPrecondition when a non-tensor value would take a tensor's key. With several
+/// processes, every process passes a source of the same input.
 Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
-                const CheckpointOptions& options = {});
+                const CheckpointOptions& options = {},
+                const StateDictStructure* structure = nullptr);
 
 }  // namespace reshard
 

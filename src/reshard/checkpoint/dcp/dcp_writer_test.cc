@@ -137,9 +137,14 @@ std::vector<int64_t> Ints(const PickleTree& tree, PickleNodeId id) {
 }
 
 TEST(DcpMetadataPickleTest, HoldsDcpsRecordsWithChunksAndWhereTheirItemsLie) {
-  DcpTensorToWrite w{0, "w", {"w"}, DType::kBF16, {5, 3}, DcpShard0Chunks({5, 3}, 4)};
-  DcpTensorToWrite s{1,  "optim.state.w.step",  {"optim", "state", "w", "step"}, DType::kF32,
-                     {}, DcpShard0Chunks({}, 4)};
+  DcpTensorToWrite w{0, "w", {"w"}, DType::kBF16, {5, 3}, DcpShard0Chunks({5, 3}, 4), {}};
+  DcpTensorToWrite s{1,
+                     "optim.state.w.step",
+                     {"optim", "state", "w", "step"},
+                     DType::kF32,
+                     {},
+                     DcpShard0Chunks({}, 4),
+                     {}};
   const std::vector<std::vector<DcpWrittenItem>> items = {
       {{"__0_0.distcp", 0, 100}, {"__1_0.distcp", 0, 101}, {"__2_0.distcp", 0, 99}},
       {{"__0_0.distcp", 100, 7}}};
@@ -320,6 +325,77 @@ TEST(WriteDcpTest, EachRanksFileHoldsItsChunksOfEveryTensorInOrder) {
     ASSERT_TRUE(kept.ok());
     EXPECT_EQ(*kept, other);
   }
+}
+
+// A state dict's structure (a DCP source's) is kept: each tensor's key and nested path, and its
+// non-tensor values' stored bytes as bytes items on rank 0, list indices as ints.
+TEST(WriteDcpTest, AStateDictsPathsAndObjectsAreKeptAsStored) {
+  const TempDir tmp;
+  MemorySource source;
+  Result<ParamMap> w = SplitMap({4, 2}, 0, {2, 2});
+  Result<ParamMap> step = ReplicatedMap({}, 2);
+  ASSERT_TRUE(w.ok() && step.ok());
+  source.Add("model.w", *w, 0);
+  source.Add("optim.state.w.exp_avg", *w, 10);
+  source.Add("optim.state.w.step", *step, 3);
+  StateDictStructure structure;
+  structure.tensor_paths["model.w"] = {{"model", "w"}, {false, false}};
+  structure.tensor_paths["optim.state.w.exp_avg"] = {{"optim", "state", "w", "exp_avg"},
+                                                     {false, false, false, false}};
+  // "optim.state.w.step" has none: it keeps the default rule (its name alone).
+  const std::string lr = "stored bytes of param_groups[0]['lr']";
+  const std::string zstd = "a zstd stream, copied untouched";
+  const auto object = [](std::string key, StateDictPath path, const std::string& bytes,
+                         std::vector<std::string> transforms) {
+    StateDictObject o{std::move(key), std::move(path), std::move(transforms), bytes.size(), {}};
+    o.read = [&bytes]() -> Result<std::span<const std::byte>> {
+      return std::as_bytes(std::span(bytes));
+    };
+    return o;
+  };
+  structure.objects.push_back(
+      object("optim.param_groups.0.lr",
+             {{"optim", "param_groups", "0", "lr"}, {false, false, true, false}}, lr, {}));
+  structure.objects.push_back(object("loader", {{"loader"}, {false}}, zstd, {"stream.zstd/1"}));
+  const std::string out = (tmp / "dcp").string();
+  ASSERT_TRUE(WriteDcp(source, 3, out, {}, &structure).ok());
+
+  Result<std::shared_ptr<const DcpCheckpoint>> read = DcpCheckpoint::Open(out);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  const DcpCheckpoint& c = **read;
+  ASSERT_EQ(c.tensors().size(), 3u);
+  EXPECT_EQ(c.tensors()[0].fqn, "model.w");
+  EXPECT_EQ(c.tensors()[0].path, (std::vector<std::string>{"model", "w"}));
+  EXPECT_TRUE(c.tensors()[0].path_recorded);
+  EXPECT_EQ(c.tensors()[1].path, (std::vector<std::string>{"optim", "state", "w", "exp_avg"}));
+  EXPECT_EQ(c.tensors()[2].path, (std::vector<std::string>{"optim.state.w.step"}));
+  ASSERT_EQ(c.bytes_items().size(), 2u);
+  const DcpBytesItem& b0 = c.bytes_items()[0];
+  EXPECT_EQ(b0.fqn, "optim.param_groups.0.lr");
+  EXPECT_EQ(b0.path, (std::vector<std::string>{"optim", "param_groups", "0", "lr"}));
+  EXPECT_EQ(b0.path_is_index, (std::vector<bool>{false, false, true, false}));
+  EXPECT_EQ(b0.rank, 0);
+  EXPECT_TRUE(b0.location.transforms.empty());
+  const std::span<const std::byte> got0 = c.StoredBytesItem(0);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(got0.data()), got0.size()), lr);
+  const DcpBytesItem& b1 = c.bytes_items()[1];
+  EXPECT_EQ(b1.location.transforms, (std::vector<std::string>{"stream.zstd/1"}));
+  const std::span<const std::byte> got1 = c.StoredBytesItem(1);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(got1.data()), got1.size()), zstd);
+  // The tensors' chunks follow the objects in rank 0's file and read back as written.
+  std::vector<std::byte> owned;
+  Result<std::span<const std::byte>> chunk = c.ReadChunk(1, 0, owned);
+  ASSERT_TRUE(chunk.ok()) << chunk.status().ToString();
+  std::vector<float> values(chunk->size() / sizeof(float));
+  std::memcpy(values.data(), chunk->data(), chunk->size());
+  EXPECT_EQ(values, (std::vector<float>{10, 11, 12, 13}));
+
+  // A value that would take a tensor's key is refused, and nothing is written.
+  structure.objects.push_back(object("model.w", {{"model", "w"}, {false, false}}, lr, {}));
+  const Status clash = WriteDcp(source, 3, (tmp / "clash").string(), {}, &structure);
+  EXPECT_EQ(clash.code(), StatusCode::kFailedPrecondition) << clash.ToString();
+  EXPECT_NE(clash.message().find("\"model.w\""), std::string::npos) << clash.ToString();
+  EXPECT_FALSE(fs::exists(tmp / "clash"));
 }
 
 // Writing at a large world costs in proportion to the chunks and files written. Each rank's

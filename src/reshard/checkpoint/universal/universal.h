@@ -1,5 +1,5 @@
-// DeepSpeed's universal checkpoint, written from a DeepSpeed checkpoint (`reshard convert
-// --to universal`).
+// DeepSpeed's universal checkpoint, written from a DeepSpeed checkpoint or a PyTorch Distributed
+// Checkpoint (`reshard convert --to universal`).
 #ifndef RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_H_
 #define RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_H_
 
@@ -24,6 +24,19 @@ namespace reshard {
 /// would). FailedPrecondition without optimizer state.
 Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::string& out_dir,
                                    const CheckpointOptions& options = {});
+
+/// PyTorch Distributed Checkpoint (FSDP2, TorchTitan: a model's tensors and Adam's state as
+/// get_state_dict saves them) -> the universal checkpoint's per-parameter files, laid out as
+/// ConvertDeepSpeedToUniversal lays them out: OUT/latest_universal naming
+/// "<dcp dir name>_universal", in it zero/<param>/fp32.pt, exp_avg.pt, exp_avg_sq.pt
+/// ({"param": the full tensor}) and step.pt (the step tensor), and zero/optimizer_state.pt
+/// ({"param_groups": [...]}, each value copied from its bytes item). A parameter is a name P
+/// with optimizer state "<optim>.state.P.<state>" and a model tensor "model.P" or "P"; tensors
+/// without optimizer state (buffers, frozen weights) are not written, nor model-states files
+/// (DCP has none). FailedPrecondition without optimizer state, for state without its model
+/// tensor or without both moments, and for a tensor that is not fp32.
+Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_dir,
+                             const CheckpointOptions& options = {});
 
 }  // namespace reshard
 
