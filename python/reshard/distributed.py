@@ -214,6 +214,15 @@ class Redistributor:
     one round ahead and unpacks one round behind, so up to twice that each way). ``scale_power``,
     ``allow_scaled_optimizer_state``, ``allow_lossy_scale`` and ``num_threads`` are those of
     :func:`reshard.transfer`.
+
+    ``source=`` instead of ``source_maps``: the trainer's model or state dict as it lies, its
+    DTensors' meshes and placements being its layout (:func:`reshard.torch.maps_of`, merged
+    over the group: a collective in which every process passes ``source=``, ``{}`` where it
+    holds none). ``source_ranks`` then defaults to the processes that hold any tensor, map rank
+    i being the i-th of them; a mesh's ranks are read as the group's (global ranks for a
+    torch.distributed group; a :class:`Transport`'s own ranks otherwise); ``dtypes`` defaults
+    to the tensors'; and :meth:`run` takes the model (by default the one given here, as it is
+    then).
     """
 
     def __init__(self, source_maps: Optional[Mapping[str, MapLike]] = None,

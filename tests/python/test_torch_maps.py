@@ -255,3 +255,8 @@ def test_redistributor_takes_the_model_as_it_lies(live):
     assert live[0]["source_ranks"] == [0, 1, 2, 3]
     assert live[2]["redistributed"] == [True, True] and live[3]["redistributed"] == [True, True]
     assert live[0]["redistributed"] == []
+
+
+def test_processes_holding_nothing_pass_an_empty_source(live):
+    assert [r["pair_source_ranks"] for r in live] == [[0, 1]] * 4
+    assert [r["pair_moved"] for r in live] == [True] * 4

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import (DeviceMesh, DTensor, Partial, Replicate, Shard,
+                                      distribute_tensor)
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
@@ -132,6 +133,17 @@ def main() -> None:
                     p.add_(1.0)
         result["redistributed"] = runs
         result["sent"] = sync.last_stats["sent"] if sync.last_stats else None
+        # Trainer processes 0 and 1 (a mesh of their own, rows split unevenly) into processes
+        # 2 and 3, which hold none (source={}): the source ranks are the holders.
+        pair = DeviceMesh("cpu", [0, 1])
+        full = torch.arange(35, dtype=torch.float32).reshape(7, 5)
+        held = {"w": distribute_tensor(full, pair, [Shard(0)])} if me < 2 else {}
+        into = {"w": rt.layout_map([7, 5], [2, 3], [Shard(1)], ranks=[2, 3])}
+        pairs = rd.Redistributor(target_maps=into, target_ranks=[2, 3], source=held)
+        got = pairs.run()
+        result["pair_source_ranks"] = pairs._source_ranks
+        result["pair_moved"] = (torch.equal(got["w"], reshard.extract(into["w"], full, me - 2))
+                                if me >= 2 else got == {})
         # A Partial DTensor (on process 1 alone) is refused naming it: by maps_of there, and
         # by a Redistributor built from the model on every process alike.
         partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial(), Replicate()])

@@ -439,8 +439,10 @@ class WeightSync:
         push, so that every process refuses alike)."""
         if self._source is None:
             if shards is None:
-                return {}, "push() needs this process's shards (the sync was built with source_maps)"
-            return shards, None  # type: ignore[return-value]
+                return {}, ("push() needs this process's shards (the sync was built with "
+                            "source_maps)")
+            given: Any = shards  # checked by the push, alike on every process
+            return given, None
         from ..torch import shards_of
         sync = self.redistributor
         dtypes = getattr(sync, "_dtypes", None) or []
