@@ -10,8 +10,13 @@ A DTensor's placements are read as torch lays the data out:
 - several mesh dims on one tensor dim: applied from the first mesh dim to the last (torch's
   default order), or in the order the DTensor's spec records (``shard_order``);
 - ``_StridedShard(d, split_factor=k)`` (what FSDP2's ``fully_shard`` over a tensor-parallel
-  ``parallelize_module`` gives on a 2-D mesh): dim ``d`` chunked into ``k`` parts first, each
-  part chunked over the mesh dim, a rank holding its chunk of every part, in order;
+  ``parallelize_module`` gives on a 2-D mesh): the split factors say in which order the mesh
+  dims cut the tensor dim (``k`` is the product of the sizes of the mesh dims to its right that
+  cut first), each cutting the chunk the previous ones left as ``Shard`` would: FSDP2's dp
+  chunk of each TP chunk, as FSDP2 holds the data and torch's redistribution reads it (also
+  where sizes are uneven and torch's ``compute_local_shape_and_global_offset`` says otherwise);
+  where a spec says not to read them as an order, or no order gives them, dim ``d`` is cut into
+  ``k`` parts, each part over the mesh dim, a rank holding its chunk of every part;
 - ``Partial``: refused (:class:`reshard.LayoutError` naming the tensor): a rank holds an addend
   of the elements, not the elements.
 
@@ -80,7 +85,8 @@ def _length(runs: tuple[Run, ...]) -> int:
 
 def _placement(p: Any, ndim: int, name: str, placements: Sequence[Any]
                ) -> tuple[str, int, int]:
-    """("shard", dim, split factor) or ("replicate", -1, 1); LayoutError for anything else."""
+    """("shard", dim, split factor: 0 for a plain Shard), ("replicate", -1, 0); LayoutError
+    for anything else."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     if isinstance(p, Partial):
@@ -90,13 +96,15 @@ def _placement(p: Any, ndim: int, name: str, placements: Sequence[Any]
             "redistribute it to Replicate() or Shard(d) first (dtensor.redistribute, or "
             "full_tensor())")
     if isinstance(p, Replicate):
-        return "replicate", -1, 1
+        return "replicate", -1, 0
     if isinstance(p, (_StridedShard, Shard)):
         dim = int(p.dim) + (ndim if int(p.dim) < 0 else 0)
         if not 0 <= dim < ndim:
             raise LayoutError(f"tensor \"{name}\" has placements {list(placements)}: {p} shards "
                               f"dim {p.dim} of a {ndim}-dimensional tensor")
-        factor = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        if not isinstance(p, _StridedShard):
+            return "shard", dim, 0
+        factor = int(p.split_factor)
         if factor < 1:
             raise LayoutError(f"tensor \"{name}\": {p} has split factor {factor}")
         return "shard", dim, factor
@@ -104,45 +112,82 @@ def _placement(p: Any, ndim: int, name: str, placements: Sequence[Any]
                       f"does not know (placements {list(placements)})")
 
 
-def _orders(spec: Any, kinds: list[tuple[str, int, int]], ndim: int) -> list[list[int]]:
-    """Per tensor dim, the mesh dims that shard it, in the order torch applies them: the
-    spec's ``shard_order`` where it records one (and no _StridedShard encodes the order),
-    else from the first mesh dim to the last."""
+def _decoded(mesh_dims: list[int], factors: list[int], mesh_shape: Sequence[int]
+             ) -> Optional[list[int]]:
+    """The order in which the mesh dims ``mesh_dims`` (ascending) shard one tensor dim, read
+    from their split factors: a mesh dim's factor is the product of the sizes of the mesh dims
+    after it in the placements that shard the tensor dim before it. None when no order gives
+    these factors."""
+    order: list[int] = []
+    for m, factor in sorted(zip(mesh_dims, factors), reverse=True):
+        product, at = 1, None
+        for i in range(len(order) + 1):
+            if product == max(factor, 1):
+                at = i
+                break
+            if i < len(order):
+                product *= mesh_shape[order[i]]
+        if at is None:
+            return None
+        order.insert(at, m)
+    return order
+
+
+def _orders(spec: Any, kinds: list[tuple[str, int, int]], mesh_shape: Sequence[int],
+            ndim: int) -> tuple[list[list[int]], bool]:
+    """Per tensor dim, the mesh dims that shard it in the order the data is cut, and whether
+    split factors apply (_StridedShard read as its own split, not as an order).
+
+    Without _StridedShard: the spec's recorded ``shard_order``, else from the first mesh dim to
+    the last. With _StridedShard, torch reads the split factors as an order of nested chunks
+    (its redistribution does, and FSDP2 over TP holds its data so: the TP chunk cut over dp),
+    unless the spec says otherwise (``use_strided_shard_as_shard_order=False``) or no order
+    gives the factors; then each _StridedShard cuts its dim into ``split_factor`` parts and
+    every part over its mesh dim, from the first mesh dim to the last."""
     orders: list[list[int]] = [[] for _ in range(ndim)]
-    for m, (kind, dim, _) in enumerate(kinds):
+    factors: list[list[int]] = [[] for _ in range(ndim)]
+    for m, (kind, dim, factor) in enumerate(kinds):
         if kind == "shard":
             orders[dim].append(m)
+            factors[dim].append(factor)
+    strided = any(f for fs in factors for f in fs)
+    if strided:
+        if getattr(spec, "use_strided_shard_as_shard_order", True) is False:
+            return orders, True
+        decoded = [_decoded(orders[d], factors[d], mesh_shape) for d in range(ndim)]
+        if any(o is None for o in decoded):
+            return orders, True
+        return [o for o in decoded if o is not None], False
     recorded = getattr(spec, "shard_order", None)
-    if recorded and not getattr(spec, "use_strided_shard_as_shard_order", False):
-        for entry in recorded:
-            dim, mesh_dims = int(entry.tensor_dim), [int(m) for m in entry.mesh_dims]
-            if 0 <= dim < ndim and sorted(mesh_dims) == orders[dim]:
-                orders[dim] = mesh_dims
-    return orders
+    for entry in recorded or ():
+        dim, mesh_dims = int(entry.tensor_dim), [int(m) for m in entry.mesh_dims]
+        if 0 <= dim < ndim and sorted(mesh_dims) == orders[dim]:
+            orders[dim] = mesh_dims
+    return orders, False
 
 
 def regions(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any], *,
             name: str = "", spec: Any = None) -> dict[tuple[int, ...], Region]:
     """Each mesh coordinate's region of a tensor of ``shape`` laid out by ``placements`` over
     a mesh of ``mesh_shape`` (plain values: no process group needed). ``spec`` (a
-    DTensorSpec) supplies a recorded ``shard_order``."""
+    DTensorSpec) supplies a recorded ``shard_order`` and how _StridedShard is read."""
     shape = tuple(int(s) for s in shape)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if len(placements) != len(mesh_shape):
         raise LayoutError(f"tensor \"{name}\" has {len(placements)} placements "
                           f"{list(placements)} for a {len(mesh_shape)}-dimensional mesh")
     kinds = [_placement(p, len(shape), name, placements) for p in placements]
-    orders = _orders(spec, kinds, len(shape))
+    orders, split = _orders(spec, kinds, mesh_shape, len(shape))
     out: dict[tuple[int, ...], Region] = {}
     for coord in itertools.product(*(range(s) for s in mesh_shape)):
         region = []
         for dim, size in enumerate(shape):
             runs: tuple[Run, ...] = ((0, size),) if size else ()
             for m in orders[dim]:
-                _, _, factor = kinds[m]
+                factor = max(kinds[m][2], 1) if split else 1
                 n, i, length = mesh_shape[m], coord[m], _length(runs)
                 spans = []
-                for j in range(factor):  # factor 1: Shard(d), one chunk of the whole
+                for j in range(factor):  # factor 1: one chunk of the whole
                     first, count = _chunk(length, factor, j)
                     at, k = _chunk(count, n, i)
                     spans.append((first + at, k))

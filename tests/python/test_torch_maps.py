@@ -2,6 +2,7 @@
 sharding (its placements' splits and compute_local_shape_and_global_offset), and on a live FSDP2
 over tensor-parallel model (torch_maps_worker.py under torchrun, gloo)."""
 
+import contextlib
 import itertools
 import json
 import os
@@ -13,6 +14,7 @@ import types
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
@@ -26,8 +28,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def torch_local(full, mesh_shape, coord, placements, order=None):
-    """What torch's placements give the rank at ``coord``: each shard-like placement's own split
-    (``_split_tensor``, no padding) applied in mesh-dim order, or in ``order`` (mesh dims)."""
+    """What torch's placements give the rank at ``coord`` when each cuts by its own split
+    (``_split_tensor``, no padding), in mesh-dim order or in ``order`` (mesh dims)."""
     local = full
     for m in order if order is not None else range(len(placements)):
         p = placements[m]
@@ -36,30 +38,89 @@ def torch_local(full, mesh_shape, coord, placements, order=None):
     return local
 
 
-def check_against_torch(shape, mesh_shape, placements, ranks):
-    """The map of ``placements`` over a mesh of ``ranks`` (global ranks, shaped mesh_shape) is
-    valid and canonical, each rank extracts what torch's split gives it, with torch's local
-    shape and first offset, and rebuilding from every rank gives F."""
-    world = int(ranks.max()) + 1
+@contextlib.contextmanager
+def simulated(world):
+    """A world of ``world`` ranks simulated in this process (torch's fake process group and
+    LocalTensorMode: every rank's local tensor held at once)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with LocalTensorMode(world):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def decodable(placements, mesh_shape):
+    """Whether torch reads these placements' split factors as an order of cuts."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    mesh = types.SimpleNamespace(size=lambda i: mesh_shape[i])
+    return DTensorSpec._maybe_convert_StridedShard_to_shard_order(tuple(placements),
+                                                                  mesh) is not None
+
+
+def check_against_torch(shape, mesh_shape, placements, ranks=None):
+    """The map of ``placements`` over a mesh of ``ranks`` (global ranks shaped mesh_shape;
+    default in order) is valid and canonical, and torch agrees with what it gives each rank:
+    torch's redistribution rebuilds F from the extracted shards (DTensor.from_local, then
+    full_tensor; where it cannot read _StridedShard as an order, each cuts by its own split), and
+    without _StridedShard each rank extracts exactly the local tensor distribute_tensor gives
+    it, of torch's local shape and first offset. On a mesh of shuffled ranks (which torch's simulated world does not
+    take) the map gives each mesh position what it gives the same position in order."""
+    from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
+    in_order = torch.arange(int(torch.Size(mesh_shape).numel())).reshape(mesh_shape)
+    world = in_order.numel()
+    full = torch.arange(int(torch.Size(shape).numel()), dtype=torch.float32).reshape(shape)
+    if ranks is not None:
+        shuffled = rt.layout_map(shape, ranks, placements, name="w")
+        shuffled.validate()
+        assert shuffled == shuffled.canonical()
+        plain = rt.layout_map(shape, in_order, placements, name="w")
+        for coord in itertools.product(*(range(n) for n in mesh_shape)):
+            assert torch.equal(reshard.extract(shuffled, full, int(ranks[coord])),
+                               reshard.extract(plain, full, int(in_order[coord])))
+    ranks = in_order
     m = rt.layout_map(shape, ranks, placements, name="w")
     m.validate()
     assert m == m.canonical()
     assert m.world_size == world and m.logical_shape == tuple(shape)
-    full = torch.arange(int(torch.Size(shape).numel()), dtype=torch.float32).reshape(shape)
-    shards = [torch.empty(m.shard_shape(r)) for r in range(world)]
+    shards = {r: reshard.extract(m, full, r) for r in range(world)}
+    strided = any(isinstance(p, _StridedShard) for p in placements)
+    with simulated(world):
+        mesh = DeviceMesh("cpu", ranks)
+        if not strided or decodable(placements, mesh_shape):
+            dt = DTensor.from_local(LocalTensor(shards), mesh, placements, shape=full.shape,
+                                    stride=full.stride(), run_check=False)
+            rebuilt = dt.full_tensor()
+            rebuilt = (rebuilt._local_tensors.values() if isinstance(rebuilt, LocalTensor) else
+                       [rebuilt])
+            assert all(torch.equal(t, full) for t in rebuilt), (shape, placements)
+        laid = None
+        if not strided:  # (the simulated world scatters _StridedShard's pieces wrongly)
+            try:
+                local = distribute_tensor(full, mesh, placements).to_local()
+                # (a tensor the same on every rank may come back as one plain tensor)
+                laid = (local._local_tensors if isinstance(local, LocalTensor) else
+                        dict.fromkeys(range(world), local))
+            except AssertionError:  # torch cuts one dim over two mesh dims evenly only
+                assert len({p.dim for p in placements if isinstance(p, Shard)}) < \
+                    sum(isinstance(p, Shard) for p in placements)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         rank = int(ranks[coord])
-        want = torch_local(full, mesh_shape, coord, placements)
-        local_shape, offset = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, list(coord), placements)
-        got = reshard.extract(m, full, rank)
-        assert tuple(got.shape) == tuple(want.shape) == tuple(local_shape), (coord, placements)
-        assert torch.equal(got, want), (coord, placements)
-        for d, runs in enumerate(rt.regions(shape, mesh_shape, placements)[coord]):
-            if runs:  # where the rank holds rows of dim d, torch's offset is the first
-                assert runs[0][0] == offset[d], (coord, placements, d)
-        shards[rank] = want
-    assert torch.equal(reshard.rebuild(m, shards), full)
+        if laid is not None:
+            assert torch.equal(shards[rank], laid[rank]), (coord, shape, placements)
+        if not strided:
+            local_shape, offset = _compute_local_shape_and_global_offset(
+                shape, mesh_shape, list(coord), placements)
+            assert tuple(shards[rank].shape) == tuple(local_shape), (coord, placements)
+            for d, runs in enumerate(rt.regions(shape, mesh_shape, placements)[coord]):
+                if runs:  # where the rank holds rows of dim d, torch's offset is the first
+                    assert runs[0][0] == offset[d], (coord, placements, d)
+        elif not decodable(placements, mesh_shape):  # each _StridedShard cuts by its split
+            assert torch.equal(shards[rank], torch_local(full, mesh_shape, coord, placements))
+    assert torch.equal(reshard.rebuild(m, [shards[r] for r in range(world)]), full)
     return m
 
 
@@ -69,17 +130,37 @@ def random_placement(rng, ndim):
         return Replicate()
     if k < 0.65:
         return Shard(rng.randrange(ndim))
-    return _StridedShard(rng.randrange(ndim), split_factor=rng.randint(1, 4))
+    return _StridedShard(rng.randrange(ndim), split_factor=rng.choice([1, 2, 2, 3, 4, 6]))
+
+
+def ordered_placements(rng, ndim, mesh_shape):
+    """Shard / Replicate placements cut in a random order of their mesh dims, as torch encodes
+    that order (_StridedShard where a mesh dim cuts after one to its right: FSDP2 over TP)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+    placements = [Shard(rng.randrange(ndim)) if rng.random() < 0.8 else Replicate()
+                  for _ in mesh_shape]
+    order = []
+    for d in range(ndim):
+        dims = [m for m, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d]
+        rng.shuffle(dims)
+        if dims:
+            order.append(ShardOrderEntry(tensor_dim=d, mesh_dims=tuple(dims)))
+    mesh = types.SimpleNamespace(size=lambda i: mesh_shape[i])
+    return list(DTensorSpec._convert_shard_order_to_StridedShard(tuple(order),
+                                                                  tuple(placements), mesh))
 
 
 def test_random_layouts_match_torch(rng):
-    """Random shapes (empty dims included) x meshes of 1 to 3 dims x placements, on meshes whose
-    ranks are a shuffle of the world's."""
-    for _ in range(150):
+    """Random shapes (empty dims included) x meshes of 1 to 3 dims x placements (any, or cut in
+    a random order as torch encodes it), on meshes whose ranks are a shuffle of the world's."""
+    for trial in range(80):
         ndim = rng.randint(0, 3)
         shape = [rng.randint(0, 9) for _ in range(ndim)]
         mesh_shape = [rng.randint(1, 3) for _ in range(rng.randint(1, 3))]
-        placements = [random_placement(rng, ndim) for _ in mesh_shape]
+        if ndim and trial % 2:
+            placements = ordered_placements(rng, ndim, mesh_shape)
+        else:
+            placements = [random_placement(rng, ndim) for _ in mesh_shape]
         size = 1
         for n in mesh_shape:
             size *= n
@@ -117,6 +198,41 @@ def test_strided_shard_is_fsdp2_over_tp():
     m = check_against_torch([8, 3], [2, 2], [_StridedShard(0, split_factor=2), Shard(0)], ranks)
     assert [m.pieces(r)[0].source[0] // 3 for r in range(4)] == [0, 4, 2, 6]
     assert all(len(m.pieces(r)) == 1 for r in range(4))
+
+
+def test_strided_shard_follows_fsdp2_data_where_chunks_are_uneven():
+    """FSDP2 over TP on a (dp 3, tp 2) mesh, 7 rows: TP cuts 4 + 3, FSDP2 cuts each over dp
+    (2, 2, 0 and 1, 1, 1), so rank 4 (dp 2, tp 0) holds nothing and rank 5 row 6, as FSDP2
+    holds the data (torch's compute_local_shape_and_global_offset says the opposite)."""
+    placements = [_StridedShard(0, split_factor=2), Shard(0)]
+    m = check_against_torch([7, 2], [3, 2], placements)
+    assert [m.shard_shape(r)[0] for r in range(6)] == [2, 1, 2, 1, 0, 1]
+    assert m.pieces(5)[0].source[0] == 6 * 2
+    assert _compute_local_shape_and_global_offset([7, 2], [3, 2], [2, 0], placements)[0] == (1, 2)
+
+
+def test_every_order_of_mesh_dims_over_one_tensor_dim_is_read_as_torch_reads_it():
+    """Two and three mesh dims cutting one tensor dim in every order, encoded by torch
+    (_StridedShard) and read back: each rank's rows are the nested chunks (torch's Shard split)
+    in that order, for every row count (uneven ones where FSDP2's data and torch's local-shape
+    function part ways); on two mesh dims torch's redistribution rebuilds F from them too."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+    for mesh_shape in [(2, 3), (3, 2), (3, 3), (2, 2, 3), (3, 2, 2)]:
+        mesh = types.SimpleNamespace(size=lambda i, shape=mesh_shape: shape[i])
+        for order in itertools.permutations(range(len(mesh_shape))):
+            entry = (ShardOrderEntry(tensor_dim=0, mesh_dims=order),)
+            placements = DTensorSpec._convert_shard_order_to_StridedShard(
+                entry, (Shard(0),) * len(mesh_shape), mesh)
+            for rows in range(14):
+                full = torch.arange(rows * 2).reshape(rows, 2)
+                got = rt.regions([rows, 2], mesh_shape, placements)
+                for coord, region in got.items():
+                    want = torch_local(full, mesh_shape, coord, [Shard(0)] * len(mesh_shape),
+                                       order=order)
+                    held = [g + i for g, n in region[0] for i in range(n)]
+                    assert torch.equal(full[held], want), (mesh_shape, order, rows, coord)
+                if len(mesh_shape) == 2 and rows < 10:
+                    check_against_torch([rows, 2], list(mesh_shape), list(placements))
 
 
 def test_strided_shard_alone_holds_one_chunk_of_each_part():
@@ -189,20 +305,35 @@ def test_merged_views_find_every_holder():
         rt._merge([view([0, 1]), {"w": ((4, 3), {}, "bfloat16")}], [0, 1])
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("torch_maps")
+def launch(tmp, world):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"), str(HERE)]),
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                        "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
-                        str(HERE / "torch_maps_worker.py"), str(tmp)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                        str(world), "--master_addr", "127.0.0.1", "--master_port",
+                        str(free_loopback_port()), str(HERE / "torch_maps_worker.py"), str(tmp)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
-    ranks = [json.loads((tmp / f"rank-{p}.json").read_text()) for p in range(4)]
+    ranks = [json.loads((tmp / f"rank-{p}.json").read_text()) for p in range(world)]
     for p, result in enumerate(ranks):
         assert not result["errors"], f"process {p}: {result['errors'][0]}"
     return ranks
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("torch_maps"), 4)
+
+
+def check_every_rank(live):
+    world = len(live)
+    for p, result in enumerate(live):
+        assert result["merged_same_everywhere"], p
+        for name, info in result["params"].items():
+            where = f"process {p}, {name}"
+            assert info["own_canonical"] and info["own_extract"], where
+            assert info["merged_canonical"] and info["merged_world"] == world, where
+            assert info["merged_extract"] == [True] * world, where
+            assert info["merged_rebuild"], where
 
 
 def test_fsdp2_over_tp_maps_hold_what_each_rank_holds(live):
@@ -214,14 +345,18 @@ def test_fsdp2_over_tp_maps_hold_what_each_rank_holds(live):
     assert placements["layers.0.o_proj.weight"] == ["S(0)", "S(1)"]
     assert placements["layers.0.norm"] == ["S(0)"]
     assert placements["inv_freq"] == "plain"
-    for p, result in enumerate(live):
-        assert result["merged_same_everywhere"], p
-        for name, info in result["params"].items():
-            where = f"process {p}, {name}"
-            assert info["own_canonical"] and info["own_extract"], where
-            assert info["merged_canonical"] and info["merged_world"] == 4, where
-            assert info["merged_extract"] == [True] * 4, where
-            assert info["merged_rebuild"], where
+    check_every_rank(live)
+
+
+def test_fsdp2_over_tp_on_three_by_two_follows_fsdp2s_data(tmp_path):
+    """On a (3, 2) mesh the vocabulary's rows (13: TP cuts 7 + 6, each part cut over dp) are
+    where FSDP2 holds them, not where torch's local-shape function puts them."""
+    live = launch(tmp_path, 6)
+    check_every_rank(live)
+    assert [r["params"]["lm_head.weight"]["local_shape"][0] for r in live] == [3, 2, 3, 2, 1, 2]
+    # and a Redistributor from it (single elements of the uneven biases travel too)
+    assert live[2]["redistributed"] == [True, True] and live[3]["redistributed"] == [True, True]
+    assert live[0]["source_ranks"] == list(range(6))
 
 
 def test_fsdp2_over_tp_uneven_rows_are_one_piece_per_rank(live):

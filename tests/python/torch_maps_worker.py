@@ -3,6 +3,9 @@ tensor-parallel ``parallelize_module`` on a (2, 2) mesh (dp, tp), gloo on the CP
 
     torchrun --nproc_per_node 4 torch_maps_worker.py OUT_DIR
 
+(6 processes: a (3, 2) mesh, where the vocabulary's 13 rows, cut 7 + 6 by TP and each part
+over dp, leave (dp 2, tp 0) one row and (dp 2, tp 1) two.)
+
 Each process writes OUT_DIR/rank-R.json: per parameter its placements, whether this process's
 own map (no merge) is valid and canonical and extracts its ``to_local()`` from the full tensor,
 whether the merged maps are the same on every process, extract every rank's ``to_local()`` and
@@ -77,20 +80,21 @@ def build(mesh):
 def main() -> None:
     out = pathlib.Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    me = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    me, world = dist.get_rank(), dist.get_world_size()
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     model = build(mesh)
     state = model.state_dict()
     result = {"params": {}, "errors": []}
     try:
         own = rt.maps_of(model)
         merged = rt.maps_of(model, merge=True)
-        texts = [None] * 4
+        texts = [None] * world
         dist.all_gather_object(texts, {n: m.to_json() for n, m in merged.items()})
         result["merged_same_everywhere"] = all(t == texts[0] for t in texts)
         locals_ = {n: (t.to_local() if isinstance(t, DTensor) else t).contiguous()
                    for n, t in state.items()}
-        every = [None] * 4
+        every = [None] * world
         dist.all_gather_object(every, locals_)
         for name, t in state.items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
@@ -103,12 +107,12 @@ def main() -> None:
                     "merged_canonical": g == g.canonical(),
                     "merged_world": g.world_size,
                     "merged_extract": [torch.equal(reshard.extract(g, full, r), every[r][name])
-                                       for r in range(4)],
+                                       for r in range(world)],
                     "merged_rebuild": torch.equal(
-                        reshard.rebuild(g, [every[r][name] for r in range(4)]), full),
-                    "pieces": [len(g.pieces(r)) for r in range(4)],
-                    "locations": [[list(q.locations) for q in g.pieces(r)] for r in range(4)],
-                    "own_holders": [r for r in range(4) if m.pieces(r)],
+                        reshard.rebuild(g, [every[r][name] for r in range(world)]), full),
+                    "pieces": [len(g.pieces(r)) for r in range(world)],
+                    "locations": [[list(q.locations) for q in g.pieces(r)] for r in range(world)],
+                    "own_holders": [r for r in range(world) if m.pieces(r)],
                     "local_shape": list(locals_[name].shape)}
             m.validate()
             g.validate()
@@ -143,7 +147,7 @@ def main() -> None:
         got = pairs.run()
         result["pair_source_ranks"] = pairs._source_ranks
         result["pair_moved"] = (torch.equal(got["w"], reshard.extract(into["w"], full, me - 2))
-                                if me >= 2 else got == {})
+                                if me in (2, 3) else got == {})
         # A Partial DTensor (on process 1 alone) is refused naming it: by maps_of there, and
         # by a Redistributor built from the model on every process alike.
         partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial(), Replicate()])
