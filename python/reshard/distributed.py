@@ -303,13 +303,13 @@ class Redistributor:
                         ) -> tuple[dict[str, ParamMap], list[int]]:
         """The maps of every process's tensors, merged over the group (a collective), and the
         processes that hold any: source_ranks unless given."""
-        from .torch import _build, gather_views
+        from .torch import build_all, gather_views
         views = gather_views(source, self._comm.gather_object, self._me, self._members)
         found = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
         chosen = [int(r) for r in ranks] if ranks is not None else found
         import torch
         self._source_dtypes = {name: getattr(torch, dtype) for name, (_, _, dtype) in views.items()}
-        return {name: _build(name, view, chosen) for name, view in views.items()}, chosen
+        return build_all(views, chosen), chosen
 
     def _dtypes_of(self, dtypes: Any) -> list[str]:
         if not isinstance(dtypes, Mapping):

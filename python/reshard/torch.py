@@ -350,6 +350,19 @@ def _build(name: str, view: View, ranks: Sequence[int]) -> ParamMap:
         raise LayoutError(f"tensor \"{name}\": its map is not valid: {e}") from e
 
 
+def build_all(views: Mapping[str, View], ranks: Sequence[int]) -> dict[str, ParamMap]:
+    """Every view's map over ``ranks``, each layout built once (a model's layers repeat a few
+    shapes and placements)."""
+    made: dict[Any, ParamMap] = {}
+    out: dict[str, ParamMap] = {}
+    for name, view in views.items():
+        shape, by_rank, _ = view
+        key = (shape, tuple(sorted(by_rank.items())))
+        known = made.get(key)
+        out[name] = known if known is not None else made.setdefault(key, _build(name, view, ranks))
+    return out
+
+
 def _world(group: Any) -> Optional[list[int]]:
     """The global ranks of ``group`` (None: the world), or None without torch.distributed."""
     import torch.distributed as dist
@@ -424,8 +437,7 @@ def maps_of(source: TorchSource, *, ranks: Optional[Sequence[int]] = None, merge
             top = max((r for _, by_rank, _ in views.values() for r in by_rank), default=0)
             members = list(range(max(top, 0) + 1))
         ranks = members
-    ranks = [int(r) for r in ranks]
-    return {name: _build(name, view, ranks) for name, view in views.items()}
+    return build_all(views, [int(r) for r in ranks])
 
 
 def map_of(tensor: torch.Tensor, *, name: str = "", ranks: Optional[Sequence[int]] = None
