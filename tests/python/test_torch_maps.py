@@ -235,6 +235,20 @@ def test_every_order_of_mesh_dims_over_one_tensor_dim_is_read_as_torch_reads_it(
                     check_against_torch([rows, 2], list(mesh_shape), list(placements))
 
 
+def test_a_spec_that_does_not_read_split_factors_as_an_order_cuts_by_each_split():
+    """use_strided_shard_as_shard_order=False (torch's view propagation): each _StridedShard
+    cuts its dim into split_factor parts and each part over its mesh dim, first mesh dim
+    first."""
+    spec = types.SimpleNamespace(use_strided_shard_as_shard_order=False, shard_order=None)
+    placements = [_StridedShard(0, split_factor=2), Shard(0)]
+    got = rt.regions([7, 2], [3, 2], placements, spec=spec)
+    full = torch.arange(14).reshape(7, 2)
+    for coord, region in got.items():
+        rows = [g + i for g, n in region[0] for i in range(n)]
+        assert torch.equal(full[rows], torch_local(full, [3, 2], coord, placements)), coord
+    assert got[(2, 0)] == (((6, 1),), ((0, 2),)) != rt.regions([7, 2], [3, 2], placements)[(2, 0)]
+
+
 def test_strided_shard_alone_holds_one_chunk_of_each_part():
     m = check_against_torch([12], [2], [_StridedShard(0, split_factor=3)], torch.arange(2))
     assert m.shard_shape(0) == (6,)
