@@ -18,7 +18,7 @@ in place. Copies release the GIL. The ``reshard`` command (also ``python -m resh
 CLI.
 """
 
-from ._errors import CheckpointError, DegreeError, MapError, ReshardError
+from ._errors import CheckpointError, DegreeError, LayoutError, MapError, ReshardError
 from . import _core
 
 _core.register_errors(MapError, CheckpointError, DegreeError)
@@ -33,7 +33,8 @@ __version__: str = _core.__version__
 
 __all__ = [
     "Block", "Buffer", "BufferSet", "read_buffers",
-    "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "MapError", "Move",
+    "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "LayoutError",
+    "MapError", "Move",
     "ParamMap", "Piece", "Plan", "ReshardError", "__version__", "checkpoint", "compose", "degree",
     "extract", "infer", "maps_to_json", "read_maps", "rebuild", "transfer",
 ]

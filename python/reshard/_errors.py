@@ -21,3 +21,10 @@ class CheckpointError(ReshardError):
 
 class DegreeError(ReshardError, ValueError):
     """A model config the degree planner cannot read."""
+
+
+class LayoutError(ReshardError, ValueError):
+    """A trainer's tensor whose layout no param map can describe (a DTensor with a ``Partial``
+    placement holds addends, not elements of F), or layouts that disagree between processes."""
+
+    code = "INVALID_ARGUMENT"

@@ -53,6 +53,8 @@ from ._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_opti
 if TYPE_CHECKING:
     import torch
 
+    from .torch import TorchSource
+
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -213,17 +215,39 @@ class Redistributor:
     one round ahead and unpacks one round behind, so up to twice that each way). ``scale_power``,
     ``allow_scaled_optimizer_state``, ``allow_lossy_scale`` and ``num_threads`` are those of
     :func:`reshard.transfer`.
+
+    ``source=`` instead of ``source_maps``: the trainer's model or state dict as it lies, its
+    DTensors' meshes and placements being its layout (:func:`reshard.torch.maps_of`, merged
+    over the group: a collective in which every process passes ``source=``, ``{}`` where it
+    holds none). ``source_ranks`` then defaults to the processes that hold any tensor, map rank
+    i being the i-th of them; a mesh's ranks are read as the group's (global ranks for a
+    torch.distributed group; a :class:`Transport`'s own ranks otherwise); ``dtypes`` defaults
+    to the tensors'; and :meth:`run` takes the model (by default the one given here, as it is
+    then).
     """
 
-    def __init__(self, source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike], *,
-                 source_ranks: Sequence[int], target_ranks: Sequence[int], group: Any = None,
-                 dtypes: Union[None, Any, Mapping[str, Any]] = None,
+    def __init__(self, source_maps: Optional[Mapping[str, MapLike]] = None,
+                 target_maps: Optional[Mapping[str, MapLike]] = None, *,
+                 source_ranks: Optional[Sequence[int]] = None, target_ranks: Sequence[int],
+                 group: Any = None, dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
-                 num_threads: int = 0, _error: Optional[str] = None) -> None:
+                 num_threads: int = 0, source: Optional["TorchSource"] = None,
+                 _error: Optional[str] = None) -> None:
         self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
         self._me = self._comm.rank
         self._members = list(self._comm.members)
+        self._source: Optional[TorchSource] = source
+        self._source_dtypes: dict[str, Any] = {}
+        if source is not None:  # a collective: every process's tensors, before any check
+            try:
+                if source_maps is not None:
+                    raise RedistributeError("give source_maps or source=, not both")
+                source_maps, found = self._maps_of_source(source, source_ranks)
+                source_ranks = source_ranks if source_ranks is not None else found
+            except Exception as e:  # the same on every process; told by the agreement below
+                _error = _error or _message(e)
+                source_maps, source_ranks = {}, []
         self._exchange: Optional[_core.Exchange] = None
         self._dtypes: Optional[list[str]] = None
         self.last_stats: Optional[dict[str, int]] = None
@@ -251,14 +275,22 @@ class Redistributor:
                     raise RedistributeError(f"{flag} must be a bool, got {value!r}")
             self._options = _core.ExecOptions(scale_power, True, allow_scaled_optimizer_state,
                                               allow_lossy_scale, num_threads)
+            if source_ranks is None:
+                raise RedistributeError("source_ranks is required with source_maps (with "
+                                        "source=, it defaults to the processes holding tensors)")
             for what, maps in (("source_maps", source_maps), ("target_maps", target_maps)):
                 if not isinstance(maps, Mapping):
                     raise RedistributeError(f"{what} must be a mapping {{name: map}}, got "
                                             f"{type(maps).__name__}")
             self._source_ranks = _ranks(source_ranks, "source_ranks", self._members)
             self._target_ranks = _ranks(target_ranks, "target_ranks", self._members)
+            if target_maps is None:
+                raise RedistributeError("target_maps is required")
+            assert source_maps is not None
             self._names, self._src, self._dst = _maps(source_maps, target_maps,
                                                       self._source_ranks, self._target_ranks)
+            if dtypes is None and self._source_dtypes:
+                dtypes = self._source_dtypes
             if dtypes is not None:
                 self._dtypes = self._dtypes_of(dtypes)
             fingerprint = self._fingerprint()
@@ -267,6 +299,18 @@ class Redistributor:
         self._agree_on_construction(error, fingerprint)
         if self._dtypes is not None:
             self._plan()
+
+    def _maps_of_source(self, source: "TorchSource", ranks: Optional[Sequence[int]]
+                        ) -> tuple[dict[str, ParamMap], list[int]]:
+        """The maps of every process's tensors, merged over the group (a collective), and the
+        processes that hold any: source_ranks unless given."""
+        from .torch import build_all, gather_views
+        views = gather_views(source, self._comm.gather_object, self._me, self._members)
+        found = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
+        chosen = [int(r) for r in ranks] if ranks is not None else found
+        import torch
+        self._source_dtypes = {name: getattr(torch, dtype) for name, (_, _, dtype) in views.items()}
+        return build_all(views, chosen), chosen
 
     def _dtypes_of(self, dtypes: Any) -> list[str]:
         if not isinstance(dtypes, Mapping):
@@ -391,6 +435,18 @@ class Redistributor:
                     f"{_torch_dtype(self._dtypes[i])}")
             out.append(t)
         return out
+
+    def _local_of(self, source: "TorchSource") -> dict[str, "torch.Tensor"]:
+        """A torch source's shards as :meth:`_check_shards` takes them."""
+        from .torch import shards_of
+        if self._me not in self._source_ranks:
+            return {}
+        rank = self._source_ranks.index(self._me)
+        try:
+            return shards_of(source, dict(zip(self._names, self._src)), rank,
+                             {n: _torch_dtype(d) for n, d in zip(self._names, self._dtypes or [])})
+        except (TypeError, ValueError) as e:
+            raise RedistributeError(str(e)) from e
 
     def _learn_dtypes(self, local: list[Optional["torch.Tensor"]], error: Optional[str]) -> None:
         held = error is None and self._me in self._source_ranks
@@ -548,7 +604,7 @@ class Redistributor:
     def _comm_device(self) -> "torch.device":
         return self._comm.device()
 
-    def run(self, shards: Mapping[str, "torch.Tensor"],
+    def run(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
             dry_run: bool = False,
             on_ready: Optional[Callable[[dict[str, "torch.Tensor"]], None]] = None,
@@ -564,14 +620,25 @@ class Redistributor:
         travel, so that a receiver can start on one tensor (an engine processes a layer)
         before the others arrive. Each shard comes once, as the tensor ``run`` returns. An
         exception it raises stops the calls and is raised once this process's transfer has
-        completed, so that no peer is left waiting."""
+        completed, so that no peer is left waiting.
+
+        Built with ``source=``, ``shards`` is a module or state dict of DTensors and tensors
+        (default: the ``source`` given then, as it is now), each DTensor giving its
+        ``to_local()``; the tensors this process lacks are the empty shards its maps give it."""
+        import torch
         comm = self._comm_device()
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
         try:
             if _error is not None:  # a caller's own failure, agreed like the checks' failures
                 raise RedistributeError(_error)
-            local = self._check_shards(shards)
+            given: Any = shards
+            if self._source is not None:
+                given = self._local_of(self._source if shards is None else shards)
+            if given is None:
+                raise RedistributeError("run() needs this process's shards (it was built with "
+                                        "source_maps, not source=)")
+            local = self._check_shards(given)
         except Exception as e:  # told to every process by the agreement
             error = _message(e)
         if self._exchange is None:

@@ -52,6 +52,10 @@ struct Segment {
 template <typename Emit>
 void RangeBoxes(const Shape& shape, size_t d, Shape& start, Index lo, Index hi, Emit& emit) {
   if (lo >= hi) return;
+  if (shape.empty()) {  // a move of one element (compose gives it no dimensions): one box
+    emit(start, shape);
+    return;
+  }
   Index inner = 1;
   for (size_t k = d + 1; k < shape.size(); ++k) inner *= shape[k];
   auto box = [&](Index first, Index count) {

@@ -166,6 +166,13 @@ def cases(reshard_bin, tmp):
              "source": layout(reshard_bin, tmp, FAMILIES["padded_vocab"][0], [13, 64], 2),
              "target": layout(reshard_bin, tmp, FAMILIES["padded_vocab"][0], [13, 64], 4),
              "dtype": "float32"}}},
+        # Moves of one element between processes (compose gives them no dimensions): an
+        # uneven bias's last element, a vector's single elements.
+        {"name": "single_elements_travel", "source_ranks": [0, 1, 2], "target_ranks": [3, 1],
+         "seed": 14, "params": {
+             "bias": {"source": split_map([3], 0, [2, 1, 0]), "target": split_map([3], 0, [1, 2])},
+             "v": {"source": split_map([5, 1], 0, [2, 2, 1]),
+                   "target": split_map([5, 1], 0, [3, 2])}}},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
@@ -201,12 +208,13 @@ def launch(tmp_path_factory, reshard_bin):
 
 TORCH_COPIES = ["llama_tp4_to_tp2", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_columns",
                 "big_three_rows", "subgroup_of_three", "tp4_to_tp2_small_buckets_two_steps",
-                "padded_vocab_tp2_to_tp4"]
+                "padded_vocab_tp2_to_tp4", "single_elements_travel"]
 
 GOOD = ["tp4_to_tp2_overlapping", "tp4_to_tp2_small_buckets_two_steps",
         "rows_to_columns_disjoint", "tp2_to_tp4", "llama_tp4_to_tp2", "replicated_sources_balanced",
         "subgroup_of_three", "moe_ep2_to_ep2_tp2_buffers", "big_rows_to_rows",
-        "big_rows_to_columns", "big_three_rows", "padded_vocab_tp2_to_tp4", "after_errors"]
+        "big_rows_to_columns", "big_three_rows", "padded_vocab_tp2_to_tp4",
+        "single_elements_travel", "after_errors"]
 
 
 @pytest.mark.parametrize("name", GOOD + [f"torch_{n}" for n in TORCH_COPIES])

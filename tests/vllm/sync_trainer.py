@@ -10,6 +10,7 @@ push (or a failing push) followed, on process 0, by greedy generation. Process 0
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -50,6 +51,42 @@ def push_in_thread(sync: Any, shards: dict) -> dict:
     thread.start()
     thread.join()
     return out
+
+
+def push_dtensors(spec: dict, step: dict, llm: Any, syncs: dict) -> dict:
+    """The full weights distributed as DTensors over a 1-D mesh of the trainer processes
+    (alternately row and column splits, uneven where the sizes are; vectors replicated),
+    pushed by a WeightSync built from them (``source=``), then, the same tensors changed in
+    place to the other weights, pushed again: the sync reads the model as it is."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from reshard.vllm import WeightSync
+    import torch.distributed as dist
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    first, then = step["weights"], step["then"]
+    full = load_file(os.path.join(spec["full"][first], "model.safetensors"))
+    state = {n: distribute_tensor(t, mesh, [Shard(i % 2)] if t.dim() == 2 else [Replicate()])
+             for i, (n, t) in enumerate(sorted(full.items()))}
+    syncs["sync"] = sync = WeightSync(llm, source=state)
+    out: dict = {"stats": sync.push().__dict__}
+    if llm is not None:
+        out["tokens_first"] = generate_with(llm, spec)
+    other = load_file(os.path.join(spec["full"][then], "model.safetensors"))
+    with torch.no_grad():
+        for n, t in state.items():
+            t.copy_(distribute_tensor(other[n], mesh, t.placements))
+    out["stats_then"] = sync.push().__dict__
+    return out
+
+
+def generate_with(llm: Any, spec: dict) -> list:
+    from vllm import SamplingParams
+    params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run(spec: dict, rank: int) -> None:
@@ -96,6 +133,8 @@ def run(spec: dict, rank: int) -> None:
                                                overlap_processing=step.get("overlap"))
                 stats = syncs["sync"].push(shards)
                 entry["stats"] = stats.__dict__
+            elif kind == "dtensors":  # the trainer's own DTensors, no maps written
+                entry.update(push_dtensors(spec, step, llm, syncs))
             elif kind == "nan":  # every element NaN: generating fills KV blocks with NaN
                 nan = {n: torch.full_like(t, float("nan")) for n, t in shards.items()}
                 syncs["sync"].push(nan)

@@ -11,7 +11,6 @@ that one worker notices and another does not exists only with more than one work
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import signal
@@ -40,21 +39,6 @@ def models(tmp_path_factory):
                              NEW_TOKENS)
 
 
-def _plugin_path(tmp_path) -> list[str]:
-    """Where vLLM's processes find the reshard backend's entry point: the installed package's
-    own (CI), else, for the package of a CMake build (RESHARD_BUILD_DIR), a distribution that
-    holds only that entry point."""
-    group = importlib.metadata.entry_points(group="vllm.general_plugins")
-    if any(e.value.startswith("reshard.") for e in group):
-        return []
-    info = tmp_path / "plugin" / "reshard_build-0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: reshard-build\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nreshard = reshard.vllm.plugin:register\n")
-    return [str(tmp_path / "plugin")]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +65,7 @@ def server(models, tmp_path_factory):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
                TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(sys.path + _plugin_path(tmp)))
+               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp)))
     log = tmp / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
                "--model", models["model"], "--weight-transfer-config",

@@ -76,6 +76,7 @@ def moe_models(tmp_path_factory):
 def run_session(models, engine_tp, tmp_path, steps=STEPS):
     spec = {"model": models["model"], "engine_tp": engine_tp, "trainers": 2,
             "sharded": models["sharded"], "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+            "full": {k: os.path.join(models["root"], k) for k in ("A", "B")},
             "steps": steps, "rendezvous": str(tmp_path / "rendezvous"),
             "out": str(tmp_path / "result.json")}
     path = tmp_path / "spec.json"
@@ -87,7 +88,7 @@ def run_session(models, engine_tp, tmp_path, steps=STEPS):
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join(sys.path))
+               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp_path)))
     logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
     codes = toy.run_processes(os.path.join(HERE, "sync_trainer.py"), str(path), 2, env, logs,
                               480)
@@ -207,3 +208,20 @@ def test_a_second_push_mid_push_is_refused_on_every_process(session, models):
     assert main[15]["tokens"] == models["expected"]["B"]
     assert "error" not in main[16], main[16]
     assert main[16]["tokens"] == models["expected"]["A"]
+
+
+def test_trainer_dtensors_push_without_maps(models, tmp_path):
+    """WeightSync(llm, source=state) over the trainer processes' DTensors (row and column
+    splits, uneven ones included, and replicated vectors): each push gives transformers' tokens
+    of the weights the DTensors hold, at the plan's minimum bytes; changing the DTensors in place
+    and pushing again (no arguments) sends the new weights."""
+    steps = [{"name": "DTensors B then A", "kind": "dtensors", "weights": "B", "then": "A"}]
+    main, other = run_session(models, 2, tmp_path, steps)
+    step = main[1]
+    assert "error" not in step, step
+    assert step["tokens_first"] == models["expected"]["B"]
+    assert step["tokens"] == models["expected"]["A"]
+    for stats in (step["stats"], step["stats_then"]):
+        assert stats["bytes_sent"] == stats["plan_minimum"] > 0
+        assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
+    assert other[0]["stats"]["bytes_sent"] == step["stats"]["bytes_sent"]

@@ -196,3 +196,19 @@ def trainer_main(run: Callable[[dict[str, Any], int], None]) -> None:
         os._exit(1)
     sys.stdout.flush()
     os._exit(0)
+
+
+def plugin_path(tmp_path: Any) -> list[str]:
+    """Where vLLM's processes find the reshard backend's entry point: the installed package's
+    own (CI), else, for the package of a CMake build (RESHARD_BUILD_DIR), a distribution that
+    holds only that entry point."""
+    import importlib.metadata
+    group = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if any(e.value.startswith("reshard.") for e in group):
+        return []
+    info = tmp_path / "plugin" / "reshard_build-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: reshard-build\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nreshard = reshard.vllm.plugin:register\n")
+    return [str(tmp_path / "plugin")]

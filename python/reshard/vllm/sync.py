@@ -20,13 +20,21 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
-from .._maps import MapLike, as_map
+from .._errors import LayoutError
+from .._maps import MapLike, ParamMap, as_map
 from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
-                           Redistributor, _message)
+                           Redistributor, _message, _torch_dtype)
 from ._group import StoreGroup, join_store, serve_store
 
 if TYPE_CHECKING:
     import torch
+
+    from ..torch import TorchSource
+
+
+def torch_dtype_of(name: str) -> "torch.dtype":
+    """A library dtype name ("BF16") as torch's."""
+    return _torch_dtype(name)
 
 
 class WeightSyncError(RedistributeError):
@@ -184,10 +192,14 @@ class WeightSync:
     Every trainer process constructs it (a collective over the trainer processes and the
     engine's workers). ``engine`` is the ``vllm.LLM`` in the process that owns it (None in
     the others), or the URL of a ``vllm serve`` server (in one process, or in all);
-    ``source_maps`` is the trainer's layout ``{checkpoint name: ParamMap | dict}`` (any
-    reshard describes: TP splits, DeepSpeed AutoTP, FSDP rows, TP 1; buffers too), the same
-    in every process; ``group`` the torch.distributed group of the trainer processes (None:
-    the world, or this process alone when torch.distributed is not initialized).
+    ``source`` is the trainer's model (a ``torch.nn.Module``) or state dict as it lies: its
+    DTensors' meshes and placements are its layout (:func:`reshard.torch.maps_of`, merged over
+    the trainer processes, map rank i being trainer process i of ``group``), and each push sends
+    its current weights; or ``source_maps`` gives the layout explicitly: ``{checkpoint name:
+    ParamMap | dict}`` (any reshard describes: TP splits, DeepSpeed AutoTP, FSDP rows, TP 1;
+    buffers too), the same in every process, each push then given the shards. ``group`` is
+    the torch.distributed group of the trainer processes (None: the world, or this process
+    alone when torch.distributed is not initialized).
     ``target_maps`` defaults to vLLM's layout of the engine's model; ``dtypes`` (one dtype or
     ``{name: dtype}``) to the engine's parameter dtypes. ``bucket_bytes`` bounds the memory
     each process stages per round; ``backend`` is "gloo" (CPU) or "nccl" (GPU); ``host`` the
@@ -202,7 +214,8 @@ class WeightSync:
     shards into an FP8-block engine, quantized at the trainer.
     """
 
-    def __init__(self, engine: Any, source_maps: Mapping[str, MapLike], group: Any = None, *,
+    def __init__(self, engine: Any, source_maps: Optional[Mapping[str, MapLike]] = None,
+                 group: Any = None, *, source: Optional["TorchSource"] = None,
                  target_maps: Optional[Mapping[str, MapLike]] = None,
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
@@ -231,11 +244,26 @@ class WeightSync:
         if overlap_processing is not None and not isinstance(overlap_processing, bool):
             bad = (f"overlap_processing must be True, False or None, got "
                    f"{overlap_processing!r} (trainer process {self._rank})")
-        gathered = self._trainer_gather((engine is not None, bad))
-        refusals = [b for _, b in gathered if b is not None]
+        elif (source is None) == (source_maps is None):
+            bad = (f"give the trainer's layout as source= (its module or state dict) or as "
+                   f"source_maps=, one of the two (trainer process {self._rank})")
+        gathered = self._trainer_gather((engine is not None, bad, source is not None))
+        refusals = [b for _, b, _ in gathered if b is not None]
+        if not refusals and len({s for _, _, s in gathered}) > 1:
+            refusals = ["some trainer processes gave source=, others source_maps=; give the "
+                        "same on every trainer process"]
         if refusals:
             raise WeightSyncError("; ".join(refusals))
-        has = [h for h, _ in gathered]
+        self._source = source
+        self._source_maps: dict[str, ParamMap] = {}
+        if source is not None:  # a collective over the trainer processes, raising alike
+            try:
+                source_maps = self._source_maps_of(source)
+            except (LayoutError, TypeError) as e:
+                raise WeightSyncError(str(e)) from None
+            self._source_maps = source_maps
+        assert source_maps is not None
+        has = [h for h, _, _ in gathered]
         if not any(has):
             raise WeightSyncError("no trainer process was given the engine: pass the vllm.LLM "
                                   "(or the server's URL) in the process that has it")
@@ -295,6 +323,17 @@ class WeightSync:
             self._client.call("finish_weight_update")
 
     # -- construction -------------------------------------------------------------------
+
+    def _source_maps_of(self, source: "TorchSource") -> dict[str, ParamMap]:
+        """The maps of the trainer's tensors, map rank i being trainer process i of the group,
+        merged over the trainer processes."""
+        import torch.distributed as dist
+        from ..torch import maps_of
+        ranks = [0]
+        if dist.is_initialized():
+            ranks = (list(range(dist.get_world_size())) if self._group is None else
+                     [int(r) for r in dist.get_process_group_ranks(self._group)])
+        return maps_of(source, ranks=ranks, merge=True, group=self._group)
 
     def _trainer_gather(self, value: Any) -> list[Any]:
         import torch.distributed as dist
@@ -381,20 +420,46 @@ class WeightSync:
         return sum(int(ex.stats(p)["lower_bound"])
                    for p in range(self._trainers, self._trainers + self._workers))
 
-    def push(self, shards: Mapping[str, "torch.Tensor"]) -> SyncStats:
+    def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
+             ) -> SyncStats:
         """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
-        makes the others raise it within ``timeout_s``; this sync cannot push again."""
+        makes the others raise it within ``timeout_s``; this sync cannot push again.
+        Built with ``source=``, ``shards`` defaults to that source as it is now (a module's
+        current weights); a module or state dict of DTensors is taken too (each DTensor's
+        ``to_local()``)."""
         return self._push_plan(shards, self._overlap)
 
-    def _push_plan(self, shards: Mapping[str, "torch.Tensor"], overlap: Optional[bool]
-                   ) -> SyncStats:
+    def _local_shards(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]]
+                      ) -> tuple[Mapping[str, "torch.Tensor"], Optional[str]]:
+        """The shards a push sends, and why not where they cannot be had (agreed in the
+        push, so that every process refuses alike)."""
+        if self._source is None:
+            if shards is None:
+                return {}, ("push() needs this process's shards (the sync was built with "
+                            "source_maps)")
+            given: Any = shards  # checked by the push, alike on every process
+            return given, None
+        from ..torch import shards_of
+        sync = self.redistributor
+        dtypes = getattr(sync, "_dtypes", None) or []
+        names = getattr(sync, "_names", sorted(self._source_maps))
+        try:
+            return shards_of(self._source if shards is None else shards, self._source_maps,
+                             self._rank, {n: torch_dtype_of(d) for n, d in zip(names, dtypes)}
+                             ), None
+        except Exception as e:
+            return {}, f"trainer process {self._rank}: {_message(e)}"
+
+    def _push_plan(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]],
+                   overlap: Optional[bool]) -> SyncStats:
         """A push, the workers processing layers during the transfer or after it (``overlap``,
         None: the engine's default; the benchmark forces each way)."""
+        local, error = self._local_shards(shards)
         return self._push({"step": self._steps, "mode": "plan", "overlap": overlap},
-                          lambda: self.redistributor.run(shards))
+                          lambda: self.redistributor.run(local, _error=error))
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
         # A second push while one is in progress (another thread) is refused at once, before
