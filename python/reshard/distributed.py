@@ -625,7 +625,6 @@ class Redistributor:
         Built with ``source=``, ``shards`` is a module or state dict of DTensors and tensors
         (default: the ``source`` given then, as it is now), each DTensor giving its
         ``to_local()``; the tensors this process lacks are the empty shards its maps give it."""
-        import torch
         comm = self._comm_device()
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)

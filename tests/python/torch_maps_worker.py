@@ -125,7 +125,7 @@ def main() -> None:
         sync = rd.Redistributor(target_maps=target, target_ranks=[2, 3], source=model)
         result["source_ranks"] = sync._source_ranks
         runs = []
-        for step in range(2):
+        for _step in range(2):
             got = sync.run()
             fulls = {n: (t.full_tensor() if isinstance(t, DTensor) else t)
                      for n, t in model.state_dict().items()}
