@@ -28,6 +28,7 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/universal/universal.h"
+#include "reshard/checkpoint/universal/universal_files.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_file.h"
@@ -48,13 +49,6 @@ struct UniversalParam {
   std::string name;
   size_t weight = 0;
   std::map<std::string, size_t> states;  // "exp_avg", "exp_avg_sq", "step"
-};
-
-// One output file: its name (relative to the output), size and how it is written.
-struct UniversalFile {
-  std::string name;
-  uint64_t bytes = 0;
-  std::function<Status(const std::string& path, const TorchWriteOptions& options)> write;
 };
 
 // The parameters of `m` (DcpSource's manifest: names are the DCP keys) that have optimizer
@@ -219,76 +213,6 @@ Result<std::vector<UniversalFile>> PlanDcpUniversal(
     return a.bytes > b.bytes;
   });
   return files;
-}
-
-// As ConvertDeepSpeedToUniversal writes its files (universal.cc): without syncing each file,
-// its writeback started as it is closed, all synced before the commit.
-TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptions& options) {
-  TorchWriteOptions o;
-  o.root = fs::path(path).stem().string();
-  o.sync = false;
-  o.start_writeback = options.sync;
-  return o;
-}
-
-// Writes `files` into `out_dir` with OUT/latest_universal naming `folder`: process 0 makes the
-// folders, each process writes the files BalanceByBytes gives it (a thread per file), and
-// process 0 commits once all have succeeded.
-Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
-                           const CheckpointOptions& options, const std::vector<std::string>& inputs,
-                           const std::string& folder, const std::vector<UniversalFile>& files) {
-  RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
-  // Each folder inside its parent (a path sorts after its parent): a signal's cleanup may
-  // remove the temporary at any moment, and must not see it made again.
-  std::set<std::string> dirs;
-  for (const UniversalFile& f : files) {
-    for (fs::path d = fs::path(f.name).parent_path(); !d.empty(); d = d.parent_path())
-      dirs.insert(out.FilePath(d.string()));
-  }
-  Status made;
-  for (auto d = dirs.begin(); comm.rank() == 0 && made.ok() && d != dirs.end(); ++d) {
-    if (::mkdir(d->c_str(), 0777) != 0 && errno != EEXIST)
-      made = ErrnoStatus(errno, "creating", *d);
-  }
-  dirs.insert(out.temporary());
-  RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, made));
-  std::vector<uint64_t> sizes;
-  uint64_t total = 0;
-  for (const UniversalFile& f : files) {
-    sizes.push_back(f.bytes);
-    total += f.bytes;
-  }
-  const std::vector<int> owners = BalanceByBytes(sizes, comm.size());
-  ProcessStats mine;
-  std::vector<size_t> own;
-  std::vector<std::string> written;
-  for (size_t j = 0; j < files.size(); ++j) {
-    if (owners[j] != comm.rank()) continue;
-    own.push_back(j);
-    mine.files.push_back(files[j].name);
-    mine.bytes_written += files[j].bytes;
-    written.push_back(out.FilePath(files[j].name));
-  }
-  if (comm.rank() == 0) mine.files.push_back("latest_universal");
-  ProgressCounter progress(options, total);
-  Status wrote = ForEachIndex(own.size(), options.num_threads, [&](size_t k) -> Status {
-    const UniversalFile& f = files[own[k]];
-    const std::string path = out.FilePath(f.name);
-    RESHARD_RETURN_IF_ERROR(f.write(path, WriteOptionsFor(path, options)));
-    progress.Add(f.bytes);
-    return Status::Ok();
-  });
-  const int sync_threads = std::max(options.num_threads, 8);
-  if (wrote.ok() && options.sync) wrote = SyncFiles(written, sync_threads);
-  return FinishOutput(comm, out, wrote, std::move(mine), options, [&]() -> Status {
-    RESHARD_RETURN_IF_ERROR(
-        WriteFileAtomically(out.FilePath("latest_universal"), folder, {.sync = options.sync}));
-    if (options.sync) {
-      RESHARD_RETURN_IF_ERROR(
-          SyncFiles(std::vector<std::string>(dirs.begin(), dirs.end()), sync_threads));
-    }
-    return out.Commit(options.sync);
-  });
 }
 
 }  // namespace

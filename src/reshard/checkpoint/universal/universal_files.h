@@ -1,0 +1,40 @@
+// The universal checkpoint's files, written by several processes: each output file a job of
+// its own (its name, size and how it is written), the folders made once, the files shared out
+// by size, and the commit with OUT/latest_universal. Internal to checkpoint/universal/.
+#ifndef RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_FILES_H_
+#define RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_FILES_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "reshard/base/status.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/io/torch_writer.h"
+
+namespace reshard {
+
+// One output file: its name (relative to the output), size in bytes, and how it is written
+// to `path` (the options of a torch.save file there).
+struct UniversalFile {
+  std::string name;
+  uint64_t bytes = 0;
+  std::function<Status(const std::string& path, const TorchWriteOptions& options)> write;
+};
+
+// How every universal file is saved: without syncing each file, its writeback started as it
+// is closed (when the options sync), all synced before the commit.
+TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptions& options);
+
+// Writes `files` into `out_dir` with OUT/latest_universal naming `folder`: process 0 makes the
+// folders, each process writes the files BalanceByBytes gives it (a thread per file), and
+// process 0 commits once all have succeeded. `inputs` are the files the output must not
+// replace.
+Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
+                           const CheckpointOptions& options, const std::vector<std::string>& inputs,
+                           const std::string& folder, const std::vector<UniversalFile>& files);
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_UNIVERSAL_UNIVERSAL_FILES_H_
