@@ -37,9 +37,10 @@ ninja -C "$build" "${targets[@]}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0
-for name in "${names[@]}"; do
-  corpus="$work/$name"
-  artifacts="$build/fuzz-artifacts/$name"
+# One fuzzer run: its corpus (seeds and kept regressions) in the work folder, its log there,
+# its crashing inputs in the build's fuzz-artifacts.
+run_one() {
+  local name=$1 corpus="$work/$1" artifacts="$build/fuzz-artifacts/$1" seed dict=()
   mkdir -p "$corpus" "$artifacts"
   cp -r "$root/fuzz/corpus/$name/." "$corpus/"
   if [[ -d "$root/fuzz/regressions/$name" ]]; then
@@ -47,14 +48,27 @@ for name in "${names[@]}"; do
   fi
   seed=${RESHARD_FUZZ_SEED:-1}
   if [[ "$seed" == random ]]; then seed=$(( (RANDOM << 15 | RANDOM) + 1 )); fi
-  echo "== $name: ${seconds}s, seed $seed"
-  dict=()
+  echo "$seed" > "$work/$name.seed"
   if [[ -f "$root/fuzz/$name.dict" ]]; then dict=(-dict="$root/fuzz/$name.dict"); fi
-  if ! "$build/fuzz/${name}_fuzzer" "${dict[@]}" -seed="$seed" -max_total_time="$seconds" -max_len=4096 -timeout=10 \
-      -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" "$corpus" \
-      > "$work/$name.log" 2>&1; then
+  "$build/fuzz/${name}_fuzzer" "${dict[@]}" -seed="$seed" -max_total_time="$seconds" -max_len=4096 \
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" "$corpus" \
+    > "$work/$name.log" 2>&1
+}
+
+# The fuzzers run side by side, RESHARD_JOBS at a time (default 2: one a core), each for the
+# full time; their reports follow in order.
+parallel=${RESHARD_JOBS:-2}
+declare -A pid_of
+for name in "${names[@]}"; do
+  while (( $(jobs -rp | wc -l) >= parallel )); do wait -n || true; done
+  run_one "$name" &
+  pid_of[$name]=$!
+done
+for name in "${names[@]}"; do
+  echo "== $name: ${seconds}s, seed $(cat "$work/$name.seed" 2>/dev/null || echo ?)"
+  if ! wait "${pid_of[$name]}"; then
     tail -n 60 "$work/$name.log"
-    echo "== $name: FAILED; inputs in $artifacts" >&2
+    echo "== $name: FAILED; inputs in $build/fuzz-artifacts/$name" >&2
     status=1
   else
     grep -E '^stat::number_of_executed_units|^Done' "$work/$name.log" || true
