@@ -68,12 +68,12 @@ class DomBuilder : public nlohmann::json_sax<Json> {
     const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
     if (!error_ && !std::isfinite(v)) {
       error_ =
-          ErrorAt(PathOfTop(), fmt::format("number {} is out of the range of a double", shown));
+          ErrorAt(PathOfValue(), fmt::format("number {} is out of the range of a double", shown));
     }
     const std::string_view mantissa = std::string_view(text).substr(0, text.find_first_of("eE"));
     if (!error_ && v == 0 && mantissa.find_first_of("123456789") != std::string_view::npos) {
       error_ =
-          ErrorAt(PathOfTop(),
+          ErrorAt(PathOfValue(),
                   fmt::format("number {} is too small for a double (it would read as 0)", shown));
     }
     return Add(v);
@@ -158,6 +158,15 @@ class DomBuilder : public nlohmann::json_sax<Json> {
       path = v.is_object() ? Member(path, stack_[i].key) : Element(path, v.size() - 1);
     }
     return path;
+  }
+
+  // The JSON path of the value being added (the member just keyed, or the open array's next
+  // element).
+  std::string PathOfValue() const {
+    if (stack_.empty()) return "";
+    const Json& top = *stack_.back().value;
+    return top.is_object() ? Member(PathOfTop(), stack_.back().key)
+                           : Element(PathOfTop(), top.size());
   }
 
   Json& root_;

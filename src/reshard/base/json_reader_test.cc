@@ -37,9 +37,9 @@ TEST(JsonReaderTest, DuplicateKeysAreRefusedWithTheirPath) {
 
 TEST(JsonReaderTest, NumbersADoubleCannotHoldAreRefused) {
   EXPECT_EQ(Error(R"({"b": {"fill": 1e-400}})"),
-            "b: number 1e-400 is too small for a double (it would read as 0)");
-  EXPECT_EQ(Error(R"([-2.5E-999])"),
-            "number -2.5E-999 is too small for a double (it would read as 0)");
+            "b.fill: number 1e-400 is too small for a double (it would read as 0)");
+  EXPECT_EQ(Error(R"([1, -2.5E-999])"),
+            "[1]: number -2.5E-999 is too small for a double (it would read as 0)");
   const std::string big = Error(R"({"fill": 1e400})");
   EXPECT_NE(big.find("1e400"), std::string::npos) << big;
   // Zero written as zero, and subnormal values, are numbers a double holds.
