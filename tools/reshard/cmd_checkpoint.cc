@@ -160,7 +160,9 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-std::string Gigabytes(uint64_t bytes) { return fmt::format("{:.3f} GB", bytes / 1e9); }
+std::string Gigabytes(uint64_t bytes) {
+  return fmt::format("{:.3f} GB", static_cast<double>(bytes) / 1e9);
+}
 
 // Prints what a checkpoint command did (process 0 only): `line`, then, from several processes,
 // a line per process; with --json one document instead: the output, the time and every

@@ -13,6 +13,9 @@ std::string_view DTypeName(DType dtype) {
   return "?";
 }
 
+// The X-macro's switches repeat a value for dtypes that share it (branch-clone), and its
+// arguments are tokens of the table, not expressions (macro-parentheses).
+// NOLINTBEGIN(bugprone-branch-clone,bugprone-macro-parentheses)
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
 #define RESHARD_DTYPE_SIZE(e, name, size, kind) \
@@ -42,5 +45,6 @@ std::optional<DType> DTypeFromName(std::string_view name) {
 #undef RESHARD_DTYPE_FROM
   return std::nullopt;
 }
+// NOLINTEND(bugprone-branch-clone,bugprone-macro-parentheses)
 
 }  // namespace reshard

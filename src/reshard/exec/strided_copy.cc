@@ -315,11 +315,11 @@ Index ScaledCompareRow(const Byte* src, Index src_stride, const Byte* ref, Index
     LoadBlock(expected, ref + i * ref_stride, ref_stride, m);
     ScaleBlock<Codec, kDivide>(in, out, m, f);
     // Bit patterns, on purpose: -0.0 is not 0.0 and a NaN's payload counts.
-    if (std::memcmp(out, expected, static_cast<size_t>(m) * sizeof(S)) == 0)
-      continue;  // NOLINT(bugprone-suspicious-memory-comparison)
+    // NOLINTNEXTLINE(bugprone-suspicious-memory-comparison)
+    if (std::memcmp(out, expected, static_cast<size_t>(m) * sizeof(S)) == 0) continue;
     for (Index j = 0; j < m; ++j) {
-      if (std::memcmp(&out[j], &expected[j], sizeof(S)) != 0)
-        return i + j;  // NOLINT(bugprone-suspicious-memory-comparison)
+      // NOLINTNEXTLINE(bugprone-suspicious-memory-comparison)
+      if (std::memcmp(&out[j], &expected[j], sizeof(S)) != 0) return i + j;
     }
   }
   return -1;

@@ -56,6 +56,8 @@ void ReleaseMappedPages(std::span<const std::byte> range) {
   static const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto begin = (reinterpret_cast<uintptr_t>(range.data()) + page - 1) / page * page;
   const auto end = (reinterpret_cast<uintptr_t>(range.data()) + range.size()) / page * page;
+  // madvise takes whole pages: the range rounded inwards, as an address again.
+  // NOLINTNEXTLINE(performance-no-int-to-ptr)
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 

@@ -691,8 +691,8 @@ Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
   return Status::Ok();
 }
 
-std::shared_ptr<const StateDictStructure> DcpStateDict(std::shared_ptr<const DcpCheckpoint> ckpt,
-                                                       bool weights_only) {
+std::shared_ptr<const StateDictStructure> DcpStateDict(
+    const std::shared_ptr<const DcpCheckpoint>& ckpt, bool weights_only) {
   auto out = std::make_shared<StateDictStructure>();
   // A path planner_data does not record: the key alone, as torch's loader then takes it.
   const auto path_of = [](const auto& item) {

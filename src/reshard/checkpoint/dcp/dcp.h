@@ -225,8 +225,8 @@ Status CheckDcpOptions(const std::string& path, const SourceOptions& options);
 /// (planner_data, else its key alone) and every bytes item, its stored bytes as they are (a key
 /// stored by several ranks, as per-rank saves store it: the lowest rank's copy); with
 /// `weights_only`, neither of the optimizer's (IsDcpOptimizerState).
-std::shared_ptr<const StateDictStructure> DcpStateDict(std::shared_ptr<const DcpCheckpoint> ckpt,
-                                                       bool weights_only);
+std::shared_ptr<const StateDictStructure> DcpStateDict(
+    const std::shared_ptr<const DcpCheckpoint>& ckpt, bool weights_only);
 
 /// A DCP checkpoint opened for `options.use` (the table of formats' opener): a gather takes the
 /// model's tensors (IsDcpOptimizerState's keys left out of the Hugging Face files); a convert
