@@ -545,12 +545,12 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
-                   "torch_dist (docs/formats.md)",
+                   "checkpoint directory: reshard sharded, DeepSpeed (or its universal "
+                   "checkpoint), PyTorch DCP, Megatron torch_dist (docs/formats.md)",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
-                "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
-                "module's");
+                "DeepSpeed or universal input: write the optimizer's fp32 master weights "
+                "instead of the module's");
   cmd->add_flag("--optimizer-state", args->optimizer_state,
                 "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...)");
   cmd->add_option("--config", args->config,

@@ -16,6 +16,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
 #include "reshard/hf/quantization.h"
@@ -184,6 +185,24 @@ Result<OpenedCheckpoint> OpenDeepSpeedWithMaps(const std::string& path,
   return out;
 }
 
+// ---- DeepSpeed's universal checkpoint -----------------------------------------------------
+
+// The options a DeepSpeed checkpoint takes, as it takes them: the universal checkpoint holds
+// the same states (its fp32 masters, their moments), whole.
+Status CheckUniversal(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights && options.use != SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a convert of a universal checkpoint carries the master weights as \"<param>.fp32\" "
+        "already");
+  }
+  if (options.weights_only && options.use != SourceUse::kConvert) {
+    return InvalidArgumentError("a gather writes the model's weights only already");
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a DeepSpeed universal checkpoint"));
+  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(path, options, "a DeepSpeed universal checkpoint"));
+  return RefuseDistributedConfig(path, options, "a DeepSpeed universal checkpoint");
+}
+
 // ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
 
 Status CheckMegatron(const std::string& path, const SourceOptions& options) {
@@ -240,6 +259,9 @@ constexpr std::array kFormats = {
     // Before DCP: a Megatron checkpoint is a DCP checkpoint with a metadata.json.
     CheckpointFormat{"megatron", "a Megatron-Core dist-ckpt (torch_dist)", IsMegatronCheckpoint,
                      CheckMegatron, OpenMegatron},
+    // Before DeepSpeed: the universal folder keeps copies of DeepSpeed's model-states files.
+    CheckpointFormat{"universal", "a DeepSpeed universal checkpoint", IsUniversalCheckpoint,
+                     CheckUniversal, OpenUniversal},
     CheckpointFormat{"deepspeed", "a DeepSpeed checkpoint", IsDeepSpeedCheckpoint, CheckDeepSpeed,
                      OpenDeepSpeedWithMaps},
     CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
