@@ -5,6 +5,9 @@ they read the DeepSpeed checkpoint it came from.
   DP 2, bf16 module), converted by reshard and by DeepSpeed's own ds_to_universal: `gather`
   writes what `gather` of the DeepSpeed checkpoint writes (the module's bf16 weights: the fp32
   masters rounded; with --fp32 the masters), bit for bit.
+- The same from ZeRO 3 at TP 1, whose universal files are bare flat tensors.
+- Where the checkpoint records no layout (TP 1), the model's config.json lays it out, as it
+  does the DeepSpeed save dir.
 - `convert --tp 2` lays the universal checkpoint out as `convert --tp 2` of the DeepSpeed
   checkpoint does (the layouts of the model-states copy), and a gather of it writes the same
   tensors, optimizer state ("<param>.fp32", ".exp_avg", ".exp_avg_sq") included.
@@ -70,6 +73,48 @@ def test_gather_equals_gather_of_the_deepspeed_checkpoint(sources, reshard_bin, 
     assert_same(got, want)
     dtype = torch.float32 if flags else torch.bfloat16
     assert {t.dtype for t in got.values()} == {dtype}
+
+
+# ZeRO 3 at TP 1: ds_to_universal (and reshard, as it does) writes bare flat tensors, shaped
+# by the model-states copy's param_shapes.
+FLAT = Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251)
+
+
+@pytest.mark.parametrize("flags", [[], ["--fp32"]], ids=["module", "fp32"])
+def test_gather_of_the_flat_form(ds_checkpoint, reshard_bin, tmp_path, flags):
+    ckpt = ds_checkpoint(FLAT)
+    ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", tmp_path / "ours")
+    theirs = ds_to_universal(ckpt, tmp_path / "theirs")
+    fp32 = torch.load(theirs / "zero" / "lm_head.weight" / "fp32.pt", weights_only=False)
+    assert isinstance(fp32, torch.Tensor) and fp32.dim() == 1  # the flat form indeed
+    want = gathered(reshard_bin, ckpt.save_dir, tmp_path / "ds", *flags)
+    assert_same(gathered(reshard_bin, tmp_path / "ours", tmp_path / "a", *flags), want)
+    assert_same(gathered(reshard_bin, theirs, tmp_path / "b", *flags), want)
+
+
+def test_layouts_from_a_config_where_the_checkpoint_records_none(ds_checkpoint, reshard_bin,
+                                                                  tmp_path):
+    """TP 1 runs record no universal_checkpoint_info: convert --tp takes the model's config.json
+    (given, or in the dir given) as for the DeepSpeed save dir, and writes the same files."""
+    ckpt = ds_checkpoint(FLAT)
+    uc = tmp_path / "uc"
+    ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", uc)
+    r = run(reshard_bin, "convert", uc, "--tp", "2", "-o", tmp_path / "none")
+    assert r.returncode == 1 and "no recorded layout" in r.stderr and "--config" in r.stderr
+    ok(reshard_bin, "convert", ckpt.save_dir, "--tp", "2", "-o", tmp_path / "ds2")
+    ok(reshard_bin, "convert", uc, "--tp", "2", "--config", ckpt.save_dir / "config.json", "-o",
+       tmp_path / "uc2")
+    (uc / "config.json").write_bytes((ckpt.save_dir / "config.json").read_bytes())
+    ok(reshard_bin, "convert", uc, "--tp", "2", "-o", tmp_path / "beside")
+    files = sorted(f.name for f in (tmp_path / "ds2").glob("*.safetensors"))
+    assert len(files) == 2
+    for out in ("uc2", "beside"):
+        for name in files:
+            assert_same(load_file(tmp_path / out / name), load_file(tmp_path / "ds2" / name))
+    # A gather copies that config.json, as from the DeepSpeed save dir.
+    ok(reshard_bin, "gather", uc, "-o", tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").read_bytes() == \
+        (ckpt.save_dir / "config.json").read_bytes()
 
 
 def test_convert_tp2_then_gather_round_trips(sources, reshard_bin, tmp_path):

@@ -471,7 +471,8 @@ Status RunConvert(const ConvertArgs& args) {
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() +
                                 "; give them with --target-maps MAPS.json (or put the model's "
-                                "config.json in a DeepSpeed save dir)");
+                                "config.json in a DeepSpeed save dir; a universal checkpoint "
+                                "also takes --config config.json)");
   }
   if (s.code() == StatusCode::kUnimplemented &&
       s.message().find("universal") != std::string::npos) {
@@ -590,7 +591,8 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
       ->check(NotEmptyJson());
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
-                  "tensors (Megatron)");
+                  "tensors (Megatron) or to lay them out (a universal checkpoint without "
+                  "universal_checkpoint_info)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
   AddDequantizeFlags(cmd, *args,
