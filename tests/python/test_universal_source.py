@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from ds_checkpoints import Spec, ds_to_universal
+from test_deepspeed_checkpoints import CI_SPECS
 
 SPEC = Spec("qwen2", tp=2, dp=2, stage=2, dtype="bfloat16")
 
@@ -44,6 +45,9 @@ def ok(reshard_bin, *args):
 def sources(ds_checkpoint, tmp_path_factory, reshard_bin):
     """{"deepspeed": the save dir, "reshard": reshard's universal output (the dir with
     latest_universal), "ds_to_universal": DeepSpeed's output folder}."""
+    # The launches of the CI matrix these specs belong to, whole: in a full run the other
+    # modules train them once for all (ds_checkpoint is a session fixture).
+    ds_checkpoint.prepare([s for s in CI_SPECS if (s.tp, s.dp) in {(2, 2), (1, 3)}])
     ckpt = ds_checkpoint(SPEC)
     base = tmp_path_factory.mktemp("universal_source")
     ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", base / "reshard")
@@ -78,6 +82,7 @@ def test_gather_equals_gather_of_the_deepspeed_checkpoint(sources, reshard_bin, 
 # ZeRO 3 at TP 1: ds_to_universal (and reshard, as it does) writes bare flat tensors, shaped
 # by the model-states copy's param_shapes.
 FLAT = Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251)
+assert SPEC in CI_SPECS and FLAT in CI_SPECS
 
 
 @pytest.mark.parametrize("flags", [[], ["--fp32"]], ids=["module", "fp32"])
@@ -207,3 +212,13 @@ def test_refusals_name_the_file(sources, reshard_bin, tmp_path):
     assert not (tmp_path / "hf").exists()
     r = run(reshard_bin, "gather", sources["reshard"], "--optimizer-state", "-o", tmp_path / "o")
     assert r.returncode == 2, r.stderr
+
+
+def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):
+    import reshard
+
+    reshard.checkpoint.gather(sources["reshard"], tmp_path / "py", fp32=True)
+    cli = gathered(reshard_bin, sources["reshard"], tmp_path / "cli", "--fp32")
+    assert_same(load_file(tmp_path / "py" / "model.safetensors"), cli)
+    with pytest.raises(ValueError, match="universal"):
+        reshard.checkpoint.gather(sources["reshard"], tmp_path / "bad", optimizer_state=True)
