@@ -473,7 +473,8 @@ Status RunConvert(const ConvertArgs& args) {
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() +
                                 "; give them with --target-maps MAPS.json (or put the model's "
-                                "config.json in a DeepSpeed save dir)");
+                                "config.json in a DeepSpeed save dir; a universal checkpoint "
+                                "also takes --config config.json)");
   }
   if (s.code() == StatusCode::kUnimplemented &&
       s.message().find("universal") != std::string::npos) {
@@ -547,12 +548,12 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
-                   "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
-                   "torch_dist (docs/formats.md)",
+                   "checkpoint directory: reshard sharded, DeepSpeed (or its universal "
+                   "checkpoint), PyTorch DCP, Megatron torch_dist (docs/formats.md)",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
-                "DeepSpeed input: write the optimizer's fp32 master weights instead of the "
-                "module's");
+                "DeepSpeed or universal input: write the optimizer's fp32 master weights "
+                "instead of the module's");
   cmd->add_flag("--optimizer-state", args->optimizer_state,
                 "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...)");
   cmd->add_option("--config", args->config,
@@ -592,7 +593,8 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
       ->check(NotEmptyJson());
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
-                  "tensors (Megatron)");
+                  "tensors (Megatron) or to lay them out (a universal checkpoint without "
+                  "universal_checkpoint_info)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
   AddDequantizeFlags(cmd, *args,

@@ -1752,6 +1752,39 @@ Result<OpenedCheckpoint> OpenDeepSpeed(const std::string& ckpt_dir, const Source
   return out;
 }
 
+// ---- layouts for a universal checkpoint ---------------------------------------------------
+
+Result<std::vector<std::optional<LayoutDescriptor>>> DeepSpeedLayoutsOf(
+    const TorchFile& file, const std::vector<std::pair<std::string, Shape>>& params) {
+  RESHARD_ASSIGN_OR_RETURN(const UcInfo uc, ReadUcInfo(file.tree(), file.tree().root()));
+  std::vector<std::optional<LayoutDescriptor>> out;
+  for (const auto& [name, shape] : params) {
+    RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
+                             MatchOne(uc.affine, name, "affine_map.params"));
+    if (affine) {
+      Result<ParamMap> map = ReadDeepSpeedAffineMap(uc.raw["affine_map"]["params"][*affine].dump());
+      if (!map.ok()) {
+        return map.status().Annotate(
+            fmt::format("universal_checkpoint_info.affine_map.params[\"{}\"]", *affine));
+      }
+      out.push_back(Recognise(*map));
+      continue;
+    }
+    // The full shape stands for the one shard: the category decides the rule, not the sizes.
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Value> meta, PatternMeta(uc, name, {shape}));
+    if (!meta) {
+      out.emplace_back();
+      continue;
+    }
+    Result<LoweredDeepSpeedMeta> lowered = LowerDeepSpeedMeta(meta->dump());
+    if (!lowered.ok()) {
+      return lowered.status().Annotate(fmt::format("universal_checkpoint_info, \"{}\"", name));
+    }
+    out.emplace_back(lowered->descriptor);
+  }
+  return out;
+}
+
 // ---- summaries --------------------------------------------------------------------------
 
 namespace {

@@ -44,6 +44,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/base/dtype.h"
@@ -209,6 +210,14 @@ std::unique_ptr<ShardSource> DeepSpeedSource(std::shared_ptr<const DeepSpeedChec
 /// parameter with its layout. An AutoEP checkpoint is gathered by its own gather and not
 /// converted (its experts go to the universal checkpoint only).
 Result<OpenedCheckpoint> OpenDeepSpeed(const std::string& ckpt_dir, const SourceOptions& options);
+
+/// What a model-states file (`file`, one of mp_rank_XX_model_states.pt, as a universal checkpoint
+/// keeps a copy) says of its parameters: for each of `params` (name, full shape), the layout its
+/// universal_checkpoint_info gives it at any TP degree (its affine map when that is a split or
+/// a replica, else its pattern lists, as ds_to_universal's loader splits the full tensor);
+/// nullopt where the file has no such info or the map is no rule reshard recognises.
+Result<std::vector<std::optional<LayoutDescriptor>>> DeepSpeedLayoutsOf(
+    const TorchFile& file, const std::vector<std::pair<std::string, Shape>>& params);
 
 /// A human summary (text) and a machine one (JSON) of what Open found: stage, TP x DP, dtype,
 /// parameters with their shapes and where their layouts come from.

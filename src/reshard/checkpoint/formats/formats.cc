@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <system_error>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
 #include "reshard/hf/quantization.h"
@@ -184,6 +186,79 @@ Result<OpenedCheckpoint> OpenDeepSpeedWithMaps(const std::string& path,
   return out;
 }
 
+// ---- DeepSpeed's universal checkpoint -----------------------------------------------------
+
+// The options a DeepSpeed checkpoint takes, as it takes them: the universal checkpoint holds
+// the same states (its fp32 masters, their moments), whole.
+Status CheckUniversal(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights && options.use != SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a convert of a universal checkpoint carries the master weights as \"<param>.fp32\" "
+        "already");
+  }
+  if (options.weights_only && options.use != SourceUse::kConvert) {
+    return InvalidArgumentError("a gather writes the model's weights only already");
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(path, options, "a DeepSpeed universal checkpoint"));
+  return RefuseDistributedConfig(path, options, "a DeepSpeed universal checkpoint");
+}
+
+// The model's config.json for a universal checkpoint: the one given, else one in `path` (as
+// in a DeepSpeed save dir), else "".
+std::string UniversalConfigPath(const std::string& path, const SourceOptions& options) {
+  if (!options.config_path.empty()) return options.config_path;
+  return HasFile(path, "config.json") ? (fs::path(path) / "config.json").string() : "";
+}
+
+// The parameter of a tensor that a DeepSpeed-like source names "<param>.<state>".
+std::string_view BaseParamName(std::string_view name, const std::set<std::string_view>& names) {
+  for (std::string_view state : {".fp32", ".exp_avg_sq", ".exp_avg"}) {
+    if (name.ends_with(state) && names.contains(name.substr(0, name.size() - state.size())))
+      return name.substr(0, name.size() - state.size());
+  }
+  return name;
+}
+
+// convert's target maps from the model's config.json, for every tensor (a state as its
+// parameter), when some parameter records no layout (TP 1 runs, sub-parameters, DCP sources),
+// as for a DeepSpeed checkpoint.
+Result<std::optional<MapDocument>> UniversalConfigMaps(const ShardSource& source,
+                                                       const std::string& config_path, int world) {
+  const Manifest& m = source.manifest();
+  const bool all_laid_out = std::all_of(m.params.begin(), m.params.end(),
+                                        [](const ShardedParam& p) { return p.layout.has_value(); });
+  if (all_laid_out || config_path.empty()) return std::optional<MapDocument>();
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config_path));
+  Result<ConfigMaps> maps = ConfigMaps::FromConfigJson(BuiltinTpRegistry(), text, world);
+  if (!maps.ok()) return maps.status().Annotate(fmt::format("\"{}\"", config_path));
+  std::set<std::string_view> names;
+  for (const ShardedParam& p : m.params) names.insert(p.name);
+  MapDocument doc;
+  for (const ShardedParam& p : m.params) {
+    Result<TensorMap> t = maps->Map(BaseParamName(p.name, names), p.map.valid_shape());
+    if (!t.ok()) return t.status().Annotate(fmt::format("\"{}\"", config_path));
+    doc.params.emplace_back(p.name, std::move(t->map));
+  }
+  return std::optional<MapDocument>(std::move(doc));
+}
+
+// A universal checkpoint with the model's config.json, when there is one: copied by a gather,
+// and laying out a convert's parameters that record no layout.
+Result<OpenedCheckpoint> OpenUniversalWithConfig(const std::string& path,
+                                                 const SourceOptions& options) {
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint out, OpenUniversal(path, options));
+  const std::string config = UniversalConfigPath(path, options);
+  if (config.empty()) return out;
+  if (options.use == SourceUse::kGather) {
+    RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(config));
+    out.extra_files.push_back({"config.json", std::move(text)});
+  }
+  out.target_maps = [source = out.source, config](int world) {
+    return UniversalConfigMaps(*source, config, world);
+  };
+  return out;
+}
+
 // ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
 
 Status CheckMegatron(const std::string& path, const SourceOptions& options) {
@@ -240,6 +315,9 @@ constexpr std::array kFormats = {
     // Before DCP: a Megatron checkpoint is a DCP checkpoint with a metadata.json.
     CheckpointFormat{"megatron", "a Megatron-Core dist-ckpt (torch_dist)", IsMegatronCheckpoint,
                      CheckMegatron, OpenMegatron},
+    // Before DeepSpeed: the universal folder keeps copies of DeepSpeed's model-states files.
+    CheckpointFormat{"universal", "a DeepSpeed universal checkpoint", IsUniversalCheckpoint,
+                     CheckUniversal, OpenUniversalWithConfig},
     CheckpointFormat{"deepspeed", "a DeepSpeed checkpoint", IsDeepSpeedCheckpoint, CheckDeepSpeed,
                      OpenDeepSpeedWithMaps},
     CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,

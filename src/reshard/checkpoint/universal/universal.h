@@ -5,8 +5,10 @@
 
 #include <string>
 
+#include "reshard/base/result.h"
 #include "reshard/base/status.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/source.h"
 
 namespace reshard {
 
@@ -37,6 +39,25 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
 /// tensor or without both moments, and for a tensor that is not fp32.
 Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_dir,
                              const CheckpointOptions& options = {});
+
+/// Whether `path` looks like a universal checkpoint: a dir with latest_universal (but no
+/// `latest`: a DeepSpeed save dir with a universal folder beside its tags stays a DeepSpeed
+/// checkpoint), or the folder itself (zero/optimizer_state.pt); it may still fail to open.
+bool IsUniversalCheckpoint(const std::string& path);
+
+/// A universal checkpoint (`path`: the dir whose latest_universal names the folder, or the
+/// folder) opened as DeepSpeed checkpoints are (OpenDeepSpeed), at one rank: each
+/// zero/<param>/fp32.pt's tensor whole. For a gather, the module's weights (the fp32 master
+/// weights rounded to the module's dtype, which the model-states copy's module weights give; fp32
+/// without a copy, as from a DCP source) or, with `master_weights`, the masters; for a convert,
+/// the module's weights and, unless `weights_only`, "<param>.fp32", "<param>.exp_avg" and
+/// "<param>.exp_avg_sq" from fp32.pt, exp_avg.pt and exp_avg_sq.pt. Each parameter's layout at
+/// another TP degree is the one the model-states copy's universal_checkpoint_info gives it
+/// (DeepSpeedLayoutsOf); none without it. NotFound for latest_universal naming no folder and
+/// for a parameter folder without a file it needs; InvalidArgument, naming the file, for a
+/// file whose tensor is not at "param" or not fp32, and for moments whose shape differs from
+/// the fp32 weight's.
+Result<OpenedCheckpoint> OpenUniversal(const std::string& path, const SourceOptions& options);
 
 }  // namespace reshard
 

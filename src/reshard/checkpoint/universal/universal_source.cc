@@ -1,0 +1,349 @@
+// DeepSpeed's universal checkpoint as a source (OpenUniversal, universal.h).
+//
+// The folder (docs/formats.md, "The universal checkpoint"; `OUT/latest_universal` names it):
+//   zero/<param>/fp32.pt         {"param": the full fp32 master weight, ...category keys}
+//   zero/<param>/exp_avg.pt      the same for Adam's first moment
+//   zero/<param>/exp_avg_sq.pt   and its second
+//   zero/<param>/step.pt, zero/optimizer_state.pt   not read
+//   *model_states.pt             copies of DeepSpeed's (none from a DCP source)
+// ZeRO 3 at TP 1 keeps bare flat tensors instead of the dicts; their shapes come from the
+// model-states copy's param_shapes. Each tensor is one rank's whole shard (world size 1),
+// read in place from its mapped file. The layout that lays it out at another TP degree comes
+// from the model-states copy's universal_checkpoint_info (as DeepSpeed's loader splits the full
+// tensor), and the module's dtype from that copy's module weights (fp32 without one).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/pickle_paths.h"
+#include "reshard/checkpoint/universal/universal.h"
+#include "reshard/exec/strided_copy.h"
+#include "reshard/io/file.h"
+#include "reshard/io/torch_file.h"
+#include "reshard/layouts/basic.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using internal::Get;
+using internal::IntAt;
+using internal::IsNone;
+
+// A parameter's files: its fp32 master weight (which the module's weights are read from too) and
+// Adam's moments.
+constexpr const char* kStateFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
+
+struct UniversalTensor {
+  std::unique_ptr<TorchFile> file;
+  const TorchTensor* tensor = nullptr;
+  bool flat = false;  // the bare tensor of the flat form, not {"param": ...}
+};
+
+struct UniversalParamFiles {
+  std::string name;
+  Shape shape;
+  std::optional<LayoutDescriptor> layout;
+  // [state]: fp32, exp_avg, exp_avg_sq (null when not opened).
+  std::array<UniversalTensor, 3> tensors;
+};
+
+struct UniversalCheckpoint {
+  std::string folder;
+  std::vector<std::string> inputs;
+  DType module_dtype = DType::kF32;
+  std::vector<UniversalParamFiles> params;
+};
+
+bool HasFile(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
+// The folder `path` names: the one OUT/latest_universal names, or `path` itself.
+Result<std::string> UniversalFolder(const std::string& path) {
+  const fs::path latest = fs::path(path) / "latest_universal";
+  if (!HasFile(latest)) return path;
+  RESHARD_ASSIGN_OR_RETURN(std::string text, ReadFileToString(latest.string()));
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' '))
+    text.pop_back();
+  const fs::path folder = fs::path(path) / text;
+  std::error_code ec;
+  if (text.empty() || text.find('/') != std::string::npos ||
+      !fs::is_directory(folder / "zero", ec)) {
+    return NotFoundError(
+        fmt::format("\"{}\" names \"{}\", which is no universal checkpoint folder (no \"{}\")",
+                    latest.string(), text, (folder / "zero").string()));
+  }
+  return folder.string();
+}
+
+// The model-states copy whose metadata the source takes (TP rank 0's), or "" without one.
+std::string ModelStatesOf(const std::string& folder) {
+  for (const char* name :
+       {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"}) {
+    if (HasFile(fs::path(folder) / name)) return (fs::path(folder) / name).string();
+  }
+  return "";
+}
+
+// param_shapes of a model-states file: {name: shape} over every group.
+std::map<std::string, Shape> ParamShapes(const TorchFile& f) {
+  const PickleTree& t = f.tree();
+  std::map<std::string, Shape> out;
+  const PickleNodeId groups = Get(t, t.root(), "param_shapes");
+  if (groups == kNoPickleNode || IsNone(t, groups)) return out;
+  for (const PickleNodeId g : t.node(groups).items) {
+    for (const auto& [k, v] : t.node(g).entries) {
+      if (t.node(k).kind != PickleKind::kStr) continue;
+      Shape s;
+      bool ok = true;
+      for (const PickleNodeId c : t.node(v).items) {
+        const std::optional<int64_t> d = IntAt(t, c);
+        ok = ok && d.has_value();
+        if (d) s.push_back(*d);
+      }
+      if (ok) out.emplace(t.node(k).text, std::move(s));
+    }
+  }
+  return out;
+}
+
+// The module's dtype: that of the model-states file's module weights (fp32 without any).
+DType ModuleDType(const TorchFile& f) {
+  for (const TorchTensor& t : f.tensors()) {
+    if (t.name.starts_with("module.") && t.dtype.dtype) return *t.dtype.dtype;
+  }
+  return DType::kF32;
+}
+
+// Opens zero/<param>/<file> and finds its tensor: at "param" of the dict, or the whole file
+// (the flat form) when `flat` shapes are known for it.
+Result<UniversalTensor> OpenStateFile(const fs::path& path,
+                                      const std::map<std::string, Shape>& flat,
+                                      const std::string& param) {
+  Result<TorchFile> opened = TorchFile::Open(path.string());
+  if (!opened.ok()) return opened.status().Annotate(fmt::format("\"{}\"", path.string()));
+  UniversalTensor out;
+  out.file = std::make_unique<TorchFile>(*std::move(opened));
+  const PickleTree& t = out.file->tree();
+  const PickleNodeId node =
+      t.node(t.root()).kind == PickleKind::kDict ? Get(t, t.root(), "param") : t.root();
+  out.tensor = node == kNoPickleNode ? nullptr : out.file->TensorAt(node);
+  out.flat = node == t.root();
+  if (out.tensor == nullptr || (node == t.root() && !flat.contains(param))) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": no tensor at \"param\" (a universal checkpoint's file holds {{\"param\": the full "
+        "tensor}})",
+        path.string()));
+  }
+  if (out.tensor->dtype.dtype != DType::kF32) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\": the tensor is {}, not the fp32 a universal "
+                    "checkpoint holds",
+                    path.string(), out.tensor->dtype.name));
+  }
+  return out;
+}
+
+// Parameter `name`'s files, their shapes checked against each other (and the flat form's
+// against param_shapes).
+Result<UniversalParamFiles> OpenParam(const fs::path& dir, const std::string& name,
+                                      const std::map<std::string, Shape>& flat,
+                                      bool optimizer_state) {
+  UniversalParamFiles p;
+  p.name = name;
+  const int states = optimizer_state ? 3 : 1;
+  for (int s = 0; s < states; ++s) {
+    const fs::path path = dir / kStateFiles[s];
+    if (!HasFile(path)) {
+      return NotFoundError(
+          fmt::format("\"{}\" is missing: parameter \"{}\" of the universal checkpoint has no {}",
+                      path.string(), name, s == 0 ? "fp32 master weight" : kStateFiles[s]));
+    }
+    RESHARD_ASSIGN_OR_RETURN(p.tensors[static_cast<size_t>(s)], OpenStateFile(path, flat, name));
+    const TorchTensor& t = *p.tensors[static_cast<size_t>(s)].tensor;
+    Shape shape = t.shape;
+    if (const auto it = flat.find(name);
+        it != flat.end() && p.tensors[static_cast<size_t>(s)].flat) {
+      if (ProductOf(it->second) != t.numel()) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": {} elements, but param_shapes gives \"{}\" the shape {}",
+                        path.string(), t.numel(), name, FormatShape(it->second)));
+      }
+      shape = it->second;
+    }
+    if (s == 0) {
+      p.shape = shape;
+    } else if (shape != p.shape) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" holds a tensor of shape {}, but \"{}\" one of shape {}", path.string(),
+          FormatShape(shape), (dir / "fp32.pt").string(), FormatShape(p.shape)));
+    }
+  }
+  return p;
+}
+
+Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool optimizer_state) {
+  UniversalCheckpoint c;
+  RESHARD_ASSIGN_OR_RETURN(c.folder, UniversalFolder(path));
+  c.inputs.push_back(c.folder);
+  const fs::path zero = fs::path(c.folder) / "zero";
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const fs::directory_entry& e : fs::directory_iterator(zero, ec)) {
+    if (e.is_directory(ec)) names.push_back(e.path().filename().string());
+  }
+  if (ec) return NotFoundError(fmt::format("listing \"{}\": {}", zero.string(), ec.message()));
+  std::sort(names.begin(), names.end());
+  if (names.empty()) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" holds no parameter folders (zero/<param>/fp32.pt)", zero.string()));
+  }
+  std::unique_ptr<TorchFile> states;
+  std::map<std::string, Shape> flat;
+  if (const std::string ms = ModelStatesOf(c.folder); !ms.empty()) {
+    Result<TorchFile> f = TorchFile::Open(ms);
+    if (!f.ok()) return f.status().Annotate(fmt::format("\"{}\"", ms));
+    states = std::make_unique<TorchFile>(*std::move(f));
+    c.module_dtype = ModuleDType(*states);
+    flat = ParamShapes(*states);
+    c.inputs.push_back(ms);
+  }
+  for (const std::string& name : names) {
+    RESHARD_ASSIGN_OR_RETURN(UniversalParamFiles p,
+                             OpenParam(zero / name, name, flat, optimizer_state));
+    c.params.push_back(std::move(p));
+  }
+  if (states != nullptr) {
+    std::vector<std::pair<std::string, Shape>> shapes;
+    for (const UniversalParamFiles& p : c.params) shapes.emplace_back(p.name, p.shape);
+    Result<std::vector<std::optional<LayoutDescriptor>>> layouts =
+        DeepSpeedLayoutsOf(*states, shapes);
+    if (!layouts.ok()) return layouts.status().Annotate(fmt::format("\"{}\"", c.inputs.back()));
+    for (size_t i = 0; i < c.params.size(); ++i) c.params[i].layout = (*layouts)[i];
+  }
+  return c;
+}
+
+int ScalePowerOf(DeepSpeedState state) {
+  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
+}
+
+// The tensors as one rank's whole shards: views of the mapped files where they are dense fp32,
+// copies for the module's weights in a narrower dtype (rounded to nearest even, as DeepSpeed
+// copies its masters into the module).
+class UniversalShardSource : public ShardSource {
+ public:
+  UniversalShardSource(std::shared_ptr<const UniversalCheckpoint> ckpt,
+                       std::vector<DeepSpeedState> states)
+      : ckpt_(std::move(ckpt)) {
+    manifest_.world_size = 1;
+    for (const DeepSpeedState s : states) {
+      for (size_t i = 0; i < ckpt_->params.size(); ++i) {
+        const UniversalParamFiles& p = ckpt_->params[i];
+        const std::string name =
+            s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
+        const DType dtype = s == DeepSpeedState::kModule ? ckpt_->module_dtype : DType::kF32;
+        Result<ParamMap> map = ReplicatedMap(p.shape, 1);  // a valid shape: cannot fail
+        manifest_.params.push_back(
+            ShardedParam{name, dtype, *std::move(map), p.layout, ScalePowerOf(s)});
+        which_.emplace_back(i, s);
+      }
+    }
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override { return ckpt_->inputs; }
+
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const auto [param, state] = which_[i];
+    const size_t slot = state == DeepSpeedState::kModule ? 0 : static_cast<size_t>(state) - 1;
+    const UniversalTensor& u = ckpt_->params[param].tensors[slot];
+    const TorchTensor& t = *u.tensor;
+    const Index n = t.numel();
+    const DType dtype = manifest_.params[i].dtype;
+    if (dtype == DType::kF32 && t.is_contiguous()) {
+      const std::byte* base = u.file->storages()[t.storage].bytes.data();
+      return std::vector<ConstBuffer>{{base + static_cast<size_t>(t.storage_offset) * 4, n}};
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = cache_[i];
+    if (e.users == 0) {
+      std::vector<std::byte> fp32(static_cast<size_t>(n) * 4);
+      Status s = u.file->CopyTo(t, fp32);
+      if (!s.ok()) {
+        cache_.erase(i);
+        return s.Annotate(fmt::format("parameter \"{}\"", manifest_.params[i].name));
+      }
+      if (dtype == DType::kF32) {
+        e.data = std::move(fp32);
+      } else {
+        e.data.resize(static_cast<size_t>(n) * 2);
+        const auto* in = reinterpret_cast<const float*>(fp32.data());
+        auto* o = reinterpret_cast<uint16_t*>(e.data.data());
+        for (Index k = 0; k < n; ++k) {
+          o[k] = dtype == DType::kBF16 ? FloatToBFloat16(in[k]) : FloatToHalf(in[k]);
+        }
+      }
+    }
+    ++e.users;
+    return std::vector<ConstBuffer>{{e.data.data(), n}};
+  }
+  void ReleaseShards(size_t i) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(i);
+    if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
+  }
+
+ private:
+  struct Entry {
+    int users = 0;
+    std::vector<std::byte> data;
+  };
+  std::shared_ptr<const UniversalCheckpoint> ckpt_;
+  Manifest manifest_;
+  std::vector<std::pair<size_t, DeepSpeedState>> which_;
+  std::mutex mu_;
+  std::map<size_t, Entry> cache_;
+};
+
+}  // namespace
+
+bool IsUniversalCheckpoint(const std::string& path) {
+  const fs::path p(path);
+  // A save dir with both `latest` and `latest_universal` (ds_to_universal's output beside the
+  // tags) stays the DeepSpeed checkpoint; its universal folder is read when named.
+  return (HasFile(p / "latest_universal") && !HasFile(p / "latest")) ||
+         HasFile(p / "zero" / "optimizer_state.pt");
+}
+
+Result<OpenedCheckpoint> OpenUniversal(const std::string& path, const SourceOptions& options) {
+  const bool convert = options.use == SourceUse::kConvert;
+  const bool optimizer_state = convert && !options.weights_only;
+  RESHARD_ASSIGN_OR_RETURN(UniversalCheckpoint opened, OpenUniversalFiles(path, optimizer_state));
+  auto ckpt = std::make_shared<const UniversalCheckpoint>(std::move(opened));
+  std::vector<DeepSpeedState> states = {
+      !convert && options.master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule};
+  if (optimizer_state) {
+    states.insert(states.end(),
+                  {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
+  }
+  OpenedCheckpoint out;
+  out.format = "universal";
+  out.source = std::make_shared<UniversalShardSource>(ckpt, std::move(states));
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,224 @@
+"""A universal checkpoint as a source: `gather`, `convert --tp` and `convert --to dcp` read it as
+they read the DeepSpeed checkpoint it came from.
+
+- From a real DeepSpeed training checkpoint (ds_checkpoints.py: Qwen2, AutoTP 2 x ZeRO 2 over
+  DP 2, bf16 module), converted by reshard and by DeepSpeed's own ds_to_universal: `gather`
+  writes what `gather` of the DeepSpeed checkpoint writes (the module's bf16 weights: the fp32
+  masters rounded; with --fp32 the masters), bit for bit.
+- The same from ZeRO 3 at TP 1, whose universal files are bare flat tensors.
+- Where the checkpoint records no layout (TP 1), the model's config.json lays it out, as it
+  does the DeepSpeed save dir.
+- `convert --tp 2` lays the universal checkpoint out as `convert --tp 2` of the DeepSpeed
+  checkpoint does (the layouts of the model-states copy), and a gather of it writes the same
+  tensors, optimizer state ("<param>.fp32", ".exp_avg", ".exp_avg_sq") included.
+- `convert --to dcp --world 2` loads with torch's dcp.load into the universal files' tensors:
+  the weights under their names, the moments under optim.state.<param>.<state>.
+- DCP -> universal -> DCP: a DCP checkpoint of a model and Adam's state (saved here in one
+  process), converted to universal and back, loads into the same tensors.
+"""
+
+import subprocess
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ds_checkpoints import Spec, ds_to_universal
+from test_deepspeed_checkpoints import CI_SPECS
+
+SPEC = Spec("qwen2", tp=2, dp=2, stage=2, dtype="bfloat16")
+
+
+def run(reshard_bin, *args):
+    return subprocess.run([str(reshard_bin), *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def ok(reshard_bin, *args):
+    r = run(reshard_bin, *args)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def sources(ds_checkpoint, tmp_path_factory, reshard_bin):
+    """{"deepspeed": the save dir, "reshard": reshard's universal output (the dir with
+    latest_universal), "ds_to_universal": DeepSpeed's output folder}."""
+    # The launches of the CI matrix these specs belong to, whole: in a full run the other
+    # modules train them once for all (ds_checkpoint is a session fixture).
+    ds_checkpoint.prepare([s for s in CI_SPECS if (s.tp, s.dp) in {(2, 2), (1, 3)}])
+    ckpt = ds_checkpoint(SPEC)
+    base = tmp_path_factory.mktemp("universal_source")
+    ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", base / "reshard")
+    theirs = ds_to_universal(ckpt, base / "deepspeed")
+    return {"deepspeed": ckpt.save_dir, "reshard": base / "reshard", "ds_to_universal": theirs}
+
+
+def gathered(reshard_bin, src, out, *flags):
+    ok(reshard_bin, "gather", src, "-o", out, *flags)
+    return load_file(out / "model.safetensors")
+
+
+def assert_same(got, want):
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, (name, got[name].dtype, t.dtype)
+        assert got[name].shape == t.shape, name
+        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("which", ["reshard", "ds_to_universal"])
+@pytest.mark.parametrize("flags", [[], ["--fp32"]], ids=["module", "fp32"])
+def test_gather_equals_gather_of_the_deepspeed_checkpoint(sources, reshard_bin, tmp_path, which,
+                                                          flags):
+    want = gathered(reshard_bin, sources["deepspeed"], tmp_path / "ds", *flags)
+    got = gathered(reshard_bin, sources[which], tmp_path / "uc", *flags)
+    assert_same(got, want)
+    dtype = torch.float32 if flags else torch.bfloat16
+    assert {t.dtype for t in got.values()} == {dtype}
+
+
+# ZeRO 3 at TP 1: ds_to_universal (and reshard, as it does) writes bare flat tensors, shaped
+# by the model-states copy's param_shapes.
+FLAT = Spec("llama", tp=1, dp=3, stage=3, dtype="bfloat16", vocab=251)
+assert SPEC in CI_SPECS and FLAT in CI_SPECS
+
+
+@pytest.mark.parametrize("flags", [[], ["--fp32"]], ids=["module", "fp32"])
+def test_gather_of_the_flat_form(ds_checkpoint, reshard_bin, tmp_path, flags):
+    ckpt = ds_checkpoint(FLAT)
+    ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", tmp_path / "ours")
+    theirs = ds_to_universal(ckpt, tmp_path / "theirs")
+    fp32 = torch.load(theirs / "zero" / "lm_head.weight" / "fp32.pt", weights_only=False)
+    assert isinstance(fp32, torch.Tensor) and fp32.dim() == 1  # the flat form indeed
+    want = gathered(reshard_bin, ckpt.save_dir, tmp_path / "ds", *flags)
+    assert_same(gathered(reshard_bin, tmp_path / "ours", tmp_path / "a", *flags), want)
+    assert_same(gathered(reshard_bin, theirs, tmp_path / "b", *flags), want)
+
+
+def test_layouts_from_a_config_where_the_checkpoint_records_none(ds_checkpoint, reshard_bin,
+                                                                  tmp_path):
+    """TP 1 runs record no universal_checkpoint_info: convert --tp takes the model's config.json
+    (given, or in the dir given) as for the DeepSpeed save dir, and writes the same files."""
+    ckpt = ds_checkpoint(FLAT)
+    uc = tmp_path / "uc"
+    ok(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", uc)
+    r = run(reshard_bin, "convert", uc, "--tp", "2", "-o", tmp_path / "none")
+    assert r.returncode == 1 and "no recorded layout" in r.stderr and "--config" in r.stderr
+    ok(reshard_bin, "convert", ckpt.save_dir, "--tp", "2", "-o", tmp_path / "ds2")
+    ok(reshard_bin, "convert", uc, "--tp", "2", "--config", ckpt.save_dir / "config.json", "-o",
+       tmp_path / "uc2")
+    (uc / "config.json").write_bytes((ckpt.save_dir / "config.json").read_bytes())
+    ok(reshard_bin, "convert", uc, "--tp", "2", "-o", tmp_path / "beside")
+    files = sorted(f.name for f in (tmp_path / "ds2").glob("*.safetensors"))
+    assert len(files) == 2
+    for out in ("uc2", "beside"):
+        for name in files:
+            assert_same(load_file(tmp_path / out / name), load_file(tmp_path / "ds2" / name))
+    # A gather copies that config.json, as from the DeepSpeed save dir.
+    ok(reshard_bin, "gather", uc, "-o", tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").read_bytes() == \
+        (ckpt.save_dir / "config.json").read_bytes()
+
+
+def test_convert_tp2_then_gather_round_trips(sources, reshard_bin, tmp_path):
+    ok(reshard_bin, "convert", sources["reshard"], "--tp", "2", "-o", tmp_path / "uc2")
+    ok(reshard_bin, "convert", sources["deepspeed"], "--tp", "2", "-o", tmp_path / "ds2")
+    got = gathered(reshard_bin, tmp_path / "uc2", tmp_path / "uc2-hf")
+    want = gathered(reshard_bin, tmp_path / "ds2", tmp_path / "ds2-hf")
+    assert_same(got, want)
+    assert any(k.endswith(".exp_avg_sq") for k in got)
+    # Laid out as the DeepSpeed checkpoint is: each rank's file holds the same shards.
+    for f in sorted((tmp_path / "ds2").glob("*.safetensors")):
+        assert_same(load_file(tmp_path / "uc2" / f.name), load_file(f))
+    # And from the folder itself, weights only.
+    folder = sources["ds_to_universal"]
+    ok(reshard_bin, "convert", folder, "--tp", "2", "--weights-only", "-o", tmp_path / "w2")
+    weights = gathered(reshard_bin, tmp_path / "w2", tmp_path / "w2-hf")
+    assert_same(weights, gathered(reshard_bin, sources["deepspeed"], tmp_path / "ds-hf"))
+
+
+def universal_tensors(out):
+    """{param: {"fp32", "exp_avg", "exp_avg_sq": tensor}} of a universal checkpoint's files."""
+    folder = out / (out / "latest_universal").read_text()
+    return {p.name: {s: torch.load(p / f"{s}.pt", weights_only=False)["param"].detach()
+                     for s in ("fp32", "exp_avg", "exp_avg_sq")}
+            for p in sorted((folder / "zero").iterdir()) if p.is_dir()}
+
+
+def test_convert_to_dcp_loads_into_the_universal_tensors(sources, reshard_bin, tmp_path):
+    ok(reshard_bin, "convert", sources["reshard"], "--to", "dcp", "--world", "2", "-o",
+       tmp_path / "dcp")
+    files = universal_tensors(sources["reshard"])
+    module = gathered(reshard_bin, sources["deepspeed"], tmp_path / "ds")
+    nested = {name: torch.zeros_like(module[name]) for name in files}
+    nested["optim"] = {"state": {n: {s: torch.zeros_like(t) for s, t in st.items()}
+                                 for n, st in files.items()}}
+    dcp.load(nested, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for name, states in files.items():
+        assert torch.equal(nested[name].view(torch.uint8), module[name].view(torch.uint8)), name
+        for s, t in states.items():
+            assert torch.equal(nested["optim"]["state"][name][s], t), (name, s)
+
+
+def save_small_dcp(path):
+    """A model's weights and one Adam step's state, as get_state_dict saves them (one process)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(5, 6)).square().sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), no_dist=True)
+    return {k: v.detach().clone() for k, v in msd.items()}, \
+        {k: {s: v.clone() for s, v in st.items()} for k, st in osd["state"].items()}
+
+
+def test_dcp_to_universal_to_dcp(reshard_bin, tmp_path):
+    weights, state = save_small_dcp(tmp_path / "src")
+    ok(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "-o", tmp_path / "uc")
+    ok(reshard_bin, "convert", tmp_path / "uc", "--to", "dcp", "--world", "3", "-o",
+       tmp_path / "back")
+    # No model-states copy: the weights are the fp32 masters.
+    got = gathered(reshard_bin, tmp_path / "uc", tmp_path / "hf")
+    assert_same(got, weights)
+    loaded = {k: torch.zeros_like(v) for k, v in weights.items()}
+    loaded["optim"] = {"state": {k: {s: torch.zeros_like(st[s]) for s in ("exp_avg", "exp_avg_sq")}
+                                 for k, st in state.items()}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "back"), no_dist=True)
+    for k, v in weights.items():
+        assert torch.equal(loaded[k], v), k
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["optim"]["state"][k][s], state[k][s]), (k, s)
+
+
+def test_refusals_name_the_file(sources, reshard_bin, tmp_path):
+    import shutil
+
+    uc = tmp_path / "uc"
+    shutil.copytree(sources["reshard"], uc)
+    folder = uc / (uc / "latest_universal").read_text()
+    (uc / "latest_universal").write_text("global_step99_universal")
+    r = run(reshard_bin, "gather", uc, "-o", tmp_path / "hf")
+    assert r.returncode == 2 and "global_step99_universal" in r.stderr, r.stderr
+    (uc / "latest_universal").write_text(folder.name)
+    param = sorted(p for p in (folder / "zero").iterdir() if p.is_dir())[0]
+    (param / "fp32.pt").unlink()
+    r = run(reshard_bin, "gather", uc, "-o", tmp_path / "hf")
+    assert r.returncode == 2 and str(param / "fp32.pt") in r.stderr, r.stderr
+    assert not (tmp_path / "hf").exists()
+    r = run(reshard_bin, "gather", sources["reshard"], "--optimizer-state", "-o", tmp_path / "o")
+    assert r.returncode == 2, r.stderr
+
+
+def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):
+    import reshard
+
+    reshard.checkpoint.gather(sources["reshard"], tmp_path / "py", fp32=True)
+    cli = gathered(reshard_bin, sources["reshard"], tmp_path / "cli", "--fp32")
+    assert_same(load_file(tmp_path / "py" / "model.safetensors"), cli)
+    with pytest.raises(ValueError, match="universal"):
+        reshard.checkpoint.gather(sources["reshard"], tmp_path / "bad", optimizer_state=True)
