@@ -173,6 +173,7 @@ def main() -> None:
     except Exception:
         result["errors"].append(traceback.format_exc())
     (out / f"rank-{me}.json").write_text(json.dumps(result))
+    dist.barrier()  # nobody tears gloo down while a peer is still talking
     dist.destroy_process_group()
 
 
