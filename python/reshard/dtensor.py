@@ -167,9 +167,14 @@ def _agree(said: list[_Said], members: list[int]
     """What every process said, checked to be one call: (one DTensor?, the merged source views,
     the target mesh's ranks, the target placements by name). The same answer, or the same
     RedistributeError, on every process (the input is the same everywhere)."""
-    errors = [(p, s[0]) for p, s in zip(members, said) if s[0] is not None]
+    errors: dict[str, list[int]] = {}  # the same mistake on many processes is told once
+    for p, s in zip(members, said):
+        if s[0] is not None:
+            errors.setdefault(s[0], []).append(p)
     if errors:
-        raise RedistributeError("; ".join(f"process {p}: {e}" for p, e in errors))
+        raise RedistributeError("; ".join(
+            f"process{'es' if len(ps) > 1 else ''} {', '.join(map(str, ps))}: {e}"
+            for e, ps in errors.items()))
     first = said[0]
     for p, s in zip(members, said):
         if s[3] != first[3] or s[6] != first[6]:
@@ -225,7 +230,8 @@ def redistribute(tensors: Any, mesh: Any,
     placements)`` would give, made without any process building a full tensor.
 
     ``tensors`` is a DTensor or ``{name: DTensor}`` (a state dict), each on any mesh. Every
-    process of ``group`` (default: the world) calls it: those of the source meshes with their
+    process of ``group`` (default: the world; a group of both meshes' processes leaves the
+    others out) calls it: those of the source meshes with their
     DTensors, the others with the same DTensors (which hold nothing there) or ``None``. A
     process of ``mesh`` gets the DTensor (or ``{name: DTensor}``) back; a process outside it
     gets ``None`` (or ``{name: None}``). The results are new tensors with no autograd history.

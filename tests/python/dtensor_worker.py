@@ -167,6 +167,23 @@ def main() -> None:
             "placements_miss_a_name": refused(lambda: rdt.redistribute(
                 src, three, {n: p for n, p in into.items() if n != "b"})),
         }
+        partial = DTensor.from_local(torch.ones(2, 2), four, [Partial()], run_check=False)
+        result["refused"]["partial_source"] = refused(
+            lambda: rdt.redistribute({"p": partial}, three, [Shard(0)]))
+
+        # a group of the union alone (processes 0-3): 4 and 5 take no part
+        sub = dist.new_group([0, 1, 2, 3])
+        pair = DeviceMesh("cpu", [2, 3])
+        if me < 4:
+            cut = {"w": [Shard(1)], "v": [Shard(0)]}
+            got = rdt.redistribute(src2, pair, cut, group=sub)
+            want = {n: distribute_tensor(t, pair, cut[n]) for n, t in g.items()}
+            result["subgroup"] = all(
+                (got[n] is None) if me < 2 else torch.equal(got[n].to_local(),
+                                                            want[n].to_local())
+                for n in g)
+        else:
+            result["subgroup"] = None
         after = rdt.redistribute(src["w"], three, [Shard(1)])
         result["works_after_refusals"] = (after is None) if me < 3 else torch.equal(
             after.to_local(), distribute_tensor(f["w"], three, [Shard(1)]).to_local())

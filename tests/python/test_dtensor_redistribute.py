@@ -75,6 +75,11 @@ def test_bytes_sent_are_the_plan_minimum(live, case):
         assert stats[3]["local"] > 0
 
 
+def test_a_group_of_the_meshes_alone_leaves_the_others_out(live):
+    """group= a group of processes 0-3 (both meshes' processes): 4 and 5 do not call."""
+    assert [r["subgroup"] for r in live] == [True] * 4 + [None] * 2
+
+
 def test_one_dtensor_in_one_out(live):
     assert all(r["single"] for r in live)
 
@@ -90,6 +95,8 @@ def test_one_dtensor_in_one_out(live):
     ("too_many_placements", "are 2 for a 1-dimensional mesh [3, 4, 5]"),
     ("not_a_dtensor", 'process 1: tensor "w" is a Tensor, not a DTensor'),
     ("placements_miss_a_name", "placements has no entry for ['b']"),
+    ("partial_source", 'processes 0, 1, 2, 3, 4, 5: tensor "p" has placements [Partial(sum)]: '
+                       "a Partial placement holds"),
 ])
 def test_a_bad_argument_raises_the_same_error_everywhere(live, kind, text):
     got = [r["refused"][kind] for r in live]
