@@ -206,6 +206,13 @@ def _agree(said: list[_Said], members: list[int]
         views = _merge([s[2] for _, s in holding], [p for p, _ in holding])
     except ValueError as e:  # another shape, dtype or layout of one tensor on two processes
         raise RedistributeError(str(e)) from e
+    passed = {p for p, _ in holding}
+    for name in names:  # a holder that passed nothing would send garbage in its place
+        silent = sorted(set(views[name][1]) - passed)
+        if silent:
+            raise RedistributeError(
+                f"tensor \"{name}\" is held by processes {silent} of its mesh, which passed no "
+                "tensors; every process of a source mesh must pass its DTensors")
     if first[4] is not None:
         missing = [n for n in names if n not in first[4]]
         extra = sorted(set(first[4]) - set(names))
@@ -244,7 +251,8 @@ def redistribute(tensors: Any, mesh: Any,
     differ between processes, placements torch would refuse (``Shard(d)`` past the tensor's
     dims, the wrong number for the mesh) or that hold addends (``Partial`` as a target), a
     tensor that is not a DTensor, shapes, dtypes or layouts of one tensor that differ between
-    processes, and ``placements`` by name that miss or add a name.
+    processes, a process of a source mesh that passes no tensors, and ``placements`` by name
+    that miss or add a name.
     """
     from .distributed import _TorchGroup
     comm = _TorchGroup(group)

@@ -167,6 +167,8 @@ def main() -> None:
             "placements_miss_a_name": refused(lambda: rdt.redistribute(
                 src, three, {n: p for n, p in into.items() if n != "b"})),
         }
+        result["refused"]["holder_passes_none"] = refused(lambda: rdt.redistribute(
+            None if me == 2 else src2, two, [Shard(0)]))
         partial = DTensor.from_local(torch.ones(2, 2), four, [Partial()], run_check=False)
         result["refused"]["partial_source"] = refused(
             lambda: rdt.redistribute({"p": partial}, three, [Shard(0)]))

@@ -95,6 +95,8 @@ def test_one_dtensor_in_one_out(live):
     ("too_many_placements", "are 2 for a 1-dimensional mesh [3, 4, 5]"),
     ("not_a_dtensor", 'process 1: tensor "w" is a Tensor, not a DTensor'),
     ("placements_miss_a_name", "placements has no entry for ['b']"),
+    ("holder_passes_none", 'tensor "v" is held by processes [2] of its mesh, which passed no '
+                           "tensors"),
     ("partial_source", 'processes 0, 1, 2, 3, 4, 5: tensor "p" has placements [Partial(sum)]: '
                        "a Partial placement holds"),
 ])
