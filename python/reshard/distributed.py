@@ -46,6 +46,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Op
                     Sequence, Union, overload)
 
 from . import _core
+from ._errors import ReshardError
 from ._maps import MapLike, ParamMap, as_map
 from ._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
     check_writable
@@ -58,8 +59,10 @@ if TYPE_CHECKING:
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
-class RedistributeError(ValueError):
+class RedistributeError(ReshardError, ValueError):
     """A re-sharding that cannot run, raised on every process of the group alike."""
+
+    code = "INVALID_ARGUMENT"
 
 
 def _message(e: Exception) -> str:
