@@ -49,7 +49,10 @@ void Write(std::string& out, const OrderedJson& value, int inline_depth, size_t 
     if (object) out += Quote(it.key()) + ": ";
     Write(out, it.value(), inline_depth, indent + 2);
   }
-  if (!one_line) out += "\n" + std::string(indent, ' ');
+  if (!one_line) {
+    out += '\n';
+    out.append(indent, ' ');
+  }
   out += object ? '}' : ']';
 }
 

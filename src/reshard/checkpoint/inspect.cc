@@ -319,7 +319,10 @@ std::string TreeWriter::Child(const std::string& where, std::string_view kind,
                               std::string_view step) const {
   if (!pointer_) return where.empty() ? std::string(step) : where + "." + std::string(step);
   std::string out = where;
-  if (!kind.empty()) out += "/" + std::string(kind);
+  if (!kind.empty()) {
+    out += '/';
+    out += kind;
+  }
   out += '/';
   for (char c : step) {
     if (c == '~') {
@@ -438,7 +441,7 @@ void TreeWriter::Lines(PickleNodeId id, const std::string& path, std::vector<std
       const PickleNode& key = N(k);
       Lines(v,
             join(key.kind == PickleKind::kStr ? key.text
-                                              : Json(k, join("#" + std::to_string(i))).dump()),
+                                              : Json(k, join(fmt::format("#{}", i))).dump()),
             out);
     }
     return;
@@ -563,8 +566,8 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     tag = *latest;
     while (!tag.empty() && (tag.back() == '\n' || tag.back() == ' ')) tag.pop_back();
     if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir / tag, error)) {
-      return DataLossError("\"" + (dir / "latest").string() + "\" names \"" + tag +
-                           "\", which is not a directory beside it");
+      return DataLossError(fmt::format("\"{}\" names \"{}\", which is not a directory beside it",
+                                       (dir / "latest").string(), tag));
     }
     dir /= tag;
   }

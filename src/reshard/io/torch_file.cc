@@ -1,5 +1,7 @@
 #include "reshard/io/torch_file.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -51,7 +53,7 @@ constexpr std::string_view kParameterType = "torch.nn.parameter.Parameter";
 constexpr std::string_view kRebuildParameterWithState =
     "torch._utils._rebuild_parameter_with_state";
 
-std::string Quote(std::string_view s) { return "\"" + std::string(s) + "\""; }
+std::string Quote(std::string_view s) { return fmt::format("\"{}\"", s); }
 
 // The pickle magic number torch.save wrote before 1.6 (an int, 0x1950a86a20f9469cfc6c).
 constexpr unsigned char kLegacyMagic[] = {0x80, 0x02, 0x8a, 0x0a, 0x6c, 0xfc, 0x9c,

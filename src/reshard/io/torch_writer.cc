@@ -1,5 +1,7 @@
 #include "reshard/io/torch_writer.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -149,7 +151,7 @@ class ZipStreamWriter {
   std::vector<Entry> entries_;
 };
 
-std::string Quote(std::string_view s) { return "\"" + std::string(s) + "\""; }
+std::string Quote(std::string_view s) { return fmt::format("\"{}\"", s); }
 
 // The persistent ids under `id` with their dotted paths (dict keys and indices, as the
 // reader names tensors), each node once. The tree is known to be acyclic and shallow.

@@ -917,7 +917,7 @@ std::string AutoEpSummaryText(const DeepSpeedExperts& ex) {
     for (int k = 0; k < layer.placement.ep_size(); ++k) {
       out += fmt::format(" EP {} [", k);
       const auto& held = layer.placement.experts[static_cast<size_t>(k)];
-      for (size_t s = 0; s < held.size(); ++s) out += (s ? " " : "") + std::to_string(held[s]);
+      out += fmt::format("{}", fmt::join(held, " "));
       out += "]";
     }
     out += "\n";
