@@ -375,20 +375,28 @@ struct TpLayout {
   std::string source;
 };
 
+// The affine map universal_checkpoint_info gives parameter `name`, if one of its patterns
+// matches it.
+Result<std::optional<ParamMap>> AffineMapOf(const UcInfo& uc, const std::string& name) {
+  RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
+                           MatchOne(uc.affine, name, "affine_map.params"));
+  if (!affine) return std::optional<ParamMap>();
+  Result<ParamMap> map = ReadDeepSpeedAffineMap(uc.raw["affine_map"]["params"][*affine].dump());
+  if (!map.ok()) {
+    return map.status().Annotate(
+        fmt::format("universal_checkpoint_info.affine_map.params[\"{}\"]", *affine));
+  }
+  return std::optional<ParamMap>(*std::move(map));
+}
+
 // The TP map of parameter `name` from the shapes its TP ranks hold.
 Result<TpLayout> BuildTpMap(const UcInfo& uc, const std::string& name,
                             const std::vector<Shape>& shards) {
   const int tp = static_cast<int>(shards.size());
-  RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
-                           MatchOne(uc.affine, name, "affine_map.params"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<ParamMap> affine, AffineMapOf(uc, name));
   if (affine) {
-    Result<ParamMap> map = ReadDeepSpeedAffineMap(uc.raw["affine_map"]["params"][*affine].dump());
-    if (!map.ok()) {
-      return map.status().Annotate(
-          fmt::format("universal_checkpoint_info.affine_map.params[\"{}\"]", *affine));
-    }
-    std::optional<LayoutDescriptor> layout = Recognise(*map);
-    return TpLayout{*std::move(map), std::move(layout), "affine map"};
+    std::optional<LayoutDescriptor> layout = Recognise(*affine);
+    return TpLayout{*std::move(affine), std::move(layout), "affine map"};
   }
   RESHARD_ASSIGN_OR_RETURN(std::optional<Value> meta, PatternMeta(uc, name, shards));
   if (meta) {
@@ -1623,10 +1631,6 @@ std::optional<ConstBuffer> DeepSpeedCheckpoint::TpShardView(size_t i, DeepSpeedS
 
 namespace {
 
-int ScalePowerOf(DeepSpeedState state) {
-  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
-}
-
 // The TP shards of a checkpoint's parameters, each assembled from its DP fragments when first
 // acquired and kept while some caller holds it.
 class DeepSpeedShardSource : public ShardSource {
@@ -1641,7 +1645,7 @@ class DeepSpeedShardSource : public ShardSource {
         const std::string name =
             s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
         manifest_.params.push_back(
-            ShardedParam{name, ckpt_->StateDType(s), p.tp_map, p.layout, ScalePowerOf(s)});
+            ShardedParam{name, ckpt_->StateDType(s), p.tp_map, p.layout, DeepSpeedScalePower(s)});
         which_.emplace_back(i, s);
       }
     }
@@ -1759,14 +1763,8 @@ Result<std::vector<std::optional<LayoutDescriptor>>> DeepSpeedLayoutsOf(
   RESHARD_ASSIGN_OR_RETURN(const UcInfo uc, ReadUcInfo(file.tree(), file.tree().root()));
   std::vector<std::optional<LayoutDescriptor>> out;
   for (const auto& [name, shape] : params) {
-    RESHARD_ASSIGN_OR_RETURN(std::optional<std::string> affine,
-                             MatchOne(uc.affine, name, "affine_map.params"));
-    if (affine) {
-      Result<ParamMap> map = ReadDeepSpeedAffineMap(uc.raw["affine_map"]["params"][*affine].dump());
-      if (!map.ok()) {
-        return map.status().Annotate(
-            fmt::format("universal_checkpoint_info.affine_map.params[\"{}\"]", *affine));
-      }
+    RESHARD_ASSIGN_OR_RETURN(const std::optional<ParamMap> map, AffineMapOf(uc, name));
+    if (map) {
       out.push_back(Recognise(*map));
       continue;
     }

@@ -72,6 +72,12 @@ inline constexpr int kNumDeepSpeedStates = 4;
 /// "module", "fp32", "exp_avg", "exp_avg_sq".
 std::string_view DeepSpeedStateName(DeepSpeedState state);
 
+/// The scale power of a state's tensors under a re-shard (ShardedParam::scale_power): -1 for
+/// the first moment, -2 for the second, 1 for weights.
+inline int DeepSpeedScalePower(DeepSpeedState state) {
+  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
+}
+
 /// Where one DP fragment of a TP shard lives: a flat tensor of one file, from an element.
 struct DeepSpeedFragment {
   const TorchFile* file = nullptr;

@@ -238,10 +238,6 @@ Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool opt
   return c;
 }
 
-int ScalePowerOf(DeepSpeedState state) {
-  return state == DeepSpeedState::kExpAvg ? -1 : state == DeepSpeedState::kExpAvgSq ? -2 : 1;
-}
-
 // The tensors as one rank's whole shards: views of the mapped files where they are dense fp32,
 // copies for the module's weights in a narrower dtype (rounded to nearest even, as DeepSpeed
 // copies its masters into the module).
@@ -259,7 +255,7 @@ class UniversalShardSource : public ShardSource {
         const DType dtype = s == DeepSpeedState::kModule ? ckpt_->module_dtype : DType::kF32;
         Result<ParamMap> map = ReplicatedMap(p.shape, 1);  // a valid shape: cannot fail
         manifest_.params.push_back(
-            ShardedParam{name, dtype, *std::move(map), p.layout, ScalePowerOf(s)});
+            ShardedParam{name, dtype, *std::move(map), p.layout, DeepSpeedScalePower(s)});
         which_.emplace_back(i, s);
       }
     }
