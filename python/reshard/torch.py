@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ._buffers import BufferSet
 from ._errors import LayoutError
 from ._maps import ParamMap
 
@@ -485,4 +486,150 @@ def shards_of(source: TorchSource, maps: Optional[Mapping[str, ParamMap]] = None
         elif tuple(have.shape) != need:
             raise LayoutError(f"tensor \"{name}\": this process holds {list(have.shape)} of it, "
                               f"map rank {rank} {list(need)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core: a live model's sharded_state_dict() as Hugging Face tensors over its rank tensors
+
+_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16"}
+
+# (key, global shape, dtype, rank, offsets, sizes, rank tensor, its elements, offset in it)
+_LiveShard = tuple[str, list[int], str, int, list[int], list[int], str, int, int]
+
+
+def _sharded_state_dict(source: Any) -> Mapping[str, Any]:
+    if isinstance(source, Mapping):
+        return source
+    sharded = getattr(source, "sharded_state_dict", None)
+    if sharded is None:
+        raise TypeError(f"megatron_maps takes a Megatron-Core model or its sharded_state_dict(), "
+                        f"not {type(source).__name__}")
+    return dict(sharded())
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The ShardedTensors (and factories) of a sharded state dict's value, nested or not."""
+    if isinstance(value, Mapping):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _leaves(v)]
+    return [value]
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise LayoutError(f"{what}: its local tensor is not contiguous (strides {t.stride()}), "
+                          "so it is not one row-major rank tensor")
+    return t.reshape(-1)
+
+
+def _shard_entry(name: str, st: Any, base: torch.Tensor, rank: int) -> _LiveShard:
+    """One ShardedTensor as (key, ..., offset in ``base``), ``base`` the rank tensor holding it."""
+    what = f"\"{name}\" (Megatron tensor \"{st.key}\")"
+    if getattr(st, "flattened_range", None) is not None:
+        raise LayoutError(f"{what} holds the flattened range {st.flattened_range} of its box (a "
+                          "distributed optimizer's layout): megatron_maps reads the model's own "
+                          "sharded_state_dict(), whose tensors are whole boxes")
+    data = st.data
+    dtype = _DTYPE_NAMES.get(data.dtype)
+    if dtype is None:
+        raise LayoutError(f"{what} is {data.dtype}, which megatron_maps does not map")
+    if data.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        raise LayoutError(f"{what}: its data does not lie in the tensor \"{name}\" holds")
+    _flat(data, what)
+    prepend = int(getattr(st, "prepend_axis_num", 0) or 0)
+    sizes = [1] * prepend + [int(s) for s in data.shape]
+    return (str(st.key), [int(s) for s in st.global_shape], dtype, rank,
+            [int(o) for o in st.global_offset], sizes, name, base.numel(),
+            int(data.storage_offset() - base.storage_offset()))
+
+
+def _live_shards(sharded: Mapping[str, Any], rank: int) -> list[_LiveShard]:
+    """This process's ShardedTensors of ``sharded``, each in the tensor its entry holds."""
+    out: list[_LiveShard] = []
+    for name, value in sharded.items():
+        for leaf in _leaves(value):
+            kind = type(leaf).__name__
+            if kind == "ShardedTensorFactory":  # the fused QKV and SwiGLU splits of one tensor
+                _flat(leaf.data, f"\"{name}\"")
+                for st in _leaves(leaf.build()):
+                    out.append(_shard_entry(name, st, leaf.data, rank))
+            elif kind == "ShardedTensor":
+                out.append(_shard_entry(name, leaf, leaf.data, rank))
+            # ShardedObjects (extra state) and anything else hold no tensor of the model
+    return out
+
+
+def _config_text(config: Any) -> str:
+    import json
+    import os
+    if isinstance(config, Mapping):
+        return json.dumps(dict(config))
+    to_dict = getattr(config, "to_dict", None)  # a transformers PretrainedConfig
+    if callable(to_dict):
+        return json.dumps(to_dict())
+    text: str = os.fspath(config)
+    if text.lstrip().startswith("{"):
+        return text
+    with open(text, encoding="utf-8") as f:
+        return f.read()
+
+
+def megatron_maps(source: Any, config: Any, *, group: Any = None) -> BufferSet:
+    """The Hugging Face tensors of a live Megatron-Core model (a GPTModel, or its
+    ``sharded_state_dict()``) over its ranks' tensors: a :class:`reshard.BufferSet` whose
+    buffers are the model's tensors by their ``sharded_state_dict()`` names (each rank's buffer
+    that rank's tensor, flat) and whose ``maps`` are ``{hf_name: ParamMap}`` (``q_proj``,
+    ``k_proj``, ``v_proj`` out of ``linear_qkv``, ``gate_proj`` and ``up_proj`` out of a SwiGLU
+    ``linear_fc1``, the vocabulary without its padding, ...), by the same name table as the
+    torch_dist checkpoint reader. ``config``: the model's Hugging Face config.json (a dict, its
+    text or path, or a transformers config).
+
+    A collective over ``group`` (default the world): map rank i is process i of the group.
+    Raises :class:`reshard.LayoutError` (the same on every process) for a tensor the name table
+    does not know, a config that does not describe the model, a flattened (distributed
+    optimizer) range, or a model the processes do not hold whole.
+    """
+    import torch.distributed as dist
+
+    from ._buffers import read_buffers
+    from ._errors import MapError
+    members = _world(group)
+    me = dist.get_rank(group) if members is not None else 0
+    error: Optional[str] = None
+    shards: list[_LiveShard] = []
+    try:
+        text = _config_text(config)
+        shards = _live_shards(_sharded_state_dict(source), me)
+    except (ValueError, TypeError, OSError) as e:  # told to every process, raised alike
+        error = f"process {me}: {e}"
+    gathered: list[Any] = [(error, shards)]
+    if members is not None:
+        gathered = [None] * len(members)
+        dist.all_gather_object(gathered, (error, shards), group=group)
+    errors = [e for e, _ in gathered if e is not None]
+    if errors:
+        raise LayoutError("; ".join(errors))
+    every = [s for _, mine in gathered for s in mine]
+    what = f"the Megatron model's sharded_state_dict() on {len(gathered)} processes"
+    from . import _core
+    try:
+        document = _core.megatron_live_maps(text, every, len(gathered), what)
+    except MapError as e:
+        raise LayoutError(str(e)) from None
+    buffers = read_buffers(document)
+    assert buffers is not None
+    return buffers
+
+
+def megatron_shards(source: Any) -> dict[str, torch.Tensor]:
+    """This process's buffers of :func:`megatron_maps`: ``{name: flat tensor}``, each a view of
+    the model's own tensor (what ``extract`` writes into and ``rebuild`` reads)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in _sharded_state_dict(source).items():
+        for leaf in _leaves(value):
+            if type(leaf).__name__ in ("ShardedTensor", "ShardedTensorFactory"):
+                out.setdefault(name, _flat(leaf.data, f"\"{name}\""))
     return out

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core.h"
@@ -17,6 +18,7 @@
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
+#include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -25,6 +27,7 @@
 #include "reshard/hf/model_maps.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
+#include "reshard/ir/map_json.h"
 #include "reshard/layouts/layouts_document.h"
 
 namespace reshard::python {
@@ -394,9 +397,43 @@ class PyShardedCheckpoint {
   ShardedCheckpoint ckpt_;
 };
 
+// The Hugging Face tensors of a live Megatron model over its ranks' tensors, as a version-2 map
+// document: `shards` are (key, global shape, dtype name, rank, offsets, sizes, rank tensor,
+// its elements, the box's offset in it).
+using LiveShardTuple =
+    std::tuple<std::string, Shape, std::string, Rank, Shape, Shape, std::string, Index, Index>;
+std::string MegatronLiveMaps(const std::string& config_json,
+                             const std::vector<LiveShardTuple>& shards, int world,
+                             const std::string& what) {
+  Result<MegatronModelConfig> config = ParseMegatronModelConfig(config_json, "config.json");
+  if (!config.ok()) Raise(config.status(), ErrorKind::kMap);
+  std::vector<MegatronLiveShard> live;
+  live.reserve(shards.size());
+  for (const auto& [key, shape, dtype, rank, offsets, sizes, buffer, elements, offset] : shards) {
+    const std::optional<DType> d = DTypeFromName(dtype);
+    if (!d) {
+      std::string message = "Megatron tensor \"";
+      message.append(key).append("\" has dtype ").append(dtype);
+      Raise(InvalidArgumentError(message.append(", which reshard does not know")), ErrorKind::kMap);
+    }
+    live.push_back({key, shape, *d, rank, offsets, sizes, buffer, elements, offset});
+  }
+  Result<Manifest> manifest = [&] {
+    py::gil_scoped_release release;
+    return MegatronLiveManifest(*config, live, world, what);
+  }();
+  if (!manifest.ok()) Raise(manifest.status(), ErrorKind::kMap);
+  MapDocument doc;
+  for (ShardedParam& p : manifest->params) doc.params.emplace_back(p.name, std::move(p.map));
+  doc.buffers = std::move(manifest->buffers);
+  return MapDocumentToJson(doc);
+}
+
 }  // namespace
 
 void BindFiles(py::module_& m) {
+  m.def("megatron_live_maps", &MegatronLiveMaps, py::arg("config_json"), py::arg("shards"),
+        py::arg("world"), py::arg("what"));
   py::class_<PyCheckpointOptions>(m, "CheckpointOptions")
       .def(py::init<>())
       .def_readwrite("overwrite", &PyCheckpointOptions::overwrite)

@@ -4,6 +4,12 @@ Megatron's own dist-ckpt (`torch_dist`).
     torchrun --nproc_per_node 4 megatron_model.py save OUT_DIR SPEC_JSON
         builds the model at the spec's TP x PP (x EP for the MoE layers), gloo, and saves it
         with megatron.core.dist_checkpointing.save (sharded strategy torch_dist).
+    torchrun --nproc_per_node 4 megatron_model.py live OUT_DIR SPEC_JSON CONFIG_JSON
+        builds the same model and writes, per rank, OUT_DIR/live{rank}.pt: the Hugging Face
+        tensors' maps over the model's tensors that reshard.torch.megatron_maps reads from its
+        sharded_state_dict() (a map document), the rank's tensors (megatron_shards), and the
+        LayoutErrors of a config that does not describe the model and of a key the name table
+        does not know. reshard must be importable (PYTHONPATH: the build's python directory).
     python megatron_model.py logits CKPT_DIR SPEC_JSON TOKENS_JSON OUT_PT
         loads the checkpoint into the same model at TP 1 x PP 1 (Megatron reshards on load) and
         writes its logits for the tokens.
@@ -157,6 +163,38 @@ def save(out_dir, spec):
     torch.distributed.destroy_process_group()
 
 
+def live(out_dir, spec, config_path):
+    import reshard
+    import reshard.torch as rt
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tp, pp, ep = spec["tp"], spec["pp"], spec.get("ep", 1)
+    _init(tp, pp, ep)
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(spec["seed"])
+    model = _model(spec, _config(spec, tp, pp, ep))
+    config = json.loads(open(config_path).read())
+    buffers = rt.megatron_maps(model, config)
+    refusals = {}
+    try:
+        rt.megatron_maps(model, dict(config, intermediate_size=config["intermediate_size"] + 2))
+    except reshard.LayoutError as e:
+        refusals["config"] = str(e)
+    unknown = model.sharded_state_dict()
+    unknown["decoder.extra.weight"] = ShardedTensor.from_rank_offsets(
+        "decoder.extra.weight", torch.zeros(4), replica_id=rank)
+    try:
+        rt.megatron_maps(unknown, config)
+    except reshard.LayoutError as e:
+        refusals["name"] = str(e)
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save({"maps": buffers.to_json(), "refusals": refusals,
+                "shards": {k: v.clone() for k, v in rt.megatron_shards(model).items()}},
+               os.path.join(out_dir, f"live{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def logits(ckpt_dir, spec, tokens, out_path):
     from megatron.core import dist_checkpointing
 
@@ -186,6 +224,8 @@ if __name__ == "__main__":
     spec = json.loads(open(sys.argv[3]).read())
     if cmd == "save":
         save(sys.argv[2], spec)
+    elif cmd == "live":
+        live(sys.argv[2], spec, sys.argv[4])
     elif cmd == "logits":
         logits(sys.argv[2], spec, json.loads(open(sys.argv[4]).read()), sys.argv[5])
     else:

@@ -35,12 +35,12 @@ def megatron_python():
     return python
 
 
-def megatron(*args, procs=None, timeout=300):
+def megatron(*args, procs=None, timeout=300, env=None):
     cmd = [megatron_python()]
     if procs:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
     cmd += [str(HERE / "megatron_model.py"), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
@@ -389,3 +389,41 @@ def test_torch_written_chunks_inside_a_query_group(reshard_bin, tmp_path):
     (tmp_path / "two.json").write_text(json.dumps(dict(LLAMA, num_hidden_layers=2)))
     r = run(reshard_bin, "gather", ckpt, "-o", tmp_path / "hf2", "--config", tmp_path / "two.json")
     assert r.returncode == 2 and "layer 1" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_live_model_maps_rebuild_what_gather_reads_from_its_checkpoint(tmp_path, saved, name):
+    """reshard.torch.megatron_maps in the Megatron processes themselves (TP 2 x PP 2 x EP 2):
+    the Hugging Face tensors rebuilt from the ranks' own tensors equal what gather reads from
+    the checkpoint of the same model, and Megatron's TP-1 weights."""
+    import reshard.torch  # noqa: F401  (the package the Megatron processes import)
+
+    ckpt, config, ref = saved(name)
+    spec, cfg = MODELS[name]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    path = str(pathlib.Path(reshard.__file__).resolve().parents[1])
+    megatron("live", tmp_path / "live", tmp_path / "spec.json", config, procs=4,
+             env={"PYTHONPATH": path})
+    ranks = [torch.load(tmp_path / "live" / f"live{r}.pt") for r in range(4)]
+    assert all(r["maps"] == ranks[0]["maps"] for r in ranks)  # every process, one answer
+    buffers = reshard.read_buffers(ranks[0]["maps"])
+    out = tmp_path / "hf"
+    reshard.checkpoint.gather(ckpt, out, config=config)
+    gathered = load_file(str(out / "model.safetensors"))
+    want = expected_hf(ref["state"], spec, cfg)
+    assert sorted(buffers.maps) == sorted(gathered) == sorted(want)
+    for hf, m in buffers.maps.items():
+        shards = [r["shards"][m.buffer(rank)] if m.buffer(rank) else torch.empty(0)
+                  for rank, r in enumerate(ranks)]
+        got = reshard.rebuild(m, shards)
+        assert same_bits(got, gathered[hf]) and same_bits(got, want[hf].contiguous()), hf
+    # The fused tensors are maps over Megatron's own rank tensors (buffers), split per rank.
+    q = buffers.maps["model.layers.0.self_attn.q_proj.weight"]
+    assert q.buffer(0) == "decoder.layers.0.self_attention.linear_qkv.weight"
+    gate = buffers.maps["model.layers.0.mlp.gate_proj.weight"] if name == "qwen3_moe" else \
+        buffers.maps["model.layers.0.block_sparse_moe.experts.0.w1.weight"]
+    assert gate.buffer(0).endswith("linear_fc1.weight")
+    # Refused alike on every process, naming what is wrong.
+    for r in ranks:
+        assert "intermediate_size" in r["refusals"]["config"], r["refusals"]
+        assert "decoder.extra.weight" in r["refusals"]["name"], r["refusals"]

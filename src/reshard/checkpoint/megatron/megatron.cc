@@ -837,4 +837,160 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 
+// ---------------------------------------------------------------------------------------------
+// A live model's shards
+
+namespace {
+
+// The buffers the shards of the keys in `padding` name, each rank's shape its tensor; rows of a
+// padded vocabulary from `padding[key]` on are padding (keys absent: no HF tensor reads them).
+Result<BufferSetBuilder> LiveBuffers(std::span<const MegatronLiveShard> shards, int world,
+                                     const std::map<std::string, std::optional<Index>>& padding) {
+  std::map<std::string, BufferDecl> decls;
+  std::vector<std::string> order;
+  for (const MegatronLiveShard& s : shards) {
+    const auto pad = padding.find(s.key);
+    if (pad == padding.end()) continue;
+    auto [it, inserted] = decls.try_emplace(s.buffer);
+    BufferDecl& decl = it->second;
+    if (inserted) {
+      order.push_back(s.buffer);
+      decl = {s.buffer, s.dtype, std::vector<BufferRank>(static_cast<size_t>(world), {{0}, {}})};
+    } else if (decl.dtype != s.dtype) {
+      return InvalidArgumentError(fmt::format(
+          "rank tensor \"{}\" holds {} elements of Megatron tensor \"{}\" and {} of another",
+          s.buffer, DTypeName(s.dtype), s.key, DTypeName(decl.dtype)));
+    }
+    BufferRank& mine = decl.ranks[static_cast<size_t>(s.rank)];
+    mine.shape = {s.buffer_elements};
+    if (!pad->second || s.sizes.empty()) continue;
+    const Index lo = std::max(s.offsets[0], *pad->second);
+    const Index hi = s.offsets[0] + s.sizes[0];
+    if (lo >= hi) continue;
+    BufferBlock block;
+    block.shape = s.sizes;
+    block.shape[0] = hi - lo;
+    const Shape strides = RowMajorStrides(s.sizes);
+    block.view = {s.buffer_offset + (lo - s.offsets[0]) * strides[0], strides};
+    mine.padding.push_back(std::move(block));
+  }
+  BufferSetBuilder buffers;
+  for (const std::string& name : order) buffers.add(std::move(decls[name]));
+  return buffers;
+}
+
+// The map of `part` over the shards of its key (`of`: indices into `shards`).
+Result<ParamMap> LivePartMap(const MegatronPart& part, std::span<const MegatronLiveShard> shards,
+                             const std::vector<size_t>& of, int world) {
+  std::map<std::pair<Shape, Shape>, std::vector<Rank>> holders;
+  for (size_t i : of) holders[{shards[i].offsets, shards[i].sizes}].push_back(shards[i].rank);
+  for (auto& [box, ranks] : holders) {
+    std::sort(ranks.begin(), ranks.end());
+    ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  }
+  ParamMapBuilder b;
+  b.set_logical_shape(part.shape);
+  b.set_world_size(world);
+  for (Rank r = 0; r < world; ++r) b.set_shard_shape(r, {0});
+  std::map<Rank, std::string> buffer_of;
+  for (size_t i : of) {
+    const MegatronLiveShard& s = shards[i];
+    std::vector<Piece> pieces = RegionPieces(part.region, s.offsets, s.sizes,
+                                             {s.buffer_offset, RowMajorStrides(s.sizes)}, s.rank);
+    if (pieces.empty()) continue;
+    const auto [at, inserted] = buffer_of.emplace(s.rank, s.buffer);
+    if (!inserted && at->second != s.buffer) {
+      return InvalidArgumentError(fmt::format(
+          "rank {} holds parts of it in two rank tensors, \"{}\" and \"{}\" (a map puts a "
+          "rank's pieces in one)",
+          s.rank, at->second, s.buffer));
+    }
+    for (Piece& piece : pieces) {
+      piece.locations = holders[{s.offsets, s.sizes}];
+      b.add_piece(s.rank, std::move(piece));
+    }
+    b.set_buffer(s.rank, s.buffer);
+    b.set_shard_shape(s.rank, {s.buffer_elements});
+  }
+  return b.Finalize();
+}
+
+// The shards of each key, keys in order of first appearance; InvalidArgument for shards of one
+// key that disagree on its shape or dtype, or a box outside the shape or its rank tensor.
+Result<std::vector<std::pair<std::string, std::vector<size_t>>>> LiveKeys(
+    std::span<const MegatronLiveShard> shards, int world) {
+  std::vector<std::pair<std::string, std::vector<size_t>>> keys;
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const MegatronLiveShard& s = shards[i];
+    const auto [it, inserted] = index.emplace(s.key, keys.size());
+    if (inserted) keys.push_back({s.key, {}});
+    const MegatronLiveShard& first =
+        shards[keys[it->second].second.empty() ? i : keys[it->second].second.front()];
+    if (first.shape != s.shape || first.dtype != s.dtype) {
+      return InvalidArgumentError(
+          fmt::format("Megatron tensor \"{}\" is {} {} on rank {} but {} {} on rank {}", s.key,
+                      DTypeName(first.dtype), FormatShape(first.shape), first.rank,
+                      DTypeName(s.dtype), FormatShape(s.shape), s.rank));
+    }
+    bool inside = s.rank >= 0 && s.rank < world && s.offsets.size() == s.shape.size() &&
+                  s.sizes.size() == s.shape.size() && s.buffer_offset >= 0 &&
+                  s.buffer_offset + ProductOf(s.sizes) <= s.buffer_elements;
+    for (size_t d = 0; inside && d < s.shape.size(); ++d) {
+      inside = s.offsets[d] >= 0 && s.sizes[d] >= 0 && s.offsets[d] + s.sizes[d] <= s.shape[d];
+    }
+    if (!inside) {
+      return InvalidArgumentError(fmt::format(
+          "Megatron tensor \"{}\" {}: rank {} of {} holds the box at {} of sizes {}, at element "
+          "{} of its {}-element tensor \"{}\", which does not fit",
+          s.key, FormatShape(s.shape), s.rank, world, FormatShape(s.offsets), FormatShape(s.sizes),
+          s.buffer_offset, s.buffer_elements, s.buffer));
+    }
+    keys[it->second].second.push_back(i);
+  }
+  return keys;
+}
+
+}  // namespace
+
+Result<Manifest> MegatronLiveManifest(const MegatronModelConfig& config,
+                                      std::span<const MegatronLiveShard> shards, int world,
+                                      std::string_view what) {
+  RESHARD_ASSIGN_OR_RETURN(const auto keys, LiveKeys(shards, world));
+  Manifest manifest;
+  manifest.world_size = world;
+  std::set<std::string> names;
+  bool have_output_layer = false;
+  std::map<std::string, std::optional<Index>> padding;  // per key read: its padding rows
+  for (const auto& [key, of] : keys) {
+    const Shape& shape = shards[of.front()].shape;
+    RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts, MegatronPartsOf(config, key, shape));
+    if (key == "output_layer.weight") have_output_layer = true;
+    if (parts.skipped) continue;
+    padding[key] = parts.padding_from;
+    for (const MegatronPart& part : parts.parts) {
+      RESHARD_RETURN_IF_ERROR(
+          CheckRegion(part.region, shape).Annotate(fmt::format("Megatron tensor \"{}\"", key)));
+      if (!names.insert(part.name).second) {
+        return InvalidArgumentError(fmt::format(
+            "Megatron tensor \"{}\" holds \"{}\", which another key holds too", key, part.name));
+      }
+      Result<ParamMap> map = LivePartMap(part, shards, of, world);
+      if (!map.ok()) {
+        return map.status().Annotate(
+            fmt::format("\"{}\" from Megatron tensor \"{}\"", part.name, key));
+      }
+      manifest.params.push_back(
+          ShardedParam{part.name, shards[of.front()].dtype, *std::move(map), {}, 1});
+    }
+  }
+  RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, std::string(what)));
+  RESHARD_ASSIGN_OR_RETURN(const BufferSetBuilder buffers, LiveBuffers(shards, world, padding));
+  RESHARD_RETURN_IF_ERROR(ValidateManifestBuffers(manifest, buffers)
+                              .Annotate(fmt::format("{}: the Hugging Face tensors over its "
+                                                    "Megatron tensors",
+                                                    what)));
+  return manifest;
+}
+
 }  // namespace reshard

@@ -28,11 +28,13 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "reshard/base/result.h"
+#include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/megatron/regions.h"
 
@@ -105,6 +107,31 @@ struct MegatronKeyParts {
 /// both and the config fields it came from), a layer or expert index beyond the config's.
 Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std::string_view key,
                                          const Shape& shape);
+
+/// A box of a Megatron tensor that a rank of a live model holds (a ShardedTensor of its
+/// `sharded_state_dict()`), and the rank tensor it lies in.
+struct MegatronLiveShard {
+  std::string key;  // the Megatron tensor (the ShardedTensor's key)
+  Shape shape;      // its global shape, stacked dims included
+  DType dtype = DType::kF32;
+  Rank rank = 0;
+  Shape offsets;  // the box: one entry per dim of `shape`
+  Shape sizes;
+  std::string buffer;         // the rank tensor holding the box, row-major
+  Index buffer_elements = 0;  // that tensor's elements
+  Index buffer_offset = 0;    // where the box's first element lies in it
+};
+
+/// The Hugging Face tensors of a live model over its ranks' Megatron tensors: every HF tensor a
+/// parameter whose map, over `world` ranks, puts its pieces into the buffers the shards name
+/// (one buffer per name, each rank's shape that rank's tensor, flat), the same name table as
+/// OpenMegatronSource. A box several ranks hold (replicas) is one piece they all hold.
+/// InvalidArgument naming the key for a key the table does not know, shards of one key that
+/// disagree on its shape or dtype, a model the shards do not hold whole (`what` names them in
+/// messages); FailedPrecondition when the maps do not fill the buffers exactly.
+Result<Manifest> MegatronLiveManifest(const MegatronModelConfig& config,
+                                      std::span<const MegatronLiveShard> shards, int world,
+                                      std::string_view what);
 
 struct MegatronSourceOptions {
   /// The model's config.json (its text) and its path (an input the output may not replace).

@@ -276,5 +276,101 @@ TEST(MegatronRegions, RangeBoxesCoverTheRangeOnce) {
   EXPECT_LE(boxes.size(), 5u);
 }
 
+// A live model: one layer (Llama, 4 heads in 2 groups of head_dim 2, hidden 8, ffn 6, vocab 10
+// padded to 12) at TP 2, every tensor as its ShardedTensors give it: the SwiGLU fc1's gate and up
+// boxes in one rank tensor, the norms held by both ranks (replicas).
+std::vector<MegatronLiveShard> LiveLlamaAtTp2() {
+  std::vector<MegatronLiveShard> out;
+  const auto add = [&](std::string key, Shape shape, Rank rank, Shape offsets, Shape sizes,
+                       std::string buffer, Index elements, Index at) {
+    out.push_back({std::move(key), std::move(shape), DType::kF32, rank, std::move(offsets),
+                   std::move(sizes), std::move(buffer), elements, at});
+  };
+  for (Rank r = 0; r < 2; ++r) {
+    const Index k = r;  // the rank along the split dims
+    add("embedding.word_embeddings.weight", {12, 8}, r, {6 * k, 0}, {6, 8},
+        "embedding.word_embeddings.weight", 48, 0);
+    add("output_layer.weight", {12, 8}, r, {6 * k, 0}, {6, 8}, "output_layer.weight", 48, 0);
+    add("decoder.final_layernorm.weight", {8}, r, {0}, {8}, "decoder.final_layernorm.weight", 8, 0);
+    const std::string l = "decoder.layers.0.";
+    add("decoder.layers.self_attention.linear_qkv.layer_norm_weight", {1, 8}, r, {0, 0}, {1, 8},
+        l + "input_layernorm.weight", 8, 0);
+    add("decoder.layers.mlp.linear_fc1.layer_norm_weight", {1, 8}, r, {0, 0}, {1, 8},
+        l + "pre_mlp_layernorm.weight", 8, 0);
+    add("decoder.layers.self_attention.linear_qkv.weight", {1, 16, 8}, r, {0, 8 * k, 0}, {1, 8, 8},
+        l + "self_attention.linear_qkv.weight", 64, 0);
+    add("decoder.layers.self_attention.linear_proj.weight", {1, 8, 8}, r, {0, 0, 4 * k}, {1, 8, 4},
+        l + "self_attention.linear_proj.weight", 32, 0);
+    add("decoder.layers.mlp.linear_fc1.weight", {1, 12, 8}, r, {0, 3 * k, 0}, {1, 3, 8},
+        l + "mlp.linear_fc1.weight", 48, 0);
+    add("decoder.layers.mlp.linear_fc1.weight", {1, 12, 8}, r, {0, 6 + 3 * k, 0}, {1, 3, 8},
+        l + "mlp.linear_fc1.weight", 48, 24);
+    add("decoder.layers.mlp.linear_fc2.weight", {1, 8, 6}, r, {0, 0, 3 * k}, {1, 8, 3},
+        l + "mlp.linear_fc2.weight", 24, 0);
+  }
+  return out;
+}
+
+MegatronModelConfig LiveLlamaConfig() {
+  Result<MegatronModelConfig> c = ParseMegatronModelConfig(
+      R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 6,
+          "vocab_size": 10})",
+      "config.json");
+  EXPECT_TRUE(c.ok()) << c.status().message();
+  return *c;
+}
+
+TEST(MegatronLive, RankTensorsAreBuffersOfTheHuggingFaceTensors) {
+  const std::vector<MegatronLiveShard> shards = LiveLlamaAtTp2();
+  Result<Manifest> m = MegatronLiveManifest(LiveLlamaConfig(), shards, 2, "the model");
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  EXPECT_EQ(m->params.size(), 12u);
+  const auto find = [&](std::string_view name) -> const ParamMap& {
+    for (const ShardedParam& p : m->params) {
+      if (p.name == name) return p.map;
+    }
+    ADD_FAILURE() << name;
+    return m->params[0].map;
+  };
+  // up_proj: rank 1 holds rows 3-5 at element 24 of its fc1 tensor.
+  const ParamMap& up = find("model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(up.rank(1).buffer, "decoder.layers.0.mlp.linear_fc1.weight");
+  ASSERT_EQ(up.rank(1).pieces.size(), 1u);
+  EXPECT_EQ(up.rank(1).pieces[0].source.offset, 3 * 8);
+  EXPECT_EQ(up.rank(1).pieces[0].dest.offset, 24);
+  // The final norm: one piece both ranks hold.
+  const ParamMap& norm = find("model.norm.weight");
+  EXPECT_EQ(norm.rank(0).pieces[0].locations, (std::vector<Rank>{0, 1}));
+  // Rows 10-11 of the vocabulary are padding of rank 1's tensors.
+  const BufferDecl* embed = m->buffers.Find("embedding.word_embeddings.weight");
+  ASSERT_NE(embed, nullptr);
+  ASSERT_EQ(embed->ranks[1].padding.size(), 1u);
+  EXPECT_EQ(embed->ranks[1].padding[0].view.offset, 4 * 8);
+}
+
+TEST(MegatronLive, RefusesShardsThatDisagreeOrDoNotFit) {
+  std::vector<MegatronLiveShard> shards = LiveLlamaAtTp2();
+  shards.back().shape = {1, 8, 8};  // rank 1's fc2 says another shape
+  Result<Manifest> m = MegatronLiveManifest(LiveLlamaConfig(), shards, 2, "the model");
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("\"decoder.layers.mlp.linear_fc2.weight\" is F32 [1, 8, 6] "
+                                      "on rank 0 but F32 [1, 8, 8] on rank 1"),
+            std::string::npos)
+      << m.status().message();
+  shards = LiveLlamaAtTp2();
+  shards.back().buffer_offset = 1;  // past the end of its 24-element tensor
+  m = MegatronLiveManifest(LiveLlamaConfig(), shards, 2, "the model");
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("at element 1 of its 24-element tensor"), std::string::npos)
+      << m.status().message();
+  shards = LiveLlamaAtTp2();
+  shards.pop_back();  // rank 1 without its half of fc2: down_proj is not whole
+  shards.pop_back();
+  shards.pop_back();  // nor its half of fc1
+  m = MegatronLiveManifest(LiveLlamaConfig(), shards, 2, "the model");
+  EXPECT_FALSE(m.ok());
+}
+
 }  // namespace
 }  // namespace reshard
