@@ -49,3 +49,19 @@ def timed(cmd, env=None):
 def dir_bytes(path):
     return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
 
+
+def timed_collective(fn, repeats):
+    """The median seconds of `repeats` calls of `fn` that every process of the default
+    torch.distributed group makes together, each between two barriers."""
+    import statistics
+
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -27,26 +27,15 @@ Every result is checked against the baseline's, bit for bit.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from _measure import timed_collective
+
 import reshard.dtensor as rdt
-
-
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def fsdp_over_tp_rows(full, mesh):
@@ -113,8 +102,8 @@ def run_case(title, source, target, args, me):
     for name, got in ours_out.items():
         if got is not None and not torch.equal(got.to_local(), theirs_out[name].to_local()):
             raise SystemExit(f"process {me}: {name} differs from distribute_tensor's")
-    ours = timed(with_reshard, args.repeats)
-    theirs = timed(with_baseline, args.repeats)
+    ours = timed_collective(with_reshard, args.repeats)
+    theirs = timed_collective(with_baseline, args.repeats)
     figures = [None] * dist.get_world_size()
     dist.all_gather_object(figures, (stats["sent"], stats["lower_bound"]))
     if me != 0:

@@ -15,11 +15,11 @@ Every result is checked against the full tensor.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
+
+from _measure import timed_collective
 
 import reshard
 import reshard.distributed as rd
@@ -40,17 +40,6 @@ def split(shape, dim, world):
                      "dest": [0, [per, 1]], "locations": [r]}
             ranks[r] = {"shard_shape": [rows, per], "pieces": [piece]}
     return reshard.ParamMap.from_dict({"logical_shape": list(shape), "ranks": ranks})
-
-
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -92,8 +81,8 @@ def main():
                 t = target_ranks.index(me)
                 gathered[n] = whole.chunk(2, dim=dims[n])[t].contiguous()
 
-    ours = timed(with_reshard, args.repeats + 1)
-    theirs = timed(with_all_gather, args.repeats + 1)
+    ours = timed_collective(with_reshard, args.repeats + 1)
+    theirs = timed_collective(with_all_gather, args.repeats + 1)
     for n in names:  # both are right
         if me in target_ranks:
             want = reshard.extract(target[n], full[n], target_ranks.index(me))
