@@ -52,7 +52,7 @@ def train(save_dir):
     ds_train.init_distributed()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL), dtype=torch.float32)
-    spec = {"stage": STAGE, "tp": TP, "dtype": "float32"}
+    spec = {"family": "llama", "stage": STAGE, "tp": TP, "dtype": "float32"}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_train.ds_config(spec))
     ids = torch.randint(3, MODEL["vocab_size"], (ds_train.BATCH, 16),
