@@ -226,7 +226,11 @@ class Redistributor:
     i being the i-th of them; a mesh's ranks are read as the group's (global ranks for a
     torch.distributed group; a :class:`Transport`'s own ranks otherwise); ``dtypes`` defaults
     to the tensors'; and :meth:`run` takes the model (by default the one given here, as it is
-    then).
+    then). A Megatron-Core model (anything with ``sharded_state_dict()``) is taken as
+    :func:`reshard.torch.megatron_maps` reads it, with ``config`` its Hugging Face config.json
+    (a dict, its text or path): its tensors move as the Hugging Face tensors of the target maps,
+    map rank i of the source being the i-th process that holds the model; :meth:`run` then
+    sends the model's own tensors (its buffers, :func:`reshard.torch.megatron_shards`).
     """
 
     def __init__(self, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -236,17 +240,18 @@ class Redistributor:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
                  num_threads: int = 0, source: Optional["TorchSource"] = None,
-                 _error: Optional[str] = None) -> None:
+                 config: Any = None, _error: Optional[str] = None) -> None:
         self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
         self._me = self._comm.rank
         self._members = list(self._comm.members)
         self._source: Optional[TorchSource] = source
         self._source_dtypes: dict[str, Any] = {}
+        self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         if source is not None:  # a collective: every process's tensors, before any check
             try:
                 if source_maps is not None:
                     raise RedistributeError("give source_maps or source=, not both")
-                source_maps, found = self._maps_of_source(source, source_ranks)
+                source_maps, found = self._maps_of_source(source, source_ranks, config)
                 source_ranks = source_ranks if source_ranks is not None else found
             except Exception as e:  # the same on every process; told by the agreement below
                 _error = _error or _message(e)
@@ -303,15 +308,42 @@ class Redistributor:
         if self._dtypes is not None:
             self._plan()
 
-    def _maps_of_source(self, source: "TorchSource", ranks: Optional[Sequence[int]]
-                        ) -> tuple[dict[str, ParamMap], list[int]]:
+    def _maps_of_source(self, source: "TorchSource", ranks: Optional[Sequence[int]],
+                        config: Any) -> tuple[dict[str, ParamMap], list[int]]:
         """The maps of every process's tensors, merged over the group (a collective), and the
-        processes that hold any: source_ranks unless given."""
-        from .torch import build_all, gather_views
+        processes that hold any: source_ranks unless given. DTensors, or Megatron-Core models
+        (on every process that holds tensors; ``{}`` elsewhere)."""
+        import torch
+
+        from .torch import build_all, gather_megatron, gather_views, is_megatron
+        kind = "megatron" if is_megatron(source) else \
+            "none" if isinstance(source, Mapping) and not source else "torch"
+        kinds = {k for k in self._comm.gather_object(kind) if k != "none"}
+        if len(kinds) > 1:
+            raise RedistributeError("some processes gave a Megatron-Core model as source=, "
+                                    "others DTensors; give the same kind on every process")
+        if kinds == {"megatron"}:
+            me = self._members.index(self._me)
+            buffers, held = gather_megatron(source, config, self._comm.gather_object, me,
+                                            holders_only=True)
+            found = [self._members[i] for i in held]
+            if ranks is not None and len(ranks) != len(found):
+                raise RedistributeError(f"source_ranks names {len(ranks)} processes; "
+                                        f"{len(found)} hold the Megatron model's tensors")
+            self._megatron = True
+            maps = buffers.maps
+            self._source_dtypes = {}
+            for name, m in maps.items():
+                held_in = [m.buffer(r) for r in range(m.world_size) if m.buffer(r)]
+                if held_in:
+                    self._source_dtypes[name] = _torch_dtype(buffers[held_in[0]].dtype)
+            return maps, [int(r) for r in ranks] if ranks is not None else found
+        if config is not None:
+            raise RedistributeError("config= names the tensors of a Megatron-Core source; "
+                                    "the source here is DTensors")
         views = gather_views(source, self._comm.gather_object, self._me, self._members)
         found = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
         chosen = [int(r) for r in ranks] if ranks is not None else found
-        import torch
         self._source_dtypes = {name: getattr(torch, dtype) for name, (_, _, dtype) in views.items()}
         return build_all(views, chosen), chosen
 
@@ -441,13 +473,16 @@ class Redistributor:
 
     def _local_of(self, source: "TorchSource") -> dict[str, "torch.Tensor"]:
         """A torch source's shards as :meth:`_check_shards` takes them."""
-        from .torch import shards_of
+        from .torch import megatron_source_shards, shards_of
         if self._me not in self._source_ranks:
             return {}
         rank = self._source_ranks.index(self._me)
+        dtypes = {n: _torch_dtype(d) for n, d in zip(self._names, self._dtypes or [])}
         try:
-            return shards_of(source, dict(zip(self._names, self._src)), rank,
-                             {n: _torch_dtype(d) for n, d in zip(self._names, self._dtypes or [])})
+            if self._megatron:
+                return megatron_source_shards(source, dict(zip(self._names, self._src)), rank,
+                                              dtypes)
+            return shards_of(source, dict(zip(self._names, self._src)), rank, dtypes)
         except (TypeError, ValueError) as e:
             raise RedistributeError(str(e)) from e
 

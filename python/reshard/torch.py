@@ -43,8 +43,8 @@ from ._buffers import BufferSet
 from ._errors import LayoutError
 from ._maps import ParamMap
 
-__all__ = ["LayoutError", "TorchSource", "layout_map", "map_of", "maps_of", "regions",
-           "shards_of"]
+__all__ = ["LayoutError", "TorchSource", "is_megatron", "layout_map", "map_of", "maps_of",
+           "megatron_maps", "megatron_shards", "regions", "shards_of"]
 
 TorchSource = Union["torch.nn.Module", Mapping[str, Any]]
 
@@ -577,6 +577,59 @@ def _config_text(config: Any) -> str:
         return f.read()
 
 
+def is_megatron(source: Any) -> bool:
+    """Whether ``source`` is a Megatron-Core model (it has ``sharded_state_dict()``), which
+    :func:`megatron_maps` reads, rather than a module or state dict of DTensors."""
+    return not isinstance(source, Mapping) and callable(getattr(source, "sharded_state_dict", None))
+
+
+def gather_megatron(source: Any, config: Any, gather: Callable[[Any], list[Any]], me: int,
+                    *, holders_only: bool = False) -> tuple[BufferSet, list[int]]:
+    """(A collective: ``gather`` returns every member's value in member order; ``me`` is this
+    process's position in it.) The maps of :func:`megatron_maps` over the members' models, and
+    the positions of the members whose ranks the maps' ranks are. A member whose ``source`` is
+    an empty mapping holds none of the model. ``holders_only``: map rank i is the i-th member
+    that holds tensors (else member i). Raises :class:`reshard.LayoutError` on every member
+    alike."""
+    error: Optional[str] = None
+    shards: list[_LiveShard] = []
+    text = ""
+    try:
+        if not (isinstance(source, Mapping) and not source):
+            if config is None:
+                raise ValueError("a Megatron-Core model's tensors are named by the model's "
+                                 "Hugging Face config: give it (config=)")
+            text = _config_text(config)
+            shards = _live_shards(_sharded_state_dict(source), me)
+    except (ValueError, TypeError, OSError) as e:  # told to every process, raised alike
+        error = f"process {me}: {e}"
+    gathered = gather((error, text, shards))
+    errors = [e for e, _, _ in gathered if e is not None]
+    if errors:
+        raise LayoutError("; ".join(errors))
+    held = [i for i, (_, _, mine) in enumerate(gathered) if mine]
+    if not held:
+        raise LayoutError("no process holds a tensor of the Megatron model")
+    if len({t for _, t, mine in gathered if mine}) > 1:
+        raise LayoutError("the processes holding the Megatron model were given different "
+                          "configs")
+    members = held if holders_only else list(range(len(gathered)))
+    position = {m: i for i, m in enumerate(members)}
+    every = [(k, g, d, position[r], o, s, n, c, f)
+             for _, _, mine in gathered for (k, g, d, r, o, s, n, c, f) in mine]
+    what = f"the Megatron model's sharded_state_dict() on {len(members)} processes"
+    from . import _core
+    from ._buffers import read_buffers
+    from ._errors import MapError
+    try:
+        document = _core.megatron_live_maps(gathered[held[0]][1], every, len(members), what)
+    except MapError as e:
+        raise LayoutError(str(e)) from None
+    buffers = read_buffers(document)
+    assert buffers is not None
+    return buffers, members
+
+
 def megatron_maps(source: Any, config: Any, *, group: Any = None) -> BufferSet:
     """The Hugging Face tensors of a live Megatron-Core model (a GPTModel, or its
     ``sharded_state_dict()``) over its ranks' tensors: a :class:`reshard.BufferSet` whose
@@ -593,35 +646,17 @@ def megatron_maps(source: Any, config: Any, *, group: Any = None) -> BufferSet:
     optimizer) range, or a model the processes do not hold whole.
     """
     import torch.distributed as dist
-
-    from ._buffers import read_buffers
-    from ._errors import MapError
     members = _world(group)
-    me = dist.get_rank(group) if members is not None else 0
-    error: Optional[str] = None
-    shards: list[_LiveShard] = []
-    try:
-        text = _config_text(config)
-        shards = _live_shards(_sharded_state_dict(source), me)
-    except (ValueError, TypeError, OSError) as e:  # told to every process, raised alike
-        error = f"process {me}: {e}"
-    gathered: list[Any] = [(error, shards)]
-    if members is not None:
-        gathered = [None] * len(members)
-        dist.all_gather_object(gathered, (error, shards), group=group)
-    errors = [e for e, _ in gathered if e is not None]
-    if errors:
-        raise LayoutError("; ".join(errors))
-    every = [s for _, mine in gathered for s in mine]
-    what = f"the Megatron model's sharded_state_dict() on {len(gathered)} processes"
-    from . import _core
-    try:
-        document = _core.megatron_live_maps(text, every, len(gathered), what)
-    except MapError as e:
-        raise LayoutError(str(e)) from None
-    buffers = read_buffers(document)
-    assert buffers is not None
-    return buffers
+    if members is None:
+        return gather_megatron(source, config, lambda value: [value], 0)[0]
+    count = len(members)
+
+    def gather(value: Any) -> list[Any]:
+        out: list[Any] = [None] * count
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    return gather_megatron(source, config, gather, dist.get_rank(group))[0]
 
 
 def megatron_shards(source: Any) -> dict[str, torch.Tensor]:
@@ -633,3 +668,28 @@ def megatron_shards(source: Any) -> dict[str, torch.Tensor]:
             if type(leaf).__name__ in ("ShardedTensor", "ShardedTensorFactory"):
                 out.setdefault(name, _flat(leaf.data, f"\"{name}\""))
     return out
+
+
+def megatron_source_shards(source: Any, maps: Mapping[str, ParamMap], rank: int,
+                           dtypes: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The shards map rank ``rank`` sends of a Megatron model (``{}``: none of it): its
+    :func:`megatron_shards` by buffer name, and an empty tensor for each buffer the maps give the
+    rank with no element (a pipeline stage's view of another stage's layers)."""
+    have = {} if isinstance(source, Mapping) and not source else megatron_shards(source)
+    out: dict[str, torch.Tensor] = {}
+    for name, m in maps.items():
+        key = m.buffer(rank) or name
+        if key in out:
+            continue
+        shard = have.get(key)
+        need = m.shard_shape(rank)
+        if shard is None:
+            if math.prod(need):
+                raise LayoutError(f"tensor \"{key}\": map rank {rank} holds {list(need)} of it, "
+                                  "but this process's model has no such tensor")
+            want = dtypes.get(name, torch.float32)
+            shard = torch.empty(need, dtype=want if isinstance(want, torch.dtype) else
+                                getattr(torch, str(want).replace("torch.", "")))
+        out[key] = shard
+    return out
+

@@ -427,3 +427,41 @@ def test_live_model_maps_rebuild_what_gather_reads_from_its_checkpoint(tmp_path,
     for r in ranks:
         assert "intermediate_size" in r["refusals"]["config"], r["refusals"]
         assert "decoder.extra.weight" in r["refusals"]["name"], r["refusals"]
+
+
+def test_a_live_model_is_a_redistributor_source_without_maps(tmp_path, saved):
+    """Redistributor(source=model, config=...) in the Megatron processes (TP 2 x PP 2 x EP 2):
+    the Hugging Face tensors arrive whole on one process and split on two others, equal to
+    Megatron's own TP-1 weights; after the weights change in place, run() with no arguments
+    sends the new ones; a model without its config and processes that disagree on the kind of
+    source are refused alike on every process."""
+    ckpt, config, ref = saved("qwen3_moe")
+    spec, cfg = MODELS["qwen3_moe"]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    path = str(pathlib.Path(reshard.__file__).resolve().parents[1])
+    cmd = [megatron_python(), "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=4", str(HERE / "megatron_sync_worker.py"), str(tmp_path / "out"),
+           str(tmp_path / "spec.json"), str(config)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    ranks = [torch.load(tmp_path / "out" / f"sync{r}.pt") for r in range(4)]
+    want = expected_hf(ref["state"], spec, cfg)
+    first, after = ranks[0]["first"], ranks[0]["after"]
+    assert sorted(first) == sorted(want)
+    for name, w in want.items():
+        w = w.contiguous()
+        assert same_bits(first[name], w), name
+        assert same_bits(after[name], w + 1.0), name
+        halves = torch.cat([ranks[2]["halves"][name], ranks[3]["halves"][name]])
+        assert same_bits(halves, w), name
+    assert ranks[1]["first"] == {} and ranks[1]["halves"] == {}
+    # Each element once: a full copy of the model's bytes reaches process 0 (less what it
+    # holds itself).
+    total = sum(w.numel() * w.element_size() for w in want.values())
+    moved = ranks[0]["bytes"]
+    assert 0 < moved["received"] <= total, moved
+    for r in ranks:
+        assert "config" in r["refusals"]["config"], r["refusals"]
+        assert "Megatron-Core" in r["refusals"]["kinds"], r["refusals"]
+    assert len({r["refusals"]["config"] for r in ranks}) == 1

@@ -195,7 +195,9 @@ class WeightSync:
     ``source`` is the trainer's model (a ``torch.nn.Module``) or state dict as it lies: its
     DTensors' meshes and placements are its layout (:func:`reshard.torch.maps_of`, merged over
     the trainer processes, map rank i being trainer process i of ``group``), and each push sends
-    its current weights; or ``source_maps`` gives the layout explicitly: ``{checkpoint name:
+    its current weights; a Megatron-Core model is read as :func:`reshard.torch.megatron_maps`
+    reads it, its tensors named by ``config`` (the model's Hugging Face config.json: a dict,
+    its text or path); or ``source_maps`` gives the layout explicitly: ``{checkpoint name:
     ParamMap | dict}`` (any reshard describes: TP splits, DeepSpeed AutoTP, FSDP rows, TP 1;
     buffers too), the same in every process, each push then given the shards. ``group`` is
     the torch.distributed group of the trainer processes (None: the world, or this process
@@ -220,7 +222,8 @@ class WeightSync:
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 overlap_processing: Optional[bool] = None, quantize: Any = None) -> None:
+                 overlap_processing: Optional[bool] = None, quantize: Any = None,
+                 config: Any = None) -> None:
         import torch.distributed as dist
         self._group = group
         self._overlap = overlap_processing
@@ -255,10 +258,11 @@ class WeightSync:
         if refusals:
             raise WeightSyncError("; ".join(refusals))
         self._source = source
+        self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         self._source_maps: dict[str, ParamMap] = {}
         if source is not None:  # a collective over the trainer processes, raising alike
             try:
-                source_maps = self._source_maps_of(source)
+                source_maps = self._source_maps_of(source, config)
             except (LayoutError, TypeError) as e:
                 raise WeightSyncError(str(e)) from None
             self._source_maps = source_maps
@@ -324,11 +328,22 @@ class WeightSync:
 
     # -- construction -------------------------------------------------------------------
 
-    def _source_maps_of(self, source: "TorchSource") -> dict[str, ParamMap]:
+    def _source_maps_of(self, source: "TorchSource", config: Any) -> dict[str, ParamMap]:
         """The maps of the trainer's tensors, map rank i being trainer process i of the group,
-        merged over the trainer processes."""
+        merged over the trainer processes: its DTensors', or a Megatron-Core model's tensors
+        named by ``config`` (the same kind on every trainer process)."""
         import torch.distributed as dist
-        from ..torch import maps_of
+        from ..torch import gather_megatron, is_megatron, maps_of
+        kinds = set(self._trainer_gather(is_megatron(source)))
+        if len(kinds) > 1:
+            raise LayoutError("some trainer processes gave a Megatron-Core model as source=, "
+                              "others DTensors; give the same kind on every trainer process")
+        self._megatron = kinds == {True}
+        if self._megatron:
+            return gather_megatron(source, config, self._trainer_gather, self._rank)[0].maps
+        if config is not None:
+            raise LayoutError("config= names the tensors of a Megatron-Core source; the "
+                              "source here is DTensors")
         ranks = [0]
         if dist.is_initialized():
             ranks = (list(range(dist.get_world_size())) if self._group is None else
@@ -442,14 +457,16 @@ class WeightSync:
                             "source_maps)")
             given: Any = shards  # checked by the push, alike on every process
             return given, None
-        from ..torch import shards_of
+        from ..torch import megatron_source_shards, shards_of
         sync = self.redistributor
         dtypes = getattr(sync, "_dtypes", None) or []
         names = getattr(sync, "_names", sorted(self._source_maps))
+        given = self._source if shards is None else shards
+        types = {n: torch_dtype_of(d) for n, d in zip(names, dtypes)}
         try:
-            return shards_of(self._source if shards is None else shards, self._source_maps,
-                             self._rank, {n: torch_dtype_of(d) for n, d in zip(names, dtypes)}
-                             ), None
+            if self._megatron:
+                return megatron_source_shards(given, self._source_maps, self._rank, types), None
+            return shards_of(given, self._source_maps, self._rank, types), None
         except Exception as e:
             return {}, f"trainer process {self._rank}: {_message(e)}"
 
