@@ -17,6 +17,7 @@ Megatron's own dist-ckpt (`torch_dist`).
 Runs in .venv-megatron (megatron-core and its own torch; scripts/dev setup_megatron_venv), not
 in the test venv. SPEC_JSON: {"layers", "hidden", "heads", "groups", "ffn", "vocab", "experts",
 "moe_ffn", "moe_layers": [layer numbers, 1-based], "tp", "pp", "ep", "qk_norm", "qkv_bias",
+"bias" (every linear layer's), "kv_channels",
 "tie", "seed"}.
 """
 
@@ -57,12 +58,12 @@ def _config(spec, tp, pp, ep):
         num_attention_heads=spec["heads"],
         num_query_groups=spec["groups"],
         ffn_hidden_size=spec["ffn"],
-        kv_channels=spec["hidden"] // spec["heads"],
+        kv_channels=spec.get("kv_channels", spec["hidden"] // spec["heads"]),
         gated_linear_unit=True,
         activation_func=F.silu,
         normalization="RMSNorm",
         layernorm_epsilon=1e-6,
-        add_bias_linear=False,
+        add_bias_linear=spec.get("bias", False),
         add_qkv_bias=spec.get("qkv_bias", False),
         qk_layernorm=spec.get("qk_norm", False),
         tensor_model_parallel_size=tp,
@@ -147,6 +148,23 @@ def _init(tp, pp, ep):
         moe_utils.te_general_gemm = None
 
 
+def _draw_biases(model):
+    """Megatron starts biases at zero, which would hide a bias read from the wrong place: draw
+    them, each from its name (and tensor-parallel rank where it is split), so that the ranks
+    holding a replicated bias hold the same values."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                split = getattr(p, "tensor_model_parallel", False)
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 7919 * tp_rank * split)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
 def save(out_dir, spec):
     from megatron.core import dist_checkpointing
 
@@ -156,6 +174,7 @@ def save(out_dir, spec):
     # initialisation builds the full master weight and keeps its own part.
     torch.manual_seed(spec["seed"])
     model = _model(spec, _config(spec, tp, pp, ep))
+    _draw_biases(model)
     sharded = model.sharded_state_dict()
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save(sharded, out_dir, sharded_strategy=("torch_dist", 1))

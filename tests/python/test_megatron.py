@@ -69,7 +69,17 @@ MIXTRAL = (
      "max_position_embeddings": 64, "tie_word_embeddings": False, "hidden_act": "silu",
      "sliding_window": None, "torch_dtype": "float32"},
 )
-MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
+# Dense, with the bias of every projection (Megatron's fused QKV and SwiGLU biases split).
+LLAMA_BIAS = (
+    {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "ffn": 96, "vocab": 112, "bias": True,
+     "qkv_bias": True, "tp": 2, "pp": 2, "seed": 3},
+    {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+     "intermediate_size": 96, "vocab_size": 100, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+     "max_position_embeddings": 64, "tie_word_embeddings": False, "attention_bias": True,
+     "mlp_bias": True, "hidden_act": "silu", "torch_dtype": "float32"},
+)
+MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "llama_bias": LLAMA_BIAS}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +119,17 @@ def expected_hf(state, spec, config):
         out[hf + "self_attn.k_proj.weight"] = qkv[:, n].reshape(g * d, h)
         out[hf + "self_attn.v_proj.weight"] = qkv[:, n + 1].reshape(g * d, h)
         out[hf + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+        if spec.get("qkv_bias"):
+            qkv = state[m + "self_attention.linear_qkv.bias"].view(g, n + 2, d)
+            out[hf + "self_attn.q_proj.bias"] = qkv[:, :n].reshape(heads * d)
+            out[hf + "self_attn.k_proj.bias"] = qkv[:, n].reshape(g * d)
+            out[hf + "self_attn.v_proj.bias"] = qkv[:, n + 1].reshape(g * d)
+        if spec.get("bias"):
+            out[hf + "self_attn.o_proj.bias"] = state[m + "self_attention.linear_proj.bias"]
+            gate, up = state[m + "mlp.linear_fc1.bias"].chunk(2)
+            out[hf + "mlp.gate_proj.bias"] = gate
+            out[hf + "mlp.up_proj.bias"] = up
+            out[hf + "mlp.down_proj.bias"] = state[m + "mlp.linear_fc2.bias"]
         if spec.get("qk_norm"):
             out[hf + "self_attn.q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
             out[hf + "self_attn.k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
@@ -133,7 +154,7 @@ def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "llama_bias"])
 def test_gather_is_what_megatron_holds_and_transformers_computes_its_logits(
         reshard_bin, tmp_path, saved, name):
     from transformers import AutoModelForCausalLM

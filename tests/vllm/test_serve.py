@@ -198,3 +198,60 @@ def test_new_trainers_push_after_trainers_were_killed(sessions, models):
     for steps in results:
         assert "error" not in steps[0], steps[0]
         assert steps[0]["tokens"] == models["expected"]["B"]
+
+
+# The toy Llama as Megatron-Core builds it (megatron_model.py of the Python tests), with the
+# biases of every projection; its vocabulary padded to 256 rows for the 250 tokens of the
+# server's model.
+MEGATRON_LLAMA = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "kv_channels": 32,
+                  "ffn": 128, "vocab": 256, "bias": True, "qkv_bias": True, "tp": 2, "pp": 1,
+                  "seed": 7}
+
+
+def _megatron_python() -> str:
+    root = os.path.dirname(os.path.dirname(HERE))
+    python = os.environ.get("RESHARD_MEGATRON_PYTHON",
+                            os.path.join(root, ".venv-megatron", "bin", "python"))
+    assert os.path.exists(python), (
+        f"{python} is missing: scripts/dev test installs Megatron-Core there, or point "
+        "RESHARD_MEGATRON_PYTHON at a Python that has it")
+    return python
+
+
+def test_a_megatron_trainer_pushes_its_model_without_maps(server, models, tmp_path):
+    """Two Megatron-Core processes (TP 2, gloo; megatron-core, no vLLM) build a GPT model and
+    push it with WeightSync(url, source=model, config=...): the server's greedy tokens are
+    transformers' for the Hugging Face tensors the model holds, at the plan's minimum bytes;
+    the weights redrawn in place, a push with no arguments sends the new ones."""
+    import reshard
+    import reshard.vllm
+    # The engine's layout is learned here (the trainers' Python has no vLLM); reshard for the
+    # trainers is this package, alone on their path.
+    maps = tmp_path / "engine_maps.json"
+    maps.write_text(json.dumps(reshard.vllm.layout(models["model"], 2, dtype="float32")))
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "reshard").symlink_to(os.path.dirname(os.path.abspath(reshard.__file__)))
+    config = os.path.join(models["model"], "config.json")
+    spec = {"url": server["url"], "model_spec": MEGATRON_LLAMA, "config": config,
+            "target_maps": str(maps), "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+            "port": _free_port(), "out": str(tmp_path)}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=str(package))
+    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
+    codes = toy.run_processes(os.path.join(HERE, "megatron_trainer.py"), str(path), 2, env,
+                              logs, 300, python=_megatron_python())
+    tails = "\n".join(f"--- trainer {r}\n" + log.read_text()[-4000:] for r, log in enumerate(logs))
+    assert codes == [0, 0], f"Megatron trainer processes failed ({codes}):\n{tails}"
+    results = json.loads((tmp_path / "result.json").read_text())
+    cfg = json.loads(open(config).read())
+    import torch
+    expected = [toy.greedy(cfg, torch.load(tmp_path / f"weights{k}.pt"), PROMPTS, NEW_TOKENS)
+                for k in range(2)]
+    assert expected[0] != expected[1] != models["expected"]["A"]
+    for k, result in enumerate(results):
+        assert result["tokens"] == expected[k], (k, result)
+        assert result["bytes_sent"] == result["plan_minimum"] > 0, result
+    assert len(results) == 2

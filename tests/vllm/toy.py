@@ -157,11 +157,11 @@ def fail_processing_once(worker: Any, rank: int, module: str) -> bool:
 
 
 def run_processes(script: str, spec: str, n: int, env: dict[str, str], logs: list[Any],
-                  timeout_s: float) -> list[Optional[int]]:
+                  timeout_s: float, python: str = sys.executable) -> list[Optional[int]]:
     """``python SCRIPT SPEC RANK`` for ranks 0 .. n-1, each in a session of its own, output to
     ``logs``; waited for up to ``timeout_s``, then they and whatever they started (an
     engine's processes) are killed. Their exit codes (None: killed at the timeout)."""
-    procs = [subprocess.Popen([sys.executable, script, spec, str(r)], env=env,
+    procs = [subprocess.Popen([python, script, spec, str(r)], env=env,
                               stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
                               start_new_session=True) for r in range(n)]
     codes: list[Optional[int]] = []
