@@ -225,3 +225,56 @@ def test_trainer_dtensors_push_without_maps(models, tmp_path):
         assert stats["bytes_sent"] == stats["plan_minimum"] > 0
         assert 0 < stats["bytes_sent_here"] < stats["bytes_sent"]
     assert other[0]["stats"]["bytes_sent"] == step["stats"]["bytes_sent"]
+
+
+FLEET_STEPS = [{"kind": "push", "weights": "B"},
+               {"kind": "processing_fails", "weights": "A", "engine": 1},
+               {"kind": "push", "weights": "A"}]
+
+
+def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
+    """WeightSync(engines=[engine at TP 2, engine at TP 1]) from two trainer processes (each
+    owning one engine): after a push both engines give transformers' tokens for the weights
+    pushed; the trainer processes send one copy (the plan minimum of the first engine) and the
+    first engine's workers relay what the second lacks. A worker of the second engine failing
+    its processing fails the push on every trainer process and both engines keep serving what
+    the last push gave them; the next push lands on both."""
+    spec = {"model": models["model"], "engine_tps": [2, 1], "sharded": models["sharded"],
+            "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
+            "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp_path)))
+    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
+    codes = toy.run_processes(os.path.join(HERE, "fleet_trainer.py"), str(path), 2, env, logs,
+                              600)
+    if any(c != 0 for c in codes):
+        tail = "\n".join(log.read_text()[-6000:] for log in logs)
+        pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
+    runs = [json.loads((tmp_path / f"result.json.{r}").read_text())["steps"] for r in range(2)]
+    expected = models["expected"]
+    for steps in runs:  # each process: its own engine's tokens
+        assert steps[0]["tokens"] == expected["A"]
+        assert "error" not in steps[1], steps[1]
+        assert steps[1]["tokens"] == expected["B"]
+        assert "processing the new weights" in steps[2]["error"], steps[2]
+        assert steps[2]["tokens"] == expected["B"]  # neither engine took A
+        assert "error" not in steps[3], steps[3]
+        assert steps[3]["tokens"] == expected["A"]
+    stats = runs[0][1]["stats"]
+    assert stats == {**runs[1][1]["stats"], "bytes_sent_here": stats["bytes_sent_here"],
+                     "seconds": stats["seconds"]}
+    # One copy out of the trainer processes: what the first engine lacks; the second engine's
+    # bytes come from the first engine's workers.
+    assert stats["bytes_sent"] == stats["plan_minimum"] > 0
+    assert stats["bytes_relayed"] > 0
+    links = stats["links"]
+    assert set(links) >= {"engine 0 worker 0 -> engine 1 worker 0",
+                          "engine 0 worker 1 -> engine 1 worker 0"}
+    assert not any(k.startswith("trainer") and "engine 1" in k for k in links), links
+    assert sum(v for k, v in links.items() if k.startswith("trainer")) == stats["bytes_sent"]
+    assert sum(v for k, v in links.items() if k.startswith("engine")) == stats["bytes_relayed"]
+    assert links[stats["busiest_link"]] == max(links.values())

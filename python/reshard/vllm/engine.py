@@ -40,9 +40,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from vllm.logger import init_logger
 
-from ..distributed import RedistributeError
+from ..distributed import RedistributeError, Redistributor
 from ._group import StoreGroup, join_store
-from .sync import AnyRedistributor, plan_redistributor, raw_exchange
+from .sync import AnyRedistributor, Stage, engine_ranks, plan_stages, raw_exchange
 
 logger = init_logger(__name__)
 
@@ -57,6 +57,8 @@ class ReshardInitInfo(WeightTransferInitInfo):
     trainers: int
     backend: str = "gloo"
     timeout_s: float = 600.0
+    engine: int = 0  # this engine's index among the sync's engines
+    engines: int = 1
 
 
 @dataclass
@@ -250,37 +252,53 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self._comm: Optional[StoreGroup] = None
-        self._sync: Optional[AnyRedistributor] = None
+        self._sync: Optional[AnyRedistributor] = None  # the first exchange (one engine: the only)
+        self._stages: list[Stage] = []
         self._trainers = 0
+        self._engine, self._engines, self._first = 0, 1, 0  # this engine, of how many; rank 0's
+        self._timeout = 600.0
         self._open = False  # an update started and not finished (its trainer may be gone)
 
     # -- init: join the group, agree on one plan ---------------------------------------------
 
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        import datetime
+        import socket
+
         import torch.distributed as dist
         self.shutdown()
         workers = self.parallel_config.world_size
         rank = dist.get_rank() if dist.is_initialized() else 0
         store = join_store(init_info.host, init_info.port, init_info.timeout_s)
-        if rank == 0:  # the trainer processes learn the group's size from here
-            store.set(init_info.prefix + "/workers", str(workers))
-        self._trainers = init_info.trainers
-        comm = StoreGroup(store, init_info.prefix + "/pg", init_info.trainers + rank,
-                          init_info.trainers + workers, init_info.backend, init_info.timeout_s)
+        engine, engines = init_info.engine, init_info.engines
+        keys = [f"{init_info.prefix}/workers/{e}" for e in range(engines)]
+        if rank == 0:  # the trainer processes (and the other engines) learn its size here
+            store.set(keys[engine], str(workers))
+        # The group's ranks: the trainer processes, then each engine's workers in turn.
+        store.wait(keys, datetime.timedelta(seconds=init_info.timeout_s))
+        counts = [store.get(k).decode() for k in keys]
+        sizes = [int(c) if c.isdigit() else 0 for c in counts]
+        self._trainers, self._engine, self._engines = init_info.trainers, engine, engines
+        self._timeout = init_info.timeout_s
+        self._first = engine_ranks(init_info.trainers, sizes, engine).start
+        comm = StoreGroup(store, init_info.prefix + "/pg", self._first + rank,
+                          init_info.trainers + sum(sizes), init_info.backend,
+                          init_info.timeout_s)
         self._comm = comm
         # 1: tell the trainer what this worker holds; 2: hear the maps of both sides.
-        report = {"model": self.model_config.model,
+        report = {"model": self.model_config.model, "engine": engine,
+                  "host": socket.gethostname(),
                   "tp": self.parallel_config.tensor_parallel_size, "rank": rank,
                   "dtype": str(self.model_config.dtype).replace("torch.", ""),
                   "params": _tensor_info(self.model), "open": self._open}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]
-        error = plan.get("error") or self._check_targets(plan["target"], rank)
+        error = plan.get("error") or self._check_targets(plan["targets"][engine], rank)
         # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
         # every worker (one failing worker's reply would be left unread by vLLM's executor).
         try:
-            self._sync = plan_redistributor(plan["source"], plan, init_info.trainers, workers,
-                                            comm, error)
+            self._stages = plan_stages(plan["source"], plan, init_info.trainers, comm, error)
+            self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)
 
@@ -337,6 +355,47 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
         return int(flag.item())
 
+    def _worst_of_engines(self, worst: int, step: int) -> int:
+        """The worst outcome on any engine of the sync: one WeightSync into several engines
+        commits on every engine or on none. Agreed through the sync's store: each engine's
+        first worker posts its engine's outcome and every worker reads them all (one that
+        cannot, its store or another engine gone, reads the push as lost), then agreed again
+        among the engine's workers."""
+        if self._engines == 1:
+            return worst
+        import datetime
+        comm = self._comm
+        assert comm is not None
+        keys = [f"outcome/{step}/{e}" for e in range(self._engines)]
+        try:
+            if comm.rank == self._first:
+                comm.store.set(keys[self._engine], str(worst))
+            comm.store.wait(keys, datetime.timedelta(seconds=self._timeout))
+            worst = max(worst, *(int(comm.store.get(k)) for k in keys))
+        except Exception as e:  # the store's process or another engine lost
+            logger.warning("reshard weight update: the engines' outcomes unread: %s", e)
+            worst = _LOST
+        return self._worst_of_workers(worst)
+
+    def _transfer(self, out: dict[str, torch.Tensor], layers: "_Layers",
+                  error: Optional[str]) -> None:
+        """Every exchange of the push, in the plan's order (a collective over the sync's
+        group): the workers receive in their engine's own, send what they received on in
+        those where their engine relays to another, and take part in the others."""
+        comm = self._comm
+        assert comm is not None
+        for stage in self._stages:
+            sync = stage.redistributor
+            if stage.engine == self._engine:
+                sync.run({}, out=out, on_ready=layers.arrived, _error=error)
+            elif stage.source == self._engine:
+                assert isinstance(sync, Redistributor)  # relays move the engines' own dtypes
+                rank = comm.rank - self._first
+                keys = {m.buffer(rank) or n for n, m in zip(sync._names, sync._src)}
+                sync.run({k: out[k] for k in keys if k in out}, _error=error)
+            else:
+                sync.run({}, _error=error)
+
     def _abandon(self, what: str) -> None:
         """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
         processes still waiting on this worker hear of it at once."""
@@ -352,12 +411,16 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         from vllm.model_executor.model_loader.reload.layerwise import (
             _copy_and_restore_kernel_tensors, finalize_layerwise_reload, get_layerwise_info,
             initialize_layerwise_reload)
-        sync, comm = self._sync, self._comm
-        assert sync is not None and comm is not None
+        comm = self._comm
+        assert self._sync is not None and comm is not None
+        sync = next(st for st in self._stages if st.engine == self._engine).redistributor
         model = self.model
-        rank = comm.rank - self._trainers
+        rank = comm.rank - self._first
         overlap = update_info.overlap
-        layers = _Layers(self.device.type != "cpu" if overlap is None else overlap)
+        # An engine that relays sends the tensors as they arrived: its layers are processed
+        # once its relays are done.
+        relays = any(st.source == self._engine for st in self._stages)
+        layers = _Layers(not relays and (self.device.type != "cpu" if overlap is None else overlap))
         times = [time.perf_counter()]
         refused: Optional[RedistributeError] = None
         lost: Optional[Exception] = None
@@ -372,7 +435,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 error = f"worker {rank}: {type(e).__name__}: {e}"
             times.append(time.perf_counter())
             with _experts_processed_again(layers.modules()):
-                sync.run({}, out=out, on_ready=layers.arrived, _error=error)
+                self._transfer(out, layers, error)
                 times.append(time.perf_counter())
                 layers.process_the_rest()
         except RedistributeError as e:  # agreed: every trainer process raises it
@@ -386,7 +449,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # sending to some workers) or could not process them makes all keep their old weights.
         mine = _LOST if refused is not None or lost is not None else \
             _UNPROCESSED if layers.problem is not None else _READY
-        worst = self._worst_of_workers(mine)
+        worst = self._worst_of_engines(self._worst_of_workers(mine), update_info.step)
         if worst != _READY:
             self._restore(model, layers)
             if refused is not None:

@@ -18,7 +18,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
@@ -53,7 +53,11 @@ class SyncStats:
     during the transfer or after it) and to ``commit`` (the processed layers into the tensors
     the engine serves). ``bytes_gathered``: with ``quantize=``, the bytes of blocks split
     between trainer processes sent to the one that quantizes them (among the trainer processes,
-    in the source dtype; not in ``bytes_sent``)."""
+    in the source dtype; not in ``bytes_sent``). With several engines, ``bytes_sent`` is what
+    left the trainer processes (one copy of what the engines lack, however many engines),
+    ``bytes_relayed`` what engines' workers sent on to other engines' workers, ``links`` the
+    bytes of each (sender -> receiver) pair of processes (``"trainer 0 -> engine 1 worker
+    0"``), and ``busiest_link`` the pair that moved the most."""
 
     bytes_sent: int
     plan_minimum: int
@@ -61,6 +65,9 @@ class SyncStats:
     seconds: float
     worker_seconds: Optional[dict[str, float]] = None
     bytes_gathered: int = 0
+    bytes_relayed: int = 0
+    links: Optional[dict[str, int]] = None
+    busiest_link: Optional[str] = None
 
 
 class _Client:
@@ -92,6 +99,11 @@ class _Client:
             getattr(self._engine, method)()
         else:
             getattr(self._engine, method)(body)
+
+    def later(self, method: str, body: Optional[dict[str, Any]] = None) -> "_Background":
+        """:meth:`call` on a thread of its own (the engine's RPC returns once the trainer
+        processes have done their part)."""
+        return _Background(lambda: self.call(method, body))
 
     def reset_caches(self) -> None:
         """Drops what the engine computed with the weights it had: its prefix cache (requests
@@ -144,18 +156,81 @@ def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
 AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
 
 
-def plan_redistributor(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
-                       workers: int, comm: Any, error: Optional[str]) -> AnyRedistributor:
-    """The exchange of an agreed plan (trainer processes 0 .. T-1, then the workers): FP8
-    blocks quantized at the source where the plan says ``quantize``."""
-    options: dict[str, Any] = dict(
-        source_ranks=range(trainers), target_ranks=range(trainers, trainers + workers),
-        group=comm, dtypes=torch_dtypes(plan["dtypes"]), bucket_bytes=plan["bucket_bytes"],
-        _error=error)
-    if plan.get("quantize") is not None:
-        return QuantizingRedistributor(source, plan["target"], quantize=plan["quantize"],
-                                       **options)
-    return Redistributor(source, plan["target"], **options)
+@dataclass
+class Stage:
+    """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
+    ``source`` send the workers of engine ``engine`` what they lack."""
+
+    source: int
+    engine: int
+    redistributor: AnyRedistributor
+
+
+def engine_ranks(trainers: int, workers: Sequence[int], engine: int) -> range:
+    """The sync group's ranks of ``engine``'s workers: the trainer processes come first
+    (0 .. T-1), then each engine's workers in the engines' order."""
+    start = trainers + sum(workers[:engine])
+    return range(start, start + workers[engine])
+
+
+def relay_tree(signatures: Sequence[str], hosts: Sequence[str], fanout: int = 2
+               ) -> tuple[list[int], list[int]]:
+    """Which engine each engine receives from (-1: the trainer processes), and the order of the
+    exchanges (every engine after the one it receives from).
+
+    Engines hold the same tensors at the same dtypes (one ``signature``) relay to each other:
+    the first of them receives from the trainer processes, so that each byte leaves the trainer
+    once per signature, and every later one from an engine that already has the weights. The
+    cost model picks that engine: a link within a host (``hosts``: where each engine's first
+    worker runs) before one across hosts, then the shallower engine (fewer exchanges before
+    it), then the earlier; an engine relays to at most ``fanout`` others, so the rounds grow
+    with the logarithm of the number of engines."""
+    parents: list[int] = []
+    depth: list[int] = []
+    children: dict[int, int] = {}
+    placed: dict[str, list[int]] = {}
+    for e, signature in enumerate(signatures):
+        peers = placed.setdefault(signature, [])
+        open_peers = [q for q in peers if children.get(q, 0) < fanout]
+        if not open_peers:
+            parents.append(-1)
+            depth.append(0)
+        else:
+            best = min(open_peers, key=lambda q: (hosts[q] != hosts[e], depth[q], q))
+            parents.append(best)
+            depth.append(depth[best] + 1)
+            children[best] = children.get(best, 0) + 1
+        peers.append(e)
+    order = sorted(range(len(signatures)), key=lambda e: (depth[e], e))
+    return parents, order
+
+
+def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int, comm: Any,
+                error: Optional[str]) -> list[Stage]:
+    """The exchanges of an agreed plan (a collective: every process of the group builds them, in
+    order): from the trainer processes to each engine that relays from none, then down the
+    relay tree (``plan["parents"]``). FP8 blocks are quantized at the trainer where the plan
+    says ``quantize``."""
+    workers = plan["workers"]
+    stages = []
+    for e in plan["order"]:
+        parent = plan["parents"][e]
+        options: dict[str, Any] = dict(
+            target_ranks=engine_ranks(trainers, workers, e), group=comm,
+            dtypes=torch_dtypes(plan["dtypes"][e]), bucket_bytes=plan["bucket_bytes"],
+            _error=error)
+        target = plan["targets"][e]
+        sync: AnyRedistributor
+        if parent >= 0:
+            sync = Redistributor(plan["targets"][parent], target,
+                                 source_ranks=engine_ranks(trainers, workers, parent), **options)
+        elif plan.get("quantize") is not None:
+            sync = QuantizingRedistributor(source, target, quantize=plan["quantize"],
+                                           source_ranks=range(trainers), **options)
+        else:
+            sync = Redistributor(source, target, source_ranks=range(trainers), **options)
+        stages.append(Stage(parent, e, sync))
+    return stages
 
 
 def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
@@ -216,9 +291,11 @@ class WeightSync:
     shards into an FP8-block engine, quantized at the trainer.
     """
 
-    def __init__(self, engine: Any, source_maps: Optional[Mapping[str, MapLike]] = None,
-                 group: Any = None, *, source: Optional["TorchSource"] = None,
-                 target_maps: Optional[Mapping[str, MapLike]] = None,
+    def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
+                 group: Any = None, *, engines: Optional[Sequence[Any]] = None,
+                 source: Optional["TorchSource"] = None,
+                 target_maps: Union[None, Mapping[str, MapLike],
+                                    Sequence[Optional[Mapping[str, MapLike]]]] = None,
                  dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
@@ -241,22 +318,37 @@ class WeightSync:
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[AnyRedistributor] = None
-        # Who drives the engine: the process holding the LLM, or the first naming a URL; and
-        # an argument wrong on any process, refused on all.
+        # Who drives each engine: the process holding its LLM, or the first naming its URL;
+        # and an argument wrong on any process, refused on all.
         bad = None
-        if overlap_processing is not None and not isinstance(overlap_processing, bool):
+        if engines is not None and engine is not None:
+            bad = f"give engine or engines=, not both (trainer process {self._rank})"
+        elif engines is not None and (isinstance(engines, (str, bytes)) or
+                                      not isinstance(engines, Sequence) or not engines):
+            bad = (f"engines= is a non-empty list of engines (an LLM, a URL or None each), got "
+                   f"{engines!r} (trainer process {self._rank})")
+        elif overlap_processing is not None and not isinstance(overlap_processing, bool):
             bad = (f"overlap_processing must be True, False or None, got "
                    f"{overlap_processing!r} (trainer process {self._rank})")
         elif (source is None) == (source_maps is None):
             bad = (f"give the trainer's layout as source= (its module or state dict) or as "
                    f"source_maps=, one of the two (trainer process {self._rank})")
-        gathered = self._trainer_gather((engine is not None, bad, source is not None))
+        mine = [engine] if bad is not None or engines is None else list(engines)
+        gathered = self._trainer_gather(([e is not None for e in mine], bad, source is not None))
         refusals = [b for _, b, _ in gathered if b is not None]
         if not refusals and len({s for _, _, s in gathered}) > 1:
             refusals = ["some trainer processes gave source=, others source_maps=; give the "
                         "same on every trainer process"]
+        if not refusals and len({len(h) for h, _, _ in gathered}) > 1:
+            refusals = ["the trainer processes were given different numbers of engines ("
+                        + ", ".join(str(len(h)) for h, _, _ in gathered) + "); give every "
+                        "trainer process the same list, None where another process holds "
+                        "the LLM"]
         if refusals:
             raise WeightSyncError("; ".join(refusals))
+        self._engines = len(mine)
+        self._drivers = [self._driver_of(e, [h[e] for h, _, _ in gathered], mine[e])
+                         for e in range(self._engines)]
         self._source = source
         self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         self._source_maps: dict[str, ParamMap] = {}
@@ -267,64 +359,78 @@ class WeightSync:
                 raise WeightSyncError(str(e)) from None
             self._source_maps = source_maps
         assert source_maps is not None
-        has = [h for h, _, _ in gathered]
-        if not any(has):
-            raise WeightSyncError("no trainer process was given the engine: pass the vllm.LLM "
-                                  "(or the server's URL) in the process that has it")
-        if sum(has) > 1 and not isinstance(engine, (str, type(None))):
-            raise WeightSyncError("more than one trainer process was given an LLM object; "
-                                  "give it in the process that owns it, None in the others")
-        self._driver = has.index(True)
-        self._client = _Client(engine, timeout_s) if self._rank == self._driver else None
+        self._clients = {e: _Client(mine[e], timeout_s) for e, d in enumerate(self._drivers)
+                         if d == self._rank}
+        self._client = self._clients.get(0)
         prefix = f"reshard-{uuid.uuid4().hex}"
         store, where = None, None
-        if self._client is not None:
+        if self._rank == self._drivers[0]:  # the store is served by the first engine's driver
             store = serve_store(host, timeout_s)
             where = (host, int(store.port), prefix)
         host, port, prefix = [w for w in self._trainer_gather(where) if w is not None][0]
-        init: Optional[_Background] = None
-        if self._client is not None:
-            info = {"host": host, "port": port, "prefix": prefix, "trainers": self._trainers,
-                    "backend": backend, "timeout_s": timeout_s}
-            client = self._client
-            init = _Background(lambda: client.call("init_weight_transfer_engine", {"init_info": info}))
-        else:
+        if store is None:
             store = join_store(host, port, timeout_s)
         self._store = store
+        inits = {k: client.later("init_weight_transfer_engine", {"init_info": {
+            "host": host, "port": port, "prefix": prefix, "trainers": self._trainers,
+            "backend": backend, "timeout_s": timeout_s, "engine": k, "engines": self._engines}})
+            for k, client in self._clients.items()}
         try:
-            workers = self._workers_of(store, prefix, init, timeout_s)
-            self._workers = workers
-            comm = StoreGroup(store, prefix + "/pg", self._rank, self._trainers + workers,
-                              backend, timeout_s)
+            self._workers = self._workers_of(store, prefix, inits, timeout_s)
+            comm = StoreGroup(store, prefix + "/pg", self._rank,
+                              self._trainers + sum(self._workers), backend, timeout_s)
             self._comm = comm
             reports = [r for r in comm.gather_object(None) if r is not None]
             plan = None
             if self._rank == 0:
                 try:
-                    plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes)
-                    plan["quantize"] = quantize
+                    plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes,
+                                      quantize)
                 except Exception as e:
-                    plan = {"error": _message(e), "source": {}, "target": {}, "dtypes": None,
-                            "bucket_bytes": bucket_bytes, "quantize": None}
+                    plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
+                            "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
+                            "quantize": None, "workers": self._workers,
+                            "parents": [-1] * self._engines, "order": list(range(self._engines))}
             plan = comm.gather_object(plan)[0]
-            self._sync = plan_redistributor(source_maps, plan, self._trainers, workers, comm,
-                                            plan["error"])
+            self._parents = list(plan["parents"])
+            self._stages = plan_stages(source_maps, plan, self._trainers, comm, plan["error"])
+            self._sync = self._stages[0].redistributor
         except RedistributeError as e:
-            self._finish(init)
+            self._finish_all(inits)
             raise WeightSyncError(str(e)) from None
         except BaseException as e:
-            problem = self._finish(init)
+            problem = self._finish_all(inits)
             if problem is not None:
                 raise WeightSyncError(f"the engine could not join: {problem}") from e
             raise
-        problem = self._finish(init)
+        problem = self._finish_all(inits)
         if problem is not None:
             raise WeightSyncError(f"the engine could not join: {problem}")
-        if self._client is not None and any(r.get("open") for r in reports):
-            # An update whose driving process was lost mid-push (the engine kept its old
-            # weights) is still open in vLLM, which refuses to start another until it is
-            # finished.
-            self._client.call("finish_weight_update")
+        for k, client in self._clients.items():
+            if any(r.get("open") for r in reports if r.get("engine", 0) == k):
+                # An update whose driving process was lost mid-push (the engine kept its old
+                # weights) is still open in vLLM, which refuses to start another until it is
+                # finished.
+                client.call("finish_weight_update")
+
+    def _which(self, e: int) -> str:
+        return "the engine" if self._engines == 1 else f"engine {e}"
+
+    def _driver_of(self, e: int, has: list[bool], engine: Any) -> int:
+        """The trainer process that drives engine ``e``: the one given its LLM, or the first
+        given its URL."""
+        if not any(has):
+            raise WeightSyncError(f"no trainer process was given {self._which(e)}: pass the "
+                                  "vllm.LLM (or the server's URL) in the process that has it")
+        if sum(has) > 1 and not isinstance(engine, (str, type(None))):
+            raise WeightSyncError(f"more than one trainer process was given an LLM object for "
+                                  f"{self._which(e)}; give it in the process that owns it, "
+                                  "None in the others")
+        return has.index(True)
+
+    def _finish_all(self, calls: Mapping[int, "_Background"]) -> Optional[BaseException]:
+        problems = [p for p in (self._finish(c) for c in calls.values()) if p is not None]
+        return problems[0] if problems else None
 
     # -- construction -------------------------------------------------------------------
 
@@ -358,39 +464,76 @@ class WeightSync:
         dist.all_gather_object(out, value, group=self._group)
         return out
 
-    @staticmethod
-    def _workers_of(store: Any, prefix: str, init: Optional["_Background"],
-                    timeout_s: float) -> int:
-        """The engine's worker count, which its worker 0 publishes on joining; the driver
-        publishes the engine's refusal instead when its init call fails first."""
-        key = prefix + "/workers"
+    def _workers_of(self, store: Any, prefix: str, inits: Mapping[int, "_Background"],
+                    timeout_s: float) -> list[int]:
+        """Each engine's worker count, which its worker 0 publishes on joining; an engine's
+        driver publishes the engine's refusal instead when its init call fails first."""
+        keys = [f"{prefix}/workers/{e}" for e in range(self._engines)]
         deadline = time.monotonic() + timeout_s
-        while not store.check([key]):
-            if init is not None and not init.running():
-                store.set(key, f"error: {init.result()}")  # the engine refused to join
-            elif time.monotonic() > deadline:
-                raise WeightSyncError(f"the engine's workers did not join within {timeout_s} s")
+        while not store.check(keys):
+            for e, init in inits.items():
+                if not init.running() and not store.check([keys[e]]):
+                    store.set(keys[e], f"error: {init.result()}")  # the engine refused to join
+            if time.monotonic() > deadline:
+                late = [e for e, k in enumerate(keys) if not store.check([k])]
+                which = self._which(late[0]) if len(late) == 1 else f"engines {late}"
+                raise WeightSyncError(f"the workers of {which} did not join within "
+                                      f"{timeout_s} s")
             time.sleep(0.05)
-        value = store.get(key).decode()
-        if value.startswith("error: "):
-            raise WeightSyncError(f"the engine could not join: {value[7:]}")
-        return int(value)
+        values = [store.get(k).decode() for k in keys]
+        refusals = [f"{self._which(e)} could not join: {v[7:]}" if self._engines > 1 else
+                    f"the engine could not join: {v[7:]}"
+                    for e, v in enumerate(values) if v.startswith("error: ")]
+        if refusals:
+            raise WeightSyncError("; ".join(refusals))
+        return [int(v) for v in values]
 
     @staticmethod
     def _finish(call: Optional[_Background]) -> Optional[BaseException]:
         return None if call is None else call.result()
 
     def _plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
-              target_maps: Optional[Mapping[str, MapLike]], dtypes: Any,
-              bucket_bytes: int) -> dict[str, Any]:
-        """(trainer process 0) The engine's maps and the dtypes the workers receive, from what
-        the workers report of themselves."""
+              target_maps: Any, dtypes: Any, bucket_bytes: int, quantize: Any
+              ) -> dict[str, Any]:
+        """(trainer process 0) Every engine's maps and the dtypes its workers receive, from
+        what the workers report of themselves, and the relay tree between the engines."""
+        count = self._engines
+        if quantize is not None and count > 1:
+            raise WeightSyncError("quantize= pushes into one engine; give each FP8 engine a "
+                                  "WeightSync of its own")
+        if target_maps is None or isinstance(target_maps, Mapping):
+            if target_maps is not None and count > 1:
+                raise WeightSyncError(f"with {count} engines, give target_maps as a list: one "
+                                      "map set (or None) per engine")
+            given: list[Any] = [target_maps] * count
+        else:
+            given = list(target_maps)
+            if len(given) != count:
+                raise WeightSyncError(f"target_maps has {len(given)} map sets for {count} "
+                                      "engines")
+        targets, types, hosts = [], [], []
+        for e in range(count):
+            mine = [r for r in reports if r.get("engine", 0) == e]
+            target, typed = self._engine_plan(mine, source_maps, given[e], dtypes, e)
+            targets.append(target)
+            types.append(typed)
+            hosts.append(str(mine[0].get("host", "")))
+        parents, order = relay_tree([json.dumps(t, sort_keys=True) for t in types], hosts)
+        source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
+        return {"error": None, "source": source, "targets": targets, "dtypes": types,
+                "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
+                "parents": parents, "order": order}
+
+    def _engine_plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
+                     target_maps: Optional[Mapping[str, MapLike]], dtypes: Any, e: int
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+        """One engine's maps (JSON) and dtypes, from its workers' reports."""
         first = reports[0]
         tp = int(first["tp"])
         if len(reports) != tp:
-            raise WeightSyncError(f"the engine has {len(reports)} workers for tensor parallel "
-                                  f"size {tp}; reshard syncs engines without pipeline or data "
-                                  "parallelism")
+            raise WeightSyncError(f"{self._which(e)} has {len(reports)} workers for tensor "
+                                  f"parallel size {tp}; reshard syncs engines without pipeline "
+                                  "or data parallelism")
         if target_maps is None:  # learned for the dtype the engine runs, not the config's
             target_maps = engine_maps(first["model"], tp, first.get("dtype", "auto"))
         target = {n: json.loads(as_map(m).to_json()) for n, m in target_maps.items()}
@@ -403,18 +546,16 @@ class WeightSync:
                     dtypes[name] = params[key][1].replace("torch.", "")
             missing = sorted(set(target) - set(dtypes))
             if missing:
-                raise WeightSyncError(f"the engine has no parameter for {missing[:4]}")
+                raise WeightSyncError(f"{self._which(e)} has no parameter for {missing[:4]}")
         elif not isinstance(dtypes, Mapping):
             dtypes = {n: str(dtypes).replace("torch.", "") for n in target}
         else:
             dtypes = {n: str(d).replace("torch.", "") for n, d in dtypes.items()}
         unknown = sorted(set(source_maps) - set(target))  # the scales of quantize= are made
         if unknown:
-            raise WeightSyncError(f"the engine has no parameter for {unknown[:4]} "
+            raise WeightSyncError(f"{self._which(e)} has no parameter for {unknown[:4]} "
                                   f"({len(unknown)} of the trainer's tensors)")
-        source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
-        return {"error": None, "source": source, "target": target, "dtypes": dtypes,
-                "bucket_bytes": bucket_bytes}
+        return target, dtypes
 
     # -- pushes -------------------------------------------------------------------------
 
@@ -429,11 +570,49 @@ class WeightSync:
         return self._comm
 
     def plan_minimum(self) -> int:
-        """The bytes the engine's workers lack (what any push must move at least)."""
-        ex = self.redistributor._exchange
-        assert ex is not None
-        return sum(int(ex.stats(p)["lower_bound"])
-                   for p in range(self._trainers, self._trainers + self._workers))
+        """The bytes the engine's workers lack (what any push must move at least out of the
+        trainer processes): with several engines, those of the engines that receive from the
+        trainer processes (one per set of engines holding the same tensors: the others relay)."""
+        total = 0
+        for stage in self._stages:
+            ex = stage.redistributor._exchange
+            if stage.source < 0 and ex is not None:
+                total += sum(int(ex.stats(p)["lower_bound"])
+                             for p in engine_ranks(self._trainers, self._workers, stage.engine))
+        return total
+
+    def _process_name(self, p: int) -> str:
+        if p < self._trainers:
+            return f"trainer {p}"
+        for e in range(self._engines):
+            ranks = engine_ranks(self._trainers, self._workers, e)
+            if p in ranks:
+                return f"engine {e} worker {p - ranks.start}"
+        return f"process {p}"
+
+    def _moved(self) -> tuple[int, int, int, dict[str, int]]:
+        """The last push's bytes: out of the trainer processes, out of this process, relayed
+        by engines' workers, and per link (sender -> receiver)."""
+        sent = here = relayed = 0
+        links: dict[str, int] = {}
+        for stage in self._stages:
+            ex = stage.redistributor._exchange
+            assert ex is not None
+            senders = range(self._trainers) if stage.source < 0 else \
+                engine_ranks(self._trainers, self._workers, stage.source)
+            for p in senders:
+                n = int(ex.stats(p)["sent"])
+                if stage.source < 0:
+                    sent += n
+                else:
+                    relayed += n
+                if p == self._rank:
+                    here += n
+                for _, peer, count in ex.sends(p):
+                    if peer != p:
+                        link = f"{self._process_name(p)} -> {self._process_name(peer)}"
+                        links[link] = links.get(link, 0) + int(count)
+        return sent, here, relayed, links
 
     def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
              ) -> SyncStats:
@@ -475,8 +654,11 @@ class WeightSync:
         """A push, the workers processing layers during the transfer or after it (``overlap``,
         None: the engine's default; the benchmark forces each way)."""
         local, error = self._local_shards(shards)
-        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap},
-                          lambda: self.redistributor.run(local, _error=error))
+
+        def send() -> None:  # from the trainer processes, then down the relay tree
+            for stage in self._stages:
+                stage.redistributor.run(local if stage.source < 0 else {}, _error=error)
+        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap}, send)
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
         # A second push while one is in progress (another thread) is refused at once, before
@@ -496,85 +678,99 @@ class WeightSync:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
         start = time.perf_counter()
         self._steps += 1
-        call: Optional[_Background] = None
-        client = self._client
         refused: Optional[str] = None
-        if client is not None:
+        started = []
+        for e, client in self._clients.items():
             try:
                 client.call("start_weight_update")
-            except Exception as e:
-                refused = f"the engine did not start an update: {_message(e)}"
+                started.append(client)
+            except Exception as ex:
+                refused = f"{self._which(e)} did not start an update: {_message(ex)}"
+                break
         # Agreed among the trainer processes before any sends (the workers wait for none).
         refusals = [r for r in self._trainer_gather(refused) if r is not None]
         if refusals:
+            for client in started:  # the engines that did start close their update
+                client.call("finish_weight_update")
             raise WeightSyncError(refusals[0])
-        if client is not None:
-            call = _Background(lambda: client.call("update_weights", {"update_info": update}))
+        calls = {k: client.later("update_weights", {"update_info": update})
+                 for k, client in self._clients.items()}
         try:
             send()
         except RedistributeError as e:
-            # The workers refused alike and put their old weights back; their update call
-            # returns, and the session is closed as after a push.
-            problem = self._finish(call)
-            if client is not None and problem is None:
-                client.call("finish_weight_update")
+            # The workers refused alike and put their old weights back; their update calls
+            # return, and the sessions are closed as after a push.
+            self._close_updates(calls)
             raise WeightSyncError(str(e)) from None
         except Exception as e:  # the transport: a process lost mid-transfer
-            raise self._lost_peer(call, e) from None
+            raise self._lost_peer(calls, e) from None
         except BaseException:
-            self._finish(call)
+            self._finish_all(calls)
             raise
         try:
             replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
         except Exception as e:
-            raise self._lost_peer(call, e) from None
-        # Every worker has committed, or (a worker's problem) every one kept its old weights.
+            raise self._lost_peer(calls, e) from None
+        # Every worker of every engine has committed, or (a worker's problem) every one kept
+        # its old weights.
         failed = [r["error"] for r in replies if r["error"]]
         worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
                   for k in ("prepare", "transfer", "process", "commit")} if replies else {}
-        problem = self._finish(call)
-        if client is not None and problem is None:
-            client.call("finish_weight_update")
+        problems = self._close_updates(calls)
         if failed:
             raise WeightSyncError("; ".join(failed))
-        # Only the driving process knows how the engine's own calls went: agreed, so that
+        # Only the driving processes know how the engines' own calls went: agreed, so that
         # every trainer process raises alike.
         outcome = None
-        if problem is not None:
-            outcome = f"the engine's update failed: {problem}"
-        elif client is not None and update.get("mode") != "raw":
+        if problems:
+            outcome = "; ".join(f"{self._which(k)}'s update failed: {p}"
+                                for k, p in problems.items())
+        elif update.get("mode") != "raw":
             # The new weights are served (each worker cleared its KV cache as it committed):
             # nothing computed with the old ones may answer a request.
-            try:
-                client.reset_caches()
-            except Exception as e:
-                outcome = (f"the engine serves the new weights but could not drop what it "
-                           f"computed with the old ones: {_message(e)}")
+            for k, client in self._clients.items():
+                try:
+                    client.reset_caches()
+                except Exception as ex:
+                    outcome = (f"{self._which(k)} serves the new weights but could not drop "
+                               f"what it computed with the old ones: {_message(ex)}")
         outcomes = [o for o in self._trainer_gather(outcome) if o is not None]
         if outcomes:
             raise WeightSyncError(outcomes[0])
         seconds = time.perf_counter() - start
-        ex = self.redistributor._exchange
-        assert ex is not None
-        sent = sum(int(ex.stats(p)["sent"]) for p in range(self._trainers))
-        here = int(ex.stats(self._rank)["sent"])
+        sent, here, relayed, links = self._moved()
         sync = self.redistributor
         gathered = sync.gathered() if isinstance(sync, QuantizingRedistributor) else 0
-        return SyncStats(sent, self.plan_minimum(), here, seconds, worker, gathered)
+        busiest = max(links, key=lambda k: links[k]) if links else None
+        return SyncStats(sent, self.plan_minimum(), here, seconds, worker, gathered, relayed,
+                         links, busiest)
 
-    def _lost_peer(self, call: Optional[_Background], e: Exception) -> WeightSyncError:
+    def _close_updates(self, calls: Mapping[int, "_Background"]) -> dict[int, BaseException]:
+        """Wait for each engine's update call; finish the update of each whose call returned.
+        The calls' failures, by engine."""
+        problems = {}
+        for e, call in calls.items():
+            problem = self._finish(call)
+            if problem is None:
+                self._clients[e].call("finish_weight_update")
+            else:
+                problems[e] = problem
+        return problems
+
+    def _lost_peer(self, calls: Mapping[int, "_Background"], e: Exception) -> WeightSyncError:
         """A process of the group (a trainer process, a worker) was lost mid-push. The workers
-        commit together, so the engine serves either the weights it had or, when every byte
-        had reached every worker, the new ones; never a mix. The group is unusable."""
+        of all engines commit together, so each engine serves either the weights it had or,
+        when every byte had reached every worker, the new ones; never a mix. The group is
+        unusable."""
         self._lost = (f"a push failed in the transfer, a process of the group lost "
                       f"({type(e).__name__}: {e}); the engine serves the weights it had, or "
                       "the new ones if every byte had reached it, never a mix")
-        problem = self._finish(call)
-        if self._client is not None and problem is None:
-            try:  # the workers returned: close the update in vLLM
-                self._client.call("finish_weight_update")
-            except WeightSyncError:
-                pass  # the next WeightSync finishes it
+        for engine, call in calls.items():
+            if self._finish(call) is None:
+                try:  # the workers returned: close the update in vLLM
+                    self._clients[engine].call("finish_weight_update")
+                except WeightSyncError:
+                    pass  # the next WeightSync finishes it
         return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
@@ -583,6 +779,7 @@ class WeightSync:
         """The plan's bytes sent as they are, unpacked and dropped on arrival: the transport's
         own time for what a push moves."""
         comm = self.transport
+        self._one_engine("the raw path")
         ex = self.redistributor._exchange
         assert ex is not None
         transfers = ex.sends(self._rank)
@@ -598,6 +795,7 @@ class WeightSync:
         import torch.distributed as dist
         from .._tensors import rebuild
         comm = self.transport
+        self._one_engine("the full-tensor path")
         names = sorted(maps)
         tensors = []
         for n in names:
@@ -606,7 +804,7 @@ class WeightSync:
                             list(m.logical_shape)])
 
         def send() -> None:
-            workers = range(self._trainers, self._trainers + self._workers)
+            workers = engine_ranks(self._trainers, self._workers, 0)
             for _, n in zip(tensors, names):
                 mine = shards[n].contiguous()
                 parts = [mine]
@@ -619,11 +817,15 @@ class WeightSync:
                         w.wait()
         return self._push({"step": self._steps, "mode": "full", "tensors": tensors}, send)
 
+    def _one_engine(self, what: str) -> None:
+        if self._engines > 1:
+            raise WeightSyncError(f"{what} measures a push into one engine")
+
     def close(self) -> None:
-        """Leave the group (the engine keeps its weights and keeps serving)."""
-        if self._client is not None:
+        """Leave the group (the engines keep their weights and keep serving)."""
+        for client in self._clients.values():
             try:
-                self._client.call("shutdown_weight_transfer_engine")
+                client.call("shutdown_weight_transfer_engine")
             except Exception:  # the engine may be gone already
                 pass
         if self._comm is not None:

@@ -1,0 +1,67 @@
+"""A trainer process of the many-engines test: ``python fleet_trainer.py SPEC.json RANK``.
+
+Process r owns engine r (an ``LLM`` at ``spec["engine_tps"][r]`` over the model of
+``spec["model"]``, weights A); both processes load their rank of the TP 2 sharded checkpoints of
+weights A and B (``reshard.checkpoint.load_rank``) and push through one
+``WeightSync(engines=[...])`` into both engines. Steps (``spec["steps"]``): ``{"kind":
+"push", "weights": W}``, and ``{"kind": "processing_fails", "weights": W, "engine": E}``: the
+last worker of engine E fails its post-load processing of layer 1's MLP once, then W is
+pushed. After each step every process records its own engine's greedy tokens. Process r writes
+``{"steps": [{"step", "tokens", "stats", "error"}]}`` to ``spec["out"] + ".r"``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import toy
+
+
+def run(spec: dict, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import reshard
+    from reshard.vllm import WeightSync, WeightSyncError
+    from vllm import LLM, SamplingParams
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + spec["rendezvous"], rank=rank,
+                            world_size=2)
+    tp = spec["engine_tps"][rank]
+    llm = LLM(model=spec["model"], tensor_parallel_size=tp, enforce_eager=True,
+              skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
+              max_model_len=128, weight_transfer_config={"backend": "reshard"})
+
+    def generate() -> list:
+        params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    loaded = {key: reshard.checkpoint.load_rank(spec["sharded"][key], rank) for key in "AB"}
+    results = [{"step": "start", "tokens": generate()}]
+    engines = [llm if r == rank else None for r in range(2)]
+    sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=120)
+    for step in spec["steps"]:
+        entry: dict = {"step": step["kind"]}
+        if step["kind"] == "processing_fails":
+            if rank == step["engine"]:
+                hit = llm.collective_rpc(toy.fail_processing_once,
+                                         args=(tp - 1, "model.layers.1.mlp.down_proj"))
+                assert sum(hit) == 1, hit
+            dist.barrier()
+        try:
+            entry["stats"] = sync.push(loaded[step["weights"]][1]).__dict__
+        except WeightSyncError as e:
+            entry["error"] = str(e)
+        entry["tokens"] = generate()
+        results.append(entry)
+        with open(spec["out"] + f".{rank}", "w") as f:
+            json.dump({"steps": results}, f)
+    sync.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    toy.trainer_main(run)
