@@ -40,9 +40,10 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from vllm.logger import init_logger
 
-from ..distributed import RedistributeError, Redistributor
+from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from .sync import AnyRedistributor, Stage, engine_ranks, plan_stages, raw_exchange
+from .sync import (AnyRedistributor, Stage, engine_ranks, plan_stages, raw_exchange,
+                   relay_groups, run_stages)
 
 logger = init_logger(__name__)
 
@@ -254,6 +255,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[AnyRedistributor] = None  # the first exchange (one engine: the only)
         self._stages: list[Stage] = []
+        self._comms: list[StoreGroup] = []  # the sync's group, then the relay levels' groups
         self._trainers = 0
         self._engine, self._engines, self._first = 0, 1, 0  # this engine, of how many; rank 0's
         self._timeout = 600.0
@@ -297,7 +299,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
         # every worker (one failing worker's reply would be left unread by vLLM's executor).
         try:
-            self._stages = plan_stages(plan["source"], plan, init_info.trainers, comm, error)
+            self._comms = [comm] + relay_groups(store, init_info.prefix, comm.rank, comm, plan,
+                                                init_info.backend, init_info.timeout_s)
+            self._stages = plan_stages(plan["source"], plan, init_info.trainers, self._comms,
+                                       error)
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)
@@ -379,22 +384,13 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
     def _transfer(self, out: dict[str, torch.Tensor], layers: "_Layers",
                   error: Optional[str]) -> None:
-        """Every exchange of the push, in the plan's order (a collective over the sync's
-        group): the workers receive in their engine's own, send what they received on in
-        those where their engine relays to another, and take part in the others."""
+        """Every exchange of the push (:func:`reshard.vllm.sync.run_stages`): the workers
+        receive in their engine's own, send what they received on in those where their engine
+        relays to another, and take part in the others."""
         comm = self._comm
         assert comm is not None
-        for stage in self._stages:
-            sync = stage.redistributor
-            if stage.engine == self._engine:
-                sync.run({}, out=out, on_ready=layers.arrived, _error=error)
-            elif stage.source == self._engine:
-                assert isinstance(sync, Redistributor)  # relays move the engines' own dtypes
-                rank = comm.rank - self._first
-                keys = {m.buffer(rank) or n for n, m in zip(sync._names, sync._src)}
-                sync.run({k: out[k] for k in keys if k in out}, _error=error)
-            else:
-                sync.run({}, _error=error)
+        run_stages(self._stages, self._engine, comm.rank - self._first, {}, out,
+                   layers.arrived, error)
 
     def _abandon(self, what: str) -> None:
         """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
@@ -413,7 +409,6 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             initialize_layerwise_reload)
         comm = self._comm
         assert self._sync is not None and comm is not None
-        sync = next(st for st in self._stages if st.engine == self._engine).redistributor
         model = self.model
         rank = comm.rank - self._first
         overlap = update_info.overlap
@@ -429,7 +424,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             out: dict[str, torch.Tensor] = {}
             try:
                 initialize_layerwise_reload(model)
-                keys = sorted({m.buffer(rank) or n for n, m in zip(sync._names, sync._dst)})
+                keys = sorted({m.buffer(rank) or n for st in self._stages
+                               if st.engine == self._engine
+                               for n, m in zip(st.redistributor._names, st.redistributor._dst)})
                 out = layers.materialize(model, keys)
             except Exception as e:
                 error = f"worker {rank}: {type(e).__name__}: {e}"
@@ -546,8 +543,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._open = False  # update_weights has committed (or restored) already
 
     def shutdown(self) -> None:
-        if self._comm is not None:
-            self._comm.shutdown()
+        for group in self._comms:
+            group.shutdown()
+        self._comms = []
         self._comm = None
         self._sync = None
 

@@ -13,6 +13,7 @@ parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import urllib.request
@@ -159,11 +160,19 @@ AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
 @dataclass
 class Stage:
     """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
-    ``source`` send the workers of engine ``engine`` what they lack."""
+    ``source`` send the workers of engine ``engine`` what they lack of the tensors of wave
+    ``wave``, over the group of tree level ``level`` (0: from the trainer processes)."""
 
     source: int
     engine: int
     redistributor: AnyRedistributor
+    wave: int = 0
+    level: int = 0
+
+
+# The waves a relayed push is cut into: an engine relays wave w while it receives wave w + 1,
+# so a tree of depth D takes about (W + D - 1) / W of one exchange's time.
+RELAY_WAVES = 4
 
 
 def engine_ranks(trainers: int, workers: Sequence[int], engine: int) -> range:
@@ -205,32 +214,179 @@ def relay_tree(signatures: Sequence[str], hosts: Sequence[str], fanout: int = 2
     return parents, order
 
 
-def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int, comm: Any,
-                error: Optional[str]) -> list[Stage]:
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each engine's level in the relay tree (0: it receives from the trainer processes)."""
+    out = []
+    for e in range(len(parents)):
+        d, p = 0, parents[e]
+        while p >= 0:
+            d, p = d + 1, parents[p]
+        out.append(d)
+    return out
+
+
+def relay_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
+                count: int) -> list[list[str]]:
+    """The tensors cut into at most ``count`` waves of about equal bytes (``sizes``), in the
+    order of the first map set, such that tensors sharing a rank tensor (a buffer of any of
+    ``map_sets``: a fused QKV, an MoE layer's experts) travel in the same wave."""
+    names = list(map_sets[0])
+    index = {n: i for i, n in enumerate(names)}
+    root = list(range(len(names)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+    for maps in map_sets:
+        owner: dict[str, int] = {}
+        for name, m in maps.items():
+            ranks = m.get("ranks", {}) if isinstance(m, Mapping) else {}
+            for r in ranks.values():
+                buffer = r.get("buffer")
+                if buffer and name in index:
+                    first = owner.setdefault(buffer, index[name])
+                    root[find(index[name])] = find(first)
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(find(index[n]), []).append(n)
+    total = sum(sizes.get(n, 0) for n in names)
+    waves: list[list[str]] = [[]]
+    done = 0
+    for group in groups.values():  # in the order of each group's first tensor
+        if waves[-1] and done >= total * len(waves) / count and len(waves) < count:
+            waves.append([])
+        waves[-1].extend(group)
+        done += sum(sizes.get(n, 0) for n in group)
+    return waves
+
+
+def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
+                comms: Sequence[Any], error: Optional[str]) -> list[Stage]:
     """The exchanges of an agreed plan (a collective: every process of the group builds them, in
-    order): from the trainer processes to each engine that relays from none, then down the
-    relay tree (``plan["parents"]``). FP8 blocks are quantized at the trainer where the plan
-    says ``quantize``."""
+    order): per wave, from the trainer processes to each engine that relays from none, then
+    down the relay tree (``plan["parents"]``), each tree level over a group of its own
+    (``comms[level]``). FP8 blocks are quantized at the trainer where the plan says
+    ``quantize``."""
     workers = plan["workers"]
+    level = depths(plan["parents"])
+    waves = plan.get("waves") or [list(source)]
     stages = []
-    for e in plan["order"]:
-        parent = plan["parents"][e]
-        options: dict[str, Any] = dict(
-            target_ranks=engine_ranks(trainers, workers, e), group=comm,
-            dtypes=torch_dtypes(plan["dtypes"][e]), bucket_bytes=plan["bucket_bytes"],
-            _error=error)
-        target = plan["targets"][e]
-        sync: AnyRedistributor
-        if parent >= 0:
-            sync = Redistributor(plan["targets"][parent], target,
-                                 source_ranks=engine_ranks(trainers, workers, parent), **options)
-        elif plan.get("quantize") is not None:
-            sync = QuantizingRedistributor(source, target, quantize=plan["quantize"],
-                                           source_ranks=range(trainers), **options)
-        else:
-            sync = Redistributor(source, target, source_ranks=range(trainers), **options)
-        stages.append(Stage(parent, e, sync))
+    for w, names in enumerate(waves):
+        for e in plan["order"]:
+            parent = plan["parents"][e]
+            target = {n: plan["targets"][e][n] for n in names if n in plan["targets"][e]}
+            options: dict[str, Any] = dict(
+                target_ranks=engine_ranks(trainers, workers, e), group=comms[level[e]],
+                dtypes=torch_dtypes(plan["dtypes"][e] and {n: plan["dtypes"][e][n]
+                                                           for n in target}),
+                bucket_bytes=plan["bucket_bytes"], _error=error)
+            sync: AnyRedistributor
+            if parent >= 0:
+                relayed = {n: plan["targets"][parent][n] for n in target}
+                sync = Redistributor(relayed, target,
+                                     source_ranks=engine_ranks(trainers, workers, parent),
+                                     **options)
+            elif plan.get("quantize") is not None:
+                sync = QuantizingRedistributor(source, plan["targets"][e],
+                                               quantize=plan["quantize"],
+                                               source_ranks=range(trainers), **options)
+            else:
+                sync = Redistributor({n: source[n] for n in target} if len(waves) > 1 else
+                                     source, target if len(waves) > 1 else plan["targets"][e],
+                                     source_ranks=range(trainers), **options)
+            stages.append(Stage(parent, e, sync, w, level[e]))
     return stages
+
+
+def relay_groups(store: Any, prefix: str, rank: int, comm: Any, plan: Mapping[str, Any],
+                 backend: str, timeout_s: float) -> list[StoreGroup]:
+    """The groups of the relay tree's levels 1 .. D (level 0 is ``comm``), over the same
+    processes as ``comm`` (a collective)."""
+    levels = max(depths(plan["parents"]), default=0)
+    return [StoreGroup(store, f"{prefix}/pg{d}", rank, len(comm.members), backend, timeout_s)
+            for d in range(1, levels + 1)]
+
+
+def _keys(sync: AnyRedistributor, rank: int, side: str) -> set[str]:
+    """The shards (by tensor or buffer name) map rank ``rank`` holds on one side of an
+    exchange."""
+    if side == "target":
+        return {m.buffer(rank) or n for n, m in zip(sync._names, sync._dst)}
+    assert isinstance(sync, Redistributor)  # relays and waves: plain exchanges only
+    maps = sync._src
+    return {m.buffer(rank) or n for n, m in zip(sync._names, maps)}
+
+
+def run_stages(stages: Sequence[Stage], engine: int, rank: int,
+               shards: Mapping[str, Any], out: Optional[dict[str, Any]],
+               on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str]
+               ) -> None:
+    """Every exchange of a push, as this process takes part in it (a collective over the
+    sync's groups): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
+    from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
+    ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
+    Each tree level runs on a thread of its own (over a group of its own), so that an engine
+    relays wave w as soon as it has received it, while wave w + 1 arrives. A failure in one
+    exchange is told to the later ones as an agreed error, so that no process waits for a
+    peer that gave up; the first failure is raised (a refusal before a transport error)."""
+    import threading
+    waves = sorted({st.wave for st in stages})
+    arrived = {w: threading.Event() for w in waves}
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def why() -> Optional[str]:
+        with lock:
+            if error is not None or not failures:
+                return error
+            first = failures[0]
+            return f"an earlier exchange of this push failed ({type(first).__name__}: {first})"
+
+    def level_body(level: int) -> None:
+        for st in (s for s in stages if s.level == level):
+            sync = st.redistributor
+            try:
+                if st.engine == engine:
+                    keys = _keys(sync, rank, "target")
+                    sync.run({}, out={k: out[k] for k in keys if out is not None and k in out},
+                             on_ready=on_ready, _error=why())
+                    arrived[st.wave].set()
+                elif st.source == engine:
+                    if engine >= 0:  # a relay: what this engine has received of the wave
+                        arrived[st.wave].wait()
+                        mine: Mapping[str, Any] = {k: out[k] for k in _keys(sync, rank, "source")
+                                                   if out is not None and k in out}
+                    elif len(waves) == 1:
+                        mine = shards
+                    else:  # the wave's shards (the first wave also any the plan lacks,
+                        # which its checks refuse)
+                        keys = _keys(sync, rank, "source") | (extra if st.wave == 0 else set())
+                        mine = {k: v for k, v in shards.items() if k in keys}
+                    sync.run(mine, _error=why())
+                else:
+                    sync.run({}, _error=why())
+            except BaseException as e:  # later exchanges are told, and the first is raised
+                with lock:
+                    failures.append(e)
+                for event in arrived.values():
+                    event.set()
+
+    extra = set(shards) - {k for st in stages if st.source < 0
+                           for k in _keys(st.redistributor, rank, "source")} \
+        if engine < 0 and len(waves) > 1 else set()
+    levels = sorted({st.level for st in stages})
+    threads = [threading.Thread(target=level_body, args=(level,), daemon=True)
+               for level in levels[1:]]
+    for t in threads:
+        t.start()
+    level_body(levels[0])
+    for t in threads:
+        t.join()
+    if failures:
+        refusals = [f for f in failures if isinstance(f, RedistributeError)]
+        raise (refusals or failures)[0]
 
 
 def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
@@ -289,6 +445,13 @@ class WeightSync:
     ``quantize`` (:class:`reshard.distributed.QuantizingRedistributor`'s: ``{"block": [128,
     128]}`` for every ``X`` the engine holds as FP8 ``X`` + ``X_scale_inv``) pushes bf16
     shards into an FP8-block engine, quantized at the trainer.
+
+    ``engines`` instead of ``engine``: several engines (each an LLM in the process that owns
+    it, None in the others, or a URL; the same length in every trainer process), pushed with
+    one plan: the trainer processes send each byte once, to the first engine of each set of
+    engines holding the same tensors, whose workers relay to the others along a tree
+    (:func:`relay_tree`); every engine commits or none does. ``target_maps`` is then a list,
+    one map set (or None) per engine.
     """
 
     def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -390,10 +553,14 @@ class WeightSync:
                     plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
                             "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
                             "quantize": None, "workers": self._workers,
-                            "parents": [-1] * self._engines, "order": list(range(self._engines))}
+                            "parents": [-1] * self._engines, "order": list(range(self._engines)),
+                            "waves": None}
             plan = comm.gather_object(plan)[0]
             self._parents = list(plan["parents"])
-            self._stages = plan_stages(source_maps, plan, self._trainers, comm, plan["error"])
+            self._comms = [comm] + relay_groups(store, prefix, self._rank, comm, plan,
+                                                backend, timeout_s)
+            self._stages = plan_stages(source_maps, plan, self._trainers, self._comms,
+                                       plan["error"])
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             self._finish_all(inits)
@@ -520,9 +687,16 @@ class WeightSync:
             hosts.append(str(mine[0].get("host", "")))
         parents, order = relay_tree([json.dumps(t, sort_keys=True) for t in types], hosts)
         source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
+        waves = None
+        if any(p >= 0 for p in parents):  # relays: waves, each relayed as the next arrives
+            import torch
+            sizes = {n: math.prod(as_map(m).logical_shape) *
+                     torch.empty(0, dtype=getattr(torch, types[0][n])).element_size()
+                     for n, m in source.items() if n in types[0]}
+            waves = relay_waves([source, *targets], sizes, RELAY_WAVES)
         return {"error": None, "source": source, "targets": targets, "dtypes": types,
                 "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
-                "parents": parents, "order": order}
+                "parents": parents, "order": order, "waves": waves}
 
     def _engine_plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
                      target_maps: Optional[Mapping[str, MapLike]], dtypes: Any, e: int
@@ -656,8 +830,7 @@ class WeightSync:
         local, error = self._local_shards(shards)
 
         def send() -> None:  # from the trainer processes, then down the relay tree
-            for stage in self._stages:
-                stage.redistributor.run(local if stage.source < 0 else {}, _error=error)
+            run_stages(self._stages, -1, self._rank, local, None, None, error)
         return self._push({"step": self._steps, "mode": "plan", "overlap": overlap}, send)
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
@@ -828,8 +1001,9 @@ class WeightSync:
                 client.call("shutdown_weight_transfer_engine")
             except Exception:  # the engine may be gone already
                 pass
-        if self._comm is not None:
-            self._comm.shutdown()
+        for group in getattr(self, "_comms", [self._comm]):
+            if group is not None:
+                group.shutdown()
         self._comm = None
 
 
