@@ -12,6 +12,7 @@ group on CPU, three ways, each --repeat times (median):
   (two syncs: 2x).
 
     VLLM_CPU_OMP_THREADS_BIND=nobind python bench/fleet_bench.py [--engine-tp 1] [--mb 160]
+                                                                 [--waves 4]
 
 Process r of the two trainer processes owns engine r.
 """
@@ -56,7 +57,7 @@ def trainer(args: argparse.Namespace) -> None:
         one.push(shards)
         got = one.push(shards)
         one.close()
-        fleet = WeightSync(engines=mine, source_maps=maps)
+        fleet = WeightSync(engines=mine, source_maps=maps, relay_waves=args.waves)
         fleet.push(shards)
         both = fleet.push(shards)
         fleet.close()
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--engine-tp", type=int, default=1)
     ap.add_argument("--mb", type=int, default=160)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--waves", type=int, default=4, help="relay_waves of the two-engine sync")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -104,7 +106,8 @@ def main() -> None:
     logs = [open(os.path.join(work, f"trainer{r}.log"), "w") for r in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
                                "--work", work, "--model", model, "--sharded", sharded,
-                               "--engine-tp", str(args.engine_tp), "--repeat", str(args.repeat)],
+                               "--engine-tp", str(args.engine_tp), "--repeat", str(args.repeat),
+                               "--waves", str(args.waves)],
                               env=env, stdout=logs[r], stderr=subprocess.STDOUT,
                               start_new_session=True) for r in range(2)]
     try:
@@ -125,7 +128,7 @@ def main() -> None:
     print(f"model {r['model_bytes'] / 1e6:.0f} MB float32 ({config['num_hidden_layers']} layers), "
           f"trainer TP 2 -> 2 engines at TP {r['engine_tp']}, gloo, median of {args.repeat}")
     print(f"  one engine   {r['one']:.3f} s   trainer egress {e['one'] / 1e6:.1f} MB")
-    print(f"  two engines  {r['two']:.3f} s   trainer egress {e['two'] / 1e6:.1f} MB "
+    print(f"  two engines  {r['two']:.3f} s ({args.waves} waves)   trainer egress {e['two'] / 1e6:.1f} MB "
           f"({e['two'] / e['one']:.2f}x), relayed by the first engine "
           f"{r['relayed'] / 1e6:.1f} MB; {r['two'] / r['one']:.2f}x the time of one (bar <= 1.4x)")
     print(f"  two syncs    {r['syncs']:.3f} s   trainer egress {e['syncs'] / 1e6:.1f} MB "

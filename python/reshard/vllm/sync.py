@@ -225,7 +225,7 @@ def depths(parents: Sequence[int]) -> list[int]:
     return out
 
 
-def relay_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
+def cut_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
                 count: int) -> list[list[str]]:
     """The tensors cut into at most ``count`` waves of about equal bytes (``sizes``), in the
     order of the first map set, such that tensors sharing a rank tensor (a buffer of any of
@@ -451,7 +451,9 @@ class WeightSync:
     one plan: the trainer processes send each byte once, to the first engine of each set of
     engines holding the same tensors, whose workers relay to the others along a tree
     (:func:`relay_tree`); every engine commits or none does. ``target_maps`` is then a list,
-    one map set (or None) per engine.
+    one map set (or None) per engine. ``relay_waves``: how many waves a relayed push is cut
+    into (an engine relays one wave while it receives the next; 1: each engine relays once it
+    has received everything).
     """
 
     def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -463,7 +465,7 @@ class WeightSync:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
                  overlap_processing: Optional[bool] = None, quantize: Any = None,
-                 config: Any = None) -> None:
+                 config: Any = None, relay_waves: int = RELAY_WAVES) -> None:
         import torch.distributed as dist
         self._group = group
         self._overlap = overlap_processing
@@ -490,6 +492,10 @@ class WeightSync:
                                       not isinstance(engines, Sequence) or not engines):
             bad = (f"engines= is a non-empty list of engines (an LLM, a URL or None each), got "
                    f"{engines!r} (trainer process {self._rank})")
+        elif isinstance(relay_waves, bool) or not isinstance(relay_waves, int) or \
+                relay_waves < 1:
+            bad = (f"relay_waves must be a positive int, got {relay_waves!r} (trainer process "
+                   f"{self._rank})")
         elif overlap_processing is not None and not isinstance(overlap_processing, bool):
             bad = (f"overlap_processing must be True, False or None, got "
                    f"{overlap_processing!r} (trainer process {self._rank})")
@@ -548,7 +554,7 @@ class WeightSync:
             if self._rank == 0:
                 try:
                     plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes,
-                                      quantize)
+                                      quantize, relay_waves)
                 except Exception as e:
                     plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
                             "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
@@ -660,8 +666,8 @@ class WeightSync:
         return None if call is None else call.result()
 
     def _plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
-              target_maps: Any, dtypes: Any, bucket_bytes: int, quantize: Any
-              ) -> dict[str, Any]:
+              target_maps: Any, dtypes: Any, bucket_bytes: int, quantize: Any,
+              relay_waves: int) -> dict[str, Any]:
         """(trainer process 0) Every engine's maps and the dtypes its workers receive, from
         what the workers report of themselves, and the relay tree between the engines."""
         count = self._engines
@@ -693,7 +699,7 @@ class WeightSync:
             sizes = {n: math.prod(as_map(m).logical_shape) *
                      torch.empty(0, dtype=getattr(torch, types[0][n])).element_size()
                      for n, m in source.items() if n in types[0]}
-            waves = relay_waves([source, *targets], sizes, RELAY_WAVES)
+            waves = cut_waves([source, *targets], sizes, relay_waves)
         return {"error": None, "source": source, "targets": targets, "dtypes": types,
                 "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
                 "parents": parents, "order": order, "waves": waves}
