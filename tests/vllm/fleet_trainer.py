@@ -6,7 +6,8 @@ weights A and B (``reshard.checkpoint.load_rank``) and push through one
 ``WeightSync(engines=[...])`` into both engines. Steps (``spec["steps"]``): ``{"kind":
 "push", "weights": W}``, and ``{"kind": "processing_fails", "weights": W, "engine": E}``: the
 last worker of engine E fails its post-load processing of layer 1's MLP once, then W is
-pushed. After each step every process records its own engine's greedy tokens. Process r writes
+pushed. After each step every process records its own engine's greedy tokens; first, a
+WeightSync whose engine lists differ between the processes is refused. Process r writes
 ``{"steps": [{"step", "tokens", "stats", "error"}]}`` to ``spec["out"] + ".r"``.
 """
 
@@ -41,6 +42,11 @@ def run(spec: dict, rank: int) -> None:
     loaded = {key: reshard.checkpoint.load_rank(spec["sharded"][key], rank) for key in "AB"}
     results = [{"step": "start", "tokens": generate()}]
     engines = [llm if r == rank else None for r in range(2)]
+    try:  # process 1 names a third engine: refused on both, before any engine is touched
+        WeightSync(engines=engines + [None] * rank, source_maps=loaded["A"][0], timeout_s=120)
+        results[0]["mismatched"] = None
+    except WeightSyncError as e:
+        results[0]["mismatched"] = str(e)
     sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=120)
     for step in spec["steps"]:
         entry: dict = {"step": step["kind"]}
