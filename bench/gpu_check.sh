@@ -3,7 +3,9 @@
 #   1. the live tests (tests/vllm/test_sync.py: the toy Llama and the toy Qwen3-MoE) with the
 #      engine on the GPU, at TP 1;
 #   2. the benchmark (bench/vllm_sync_bench.py), engine TP 1 on the GPU;
-#   3. with at least three GPUs, the benchmark over NCCL (two trainer processes and one worker,
+#   3. with at least two GPUs, one sync into two engines (tests/vllm/test_sync.py's two-engine
+#      test and bench/fleet_bench.py), an engine on each GPU;
+#   4. with at least three GPUs, the benchmark over NCCL (two trainer processes and one worker,
 #      each on a GPU of its own: NCCL refuses two processes of one group on the same GPU).
 #
 # Needs a Python with a CUDA build of vLLM 0.32 and reshard installed in it (pip install
@@ -32,11 +34,19 @@ EOF
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
 step "live tests, engine on the GPU (TP 1)"
-RESHARD_VLLM_ENGINE_TPS=1 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/vllm/test_sync.py \
-  --basetemp="$OUT/tests" -x
+# One sync into two engines needs a GPU for each (both at TP 1).
+FLEET=(-k "not two_engines")
+if [ "$GPUS" -ge 2 ]; then FLEET=(); fi
+RESHARD_VLLM_ENGINE_TPS=1 RESHARD_FLEET_GPU_EACH=1 timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/vllm/test_sync.py --basetemp="$OUT/tests" -x "${FLEET[@]}"
 
 step "benchmark, engine TP 1 on the GPU, gloo between trainer processes and worker"
 timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3
+
+if [ "$GPUS" -ge 2 ]; then
+  step "one sync into two engines (one GPU each), against one engine and two syncs"
+  timeout 300 env CUDA_VISIBLE_DEVICES=0,1 "$PY" bench/fleet_bench.py --engine-tp 1 --mb 320 --repeat 3
+fi
 
 if [ "$GPUS" -ge 3 ]; then
   step "benchmark over NCCL (trainer processes on GPUs 1 and 2, the worker on GPU 0)"

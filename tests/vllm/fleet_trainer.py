@@ -19,6 +19,9 @@ import toy
 
 
 def run(spec: dict, rank: int) -> None:
+    import os
+    if spec.get("gpu_each"):  # on a GPU machine: engine r on GPU r (bench/gpu_check.sh)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch
     import torch.distributed as dist
 

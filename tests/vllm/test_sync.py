@@ -239,7 +239,11 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     first engine's workers relay what the second lacks. A worker of the second engine failing
     its processing fails the push on every trainer process and both engines keep serving what
     the last push gave them; the next push lands on both."""
-    spec = {"model": models["model"], "engine_tps": [2, 1], "sharded": models["sharded"],
+    # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
+    # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
+    spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
+            "gpu_each": os.environ.get("RESHARD_FLEET_GPU_EACH") == "1",
+            "sharded": models["sharded"],
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
             "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
     path = tmp_path / "spec.json"
@@ -273,8 +277,8 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     assert stats["bytes_sent"] == stats["plan_minimum"] > 0
     assert stats["bytes_relayed"] > 0
     links = stats["links"]
-    assert set(links) >= {"engine 0 worker 0 -> engine 1 worker 0",
-                          "engine 0 worker 1 -> engine 1 worker 0"}
+    assert set(links) >= {f"engine 0 worker {w} -> engine 1 worker 0"
+                          for w in range(spec["engine_tps"][0])}
     assert not any(k.startswith("trainer") and "engine 1" in k for k in links), links
     assert sum(v for k, v in links.items() if k.startswith("trainer")) == stats["bytes_sent"]
     assert sum(v for k, v in links.items() if k.startswith("engine")) == stats["bytes_relayed"]
