@@ -1594,19 +1594,27 @@ Status DeepSpeedReader::CheckMetadataAgrees() const {
 // the model-states file.
 Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
   const DType dtype = c_.module_dtype_;
+  // A tied module's copies on later pipeline stages are compared with the first stage's
+  // (CheckTiedCopies), not with the module.
+  std::map<std::string, size_t> first_of;
+  for (size_t i = 0; i < params_.size(); ++i) first_of.emplace(params_[i].name, i);
   for (size_t slice = 0; slice < model_.size(); ++slice) {
     const Rank t = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
-    std::map<Rank, std::string> bad;         // DP rank -> what disagrees there first
-    std::set<Rank> holding;                  // DP ranks that hold some compared fragment
-    const TorchFile* model = model_[slice];  // pipeline: the first bad parameter's layer file
+    // By the module file (the model states; pipeline stages: each layer's file): DP rank ->
+    // what disagrees there first, and the DP ranks that hold some compared fragment.
+    std::map<const TorchFile*, std::map<Rank, std::string>> bad_in;
+    std::map<const TorchFile*, std::set<Rank>> holding_in;
+    const TorchFile* model = nullptr;  // the first module file that disagrees
     for (size_t i = 0; i < params_.size(); ++i) {
       const DeepSpeedParam& p = params_[i];
-      if (SliceOf(i, t) != slice) continue;
+      if (SliceOf(i, t) != slice || first_of.at(p.name) != i) continue;
       const auto& slots = p.parts[static_cast<size_t>(t)];
       const auto& module = slots[Slot(DeepSpeedState::kModule)];
       const auto& master = slots[Slot(DeepSpeedState::kMaster)];
       if (!module || !master || module->fragments.size() != 1) continue;
       const DeepSpeedFragment& mf = module->fragments.front();
+      auto& bad = bad_in[mf.file];
+      auto& holding = holding_in[mf.file];
       if (master->fragments.size() == 1 && master->fragments.front().tensor == mf.tensor) continue;
       const ShardElements masters(*master);
       for (const Index k : SamplePositions(*master)) {
@@ -1625,13 +1633,15 @@ Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
                 ? FormatElement(DType::kF32, master_bytes)
                 : fmt::format("{} (rounded to {}: {})", FormatElement(DType::kF32, master_bytes),
                               DTypeName(dtype), FormatElement(dtype, rounded_bytes));
-        if (bad.empty()) model = mf.file;
+        if (model == nullptr) model = mf.file;
         bad[d] =
             fmt::format("parameter \"{}\", element {}: the master weight is {}, the module's {}",
                         p.name, k, master_is, FormatElement(dtype, module_bytes));
       }
     }
-    if (bad.empty()) continue;
+    if (model == nullptr) continue;
+    const auto& bad = bad_in[model];
+    const auto& holding = holding_in[model];
     const auto& [d, what] = *bad.begin();
     const TorchFile* optim = optim_.empty() ? model : optim_[slice][static_cast<size_t>(d)];
     if (optim != model && bad.size() < holding.size()) {
@@ -1776,6 +1786,9 @@ Status DeepSpeedReader::CheckTiedCopies() {
 Status DeepSpeedReader::Read(const std::string& path) {
   RESHARD_RETURN_IF_ERROR(ResolveTag(path));
   RESHARD_RETURN_IF_ERROR(ReadTopology());
+  // Pipeline stages list different parameters: a stage from another run or PP degree is
+  // told by what its files record before their parameters are compared.
+  if (c_.pp_ > 1) RESHARD_RETURN_IF_ERROR(CheckMetadataAgrees());
   RESHARD_RETURN_IF_ERROR(ReadParams());
   if (!optim_.empty()) {
     RESHARD_RETURN_IF_ERROR(ReadPartitions());

@@ -1,0 +1,202 @@
+"""DeepSpeed PipelineModule checkpoints (layer files beside per-stage model states and ZeRO
+partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoints.py).
+
+- The files are as docs/deepspeed_checkpoints.md describes them.
+- `reshard gather` gives every parameter as the engine held it, by the engine's names.
+- `reshard convert --to universal` equals ds_to_universal's output file for file (PP 2 x DP 2
+  in fp32, PP 2 x DP 1 in bf16, ZeRO 1), and DeepSpeed resumes from ours at another PP x DP
+  with the next step's loss of the training run, bit for bit.
+- Bad input (a missing stage or layer file, a stage of another run or PP degree, a layer
+  file of the wrong shape) exits 1 or 2 naming the file, and writes nothing.
+"""
+
+import dataclasses
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from ds_checkpoints import ds_to_universal
+from ds_pipe_checkpoints import PipeSpec, make_pipe_checkpoints, resume_pipe_launch
+from test_deepspeed_universal import files, same
+
+FP32 = PipeSpec(pp=2, dp=2)
+BF16 = PipeSpec(pp=2, dp=1, dtype="bfloat16")
+OTHER_RUN = PipeSpec(pp=2, dp=2, seed=7)  # the same model and topology, other weights
+OTHER_PP = PipeSpec(pp=4, dp=1)
+CONVERTED = [FP32, BF16]
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, BF16],
+                                 tmp_path_factory.mktemp("pipe_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def converted(pipes, tmp_path_factory, reshard_bin):
+    """{spec: (our save dir, DeepSpeed's)}, each with latest_universal and its folder."""
+    base = tmp_path_factory.mktemp("pipe_universal")
+    out = {}
+    for spec in CONVERTED:
+        ckpt = pipes[spec]
+        ours = base / f"{spec.name}-reshard"
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", ours)
+        assert r.returncode == 0, r.stderr
+        out[spec] = (ours, ds_to_universal(ckpt, base / f"{spec.name}-deepspeed").parent)
+    return out
+
+
+def test_pipeline_files_are_as_documented(pipes):
+    ckpt = pipes[FP32]
+    names = sorted(p.name for p in ckpt.tag_dir.iterdir())
+    # Layers 0-4 have a state_dict of their own; layer 5 (the tied embedding again, with a
+    # forward_fn) is saved by layer 0. Stage 0 holds layers 0-2, stage 1 layers 3-5.
+    assert names == [*(f"layer_{i:02d}-model_states.pt" for i in range(5)),
+                     "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                     *(f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt"
+                       for d in range(2) for s in range(2))]
+    assert ckpt.facts["parts"] == [0, 3, 6]
+    stages = [torch.load(ckpt.tag_dir / f"mp_rank_{s:02d}_model_states.pt", weights_only=False)
+              for s in range(2)]
+    for states in stages:
+        assert states["module"] is None
+        assert states["mp_world_size"] == 2 and states["dp_world_size"] == 2
+        assert states["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": 1}
+    shapes = [list(st["param_shapes"][0]) for st in stages]
+    assert shapes[0][0] == shapes[1][0] == "tied_modules.embed.weight"
+    assert {n.split(".")[0] for n in shapes[0][1:]} == {"1", "2"}
+    assert {n.split(".")[0] for n in shapes[1][1:]} == {"3", "4"}
+    layer = torch.load(ckpt.tag_dir / "layer_01-model_states.pt", weights_only=True)
+    assert list(layer) == ["norm.weight", "norm.bias", "up.weight", "up.bias", "down.weight",
+                           "down.bias"]
+    full = ckpt.full()
+    for name, tensor in layer.items():
+        assert torch.equal(tensor, full[f"1.{name}"])
+    embed = torch.load(ckpt.tag_dir / "layer_00-model_states.pt", weights_only=True)
+    assert list(embed) == ["weight"] and torch.equal(embed["weight"],
+                                                     full["tied_modules.embed.weight"])
+    for s in range(2):  # each stage's optimizer partitions its own parameters over its DP ranks
+        for d in range(2):
+            optim = torch.load(ckpt.tag_dir / f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt",
+                               weights_only=False)["optimizer_state_dict"]
+            mapped = set(optim["param_slice_mappings"][0])
+            assert mapped <= set(shapes[s]), (s, d)
+
+
+@pytest.mark.parametrize("spec", [FP32, BF16, OTHER_PP], ids=lambda s: s.name)
+def test_gather_gives_every_parameter_as_the_engine_held_it(pipes, tmp_path, reshard_bin, spec):
+    from safetensors.torch import load_file
+
+    ckpt = pipes[spec]
+    r = run(reshard_bin, "gather", ckpt.save_dir, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = ckpt.full()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("spec", CONVERTED, ids=lambda s: s.name)
+def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
+    ours, theirs = converted[spec]
+    assert files(ours) == files(theirs)
+    assert (ours / "latest_universal").read_text() == (theirs / "latest_universal").read_text()
+    for f in files(ours):
+        if f.name.endswith("_model_states.pt"):  # copied
+            assert (ours / f).read_bytes() == (theirs / f).read_bytes(), f
+        elif f.suffix == ".pt":
+            same(torch.load(ours / f, weights_only=False),
+                 torch.load(theirs / f, weights_only=False), str(f))
+
+
+# Where each converted checkpoint resumes: another PP x DP of two ranks.
+RESUME_AT = {FP32: [(1, 2), (2, 1)], BF16: [(1, 2)]}
+
+
+@pytest.fixture(scope="module")
+def resumed(converted, tmp_path_factory):
+    """{(spec, pp, dp): {dp_rank: next loss}} of DeepSpeed resumed from our output: one
+    launch of two ranks for all of them."""
+    jobs = [(dataclasses.replace(spec, pp=pp, dp=dp), converted[spec][0],
+             f"{spec.name}-at-pp{pp}-dp{dp}")
+            for spec, topologies in RESUME_AT.items() for pp, dp in topologies]
+    losses = resume_pipe_launch(2, jobs, tmp_path_factory.mktemp("pipe_resumed"))
+    return {(spec, pp, dp): losses[f"{spec.name}-at-pp{pp}-dp{dp}"]
+            for spec, topologies in RESUME_AT.items() for pp, dp in topologies}
+
+
+@pytest.mark.parametrize("spec,pp,dp", [(s, pp, dp) for s, t in RESUME_AT.items() for pp, dp in t],
+                         ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
+def test_deepspeed_resumes_from_the_universal_output_at_another_topology(pipes, resumed, spec,
+                                                                         pp, dp):
+    want = pipes[spec].next_loss[0]
+    assert resumed[(spec, pp, dp)] == {d: want for d in range(dp)}
+
+
+def refused(reshard_bin, save_dir, out, blamed, *names):
+    """Every command refuses `save_dir` naming the file `blamed` first and each of `names`, and
+    writes nothing."""
+    for cmd in (["gather", save_dir, "-o", out], ["convert", save_dir, "--to", "universal", "-o",
+                                                  out]):
+        r = run(reshard_bin, *cmd)
+        assert r.returncode in (1, 2), (cmd, r.stderr)
+        assert r.stderr.split('"')[1].endswith(blamed), (cmd, r.stderr)
+        for name in names:
+            assert name in r.stderr, (cmd, r.stderr)
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
+def copy_of(ckpt, dest):
+    shutil.copytree(ckpt.save_dir, dest)
+    return dest, dest / ckpt.tag
+
+
+def test_a_missing_stage_or_layer_file_is_named(pipes, tmp_path, reshard_bin):
+    ckpt = pipes[FP32]
+    for missing in ("mp_rank_01_model_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt",
+                    "layer_03-model_states.pt", "layer_00-model_states.pt"):
+        save, tag = copy_of(ckpt, tmp_path / missing)
+        (tag / missing).unlink()
+        if missing.startswith("layer_00"):  # the tied embedding's owner
+            refused(reshard_bin, save, tmp_path / f"out-{missing}", ckpt.tag,
+                    'no layer file holds tied module "embed"')
+        else:
+            refused(reshard_bin, save, tmp_path / f"out-{missing}", missing, "is missing")
+
+
+def test_stage_files_of_another_run_or_pp_degree_are_named(pipes, tmp_path, reshard_bin):
+    ckpt = pipes[FP32]
+    # A whole stage (its model states, optimizer partitions and layer files) of another run:
+    # the tied embedding's copies disagree across the stages.
+    save, tag = copy_of(ckpt, tmp_path / "run")
+    other = pipes[OTHER_RUN].tag_dir
+    for f in [*other.glob("*mp_rank_01_*"), *(other / f"layer_{i:02d}-model_states.pt"
+                                              for i in (3, 4))]:
+        shutil.copy(f, tag / f.name)
+    refused(reshard_bin, save, tmp_path / "out-run", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tied across pipeline stages 0 and 1")
+    # One layer file of another run: not what the optimizer's masters say.
+    save, tag = copy_of(ckpt, tmp_path / "layer")
+    shutil.copy(other / "layer_02-model_states.pt", tag)
+    refused(reshard_bin, save, tmp_path / "out-layer", "layer_02-model_states.pt",
+            "not the fp32 master weights")
+    # A stage of a PP 4 run.
+    save, tag = copy_of(ckpt, tmp_path / "pp")
+    shutil.copy(pipes[OTHER_PP].tag_dir / "mp_rank_01_model_states.pt", tag)
+    refused(reshard_bin, save, tmp_path / "out-pp", "mp_rank_01_model_states.pt",
+            "mp_world_size is 2 there but 4 here")
+
+
+def test_a_layer_file_whose_shape_disagrees_is_named(pipes, tmp_path, reshard_bin):
+    save, tag = copy_of(pipes[FP32], tmp_path / "shape")
+    layer = torch.load(tag / "layer_03-model_states.pt", weights_only=True)
+    layer["up.weight"] = layer["up.weight"][:-1].clone()
+    torch.save(layer, tag / "layer_03-model_states.pt")
+    refused(reshard_bin, save, tmp_path / "out", "layer_03-model_states.pt", "up.weight")
