@@ -716,6 +716,11 @@ Status DeepSpeedReader::ReadParams() {
           groups.push_back(g);
         }
       }
+    } else if (!layer_files_.empty()) {
+      return UnimplementedError(fmt::format(
+          "\"{}\" has no param_shapes (ZeRO 0), so which parameters a pipeline stage holds, "
+          "by name, is not recorded; pipeline checkpoints are read at ZeRO 1 and 2",
+          Where(f)));
     } else {
       std::vector<std::string> buffers;
       const PickleNodeId b = Get(t, t.root(), "buffer_names");
@@ -2084,6 +2089,7 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
   nlohmann::ordered_json doc = {{"format", "deepspeed"},
                                 {"tag_dir", c.tag_dir()},
                                 {"zero_stage", c.stage()},
+                                {"pp", c.pp()},
                                 {"tp", c.tp()},
                                 {"dp", c.dp()},
                                 {"dtype", std::string(DTypeName(c.module_dtype()))},
@@ -2108,8 +2114,9 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
 
 std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
   std::string out = fmt::format(
-      "DeepSpeed checkpoint \"{}\": {}, TP {} x DP {}, {} module weights, {}; {} parameters\n",
-      c.tag_dir(), ZeroName(c), c.tp(), c.dp(), DTypeName(c.module_dtype()),
+      "DeepSpeed checkpoint \"{}\": {}, {}TP {} x DP {}, {} module weights, {}; {} parameters\n",
+      c.tag_dir(), ZeroName(c), c.pp() > 1 ? fmt::format("PP {} x ", c.pp()) : "", c.tp(), c.dp(),
+      DTypeName(c.module_dtype()),
       c.has_optimizer_state() ? "fp32 master weights and Adam moments" : "no optimizer state",
       c.params().size());
   for (const DeepSpeedParam& p : c.params()) {
