@@ -23,10 +23,12 @@ TRAIN = HERE / "ds_pipe_train.py"
 @dataclasses.dataclass(frozen=True)
 class PipeSpec:
     """One PipelineModule training run (see ds_pipe_train.py): `blocks` residual blocks between
-    a tied embedding and a final norm, hidden 16, over `pp` stages of `dp` ranks each."""
+    a tied embedding and a final norm, hidden 16, over `pp` stages of `tp` x `dp` ranks each
+    (tp > 1: each block's MLP cut as Megatron cuts it)."""
 
     pp: int = 2
     dp: int = 1
+    tp: int = 1
     stage: int = 1
     dtype: str = "float32"  # or "bfloat16"
     steps: int = 2
@@ -37,13 +39,14 @@ class PipeSpec:
 
     @property
     def world_size(self):
-        return self.pp * self.dp
+        return self.pp * self.tp * self.dp
 
     @property
     def name(self):
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
         seed = "" if self.seed == PipeSpec.seed else f"-s{self.seed}"
-        return f"pipe-pp{self.pp}-dp{self.dp}-z{self.stage}-{dtype}{seed}"
+        tp = "" if self.tp == 1 else f"-tp{self.tp}"
+        return f"pipe-pp{self.pp}{tp}-dp{self.dp}-z{self.stage}-{dtype}{seed}"
 
 
 @dataclasses.dataclass(frozen=True)

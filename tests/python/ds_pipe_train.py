@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per rank (gloo on the CPU, DS_ACCELERATOR=cpu):
 
-    torchrun --nproc_per_node PP*DP ds_pipe_train.py JOBS.json
+    torchrun --nproc_per_node PP*TP*DP ds_pipe_train.py JOBS.json
 
 JOBS.json is a list of {"spec": {...}, "out": DIR} (see ds_checkpoints.PipeSpec for the
 fields), every spec of the same PP x DP; they run in order in one launch. The model is a
@@ -10,7 +10,9 @@ PipelineModule of LAYERS layer specs: an embedding tied to the output projection
 (TiedLayerSpec "embed", at layer 0 and at the last layer, as GPT pipelines tie them), BLOCKS
 residual MLP blocks (LayerNorm, Linear H -> 2H, GELU, Linear 2H -> H) and a final LayerNorm.
 Every parameter is drawn from a generator seeded by the spec's seed and the layer index, so
-every rank and every PP degree builds the same model. DeepSpeed partitions the layers over
+every rank and every PP degree builds the same model. With "tp" > 1 the topology is
+PipeModelDataParallelTopology and each block is cut over the TP ranks as Megatron cuts an MLP
+(TpBlock: the same weights, cut), the rest held whole. DeepSpeed partitions the layers over
 `pp` stages by the spec's partition method ("parameters": balanced by parameter count;
 "uniform": by layer count; "type:Block": by blocks) and each stage's
 ZeRO optimizer over its `dp` ranks. After `steps` steps (train_batch, MICRO micro-batches per
@@ -18,7 +20,7 @@ DP rank) the engine saves to DIR/ckpt, and the ranks record what a test compares
 
 - DIR/ref/full.safetensors: every parameter whole, by the engine's names (the layer index,
   then the layer's own name; "tied_modules.embed.weight" for the tied embedding), from the
-  DP rank 0 of each stage, gathered to rank 0;
+  DP rank 0 of each stage and TP rank, gathered to rank 0 (TP shards concatenated);
 - DIR/ref/facts-{RANK}.json: the spec, the loss of every step, the loss of the next step
   (eval_batch on DP rank 0's micro-batches of that step, on every DP rank), the tag, or
   "error" with DeepSpeed's message.
@@ -84,6 +86,63 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
+# Tensor parallelism (spec "tp" > 1), Megatron's way: set by build_model.
+TP = {"rank": 0, "size": 1, "group": None}
+
+
+class _ToTp(torch.autograd.Function):
+    """Identity forward; the gradient summed over the TP ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=TP["group"])
+        return grad
+
+
+class _FromTp(torch.autograd.Function):
+    """The partial sums of the TP ranks added up; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x, group=TP["group"])
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TpBlock(nn.Module):
+    """Block cut over the TP ranks: `up` by rows (column parallel: weight and bias), `down` by
+    columns (row parallel; its bias whole, added once after the sum), the norm whole. Its
+    weights are the TP 1 Block's, cut."""
+
+    def __init__(self, seed, layer):
+        super().__init__()
+        full = Block(seed, layer)
+        rank, size = TP["rank"], TP["size"]
+        rows = 2 * HIDDEN // size
+        self.norm = full.norm
+        self.up = nn.Linear(HIDDEN, rows)
+        self.down = nn.Linear(rows, HIDDEN)
+        with torch.no_grad():
+            self.up.weight.copy_(full.up.weight[rank * rows:(rank + 1) * rows])
+            self.up.bias.copy_(full.up.bias[rank * rows:(rank + 1) * rows])
+            self.down.weight.copy_(full.down.weight[:, rank * rows:(rank + 1) * rows])
+            self.down.bias.copy_(full.down.bias)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.up(_ToTp.apply(self.norm(x))))
+        partial = nn.functional.linear(h, self.down.weight)
+        return x + _FromTp.apply(partial) + self.down.bias
+
+
 class FinalNorm(nn.LayerNorm):
     def __init__(self, seed, layer):
         super().__init__(HIDDEN)
@@ -98,13 +157,25 @@ def loss_fn(logits, labels):
 def build_model(spec):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    seed, blocks = spec["seed"], spec["blocks"]
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    seed, blocks, tp = spec["seed"], spec["blocks"], spec.get("tp", 1)
+    topology = None
+    if tp > 1:  # the layer files then name their TP rank: layer_XX-model_YY-model_states.pt
+        topology = PipeModelDataParallelTopology(num_pp=spec["pp"], num_mp=tp,
+                                                 num_dp=spec["dp"])
+        TP.update(rank=topology.get_coord(dist.get_rank()).model, size=tp)
+    block = TpBlock if tp > 1 else Block
     layers = [TiedLayerSpec("embed", Embed, spec["vocab"], seed, 0)]
-    layers += [LayerSpec(Block, seed, 1 + i) for i in range(blocks)]
+    layers += [LayerSpec(block, seed, 1 + i) for i in range(blocks)]
     layers += [LayerSpec(FinalNorm, seed, 1 + blocks),
                TiedLayerSpec("embed", Embed, spec["vocab"], seed, 0, forward_fn=project)]
-    return PipelineModule(layers=layers, num_stages=spec["pp"], loss_fn=loss_fn,
-                          partition_method=spec.get("partition", "parameters"))
+    module = PipelineModule(layers=layers, num_stages=None if topology else spec["pp"],
+                            topology=topology, loss_fn=loss_fn,
+                            partition_method=spec.get("partition", "parameters"))
+    if tp > 1:
+        TP["group"] = module._grid.get_slice_parallel_group()
+    return module
 
 
 def micro_batches(spec, step, dp_rank):
@@ -131,19 +202,25 @@ def ds_config(spec):
     return cfg
 
 
-def universal_info():
+def universal_info(spec):
     """What ds_to_universal needs to know of the model (its "universal_checkpoint_info"): the
-    tied embedding is held by the first and the last stage (only one copy is kept), and no
-    parameter is cut by tensor parallelism."""
-    return {"universal_checkpoint_version": 0.2,
+    tied embedding is held by the first and the last stage (only one copy is kept); with TP,
+    which parameters every TP rank holds whole and which are cut by columns (row parallel),
+    the rest being cut by rows."""
+    info = {"universal_checkpoint_version": 0.2,
             "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
+    if spec.get("tp", 1) > 1:
+        info["tp_replicated_parameter_patterns"] = [
+            r"tied_modules\.", r"\d+\.norm\.", r"\d+\.down\.bias", r"\d+\.(weight|bias)$"]
+        info["parameter_with_row_parallelism_patterns"] = [r"\d+\.down\.weight"]
+    return info
 
 
 def make_engine(spec, config):
     import deepspeed
 
     model = build_model(spec)
-    model.universal_checkpoint_info = universal_info()
+    model.universal_checkpoint_info = universal_info(spec)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     return engine
@@ -178,14 +255,24 @@ def train(spec, out):
     facts["next_loss"] = next_losses(engine, spec, spec["steps"])
     local = {n: p.detach().clone().contiguous() for n, p in engine.module.named_parameters()}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local if dp_rank == 0 else {})
+    dist.all_gather_object(gathered, (TP["rank"], local if dp_rank == 0 else {}))
     if dist.get_rank() == 0:
-        full = {}
-        for part in gathered:
+        shards = {}  # name -> {TP rank: tensor}
+        for tp_rank, part in gathered:
             for name, tensor in part.items():
-                if name in full:  # the tied embedding, on the first and the last stage
-                    assert torch.equal(full[name], tensor), name
-                full[name] = tensor
+                held = shards.setdefault(name, {})
+                if tp_rank in held:  # the tied embedding, on the first and the last stage
+                    assert torch.equal(held[tp_rank], tensor), name
+                held[tp_rank] = tensor
+        full = {}
+        for name, held in shards.items():
+            dim = 1 if name.endswith("down.weight") else 0 if ".up." in name else None
+            ranks = [held[r] for r in sorted(held)]
+            if dim is None:  # held whole by every TP rank, alike
+                assert all(torch.equal(ranks[0], t) for t in ranks), name
+                full[name] = ranks[0]
+            else:
+                full[name] = torch.cat(ranks, dim=dim).contiguous()
         (out / "ref").mkdir(parents=True, exist_ok=True)
         save_file(full, str(out / "ref" / "full.safetensors"))
     dist.barrier()

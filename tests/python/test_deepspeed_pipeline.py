@@ -4,8 +4,9 @@ partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoin
 - The files are as docs/deepspeed_checkpoints.md describes them.
 - `reshard gather` gives every parameter as the engine held it, by the engine's names.
 - `reshard convert --to universal` equals ds_to_universal's output file for file (PP 2 x DP 2
-  in fp32, PP 2 x DP 1 in bf16, ZeRO 1), and DeepSpeed resumes from ours at another PP x DP
-  with the next step's loss of the training run, bit for bit.
+  in fp32, PP 2 x DP 1 in bf16, PP 2 x TP 2 with Megatron-style blocks; ZeRO 1), and
+  DeepSpeed resumes from ours at another PP x TP x DP with the next step's loss of the
+  training run, bit for bit.
 - Bad input (a missing stage or layer file, a stage of another run or PP degree, a layer
   file of the wrong shape) exits 1 or 2 naming the file, and writes nothing.
 """
@@ -23,9 +24,10 @@ from test_deepspeed_universal import files, same
 
 FP32 = PipeSpec(pp=2, dp=2)
 BF16 = PipeSpec(pp=2, dp=1, dtype="bfloat16")
+TP2 = PipeSpec(pp=2, tp=2, dp=1)  # layer_XX-model_YY files; blocks cut as Megatron cuts them
 OTHER_RUN = PipeSpec(pp=2, dp=2, seed=7)  # the same model and topology, other weights
 OTHER_PP = PipeSpec(pp=4, dp=1)
-CONVERTED = [FP32, BF16]
+CONVERTED = [FP32, BF16, TP2]
 
 
 def run(*args):
@@ -34,7 +36,7 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, BF16],
+    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, TP2, BF16],
                                  tmp_path_factory.mktemp("pipe_checkpoints"))
 
 
@@ -89,7 +91,7 @@ def test_pipeline_files_are_as_documented(pipes):
             assert mapped <= set(shapes[s]), (s, d)
 
 
-@pytest.mark.parametrize("spec", [FP32, BF16, OTHER_PP], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [FP32, BF16, TP2, OTHER_PP], ids=lambda s: s.name)
 def test_gather_gives_every_parameter_as_the_engine_held_it(pipes, tmp_path, reshard_bin, spec):
     from safetensors.torch import load_file
 
@@ -116,28 +118,36 @@ def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
                  torch.load(theirs / f, weights_only=False), str(f))
 
 
-# Where each converted checkpoint resumes: another PP x DP of two ranks.
-RESUME_AT = {FP32: [(1, 2), (2, 1)], BF16: [(1, 2)]}
+# Where each converted checkpoint resumes: another PP x TP x DP.
+RESUME_AT = {FP32: [(1, 1, 2), (2, 1, 1)], BF16: [(1, 1, 2)], TP2: [(1, 2, 2), (2, 1, 1)]}
+RESUMES = [(spec, *at) for spec, topologies in RESUME_AT.items() for at in topologies]
 
 
 @pytest.fixture(scope="module")
 def resumed(converted, tmp_path_factory):
-    """{(spec, pp, dp): {dp_rank: next loss}} of DeepSpeed resumed from our output: one
-    launch of two ranks for all of them."""
-    jobs = [(dataclasses.replace(spec, pp=pp, dp=dp), converted[spec][0],
-             f"{spec.name}-at-pp{pp}-dp{dp}")
-            for spec, topologies in RESUME_AT.items() for pp, dp in topologies]
-    losses = resume_pipe_launch(2, jobs, tmp_path_factory.mktemp("pipe_resumed"))
-    return {(spec, pp, dp): losses[f"{spec.name}-at-pp{pp}-dp{dp}"]
-            for spec, topologies in RESUME_AT.items() for pp, dp in topologies}
+    """{(spec, pp, tp, dp): {dp_rank: next loss}} of DeepSpeed resumed from our output: one
+    launch per world size."""
+    base = tmp_path_factory.mktemp("pipe_resumed")
+    by_world = {}
+    for spec, pp, tp, dp in RESUMES:
+        by_world.setdefault(pp * tp * dp, []).append(
+            (dataclasses.replace(spec, pp=pp, tp=tp, dp=dp), converted[spec][0],
+             f"{spec.name}-at-pp{pp}-tp{tp}-dp{dp}"))
+    losses = {}
+    for world, jobs in by_world.items():
+        losses.update(resume_pipe_launch(world, jobs, base / f"world{world}"))
+    return {(spec, pp, tp, dp): losses[f"{spec.name}-at-pp{pp}-tp{tp}-dp{dp}"]
+            for spec, pp, tp, dp in RESUMES}
 
 
-@pytest.mark.parametrize("spec,pp,dp", [(s, pp, dp) for s, t in RESUME_AT.items() for pp, dp in t],
+@pytest.mark.parametrize("spec,pp,tp,dp", RESUMES,
                          ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
 def test_deepspeed_resumes_from_the_universal_output_at_another_topology(pipes, resumed, spec,
-                                                                         pp, dp):
+                                                                         pp, tp, dp):
+    """The next step's loss of the training run, bit for bit (at this size the blocks' products
+    round alike summed whole or over two TP ranks, so also where the TP degree changes)."""
     want = pipes[spec].next_loss[0]
-    assert resumed[(spec, pp, dp)] == {d: want for d in range(dp)}
+    assert resumed[(spec, pp, tp, dp)] == {d: want for d in range(dp)}
 
 
 def refused(reshard_bin, save_dir, out, blamed, *names):
