@@ -118,6 +118,60 @@ def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
                  torch.load(theirs / f, weights_only=False), str(f))
 
 
+def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
+        pipes, tmp_path, reshard_bin):
+    """A PipelineModule that sets no universal_checkpoint_info (the common case): ds_to_universal
+    refuses it unless told --inject_missing_state; ours is what that option makes of it."""
+    import contextlib
+    import io
+    import sys
+
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    ckpt = pipes[FP32]
+    save, tag = copy_of(ckpt, tmp_path / "ckpt")
+    for f in tag.glob("mp_rank_*_model_states.pt"):
+        states = torch.load(f, weights_only=False)
+        del states["universal_checkpoint_info"]
+        torch.save(states, f)
+    ours = tmp_path / "ours"
+    r = run(reshard_bin, "convert", save, "--to", "universal", "-o", ours)
+    assert r.returncode == 0, r.stderr
+    theirs = tmp_path / "theirs" / f"{ckpt.tag}_universal"
+    saved_argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", str(tag), "--output_folder", str(theirs),
+                "--num_extract_workers", "1", "--num_merge_workers", "1",
+                "--inject_missing_state"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            converter.main(converter.parse_arguments())
+    finally:
+        sys.argv = saved_argv
+    folder = ours / (ours / "latest_universal").read_text()
+    assert files(folder) == files(theirs)
+    for f in files(folder):
+        if f.name.endswith("_model_states.pt"):
+            assert (folder / f).read_bytes() == (theirs / f).read_bytes(), f
+        elif f.suffix == ".pt":
+            same(torch.load(folder / f, weights_only=False),
+                 torch.load(theirs / f, weights_only=False), str(f))
+
+
+def test_inspect_reports_the_stages(pipes, reshard_bin):
+    import json
+
+    r = run(reshard_bin, "inspect", pipes[TP2].save_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    ds = json.loads(r.stdout)["deepspeed"]
+    assert (ds["pp"], ds["tp"], ds["dp"], ds["zero_stage"]) == (2, 2, 1, 1)
+    names = [p["name"] for p in ds["params"]]
+    assert names[0] == "tied_modules.embed.weight" and names.count(names[0]) == 1
+    assert "3.down.weight" in names and "4.weight" in names
+    r = run(reshard_bin, "inspect", pipes[TP2].save_dir)
+    assert "ZeRO 1, PP 2 x TP 2 x DP 1" in r.stdout, r.stdout
+
+
 # Where each converted checkpoint resumes: another PP x TP x DP.
 RESUME_AT = {FP32: [(1, 1, 2), (2, 1, 1)], BF16: [(1, 1, 2)], TP2: [(1, 2, 2), (2, 1, 1)]}
 RESUMES = [(spec, *at) for spec, topologies in RESUME_AT.items() for at in topologies]
