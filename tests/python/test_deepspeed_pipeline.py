@@ -118,6 +118,28 @@ def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
                  torch.load(theirs / f, weights_only=False), str(f))
 
 
+@pytest.mark.parametrize("spec,tp", [(TP2, 1), (FP32, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_convert_to_another_tp_degree_keeps_every_weight_and_moment(pipes, converted, tmp_path,
+                                                                    reshard_bin, spec, tp):
+    """convert --tp: a reshard sharded checkpoint of the stages' parameters at TP `tp` (the
+    layouts from universal_checkpoint_info's pattern lists); gathered back, the module's
+    weights are the training run's and the fp32 masters and moments ds_to_universal's."""
+    from safetensors.torch import load_file
+
+    r = run(reshard_bin, "convert", pipes[spec].save_dir, "--tp", tp, "-o", tmp_path / "tp")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    theirs = converted[spec][1]
+    zero = theirs / (theirs / "latest_universal").read_text() / "zero"
+    for name, weight in pipes[spec].full().items():
+        assert torch.equal(got[name], weight), name
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            want = torch.load(zero / name / f"{state}.pt", weights_only=False)["param"]
+            assert torch.equal(got[f"{name}.{state}"], want), (name, state)
+
+
 def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
         pipes, tmp_path, reshard_bin):
     """A PipelineModule that sets no universal_checkpoint_info (the common case): ds_to_universal
