@@ -757,13 +757,17 @@ Status DeepSpeedReader::ReadParams() {
       tp_shapes_[stage_begin + k].push_back(found[k].second);
     }
   }
-  const PickleTree& t0 = model_[0]->tree();
-  const PickleNodeId frozen = Get(t0, t0.root(), "frozen_param_shapes");
-  if (!IsNone(t0, frozen) && !t0.node(frozen).entries.empty()) {
-    return UnimplementedError(fmt::format(
-        "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read yet",
-        Where(model_[0])));
+  for (const TorchFile* f : model_) {  // every pipeline stage's
+    const PickleTree& t = f->tree();
+    const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
+    if (!IsNone(t, frozen) && !t.node(frozen).entries.empty()) {
+      return UnimplementedError(fmt::format(
+          "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read "
+          "yet",
+          Where(f)));
+    }
   }
+  const PickleTree& t0 = model_[0]->tree();
   if (c_.pp_ == 1) RESHARD_RETURN_IF_ERROR(ReadExperts());
   RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
