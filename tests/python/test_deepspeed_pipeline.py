@@ -152,6 +152,21 @@ def test_convert_to_another_tp_degree_keeps_every_weight_and_moment(pipes, conve
             assert torch.equal(got[f"{name}.{state}"], want), (name, state)
 
 
+def test_the_python_package_takes_them_as_the_cli_does(pipes, converted, tmp_path):
+    import reshard.checkpoint
+    from safetensors.torch import load_file
+
+    from test_crash_consistency import tree_digest
+
+    ckpt = pipes[TP2]
+    reshard.checkpoint.convert(ckpt.save_dir, tmp_path / "uc", to="universal")
+    assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
+    reshard.checkpoint.gather(ckpt.save_dir, tmp_path / "hf")
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(got[n], t) for n, t in ckpt.full().items())
+    assert reshard.checkpoint.inspect(ckpt.save_dir)["deepspeed"]["pp"] == 2
+
+
 def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
         pipes, tmp_path, reshard_bin):
     """A PipelineModule that sets no universal_checkpoint_info (the common case): ds_to_universal
