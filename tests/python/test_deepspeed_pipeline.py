@@ -12,6 +12,7 @@ partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoin
 """
 
 import dataclasses
+import re
 import shutil
 import subprocess
 
@@ -165,6 +166,20 @@ def test_the_python_package_takes_them_as_the_cli_does(pipes, converted, tmp_pat
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(got[n], t) for n, t in ckpt.full().items())
     assert reshard.checkpoint.inspect(ckpt.save_dir)["deepspeed"]["pp"] == 2
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_shares_out_a_pipeline_conversion_byte_identically(pipes, converted, tmp_path,
+                                                                  reshard_bin):
+    from test_crash_consistency import tree_digest
+
+    launch = [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    r = run(*launch, reshard_bin, "convert", pipes[TP2].save_dir, "--to", "universal", "-o",
+            tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
+    shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
+    assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
 
 
 def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
