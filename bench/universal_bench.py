@@ -21,6 +21,12 @@ compared: the same files, and the same fp32 tensors for a few parameters.
                                     [--repeat 3]
 
 The checkpoint is kept in --work (default /tmp/reshard-universal-bench) and reused.
+
+With --pp, the checkpoint is a DeepSpeed PipelineModule's instead (tests/python/ds_pipe_train.py
+at hidden 1024, 32 residual MLP blocks of 4 M parameters cut over TP as Megatron cuts them, a
+tied embedding of 8192 x 1024: 143 M parameters) at PP 2 x TP 2 x DP 2, ZeRO 1, fp32, one
+step: its layer files, per-stage model states and partitions (default --work
+/tmp/reshard-universal-bench-pp).
 """
 
 import argparse
@@ -61,6 +67,29 @@ def train(save_dir):
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(save_dir)
+
+
+PIPE = dict(pp=2, tp=2, dp=2, stage=1, dtype="float32", steps=1, vocab=8192, blocks=32,
+            hidden=1024, seed=1, partition="parameters", reference=False)
+
+
+def make_pipe_checkpoint(work):
+    """Under torchrun (PP x TP x DP ranks): ds_pipe_train.py trains PIPE one step and saves it
+    to work/ckpt."""
+    import json
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    jobs = work / "jobs.json"
+    jobs.write_text(json.dumps([{"spec": PIPE, "out": str(work)}]))
+    world = PIPE["pp"] * PIPE["tp"] * PIPE["dp"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_addr", "127.0.0.1", "--master_port", "29518",
+           str(REPO / "tests" / "python" / "ds_pipe_train.py"), str(jobs)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    facts = json.loads((work / "ref" / "facts-0.json").read_text())
+    if "error" in facts:
+        raise SystemExit(f"DeepSpeed refused: {facts['error']}")
 
 
 def make_checkpoint(save_dir):
@@ -148,21 +177,27 @@ def main():
     ap.add_argument("--reshard", default=str(REPO / "build" / "tools" / "reshard" / "reshard"))
     ap.add_argument("--work", default="/tmp/reshard-universal-bench")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each converter (median)")
+    ap.add_argument("--pp", action="store_true",
+                    help="a PipelineModule checkpoint at PP 2 x TP 2 x DP 2 instead")
     ap.add_argument("--train", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.train:
         return train(args.train)
     work = pathlib.Path(args.work)
+    if args.pp and args.work == ap.get_default("work"):
+        work = pathlib.Path(args.work + "-pp")
     save = work / "ckpt"
     if not (save / "latest").exists():
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         t0 = time.perf_counter()
-        make_checkpoint(save)
+        make_pipe_checkpoint(work) if args.pp else make_checkpoint(save)
         print(f"DeepSpeed trained and saved in {time.perf_counter() - t0:.0f} s")
     tag = (save / "latest").read_text().strip()
     size = dir_bytes(save / tag)
-    print(f"checkpoint: {save / tag}, {size / 1e9:.2f} GB, TP {TP} x DP {DP}, ZeRO {STAGE}")
+    topology = f"PP {PIPE['pp']} x TP {PIPE['tp']} x DP {PIPE['dp']}" if args.pp else \
+        f"TP {TP} x DP {DP}"
+    print(f"checkpoint: {save / tag}, {size / 1e9:.2f} GB, {topology}, ZeRO {STAGE}")
 
     ours, theirs = work / "reshard-out", work / "deepspeed-out"
     convert = [args.reshard, "convert", str(save), "--to", "universal", "-o", str(ours)]
@@ -192,8 +227,9 @@ def main():
         (d_s, d_rss), d_sync = deepspeed()
         runs["ds"].append((d_s, d_rss))
         runs["ds_sync"].append((d_s + d_sync, d_rss))
-    n = compare(ours, theirs, ["model.embed_tokens.weight", "lm_head.weight",
-                               "model.layers.0.mlp.down_proj.weight"])
+    names = ["tied_modules.embed.weight", "1.up.weight", "32.down.weight"] if args.pp else \
+        ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"]
+    n = compare(ours, theirs, names)
     out_size = dir_bytes(ours)
     print(f"outputs: {n} files, {out_size / 1e9:.2f} GB each, the same files and tensors")
 

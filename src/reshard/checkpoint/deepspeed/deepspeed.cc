@@ -472,6 +472,11 @@ class DeepSpeedReader {
   Status CheckMetadataAgrees() const;
   Status CheckModuleIsMasterRounded() const;
   Status CheckTpReplicasAgree() const;
+  Status ReadPipelineTopology(const TorchFile& first);
+  Status ReadLayerWeights();
+  Result<std::map<std::string, int>> TiedModuleKeys();
+  Result<const TorchFile*> LayerFile(int layer, Rank t);
+  Status CheckTiedCopies();  // after c_.params_ is set
   Result<FlatGroup> ReadFlatGroup(Rank t, size_t g);
   Status Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
                const std::vector<Index>& flat_offsets, const FlatGroup& group);
@@ -482,13 +487,23 @@ class DeepSpeedReader {
   std::string ModelStatesName(Rank t, int d) const;
   std::string Where(const TorchFile* f) const;
   const std::vector<Shape>& ShapesOf(size_t param) const { return tp_shapes_[param]; }
+  // The file index (model_, optim_) of TP rank t of parameter i's pipeline stage.
+  size_t SliceOf(size_t i, Rank t) const {
+    return static_cast<size_t>(stage_of_[i]) * static_cast<size_t>(c_.tp_) + static_cast<size_t>(t);
+  }
 
   DeepSpeedCheckpoint& c_;
   std::map<const TorchFile*, std::string> names_;
-  std::vector<const TorchFile*> model_;               // [tp] (ZeRO 3: DP rank 0's)
+  // Indexed by slice (stage * TP + TP rank; the TP rank without pipeline stages).
+  std::vector<const TorchFile*> model_;               // [slice] (ZeRO 3: DP rank 0's)
   std::vector<const TorchFile*> all_model_;           // every model-states file
-  std::vector<std::vector<const TorchFile*>> optim_;  // [tp][dp], empty without optimizer files
-  std::vector<std::string> names_in_order_;
+  std::vector<std::vector<const TorchFile*>> optim_;  // [slice][dp], empty without optimizer files
+  // Pipeline: the layer files by their names, whether TP ranks name them ("-model_XX").
+  std::set<std::string> layer_files_;
+  bool layer_files_name_tp_ = false;
+  std::map<std::string, const TorchFile*> opened_layers_;
+  std::vector<std::string> names_in_order_;    // a tied parameter once per stage holding it
+  std::vector<int> stage_of_;                  // per parameter: its pipeline stage
   std::vector<size_t> group_of_;               // per parameter: its group
   std::vector<std::vector<Shape>> tp_shapes_;  // [param][tp]
   std::vector<DeepSpeedParam> params_;
@@ -535,8 +550,9 @@ Result<const TorchFile*> DeepSpeedReader::OpenFile(const std::string& name) {
   const std::string path = (fs::path(c_.tag_dir_) / name).string();
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    return NotFoundError(fmt::format("\"{}\" is missing (the checkpoint has {} TP x {} DP ranks)",
-                                     path, c_.tp_, c_.dp_));
+    const std::string pp = c_.pp_ > 1 ? fmt::format("{} PP x ", c_.pp_) : "";
+    return NotFoundError(fmt::format("\"{}\" is missing (the checkpoint has {}{} TP x {} DP ranks)",
+                                     path, pp, c_.tp_, c_.dp_));
   }
   Result<TorchFile> f = TorchFile::Open(path);
   if (!f.ok()) return f.status();
@@ -573,8 +589,10 @@ Status DeepSpeedReader::ReadTopology() {
     return InvalidArgumentError(
         fmt::format("\"{}\": ds_config.zero_optimization.stage is {}", Where(first), c_.stage_));
   }
+  RESHARD_RETURN_IF_ERROR(ReadPipelineTopology(*first));
+  const Rank slices = c_.pp_ * c_.tp_;
   model_.push_back(first);
-  for (Rank r = 1; r < c_.tp_; ++r) {
+  for (Rank r = 1; r < slices; ++r) {
     RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(ModelStatesName(r, 0)));
     model_.push_back(f);
   }
@@ -592,8 +610,8 @@ Status DeepSpeedReader::ReadTopology() {
     }
     return Status::Ok();
   }
-  optim_.assign(static_cast<size_t>(c_.tp_), {});
-  for (Rank r = 0; r < c_.tp_; ++r) {
+  optim_.assign(static_cast<size_t>(slices), {});
+  for (Rank r = 0; r < slices; ++r) {
     for (int d = 0; d < c_.dp_; ++d) {
       RESHARD_ASSIGN_OR_RETURN(
           const TorchFile* f,
@@ -602,6 +620,50 @@ Status DeepSpeedReader::ReadTopology() {
     }
   }
   c_.optimizer_file_ = optim_[0][0];
+  return Status::Ok();
+}
+
+// A PipelineModule's checkpoint: layer files (layer_XX[-model_YY]-model_states.pt) beside the
+// model states, whose mp_world_size counts PP x TP slices; checkpoint_parallel_dimensions
+// says how many of each (without it: TP from the layer files' names, the rest stages).
+Status DeepSpeedReader::ReadPipelineTopology(const TorchFile& first) {
+  static const std::regex kLayerFile(R"(layer_(\d+)-(model_(\d+)-)?model_states\.pt)");
+  std::error_code ec;
+  int named_tp = 1;
+  for (const fs::directory_entry& e : fs::directory_iterator(c_.tag_dir_, ec)) {
+    const std::string name = e.path().filename().string();
+    std::smatch m;
+    if (!std::regex_match(name, m, kLayerFile)) continue;
+    layer_files_.insert(name);
+    if (m[2].matched) {
+      layer_files_name_tp_ = true;
+      named_tp = std::max(named_tp, std::stoi(m[3].str().substr(0, 6)) + 1);
+    }
+  }
+  if (ec)
+    return NotFoundError(fmt::format("\"{}\": cannot list it: {}", c_.tag_dir_, ec.message()));
+  if (layer_files_.empty()) return Status::Ok();
+  if (c_.stage_ == 3) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" holds pipeline layer files and ZeRO 3 model states, which DeepSpeed does not "
+        "combine",
+        c_.tag_dir_));
+  }
+  const PickleTree& t = first.tree();
+  const PickleNodeId dims = Get(t, t.root(), "checkpoint_parallel_dimensions");
+  std::optional<int64_t> pp = IntAt(t, Get(t, dims, "pp_degree"));
+  std::optional<int64_t> tp = IntAt(t, Get(t, dims, "tp_degree"));
+  const int64_t slices = c_.tp_;  // mp_world_size
+  if (!tp) tp = named_tp;
+  if (!pp) pp = slices % *tp == 0 ? slices / *tp : 0;
+  if (*pp < 1 || *tp < 1 || *pp * *tp != slices) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\": mp_world_size {} is not pp_degree x tp_degree ({} x {}) of its "
+                    "checkpoint_parallel_dimensions",
+                    Where(&first), slices, *pp, *tp));
+  }
+  c_.pp_ = static_cast<int>(*pp);
+  c_.tp_ = static_cast<int>(*tp);
   return Status::Ok();
 }
 
@@ -631,8 +693,11 @@ Status DeepSpeedReader::CheckDpModelStates() {
 // it, else the module's tensors that are not buffers.
 Status DeepSpeedReader::ReadParams() {
   tp_shapes_.clear();
-  for (Rank r = 0; r < c_.tp_; ++r) {
-    const TorchFile* f = model_[static_cast<size_t>(r)];
+  size_t stage_begin = 0;  // the first parameter of the stage being read
+  for (size_t slice = 0; slice < model_.size(); ++slice) {
+    const Rank r = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
+    const TorchFile* f = model_[slice];
+    const TorchFile* base = model_[slice - static_cast<size_t>(r)];  // the stage's TP rank 0
     const PickleTree& t = f->tree();
     std::vector<std::pair<std::string, Shape>> found;
     std::vector<size_t> groups;
@@ -651,6 +716,11 @@ Status DeepSpeedReader::ReadParams() {
           groups.push_back(g);
         }
       }
+    } else if (!layer_files_.empty()) {
+      return UnimplementedError(fmt::format(
+          "\"{}\" has no param_shapes (ZeRO 0), so which parameters a pipeline stage holds, "
+          "by name, is not recorded; pipeline checkpoints are read at ZeRO 1 and 2",
+          Where(f)));
     } else {
       std::vector<std::string> buffers;
       const PickleNodeId b = Get(t, t.root(), "buffer_names");
@@ -666,31 +736,39 @@ Status DeepSpeedReader::ReadParams() {
       }
     }
     if (r == 0) {
-      for (auto& [name, shape] : found) names_in_order_.push_back(name);
-      group_of_ = groups;
-      tp_shapes_.resize(found.size());
-    } else if (found.size() != names_in_order_.size()) {
-      return InvalidArgumentError(fmt::format("\"{}\" lists {} parameters but \"{}\" lists {}",
-                                              Where(f), found.size(), Where(model_[0]),
-                                              names_in_order_.size()));
-    }
-    for (size_t i = 0; i < found.size(); ++i) {
-      if (found[i].first != names_in_order_[i]) {
-        return InvalidArgumentError(
-            fmt::format("\"{}\": parameter {} is \"{}\" but \"{}\" has \"{}\"", Where(f), i,
-                        found[i].first, Where(model_[0]), names_in_order_[i]));
+      stage_begin = names_in_order_.size();
+      for (size_t k = 0; k < found.size(); ++k) {
+        names_in_order_.push_back(found[k].first);
+        group_of_.push_back(groups[k]);
+        stage_of_.push_back(static_cast<int>(slice / static_cast<size_t>(c_.tp_)));
       }
-      tp_shapes_[i].push_back(found[i].second);
+      tp_shapes_.resize(names_in_order_.size());
+    } else if (found.size() != names_in_order_.size() - stage_begin) {
+      return InvalidArgumentError(fmt::format("\"{}\" lists {} parameters but \"{}\" lists {}",
+                                              Where(f), found.size(), Where(base),
+                                              names_in_order_.size() - stage_begin));
+    }
+    for (size_t k = 0; k < found.size(); ++k) {
+      if (found[k].first != names_in_order_[stage_begin + k]) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": parameter {} is \"{}\" but \"{}\" has \"{}\"", Where(f), k,
+                        found[k].first, Where(base), names_in_order_[stage_begin + k]));
+      }
+      tp_shapes_[stage_begin + k].push_back(found[k].second);
+    }
+  }
+  for (const TorchFile* f : model_) {  // every pipeline stage's
+    const PickleTree& t = f->tree();
+    const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
+    if (!IsNone(t, frozen) && !t.node(frozen).entries.empty()) {
+      return UnimplementedError(fmt::format(
+          "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read "
+          "yet",
+          Where(f)));
     }
   }
   const PickleTree& t0 = model_[0]->tree();
-  const PickleNodeId frozen = Get(t0, t0.root(), "frozen_param_shapes");
-  if (!IsNone(t0, frozen) && !t0.node(frozen).entries.empty()) {
-    return UnimplementedError(fmt::format(
-        "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read yet",
-        Where(model_[0])));
-  }
-  RESHARD_RETURN_IF_ERROR(ReadExperts());
+  if (c_.pp_ == 1) RESHARD_RETURN_IF_ERROR(ReadExperts());
   RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
     const std::string& name = names_in_order_[i];
@@ -704,7 +782,7 @@ Status DeepSpeedReader::ReadParams() {
         return InvalidArgumentError(fmt::format(
             "\"{}\": parameter \"{}\" has shape {}, but its map gives TP rank {} of {} the "
             "shape {}",
-            Where(model_[static_cast<size_t>(r)]), name, FormatShape(held), r, c_.tp_,
+            Where(model_[SliceOf(i, r)]), name, FormatShape(held), r, c_.tp_,
             r < tp->map.world_size() ? FormatShape(tp->map.rank(r).shard_shape) : "(none)"));
       }
     }
@@ -755,6 +833,7 @@ Status DeepSpeedReader::ReadExperts() {
   names_in_order_.resize(kept);
   group_of_.resize(kept);
   tp_shapes_.resize(kept);
+  stage_of_.resize(kept);
   c_.experts_ = std::make_shared<const DeepSpeedExperts>(*std::move(experts));
   return Status::Ok();
 }
@@ -808,7 +887,8 @@ Result<FlatGroup> DeepSpeedReader::ReadFlatGroup(Rank t, size_t g) {
 Status DeepSpeedReader::CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const {
   std::map<std::string, size_t> in_group;
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
-    if (group_of_[i] == g) in_group.emplace(names_in_order_[i], i);
+    if (group_of_[i] == g && static_cast<Rank>(SliceOf(i, 0)) == t - t % c_.tp_)
+      in_group.emplace(names_in_order_[i], i);
   }
   const auto& files = optim_[static_cast<size_t>(t)];
   for (size_t d = 0; d < files.size(); ++d) {
@@ -852,7 +932,7 @@ Result<std::vector<FragmentSpan>> DeepSpeedReader::SliceMappings(Rank t, size_t 
                                                                  const FlatGroup& group,
                                                                  std::vector<Index>& flat_offsets) {
   const std::string& name = names_in_order_[i];
-  const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
+  const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t % c_.tp_)]);
   std::vector<FragmentSpan> spans;
   Index covered = 0;
   const auto& files = optim_[static_cast<size_t>(t)];
@@ -919,15 +999,20 @@ Status DeepSpeedReader::Place(Rank t, size_t i, const std::vector<FragmentSpan>&
 Status DeepSpeedReader::ReadPartitions() {
   const size_t groups =
       group_of_.empty() ? 0 : *std::max_element(group_of_.begin(), group_of_.end()) + 1;
-  for (Rank t = 0; t < c_.tp_; ++t) {
+  for (size_t slice = 0; slice < optim_.size(); ++slice) {
+    const Rank t = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
+    const Rank s = static_cast<Rank>(slice);  // the files' index
+    auto here = [&](size_t i, size_t g) { return group_of_[i] == g && SliceOf(i, t) == slice; };
     for (size_t g = 0; g < groups; ++g) {
-      // AutoEP's expert group is read by ReadExperts.
-      if (std::find(group_of_.begin(), group_of_.end(), g) == group_of_.end()) continue;
-      RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(t, g));
-      if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(t, g, group));
+      // AutoEP's expert group is read by ReadExperts (and a stage may hold fewer groups).
+      bool any = false;
+      for (size_t i = 0; i < names_in_order_.size() && !any; ++i) any = here(i, g);
+      if (!any) continue;
+      RESHARD_ASSIGN_OR_RETURN(FlatGroup group, ReadFlatGroup(s, g));
+      if (c_.stage_ != 3) RESHARD_RETURN_IF_ERROR(CheckSliceMappings(s, g, group));
       Index z3_offset = 0;  // ZeRO 3: where the next parameter starts in every rank's flat group
       for (size_t i = 0; i < names_in_order_.size(); ++i) {
-        if (group_of_[i] != g) continue;
+        if (!here(i, g)) continue;
         std::vector<Index> flat_offsets;
         std::vector<FragmentSpan> spans;
         if (c_.stage_ == 3) {
@@ -940,7 +1025,7 @@ Status DeepSpeedReader::ReadPartitions() {
               return InvalidArgumentError(fmt::format(
                   "\"{}\": fp32_flat_groups[{}] has {} elements, too few for parameter \"{}\" "
                   "at {} (files from different runs?)",
-                  Where(optim_[static_cast<size_t>(t)][static_cast<size_t>(d)]), g,
+                  Where(optim_[slice][static_cast<size_t>(d)]), g,
                   group.numel[static_cast<size_t>(d)], names_in_order_[i], z3_offset));
             }
             spans.push_back({static_cast<Rank>(d), begin, end - begin});
@@ -948,7 +1033,7 @@ Status DeepSpeedReader::ReadPartitions() {
           }
           z3_offset += per_rank;
         } else {
-          RESHARD_ASSIGN_OR_RETURN(spans, SliceMappings(t, g, i, group, flat_offsets));
+          RESHARD_ASSIGN_OR_RETURN(spans, SliceMappings(s, g, i, group, flat_offsets));
         }
         RESHARD_RETURN_IF_ERROR(Place(t, i, spans, flat_offsets, group));
       }
@@ -962,8 +1047,13 @@ Status DeepSpeedReader::ReadPartitions() {
 // fp32_groups[g][j] are the master weights); state[k] belongs to the parameter at position k
 // of the groups' params lists.
 Status DeepSpeedReader::ReadTorchOptimizer() {
-  for (Rank t = 0; t < c_.tp_; ++t) {
-    const TorchFile* f = model_[static_cast<size_t>(t)];
+  for (size_t slice = 0; slice < model_.size(); ++slice) {
+    const Rank t = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
+    const TorchFile* f = model_[slice];
+    std::vector<size_t> mine;  // the parameters of this file's stage, in order
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (SliceOf(i, t) == slice) mine.push_back(i);
+    }
     const PickleTree& tree = f->tree();
     const bool wrapped = !IsNone(tree, Walk(tree, tree.root(), "optimizer.optimizer_state_dict"));
     const std::string opt = wrapped ? "optimizer.optimizer_state_dict" : "optimizer";
@@ -980,12 +1070,13 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
                           wrapped ? fmt::format("optimizer.fp32_groups.{}.{}", g, j) : "");
       }
     }
-    if (keys.size() != params_.size()) {
+    if (keys.size() != mine.size()) {
       return InvalidArgumentError(fmt::format(
           "\"{}\": the optimizer's param_groups list {} parameters but the module has {}", Where(f),
-          keys.size(), params_.size()));
+          keys.size(), mine.size()));
     }
-    for (size_t i = 0; i < params_.size(); ++i) {
+    for (size_t j = 0; j < mine.size(); ++j) {
+      const size_t i = mine[j];
       const Index n = ProductOf(tp_shapes_[i][static_cast<size_t>(t)]);
       RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
       for (DeepSpeedState s :
@@ -993,8 +1084,8 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
         if (s == DeepSpeedState::kMaster && !wrapped) continue;  // the module's weights are
         const std::string path =
             s == DeepSpeedState::kMaster
-                ? keys[i].second
-                : fmt::format("{}.state.{}.{}", opt, keys[i].first, DeepSpeedStateName(s));
+                ? keys[j].second
+                : fmt::format("{}.state.{}.{}", opt, keys[j].first, DeepSpeedStateName(s));
         const TorchTensor* tensor = f->TensorAt(Walk(tree, tree.root(), path));
         if (tensor == nullptr || tensor->numel() != n || tensor->dtype.dtype != DType::kF32) {
           return InvalidArgumentError(
@@ -1005,7 +1096,7 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
             DeepSpeedShardParts{whole, {{f, tensor, 0}}};
       }
       params_[i].steps[static_cast<size_t>(t)] = DeepSpeedStep{
-          f, Walk(tree, tree.root(), fmt::format("{}.state.{}.step", opt, keys[i].first))};
+          f, Walk(tree, tree.root(), fmt::format("{}.state.{}.step", opt, keys[j].first))};
     }
   }
   c_.has_optimizer_ = true;
@@ -1016,6 +1107,7 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
 // The module's weights: each TP rank's tensor, whole (ZeRO 0-2; under ZeRO 3 they are empty
 // and the module state is read from the master weights).
 Status DeepSpeedReader::ReadModuleFragments() {
+  if (!layer_files_.empty()) return ReadLayerWeights();
   if (c_.stage_ == 3) {
     const PickleTree& tree = model_[0]->tree();
     const PickleNodeId cfg = Get(tree, tree.root(), "ds_config");
@@ -1051,6 +1143,145 @@ Status DeepSpeedReader::ReadModuleFragments() {
       DeepSpeedShardParts parts{whole, {{f, it->second, 0}}};
       auto& slots = params_[i].parts[static_cast<size_t>(t)];
       // Without a separate master copy (fp32 ZeRO 0), the module's weights are the master.
+      if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
+        slots[Slot(DeepSpeedState::kMaster)] = parts;
+      slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
+    }
+  }
+  return Status::Ok();
+}
+
+// ---- pipeline layer files --------------------------------------------------------------
+
+Result<const TorchFile*> DeepSpeedReader::LayerFile(int layer, Rank t) {
+  const std::string name = layer_files_name_tp_
+                               ? fmt::format("layer_{:02d}-model_{:02d}-model_states.pt", layer, t)
+                               : fmt::format("layer_{:02d}-model_states.pt", layer);
+  if (auto it = opened_layers_.find(name); it != opened_layers_.end()) return it->second;
+  RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, OpenFile(name));
+  opened_layers_.emplace(name, f);
+  return f;
+}
+
+namespace {
+
+// "tied_modules.<key>.<name>" -> (key, name); nullopt for other names.
+std::optional<std::pair<std::string, std::string>> TiedName(const std::string& name) {
+  constexpr std::string_view kPrefix = "tied_modules.";
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  const size_t dot = name.find('.', kPrefix.size());
+  if (dot == std::string::npos || dot == kPrefix.size() || dot + 1 == name.size())
+    return std::nullopt;
+  return std::make_pair(name.substr(kPrefix.size(), dot - kPrefix.size()), name.substr(dot + 1));
+}
+
+// "<layer index>.<name>" -> (index, name); nullopt for other names.
+std::optional<std::pair<int, std::string>> LayerName(const std::string& name) {
+  const size_t dot = name.find('.');
+  if (dot == 0 || dot == std::string::npos || dot > 6 || dot + 1 == name.size())
+    return std::nullopt;
+  int layer = 0;
+  for (size_t k = 0; k < dot; ++k) {
+    if (name[k] < '0' || name[k] > '9') return std::nullopt;
+    layer = layer * 10 + (name[k] - '0');
+  }
+  return std::make_pair(layer, name.substr(dot + 1));
+}
+
+const TorchTensor* TensorNamed(const TorchFile& f, const std::string& name) {
+  for (const TorchTensor& t : f.tensors()) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+// Which layer owns each tied module: the checkpoint names no owner, so the layer files of
+// layers no stage lists parameters of are matched by their tensors (names and shapes) against
+// the tied modules' parameters. The lowest such layer is taken (a tied module saved by two
+// layers is saved twice, the same). {tied key: layer index}.
+Result<std::map<std::string, int>> DeepSpeedReader::TiedModuleKeys() {
+  std::set<int> listed;
+  std::map<std::string, std::map<std::string, Shape>> tied;  // key -> name -> TP rank 0 shape
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (auto l = LayerName(names_in_order_[i])) listed.insert(l->first);
+    if (auto k = TiedName(names_in_order_[i])) tied[k->first][k->second] = tp_shapes_[i].front();
+  }
+  std::map<std::string, int> owner;
+  if (tied.empty()) return owner;
+  static const std::regex kLayerFile(R"(layer_(\d+)-(model_(\d+)-)?model_states\.pt)");
+  std::set<int> candidates;
+  for (const std::string& name : layer_files_) {
+    std::smatch m;
+    if (std::regex_match(name, m, kLayerFile) && m[1].length() <= 6 &&
+        !listed.contains(std::stoi(m[1].str())))
+      candidates.insert(std::stoi(m[1].str()));
+  }
+  for (const int layer : candidates) {
+    RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, LayerFile(layer, 0));
+    std::vector<std::string> matched;
+    for (const auto& [key, names] : tied) {
+      const bool all = std::all_of(names.begin(), names.end(), [&](const auto& entry) {
+        const TorchTensor* t = TensorNamed(*f, entry.first);
+        return t != nullptr && t->shape == entry.second;
+      });
+      if (all) matched.push_back(key);
+    }
+    if (matched.size() > 1) {
+      return UnimplementedError(fmt::format(
+          "\"{}\" could hold tied module \"{}\" or \"{}\" (the checkpoint does not say which "
+          "layer owns which)",
+          Where(f), matched[0], matched[1]));
+    }
+    if (matched.size() == 1) owner.emplace(matched[0], layer);  // the lowest layer stays
+  }
+  return owner;
+}
+
+// Pipeline stages: each parameter's module weights from its layer's file (TiedModuleKeys for
+// the tied modules'), in the module's dtype, which every layer shares.
+Status DeepSpeedReader::ReadLayerWeights() {
+  RESHARD_ASSIGN_OR_RETURN(const auto owner, TiedModuleKeys());
+  bool first = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string& param = params_[i].name;
+    std::optional<std::pair<int, std::string>> at = LayerName(param);
+    if (auto tied = TiedName(param)) {
+      auto it = owner.find(tied->first);
+      if (it == owner.end()) {
+        return NotFoundError(
+            fmt::format("\"{}\": no layer file holds tied module \"{}\" (parameter \"{}\")",
+                        c_.tag_dir_, tied->first, param));
+      }
+      at = std::make_pair(it->second, tied->second);
+    }
+    if (!at) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": parameter \"{}\" is named neither <layer>.<name> nor "
+                      "tied_modules.<key>.<name>, so no layer file holds it",
+                      Where(model_[SliceOf(i, 0)]), param));
+    }
+    for (Rank t = 0; t < c_.tp_; ++t) {
+      RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, LayerFile(at->first, t));
+      const TorchTensor* tensor = TensorNamed(*f, at->second);
+      const Shape& shape = tp_shapes_[i][static_cast<size_t>(t)];
+      if (tensor == nullptr || tensor->shape != shape || !tensor->dtype.dtype) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": \"{}\" (parameter \"{}\") is missing or is not a tensor of shape {}", Where(f),
+            at->second, param, FormatShape(shape)));
+      }
+      if (first) c_.module_dtype_ = *tensor->dtype.dtype;
+      first = false;
+      if (*tensor->dtype.dtype != c_.module_dtype_) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\": \"{}\" is {}, but the module's first weight is {}", Where(f),
+                        at->second, DTypeName(*tensor->dtype.dtype), DTypeName(c_.module_dtype_)));
+      }
+      const Index n = ProductOf(shape);
+      RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
+      DeepSpeedShardParts parts{whole, {{f, tensor, 0}}};
+      auto& slots = params_[i].parts[static_cast<size_t>(t)];
       if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
         slots[Slot(DeepSpeedState::kMaster)] = parts;
       slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
@@ -1372,15 +1603,27 @@ Status DeepSpeedReader::CheckMetadataAgrees() const {
 // the model-states file.
 Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
   const DType dtype = c_.module_dtype_;
-  for (Rank t = 0; t < c_.tp_; ++t) {
-    std::map<Rank, std::string> bad;  // DP rank -> what disagrees there first
-    std::set<Rank> holding;           // DP ranks that hold some compared fragment
-    for (const DeepSpeedParam& p : params_) {
+  // A tied module's copies on later pipeline stages are compared with the first stage's
+  // (CheckTiedCopies), not with the module.
+  std::map<std::string, size_t> first_of;
+  for (size_t i = 0; i < params_.size(); ++i) first_of.emplace(params_[i].name, i);
+  for (size_t slice = 0; slice < model_.size(); ++slice) {
+    const Rank t = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
+    // By the module file (the model states; pipeline stages: each layer's file): DP rank ->
+    // what disagrees there first, and the DP ranks that hold some compared fragment.
+    std::map<const TorchFile*, std::map<Rank, std::string>> bad_in;
+    std::map<const TorchFile*, std::set<Rank>> holding_in;
+    const TorchFile* model = nullptr;  // the first module file that disagrees
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const DeepSpeedParam& p = params_[i];
+      if (SliceOf(i, t) != slice || first_of.at(p.name) != i) continue;
       const auto& slots = p.parts[static_cast<size_t>(t)];
       const auto& module = slots[Slot(DeepSpeedState::kModule)];
       const auto& master = slots[Slot(DeepSpeedState::kMaster)];
       if (!module || !master || module->fragments.size() != 1) continue;
       const DeepSpeedFragment& mf = module->fragments.front();
+      auto& bad = bad_in[mf.file];
+      auto& holding = holding_in[mf.file];
       if (master->fragments.size() == 1 && master->fragments.front().tensor == mf.tensor) continue;
       const ShardElements masters(*master);
       for (const Index k : SamplePositions(*master)) {
@@ -1399,16 +1642,17 @@ Status DeepSpeedReader::CheckModuleIsMasterRounded() const {
                 ? FormatElement(DType::kF32, master_bytes)
                 : fmt::format("{} (rounded to {}: {})", FormatElement(DType::kF32, master_bytes),
                               DTypeName(dtype), FormatElement(dtype, rounded_bytes));
+        if (model == nullptr) model = mf.file;
         bad[d] =
             fmt::format("parameter \"{}\", element {}: the master weight is {}, the module's {}",
                         p.name, k, master_is, FormatElement(dtype, module_bytes));
       }
     }
-    if (bad.empty()) continue;
-    const TorchFile* model = model_[static_cast<size_t>(t)];
+    if (model == nullptr) continue;
+    const auto& bad = bad_in[model];
+    const auto& holding = holding_in[model];
     const auto& [d, what] = *bad.begin();
-    const TorchFile* optim =
-        optim_.empty() ? model : optim_[static_cast<size_t>(t)][static_cast<size_t>(d)];
+    const TorchFile* optim = optim_.empty() ? model : optim_[slice][static_cast<size_t>(d)];
     if (optim != model && bad.size() < holding.size()) {
       return InvalidArgumentError(fmt::format(
           "\"{}\" does not belong with \"{}\": its fp32 master weights are not the module's "
@@ -1497,9 +1741,63 @@ Status DeepSpeedReader::CheckTpReplicasAgree() const {
   return Status::Ok();
 }
 
+// A tied module's parameter is listed by every stage that uses it, each with its own
+// optimizer partitions: DeepSpeed reduces the copies' gradients together, so every state of
+// every copy is the first stage's, element for element. Checked whole, then the copies after
+// the first are dropped (ds_to_universal keeps the first stage's too).
+Status DeepSpeedReader::CheckTiedCopies() {
+  std::vector<DeepSpeedParam>& params = *c_.params_;
+  std::map<std::string, size_t> first;
+  std::vector<bool> drop(params.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto [it, fresh] = first.emplace(params[i].name, i);
+    if (fresh) continue;
+    const size_t j = it->second;
+    drop[i] = true;
+    for (Rank t = 0; t < c_.tp_; ++t) {
+      for (int s = 0; s < kNumDeepSpeedStates; ++s) {
+        const auto& mine = params[i].parts[static_cast<size_t>(t)][static_cast<size_t>(s)];
+        const auto& theirs = params[j].parts[static_cast<size_t>(t)][static_cast<size_t>(s)];
+        if (!mine || !theirs) continue;
+        const DeepSpeedState state = static_cast<DeepSpeedState>(s);
+        const Index n = params[j].tp_map.shard_num_elements(t);
+        const size_t size = DTypeSize(c_.StateDType(state));
+        std::vector<std::byte> a(static_cast<size_t>(n) * size), b(a.size());
+        RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(j, state, t, {a.data(), n}));
+        RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, t, {b.data(), n}));
+        if (a == b) continue;
+        Index k = 0;
+        while (std::memcmp(a.data() + k * size, b.data() + k * size, size) == 0) ++k;
+        const auto [dj, _j] = ShardElements(*theirs).At(k);
+        const auto [di, _i] = ShardElements(*mine).At(k);
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" and \"{}\" do not belong together: parameter \"{}\" is tied across "
+            "pipeline stages {} and {}, but element {} of its {} is {} on the first and {} on "
+            "the other (a file from another run or step?)",
+            Where(theirs->fragments[static_cast<size_t>(dj)].file),
+            Where(mine->fragments[static_cast<size_t>(di)].file), params[i].name, stage_of_[j],
+            stage_of_[i], k, DeepSpeedStateName(state),
+            FormatElement(c_.StateDType(state), a.data() + k * size),
+            FormatElement(c_.StateDType(state), b.data() + k * size)));
+      }
+    }
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (drop[i]) continue;
+    if (kept != i) params[kept] = std::move(params[i]);
+    ++kept;
+  }
+  params.erase(params.begin() + static_cast<std::ptrdiff_t>(kept), params.end());
+  return Status::Ok();
+}
+
 Status DeepSpeedReader::Read(const std::string& path) {
   RESHARD_RETURN_IF_ERROR(ResolveTag(path));
   RESHARD_RETURN_IF_ERROR(ReadTopology());
+  // Pipeline stages list different parameters: a stage from another run or PP degree is
+  // told by what its files record before their parameters are compared.
+  if (c_.pp_ > 1) RESHARD_RETURN_IF_ERROR(CheckMetadataAgrees());
   RESHARD_RETURN_IF_ERROR(ReadParams());
   if (!optim_.empty()) {
     RESHARD_RETURN_IF_ERROR(ReadPartitions());
@@ -1514,7 +1812,7 @@ Status DeepSpeedReader::Read(const std::string& path) {
   RESHARD_RETURN_IF_ERROR(CheckModuleIsMasterRounded());
   RESHARD_RETURN_IF_ERROR(CheckTpReplicasAgree());
   c_.params_ = std::make_shared<std::vector<DeepSpeedParam>>(std::move(params_));
-  return Status::Ok();
+  return CheckTiedCopies();
 }
 
 Result<DeepSpeedCheckpoint> DeepSpeedCheckpoint::Open(const std::string& path) {
@@ -1795,6 +2093,7 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
   nlohmann::ordered_json doc = {{"format", "deepspeed"},
                                 {"tag_dir", c.tag_dir()},
                                 {"zero_stage", c.stage()},
+                                {"pp", c.pp()},
                                 {"tp", c.tp()},
                                 {"dp", c.dp()},
                                 {"dtype", std::string(DTypeName(c.module_dtype()))},
@@ -1819,8 +2118,9 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
 
 std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
   std::string out = fmt::format(
-      "DeepSpeed checkpoint \"{}\": {}, TP {} x DP {}, {} module weights, {}; {} parameters\n",
-      c.tag_dir(), ZeroName(c), c.tp(), c.dp(), DTypeName(c.module_dtype()),
+      "DeepSpeed checkpoint \"{}\": {}, {}TP {} x DP {}, {} module weights, {}; {} parameters\n",
+      c.tag_dir(), ZeroName(c), c.pp() > 1 ? fmt::format("PP {} x ", c.pp()) : "", c.tp(), c.dp(),
+      DTypeName(c.module_dtype()),
       c.has_optimizer_state() ? "fp32 master weights and Adam moments" : "no optimizer state",
       c.params().size());
   for (const DeepSpeedParam& p : c.params()) {

@@ -29,6 +29,18 @@
 //                             or empty)
 //     optimizer_state_dict.optimizer_state_dict.state[g].{exp_avg,exp_avg_sq}  the same
 //
+// A PipelineModule's checkpoint (PP stages, each of TP x DP ranks) numbers its files by slice
+// s = stage * TP + t: mp_rank_{s:02d}_model_states.pt (module None, param_shapes: that stage's
+// parameters, named "<layer index>.<name in the layer>" and "tied_modules.<key>.<name>";
+// checkpoint_parallel_dimensions gives pp_degree and tp_degree) and
+// zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt (ZeRO 1: that stage's DP partitions). The
+// module's weights are in layer files, one per layer that has a state_dict, written by DP rank
+// 0 of its stage: layer_{L:02d}[-model_{t:02d}]-model_states.pt ({name in the layer: tensor};
+// "-model_{t:02d}" only with a "model" axis in the topology). A tied module (TiedLayerSpec) is
+// saved by the layer that owns it (the one without forward_fn), as that layer's file, and is
+// a parameter of every stage that uses it: the copies are one parameter, checked equal on
+// read (the first stage's is read).
+//
 // In map terms: a parameter's TP map (F -> TP shards) comes from the affine map (its regex
 // keys matched against the name as Python's re.match does: anchored at the start; at most one
 // may match), else from the pattern lists (lowered as layouts/deepspeed_meta.h lowers
@@ -157,6 +169,9 @@ class DeepSpeedCheckpoint {
   int stage() const { return stage_; }
   int tp() const { return tp_; }
   int dp() const { return dp_; }
+  /// Pipeline stages (a PipelineModule's checkpoint: layer files beside the model states);
+  /// 1 otherwise. TP and DP are then per stage.
+  int pp() const { return pp_; }
   DType module_dtype() const { return module_dtype_; }
   bool has_optimizer_state() const { return has_optimizer_; }
   const std::vector<DeepSpeedParam>& params() const { return *params_; }
@@ -190,6 +205,7 @@ class DeepSpeedCheckpoint {
   int stage_ = 0;
   int tp_ = 1;
   int dp_ = 1;
+  int pp_ = 1;
   DType module_dtype_ = DType::kF32;
   bool has_optimizer_ = false;
   const TorchFile* optimizer_file_ = nullptr;

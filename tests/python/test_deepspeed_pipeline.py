@@ -1,0 +1,340 @@
+"""DeepSpeed PipelineModule checkpoints (layer files beside per-stage model states and ZeRO
+partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoints.py).
+
+- The files are as docs/deepspeed_checkpoints.md describes them.
+- `reshard gather` gives every parameter as the engine held it, by the engine's names.
+- `reshard convert --to universal` equals ds_to_universal's output file for file (PP 2 x DP 2
+  in fp32, PP 2 x DP 1 in bf16, PP 2 x TP 2 with Megatron-style blocks; ZeRO 1), and
+  DeepSpeed resumes from ours at another PP x TP x DP with the next step's loss of the
+  training run, bit for bit.
+- Bad input (a missing stage or layer file, a stage of another run or PP degree, a layer
+  file of the wrong shape) exits 1 or 2 naming the file, and writes nothing.
+"""
+
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from ds_checkpoints import ds_to_universal
+from ds_pipe_checkpoints import PipeSpec, make_pipe_checkpoints, resume_pipe_launch
+from test_deepspeed_universal import files, same
+
+FP32 = PipeSpec(pp=2, dp=2)
+BF16 = PipeSpec(pp=2, dp=1, dtype="bfloat16")
+TP2 = PipeSpec(pp=2, tp=2, dp=1)  # layer_XX-model_YY files; blocks cut as Megatron cuts them
+OTHER_RUN = PipeSpec(pp=2, dp=2, seed=7)  # the same model and topology, other weights
+OTHER_PP = PipeSpec(pp=4, dp=1)  # uneven stages: 2, 1, 1 and 2 layers
+ZERO0 = PipeSpec(pp=2, dp=1, stage=0)
+CONVERTED = [FP32, BF16, TP2, OTHER_PP]
+# ds_to_universal assumes Megatron's layout of layers (embedding, transformer layers spread
+# evenly over the stages, final norm): with 3 blocks over 4 stages it divides by zero.
+DS_REFUSES = [OTHER_PP]
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, TP2, BF16, ZERO0],
+                                 tmp_path_factory.mktemp("pipe_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def converted(pipes, tmp_path_factory, reshard_bin):
+    """{spec: (our save dir, DeepSpeed's)}, each with latest_universal and its folder."""
+    base = tmp_path_factory.mktemp("pipe_universal")
+    out = {}
+    for spec in CONVERTED:
+        ckpt = pipes[spec]
+        ours = base / f"{spec.name}-reshard"
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "-o", ours)
+        assert r.returncode == 0, r.stderr
+        theirs = None
+        try:
+            theirs = ds_to_universal(ckpt, base / f"{spec.name}-deepspeed").parent
+        except ZeroDivisionError:
+            assert spec in DS_REFUSES
+        out[spec] = (ours, theirs)
+    return out
+
+
+def test_pipeline_files_are_as_documented(pipes):
+    ckpt = pipes[FP32]
+    names = sorted(p.name for p in ckpt.tag_dir.iterdir())
+    # Layers 0-4 have a state_dict of their own; layer 5 (the tied embedding again, with a
+    # forward_fn) is saved by layer 0. Stage 0 holds layers 0-2, stage 1 layers 3-5.
+    assert names == [*(f"layer_{i:02d}-model_states.pt" for i in range(5)),
+                     "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                     *(f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt"
+                       for d in range(2) for s in range(2))]
+    assert ckpt.facts["parts"] == [0, 3, 6]
+    stages = [torch.load(ckpt.tag_dir / f"mp_rank_{s:02d}_model_states.pt", weights_only=False)
+              for s in range(2)]
+    for states in stages:
+        assert states["module"] is None
+        assert states["mp_world_size"] == 2 and states["dp_world_size"] == 2
+        assert states["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": 1}
+    shapes = [list(st["param_shapes"][0]) for st in stages]
+    assert shapes[0][0] == shapes[1][0] == "tied_modules.embed.weight"
+    assert {n.split(".")[0] for n in shapes[0][1:]} == {"1", "2"}
+    assert {n.split(".")[0] for n in shapes[1][1:]} == {"3", "4"}
+    layer = torch.load(ckpt.tag_dir / "layer_01-model_states.pt", weights_only=True)
+    assert list(layer) == ["norm.weight", "norm.bias", "up.weight", "up.bias", "down.weight",
+                           "down.bias"]
+    full = ckpt.full()
+    for name, tensor in layer.items():
+        assert torch.equal(tensor, full[f"1.{name}"])
+    embed = torch.load(ckpt.tag_dir / "layer_00-model_states.pt", weights_only=True)
+    assert list(embed) == ["weight"] and torch.equal(embed["weight"],
+                                                     full["tied_modules.embed.weight"])
+    for s in range(2):  # each stage's optimizer partitions its own parameters over its DP ranks
+        for d in range(2):
+            optim = torch.load(ckpt.tag_dir / f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt",
+                               weights_only=False)["optimizer_state_dict"]
+            mapped = set(optim["param_slice_mappings"][0])
+            assert mapped <= set(shapes[s]), (s, d)
+
+
+@pytest.mark.parametrize("spec", [FP32, BF16, TP2, OTHER_PP], ids=lambda s: s.name)
+def test_gather_gives_every_parameter_as_the_engine_held_it(pipes, tmp_path, reshard_bin, spec):
+    from safetensors.torch import load_file
+
+    ckpt = pipes[spec]
+    r = run(reshard_bin, "gather", ckpt.save_dir, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = ckpt.full()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("spec", CONVERTED, ids=lambda s: s.name)
+def test_universal_output_equals_ds_to_universal_file_by_file(converted, spec):
+    ours, theirs = converted[spec]
+    if spec in DS_REFUSES:  # DeepSpeed resumes from ours all the same (below)
+        assert theirs is None
+        return
+    assert files(ours) == files(theirs)
+    assert (ours / "latest_universal").read_text() == (theirs / "latest_universal").read_text()
+    for f in files(ours):
+        if f.name.endswith("_model_states.pt"):  # copied
+            assert (ours / f).read_bytes() == (theirs / f).read_bytes(), f
+        elif f.suffix == ".pt":
+            same(torch.load(ours / f, weights_only=False),
+                 torch.load(theirs / f, weights_only=False), str(f))
+
+
+@pytest.mark.parametrize("spec,tp", [(TP2, 1), (FP32, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_convert_to_another_tp_degree_keeps_every_weight_and_moment(pipes, converted, tmp_path,
+                                                                    reshard_bin, spec, tp):
+    """convert --tp: a reshard sharded checkpoint of the stages' parameters at TP `tp` (the
+    layouts from universal_checkpoint_info's pattern lists); gathered back, the module's
+    weights are the training run's and the fp32 masters and moments ds_to_universal's."""
+    from safetensors.torch import load_file
+
+    r = run(reshard_bin, "convert", pipes[spec].save_dir, "--tp", tp, "-o", tmp_path / "tp")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "gather", tmp_path / "tp", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    theirs = converted[spec][1]
+    zero = theirs / (theirs / "latest_universal").read_text() / "zero"
+    for name, weight in pipes[spec].full().items():
+        assert torch.equal(got[name], weight), name
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            want = torch.load(zero / name / f"{state}.pt", weights_only=False)["param"]
+            assert torch.equal(got[f"{name}.{state}"], want), (name, state)
+
+
+def test_the_python_package_takes_them_as_the_cli_does(pipes, converted, tmp_path):
+    import reshard.checkpoint
+    from safetensors.torch import load_file
+
+    from test_crash_consistency import tree_digest
+
+    ckpt = pipes[TP2]
+    reshard.checkpoint.convert(ckpt.save_dir, tmp_path / "uc", to="universal")
+    assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
+    reshard.checkpoint.gather(ckpt.save_dir, tmp_path / "hf")
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(got[n], t) for n, t in ckpt.full().items())
+    assert reshard.checkpoint.inspect(ckpt.save_dir)["deepspeed"]["pp"] == 2
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_shares_out_a_pipeline_conversion_byte_identically(pipes, converted, tmp_path,
+                                                                  reshard_bin):
+    from test_crash_consistency import tree_digest
+
+    launch = [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-n", "2"]
+    r = run(*launch, reshard_bin, "convert", pipes[TP2].save_dir, "--to", "universal", "-o",
+            tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
+    shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
+    assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
+
+
+def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
+        pipes, tmp_path, reshard_bin):
+    """A PipelineModule that sets no universal_checkpoint_info (the common case): ds_to_universal
+    refuses it unless told --inject_missing_state; ours is what that option makes of it."""
+    import contextlib
+    import io
+    import sys
+
+    from deepspeed.checkpoint import ds_to_universal as converter
+
+    ckpt = pipes[FP32]
+    save, tag = copy_of(ckpt, tmp_path / "ckpt")
+    for f in tag.glob("mp_rank_*_model_states.pt"):
+        states = torch.load(f, weights_only=False)
+        del states["universal_checkpoint_info"]
+        torch.save(states, f)
+    ours = tmp_path / "ours"
+    r = run(reshard_bin, "convert", save, "--to", "universal", "-o", ours)
+    assert r.returncode == 0, r.stderr
+    theirs = tmp_path / "theirs" / f"{ckpt.tag}_universal"
+    saved_argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", str(tag), "--output_folder", str(theirs),
+                "--num_extract_workers", "1", "--num_merge_workers", "1",
+                "--inject_missing_state"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            converter.main(converter.parse_arguments())
+    finally:
+        sys.argv = saved_argv
+    folder = ours / (ours / "latest_universal").read_text()
+    assert files(folder) == files(theirs)
+    for f in files(folder):
+        if f.name.endswith("_model_states.pt"):
+            assert (folder / f).read_bytes() == (theirs / f).read_bytes(), f
+        elif f.suffix == ".pt":
+            same(torch.load(folder / f, weights_only=False),
+                 torch.load(theirs / f, weights_only=False), str(f))
+
+
+def test_inspect_reports_the_stages(pipes, reshard_bin):
+    import json
+
+    r = run(reshard_bin, "inspect", pipes[TP2].save_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    ds = json.loads(r.stdout)["deepspeed"]
+    assert (ds["pp"], ds["tp"], ds["dp"], ds["zero_stage"]) == (2, 2, 1, 1)
+    names = [p["name"] for p in ds["params"]]
+    assert names[0] == "tied_modules.embed.weight" and names.count(names[0]) == 1
+    assert "3.down.weight" in names and "4.weight" in names
+    r = run(reshard_bin, "inspect", pipes[TP2].save_dir)
+    assert "ZeRO 1, PP 2 x TP 2 x DP 1" in r.stdout, r.stdout
+
+
+# Where each converted checkpoint resumes: another PP x TP x DP.
+RESUME_AT = {FP32: [(1, 1, 2), (2, 1, 1)], BF16: [(1, 1, 2)], TP2: [(1, 2, 2), (2, 1, 1)],
+             OTHER_PP: [(2, 1, 1)]}
+RESUMES = [(spec, *at) for spec, topologies in RESUME_AT.items() for at in topologies]
+
+
+@pytest.fixture(scope="module")
+def resumed(converted, tmp_path_factory):
+    """{(spec, pp, tp, dp): {dp_rank: next loss}} of DeepSpeed resumed from our output: one
+    launch per world size."""
+    base = tmp_path_factory.mktemp("pipe_resumed")
+    by_world = {}
+    for spec, pp, tp, dp in RESUMES:
+        by_world.setdefault(pp * tp * dp, []).append(
+            (dataclasses.replace(spec, pp=pp, tp=tp, dp=dp), converted[spec][0],
+             f"{spec.name}-at-pp{pp}-tp{tp}-dp{dp}"))
+    losses = {}
+    for world, jobs in by_world.items():
+        losses.update(resume_pipe_launch(world, jobs, base / f"world{world}"))
+    return {(spec, pp, tp, dp): losses[f"{spec.name}-at-pp{pp}-tp{tp}-dp{dp}"]
+            for spec, pp, tp, dp in RESUMES}
+
+
+@pytest.mark.parametrize("spec,pp,tp,dp", RESUMES,
+                         ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
+def test_deepspeed_resumes_from_the_universal_output_at_another_topology(pipes, resumed, spec,
+                                                                         pp, tp, dp):
+    """The next step's loss of the training run, bit for bit (at this size the blocks' products
+    round alike summed whole or over two TP ranks, so also where the TP degree changes)."""
+    want = pipes[spec].next_loss[0]
+    assert resumed[(spec, pp, tp, dp)] == {d: want for d in range(dp)}
+
+
+def refused(reshard_bin, save_dir, out, blamed, *names):
+    """Every command refuses `save_dir` naming the file `blamed` first and each of `names`, and
+    writes nothing."""
+    for cmd in (["gather", save_dir, "-o", out], ["convert", save_dir, "--to", "universal", "-o",
+                                                  out]):
+        r = run(reshard_bin, *cmd)
+        assert r.returncode in (1, 2), (cmd, r.stderr)
+        assert r.stderr.split('"')[1].endswith(blamed), (cmd, r.stderr)
+        for name in names:
+            assert name in r.stderr, (cmd, r.stderr)
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
+def copy_of(ckpt, dest):
+    shutil.copytree(ckpt.save_dir, dest)
+    return dest, dest / ckpt.tag
+
+
+def test_a_missing_stage_or_layer_file_is_named(pipes, tmp_path, reshard_bin):
+    ckpt = pipes[FP32]
+    for missing in ("mp_rank_01_model_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt",
+                    "layer_03-model_states.pt", "layer_00-model_states.pt"):
+        save, tag = copy_of(ckpt, tmp_path / missing)
+        (tag / missing).unlink()
+        if missing.startswith("layer_00"):  # the tied embedding's owner
+            refused(reshard_bin, save, tmp_path / f"out-{missing}", ckpt.tag,
+                    'no layer file holds tied module "embed"')
+        else:
+            refused(reshard_bin, save, tmp_path / f"out-{missing}", missing, "is missing")
+
+
+def test_stage_files_of_another_run_or_pp_degree_are_named(pipes, tmp_path, reshard_bin):
+    ckpt = pipes[FP32]
+    # A whole stage (its model states, optimizer partitions and layer files) of another run:
+    # the tied embedding's copies disagree across the stages.
+    save, tag = copy_of(ckpt, tmp_path / "run")
+    other = pipes[OTHER_RUN].tag_dir
+    for f in [*other.glob("*mp_rank_01_*"), *(other / f"layer_{i:02d}-model_states.pt"
+                                              for i in (3, 4))]:
+        shutil.copy(f, tag / f.name)
+    refused(reshard_bin, save, tmp_path / "out-run", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tied across pipeline stages 0 and 1")
+    # One layer file of another run: not what the optimizer's masters say.
+    save, tag = copy_of(ckpt, tmp_path / "layer")
+    shutil.copy(other / "layer_02-model_states.pt", tag)
+    refused(reshard_bin, save, tmp_path / "out-layer", "layer_02-model_states.pt",
+            "not the fp32 master weights")
+    # A stage of a PP 4 run.
+    save, tag = copy_of(ckpt, tmp_path / "pp")
+    shutil.copy(pipes[OTHER_PP].tag_dir / "mp_rank_01_model_states.pt", tag)
+    refused(reshard_bin, save, tmp_path / "out-pp", "mp_rank_01_model_states.pt",
+            "mp_world_size is 2 there but 4 here")
+
+
+def test_a_zero_0_pipeline_checkpoint_is_refused_with_the_reason(pipes, tmp_path, reshard_bin):
+    """ZeRO 0 saves no param_shapes: nothing names a stage's parameters."""
+    ckpt = pipes[ZERO0]
+    states = torch.load(ckpt.tag_dir / "mp_rank_00_model_states.pt", weights_only=False)
+    assert states["param_shapes"] is None and states["module"] is None
+    refused(reshard_bin, ckpt.save_dir, tmp_path / "out", "mp_rank_00_model_states.pt",
+            "no param_shapes (ZeRO 0)")
+
+
+def test_a_layer_file_whose_shape_disagrees_is_named(pipes, tmp_path, reshard_bin):
+    save, tag = copy_of(pipes[FP32], tmp_path / "shape")
+    layer = torch.load(tag / "layer_03-model_states.pt", weights_only=True)
+    layer["up.weight"] = layer["up.weight"][:-1].clone()
+    torch.save(layer, tag / "layer_03-model_states.pt")
+    refused(reshard_bin, save, tmp_path / "out", "layer_03-model_states.pt", "up.weight")
