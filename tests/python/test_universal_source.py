@@ -222,3 +222,21 @@ def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):
     assert_same(load_file(tmp_path / "py" / "model.safetensors"), cli)
     with pytest.raises(ValueError, match="universal"):
         reshard.checkpoint.gather(sources["reshard"], tmp_path / "bad", optimizer_state=True)
+
+
+@pytest.mark.parametrize("which", ["reshard", "ds_to_universal"])
+def test_inspect_reports_a_universal_checkpoint(sources, reshard_bin, which):
+    """`reshard inspect` of a universal checkpoint (the dir with latest_universal, or the
+    folder): its parameters with their full shapes and the optimizer states each has, as its
+    files hold them (not the DeepSpeed checkpoint its model-states copies come from)."""
+    import json
+    out = sources[which]
+    want = universal_tensors(out if which == "reshard" else out.parent)
+    text = ok(reshard_bin, "inspect", out).stdout
+    assert f"universal checkpoint: {len(want)} parameters" in text, text
+    report = json.loads(ok(reshard_bin, "inspect", "--json", out).stdout)["universal"]
+    assert report["parameters"] == len(want)
+    assert report["optimizer_states"] == {s: len(want) for s in ("exp_avg", "exp_avg_sq", "fp32")}
+    shapes = {p["name"]: p["shape"] for p in report["params"]}
+    assert shapes == {name: list(t["fp32"].shape) for name, t in want.items()}
+    assert report["elements"] == sum(t["fp32"].numel() for t in want.values())

@@ -16,6 +16,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/universal/universal.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
@@ -546,6 +547,51 @@ Status InspectFile(const std::string& path, ordered_json* json, std::string* tex
   return Status::Ok();
 }
 
+// A universal checkpoint (OpenUniversal): its parameters, their full shapes, and which
+// optimizer states it holds for them.
+Result<ordered_json> UniversalSummary(const std::string& path) {
+  SourceOptions options;
+  options.use = SourceUse::kConvert;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenUniversal(path, options));
+  const Manifest& m = opened.source->manifest();
+  ordered_json params = ordered_json::array();
+  std::map<std::string, int64_t> states;  // ".exp_avg" -> how many parameters have it
+  int64_t elements = 0;
+  for (const ShardedParam& p : m.params) {
+    const std::string& name = p.name;
+    const size_t dot = name.rfind('.');
+    const std::string suffix = dot == std::string::npos ? "" : name.substr(dot);
+    if (suffix == ".fp32" || suffix == ".exp_avg" || suffix == ".exp_avg_sq") {
+      ++states[suffix.substr(1)];
+      continue;
+    }
+    elements += ProductOf(p.map.logical_shape());
+    params.push_back({{"name", name}, {"dtype", DTypeName(p.dtype)},
+                      {"shape", p.map.logical_shape()}});
+  }
+  ordered_json state_counts = ordered_json::object();
+  for (const auto& [state, count] : states) state_counts[state] = count;
+  return ordered_json{{"parameters", params.size()},
+                      {"elements", elements},
+                      {"optimizer_states", state_counts},
+                      {"params", params}};
+}
+
+std::string UniversalSummaryText(const ordered_json& u) {
+  std::string out = fmt::format("universal checkpoint: {} parameters, {} elements",
+                                u["parameters"].get<int64_t>(), u["elements"].get<int64_t>());
+  for (const auto& [state, count] : u["optimizer_states"].items()) {
+    out += fmt::format("; {} for {}", state, count.get<int64_t>());
+  }
+  out += "\n";
+  for (const auto& p : u["params"]) {
+    out += fmt::format("  {}  {} {}\n", p["name"].get<std::string>(),
+                       p["dtype"].get<std::string>(),
+                       FormatShape(p["shape"].get<Shape>()));
+  }
+  return out;
+}
+
 bool IsTensorFile(const std::filesystem::path& p) {
   const std::string ext = p.extension().string();
   return ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".safetensors";
@@ -593,7 +639,16 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     fmt::format_to(std::back_inserter(out), "\"{}\": directory{}, {} tensor files\n", dir.string(),
                    tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
   }
-  if (IsDeepSpeedCheckpoint(dir.string())) {
+  if (IsUniversalCheckpoint(path)) {
+    // Its model-states files are copies of the source's (DeepSpeed's own names), read for
+    // their module's dtype only: the universal checkpoint is its zero/ folder.
+    RESHARD_ASSIGN_OR_RETURN(ordered_json universal, UniversalSummary(path));
+    if (json) {
+      doc["universal"] = universal;
+    } else {
+      out += UniversalSummaryText(universal);
+    }
+  } else if (IsDeepSpeedCheckpoint(dir.string())) {
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ds, DeepSpeedCheckpoint::Open(path));
     if (json) {
       doc["deepspeed"] = ordered_json::parse(DeepSpeedSummaryJson(ds));
@@ -601,7 +656,8 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
       out += DeepSpeedSummaryText(ds);
     }
   }
-  if (!IsDeepSpeedCheckpoint(dir.string()) && IsDcpCheckpoint(dir.string())) {
+  if (!IsUniversalCheckpoint(path) && !IsDeepSpeedCheckpoint(dir.string()) &&
+      IsDcpCheckpoint(dir.string())) {
     RESHARD_ASSIGN_OR_RETURN(const auto dcp, DcpCheckpoint::Open(dir.string()));
     if (json) {
       doc["dcp"] = ordered_json::parse(DcpSummaryJson(*dcp));
