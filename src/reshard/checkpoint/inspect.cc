@@ -566,8 +566,8 @@ Result<ordered_json> UniversalSummary(const std::string& path) {
       continue;
     }
     elements += ProductOf(p.map.logical_shape());
-    params.push_back({{"name", name}, {"dtype", DTypeName(p.dtype)},
-                      {"shape", p.map.logical_shape()}});
+    params.push_back(
+        {{"name", name}, {"dtype", DTypeName(p.dtype)}, {"shape", p.map.logical_shape()}});
   }
   ordered_json state_counts = ordered_json::object();
   for (const auto& [state, count] : states) state_counts[state] = count;
@@ -585,8 +585,7 @@ std::string UniversalSummaryText(const ordered_json& u) {
   }
   out += "\n";
   for (const auto& p : u["params"]) {
-    out += fmt::format("  {}  {} {}\n", p["name"].get<std::string>(),
-                       p["dtype"].get<std::string>(),
+    out += fmt::format("  {}  {} {}\n", p["name"].get<std::string>(), p["dtype"].get<std::string>(),
                        FormatShape(p["shape"].get<Shape>()));
   }
   return out;
