@@ -250,7 +250,31 @@ def main():
     print(f"{'cp -r input && sync':32}{c_s:9.2f}{size / 1e9 / c_s:7.2f}")
     print(f"speed-up, neither syncs: {median('ds')[0] / median('no_sync')[0]:.1f}x; "
           f"both sync: {median('ds_sync')[0] / median('synced')[0]:.1f}x (target >= 10x)")
+    memory_bound(convert, ours, fresh)
     return 0
+
+
+# What the process needs besides the tensors it handles: its code's own data, two threads'
+# stacks (8 MiB each, private memory like any other), the JSON of a manifest.
+BASELINE = 32 << 20
+
+
+def memory_bound(convert, ours, fresh):
+    """The convert again under a cap on its private memory (`ulimit -d`: RLIMIT_DATA, the
+    writable private mappings and the heap; not the input files reshard maps read-only, which
+    are the page cache's and which `ulimit -v` would count) of 3x the largest parameter's fp32
+    bytes plus BASELINE: the checkpoint's size does not enter. Then at half of that, where it
+    must fail cleanly (exit 2, nothing written)."""
+    largest = max(p.stat().st_size for p in ours.rglob("fp32.pt"))
+    for label, cap in (("3x the largest parameter + baseline", 3 * largest + BASELINE),
+                       ("half that", (3 * largest + BASELINE) // 2)):
+        fresh(ours)
+        shell = f"ulimit -d {cap // 1024} && exec " + " ".join(convert + ["--no-sync"])
+        r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True)
+        print(f"under ulimit -d {cap / 2**20:.0f} MiB ({label}; largest parameter "
+              f"{largest / 2**20:.1f} MiB): exit {r.returncode}"
+              + ("" if r.returncode == 0 else f", {r.stderr.strip()[:160]}")
+              + f"; output {'written' if ours.exists() else 'absent'}")
 
 
 if __name__ == "__main__":
