@@ -6,7 +6,9 @@ weights A and B (``reshard.checkpoint.load_rank``) and push through one
 ``WeightSync(engines=[...])`` into both engines. Steps (``spec["steps"]``): ``{"kind":
 "push", "weights": W}``, and ``{"kind": "processing_fails", "weights": W, "engine": E}``: the
 last worker of engine E fails its post-load processing of layer 1's MLP once, then W is
-pushed. After each step every process records its own engine's greedy tokens; first, a
+pushed; ``{"kind": "engine_lost", "weights": W, "engine": E}``: worker 0 of engine E dies
+(SIGKILL) at its first exchange of the push of W (the process owning engine E records no
+tokens after it). After each step every process records its own engine's greedy tokens; first, a
 WeightSync whose engine lists differ between the processes is refused. Process r writes
 ``{"steps": [{"step", "tokens", "stats", "error"}]}`` to ``spec["out"] + ".r"``.
 """
@@ -14,6 +16,7 @@ WeightSync whose engine lists differ between the processes is refused. Process r
 from __future__ import annotations
 
 import json
+import time
 
 import toy
 
@@ -50,7 +53,7 @@ def run(spec: dict, rank: int) -> None:
         results[0]["mismatched"] = None
     except WeightSyncError as e:
         results[0]["mismatched"] = str(e)
-    sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=120)
+    sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=spec["timeout_s"])
     for step in spec["steps"]:
         entry: dict = {"step": step["kind"]}
         if step["kind"] == "processing_fails":
@@ -59,15 +62,25 @@ def run(spec: dict, rank: int) -> None:
                                          args=(tp - 1, "model.layers.1.mlp.down_proj"))
                 assert sum(hit) == 1, hit
             dist.barrier()
+        elif step["kind"] == "engine_lost":
+            if rank == step["engine"]:
+                assert sum(llm.collective_rpc(toy.die_at_first_exchange)) == 1
+            dist.barrier()
+        start = time.monotonic()
         try:
             entry["stats"] = sync.push(loaded[step["weights"]][1]).__dict__
         except WeightSyncError as e:
             entry["error"] = str(e)
-        entry["tokens"] = generate()
+        entry["seconds"] = time.monotonic() - start
+        if step["kind"] == "engine_lost" and rank == step["engine"]:
+            entry["tokens"] = None  # its engine is gone
+        else:
+            entry["tokens"] = generate()
         results.append(entry)
         with open(spec["out"] + f".{rank}", "w") as f:
             json.dump({"steps": results}, f)
-    sync.close()
+    if not any(step["kind"] == "engine_lost" for step in spec["steps"]):
+        sync.close()
     dist.barrier()
     dist.destroy_process_group()
 

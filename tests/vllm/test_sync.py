@@ -229,7 +229,9 @@ def test_trainer_dtensors_push_without_maps(models, tmp_path):
 
 FLEET_STEPS = [{"kind": "push", "weights": "B"},
                {"kind": "processing_fails", "weights": "A", "engine": 1},
-               {"kind": "push", "weights": "A"}]
+               {"kind": "push", "weights": "A"},
+               {"kind": "engine_lost", "weights": "B", "engine": 1}]
+FLEET_TIMEOUT_S = 30  # how long a lost engine can hold the others' commit
 
 
 def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
@@ -238,13 +240,16 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     pushed; the trainer processes send one copy (the plan minimum of the first engine) and the
     first engine's workers relay what the second lacks. A worker of the second engine failing
     its processing fails the push on every trainer process and both engines keep serving what
-    the last push gave them; the next push lands on both."""
+    the last push gave them; the next push lands on both. A worker of the second engine lost
+    mid-push (SIGKILL) fails the push on every trainer process, and the first engine keeps
+    serving the weights it had."""
     # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
     # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
     spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
             "gpu_each": os.environ.get("RESHARD_FLEET_GPU_EACH") == "1",
             "sharded": models["sharded"],
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
+            "timeout_s": FLEET_TIMEOUT_S,
             "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -269,6 +274,12 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
         assert steps[2]["tokens"] == expected["B"]  # neither engine took A
         assert "error" not in steps[3], steps[3]
         assert steps[3]["tokens"] == expected["A"]
+    # Engine 1's worker 0 dies in the push of B: both trainer processes raise, within the
+    # sync's timeout, and engine 0 still serves A.
+    for steps in runs:
+        assert steps[4]["error"].startswith("a push failed in the transfer"), steps[4]
+        assert steps[4]["seconds"] < 1.5 * FLEET_TIMEOUT_S, steps[4]
+    assert runs[0][4]["tokens"] == expected["A"]
     stats = runs[0][1]["stats"]
     assert stats == {**runs[1][1]["stats"], "bytes_sent_here": stats["bytes_sent_here"],
                      "seconds": stats["seconds"]}

@@ -156,6 +156,21 @@ def fail_processing_once(worker: Any, rank: int, module: str) -> bool:
     return True
 
 
+def die_at_first_exchange(worker: Any) -> bool:
+    """(``LLM.collective_rpc``) The engine's worker 0 dies by SIGKILL at its next exchange of
+    bytes with the sync's group (an engine lost in the middle of a push). Whether this worker
+    is it."""
+    import torch.distributed as dist
+    from reshard.vllm._group import StoreGroup
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return False
+
+    def die(self: Any, sends: Any, receives: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+    StoreGroup.exchange = die  # type: ignore[method-assign]
+    return True
+
+
 def run_processes(script: str, spec: str, n: int, env: dict[str, str], logs: list[Any],
                   timeout_s: float, python: str = sys.executable) -> list[Optional[int]]:
     """``python SCRIPT SPEC RANK`` for ranks 0 .. n-1, each in a session of its own, output to

@@ -375,8 +375,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         try:
             if comm.rank == self._first:
                 comm.store.set(keys[self._engine], str(worst))
-            comm.store.wait(keys, datetime.timedelta(seconds=self._timeout))
-            worst = max(worst, *(int(comm.store.get(k)) for k in keys))
+            if worst == _READY:  # an engine that is not ready keeps its weights whatever the rest
+                comm.store.wait(keys, datetime.timedelta(seconds=self._timeout))
+                worst = max(worst, *(int(comm.store.get(k)) for k in keys))
         except Exception as e:  # the store's process or another engine lost
             logger.warning("reshard weight update: the engines' outcomes unread: %s", e)
             worst = _LOST
