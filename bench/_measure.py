@@ -1,9 +1,12 @@
 """Timing and peak memory of a child process, for the benchmarks that compare reshard's CLI
-with another program (dcp_bench.py, moe_bench.py)."""
+with another program (dcp_bench.py, moe_bench.py); the trainer processes of the live-sync
+benchmarks (vllm_sync_bench.py, fleet_bench.py)."""
 
 import os
 import pathlib
+import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -65,3 +68,30 @@ def timed_collective(fn, repeats):
         dist.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def run_ranks(script, args, work, env, timeout_s, ranks=2):
+    """``python SCRIPT --rank R --work WORK ARGS...`` for each rank, each in a session of its
+    own with its output in WORK/trainerR.log; waited for up to ``timeout_s``, then they and
+    whatever they started (an engine's processes) are killed. The result they left in
+    WORK/result.json (read as JSON), or exits naming the logs."""
+    import json
+    logs = [open(os.path.join(work, f"trainer{r}.log"), "w") for r in range(ranks)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(script), "--rank", str(r),
+                               "--work", work, *args], env=env, stdout=logs[r],
+                              stderr=subprocess.STDOUT, start_new_session=True)
+             for r in range(ranks)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    path = os.path.join(work, "result.json")
+    if not os.path.exists(path):
+        sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
+    with open(path) as f:
+        return json.load(f)

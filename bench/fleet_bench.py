@@ -23,13 +23,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import run_ranks  # noqa: E402
 from vllm_sync_bench import config_for, write_model  # noqa: E402
 
 
@@ -103,26 +102,9 @@ def main() -> None:
     model, sharded = write_model(work, config)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
         "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false")
-    logs = [open(os.path.join(work, f"trainer{r}.log"), "w") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
-                               "--work", work, "--model", model, "--sharded", sharded,
-                               "--engine-tp", str(args.engine_tp), "--repeat", str(args.repeat),
-                               "--waves", str(args.waves)],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-                              start_new_session=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=1800)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    path = os.path.join(work, "result.json")
-    if not os.path.exists(path):
-        sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
-    r = json.load(open(path))
+    r = run_ranks(__file__, ["--model", model, "--sharded", sharded, "--engine-tp",
+                             str(args.engine_tp), "--repeat", str(args.repeat), "--waves",
+                             str(args.waves)], work, env, 1800)
     shutil.rmtree(work, ignore_errors=True)
     e = r["egress"]
     print(f"model {r['model_bytes'] / 1e6:.0f} MB float32 ({config['num_hidden_layers']} layers), "

@@ -25,11 +25,11 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
+
+from _measure import run_ranks
 
 
 def config_for(mb: int) -> dict:
@@ -163,26 +163,9 @@ def main() -> None:
         "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false")
     if args.backend == "nccl":  # process 0's engine workers take GPUs 0..tp-1
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.engine_tp + 2)))
-    logs = [open(os.path.join(work, f"trainer{r}.log"), "w") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
-                               "--work", work, "--model", model, "--sharded", sharded,
-                               "--engine-tp", str(args.engine_tp), "--repeat", str(args.repeat),
-                               "--backend", args.backend, "--threads", str(args.threads)],
-                              env=env, stdout=logs[r], stderr=subprocess.STDOUT,
-                              start_new_session=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=1200)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    path = os.path.join(work, "result.json")
-    if not os.path.exists(path):
-        sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
-    r = json.load(open(path))
+    r = run_ranks(__file__, ["--model", model, "--sharded", sharded, "--engine-tp",
+                             str(args.engine_tp), "--repeat", str(args.repeat), "--backend",
+                             args.backend, "--threads", str(args.threads)], work, env, 1200)
     shutil.rmtree(work, ignore_errors=True)  # the model and its shards (kept on a failure)
     mb = r["model_bytes"] / 1e6
     print(f"model {mb:.0f} MB float32 ({config['num_hidden_layers']} layers), trainer TP 2 -> "

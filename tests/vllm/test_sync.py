@@ -73,28 +73,32 @@ def moe_models(tmp_path_factory):
     return {"root": root, "model": str(root / "A"), "sharded": sharded, "expected": expected}
 
 
+def run_trainers(script, spec, tmp_path, timeout_s):
+    """Two trainer processes running ``script`` on ``spec`` (written to tmp_path), each
+    engine's core and workers in processes of their own, as in production (the conftest puts
+    the engine core in the test process for the other tests); failing the test with their
+    logs unless both exit 0. (VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc of a test's
+    function, which makes a worker's post-load processing fail.)"""
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp_path)))
+    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
+    codes = toy.run_processes(os.path.join(HERE, script), str(path), 2, env, logs, timeout_s)
+    if any(c != 0 for c in codes):
+        tail = "\n".join(log.read_text()[-6000:] for log in logs)
+        pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
+
+
 def run_session(models, engine_tp, tmp_path, steps=STEPS):
     spec = {"model": models["model"], "engine_tp": engine_tp, "trainers": 2,
             "sharded": models["sharded"], "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
             "full": {k: os.path.join(models["root"], k) for k in ("A", "B")},
             "steps": steps, "rendezvous": str(tmp_path / "rendezvous"),
             "out": str(tmp_path / "result.json")}
-    path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec))
-    # The engine core and its workers in processes of their own, as in production (the
-    # conftest puts the engine core in the test process for the other tests).
-    # (VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc of a test's function, which makes a
-    # worker's post-load processing fail.)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp_path)))
-    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
-    codes = toy.run_processes(os.path.join(HERE, "sync_trainer.py"), str(path), 2, env, logs,
-                              480)
-    if any(c != 0 for c in codes):
-        tail = "\n".join(log.read_text()[-6000:] for log in logs)
-        pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
+    run_trainers("sync_trainer.py", spec, tmp_path, 480)
     main = json.loads((tmp_path / "result.json").read_text())["steps"]
     other = json.loads((tmp_path / "result.json.1").read_text())["steps"]
     return main, other
@@ -251,18 +255,7 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
             "timeout_s": FLEET_TIMEOUT_S,
             "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
-    path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp_path)))
-    logs = [tmp_path / f"trainer{r}.log" for r in range(2)]
-    codes = toy.run_processes(os.path.join(HERE, "fleet_trainer.py"), str(path), 2, env, logs,
-                              600)
-    if any(c != 0 for c in codes):
-        tail = "\n".join(log.read_text()[-6000:] for log in logs)
-        pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
+    run_trainers("fleet_trainer.py", spec, tmp_path, 600)
     runs = [json.loads((tmp_path / f"result.json.{r}").read_text())["steps"] for r in range(2)]
     expected = models["expected"]
     for steps in runs:  # each process: its own engine's tokens
