@@ -33,13 +33,8 @@ OUT/ref/resume-NAME-{RANK}.json.
 The micro-batch m of step s on DP rank d is drawn from seed + 1000 * s + 10 * d + m.
 """
 
-import datetime
-import json
 import pathlib
 import sys
-import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -312,39 +307,8 @@ def resume(spec, out, source, universal):
     return facts
 
 
-def run_job(job, rank):
-    start = time.monotonic()
-    out = pathlib.Path(job["out"])
-    (out / "ref").mkdir(parents=True, exist_ok=True)
-    facts = {"spec": job["spec"]}
-    how = job.get("resume")
-    try:
-        if how:
-            facts.update(resume(job["spec"], out, how["from"], how["universal"]))
-        else:
-            facts.update(train(job["spec"], out))
-    except Exception as e:  # recorded: the fixture reports what DeepSpeed refused
-        facts["error"] = f"{type(e).__name__}: {e}"
-        facts["traceback"] = traceback.format_exc(limit=8)
-    facts["seconds"] = time.monotonic() - start
-    name = f"resume-{how['name']}-{rank}.json" if how else f"facts-{rank}.json"
-    (out / "ref" / name).write_text(json.dumps(facts, indent=1))
-    return "error" not in facts
-
-
-def main():
-    warnings.simplefilter("ignore")
-    import deepspeed
-
-    jobs = json.loads(pathlib.Path(sys.argv[1]).read_text())
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
-    rank = dist.get_rank()
-    for job in jobs:
-        if not run_job(job, rank):
-            break
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import ds_train
+
+    ds_train.main(train, resume)

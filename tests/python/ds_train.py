@@ -285,10 +285,11 @@ def resume(spec, out, source, universal):
     return {"next_loss": {str(x["dp"]): x["loss"] for x in losses}}
 
 
-def run_job(job, rank):
+def run_job(job, rank, train=train, resume=resume):
     """Run one job: train and save a spec, or (with "resume": {"from", "universal", "name"})
     resume from a saved one. The facts (or DeepSpeed's error) go to OUT/ref/facts-RANK.json,
-    or OUT/ref/resume-NAME-RANK.json. Returns whether it worked."""
+    or OUT/ref/resume-NAME-RANK.json. Returns whether it worked. ``train`` and ``resume``:
+    this module's, or another trainer's (ds_pipe_train.py)."""
     start = time.monotonic()
     out = pathlib.Path(job["out"])
     (out / "ref").mkdir(parents=True, exist_ok=True)
@@ -308,14 +309,16 @@ def run_job(job, rank):
     return "error" not in facts
 
 
-def main():
+def main(train=train, resume=resume):
+    """The jobs of the JSON file argv[1], in order, in this process (its rank of torchrun's
+    world), by ``train`` and ``resume``."""
     warnings.simplefilter("ignore")
     jobs = json.loads(pathlib.Path(sys.argv[1]).read_text())
     init_distributed()
     rank = dist.get_rank()
     for job in jobs:
         # After a failure the ranks may disagree on where they are: leave the rest to a new launch.
-        if not run_job(job, rank):
+        if not run_job(job, rank, train, resume):
             break
     dist.destroy_process_group()
 
