@@ -235,7 +235,7 @@ FLEET_STEPS = [{"kind": "push", "weights": "B"},
                {"kind": "processing_fails", "weights": "A", "engine": 1},
                {"kind": "push", "weights": "A"},
                {"kind": "engine_lost", "weights": "B", "engine": 1}]
-FLEET_TIMEOUT_S = 30  # how long a lost engine can hold the others' commit
+FLEET_TIMEOUT_S = 20  # how long a lost engine can hold the others' commit
 
 
 def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
