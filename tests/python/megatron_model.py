@@ -163,6 +163,147 @@ def save(out_dir, spec):
     torch.distributed.destroy_process_group()
 
 
+class _CudaTypeNames:
+    """Megatron's DistributedOptimizer sorts the parameters it wraps by their type() name and
+    knows only CUDA's ("torch.cuda.FloatTensor"); on the CPU the same fp32 parameter is a
+    "torch.FloatTensor". While the optimizer is built, type() answers with the CUDA name."""
+
+    def __enter__(self):
+        self.orig = torch.Tensor.type
+
+        def cuda_name(t, *args, **kwargs):
+            name = self.orig(t, *args, **kwargs)
+            if not args and not kwargs and name.startswith("torch.") and ".cuda." not in name:
+                return "torch.cuda." + name[len("torch."):]
+            return name
+
+        torch.Tensor.type = cuda_name
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.type = self.orig
+
+
+def _cuda_to_cpu():
+    """Megatron's optimizers allocate their flags and scales with device="cuda" and move
+    state with .cuda(); a CPU build of torch has no such device, and the CPU is where
+    everything here lives."""
+    if torch.cuda.is_available():
+        return
+
+    def on_cpu(fn):
+        def call(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda t, *args, **kwargs: t
+
+
+def _dist_optimizer(spec, model):
+    """Megatron's distributed optimizer (Adam) over `model` wrapped in its DDP, which keeps the
+    gradients in flat buffers that each DP rank's optimizer owns a range of."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _cuda_to_cpu()
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                      overlap_param_gather=False, bucket_size=None),
+        model,
+    )
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9,
+                             adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=False,
+                             fp16=False, params_dtype=torch.float32,
+                             use_distributed_optimizer=True)
+    with _CudaTypeNames():
+        optimizer = get_megatron_optimizer(config, [ddp])
+    return ddp, optimizer
+
+
+def _sharding_metadata(spec):
+    return {"distrib_optim_sharding_type": spec.get("optim_sharding", "fully_reshardable")}
+
+
+def train_save(out_dir, spec):
+    """Builds the model with Megatron's distributed optimizer, takes `spec["steps"]` Adam steps
+    on gradients each rank draws from the seed for its own parameters (no forward or backward,
+    so no pipeline schedule), and saves the model and the optimizer with dist-ckpt in the
+    spec's "optim_sharding" format (default fully_reshardable)."""
+    from megatron.core import dist_checkpointing
+
+    tp, pp, ep = spec["tp"], spec["pp"], spec.get("ep", 1)
+    _init(tp, pp, ep)
+    torch.manual_seed(spec["seed"])
+    model = _model(spec, _config(spec, tp, pp, ep))
+    ddp, optimizer = _dist_optimizer(spec, model)
+    for step in range(spec.get("steps", 2)):
+        gen = torch.Generator().manual_seed(spec["seed"] * 1000 + step)
+        for p in ddp.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        ok, _, _ = optimizer.step()
+        assert ok
+    model_sd = ddp.module.sharded_state_dict()
+    optim_sd = optimizer.sharded_state_dict(model_sd, metadata=_sharding_metadata(spec))
+    os.makedirs(out_dir, exist_ok=True)
+    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, out_dir,
+                            sharded_strategy=("torch_dist", 1))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def optim_state(ckpt_dir, spec, out_path):
+    """Loads a checkpoint saved by `train` (model and distributed optimizer) into the same model
+    and optimizer built at TP 1 x PP 1 in one process (Megatron reshards on load) and writes
+    {"param": ..., "exp_avg": ..., "exp_avg_sq": ...}, each {parameter name: tensor at the
+    parameter's shape} with the names of the model's state_dict()."""
+    from megatron.core import dist_checkpointing
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    _init(1, 1, 1)
+    torch.manual_seed(spec["seed"] + 1)
+    model = _model(spec, _config(spec, 1, 1, 1))
+    ddp, optimizer = _dist_optimizer(spec, model)
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    # The moments exist once a step was taken: Megatron's own dummy step creates them, to be
+    # overwritten by the load.
+    inner._init_optimizer_states_with_dummy_values()
+    # torch's Adam (no Transformer Engine or apex here) keeps a per-parameter "step" that the
+    # fully_reshardable state does not carry (Megatron keeps the step in param_groups) and that
+    # Megatron's setter copies too: it is given the one the state holds already.
+    set_states = inner._set_main_param_and_optimizer_states
+
+    def with_step(model_param, tensors):
+        g, o = inner.model_param_group_index_map[model_param]
+        held = inner.optimizer.state[inner.optimizer.param_groups[g]["params"][o]]
+        if "step" in held and "step" not in tensors:
+            tensors = dict(tensors, step=held["step"])
+        return set_states(model_param, tensors)
+
+    inner._set_main_param_and_optimizer_states = with_step
+    model_sd = ddp.module.sharded_state_dict()
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                            metadata=_sharding_metadata(spec))
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
+    ddp.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, p in ddp.module.named_parameters():
+        tensors = inner._get_main_param_and_optimizer_states(p)
+        for k in out:
+            out[k][name] = tensors[k].detach().reshape(p.shape).clone()
+    torch.save(out, out_path)
+    torch.distributed.destroy_process_group()
+
+
 def live(out_dir, spec, config_path):
     import reshard
     import reshard.torch as rt
@@ -224,6 +365,10 @@ if __name__ == "__main__":
     spec = json.loads(open(sys.argv[3]).read())
     if cmd == "save":
         save(sys.argv[2], spec)
+    elif cmd == "train":
+        train_save(sys.argv[2], spec)
+    elif cmd == "optim":
+        optim_state(sys.argv[2], spec, sys.argv[4])
     elif cmd == "live":
         live(sys.argv[2], spec, sys.argv[4])
     elif cmd == "logits":
