@@ -20,6 +20,7 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
+#include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
@@ -382,17 +383,31 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
         "the "
         "universal checkpoint holds full tensors of every optimizer state");
   }
-  const bool dcp = IsDcpCheckpoint(args.input);
-  if (!IsDeepSpeedCheckpoint(args.input) && !dcp) {
+  // Before DCP: a Megatron-Core checkpoint is a DCP checkpoint with a metadata.json.
+  const bool megatron = IsMegatronCheckpoint(args.input);
+  const bool dcp = !megatron && IsDcpCheckpoint(args.input);
+  if (!IsDeepSpeedCheckpoint(args.input) && !dcp && !megatron) {
     return InvalidArgumentError(
-        "--to universal converts a DeepSpeed checkpoint or a PyTorch Distributed Checkpoint; \"" +
+        "--to universal converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or a "
+        "Megatron-Core dist-ckpt; \"" +
         args.input + "\" is not one");
   }
+  if (megatron && args.config.empty()) {
+    return InvalidArgumentError(
+        "\"" + args.input +
+        "\" is a Megatron-Core checkpoint, which does not record its model's shapes or Hugging "
+        "Face names: give the model's config.json with --config");
+  }
+  if (!megatron && !args.config.empty()) {
+    return InvalidArgumentError(
+        "--config applies to --to universal from a Megatron-Core checkpoint");
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_RETURN_IF_ERROR(
-      WithForceHint(dcp ? ConvertDcpToUniversal(args.input, args.output, options)
-                        : ConvertDeepSpeedToUniversal(args.input, args.output, options),
-                    args.force));
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      megatron ? ConvertMegatronToUniversal(args.input, args.config, args.output, options)
+      : dcp    ? ConvertDcpToUniversal(args.input, args.output, options)
+               : ConvertDeepSpeedToUniversal(args.input, args.output, options),
+      args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("converted \"{}\" to a universal checkpoint in \"{}\" ({:.2f} s)", args.input,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -262,12 +263,10 @@ Result<OpenedCheckpoint> OpenUniversalWithConfig(const std::string& path,
 // ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
 
 Status CheckMegatron(const std::string& path, const SourceOptions& options) {
-  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(
-      path, options, "a Megatron-Core checkpoint, read for its model weights"));
   if (options.master_weights) {
     return InvalidArgumentError(fmt::format(
-        "\"{}\" is a Megatron-Core checkpoint: reshard reads its model weights, not the "
-        "optimizer's fp32 copies",
+        "\"{}\" is a Megatron-Core checkpoint: its gather writes the model's weights, and the "
+        "optimizer's fp32 main weights beside them with the optimizer state",
         path));
   }
   if (options.config_path.empty()) {
@@ -282,13 +281,41 @@ Status CheckMegatron(const std::string& path, const SourceOptions& options) {
   return InvalidArgumentError("a distributed config applies to a convert, not a gather");
 }
 
-// The optimizer state is never read (the HF tensors are the model's weights), so weights_only
-// holds whether asked or not.
+// Each optimizer state of `m` ("<param>.fp32", ...) laid out as its parameter is in `doc`. A
+// parameter laid out over buffers (stacked experts) would need buffers of the state's own:
+// FailedPrecondition.
+Status AddStateMaps(const Manifest& m, const std::set<std::string_view>& names, MapDocument& doc) {
+  std::map<std::string_view, const ParamMap*> by_name;
+  for (const auto& [name, map] : doc.params) by_name.emplace(name, &map);
+  std::vector<std::pair<std::string, ParamMap>> states;
+  for (const ShardedParam& p : m.params) {
+    const std::string_view base = BaseParamName(p.name, names);
+    if (base == p.name) continue;
+    const auto it = by_name.find(base);
+    if (it == by_name.end()) continue;  // the convert names the parameter without a map
+    if (it->second->has_buffers()) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" is laid out over buffers at the target (stacked experts), which its optimizer "
+          "state \"{}\" is not laid out into yet: convert the weights only",
+          base, p.name));
+    }
+    states.emplace_back(p.name, *it->second);
+  }
+  for (auto& s : states) doc.params.push_back(std::move(s));
+  return Status::Ok();
+}
+
+// The distributed optimizer's state is read for a gather that asks for it and for a convert
+// unless weights_only: "<name>.fp32", "<name>.exp_avg", "<name>.exp_avg_sq" beside each
+// Hugging Face tensor, laid out at the target as their parameter (ResolveMap's convention).
 Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(options.config_path));
+  const bool optimizer_state =
+      options.use == SourceUse::kGather ? options.optimizer_state : !options.weights_only;
   RESHARD_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardSource> source,
-      OpenMegatronSource(path, MegatronSourceOptions{config, options.config_path}));
+      OpenMegatronSource(path,
+                         MegatronSourceOptions{config, options.config_path, optimizer_state}));
   OpenedCheckpoint out;
   out.format = "megatron";
   out.source = std::move(source);
@@ -297,12 +324,17 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   out.target_maps = [source = out.source, config, plan = std::move(plan),
                      config_path =
                          options.config_path](int world) -> Result<std::optional<MapDocument>> {
+    // The weights only: each optimizer state takes its parameter's map.
+    std::set<std::string_view> names;
+    for (const ShardedParam& p : source->manifest().params) names.insert(p.name);
     std::vector<StoredTensor> tensors;
     for (const ShardedParam& p : source->manifest().params) {
+      if (BaseParamName(p.name, names) != p.name) continue;
       tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
     }
     Result<MapDocument> doc = ConfigTargetMaps(config, tensors, world, plan);
     if (!doc.ok()) return doc.status().Annotate(fmt::format("\"{}\"", config_path));
+    RESHARD_RETURN_IF_ERROR(AddStateMaps(source->manifest(), names, *doc));
     return std::optional<MapDocument>(*std::move(doc));
   };
   out.extra_files.push_back({"config.json", std::move(config)});

@@ -492,7 +492,7 @@ class MegatronShardSource : public ShardSource {
     for (const ChunkRef& c : chunks_of_[i]) ReleaseChunk(c);
   }
 
-  Status Build(const MegatronModelConfig& config, const std::string& dir);
+  Status Build(const MegatronModelConfig& config, const std::string& dir, bool optimizer_state);
 
  private:
   struct ChunkRef {
@@ -704,7 +704,102 @@ Status CheckWholeModel(const MegatronModelConfig& config, const std::set<std::st
   return Status::Ok();
 }
 
-Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir) {
+// What a checkpoint tensor is to the source: a model tensor (its own key, no suffix), a state of
+// the distributed optimizer (the model key it belongs to and reshard's name for the state), or
+// left out.
+struct StateKey {
+  std::string model_key;
+  std::string suffix;  // "", ".fp32", ".exp_avg", ".exp_avg_sq"
+  bool skip = false;
+};
+
+// Megatron's names of the distributed optimizer's per-parameter state (fully_reshardable:
+// "param"; fully_sharded_model_space: "fp32_param") and reshard's.
+constexpr std::pair<std::string_view, std::string_view> kOptimizerStates[] = {
+    {"fp32_param", ".fp32"},
+    {"param", ".fp32"},
+    {"exp_avg_sq", ".exp_avg_sq"},
+    {"exp_avg", ".exp_avg"}};
+
+// Each tensor's StateKey. With `optimizer_state`, "optimizer.state.<state>.<model key>" is read
+// when its shape is its model tensor's (fully_reshardable: each state a tensor of the
+// parameter's shape, sharded as the parameter is); InvalidArgument naming the checkpoint for
+// the other layouts Megatron saves (per-bucket flat buffers, "optimizer.distributed.*";
+// flattened ranges of the parameters' shards, a state whose shape is not its parameter's), a
+// state of a key that is not a model tensor, or a parameter missing some of its states.
+Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool optimizer_state,
+                                                 const std::string& dir) {
+  constexpr std::string_view kState = "optimizer.state.";
+  std::map<std::string, const DcpTensor*> model;
+  for (const DcpTensor& t : ckpt.tensors()) {
+    if (!std::string_view(t.fqn).starts_with("optimizer.")) model.emplace(t.fqn, &t);
+  }
+  std::vector<StateKey> out(ckpt.tensors().size());
+  std::map<std::string, std::set<std::string>> found;  // model key -> its states' suffixes
+  for (size_t i = 0; i < ckpt.tensors().size(); ++i) {
+    const DcpTensor& t = ckpt.tensors()[i];
+    std::string_view key = t.fqn;
+    if (!key.starts_with("optimizer.") && !t.optimizer_state) {
+      out[i].model_key = t.fqn;
+      continue;
+    }
+    out[i].skip = true;
+    if (!optimizer_state) continue;
+    if (!key.starts_with(kState)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" holds the distributed optimizer's state as \"{}\", a layout of Megatron's own "
+          "buffers (its dp_reshardable sharding type: flat per-bucket buffers that do not name "
+          "their parameters); reshard reads the fully_reshardable sharding type (each state a "
+          "tensor of its parameter's shape): save with that, or leave the optimizer state out",
+          dir, t.fqn));
+    }
+    key.remove_prefix(kState.size());
+    const auto* state =
+        std::find_if(std::begin(kOptimizerStates), std::end(kOptimizerStates), [&](const auto& s) {
+          return key.size() > s.first.size() + 1 && key.starts_with(s.first) &&
+                 key[s.first.size()] == '.';
+        });
+    if (state == std::end(kOptimizerStates)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": optimizer tensor \"{}\" is not one of the distributed optimizer's states "
+          "reshard reads (optimizer.state.{{param,fp32_param,exp_avg,exp_avg_sq}}.<key>)",
+          dir, t.fqn));
+    }
+    const std::string model_key(key.substr(state->first.size() + 1));
+    const auto m = model.find(model_key);
+    if (m == model.end()) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": optimizer tensor \"{}\" is the state of \"{}\", which the "
+                      "checkpoint does not hold",
+                      dir, t.fqn, model_key));
+    }
+    if (m->second->shape != t.shape) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": optimizer tensor \"{}\" has shape {} but its parameter \"{}\" {}: flattened "
+          "ranges of the parameters' shards (Megatron's fully_sharded_model_space sharding "
+          "type), which reshard does not read; save with the fully_reshardable sharding type",
+          dir, t.fqn, FormatShape(t.shape), model_key, FormatShape(m->second->shape)));
+    }
+    if (!found[model_key].insert(std::string(state->second)).second) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": optimizer tensor \"{}\" is a second {} of \"{}\"", dir, t.fqn,
+                      state->second.substr(1), model_key));
+    }
+    out[i] = {model_key, std::string(state->second), false};
+  }
+  for (const auto& [key, suffixes] : found) {
+    if (suffixes.size() != 3) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": the optimizer state of \"{}\" is {} of the fp32 weight, exp_avg and "
+                      "exp_avg_sq: the checkpoint does not hold it whole",
+                      dir, key, fmt::join(suffixes, ", ")));
+    }
+  }
+  return out;
+}
+
+Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir,
+                                  bool optimizer_state) {
   const int world = ckpt_->world_size();
   std::set<std::string> names;
   bool have_output_layer = false;
@@ -713,14 +808,18 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   ChunkSlotTable slots{world, 1, std::vector<std::vector<int>>(ckpt_->tensors().size())};
   std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
   std::vector<bool> used(ckpt_->tensors().size(), false);
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<StateKey> states,
+                           OptimizerStateKeys(*ckpt_, optimizer_state, dir));
   for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
     const DcpTensor& tensor = ckpt_->tensors()[t];
-    // The optimizer's state (Megatron's "optimizer." keys) is not part of the model.
-    if (tensor.optimizer_state || std::string_view(tensor.fqn).starts_with("optimizer.")) continue;
+    const StateKey& state = states[t];
+    // The optimizer's state (Megatron's "optimizer." keys) unless asked for.
+    if (state.skip) continue;
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
-                             MegatronPartsOf(config, tensor.fqn, tensor.shape));
+                             MegatronPartsOf(config, state.model_key, tensor.shape));
     if (tensor.fqn == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;
+    for (MegatronPart& part : parts.parts) part.name += state.suffix;
     used[t] = true;
     padding[t] = parts.padding_from;
     const size_t first = planned.size();
@@ -833,7 +932,7 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
-  RESHARD_RETURN_IF_ERROR(source->Build(config, dir));
+  RESHARD_RETURN_IF_ERROR(source->Build(config, dir, options.optimizer_state));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 
