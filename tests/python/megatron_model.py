@@ -139,6 +139,12 @@ def _init(tp, pp, ep):
         # Dropout is off; the forward still enters the CUDA RNG tracker's fork, which has no
         # CUDA state to switch to.
         tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    import numpy
+
+    if not hasattr(numpy, "product"):
+        # megatron-core before 0.14 (which still saves flattened ranges) checks them with
+        # numpy.product, which numpy 2 renamed numpy.prod.
+        numpy.product = numpy.prod
     # megatron-core 0.16.1 names te_general_gemm in its router even when Transformer Engine is
     # absent (it is then never bound); None selects its torch.mm path.
     from megatron.core.transformer.moe import moe_utils
@@ -214,7 +220,8 @@ def _dist_optimizer(spec, model):
     ddp = DistributedDataParallel(
         model.config,
         DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
-                                      overlap_param_gather=False, bucket_size=None),
+                                      overlap_param_gather=False,
+                                      bucket_size=spec.get("bucket")),
         model,
     )
     config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9,
@@ -250,6 +257,7 @@ def train_save(out_dir, spec):
         assert ok
     model_sd = ddp.module.sharded_state_dict()
     optim_sd = optimizer.sharded_state_dict(model_sd, metadata=_sharding_metadata(spec))
+
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, out_dir,
                             sharded_strategy=("torch_dist", 1))
@@ -274,8 +282,15 @@ def optim_state(ckpt_dir, spec, out_path):
     ddp, optimizer = _dist_optimizer(spec, model)
     inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
     # The moments exist once a step was taken: Megatron's own dummy step creates them, to be
-    # overwritten by the load.
-    inner._init_optimizer_states_with_dummy_values()
+    # overwritten by the load (megatron-core before 0.14 has no such step: the same, here).
+    if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+        inner._init_optimizer_states_with_dummy_values()
+    else:
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.optimizer.step()
+        inner.optimizer.zero_grad()
     # torch's Adam (no Transformer Engine or apex here) keeps a per-parameter "step" that the
     # fully_reshardable state does not carry (Megatron keeps the step in param_groups) and that
     # Megatron's setter copies too: it is given the one the state holds already.

@@ -545,6 +545,78 @@ class MegatronShardSource : public ShardSource {
   std::map<std::pair<size_t, size_t>, std::shared_ptr<Held>> held_;
 };
 
+// A box of a tensor that a chunk holds, and where it lies in the chunk's buffer.
+struct ChunkBox {
+  Shape offsets;  // in the (model) tensor
+  Shape sizes;
+  StridedView view;
+};
+
+// The boxes of range [lo, hi) of the row-major order of a block of sizes `block` from dim `dim`
+// on, the dims before it fixed at `prefix`; `base`: the range's first element's index in the
+// block order at this level. Each box's view offset is its first element's index in the block.
+void FlatRangeBoxes(const Shape& block, size_t dim, Shape& prefix, Index lo, Index hi, Index base,
+                    std::vector<ChunkBox>& out) {
+  if (lo >= hi) return;
+  Index inner = 1;
+  for (size_t d = dim + 1; d < block.size(); ++d) inner *= block[d];
+  const auto emit = [&](Index from, Index count) {
+    ChunkBox box;
+    box.offsets = prefix;
+    box.sizes.assign(prefix.size(), 1);
+    box.offsets.push_back(from);
+    box.sizes.push_back(count);
+    for (size_t d = dim + 1; d < block.size(); ++d) {
+      box.offsets.push_back(0);
+      box.sizes.push_back(block[d]);
+    }
+    box.view.offset = base + from * inner;
+    out.push_back(std::move(box));
+  };
+  const auto into = [&](Index i, Index from, Index to) {
+    prefix.push_back(i);
+    FlatRangeBoxes(block, dim + 1, prefix, from, to, base + i * inner, out);
+    prefix.pop_back();
+  };
+  Index first = lo / inner;
+  const Index last = (hi - 1) / inner;
+  if (first == last && (lo % inner != 0 || hi % inner != 0))
+    return into(first, lo % inner, hi - first * inner);
+  if (lo % inner != 0) into(first++, lo % inner, inner);
+  const Index end = hi % inner == 0 ? last + 1 : last;
+  if (end > first) emit(first, end - first);
+  if (hi % inner != 0) into(last, 0, hi - last * inner);
+}
+
+// The boxes of the tensor a chunk holds, each with its view in the chunk's buffer: the chunk's
+// own box (row-major), or with `block` (Megatron's flattened layout) the boxes of its range of
+// the block it names.
+std::vector<ChunkBox> ChunkBoxes(const DcpChunk& chunk, const std::optional<Shape>& block) {
+  if (!block) return {{chunk.offsets, chunk.sizes, {0, RowMajorStrides(chunk.sizes)}}};
+  const Index from = chunk.offsets.back();
+  Shape prefix;
+  std::vector<ChunkBox> boxes;
+  FlatRangeBoxes(*block, 0, prefix, from, from + chunk.sizes.back(), 0, boxes);
+  const Shape strides = RowMajorStrides(*block);
+  for (ChunkBox& box : boxes) {
+    for (size_t d = 0; d < block->size(); ++d) box.offsets[d] += chunk.offsets[d] * (*block)[d];
+    box.view = {box.view.offset - from, strides};
+  }
+  return boxes;
+}
+
+// The pieces of `region` a chunk holds (dest in the chunk's buffer).
+std::vector<Piece> ChunkPieces(const TensorRegion& region, const DcpChunk& chunk,
+                               const std::optional<Shape>& block) {
+  std::vector<Piece> pieces;
+  for (const ChunkBox& box : ChunkBoxes(chunk, block)) {
+    std::vector<Piece> more = RegionPieces(region, box.offsets, box.sizes, box.view, 0);
+    pieces.insert(pieces.end(), std::make_move_iterator(more.begin()),
+                  std::make_move_iterator(more.end()));
+  }
+  return pieces;
+}
+
 // One HF tensor while the source is built.
 struct PlannedPart {
   MegatronPart part;
@@ -605,7 +677,8 @@ std::string ChunkBufferName(const DcpCheckpoint& ckpt, size_t t, size_t c) {
 // [padding_from, rows) of a padded vocabulary are zeros no HF tensor holds.
 BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& slots,
                               const std::vector<bool>& used,
-                              const std::vector<std::optional<Index>>& padding) {
+                              const std::vector<std::optional<Index>>& padding,
+                              const std::vector<std::optional<Shape>>& blocks) {
   BufferSetBuilder buffers;
   for (size_t t = 0; t < ckpt.tensors().size(); ++t) {
     if (!used[t]) continue;
@@ -617,15 +690,18 @@ BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& s
       decl.ranks.resize(static_cast<size_t>(slots.world_size()), BufferRank{{0}, {}});
       BufferRank& mine = decl.ranks[static_cast<size_t>(slots.Of(ckpt, t, c))];
       mine.shape = {ProductOf(chunk.sizes)};
-      const Index lo = padding[t] ? std::max(chunk.offsets[0], *padding[t]) : 0;
-      const Index hi = padding[t] ? chunk.offsets[0] + chunk.sizes[0] : 0;
-      if (lo < hi) {
-        BufferBlock block;
-        block.shape = chunk.sizes;
-        block.shape[0] = hi - lo;
-        const Shape strides = RowMajorStrides(chunk.sizes);
-        block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
-        mine.padding.push_back(std::move(block));
+      if (padding[t]) {
+        for (const ChunkBox& box : ChunkBoxes(chunk, blocks[t])) {
+          const Index lo = std::max(box.offsets[0], *padding[t]);
+          const Index hi = box.offsets[0] + box.sizes[0];
+          if (lo >= hi) continue;
+          BufferBlock block;
+          block.shape = box.sizes;
+          block.shape[0] = hi - lo;
+          block.view = {box.view.offset + (lo - box.offsets[0]) * box.view.strides[0],
+                        box.view.strides};
+          mine.padding.push_back(std::move(block));
+        }
       }
       buffers.add(std::move(decl));
     }
@@ -711,7 +787,26 @@ struct StateKey {
   std::string model_key;
   std::string suffix;  // "", ".fp32", ".exp_avg", ".exp_avg_sq"
   bool skip = false;
+  Shape model_shape;  // the model tensor's global shape
+  // Flattened ranges (fully_sharded_model_space): the blocks the model tensor is cut into, and
+  // the state is [model_shape / block ..., ProductOf(block)], a chunk [i..., a] + [1..., b]
+  // elements [a, a + b) of block i in row-major order. nullopt: the state has the model
+  // tensor's shape (fully_reshardable), or it is a model tensor.
+  std::optional<Shape> block;
 };
+
+// The block a state of shape `state` cuts a model tensor of shape `model` into when it is
+// Megatron's flattened layout ([model / block ..., ProductOf(block)]); nullopt otherwise.
+std::optional<Shape> FlattenedBlock(const Shape& model, const Shape& state) {
+  if (state.size() != model.size() + 1) return std::nullopt;
+  Shape block(model.size());
+  for (size_t d = 0; d < model.size(); ++d) {
+    if (state[d] <= 0 || model[d] % state[d] != 0) return std::nullopt;
+    block[d] = model[d] / state[d];
+  }
+  if (ProductOf(block) != state.back()) return std::nullopt;
+  return block;
+}
 
 // Megatron's names of the distributed optimizer's per-parameter state (fully_reshardable:
 // "param"; fully_sharded_model_space: "fp32_param") and reshard's.
@@ -741,6 +836,7 @@ Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool
     std::string_view key = t.fqn;
     if (!key.starts_with("optimizer.") && !t.optimizer_state) {
       out[i].model_key = t.fqn;
+      out[i].model_shape = t.shape;
       continue;
     }
     out[i].skip = true;
@@ -773,25 +869,37 @@ Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool
                       "checkpoint does not hold",
                       dir, t.fqn, model_key));
     }
+    std::optional<Shape> block;
     if (m->second->shape != t.shape) {
-      return InvalidArgumentError(fmt::format(
-          "\"{}\": optimizer tensor \"{}\" has shape {} but its parameter \"{}\" {}: flattened "
-          "ranges of the parameters' shards (Megatron's fully_sharded_model_space sharding "
-          "type), which reshard does not read; save with the fully_reshardable sharding type",
-          dir, t.fqn, FormatShape(t.shape), model_key, FormatShape(m->second->shape)));
+      block = FlattenedBlock(m->second->shape, t.shape);
+      if (!block) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": optimizer tensor \"{}\" has shape {}, which is neither its parameter "
+            "\"{}\"'s {} nor flattened ranges of blocks of it ([blocks per dim..., elements per "
+            "block])",
+            dir, t.fqn, FormatShape(t.shape), model_key, FormatShape(m->second->shape)));
+      }
+      for (const DcpChunk& c : t.chunks) {
+        if (std::any_of(c.sizes.begin(), c.sizes.end() - 1, [](Index n) { return n != 1; })) {
+          return InvalidArgumentError(fmt::format(
+              "\"{}\": optimizer tensor \"{}\" {} holds flattened ranges, but its chunk at {} "
+              "of sizes {} spans several blocks",
+              dir, t.fqn, FormatShape(t.shape), FormatShape(c.offsets), FormatShape(c.sizes)));
+        }
+      }
     }
     if (!found[model_key].insert(std::string(state->second)).second) {
       return InvalidArgumentError(
           fmt::format("\"{}\": optimizer tensor \"{}\" is a second {} of \"{}\"", dir, t.fqn,
                       state->second.substr(1), model_key));
     }
-    out[i] = {model_key, std::string(state->second), false};
+    out[i] = {model_key, std::string(state->second), false, m->second->shape, std::move(block)};
   }
   for (const auto& [key, suffixes] : found) {
     if (suffixes.size() != 3) {
       return InvalidArgumentError(
-          fmt::format("\"{}\": the optimizer state of \"{}\" is {} of the fp32 weight, exp_avg and "
-                      "exp_avg_sq: the checkpoint does not hold it whole",
+          fmt::format("\"{}\": the optimizer state of \"{}\" is only {} of its .fp32, .exp_avg and "
+                      ".exp_avg_sq: the checkpoint does not hold it whole",
                       dir, key, fmt::join(suffixes, ", ")));
     }
   }
@@ -808,15 +916,17 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   ChunkSlotTable slots{world, 1, std::vector<std::vector<int>>(ckpt_->tensors().size())};
   std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
   std::vector<bool> used(ckpt_->tensors().size(), false);
+  std::vector<std::optional<Shape>> blocks(ckpt_->tensors().size());
   RESHARD_ASSIGN_OR_RETURN(const std::vector<StateKey> states,
                            OptimizerStateKeys(*ckpt_, optimizer_state, dir));
+  for (size_t t = 0; t < states.size(); ++t) blocks[t] = states[t].block;
   for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
     const DcpTensor& tensor = ckpt_->tensors()[t];
     const StateKey& state = states[t];
     // The optimizer's state (Megatron's "optimizer." keys) unless asked for.
     if (state.skip) continue;
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
-                             MegatronPartsOf(config, state.model_key, tensor.shape));
+                             MegatronPartsOf(config, state.model_key, state.model_shape));
     if (tensor.fqn == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;
     for (MegatronPart& part : parts.parts) part.name += state.suffix;
@@ -824,7 +934,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     padding[t] = parts.padding_from;
     const size_t first = planned.size();
     for (MegatronPart& part : parts.parts) {
-      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, tensor.shape)
+      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, state.model_shape)
                                   .Annotate(fmt::format("Megatron tensor \"{}\"", tensor.fqn)));
       if (!names.insert(part.name).second) {
         return InvalidArgumentError(fmt::format(
@@ -836,8 +946,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
       for (size_t c = 0; c < tensor.chunks.size(); ++c) {
         const DcpChunk& chunk = tensor.chunks[c];
         if (ProductOf(chunk.sizes) == 0) continue;
-        std::vector<Piece> pieces = RegionPieces(p.part.region, chunk.offsets, chunk.sizes,
-                                                 {0, RowMajorStrides(chunk.sizes)}, 0);
+        std::vector<Piece> pieces = ChunkPieces(p.part.region, chunk, state.block);
         if (!pieces.empty()) p.pieces.emplace_back(c, std::move(pieces));
       }
       planned.push_back(std::move(p));
@@ -883,7 +992,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     chunks_of_.push_back(std::move(refs));
   }
   RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
-  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding))
+  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding, blocks))
       .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
 }
 
