@@ -570,7 +570,9 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
                 "DeepSpeed or universal input: write the optimizer's fp32 master weights "
                 "instead of the module's");
   cmd->add_flag("--optimizer-state", args->optimizer_state,
-                "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...)");
+                "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...); "
+                "Megatron input: the distributed optimizer's, as <name>.fp32, .exp_avg, "
+                ".exp_avg_sq");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");
@@ -585,12 +587,13 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                    "torch_dist, Hugging Face (docs/formats.md)",
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
-                "DeepSpeed or DCP input: the model's weights only, no optimizer state");
+                "DeepSpeed, DCP or Megatron input: the model's weights only, no optimizer state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
                   "(what ds_to_universal writes; OUT/latest_universal names its folder), or the "
-                  "per-parameter files of one from a DCP checkpoint with Adam's state; dcp: a "
+                  "per-parameter files of one from a DCP checkpoint with Adam's state or a "
+                  "Megatron-Core checkpoint with its distributed optimizer's; dcp: a "
                   "PyTorch Distributed Checkpoint saved for --world ranks (from a DCP checkpoint: "
                   "its keys and non-tensor values kept)")
       ->check(CLI::IsMember({"universal", "dcp"}))

@@ -69,7 +69,8 @@ Status RefuseOptimizerState(const std::string& path, const SourceOptions& option
                             std::string_view what) {
   if (options.optimizer_state) {
     return InvalidArgumentError(fmt::format(
-        "a gather with the optimizer's state applies to a PyTorch Distributed Checkpoint; \"{}\" "
+        "a gather with the optimizer's state applies to a PyTorch Distributed Checkpoint or a "
+        "Megatron-Core checkpoint; \"{}\" "
         "is {}: convert it (optimizer state included) to a sharded checkpoint at 1 rank and gather "
         "that",
         path, what));
