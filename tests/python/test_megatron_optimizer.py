@@ -11,8 +11,8 @@ gather with --optimizer-state, the universal checkpoint's files and a DCP checkp
 megatron-core 0.13 (a second copy beside .venv-megatron's, see scripts/dev) saves the state in
 its older default sharding type, fully_sharded_model_space: flattened ranges of each
 parameter's shard, which 0.16 no longer writes; reshard reads those too, checked the same way
-(Megatron 0.13 loading its own checkpoint at TP 1), also with the ranges cut as DP ranks hold
-them, and refuses ranges that overlap or leave holes.
+(Megatron 0.13 loading its own checkpoint at TP 1), also with the ranges cut inside blocks as
+DP ranks hold them, and refuses ranges that overlap or leave holes.
 """
 
 import json
@@ -221,9 +221,10 @@ def split_ranges(ckpt, tmp_path, name, shift=0, keys=FLAT_KEYS, at=300):
     return copy
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_flattened_ranges_are_what_megatron_013_loads(reshard_bin, tmp_path, saved, layout):
-    ckpt, config, state = saved(layout, "fully_sharded_model_space")
+def test_flattened_ranges_are_what_megatron_013_loads(reshard_bin, tmp_path, saved):
+    # TP 2 x PP 2 only (a third of the time of both layouts): at DP 2 megatron-core 0.13 gives
+    # each DP rank whole parameters at these sizes, which the cut ranges below go beyond.
+    ckpt, config, state = saved("tp2pp2", "fully_sharded_model_space")
     want = expected(state)
     # As Megatron saved them, and with ranges cut inside blocks and rows (the first range ends
     # at element 300 of a 1024- or 768-element block, mid-row), as DP ranks hold them.
