@@ -10,6 +10,12 @@ Megatron's own dist-ckpt (`torch_dist`).
         sharded_state_dict() (a map document), the rank's tensors (megatron_shards), and the
         LayoutErrors of a config that does not describe the model and of a key the name table
         does not know. reshard must be importable (PYTHONPATH: the build's python directory).
+    torchrun --nproc_per_node 4 megatron_model.py train OUT_DIR SPEC_JSON
+        builds the model with Megatron's DistributedOptimizer (Adam), takes SPEC["steps"] steps
+        and saves model and optimizer (sharding type SPEC["optim_sharding"]).
+    python megatron_model.py optim CKPT_DIR SPEC_JSON OUT_PT
+        loads what `train` saved at TP 1 (MoE: under torchrun, at EP = the world size) and
+        writes every parameter's fp32 main weight and Adam moments as Megatron holds them.
     python megatron_model.py logits CKPT_DIR SPEC_JSON TOKENS_JSON OUT_PT
         loads the checkpoint into the same model at TP 1 x PP 1 (Megatron reshards on load) and
         writes its logits for the tokens.
@@ -265,22 +271,8 @@ def train_save(out_dir, spec):
     torch.distributed.destroy_process_group()
 
 
-def optim_state(ckpt_dir, spec, out_path):
-    """Loads a checkpoint saved by `train` (model and distributed optimizer) into the same model
-    and optimizer built at TP 1 x PP 1 in one process (Megatron reshards on load) and writes
-    {"param": ..., "exp_avg": ..., "exp_avg_sq": ...}, each {parameter name: tensor at the
-    parameter's shape} with the names of the model's state_dict()."""
-    from megatron.core import dist_checkpointing
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    _init(1, 1, 1)
-    torch.manual_seed(spec["seed"] + 1)
-    model = _model(spec, _config(spec, 1, 1, 1))
-    ddp, optimizer = _dist_optimizer(spec, model)
-    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+def _prepare_for_load(inner):
+    """A DistributedOptimizer made ready to load its state as Megatron's loader expects."""
     # The moments exist once a step was taken: Megatron's own dummy step creates them, to be
     # overwritten by the load (megatron-core before 0.14 has no such step: the same, here).
     if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
@@ -304,18 +296,66 @@ def optim_state(ckpt_dir, spec, out_path):
         return set_states(model_param, tensors)
 
     inner._set_main_param_and_optimizer_states = with_step
+
+
+def optim_state(ckpt_dir, spec, out_path):
+    """Loads a checkpoint saved by `train` (model and distributed optimizer) into the same model
+    and optimizer built at TP 1 x PP 1 (Megatron reshards on load): in one process, or for an
+    MoE model under torchrun at EP = the world size, and writes {"param": ..., "exp_avg": ...,
+    "exp_avg_sq": ...}, each {parameter name: tensor at the parameter's shape} with the names
+    of the model's state_dict() (experts by their global number), every rank's DP range of it
+    put together."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    # MoE models load at EP = the world size (under torchrun): Megatron names the optimizer's
+    # keys by its place in the chain of optimizers, which a single process builds otherwise.
+    ep = int(os.environ["WORLD_SIZE"])
+    _init(1, 1, ep)
+    torch.manual_seed(spec["seed"] + 1)
+    model = _model(spec, _config(spec, 1, 1, ep))
+    ddp, optimizer = _dist_optimizer(spec, model)
+    # The experts' parameters have an optimizer of their own in the chain.
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner in chain:
+        _prepare_for_load(inner)
     model_sd = ddp.module.sharded_state_dict()
     optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
                                             metadata=_sharding_metadata(spec))
     state = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
     ddp.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    local = spec.get("experts", 0) // ep
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    # Each rank's optimizer holds its DP range of each parameter's flat state; all of them
+    # together, the whole.
+    mine = []
     for name, p in ddp.module.named_parameters():
-        tensors = inner._get_main_param_and_optimizer_states(p)
-        for k in out:
-            out[k][name] = tensors[k].detach().reshape(p.shape).clone()
-    torch.save(out, out_path)
+        if ".local_experts." in name:  # this rank's experts, by their global number
+            head, tail = name.split(".local_experts.")
+            e, rest = tail.split(".", 1)
+            name = f"{head}.local_experts.{first + int(e)}.{rest}"
+        for o in chain:
+            if p in o.model_param_group_index_map:
+                r = o._get_model_param_range_map(p)["param"]
+                tensors = o._get_main_param_and_optimizer_states(p)
+                mine.append((name, tuple(p.shape), r.start, r.end,
+                             {k: tensors[k].detach().clone() for k in ("param", "exp_avg",
+                                                                       "exp_avg_sq")}))
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, shape, start, end, tensors in (e for rank in every for e in rank):
+        for k, t in tensors.items():
+            full = out[k].setdefault(name, torch.full(shape, float("nan")))
+            full.view(-1)[start:end] = t
+    if torch.distributed.get_rank() == 0:
+        torch.save(out, out_path)
     torch.distributed.destroy_process_group()
 
 

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_checkpoints import run
-from test_megatron import expected_hf, megatron, megatron_python, same_bits
+from test_megatron import MIXTRAL, expected_hf, megatron, megatron_python, same_bits
 
 # Megatron's model (megatron_model.py's spec) and the Hugging Face config.json of the same model;
 # Megatron's vocabulary is padded (64 rows for 60 tokens).
@@ -37,9 +37,14 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hid
           "intermediate_size": 48, "vocab_size": 60, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "max_position_embeddings": 64, "tie_word_embeddings": False, "attention_bias": False,
           "mlp_bias": False, "hidden_act": "silu", "torch_dtype": "float32"}
-# name -> (TP, PP, world): the fully sharded layout, and one replicated over DP ranks (each DP
-# rank's optimizer owns a range of the flat buffers; fully_reshardable gathers them on save).
-LAYOUTS = {"tp2pp2": (2, 2, 4), "tp1dp2": (1, 1, 2)}
+# name -> (Megatron's spec, config.json, world at save, world at Megatron's load): the fully
+# sharded layout, one replicated over DP ranks (each DP rank's optimizer owns a range of the
+# flat buffers; fully_reshardable gathers them on save), and a Mixtral-style MoE at TP 2 x PP 2
+# x EP 2 (a chain of two optimizers, the experts' apart: keys "chained_{i}.optimizer.state...",
+# loaded at EP 2, which builds the same chain).
+LAYOUTS = {"tp2pp2": (dict(SPEC, tp=2, pp=2), CONFIG, 4, 1),
+           "tp1dp2": (dict(SPEC, tp=1, pp=1), CONFIG, 2, 1),
+           "moe": (dict(MIXTRAL[0], steps=2), MIXTRAL[1], 4, 2)}
 # reshard's names of the states (beside "<hf name>") and Megatron's.
 STATES = {".fp32": "param", ".exp_avg": "exp_avg", ".exp_avg_sq": "exp_avg_sq"}
 
@@ -62,16 +67,16 @@ def saved(tmp_path_factory):
 
     def get(name, sharding="fully_reshardable"):
         if (name, sharding) not in made:
-            tp, pp, world = LAYOUTS[name]
+            spec, config, world, load_world = LAYOUTS[name]
             d = tmp_path_factory.mktemp(f"{name}_{sharding}")
-            spec = dict(SPEC, tp=tp, pp=pp, optim_sharding=sharding)
-            (d / "spec.json").write_text(json.dumps(spec))
-            (d / "config.json").write_text(json.dumps(CONFIG))
+            (d / "spec.json").write_text(json.dumps(dict(spec, optim_sharding=sharding)))
+            (d / "config.json").write_text(json.dumps(config))
             env = {"PYTHONPATH": megatron_013()} if sharding == "fully_sharded_model_space" else {}
             megatron("train", d / "ckpt", d / "spec.json", procs=world, env=env)
             state = None
             if sharding != "dp_reshardable":
-                megatron("optim", d / "ckpt", d / "spec.json", d / "optim.pt", env=env)
+                megatron("optim", d / "ckpt", d / "spec.json", d / "optim.pt", env=env,
+                         procs=load_world if load_world > 1 else None)
                 state = torch.load(d / "optim.pt")
             made[(name, sharding)] = (d / "ckpt", d / "config.json", state)
         return made[(name, sharding)]
@@ -79,19 +84,20 @@ def saved(tmp_path_factory):
     return get
 
 
-def expected(state):
+def expected(state, layout="tp2pp2"):
     """Every Hugging Face tensor and its states, sliced here from Megatron's TP-1 state."""
+    spec, config, _, _ = LAYOUTS[layout]
     out = {}
     for suffix, key in STATES.items():
-        for name, t in expected_hf(state[key], SPEC, CONFIG).items():
+        for name, t in expected_hf(state[key], spec, config).items():
             out[name + suffix] = t.contiguous()
     return out
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1dp2"])
 def test_gather_with_optimizer_state_is_what_megatron_loads(reshard_bin, tmp_path, saved, layout):
     ckpt, config, state = saved(layout)
-    want = expected(state)
+    want = expected(state, layout)
     weights = {k[:-len(".fp32")]: v for k, v in want.items() if k.endswith(".fp32")}
     out = tmp_path / "hf"
     r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", config, "--optimizer-state")
@@ -132,7 +138,7 @@ def test_convert_to_dcp_and_to_tp2_carry_the_state(reshard_bin, tmp_path, saved)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     ckpt, config, state = saved("tp1dp2")
-    want = expected(state)
+    want = expected(state, "tp1dp2")
     out = tmp_path / "dcp"
     r = run(reshard_bin, "convert", ckpt, "--config", config, "--to", "dcp", "--world", 3,
             "-o", out)
@@ -162,6 +168,33 @@ def test_convert_to_dcp_and_to_tp2_carry_the_state(reshard_bin, tmp_path, saved)
     assert r.returncode == 0, r.stderr
     params = json.loads((tmp_path / "w" / "reshard.json").read_text())["params"]
     assert not [k for k in params if k.endswith((".fp32", ".exp_avg", ".exp_avg_sq"))]
+
+
+def test_moe_state_from_a_chain_of_optimizers(reshard_bin, tmp_path, saved):
+    """Mixtral-style at TP 2 x PP 2 x EP 2: the experts' state (stacked [L, E, ...] keys, from
+    the second optimizer of the chain) as Megatron loads it at EP 2; converted to TP 2 and to
+    EP 2 (transformers' stacked expert buffers, each state in buffers of its own) and back."""
+    ckpt, config, state = saved("moe")
+    want = expected(state, "moe")
+    out = tmp_path / "hf"
+    r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", config, "--optimizer-state")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight.exp_avg" in got
+    for k, v in want.items():
+        assert same_bits(got[k], v), k
+    for name, dc in (("tp2", []), ("ep2", ["--distributed-config",
+                                           '{"tp_plan": "auto", "ep_size": 2}'])):
+        r = run(reshard_bin, "convert", ckpt, "--config", config, "--tp", 2, *dc, "-o",
+                tmp_path / name)
+        assert r.returncode == 0, r.stderr
+        buffers = json.loads((tmp_path / name / "reshard.json").read_text())["buffers"]
+        assert any(b.endswith(".exp_avg") for b in buffers), buffers
+        r = run(reshard_bin, "gather", tmp_path / name, "-o", tmp_path / f"{name}_back")
+        assert r.returncode == 0, r.stderr
+        back = load_file(str(tmp_path / f"{name}_back" / "model.safetensors"))
+        for k, v in want.items():
+            assert same_bits(back[k], v), (name, k)
 
 
 def test_python_convert_to_universal_takes_the_config(tmp_path, saved):

@@ -282,28 +282,21 @@ Status CheckMegatron(const std::string& path, const SourceOptions& options) {
   return InvalidArgumentError("a distributed config applies to a convert, not a gather");
 }
 
-// Each optimizer state of `m` ("<param>.fp32", ...) laid out as its parameter is in `doc`. A
-// parameter laid out over buffers (stacked experts) would need buffers of the state's own:
-// FailedPrecondition.
-Status AddStateMaps(const Manifest& m, const std::set<std::string_view>& names, MapDocument& doc) {
-  std::map<std::string_view, const ParamMap*> by_name;
-  for (const auto& [name, map] : doc.params) by_name.emplace(name, &map);
-  std::vector<std::pair<std::string, ParamMap>> states;
+// Each optimizer state of `m` ("<param>.fp32", ...) in `doc` laid out as its parameter: the
+// parameter's map, or where that map is over buffers (stacked experts) the planner's, which
+// stacks the state as its parameter into buffers of the state's own ("<buffer>.exp_avg").
+void AlignStateMaps(const Manifest& m, const std::set<std::string_view>& names, MapDocument& doc) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < doc.params.size(); ++i) index.emplace(doc.params[i].first, i);
   for (const ShardedParam& p : m.params) {
     const std::string_view base = BaseParamName(p.name, names);
     if (base == p.name) continue;
-    const auto it = by_name.find(base);
-    if (it == by_name.end()) continue;  // the convert names the parameter without a map
-    if (it->second->has_buffers()) {
-      return FailedPreconditionError(fmt::format(
-          "\"{}\" is laid out over buffers at the target (stacked experts), which its optimizer "
-          "state \"{}\" is not laid out into yet: convert the weights only",
-          base, p.name));
-    }
-    states.emplace_back(p.name, *it->second);
+    const auto param = index.find(std::string(base));
+    const auto state = index.find(p.name);
+    if (param == index.end() || state == index.end()) continue;
+    const ParamMap& map = doc.params[param->second].second;
+    if (!map.has_buffers()) doc.params[state->second].second = map;
   }
-  for (auto& s : states) doc.params.push_back(std::move(s));
-  return Status::Ok();
 }
 
 // The distributed optimizer's state is read for a gather that asks for it and for a convert
@@ -325,17 +318,15 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   out.target_maps = [source = out.source, config, plan = std::move(plan),
                      config_path =
                          options.config_path](int world) -> Result<std::optional<MapDocument>> {
-    // The weights only: each optimizer state takes its parameter's map.
     std::set<std::string_view> names;
-    for (const ShardedParam& p : source->manifest().params) names.insert(p.name);
     std::vector<StoredTensor> tensors;
     for (const ShardedParam& p : source->manifest().params) {
-      if (BaseParamName(p.name, names) != p.name) continue;
+      names.insert(p.name);
       tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
     }
     Result<MapDocument> doc = ConfigTargetMaps(config, tensors, world, plan);
     if (!doc.ok()) return doc.status().Annotate(fmt::format("\"{}\"", config_path));
-    RESHARD_RETURN_IF_ERROR(AddStateMaps(source->manifest(), names, *doc));
+    AlignStateMaps(source->manifest(), names, *doc);
     return std::optional<MapDocument>(*std::move(doc));
   };
   out.extra_files.push_back({"config.json", std::move(config)});

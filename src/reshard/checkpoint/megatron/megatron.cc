@@ -816,6 +816,19 @@ constexpr std::pair<std::string_view, std::string_view> kOptimizerStates[] = {
     {"exp_avg_sq", ".exp_avg_sq"},
     {"exp_avg", ".exp_avg"}};
 
+// The key of a tensor of the optimizer from "optimizer." on: the key itself, or with
+// ChainedOptimizer's "chained_{i}." before it (a chain of optimizers: MoE models keep the
+// experts' apart); nullopt for a model tensor.
+std::optional<std::string_view> OptimizerKey(std::string_view key) {
+  constexpr std::string_view kChained = "chained_";
+  if (key.starts_with(kChained)) {
+    std::string_view rest = key.substr(kChained.size());
+    if (TakeIndex(rest) && rest.starts_with("optimizer.")) return rest;
+  }
+  if (key.starts_with("optimizer.")) return key;
+  return std::nullopt;
+}
+
 // Each tensor's StateKey. With `optimizer_state`, "optimizer.state.<state>.<model key>" is read
 // when its shape is its model tensor's (fully_reshardable: each state a tensor of the
 // parameter's shape, sharded as the parameter is); InvalidArgument naming the checkpoint for
@@ -827,14 +840,15 @@ Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool
   constexpr std::string_view kState = "optimizer.state.";
   std::map<std::string, const DcpTensor*> model;
   for (const DcpTensor& t : ckpt.tensors()) {
-    if (!std::string_view(t.fqn).starts_with("optimizer.")) model.emplace(t.fqn, &t);
+    if (!OptimizerKey(t.fqn)) model.emplace(t.fqn, &t);
   }
   std::vector<StateKey> out(ckpt.tensors().size());
   std::map<std::string, std::set<std::string>> found;  // model key -> its states' suffixes
   for (size_t i = 0; i < ckpt.tensors().size(); ++i) {
     const DcpTensor& t = ckpt.tensors()[i];
-    std::string_view key = t.fqn;
-    if (!key.starts_with("optimizer.") && !t.optimizer_state) {
+    const std::optional<std::string_view> optimizer_key = OptimizerKey(t.fqn);
+    std::string_view key = optimizer_key.value_or(std::string_view(t.fqn));
+    if (!optimizer_key && !t.optimizer_state) {
       out[i].model_key = t.fqn;
       out[i].model_shape = t.shape;
       continue;
