@@ -310,6 +310,14 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
       std::unique_ptr<ShardSource> source,
       OpenMegatronSource(path,
                          MegatronSourceOptions{config, options.config_path, optimizer_state}));
+  if (options.use == SourceUse::kGather && options.optimizer_state &&
+      std::none_of(source->manifest().params.begin(), source->manifest().params.end(),
+                   [](const ShardedParam& p) { return p.name.ends_with(".exp_avg"); })) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds no distributed-optimizer state (\"optimizer.state.exp_avg.<key>\"): it was "
+        "saved without the optimizer",
+        path));
+  }
   OpenedCheckpoint out;
   out.format = "megatron";
   out.source = std::move(source);
