@@ -44,7 +44,11 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hid
 # loaded at EP 2, which builds the same chain).
 LAYOUTS = {"tp2pp2": (dict(SPEC, tp=2, pp=2), CONFIG, 4, 1),
            "tp1dp2": (dict(SPEC, tp=1, pp=1), CONFIG, 2, 1),
-           "moe": (dict(MIXTRAL[0], steps=2), MIXTRAL[1], 4, 2)}
+           "moe": (dict(MIXTRAL[0], steps=2), MIXTRAL[1], 4, 2),
+           # At 3 layers megatron-core 0.13 cuts layer 1's linear_fc1 between its 2 DP ranks
+           # (flattened ranges [0, 832) and [832, 1536) of a 1536-element block).
+           "tp1dp2_3l": (dict(SPEC, tp=1, pp=1, layers=3), dict(CONFIG, num_hidden_layers=3), 2,
+                         1)}
 # reshard's names of the states (beside "<hf name>") and Megatron's.
 STATES = {".fp32": "param", ".exp_avg": "exp_avg", ".exp_avg_sq": "exp_avg_sq"}
 
@@ -258,14 +262,16 @@ def split_ranges(ckpt, tmp_path, name, shift=0, keys=FLAT_KEYS, at=300):
     return copy
 
 
-def test_flattened_ranges_are_what_megatron_013_loads(reshard_bin, tmp_path, saved):
-    # TP 2 x PP 2 only (a third of the time of both layouts): at DP 2 megatron-core 0.13 gives
-    # each DP rank whole parameters at these sizes, which the cut ranges below go beyond.
-    ckpt, config, state = saved("tp2pp2", "fully_sharded_model_space")
-    want = expected(state)
-    # As Megatron saved them, and with ranges cut inside blocks and rows (the first range ends
-    # at element 300 of a 1024- or 768-element block, mid-row), as DP ranks hold them.
-    for src in (ckpt, split_ranges(ckpt, tmp_path, "split")):
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1dp2_3l"])
+def test_flattened_ranges_are_what_megatron_013_loads(reshard_bin, tmp_path, saved, layout):
+    ckpt, config, state = saved(layout, "fully_sharded_model_space")
+    want = expected(state, layout)
+    sources = [ckpt]
+    if layout == "tp2pp2":
+        # Also with ranges cut inside rows (the first range ends at element 300 of a 1024- or
+        # 768-element block), as DP ranks may hold them.
+        sources.append(split_ranges(ckpt, tmp_path, "split"))
+    for src in sources:
         out = tmp_path / f"hf_{src.name}"
         r = run(reshard_bin, "gather", src, "-o", out, "--config", config, "--optimizer-state")
         assert r.returncode == 0, r.stderr
@@ -275,8 +281,8 @@ def test_flattened_ranges_are_what_megatron_013_loads(reshard_bin, tmp_path, sav
     r = run(reshard_bin, "convert", src, "--config", config, "--to", "universal", "-o",
             tmp_path / "uc")
     assert r.returncode == 0, r.stderr
-    f = torch.load(tmp_path / "uc" / "split_universal" / "zero" / "model.embed_tokens.weight" /
-                   "fp32.pt", weights_only=True)
+    f = torch.load(tmp_path / "uc" / f"{src.name}_universal" / "zero" /
+                   "model.embed_tokens.weight" / "fp32.pt", weights_only=True)
     assert same_bits(f["param"], want["model.embed_tokens.weight.fp32"])
 
 
