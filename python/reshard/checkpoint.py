@@ -143,7 +143,9 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
     read; ``config`` is the model's config.json for a format that needs one (Megatron). From a
     PyTorch Distributed Checkpoint, the optimizer's state is left out unless
-    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys.
+    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys; from a
+    Megatron-Core checkpoint it writes the distributed optimizer's state as "<name>.fp32",
+    "<name>.exp_avg" and "<name>.exp_avg_sq" beside each Hugging Face tensor.
 
     ``dequantize="bf16"`` (or ``"fp16"``, ``"fp32"``; the CLI's ``--dequantize --dtype``)
     writes block-quantized tensors (FP8, MXFP4, NVFP4) as numbers without their scales, and
@@ -180,7 +182,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     ``max_shard_size``) it writes DeepSpeed's universal checkpoint instead, which DeepSpeed
     resumes from at any TP x DP (``reshard convert --to universal``). A PyTorch Distributed
     Checkpoint with Adam's state (FSDP2, TorchTitan) converts to the universal checkpoint's
-    per-parameter files too (docs/formats.md).
+    per-parameter files too, and so does a Megatron-Core dist-ckpt with its distributed
+    optimizer's state (with ``config``, its model's config.json; docs/formats.md).
 
     With ``to="dcp"`` and ``world`` (no ``tp``, ``target_maps``, ``max_shard_size`` or
     ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``
@@ -225,7 +228,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
         if given:
             raise ValueError(f"to=\"universal\" takes no {', '.join(given)}: the universal "
                              "checkpoint holds full tensors of every optimizer state")
-        _core.convert_to_universal(src, dst, o)
+        _core.convert_to_universal(src, dst, None if config is None else _path(config, "config"),
+                                   o)
         return
     if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"convert needs tp= (a world size of at least 1; got {tp!r}) or "

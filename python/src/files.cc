@@ -238,18 +238,28 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
   });
 }
 
-// `reshard convert --to universal`: a DeepSpeed checkpoint -> the universal checkpoint
+// `reshard convert --to universal`: a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or
+// a Megatron-Core dist-ckpt (with its model's config.json) -> the universal checkpoint
 // DeepSpeed resumes from at any TP x DP.
 void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
-                          const PyCheckpointOptions& o) {
-  const bool dcp = IsDcpCheckpoint(dir);
-  if (!IsDeepSpeedCheckpoint(dir) && !dcp) {
+                          const std::optional<std::string>& config, const PyCheckpointOptions& o) {
+  const bool megatron = IsMegatronCheckpoint(dir);
+  const bool dcp = !megatron && IsDcpCheckpoint(dir);
+  if (!IsDeepSpeedCheckpoint(dir) && !dcp && !megatron) {
     throw py::value_error(
-        "to=\"universal\" converts a DeepSpeed checkpoint or a PyTorch Distributed Checkpoint; "
-        "\"" +
+        "to=\"universal\" converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or "
+        "a Megatron-Core dist-ckpt; \"" +
         dir + "\" is not one");
   }
+  if (megatron != config.has_value()) {
+    throw py::value_error(megatron ? "\"" + dir +
+                                         "\" is a Megatron-Core checkpoint, which does not record "
+                                         "its model's shapes or Hugging Face names: give config="
+                                   : std::string("config= applies to to=\"universal\" from a "
+                                                 "Megatron-Core checkpoint"));
+  }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    if (megatron) return ConvertMegatronToUniversal(dir, *config, out_dir, options);
     return dcp ? ConvertDcpToUniversal(dir, out_dir, options)
                : ConvertDeepSpeedToUniversal(dir, out_dir, options);
   });

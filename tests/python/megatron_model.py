@@ -10,6 +10,12 @@ Megatron's own dist-ckpt (`torch_dist`).
         sharded_state_dict() (a map document), the rank's tensors (megatron_shards), and the
         LayoutErrors of a config that does not describe the model and of a key the name table
         does not know. reshard must be importable (PYTHONPATH: the build's python directory).
+    torchrun --nproc_per_node 4 megatron_model.py train OUT_DIR SPEC_JSON
+        builds the model with Megatron's DistributedOptimizer (Adam), takes SPEC["steps"] steps
+        and saves model and optimizer (sharding type SPEC["optim_sharding"]).
+    python megatron_model.py optim CKPT_DIR SPEC_JSON OUT_PT
+        loads what `train` saved at TP 1 (MoE: under torchrun, at EP = the world size) and
+        writes every parameter's fp32 main weight and Adam moments as Megatron holds them.
     python megatron_model.py logits CKPT_DIR SPEC_JSON TOKENS_JSON OUT_PT
         loads the checkpoint into the same model at TP 1 x PP 1 (Megatron reshards on load) and
         writes its logits for the tokens.
@@ -140,6 +146,12 @@ def _init(tp, pp, ep):
         # Dropout is off; the forward still enters the CUDA RNG tracker's fork, which has no
         # CUDA state to switch to.
         tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    import numpy
+
+    if not hasattr(numpy, "product"):
+        # megatron-core before 0.14 (which still saves flattened ranges) checks them with
+        # numpy.product, which numpy 2 renamed numpy.prod.
+        numpy.product = numpy.prod
     # megatron-core 0.16.1 names te_general_gemm in its router even when Transformer Engine is
     # absent (it is then never bound); None selects its torch.mm path.
     from megatron.core.transformer.moe import moe_utils
@@ -179,6 +191,190 @@ def save(out_dir, spec):
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save(sharded, out_dir, sharded_strategy=("torch_dist", 1))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+class _CudaTypeNames:
+    """Megatron's DistributedOptimizer sorts the parameters it wraps by their type() name and
+    knows only CUDA's ("torch.cuda.FloatTensor"); on the CPU the same fp32 parameter is a
+    "torch.FloatTensor". While the optimizer is built, type() answers with the CUDA name."""
+
+    def __enter__(self):
+        self.orig = torch.Tensor.type
+
+        def cuda_name(t, *args, **kwargs):
+            name = self.orig(t, *args, **kwargs)
+            if not args and not kwargs and name.startswith("torch.") and ".cuda." not in name:
+                return "torch.cuda." + name[len("torch."):]
+            return name
+
+        torch.Tensor.type = cuda_name
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.type = self.orig
+
+
+def _cuda_to_cpu():
+    """Megatron's optimizers allocate their flags and scales with device="cuda" and move
+    state with .cuda(); a CPU build of torch has no such device, and the CPU is where
+    everything here lives."""
+    if torch.cuda.is_available():
+        return
+
+    def on_cpu(fn):
+        def call(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda t, *args, **kwargs: t
+
+
+def _dist_optimizer(spec, model):
+    """Megatron's distributed optimizer (Adam) over `model` wrapped in its DDP, which keeps the
+    gradients in flat buffers that each DP rank's optimizer owns a range of."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _cuda_to_cpu()
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                      overlap_param_gather=False,
+                                      bucket_size=spec.get("bucket")),
+        model,
+    )
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9,
+                             adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0, bf16=False,
+                             fp16=False, params_dtype=torch.float32,
+                             use_distributed_optimizer=True)
+    with _CudaTypeNames():
+        optimizer = get_megatron_optimizer(config, [ddp])
+    return ddp, optimizer
+
+
+def _sharding_metadata(spec):
+    return {"distrib_optim_sharding_type": spec.get("optim_sharding", "fully_reshardable")}
+
+
+def train_save(out_dir, spec):
+    """Builds the model with Megatron's distributed optimizer, takes `spec["steps"]` Adam steps
+    on gradients each rank draws from the seed for its own parameters (no forward or backward,
+    so no pipeline schedule), and saves the model and the optimizer with dist-ckpt in the
+    spec's "optim_sharding" format (default fully_reshardable)."""
+    from megatron.core import dist_checkpointing
+
+    tp, pp, ep = spec["tp"], spec["pp"], spec.get("ep", 1)
+    _init(tp, pp, ep)
+    torch.manual_seed(spec["seed"])
+    model = _model(spec, _config(spec, tp, pp, ep))
+    ddp, optimizer = _dist_optimizer(spec, model)
+    for step in range(spec.get("steps", 2)):
+        gen = torch.Generator().manual_seed(spec["seed"] * 1000 + step)
+        for p in ddp.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        ok, _, _ = optimizer.step()
+        assert ok
+    model_sd = ddp.module.sharded_state_dict()
+    optim_sd = optimizer.sharded_state_dict(model_sd, metadata=_sharding_metadata(spec))
+
+    os.makedirs(out_dir, exist_ok=True)
+    dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, out_dir,
+                            sharded_strategy=("torch_dist", 1))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _prepare_for_load(inner):
+    """A DistributedOptimizer made ready to load its state as Megatron's loader expects."""
+    # The moments exist once a step was taken: Megatron's own dummy step creates them, to be
+    # overwritten by the load (megatron-core before 0.14 has no such step: the same, here).
+    if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+        inner._init_optimizer_states_with_dummy_values()
+    else:
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.optimizer.step()
+        inner.optimizer.zero_grad()
+    # torch's Adam (no Transformer Engine or apex here) keeps a per-parameter "step" that the
+    # fully_reshardable state does not carry (Megatron keeps the step in param_groups) and that
+    # Megatron's setter copies too: it is given the one the state holds already.
+    set_states = inner._set_main_param_and_optimizer_states
+
+    def with_step(model_param, tensors):
+        g, o = inner.model_param_group_index_map[model_param]
+        held = inner.optimizer.state[inner.optimizer.param_groups[g]["params"][o]]
+        if "step" in held and "step" not in tensors:
+            tensors = dict(tensors, step=held["step"])
+        return set_states(model_param, tensors)
+
+    inner._set_main_param_and_optimizer_states = with_step
+
+
+def optim_state(ckpt_dir, spec, out_path):
+    """Loads a checkpoint saved by `train` (model and distributed optimizer) into the same model
+    and optimizer built at TP 1 x PP 1 (Megatron reshards on load): in one process, or for an
+    MoE model under torchrun at EP = the world size, and writes {"param": ..., "exp_avg": ...,
+    "exp_avg_sq": ...}, each {parameter name: tensor at the parameter's shape} with the names
+    of the model's state_dict() (experts by their global number), every rank's DP range of it
+    put together."""
+    from megatron.core import dist_checkpointing
+
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    # MoE models load at EP = the world size (under torchrun): Megatron names the optimizer's
+    # keys by its place in the chain of optimizers, which a single process builds otherwise.
+    ep = int(os.environ["WORLD_SIZE"])
+    _init(1, 1, ep)
+    torch.manual_seed(spec["seed"] + 1)
+    model = _model(spec, _config(spec, 1, 1, ep))
+    ddp, optimizer = _dist_optimizer(spec, model)
+    # The experts' parameters have an optimizer of their own in the chain.
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner in chain:
+        _prepare_for_load(inner)
+    model_sd = ddp.module.sharded_state_dict()
+    optim_sd = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                            metadata=_sharding_metadata(spec))
+    state = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, ckpt_dir)
+    ddp.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    local = spec.get("experts", 0) // ep
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    # Each rank's optimizer holds its DP range of each parameter's flat state; all of them
+    # together, the whole.
+    mine = []
+    for name, p in ddp.module.named_parameters():
+        if ".local_experts." in name:  # this rank's experts, by their global number
+            head, tail = name.split(".local_experts.")
+            e, rest = tail.split(".", 1)
+            name = f"{head}.local_experts.{first + int(e)}.{rest}"
+        for o in chain:
+            if p in o.model_param_group_index_map:
+                r = o._get_model_param_range_map(p)["param"]
+                tensors = o._get_main_param_and_optimizer_states(p)
+                mine.append((name, tuple(p.shape), r.start, r.end,
+                             {k: tensors[k].detach().clone() for k in ("param", "exp_avg",
+                                                                       "exp_avg_sq")}))
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    out = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, shape, start, end, tensors in (e for rank in every for e in rank):
+        for k, t in tensors.items():
+            full = out[k].setdefault(name, torch.full(shape, float("nan")))
+            full.view(-1)[start:end] = t
+    if torch.distributed.get_rank() == 0:
+        torch.save(out, out_path)
     torch.distributed.destroy_process_group()
 
 
@@ -243,6 +439,10 @@ if __name__ == "__main__":
     spec = json.loads(open(sys.argv[3]).read())
     if cmd == "save":
         save(sys.argv[2], spec)
+    elif cmd == "train":
+        train_save(sys.argv[2], spec)
+    elif cmd == "optim":
+        optim_state(sys.argv[2], spec, sys.argv[4])
     elif cmd == "live":
         live(sys.argv[2], spec, sys.argv[4])
     elif cmd == "logits":

@@ -20,6 +20,7 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/formats/formats.h"
+#include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
@@ -382,17 +383,31 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
         "the "
         "universal checkpoint holds full tensors of every optimizer state");
   }
-  const bool dcp = IsDcpCheckpoint(args.input);
-  if (!IsDeepSpeedCheckpoint(args.input) && !dcp) {
+  // Before DCP: a Megatron-Core checkpoint is a DCP checkpoint with a metadata.json.
+  const bool megatron = IsMegatronCheckpoint(args.input);
+  const bool dcp = !megatron && IsDcpCheckpoint(args.input);
+  if (!IsDeepSpeedCheckpoint(args.input) && !dcp && !megatron) {
     return InvalidArgumentError(
-        "--to universal converts a DeepSpeed checkpoint or a PyTorch Distributed Checkpoint; \"" +
+        "--to universal converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or a "
+        "Megatron-Core dist-ckpt; \"" +
         args.input + "\" is not one");
   }
+  if (megatron && args.config.empty()) {
+    return InvalidArgumentError(
+        "\"" + args.input +
+        "\" is a Megatron-Core checkpoint, which does not record its model's shapes or Hugging "
+        "Face names: give the model's config.json with --config");
+  }
+  if (!megatron && !args.config.empty()) {
+    return InvalidArgumentError(
+        "--config applies to --to universal from a Megatron-Core checkpoint");
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  RESHARD_RETURN_IF_ERROR(
-      WithForceHint(dcp ? ConvertDcpToUniversal(args.input, args.output, options)
-                        : ConvertDeepSpeedToUniversal(args.input, args.output, options),
-                    args.force));
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      megatron ? ConvertMegatronToUniversal(args.input, args.config, args.output, options)
+      : dcp    ? ConvertDcpToUniversal(args.input, args.output, options)
+               : ConvertDeepSpeedToUniversal(args.input, args.output, options),
+      args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("converted \"{}\" to a universal checkpoint in \"{}\" ({:.2f} s)", args.input,
@@ -555,7 +570,9 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
                 "DeepSpeed or universal input: write the optimizer's fp32 master weights "
                 "instead of the module's");
   cmd->add_flag("--optimizer-state", args->optimizer_state,
-                "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...)");
+                "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...); "
+                "Megatron input: the distributed optimizer's, as <name>.fp32, .exp_avg, "
+                ".exp_avg_sq");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");
@@ -570,12 +587,13 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                    "torch_dist, Hugging Face (docs/formats.md)",
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
-                "DeepSpeed or DCP input: the model's weights only, no optimizer state");
+                "DeepSpeed, DCP or Megatron input: the model's weights only, no optimizer state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
                   "(what ds_to_universal writes; OUT/latest_universal names its folder), or the "
-                  "per-parameter files of one from a DCP checkpoint with Adam's state; dcp: a "
+                  "per-parameter files of one from a DCP checkpoint with Adam's state or a "
+                  "Megatron-Core checkpoint with its distributed optimizer's; dcp: a "
                   "PyTorch Distributed Checkpoint saved for --world ranks (from a DCP checkpoint: "
                   "its keys and non-tensor values kept)")
       ->check(CLI::IsMember({"universal", "dcp"}))

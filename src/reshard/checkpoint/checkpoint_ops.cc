@@ -464,7 +464,8 @@ Result<MapDocument> DocumentOfMaps(const MapProvider& maps, const BufferSetBuild
 
 Result<ResolvedMap> ResolveMap(const MapProvider& maps, const std::string& name,
                                const Shape& shape) {
-  for (auto [suffix, power] : {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}}) {
+  for (auto [suffix, power] :
+       {std::pair{".exp_avg_sq", -2}, std::pair{".exp_avg", -1}, std::pair{".fp32", 1}}) {
     const std::string_view s(suffix);
     if (name.size() <= s.size() || !name.ends_with(s)) continue;
     if (Result<ProvidedMap> own = maps(name, shape); own.ok() && own->exact) {

@@ -152,7 +152,8 @@ struct ResolvedMap {
 
 /// The optimizer-state convention, which holds however a provider matches names (a "*"
 /// default included): a tensor named "<param>.exp_avg" or "<param>.exp_avg_sq" has scale power
-/// -1 or -2 and takes <param>'s map (what `maps` gives for <param> at the tensor's shape),
+/// -1 or -2, "<param>.fp32" (the optimizer's fp32 main weight) power 1, and each takes
+/// <param>'s map (what `maps` gives for <param> at the tensor's shape),
 /// unless the provider names the state itself (ProvidedMap::exact); only when `maps` has
 /// nothing for <param> does it take its own. Any other tensor takes its own map at scale
 /// power 1. NotFound when there is no map.

@@ -313,10 +313,11 @@ Result<std::vector<StackGroup>> GroupStackedExperts(
   std::vector<StackGroup> groups;
   std::map<std::string, size_t> group_of_buffer;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    // Adam's moments ("<param>.exp_avg", ".exp_avg_sq") stack as their parameter does, into a
-    // buffer of the same suffix.
+    // Adam's moments ("<param>.exp_avg", ".exp_avg_sq") and the fp32 master weight (".fp32")
+    // stack as their parameter does, into a buffer of the same suffix.
     std::string_view base = tensors[i].name, suffix;
-    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+    for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg"),
+                               std::string_view(".fp32")}) {
       if (base.size() > s.size() && base.ends_with(s)) {
         suffix = s;
         base.remove_suffix(s.size());
@@ -383,7 +384,8 @@ Status LayOutStackGroup(const StackGroup& g, const ModelPlan& plan,
   // The stacked tensor is [E, member...] (members concatenated along member dim 0, the
   // stacked dim 1: Concatenate(dim=1)); its plan entry says how it is split.
   std::string_view stacked_name = g.buffer;
-  for (std::string_view s : {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg")}) {
+  for (std::string_view s :
+       {std::string_view(".exp_avg_sq"), std::string_view(".exp_avg"), std::string_view(".fp32")}) {
     if (stacked_name.ends_with(s)) stacked_name.remove_suffix(s.size());
   }
   const ResolvedEntry* entry = MatchPlanEntry(plan, stacked_name);

@@ -123,7 +123,8 @@ Result<DcpMetadata> ParseDcpMetadata(std::span<const std::byte> bytes, std::stri
 /// Whether a key is optimizer state: its first path element up to a dot (the top-level
 /// state-dict key, also where a writer records flat keys as one-element paths) is
 /// "optim", "optimizer" or "optimizers" (FSDP2's get_state_dict saved as {"model", "optim"},
-/// TorchTitan's "optimizer", Megatron's "optimizer").
+/// TorchTitan's "optimizer", Megatron's "optimizer"), or Megatron's "chained_{i}.optimizer."
+/// (a chain of optimizers).
 bool IsDcpOptimizerState(std::span<const std::string> path);
 
 /// The param map of a tensor of shape `shape` from its chunks, at `world_size` ranks: chunk c

@@ -83,6 +83,15 @@ bool IsDcpOptimizerState(std::span<const std::string> path) {
   // keys as one-element paths, e.g. ("optim.state.w.exp_avg",), names it there).
   const std::string_view first = path.front();
   const std::string_view top = first.substr(0, first.find('.'));
+  // Megatron's chain of optimizers (MoE models) puts "chained_{i}" before "optimizer".
+  constexpr std::string_view kChained = "chained_";
+  if (top.size() > kChained.size() && top.starts_with(kChained) &&
+      top.find_first_not_of("0123456789", kChained.size()) == std::string_view::npos) {
+    const std::string_view next = top.size() < first.size()
+                                      ? first.substr(top.size() + 1)
+                                      : (path.size() > 1 ? std::string_view(path[1]) : "");
+    return next.substr(0, next.find('.')) == "optimizer";
+  }
   return top == "optim" || top == "optimizer" || top == "optimizers";
 }
 

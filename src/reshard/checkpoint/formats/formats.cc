@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -68,7 +69,8 @@ Status RefuseOptimizerState(const std::string& path, const SourceOptions& option
                             std::string_view what) {
   if (options.optimizer_state) {
     return InvalidArgumentError(fmt::format(
-        "a gather with the optimizer's state applies to a PyTorch Distributed Checkpoint; \"{}\" "
+        "a gather with the optimizer's state applies to a PyTorch Distributed Checkpoint or a "
+        "Megatron-Core checkpoint; \"{}\" "
         "is {}: convert it (optimizer state included) to a sharded checkpoint at 1 rank and gather "
         "that",
         path, what));
@@ -262,12 +264,10 @@ Result<OpenedCheckpoint> OpenUniversalWithConfig(const std::string& path,
 // ---- Megatron-Core dist-ckpt (torch_dist) ----------------------------------------------
 
 Status CheckMegatron(const std::string& path, const SourceOptions& options) {
-  RESHARD_RETURN_IF_ERROR(RefuseOptimizerState(
-      path, options, "a Megatron-Core checkpoint, read for its model weights"));
   if (options.master_weights) {
     return InvalidArgumentError(fmt::format(
-        "\"{}\" is a Megatron-Core checkpoint: reshard reads its model weights, not the "
-        "optimizer's fp32 copies",
+        "\"{}\" is a Megatron-Core checkpoint: its gather writes the model's weights, and the "
+        "optimizer's fp32 main weights beside them with the optimizer state",
         path));
   }
   if (options.config_path.empty()) {
@@ -282,13 +282,42 @@ Status CheckMegatron(const std::string& path, const SourceOptions& options) {
   return InvalidArgumentError("a distributed config applies to a convert, not a gather");
 }
 
-// The optimizer state is never read (the HF tensors are the model's weights), so weights_only
-// holds whether asked or not.
+// Each optimizer state of `m` ("<param>.fp32", ...) in `doc` laid out as its parameter: the
+// parameter's map, or where that map is over buffers (stacked experts) the planner's, which
+// stacks the state as its parameter into buffers of the state's own ("<buffer>.exp_avg").
+void AlignStateMaps(const Manifest& m, const std::set<std::string_view>& names, MapDocument& doc) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < doc.params.size(); ++i) index.emplace(doc.params[i].first, i);
+  for (const ShardedParam& p : m.params) {
+    const std::string_view base = BaseParamName(p.name, names);
+    if (base == p.name) continue;
+    const auto param = index.find(std::string(base));
+    const auto state = index.find(p.name);
+    if (param == index.end() || state == index.end()) continue;
+    const ParamMap& map = doc.params[param->second].second;
+    if (!map.has_buffers()) doc.params[state->second].second = map;
+  }
+}
+
+// The distributed optimizer's state is read for a gather that asks for it and for a convert
+// unless weights_only: "<name>.fp32", "<name>.exp_avg", "<name>.exp_avg_sq" beside each
+// Hugging Face tensor, laid out at the target as their parameter (ResolveMap's convention).
 Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(options.config_path));
+  const bool optimizer_state =
+      options.use == SourceUse::kGather ? options.optimizer_state : !options.weights_only;
   RESHARD_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardSource> source,
-      OpenMegatronSource(path, MegatronSourceOptions{config, options.config_path}));
+      OpenMegatronSource(path,
+                         MegatronSourceOptions{config, options.config_path, optimizer_state}));
+  if (options.use == SourceUse::kGather && options.optimizer_state &&
+      std::none_of(source->manifest().params.begin(), source->manifest().params.end(),
+                   [](const ShardedParam& p) { return p.name.ends_with(".exp_avg"); })) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds no distributed-optimizer state (\"optimizer.state.exp_avg.<key>\"): it was "
+        "saved without the optimizer",
+        path));
+  }
   OpenedCheckpoint out;
   out.format = "megatron";
   out.source = std::move(source);
@@ -297,12 +326,15 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   out.target_maps = [source = out.source, config, plan = std::move(plan),
                      config_path =
                          options.config_path](int world) -> Result<std::optional<MapDocument>> {
+    std::set<std::string_view> names;
     std::vector<StoredTensor> tensors;
     for (const ShardedParam& p : source->manifest().params) {
+      names.insert(p.name);
       tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
     }
     Result<MapDocument> doc = ConfigTargetMaps(config, tensors, world, plan);
     if (!doc.ok()) return doc.status().Annotate(fmt::format("\"{}\"", config_path));
+    AlignStateMaps(source->manifest(), names, *doc);
     return std::optional<MapDocument>(*std::move(doc));
   };
   out.extra_files.push_back({"config.json", std::move(config)});

@@ -492,7 +492,7 @@ class MegatronShardSource : public ShardSource {
     for (const ChunkRef& c : chunks_of_[i]) ReleaseChunk(c);
   }
 
-  Status Build(const MegatronModelConfig& config, const std::string& dir);
+  Status Build(const MegatronModelConfig& config, const std::string& dir, bool optimizer_state);
 
  private:
   struct ChunkRef {
@@ -544,6 +544,78 @@ class MegatronShardSource : public ShardSource {
   std::mutex mu_;
   std::map<std::pair<size_t, size_t>, std::shared_ptr<Held>> held_;
 };
+
+// A box of a tensor that a chunk holds, and where it lies in the chunk's buffer.
+struct ChunkBox {
+  Shape offsets;  // in the (model) tensor
+  Shape sizes;
+  StridedView view;
+};
+
+// The boxes of range [lo, hi) of the row-major order of a block of sizes `block` from dim `dim`
+// on, the dims before it fixed at `prefix`; `base`: the range's first element's index in the
+// block order at this level. Each box's view offset is its first element's index in the block.
+void FlatRangeBoxes(const Shape& block, size_t dim, Shape& prefix, Index lo, Index hi, Index base,
+                    std::vector<ChunkBox>& out) {
+  if (lo >= hi) return;
+  Index inner = 1;
+  for (size_t d = dim + 1; d < block.size(); ++d) inner *= block[d];
+  const auto emit = [&](Index from, Index count) {
+    ChunkBox box;
+    box.offsets = prefix;
+    box.sizes.assign(prefix.size(), 1);
+    box.offsets.push_back(from);
+    box.sizes.push_back(count);
+    for (size_t d = dim + 1; d < block.size(); ++d) {
+      box.offsets.push_back(0);
+      box.sizes.push_back(block[d]);
+    }
+    box.view.offset = base + from * inner;
+    out.push_back(std::move(box));
+  };
+  const auto into = [&](Index i, Index from, Index to) {
+    prefix.push_back(i);
+    FlatRangeBoxes(block, dim + 1, prefix, from, to, base + i * inner, out);
+    prefix.pop_back();
+  };
+  Index first = lo / inner;
+  const Index last = (hi - 1) / inner;
+  if (first == last && (lo % inner != 0 || hi % inner != 0))
+    return into(first, lo % inner, hi - first * inner);
+  if (lo % inner != 0) into(first++, lo % inner, inner);
+  const Index end = hi % inner == 0 ? last + 1 : last;
+  if (end > first) emit(first, end - first);
+  if (hi % inner != 0) into(last, 0, hi - last * inner);
+}
+
+// The boxes of the tensor a chunk holds, each with its view in the chunk's buffer: the chunk's
+// own box (row-major), or with `block` (Megatron's flattened layout) the boxes of its range of
+// the block it names.
+std::vector<ChunkBox> ChunkBoxes(const DcpChunk& chunk, const std::optional<Shape>& block) {
+  if (!block) return {{chunk.offsets, chunk.sizes, {0, RowMajorStrides(chunk.sizes)}}};
+  const Index from = chunk.offsets.back();
+  Shape prefix;
+  std::vector<ChunkBox> boxes;
+  FlatRangeBoxes(*block, 0, prefix, from, from + chunk.sizes.back(), 0, boxes);
+  const Shape strides = RowMajorStrides(*block);
+  for (ChunkBox& box : boxes) {
+    for (size_t d = 0; d < block->size(); ++d) box.offsets[d] += chunk.offsets[d] * (*block)[d];
+    box.view = {box.view.offset - from, strides};
+  }
+  return boxes;
+}
+
+// The pieces of `region` a chunk holds (dest in the chunk's buffer).
+std::vector<Piece> ChunkPieces(const TensorRegion& region, const DcpChunk& chunk,
+                               const std::optional<Shape>& block) {
+  std::vector<Piece> pieces;
+  for (const ChunkBox& box : ChunkBoxes(chunk, block)) {
+    std::vector<Piece> more = RegionPieces(region, box.offsets, box.sizes, box.view, 0);
+    pieces.insert(pieces.end(), std::make_move_iterator(more.begin()),
+                  std::make_move_iterator(more.end()));
+  }
+  return pieces;
+}
 
 // One HF tensor while the source is built.
 struct PlannedPart {
@@ -605,7 +677,8 @@ std::string ChunkBufferName(const DcpCheckpoint& ckpt, size_t t, size_t c) {
 // [padding_from, rows) of a padded vocabulary are zeros no HF tensor holds.
 BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& slots,
                               const std::vector<bool>& used,
-                              const std::vector<std::optional<Index>>& padding) {
+                              const std::vector<std::optional<Index>>& padding,
+                              const std::vector<std::optional<Shape>>& blocks) {
   BufferSetBuilder buffers;
   for (size_t t = 0; t < ckpt.tensors().size(); ++t) {
     if (!used[t]) continue;
@@ -617,15 +690,18 @@ BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& s
       decl.ranks.resize(static_cast<size_t>(slots.world_size()), BufferRank{{0}, {}});
       BufferRank& mine = decl.ranks[static_cast<size_t>(slots.Of(ckpt, t, c))];
       mine.shape = {ProductOf(chunk.sizes)};
-      const Index lo = padding[t] ? std::max(chunk.offsets[0], *padding[t]) : 0;
-      const Index hi = padding[t] ? chunk.offsets[0] + chunk.sizes[0] : 0;
-      if (lo < hi) {
-        BufferBlock block;
-        block.shape = chunk.sizes;
-        block.shape[0] = hi - lo;
-        const Shape strides = RowMajorStrides(chunk.sizes);
-        block.view = {(lo - chunk.offsets[0]) * strides[0], strides};
-        mine.padding.push_back(std::move(block));
+      if (padding[t]) {
+        for (const ChunkBox& box : ChunkBoxes(chunk, blocks[t])) {
+          const Index lo = std::max(box.offsets[0], *padding[t]);
+          const Index hi = box.offsets[0] + box.sizes[0];
+          if (lo >= hi) continue;
+          BufferBlock block;
+          block.shape = box.sizes;
+          block.shape[0] = hi - lo;
+          block.view = {box.view.offset + (lo - box.offsets[0]) * box.view.strides[0],
+                        box.view.strides};
+          mine.padding.push_back(std::move(block));
+        }
       }
       buffers.add(std::move(decl));
     }
@@ -704,7 +780,148 @@ Status CheckWholeModel(const MegatronModelConfig& config, const std::set<std::st
   return Status::Ok();
 }
 
-Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir) {
+// What a checkpoint tensor is to the source: a model tensor (its own key, no suffix), a state of
+// the distributed optimizer (the model key it belongs to and reshard's name for the state), or
+// left out.
+struct StateKey {
+  std::string model_key;
+  std::string suffix;  // "", ".fp32", ".exp_avg", ".exp_avg_sq"
+  bool skip = false;
+  Shape model_shape;  // the model tensor's global shape
+  // Flattened ranges (fully_sharded_model_space): the blocks the model tensor is cut into, and
+  // the state is [model_shape / block ..., ProductOf(block)], a chunk [i..., a] + [1..., b]
+  // elements [a, a + b) of block i in row-major order. nullopt: the state has the model
+  // tensor's shape (fully_reshardable), or it is a model tensor.
+  std::optional<Shape> block;
+};
+
+// The block a state of shape `state` cuts a model tensor of shape `model` into when it is
+// Megatron's flattened layout ([model / block ..., ProductOf(block)]); nullopt otherwise.
+std::optional<Shape> FlattenedBlock(const Shape& model, const Shape& state) {
+  if (state.size() != model.size() + 1) return std::nullopt;
+  Shape block(model.size());
+  for (size_t d = 0; d < model.size(); ++d) {
+    if (state[d] <= 0 || model[d] % state[d] != 0) return std::nullopt;
+    block[d] = model[d] / state[d];
+  }
+  if (ProductOf(block) != state.back()) return std::nullopt;
+  return block;
+}
+
+// Megatron's names of the distributed optimizer's per-parameter state (fully_reshardable:
+// "param"; fully_sharded_model_space: "fp32_param") and reshard's.
+constexpr std::pair<std::string_view, std::string_view> kOptimizerStates[] = {
+    {"fp32_param", ".fp32"},
+    {"param", ".fp32"},
+    {"exp_avg_sq", ".exp_avg_sq"},
+    {"exp_avg", ".exp_avg"}};
+
+// The key of a tensor of the optimizer from "optimizer." on: the key itself, or with
+// ChainedOptimizer's "chained_{i}." before it (a chain of optimizers: MoE models keep the
+// experts' apart); nullopt for a model tensor.
+std::optional<std::string_view> OptimizerKey(std::string_view key) {
+  constexpr std::string_view kChained = "chained_";
+  if (key.starts_with(kChained)) {
+    std::string_view rest = key.substr(kChained.size());
+    if (TakeIndex(rest) && rest.starts_with("optimizer.")) return rest;
+  }
+  if (key.starts_with("optimizer.")) return key;
+  return std::nullopt;
+}
+
+// Each tensor's StateKey. With `optimizer_state`, "optimizer.state.<state>.<model key>" is read
+// when its shape is its model tensor's (fully_reshardable: each state a tensor of the
+// parameter's shape, sharded as the parameter is); InvalidArgument naming the checkpoint for
+// the other layouts Megatron saves (per-bucket flat buffers, "optimizer.distributed.*";
+// flattened ranges of the parameters' shards, a state whose shape is not its parameter's), a
+// state of a key that is not a model tensor, or a parameter missing some of its states.
+Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool optimizer_state,
+                                                 const std::string& dir) {
+  constexpr std::string_view kState = "optimizer.state.";
+  std::map<std::string, const DcpTensor*> model;
+  for (const DcpTensor& t : ckpt.tensors()) {
+    if (!OptimizerKey(t.fqn)) model.emplace(t.fqn, &t);
+  }
+  std::vector<StateKey> out(ckpt.tensors().size());
+  std::map<std::string, std::set<std::string>> found;  // model key -> its states' suffixes
+  for (size_t i = 0; i < ckpt.tensors().size(); ++i) {
+    const DcpTensor& t = ckpt.tensors()[i];
+    const std::optional<std::string_view> optimizer_key = OptimizerKey(t.fqn);
+    std::string_view key = optimizer_key.value_or(std::string_view(t.fqn));
+    if (!optimizer_key && !t.optimizer_state) {
+      out[i].model_key = t.fqn;
+      out[i].model_shape = t.shape;
+      continue;
+    }
+    out[i].skip = true;
+    if (!optimizer_state) continue;
+    if (!key.starts_with(kState)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" holds the distributed optimizer's state as \"{}\", a layout of Megatron's own "
+          "buffers (its dp_reshardable sharding type: flat per-bucket buffers that do not name "
+          "their parameters); reshard reads the fully_reshardable sharding type (each state a "
+          "tensor of its parameter's shape): save with that, or leave the optimizer state out",
+          dir, t.fqn));
+    }
+    key.remove_prefix(kState.size());
+    const auto* state =
+        std::find_if(std::begin(kOptimizerStates), std::end(kOptimizerStates), [&](const auto& s) {
+          return key.size() > s.first.size() + 1 && key.starts_with(s.first) &&
+                 key[s.first.size()] == '.';
+        });
+    if (state == std::end(kOptimizerStates)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": optimizer tensor \"{}\" is not one of the distributed optimizer's states "
+          "reshard reads (optimizer.state.{{param,fp32_param,exp_avg,exp_avg_sq}}.<key>)",
+          dir, t.fqn));
+    }
+    const std::string model_key(key.substr(state->first.size() + 1));
+    const auto m = model.find(model_key);
+    if (m == model.end()) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": optimizer tensor \"{}\" is the state of \"{}\", which the "
+                      "checkpoint does not hold",
+                      dir, t.fqn, model_key));
+    }
+    std::optional<Shape> block;
+    if (m->second->shape != t.shape) {
+      block = FlattenedBlock(m->second->shape, t.shape);
+      if (!block) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": optimizer tensor \"{}\" has shape {}, which is neither its parameter "
+            "\"{}\"'s {} nor flattened ranges of blocks of it ([blocks per dim..., elements per "
+            "block])",
+            dir, t.fqn, FormatShape(t.shape), model_key, FormatShape(m->second->shape)));
+      }
+      for (const DcpChunk& c : t.chunks) {
+        if (std::any_of(c.sizes.begin(), c.sizes.end() - 1, [](Index n) { return n != 1; })) {
+          return InvalidArgumentError(fmt::format(
+              "\"{}\": optimizer tensor \"{}\" {} holds flattened ranges, but its chunk at {} "
+              "of sizes {} spans several blocks",
+              dir, t.fqn, FormatShape(t.shape), FormatShape(c.offsets), FormatShape(c.sizes)));
+        }
+      }
+    }
+    if (!found[model_key].insert(std::string(state->second)).second) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": optimizer tensor \"{}\" is a second {} of \"{}\"", dir, t.fqn,
+                      state->second.substr(1), model_key));
+    }
+    out[i] = {model_key, std::string(state->second), false, m->second->shape, std::move(block)};
+  }
+  for (const auto& [key, suffixes] : found) {
+    if (suffixes.size() != 3) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": the optimizer state of \"{}\" is only {} of its .fp32, .exp_avg and "
+                      ".exp_avg_sq: the checkpoint does not hold it whole",
+                      dir, key, fmt::join(suffixes, ", ")));
+    }
+  }
+  return out;
+}
+
+Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir,
+                                  bool optimizer_state) {
   const int world = ckpt_->world_size();
   std::set<std::string> names;
   bool have_output_layer = false;
@@ -713,19 +930,25 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   ChunkSlotTable slots{world, 1, std::vector<std::vector<int>>(ckpt_->tensors().size())};
   std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
   std::vector<bool> used(ckpt_->tensors().size(), false);
+  std::vector<std::optional<Shape>> blocks(ckpt_->tensors().size());
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<StateKey> states,
+                           OptimizerStateKeys(*ckpt_, optimizer_state, dir));
+  for (size_t t = 0; t < states.size(); ++t) blocks[t] = states[t].block;
   for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
     const DcpTensor& tensor = ckpt_->tensors()[t];
-    // The optimizer's state (Megatron's "optimizer." keys) is not part of the model.
-    if (tensor.optimizer_state || std::string_view(tensor.fqn).starts_with("optimizer.")) continue;
+    const StateKey& state = states[t];
+    // The optimizer's state (Megatron's "optimizer." keys) unless asked for.
+    if (state.skip) continue;
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
-                             MegatronPartsOf(config, tensor.fqn, tensor.shape));
+                             MegatronPartsOf(config, state.model_key, state.model_shape));
     if (tensor.fqn == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;
+    for (MegatronPart& part : parts.parts) part.name += state.suffix;
     used[t] = true;
     padding[t] = parts.padding_from;
     const size_t first = planned.size();
     for (MegatronPart& part : parts.parts) {
-      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, tensor.shape)
+      RESHARD_RETURN_IF_ERROR(CheckRegion(part.region, state.model_shape)
                                   .Annotate(fmt::format("Megatron tensor \"{}\"", tensor.fqn)));
       if (!names.insert(part.name).second) {
         return InvalidArgumentError(fmt::format(
@@ -737,8 +960,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
       for (size_t c = 0; c < tensor.chunks.size(); ++c) {
         const DcpChunk& chunk = tensor.chunks[c];
         if (ProductOf(chunk.sizes) == 0) continue;
-        std::vector<Piece> pieces = RegionPieces(p.part.region, chunk.offsets, chunk.sizes,
-                                                 {0, RowMajorStrides(chunk.sizes)}, 0);
+        std::vector<Piece> pieces = ChunkPieces(p.part.region, chunk, state.block);
         if (!pieces.empty()) p.pieces.emplace_back(c, std::move(pieces));
       }
       planned.push_back(std::move(p));
@@ -784,7 +1006,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     chunks_of_.push_back(std::move(refs));
   }
   RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
-  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding))
+  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding, blocks))
       .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
 }
 
@@ -833,7 +1055,7 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
-  RESHARD_RETURN_IF_ERROR(source->Build(config, dir));
+  RESHARD_RETURN_IF_ERROR(source->Build(config, dir, options.optimizer_state));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 

@@ -137,13 +137,18 @@ struct MegatronSourceOptions {
   /// The model's config.json (its text) and its path (an input the output may not replace).
   std::string config_json;
   std::string config_path;
+  /// Read the distributed optimizer's state too (fully_reshardable: each state a tensor of its
+  /// parameter's shape), each Hugging Face tensor's as "<name>.fp32" (the fp32 main weight),
+  /// "<name>.exp_avg" and "<name>.exp_avg_sq".
+  bool optimizer_state = false;
 };
 
 /// The checkpoint in `path` (see MegatronCheckpointDir) as a source of Hugging Face tensors
-/// (names, shapes and dtypes as transformers loads them; the optimizer state left out), world
-/// size = the ranks that wrote it. InvalidArgument for a backend other than torch_dist, no
-/// config, a config that disagrees with the checkpoint's shapes, or a model the checkpoint
-/// does not hold whole (a layer, an expert or the output layer missing).
+/// (names, shapes and dtypes as transformers loads them; the optimizer state left out unless
+/// `options.optimizer_state`), world size = the ranks that wrote it. InvalidArgument for a
+/// backend other than torch_dist, no config, a config that disagrees with the checkpoint's
+/// shapes, a model the checkpoint does not hold whole (a layer, an expert or the output layer
+/// missing), or optimizer state asked for in a layout reshard does not read or not whole.
 Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
                                                         const MegatronSourceOptions& options);
 

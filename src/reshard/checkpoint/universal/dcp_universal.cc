@@ -104,39 +104,6 @@ Result<std::vector<UniversalParam>> DcpParams(const Manifest& m, const std::stri
   return out;
 }
 
-// A full tensor of parameter `i` of `source` (its own dtype) rebuilt into `out`, replicas
-// compared when `verify`.
-Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte> out) {
-  const ShardedParam& p = source.manifest().params[i];
-  AcquiredShards shards(source, i);
-  RESHARD_RETURN_IF_ERROR(shards.status());
-  ExecOptions e;
-  e.verify_replicas = verify;
-  e.num_threads = 1;  // one file per thread already
-  return Rebuild(p.map, p.dtype, shards.shards(), {out.data(), p.map.num_elements()}, e)
-      .Annotate(fmt::format("tensor \"{}\"", p.name));
-}
-
-// A state file: {"param": the full fp32 tensor} (fp32's saved with requires_grad, as
-// DeepSpeed's is), or the bare tensor (step).
-UniversalFile StateFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
-                        bool in_dict, bool requires_grad, bool verify) {
-  const ShardedParam& p = source->manifest().params[i];
-  const uint64_t bytes = static_cast<uint64_t>(p.map.num_elements()) * DTypeSize(p.dtype);
-  return {std::move(name), bytes,
-          [source, i, in_dict, requires_grad, verify](const std::string& path,
-                                                      const TorchWriteOptions& options) -> Status {
-            const ShardedParam& t = source->manifest().params[i];
-            TorchTreeBuilder b;
-            const PickleNodeId tensor = b.Tensor(
-                t.dtype, t.map.valid_shape(),
-                [&](std::span<std::byte> out) { return FillFull(*source, i, verify, out); },
-                requires_grad);
-            const PickleNodeId root = in_dict ? b.Dict({{b.Str("param"), tensor}}) : tensor;
-            return b.Write(path, root, options);
-          }};
-}
-
 // zero/optimizer_state.pt: {"param_groups": [...]}, the groups rebuilt from the bytes items
 // "<opt>.param_groups.<g>.<key>" (get_state_dict's nesting), each value copied as pickled.
 UniversalFile OptimizerStateFile(const std::shared_ptr<const DcpCheckpoint>& ckpt,
@@ -198,14 +165,15 @@ Result<std::vector<UniversalFile>> PlanDcpUniversal(
             ckpt->dir(), t.name, DTypeName(t.dtype)));
       }
     }
-    files.push_back(StateFile(source, p.weight, fmt::format("{}/{}/fp32.pt", zero, p.name), true,
-                              true, verify));
+    files.push_back(TensorFile(source, p.weight, fmt::format("{}/{}/fp32.pt", zero, p.name), true,
+                               true, verify));
     for (const char* state : kStates) {
       const auto it = p.states.find(state);
       if (it == p.states.end()) continue;
       const bool step = std::string_view(state) == "step";
-      files.push_back(StateFile(source, it->second, fmt::format("{}/{}/{}.pt", zero, p.name, state),
-                                !step, false, verify));
+      files.push_back(TensorFile(source, it->second,
+                                 fmt::format("{}/{}/{}.pt", zero, p.name, state), !step, false,
+                                 verify));
     }
   }
   files.push_back(OptimizerStateFile(ckpt, zero + "/optimizer_state.pt"));

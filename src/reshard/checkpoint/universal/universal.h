@@ -40,6 +40,19 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
 Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_dir,
                              const CheckpointOptions& options = {});
 
+/// Megatron-Core dist-ckpt (torch_dist, with the distributed optimizer's state saved in its
+/// fully_reshardable sharding type) -> the universal checkpoint's per-parameter files, named
+/// by the Hugging Face tensors the model's config.json gives (`config_path`, as
+/// OpenMegatronSource reads them): OUT/latest_universal naming "<checkpoint dir name>_universal",
+/// in it zero/<hf name>/fp32.pt (the fp32 main weight), exp_avg.pt and exp_avg_sq.pt
+/// ({"param": the full fp32 tensor}). Megatron keeps the step and the param_groups in its
+/// pickled common state, which is not read: there is no step.pt or zero/optimizer_state.pt.
+/// FailedPrecondition for a checkpoint without the optimizer's state; what OpenMegatronSource
+/// refuses.
+Status ConvertMegatronToUniversal(const std::string& path, const std::string& config_path,
+                                  const std::string& out_dir,
+                                  const CheckpointOptions& options = {});
+
 /// Whether `path` looks like a universal checkpoint: a dir with latest_universal (but no
 /// `latest`: a DeepSpeed save dir with a universal folder beside its tags stays a DeepSpeed
 /// checkpoint), or the folder itself (zero/optimizer_state.pt); it may still fail to open.

@@ -1,5 +1,6 @@
 #include "reshard/checkpoint/universal/universal_files.h"
 
+#include <fmt/format.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -9,11 +10,47 @@
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
 
 namespace reshard {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// A full tensor of parameter `i` of `source` (its own dtype) rebuilt into `out`, replicas
+// compared when `verify`.
+Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte> out) {
+  const ShardedParam& p = source.manifest().params[i];
+  AcquiredShards shards(source, i);
+  RESHARD_RETURN_IF_ERROR(shards.status());
+  ExecOptions e;
+  e.verify_replicas = verify;
+  e.num_threads = 1;  // one file per thread already
+  return Rebuild(p.map, p.dtype, shards.shards(), {out.data(), p.map.num_elements()}, e)
+      .Annotate(fmt::format("tensor \"{}\"", p.name));
+}
+
+}  // namespace
+
+UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
+                         bool in_dict, bool requires_grad, bool verify) {
+  const ShardedParam& p = source->manifest().params[i];
+  const uint64_t bytes = static_cast<uint64_t>(p.map.num_elements()) * DTypeSize(p.dtype);
+  return {std::move(name), bytes,
+          [source, i, in_dict, requires_grad, verify](const std::string& path,
+                                                      const TorchWriteOptions& options) -> Status {
+            const ShardedParam& t = source->manifest().params[i];
+            TorchTreeBuilder b;
+            const PickleNodeId tensor = b.Tensor(
+                t.dtype, t.map.valid_shape(),
+                [&](std::span<std::byte> out) { return FillFull(*source, i, verify, out); },
+                requires_grad);
+            const PickleNodeId root = in_dict ? b.Dict({{b.Str("param"), tensor}}) : tensor;
+            return b.Write(path, root, options);
+          }};
+}
 
 // Files are synced together before the commit (SyncFiles), not one by one: a thread does not
 // wait for the disk between two files. Each file's writeback starts as it is closed, so the disk

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,12 @@ struct UniversalFile {
   uint64_t bytes = 0;
   std::function<Status(const std::string& path, const TorchWriteOptions& options)> write;
 };
+
+// A file of tensor `i` of `source` rebuilt whole (its chunks straight into the writer's buffer,
+// replicas compared when `verify`): {"param": tensor} when `in_dict` (with requires_grad, as
+// DeepSpeed saves fp32.pt), else the bare tensor (step.pt).
+UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
+                         bool in_dict, bool requires_grad, bool verify);
 
 // How every universal file is saved: without syncing each file, its writeback started as it
 // is closed (when the options sync), all synced before the commit.
