@@ -1,0 +1,288 @@
+#include "reshard/sched/sync_schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+
+namespace reshard {
+
+namespace {
+
+// The buffer each rank of `m` keeps the tensor in, or empty when none does (ParamPlan's form).
+std::vector<std::string> BuffersOf(const ParamMap& m) {
+  std::vector<std::string> out;
+  if (!m.has_buffers()) return out;
+  for (const RankShard& r : m.ranks()) out.push_back(r.buffer);
+  return out;
+}
+
+// `m` with each replicated piece kept by one of its holders only (the one with the fewest bytes
+// so far in `assigned`): the holders the trainer sends to. Every rank is put in buffered form,
+// so that ranks keeping part of their shard stay valid; the views are unchanged.
+Result<ParamMap> PrimaryMap(const ParamMap& m, std::vector<Index>* assigned) {
+  using Key = std::tuple<Index, Shape, Shape, std::vector<Rank>>;
+  std::map<Key, Rank> owner;
+  ParamMapBuilder b;
+  b.set_logical_shape(m.logical_shape());
+  if (m.has_padding()) b.set_valid_shape(m.valid_shape());
+  b.set_world_size(m.world_size());
+  for (Rank r = 0; r < m.world_size(); ++r) {
+    const RankShard& shard = m.rank(r);
+    b.set_shard_shape(r, shard.shard_shape);
+    b.set_buffer(r, shard.is_buffered() ? shard.buffer : std::string("sync.primary"));
+    for (const Piece& p : shard.pieces) {
+      Rank keeper = r;
+      if (p.is_replicated()) {
+        Key key{p.source.offset, p.source.strides, p.shape, p.locations};
+        auto it = owner.find(key);
+        if (it == owner.end()) {
+          Rank best = p.locations[0];
+          for (Rank l : p.locations) {
+            if ((*assigned)[static_cast<size_t>(l)] < (*assigned)[static_cast<size_t>(best)]) best = l;
+          }
+          (*assigned)[static_cast<size_t>(best)] += p.num_elements();
+          it = owner.emplace(std::move(key), best).first;
+        }
+        keeper = it->second;
+      } else {
+        (*assigned)[static_cast<size_t>(r)] += p.num_elements();
+      }
+      if (keeper != r) continue;
+      Piece kept = p;
+      kept.locations = {r};
+      b.add_piece(r, std::move(kept));
+    }
+  }
+  return b.Finalize();
+}
+
+}  // namespace
+
+struct SyncPlanner::State {
+  const Topology* topo = nullptr;
+  std::vector<double> load;     // seconds of traffic scheduled per link
+  std::vector<double> inv_bw;   // seconds per byte per link
+  std::vector<double> delta;    // scratch: seconds a candidate adds per link
+  std::vector<int> touched;
+  std::vector<std::vector<Index>> primary_assigned;  // per engine, per worker
+  SyncSchedule schedule;
+
+  // The process a move's source / target rank is.
+  int SourceProcess(int from_engine, Rank r) const {
+    return from_engine == kTrainer ? r : topo->engine_process(from_engine, r);
+  }
+
+  // The busiest link's load if `plan` ran from `from_engine` to `to_engine` now.
+  double Cost(const ParamPlan& plan, int from_engine, int to_engine, Index element_bytes) {
+    double worst = 0;
+    for (const Move& m : plan.moves) {
+      const int a = SourceProcess(from_engine, m.src_rank);
+      const int b = topo->engine_process(to_engine, m.dst_rank);
+      if (a == b) continue;
+      int links[2];
+      topo->Route(a, b, &links[0], &links[1]);
+      const auto bytes = static_cast<double>(m.num_elements() * element_bytes);
+      for (int l : links) {
+        const auto li = static_cast<size_t>(l);
+        if (delta[li] == 0) touched.push_back(l);
+        delta[li] += bytes * inv_bw[li];
+        worst = std::max(worst, load[li] + delta[li]);
+      }
+    }
+    for (int l : touched) delta[static_cast<size_t>(l)] = 0;
+    touched.clear();
+    return worst;
+  }
+
+  // Records step `step_index` of `tensor` (index `t`): its transfers, their rounds, the loads.
+  void Commit(SyncTensor& tensor, int t, int step_index,
+              std::vector<std::unordered_map<int, int>>& received_round) {
+    const SyncStep& step = tensor.steps[static_cast<size_t>(step_index)];
+    const ParamPlan& plan = tensor.plans[static_cast<size_t>(step.plan)];
+    received_round.resize(tensor.steps.size());
+    for (size_t i = 0; i < plan.moves.size(); ++i) {
+      const Move& m = plan.moves[i];
+      const int a = SourceProcess(step.from_engine, m.src_rank);
+      const int b = topo->engine_process(step.to_engine, m.dst_rank);
+      if (a == b) continue;
+      int round = 1;
+      for (int s : step.after) {
+        const auto& got = received_round[static_cast<size_t>(s)];
+        auto it = got.find(a);
+        if (it != got.end()) round = std::max(round, it->second + 1);
+      }
+      int& r = received_round[static_cast<size_t>(step_index)][b];
+      r = std::max(r, round);
+      const Index bytes = m.num_elements() * tensor.element_bytes;
+      int out_link = 0;
+      int in_link = 0;
+      topo->Route(a, b, &out_link, &in_link);
+      load[static_cast<size_t>(out_link)] += static_cast<double>(bytes) * inv_bw[static_cast<size_t>(out_link)];
+      load[static_cast<size_t>(in_link)] += static_cast<double>(bytes) * inv_bw[static_cast<size_t>(in_link)];
+      schedule.transfers.push_back(SyncTransfer{round, a, b, bytes, t, step_index, static_cast<int>(i)});
+      schedule.rounds = std::max(schedule.rounds, round);
+    }
+  }
+};
+
+SyncPlanner::SyncPlanner(const Topology& topology) : state_(std::make_unique<State>()) {
+  state_->topo = &topology;
+  const auto n = static_cast<size_t>(topology.num_links());
+  state_->load.assign(n, 0.0);
+  state_->delta.assign(n, 0.0);
+  for (int l = 0; l < topology.num_links(); ++l) {
+    state_->inv_bw.push_back(1.0 / topology.LinkBandwidth(l));
+  }
+  for (int e = 0; e < topology.num_engines(); ++e) {
+    state_->primary_assigned.emplace_back(static_cast<size_t>(topology.engine_workers(e)), 0);
+  }
+}
+
+SyncPlanner::~SyncPlanner() = default;
+SyncPlanner::SyncPlanner(SyncPlanner&&) noexcept = default;
+SyncPlanner& SyncPlanner::operator=(SyncPlanner&&) noexcept = default;
+
+Status SyncPlanner::Add(const SyncTensorInput& in) {
+  State& s = *state_;
+  const Topology& topo = *s.topo;
+  const int num_engines = topo.num_engines();
+  if (in.source == nullptr || in.source->world_size() != topo.trainer_ranks()) {
+    return InvalidArgumentError(fmt::format(
+        "tensor \"{}\": the trainer's map has {} ranks, the topology places {}", in.name,
+        in.source ? in.source->world_size() : 0, topo.trainer_ranks()));
+  }
+  if (static_cast<int>(in.engines.size()) != num_engines) {
+    return InvalidArgumentError(fmt::format("tensor \"{}\": {} engine maps for {} engines",
+                                            in.name, in.engines.size(), num_engines));
+  }
+  std::vector<int> needed;
+  std::vector<int> cls(static_cast<size_t>(num_engines), -1);  // first engine of equal layout
+  for (int e = 0; e < num_engines; ++e) {
+    const ParamMap* m = in.engines[static_cast<size_t>(e)];
+    if (m == nullptr) continue;
+    if (m->world_size() != topo.engine_workers(e)) {
+      return InvalidArgumentError(fmt::format(
+          "tensor \"{}\": engine {}'s map has {} ranks, the topology places {} workers", in.name,
+          e, m->world_size(), topo.engine_workers(e)));
+    }
+    needed.push_back(e);
+    cls[static_cast<size_t>(e)] = e;
+    for (int f : needed) {
+      const ParamMap* o = in.engines[static_cast<size_t>(f)];
+      if (f < e && (o == m || *o == *m)) {
+        cls[static_cast<size_t>(e)] = cls[static_cast<size_t>(f)];
+        break;
+      }
+    }
+  }
+  if (needed.empty()) return Status::Ok();
+  const int t = static_cast<int>(s.schedule.tensors.size());
+  SyncTensor tensor;
+  tensor.name = in.name;
+  tensor.element_bytes = in.element_bytes;
+  tensor.bytes = ProductOf(in.source->valid_shape()) * in.element_bytes;
+  auto annotate = [&](const Status& st) {
+    return FailedPreconditionError(fmt::format("tensor \"{}\": {}", in.name, st.message()));
+  };
+  // From the trainer into each layout's primary holders (one compose per distinct layout).
+  std::map<int, int> trainer_plan;  // class -> plan index
+  std::map<int, ParamMap> primaries;
+  const auto seed = static_cast<size_t>(t);
+  ComposeOptions from_trainer;
+  from_trainer.policy = [seed](const ReplicaChoice& c) {
+    Index least = std::numeric_limits<Index>::max();
+    for (Rank h : c.holders) least = std::min(least, c.assigned[static_cast<size_t>(h)]);
+    std::vector<Rank> tied;
+    for (Rank h : c.holders) {
+      if (c.assigned[static_cast<size_t>(h)] == least) tied.push_back(h);
+    }
+    return tied[seed % tied.size()];
+  };
+  for (int e : needed) {
+    const int c = cls[static_cast<size_t>(e)];
+    if (trainer_plan.count(c)) continue;
+    RESHARD_ASSIGN_OR_RETURN(ParamMap primary,
+                             PrimaryMap(*in.engines[static_cast<size_t>(c)],
+                                        &s.primary_assigned[static_cast<size_t>(c)]));
+    Result<ParamPlan> plan = Compose(primary, *in.source, from_trainer);
+    if (!plan.ok()) return annotate(plan.status());
+    plan->target_buffers = BuffersOf(*in.engines[static_cast<size_t>(c)]);
+    trainer_plan[c] = static_cast<int>(tensor.plans.size());
+    tensor.plans.push_back(*std::move(plan));
+    primaries.emplace(c, std::move(primary));
+  }
+  // The root: the engine the trainer reaches most cheaply now.
+  int root = needed[0];
+  double best = std::numeric_limits<double>::infinity();
+  for (int e : needed) {
+    const ParamPlan& p = tensor.plans[static_cast<size_t>(trainer_plan[cls[static_cast<size_t>(e)]])];
+    const double cost = s.Cost(p, kTrainer, e, in.element_bytes);
+    if (cost < best) {
+      best = cost;
+      root = e;
+    }
+  }
+  std::vector<std::unordered_map<int, int>> received_round;
+  const int root_cls = cls[static_cast<size_t>(root)];
+  tensor.steps.push_back(SyncStep{trainer_plan[root_cls], kTrainer, root,
+                                  SyncStep::Kind::kFromTrainer, {}});
+  s.Commit(tensor, t, 0, received_round);
+  {
+    Result<ParamPlan> within = Compose(*in.engines[static_cast<size_t>(root)], primaries.at(root_cls));
+    if (!within.ok()) return annotate(within.status());
+    within->source_buffers = BuffersOf(*in.engines[static_cast<size_t>(root)]);
+    const bool any = std::any_of(within->moves.begin(), within->moves.end(),
+                                 [](const Move& m) { return m.src_rank != m.dst_rank; });
+    if (any) {
+      tensor.plans.push_back(*std::move(within));
+      tensor.steps.push_back(SyncStep{static_cast<int>(tensor.plans.size()) - 1, root, root,
+                                      SyncStep::Kind::kWithinRoot, {0}});
+      s.Commit(tensor, t, 1, received_round);
+    }
+  }
+  // Every other engine from the engine holding the tensor that reaches it most cheaply.
+  std::map<std::pair<int, int>, int> relay_plan;  // (to class, from class) -> plan index
+  std::vector<int> holders = {root};
+  const auto root_pos = std::find(needed.begin(), needed.end(), root) - needed.begin();
+  for (size_t k = 1; k < needed.size(); ++k) {
+    const int c = needed[(static_cast<size_t>(root_pos) + k) % needed.size()];
+    int parent = holders[0];
+    int parent_plan = -1;
+    best = std::numeric_limits<double>::infinity();
+    for (int p : holders) {
+      const std::pair<int, int> key{cls[static_cast<size_t>(c)], cls[static_cast<size_t>(p)]};
+      auto it = relay_plan.find(key);
+      if (it == relay_plan.end()) {
+        Result<ParamPlan> plan = Compose(*in.engines[static_cast<size_t>(c)], *in.engines[static_cast<size_t>(p)]);
+        if (!plan.ok()) return annotate(plan.status());
+        it = relay_plan.emplace(key, static_cast<int>(tensor.plans.size())).first;
+        tensor.plans.push_back(*std::move(plan));
+      }
+      const double cost = s.Cost(tensor.plans[static_cast<size_t>(it->second)], p, c, in.element_bytes);
+      if (cost < best) {
+        best = cost;
+        parent = p;
+        parent_plan = it->second;
+      }
+    }
+    std::vector<int> after;
+    for (size_t i = 0; i < tensor.steps.size(); ++i) {
+      if (tensor.steps[i].to_engine == parent) after.push_back(static_cast<int>(i));
+    }
+    tensor.steps.push_back(SyncStep{parent_plan, parent, c, SyncStep::Kind::kRelay, std::move(after)});
+    s.Commit(tensor, t, static_cast<int>(tensor.steps.size()) - 1, received_round);
+    holders.push_back(c);
+  }
+  s.schedule.one_copy_bytes += tensor.bytes;
+  s.schedule.tensors.push_back(std::move(tensor));
+  return Status::Ok();
+}
+
+SyncSchedule SyncPlanner::Finish() && { return std::move(state_->schedule); }
+
+}  // namespace reshard
