@@ -57,7 +57,6 @@ SyncPrediction Simulate(const SyncSchedule& schedule, const Topology& topology) 
     ++key_pending[static_cast<size_t>(k)];
   }
   std::vector<int> waiting(n, 0);
-  std::vector<double> ready(n, 0.0);
   for (size_t i = 0; i < n; ++i) {
     const SyncTransfer& x = schedule.transfers[i];
     const SyncStep& step = schedule.tensors[static_cast<size_t>(x.tensor)].steps[static_cast<size_t>(x.step)];
@@ -68,47 +67,95 @@ SyncPrediction Simulate(const SyncSchedule& schedule, const Topology& topology) 
       ++waiting[i];
     }
   }
-  using Entry = std::pair<double, size_t>;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> queue;
+  // Events: transfers finishing. A link runs one transfer at a time; a ready transfer waits in
+  // the queues of both its links and starts as soon as both are free (the earliest ready
+  // first, on each link that frees).
+  std::vector<int> out_of(n);
+  std::vector<int> in_of(n);
   for (size_t i = 0; i < n; ++i) {
-    if (waiting[i] == 0) queue.emplace(0.0, i);
+    topology.Route(schedule.transfers[i].from, schedule.transfers[i].to, &out_of[i], &in_of[i]);
   }
-  std::vector<double> link_free(num_links, 0.0);
-  size_t done = 0;
-  while (!queue.empty()) {
-    const auto [t_ready, i] = queue.top();
-    queue.pop();
+  std::vector<char> busy(num_links, 0);
+  std::vector<char> started(n, 0);
+  std::vector<std::vector<size_t>> queue_of(num_links);
+  std::vector<size_t> queue_head(num_links, 0);
+  using Event = std::pair<double, size_t>;  // (end time, transfer)
+  std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
+  auto start = [&](size_t i, double now) {
     const SyncTransfer& x = schedule.transfers[i];
-    int out_link = 0;
-    int in_link = 0;
-    topology.Route(x.from, x.to, &out_link, &in_link);
-    const auto o = static_cast<size_t>(out_link);
-    const auto in = static_cast<size_t>(in_link);
-    const double bw = std::min(topology.LinkBandwidth(out_link), topology.LinkBandwidth(in_link));
-    const double start = std::max({t_ready, link_free[o], link_free[in]});
-    const double end = start + static_cast<double>(x.bytes) / bw;
-    link_free[o] = end;
-    link_free[in] = end;
-    out.link_bytes[o] += x.bytes;
-    out.link_bytes[in] += x.bytes;
-    out.total_bytes += x.bytes;
-    if (x.from < topology.trainer_ranks()) out.trainer_egress_bytes += x.bytes;
-    out.predicted_s = std::max(out.predicted_s, end);
-    double& pd = out.process_done_s[static_cast<size_t>(x.to)];
-    pd = std::max(pd, end);
-    ++done;
-    const auto k = static_cast<size_t>(arrives_key[i]);
-    key_done[k] = std::max(key_done[k], end);
-    if (--key_pending[k] == 0) {
-      for (int w : waiters[k]) {
-        const auto wi = static_cast<size_t>(w);
-        ready[wi] = std::max(ready[wi], key_done[k]);
-        if (--waiting[wi] == 0) queue.emplace(ready[wi], wi);
+    const auto o = static_cast<size_t>(out_of[i]);
+    const auto in = static_cast<size_t>(in_of[i]);
+    const double bw = std::min(topology.LinkBandwidth(out_of[i]), topology.LinkBandwidth(in_of[i]));
+    started[i] = 1;
+    busy[o] = 1;
+    busy[in] = 1;
+    events.emplace(now + static_cast<double>(x.bytes) / bw, i);
+  };
+  auto offer = [&](size_t i, double now) {
+    if (!busy[static_cast<size_t>(out_of[i])] && !busy[static_cast<size_t>(in_of[i])]) {
+      start(i, now);
+      return;
+    }
+    queue_of[static_cast<size_t>(out_of[i])].push_back(i);
+    queue_of[static_cast<size_t>(in_of[i])].push_back(i);
+  };
+  // The first waiting transfer on `link` whose other link is free, started.
+  auto dispatch = [&](size_t link, double now) {
+    if (busy[link]) return;
+    std::vector<size_t>& q = queue_of[link];
+    size_t& head = queue_head[link];
+    while (head < q.size() && started[q[head]]) ++head;
+    for (size_t k = head; k < q.size(); ++k) {
+      const size_t i = q[k];
+      if (started[i]) continue;
+      if (!busy[static_cast<size_t>(out_of[i])] && !busy[static_cast<size_t>(in_of[i])]) {
+        start(i, now);
+        return;
+      }
+    }
+  };
+  for (size_t i = 0; i < n; ++i) {
+    if (waiting[i] == 0) offer(i, 0.0);
+  }
+  std::vector<size_t> freed;
+  while (!events.empty()) {
+    const double now = events.top().first;
+    freed.clear();
+    // Every transfer ending now: free its links, release what waited on it.
+    while (!events.empty() && events.top().first == now) {
+      const size_t i = events.top().second;
+      events.pop();
+      const SyncTransfer& x = schedule.transfers[i];
+      const auto o = static_cast<size_t>(out_of[i]);
+      const auto in = static_cast<size_t>(in_of[i]);
+      busy[o] = 0;
+      busy[in] = 0;
+      freed.push_back(o);
+      freed.push_back(in);
+      out.link_bytes[o] += x.bytes;
+      out.link_bytes[in] += x.bytes;
+      out.total_bytes += x.bytes;
+      if (x.from < topology.trainer_ranks()) out.trainer_egress_bytes += x.bytes;
+      out.predicted_s = std::max(out.predicted_s, now);
+      double& pd = out.process_done_s[static_cast<size_t>(x.to)];
+      pd = std::max(pd, now);
+      const auto k = static_cast<size_t>(arrives_key[i]);
+      key_done[k] = std::max(key_done[k], now);
+      if (--key_pending[k] == 0) {
+        for (int w : waiters[k]) {
+          const auto wi = static_cast<size_t>(w);
+          if (--waiting[wi] == 0) freed.push_back(num_links + wi);  // ready now
+        }
+      }
+    }
+    for (size_t f : freed) {
+      if (f >= num_links) {
+        offer(f - num_links, now);
+      } else {
+        dispatch(f, now);
       }
     }
   }
-  // Every transfer runs: the steps' dependencies point only backwards.
-  (void)done;
   double worst = -1;
   for (size_t l = 0; l < num_links; ++l) {
     const double s = static_cast<double>(out.link_bytes[l]) / topology.LinkBandwidth(static_cast<int>(l));
