@@ -1,9 +1,9 @@
 // reshard._core: the fleet sync planner (reshard.plan_sync, DESIGN.md 21).
+#include <pybind11/stl.h>
+
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <pybind11/stl.h>
 
 #include "core.h"
 #include "reshard/base/dtype.h"
@@ -45,9 +45,12 @@ std::string PlanSync(const std::string& topology_json, std::optional<std::string
         grid = InvalidArgumentError("a config's weights are synchronised as BF16 or F8_E4M3");
       }
       if (grid.ok()) {
-        Result<SyncPlanResult> r = PlanSyncFromConfig(*config_json, *grid, engine_tp, format, std::move(topo));
-        if (r.ok()) result = *std::move(r);
-        else grid = r.status();
+        Result<SyncPlanResult> r =
+            PlanSyncFromConfig(*config_json, *grid, engine_tp, format, std::move(topo));
+        if (r.ok())
+          result = *std::move(r);
+        else
+          grid = r.status();
       }
       if (!grid.ok()) {
         py::gil_scoped_acquire acquire;
@@ -69,9 +72,12 @@ std::string PlanSync(const std::string& topology_json, std::optional<std::string
       if (status.ok()) {
         std::vector<const MapDocument*> engines;
         for (const MapDocument& d : targets) engines.push_back(&d);
-        Result<SyncPlanResult> r = PlanSyncFromMaps(*source, engines, static_cast<Index>(DTypeSize(*dtype)), std::move(topo));
-        if (r.ok()) result = *std::move(r);
-        else status = r.status();
+        Result<SyncPlanResult> r = PlanSyncFromMaps(
+            *source, engines, static_cast<Index>(DTypeSize(*dtype)), std::move(topo));
+        if (r.ok())
+          result = *std::move(r);
+        else
+          status = r.status();
       }
       if (!status.ok()) {
         py::gil_scoped_acquire acquire;
@@ -86,8 +92,8 @@ std::string PlanSync(const std::string& topology_json, std::optional<std::string
 
 void BindSync(py::module_& m) {
   m.def("plan_sync", &PlanSync, py::arg("topology_json"), py::arg("config_json"),
-        py::arg("trainer"), py::arg("engine_tp"), py::arg("source_json"),
-        py::arg("target_jsons"), py::arg("dtype"), py::arg("transfers"));
+        py::arg("trainer"), py::arg("engine_tp"), py::arg("source_json"), py::arg("target_jsons"),
+        py::arg("dtype"), py::arg("transfers"));
 }
 
 }  // namespace reshard::python

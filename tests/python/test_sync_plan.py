@@ -49,7 +49,8 @@ def test_a_real_config_into_four_engines(reshard_bin, tmp_path):
     # least four (plus what replicated pieces add inside an engine).
     assert report["trainer_egress_bytes"] == one_copy
     assert report["total_bytes"] >= 4 * one_copy
-    assert 0 < report["lower_bound_s"] <= report["predicted_s"] <= 1.2 * report["lower_bound_s"]
+    # A small model: the pipeline's fill and drain weigh more than at cluster scale.
+    assert 0 < report["lower_bound_s"] <= report["predicted_s"] <= 1.5 * report["lower_bound_s"]
     busiest = report["busiest_link"]
     assert busiest == report["links"][0]
     assert busiest["seconds"] == pytest.approx(report["lower_bound_s"])

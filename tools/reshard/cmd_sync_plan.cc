@@ -71,9 +71,9 @@ Status RunSyncPlan(const SyncPlanArgs& args) {
     std::vector<int> tps = args.engine_tp;
     if (args.engines > 0 && tps.size() == 1) tps.assign(static_cast<size_t>(args.engines), tps[0]);
     if (args.engines > 0 && tps.size() != static_cast<size_t>(args.engines)) {
-      return InvalidArgumentError(fmt::format(
-          "--engine-tp gives {} degrees for --engines {}: give one, or one per engine",
-          tps.size(), args.engines));
+      return InvalidArgumentError(
+          fmt::format("--engine-tp gives {} degrees for --engines {}: give one, or one per engine",
+                      tps.size(), args.engines));
     }
     SyncFormat format = SyncFormat::kBf16;
     if (*dtype == DType::kF8E4M3) {
@@ -100,8 +100,8 @@ Status RunSyncPlan(const SyncPlanArgs& args) {
     }
     std::vector<const MapDocument*> engines;
     for (const MapDocument& d : targets) engines.push_back(&d);
-    result = PlanSyncFromMaps(source, engines, static_cast<Index>(DTypeSize(*dtype)),
-                              *std::move(topo));
+    result =
+        PlanSyncFromMaps(source, engines, static_cast<Index>(DTypeSize(*dtype)), *std::move(topo));
   }
   if (!result.ok()) {
     const Status& s = result.status();
@@ -130,7 +130,8 @@ void AddSyncPlanOptions(CLI::App* cmd, SyncPlanArgs* args) {
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--source", args->source, "map document of the trainer's ranks");
-  cmd->add_option("--target", args->targets, "map document of one engine's workers (repeat per engine)");
+  cmd->add_option("--target", args->targets,
+                  "map document of one engine's workers (repeat per engine)");
   cmd->add_option("--topology", args->topology,
                   "topology JSON: hosts, GPUs, NVLink and NIC bandwidths, placement")
       ->required();

@@ -37,7 +37,7 @@ struct Builder {
   Index block = 128;
   std::vector<ModelTensor> out;
 
-  void Add(std::string name, Shape shape, int split_dim, Index units, int layer,
+  void Add(const std::string& name, const Shape& shape, int split_dim, Index units, int layer,
            bool experts = false, bool quantized = false) {
     ModelTensor t{name, shape, 2, split_dim, units, experts, layer};
     if (quantized && format == SyncFormat::kFp8) {
@@ -56,13 +56,50 @@ struct Builder {
       }
       std::string scale_name = name.substr(0, name.size() - (name.ends_with(".weight") ? 7 : 0));
       out.push_back(t);
-      out.push_back(ModelTensor{scale_name + ".weight_scale_inv", scale, 4, scale_dim,
-                                scale_units, experts, layer});
+      out.push_back(ModelTensor{scale_name + ".weight_scale_inv", scale, 4, scale_dim, scale_units,
+                                experts, layer});
       return;
     }
-    out.push_back(std::move(t));
+    out.push_back(t);
   }
 };
+
+// The attention tensors of one layer (prefix `a` ends in "self_attn.").
+Status AddAttention(const Json& cfg, Builder& b, const std::string& a, int li, Index heads,
+                    Index nkv, Index hd, Index hidden, std::optional<Index> kv_lora,
+                    std::optional<Index> q_lora, bool attention_bias, bool qk_norm) {
+  if (kv_lora) {  // multi-head latent attention
+    RESHARD_ASSIGN_OR_RETURN(Index nope, RequiredSize(cfg, "qk_nope_head_dim"));
+    RESHARD_ASSIGN_OR_RETURN(Index rope, RequiredSize(cfg, "qk_rope_head_dim"));
+    RESHARD_ASSIGN_OR_RETURN(Index vd, RequiredSize(cfg, "v_head_dim"));
+    if (q_lora && *q_lora > 0) {
+      b.Add(a + "q_a_proj.weight", {*q_lora, hidden}, -1, 0, li, false, true);
+      b.Add(a + "q_a_layernorm.weight", {*q_lora}, -1, 0, li);
+      b.Add(a + "q_b_proj.weight", {heads * (nope + rope), *q_lora}, 0, heads, li, false, true);
+    } else {
+      b.Add(a + "q_proj.weight", {heads * (nope + rope), hidden}, 0, heads, li, false, true);
+    }
+    b.Add(a + "kv_a_proj_with_mqa.weight", {*kv_lora + rope, hidden}, -1, 0, li, false, true);
+    b.Add(a + "kv_a_layernorm.weight", {*kv_lora}, -1, 0, li);
+    b.Add(a + "kv_b_proj.weight", {heads * (nope + vd), *kv_lora}, 0, heads, li, false, true);
+    b.Add(a + "o_proj.weight", {hidden, heads * vd}, 1, heads, li, false, true);
+  } else {
+    b.Add(a + "q_proj.weight", {heads * hd, hidden}, 0, heads, li, false, true);
+    b.Add(a + "k_proj.weight", {nkv * hd, hidden}, 0, nkv, li, false, true);
+    b.Add(a + "v_proj.weight", {nkv * hd, hidden}, 0, nkv, li, false, true);
+    if (attention_bias) {
+      b.Add(a + "q_proj.bias", {heads * hd}, 0, heads, li);
+      b.Add(a + "k_proj.bias", {nkv * hd}, 0, nkv, li);
+      b.Add(a + "v_proj.bias", {nkv * hd}, 0, nkv, li);
+    }
+    if (qk_norm) {
+      b.Add(a + "q_norm.weight", {hd}, -1, 0, li);
+      b.Add(a + "k_norm.weight", {hd}, -1, 0, li);
+    }
+    b.Add(a + "o_proj.weight", {hidden, heads * hd}, 1, heads, li, false, true);
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -120,17 +157,21 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
   Builder b{format, 128, {}};
   if (const Json* q = json::Find(cfg, "quantization_config"); q && q->is_object()) {
     if (const Json* wb = json::Find(*q, "weight_block_size"); wb && wb->is_array()) {
-      RESHARD_ASSIGN_OR_RETURN(auto sizes, json::ReadIntArray(*wb, "quantization_config.weight_block_size", {1, 1 << 20}));
+      RESHARD_ASSIGN_OR_RETURN(
+          auto sizes,
+          json::ReadIntArray(*wb, "quantization_config.weight_block_size", {1, 1 << 20}));
       if (sizes.size() != 2 || sizes[0] != sizes[1]) {
-        return InvalidArgumentError("config.json: quantization_config.weight_block_size must be "
-                                    "two equal sizes");
+        return InvalidArgumentError(
+            "config.json: quantization_config.weight_block_size must be "
+            "two equal sizes");
       }
       b.block = sizes[0];
     }
   }
   const bool mixtral = spec.model_type == "mixtral";
   const bool qk_norm = spec.model_type == "qwen3" || spec.model_type == "qwen3_moe";
-  if (mixtral && !inter) return InvalidArgumentError("config.json: \"intermediate_size\" is missing");
+  if (mixtral && !inter)
+    return InvalidArgumentError("config.json: \"intermediate_size\" is missing");
   const Index nkv = kv_heads.value_or(heads);
   const Index hd = head_dim.value_or(hidden / heads);
   const Index expert_inter = mixtral ? inter.value_or(0) : moe_inter.value_or(inter.value_or(0));
@@ -144,37 +185,8 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
     const std::string p = fmt::format("model.layers.{}.", l);
     b.Add(p + "input_layernorm.weight", {hidden}, -1, 0, li);
     b.Add(p + "post_attention_layernorm.weight", {hidden}, -1, 0, li);
-    const std::string a = p + "self_attn.";
-    if (kv_lora) {  // multi-head latent attention
-      RESHARD_ASSIGN_OR_RETURN(Index nope, RequiredSize(cfg, "qk_nope_head_dim"));
-      RESHARD_ASSIGN_OR_RETURN(Index rope, RequiredSize(cfg, "qk_rope_head_dim"));
-      RESHARD_ASSIGN_OR_RETURN(Index vd, RequiredSize(cfg, "v_head_dim"));
-      if (q_lora && *q_lora > 0) {
-        b.Add(a + "q_a_proj.weight", {*q_lora, hidden}, -1, 0, li, false, true);
-        b.Add(a + "q_a_layernorm.weight", {*q_lora}, -1, 0, li);
-        b.Add(a + "q_b_proj.weight", {heads * (nope + rope), *q_lora}, 0, heads, li, false, true);
-      } else {
-        b.Add(a + "q_proj.weight", {heads * (nope + rope), hidden}, 0, heads, li, false, true);
-      }
-      b.Add(a + "kv_a_proj_with_mqa.weight", {*kv_lora + rope, hidden}, -1, 0, li, false, true);
-      b.Add(a + "kv_a_layernorm.weight", {*kv_lora}, -1, 0, li);
-      b.Add(a + "kv_b_proj.weight", {heads * (nope + vd), *kv_lora}, 0, heads, li, false, true);
-      b.Add(a + "o_proj.weight", {hidden, heads * vd}, 1, heads, li, false, true);
-    } else {
-      b.Add(a + "q_proj.weight", {heads * hd, hidden}, 0, heads, li, false, true);
-      b.Add(a + "k_proj.weight", {nkv * hd, hidden}, 0, nkv, li, false, true);
-      b.Add(a + "v_proj.weight", {nkv * hd, hidden}, 0, nkv, li, false, true);
-      if (attention_bias) {
-        b.Add(a + "q_proj.bias", {heads * hd}, 0, heads, li);
-        b.Add(a + "k_proj.bias", {nkv * hd}, 0, nkv, li);
-        b.Add(a + "v_proj.bias", {nkv * hd}, 0, nkv, li);
-      }
-      if (qk_norm) {
-        b.Add(a + "q_norm.weight", {hd}, -1, 0, li);
-        b.Add(a + "k_norm.weight", {hd}, -1, 0, li);
-      }
-      b.Add(a + "o_proj.weight", {hidden, heads * hd}, 1, heads, li, false, true);
-    }
+    RESHARD_RETURN_IF_ERROR(AddAttention(cfg, b, p + "self_attn.", li, heads, nkv, hd, hidden,
+                                         kv_lora, q_lora, attention_bias, qk_norm));
     bool moe = experts.has_value();
     if (moe && first_dense && l < *first_dense) moe = false;
     if (moe && sparse_step && *sparse_step > 1 && (l + 1) % *sparse_step != 0) moe = false;
@@ -195,9 +207,12 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
     b.Add(m + "gate.weight", {e, hidden}, -1, 0, li);
     if (spec.model_type == "deepseek_v3") b.Add(m + "gate.e_score_correction_bias", {e}, -1, 0, li);
     const std::string x = m + "experts.";
-    b.Add(x + (mixtral ? "w1" : "gate_proj"), {e, expert_inter, hidden}, 1, expert_inter, li, true, true);
-    b.Add(x + (mixtral ? "w3" : "up_proj"), {e, expert_inter, hidden}, 1, expert_inter, li, true, true);
-    b.Add(x + (mixtral ? "w2" : "down_proj"), {e, hidden, expert_inter}, 2, expert_inter, li, true, true);
+    b.Add(x + (mixtral ? "w1" : "gate_proj"), {e, expert_inter, hidden}, 1, expert_inter, li, true,
+          true);
+    b.Add(x + (mixtral ? "w3" : "up_proj"), {e, expert_inter, hidden}, 1, expert_inter, li, true,
+          true);
+    b.Add(x + (mixtral ? "w2" : "down_proj"), {e, hidden, expert_inter}, 2, expert_inter, li, true,
+          true);
     if (shared && *shared > 0) {
       const Index si = expert_inter * *shared;
       const std::string s = m + "shared_experts.";
@@ -267,9 +282,10 @@ Result<ParamMap> GridMap(const ModelTensor& tensor, const GridLayout& grid, int 
   int eblocks = 1;
   if (tensor.experts && grid.ep > 1) {
     if (tensor.shape[0] % grid.ep != 0) {
-      return FailedPreconditionError(fmt::format("tensor \"{}\": expert parallelism {} does not "
-                                                 "divide its {} experts",
-                                                 tensor.name, grid.ep, tensor.shape[0]));
+      return FailedPreconditionError(
+          fmt::format("tensor \"{}\": expert parallelism {} does not "
+                      "divide its {} experts",
+                      tensor.name, grid.ep, tensor.shape[0]));
     }
     eblocks = grid.ep;
   }
@@ -284,7 +300,9 @@ Result<ParamMap> GridMap(const ModelTensor& tensor, const GridLayout& grid, int 
   b.set_logical_shape(tensor.shape);
   b.set_world_size(grid.world());
   for (Rank r = 0; r < grid.world(); ++r) b.set_shard_shape(r, Shape(nd, 0));
-  auto rank_of = [&](int tp_rank, int ep_rank) { return tp_rank + grid.tp * (ep_rank + grid.ep * stage); };
+  auto rank_of = [&](int tp_rank, int ep_rank) {
+    return tp_rank + grid.tp * (ep_rank + grid.ep * stage);
+  };
   for (int eb = 0; eb < (eblocks > 1 ? eblocks : 1); ++eb) {
     for (int part = 0; part < parts; ++part) {
       std::vector<Rank> holders;
@@ -301,7 +319,8 @@ Result<ParamMap> GridMap(const ModelTensor& tensor, const GridLayout& grid, int 
       if (eblocks > 1) offset += eb * box[0] * strides[0];
       for (Rank r : holders) {
         b.set_shard_shape(r, box);
-        b.add_piece(r, Piece{box, StridedView{offset, strides}, StridedView{0, dense}, holders, 1.0});
+        b.add_piece(r,
+                    Piece{box, StridedView{offset, strides}, StridedView{0, dense}, holders, 1.0});
       }
     }
   }

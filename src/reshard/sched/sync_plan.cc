@@ -62,9 +62,9 @@ Result<SyncPlanResult> PlanSyncFromMaps(const MapDocument& source,
   const int trainer_ranks = source.params.front().second.world_size();
   for (const auto& [name, map] : source.params) {
     if (map.world_size() != trainer_ranks) {
-      return FailedPreconditionError(fmt::format(
-          "the trainer's maps disagree on its ranks: \"{}\" has {}, \"{}\" has {}",
-          source.params.front().first, trainer_ranks, name, map.world_size()));
+      return FailedPreconditionError(
+          fmt::format("the trainer's maps disagree on its ranks: \"{}\" has {}, \"{}\" has {}",
+                      source.params.front().first, trainer_ranks, name, map.world_size()));
     }
   }
   std::vector<int> workers;
@@ -79,9 +79,9 @@ Result<SyncPlanResult> PlanSyncFromMaps(const MapDocument& source,
     const int w = doc.params.front().second.world_size();
     for (const auto& [name, map] : doc.params) {
       if (map.world_size() != w) {
-        return FailedPreconditionError(fmt::format(
-            "engine {}'s maps disagree on its workers: \"{}\" has {}, \"{}\" has {}", e,
-            doc.params.front().first, w, name, map.world_size()));
+        return FailedPreconditionError(
+            fmt::format("engine {}'s maps disagree on its workers: \"{}\" has {}, \"{}\" has {}", e,
+                        doc.params.front().first, w, name, map.world_size()));
       }
       if (!in_source.count(name)) {
         return FailedPreconditionError(fmt::format(

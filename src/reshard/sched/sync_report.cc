@@ -23,8 +23,10 @@ std::string SyncReportJson(const SyncSchedule& schedule, const Topology& topolog
     if (prediction.link_bytes[static_cast<size_t>(l)] > 0) used.push_back(l);
   }
   std::stable_sort(used.begin(), used.end(), [&](int a, int b) {
-    return static_cast<double>(prediction.link_bytes[static_cast<size_t>(a)]) / topology.LinkBandwidth(a) >
-           static_cast<double>(prediction.link_bytes[static_cast<size_t>(b)]) / topology.LinkBandwidth(b);
+    return static_cast<double>(prediction.link_bytes[static_cast<size_t>(a)]) /
+               topology.LinkBandwidth(a) >
+           static_cast<double>(prediction.link_bytes[static_cast<size_t>(b)]) /
+               topology.LinkBandwidth(b);
   });
   nlohmann::ordered_json links = nlohmann::ordered_json::array();
   for (int l : used) links.push_back(link_json(l));

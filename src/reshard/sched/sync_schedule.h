@@ -43,7 +43,8 @@ struct SyncStep {
   /// primary holders to the other holders of replicated pieces.
   enum class Kind { kFromTrainer, kWithinRoot, kRelay } kind = Kind::kRelay;
   /// The steps of this tensor that deliver what a sender of this step sends: a transfer
-  /// starts once every transfer of these steps into its sender has arrived.
+  /// starts once the transfers of these steps into its sender that overlap what it sends
+  /// have arrived (SyncTransfer's dependencies).
   std::vector<int> after;
 };
 
@@ -67,11 +68,17 @@ struct SyncTransfer {
   int tensor = 0;
   int step = 0;
   int move = 0;
+  /// The transfers that deliver what this one sends (its sender's incoming transfers of the
+  /// steps `step` comes after whose target region overlaps this one's source region):
+  /// SyncSchedule::dependencies[first_dependency, first_dependency + num_dependencies).
+  int64_t first_dependency = 0;
+  int num_dependencies = 0;
 };
 
 struct SyncSchedule {
   std::vector<SyncTensor> tensors;
   std::vector<SyncTransfer> transfers;  // in the order they were planned
+  std::vector<int> dependencies;        // indices into transfers (see SyncTransfer)
   int rounds = 0;
   /// Bytes of one copy of every tensor some engine needs.
   Index one_copy_bytes = 0;
@@ -86,10 +93,21 @@ struct SyncTensorInput {
   std::vector<const ParamMap*> engines;
 };
 
+struct SyncOptions {
+  /// Moves of more bytes are cut along their outer dimensions into moves of at most this many
+  /// (whole rows of the innermost dimension at least), so that relays forward a large tensor
+  /// piece by piece instead of after all of it. 0: never cut.
+  Index max_transfer_bytes = Index{32} << 20;
+  /// An engine relays a tensor to at most this many engines (0: any number), and relay trees
+  /// are at most this deep (0: any depth): every hop queues behind busy links.
+  int max_fanout = 4;
+  int max_depth = 3;
+};
+
 /// Builds a SyncSchedule one tensor at a time (maps of a large model need not all be held).
 class SyncPlanner {
  public:
-  explicit SyncPlanner(const Topology& topology);
+  explicit SyncPlanner(const Topology& topology, SyncOptions options = {});
   ~SyncPlanner();
   SyncPlanner(SyncPlanner&&) noexcept;
   SyncPlanner& operator=(SyncPlanner&&) noexcept;

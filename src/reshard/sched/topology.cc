@@ -63,12 +63,13 @@ Status ReadHosts(const Json& hosts, std::string_view path, TopologySpec* spec) {
   return Status::Ok();
 }
 
-Result<std::vector<PlacementEntry>> ReadPlacementList(const Json& list, std::string_view path,
-                                                      const TopologySpec& spec,
-                                                      std::map<std::pair<int, int>, std::string>* used) {
+Result<std::vector<PlacementEntry>> ReadPlacementList(
+    const Json& list, std::string_view path, const TopologySpec& spec,
+    std::map<std::pair<int, int>, std::string>* used) {
   if (!list.is_array()) return json::TypeError(path, "an array of \"host\" or \"host:gpu\"", list);
   std::map<std::string_view, int> host_index;
-  for (size_t h = 0; h < spec.host_names.size(); ++h) host_index[spec.host_names[h]] = static_cast<int>(h);
+  for (size_t h = 0; h < spec.host_names.size(); ++h)
+    host_index[spec.host_names[h]] = static_cast<int>(h);
   std::vector<PlacementEntry> out;
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string p = json::Element(path, i);
@@ -99,7 +100,8 @@ Result<std::vector<PlacementEntry>> ReadPlacementList(const Json& list, std::str
     for (int g = first; g < last; ++g) {
       auto [at, fresh] = used->emplace(std::make_pair(h, g), p);
       if (!fresh) {
-        return json::ErrorAt(p, fmt::format("GPU {}:{} is already placed by {}", host, g, at->second));
+        return json::ErrorAt(p,
+                             fmt::format("GPU {}:{} is already placed by {}", host, g, at->second));
       }
       out.push_back({Slot{h, g}, p});
     }
@@ -120,7 +122,8 @@ Status ReadPlacement(const Json& j, std::string_view path, TopologySpec* spec) {
     if (!e->is_array()) return json::TypeError(p, "an array (one list per engine)", *e);
     std::vector<std::vector<PlacementEntry>> engines;
     for (size_t i = 0; i < e->size(); ++i) {
-      RESHARD_ASSIGN_OR_RETURN(auto list, ReadPlacementList((*e)[i], json::Element(p, i), *spec, &used));
+      RESHARD_ASSIGN_OR_RETURN(auto list,
+                               ReadPlacementList((*e)[i], json::Element(p, i), *spec, &used));
       engines.push_back(std::move(list));
     }
     spec->engines = std::move(engines);
@@ -158,8 +161,8 @@ Result<TopologySpec> ParseTopologyJson(std::string_view text) {
     } else if (nic == "gpu") {
       spec.nic = NicKind::kPerGpu;
     } else {
-      return json::ErrorAt("nic", fmt::format("expected \"host\" or \"gpu\", got {}",
-                                              json::QuoteShort(nic)));
+      return json::ErrorAt(
+          "nic", fmt::format("expected \"host\" or \"gpu\", got {}", json::QuoteShort(nic)));
     }
   }
   if (const Json* v = json::Find(j, "placement")) {
@@ -179,10 +182,10 @@ Result<Topology> Topology::Place(TopologySpec spec, int trainer_ranks,
     t.total_gpus_ += spec.host_gpus[h];
   }
   if (total > t.total_gpus_) {
-    return json::ErrorAt("hosts", fmt::format("{} trainer ranks and {} engines ({} processes) need "
-                                              "{} GPUs, but the hosts have {}",
-                                              trainer_ranks, engine_workers.size(), total, total,
-                                              t.total_gpus_));
+    return json::ErrorAt(
+        "hosts", fmt::format("{} trainer ranks and {} engines ({} processes) need "
+                             "{} GPUs, but the hosts have {}",
+                             trainer_ranks, engine_workers.size(), total, total, t.total_gpus_));
   }
   std::set<std::pair<int, int>> explicit_slots;
   if (spec.trainer) {
@@ -194,9 +197,9 @@ Result<Topology> Topology::Place(TopologySpec spec, int trainer_ranks,
   }
   if (spec.engines) {
     if (spec.engines->size() != engine_workers.size()) {
-      return json::ErrorAt("placement.engines", fmt::format("places {} engines, there are {}",
-                                                            spec.engines->size(),
-                                                            engine_workers.size()));
+      return json::ErrorAt("placement.engines",
+                           fmt::format("places {} engines, there are {}", spec.engines->size(),
+                                       engine_workers.size()));
     }
     for (size_t e = 0; e < engine_workers.size(); ++e) {
       if (static_cast<int>((*spec.engines)[e].size()) != engine_workers[e]) {
@@ -248,8 +251,8 @@ std::string Topology::SlotName(int process) const {
 }
 
 int Topology::num_links() const {
-  const int nics = spec_.nic == NicKind::kPerHost ? static_cast<int>(spec_.host_gpus.size())
-                                                  : total_gpus_;
+  const int nics =
+      spec_.nic == NicKind::kPerHost ? static_cast<int>(spec_.host_gpus.size()) : total_gpus_;
   return 2 * total_gpus_ + 2 * nics;
 }
 
