@@ -125,7 +125,9 @@ struct SyncPlanner::State {
 
   // The busiest link's load if `plan` ran from `from_engine` to `to_engine` now.
   double Cost(const ParamPlan& plan, int from_engine, int to_engine, Index element_bytes) {
-    double worst = 0;
+    // The busiest link, ties (every parent of one child shares the child's receiving links)
+    // broken by the busiest sending link.
+    double worst[2] = {0, 0};
     for (const Move& m : plan.moves) {
       const int a = SourceProcess(from_engine, m.src_rank);
       const int b = topo->engine_process(to_engine, m.dst_rank);
@@ -133,16 +135,16 @@ struct SyncPlanner::State {
       int links[2];
       topo->Route(a, b, &links[0], &links[1]);
       const auto bytes = static_cast<double>(m.num_elements() * element_bytes);
-      for (int l : links) {
-        const auto li = static_cast<size_t>(l);
-        if (delta[li] == 0) touched.push_back(l);
+      for (int side = 0; side < 2; ++side) {
+        const auto li = static_cast<size_t>(links[side]);
+        if (delta[li] == 0) touched.push_back(links[side]);
         delta[li] += bytes * inv_bw[li];
-        worst = std::max(worst, load[li] + delta[li]);
+        worst[side] = std::max(worst[side], load[li] + delta[li]);
       }
     }
     for (int l : touched) delta[static_cast<size_t>(l)] = 0;
     touched.clear();
-    return worst;
+    return std::max(worst[0], worst[1]) + 1e-3 * worst[0];
   }
 
   // What has arrived of the tensor being planned: per process, (step, first and one past the
