@@ -116,6 +116,7 @@ struct SyncPlanner::State {
   std::vector<double> delta;   // scratch: seconds a candidate adds per link
   std::vector<int> touched;
   std::vector<std::vector<Index>> primary_assigned;  // per engine, per worker
+  std::vector<Index> engine_work;  // per engine: bytes taken from the trainer and relayed
   SyncSchedule schedule;
 
   // The process a move's source / target rank is.
@@ -124,9 +125,10 @@ struct SyncPlanner::State {
   }
 
   // The busiest link's load if `plan` ran from `from_engine` to `to_engine` now.
-  double Cost(const ParamPlan& plan, int from_engine, int to_engine, Index element_bytes) {
-    // The busiest link, ties (every parent of one child shares the child's receiving links)
-    // broken by the busiest sending link.
+  // The busiest sending link's load and the busiest receiving link's, after `plan` ran from
+  // `from_engine` to `to_engine`.
+  std::pair<double, double> Loads(const ParamPlan& plan, int from_engine, int to_engine,
+                                  Index element_bytes) {
     double worst[2] = {0, 0};
     for (const Move& m : plan.moves) {
       const int a = SourceProcess(from_engine, m.src_rank);
@@ -144,7 +146,14 @@ struct SyncPlanner::State {
     }
     for (int l : touched) delta[static_cast<size_t>(l)] = 0;
     touched.clear();
-    return std::max(worst[0], worst[1]) + 1e-3 * worst[0];
+    return {worst[0], worst[1]};
+  }
+
+  // A relay's cost: the busiest link, ties (every parent of one child shares the child's
+  // receiving links) broken by the busiest sending link.
+  double Cost(const ParamPlan& plan, int from_engine, int to_engine, Index element_bytes) {
+    const auto [out, in] = Loads(plan, from_engine, to_engine, element_bytes);
+    return std::max(out, in) + 1e-3 * out;
   }
 
   // What has arrived of the tensor being planned: per process, (step, first and one past the
@@ -204,6 +213,9 @@ struct SyncPlanner::State {
           static_cast<double>(x.bytes) * inv_bw[static_cast<size_t>(out_link)];
       load[static_cast<size_t>(in_link)] +=
           static_cast<double>(x.bytes) * inv_bw[static_cast<size_t>(in_link)];
+      if (step.kind == SyncStep::Kind::kRelay) {
+        engine_work[static_cast<size_t>(step.from_engine)] += x.bytes;
+      }
       schedule.transfers.push_back(x);
       schedule.rounds = std::max(schedule.rounds, round);
     }
@@ -286,6 +298,7 @@ SyncPlanner::SyncPlanner(const Topology& topology, SyncOptions options)
   }
   for (int e = 0; e < topology.num_engines(); ++e) {
     state_->primary_assigned.emplace_back(static_cast<size_t>(topology.engine_workers(e)), 0);
+    state_->engine_work.push_back(0);
   }
 }
 
@@ -363,18 +376,21 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
     tensor.plans.push_back(*std::move(plan));
     primaries.emplace(c, std::move(primary));
   }
-  // The root: the engine the trainer reaches most cheaply now.
+  // The root: every engine takes in one copy of what it needs whichever is root, so what
+  // tells engines apart is what they send: the root is the engine that has sent the fewest
+  // bytes so far (relays and what it took from the trainer, which it relays), ties to the
+  // engine after the tensor's index.
   int root = needed[0];
-  double best = std::numeric_limits<double>::infinity();
-  for (int e : needed) {
-    const ParamPlan& p =
-        tensor.plans[static_cast<size_t>(trainer_plan[cls[static_cast<size_t>(e)]])];
-    const double cost = s.Cost(p, kTrainer, e, in.element_bytes);
-    if (cost < best) {
-      best = cost;
+  Index least = std::numeric_limits<Index>::max();
+  for (size_t k = 0; k < needed.size(); ++k) {
+    const int e = needed[(static_cast<size_t>(t) + k) % needed.size()];
+    const Index work = s.engine_work[static_cast<size_t>(e)];
+    if (work < least) {
+      least = work;
       root = e;
     }
   }
+  s.engine_work[static_cast<size_t>(root)] += tensor.bytes;
   s.arrived.clear();
   const int root_cls = cls[static_cast<size_t>(root)];
   tensor.steps.push_back(

@@ -100,8 +100,8 @@ struct SyncOptions {
   Index max_transfer_bytes = Index{32} << 20;
   /// An engine relays a tensor to at most this many engines (0: any number), and relay trees
   /// are at most this deep (0: any depth): every hop queues behind busy links.
-  int max_fanout = 2;
-  int max_depth = 4;
+  int max_fanout = 0;
+  int max_depth = 0;
 };
 
 /// Builds a SyncSchedule one tensor at a time (maps of a large model need not all be held).
