@@ -47,9 +47,10 @@ def plan_sync(topology: JsonSource, *, config: Optional[JsonSource] = None,
 
     Returns the report `reshard sync-plan --json` prints: bytes out of the trainer and one
     copy of the model, bytes per link, the busiest link, the lower bound (its bytes over its
-    bandwidth), the predicted seconds, rounds; with ``transfers``, every transfer as
-    ``[round, from, to, bytes, tensor, step, move]`` with the processes' slots and the tensor
-    names. Raises MapError for a malformed topology (naming the JSON path), layouts that do not
+    bandwidth), the predicted seconds, rounds; with ``transfers``, the schedule a runtime
+    executes: every transfer as ``[round, from, to, bytes, tensor, step, move, [dependencies]]``,
+    the processes' slots, the tensor names and each tensor's steps and plans
+    (``tensor_plans``). Raises MapError for a malformed topology (naming the JSON path), layouts that do not
     fit it, or a model that cannot be split as asked; FileNotFoundError for a missing file."""
     topology_json = _json_text(topology)
     if config is not None:

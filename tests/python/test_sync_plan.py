@@ -82,13 +82,25 @@ def test_transfers_and_the_package_agree(reshard_bin, tmp_path):
     trainer = cli["trainer_ranks"]
     egress = sum(t[3] for t in cli["transfers"] if t[1] < trainer)
     assert egress == cli["trainer_egress_bytes"] == cli["one_copy_bytes"]
-    # A relay forwards only in a later round than it received something of that tensor.
-    first_in = {}
-    for rnd, _src, dst, _b, tensor, _s, _m in cli["transfers"]:
-        first_in[(tensor, dst)] = min(rnd, first_in.get((tensor, dst), rnd))
-    for rnd, src, _dst, _b, tensor, _s, _m in cli["transfers"]:
-        if src >= trainer:
-            assert rnd > first_in[(tensor, src)]
+    # Every transfer is a move of its step's plan; a relay waits for earlier transfers into its
+    # sender of the same tensor, and runs in a later round than each of them.
+    transfers = cli["transfers"]
+    for i, (rnd, src, dst, nbytes, tensor, step, move, deps) in enumerate(transfers):
+        t = cli["tensor_plans"][tensor]
+        s = t["steps"][step]
+        m = t["plans"][s["plan"]]["moves"][move]
+        elements = 1
+        for d in m[2]:
+            elements *= d
+        assert nbytes == elements * t["element_bytes"]
+        assert (src < trainer) == (s["from_engine"] == -1)
+        if src < trainer:
+            assert rnd == 1 and deps == []
+        else:
+            assert deps, (i, s)
+        for d in deps:
+            assert d < i and transfers[d][2] == src and transfers[d][4] == tensor
+            assert transfers[d][0] < rnd
     assert cli["processes"][0] == "n0:0" and len(cli["tensor_names"]) == cli["tensors"]
 
 

@@ -5,6 +5,39 @@
 
 namespace reshard {
 
+namespace {
+
+nlohmann::ordered_json ViewJson(const StridedView& v) { return {v.offset, v.strides}; }
+
+// A tensor's steps and plans: what a runtime needs to execute its transfers.
+nlohmann::ordered_json TensorJson(const SyncTensor& t) {
+  static constexpr const char* kKinds[] = {"from_trainer", "within_root", "relay"};
+  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+  for (const SyncStep& s : t.steps) {
+    steps.push_back({{"plan", s.plan},
+                     {"from_engine", s.from_engine},
+                     {"to_engine", s.to_engine},
+                     {"kind", kKinds[static_cast<int>(s.kind)]},
+                     {"after", s.after}});
+  }
+  nlohmann::ordered_json plans = nlohmann::ordered_json::array();
+  for (const ParamPlan& p : t.plans) {
+    nlohmann::ordered_json moves = nlohmann::ordered_json::array();
+    for (const Move& m : p.moves) {
+      moves.push_back({m.src_rank, m.dst_rank, m.shape, ViewJson(m.src), ViewJson(m.dst)});
+    }
+    plans.push_back({{"source_buffers", p.source_buffers},
+                     {"target_buffers", p.target_buffers},
+                     {"moves", std::move(moves)}});
+  }
+  return {{"name", t.name},
+          {"element_bytes", t.element_bytes},
+          {"steps", std::move(steps)},
+          {"plans", std::move(plans)}};
+}
+
+}  // namespace
+
 std::string SyncReportJson(const SyncSchedule& schedule, const Topology& topology,
                            const SyncPrediction& prediction, double planning_s,
                            bool include_transfers) {
@@ -51,15 +84,24 @@ std::string SyncReportJson(const SyncSchedule& schedule, const Topology& topolog
   if (include_transfers) {
     nlohmann::ordered_json transfers = nlohmann::ordered_json::array();
     for (const SyncTransfer& x : schedule.transfers) {
-      transfers.push_back({x.round, x.from, x.to, x.bytes, x.tensor, x.step, x.move});
+      nlohmann::ordered_json deps = nlohmann::ordered_json::array();
+      for (int k = 0; k < x.num_dependencies; ++k) {
+        deps.push_back(schedule.dependencies[static_cast<size_t>(x.first_dependency + k)]);
+      }
+      transfers.push_back({x.round, x.from, x.to, x.bytes, x.tensor, x.step, x.move, deps});
     }
     nlohmann::ordered_json processes = nlohmann::ordered_json::array();
     for (int p = 0; p < topology.num_processes(); ++p) processes.push_back(topology.SlotName(p));
     nlohmann::ordered_json names = nlohmann::ordered_json::array();
-    for (const SyncTensor& t : schedule.tensors) names.push_back(t.name);
+    nlohmann::ordered_json tensors = nlohmann::ordered_json::array();
+    for (const SyncTensor& t : schedule.tensors) {
+      names.push_back(t.name);
+      tensors.push_back(TensorJson(t));
+    }
     out["transfers"] = std::move(transfers);
     out["processes"] = std::move(processes);
     out["tensor_names"] = std::move(names);
+    out["tensor_plans"] = std::move(tensors);
   }
   return out.dump(2);
 }

@@ -7,8 +7,15 @@
 //    "predicted_over_lower_bound": 1.03, "planning_s": 2.1,
 //    "busiest_link": {"name": "e3 nic in", "bandwidth_gbps": 400, "bytes": ..., "seconds": ...},
 //    "links": [... every link that carries bytes, busiest first ...],
-//    "transfers": [[round, from, to, bytes, tensor, step, move], ...],   (when asked for)
-//    "processes": ["node0:0", ...], "tensor_names": [...]}                (with transfers)
+//    "transfers": [[round, from, to, bytes, tensor, step, move, [dependencies]], ...],
+//    "processes": ["node0:0", ...], "tensor_names": [...],
+//    "tensor_plans": [{"name", "element_bytes",
+//                      "steps": [{"plan", "from_engine", "to_engine", "kind", "after"}],
+//                      "plans": [{"source_buffers", "target_buffers",
+//                                 "moves": [[src_rank, dst_rank, shape, [offset, strides],
+//                                            [offset, strides]], ...]}]}]}
+//   (the last four only when transfers are asked for: the schedule a runtime executes;
+//   from_engine -1 is the trainer, whose ranks are the plans' source ranks).
 #ifndef RESHARD_SCHED_SYNC_REPORT_H_
 #define RESHARD_SCHED_SYNC_REPORT_H_
 
