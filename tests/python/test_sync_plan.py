@@ -85,7 +85,7 @@ def test_transfers_and_the_package_agree(reshard_bin, tmp_path):
     # Every transfer is a move of its step's plan; a relay waits for earlier transfers into its
     # sender of the same tensor, and runs in a later round than each of them.
     transfers = cli["transfers"]
-    for i, (rnd, src, dst, nbytes, tensor, step, move, deps) in enumerate(transfers):
+    for i, (rnd, src, _dst, nbytes, tensor, step, move, deps) in enumerate(transfers):
         t = cli["tensor_plans"][tensor]
         s = t["steps"][step]
         m = t["plans"][s["plan"]]["moves"][move]
