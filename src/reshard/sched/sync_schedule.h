@@ -6,16 +6,20 @@
 // and every other engine receives the tensor from an engine that already holds it, so the
 // engines form a relay tree per tensor. A relay sends a piece only after it has received it.
 //
-// The cost model picks the root and the tree: it keeps, per link, the seconds of traffic
-// already scheduled on it (bytes / bandwidth), and sends each tensor along the candidate whose
-// busiest link would be least loaded after it (same-host NVLink is much faster than a NIC, so
-// engines on one host relay to each other first; load spreads over hosts and NICs).
+// The root of each tensor is the engine that has sent the fewest bytes so far (every engine
+// takes in one copy whichever is root; what differs is what each sends). The cost model picks
+// each relay's parent: it keeps, per link, the seconds of traffic already scheduled on it
+// (bytes / bandwidth), and takes the holder whose busiest link would be least loaded after the
+// relay (same-host NVLink is much faster than a NIC, so engines on one host relay to each
+// other first; load spreads over hosts and NICs).
 //
-// Transfers are whole moves of composed plans (ir/compose.h): step k of a tensor is a plan
-// from a sender (the trainer, or an engine) to an engine's workers; an engine whose tensor
-// parallelism differs from its parent's gets moves assembled from several of the parent's
-// workers (the parent's maps composed as the source). The same schedule object drives a
-// runtime and the simulation (simulate.h).
+// Transfers are moves of composed plans (ir/compose.h), cut to at most
+// SyncOptions::max_transfer_bytes: step k of a tensor is a plan from a sender (the trainer, or
+// an engine) to an engine's workers; an engine whose tensor parallelism differs from its
+// parent's gets moves assembled from several of the parent's workers (the parent's maps
+// composed as the source). A relayed move waits for the transfers into its sender whose target
+// region overlaps its source region. The same schedule object drives a runtime and the
+// simulation (simulate.h).
 #ifndef RESHARD_SCHED_SYNC_SCHEDULE_H_
 #define RESHARD_SCHED_SYNC_SCHEDULE_H_
 
