@@ -53,10 +53,11 @@ struct Shards {
 
 // Runs the schedule on data and checks every invariant.
 void CheckSchedule(const ModelSpec& model, const GridLayout& trainer,
-                   const std::vector<int>& engine_tp, const Topology& topo) {
+                   const std::vector<int>& engine_tp, const Topology& topo,
+                   const SyncOptions& options = {}) {
   std::vector<ParamMap> sources;
   std::vector<std::vector<ParamMap>> targets;
-  SyncPlanner planner(topo);
+  SyncPlanner planner(topo, options);
   for (const ModelTensor& t : model.tensors) {
     Result<ParamMap> s = GridMap(t, trainer, model.num_layers);
     ASSERT_TRUE(s.ok()) << s.status().message();
@@ -160,6 +161,21 @@ TEST(SyncSchedule, HeterogeneousEnginesGetExactlyTheirShards) {
                                   "nvlink_gbps": 400, "nic_gbps": 50})",
                               8, {2, 4, 1});
   CheckSchedule(*model, GridLayout{2, 2, 2}, {2, 4, 1}, topo);
+}
+
+TEST(SyncSchedule, CutMovesAndTreesOfBoundedDepth) {
+  // Moves cut to 200 bytes (down to single rows), so that relays forward piece by piece and
+  // wait only for the pieces they overlap; trees of fan-out 1 and depth 2 where the topology
+  // allows, deeper where it must.
+  Result<ModelSpec> model = ModelFromConfigJson(kMoeConfig, SyncFormat::kBf16);
+  ASSERT_TRUE(model.ok());
+  const Topology topo = Place(R"({"hosts": [{"name": "n", "count": 4, "gpus": 4}], "nic": "gpu"})",
+                              4, {2, 4, 2, 1, 2});
+  SyncOptions options;
+  options.max_transfer_bytes = 200;
+  options.max_fanout = 1;
+  options.max_depth = 2;
+  CheckSchedule(*model, GridLayout{2, 2, 1}, {2, 4, 2, 1, 2}, topo, options);
 }
 
 TEST(SyncSchedule, ManyEnginesPerGpuNicsFp8) {
