@@ -10,7 +10,8 @@ holds (DESIGN 6.1; DeepSpeed's ``ParamAffineMap.to_dict()`` form reads too). Wit
   MoE layer's fused experts, a fused QKV: DESIGN 16) and checks them with the maps over them;
 - :mod:`reshard.checkpoint` does the same for whole checkpoints on disk (the CLI's scatter,
   gather, convert, inspect), and :func:`degree` answers which tensor-parallel degrees a model's
-  config.json allows.
+  config.json allows; :func:`plan_sync` plans and simulates a weight sync from a trainer into
+  many inference engines on a cluster.
 
 Tensors are ``torch.Tensor`` or ``numpy.ndarray`` in host memory, of any dtype reshard knows
 (bf16 and fp8 included), with any strides; results are of the kind given, and ``out=`` writes
@@ -27,6 +28,7 @@ from ._maps import Move, ParamMap, Piece, Plan, compose, infer, maps_to_json, re
 from ._tensors import extract, rebuild, transfer  # noqa: E402
 from ._buffers import Block, Buffer, BufferSet, read_buffers  # noqa: E402
 from ._degree import DegreeConstraint, DegreeReport, degree  # noqa: E402
+from ._sync import plan_sync  # noqa: E402
 from . import checkpoint  # noqa: E402
 
 __version__: str = _core.__version__
@@ -36,5 +38,5 @@ __all__ = [
     "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "LayoutError",
     "MapError", "Move",
     "ParamMap", "Piece", "Plan", "ReshardError", "__version__", "checkpoint", "compose", "degree",
-    "extract", "infer", "maps_to_json", "read_maps", "rebuild", "transfer",
+    "extract", "infer", "maps_to_json", "plan_sync", "read_maps", "rebuild", "transfer",
 ]

@@ -158,6 +158,7 @@ PYBIND11_MODULE(_core, m) {
   BindMaps(m);
   BindExec(m);
   BindFiles(m);
+  BindSync(m);
   BindDist(m);
   m.def("read_safetensors", &ReadSafetensors, py::arg("path"),
         "A safetensors file as {name: (dtype, shape, bytes)} in file order; ValueError naming "

@@ -51,6 +51,7 @@ void BindMaps(py::module_& m);
 void BindExec(py::module_& m);
 void BindFiles(py::module_& m);
 void BindDist(py::module_& m);
+void BindSync(py::module_& m);
 
 }  // namespace reshard::python
 

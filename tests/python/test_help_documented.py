@@ -28,7 +28,7 @@ def section(text, title):
 
 def commands(reshard_bin):
     return [m.group(1) for line in section(help_text(reshard_bin), "Subcommands:")
-            if (m := re.match(r"  (\w+)\s", line))]
+            if (m := re.match(r"  ([\w-]+)\s", line))]
 
 
 def flags(reshard_bin, command):

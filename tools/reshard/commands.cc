@@ -38,6 +38,14 @@ constexpr CommandEntry kCommands[] = {
      "take shards laid out by --from to shards laid out by --to, without the full tensor. "
      "Prints the plan, or writes it with -o; --json prints a summary with move counts.",
      ComposeCommand},
+    {"sync-plan",
+     "Plan a weight sync from a trainer into many inference engines on a cluster: each byte "
+     "leaves the trainer once and engines relay it along a tree chosen by a cost model of the "
+     "links (--topology). Prints bytes out of the trainer, the busiest link, the lower bound "
+     "(its bytes over its bandwidth) and the time a simulation of the schedule predicts; "
+     "--json the full report. Exit 1 when the layouts cannot be split as asked, 2 for bad input "
+     "(a topology naming a host it lacks, more processes than GPUs).",
+     SyncPlanCommand},
     {"scatter",
      "Split a full checkpoint (model.safetensors, or an index and parts) into a sharded one: "
      "reshard.json plus model-rank-{r}-part-{p}.safetensors per rank, by map documents or "

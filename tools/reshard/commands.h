@@ -46,6 +46,7 @@ CommandBody ShowCommand();
 CommandBody InferCommand();
 CommandBody LayoutCommand();
 CommandBody ComposeCommand();
+CommandBody SyncPlanCommand();
 CommandBody ScatterCommand();
 CommandBody GatherCommand();
 CommandBody ConvertCommand();

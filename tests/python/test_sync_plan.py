@@ -1,0 +1,176 @@
+"""`reshard sync-plan` and reshard.plan_sync: the schedule of a weight sync from a trainer into
+many engines, end to end through the CLI and the package (the schedule's invariants on data are
+in src/reshard/sched/sched_test.cc)."""
+
+import json
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+import reshard
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+QWEN3 = ROOT / "tests" / "data" / "hf-configs" / "Qwen--Qwen3-0.6B.json"
+MOE = ROOT / "tests" / "data" / "sync-plan" / "Qwen--Qwen3-30B-A3B.json"
+
+
+def run(reshard_bin, *args):
+    return subprocess.run([reshard_bin, "sync-plan", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def topology(tmp_path, doc, name="topo.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def qwen3_params():
+    """Qwen3-0.6B's parameter count from its config (tied embeddings: one copy)."""
+    c = json.loads(QWEN3.read_text())
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd
+    return c["vocab_size"] * h + layers * (attn + 3 * h * i + 2 * h) + h
+
+
+def test_a_real_config_into_four_engines(reshard_bin, tmp_path):
+    topo = topology(tmp_path, {"hosts": [{"name": "t", "gpus": 4}, {"name": "e", "count": 2, "gpus": 4}],
+                               "nvlink_gbps": 400, "nic_gbps": 50})
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2,pp=2", "--engines", 4,
+            "--engine-tp", 2, "--topology", topo, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    one_copy = qwen3_params() * 2
+    assert report["one_copy_bytes"] == one_copy
+    # Each byte leaves the trainer once; every engine gets one copy, so the links carry at
+    # least four (plus what replicated pieces add inside an engine).
+    assert report["trainer_egress_bytes"] == one_copy
+    assert report["total_bytes"] >= 4 * one_copy
+    # A small model: the pipeline's fill and drain weigh more than at cluster scale.
+    assert 0 < report["lower_bound_s"] <= report["predicted_s"] <= 1.5 * report["lower_bound_s"]
+    busiest = report["busiest_link"]
+    assert busiest == report["links"][0]
+    assert busiest["seconds"] == pytest.approx(report["lower_bound_s"])
+    assert busiest["seconds"] == pytest.approx(busiest["bytes"] / (busiest["bandwidth_gbps"] * 1e9))
+    # Engines on one host relay over NVLink: each host's NIC takes in about one copy.
+    nic_in = [link["bytes"] for link in report["links"] if link["name"].startswith("e") and
+              link["name"].endswith("nic in")]
+    assert len(nic_in) == 2 and max(nic_in) < 1.5 * one_copy
+    text = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2,pp=2", "--engines", 4,
+               "--engine-tp", 2, "--topology", topo)
+    assert text.returncode == 0, text.stderr
+    assert "lower bound:" in text.stdout and "predicted:" in text.stdout
+
+
+def test_transfers_and_the_package_agree(reshard_bin, tmp_path):
+    doc = {"hosts": [{"name": "n", "count": 3, "gpus": 8}], "nic": "gpu", "nic_gbps": 50}
+    topo = topology(tmp_path, doc)
+    r = run(reshard_bin, "--config", MOE, "--trainer", "tp=2,pp=2,ep=2", "--engines", 2,
+            "--engine-tp", "4,2", "--topology", topo, "--json", "--transfers")
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    py = reshard.plan_sync(doc, config=MOE, trainer={"tp": 2, "pp": 2, "ep": 2},
+                           engine_tp=[4, 2], transfers=True)
+    cli.pop("planning_s")
+    py.pop("planning_s")
+    assert py == cli
+    assert cli["engines"] == [4, 2]
+    assert len(cli["transfers"]) == cli["num_transfers"]
+    trainer = cli["trainer_ranks"]
+    egress = sum(t[3] for t in cli["transfers"] if t[1] < trainer)
+    assert egress == cli["trainer_egress_bytes"] == cli["one_copy_bytes"]
+    # Every transfer is a move of its step's plan; a relay waits for earlier transfers into its
+    # sender of the same tensor, and runs in a later round than each of them.
+    transfers = cli["transfers"]
+    for i, (rnd, src, _dst, nbytes, tensor, step, move, deps) in enumerate(transfers):
+        t = cli["tensor_plans"][tensor]
+        s = t["steps"][step]
+        m = t["plans"][s["plan"]]["moves"][move]
+        elements = 1
+        for d in m[2]:
+            elements *= d
+        assert nbytes == elements * t["element_bytes"]
+        assert (src < trainer) == (s["from_engine"] == -1)
+        if src < trainer:
+            assert rnd == 1 and deps == []
+        else:
+            assert deps, (i, s)
+        for d in deps:
+            assert d < i and transfers[d][2] == src and transfers[d][4] == tensor
+            assert transfers[d][0] < rnd
+    assert cli["processes"][0] == "n0:0" and len(cli["tensor_names"]) == cli["tensors"]
+
+
+def test_fp8_moves_fewer_bytes_than_bf16(tmp_path):
+    ds = ROOT / "tests" / "data" / "sync-plan" / "deepseek-ai--DeepSeek-V3.json"
+    cfg = json.loads(ds.read_text())
+    cfg.update(num_hidden_layers=4, n_routed_experts=16, first_k_dense_replace=1)
+    doc = {"hosts": [{"name": "n", "count": 2, "gpus": 8}]}
+    bf16 = reshard.plan_sync(doc, config=cfg, trainer="tp=2,ep=4", engines=2, engine_tp=4)
+    fp8 = reshard.plan_sync(doc, config=cfg, trainer="tp=2,ep=4", engines=2, engine_tp=4,
+                            dtype="F8_E4M3")
+    assert bf16["trainer_egress_bytes"] == bf16["one_copy_bytes"]
+    assert fp8["trainer_egress_bytes"] == fp8["one_copy_bytes"]
+    # Linear weights at 1 byte (plus fp32 scales per 128x128 block); the embedding and LM
+    # head, which weigh much in this 4-layer cut, stay BF16.
+    assert 0.5 < fp8["one_copy_bytes"] / bf16["one_copy_bytes"] < 0.75
+    assert fp8["tensors"] > bf16["tensors"]  # the weight_scale_inv tensors
+
+
+@pytest.mark.parametrize("doc, path", [
+    ({"hosts": [{"name": "a", "gpus": 8}], "placement": {"trainer": ["b:0"]}},
+     "placement.trainer[0]: no host named \"b\""),
+    ({"hosts": [{"name": "a", "gpus": 8}], "placement": {"engines": [["a:9"]]}},
+     "placement.engines[0][0]: host \"a\" has GPUs 0..7"),
+    ({"hosts": [{"name": "a", "gpus": 2}]}, "hosts: 2 trainer ranks and 4 engines (10 processes)"),
+    ({"hosts": [{"name": "a", "gpus": 8}], "nic": "rack"}, "nic: expected \"host\" or \"gpu\""),
+    ({"hosts": [{"name": "a", "gpus": 8}], "nic_gbps": -1}, "nic_gbps: expected a bandwidth"),
+    ({"hosts": [{"name": "a", "gpus": 8, "nics": 2}]}, "hosts[0].nics: unknown key"),
+])
+def test_bad_topology_is_exit_2_naming_the_path(reshard_bin, tmp_path, doc, path):
+    topo = topology(tmp_path, doc)
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2", "--engines", 4, "--engine-tp", 2,
+            "--topology", topo)
+    assert r.returncode == 2, r.stderr
+    assert str(topo) in r.stderr and path in r.stderr, r.stderr
+    assert r.stdout == ""
+    with pytest.raises(reshard.MapError, match=re.escape(path.split(":")[0])):
+        reshard.plan_sync(doc, config=QWEN3, trainer="tp=2", engines=4, engine_tp=2)
+
+
+def test_bad_layouts(reshard_bin, tmp_path):
+    topo = topology(tmp_path, {"hosts": [{"name": "a", "count": 4, "gpus": 8}]})
+    # Qwen3-0.6B cannot be split over 3 ranks: a failed check, exit 1.
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=3", "--engines", 1, "--engine-tp", 2,
+            "--topology", topo)
+    assert r.returncode == 1 and "tensor parallelism 3 cannot split" in r.stderr, r.stderr
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2,dp=2", "--engine-tp", 2,
+            "--topology", topo)
+    assert r.returncode == 2 and "dp=2" in r.stderr, r.stderr
+    r = run(reshard_bin, "--trainer", "tp=2", "--topology", topo)
+    assert r.returncode == 2, r.stderr
+
+
+def test_map_documents(reshard_bin, tmp_path):
+    # The trainer at TP 2, engines at TP 1 and TP 2, from map documents (reshard layout).
+    descriptor = tmp_path / "split.json"
+    descriptor.write_text('{"family": "split", "dim": 0}')
+
+    def maps(world):
+        return {"version": 1, "w": json.loads(subprocess.run(
+            [reshard_bin, "layout", str(descriptor), "--shape", "8,4", "--world", str(world)],
+            capture_output=True, text=True, check=True).stdout)}
+    src, one, two = (tmp_path / f"{n}.json" for n in ("src", "one", "two"))
+    src.write_text(json.dumps(maps(2)))
+    one.write_text(json.dumps(maps(1)))
+    two.write_text(json.dumps(maps(2)))
+    topo = topology(tmp_path, {"hosts": [{"name": "a", "count": 2, "gpus": 4}]})
+    r = run(reshard_bin, "--source", src, "--target", one, "--target", two, "--topology", topo,
+            "--dtype", "F32", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["one_copy_bytes"] == report["trainer_egress_bytes"] == 8 * 4 * 4
+    assert report["engines"] == [1, 2]
