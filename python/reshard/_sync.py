@@ -9,16 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 from . import _core
+from ._degree import _json_text
 
 JsonSource = Union[str, "os.PathLike[str]", Mapping[str, Any]]
-
-
-def _json_text(source: JsonSource) -> str:
-    """A dict as JSON, or the text of the JSON file at a path."""
-    if isinstance(source, Mapping):
-        return json.dumps(source)
-    with open(source, encoding="utf-8") as f:
-        return f.read()
 
 
 def _grid(trainer: Union[str, Mapping[str, int]]) -> str:

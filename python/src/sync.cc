@@ -9,6 +9,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/sched/sync_plan.h"
+#include "reshard/sched/topology.h"
 
 namespace reshard::python {
 
@@ -88,9 +89,24 @@ std::string PlanSync(const std::string& topology_json, std::optional<std::string
   return result->Json(transfers);
 }
 
+// Where each process of a sync runs ("host:gpu" per process: the trainer's ranks, then each
+// engine's workers), as the topology places them; MapError naming the JSON path otherwise.
+std::vector<std::string> PlaceProcesses(const std::string& topology_json, int trainer_ranks,
+                                        const std::vector<int>& engine_workers) {
+  Result<TopologySpec> spec = ParseTopologyJson(topology_json);
+  if (!spec.ok()) Raise(spec.status().Annotate("topology"), ErrorKind::kMap);
+  Result<Topology> placed = Topology::Place(*std::move(spec), trainer_ranks, engine_workers);
+  if (!placed.ok()) Raise(placed.status().Annotate("topology"), ErrorKind::kMap);
+  std::vector<std::string> out;
+  for (int p = 0; p < placed->num_processes(); ++p) out.push_back(placed->SlotName(p));
+  return out;
+}
+
 }  // namespace
 
 void BindSync(py::module_& m) {
+  m.def("place_processes", &PlaceProcesses, py::arg("topology_json"), py::arg("trainer_ranks"),
+        py::arg("engine_workers"));
   m.def("plan_sync", &PlanSync, py::arg("topology_json"), py::arg("config_json"),
         py::arg("trainer"), py::arg("engine_tp"), py::arg("source_json"), py::arg("target_jsons"),
         py::arg("dtype"), py::arg("transfers"));

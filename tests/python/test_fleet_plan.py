@@ -69,3 +69,31 @@ def test_one_wave_holds_everything():
 def test_bad_engine_arguments_are_refused_before_any_engine_is_contacted(kwargs, needle):
     with pytest.raises(WeightSyncError, match=needle):
         WeightSync(source_maps={}, **kwargs)
+
+
+def _sync_of(trainers, workers):
+    """A WeightSync's plan state alone (no group, no engine): trainers, engines' workers."""
+    sync = WeightSync.__new__(WeightSync)
+    sync._trainers, sync._workers, sync._engines = trainers, list(workers), len(workers)
+    return sync
+
+
+def test_topology_places_the_engines_for_the_cost_model():
+    topology = {"hosts": [{"name": "t", "gpus": 2}, {"name": "n", "count": 2, "gpus": 4}]}
+    # Default placement: the trainer's 2 ranks on t, then the engines' workers in turn.
+    assert _sync_of(2, [2, 2, 4])._hosts_of(topology) == ["n0", "n0", "n1"]
+    placed = dict(topology, placement={"engines": [["n1:0", "n1:1"], ["n0:0", "n0:1"],
+                                                  ["n1:2", "n1:3", "n1:4", "n1:5"]]})
+    placed["hosts"] = [{"name": "t", "gpus": 2}, {"name": "n", "count": 2, "gpus": 6}]
+    assert _sync_of(2, [2, 2, 4])._hosts_of(placed) == ["n1", "n0", "n1"]
+
+
+@pytest.mark.parametrize("topology,needle", [
+    ({"hosts": [{"name": "a", "gpus": 2}], "placement": {"engines": [["nowhere"]]}},
+     'no host named "nowhere"'),
+    ({"hosts": [{"name": "a", "gpus": 2}]}, "GPUs"),
+])
+def test_a_topology_that_cannot_hold_the_sync_is_refused_naming_the_path(topology, needle):
+    import reshard
+    with pytest.raises(reshard.MapError, match=needle):
+        _sync_of(2, [2])._hosts_of(topology)

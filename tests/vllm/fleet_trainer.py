@@ -8,8 +8,9 @@ weights A and B (``reshard.checkpoint.load_rank``) and push through one
 last worker of engine E fails its post-load processing of layer 1's MLP once, then W is
 pushed; ``{"kind": "engine_lost", "weights": W, "engine": E}``: worker 0 of engine E dies
 (SIGKILL) at its first exchange of the push of W (the process owning engine E records no
-tokens after it). After each step every process records its own engine's greedy tokens; first, a
-WeightSync whose engine lists differ between the processes is refused. Process r writes
+tokens after it). After each step every process records its own engine's greedy tokens.
+First, a WeightSync whose engine lists differ between the processes, and one whose topology
+places an engine on a host it does not have, are refused. Process r writes
 ``{"steps": [{"step", "tokens", "stats", "error"}]}`` to ``spec["out"] + ".r"``.
 """
 
@@ -53,6 +54,14 @@ def run(spec: dict, rank: int) -> None:
         results[0]["mismatched"] = None
     except WeightSyncError as e:
         results[0]["mismatched"] = str(e)
+    try:  # a topology placing engine 1 on a host it does not have: refused on both
+        WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=120, topology={
+            "hosts": [{"name": "here", "gpus": 8}],
+            "placement": {"engines": [["here:0", "here:1"][:spec["engine_tps"][0]],
+                                      ["elsewhere:0"]]}})
+        results[0]["bad_topology"] = None
+    except WeightSyncError as e:
+        results[0]["bad_topology"] = str(e)
     sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=spec["timeout_s"])
     for step in spec["steps"]:
         entry: dict = {"step": step["kind"]}

@@ -261,6 +261,7 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     for steps in runs:  # each process: its own engine's tokens
         assert steps[0]["tokens"] == expected["A"]
         assert "different numbers of engines (2, 3)" in steps[0]["mismatched"], steps[0]
+        assert 'placement.engines[1][0]: no host named "elsewhere"' in steps[0]["bad_topology"]
         assert "error" not in steps[1], steps[1]
         assert steps[1]["tokens"] == expected["B"]
         assert "processing the new weights" in steps[2]["error"], steps[2]

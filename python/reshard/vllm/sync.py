@@ -453,7 +453,9 @@ class WeightSync:
     (:func:`relay_tree`); every engine commits or none does. ``target_maps`` is then a list,
     one map set (or None) per engine. ``relay_waves``: how many waves a relayed push is cut
     into (an engine relays one wave while it receives the next; 1: each engine relays once it
-    has received everything).
+    has received everything). ``topology`` (``reshard sync-plan``'s topology JSON: hosts, GPUs,
+    placement; its path or a dict) says where the processes run, for the relay tree's cost
+    model; by default each engine is where its first worker's host name says.
     """
 
     def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -465,7 +467,8 @@ class WeightSync:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: Optional[str] = None,
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
                  overlap_processing: Optional[bool] = None, quantize: Any = None,
-                 config: Any = None, relay_waves: int = RELAY_WAVES) -> None:
+                 config: Any = None, relay_waves: int = RELAY_WAVES,
+                 topology: Any = None) -> None:
         import torch.distributed as dist
         self._group = group
         self._overlap = overlap_processing
@@ -554,7 +557,7 @@ class WeightSync:
             if self._rank == 0:
                 try:
                     plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes,
-                                      quantize, relay_waves)
+                                      quantize, relay_waves, topology)
                 except Exception as e:
                     plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
                             "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
@@ -667,7 +670,7 @@ class WeightSync:
 
     def _plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
               target_maps: Any, dtypes: Any, bucket_bytes: int, quantize: Any,
-              relay_waves: int) -> dict[str, Any]:
+              relay_waves: int, topology: Any = None) -> dict[str, Any]:
         """(trainer process 0) Every engine's maps and the dtypes its workers receive, from
         what the workers report of themselves, and the relay tree between the engines."""
         count = self._engines
@@ -691,6 +694,8 @@ class WeightSync:
             targets.append(target)
             types.append(typed)
             hosts.append(str(mine[0].get("host", "")))
+        if topology is not None:  # the hosts the topology places each engine's first worker on
+            hosts = self._hosts_of(topology)
         parents, order = relay_tree([json.dumps(t, sort_keys=True) for t in types], hosts)
         source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
         waves = None
@@ -703,6 +708,18 @@ class WeightSync:
         return {"error": None, "source": source, "targets": targets, "dtypes": types,
                 "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
                 "parents": parents, "order": order, "waves": waves}
+
+    def _hosts_of(self, topology: Any) -> list[str]:
+        """The host each engine's first worker runs on, as ``topology`` (the JSON of
+        ``reshard sync-plan``'s topology, its path or a dict) places the sync's processes: the
+        trainer processes, then each engine's workers. MapError naming the JSON path for a
+        topology that is malformed, places a process on a host it does not have, or has fewer
+        GPUs than the sync has processes."""
+        from .. import _core
+        from .._degree import _json_text
+        slots = _core.place_processes(_json_text(topology), self._trainers, list(self._workers))
+        return [slots[engine_ranks(self._trainers, self._workers, e).start].split(":")[0]
+                for e in range(self._engines)]
 
     def _engine_plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
                      target_maps: Optional[Mapping[str, MapLike]], dtypes: Any, e: int
