@@ -240,7 +240,11 @@ class Redistributor:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, scale_power: int = 1,
                  allow_scaled_optimizer_state: bool = False, allow_lossy_scale: bool = False,
                  num_threads: int = 0, source: Optional["TorchSource"] = None,
-                 config: Any = None, _error: Optional[str] = None) -> None:
+                 config: Any = None, _error: Optional[str] = None,
+                 _plans: Optional[Callable[[list[str]], Any]] = None) -> None:
+        # _plans: the composed plans of the names, in order (a PlanSet), instead of composing
+        # the maps here: a sync schedule's steps (reshard.vllm.sync).
+        self._plans_of = _plans
         self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
         self._me = self._comm.rank
         self._members = list(self._comm.members)
@@ -404,6 +408,11 @@ class Redistributor:
         chunk = max(self._bucket_bytes // peers, 8)
         try:  # the same agreed arguments on every process: each fails alike, without waiting
             self._last_rounds_cache = None
+            if self._plans_of is not None:
+                self._exchange = _core.Exchange(self._plans_of(self._names), self._names,
+                                                self._dtypes, self._source_ranks,
+                                                self._target_ranks, chunk)
+                return
             self._exchange = _core.Exchange([m._handle for m in self._dst],
                                             [m._handle for m in self._src], self._names,
                                             self._dtypes, self._source_ranks, self._target_ranks,

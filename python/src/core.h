@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "reshard/base/status.h"
 #include "reshard/ir/compose.h"
@@ -45,6 +46,12 @@ class MapHandle {
  private:
   ParamMapBuilder builder_;
   std::optional<ParamMap> map_;
+};
+
+/// Composed plans handed from one binding to another without a trip through Python objects
+/// (a sync schedule's steps -> an Exchange).
+struct PlanSet {
+  std::vector<ParamPlan> plans;
 };
 
 void BindMaps(py::module_& m);

@@ -200,6 +200,37 @@ class Exchange {
     if (!status.ok()) Raise(status, ErrorKind::kMap);
   }
 
+  // The exchange of plans composed elsewhere (a sync schedule's steps, one plan per name): the
+  // plans decide which holder sends each replicated piece. A process's lower bound is what it
+  // receives from other processes.
+  Exchange(const PlanSet& plans, std::vector<std::string> names, std::vector<std::string> dtypes,
+           std::vector<int> src_proc, std::vector<int> dst_proc, Index chunk_bytes)
+      : names_(std::move(names)), src_proc_(std::move(src_proc)), dst_proc_(std::move(dst_proc)) {
+    if (chunk_bytes < 8) throw py::value_error("chunk_bytes must be at least 8");
+    if (plans.plans.size() != names_.size() || dtypes.size() != names_.size())
+      throw py::value_error("one plan and one dtype per name");
+    for (const std::string& d : dtypes) dtypes_.push_back(LoadDType(d));
+    for (size_t i = 0; i < names_.size(); ++i) {
+      const ParamPlan& p = plans.plans[i];
+      if (p.source_world != static_cast<int>(src_proc_.size()) ||
+          p.target_world != static_cast<int>(dst_proc_.size())) {
+        throw py::value_error("\"" + names_[i] + "\": the plan's worlds are not the processes named");
+      }
+      for (const Move& m : p.moves) {
+        const int to = dst_proc_[static_cast<size_t>(m.dst_rank)];
+        if (src_proc_[static_cast<size_t>(m.src_rank)] != to) {
+          lower_bound_[to] += m.num_elements() * static_cast<Index>(DTypeSize(dtypes_[i]));
+        }
+      }
+    }
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = Schedule(plans.plans, chunk_bytes);
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kMap);
+  }
+
   size_t num_rounds() const { return rounds_; }
 
   // [(round, peer, bytes)] this process sends (or receives), in round order, then peer order.
@@ -434,6 +465,11 @@ class Exchange {
       if (!plan.ok()) return plan.status().Annotate("\"" + names_[i] + "\"");
       plans.push_back(*std::move(plan));
     }
+    return Schedule(plans, chunk_bytes);
+  }
+
+  // The streams, local copies and scale checks of composed plans (one per name).
+  Status Schedule(const std::vector<ParamPlan>& plans, Index chunk_bytes) {
     std::map<Pair, std::vector<std::pair<size_t, size_t>>> remote;  // (param, move) per pair
     for (size_t i = 0; i < plans.size(); ++i) {
       PlanLocal(i, plans[i]);
@@ -608,6 +644,10 @@ void BindDist(py::module_& m) {
                     std::vector<std::string>, std::vector<int>, std::vector<int>, Index>(),
            py::arg("targets"), py::arg("sources"), py::arg("names"), py::arg("dtypes"),
            py::arg("source_procs"), py::arg("target_procs"), py::arg("chunk_bytes"))
+      .def(py::init<const PlanSet&, std::vector<std::string>, std::vector<std::string>,
+                    std::vector<int>, std::vector<int>, Index>(),
+           py::arg("plans"), py::arg("names"), py::arg("dtypes"), py::arg("source_procs"),
+           py::arg("target_procs"), py::arg("chunk_bytes"))
       .def_property_readonly("num_rounds", &Exchange::num_rounds)
       .def("sends", [](const Exchange& e, int proc) { return e.Transfers(proc, true); })
       .def("receives", [](const Exchange& e, int proc) { return e.Transfers(proc, false); })

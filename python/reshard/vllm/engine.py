@@ -42,8 +42,8 @@ from vllm.logger import init_logger
 
 from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from .sync import (AnyRedistributor, Stage, engine_ranks, plan_stages, raw_exchange,
-                   relay_groups, run_stages)
+from .sync import (AnyRedistributor, Stage, engine_ranks, level_groups, plan_stages,
+                   raw_exchange, run_stages)
 
 logger = init_logger(__name__)
 
@@ -299,10 +299,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
         # every worker (one failing worker's reply would be left unread by vLLM's executor).
         try:
-            self._comms = [comm] + relay_groups(store, init_info.prefix, comm.rank, comm, plan,
-                                                init_info.backend, init_info.timeout_s)
-            self._stages = plan_stages(plan["source"], plan, init_info.trainers, self._comms,
-                                       error)
+            self._comms = [comm]
+            self._stages = plan_stages(
+                plan["source"], plan, init_info.trainers,
+                level_groups(store, init_info.prefix, comm.rank, comm, init_info.backend,
+                             init_info.timeout_s, self._comms), error)
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)
@@ -413,10 +414,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         model = self.model
         rank = comm.rank - self._first
         overlap = update_info.overlap
-        # An engine that relays sends the tensors as they arrived: its layers are processed
-        # once its relays are done.
-        relays = any(st.source == self._engine for st in self._stages)
-        layers = _Layers(not relays and (self.device.type != "cpu" if overlap is None else overlap))
+        # A layer is processed once each of its tensors has arrived whole and every exchange
+        # that sends from it on this worker (a relay to another engine, a replicated piece to
+        # another holder) is done (run_stages).
+        layers = _Layers(self.device.type != "cpu" if overlap is None else overlap)
         times = [time.perf_counter()]
         refused: Optional[RedistributeError] = None
         lost: Optional[Exception] = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import threading
 import time
 import urllib.request
@@ -160,8 +161,10 @@ AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
 @dataclass
 class Stage:
     """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
-    ``source`` send the workers of engine ``engine`` what they lack of the tensors of wave
-    ``wave``, over the group of tree level ``level`` (0: from the trainer processes)."""
+    ``source`` send the workers of engine ``engine`` the pieces of the schedule's steps of wave
+    ``wave`` at depth ``level`` (0: from the trainer processes; a step is one deeper than the
+    deepest step into its sender), over the group of that level. ``source == engine``: the
+    engine's workers hand replicated pieces from their primary holders to the others."""
 
     source: int
     engine: int
@@ -182,47 +185,67 @@ def engine_ranks(trainers: int, workers: Sequence[int], engine: int) -> range:
     return range(start, start + workers[engine])
 
 
-def relay_tree(signatures: Sequence[str], hosts: Sequence[str], fanout: int = 2
-               ) -> tuple[list[int], list[int]]:
-    """Which engine each engine receives from (-1: the trainer processes), and the order of the
-    exchanges (every engine after the one it receives from).
+def default_topology(trainer_hosts: Sequence[str], worker_hosts: Sequence[Sequence[str]]
+                     ) -> dict[str, Any]:
+    """The topology of the sync's processes from their host names (the trainer processes',
+    each engine's workers'), for the schedule's cost model: one GPU per process, the hosts in
+    the order they first appear, the default bandwidths."""
+    used: dict[str, int] = {}
 
-    Engines hold the same tensors at the same dtypes (one ``signature``) relay to each other:
-    the first of them receives from the trainer processes, so that each byte leaves the trainer
-    once per signature, and every later one from an engine that already has the weights. The
-    cost model picks that engine: a link within a host (``hosts``: where each engine's first
-    worker runs) before one across hosts, then the shallower engine (fewer exchanges before
-    it), then the earlier; an engine relays to at most ``fanout`` others, so the rounds grow
-    with the logarithm of the number of engines."""
-    parents: list[int] = []
-    depth: list[int] = []
-    children: dict[int, int] = {}
-    placed: dict[str, list[int]] = {}
-    for e, signature in enumerate(signatures):
-        peers = placed.setdefault(signature, [])
-        open_peers = [q for q in peers if children.get(q, 0) < fanout]
-        if not open_peers:
-            parents.append(-1)
-            depth.append(0)
-        else:
-            best = min(open_peers, key=lambda q: (hosts[q] != hosts[e], depth[q], q))
-            parents.append(best)
-            depth.append(depth[best] + 1)
-            children[best] = children.get(best, 0) + 1
-        peers.append(e)
-    order = sorted(range(len(signatures)), key=lambda e: (depth[e], e))
-    return parents, order
+    def slot(host: str) -> str:
+        used[host] = used.get(host, 0) + 1
+        return f"{host}:{used[host] - 1}"
+    placement = {"trainer": [slot(h) for h in trainer_hosts],
+                 "engines": [[slot(h) for h in hosts] for hosts in worker_hosts]}
+    return {"hosts": [{"name": h, "gpus": n} for h, n in used.items()],
+            "placement": placement}
 
 
-def depths(parents: Sequence[int]) -> list[int]:
-    """Each engine's level in the relay tree (0: it receives from the trainer processes)."""
-    out = []
-    for e in range(len(parents)):
-        d, p = 0, parents[e]
-        while p >= 0:
-            d, p = d + 1, parents[p]
-        out.append(d)
-    return out
+@dataclass
+class _Entry:
+    """One tensor of the schedule: ``name`` into the engines that take it as ``dtype``."""
+
+    name: str
+    dtype: str
+    engines: list[int]
+
+
+def sync_schedule(source: Mapping[str, ParamMap], targets: Sequence[Mapping[str, ParamMap]],
+                  dtypes: Sequence[Mapping[str, str]], trainers: int, workers: Sequence[int],
+                  topology: str) -> tuple[Any, list[_Entry]]:
+    """The schedule of a push (``reshard.plan_sync``'s planner, DESIGN 21): each tensor of
+    ``source`` (in its order) into the engines whose ``targets`` have it, the engines that take
+    it at one dtype sharing one copy from the trainer processes (a root per tensor, replicated
+    pieces to one holder, relays between engines chosen by the cost model of ``topology``, the
+    JSON of a sync-plan topology). Every process builds the same from the same plan."""
+    import torch
+
+    from .. import _core
+    schedule = _core.SyncSchedule(topology, trainers, list(workers))
+    entries = []
+    for name, m in source.items():
+        classes: dict[str, list[int]] = {}
+        for e, target in enumerate(targets):
+            if name in target:
+                classes.setdefault(dtypes[e][name], []).append(e)
+        for dtype, engines in classes.items():
+            size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            schedule.add(name, size, m._handle,
+                         [targets[e][name]._handle if e in engines else None
+                          for e in range(len(targets))])
+            entries.append(_Entry(name, dtype, engines))
+    schedule.finish()
+    return schedule, entries
+
+
+def _step_levels(steps: Sequence[tuple[str, int, int, list[int]]]) -> list[int]:
+    """Each step's depth: 0 from the trainer processes, else one more than the deepest step
+    into its sender."""
+    levels: list[int] = []
+    for kind, _, _, after in steps:
+        levels.append(0 if kind == "from_trainer" else 1 + max((levels[a] for a in after),
+                                                               default=0))
+    return levels
 
 
 def cut_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
@@ -263,50 +286,104 @@ def cut_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
 
 
 def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
-                comms: Sequence[Any], error: Optional[str]) -> list[Stage]:
+                group_of: Callable[[int], Any], error: Optional[str]) -> list[Stage]:
     """The exchanges of an agreed plan (a collective: every process of the group builds them, in
-    order): per wave, from the trainer processes to each engine that relays from none, then
-    down the relay tree (``plan["parents"]``), each tree level over a group of its own
-    (``comms[level]``). FP8 blocks are quantized at the trainer where the plan says
-    ``quantize``."""
+    order): the schedule's steps (:func:`sync_schedule`), grouped per wave, depth, sending and
+    receiving engine, each depth over a group of its own (``group_of(level)``, called in
+    increasing order of levels). FP8 blocks are quantized at the trainer where the plan says
+    ``quantize`` (one engine: the trainer sends every holder its piece)."""
     workers = plan["workers"]
-    level = depths(plan["parents"])
-    waves = plan.get("waves") or [list(source)]
-    stages = []
-    for w, names in enumerate(waves):
-        for e in plan["order"]:
-            parent = plan["parents"][e]
-            target = {n: plan["targets"][e][n] for n in names if n in plan["targets"][e]}
-            options: dict[str, Any] = dict(
-                target_ranks=engine_ranks(trainers, workers, e), group=comms[level[e]],
-                dtypes=torch_dtypes(plan["dtypes"][e] and {n: plan["dtypes"][e][n]
-                                                           for n in target}),
-                bucket_bytes=plan["bucket_bytes"], _error=error)
+    options: dict[str, Any] = dict(bucket_bytes=plan["bucket_bytes"], _error=error)
+    if error is not None or plan.get("quantize") is not None or not source:
+        comm = group_of(0)
+        stages = []
+        for e, target in enumerate(plan["targets"]):
             sync: AnyRedistributor
-            if parent >= 0:
-                relayed = {n: plan["targets"][parent][n] for n in target}
-                sync = Redistributor(relayed, target,
-                                     source_ranks=engine_ranks(trainers, workers, parent),
-                                     **options)
-            elif plan.get("quantize") is not None:
-                sync = QuantizingRedistributor(source, plan["targets"][e],
-                                               quantize=plan["quantize"],
-                                               source_ranks=range(trainers), **options)
+            if plan.get("quantize") is not None:
+                sync = QuantizingRedistributor(source, target, quantize=plan["quantize"],
+                                               source_ranks=range(trainers),
+                                               target_ranks=engine_ranks(trainers, workers, e),
+                                               group=comm, dtypes=torch_dtypes(plan["dtypes"][e]),
+                                               **options)
             else:
-                sync = Redistributor({n: source[n] for n in target} if len(waves) > 1 else
-                                     source, target if len(waves) > 1 else plan["targets"][e],
-                                     source_ranks=range(trainers), **options)
-            stages.append(Stage(parent, e, sync, w, level[e]))
+                sync = Redistributor(source, target, source_ranks=range(trainers),
+                                     target_ranks=engine_ranks(trainers, workers, e), group=comm,
+                                     dtypes=torch_dtypes(plan["dtypes"][e]), **options)
+            stages.append(Stage(-1, e, sync))
+        return stages
+    src = {n: as_map(m) for n, m in source.items()}
+    targets = [{n: as_map(m) for n, m in t.items()} for t in plan["targets"]]
+    schedule, entries = sync_schedule(src, targets, plan["dtypes"], trainers, workers,
+                                      plan["topology"])
+    wave_of = {n: w for w, names in enumerate(plan.get("waves") or [list(source)])
+               for n in names}
+    # (wave, level, from, to) -> [(entry, step)]
+    groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+    for i, entry in enumerate(entries):
+        steps = schedule.steps(i)
+        for k, ((_, sender, receiver, _), level) in enumerate(zip(steps, _step_levels(steps))):
+            groups.setdefault((wave_of[entry.name], level, sender, receiver), []).append((i, k))
+    comms: dict[int, Any] = {}
+    stages = []
+    for key in sorted(groups, key=lambda k: (k[1], k[0], k[2], k[3])):
+        wave, level, sender, receiver = key
+        if level not in comms:
+            comms[level] = group_of(level)
+        chosen = {entries[i].name: (i, k) for i, k in groups[key]}
+        maps = src if sender < 0 else targets[sender]
+        sent = {n: maps[n] for n in chosen}
+        wanted = {n: targets[receiver][n] for n in chosen}
+        sync = Redistributor(
+            sent, wanted,
+            source_ranks=range(trainers) if sender < 0 else
+            engine_ranks(trainers, workers, sender),
+            target_ranks=engine_ranks(trainers, workers, receiver), group=comms[level],
+            dtypes=torch_dtypes({n: plan["dtypes"][receiver][n] for n in chosen}),
+            _plans=lambda names, chosen=chosen: schedule.plans([chosen[n] for n in names]),
+            **options)
+        stages.append(Stage(sender, receiver, sync, wave, level))
     return stages
 
 
-def relay_groups(store: Any, prefix: str, rank: int, comm: Any, plan: Mapping[str, Any],
-                 backend: str, timeout_s: float) -> list[StoreGroup]:
-    """The groups of the relay tree's levels 1 .. D (level 0 is ``comm``), over the same
-    processes as ``comm`` (a collective)."""
-    levels = max(depths(plan["parents"]), default=0)
-    return [StoreGroup(store, f"{prefix}/pg{d}", rank, len(comm.members), backend, timeout_s)
-            for d in range(1, levels + 1)]
+def level_groups(store: Any, prefix: str, rank: int, comm: StoreGroup, backend: str,
+                 timeout_s: float, made: list[StoreGroup]) -> Callable[[int], StoreGroup]:
+    """The group of each depth of the schedule for :func:`plan_stages`: ``comm`` for depth 0,
+    a group of its own over the same processes for each deeper one (made when first asked
+    for: a collective), appended to ``made``."""
+    def group_of(level: int) -> StoreGroup:
+        if level == 0:
+            return comm
+        group = StoreGroup(store, f"{prefix}/pg{level}", rank, len(comm.members), backend,
+                           timeout_s)
+        made.append(group)
+        return group
+    return group_of
+
+
+def stage_bytes(stages: Sequence[Stage], trainers: int, workers: Sequence[int], me: int
+                ) -> tuple[int, int, int, dict[tuple[int, int], int]]:
+    """What the exchanges of a push move: bytes out of the trainer processes, out of process
+    ``me``, out of engines' workers (relays, and replicated pieces handed on within an
+    engine), and per (sending, receiving) process of the group."""
+    sent = here = relayed = 0
+    links: dict[tuple[int, int], int] = {}
+    for stage in stages:
+        ex = stage.redistributor._exchange
+        assert ex is not None
+        senders = range(trainers) if stage.source < 0 else \
+            engine_ranks(trainers, workers, stage.source)
+        for p in senders:
+            n = int(ex.stats(p)["sent"])
+            if stage.source < 0:
+                sent += n
+            else:
+                relayed += n
+            if p == me:
+                here += n
+            for _, peer, count in ex.sends(p):
+                if peer != p:
+                    links[(p, peer)] = links.get((p, peer), 0) + int(count)
+    return sent, here, relayed, links
 
 
 def _keys(sync: AnyRedistributor, rank: int, side: str) -> set[str]:
@@ -319,6 +396,36 @@ def _keys(sync: AnyRedistributor, rank: int, side: str) -> set[str]:
     return {m.buffer(rank) or n for n, m in zip(sync._names, maps)}
 
 
+class _Finished:
+    """Hands a worker's shards on (``on_ready``) once every exchange of the push that writes or
+    reads each has done so on this worker: the shard has arrived whole and no later exchange
+    sends from it, so the engine may process it in place. Thread-safe (each tree level runs
+    on a thread of its own)."""
+
+    def __init__(self, stages: Sequence[Stage], engine: int, rank: int,
+                 on_ready: Optional[Callable[[dict[str, Any]], None]]) -> None:
+        self._on_ready = on_ready
+        self._lock = threading.Lock()
+        self._left: dict[str, int] = {}
+        for st in stages:
+            for side, who in (("target", st.engine), ("source", st.source)):
+                if who == engine:
+                    for k in _keys(st.redistributor, rank, side):
+                        self._left[k] = self._left.get(k, 0) + 1
+
+    def done(self, shards: Mapping[str, Any]) -> None:
+        if self._on_ready is None:
+            return
+        with self._lock:
+            ready = {}
+            for k, t in shards.items():
+                self._left[k] -= 1
+                if self._left[k] == 0:
+                    ready[k] = t
+            if ready:
+                self._on_ready(ready)
+
+
 def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                shards: Mapping[str, Any], out: Optional[dict[str, Any]],
                on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str]
@@ -327,15 +434,15 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     sync's groups): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
     from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
     ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
-    Each tree level runs on a thread of its own (over a group of its own), so that an engine
-    relays wave w as soon as it has received it, while wave w + 1 arrives. A failure in one
-    exchange is told to the later ones as an agreed error, so that no process waits for a
-    peer that gave up; the first failure is raised (a refusal before a transport error)."""
-    import threading
-    waves = sorted({st.wave for st in stages})
-    arrived = {w: threading.Event() for w in waves}
+    Each depth runs on a thread of its own (over a group of its own), so that an engine relays
+    what it has received of wave w (every exchange into it of that wave at a lesser depth)
+    while wave w + 1 arrives. A failure in one exchange is told to the later ones as an agreed
+    error, so that no process waits for a peer that gave up; the first failure is raised (a
+    refusal before a transport error)."""
+    received = [threading.Event() for _ in stages]
     failures: list[BaseException] = []
     lock = threading.Lock()
+    finished = _Finished(stages, engine, rank, on_ready) if engine >= 0 else None
 
     def why() -> Optional[str]:
         with lock:
@@ -344,38 +451,45 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
             first = failures[0]
             return f"an earlier exchange of this push failed ({type(first).__name__}: {first})"
 
+    def held(sync: AnyRedistributor, side: str) -> dict[str, Any]:
+        return {k: out[k] for k in _keys(sync, rank, side) if out is not None and k in out}
+
     def level_body(level: int) -> None:
-        for st in (s for s in stages if s.level == level):
+        for i, st in enumerate(stages):
+            if st.level != level:
+                continue
             sync = st.redistributor
             try:
-                if st.engine == engine:
-                    keys = _keys(sync, rank, "target")
-                    sync.run({}, out={k: out[k] for k in keys if out is not None and k in out},
-                             on_ready=on_ready, _error=why())
-                    arrived[st.wave].set()
-                elif st.source == engine:
-                    if engine >= 0:  # a relay: what this engine has received of the wave
-                        arrived[st.wave].wait()
-                        mine: Mapping[str, Any] = {k: out[k] for k in _keys(sync, rank, "source")
-                                                   if out is not None and k in out}
-                    elif len(waves) == 1:
-                        mine = shards
-                    else:  # the wave's shards (the first wave also any the plan lacks,
+                mine: Mapping[str, Any] = {}
+                if st.source == engine:
+                    if engine >= 0:  # a relay: once this engine has received what it sends
+                        for j, before in enumerate(stages):
+                            if before.engine == engine and before.wave == st.wave and \
+                                    before.level < st.level:
+                                received[j].wait()
+                        mine = held(sync, "source")
+                    else:  # the stage's shards (the first wave's also any the plan lacks,
                         # which its checks refuse)
                         keys = _keys(sync, rank, "source") | (extra if st.wave == 0 else set())
                         mine = {k: v for k, v in shards.items() if k in keys}
-                    sync.run(mine, _error=why())
+                if st.engine == engine:
+                    assert finished is not None
+                    sync.run(mine, out=held(sync, "target"), on_ready=finished.done,
+                             _error=why())
+                    received[i].set()
                 else:
-                    sync.run({}, _error=why())
+                    sync.run(mine, _error=why())
+                if st.source == engine and finished is not None:
+                    finished.done(mine)
             except BaseException as e:  # later exchanges are told, and the first is raised
                 with lock:
                     failures.append(e)
-                for event in arrived.values():
+                for event in received:
                     event.set()
 
     extra = set(shards) - {k for st in stages if st.source < 0
                            for k in _keys(st.redistributor, rank, "source")} \
-        if engine < 0 and len(waves) > 1 else set()
+        if engine < 0 else set()
     levels = sorted({st.level for st in stages})
     threads = [threading.Thread(target=level_body, args=(level,), daemon=True)
                for level in levels[1:]]
@@ -553,23 +667,23 @@ class WeightSync:
                               self._trainers + sum(self._workers), backend, timeout_s)
             self._comm = comm
             reports = [r for r in comm.gather_object(None) if r is not None]
+            trainer_hosts = self._trainer_gather(socket.gethostname())
             plan = None
             if self._rank == 0:
                 try:
                     plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes,
-                                      quantize, relay_waves, topology)
+                                      quantize, relay_waves, topology, trainer_hosts)
                 except Exception as e:
                     plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
                             "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
-                            "quantize": None, "workers": self._workers,
-                            "parents": [-1] * self._engines, "order": list(range(self._engines)),
-                            "waves": None}
+                            "quantize": None, "workers": self._workers, "waves": None,
+                            "topology": None}
             plan = comm.gather_object(plan)[0]
-            self._parents = list(plan["parents"])
-            self._comms = [comm] + relay_groups(store, prefix, self._rank, comm, plan,
-                                                backend, timeout_s)
-            self._stages = plan_stages(source_maps, plan, self._trainers, self._comms,
-                                       plan["error"])
+            self._comms = [comm]
+            self._stages = plan_stages(
+                source_maps, plan, self._trainers,
+                level_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
+                plan["error"])
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             self._finish_all(inits)
@@ -670,9 +784,10 @@ class WeightSync:
 
     def _plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
               target_maps: Any, dtypes: Any, bucket_bytes: int, quantize: Any,
-              relay_waves: int, topology: Any = None) -> dict[str, Any]:
+              relay_waves: int, topology: Any, trainer_hosts: Sequence[str]) -> dict[str, Any]:
         """(trainer process 0) Every engine's maps and the dtypes its workers receive, from
-        what the workers report of themselves, and the relay tree between the engines."""
+        what the workers report of themselves, where the processes run (the schedule's
+        topology), and the waves a push into several engines is cut into."""
         count = self._engines
         if quantize is not None and count > 1:
             raise WeightSyncError("quantize= pushes into one engine; give each FP8 engine a "
@@ -689,17 +804,21 @@ class WeightSync:
                                       "engines")
         targets, types, hosts = [], [], []
         for e in range(count):
-            mine = [r for r in reports if r.get("engine", 0) == e]
+            mine = sorted((r for r in reports if r.get("engine", 0) == e),
+                          key=lambda r: int(r.get("rank", 0)))
             target, typed = self._engine_plan(mine, source_maps, given[e], dtypes, e)
             targets.append(target)
             types.append(typed)
-            hosts.append(str(mine[0].get("host", "")))
-        if topology is not None:  # the hosts the topology places each engine's first worker on
-            hosts = self._hosts_of(topology)
-        parents, order = relay_tree([json.dumps(t, sort_keys=True) for t in types], hosts)
+            hosts.append([str(r.get("host", "")) for r in mine])
+        from .. import _core
+        from .._degree import _json_text
+        text = _json_text(topology) if topology is not None else \
+            json.dumps(default_topology(trainer_hosts, hosts))
+        # A topology that cannot hold the sync is refused here, naming its JSON path.
+        _core.place_processes(text, self._trainers, list(self._workers))
         source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
         waves = None
-        if any(p >= 0 for p in parents):  # relays: waves, each relayed as the next arrives
+        if count > 1:  # relays: waves, each relayed as the next arrives
             import torch
             sizes = {n: math.prod(as_map(m).logical_shape) *
                      torch.empty(0, dtype=getattr(torch, types[0][n])).element_size()
@@ -707,19 +826,7 @@ class WeightSync:
             waves = cut_waves([source, *targets], sizes, relay_waves)
         return {"error": None, "source": source, "targets": targets, "dtypes": types,
                 "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
-                "parents": parents, "order": order, "waves": waves}
-
-    def _hosts_of(self, topology: Any) -> list[str]:
-        """The host each engine's first worker runs on, as ``topology`` (the JSON of
-        ``reshard sync-plan``'s topology, its path or a dict) places the sync's processes: the
-        trainer processes, then each engine's workers. MapError naming the JSON path for a
-        topology that is malformed, places a process on a host it does not have, or has fewer
-        GPUs than the sync has processes."""
-        from .. import _core
-        from .._degree import _json_text
-        slots = _core.place_processes(_json_text(topology), self._trainers, list(self._workers))
-        return [slots[engine_ranks(self._trainers, self._workers, e).start].split(":")[0]
-                for e in range(self._engines)]
+                "waves": waves, "topology": text}
 
     def _engine_plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
                      target_maps: Optional[Mapping[str, MapLike]], dtypes: Any, e: int
@@ -790,26 +897,10 @@ class WeightSync:
     def _moved(self) -> tuple[int, int, int, dict[str, int]]:
         """The last push's bytes: out of the trainer processes, out of this process, relayed
         by engines' workers, and per link (sender -> receiver)."""
-        sent = here = relayed = 0
-        links: dict[str, int] = {}
-        for stage in self._stages:
-            ex = stage.redistributor._exchange
-            assert ex is not None
-            senders = range(self._trainers) if stage.source < 0 else \
-                engine_ranks(self._trainers, self._workers, stage.source)
-            for p in senders:
-                n = int(ex.stats(p)["sent"])
-                if stage.source < 0:
-                    sent += n
-                else:
-                    relayed += n
-                if p == self._rank:
-                    here += n
-                for _, peer, count in ex.sends(p):
-                    if peer != p:
-                        link = f"{self._process_name(p)} -> {self._process_name(peer)}"
-                        links[link] = links.get(link, 0) + int(count)
-        return sent, here, relayed, links
+        sent, here, relayed, links = stage_bytes(self._stages, self._trainers, self._workers,
+                                                 self._rank)
+        return sent, here, relayed, {f"{self._process_name(a)} -> {self._process_name(b)}": n
+                                     for (a, b), n in links.items()}
 
     def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
              ) -> SyncStats:
@@ -834,11 +925,13 @@ class WeightSync:
             given: Any = shards  # checked by the push, alike on every process
             return given, None
         from ..torch import megatron_source_shards, shards_of
-        sync = self.redistributor
-        dtypes = getattr(sync, "_dtypes", None) or []
-        names = getattr(sync, "_names", sorted(self._source_maps))
         given = self._source if shards is None else shards
-        types = {n: torch_dtype_of(d) for n, d in zip(names, dtypes)}
+        types: dict[str, Any] = {}  # what each tensor moves as, from the trainer processes
+        for stage in self._stages:
+            sync = stage.redistributor
+            if stage.source < 0:
+                for n, d in zip(getattr(sync, "_names", []), getattr(sync, "_dtypes", None) or []):
+                    types.setdefault(n, torch_dtype_of(d))
         try:
             if self._megatron:
                 return megatron_source_shards(given, self._source_maps, self._rank, types), None

@@ -1,0 +1,155 @@
+"""A push into several engines executes the sync schedule (DESIGN 21) without vLLM: trainer
+processes and stand-in engine workers over one StoreGroup run reshard.vllm.sync's stages
+(plan_stages, run_stages) as WeightSync and the engines' workers do. Every worker must hold
+what reshard.extract gives of the full tensors; the bytes on every link must equal what
+reshard.plan_sync plans for the same maps and topology (one schedule object drives both); a
+worker's shards reach on_ready only once nothing more is sent from them (processing in place
+must not leak into a relay); trainer egress is one copy."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BUILD
+from maps import make_map, piece, replicated_map, split_map, stacked_expert_maps
+
+torch = pytest.importorskip("torch")
+
+TRAINERS = 2
+WORKERS = [2, 1]  # engine 0 at TP 2, engine 1 at TP 1
+
+WORKER = r'''
+import json, os, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import reshard
+from reshard.vllm._group import StoreGroup, join_store, serve_store
+from reshard.vllm.sync import level_groups, plan_stages, run_stages, stage_bytes, engine_ranks
+rank, port_file, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+spec = json.loads(open(out + ".spec").read())
+plan, fulls = spec["plan"], {n: torch.tensor(v) for n, v in spec["fulls"].items()}
+trainers, workers = spec["trainers"], plan["workers"]
+size = trainers + sum(workers)
+if rank == 0:
+    store = serve_store("127.0.0.1", 60)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.replace(port_file + ".tmp", port_file)
+else:
+    while not os.path.exists(port_file):
+        pass
+    store = join_store("127.0.0.1", int(open(port_file).read()), 60)
+comm = StoreGroup(store, "t/pg", rank, size, "gloo", 60)
+made = [comm]
+stages = plan_stages(plan["source"], plan, trainers,
+                     level_groups(store, "t", rank, comm, "gloo", 60, made), None)
+engine, me = -1, rank
+for e in range(len(workers)):
+    if rank in engine_ranks(trainers, workers, e):
+        engine, me = e, rank - engine_ranks(trainers, workers, e).start
+result = {"levels": sorted({st.level for st in stages}), "pushes": []}
+for push in range(2):
+    scale = 1.0 + push
+    shards, outs, ready = {}, {}, []
+    if engine < 0:
+        for n, m in plan["source"].items():
+            shards[n] = reshard.extract(reshard.ParamMap.from_dict(m), fulls[n] * scale, rank)
+    else:
+        for st in stages:
+            if st.engine == engine:
+                for n, m in zip(st.redistributor._names, st.redistributor._dst):
+                    key = m.buffer(me) or n
+                    outs.setdefault(key, torch.zeros(m.shard_shape(me)))
+    def on_ready(got):
+        for k, t in got.items():
+            ready.append(k)
+            t.mul_(2)  # processed in place: must not reach another worker
+    run_stages(stages, engine, me, shards, outs if engine >= 0 else None, on_ready, None)
+    sent, here, relayed, links = stage_bytes(stages, trainers, workers, rank)
+    result["pushes"].append({"out": {k: v.tolist() for k, v in outs.items()}, "ready": ready,
+                             "sent": sent, "relayed": relayed,
+                             "links": [[a, b, n] for (a, b), n in sorted(links.items())]})
+for g in made:
+    g.shutdown()
+open(out + f".{rank}", "w").write(json.dumps(result))
+'''
+
+
+def _experts(placement):
+    return stacked_expert_maps(placement, [("e{e}.w", [4, 6])], buffer="experts")
+
+
+def _case():
+    """The trainer's maps over 2 processes and two engines': a row split, a replicated norm,
+    two experts split by rows; engine 0 splits the weight by columns, replicates the norm and
+    holds both experts in one buffer on each worker (pieces every worker of the engine needs:
+    handed on within it), engine 1 holds everything whole, its experts in a buffer too."""
+    e0 = make_map([4, 6], [([2, 6], [piece([2, 6], 0, [6, 1], 0, [6, 1], [0])]),
+                           ([2, 6], [piece([2, 6], 12, [6, 1], 0, [6, 1], [1])])])
+    source = {"w": split_map([8, 6], 0, [4, 4]), "norm": replicated_map([6], 2),
+              "e0.w": e0, "e1.w": e0}
+    one, one_buffers = _experts([[0, 1], [0, 1]])
+    whole, whole_buffers = _experts([[0, 1]])
+    targets = [{"w": split_map([8, 6], 1, [3, 3]), "norm": replicated_map([6], 2), **one},
+               {"w": split_map([8, 6], 0, [8]), "norm": replicated_map([6], 1), **whole}]
+    return source, targets, [one_buffers, whole_buffers]
+
+
+def _expected(name_or_buffer, engine, worker, fulls, targets):
+    import reshard
+    if name_or_buffer == "experts":
+        return torch.stack([fulls["e0.w"], fulls["e1.w"]])
+    return reshard.extract(reshard.ParamMap.from_dict(targets[engine][name_or_buffer]),
+                           fulls[name_or_buffer], worker)
+
+
+def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
+    import reshard
+    source, targets, buffers = _case()
+    shapes = {"w": [8, 6], "norm": [6], "e0.w": [4, 6], "e1.w": [4, 6]}
+    fulls = {n: (torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) * 0.5
+                 + i * 100) for i, (n, s) in enumerate(shapes.items())}
+    topology = {"hosts": [{"name": "a", "gpus": 3}, {"name": "b", "gpus": 2}],
+                "placement": {"trainer": ["a:0", "a:1"], "engines": [["a:2", "b:0"], ["b:1"]]}}
+    plan = {"error": None, "source": source, "targets": targets,
+            "dtypes": [{n: "float32" for n in t} for t in targets], "bucket_bytes": 4096,
+            "quantize": None, "workers": WORKERS, "waves": [["w", "norm"], ["e0.w", "e1.w"]],
+            "topology": json.dumps(topology)}
+    (tmp_path / "out.spec").write_text(json.dumps(
+        {"plan": plan, "trainers": TRAINERS, "fulls": {n: t.tolist() for n, t in fulls.items()}}))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    size = TRAINERS + sum(WORKERS)
+    procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
+                               str(tmp_path / "port"), str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(size)]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(size)]
+
+    # The schedule plan_sync reports for the same maps and topology, per link.
+    report = reshard.plan_sync(topology, source={"version": 1, **source},
+                               targets=[{"version": 2, "buffers": b, **t}
+                                        for t, b in zip(targets, buffers)], dtype="F32",
+                               transfers=True)
+    planned: dict[tuple[int, int], int] = {}
+    for _, a, b, n, *_ in report["transfers"]:
+        planned[(a, b)] = planned.get((a, b), 0) + n
+    one_copy = 4 * sum(t.numel() for t in fulls.values())
+    assert report["one_copy_bytes"] == one_copy
+    assert len(results[0]["levels"]) >= 2  # relays, and pieces handed on within engine 0
+    for push, scale in enumerate((1.0, 2.0)):
+        first = results[0]["pushes"][push]
+        assert {(a, b): n for a, b, n in first["links"]} == planned
+        assert first["sent"] == one_copy  # every byte leaves the trainer processes once
+        assert first["relayed"] > 0
+        for e, count in enumerate(WORKERS):
+            for w in range(count):
+                got = results[TRAINERS + sum(WORKERS[:e]) + w]["pushes"][push]
+                assert sorted(got["ready"]) == sorted(got["out"])  # each shard once
+                for key, value in got["out"].items():
+                    want = 2 * scale * _expected(key, e, w, fulls, targets)
+                    assert torch.equal(torch.tensor(value), want), (e, w, key)
