@@ -404,6 +404,18 @@ def _check_scale_buffers(planned: list[_Planned], target: Mapping[str, ParamMap]
             first[mine > 0] = i
 
 
+def check_quantized_targets(quantize: Any, source_maps: Mapping[str, Any],
+                            target_maps: Mapping[str, Any]) -> list[str]:
+    """The tensors ``quantize`` quantizes into ``target_maps`` (sorted), after the checks
+    :class:`QuantizingRedistributor` makes of them (RedistributeError otherwise)."""
+    targets = {n: as_map(m) for n, m in target_maps.items()}
+    planned = [_plan_tensor(spec, as_map(source_maps[spec.data]), targets[spec.data],
+                            targets[spec.scale])
+               for spec in quant_specs(quantize, source_maps, target_maps)]
+    _check_scale_buffers(planned, targets)
+    return sorted(p.spec.data for p in planned)
+
+
 class QuantizingRedistributor:
     """A :class:`reshard.distributed.Redistributor` whose targets hold some tensors as FP8
     blocks (data + scales) that the sources hold in bf16, fp16 or fp32: each block quantized
@@ -425,7 +437,9 @@ class QuantizingRedistributor:
                  quantize: Any, source_ranks: Sequence[int], target_ranks: Sequence[int],
                  group: Any = None, dtypes: Union[None, Any, Mapping[str, Any]] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, _error: Optional[str] = None,
-                 **options: Any) -> None:
+                 _prepare_only: bool = False, **options: Any) -> None:
+        # _prepare_only: only the split blocks' gather and the quantizing (:meth:`prepare`);
+        # the sources' quantized layout (:attr:`prepared_maps`) travels by another plan.
         import torch
         comm = group if isinstance(group, Transport) else _TorchGroup(group)
         self._me = comm.rank
@@ -465,22 +479,35 @@ class QuantizingRedistributor:
                                      gather_dst if error is None else {},
                                      source_ranks=ranks, target_ranks=ranks, group=comm,
                                      bucket_bytes=bucket_bytes, _error=error, **options)
-        self._final = Redistributor(final_src, target_maps, source_ranks=source_ranks,
-                                    target_ranks=target_ranks, group=comm, dtypes=final_dtypes,
-                                    bucket_bytes=bucket_bytes, **options)
+        self._prepared = final_src if error is None else {}
+        self._final: Optional[Redistributor] = None
+        if not _prepare_only:
+            self._final = Redistributor(final_src, target_maps, source_ranks=source_ranks,
+                                        target_ranks=target_ranks, group=comm,
+                                        dtypes=final_dtypes, bucket_bytes=bucket_bytes, **options)
+
+    @property
+    def prepared_maps(self) -> dict[str, MapLike]:
+        """The maps of what :meth:`prepare` gives over the source ranks: each quantized tensor's
+        FP8 data and scales as their block owners hold them, every other tensor as given."""
+        return dict(self._prepared)
+
+    def _final_one(self) -> Redistributor:
+        assert self._final is not None, "built to prepare only"
+        return self._final
 
     @property
     def _exchange(self) -> Optional[_core.Exchange]:
         """The final exchange (what the targets receive), as a Redistributor's."""
-        return self._final._exchange
+        return self._final._exchange if self._final is not None else None
 
     @property
     def _names(self) -> list[str]:
-        return self._final._names
+        return self._final_one()._names
 
     @property
     def _dst(self) -> list[ParamMap]:
-        return self._final._dst
+        return self._final_one()._dst
 
     def gathered(self) -> int:
         """The bytes of split blocks that the source processes send their owners per run."""
@@ -494,7 +521,7 @@ class QuantizingRedistributor:
     def schedule(self) -> dict[str, Any]:
         """The final exchange's :meth:`Redistributor.schedule`, with ``"gather"``: the
         split blocks' exchange among the source processes (once planned)."""
-        out = self._final.schedule()
+        out = self._final_one().schedule()
         if self._gather._exchange is not None:
             out["gather"] = self._gather.schedule()
         return out
@@ -552,7 +579,25 @@ class QuantizingRedistributor:
         their source dtype) -> its target shards (the quantized ones as FP8 data and float32
         scales). Every process of the group calls it. Nothing reaches a target before every
         process has checked its shards and quantized its blocks."""
-        error = _error
+        prepared, error = self._prepare(shards, dry_run, _error)
+        gathered = dict(self._gather.last_stats or {})
+        final = self._final_one()
+        result = final.run(prepared, out, dry_run=dry_run, on_ready=on_ready, _error=error)
+        if not dry_run:
+            self.last_stats = {**(final.last_stats or {}),
+                               "gathered_sent": int(gathered.get("sent", 0)),
+                               "gathered_received": int(gathered.get("received", 0))}
+        return result
+
+    def prepare(self, shards: Mapping[str, "torch.Tensor"], *, _error: Optional[str] = None
+                ) -> "tuple[dict[str, torch.Tensor], Optional[str]]":
+        """This process's source shards -> its shards of :attr:`prepared_maps` (a collective
+        over the group: the split blocks gathered at their owners, quantized), and the error
+        that stopped it (agreed by the exchange that sends them)."""
+        return self._prepare(shards, False, _error)
+
+    def _prepare(self, shards: Mapping[str, "torch.Tensor"], dry_run: bool,
+                 error: Optional[str]) -> "tuple[dict[str, torch.Tensor], Optional[str]]":
         quantized: dict[str, torch.Tensor] = {}
         rest: dict[str, torch.Tensor] = {}
         try:
@@ -566,19 +611,12 @@ class QuantizingRedistributor:
             blocks = self._empty_stacks()
         else:
             blocks = self._gather.run(quantized, _error=error)
-        gathered = dict(self._gather.last_stats or {})
         error, made = None, {}
         try:
             made = self._quantize(blocks)
         except Exception as e:  # agreed in the final exchange, before it moves anything
             error = _message(e)
-        result = self._final.run({**rest, **made}, out, dry_run=dry_run, on_ready=on_ready,
-                                 _error=error)
-        if not dry_run:
-            self.last_stats = {**(self._final.last_stats or {}),
-                               "gathered_sent": int(gathered.get("sent", 0)),
-                               "gathered_received": int(gathered.get("received", 0))}
-        return result
+        return {**rest, **made}, error
 
 
 def _grid_index(scales: Mapping[str, Any], rank: int, at: int, block: Sequence[int],

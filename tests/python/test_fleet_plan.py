@@ -1,34 +1,46 @@
-"""The many-engines sync's plan, without engines (reshard.vllm.sync; DESIGN 21): the relay tree
-its cost model picks, the waves a relayed push is cut into, and the arguments refused before
-any engine is contacted."""
+"""The many-engines sync's plan, without engines (reshard.vllm.sync; DESIGN 21): where the
+schedule places the processes, the depth of its steps, the waves a relayed push is cut into,
+and the arguments refused before any engine is contacted."""
+
+import json
 
 import pytest
 
-from reshard.vllm.sync import WeightSync, WeightSyncError, cut_waves, depths, relay_tree
+from reshard.vllm.sync import (WeightSync, WeightSyncError, _step_levels, cut_waves,
+                               default_topology, schedule_topology)
 
 
-def test_relay_tree_prefers_the_same_host_then_the_shallower_engine():
-    hosts = ["h0", "h0", "h1", "h1", "h0"]
-    parents, order = relay_tree(["s"] * 5, hosts)
-    # e1 beside e0; e2 from e0 (both candidates across hosts, e0 shallower); e3 from e2 (same
-    # host); e4 from e1 (e0 is full: two receivers).
-    assert parents == [-1, 0, 0, 2, 1]
-    assert depths(parents) == [0, 1, 1, 2, 2]
-    assert order == [0, 1, 2, 3, 4]
-    assert all(parents.count(p) <= 2 for p in range(5))
+def test_by_default_every_process_is_a_gpu_of_its_host():
+    topology = default_topology(["t", "t"], [["t", "n"], ["n"]])
+    assert topology == {"hosts": [{"name": "t", "gpus": 3}, {"name": "n", "gpus": 2}],
+                        "placement": {"trainer": ["t:0", "t:1"],
+                                      "engines": [["t:2", "n:0"], ["n:1"]]}}
+    import reshard
+    slots = reshard._core.place_processes(json.dumps(topology), 2, [2, 1])
+    assert slots == ["t:0", "t:1", "t:2", "n:0", "n:1"]
 
 
-def test_engines_of_other_dtypes_get_their_own_copy_from_the_trainer():
-    parents, order = relay_tree(["bf16", "fp32", "bf16", "fp32", "bf16"], ["h"] * 5)
-    assert parents == [-1, -1, 0, 1, 0]
-    assert order.index(2) > order.index(0) and order.index(3) > order.index(1)
+def test_a_given_topology_places_the_processes():
+    topology = {"hosts": [{"name": "t", "gpus": 2}, {"name": "n", "count": 2, "gpus": 4}]}
+    text = schedule_topology(topology, ["x", "x"], [["y", "y"], ["y", "y"], ["y"] * 4])
+    assert json.loads(text) == topology
 
 
-def test_relay_tree_of_many_engines_is_logarithmic():
-    parents, order = relay_tree(["s"] * 15, ["h"] * 15)
-    assert max(depths(parents)) == 3  # 1 + 2 + 4 + 8 engines
-    for e in order:  # every engine after the one it receives from
-        assert parents[e] < 0 or order.index(parents[e]) < order.index(e)
+@pytest.mark.parametrize("topology,needle", [
+    ({"hosts": [{"name": "a", "gpus": 2}], "placement": {"engines": [["nowhere"]]}},
+     'no host named "nowhere"'),
+    ({"hosts": [{"name": "a", "gpus": 2}]}, "GPUs"),
+])
+def test_a_topology_that_cannot_hold_the_sync_is_refused_naming_the_path(topology, needle):
+    import reshard
+    with pytest.raises(reshard.MapError, match=needle):
+        schedule_topology(topology, ["a", "a"], [["a", "a"]])
+
+
+def test_a_step_is_one_deeper_than_the_deepest_step_into_its_sender():
+    steps = [("from_trainer", -1, 0, []), ("within_root", 0, 0, [0]),
+             ("relay", 0, 1, [0, 1]), ("relay", 1, 2, [2]), ("relay", 0, 3, [0, 1])]
+    assert _step_levels(steps) == [0, 1, 2, 3, 2]
 
 
 def _map(buffer=None):
@@ -69,31 +81,3 @@ def test_one_wave_holds_everything():
 def test_bad_engine_arguments_are_refused_before_any_engine_is_contacted(kwargs, needle):
     with pytest.raises(WeightSyncError, match=needle):
         WeightSync(source_maps={}, **kwargs)
-
-
-def _sync_of(trainers, workers):
-    """A WeightSync's plan state alone (no group, no engine): trainers, engines' workers."""
-    sync = WeightSync.__new__(WeightSync)
-    sync._trainers, sync._workers, sync._engines = trainers, list(workers), len(workers)
-    return sync
-
-
-def test_topology_places_the_engines_for_the_cost_model():
-    topology = {"hosts": [{"name": "t", "gpus": 2}, {"name": "n", "count": 2, "gpus": 4}]}
-    # Default placement: the trainer's 2 ranks on t, then the engines' workers in turn.
-    assert _sync_of(2, [2, 2, 4])._hosts_of(topology) == ["n0", "n0", "n1"]
-    placed = dict(topology, placement={"engines": [["n1:0", "n1:1"], ["n0:0", "n0:1"],
-                                                  ["n1:2", "n1:3", "n1:4", "n1:5"]]})
-    placed["hosts"] = [{"name": "t", "gpus": 2}, {"name": "n", "count": 2, "gpus": 6}]
-    assert _sync_of(2, [2, 2, 4])._hosts_of(placed) == ["n1", "n0", "n1"]
-
-
-@pytest.mark.parametrize("topology,needle", [
-    ({"hosts": [{"name": "a", "gpus": 2}], "placement": {"engines": [["nowhere"]]}},
-     'no host named "nowhere"'),
-    ({"hosts": [{"name": "a", "gpus": 2}]}, "GPUs"),
-])
-def test_a_topology_that_cannot_hold_the_sync_is_refused_naming_the_path(topology, needle):
-    import reshard
-    with pytest.raises(reshard.MapError, match=needle):
-        _sync_of(2, [2])._hosts_of(topology)

@@ -59,16 +59,19 @@ for push in range(2):
     else:
         for st in stages:
             if st.engine == engine:
-                for n, m in zip(st.redistributor._names, st.redistributor._dst):
+                sync = st.redistributor
+                for n, m, d in zip(sync._names, sync._dst, sync._dtypes):
                     key = m.buffer(me) or n
-                    outs.setdefault(key, torch.zeros(m.shard_shape(me)))
+                    outs.setdefault(key, torch.zeros(m.shard_shape(me), dtype=getattr(torch, d)))
     def on_ready(got):
         for k, t in got.items():
             ready.append(k)
-            t.mul_(2)  # processed in place: must not reach another worker
+            if spec["process"]:
+                t.mul_(2)  # processed in place: must not reach another worker
     run_stages(stages, engine, me, shards, outs if engine >= 0 else None, on_ready, None)
     sent, here, relayed, links = stage_bytes(stages, trainers, workers, rank)
-    result["pushes"].append({"out": {k: v.tolist() for k, v in outs.items()}, "ready": ready,
+    result["pushes"].append({"out": {k: v.float().tolist() for k, v in outs.items()},
+                             "ready": ready,
                              "sent": sent, "relayed": relayed,
                              "links": [[a, b, n] for (a, b), n in sorted(links.items())]})
 for g in made:
@@ -105,6 +108,24 @@ def _expected(name_or_buffer, engine, worker, fulls, targets):
                            fulls[name_or_buffer], worker)
 
 
+def _run(tmp_path, plan, fulls, process=True):
+    """Every process of the sync (the trainer processes, then each engine's workers) run from
+    ``plan``; their results."""
+    (tmp_path / "out.spec").write_text(json.dumps(
+        {"plan": plan, "trainers": TRAINERS, "process": process,
+         "fulls": {n: t.tolist() for n, t in fulls.items()}}))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    size = TRAINERS + sum(WORKERS)
+    procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
+                               str(tmp_path / "port"), str(tmp_path / "out")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(size)]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(size)]
+
+
 def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
     import reshard
     source, targets, buffers = _case()
@@ -117,18 +138,7 @@ def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
             "dtypes": [{n: "float32" for n in t} for t in targets], "bucket_bytes": 4096,
             "quantize": None, "workers": WORKERS, "waves": [["w", "norm"], ["e0.w", "e1.w"]],
             "topology": json.dumps(topology)}
-    (tmp_path / "out.spec").write_text(json.dumps(
-        {"plan": plan, "trainers": TRAINERS, "fulls": {n: t.tolist() for n, t in fulls.items()}}))
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    size = TRAINERS + sum(WORKERS)
-    procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
-                               str(tmp_path / "port"), str(tmp_path / "out")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(size)]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(size)]
+    results = _run(tmp_path, plan, fulls)
 
     # The schedule plan_sync reports for the same maps and topology, per link.
     report = reshard.plan_sync(topology, source={"version": 1, **source},
@@ -152,4 +162,43 @@ def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
                 assert sorted(got["ready"]) == sorted(got["out"])  # each shard once
                 for key, value in got["out"].items():
                     want = 2 * scale * _expected(key, e, w, fulls, targets)
+                    assert torch.equal(torch.tensor(value), want), (e, w, key)
+
+
+def test_fp8_engines_share_one_quantizing_at_the_trainer(tmp_path):
+    """quantize= into two FP8 engines: the trainer processes quantize each 128 x 128 block
+    once (a block split between them gathered at its owner first), and the schedule moves the
+    FP8 data and scales: one copy out of the trainer, every worker's blocks and scales equal to
+    quantizing the full tensor."""
+    import reshard
+    import reshard.distributed as rd
+    full = torch.randn(256, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    norm = torch.arange(6, dtype=torch.float32)
+    data, scales = rd.quantize_fp8_blocks(full, (128, 128))
+    source = {"x": split_map([256, 128], 0, [100, 156]), "norm": replicated_map([6], 2)}
+    targets = [{"x": split_map([256, 128], 0, [128, 128]), "x_scale_inv": split_map([2, 1], 0,
+                                                                                     [1, 1]),
+                "norm": replicated_map([6], 2)},
+               {"x": split_map([256, 128], 0, [256]), "x_scale_inv": split_map([2, 1], 0, [2]),
+                "norm": replicated_map([6], 1)}]
+    dtypes = {"x": "float8_e4m3fn", "x_scale_inv": "float32", "norm": "float32"}
+    topology = {"hosts": [{"name": "a", "gpus": 5}]}
+    plan = {"error": None, "source": source, "targets": targets,
+            "dtypes": [dict(dtypes), dict(dtypes)], "bucket_bytes": 4096,
+            "quantize": {"block": [128, 128]}, "workers": WORKERS, "waves": [["x", "norm"]],
+            "topology": json.dumps(topology)}
+    results = _run(tmp_path, plan, {"x": full, "norm": norm}, process=False)
+    wants = {"x": data.float(), "x_scale_inv": scales, "norm": norm}
+    for push, scale in enumerate((1.0, 2.0)):
+        first = results[0]["pushes"][push]
+        assert first["sent"] == 256 * 128 + 2 * 4 + 6 * 4  # FP8 data, scales, the norm: once
+        for e, count in enumerate(WORKERS):
+            for w in range(count):
+                got = results[TRAINERS + sum(WORKERS[:e]) + w]["pushes"][push]
+                assert sorted(got["out"]) == ["norm", "x", "x_scale_inv"]
+                for key, value in got["out"].items():
+                    want = reshard.extract(reshard.ParamMap.from_dict(targets[e][key]),
+                                           wants[key], w)
+                    if key != "x":  # twice the weights: the same FP8 data, twice the scales
+                        want = want * scale
                     assert torch.equal(torch.tensor(value), want), (e, w, key)

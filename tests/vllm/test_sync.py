@@ -241,8 +241,8 @@ FLEET_TIMEOUT_S = 20  # how long a lost engine can hold the others' commit
 def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     """WeightSync(engines=[engine at TP 2, engine at TP 1]) from two trainer processes (each
     owning one engine): after a push both engines give transformers' tokens for the weights
-    pushed; the trainer processes send one copy (the plan minimum of the first engine) and the
-    first engine's workers relay what the second lacks. A worker of the second engine failing
+    pushed; the trainer processes send one copy (the sync schedule roots each tensor at one
+    engine) and the engines' workers relay the rest to each other. A worker of the second engine failing
     its processing fails the push on every trainer process and both engines keep serving what
     the last push gave them; the next push lands on both. A worker of the second engine lost
     mid-push (SIGKILL) fails the push on every trainer process, and the first engine keeps
@@ -277,14 +277,15 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     stats = runs[0][1]["stats"]
     assert stats == {**runs[1][1]["stats"], "bytes_sent_here": stats["bytes_sent_here"],
                      "seconds": stats["seconds"]}
-    # One copy out of the trainer processes: what the first engine lacks; the second engine's
-    # bytes come from the first engine's workers.
+    # One copy out of the trainer processes (each tensor to the engine the schedule roots it
+    # at, each replicated piece to one holder); the rest is relayed between the engines and
+    # handed on within them.
     assert stats["bytes_sent"] == stats["plan_minimum"] > 0
     assert stats["bytes_relayed"] > 0
     links = stats["links"]
-    assert set(links) >= {f"engine 0 worker {w} -> engine 1 worker 0"
-                          for w in range(spec["engine_tps"][0])}
-    assert not any(k.startswith("trainer") and "engine 1" in k for k in links), links
+    relays = [k for k in links if k.startswith("engine") and
+              k.split(" ")[1] != k.split(" -> ")[1].split(" ")[1]]
+    assert relays, links
     assert sum(v for k, v in links.items() if k.startswith("trainer")) == stats["bytes_sent"]
     assert sum(v for k, v in links.items() if k.startswith("engine")) == stats["bytes_relayed"]
     assert links[stats["busiest_link"]] == max(links.values())

@@ -171,6 +171,7 @@ class Stage:
     redistributor: AnyRedistributor
     wave: int = 0
     level: int = 0
+    prepare: bool = False  # the trainer processes quantize FP8 blocks before any exchange
 
 
 # The waves a relayed push is cut into: an engine relays wave w while it receives wave w + 1,
@@ -199,6 +200,19 @@ def default_topology(trainer_hosts: Sequence[str], worker_hosts: Sequence[Sequen
                  "engines": [[slot(h) for h in hosts] for hosts in worker_hosts]}
     return {"hosts": [{"name": h, "gpus": n} for h, n in used.items()],
             "placement": placement}
+
+
+def schedule_topology(topology: Any, trainer_hosts: Sequence[str],
+                      worker_hosts: Sequence[Sequence[str]]) -> str:
+    """The topology JSON the schedule places the sync's processes by: ``topology`` (a
+    sync-plan topology: its path, text or dict) or, when None, :func:`default_topology` of the
+    processes' host names. MapError naming the JSON path for one that cannot hold them."""
+    from .. import _core
+    from .._degree import _json_text
+    text = _json_text(topology) if topology is not None else \
+        json.dumps(default_topology(trainer_hosts, worker_hosts))
+    _core.place_processes(text, len(trainer_hosts), [len(w) for w in worker_hosts])
+    return text
 
 
 @dataclass
@@ -294,7 +308,16 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
     ``quantize`` (one engine: the trainer sends every holder its piece)."""
     workers = plan["workers"]
     options: dict[str, Any] = dict(bucket_bytes=plan["bucket_bytes"], _error=error)
-    if error is not None or plan.get("quantize") is not None or not source:
+    quantize = plan.get("quantize")
+    if error is None and quantize is not None and len(plan["targets"]) > 1 and source:
+        # FP8 engines: the trainer processes quantize each block once (at its owner), and the
+        # schedule moves the FP8 data and scales from there.
+        q = QuantizingRedistributor(source, plan["targets"][0], quantize=quantize,
+                                    source_ranks=range(trainers), target_ranks=[],
+                                    group=group_of(0), _prepare_only=True, **options)
+        return [Stage(-1, -1, q, prepare=True)] + plan_stages(
+            q.prepared_maps, {**plan, "quantize": None}, trainers, group_of, None)
+    if error is not None or quantize is not None or not source:
         comm = group_of(0)
         stages = []
         for e, target in enumerate(plan["targets"]):
@@ -311,10 +334,13 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
                                      dtypes=torch_dtypes(plan["dtypes"][e]), **options)
             stages.append(Stage(-1, e, sync))
         return stages
-    src = {n: as_map(m) for n, m in source.items()}
-    targets = [{n: as_map(m) for n, m in t.items()} for t in plan["targets"]]
-    schedule, entries = sync_schedule(src, targets, plan["dtypes"], trainers, workers,
-                                      plan["topology"])
+    try:  # the same on every process: a refusal (maps of different tensors) agreed as such
+        src = {n: as_map(m) for n, m in source.items()}
+        targets = [{n: as_map(m) for n, m in t.items()} for t in plan["targets"]]
+        schedule, entries = sync_schedule(src, targets, plan["dtypes"], trainers, workers,
+                                          plan["topology"])
+    except Exception as e:
+        return plan_stages(source, plan, trainers, group_of, _message(e))
     wave_of = {n: w for w, names in enumerate(plan.get("waves") or [list(source)])
                for n in names}
     # (wave, level, from, to) -> [(entry, step)]
@@ -368,6 +394,8 @@ def stage_bytes(stages: Sequence[Stage], trainers: int, workers: Sequence[int], 
     sent = here = relayed = 0
     links: dict[tuple[int, int], int] = {}
     for stage in stages:
+        if stage.prepare:
+            continue
         ex = stage.redistributor._exchange
         assert ex is not None
         senders = range(trainers) if stage.source < 0 else \
@@ -439,6 +467,12 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     while wave w + 1 arrives. A failure in one exchange is told to the later ones as an agreed
     error, so that no process waits for a peer that gave up; the first failure is raised (a
     refusal before a transport error)."""
+    if stages and stages[0].prepare:  # FP8 blocks quantized where the trainer holds them
+        quantizer = stages[0].redistributor
+        assert isinstance(quantizer, QuantizingRedistributor)
+        shards, failed = quantizer.prepare(shards if engine < 0 else {}, _error=error)
+        error = error or failed  # agreed by the exchanges that would send them
+        stages = stages[1:]
     received = [threading.Event() for _ in stages]
     failures: list[BaseException] = []
     lock = threading.Lock()
@@ -562,14 +596,15 @@ class WeightSync:
 
     ``engines`` instead of ``engine``: several engines (each an LLM in the process that owns
     it, None in the others, or a URL; the same length in every trainer process), pushed with
-    one plan: the trainer processes send each byte once, to the first engine of each set of
-    engines holding the same tensors, whose workers relay to the others along a tree
-    (:func:`relay_tree`); every engine commits or none does. ``target_maps`` is then a list,
-    one map set (or None) per engine. ``relay_waves``: how many waves a relayed push is cut
-    into (an engine relays one wave while it receives the next; 1: each engine relays once it
-    has received everything). ``topology`` (``reshard sync-plan``'s topology JSON: hosts, GPUs,
-    placement; its path or a dict) says where the processes run, for the relay tree's cost
-    model; by default each engine is where its first worker's host name says.
+    one plan: the sync schedule ``reshard.plan_sync`` plans for the same maps (each byte out of
+    the trainer processes once, to the tensor's root engine, replicated pieces to one holder;
+    the engines' workers hand on and relay the rest, :func:`plan_stages`); every engine
+    commits or none does. ``target_maps`` is then a list, one map set (or None) per engine.
+    ``relay_waves``: how many waves a push into several engines is cut into (an engine relays
+    one wave while it receives the next; 1: each engine relays once it has received
+    everything). ``topology`` (``reshard sync-plan``'s topology JSON: hosts, GPUs, placement;
+    its path or a dict) says where the processes run, for the schedule's cost model; by
+    default each process is a GPU of the host its host name says.
     """
 
     def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -789,9 +824,6 @@ class WeightSync:
         what the workers report of themselves, where the processes run (the schedule's
         topology), and the waves a push into several engines is cut into."""
         count = self._engines
-        if quantize is not None and count > 1:
-            raise WeightSyncError("quantize= pushes into one engine; give each FP8 engine a "
-                                  "WeightSync of its own")
         if target_maps is None or isinstance(target_maps, Mapping):
             if target_maps is not None and count > 1:
                 raise WeightSyncError(f"with {count} engines, give target_maps as a list: one "
@@ -810,12 +842,17 @@ class WeightSync:
             targets.append(target)
             types.append(typed)
             hosts.append([str(r.get("host", "")) for r in mine])
-        from .. import _core
-        from .._degree import _json_text
-        text = _json_text(topology) if topology is not None else \
-            json.dumps(default_topology(trainer_hosts, hosts))
-        # A topology that cannot hold the sync is refused here, naming its JSON path.
-        _core.place_processes(text, self._trainers, list(self._workers))
+        text = schedule_topology(topology, trainer_hosts, hosts)
+        if quantize is not None and count > 1:  # one quantizing at the trainer serves all
+            from .._quantize import check_quantized_targets
+            sets = [check_quantized_targets(quantize, source_maps, t) for t in targets]
+            for e, names in enumerate(sets):
+                if names != sets[0]:
+                    raise WeightSyncError(
+                        f"quantize= quantizes {len(sets[0])} tensors into engine 0 and "
+                        f"{len(names)} into engine {e} (first differing: "
+                        f"{sorted(set(names) ^ set(sets[0]))[:2]}); FP8 engines of one "
+                        "WeightSync hold the same tensors as FP8 blocks")
         source = {n: json.loads(as_map(m).to_json()) for n, m in source_maps.items()}
         waves = None
         if count > 1:  # relays: waves, each relayed as the next arrives
@@ -875,8 +912,8 @@ class WeightSync:
 
     def plan_minimum(self) -> int:
         """The bytes the engine's workers lack (what any push must move at least out of the
-        trainer processes): with several engines, those of the engines that receive from the
-        trainer processes (one per set of engines holding the same tensors: the others relay)."""
+        trainer processes): with several engines, one copy of every tensor per dtype the
+        engines take it at (the schedule's exchanges from the trainer processes)."""
         total = 0
         for stage in self._stages:
             ex = stage.redistributor._exchange
@@ -927,11 +964,15 @@ class WeightSync:
         from ..torch import megatron_source_shards, shards_of
         given = self._source if shards is None else shards
         types: dict[str, Any] = {}  # what each tensor moves as, from the trainer processes
+        quantized: set[str] = set()  # sent as FP8 blocks: given in the trainer's dtype
         for stage in self._stages:
             sync = stage.redistributor
-            if stage.source < 0:
+            if stage.prepare and isinstance(sync, QuantizingRedistributor):
+                quantized = {n for q in sync.quantized for n in (q.data, q.scale)}
+            elif stage.source < 0:
                 for n, d in zip(getattr(sync, "_names", []), getattr(sync, "_dtypes", None) or []):
-                    types.setdefault(n, torch_dtype_of(d))
+                    if n not in quantized:
+                        types.setdefault(n, torch_dtype_of(d))
         try:
             if self._megatron:
                 return megatron_source_shards(given, self._source_maps, self._rank, types), None
