@@ -81,3 +81,36 @@ def test_one_wave_holds_everything():
 def test_bad_engine_arguments_are_refused_before_any_engine_is_contacted(kwargs, needle):
     with pytest.raises(WeightSyncError, match=needle):
         WeightSync(source_maps={}, **kwargs)
+
+
+def _sync_of(trainers, workers):
+    """A WeightSync's plan state alone (no group, no engine): trainers, engines' workers."""
+    sync = WeightSync.__new__(WeightSync)
+    sync._trainers, sync._workers, sync._engines = trainers, list(workers), len(workers)
+    return sync
+
+
+def _plan(targets, quantize):
+    from maps import split_map
+    source = {"x": split_map([256, 128], 0, [128, 128]), "y": split_map([256, 128], 0, [128, 128])}
+    reports = [{"engine": e, "tp": 1, "rank": 0, "host": "h", "params": {}}
+               for e in range(len(targets))]
+    dtypes = {"x": "float8_e4m3fn", "x_scale_inv": "float32", "y": "float8_e4m3fn",
+              "y_scale_inv": "float32"}
+    return _sync_of(2, [1] * len(targets))._plan(reports, source, targets, dtypes, 1 << 20,
+                                                   quantize, 4, None, ["h", "h"])
+
+
+def test_fp8_engines_of_one_sync_hold_the_same_tensors_as_fp8_blocks():
+    from maps import split_map
+    both = {n: m for x in "xy" for n, m in ((x, split_map([256, 128], 0, [256])),
+                                            (x + "_scale_inv", split_map([2, 1], 0, [2])))}
+    plan = _plan([both, both], {"block": [128, 128]})
+    assert plan["error"] is None and plan["quantize"] == {"block": [128, 128]}
+    assert json.loads(plan["topology"])["hosts"] == [{"name": "h", "gpus": 4}]
+    plain = {"x": both["x"], "y": both["y"]}
+    with pytest.raises(WeightSyncError, match="engine 1: quantize= applies to no tensor"):
+        _plan([both, plain], {"block": [128, 128]})
+    with pytest.raises(WeightSyncError, match=r"quantizes 2 tensors into engine 0 and 1 into "
+                                              r"engine 1 \(first differing: \['y'\]\)"):
+        _plan([both, {**plain, "x_scale_inv": both["x_scale_inv"]}], {"block": [128, 128]})

@@ -25,6 +25,7 @@ import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import reshard
+from reshard.distributed import _torch_dtype
 from reshard.vllm._group import StoreGroup, join_store, serve_store
 from reshard.vllm.sync import level_groups, plan_stages, run_stages, stage_bytes, engine_ranks
 rank, port_file, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -62,7 +63,7 @@ for push in range(2):
                 sync = st.redistributor
                 for n, m, d in zip(sync._names, sync._dst, sync._dtypes):
                     key = m.buffer(me) or n
-                    outs.setdefault(key, torch.zeros(m.shard_shape(me), dtype=getattr(torch, d)))
+                    outs.setdefault(key, torch.zeros(m.shard_shape(me), dtype=_torch_dtype(d)))
     def on_ready(got):
         for k, t in got.items():
             ready.append(k)

@@ -315,8 +315,12 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
         q = QuantizingRedistributor(source, plan["targets"][0], quantize=quantize,
                                     source_ranks=range(trainers), target_ranks=[],
                                     group=group_of(0), _prepare_only=True, **options)
+        scale_of = {spec.data: spec.scale for spec in q.quantized}
+        waves = [[m for n in names for m in (n, scale_of.get(n)) if m is not None]
+                 for names in plan.get("waves") or [list(source)]]
         return [Stage(-1, -1, q, prepare=True)] + plan_stages(
-            q.prepared_maps, {**plan, "quantize": None}, trainers, group_of, None)
+            q.prepared_maps, {**plan, "quantize": None, "waves": waves}, trainers, group_of,
+            None)
     if error is not None or quantize is not None or not source:
         comm = group_of(0)
         stages = []
@@ -466,7 +470,8 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     what it has received of wave w (every exchange into it of that wave at a lesser depth)
     while wave w + 1 arrives. A failure in one exchange is told to the later ones as an agreed
     error, so that no process waits for a peer that gave up; the first failure is raised (a
-    refusal before a transport error)."""
+    refusal before a transport error). Once a peer is lost, the exchanges not yet begun are
+    skipped: each would only wait out the timeout on the broken group."""
     if stages and stages[0].prepare:  # FP8 blocks quantized where the trainer holds them
         quantizer = stages[0].redistributor
         assert isinstance(quantizer, QuantizingRedistributor)
@@ -488,9 +493,13 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     def held(sync: AnyRedistributor, side: str) -> dict[str, Any]:
         return {k: out[k] for k in _keys(sync, rank, side) if out is not None and k in out}
 
+    def lost() -> bool:  # a peer lost: the group is unusable, later exchanges only wait
+        with lock:
+            return any(not isinstance(f, RedistributeError) for f in failures)
+
     def level_body(level: int) -> None:
         for i, st in enumerate(stages):
-            if st.level != level:
+            if st.level != level or lost():
                 continue
             sync = st.redistributor
             try:
@@ -845,7 +854,12 @@ class WeightSync:
         text = schedule_topology(topology, trainer_hosts, hosts)
         if quantize is not None and count > 1:  # one quantizing at the trainer serves all
             from .._quantize import check_quantized_targets
-            sets = [check_quantized_targets(quantize, source_maps, t) for t in targets]
+            sets = []
+            for e, target in enumerate(targets):
+                try:
+                    sets.append(check_quantized_targets(quantize, source_maps, target))
+                except RedistributeError as ex:
+                    raise WeightSyncError(f"engine {e}: {ex}") from None
             for e, names in enumerate(sets):
                 if names != sets[0]:
                     raise WeightSyncError(
