@@ -3,8 +3,9 @@ TP 2 push a Llama-shaped model of --mb MB (float32) into engines at --engine-tp,
 group on CPU, three ways, each --repeat times (median):
 
   one engine    WeightSync(llm): the push into one engine alone (the reference)
-  two engines   WeightSync(engines=[llm_a, llm_b]): the trainer processes send each byte
-                once, to the first engine; its workers relay what the second lacks
+  two engines   WeightSync(engines=[llm_a, llm_b]): the sync schedule; the trainer processes
+                send each byte once (to the tensor's root engine); the engines' workers relay
+                the rest to each other
   two syncs     a WeightSync per engine, pushed one after the other: what users do today,
                 every byte leaving the trainer once per engine
 
@@ -112,7 +113,7 @@ def main() -> None:
           f"trainer TP 2 -> 2 engines at TP {r['engine_tp']}, gloo, median of {args.repeat}")
     print(f"  one engine   {r['one']:.3f} s   trainer egress {e['one'] / 1e6:.1f} MB")
     print(f"  two engines  {r['two']:.3f} s ({args.waves} waves)   trainer egress {e['two'] / 1e6:.1f} MB "
-          f"({e['two'] / e['one']:.2f}x), relayed by the first engine "
+          f"({e['two'] / e['one']:.2f}x), relayed by the engines "
           f"{r['relayed'] / 1e6:.1f} MB; {r['two'] / r['one']:.2f}x the time of one (bar <= 1.4x)")
     print(f"  two syncs    {r['syncs']:.3f} s   trainer egress {e['syncs'] / 1e6:.1f} MB "
           f"({e['syncs'] / e['one']:.2f}x); {r['syncs'] / r['one']:.2f}x the time of one "

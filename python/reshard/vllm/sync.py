@@ -12,6 +12,7 @@ parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import socket
@@ -299,6 +300,11 @@ def cut_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
     return waves
 
 
+def _plans_of(schedule: Any, chosen: Mapping[str, tuple[int, int]], names: list[str]) -> Any:
+    """The schedule's plans of ``names`` (their (entry, step) in ``chosen``), in order."""
+    return schedule.plans([chosen[n] for n in names])
+
+
 def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
                 group_of: Callable[[int], Any], error: Optional[str]) -> list[Stage]:
     """The exchanges of an agreed plan (a collective: every process of the group builds them, in
@@ -369,8 +375,7 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
             engine_ranks(trainers, workers, sender),
             target_ranks=engine_ranks(trainers, workers, receiver), group=comms[level],
             dtypes=torch_dtypes({n: plan["dtypes"][receiver][n] for n in chosen}),
-            _plans=lambda names, chosen=chosen: schedule.plans([chosen[n] for n in names]),
-            **options)
+            _plans=functools.partial(_plans_of, schedule, chosen), **options)
         stages.append(Stage(sender, receiver, sync, wave, level))
     return stages
 
@@ -510,6 +515,8 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                             if before.engine == engine and before.wave == st.wave and \
                                     before.level < st.level:
                                 received[j].wait()
+                        if lost():
+                            continue
                         mine = held(sync, "source")
                     else:  # the stage's shards (the first wave's also any the plan lacks,
                         # which its checks refuse)
