@@ -45,10 +45,14 @@ Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_
 /// by the Hugging Face tensors the model's config.json gives (`config_path`, as
 /// OpenMegatronSource reads them): OUT/latest_universal naming "<checkpoint dir name>_universal",
 /// in it zero/<hf name>/fp32.pt (the fp32 main weight), exp_avg.pt and exp_avg_sq.pt
-/// ({"param": the full fp32 tensor}). Megatron keeps the step and the param_groups in its
-/// pickled common state, which is not read: there is no step.pt or zero/optimizer_state.pt.
-/// FailedPrecondition for a checkpoint without the optimizer's state; what OpenMegatronSource
-/// refuses.
+/// ({"param": the full fp32 tensor}), and from Megatron's pickled common state (common.pt,
+/// read by reshard's pickle reader, no pickle code run) step.pt (the step of its param groups,
+/// a 0-d fp32 tensor) and zero/optimizer_state.pt ({"param_groups": its param groups copied
+/// as pickled, "ds_version": the DeepSpeed release whose layout the folder follows}, what
+/// DeepSpeed's universal loader reads); neither without a common.pt (a checkpoint that keeps
+/// its common state elsewhere). FailedPrecondition for a checkpoint without the optimizer's
+/// state; InvalidArgument, naming common.pt, for one without param groups or whose groups
+/// disagree on the step; what OpenMegatronSource refuses.
 Status ConvertMegatronToUniversal(const std::string& path, const std::string& config_path,
                                   const std::string& out_dir,
                                   const CheckpointOptions& options = {});
