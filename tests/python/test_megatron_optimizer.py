@@ -13,6 +13,9 @@ its older default sharding type, fully_sharded_model_space: flattened ranges of 
 parameter's shard, which 0.16 no longer writes; reshard reads those too, checked the same way
 (Megatron 0.13 loading its own checkpoint at TP 1), also with the ranges cut inside blocks as
 DP ranks hold them, and refuses ranges that overlap or leave holes.
+
+The step and the param groups Megatron keeps in its common.pt become the universal checkpoint's
+step.pt and zero/optimizer_state.pt: DeepSpeed's own universal loader restores them.
 """
 
 import json
