@@ -4,7 +4,8 @@ loader's and the training step's non-tensor state), re-sharded by `convert --to 
 whole by a fresh trainer at another world size (dcp.load of the same structure, then
 set_state_dict), whose next step equals the source run's next step exactly: the same loss and
 the same updated parameters, bit for bit (dcp_resume_worker.py). FSDP2 over tensor parallelism
-resumes as from the source itself."""
+resumes as from the source itself. Through a universal checkpoint (DCP -> universal -> DCP at 2
+and 3 ranks) the model and the optimizer resume with the source's next step too."""
 
 import json
 import os
