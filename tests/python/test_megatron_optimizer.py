@@ -203,6 +203,19 @@ def test_moe_state_from_a_chain_of_optimizers(reshard_bin, tmp_path, saved):
         back = load_file(str(tmp_path / f"{name}_back" / "model.safetensors"))
         for k, v in want.items():
             assert same_bits(back[k], v), (name, k)
+    # The universal checkpoint's param groups: the chain's, in its order ({i: {"optimizer":
+    # {"param_groups": ...}}} in common.pt), all at the chain's one step.
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--to", "universal", "-o",
+            tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    chain = torch.load(ckpt / "common.pt", weights_only=False)["optimizer"]
+    groups = [g for i in sorted(chain) for g in chain[i]["optimizer"]["param_groups"]]
+    zero = tmp_path / "uc" / "ckpt_universal" / "zero"
+    assert len(groups) > 2
+    assert torch.load(zero / "optimizer_state.pt", weights_only=True)["param_groups"] == groups
+    step = torch.load(zero / "model.layers.1.block_sparse_moe.experts.3.w2.weight" / "step.pt",
+                      weights_only=True)
+    assert step.item() == groups[0]["step"] == 2
 
 
 def test_python_convert_to_universal_takes_the_config(tmp_path, saved):
