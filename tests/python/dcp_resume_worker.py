@@ -19,10 +19,17 @@ the checkpoint for this world size into OUT_DIR/world2, and the same processes r
 on a (dp 2, tp 2) mesh: each block's w1 column-wise and w2 row-wise over "tp", then
 `fully_shard` over "dp"; its checkpoint only (OUT_DIR/ckpt).
 
+    torchrun --nproc_per_node 3 dcp_resume_worker.py resume-optim RESULT_DIR CKPT...
+
 `resume`: a fresh model and optimizer at this world size (FSDP2 alone), `get_state_dict`,
 `dcp.load` of the whole structure, `set_state_dict`, the scheduler and loader restored, then
 the same next step; its loss, updated parameters and the restored non-tensor values go to
 RESULT_DIR/<CKPT's name>.pt (rank 0), for each CKPT in turn.
+
+`resume-optim`: the same from a checkpoint of the model and the optimizer alone
+({"model", "optim"}, as `convert --to dcp` of a universal checkpoint writes one): the scheduler
+is not restored (its next change of the learning rate comes after the next step, whose
+learning rate is the param_groups' own), the training step is STEPS.
 
 Every step is exact at any world size: every rank computes the same full batch, rank 0's loss
 alone is back-propagated (the others' times 0) and the gradients are summed, not averaged
@@ -168,19 +175,26 @@ def train(out, reshard_bin=None, tp=1):
             torch.save(result, out / f"resumed-{world}.pt")
 
 
-def resume(ckpt):
+def resume(ckpt, model_and_optim_only=False):
     """Resumes from `ckpt` (in this process when no process group is up) and returns the next
     step's loss, the updated parameters and the restored non-tensor values."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model, optim, sched = build(dist.get_world_size() if dist.is_initialized() else 1)
     sd = state(model, optim, sched, loader=0, step=0)
+    if model_and_optim_only:
+        sd = {"model": sd["model"], "optim": sd["optim"]}
     dcp.load(sd, checkpoint_id=str(ckpt))
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    sched.load_state_dict(sd["lr_scheduler"])
-    restored = {"position": sd["dataloader"]["position"], "step": sd["train_state"]["step"],
-                **schedule(optim, sched)}
-    loss = train_step(model, optim, sched, sd["train_state"]["step"])
+    if model_and_optim_only:
+        restored = {"param_groups": schedule(optim, sched)["param_groups"]}
+        step = STEPS
+    else:
+        sched.load_state_dict(sd["lr_scheduler"])
+        restored = {"position": sd["dataloader"]["position"], "step": sd["train_state"]["step"],
+                    **schedule(optim, sched)}
+        step = sd["train_state"]["step"]
+    loss = train_step(model, optim, sched, step)
     return {"loss": loss, "params": full_params(model), "restored": restored}
 
 
@@ -192,7 +206,7 @@ def main():
         train(pathlib.Path(sys.argv[2]), tp=2)
     else:
         for ckpt in map(pathlib.Path, sys.argv[3:]):
-            result = resume(ckpt)
+            result = resume(ckpt, model_and_optim_only=sys.argv[1] == "resume-optim")
             if dist.get_rank() == 0:
                 torch.save(result, pathlib.Path(sys.argv[2]) / f"{ckpt.name}.pt")
     dist.barrier()

@@ -4,7 +4,8 @@ loader's and the training step's non-tensor state), re-sharded by `convert --to 
 whole by a fresh trainer at another world size (dcp.load of the same structure, then
 set_state_dict), whose next step equals the source run's next step exactly: the same loss and
 the same updated parameters, bit for bit (dcp_resume_worker.py). FSDP2 over tensor parallelism
-resumes as from the source itself."""
+resumes as from the source itself. Through a universal checkpoint (DCP -> universal -> DCP at 2
+and 3 ranks) the model and the optimizer resume with the source's next step too."""
 
 import json
 import os
@@ -247,3 +248,38 @@ def test_fsdp2_over_tp_resumes_at_world_3_as_from_the_source_itself(trained_tp, 
     source = torch.load(trained_tp / "ckpt.pt", weights_only=False)
     assert source["restored"]["step"] == 3  # the source loaded whole too
     assert_same_next_step(torch.load(trained_tp / f"{ckpt.name}.pt", weights_only=False), source)
+
+
+def test_universal_checkpoint_converted_to_dcp_resumes_as_the_source_run(trained, reshard_bin,
+                                                                          tmp_path):
+    """DCP -> universal -> DCP at 2 and 3 ranks: the structure get_state_dict gives the FSDP2
+    model and AdamW ("model.<fqn>" the fp32 masters, "optim.state.<fqn>.{step,exp_avg,
+    exp_avg_sq}", "optim.param_groups.<g>.<key>" with "params" the fqns), from the universal
+    checkpoint's files (step.pt, zero/optimizer_state.pt). A fresh trainer loads the whole
+    {"model", "optim"} structure (dcp.load, set_state_dict) and takes the source run's next
+    step bit for bit: its loss, and the parameters AdamW updates with the loaded step (bias
+    correction), learning rate and weight decay. Exact, not within a tolerance: every step of
+    this trainer is the single-process one at any world size (dcp_resume_worker.py), and the
+    universal files hold the source's tensors unchanged (fp32 in, fp32 out)."""
+    uc = tmp_path / "uc"
+    r = run(reshard_bin, "convert", trained / "ckpt", "--to", "universal", "-o", uc)
+    assert r.returncode == 0, r.stderr
+    source = metadata(trained / "ckpt")
+    kept = {k for k in source.state_dict_metadata if k.split(".")[0] in ("model", "optim")}
+    ckpts = []
+    for world in (2, 3):
+        out = tmp_path / f"uc-world{world}"
+        r = run(reshard_bin, "convert", uc, "--to", "dcp", "--world", world, "-o", out)
+        assert r.returncode == 0, r.stderr
+        md = metadata(out)
+        assert set(md.state_dict_metadata) == kept  # the keys get_state_dict saved, no others
+        for key in kept:
+            assert md.planner_data[key] == source.planner_data[key], key
+            assert type(md.state_dict_metadata[key]) is type(source.state_dict_metadata[key])
+        ckpts.append(out)
+    want = reference(trained)
+    want["restored"] = {"param_groups": want["restored"]["param_groups"]}
+    for world, ckpt in zip((2, 3), ckpts):
+        torchrun(world, "resume-optim", tmp_path, ckpt)
+        got = torch.load(tmp_path / f"{ckpt.name}.pt", weights_only=False)
+        assert_same_next_step(got, want)

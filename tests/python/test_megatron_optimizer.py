@@ -13,6 +13,9 @@ its older default sharding type, fully_sharded_model_space: flattened ranges of 
 parameter's shard, which 0.16 no longer writes; reshard reads those too, checked the same way
 (Megatron 0.13 loading its own checkpoint at TP 1), also with the ranges cut inside blocks as
 DP ranks hold them, and refuses ranges that overlap or leave holes.
+
+The step and the param groups Megatron keeps in its common.pt become the universal checkpoint's
+step.pt and zero/optimizer_state.pt: DeepSpeed's own universal loader restores them.
 """
 
 import json
@@ -20,6 +23,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,7 +128,7 @@ def test_convert_to_universal_writes_megatrons_state_per_parameter(reshard_bin, 
     assert r.returncode == 0, r.stderr
     folder = out / (out / "latest_universal").read_text()
     assert folder.name == "ckpt_universal"
-    params = sorted(p.name for p in (folder / "zero").iterdir())
+    params = sorted(p.name for p in (folder / "zero").iterdir() if p.is_dir())
     assert params == sorted(k[:-len(".fp32")] for k in want if k.endswith(".fp32"))
     for name in params:
         for suffix in STATES:
@@ -199,6 +203,19 @@ def test_moe_state_from_a_chain_of_optimizers(reshard_bin, tmp_path, saved):
         back = load_file(str(tmp_path / f"{name}_back" / "model.safetensors"))
         for k, v in want.items():
             assert same_bits(back[k], v), (name, k)
+    # The universal checkpoint's param groups: the chain's, in its order ({i: {"optimizer":
+    # {"param_groups": ...}}} in common.pt), all at the chain's one step.
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--to", "universal", "-o",
+            tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    chain = torch.load(ckpt / "common.pt", weights_only=False)["optimizer"]
+    groups = [g for i in sorted(chain) for g in chain[i]["optimizer"]["param_groups"]]
+    zero = tmp_path / "uc" / "ckpt_universal" / "zero"
+    assert len(groups) > 2
+    assert torch.load(zero / "optimizer_state.pt", weights_only=True)["param_groups"] == groups
+    step = torch.load(zero / "model.layers.1.block_sparse_moe.experts.3.w2.weight" / "step.pt",
+                      weights_only=True)
+    assert step.item() == groups[0]["step"] == 2
 
 
 def test_python_convert_to_universal_takes_the_config(tmp_path, saved):
@@ -339,3 +356,71 @@ def test_megatrons_dp_reshardable_buckets_are_refused(reshard_bin, tmp_path, sav
     assert not out.exists()
     r = run(reshard_bin, "gather", ckpt, "-o", out, "--config", config)
     assert r.returncode == 0, r.stderr
+
+
+# DeepSpeed's universal loader (the engine's _load_zero_checkpoint with "load_universal": what
+# load_checkpoint runs for the optimizer, without the model-states files Megatron has none of)
+# at ZeRO 1 over DP 2, into the same model as transformers builds it from config.json, the
+# optimizer configured with other hyperparameters than Megatron's: it writes what it then holds.
+DS_LOAD = r"""
+import datetime, json, os, sys, torch, deepspeed, transformers
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+uc, tag, config, out = sys.argv[1:5]
+deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**json.load(open(config))))
+cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+       "optimizer": {"type": "AdamW", "params": {"lr": 0.5, "betas": [0.5, 0.5],
+                                                 "weight_decay": 0.5, "torch_adam": True}},
+       "zero_optimization": {"stage": 1}, "checkpoint": {"load_universal": True}}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=cfg)
+engine._load_zero_checkpoint(uc, tag, load_optimizer_states=True)
+held = {n: {"fp32": safe_get_full_fp32_param(p),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+        for n, p in engine.module.named_parameters()}
+base = engine.optimizer.optimizer
+steps = [base.state[p]["step"] for g in base.param_groups for p in g["params"]]
+groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+if torch.distributed.get_rank() == 0:
+    torch.save({"held": held, "steps": steps, "groups": groups}, out)
+"""
+
+
+def test_deepspeed_loads_the_step_and_hyperparameters_of_the_universal_checkpoint(
+        reshard_bin, tmp_path, saved):
+    """step.pt and zero/optimizer_state.pt from Megatron's common.pt (read by reshard's pickle
+    reader): DeepSpeed's own universal loader restores Megatron's step (2), learning rate,
+    betas and weight decay over the ones it was configured with, and the fp32 weights and
+    moments of the files."""
+    from ds_checkpoints import _train_env, free_loopback_port
+
+    ckpt, config, state = saved("tp2pp2")
+    want = expected(state)
+    out = tmp_path / "uc"
+    r = run(reshard_bin, "convert", ckpt, "--config", config, "--to", "universal", "-o", out)
+    assert r.returncode == 0, r.stderr
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    megatron_groups = common["optimizer"]["optimizer"]["param_groups"]
+    zero = out / "ckpt_universal" / "zero"
+    written = torch.load(zero / "optimizer_state.pt", weights_only=True)
+    assert written["param_groups"] == megatron_groups
+    for p in zero.iterdir():
+        if p.is_dir():
+            step = torch.load(p / "step.pt", weights_only=True)
+            assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == 2, p
+    script = tmp_path / "ds_load.py"
+    script.write_text(DS_LOAD)
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()), str(script),
+         str(out), "ckpt_universal", str(config), str(tmp_path / "held.pt")],
+        capture_output=True, text=True, timeout=300, env=_train_env())
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = torch.load(tmp_path / "held.pt", weights_only=False)
+    assert [s.item() for s in got["steps"]] == [2.0] * len(got["steps"]), got["steps"]
+    for k in ("lr", "betas", "eps", "weight_decay"):
+        assert got["groups"][0][k] == megatron_groups[0][k], k
+    for name, states in got["held"].items():
+        for s, t in states.items():
+            assert same_bits(t, want[f"{name}.{s}"]), (name, s)

@@ -11,10 +11,11 @@ they read the DeepSpeed checkpoint it came from.
 - `convert --tp 2` lays the universal checkpoint out as `convert --tp 2` of the DeepSpeed
   checkpoint does (the layouts of the model-states copy), and a gather of it writes the same
   tensors, optimizer state ("<param>.fp32", ".exp_avg", ".exp_avg_sq") included.
-- `convert --to dcp --world 2` loads with torch's dcp.load into the universal files' tensors:
-  the weights under their names, the moments under optim.state.<param>.<state>.
+- `convert --to dcp --world 2` writes what get_state_dict gives the model and AdamW: a fresh
+  model and optimizer load it whole (dcp.load, set_state_dict) into the universal files'
+  tensors, step and hyperparameters.
 - DCP -> universal -> DCP: a DCP checkpoint of a model and Adam's state (saved here in one
-  process), converted to universal and back, loads into the same tensors.
+  process), converted to universal and back, loads whole into the same tensors.
 """
 
 import subprocess
@@ -147,19 +148,47 @@ def universal_tensors(out):
             for p in sorted((folder / "zero").iterdir()) if p.is_dir()}
 
 
-def test_convert_to_dcp_loads_into_the_universal_tensors(sources, reshard_bin, tmp_path):
+def load_as_a_trainer(ckpt, model, optim):
+    """dcp.load of the whole get_state_dict structure of `model` and `optim` (fresh: their
+    states as get_state_dict initializes them), then set_state_dict, as TorchTitan's
+    checkpointer loads; in this process."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def test_convert_to_dcp_loads_whole_into_a_trainer(sources, reshard_bin, tmp_path):
+    """`convert --to dcp` writes what get_state_dict gives the model and torch's AdamW (the
+    optimizer the DeepSpeed run used): a fresh transformers model (fp32) and AdamW load it
+    whole, and then hold the universal files' tensors (the fp32 masters as the weights), the
+    step of step.pt and the hyperparameters of zero/optimizer_state.pt."""
+    import transformers
+
     ok(reshard_bin, "convert", sources["reshard"], "--to", "dcp", "--world", "2", "-o",
        tmp_path / "dcp")
     files = universal_tensors(sources["reshard"])
-    module = gathered(reshard_bin, sources["deepspeed"], tmp_path / "ds")
-    nested = {name: torch.zeros_like(module[name]) for name in files}
-    nested["optim"] = {"state": {n: {s: torch.zeros_like(t) for s, t in st.items()}
-                                 for n, st in files.items()}}
-    dcp.load(nested, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    folder = sources["reshard"] / (sources["reshard"] / "latest_universal").read_text()
+    config = transformers.AutoConfig.from_pretrained(sources["deepspeed"])
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    optim = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), weight_decay=0.5)
+    load_as_a_trainer(tmp_path / "dcp", model, optim)
+    params = dict(model.named_parameters())
+    assert sorted(params) == sorted(files)
+    groups = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)
+    assert len(optim.param_groups) == len(groups["param_groups"]) == 1
+    for k, v in groups["param_groups"][0].items():
+        if k != "params":
+            assert optim.param_groups[0][k] == v, k
     for name, states in files.items():
-        assert torch.equal(nested[name].view(torch.uint8), module[name].view(torch.uint8)), name
-        for s, t in states.items():
-            assert torch.equal(nested["optim"]["state"][name][s], t), (name, s)
+        assert torch.equal(params[name].detach(), states["fp32"]), name
+        held = optim.state[params[name]]
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(held[s], states[s]), (name, s)
+        step = torch.load(folder / "zero" / name / "step.pt", weights_only=False)
+        assert torch.equal(held["step"], step) and step.item() == 2, name
 
 
 def save_small_dcp(path):
@@ -185,14 +214,16 @@ def test_dcp_to_universal_to_dcp(reshard_bin, tmp_path):
     # No model-states copy: the weights are the fp32 masters.
     got = gathered(reshard_bin, tmp_path / "uc", tmp_path / "hf")
     assert_same(got, weights)
-    loaded = {k: torch.zeros_like(v) for k, v in weights.items()}
-    loaded["optim"] = {"state": {k: {s: torch.zeros_like(st[s]) for s in ("exp_avg", "exp_avg_sq")}
-                                 for k, st in state.items()}}
-    dcp.load(loaded, checkpoint_id=str(tmp_path / "back"), no_dist=True)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=0.5)
+    load_as_a_trainer(tmp_path / "back", model, optim)
+    params = dict(model.named_parameters())
+    assert optim.param_groups[0]["lr"] == 0.01
     for k, v in weights.items():
-        assert torch.equal(loaded[k], v), k
-        for s in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(loaded["optim"]["state"][k][s], state[k][s]), (k, s)
+        assert torch.equal(params[k].detach(), v), k
+        for s in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optim.state[params[k]][s], state[k][s]), (k, s)
 
 
 def test_refusals_name_the_file(sources, reshard_bin, tmp_path):

@@ -46,6 +46,10 @@ struct SourceOptions {
   std::string distributed_config;
   /// A gather that dequantizes (a Hugging Face directory is then a source too).
   bool dequantize = false;
+  /// A convert into a trainer's state dict (DCP): a format that can give the structure a
+  /// trainer's state dict would have (OpenedCheckpoint::state_dict) gives it and the tensors
+  /// it holds (a universal checkpoint: the fp32 masters as the model's, the optimizer's step).
+  bool trainer_state_dict = false;
 };
 
 /// Where a value sits in a trainer's nested state dict (DCP's planner_data): one element per

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <span>
@@ -33,7 +34,9 @@ std::span<const std::byte> AsBytes(std::string_view s) {
 // each entry's data in a data descriptor, as torch's writer does.
 class ZipStreamWriter {
  public:
-  explicit ZipStreamWriter(AtomicFileWriter& out) : out_(out) {}
+  // Where the bytes go: a file being written, or memory.
+  using Sink = std::function<Status(std::span<const std::byte>)>;
+  explicit ZipStreamWriter(Sink out) : out_(std::move(out)) {}
 
   Status Add(const std::string& name, std::span<const std::byte> data) {
     Entry e{name, pos_, data.size(), Crc32(data)};
@@ -60,7 +63,7 @@ class ZipStreamWriter {
     Put(header, pad, 2);
     header.append(pad, 'Z');
     RESHARD_RETURN_IF_ERROR(Append(header));
-    RESHARD_RETURN_IF_ERROR(out_.Append(data));
+    RESHARD_RETURN_IF_ERROR(out_(data));
     pos_ += data.size();
     std::string descriptor;
     Put(descriptor, zip::kDataDescriptorSig, 4);
@@ -143,10 +146,10 @@ class ZipStreamWriter {
   };
   Status Append(std::string_view bytes) {
     pos_ += bytes.size();
-    return out_.Append(bytes);
+    return out_(AsBytes(bytes));
   }
 
-  AtomicFileWriter& out_;
+  Sink out_;
   uint64_t pos_ = 0;
   std::vector<Entry> entries_;
 };
@@ -294,10 +297,10 @@ Result<std::unique_ptr<std::byte[]>> FillBuffer(uint64_t bytes, const std::strin
 }
 
 // Appends the archive to `out`; returns its length.
-Result<uint64_t> AppendArchive(AtomicFileWriter& out, const std::string& pickle,
+Result<uint64_t> AppendArchive(ZipStreamWriter::Sink out, const std::string& pickle,
                                const std::vector<TorchStorageToWrite>& storages,
                                const std::string& r, std::byte* buffer) {
-  ZipStreamWriter zip(out);
+  ZipStreamWriter zip(std::move(out));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/data.pkl", AsBytes(pickle)));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.format_version", AsBytes("1")));
   RESHARD_RETURN_IF_ERROR(zip.Add(r + "/.storage_alignment", AsBytes("64")));
@@ -316,6 +319,10 @@ Result<uint64_t> AppendArchive(AtomicFileWriter& out, const std::string& pickle,
   return zip.size();
 }
 
+ZipStreamWriter::Sink SinkOf(AtomicFileWriter& out) {
+  return [&out](std::span<const std::byte> bytes) { return out.Append(bytes); };
+}
+
 }  // namespace
 
 Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNodeId root,
@@ -332,7 +339,7 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
                                       .sync = options.sync,
                                       .start_writeback = options.start_writeback}));
   RESHARD_RETURN_IF_ERROR(
-      AppendArchive(out, checked.pickle, storages, options.root, buffer.get()).status());
+      AppendArchive(SinkOf(out), checked.pickle, storages, options.root, buffer.get()).status());
   return out.Commit();
 }
 
@@ -342,7 +349,23 @@ Result<uint64_t> AppendTorchTree(AtomicFileWriter& out, const PickleTree& tree, 
   RESHARD_ASSIGN_OR_RETURN(const CheckedTree checked, CheckTree(tree, root, storages));
   RESHARD_ASSIGN_OR_RETURN(const std::unique_ptr<std::byte[]> buffer,
                            FillBuffer(checked.largest_fill, "an archive"));
-  return AppendArchive(out, checked.pickle, storages, archive_root, buffer.get());
+  return AppendArchive(SinkOf(out), checked.pickle, storages, archive_root, buffer.get());
+}
+
+Result<std::string> TorchTreeArchive(const PickleTree& tree, PickleNodeId root,
+                                     const std::vector<TorchStorageToWrite>& storages,
+                                     const std::string& archive_root) {
+  RESHARD_ASSIGN_OR_RETURN(const CheckedTree checked, CheckTree(tree, root, storages));
+  RESHARD_ASSIGN_OR_RETURN(const std::unique_ptr<std::byte[]> buffer,
+                           FillBuffer(checked.largest_fill, "an archive"));
+  std::string out;
+  const auto sink = [&out](std::span<const std::byte> bytes) {
+    out.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    return Status::Ok();
+  };
+  RESHARD_RETURN_IF_ERROR(
+      AppendArchive(sink, checked.pickle, storages, archive_root, buffer.get()).status());
+  return out;
 }
 
 Status RewriteTorchFile(const TorchFile& file, const std::string& path,
@@ -592,6 +615,11 @@ Status TorchTreeBuilder::Write(const std::string& path, PickleNodeId root,
 Result<uint64_t> TorchTreeBuilder::AppendTo(AtomicFileWriter& out, PickleNodeId root,
                                             const std::string& archive_root) const {
   return AppendTorchTree(out, tree_, root, storages_, archive_root);
+}
+
+Result<std::string> TorchTreeBuilder::Archive(PickleNodeId root,
+                                              const std::string& archive_root) const {
+  return TorchTreeArchive(tree_, root, storages_, archive_root);
 }
 
 }  // namespace reshard

@@ -91,6 +91,11 @@ Result<uint64_t> AppendTorchTree(AtomicFileWriter& out, const PickleTree& tree, 
                                  const std::vector<TorchStorageToWrite>& storages,
                                  const std::string& archive_root = "archive");
 
+/// The bytes AppendTorchTree appends, in memory (a small object's archive: a DCP bytes item).
+Result<std::string> TorchTreeArchive(const PickleTree& tree, PickleNodeId root,
+                                     const std::vector<TorchStorageToWrite>& storages,
+                                     const std::string& archive_root = "archive");
+
 /// Writes `file` (read by TorchFile) back: the same object tree, the same storages bit for
 /// bit, shared objects and views of one storage kept so. `torch.load` of the result gives an
 /// object equal to what it gives for `file`. Options' root is used as given.
@@ -168,6 +173,8 @@ class TorchTreeBuilder {
   /// Appends the tree under `root` to `out` (AppendTorchTree); returns the archive's length.
   Result<uint64_t> AppendTo(AtomicFileWriter& out, PickleNodeId root,
                             const std::string& archive_root = "archive") const;
+  /// The archive AppendTo appends, in memory (TorchTreeArchive).
+  Result<std::string> Archive(PickleNodeId root, const std::string& archive_root = "archive") const;
 
  private:
   struct TensorInfo {

@@ -277,12 +277,17 @@ TEST(TorchTreeBuilderTest, AppendedArchivesAreTheBytesOfFilesOfTheirOwn) {
   EXPECT_EQ(*a_len, a_file->size());
   EXPECT_EQ(*b_len, b_file->size());
   EXPECT_EQ(*joined, "x" + *a_file + *b_file);
+  // In memory, the same bytes (a DCP bytes item built before its file is written).
+  Result<std::string> a_bytes = a.Archive(a_root);
+  ASSERT_TRUE(a_bytes.ok()) << a_bytes.status().ToString();
+  EXPECT_EQ(*a_bytes, *a_file);
   // A tree the writer refuses appends nothing.
   TorchTreeBuilder bad;
   const PickleNodeId bad_root = bad.Global("no_module");
   Result<AtomicFileWriter> out2 = AtomicFileWriter::Create((tmp / "bad").string(), {});
   ASSERT_TRUE(out2.ok());
   EXPECT_FALSE(bad.AppendTo(*out2, bad_root).ok());
+  EXPECT_FALSE(bad.Archive(bad_root).ok());
   ASSERT_TRUE(out2->Commit().ok());
   Result<std::string> bad_file = ReadFileToString((tmp / "bad").string());
   ASSERT_TRUE(bad_file.ok());

@@ -1,6 +1,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -77,9 +78,11 @@ Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, i
     }
     const size_t dot = p.name.rfind('.');
     if (recorded != nullptr) {
-      // The source's own key and nesting.
+      // The source's own nesting, and its key: the path dotted, as torch flattens it (a DCP
+      // source's key itself).
       t.path = recorded->keys;
       t.path_is_index = recorded->is_index;
+      t.key = fmt::format("{}", fmt::join(t.path, "."));
     } else if (dot != std::string::npos && dot > 0 &&
                kOptimizerStates.contains(p.name.substr(dot + 1)) &&
                names.contains(p.name.substr(0, dot))) {

@@ -26,8 +26,11 @@
 // (planner_data, list indices as ints), and every non-tensor value (the optimizer's
 // param_groups and step, a scheduler's or data loader's state: DCP's bytes items) is written
 // as stored, a BytesStorageMetadata item at the start of rank 0's file, so that
-// dcp.load of the trainer's whole state dict finds every key. Other sources hold tensors only:
-// neither the optimizer's step nor its param_groups are written.
+// dcp.load of the trainer's whole state dict finds every key. A universal checkpoint gives
+// the structure get_state_dict has for an FSDP2 model and torch's AdamW (universal.h,
+// OpenUniversal): "model.<param>" its fp32 masters, "optim.state.<param>.{step,exp_avg,
+// exp_avg_sq}" and "optim.param_groups.<g>.<key>" from its zero/optimizer_state.pt. Other
+// sources hold tensors only: neither the optimizer's step nor its param_groups are written.
 //
 // Each chunk is produced straight from the source shards by a transfer plan (never the full
 // tensor): memory is bounded by the largest chunk. Files are written in parallel, each by one
@@ -70,7 +73,8 @@ struct DcpTensorToWrite {
 };
 
 /// The tensors of `manifest` as DCP stores them at `world_size` (keys and chunks above): a
-/// tensor `structure` gives a path keeps its name as its key, with that path.
+/// tensor `structure` gives a path takes that path, dotted, as its key (a DCP source's own
+/// key), with that path.
 /// FailedPrecondition when two tensors would take one key, or a key is both a tensor and a
 /// prefix of others.
 Result<std::vector<DcpTensorToWrite>> PlanDcpTensors(const Manifest& manifest, int world_size,

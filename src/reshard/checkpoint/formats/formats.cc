@@ -575,6 +575,7 @@ Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, 
   }
   SourceOptions s = source;
   s.use = SourceUse::kConvert;
+  s.trainer_state_dict = true;
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
   return WriteDcp(*opened.source, world_size, out_dir, options, opened.state_dict.get());

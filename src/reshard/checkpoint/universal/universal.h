@@ -45,10 +45,14 @@ Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_
 /// by the Hugging Face tensors the model's config.json gives (`config_path`, as
 /// OpenMegatronSource reads them): OUT/latest_universal naming "<checkpoint dir name>_universal",
 /// in it zero/<hf name>/fp32.pt (the fp32 main weight), exp_avg.pt and exp_avg_sq.pt
-/// ({"param": the full fp32 tensor}). Megatron keeps the step and the param_groups in its
-/// pickled common state, which is not read: there is no step.pt or zero/optimizer_state.pt.
-/// FailedPrecondition for a checkpoint without the optimizer's state; what OpenMegatronSource
-/// refuses.
+/// ({"param": the full fp32 tensor}), and from Megatron's pickled common state (common.pt,
+/// read by reshard's pickle reader, no pickle code run) step.pt (the step of its param groups,
+/// a 0-d fp32 tensor) and zero/optimizer_state.pt ({"param_groups": its param groups copied
+/// as pickled, "ds_version": the DeepSpeed release whose layout the folder follows}, what
+/// DeepSpeed's universal loader reads); neither without a common.pt (a checkpoint that keeps
+/// its common state elsewhere). FailedPrecondition for a checkpoint without the optimizer's
+/// state; InvalidArgument, naming common.pt, for one without param groups or whose groups
+/// disagree on the step; what OpenMegatronSource refuses.
 Status ConvertMegatronToUniversal(const std::string& path, const std::string& config_path,
                                   const std::string& out_dir,
                                   const CheckpointOptions& options = {});
@@ -66,10 +70,18 @@ bool IsUniversalCheckpoint(const std::string& path);
 /// the module's weights and, unless `weights_only`, "<param>.fp32", "<param>.exp_avg" and
 /// "<param>.exp_avg_sq" from fp32.pt, exp_avg.pt and exp_avg_sq.pt. Each parameter's layout at
 /// another TP degree is the one the model-states copy's universal_checkpoint_info gives it
-/// (DeepSpeedLayoutsOf); none without it. NotFound for latest_universal naming no folder and
-/// for a parameter folder without a file it needs; InvalidArgument, naming the file, for a
-/// file whose tensor is not at "param" or not fp32, and for moments whose shape differs from
-/// the fp32 weight's.
+/// (DeepSpeedLayoutsOf); none without it. For a trainer's state dict (options.
+/// trainer_state_dict, a DCP output; not weights_only), what get_state_dict gives an FSDP2
+/// model and torch's AdamW, as `state_dict`: the fp32 masters as "<param>" at "model.<param>",
+/// the moments at "optim.state.<param>.<state>", each step.pt's step as a 0-d fp32
+/// "<param>.step" at "optim.state.<param>.step", and zero/optimizer_state.pt's param_groups as
+/// the bytes items "optim.param_groups.<g>.<key>" (values copied as pickled; "params" the
+/// parameters' names: kept when the file names them, else the model-states copy's
+/// param_shapes groups, else every parameter for a single group, else left out). NotFound for
+/// latest_universal naming no folder and for a parameter folder without a file it needs;
+/// InvalidArgument, naming the file, for a file whose tensor is not at "param" or not fp32,
+/// for moments whose shape differs from the fp32 weight's, and for a step.pt or
+/// optimizer_state.pt that holds no step or param_groups.
 Result<OpenedCheckpoint> OpenUniversal(const std::string& path, const SourceOptions& options);
 
 }  // namespace reshard

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "reshard/base/status.h"
@@ -15,6 +16,10 @@
 #include "reshard/io/torch_writer.h"
 
 namespace reshard {
+
+// The "ds_version" of the optimizer_state.pt written where no DeepSpeed run records one (from
+// Megatron): the DeepSpeed release whose universal layout the folder follows (docs/formats.md).
+inline constexpr std::string_view kUniversalDsVersion = "0.19.8";
 
 // One output file: its name (relative to the output), size in bytes, and how it is written
 // to `path` (the options of a torch.save file there).

@@ -4,16 +4,22 @@
 //   zero/<param>/fp32.pt         {"param": the full fp32 master weight, ...category keys}
 //   zero/<param>/exp_avg.pt      the same for Adam's first moment
 //   zero/<param>/exp_avg_sq.pt   and its second
-//   zero/<param>/step.pt, zero/optimizer_state.pt   not read
+//   zero/<param>/step.pt         the optimizer's step (a tensor, or a number)
+//   zero/optimizer_state.pt      {"param_groups": [...], ...DeepSpeed's global state}
 //   *model_states.pt             copies of DeepSpeed's (none from a DCP source)
 // ZeRO 3 at TP 1 keeps bare flat tensors instead of the dicts; their shapes come from the
 // model-states copy's param_shapes. Each tensor is one rank's whole shard (world size 1),
 // read in place from its mapped file. The layout that lays it out at another TP degree comes
 // from the model-states copy's universal_checkpoint_info (as DeepSpeed's loader splits the full
 // tensor), and the module's dtype from that copy's module weights (fp32 without one).
+// step.pt and optimizer_state.pt are read for a trainer's state dict only (a DCP output): the
+// structure get_state_dict gives an FSDP2 model and torch's AdamW.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -30,6 +36,7 @@
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_file.h"
+#include "reshard/io/torch_writer.h"
 #include "reshard/layouts/basic.h"
 
 namespace reshard {
@@ -58,6 +65,7 @@ struct UniversalParamFiles {
   std::optional<LayoutDescriptor> layout;
   // [state]: fp32, exp_avg, exp_avg_sq (null when not opened).
   std::array<UniversalTensor, 3> tensors;
+  std::optional<float> step;  // step.pt's, read for a trainer's state dict
 };
 
 struct UniversalCheckpoint {
@@ -65,6 +73,8 @@ struct UniversalCheckpoint {
   std::vector<std::string> inputs;
   DType module_dtype = DType::kF32;
   std::vector<UniversalParamFiles> params;
+  // The parameters of each optimizer group, from the model-states copy's param_shapes.
+  std::vector<std::vector<std::string>> groups;
 };
 
 bool HasFile(const fs::path& p) {
@@ -97,6 +107,21 @@ std::string ModelStatesOf(const std::string& folder) {
     if (HasFile(fs::path(folder) / name)) return (fs::path(folder) / name).string();
   }
   return "";
+}
+
+// The names in each group of a model-states file's param_shapes, in order.
+std::vector<std::vector<std::string>> ParamGroups(const TorchFile& f) {
+  const PickleTree& t = f.tree();
+  std::vector<std::vector<std::string>> out;
+  const PickleNodeId groups = Get(t, t.root(), "param_shapes");
+  if (groups == kNoPickleNode || IsNone(t, groups)) return out;
+  for (const PickleNodeId g : t.node(groups).items) {
+    std::vector<std::string>& names = out.emplace_back();
+    for (const auto& [k, v] : t.node(g).entries) {
+      if (t.node(k).kind == PickleKind::kStr) names.push_back(t.node(k).text);
+    }
+  }
+  return out;
 }
 
 // param_shapes of a model-states file: {name: shape} over every group.
@@ -196,7 +221,34 @@ Result<UniversalParamFiles> OpenParam(const fs::path& dir, const std::string& na
   return p;
 }
 
-Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool optimizer_state) {
+// The step a step.pt holds: a one-element tensor (torch's Adam: 0-d fp32) or a number.
+// InvalidArgument, naming the file, for anything else.
+Result<float> ReadStep(const fs::path& path) {
+  Result<TorchFile> f = TorchFile::Open(path.string());
+  if (!f.ok()) return f.status().Annotate(fmt::format("\"{}\"", path.string()));
+  const PickleTree& t = f->tree();
+  const PickleNode& root = t.node(t.root());
+  if (root.kind == PickleKind::kInt) return static_cast<float>(root.int_value);
+  if (root.kind == PickleKind::kFloat) return static_cast<float>(root.float_value);
+  const TorchTensor* tensor = f->TensorAt(t.root());
+  const std::optional<DType> dtype = tensor == nullptr ? std::nullopt : tensor->dtype.dtype;
+  if (tensor != nullptr && tensor->numel() == 1 && dtype &&
+      (*dtype == DType::kF32 || *dtype == DType::kF64 || *dtype == DType::kI64)) {
+    std::array<std::byte, 8> bytes{};
+    RESHARD_RETURN_IF_ERROR(f->CopyTo(*tensor, std::span(bytes).first(DTypeSize(*dtype)))
+                                .Annotate(fmt::format("\"{}\"", path.string())));
+    if (*dtype == DType::kF32) return std::bit_cast<std::array<float, 2>>(bytes)[0];
+    if (*dtype == DType::kF64) return static_cast<float>(std::bit_cast<double>(bytes));
+    return static_cast<float>(std::bit_cast<int64_t>(bytes));
+  }
+  return InvalidArgumentError(fmt::format(
+      "\"{}\": the optimizer's step is neither a number nor a one-element fp32, fp64 or int64 "
+      "tensor",
+      path.string()));
+}
+
+Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool optimizer_state,
+                                               bool steps) {
   UniversalCheckpoint c;
   RESHARD_ASSIGN_OR_RETURN(c.folder, UniversalFolder(path));
   c.inputs.push_back(c.folder);
@@ -220,11 +272,15 @@ Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool opt
     states = std::make_unique<TorchFile>(*std::move(f));
     c.module_dtype = ModuleDType(*states);
     flat = ParamShapes(*states);
+    c.groups = ParamGroups(*states);
     c.inputs.push_back(ms);
   }
   for (const std::string& name : names) {
     RESHARD_ASSIGN_OR_RETURN(UniversalParamFiles p,
                              OpenParam(zero / name, name, flat, optimizer_state));
+    if (steps && HasFile(zero / name / "step.pt")) {
+      RESHARD_ASSIGN_OR_RETURN(p.step, ReadStep(zero / name / "step.pt"));
+    }
     c.params.push_back(std::move(p));
   }
   if (states != nullptr) {
@@ -243,8 +299,10 @@ Result<UniversalCheckpoint> OpenUniversalFiles(const std::string& path, bool opt
 // copies its masters into the module).
 class UniversalShardSource : public ShardSource {
  public:
+  // The tensors of `states` for every parameter (the first under the parameter's name, the
+  // others as "<param>.<state>"), then with `steps` each step read as "<param>.step" (0-d).
   UniversalShardSource(std::shared_ptr<const UniversalCheckpoint> ckpt,
-                       std::vector<DeepSpeedState> states)
+                       std::vector<DeepSpeedState> states, bool steps)
       : ckpt_(std::move(ckpt)) {
     manifest_.world_size = 1;
     for (const DeepSpeedState s : states) {
@@ -256,15 +314,27 @@ class UniversalShardSource : public ShardSource {
         Result<ParamMap> map = ReplicatedMap(p.shape, 1);  // a valid shape: cannot fail
         manifest_.params.push_back(
             ShardedParam{name, dtype, *std::move(map), p.layout, DeepSpeedScalePower(s)});
-        which_.emplace_back(i, s);
+        which_.push_back({i, s, false});
       }
+    }
+    for (size_t i = 0; steps && i < ckpt_->params.size(); ++i) {
+      const UniversalParamFiles& p = ckpt_->params[i];
+      if (!p.step) continue;
+      Result<ParamMap> map = ReplicatedMap({}, 1);  // a 0-d tensor: cannot fail
+      manifest_.params.push_back(
+          ShardedParam{p.name + ".step", DType::kF32, *std::move(map), std::nullopt, 1});
+      which_.push_back({i, DeepSpeedState::kMaster, true});
     }
   }
   const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override { return ckpt_->inputs; }
 
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    const auto [param, state] = which_[i];
+    const auto [param, state, step] = which_[i];
+    if (step) {
+      return std::vector<ConstBuffer>{
+          {reinterpret_cast<const std::byte*>(&*ckpt_->params[param].step), 1}};
+    }
     const size_t slot = state == DeepSpeedState::kModule ? 0 : static_cast<size_t>(state) - 1;
     const UniversalTensor& u = ckpt_->params[param].tensors[slot];
     const TorchTensor& t = *u.tensor;
@@ -310,10 +380,135 @@ class UniversalShardSource : public ShardSource {
   };
   std::shared_ptr<const UniversalCheckpoint> ckpt_;
   Manifest manifest_;
-  std::vector<std::pair<size_t, DeepSpeedState>> which_;
+  struct Which {
+    size_t param;
+    DeepSpeedState state;
+    bool step;  // the parameter's step, not a state's tensor
+  };
+  std::vector<Which> which_;
   std::mutex mu_;
   std::map<size_t, Entry> cache_;
 };
+
+// The archive of `value` (a DCP bytes item), a node of `b`.
+Result<std::shared_ptr<const std::string>> ArchiveOf(TorchTreeBuilder& b, PickleNodeId value) {
+  RESHARD_ASSIGN_OR_RETURN(std::string bytes, b.Archive(value));
+  return std::make_shared<const std::string>(std::move(bytes));
+}
+
+StateDictObject ObjectOf(std::vector<std::string> keys, std::vector<bool> is_index,
+                         const std::shared_ptr<const std::string>& bytes) {
+  StateDictObject o;
+  o.key = fmt::format("{}", fmt::join(keys, "."));
+  o.path = StateDictPath{std::move(keys), std::move(is_index)};
+  o.stored_bytes = bytes->size();
+  o.read = [bytes]() -> Result<std::span<const std::byte>> {
+    return std::as_bytes(std::span(bytes->data(), bytes->size()));
+  };
+  return o;
+}
+
+// Group g's "params" as get_state_dict gives them: the parameters' names. A list of str is
+// kept (a universal checkpoint from DCP); else (DeepSpeed's indices into its flat groups, or
+// none: Megatron's) the names the model-states copy's param_shapes gives group g, or every
+// parameter for one group; nullopt when nothing says which group holds which parameter.
+std::optional<std::vector<std::string>> GroupParams(const UniversalCheckpoint& c,
+                                                    const PickleTree& t, PickleNodeId params,
+                                                    size_t g, size_t groups) {
+  std::vector<std::string> names;
+  if (params != kNoPickleNode) {
+    const PickleNode& n = t.node(params);
+    const bool strs =
+        (n.kind == PickleKind::kList || n.kind == PickleKind::kTuple) && !n.items.empty() &&
+        std::all_of(n.items.begin(), n.items.end(),
+                    [&](PickleNodeId i) { return t.node(i).kind == PickleKind::kStr; });
+    if (strs) {
+      for (const PickleNodeId i : n.items) names.push_back(t.node(i).text);
+      return names;
+    }
+  }
+  if (c.groups.size() == groups) return c.groups[g];
+  if (groups != 1) return std::nullopt;
+  for (const UniversalParamFiles& p : c.params) names.push_back(p.name);
+  return names;
+}
+
+// The param_groups of zero/optimizer_state.pt as get_state_dict's bytes items
+// "optim.param_groups.<g>.<key>": each value copied as pickled, "params" the names.
+Status AddParamGroups(const UniversalCheckpoint& c, StateDictStructure& out) {
+  const fs::path path = fs::path(c.folder) / "zero" / "optimizer_state.pt";
+  if (!HasFile(path)) return Status::Ok();
+  Result<TorchFile> f = TorchFile::Open(path.string());
+  if (!f.ok()) return f.status().Annotate(fmt::format("\"{}\"", path.string()));
+  const PickleTree& t = f->tree();
+  const PickleNodeId groups = Get(t, t.root(), "param_groups");
+  if (groups == kNoPickleNode ||
+      (t.node(groups).kind != PickleKind::kList && t.node(groups).kind != PickleKind::kTuple)) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" holds no list \"param_groups\"", path.string()));
+  }
+  const std::vector<PickleNodeId>& items = t.node(groups).items;
+  const auto add = [&](size_t g, const std::string& key, TorchTreeBuilder& b,
+                       PickleNodeId value) -> Status {
+    Result<std::shared_ptr<const std::string>> bytes = ArchiveOf(b, value);
+    if (!bytes.ok()) {
+      return bytes.status().Annotate(
+          fmt::format("\"{}\": param_groups[{}][\"{}\"]", path.string(), g, key));
+    }
+    out.objects.push_back(ObjectOf({"optim", "param_groups", std::to_string(g), key},
+                                   {false, false, true, false}, *std::move(bytes)));
+    return Status::Ok();
+  };
+  for (size_t g = 0; g < items.size(); ++g) {
+    if (t.node(items[g]).kind != PickleKind::kDict) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": param_groups[{}] is no dict", path.string(), g));
+    }
+    PickleNodeId params = kNoPickleNode;
+    for (const auto& [k, v] : t.node(items[g]).entries) {
+      if (t.node(k).kind != PickleKind::kStr) continue;
+      const std::string& key = t.node(k).text;
+      if (key == "params") {
+        params = v;
+        continue;
+      }
+      TorchTreeBuilder b;
+      Result<PickleNodeId> copied = b.Copy(*f, v);
+      if (!copied.ok()) {
+        return copied.status().Annotate(
+            fmt::format("\"{}\": param_groups[{}][\"{}\"]", path.string(), g, key));
+      }
+      RESHARD_RETURN_IF_ERROR(add(g, key, b, *copied));
+    }
+    if (const std::optional<std::vector<std::string>> names =
+            GroupParams(c, t, params, g, items.size())) {
+      TorchTreeBuilder b;
+      std::vector<PickleNodeId> list;
+      for (const std::string& name : *names) list.push_back(b.Str(name));
+      RESHARD_RETURN_IF_ERROR(add(g, "params", b, b.List(std::move(list))));
+    }
+  }
+  return Status::Ok();
+}
+
+// What get_state_dict gives an FSDP2 model and torch's AdamW, as UniversalShardSource names the
+// tensors with `steps`: "model.<param>" (the fp32 masters, named <param>),
+// "optim.state.<param>.{exp_avg,exp_avg_sq,step}" and the param_groups.
+Result<std::shared_ptr<const StateDictStructure>> TrainerStateDict(const UniversalCheckpoint& c) {
+  auto out = std::make_shared<StateDictStructure>();
+  const auto state = [](const std::string& param, std::string s) {
+    return StateDictPath{{"optim", "state", param, std::move(s)}, {false, false, false, false}};
+  };
+  for (const UniversalParamFiles& p : c.params) {
+    out->tensor_paths.emplace(p.name, StateDictPath{{"model", p.name}, {false, false}});
+    for (const char* s : {"exp_avg", "exp_avg_sq"}) {
+      out->tensor_paths.emplace(fmt::format("{}.{}", p.name, s), state(p.name, s));
+    }
+    if (p.step) out->tensor_paths.emplace(p.name + ".step", state(p.name, "step"));
+  }
+  RESHARD_RETURN_IF_ERROR(AddParamGroups(c, *out));
+  return std::shared_ptr<const StateDictStructure>(std::move(out));
+}
 
 }  // namespace
 
@@ -328,17 +523,27 @@ bool IsUniversalCheckpoint(const std::string& path) {
 Result<OpenedCheckpoint> OpenUniversal(const std::string& path, const SourceOptions& options) {
   const bool convert = options.use == SourceUse::kConvert;
   const bool optimizer_state = convert && !options.weights_only;
-  RESHARD_ASSIGN_OR_RETURN(UniversalCheckpoint opened, OpenUniversalFiles(path, optimizer_state));
+  // A trainer's state dict: the model's weights are the fp32 masters, beside the moments and
+  // the step.
+  const bool trainer = optimizer_state && options.trainer_state_dict;
+  RESHARD_ASSIGN_OR_RETURN(UniversalCheckpoint opened,
+                           OpenUniversalFiles(path, optimizer_state, trainer));
   auto ckpt = std::make_shared<const UniversalCheckpoint>(std::move(opened));
-  std::vector<DeepSpeedState> states = {
-      !convert && options.master_weights ? DeepSpeedState::kMaster : DeepSpeedState::kModule};
-  if (optimizer_state) {
+  std::vector<DeepSpeedState> states = {(!convert && options.master_weights) || trainer
+                                            ? DeepSpeedState::kMaster
+                                            : DeepSpeedState::kModule};
+  if (trainer) {
+    states.insert(states.end(), {DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
+  } else if (optimizer_state) {
     states.insert(states.end(),
                   {DeepSpeedState::kMaster, DeepSpeedState::kExpAvg, DeepSpeedState::kExpAvgSq});
   }
   OpenedCheckpoint out;
   out.format = "universal";
-  out.source = std::make_shared<UniversalShardSource>(ckpt, std::move(states));
+  if (trainer) {
+    RESHARD_ASSIGN_OR_RETURN(out.state_dict, TrainerStateDict(*ckpt));
+  }
+  out.source = std::make_shared<UniversalShardSource>(ckpt, std::move(states), trainer);
   return out;
 }
 
