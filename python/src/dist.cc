@@ -214,7 +214,8 @@ class Exchange {
       const ParamPlan& p = plans.plans[i];
       if (p.source_world != static_cast<int>(src_proc_.size()) ||
           p.target_world != static_cast<int>(dst_proc_.size())) {
-        throw py::value_error("\"" + names_[i] + "\": the plan's worlds are not the processes named");
+        throw py::value_error("\"" + names_[i] +
+                              "\": the plan's worlds are not the processes named");
       }
       for (const Move& m : p.moves) {
         const int to = dst_proc_[static_cast<size_t>(m.dst_rank)];

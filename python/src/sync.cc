@@ -199,9 +199,7 @@ class ScheduleHandle {
 }  // namespace
 
 void BindSync(py::module_& m) {
-  py::class_<PlanSet>(m, "PlanSet").def("__len__", [](const PlanSet& p) {
-    return p.plans.size();
-  });
+  py::class_<PlanSet>(m, "PlanSet").def("__len__", [](const PlanSet& p) { return p.plans.size(); });
   py::class_<ScheduleHandle>(m, "SyncSchedule")
       .def(py::init<const std::string&, int, const std::vector<int>&>(), py::arg("topology_json"),
            py::arg("trainer_ranks"), py::arg("engine_workers"))

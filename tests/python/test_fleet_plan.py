@@ -37,10 +37,12 @@ def test_a_topology_that_cannot_hold_the_sync_is_refused_naming_the_path(topolog
         schedule_topology(topology, ["a", "a"], [["a", "a"]])
 
 
-def test_a_step_is_one_deeper_than_the_deepest_step_into_its_sender():
+def test_a_relay_is_one_deeper_than_the_deepest_step_into_its_sender():
     steps = [("from_trainer", -1, 0, []), ("within_root", 0, 0, [0]),
-             ("relay", 0, 1, [0, 1]), ("relay", 1, 2, [2]), ("relay", 0, 3, [0, 1])]
-    assert _step_levels(steps) == [0, 1, 2, 3, 2]
+             ("relay", 0, 1, [0, 1]), ("relay", 1, 2, [2]), ("relay", 0, 3, [0, 1]),
+             ("relay", 3, 4, [4])]
+    # Handing on within the root runs after the trainer's step on its thread (depth 0).
+    assert _step_levels(steps) == [0, 0, 1, 2, 1, 2]
 
 
 def _map(buffer=None):

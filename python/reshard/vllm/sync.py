@@ -163,8 +163,7 @@ AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
 class Stage:
     """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
     ``source`` send the workers of engine ``engine`` the pieces of the schedule's steps of wave
-    ``wave`` at depth ``level`` (0: from the trainer processes; a step is one deeper than the
-    deepest step into its sender), over the group of that level. ``source == engine``: the
+    ``wave`` at depth ``level`` (:func:`_step_levels`), over the group of that level. ``source == engine``: the
     engine's workers hand replicated pieces from their primary holders to the others."""
 
     source: int
@@ -254,12 +253,14 @@ def sync_schedule(source: Mapping[str, ParamMap], targets: Sequence[Mapping[str,
 
 
 def _step_levels(steps: Sequence[tuple[str, int, int, list[int]]]) -> list[int]:
-    """Each step's depth: 0 from the trainer processes, else one more than the deepest step
-    into its sender."""
+    """Each step's depth: 0 from the trainer processes; handing replicated pieces on within
+    the root, the depth of what it comes after (run after it on the same thread: a peer lost
+    there skips it at once); a relay, one more than the deepest step into its sender."""
     levels: list[int] = []
     for kind, _, _, after in steps:
-        levels.append(0 if kind == "from_trainer" else 1 + max((levels[a] for a in after),
-                                                               default=0))
+        deepest = max((levels[a] for a in after), default=0)
+        levels.append(0 if kind == "from_trainer" else
+                      deepest if kind == "within_root" else deepest + 1)
     return levels
 
 
