@@ -422,10 +422,14 @@ Status PipelineWriter::WriteOptimizer(int stage, Rank t, int d, const std::strin
   const Index begin = part * d;
   const Index master_n = std::clamp<Index>(n - begin, 0, part);
   TorchTreeBuilder b;
+  // The fp32 partition is the optimizer's parameter: saved with requires_grad, as DeepSpeed's.
   auto flat = [&](DeepSpeedState state, Index len) {
-    return b.Tensor(DType::kF32, {len}, [this, stage, t, d, state](std::span<std::byte> out) {
-      return FillPartition(stage, t, d, state, out);
-    });
+    return b.Tensor(
+        DType::kF32, {len},
+        [this, stage, t, d, state](std::span<std::byte> out) {
+          return FillPartition(stage, t, d, state, out);
+        },
+        state == DeepSpeedState::kMaster);
   };
   const std::vector<size_t>& params = plan_.stage[static_cast<size_t>(stage)];
   const PickleNodeId out_sd = b.Dict();
