@@ -65,12 +65,12 @@ struct PipelinePlan {
   std::string tag;
   int tp = 1;
   int dp = 1;
-  std::vector<int> parts;                       // pp + 1 layer indices
-  std::map<int, LayerUnit> layers;              // by layer index
-  std::vector<std::vector<size_t>> stage;       // [stage]: parameters, in the engine's order
-  std::vector<ParamMap> maps;                   // [param]: at the new TP degree
-  std::string optim_prefix;                     // "bf16_" or ""
-  const TorchFile* model_states = nullptr;      // the source's stage 0, TP rank 0
+  std::vector<int> parts;                   // pp + 1 layer indices
+  std::map<int, LayerUnit> layers;          // by layer index
+  std::vector<std::vector<size_t>> stage;   // [stage]: parameters, in the engine's order
+  std::vector<ParamMap> maps;               // [param]: at the new TP degree
+  std::string optim_prefix;                 // "bf16_" or ""
+  const TorchFile* model_states = nullptr;  // the source's stage 0, TP rank 0
 };
 
 // DeepSpeed's partition_uniform: `n` layers over `parts` stages, the first n % parts one more.
@@ -110,9 +110,10 @@ Result<int> ReadLayers(const DeepSpeedCheckpoint& c, const std::map<std::string,
       }
       const std::optional<int> layer = LayerOf(name);
       if (!layer) {
-        return InvalidArgumentError(fmt::format(
-            "\"{}\": parameter \"{}\" is named neither <layer>.<name> nor tied_modules.<key>.<name>",
-            c.tag_dir(), name));
+        return InvalidArgumentError(
+            fmt::format("\"{}\": parameter \"{}\" is named neither <layer>.<name> nor "
+                        "tied_modules.<key>.<name>",
+                        c.tag_dir(), name));
       }
       LayerUnit& unit = layers[*layer];
       unit.params.push_back(i);
@@ -143,9 +144,9 @@ Result<int> ReadLayers(const DeepSpeedCheckpoint& c, const std::map<std::string,
 
 Result<std::vector<int>> StageParts(const DeepSpeedPipelineTarget& target, int layers) {
   if (target.pp > layers) {
-    return InvalidArgumentError(fmt::format(
-        "{} pipeline stages for a model of {} layers: each stage needs a layer", target.pp,
-        layers));
+    return InvalidArgumentError(
+        fmt::format("{} pipeline stages for a model of {} layers: each stage needs a layer",
+                    target.pp, layers));
   }
   if (target.stage_layers.empty()) return UniformParts(layers, target.pp);
   if (static_cast<int>(target.stage_layers.size()) != target.pp) {
@@ -184,8 +185,8 @@ Result<std::vector<ParamMap>> TargetMaps(const DeepSpeedCheckpoint& c, int tp) {
     Result<ParamMap> map = BuildMap(*p.layout, p.tp_map.valid_shape(), tp);
     if (!map.ok()) return map.status().Annotate(fmt::format("parameter \"{}\"", p.name));
     if (map->logical_shape() != p.tp_map.logical_shape()) {
-      return InvalidArgumentError(fmt::format(
-          "parameter \"{}\": its layout pads it differently at TP {}", p.name, tp));
+      return InvalidArgumentError(
+          fmt::format("parameter \"{}\": its layout pads it differently at TP {}", p.name, tp));
     }
     maps.push_back(*std::move(map));
   }
@@ -197,8 +198,7 @@ Result<PipelinePlan> Plan(const DeepSpeedCheckpoint& c, const DeepSpeedPipelineT
     return InvalidArgumentError(fmt::format(
         "\"{}\" is not a PipelineModule checkpoint (it has no layer files)", c.tag_dir()));
   }
-  if (!c.has_optimizer_state() || c.stage() < 1 || c.stage() > 2 ||
-      c.optimizer_file() == nullptr) {
+  if (!c.has_optimizer_state() || c.stage() < 1 || c.stage() > 2 || c.optimizer_file() == nullptr) {
     return InvalidArgumentError(fmt::format(
         "\"{}\" holds no ZeRO 1/2 optimizer partitions, which a pipeline checkpoint is written "
         "with",
@@ -415,8 +415,8 @@ Status PipelineWriter::WriteOptimizer(int stage, Rank t, int d, const std::strin
   const PickleNodeId groups = DictGet(tree, base, "param_groups");
   const PickleNodeId states = DictGet(tree, base, "state");
   if (groups == kNoPickleNode || states == kNoPickleNode || tree.node(states).entries.size() != 1)
-    return InvalidArgumentError(fmt::format(
-        "\"{}\": the optimizer state is not one parameter group's", c_.tag_dir()));
+    return InvalidArgumentError(
+        fmt::format("\"{}\": the optimizer state is not one parameter group's", c_.tag_dir()));
   const PickleNodeId step = DictGet(tree, tree.node(states).entries.front().second, "step");
   const auto [n, part] = Partition(stage, t);
   const Index begin = part * d;
@@ -463,8 +463,8 @@ Status PipelineWriter::WriteOptimizer(int stage, Rank t, int d, const std::strin
         const Index numel = plan_.maps[i].shard_num_elements(t);
         const Index lo = std::max(offset, begin), hi = std::min(offset + numel, begin + part);
         if (lo < hi) {
-          const PickleNodeId address = b.Dict(
-              {{b.Str("numel"), b.Int(hi - lo)}, {b.Str("start"), b.Int(lo - begin)}});
+          const PickleNodeId address =
+              b.Dict({{b.Str("numel"), b.Int(hi - lo)}, {b.Str("start"), b.Int(lo - begin)}});
           b.Insert(mappings, b.Str(c_.params()[i].name),
                    b.Object("deepspeed.utils.tensor_fragment.fragment_address", address));
         }
@@ -493,8 +493,7 @@ Status PipelineWriter::WriteOptimizer(int stage, Rank t, int d, const std::strin
 }  // namespace
 
 Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
-                                  const DeepSpeedPipelineTarget& target,
-                                  const std::string& out_dir,
+                                  const DeepSpeedPipelineTarget& target, const std::string& out_dir,
                                   const CheckpointOptions& all_options) {
   const CheckpointOptions options = ForThisProcess(all_options);
   Communicator& comm = CommunicatorOf(options);
@@ -507,7 +506,8 @@ Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
   std::vector<UniversalFile> files;
   const std::string dir = plan.tag + "/";
   const size_t module_size = DTypeSize(c.module_dtype());
-  for (const auto& [layer, unit] : plan.layers) {
+  for (const auto& [index, unit] : plan.layers) {
+    const int layer = index;  // a lambda captures no structured binding before C++20's clang 16
     for (Rank t = 0; t < plan.tp; ++t) {
       uint64_t bytes = 0;
       for (const size_t i : unit.params)
@@ -530,12 +530,12 @@ Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
                        }});
       const uint64_t bytes = static_cast<uint64_t>(writer.Partition(s, t).second) * 12;
       for (int d = 0; d < plan.dp; ++d) {
-        files.push_back(
-            {dir + fmt::format("{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt",
-                               plan.optim_prefix, d, slice),
-             bytes, [&writer, s, t, d](const std::string& path, const TorchWriteOptions& o) {
-               return writer.WriteOptimizer(s, t, d, path, o);
-             }});
+        files.push_back({dir + fmt::format("{}zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt",
+                                           plan.optim_prefix, d, slice),
+                         bytes,
+                         [&writer, s, t, d](const std::string& path, const TorchWriteOptions& o) {
+                           return writer.WriteOptimizer(s, t, d, path, o);
+                         }});
       }
     }
   }

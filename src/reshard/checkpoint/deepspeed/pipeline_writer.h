@@ -44,8 +44,7 @@ struct DeepSpeedPipelineTarget {
 /// target degrees that do not fit (above), and for a parameter whose layout at another TP
 /// degree is unknown; what DeepSpeedCheckpoint::Open refuses.
 Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
-                                  const DeepSpeedPipelineTarget& target,
-                                  const std::string& out_dir,
+                                  const DeepSpeedPipelineTarget& target, const std::string& out_dir,
                                   const CheckpointOptions& options = {});
 
 }  // namespace reshard
