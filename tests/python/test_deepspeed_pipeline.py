@@ -506,3 +506,35 @@ def test_pipeline_degrees_that_do_not_fit_are_refused(pipes, tmp_path, reshard_b
     r = run(reshard_bin, "convert", pipes[ZERO0].save_dir, "--pp", 1, "-o", out)
     assert r.returncode == 2 and "no param_shapes (ZeRO 0)" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_the_python_package_writes_the_pipeline_output_as_the_cli_does(pipes, pipe_outputs,
+                                                                       tmp_path):
+    import reshard.checkpoint
+
+    from test_crash_consistency import tree_digest
+
+    reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "pp4", pp=4, pp_stages=[2, 1, 1, 2])
+    assert tree_digest(tmp_path / "pp4") == tree_digest(pipe_outputs[(FP32, 4, 1, 1, (2, 1, 1, 2))])
+    with pytest.raises(reshard.CheckpointError, match="the stage list sums to 5 layers"):
+        reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "bad", pp=2, pp_stages=[3, 2])
+    with pytest.raises(ValueError, match="dp= and pp_stages= apply to pp="):
+        reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "bad", dp=2)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_force_replaces_a_pipeline_output_but_not_a_save_dir(pipes, pipe_outputs, tmp_path,
+                                                             reshard_bin):
+    from test_crash_consistency import tree_digest
+
+    out = tmp_path / "out"
+    shutil.copytree(pipe_outputs[(FP32, 2, 1, 1, None)], out)
+    r = run(reshard_bin, "convert", pipes[FP32].save_dir, "--pp", 1, "--dp", 2, "-o", out,
+            "--force")
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(out) == tree_digest(pipe_outputs[(FP32, 1, 1, 2, None)])
+    save, _ = copy_of(pipes[FP32], tmp_path / "save")  # DeepSpeed's: zero_to_fp32.py beside
+    before = tree_digest(save)
+    r = run(reshard_bin, "convert", pipes[FP32].save_dir, "--pp", 1, "-o", save, "--force")
+    assert r.returncode == 2 and "zero_to_fp32.py" in r.stderr, r.stderr
+    assert tree_digest(save) == before
