@@ -193,6 +193,15 @@ Result<std::vector<ParamMap>> TargetMaps(const DeepSpeedCheckpoint& c, int tp) {
   return maps;
 }
 
+// The value under str key `key` of dict node `id`, or kNoPickleNode.
+PickleNodeId DictGet(const PickleTree& t, PickleNodeId id, std::string_view key) {
+  if (id == kNoPickleNode || t.node(id).kind != PickleKind::kDict) return kNoPickleNode;
+  for (const auto& [k, v] : t.node(id).entries) {
+    if (t.node(k).kind == PickleKind::kStr && t.node(k).text == key) return v;
+  }
+  return kNoPickleNode;
+}
+
 Result<PipelinePlan> Plan(const DeepSpeedCheckpoint& c, const DeepSpeedPipelineTarget& target) {
   if (c.stage_params().empty()) {
     return InvalidArgumentError(fmt::format(
@@ -260,16 +269,21 @@ Result<PipelinePlan> Plan(const DeepSpeedCheckpoint& c, const DeepSpeedPipelineT
   if (plan.model_states == nullptr)
     return InvalidArgumentError(
         fmt::format("\"{}\": mp_rank_00_model_states.pt is missing", c.tag_dir()));
-  return plan;
-}
-
-// The value under str key `key` of dict node `id`, or kNoPickleNode.
-PickleNodeId DictGet(const PickleTree& t, PickleNodeId id, std::string_view key) {
-  if (id == kNoPickleNode || t.node(id).kind != PickleKind::kDict) return kNoPickleNode;
-  for (const auto& [k, v] : t.node(id).entries) {
-    if (t.node(k).kind == PickleKind::kStr && t.node(k).text == key) return v;
+  // One parameter group: the stages' parameters are laid out as one flat group each.
+  const PickleTree& mt = plan.model_states->tree();
+  const PickleNodeId shapes = DictGet(mt, mt.root(), "param_shapes");
+  const PickleTree& ot = c.optimizer_file()->tree();
+  const PickleNodeId states = DictGet(
+      ot, DictGet(ot, DictGet(ot, ot.root(), "optimizer_state_dict"), "base_optimizer_state"),
+      "state");
+  if (shapes == kNoPickleNode || mt.node(shapes).items.size() != 1 || states == kNoPickleNode ||
+      ot.node(states).entries.size() != 1) {
+    return UnimplementedError(fmt::format(
+        "\"{}\": the optimizer has several parameter groups; a pipeline checkpoint is written "
+        "with one",
+        c.tag_dir()));
   }
-  return kNoPickleNode;
+  return plan;
 }
 
 // Writes the files of a plan (one file per call, any thread).

@@ -40,9 +40,13 @@ struct DeepSpeedPipelineTarget {
 
 /// DeepSpeed PipelineModule checkpoint -> the same at `target`'s degrees, into `out_dir`
 /// (atomically; nothing is written on error). InvalidArgument for a source that is not a
-/// PipelineModule checkpoint with ZeRO 1/2 optimizer partitions (one parameter group), for
-/// target degrees that do not fit (above), and for a parameter whose layout at another TP
-/// degree is unknown; what DeepSpeedCheckpoint::Open refuses.
+/// PipelineModule checkpoint with ZeRO 1/2 optimizer partitions, for a stage list that is not
+/// pp long, does not sum to the layer count or gives a stage no layer, for more stages than
+/// layers, for a stage that would hold no parameter, for a tied module used by stages other
+/// than its owner's and the last, and for a parameter whose layout at another TP degree is
+/// unknown; Unimplemented for several parameter groups; what DeepSpeedCheckpoint::Open
+/// refuses. Layer files are written with the layers' parameters only (a layer's persistent
+/// buffers are not in the source's records of its stage).
 Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
                                   const DeepSpeedPipelineTarget& target, const std::string& out_dir,
                                   const CheckpointOptions& options = {});
