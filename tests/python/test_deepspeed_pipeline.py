@@ -187,6 +187,16 @@ def test_mpirun_shares_out_a_pipeline_conversion_byte_identically(pipes, convert
     assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
     shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
     assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
+    # The pipeline output too: each process writes its share of the files.
+    r = run(*launch, reshard_bin, "convert", pipes[TP2].save_dir, "--pp", 1, "--tp", 1, "-o",
+            tmp_path / "pp1")
+    assert r.returncode == 0, r.stderr
+    r2 = run(reshard_bin, "convert", pipes[TP2].save_dir, "--pp", 1, "--tp", 1, "-o",
+             tmp_path / "pp1-one")
+    assert r2.returncode == 0, r2.stderr
+    assert tree_digest(tmp_path / "pp1") == tree_digest(tmp_path / "pp1-one")
+    shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
+    assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
 
 
 def test_without_universal_checkpoint_info_as_inject_missing_state_converts_it(
