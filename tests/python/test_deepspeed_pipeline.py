@@ -366,6 +366,7 @@ PIPE_OUTPUTS = [
     (FP32, 1, 1, 3, None, "uniform"),  # 4144 elements: padded to 4146, partitions of 1382
     (FP32, 4, 1, 1, (2, 1, 1, 2), "parameters"),  # uneven stages
     (TP2, 1, 1, 1, None, "uniform"),
+    (TP2, 1, 2, 1, None, "uniform"),  # PP 2 -> 1 at TP 2: layer_XX-model_YY files
     (TP2, 3, 1, 1, (2, 1, 3), "type:Block"),  # uneven stages, TP 2 -> 1
     (BF16, 1, 1, 1, None, "uniform"),
     (PP1, 2, 1, 1, None, "uniform"),  # PP 1 -> 2: the tied embedding on both stages
