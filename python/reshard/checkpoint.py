@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from . import _core
 from ._buffers import BufferSet, read_buffers
@@ -167,7 +167,9 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             progress: Optional[Progress] = None, warn: Optional[Warn] = None,
             sync: bool = True,
             distributed_config: Union[None, str, Mapping[str, Any]] = None,
-            config: Optional[PathLike] = None, dequantize: Optional[str] = None) -> None:
+            config: Optional[PathLike] = None, dequantize: Optional[str] = None,
+            pp: Optional[int] = None, dp: Optional[int] = None,
+            pp_stages: Optional[Sequence[int]] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -196,10 +198,36 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     block-quantized tensors as numbers without their scales, and config.json without
     quantization_config; ``target_maps`` then name the dequantized tensors, and a checkpoint
     scattered from a config is laid out from that config unquantized (docs/quantization.md).
-    ``sharded_dir`` may be a Hugging Face directory (a one-rank source)."""
+    ``sharded_dir`` may be a Hugging Face directory (a one-rank source).
+
+    With ``pp`` (and ``tp``, default the source's; ``dp``, default 1; ``pp_stages``, each
+    stage's layer count) a DeepSpeed PipelineModule checkpoint becomes one of ``pp`` stages x
+    TP x DP that DeepSpeed's ``load_checkpoint`` resumes from (``reshard convert --pp``;
+    docs/deepspeed_checkpoints.md); the resuming model must partition its layers alike."""
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if pp is not None or dp is not None or pp_stages is not None:
+        given = [k for k, v in (("to", to), ("world", world), ("target_maps", target_maps),
+                                ("max_shard_size", max_shard_size), ("config", config),
+                                ("distributed_config", distributed_config),
+                                ("dequantize", dequantize)) if v is not None]
+        if weights_only:
+            given.append("weights_only")
+        if given:
+            raise ValueError(f"pp= takes no {', '.join(given)}: it writes a DeepSpeed pipeline "
+                             "checkpoint with its optimizer state")
+        for key, value in (("pp", pp), ("tp", tp), ("dp", dp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{key}= must be a positive int; got {value!r}")
+        if pp is None:
+            raise ValueError("dp= and pp_stages= apply to pp= (a DeepSpeed pipeline output)")
+        stages = [] if pp_stages is None else list(pp_stages)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stages):
+            raise ValueError(f"pp_stages= must list positive ints; got {pp_stages!r}")
+        _core.convert_to_pipeline(src, pp, tp or 0, dp or 1, stages, dst, o)
+        return
     if dequantize is not None and to is not None:
         raise ValueError(f"dequantize= converts to a reshard sharded checkpoint, not to={to!r}")
     if to == "dcp":

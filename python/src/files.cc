@@ -16,6 +16,7 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/pipeline_writer.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/checkpoint/megatron/megatron.h"
@@ -267,6 +268,26 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
 
 // `reshard convert --to dcp --world N`: any checkpoint -> a PyTorch Distributed Checkpoint
 // saved for `world` ranks.
+// convert(pp=...): a DeepSpeed PipelineModule checkpoint at other PP x TP x DP degrees.
+void PyConvertToPipeline(const std::string& dir, int pp, int tp, int dp,
+                         const std::vector<int>& stage_layers, const std::string& out_dir,
+                         const PyCheckpointOptions& o) {
+  if (!IsDeepSpeedCheckpoint(dir)) {
+    throw py::value_error(
+        "pp= writes a DeepSpeed pipeline checkpoint from a DeepSpeed PipelineModule checkpoint; "
+        "\"" +
+        dir + "\" is not a DeepSpeed checkpoint");
+  }
+  DeepSpeedPipelineTarget target;
+  target.pp = pp;
+  target.tp = tp;
+  target.dp = dp;
+  target.stage_layers = stage_layers;
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return ConvertDeepSpeedToPipeline(dir, target, out_dir, options);
+  });
+}
+
 void PyConvertToDcp(const std::string& dir, int world, const std::string& out_dir,
                     bool weights_only, const std::optional<std::string>& config,
                     const PyCheckpointOptions& o) {
@@ -463,6 +484,7 @@ void BindFiles(py::module_& m) {
   m.def("convert", &PyConvert);
   m.def("convert_to_universal", &PyConvertToUniversal);
   m.def("convert_to_dcp", &PyConvertToDcp);
+  m.def("convert_to_pipeline", &PyConvertToPipeline);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));

@@ -119,14 +119,16 @@ def make_pipe_checkpoints(specs, base):
     return out
 
 
-def resume_pipe_launch(world_size, jobs, base):
+def resume_pipe_launch(world_size, jobs, base, universal=True):
     """One launch of `world_size` ranks; each job (spec, load_dir, name) builds a fresh engine
-    of `spec` (its pp x dp is world_size), loads the universal checkpoint at load_dir with
-    "load_universal" and takes the next step's loss. Returns {name: {dp_rank: loss}}."""
+    of `spec` (its pp x tp x dp is world_size), loads the universal checkpoint at load_dir with
+    "load_universal" (universal=False: the DeepSpeed save dir at load_dir, without it) and takes
+    the next step's loss. Returns {name: {dp_rank: loss}}."""
     base = pathlib.Path(base)
     base.mkdir(parents=True, exist_ok=True)
     todo = [{"spec": dataclasses.asdict(spec), "out": str(base / name),
-             "resume": {"from": str(load_dir), "universal": "given", "name": "given"}}
+             "resume": {"from": str(load_dir), "universal": "given" if universal else False,
+                        "name": "given"}}
             for spec, load_dir, name in jobs]
     assert all(s.world_size == world_size for s, _, _ in jobs)
     r = _torchrun(world_size, todo, base / "resume.json")

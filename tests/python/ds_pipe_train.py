@@ -25,9 +25,10 @@ DP rank) the engine saves to DIR/ckpt, and the ranks record what a test compares
   (eval_batch on DP rank 0's micro-batches of that step, on every DP rank), the tag, or
   "error" with DeepSpeed's message.
 
-A job with "resume": {"from": DIR, "universal": "given" or true, "name": NAME} builds a fresh
-engine, loads DIR with "load_universal" (true: what ds_to_universal makes of the save dir
-DIR, under OUT/universal) and records the next step's loss per DP rank in
+A job with "resume": {"from": DIR, "universal": "given", true or false, "name": NAME} builds a
+fresh engine, loads DIR with "load_universal" (true: what ds_to_universal makes of the save dir
+DIR, under OUT/universal; false: DIR as a save dir of its own, layer files and ZeRO partitions,
+without "load_universal") and records the next step's loss per DP rank in
 OUT/ref/resume-NAME-{RANK}.json.
 
 The micro-batch m of step s on DP rank d is drawn from seed + 1000 * s + 10 * d + m.
@@ -282,7 +283,8 @@ def train(spec, out):
 
 def resume(spec, out, source, universal):
     config = ds_config(spec)
-    config["checkpoint"] = {"load_universal": True}
+    if universal is not False:
+        config["checkpoint"] = {"load_universal": True}
     load_dir = pathlib.Path(source)
     if universal is True:
         load_dir = out / "universal"

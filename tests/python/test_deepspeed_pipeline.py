@@ -7,8 +7,14 @@ partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoin
   in fp32, PP 2 x DP 1 in bf16, PP 2 x TP 2 with Megatron-style blocks; ZeRO 1), and
   DeepSpeed resumes from ours at another PP x TP x DP with the next step's loss of the
   training run, bit for bit.
+- `reshard convert --pp P [--tp M] [--dp D] [--pp-stages ...]` writes a DeepSpeed pipeline
+  checkpoint laid out as DeepSpeed saves one at that topology (checked against DeepSpeed's own
+  save of the same model at PP 1 x DP 2), holding every weight and optimizer state of the
+  source, and DeepSpeed's load_checkpoint resumes from it at that PP x TP x DP (uneven stages
+  included) with the next step's loss of the training run, bit for bit.
 - Bad input (a missing stage or layer file, a stage of another run or PP degree, a layer
-  file of the wrong shape) exits 1 or 2 naming the file, and writes nothing.
+  file of the wrong shape; stage lists that do not fit the layers) exits 1 or 2 naming the
+  file or the list, and writes nothing.
 """
 
 import dataclasses
@@ -29,6 +35,7 @@ TP2 = PipeSpec(pp=2, tp=2, dp=1)  # layer_XX-model_YY files; blocks cut as Megat
 OTHER_RUN = PipeSpec(pp=2, dp=2, seed=7)  # the same model and topology, other weights
 OTHER_PP = PipeSpec(pp=4, dp=1)  # uneven stages: 2, 1, 1 and 2 layers
 ZERO0 = PipeSpec(pp=2, dp=1, stage=0)
+PP1 = PipeSpec(pp=1, dp=2)  # FP32's model and run at PP 1: what DeepSpeed saves there
 CONVERTED = [FP32, BF16, TP2, OTHER_PP]
 # ds_to_universal assumes Megatron's layout of layers (embedding, transformer layers spread
 # evenly over the stages, final norm): with 3 blocks over 4 stages it divides by zero.
@@ -41,7 +48,7 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, TP2, BF16, ZERO0],
+    return make_pipe_checkpoints([FP32, OTHER_RUN, OTHER_PP, TP2, BF16, ZERO0, PP1],
                                  tmp_path_factory.mktemp("pipe_checkpoints"))
 
 
@@ -178,6 +185,16 @@ def test_mpirun_shares_out_a_pipeline_conversion_byte_identically(pipes, convert
             tmp_path / "uc")
     assert r.returncode == 0, r.stderr
     assert tree_digest(tmp_path / "uc") == tree_digest(converted[TP2][0])
+    shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
+    assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
+    # The pipeline output too: each process writes its share of the files.
+    r = run(*launch, reshard_bin, "convert", pipes[TP2].save_dir, "--pp", 1, "--tp", 1, "-o",
+            tmp_path / "pp1")
+    assert r.returncode == 0, r.stderr
+    r2 = run(reshard_bin, "convert", pipes[TP2].save_dir, "--pp", 1, "--tp", 1, "-o",
+             tmp_path / "pp1-one")
+    assert r2.returncode == 0, r2.stderr
+    assert tree_digest(tmp_path / "pp1") == tree_digest(tmp_path / "pp1-one")
     shares = re.findall(r"process (\d+): wrote (\d+) files", r.stdout + r.stderr)
     assert sorted(p for p, _ in shares) == ["0", "1"] and all(int(n) > 0 for _, n in shares)
 
@@ -338,3 +355,197 @@ def test_a_layer_file_whose_shape_disagrees_is_named(pipes, tmp_path, reshard_bi
     layer["up.weight"] = layer["up.weight"][:-1].clone()
     torch.save(layer, tag / "layer_03-model_states.pt")
     refused(reshard_bin, save, tmp_path / "out", "layer_03-model_states.pt", "up.weight")
+
+
+# ---- convert --pp: a DeepSpeed pipeline checkpoint at another PP x TP x DP ------------------
+
+# (source, pp, tp, dp, --pp-stages, the partition_method that gives those stages on resume)
+PIPE_OUTPUTS = [
+    (FP32, 1, 1, 2, None, "uniform"),
+    (FP32, 2, 1, 1, None, "uniform"),  # DP 2 -> 1 at the same stages
+    (FP32, 1, 1, 3, None, "uniform"),  # 4144 elements: padded to 4146, partitions of 1382
+    (FP32, 4, 1, 1, (2, 1, 1, 2), "parameters"),  # uneven stages
+    (TP2, 1, 1, 1, None, "uniform"),
+    (TP2, 1, 2, 1, None, "uniform"),  # PP 2 -> 1 at TP 2: layer_XX-model_YY files
+    (TP2, 3, 1, 1, (2, 1, 3), "type:Block"),  # uneven stages, TP 2 -> 1
+    (BF16, 1, 1, 1, None, "uniform"),
+    (PP1, 2, 1, 1, None, "uniform"),  # PP 1 -> 2: the tied embedding on both stages
+]
+
+
+def pipe_output_name(spec, pp, tp, dp, stages):
+    split = "" if stages is None else "-" + "x".join(map(str, stages))
+    return f"{spec.name}-to-pp{pp}-tp{tp}-dp{dp}{split}"
+
+
+@pytest.fixture(scope="module")
+def pipe_outputs(pipes, tmp_path_factory, reshard_bin):
+    """{(spec, pp, tp, dp, stages): reshard's pipeline checkpoint of spec at those degrees}."""
+    base = tmp_path_factory.mktemp("pipe_outputs")
+    out = {}
+    for spec, pp, tp, dp, stages, _ in PIPE_OUTPUTS:
+        dest = base / pipe_output_name(spec, pp, tp, dp, stages)
+        cmd = ["convert", pipes[spec].save_dir, "--pp", pp, "--tp", tp, "--dp", dp, "-o", dest]
+        if stages is not None:
+            cmd += ["--pp-stages", ",".join(map(str, stages))]
+        r = run(reshard_bin, *cmd)
+        assert r.returncode == 0, r.stderr
+        out[(spec, pp, tp, dp, stages)] = dest
+    return out
+
+
+def same_layout(a, b, path):
+    """torch.load results alike but for the tensors' values: the same types, dict keys in
+    order, tensors of the same dtype and shape, every other value equal."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (path, list(a), list(b))
+        for k in a:
+            same_layout(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_layout(x, y, f"{path}.{i}")
+    elif hasattr(a, "__dict__"):
+        same_layout(vars(a), vars(b), path)
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_pipeline_output_is_laid_out_as_deepspeed_saves_it(pipes, pipe_outputs):
+    """PP 2 x DP 2 -> PP 1 x DP 2: the files DeepSpeed itself saves when it trains the same
+    model at PP 1 x DP 2, key for key (the values differ in the last bits: the two runs sum
+    the tied embedding's gradients in another order)."""
+    ours = pipe_outputs[(FP32, 1, 1, 2, None)]
+    theirs = pipes[PP1].save_dir
+    assert (ours / "latest").read_text() == (theirs / "latest").read_text()
+    tag = pipes[PP1].tag
+    assert [f.name for f in files(ours / tag)] == [f.name for f in files(theirs / tag)]
+    for f in files(theirs / tag):
+        same_layout(torch.load(ours / tag / f, weights_only=False),
+                    torch.load(theirs / tag / f, weights_only=False), str(f))
+
+
+@pytest.mark.parametrize("spec,pp,tp,dp,stages", [o[:5] for o in PIPE_OUTPUTS],
+                         ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
+def test_pipeline_output_holds_every_weight_and_optimizer_state(pipes, converted, pipe_outputs,
+                                                                tmp_path, reshard_bin, spec, pp,
+                                                                tp, dp, stages):
+    """Read back by reshard: the module's weights are the training run's, and its universal
+    checkpoint's per-parameter files (fp32 masters, moments, step) are the source's, bit for
+    bit."""
+    from safetensors.torch import load_file
+
+    out = pipe_outputs[(spec, pp, tp, dp, stages)]
+    r = run(reshard_bin, "gather", out, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = pipes[spec].full()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    source = tmp_path / "source-uc"
+    if spec in converted:
+        source = converted[spec][0]
+    else:
+        r = run(reshard_bin, "convert", pipes[spec].save_dir, "--to", "universal", "-o", source)
+        assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", out, "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 0, r.stderr
+    zero = [root / (root / "latest_universal").read_text() / "zero"
+            for root in (tmp_path / "uc", source)]
+    assert files(zero[0]) == files(zero[1])
+    for f in files(zero[0]):
+        if f.parent.name:  # a parameter's folder (optimizer_state.pt records the partitions)
+            same(torch.load(zero[0] / f, weights_only=False),
+                 torch.load(zero[1] / f, weights_only=False), str(f))
+
+
+@pytest.fixture(scope="module")
+def resumed_from_pipeline(pipe_outputs, tmp_path_factory):
+    """{output key: {dp_rank: next loss}} of DeepSpeed's load_checkpoint (no universal
+    checkpoint) on reshard's pipeline outputs: one launch per world size."""
+    base = tmp_path_factory.mktemp("pipe_output_resumed")
+    by_world = {}
+    for spec, pp, tp, dp, stages, partition in PIPE_OUTPUTS:
+        key = (spec, pp, tp, dp, stages)
+        by_world.setdefault(pp * tp * dp, []).append(
+            (dataclasses.replace(spec, pp=pp, tp=tp, dp=dp, partition=partition),
+             pipe_outputs[key], pipe_output_name(*key)))
+    losses = {}
+    for world, jobs in by_world.items():
+        losses.update(resume_pipe_launch(world, jobs, base / f"world{world}", universal=False))
+    return {o[:5]: losses[pipe_output_name(*o[:5])] for o in PIPE_OUTPUTS}
+
+
+@pytest.mark.parametrize("spec,pp,tp,dp,stages", [o[:5] for o in PIPE_OUTPUTS],
+                         ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
+def test_deepspeed_resumes_from_the_pipeline_output(pipes, resumed_from_pipeline, spec, pp, tp,
+                                                    dp, stages):
+    """DeepSpeed's own loader (layer files, the stage's ZeRO partitions) at the new PP x TP x
+    DP, with the partition_method that gives the stages: the training run's next-step loss,
+    bit for bit, on every DP rank."""
+    want = pipes[spec].next_loss[0]
+    assert resumed_from_pipeline[(spec, pp, tp, dp, stages)] == {d: want for d in range(dp)}
+
+
+def test_pipeline_degrees_that_do_not_fit_are_refused(pipes, tmp_path, reshard_bin):
+    """The toy model has 6 layers (5 layer files and the tied output projection): a stage list
+    must sum to 6, one per stage; --pp takes a DeepSpeed PipelineModule checkpoint only."""
+    save = pipes[FP32].save_dir
+    out = tmp_path / "out"
+    cases = [
+        (["--pp", 7], "7 pipeline stages for a model of 6 layers"),
+        (["--pp", 2, "--pp-stages", "3,2"], "the stage list sums to 5 layers, but the model has 6"),
+        (["--pp", 2, "--pp-stages", "3,2,1"], "the stage list gives 3 stages, not 2"),
+        (["--pp", 2, "--pp-stages", "6,0"], "--pp-stages"),
+        (["--pp", 2, "--to", "universal"], "--pp"),
+        (["--pp-stages", "3,3", "--tp", 1], "--pp-stages and --dp apply to --pp"),
+    ]
+    for args, message in cases:
+        r = run(reshard_bin, "convert", save, *args, "-o", out)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr, (args, r.stderr)
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}*")), args
+    r = run(reshard_bin, "gather", save, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", tmp_path / "hf", "--pp", 2, "-o", out)
+    assert r.returncode == 2 and "is not a DeepSpeed checkpoint" in r.stderr, r.stderr
+    assert not out.exists()
+    r = run(reshard_bin, "convert", pipes[ZERO0].save_dir, "--pp", 1, "-o", out)
+    assert r.returncode == 2 and "no param_shapes (ZeRO 0)" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_the_python_package_writes_the_pipeline_output_as_the_cli_does(pipes, pipe_outputs,
+                                                                       tmp_path):
+    import reshard.checkpoint
+
+    from test_crash_consistency import tree_digest
+
+    reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "pp4", pp=4, pp_stages=[2, 1, 1, 2])
+    assert tree_digest(tmp_path / "pp4") == tree_digest(pipe_outputs[(FP32, 4, 1, 1, (2, 1, 1, 2))])
+    with pytest.raises(reshard.CheckpointError, match="the stage list sums to 5 layers"):
+        reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "bad", pp=2, pp_stages=[3, 2])
+    with pytest.raises(ValueError, match="dp= and pp_stages= apply to pp="):
+        reshard.checkpoint.convert(pipes[FP32].save_dir, tmp_path / "bad", dp=2)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_force_replaces_a_pipeline_output_but_not_a_save_dir(pipes, pipe_outputs, tmp_path,
+                                                             reshard_bin):
+    from test_crash_consistency import tree_digest
+
+    out = tmp_path / "out"
+    shutil.copytree(pipe_outputs[(FP32, 2, 1, 1, None)], out)
+    r = run(reshard_bin, "convert", pipes[FP32].save_dir, "--pp", 1, "--dp", 2, "-o", out,
+            "--force")
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(out) == tree_digest(pipe_outputs[(FP32, 1, 1, 2, None)])
+    save, _ = copy_of(pipes[FP32], tmp_path / "save")  # DeepSpeed's: zero_to_fp32.py beside
+    before = tree_digest(save)
+    r = run(reshard_bin, "convert", pipes[FP32].save_dir, "--pp", 1, "-o", save, "--force")
+    assert r.returncode == 2 and "zero_to_fp32.py" in r.stderr, r.stderr
+    assert tree_digest(save) == before

@@ -1,6 +1,7 @@
 // reshard scatter / gather / convert: the checkpoint commands (logic in
 // checkpoint/checkpoint_ops.h).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +20,7 @@
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/deepspeed/pipeline_writer.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/output_dir.h"
@@ -207,6 +209,9 @@ struct ConvertArgs : CommonArgs {
   std::string distributed_config;
   std::string to;  // "universal" or "dcp": that format instead of a sharded dir
   int world = 0;   // --to dcp: the world size it is saved for
+  int pp = 0;      // a DeepSpeed pipeline checkpoint of that many stages
+  std::vector<int> pp_stages;
+  int dp = 0;
   std::string target_maps;
   bool weights_only = false;
   std::string config;
@@ -442,6 +447,39 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
   return Status::Ok();
 }
 
+// convert --pp: a DeepSpeed PipelineModule checkpoint into one at other PP x TP x DP degrees,
+// which DeepSpeed's load_checkpoint reads as its own.
+Status RunConvertToPipeline(const ConvertArgs& args, const CheckpointOptions& options) {
+  if (!args.to.empty() || args.world != 0 || !args.target_maps.empty() || args.weights_only ||
+      !args.max_shard_size.empty() || !args.distributed_config.empty() || !args.config.empty()) {
+    return InvalidArgumentError(
+        "--pp takes only --tp, --dp and --pp-stages: it writes a DeepSpeed pipeline checkpoint "
+        "with its optimizer state");
+  }
+  if (!IsDeepSpeedCheckpoint(args.input)) {
+    return InvalidArgumentError(
+        "--pp writes a DeepSpeed pipeline checkpoint from a DeepSpeed PipelineModule "
+        "checkpoint; \"" +
+        args.input + "\" is not a DeepSpeed checkpoint");
+  }
+  DeepSpeedPipelineTarget target;
+  target.pp = args.pp;
+  target.tp = args.tp;
+  target.dp = args.dp == 0 ? 1 : args.dp;
+  target.stage_layers = args.pp_stages;
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = ConvertDeepSpeedToPipeline(args.input, target, args.output, options);
+  if (s.message().starts_with("the stage list")) s = s.Annotate("--pp-stages");
+  RESHARD_RETURN_IF_ERROR(WithForceHint(s, args.force));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to a DeepSpeed pipeline checkpoint of {} stages x DP {} in "
+                     "\"{}\" ({:.2f} s)",
+                     args.input, args.pp, target.dp, args.output, seconds),
+         seconds);
+  return Status::Ok();
+}
+
 Status RunConvert(const ConvertArgs& args) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
@@ -451,7 +489,11 @@ Status RunConvert(const ConvertArgs& args) {
                   "convert", args,
                   Joined(RunDescription{{"--tp", std::to_string(args.tp)},
                                         {"--to", args.to},
-                                        {"--world", std::to_string(args.world)}},
+                                        {"--world", std::to_string(args.world)},
+                                        {"--pp", std::to_string(args.pp)},
+                                        {"--pp-stages",
+                                         fmt::format("{}", fmt::join(args.pp_stages, ","))},
+                                        {"--dp", std::to_string(args.dp)}},
                          DistributedConfigInput(args.distributed_config),
                          OptionalInput("--target-maps", args.target_maps),
                          OptionalInput("--config", args.config),
@@ -463,6 +505,9 @@ Status RunConvert(const ConvertArgs& args) {
     return InvalidArgumentError("--dequantize converts to a reshard sharded checkpoint, not --to " +
                                 args.to);
   }
+  if (args.pp != 0) return RunConvertToPipeline(args, options);
+  if (!args.pp_stages.empty() || args.dp != 0)
+    return InvalidArgumentError("--pp-stages and --dp apply to --pp (a DeepSpeed pipeline output)");
   if (args.to == "dcp") return RunConvertToDcp(args, options);
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
@@ -598,6 +643,21 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "its keys and non-tensor values kept)")
       ->check(CLI::IsMember({"universal", "dcp"}))
       ->excludes(tp);
+  auto pp = cmd->add_option("--pp", args->pp,
+                            "DeepSpeed PipelineModule input: write a DeepSpeed pipeline checkpoint "
+                            "of this many stages (with --tp, --dp, --pp-stages), which "
+                            "load_checkpoint resumes from (docs/deepspeed_checkpoints.md)")
+                ->check(IntegerIn(1, 1 << 16));
+  cmd->add_option("--pp-stages", args->pp_stages,
+                  "with --pp: the layers of each stage, comma-separated (e.g. 2,1,1,2; default: "
+                  "DeepSpeed's uniform partition)")
+      ->delimiter(',')
+      ->check(IntegerIn(1, 1 << 20));
+  cmd->add_option("--dp", args->dp,
+                  "with --pp: the data-parallel ranks of each stage, over which the ZeRO "
+                  "optimizer state is partitioned (default 1)")
+      ->check(IntegerIn(1, 1 << 20));
+  pp->excludes("--to");
   cmd->add_option("--world", args->world,
                   "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
                   "shards); torch loads it at any world size")

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <regex>
 #include <set>
 #include <vector>
 
@@ -205,6 +206,35 @@ Status CheckUniversalOutput(const std::string& path, const fs::path& dir,
   return Status::Ok();
 }
 
+// `names` (the entries of `dir`) are a DeepSpeed pipeline checkpoint as convert --pp writes it
+// and nothing else: `latest` naming the one folder beside it, which holds only layer,
+// model-states and ZeRO optimizer files (a save dir DeepSpeed wrote also holds its recovery
+// scripts, zero_to_fp32.py, and is refused).
+Status CheckPipelineOutput(const std::string& path, const fs::path& dir,
+                           const std::vector<std::string>& names) {
+  Result<std::string> folder = ReadFileToString((dir / "latest").string());
+  if (!folder.ok() || folder->empty() || *folder == "latest" ||
+      std::find(names.begin(), names.end(), *folder) == names.end()) {
+    return NotOurs(path, "its latest does not name a folder beside it");
+  }
+  for (const std::string& name : names) {
+    if (name != "latest" && name != *folder)
+      return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
+  }
+  static const std::regex kFile(
+      R"((layer_\d+(-model_\d+)?-model_states|mp_rank_\d+_model_states|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states)\.pt)");
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir / *folder, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!std::regex_match(name, kFile) || !IsRegularFile(e.path())) {
+      return NotOurs(path,
+                     fmt::format("it holds \"{}/{}\", which reshard did not write", *folder, name));
+    }
+  }
+  if (ec) return ErrnoStatus(ec.value(), "cannot list", (dir / *folder).string());
+  return Status::Ok();
+}
+
 Status CheckReplaceable(const std::string& path) {
   const fs::path target = OutputPath(path);
   std::error_code ec;
@@ -223,6 +253,7 @@ Status CheckReplaceable(const std::string& path) {
   for (const std::string& name : names) {
     if (name == kManifestName) return CheckShardedOutput(path, target, names);
     if (name == "latest_universal") return CheckUniversalOutput(path, target, names);
+    if (name == "latest") return CheckPipelineOutput(path, target, names);
     if (name == kDcpMetadataName) return CheckDcpOutput(path, target, names);
   }
   return CheckFullOutput(path, target, names);

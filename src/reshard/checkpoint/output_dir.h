@@ -12,6 +12,9 @@
 //   - a universal checkpoint: latest_universal naming the one folder beside it, which holds
 //     only *_model_states.pt files and zero/, which holds only optimizer_state.pt and folders
 //     of {fp32,exp_avg,exp_avg_sq,step}.pt (DeepSpeed's format: its files carry no mark);
+//   - a DeepSpeed pipeline checkpoint (convert --pp): latest naming the one folder beside it,
+//     which holds only layer_*, mp_rank_*_model_states.pt and [bf16_]zero_pp_rank_*_optim_states
+//     files (a save dir DeepSpeed wrote also holds zero_to_fp32.py, and is not replaced);
 //   - a DCP checkpoint that reshard wrote: a .metadata that reads as DCP metadata and carries
 //     reshard's StorageMeta.save_id (kDcpSaveId; torch records a uuid4 there), and exactly the
 //     data files it names and empty __{r}_0.distcp files (ranks without rows), nothing else.

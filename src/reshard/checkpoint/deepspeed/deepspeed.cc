@@ -1243,6 +1243,10 @@ Result<std::map<std::string, int>> DeepSpeedReader::TiedModuleKeys() {
 // the tied modules'), in the module's dtype, which every layer shares.
 Status DeepSpeedReader::ReadLayerWeights() {
   RESHARD_ASSIGN_OR_RETURN(const auto owner, TiedModuleKeys());
+  c_.tied_owners_ = owner;
+  c_.stage_params_.assign(static_cast<size_t>(c_.pp_), {});
+  for (size_t i = 0; i < names_in_order_.size(); ++i)
+    c_.stage_params_[static_cast<size_t>(stage_of_[i])].push_back(names_in_order_[i]);
   bool first = true;
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& param = params_[i].name;

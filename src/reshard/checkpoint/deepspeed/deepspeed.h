@@ -53,6 +53,7 @@
 #define RESHARD_CHECKPOINT_DEEPSPEED_H_
 
 #include <array>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -173,6 +174,12 @@ class DeepSpeedCheckpoint {
   /// 1 otherwise. TP and DP are then per stage.
   int pp() const { return pp_; }
   DType module_dtype() const { return module_dtype_; }
+  /// A PipelineModule's checkpoint (layer files): each stage's parameters by name, in the
+  /// order its param_shapes lists them (a tied module's in every stage that uses it); empty
+  /// otherwise.
+  const std::vector<std::vector<std::string>>& stage_params() const { return stage_params_; }
+  /// The layer whose file holds each tied module, by the module's key.
+  const std::map<std::string, int>& tied_owners() const { return tied_owners_; }
   bool has_optimizer_state() const { return has_optimizer_; }
   const std::vector<DeepSpeedParam>& params() const { return *params_; }
   /// The AutoEP experts (deepspeed/moe.h), which params() does not list; null without them.
@@ -208,6 +215,8 @@ class DeepSpeedCheckpoint {
   int pp_ = 1;
   DType module_dtype_ = DType::kF32;
   bool has_optimizer_ = false;
+  std::vector<std::vector<std::string>> stage_params_;
+  std::map<std::string, int> tied_owners_;
   const TorchFile* optimizer_file_ = nullptr;
   std::vector<std::unique_ptr<TorchFile>> files_;
   std::vector<std::string> paths_;

@@ -65,7 +65,8 @@ TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptio
 
 Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
                            const CheckpointOptions& options, const std::vector<std::string>& inputs,
-                           const std::string& folder, const std::vector<UniversalFile>& files) {
+                           const std::string& folder, const std::vector<UniversalFile>& files,
+                           const std::string& pointer) {
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out, OpenOutput(comm, out_dir, options, inputs));
   // Each folder inside its parent (a path sorts after its parent): a signal's cleanup may
   // remove the temporary at any moment, and must not see it made again.
@@ -98,7 +99,7 @@ Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
     mine.bytes_written += files[j].bytes;
     written.push_back(out.FilePath(files[j].name));
   }
-  if (comm.rank() == 0) mine.files.push_back("latest_universal");
+  if (comm.rank() == 0) mine.files.push_back(pointer);
   ProgressCounter progress(options, total);
   Status wrote = ForEachIndex(own.size(), options.num_threads, [&](size_t k) -> Status {
     const UniversalFile& f = files[own[k]];
@@ -111,7 +112,7 @@ Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
   if (wrote.ok() && options.sync) wrote = SyncFiles(written, sync_threads);
   return FinishOutput(comm, out, wrote, std::move(mine), options, [&]() -> Status {
     RESHARD_RETURN_IF_ERROR(
-        WriteFileAtomically(out.FilePath("latest_universal"), folder, {.sync = options.sync}));
+        WriteFileAtomically(out.FilePath(pointer), folder, {.sync = options.sync}));
     if (options.sync) {
       RESHARD_RETURN_IF_ERROR(
           SyncFiles(std::vector<std::string>(dirs.begin(), dirs.end()), sync_threads));

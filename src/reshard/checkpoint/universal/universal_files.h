@@ -39,13 +39,15 @@ UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::str
 // is closed (when the options sync), all synced before the commit.
 TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptions& options);
 
-// Writes `files` into `out_dir` with OUT/latest_universal naming `folder`: process 0 makes the
+// Writes `files` into `out_dir` with OUT/`pointer` (latest_universal; a DeepSpeed save dir's
+// `latest`) naming `folder`: process 0 makes the
 // folders, each process writes the files BalanceByBytes gives it (a thread per file), and
 // process 0 commits once all have succeeded. `inputs` are the files the output must not
 // replace.
 Status WriteUniversalFiles(Communicator& comm, const std::string& out_dir,
                            const CheckpointOptions& options, const std::vector<std::string>& inputs,
-                           const std::string& folder, const std::vector<UniversalFile>& files);
+                           const std::string& folder, const std::vector<UniversalFile>& files,
+                           const std::string& pointer = "latest_universal");
 
 }  // namespace reshard
 
