@@ -589,4 +589,50 @@ Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, 
   return WriteDcp(*opened.source, world_size, out_dir, options, opened.state_dict.get());
 }
 
+namespace {
+
+// A target the output formats can hold: valid, and one flat axis of ranks (the reshard sharded
+// checkpoint and DCP record no pipeline stages or expert grid of their own).
+Status CheckFlatTarget(const ParallelRun& target, std::string_view output) {
+  for (const ParallelAxis& a : target.grid.axes) {
+    if (a.size < 1) return InvalidArgumentError(fmt::format("{} is not a world size", a.size));
+  }
+  RESHARD_RETURN_IF_ERROR(target.Validate());
+  if (target.world() < 1) return InvalidArgumentError("the target run has no ranks");
+  int split = 0;
+  for (const ParallelAxis& a : target.grid.axes) split += a.size > 1 ? 1 : 0;
+  if (split > 1 || target.experts) {
+    return InvalidArgumentError(fmt::format(
+        "{} holds a flat world of ranks; the target run {} is a grid of several axes: give its "
+        "world as one axis",
+        output, ParallelRunText(target)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+ParallelRun ShardedTargetRun(int world_size) {
+  return FlatRun(world_size, ParallelDim::kTp, "reshard: a rank per tensor rank");
+}
+
+ParallelRun DcpTargetRun(int world_size) {
+  return FlatRun(world_size, ParallelDim::kRank, "DCP flat world");
+}
+
+Status ConvertCheckpoint(const std::string& path, const SourceOptions& source,
+                         const ParallelRun& target, const std::optional<MapDocument>& target_maps,
+                         const std::string& out_dir, const CheckpointOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckFlatTarget(target, "a reshard sharded checkpoint"));
+  return ConvertCheckpoint(path, source, static_cast<int>(target.world()), target_maps, out_dir,
+                           options);
+}
+
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source,
+                          const ParallelRun& target, const std::string& out_dir,
+                          const CheckpointOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckFlatTarget(target, "a PyTorch Distributed Checkpoint"));
+  return WriteDcpCheckpoint(path, source, static_cast<int>(target.world()), out_dir, options);
+}
+
 }  // namespace reshard
