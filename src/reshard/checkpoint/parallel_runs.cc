@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <string_view>
@@ -41,16 +43,16 @@ int Dim0Parts(const DcpTensor& t) {
   return static_cast<int>(std::max<size_t>(offsets.size(), 1));
 }
 
-// Stacked experts' linear_fc2 ([L, E, H, F], expert TP cutting F): expert tp is the parts of F,
-// and ep the ranks that wrote the first stage's experts over it (one expert-data replica
-// writes each box).
-std::pair<int, int> ExpertParts(const DcpTensor& t) {
+// The experts' linear_fc2 of one layer ([E, H, F], or [L, E, H, F] stacked, of which layer 0),
+// expert TP cutting F: expert tp is the parts of F, and ep the ranks that wrote the layer's
+// experts over it (one expert-data replica writes each box).
+std::pair<int, int> ExpertParts(const DcpTensor& t, bool stacked) {
   std::set<Index> columns;
   std::set<Rank> writers;
   for (const DcpChunk& c : t.chunks) {
-    if (c.offsets.size() != 4) return {0, 0};
-    columns.insert(c.offsets[3]);
-    if (c.offsets[0] == 0) writers.insert(c.rank);
+    if (c.offsets.size() != (stacked ? 4U : 3U)) return {0, 0};
+    columns.insert(c.offsets.back());
+    if (!stacked || c.offsets[0] == 0) writers.insert(c.rank);
   }
   const auto etp = static_cast<int>(std::max<size_t>(columns.size(), 1));
   if (writers.empty() || writers.size() % columns.size() != 0) return {0, 0};
@@ -62,6 +64,19 @@ bool StackedAt(const std::string& fqn, std::string_view prefix) {
   if (at == std::string::npos) return false;
   const size_t next = at + prefix.size();
   return next < fqn.size() && (fqn[next] < '0' || fqn[next] > '9');
+}
+
+// The layer of a per-layer key "decoder.layers.{l}.<leaf>"; -1 for any other.
+Index LayerOfKey(const std::string& fqn) {
+  constexpr std::string_view kPrefix = "decoder.layers.";
+  const size_t at = fqn.find(kPrefix);
+  if (at == std::string::npos) return -1;
+  Index layer = 0;
+  size_t i = at + kPrefix.size();
+  const size_t first = i;
+  for (; i < fqn.size() && fqn[i] >= '0' && fqn[i] <= '9' && i - first < 9; ++i)
+    layer = layer * 10 + (fqn[i] - '0');
+  return i > first && i < fqn.size() && fqn[i] == '.' ? layer : -1;
 }
 
 }  // namespace
@@ -120,49 +135,127 @@ ParallelRun DcpRunOf(const DcpCheckpoint& c) {
   return run;
 }
 
-ParallelRun MegatronRunOf(const DcpCheckpoint& c) {
-  int tp = 0;
-  int layer_parts = 0;
+namespace {
+
+// What a torch_dist checkpoint's boxes and their writers say of Megatron's grid.
+struct MegatronFindings {
+  int tp = 0;                                 // the embedding's vocabulary chunks; 0: none
+  std::pair<int, int> expert_parts = {0, 0};  // ep, expert tp; 0: no stacked experts
   bool experts = false;
-  std::pair<int, int> expert_parts = {0, 0};  // ep, expert tp; 0: not from stacked experts
   bool states = false;
+  std::map<Index, std::set<Rank>> layer_writers;  // stacked layers: layer -> writing ranks
+};
+
+MegatronFindings FindMegatronGrid(const DcpCheckpoint& c) {
+  MegatronFindings f;
+  Index expert_layer = std::numeric_limits<Index>::max();
   for (const DcpTensor& t : c.tensors()) {
     if (t.optimizer_state) {
-      states = true;
+      f.states = true;
       continue;
     }
-    if (t.fqn.find(".experts.") != std::string::npos) experts = true;
-    if (StackedAt(t.fqn, "decoder.layers.") && StackedAt(t.fqn, ".experts.experts.") &&
-        t.fqn.ends_with("linear_fc2.weight")) {
-      expert_parts = ExpertParts(t);
+    if (t.fqn.find(".experts.") != std::string::npos) f.experts = true;
+    if (t.fqn.ends_with("embedding.word_embeddings.weight")) f.tp = Dim0Parts(t);
+    const bool stacked = StackedAt(t.fqn, "decoder.layers.");
+    const Index layer = LayerOfKey(t.fqn);
+    // The first MoE layer's experts, stacked over their experts (not one key per expert).
+    if ((stacked || layer >= 0) && StackedAt(t.fqn, ".experts.experts.") &&
+        t.fqn.ends_with("linear_fc2.weight") && (stacked || layer < expert_layer)) {
+      f.expert_parts = ExpertParts(t, stacked);
+      if (!stacked) expert_layer = layer;
     }
-    if (t.fqn.ends_with("embedding.word_embeddings.weight")) tp = Dim0Parts(t);
-    // Stacked layers ("decoder.layers.self_attention...", not "decoder.layers.3...."): dim 0 is
-    // the layer, cut by pipeline stage.
-    if (StackedAt(t.fqn, "decoder.layers.")) layer_parts = std::max(layer_parts, Dim0Parts(t));
+    // Stacked layers ("decoder.layers.self_attention...") have the layer as dim 0, each layer a
+    // box of its own; per-layer keys ("decoder.layers.3.self_attention...") in their names.
+    // Either way a layer's boxes are written by ranks of its stage.
+    for (const DcpChunk& ch : t.chunks) {
+      if (stacked && !ch.offsets.empty()) f.layer_writers[ch.offsets[0]].insert(ch.rank);
+      if (layer >= 0) f.layer_writers[layer].insert(ch.rank);
+    }
   }
-  const int64_t world = c.world_size();
+  return f;
+}
+
+// The stages, the ranks per stage and the model chunks per stage from the layers' writers, as
+// Megatron's default save leaves them (each box written by its first replica: the stage's
+// data-parallel rank 0). Runs of layers with the same writers are model chunks; with virtual
+// stages they cycle over the stages (stage k's chunks every pp-th run). Stage k's writers lie
+// in [k S, (k + 1) S) from k S. pp 0 when the writers do not read so; S 0 with one stage (its
+// data-parallel ranks wrote nothing and are not recorded).
+struct Stages {
+  int pp = 0;
+  int64_t span = 0;
+  int vpp = 1;
+};
+
+Stages StagesOf(const std::map<Index, std::set<Rank>>& writers) {
+  std::vector<std::set<Rank>> runs;
+  for (const auto& [layer, ranks] : writers) {
+    if (runs.empty() || runs.back() != ranks) runs.push_back(ranks);
+  }
+  std::vector<std::set<Rank>> stages;
+  for (const std::set<Rank>& r : runs) {
+    if (std::find(stages.begin(), stages.end(), r) == stages.end()) stages.push_back(r);
+  }
+  if (stages.empty() || runs.size() % stages.size() != 0) return {};
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (runs[i] != stages[i % stages.size()]) return {};
+  }
+  const int vpp = static_cast<int>(runs.size() / stages.size());
+  if (stages.size() == 1) return {1, 0, vpp};
+  const int64_t span = *stages[1].begin();
+  if (span < 1) return {};
+  for (size_t k = 0; k < stages.size(); ++k) {
+    const auto lo = static_cast<int64_t>(k) * span;
+    if (*stages[k].begin() != lo || *stages[k].rbegin() >= lo + span) return {};
+  }
+  return {static_cast<int>(stages.size()), span, vpp};
+}
+
+}  // namespace
+
+ParallelRun MegatronRunOf(const DcpCheckpoint& c) {
+  const MegatronFindings f = FindMegatronGrid(c);
+  const Stages stages = StagesOf(f.layer_writers);
+  const int pp = stages.pp;
+  const int64_t span = stages.span;
+  const bool ep_known = f.expert_parts.first > 0;
   ParallelRun run;
-  const bool ep_known = expert_parts.first > 0;
-  Result<ParallelRun> grid =
-      tp > 0 && layer_parts > 0
-          ? MegatronRun(world, tp, layer_parts, 1, ep_known ? expert_parts.first : 1,
-                        ep_known ? expert_parts.second : tp)
-          : Result<ParallelRun>(InvalidArgumentError("not recorded"));
-  const bool laid_out = grid.ok();
-  if (laid_out) {
-    run = *std::move(grid);
-    run.convention = fmt::format(
-        "Megatron tp-cp-ep-dp-pp; tp from the embedding's chunks, pp from the layers' chunks{}",
-        ep_known ? ", ep and etp from the experts' chunks" : "");
-    run.vpp.reset();
-    run.unknown = {"cp", "vpp"};
-  } else {
-    run = FlatRun(world, ParallelDim::kRank, "Megatron torch_dist: global tensors' boxes");
-    run.unknown = {"tp", "dp", "pp", "cp", "vpp"};
+  std::string how = "tp from the embedding's chunks, pp and vpp from the layers' writers";
+  if (ep_known) how += ", ep and etp from the experts' chunks and writers";
+  if (f.tp > 0 && pp > 0 && span > 0 && span % f.tp == 0) {
+    // Every axis but cp apart: dp here counts cp's ranks too.
+    Result<ParallelRun> grid =
+        MegatronRun(pp * span, f.tp, pp, 1, ep_known ? f.expert_parts.first : 1,
+                    ep_known ? f.expert_parts.second : 0);
+    if (grid.ok()) {
+      run = *std::move(grid);
+      run.unknown = {"cp"};
+    }
   }
-  if (experts && !(laid_out && ep_known)) run.unknown.emplace_back("ep");
-  run.optimizer = states ? OptimizerSharding::kDistributed : OptimizerSharding::kNone;
+  if (run.grid.axes.empty() && f.tp > 0 && pp > 0) {
+    // One stage (or writers that leave the ranks per stage open): the data-parallel replicas
+    // wrote nothing, so neither dp nor the world is recorded.
+    run.grid.axes = {{ParallelDim::kTp, f.tp}, {ParallelDim::kPp, pp}};
+    if (ep_known && int64_t{f.expert_parts.first} * f.expert_parts.second == f.tp) {
+      run.experts = RankGrid{{{ParallelDim::kEtp, f.expert_parts.second},
+                              {ParallelDim::kEp, f.expert_parts.first},
+                              {ParallelDim::kPp, pp}}};
+    }
+    run.unknown = {"dp", "cp"};
+  }
+  if (run.grid.axes.empty()) {
+    run = FlatRun(c.world_size(), ParallelDim::kRank, "");
+    run.unknown = {"tp", "dp", "pp", "cp", "vpp"};
+    how = "the ranks that wrote it";
+  }
+  run.convention = "Megatron tp-cp-ep-dp-pp; " + how;
+  if (pp > 0) {
+    run.vpp = stages.vpp;
+  } else {
+    run.vpp.reset();
+  }
+  if (f.experts && !run.experts) run.unknown.emplace_back("ep");
+  run.optimizer = f.states ? OptimizerSharding::kDistributed : OptimizerSharding::kNone;
   run.files = "__{rank}_{n}.distcp (each chunk a box of a global tensor), metadata.json";
   return run;
 }
