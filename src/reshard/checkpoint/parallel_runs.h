@@ -32,10 +32,11 @@ ParallelRun DeepSpeedRunOf(const DeepSpeedCheckpoint& ckpt);
 /// device mesh is not recorded).
 ParallelRun DcpRunOf(const DcpCheckpoint& ckpt);
 
-/// A Megatron-Core torch_dist checkpoint, which records global tensors' boxes, not its grid:
-/// tp counted from the embedding's vocabulary chunks and pp from the stacked layers' chunks
-/// (pp × vpp: the two are not told apart) when the ranks that wrote it are a multiple of
-/// them; a flat world otherwise. cp, vpp and ep are not recorded.
+/// A Megatron-Core torch_dist checkpoint, which records global tensors' boxes and the ranks that
+/// wrote them (each box once), not its grid: tp from the embedding's vocabulary chunks; pp, vpp
+/// and the ranks per stage (dp, cp's ranks counted in it) from the ranks that wrote each layer;
+/// ep and expert tp from the first MoE layer's experts. cp is not recorded, nor dp with one
+/// stage; writers that read no other way give a flat world of the ranks that wrote it.
 ParallelRun MegatronRunOf(const DcpCheckpoint& ckpt);
 
 }  // namespace reshard
