@@ -229,7 +229,7 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     options.dequantize = deq;
-    Status s = ConvertCheckpoint(dir, source, world, target, out_dir, options);
+    Status s = ConvertCheckpoint(dir, source, ShardedTargetRun(world), target, out_dir, options);
     if (s.message().ends_with("without target maps")) {
       return Status(s.code(), s.message() +
                                   "; give them with target_maps= (or put the model's "
@@ -297,7 +297,7 @@ void PyConvertToDcp(const std::string& dir, int world, const std::string& out_di
   source.config_path = config.value_or("");
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
-    return WriteDcpCheckpoint(dir, source, world, out_dir, options);
+    return WriteDcpCheckpoint(dir, source, DcpTargetRun(world), out_dir, options);
   });
 }
 

@@ -266,10 +266,16 @@ def test_inspect_shows_chunks_and_bytes_items(dcp_root, reshard_bin):
     assert "model.embed.weight  F32 [10, 6]" in r.stdout
     assert "rank 3: [5, 3]+[5, 3]" in r.stdout
     assert "step  bytes" in r.stdout and "  7\n" in r.stdout
+    # DCP records the ranks that wrote it, not the trainer's mesh: a flat world, said so.
+    assert ("parallelism: rank 4 (DCP flat world), optimizer state laid out as its parameters; "
+            "not recorded: tp, dp, pp") in r.stdout
     r = run(reshard_bin, "inspect", dcp_root / "mesh", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)["dcp"]
     assert doc["world_size"] == 4
+    run_ = json.loads(r.stdout)["parallelism"]
+    assert (run_["world"], run_["axes"], run_["optimizer"], run_["unknown"]) == \
+        (4, [{"name": "rank", "size": 4}], "as_tensors", ["tp", "dp", "pp"])
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert tensors["model.norm.scale"]["shape"] == []
     assert tensors["optim.state.model.embed.weight.exp_avg"]["optimizer_state"] is True
@@ -289,6 +295,8 @@ def test_python_package_takes_dcp_dirs(dcp_root, tmp_path):
     assert not any(k.startswith("optim.") for k in manifest["params"])
     info = reshard.checkpoint.inspect(ckpt)
     assert info["dcp"]["world_size"] == 4
+    assert info["parallelism"]["world"] == 4 and info["parallelism"]["convention"] == \
+        "DCP flat world"
 
 
 # --- zstd items ---------------------------------------------------------------------------

@@ -101,7 +101,17 @@ def test_inspect_lists_the_experts_with_the_placement_and_maps_deepspeed_recorde
                 assert ours.to_json() == theirs.to_json(), param["name"]
         # The experts are not listed as dense parameters.
         assert not [p for p in summary["params"] if ".experts." in p["name"]]
+        # The run: the experts numbered inside dp, EP rank d mod EP (AutoEP's default).
+        run_ = doc["parallelism"]
+        edp = spec.dp // spec.ep
+        assert run_["axes"] == [{"name": "tp", "size": 1}, {"name": "dp", "size": spec.dp},
+                                {"name": "pp", "size": 1}]
+        assert run_["experts"] == [{"name": "tp", "size": 1}, {"name": "ep", "size": spec.ep},
+                                   {"name": "edp", "size": edp}, {"name": "pp", "size": 1}]
+        assert run_["optimizer"] == "zero1" and run_["unknown"] == []
+        assert "layer_{L}_expert_{e}_mp_rank_00_model_states.pt" in run_["files"]
         text = run(reshard_bin, "inspect", ckpt.save_dir).stdout
+        assert f"; experts pp 1 × edp {edp} × ep 2 × tp 1, ZeRO 1\n" in text, text
         assert "AutoEP: EP 2, 2 MoE layers" in text
         assert "model.layers.0.mlp  4 experts: EP 0 [0 1] EP 1 [2 3]" in text
 

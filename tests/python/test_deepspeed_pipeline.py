@@ -172,7 +172,9 @@ def test_the_python_package_takes_them_as_the_cli_does(pipes, converted, tmp_pat
     reshard.checkpoint.gather(ckpt.save_dir, tmp_path / "hf")
     got = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert all(torch.equal(got[n], t) for n, t in ckpt.full().items())
-    assert reshard.checkpoint.inspect(ckpt.save_dir)["deepspeed"]["pp"] == 2
+    info = reshard.checkpoint.inspect(ckpt.save_dir)
+    assert info["deepspeed"]["pp"] == 2
+    assert info["parallelism"]["text"].startswith("pp 2 × dp ")
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
@@ -249,8 +251,15 @@ def test_inspect_reports_the_stages(pipes, reshard_bin):
     names = [p["name"] for p in ds["params"]]
     assert names[0] == "tied_modules.embed.weight" and names.count(names[0]) == 1
     assert "3.down.weight" in names and "4.weight" in names
+    # The run: DeepSpeed's grid (model fastest, then data, then pipe), slice s = stage * TP + t.
+    run_ = json.loads(r.stdout)["parallelism"]
+    assert run_["axes"] == [{"name": "tp", "size": 2}, {"name": "dp", "size": 1},
+                            {"name": "pp", "size": 2}]
+    assert (run_["world"], run_["optimizer"], run_["unknown"]) == (4, "zero1", [])
+    assert "mp_rank_{pp*TP+tp:02d}_model_states.pt" in run_["files"]
     r = run(reshard_bin, "inspect", pipes[TP2].save_dir)
     assert "ZeRO 1, PP 2 x TP 2 x DP 1" in r.stdout, r.stdout
+    assert "parallelism: pp 2 × dp 1 × tp 2 (DeepSpeed pipe/data/model grid), ZeRO 1\n" in r.stdout
 
 
 # Where each converted checkpoint resumes: another PP x TP x DP.

@@ -169,8 +169,13 @@ def test_inspect_summarises_stage_topology_dtype_and_layouts(checkpoints, reshar
                                                   "remainder": "front"}
     assert params["model.norm.weight"]["layout"] == {"family": "replicated"}
     assert {p["layout_source"] for p in ds["params"]} == {"affine map"}
+    run_ = json.loads(r.stdout)["parallelism"]
+    assert {a["name"]: a["size"] for a in run_["axes"]} == {"tp": 4, "dp": 1, "pp": 1}
+    assert (run_["optimizer"], run_["experts"]) == ("zero3", None)
+    assert run_["files"].startswith("zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt")
     text = run(reshard_bin, "inspect", ckpt.save_dir)
     assert "ZeRO 3, TP 4 x DP 1, BF16 module weights" in text.stdout
+    assert "parallelism: pp 1 × dp 1 × tp 4 (DeepSpeed data/model grid), ZeRO 3\n" in text.stdout
 
 
 # --- bad inputs: each names the file, exits 2 and writes nothing -----------------------------

@@ -25,6 +25,11 @@ def test_sharded_dir_shows_the_model_its_manifest_describes(demo, reshard_bin):
     info = inspect_json(reshard_bin, sharded)
     model = info["model"]
     assert model["format"] == "reshard" and model["world_size"] == 3
+    # The run: a rank per tensor rank, the files by rank, no optimizer state.
+    run_ = info["parallelism"]
+    assert (run_["world"], run_["axes"], run_["optimizer"]) == (3, [{"name": "tp", "size": 3}],
+                                                                 "none")
+    assert run_["files"] == "model-rank-{tp}-part-{p}.safetensors" and run_["unknown"] == []
     assert model["files"] == manifest["files"]
     assert [p["name"] for p in model["params"]] == list(manifest["params"])
     total = 0
@@ -52,6 +57,7 @@ def test_sharded_dir_shows_the_model_its_manifest_describes(demo, reshard_bin):
     text = run(reshard_bin, "inspect", sharded)
     assert text.returncode == 0, text.stderr
     assert "reshard sharded checkpoint: world size 3" in text.stdout
+    assert "parallelism: tp 3 (reshard: a rank per tensor rank), no optimizer state" in text.stdout
     assert 'embed_tokens.weight  BF16 [32004, 384] (valid [32003, 384])' in text.stdout
     assert "rank 2 files: [\"model-rank-2-part-0.safetensors\"]" in text.stdout
 
@@ -80,6 +86,7 @@ def test_huggingface_dir_lists_each_tensor_once_through_its_index(tmp_path, resh
     info = inspect_json(reshard_bin, hf)
     model = info["model"]
     assert model["format"] == "huggingface"
+    assert info["parallelism"]["world"] == 1 and info["parallelism"]["axes"] == []
     assert model["index"] == "model.safetensors.index.json"
     assert model["bytes"] == 40
     got = {t["name"]: (t["dtype"], t["shape"], t["file"]) for t in model["tensors"]}

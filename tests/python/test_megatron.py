@@ -486,3 +486,24 @@ def test_a_live_model_is_a_redistributor_source_without_maps(tmp_path, saved):
         assert "config" in r["refusals"]["config"], r["refusals"]
         assert "Megatron-Core" in r["refusals"]["kinds"], r["refusals"]
     assert len({r["refusals"]["config"] for r in ranks}) == 1
+
+
+def test_inspect_reads_the_run_from_the_boxes_and_their_writers(reshard_bin, saved):
+    """torch_dist records global tensors' boxes and the ranks that wrote them, not Megatron's
+    grid: tp from the embedding's vocabulary chunks, pp (and vpp) from the ranks that wrote each
+    layer, stacked ([L, ...]) or one key per layer; ep and expert tp from the experts' boxes and
+    writers (TP 2 x PP 2 on 4 ranks; the MoE models' experts EP 2 x ETP 1); cp said unknown."""
+    for name, experts in (("llama_bias", None), ("mixtral", [1, 2, 1, 2]),
+                          ("qwen3_moe", [1, 2, 1, 2])):
+        ckpt, _, _ = saved(name)
+        r = subprocess.run([str(reshard_bin), "inspect", str(ckpt), "--json"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        run_ = json.loads(r.stdout)["parallelism"]
+        assert run_["world"] == 4, run_
+        assert {a["name"]: a["size"] for a in run_["axes"]} == {"tp": 2, "cp": 1, "dp": 1, "pp": 2}
+        got = None if run_["experts"] is None else [a["size"] for a in run_["experts"]]
+        assert got == experts, run_
+        assert (run_["vpp"], run_["unknown"], run_["optimizer"]) == (1, ["cp"], "none")
+        info = reshard.checkpoint.inspect(ckpt)
+        assert info["parallelism"] == run_

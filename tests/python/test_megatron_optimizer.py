@@ -424,3 +424,20 @@ def test_deepspeed_loads_the_step_and_hyperparameters_of_the_universal_checkpoin
     for name, states in got["held"].items():
         for s, t in states.items():
             assert same_bits(t, want[f"{name}.{s}"]), (name, s)
+
+
+def test_inspect_says_the_distributed_optimizer_and_what_is_not_recorded(reshard_bin, saved):
+    """The run of a training checkpoint: the distributed optimizer's state over dp; at TP 1 x DP
+    2 the second data-parallel rank wrote nothing (each box is written once), so dp is not
+    recorded and said so, not guessed."""
+    for name, axes, unknown in (("tp2pp2", {"tp": 2, "cp": 1, "dp": 1, "pp": 2}, ["cp"]),
+                                ("moe", {"tp": 2, "cp": 1, "dp": 1, "pp": 2}, ["cp"]),
+                                ("tp1dp2", {"tp": 1, "pp": 1}, ["dp", "cp"])):
+        ckpt, _, _ = saved(name)
+        r = run(reshard_bin, "inspect", ckpt, "--json")
+        assert r.returncode == 0, r.stderr
+        run_ = json.loads(r.stdout)["parallelism"]
+        assert {a["name"]: a["size"] for a in run_["axes"]} == axes, (name, run_)
+        assert (run_["optimizer"], run_["unknown"]) == ("distributed", unknown), (name, run_)
+    text = run(reshard_bin, "inspect", saved("tp1dp2")[0]).stdout
+    assert "distributed optimizer over dp; not recorded: dp, cp\n" in text, text

@@ -271,3 +271,7 @@ def test_inspect_reports_a_universal_checkpoint(sources, reshard_bin, which):
     shapes = {p["name"]: p["shape"] for p in report["params"]}
     assert shapes == {name: list(t["fp32"].shape) for name, t in want.items()}
     assert report["elements"] == sum(t["fp32"].numel() for t in want.values())
+    # Whole tensors: no ranks, the optimizer's states whole beside them.
+    run_ = json.loads(ok(reshard_bin, "inspect", "--json", out).stdout)["parallelism"]
+    assert (run_["world"], run_["axes"], run_["optimizer"]) == (1, [], "whole")
+    assert "parallelism: 1 rank (DeepSpeed universal: whole tensors), whole tensors" in text

@@ -438,7 +438,8 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
   source.weights_only = args.weights_only;
   source.config_path = args.config;
   RESHARD_RETURN_IF_ERROR(WithForceHint(
-      WriteDcpCheckpoint(args.input, source, args.world, args.output, options), args.force));
+      WriteDcpCheckpoint(args.input, source, DcpTargetRun(args.world), args.output, options),
+      args.force));
   const double seconds = Seconds(t0);
   Report(args,
          fmt::format("converted \"{}\" to a DCP checkpoint for {} ranks in \"{}\" ({:.2f} s)",
@@ -528,8 +529,9 @@ Status RunConvert(const ConvertArgs& args) {
   source.weights_only = args.weights_only;
   source.config_path = args.config;
   source.distributed_config = distributed_config;
-  Status s = WithForceHint(
-      ConvertCheckpoint(args.input, source, args.tp, target, args.output, options), args.force);
+  Status s = WithForceHint(ConvertCheckpoint(args.input, source, ShardedTargetRun(args.tp), target,
+                                             args.output, options),
+                           args.force);
   if (s.message().ends_with("without target maps")) {
     return Status(s.code(), s.message() +
                                 "; give them with --target-maps MAPS.json (or put the model's "

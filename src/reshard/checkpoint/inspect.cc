@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -16,6 +17,8 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
+#include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
@@ -204,13 +207,17 @@ ModelDir ModelDirOf(const std::string& dir) {
   return ModelDir::kNone;
 }
 
-Result<ordered_json> ModelView(const std::string& dir, ModelDir kind, const QuantizedPairs& pairs) {
+// The model view of `dir`, and the run that wrote it into `run` (when not set already).
+Result<ordered_json> ModelView(const std::string& dir, ModelDir kind, const QuantizedPairs& pairs,
+                               std::optional<ParallelRun>& run) {
   if (kind == ModelDir::kSharded) {
     RESHARD_ASSIGN_OR_RETURN(const ShardedCheckpoint c, ShardedCheckpoint::Open(dir));
+    if (!run) run = ShardedRunOf(c.manifest());
     return ShardedJson(c);
   }
   if (kind == ModelDir::kHuggingFace) {
     RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint c, FullCheckpoint::Open(dir));
+    if (!run) run = HuggingFaceRun();
     return HuggingFaceJson(dir, c, pairs);
   }
   return ordered_json(nullptr);
@@ -638,10 +645,14 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     fmt::format_to(std::back_inserter(out), "\"{}\": directory{}, {} tensor files\n", dir.string(),
                    tag.empty() ? "" : fmt::format(" (DeepSpeed tag \"{}\")", tag), files.size());
   }
+  // The run that wrote it, printed after the line above once a reader has said it.
+  const size_t run_at = out.size();
+  std::optional<ParallelRun> run;
   if (IsUniversalCheckpoint(path)) {
     // Its model-states files are copies of the source's (DeepSpeed's own names), read for
     // their module's dtype only: the universal checkpoint is its zero/ folder.
     RESHARD_ASSIGN_OR_RETURN(ordered_json universal, UniversalSummary(path));
+    run = UniversalRun(!universal["optimizer_states"].empty());
     if (json) {
       doc["universal"] = universal;
     } else {
@@ -649,6 +660,7 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     }
   } else if (IsDeepSpeedCheckpoint(dir.string())) {
     RESHARD_ASSIGN_OR_RETURN(DeepSpeedCheckpoint ds, DeepSpeedCheckpoint::Open(path));
+    run = DeepSpeedRunOf(ds);
     if (json) {
       doc["deepspeed"] = ordered_json::parse(DeepSpeedSummaryJson(ds));
     } else {
@@ -658,6 +670,7 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
   if (!IsUniversalCheckpoint(path) && !IsDeepSpeedCheckpoint(dir.string()) &&
       IsDcpCheckpoint(dir.string())) {
     RESHARD_ASSIGN_OR_RETURN(const auto dcp, DcpCheckpoint::Open(dir.string()));
+    run = IsMegatronCheckpoint(dir.string()) ? MegatronRunOf(*dcp) : DcpRunOf(*dcp);
     if (json) {
       doc["dcp"] = ordered_json::parse(DcpSummaryJson(*dcp));
     } else {
@@ -666,7 +679,13 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
   }
   ordered_json listed = ordered_json::array();
   const ModelDir model_dir = ModelDirOf(dir.string());
-  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir, pairs));
+  RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir, pairs, run));
+  if (run && json) {
+    doc["parallelism"] = ordered_json::parse(ParallelRunJson(*run));
+  } else if (run) {
+    out.insert(run_at, fmt::format("parallelism: {}\n  files: {}\n", ParallelRunText(*run),
+                                   run->files.empty() ? "(none)" : run->files));
+  }
   const std::vector<std::string> model_files = ModelFiles(model);
   for (const fs::path& f : files) {
     // A Hugging Face model's tensors are listed once, by its model view below.

@@ -20,6 +20,7 @@
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/layouts/parallel_run.h"
 
 namespace reshard {
 
@@ -99,6 +100,9 @@ struct OpenedCheckpoint {
   /// A trainer's state dict's structure, for a convert into the same kind of checkpoint (DCP);
   /// null when the format records none.
   std::shared_ptr<const StateDictStructure> state_dict;
+  /// The run that wrote it: its ranks' coordinates, the optimizer's sharding, how its files map
+  /// onto the ranks, and what the format does not record (checkpoint/parallel_runs.h).
+  ParallelRun run;
 };
 
 }  // namespace reshard

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
@@ -729,6 +730,7 @@ Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& o
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(path));
   OpenedCheckpoint out;
   out.format = "dcp";
+  out.run = DcpRunOf(*ckpt);
   DcpSourceOptions source;
   source.weights_only =
       options.use == SourceUse::kGather ? !options.optimizer_state : options.weights_only;

@@ -16,6 +16,7 @@
 
 #include "reshard/base/json_writer.h"
 #include "reshard/checkpoint/deepspeed/moe.h"
+#include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
@@ -2039,6 +2040,7 @@ Result<OpenedCheckpoint> OpenDeepSpeed(const std::string& ckpt_dir, const Source
   RESHARD_ASSIGN_OR_RETURN(states, StatesToWrite(*ckpt, std::move(states)));
   OpenedCheckpoint out;
   out.format = "deepspeed";
+  out.run = DeepSpeedRunOf(*ckpt);
   if (options.use == SourceUse::kGather && !ckpt->config_path().empty()) {
     RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(ckpt->config_path()));
     out.extra_files.push_back({"config.json", std::move(config)});

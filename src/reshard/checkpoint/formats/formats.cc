@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
@@ -119,6 +120,7 @@ Result<OpenedCheckpoint> OpenSharded(const std::string& path, const SourceOption
   out.format = "reshard";
   out.source =
       SourceOfShardedDir(path, std::make_shared<const ShardedCheckpoint>(std::move(opened)));
+  out.run = ShardedRunOf(out.source->manifest());
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
   const bool require = !options.distributed_config.empty();
   // Scattered from a config.json: the target layout from the model's plans again (MoE experts
@@ -152,6 +154,7 @@ Result<OpenedCheckpoint> OpenFull(const std::string& path, const SourceOptions&)
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint opened, FullCheckpoint::Open(path));
   OpenedCheckpoint out;
   out.format = "hf";
+  out.run = HuggingFaceRun();
   RESHARD_ASSIGN_OR_RETURN(
       out.source, SourceOfFullDir(path, std::make_shared<const FullCheckpoint>(std::move(opened))));
   if (HasFile(path, "config.json")) {
@@ -249,6 +252,10 @@ Result<std::optional<MapDocument>> UniversalConfigMaps(const ShardSource& source
 Result<OpenedCheckpoint> OpenUniversalWithConfig(const std::string& path,
                                                  const SourceOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint out, OpenUniversal(path, options));
+  const Manifest& m = out.source->manifest();
+  out.run = UniversalRun(std::any_of(m.params.begin(), m.params.end(), [](const ShardedParam& p) {
+    return p.name.ends_with(".exp_avg") || p.name.ends_with(".fp32");
+  }));
   const std::string config = UniversalConfigPath(path, options);
   if (config.empty()) return out;
   if (options.use == SourceUse::kGather) {
@@ -306,10 +313,11 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(options.config_path));
   const bool optimizer_state =
       options.use == SourceUse::kGather ? options.optimizer_state : !options.weights_only;
+  ParallelRun run;
   RESHARD_ASSIGN_OR_RETURN(
       std::unique_ptr<ShardSource> source,
-      OpenMegatronSource(path,
-                         MegatronSourceOptions{config, options.config_path, optimizer_state}));
+      OpenMegatronSource(
+          path, MegatronSourceOptions{config, options.config_path, optimizer_state, &run}));
   if (options.use == SourceUse::kGather && options.optimizer_state &&
       std::none_of(source->manifest().params.begin(), source->manifest().params.end(),
                    [](const ShardedParam& p) { return p.name.ends_with(".exp_avg"); })) {
@@ -320,6 +328,7 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   }
   OpenedCheckpoint out;
   out.format = "megatron";
+  out.run = std::move(run);
   out.source = std::move(source);
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
   // convert lays the Hugging Face tensors out as transformers holds them at the target degree.
@@ -579,6 +588,52 @@ Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, 
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
   return WriteDcp(*opened.source, world_size, out_dir, options, opened.state_dict.get());
+}
+
+namespace {
+
+// A target the output formats can hold: valid, and one flat axis of ranks (the reshard sharded
+// checkpoint and DCP record no pipeline stages or expert grid of their own).
+Status CheckFlatTarget(const ParallelRun& target, std::string_view output) {
+  for (const ParallelAxis& a : target.grid.axes) {
+    if (a.size < 1) return InvalidArgumentError(fmt::format("{} is not a world size", a.size));
+  }
+  RESHARD_RETURN_IF_ERROR(target.Validate());
+  if (target.world() < 1) return InvalidArgumentError("the target run has no ranks");
+  int split = 0;
+  for (const ParallelAxis& a : target.grid.axes) split += a.size > 1 ? 1 : 0;
+  if (split > 1 || target.experts) {
+    return InvalidArgumentError(fmt::format(
+        "{} holds a flat world of ranks; the target run {} is a grid of several axes: give its "
+        "world as one axis",
+        output, ParallelRunText(target)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+ParallelRun ShardedTargetRun(int world_size) {
+  return FlatRun(world_size, ParallelDim::kTp, "reshard: a rank per tensor rank");
+}
+
+ParallelRun DcpTargetRun(int world_size) {
+  return FlatRun(world_size, ParallelDim::kRank, "DCP flat world");
+}
+
+Status ConvertCheckpoint(const std::string& path, const SourceOptions& source,
+                         const ParallelRun& target, const std::optional<MapDocument>& target_maps,
+                         const std::string& out_dir, const CheckpointOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckFlatTarget(target, "a reshard sharded checkpoint"));
+  return ConvertCheckpoint(path, source, static_cast<int>(target.world()), target_maps, out_dir,
+                           options);
+}
+
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source,
+                          const ParallelRun& target, const std::string& out_dir,
+                          const CheckpointOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckFlatTarget(target, "a PyTorch Distributed Checkpoint"));
+  return WriteDcpCheckpoint(path, source, static_cast<int>(target.world()), out_dir, options);
 }
 
 }  // namespace reshard

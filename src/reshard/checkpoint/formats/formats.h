@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/source.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/layouts/parallel_run.h"
 
 namespace reshard {
 
@@ -60,6 +61,18 @@ Status GatherCheckpoint(const std::string& path, const SourceOptions& source,
 Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
                          const std::optional<MapDocument>& target_maps, const std::string& out_dir,
                          const CheckpointOptions& options = {});
+/// The same into the run `target` describes (layouts/parallel_run.h): its world is the output's
+/// (a reshard sharded checkpoint: a rank per rank of the target's grid). InvalidArgument for an
+/// invalid target, or one whose axes the output cannot hold (a grid whose ranks do not all hold
+/// different shards: a pipeline or an expert grid, which the format records no way to place).
+Status ConvertCheckpoint(const std::string& path, const SourceOptions& source,
+                         const ParallelRun& target, const std::optional<MapDocument>& target_maps,
+                         const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// The target run of a reshard sharded checkpoint at `world_size` (a rank per tensor rank), and
+/// of a DCP saved for `world_size` ranks (a flat world).
+ParallelRun ShardedTargetRun(int world_size);
+ParallelRun DcpTargetRun(int world_size);
 
 /// A scatter's layout of given tensors: the maps, the buffers they fill and, from a model's
 /// config.json, what the manifest records (the config, its plan's constraints).
@@ -85,6 +98,10 @@ Status ScatterDequantized(const std::string& full_dir, const ScatterLayoutOf& la
 /// its tensors as a convert opens them, optimizer state included unless weights_only).
 Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, int world_size,
                           const std::string& out_dir, const CheckpointOptions& options = {});
+/// The same for the run `target` describes: saved for its world's ranks.
+Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source,
+                          const ParallelRun& target, const std::string& out_dir,
+                          const CheckpointOptions& options = {});
 
 }  // namespace reshard
 

@@ -16,6 +16,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/megatron/megatron_names.h"
+#include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/io/file.h"
 
 namespace reshard {
@@ -1052,6 +1053,7 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   RESHARD_ASSIGN_OR_RETURN(MegatronModelConfig config,
                            ParseMegatronModelConfig(options.config_json, what));
   RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const DcpCheckpoint> ckpt, DcpCheckpoint::Open(dir));
+  if (options.run != nullptr) *options.run = MegatronRunOf(*ckpt);
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));

@@ -37,6 +37,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/megatron/regions.h"
+#include "reshard/layouts/parallel_run.h"
 
 namespace reshard {
 
@@ -141,6 +142,8 @@ struct MegatronSourceOptions {
   /// parameter's shape), each Hugging Face tensor's as "<name>.fp32" (the fp32 main weight),
   /// "<name>.exp_avg" and "<name>.exp_avg_sq".
   bool optimizer_state = false;
+  /// Where to put the run that wrote it (MegatronRunOf), when not null.
+  ParallelRun* run = nullptr;
 };
 
 /// The checkpoint in `path` (see MegatronCheckpointDir) as a source of Hugging Face tensors
