@@ -118,7 +118,7 @@ class ScheduleHandle {
     Result<Topology> placed = Topology::Place(*std::move(spec), trainer_ranks, engine_workers);
     if (!placed.ok()) Raise(placed.status().Annotate("topology"), ErrorKind::kMap);
     topology_ = std::make_unique<Topology>(*std::move(placed));
-    planner_ = std::make_unique<SyncPlanner>(*topology_);
+    planner_ = std::make_unique<SyncPlanner>(*topology_, OptionsFor(engine_workers.size()));
   }
 
   // Plans one tensor: its map over the trainer's ranks, and per engine its map over the

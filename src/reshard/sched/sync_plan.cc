@@ -25,6 +25,12 @@ SyncPlanResult Finish(Topology topology, SyncPlanner planner, double planning_s)
 
 }  // namespace
 
+SyncOptions OptionsFor(size_t num_engines) {
+  SyncOptions options;
+  options.hand_on_within_root = num_engines > 1;
+  return options;
+}
+
 std::string SyncPlanResult::Json(bool include_transfers) const {
   return SyncReportJson(schedule, topology, prediction, planning_s, include_transfers);
 }
@@ -37,7 +43,7 @@ Result<SyncPlanResult> PlanSyncFromConfig(std::string_view config_json, const Gr
   if (engine_tp.empty()) return InvalidArgumentError("no engines to synchronise");
   RESHARD_ASSIGN_OR_RETURN(Topology topo,
                            Topology::Place(std::move(topology), trainer.world(), engine_tp));
-  SyncPlanner planner(topo);
+  SyncPlanner planner(topo, OptionsFor(engine_tp.size()));
   for (const ModelTensor& t : model.tensors) {
     RESHARD_ASSIGN_OR_RETURN(ParamMap source, GridMap(t, trainer, model.num_layers));
     std::map<int, ParamMap> by_tp;  // engines of one degree share their map
@@ -93,7 +99,7 @@ Result<SyncPlanResult> PlanSyncFromMaps(const MapDocument& source,
   }
   RESHARD_ASSIGN_OR_RETURN(Topology topo,
                            Topology::Place(std::move(topology), trainer_ranks, workers));
-  SyncPlanner planner(topo);
+  SyncPlanner planner(topo, OptionsFor(engines.size()));
   for (const auto& [name, map] : source.params) {
     SyncTensorInput in{name, element_bytes, &map, {}};
     for (size_t e = 0; e < engines.size(); ++e) {

@@ -26,6 +26,10 @@ struct SyncPlanResult {
   std::string Json(bool include_transfers) const;
 };
 
+/// The options of a sync into `num_engines` engines: the defaults, but a lone engine's
+/// replicated pieces go from the trainer to each holder (one exchange, as WeightSync runs it).
+SyncOptions OptionsFor(size_t num_engines);
+
 /// The sync of a model from its config: the trainer on `trainer` (Megatron's grid), engine e
 /// a vLLM-style TP group of `engine_tp[e]` workers, in `format`.
 /// \error InvalidArgument  a malformed config, or a topology too small for the processes.

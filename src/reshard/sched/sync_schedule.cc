@@ -365,9 +365,11 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
   for (int e : needed) {
     const int c = cls[static_cast<size_t>(e)];
     if (trainer_plan.count(c)) continue;
-    RESHARD_ASSIGN_OR_RETURN(ParamMap primary,
-                             PrimaryMap(*in.engines[static_cast<size_t>(c)],
-                                        &s.primary_assigned[static_cast<size_t>(c)]));
+    ParamMap primary = *in.engines[static_cast<size_t>(c)];
+    if (s.options.hand_on_within_root) {
+      RESHARD_ASSIGN_OR_RETURN(primary, PrimaryMap(*in.engines[static_cast<size_t>(c)],
+                                                   &s.primary_assigned[static_cast<size_t>(c)]));
+    }
     Result<ParamPlan> plan = Compose(primary, *in.source, from_trainer);
     if (!plan.ok()) return annotate(plan.status());
     plan->target_buffers = BuffersOf(*in.engines[static_cast<size_t>(c)]);
@@ -396,7 +398,7 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
   tensor.steps.push_back(
       SyncStep{trainer_plan[root_cls], kTrainer, root, SyncStep::Kind::kFromTrainer, {}});
   s.Commit(tensor, t, 0);
-  {
+  if (s.options.hand_on_within_root) {
     Result<ParamPlan> within =
         Compose(*in.engines[static_cast<size_t>(root)], primaries.at(root_cls));
     if (!within.ok()) return annotate(within.status());

@@ -106,6 +106,11 @@ struct SyncOptions {
   /// are at most this deep (0: any depth): every hop queues behind busy links.
   int max_fanout = 0;
   int max_depth = 0;
+  /// Each replicated piece of the root's layout goes from the trainer to one of its holders,
+  /// which hands it on to the others (a step within the root). False: the trainer sends every
+  /// holder its copy (no step within the root: one exchange into a lone engine, as a push into
+  /// one engine runs).
+  bool hand_on_within_root = true;
 };
 
 /// Builds a SyncSchedule one tensor at a time (maps of a large model need not all be held).
