@@ -2,11 +2,14 @@
 with another program (dcp_bench.py, moe_bench.py); the trainer processes of the live-sync
 benchmarks (vllm_sync_bench.py, fleet_bench.py)."""
 
+import argparse
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -95,3 +98,33 @@ def run_ranks(script, args, work, env, timeout_s, ranks=2):
         sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
     with open(path) as f:
         return json.load(f)
+
+
+def trainer_arguments(ap):
+    """The hidden arguments with which :func:`live_sync_main` starts a live-sync benchmark's
+    trainer processes (vllm_sync_bench.py, fleet_bench.py)."""
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    for name in ("--work", "--model", "--sharded"):
+        ap.add_argument(name, default=None, help=argparse.SUPPRESS)
+
+
+def live_sync_main(script, args, trainer, write, prefix, extra, timeout_s, env_defaults=None):
+    """The main of a live-sync benchmark. In a trainer process (``--rank`` given): runs
+    ``trainer(args)`` and exits at once (no interpreter teardown under a live engine).
+    Otherwise: ``write(work)`` -> (model, sharded) into a scratch folder, the two trainer
+    processes run over them with the ``extra`` arguments (vLLM's CPU threads unbound unless
+    set; ``env_defaults`` for variables not set), the folder is removed, and their result is
+    returned (:func:`run_ranks`)."""
+    if args.rank is not None:
+        trainer(args)
+        sys.stdout.flush()
+        os._exit(0)
+    work = tempfile.mkdtemp(prefix=prefix)
+    model, sharded = write(work)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
+        "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false")
+    for k, v in (env_defaults or {}).items():
+        env.setdefault(k, v)
+    r = run_ranks(script, ["--model", model, "--sharded", sharded, *extra], work, env, timeout_s)
+    shutil.rmtree(work, ignore_errors=True)  # the model and its shards (kept on a failure)
+    return r

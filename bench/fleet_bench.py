@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import run_ranks  # noqa: E402
+from _measure import live_sync_main, trainer_arguments  # noqa: E402
 from vllm_sync_bench import config_for, write_model  # noqa: E402
 
 
@@ -90,24 +88,12 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=160)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--waves", type=int, default=4, help="relay_waves of the two-engine sync")
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sharded", default=None, help=argparse.SUPPRESS)
+    trainer_arguments(ap)
     args = ap.parse_args()
-    if args.rank is not None:
-        trainer(args)
-        sys.stdout.flush()
-        os._exit(0)
-    work = tempfile.mkdtemp(prefix="fleet-bench-")
     config = config_for(args.mb)
-    model, sharded = write_model(work, config)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
-        "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false")
-    r = run_ranks(__file__, ["--model", model, "--sharded", sharded, "--engine-tp",
-                             str(args.engine_tp), "--repeat", str(args.repeat), "--waves",
-                             str(args.waves)], work, env, 1800)
-    shutil.rmtree(work, ignore_errors=True)
+    r = live_sync_main(__file__, args, trainer, lambda work: write_model(work, config),
+                       "fleet-bench-", ["--engine-tp", str(args.engine_tp), "--repeat",
+                                        str(args.repeat), "--waves", str(args.waves)], 1800)
     e = r["egress"]
     print(f"model {r['model_bytes'] / 1e6:.0f} MB float32 ({config['num_hidden_layers']} layers), "
           f"trainer TP 2 -> 2 engines at TP {r['engine_tp']}, gloo, median of {args.repeat}")

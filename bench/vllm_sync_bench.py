@@ -24,12 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import sys
-import tempfile
 
-from _measure import run_ranks
+from _measure import live_sync_main, trainer_arguments
 
 
 def config_for(mb: int) -> dict:
@@ -147,26 +144,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sharded", default=None, help=argparse.SUPPRESS)
+    trainer_arguments(ap)
     args = ap.parse_args()
-    if args.rank is not None:
-        trainer(args)
-        sys.stdout.flush()
-        os._exit(0)
-    work = tempfile.mkdtemp(prefix="vllm-sync-bench-")
     config = config_for(args.mb)
-    model, sharded = write_model(work, config)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get(
-        "VLLM_CPU_OMP_THREADS_BIND", "nobind"), TOKENIZERS_PARALLELISM="false")
-    if args.backend == "nccl":  # process 0's engine workers take GPUs 0..tp-1
-        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.engine_tp + 2)))
-    r = run_ranks(__file__, ["--model", model, "--sharded", sharded, "--engine-tp",
-                             str(args.engine_tp), "--repeat", str(args.repeat), "--backend",
-                             args.backend, "--threads", str(args.threads)], work, env, 1200)
-    shutil.rmtree(work, ignore_errors=True)  # the model and its shards (kept on a failure)
+    # With nccl, process 0's engine workers take GPUs 0..tp-1.
+    gpus = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(args.engine_tp + 2))} \
+        if args.backend == "nccl" else {}
+    r = live_sync_main(__file__, args, trainer, lambda work: write_model(work, config),
+                       "vllm-sync-bench-", ["--engine-tp", str(args.engine_tp), "--repeat",
+                                            str(args.repeat), "--backend", args.backend,
+                                            "--threads", str(args.threads)], 1200, gpus)
     mb = r["model_bytes"] / 1e6
     print(f"model {mb:.0f} MB float32 ({config['num_hidden_layers']} layers), trainer TP 2 -> "
           f"engine TP {r['engine_tp']}, {args.backend}, median of {args.repeat}")

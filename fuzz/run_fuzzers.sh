@@ -34,6 +34,10 @@ targets=()
 for name in "${names[@]}"; do targets+=("${name}_fuzzer"); done
 ninja -C "$build" "${targets[@]}"
 
+# UndefinedBehaviorSanitizer reports and goes on by default; halting makes undefined
+# behaviour (a signed overflow, a bad shift) a failure with its input kept, as a crash is.
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0

@@ -28,7 +28,7 @@ from ._maps import Move, ParamMap, Piece, Plan, compose, infer, maps_to_json, re
 from ._tensors import extract, rebuild, transfer  # noqa: E402
 from ._buffers import Block, Buffer, BufferSet, read_buffers  # noqa: E402
 from ._degree import DegreeConstraint, DegreeReport, degree  # noqa: E402
-from ._sync import plan_sync  # noqa: E402
+from ._sync import SyncLink, SyncPlan, plan_sync  # noqa: E402
 from . import checkpoint  # noqa: E402
 
 __version__: str = _core.__version__
@@ -37,6 +37,7 @@ __all__ = [
     "Block", "Buffer", "BufferSet", "read_buffers",
     "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "LayoutError",
     "MapError", "Move",
-    "ParamMap", "Piece", "Plan", "ReshardError", "__version__", "checkpoint", "compose", "degree",
+    "ParamMap", "Piece", "Plan", "ReshardError", "SyncLink", "SyncPlan", "__version__", "checkpoint",
+    "compose", "degree",
     "extract", "infer", "maps_to_json", "plan_sync", "read_maps", "rebuild", "transfer",
 ]

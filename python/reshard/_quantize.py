@@ -32,10 +32,12 @@ from . import _core
 from ._maps import MapLike, ParamMap, as_map
 from ._tensors import extract
 from .distributed import (DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, Transport,
-                          _message, _TorchGroup)
+                          _layout_of_source, _message, _shards_of_source, _TorchGroup)
 
 if TYPE_CHECKING:
     import torch
+
+    from .torch import TorchSource
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 AMAX_FLOOR = 1e-4  # a block's amax is clamped below at this (vLLM's per_block_cast_to_fp8)
@@ -431,13 +433,25 @@ class QuantizingRedistributor:
 
     ``last_stats`` is the final exchange's, with ``gathered_sent`` / ``gathered_received``:
     the bytes of split blocks sent to their owners before quantizing (source dtype).
+
+    ``source=`` (and ``config=``) instead of ``source_maps``, as for
+    :class:`~reshard.distributed.Redistributor`: the trainer's model or state dict of DTensors
+    as it lies (every process passes it, ``{}`` where it holds none), ``source_ranks``
+    defaulting to the processes that hold any tensor and ``dtypes`` to the tensors'; :meth:`run`
+    then takes the model (by default the one given here, as it is then). The quantized tensors'
+    source maps must keep them out of buffers, so a Megatron-Core model's fused buffers are
+    refused for them.
     """
 
-    def __init__(self, source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike], *,
-                 quantize: Any, source_ranks: Sequence[int], target_ranks: Sequence[int],
-                 group: Any = None, dtypes: Union[None, Any, Mapping[str, Any]] = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, _error: Optional[str] = None,
-                 _prepare_only: bool = False, **options: Any) -> None:
+    def __init__(self, source_maps: Optional[Mapping[str, MapLike]] = None,
+                 target_maps: Optional[Mapping[str, MapLike]] = None, *,
+                 quantize: Any, source_ranks: Optional[Sequence[int]] = None,
+                 target_ranks: Sequence[int], group: Any = None,
+                 dtypes: Union[None, Any, Mapping[str, Any]] = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 source: Optional["TorchSource"] = None, config: Any = None,
+                 _error: Optional[str] = None, _prepare_only: bool = False,
+                 **options: Any) -> None:
         # _prepare_only: only the split blocks' gather and the quantizing (:meth:`prepare`);
         # the sources' quantized layout (:attr:`prepared_maps`) travels by another plan.
         import torch
@@ -445,16 +459,35 @@ class QuantizingRedistributor:
         self._me = comm.rank
         self._source_ranks: list[int] = []
         self._planned: list[_Planned] = []
+        self._source = source
+        self._source_maps: dict[str, ParamMap] = {}
+        self._source_dtypes: dict[str, Any] = {}
+        self._megatron = False
         self.last_stats: Optional[dict[str, int]] = None
         error, gather_src, gather_dst, final_src = _error, {}, {}, {}
+        if source is not None:  # a collective: every process's tensors, before any check
+            try:
+                if source_maps is not None:
+                    raise RedistributeError("give source_maps or source=, not both")
+                layout = _layout_of_source(comm, source, source_ranks, config)
+                source_maps, source_ranks = layout.maps, layout.ranks
+                self._source_dtypes, self._megatron = layout.dtypes, layout.megatron
+                dtypes = dtypes if dtypes is not None or not layout.dtypes else layout.dtypes
+            except Exception as e:  # the same on every process; told by the agreement below
+                error = error or _message(e)
+                source_maps, source_ranks = {}, []
         final_dtypes: Union[None, Any, Mapping[str, Any]] = dtypes
         try:
             if error is not None:
                 raise RedistributeError(error)
+            if source_ranks is None:
+                raise RedistributeError("source_ranks is required with source_maps (with "
+                                        "source=, it defaults to the processes holding tensors)")
             if not isinstance(source_maps, Mapping) or not isinstance(target_maps, Mapping):
                 raise RedistributeError("source_maps and target_maps must be mappings "
                                         "{name: map}")
             self._source_ranks = [int(r) for r in source_ranks]
+            self._source_maps = {n: as_map(m) for n, m in source_maps.items()}
             final_src = dict(source_maps)
             targets = {n: as_map(m) for n, m in target_maps.items()}
             for spec in quant_specs(quantize, source_maps, target_maps):
@@ -482,7 +515,7 @@ class QuantizingRedistributor:
         self._prepared = final_src if error is None else {}
         self._final: Optional[Redistributor] = None
         if not _prepare_only:
-            self._final = Redistributor(final_src, target_maps, source_ranks=source_ranks,
+            self._final = Redistributor(final_src, target_maps, source_ranks=self._source_ranks,
                                         target_ranks=target_ranks, group=comm,
                                         dtypes=final_dtypes, bucket_bytes=bucket_bytes, **options)
 
@@ -571,14 +604,16 @@ class QuantizingRedistributor:
             out[p.spec.data], out[p.spec.scale] = data, scales
         return out
 
-    def run(self, shards: Mapping[str, "torch.Tensor"],
+    def run(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *, dry_run: bool = False,
             on_ready: Optional[Callable[[dict[str, "torch.Tensor"]], None]] = None,
             _error: Optional[str] = None) -> Any:
         """As :meth:`Redistributor.run`: this process's source shards (the quantized ones in
         their source dtype) -> its target shards (the quantized ones as FP8 data and float32
         scales). Every process of the group calls it. Nothing reaches a target before every
-        process has checked its shards and quantized its blocks."""
+        process has checked its shards and quantized its blocks. Built with ``source=``,
+        ``shards`` is a module or state dict of DTensors (default: the ``source`` given then,
+        as it is now)."""
         prepared, error = self._prepare(shards, dry_run, _error)
         gathered = dict(self._gather.last_stats or {})
         final = self._final_one()
@@ -596,14 +631,23 @@ class QuantizingRedistributor:
         that stopped it (agreed by the exchange that sends them)."""
         return self._prepare(shards, False, _error)
 
-    def _prepare(self, shards: Mapping[str, "torch.Tensor"], dry_run: bool,
-                 error: Optional[str]) -> "tuple[dict[str, torch.Tensor], Optional[str]]":
+    def _prepare(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]],
+                 dry_run: bool, error: Optional[str]
+                 ) -> "tuple[dict[str, torch.Tensor], Optional[str]]":
         quantized: dict[str, torch.Tensor] = {}
         rest: dict[str, torch.Tensor] = {}
         try:
             if error is not None:
                 raise RedistributeError(error)
-            quantized, rest = self._split(shards)
+            given: Any = shards
+            if self._source is not None:
+                given = _shards_of_source(self._source if shards is None else shards,
+                                          self._megatron, self._source_maps, self._source_ranks,
+                                          self._me, self._source_dtypes)
+            if given is None:
+                raise RedistributeError("run() needs this process's shards (it was built with "
+                                        "source_maps, not source=)")
+            quantized, rest = self._split(given)
         except Exception as e:  # agreed in the gather below
             error = _message(e)
         if dry_run:  # the split blocks stay where they are; the stacks stand in, unset

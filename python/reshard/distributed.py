@@ -39,6 +39,7 @@ device the group's backend communicates from, and the results copied to the devi
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import hashlib
 import json
@@ -197,6 +198,78 @@ def _maps(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, MapLike]
     return names, src, dst
 
 
+@dataclasses.dataclass(frozen=True)
+class _SourceLayout:
+    """What ``source=`` (a live model or state dict) lays out: its maps merged over the group,
+    the processes that hold it (map rank i being ``ranks[i]``), its tensors' dtypes, and
+    whether it is a Megatron-Core model (its maps then keep its tensors in buffers)."""
+
+    maps: dict[str, ParamMap]
+    ranks: list[int]
+    dtypes: dict[str, Any]
+    megatron: bool
+
+
+def _layout_of_source(comm: Transport, source: "TorchSource", ranks: Optional[Sequence[int]],
+                      config: Any) -> _SourceLayout:
+    """The maps of every process's tensors, merged over ``comm`` (a collective), and the
+    processes that hold any: the source ranks unless ``ranks`` is given. DTensors, or
+    Megatron-Core models (on every process that holds tensors; ``{}`` elsewhere), with
+    ``config`` their Hugging Face config."""
+    import torch
+
+    from .torch import build_all, gather_megatron, gather_views, is_megatron
+    members = list(comm.members)
+    kind = "megatron" if is_megatron(source) else \
+        "none" if isinstance(source, Mapping) and not source else "torch"
+    kinds = {k for k in comm.gather_object(kind) if k != "none"}
+    if len(kinds) > 1:
+        raise RedistributeError("some processes gave a Megatron-Core model as source=, "
+                                "others DTensors; give the same kind on every process")
+    if kinds == {"megatron"}:
+        buffers, held = gather_megatron(source, config, comm.gather_object,
+                                        members.index(comm.rank), holders_only=True)
+        found = [members[i] for i in held]
+        if ranks is not None and len(ranks) != len(found):
+            raise RedistributeError(f"source_ranks names {len(ranks)} processes; "
+                                    f"{len(found)} hold the Megatron model's tensors")
+        maps = buffers.maps
+        dtypes: dict[str, Any] = {}
+        for name, m in maps.items():
+            held_in = [m.buffer(r) for r in range(m.world_size) if m.buffer(r)]
+            if held_in:
+                dtypes[name] = _torch_dtype(buffers[held_in[0]].dtype)
+        return _SourceLayout(dict(maps), [int(r) for r in ranks] if ranks is not None else found,
+                             dtypes, True)
+    if config is not None:
+        raise RedistributeError("config= names the tensors of a Megatron-Core source; "
+                                "the source here is DTensors")
+    views = gather_views(source, comm.gather_object, comm.rank, members)
+    found = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
+    chosen = [int(r) for r in ranks] if ranks is not None else found
+    return _SourceLayout(build_all(views, chosen), chosen,
+                         {name: getattr(torch, dtype) for name, (_, _, dtype) in views.items()},
+                         False)
+
+
+def _shards_of_source(source: "TorchSource", megatron: bool, maps: Mapping[str, ParamMap],
+                      source_ranks: Sequence[int], me: int,
+                      dtypes: Mapping[str, Any]) -> dict[str, "torch.Tensor"]:
+    """Process ``me``'s shards of a torch source under its ``maps`` (``{}`` when it is none of
+    ``source_ranks``): DTensors' ``to_local()``, a Megatron model's own tensors; the tensors it
+    lacks as the empty shards of ``dtypes`` its maps give it."""
+    from .torch import megatron_source_shards, shards_of
+    if me not in source_ranks:
+        return {}
+    rank = list(source_ranks).index(me)
+    try:
+        if megatron:
+            return megatron_source_shards(source, maps, rank, dtypes)
+        return shards_of(source, maps, rank, dtypes)
+    except (TypeError, ValueError) as e:
+        raise RedistributeError(str(e)) from e
+
+
 class Redistributor:
     """A re-sharding planned once and run many times (a weight sync every step).
 
@@ -255,8 +328,9 @@ class Redistributor:
             try:
                 if source_maps is not None:
                     raise RedistributeError("give source_maps or source=, not both")
-                source_maps, found = self._maps_of_source(source, source_ranks, config)
-                source_ranks = source_ranks if source_ranks is not None else found
+                layout = _layout_of_source(self._comm, source, source_ranks, config)
+                source_maps, source_ranks = layout.maps, layout.ranks
+                self._source_dtypes, self._megatron = layout.dtypes, layout.megatron
             except Exception as e:  # the same on every process; told by the agreement below
                 _error = _error or _message(e)
                 source_maps, source_ranks = {}, []
@@ -311,45 +385,6 @@ class Redistributor:
         self._agree_on_construction(error, fingerprint)
         if self._dtypes is not None:
             self._plan()
-
-    def _maps_of_source(self, source: "TorchSource", ranks: Optional[Sequence[int]],
-                        config: Any) -> tuple[dict[str, ParamMap], list[int]]:
-        """The maps of every process's tensors, merged over the group (a collective), and the
-        processes that hold any: source_ranks unless given. DTensors, or Megatron-Core models
-        (on every process that holds tensors; ``{}`` elsewhere)."""
-        import torch
-
-        from .torch import build_all, gather_megatron, gather_views, is_megatron
-        kind = "megatron" if is_megatron(source) else \
-            "none" if isinstance(source, Mapping) and not source else "torch"
-        kinds = {k for k in self._comm.gather_object(kind) if k != "none"}
-        if len(kinds) > 1:
-            raise RedistributeError("some processes gave a Megatron-Core model as source=, "
-                                    "others DTensors; give the same kind on every process")
-        if kinds == {"megatron"}:
-            me = self._members.index(self._me)
-            buffers, held = gather_megatron(source, config, self._comm.gather_object, me,
-                                            holders_only=True)
-            found = [self._members[i] for i in held]
-            if ranks is not None and len(ranks) != len(found):
-                raise RedistributeError(f"source_ranks names {len(ranks)} processes; "
-                                        f"{len(found)} hold the Megatron model's tensors")
-            self._megatron = True
-            maps = buffers.maps
-            self._source_dtypes = {}
-            for name, m in maps.items():
-                held_in = [m.buffer(r) for r in range(m.world_size) if m.buffer(r)]
-                if held_in:
-                    self._source_dtypes[name] = _torch_dtype(buffers[held_in[0]].dtype)
-            return maps, [int(r) for r in ranks] if ranks is not None else found
-        if config is not None:
-            raise RedistributeError("config= names the tensors of a Megatron-Core source; "
-                                    "the source here is DTensors")
-        views = gather_views(source, self._comm.gather_object, self._me, self._members)
-        found = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
-        chosen = [int(r) for r in ranks] if ranks is not None else found
-        self._source_dtypes = {name: getattr(torch, dtype) for name, (_, _, dtype) in views.items()}
-        return build_all(views, chosen), chosen
 
     def _dtypes_of(self, dtypes: Any) -> list[str]:
         if not isinstance(dtypes, Mapping):
@@ -482,18 +517,9 @@ class Redistributor:
 
     def _local_of(self, source: "TorchSource") -> dict[str, "torch.Tensor"]:
         """A torch source's shards as :meth:`_check_shards` takes them."""
-        from .torch import megatron_source_shards, shards_of
-        if self._me not in self._source_ranks:
-            return {}
-        rank = self._source_ranks.index(self._me)
         dtypes = {n: _torch_dtype(d) for n, d in zip(self._names, self._dtypes or [])}
-        try:
-            if self._megatron:
-                return megatron_source_shards(source, dict(zip(self._names, self._src)), rank,
-                                              dtypes)
-            return shards_of(source, dict(zip(self._names, self._src)), rank, dtypes)
-        except (TypeError, ValueError) as e:
-            raise RedistributeError(str(e)) from e
+        return _shards_of_source(source, self._megatron, dict(zip(self._names, self._src)),
+                                 self._source_ranks, self._me, dtypes)
 
     def _learn_dtypes(self, local: list[Optional["torch.Tensor"]], error: Optional[str]) -> None:
         held = error is None and self._me in self._source_ranks

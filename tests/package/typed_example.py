@@ -1,7 +1,7 @@
 """A user's program, checked with mypy --strict against the package's annotations and stubs
 (tests/python/test_package_docs.py)."""
 
-from typing import Any
+from typing import Any, Optional
 
 import reshard
 import reshard.distributed
@@ -50,6 +50,15 @@ def main() -> None:
                                                    "intermediate_size": 128, "vocab_size": 256})
     shape: tuple[int, ...] = target.shard_shape(0)
     print(len(pieces), len(moves), report.max_tp_degree, shape, plan.bytes_moved("F32"))
+    sync: reshard.SyncPlan = reshard.plan_sync(
+        {"hosts": [{"name": "a", "gpus": 4}]},
+        config={"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 8,
+                "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256,
+                "num_hidden_layers": 2},
+        trainer={"tp": 2}, engine_tp=2)
+    links: dict[str, int] = dict(sync.links)
+    busiest: Optional[reshard.SyncLink] = sync.busiest_link
+    print(sync.one_copy_bytes, sync.predicted_s, len(links), busiest, len(sync.json()))
     try:
         reshard.ParamMap.from_json("{")
     except reshard.MapError as e:

@@ -86,11 +86,12 @@ class DeepSpeedRefused(Exception):
     refuses); the message is theirs."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DsCheckpoint:
-    spec: Spec
-    root: pathlib.Path  # save_dir and ref/ live here
-    facts: dict  # rank 0's facts.json: losses, tag, next_loss
+class SavedRun:
+    """What a training run left under `root` (its `facts`: rank 0's facts.json): the save dir
+    and its tag; shared by DsCheckpoint and ds_pipe_checkpoints.PipeCheckpoint."""
+
+    root: pathlib.Path
+    facts: dict
 
     @property
     def save_dir(self):
@@ -106,15 +107,22 @@ class DsCheckpoint:
         return self.save_dir / self.tag
 
     @property
+    def next_loss(self):
+        """{dp_rank: the loss of the step after the save}, forward only, on the batch that step
+        trains on."""
+        return {int(k): v for k, v in self.facts["next_loss"].items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class DsCheckpoint(SavedRun):
+    spec: Spec
+    root: pathlib.Path  # save_dir and ref/ live here
+    facts: dict  # rank 0's facts.json: losses, tag, next_loss
+
+    @property
     def losses(self):
         """The training loss of each step, as DP rank 0 saw it."""
         return self.facts["losses"]
-
-    @property
-    def next_loss(self):
-        """{dp_rank: the loss of the step after the save}, forward only, on the batch that step
-        trains on (ds_train.batch(spec, spec.steps, dp_rank))."""
-        return {int(k): v for k, v in self.facts["next_loss"].items()}
 
     def module(self, tp_rank):
         """TP rank `tp_rank`'s module weights as the engine held them at the save ({name: tensor},

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from ds_checkpoints import LAUNCH_TIMEOUT_S, _train_env, free_loopback_port
+from ds_checkpoints import LAUNCH_TIMEOUT_S, SavedRun, _train_env, free_loopback_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 TRAIN = HERE / "ds_pipe_train.py"
@@ -50,27 +50,12 @@ class PipeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class PipeCheckpoint:
+class PipeCheckpoint(SavedRun):
+    """next_loss: eval_batch on DP rank 0's batch."""
+
     spec: PipeSpec
     root: pathlib.Path
     facts: dict  # rank 0's
-
-    @property
-    def save_dir(self):
-        return self.root / "ckpt"
-
-    @property
-    def tag(self):
-        return self.facts["tag"]
-
-    @property
-    def tag_dir(self):
-        return self.save_dir / self.tag
-
-    @property
-    def next_loss(self):
-        """{dp_rank: the loss of the step after the save} (eval_batch on DP rank 0's batch)."""
-        return {int(k): v for k, v in self.facts["next_loss"].items()}
 
     def full(self):
         from safetensors.torch import load_file

@@ -288,19 +288,9 @@ def resume(spec, out, source, universal):
     load_dir = pathlib.Path(source)
     if universal is True:
         load_dir = out / "universal"
-        if dist.get_rank() == 0:
-            from deepspeed.checkpoint import ds_to_universal as converter
+        from ds_train import convert_to_universal
 
-            tag = (pathlib.Path(source) / "latest").read_text().strip()
-            saved_argv = sys.argv
-            sys.argv = ["ds_to_universal", "--input_folder", str(pathlib.Path(source) / tag),
-                        "--output_folder", str(load_dir / f"{tag}_universal"),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1"]
-            try:
-                converter.main(converter.parse_arguments())
-            finally:
-                sys.argv = saved_argv
-        dist.barrier()
+        convert_to_universal(source, load_dir)
     engine = make_engine(spec, config)
     engine.load_checkpoint(str(load_dir))
     assert engine.global_steps == spec["steps"], engine.global_steps

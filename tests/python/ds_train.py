@@ -244,6 +244,24 @@ def save_hf_reference(engine, spec, where, dp_rank, next_loss):
     dist.barrier()
 
 
+def convert_to_universal(source, load_dir):
+    """Rank 0 converts the checkpoint saved under `source` (its `latest` tag) with DeepSpeed's
+    ds_to_universal into LOAD_DIR/TAG_universal; every rank waits for it."""
+    if dist.get_rank() == 0:
+        from deepspeed.checkpoint import ds_to_universal as converter
+
+        tag = (pathlib.Path(source) / "latest").read_text().strip()
+        saved_argv = sys.argv
+        sys.argv = ["ds_to_universal", "--input_folder", str(pathlib.Path(source) / tag),
+                    "--output_folder", str(load_dir / f"{tag}_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        try:
+            converter.main(converter.parse_arguments())
+        finally:
+            sys.argv = saved_argv
+    dist.barrier()
+
+
 def resume(spec, out, source, universal):
     """Load the checkpoint saved under `source` into a freshly built engine of `spec`'s
     topology and return the loss of the next step on each DP rank (forward only). With
@@ -257,19 +275,7 @@ def resume(spec, out, source, universal):
         config["checkpoint"] = {"load_universal": True}
     elif universal:
         load_dir = out / "universal"
-        if dist.get_rank() == 0:
-            from deepspeed.checkpoint import ds_to_universal as converter
-
-            tag = (pathlib.Path(source) / "latest").read_text().strip()
-            saved_argv = sys.argv
-            sys.argv = ["ds_to_universal", "--input_folder", str(pathlib.Path(source) / tag),
-                        "--output_folder", str(load_dir / f"{tag}_universal"),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1"]
-            try:
-                converter.main(converter.parse_arguments())
-            finally:
-                sys.argv = saved_argv
-        dist.barrier()
+        convert_to_universal(source, load_dir)
         config["checkpoint"] = {"load_universal": True}
     model = build_model(spec)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -56,15 +56,16 @@ def round_e4m3(y):
     return byte.to(torch.uint8).reshape(y.shape).view(torch.float8_e4m3fn)
 
 
-def reference_quantize(full):
-    """Per 128 x 128 block (edge blocks partial): amax in float32 (at least 1e-4), scale =
-    amax / 448, data = RNE(x * (1 / scale))."""
-    grid = [math.ceil(s / b) for s, b in zip(full.shape, BLOCK)]
+def reference_quantize(full, block=BLOCK):
+    """Per block of a 2-D tensor (128 x 128 unless told; edge blocks partial): amax in float32
+    (at least 1e-4), scale = amax / 448, data = RNE(x * (1 / scale))."""
+    grid = [math.ceil(s / b) for s, b in zip(full.shape, block)]
     data = torch.empty(full.shape, dtype=torch.float8_e4m3fn)
     scales = torch.empty(grid, dtype=torch.float32)
+    (r, c) = block
     for i in range(grid[0]):
         for j in range(grid[1]):
-            box = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+            box = (slice(i * r, (i + 1) * r), slice(j * c, (j + 1) * c))
             x = full[box].float()
             scale = torch.clamp(x.abs().max(), min=1e-4) / 448.0
             scales[i, j] = scale

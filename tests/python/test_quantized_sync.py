@@ -84,3 +84,38 @@ def test_bad_input_raises_on_every_process_and_writes_nothing(launch, name):
             assert part in r["error"], (p, part, r["error"])
         if p >= 2 and name == "error_nan":  # given outs keep every byte they had
             assert r["untouched"] is True
+
+
+def test_a_live_fsdp2_over_tp_source(tmp_path):
+    """QuantizingRedistributor(source=model): a tiny Llama under FSDP2 over TP on a (2, 2) mesh
+    (quantized_source_worker.py), its layout read from its DTensors, into FP8 blocks of 4 x 4
+    on processes 2 and 3: twice (the weights changed between), each time the engine's data and
+    scales equal, byte for byte, the reference quantization of every ``full_tensor()``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"), str(HERE)]),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
+                        str(HERE / "quantized_source_worker.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{p}.json").read_text()) for p in range(4)]
+    for p, result in enumerate(ranks):
+        assert not result["errors"], f"process {p}: {result['errors'][0]}"
+        assert result["source_ranks"] == [0, 1, 2, 3]
+        # Every 2-D weight (12), the norms and the buffer not.
+        assert len(result["quantized"]) == 12 and "lm_head.weight" in result["quantized"]
+        assert len(result["runs"]) == 2
+        for run in result["runs"]:
+            assert run["mismatch"] == ([] if p >= 2 else None), (p, run["mismatch"])
+            if p >= 2:
+                assert "layers.0.q_proj.weight_scale_inv" in run["keys"]
+        # The refusals, the same on every process.
+        assert "give source_maps or source=, not both" in result["refused"][0]
+        assert "is int32; quantizing it to FP8 blocks" in result["refused"][1]
+        assert result["refused"] == ranks[0]["refused"]
+    # FSDP2 cuts rows unevenly: some 4 x 4 blocks are split between processes and gathered
+    # to their owner before quantizing; every byte gathered is received.
+    for step in range(2):
+        sent = sum(r["runs"][step]["stats"]["gathered_sent"] for r in ranks)
+        assert sent > 0 and sent == sum(r["runs"][step]["stats"]["gathered_received"]
+                                        for r in ranks)

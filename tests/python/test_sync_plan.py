@@ -72,11 +72,17 @@ def test_transfers_and_the_package_agree(reshard_bin, tmp_path):
             "--engine-tp", "4,2", "--topology", topo, "--json", "--transfers")
     assert r.returncode == 0, r.stderr
     cli = json.loads(r.stdout)
-    py = reshard.plan_sync(doc, config=MOE, trainer={"tp": 2, "pp": 2, "ep": 2},
-                           engine_tp=[4, 2], transfers=True)
+    plan = reshard.plan_sync(doc, config=MOE, trainer={"tp": 2, "pp": 2, "ep": 2},
+                             engine_tp=[4, 2], transfers=True)
+    py = plan.to_dict()
+    assert json.loads(plan.json()) == py
     cli.pop("planning_s")
     py.pop("planning_s")
     assert py == cli
+    # The typed fields are the report's.
+    assert plan.engines == (4, 2) and plan.trainer_ranks == cli["trainer_ranks"] == 8
+    assert plan.transfers == cli["transfers"] and plan.processes == cli["processes"]
+    assert plan.tensor_names == cli["tensor_names"] and plan.tensor_plans == cli["tensor_plans"]
     assert cli["engines"] == [4, 2]
     assert len(cli["transfers"]) == cli["num_transfers"]
     trainer = cli["trainer_ranks"]
@@ -112,12 +118,12 @@ def test_fp8_moves_fewer_bytes_than_bf16(tmp_path):
     bf16 = reshard.plan_sync(doc, config=cfg, trainer="tp=2,ep=4", engines=2, engine_tp=4)
     fp8 = reshard.plan_sync(doc, config=cfg, trainer="tp=2,ep=4", engines=2, engine_tp=4,
                             dtype="F8_E4M3")
-    assert bf16["trainer_egress_bytes"] == bf16["one_copy_bytes"]
-    assert fp8["trainer_egress_bytes"] == fp8["one_copy_bytes"]
+    assert bf16.trainer_egress_bytes == bf16.one_copy_bytes
+    assert fp8.trainer_egress_bytes == fp8.one_copy_bytes
     # Linear weights at 1 byte (plus fp32 scales per 128x128 block); the embedding and LM
     # head, which weigh much in this 4-layer cut, stay BF16.
-    assert 0.5 < fp8["one_copy_bytes"] / bf16["one_copy_bytes"] < 0.75
-    assert fp8["tensors"] > bf16["tensors"]  # the weight_scale_inv tensors
+    assert 0.5 < fp8.one_copy_bytes / bf16.one_copy_bytes < 0.75
+    assert fp8.tensors > bf16.tensors  # the weight_scale_inv tensors
 
 
 @pytest.mark.parametrize("doc, path", [
@@ -174,3 +180,42 @@ def test_map_documents(reshard_bin, tmp_path):
     report = json.loads(r.stdout)
     assert report["one_copy_bytes"] == report["trainer_egress_bytes"] == 8 * 4 * 4
     assert report["engines"] == [1, 2]
+
+
+def test_the_typed_plan(reshard_bin, tmp_path):
+    # reshard.plan_sync's SyncPlan: every field is the CLI's report, links by name busiest
+    # first; the JSON and the dict are the report, and the dict is a copy.
+    doc = {"hosts": [{"name": "t", "gpus": 4}, {"name": "e", "count": 2, "gpus": 4}],
+           "nvlink_gbps": 400, "nic_gbps": 50}
+    topo = topology(tmp_path, doc)
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2,pp=2", "--engines", 4,
+            "--engine-tp", 2, "--topology", topo, "--json")
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(r.stdout)
+    plan = reshard.plan_sync(topo, config=QWEN3, trainer="tp=2,pp=2", engines=4, engine_tp=2)
+    assert isinstance(plan, reshard.SyncPlan)
+    assert plan.one_copy_bytes == cli["one_copy_bytes"] == qwen3_params() * 2
+    assert plan.trainer_egress_bytes == plan.one_copy_bytes
+    for key in ("trainer_ranks", "hosts", "tensors", "total_bytes", "num_transfers", "rounds"):
+        assert getattr(plan, key) == cli[key], key
+    for key in ("lower_bound_s", "predicted_s", "predicted_over_lower_bound"):
+        assert getattr(plan, key) == pytest.approx(cli[key]), key
+    assert plan.engines == (2, 2, 2, 2) and plan.planning_s >= 0
+    assert list(plan.links) == [link["name"] for link in cli["links"]]
+    assert list(plan.links.values()) == [link["bytes"] for link in cli["links"]]
+    assert all(" nvlink " in name or " nic " in name for name in plan.links)
+    assert plan.busiest_link == plan.link_details[0]
+    assert plan.busiest_link is not None
+    assert plan.busiest_link.name == cli["busiest_link"]["name"]
+    assert plan.busiest_link.seconds == pytest.approx(plan.lower_bound_s)
+    assert plan.busiest_link.bytes == plan.links[plan.busiest_link.name]
+    assert plan.transfers is None and plan.tensor_plans is None
+    d = plan.to_dict()
+    d.pop("planning_s")
+    cli.pop("planning_s")
+    assert d == cli
+    assert json.loads(plan.json())["one_copy_bytes"] == plan.one_copy_bytes
+    plan.to_dict()["links"].clear()
+    assert plan.to_dict()["links"] and plan.links
+    with pytest.raises(AttributeError):
+        plan.rounds = 0  # type: ignore[misc]

@@ -1302,4 +1302,30 @@ Status ConvertFrom(ShardSource& source, int world_size,
       });
 }
 
+Result<std::vector<ConstBuffer>> ShardCache::Acquire(size_t i, const ParamMap& map,
+                                                     const Reader& read) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = cache_[i];
+  if (e.users == 0) {
+    e.data.assign(static_cast<size_t>(map.world_size()), {});
+    Status s = read(e.data);
+    if (!s.ok()) {
+      cache_.erase(i);
+      return s;
+    }
+  }
+  ++e.users;
+  std::vector<ConstBuffer> out;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    out.push_back({e.data[static_cast<size_t>(r)].data(), map.shard_num_elements(r)});
+  }
+  return out;
+}
+
+void ShardCache::Release(size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = cache_.find(i);
+  if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
+}
+
 }  // namespace reshard

@@ -20,9 +20,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint.h"
@@ -209,6 +211,28 @@ class AcquiredShards {
   size_t i_;
   Status status_;
   std::vector<ConstBuffer> shards_;
+};
+
+/// The shards of a ShardSource that reads them into memory of its own: each parameter's read
+/// once, on its first Acquire, and kept until its last Release (thread-safe).
+class ShardCache {
+ public:
+  /// Fills `data`, one byte vector per rank of the parameter's map (given sized to its world,
+  /// each empty); an error leaves nothing cached. Runs under the cache's lock.
+  using Reader = std::function<Status(std::vector<std::vector<std::byte>>& data)>;
+
+  /// Parameter i's shards under `map` (each rank's `shard_num_elements`), read by `read` unless
+  /// an earlier Acquire still holds them.
+  Result<std::vector<ConstBuffer>> Acquire(size_t i, const ParamMap& map, const Reader& read);
+  void Release(size_t i);
+
+ private:
+  struct Entry {
+    int users = 0;
+    std::vector<std::vector<std::byte>> data;  // per rank
+  };
+  std::mutex mu_;
+  std::map<size_t, Entry> cache_;
 };
 
 /// A reshard sharded checkpoint as a source (its shards: views of its mapped files).

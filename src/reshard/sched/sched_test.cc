@@ -243,6 +243,13 @@ TEST(Topology, RefusesUnknownHostsAndTooFewGpus) {
   EXPECT_NE(bad.status().message().find("hosts[0].gpus"), std::string::npos);
   bad = ParseTopologyJson(R"({"hosts": [{"name": "a", "gpus": 2}], "nic": "rack"})");
   ASSERT_FALSE(bad.ok());
+  // 2^20 - 1 hosts of 2^16 GPUs: about 2^36 GPUs, refused at the entry (found by the
+  // topology fuzzer: the sum overflowed an int before it was checked).
+  bad = ParseTopologyJson(R"({"hosts": [{"name": "a", "gpus": 1}, {"name": "b", "count": 1048575,
+                                          "gpus": 65536}]})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("hosts[1]: more than 2^24 GPUs"), std::string::npos)
+      << bad.status().message();
   Result<TopologySpec> ok = ParseTopologyJson(R"({"hosts": [{"name": "a", "gpus": 2}]})");
   ASSERT_TRUE(ok.ok());
   Result<Topology> placed = Topology::Place(*ok, 2, {1});

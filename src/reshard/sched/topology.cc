@@ -16,6 +16,7 @@ using json::Json;
 
 constexpr int kMaxGpusPerHost = 1 << 16;
 constexpr Index kMaxHosts = 1 << 20;
+constexpr Index kMaxGpus = Index{1} << 24;  // GPUs of all hosts together
 
 Result<double> ReadBandwidth(const Json& j, std::string_view path) {
   RESHARD_ASSIGN_OR_RETURN(double v, json::ReadNumber(j, path));
@@ -30,6 +31,7 @@ Status ReadHosts(const Json& hosts, std::string_view path, TopologySpec* spec) {
     return json::TypeError(path, "a non-empty array of hosts", hosts);
   }
   std::set<std::string> names;
+  Index total_gpus = 0;
   for (size_t i = 0; i < hosts.size(); ++i) {
     const std::string p = json::Element(path, i);
     const Json& h = hosts[i];
@@ -51,6 +53,10 @@ Status ReadHosts(const Json& hosts, std::string_view path, TopologySpec* spec) {
     if (static_cast<Index>(spec->host_names.size()) + n > kMaxHosts) {
       return json::ErrorAt(p, fmt::format("more than {} hosts", kMaxHosts));
     }
+    // Counted before the hosts are listed, and in 64 bits: a count of hosts times their GPUs
+    // can exceed an int.
+    total_gpus += n * gpus;
+    if (total_gpus > kMaxGpus) return json::ErrorAt(p, "more than 2^24 GPUs in all");
     for (Index k = 0; k < n; ++k) {
       std::string full = count ? fmt::format("{}{}", name, k) : name;
       if (!names.insert(full).second) {
@@ -147,7 +153,6 @@ Result<TopologySpec> ParseTopologyJson(std::string_view text) {
   TopologySpec spec;
   RESHARD_ASSIGN_OR_RETURN(const Json* hosts, json::Require(j, "", "hosts"));
   RESHARD_RETURN_IF_ERROR(ReadHosts(*hosts, "hosts", &spec));
-  if (spec.num_slots() > (1 << 24)) return json::ErrorAt("hosts", "more than 2^24 GPUs");
   if (const Json* v = json::Find(j, "nvlink_gbps")) {
     RESHARD_ASSIGN_OR_RETURN(spec.nvlink_gbps, ReadBandwidth(*v, "nvlink_gbps"));
   }

@@ -56,7 +56,8 @@ struct TopologySpec {
 
 /// Parses and validates a topology document. InvalidArgument naming the JSON path: unknown
 /// keys, a host named twice, a GPU count or bandwidth that is not positive, a placement that
-/// names a host that does not exist, a GPU the host does not have, or a GPU twice.
+/// names a host that does not exist, a GPU the host does not have, or a GPU twice; more
+/// than 2^24 GPUs in all.
 Result<TopologySpec> ParseTopologyJson(std::string_view text);
 
 /// The kinds of link a transfer uses.

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -1961,47 +1960,25 @@ class DeepSpeedShardSource : public ShardSource {
   }
 
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = cache_[i];
-    if (e.users == 0) {
-      const ParamMap& map = manifest_.params[i].map;
-      const size_t size = DTypeSize(manifest_.params[i].dtype);
-      e.data.assign(static_cast<size_t>(map.world_size()), {});
+    const ParamMap& map = manifest_.params[i].map;
+    const size_t size = DTypeSize(manifest_.params[i].dtype);
+    return cache_.Acquire(i, map, [&](std::vector<std::vector<std::byte>>& data) {
       for (Rank r = 0; r < map.world_size(); ++r) {
-        auto& bytes = e.data[static_cast<size_t>(r)];
+        auto& bytes = data[static_cast<size_t>(r)];
         bytes.resize(static_cast<size_t>(map.shard_num_elements(r)) * size);
-        Status s = ckpt_->ReadTpShard(which_[i].first, which_[i].second, r,
-                                      {bytes.data(), map.shard_num_elements(r)});
-        if (!s.ok()) {
-          cache_.erase(i);
-          return s;
-        }
+        RESHARD_RETURN_IF_ERROR(ckpt_->ReadTpShard(which_[i].first, which_[i].second, r,
+                                                   {bytes.data(), map.shard_num_elements(r)}));
       }
-    }
-    ++e.users;
-    std::vector<ConstBuffer> out;
-    for (Rank r = 0; r < manifest_.params[i].map.world_size(); ++r) {
-      out.push_back(
-          {e.data[static_cast<size_t>(r)].data(), manifest_.params[i].map.shard_num_elements(r)});
-    }
-    return out;
+      return Status::Ok();
+    });
   }
-  void ReleaseShards(size_t i) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = cache_.find(i);
-    if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
-  }
+  void ReleaseShards(size_t i) override { cache_.Release(i); }
 
  private:
-  struct Entry {
-    int users = 0;
-    std::vector<std::vector<std::byte>> data;  // per TP rank
-  };
   std::shared_ptr<const DeepSpeedCheckpoint> ckpt_;
   Manifest manifest_;
   std::vector<std::pair<size_t, DeepSpeedState>> which_;
-  std::mutex mu_;
-  std::map<size_t, Entry> cache_;
+  ShardCache cache_;  // per TP rank
 };
 
 // The states a conversion writes, refused when the checkpoint lacks them.

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <regex>
@@ -668,28 +667,18 @@ class AutoEpGatherSource : public ShardSource {
     return inputs;
   }
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = cache_[i];
-    if (e.users == 0) {
+    const ParamMap& map = manifest_.params[i].map;  // one rank
+    return cache_.Acquire(i, map, [&](std::vector<std::vector<std::byte>>& data) {
       const Which& w = which_[i];
-      const Index n = manifest_.params[i].map.shard_num_elements(0);
-      e.data.resize(static_cast<size_t>(n) * DTypeSize(manifest_.params[i].dtype));
-      Status s = w.expert ? ReadAutoEpShard(*ckpt_->experts(), w.index, state_, w.ep_rank, w.begin,
-                                            {e.data.data(), n})
-                          : ckpt_->ReadTpShard(w.index, state_, 0, {e.data.data(), n});
-      if (!s.ok()) {
-        cache_.erase(i);
-        return s;
-      }
-    }
-    ++e.users;
-    return std::vector<ConstBuffer>{{e.data.data(), manifest_.params[i].map.shard_num_elements(0)}};
+      const Index n = map.shard_num_elements(0);
+      std::vector<std::byte>& bytes = data[0];
+      bytes.resize(static_cast<size_t>(n) * DTypeSize(manifest_.params[i].dtype));
+      return w.expert ? ReadAutoEpShard(*ckpt_->experts(), w.index, state_, w.ep_rank, w.begin,
+                                        {bytes.data(), n})
+                      : ckpt_->ReadTpShard(w.index, state_, 0, {bytes.data(), n});
+    });
   }
-  void ReleaseShards(size_t i) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = cache_.find(i);
-    if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
-  }
+  void ReleaseShards(size_t i) override { cache_.Release(i); }
 
  private:
   struct Which {
@@ -699,16 +688,11 @@ class AutoEpGatherSource : public ShardSource {
     Index begin;
     Index count;
   };
-  struct Entry {
-    int users = 0;
-    std::vector<std::byte> data;
-  };
   std::shared_ptr<const DeepSpeedCheckpoint> ckpt_;
   DeepSpeedState state_;
   Manifest manifest_;
   std::vector<Which> which_;
-  std::mutex mu_;
-  std::map<size_t, Entry> cache_;
+  ShardCache cache_;
 };
 
 }  // namespace

@@ -23,7 +23,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -344,40 +343,28 @@ class UniversalShardSource : public ShardSource {
       const std::byte* base = u.file->storages()[t.storage].bytes.data();
       return std::vector<ConstBuffer>{{base + static_cast<size_t>(t.storage_offset) * 4, n}};
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = cache_[i];
-    if (e.users == 0) {
-      std::vector<std::byte> fp32(static_cast<size_t>(n) * 4);
-      Status s = u.file->CopyTo(t, fp32);
-      if (!s.ok()) {
-        cache_.erase(i);
-        return s.Annotate(fmt::format("parameter \"{}\"", manifest_.params[i].name));
-      }
-      if (dtype == DType::kF32) {
-        e.data = std::move(fp32);
-      } else {
-        e.data.resize(static_cast<size_t>(n) * 2);
-        const auto* in = reinterpret_cast<const float*>(fp32.data());
-        auto* o = reinterpret_cast<uint16_t*>(e.data.data());
-        for (Index k = 0; k < n; ++k) {
-          o[k] = dtype == DType::kBF16 ? FloatToBFloat16(in[k]) : FloatToHalf(in[k]);
-        }
-      }
-    }
-    ++e.users;
-    return std::vector<ConstBuffer>{{e.data.data(), n}};
+    return cache_.Acquire(
+        i, manifest_.params[i].map, [&](std::vector<std::vector<std::byte>>& data) {
+          std::vector<std::byte> fp32(static_cast<size_t>(n) * 4);
+          Status s = u.file->CopyTo(t, fp32);
+          if (!s.ok()) return s.Annotate(fmt::format("parameter \"{}\"", manifest_.params[i].name));
+          std::vector<std::byte>& out = data[0];  // one rank
+          if (dtype == DType::kF32) {
+            out = std::move(fp32);
+          } else {
+            out.resize(static_cast<size_t>(n) * 2);
+            const auto* in = reinterpret_cast<const float*>(fp32.data());
+            auto* o = reinterpret_cast<uint16_t*>(out.data());
+            for (Index k = 0; k < n; ++k) {
+              o[k] = dtype == DType::kBF16 ? FloatToBFloat16(in[k]) : FloatToHalf(in[k]);
+            }
+          }
+          return Status::Ok();
+        });
   }
-  void ReleaseShards(size_t i) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = cache_.find(i);
-    if (it != cache_.end() && --it->second.users == 0) cache_.erase(it);
-  }
+  void ReleaseShards(size_t i) override { cache_.Release(i); }
 
  private:
-  struct Entry {
-    int users = 0;
-    std::vector<std::byte> data;
-  };
   std::shared_ptr<const UniversalCheckpoint> ckpt_;
   Manifest manifest_;
   struct Which {
@@ -386,8 +373,7 @@ class UniversalShardSource : public ShardSource {
     bool step;  // the parameter's step, not a state's tensor
   };
   std::vector<Which> which_;
-  std::mutex mu_;
-  std::map<size_t, Entry> cache_;
+  ShardCache cache_;
 };
 
 // The archive of `value` (a DCP bytes item), a node of `b`.
