@@ -166,10 +166,10 @@ def test_url_in_every_process_pushes_b_then_a(sessions, models):
         assert sum(s["bytes_sent_here"] for s in stats) == stats[0]["bytes_sent"]
 
 
-# Trainer process 1 holds chunks for both workers (its vocabulary rows start inside the first
-# worker's) and dies having sent the first worker all it lacks; process 0 holds chunks only for
-# the first worker and dies before sending any.
-@pytest.mark.parametrize("victim,kept,sent_to,withheld", [(1, "B", [2], 3), (0, "A", [], 2)],
+# Each trainer process holds chunks for both workers (process 1's vocabulary rows start inside
+# the first worker's; the sync schedule has the two processes take turns at sending what both
+# hold) and dies having sent the first worker all it lacks.
+@pytest.mark.parametrize("victim,kept,sent_to,withheld", [(1, "B", [2], 3), (0, "A", [2], 3)],
                          ids=["non_driving_process", "driving_process"])
 def test_trainer_killed_mid_push_leaves_the_server_serving_the_last_push(
         sessions, models, server, victim, kept, sent_to, withheld):
