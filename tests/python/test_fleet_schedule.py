@@ -7,6 +7,7 @@ worker's shards reach on_ready only once nothing more is sent from them (process
 must not leak into a relay); trainer egress is one copy."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from conftest import BUILD
 from maps import make_map, piece, replicated_map, split_map, stacked_expert_maps
 
 torch = pytest.importorskip("torch")
+HERE = pathlib.Path(__file__).resolve().parent
 
 TRAINERS = 2
 WORKERS = [2, 1]  # engine 0 at TP 2, engine 1 at TP 1
@@ -24,24 +26,18 @@ WORKER = r'''
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[5])
 import reshard
 from reshard.distributed import _torch_dtype
-from reshard.vllm._group import StoreGroup, join_store, serve_store
+from reshard.vllm._group import StoreGroup
+from store_procs import process_store
 from reshard.vllm.sync import level_groups, plan_stages, run_stages, stage_bytes, engine_ranks
 rank, port_file, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 spec = json.loads(open(out + ".spec").read())
 plan, fulls = spec["plan"], {n: torch.tensor(v) for n, v in spec["fulls"].items()}
 trainers, workers = spec["trainers"], plan["workers"]
 size = trainers + sum(workers)
-if rank == 0:
-    store = serve_store("127.0.0.1", 60)
-    with open(port_file + ".tmp", "w") as f:
-        f.write(str(store.port))
-    os.replace(port_file + ".tmp", port_file)
-else:
-    while not os.path.exists(port_file):
-        pass
-    store = join_store("127.0.0.1", int(open(port_file).read()), 60)
+store = process_store(rank, port_file)
 comm = StoreGroup(store, "t/pg", rank, size, "gloo", 60)
 made = [comm]
 stages = plan_stages(plan["source"], plan, trainers,
@@ -119,7 +115,7 @@ def _run(tmp_path, plan, fulls, process=True):
     script.write_text(WORKER)
     size = TRAINERS + sum(WORKERS)
     procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
-                               str(tmp_path / "port"), str(tmp_path / "out")],
+                               str(tmp_path / "port"), str(tmp_path / "out"), str(HERE)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(size)]
     logs = [p.communicate(timeout=180)[0] for p in procs]
@@ -147,10 +143,11 @@ def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
                                         for t, b in zip(targets, buffers)], dtype="F32",
                                transfers=True)
     planned: dict[tuple[int, int], int] = {}
-    for _, a, b, n, *_ in report["transfers"]:
+    assert report.transfers is not None
+    for _, a, b, n, *_ in report.transfers:
         planned[(a, b)] = planned.get((a, b), 0) + n
     one_copy = 4 * sum(t.numel() for t in fulls.values())
-    assert report["one_copy_bytes"] == one_copy
+    assert report.one_copy_bytes == one_copy
     assert len(results[0]["levels"]) >= 2  # relays, and pieces handed on within engine 0
     for push, scale in enumerate((1.0, 2.0)):
         first = results[0]["pushes"][push]

@@ -5,6 +5,7 @@ one. The re-sharded shards must equal reshard.transfer's, and a shard missing on
 must raise on all of them, the next run still in step; load_rank reads a rank as it was written."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -14,26 +15,21 @@ from conftest import BUILD
 from maps import split_map
 
 torch = pytest.importorskip("torch")
+HERE = pathlib.Path(__file__).resolve().parent
 
 WORKER = r'''
 import json, os, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[5])
 import reshard
 from reshard.distributed import Redistributor, RedistributeError
-from reshard.vllm._group import StoreGroup, join_store, serve_store
+from reshard.vllm._group import StoreGroup
+from store_procs import process_store
 rank, port_file, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 # A default group of one process each, as a trainer and an engine worker each have their own.
 dist.init_process_group("gloo", init_method="file://" + out + f".pg{rank}", rank=0, world_size=1)
-if rank == 0:
-    store = serve_store("127.0.0.1", 60)
-    with open(port_file + ".tmp", "w") as f:
-        f.write(str(store.port))
-    os.replace(port_file + ".tmp", port_file)
-else:
-    while not os.path.exists(port_file):
-        pass
-    store = join_store("127.0.0.1", int(open(port_file).read()), 60)
+store = process_store(rank, port_file)
 group = StoreGroup(store, "test", rank, 3, "gloo", 60)
 spec = json.loads(open(out + ".spec").read())
 r = Redistributor({"w": spec["source"]}, {"w": spec["target"]}, source_ranks=[0, 1],
@@ -59,7 +55,7 @@ def test_redistributor_over_a_store_group(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
-                               str(tmp_path / "port"), str(tmp_path / "out")],
+                               str(tmp_path / "port"), str(tmp_path / "out"), str(HERE)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(3)]
     logs = [p.communicate(timeout=120)[0] for p in procs]
