@@ -7,7 +7,10 @@ serves, beside whatever default groups either side has. One plan goes from the t
 to the engine's (:class:`reshard.distributed.Redistributor`): each worker receives only the
 bytes it lacks, from the trainer process that holds them, packed by the strided-copy engine in
 chunks of at most ``bucket_bytes`` per round, and written straight into its (fused)
-parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine`).
+parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine`). Into
+several engines, the push executes the sync schedule ``reshard.plan_sync`` plans (DESIGN 21):
+each byte out of the trainer processes once, the engines' workers relaying the rest
+(:func:`plan_stages`, :func:`run_stages`).
 """
 
 from __future__ import annotations
@@ -1008,7 +1011,7 @@ class WeightSync:
         None: the engine's default; the benchmark forces each way)."""
         local, error = self._local_shards(shards)
 
-        def send() -> None:  # from the trainer processes, then down the relay tree
+        def send() -> None:  # the schedule: from the trainer processes, then between the engines
             run_stages(self._stages, -1, self._rank, local, None, None, error)
         return self._push({"step": self._steps, "mode": "plan", "overlap": overlap}, send)
 
