@@ -158,6 +158,11 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
                  dequantize, o)
 
 
+def _given(**options: Any) -> list[str]:
+    """The names of the options given (not None), in order."""
+    return [k for k, v in options.items() if v is not None]
+
+
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,
             to: Optional[str] = None, world: Optional[int] = None,
             target_maps: Union[None, PathLike, Mapping[str, MapLike]] = None,
@@ -208,10 +213,9 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
     if pp is not None or dp is not None or pp_stages is not None:
-        given = [k for k, v in (("to", to), ("world", world), ("target_maps", target_maps),
-                                ("max_shard_size", max_shard_size), ("config", config),
-                                ("distributed_config", distributed_config),
-                                ("dequantize", dequantize)) if v is not None]
+        given = _given(to=to, world=world, target_maps=target_maps,
+                       max_shard_size=max_shard_size, config=config,
+                       distributed_config=distributed_config, dequantize=dequantize)
         if weights_only:
             given.append("weights_only")
         if given:
@@ -231,9 +235,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     if dequantize is not None and to is not None:
         raise ValueError(f"dequantize= converts to a reshard sharded checkpoint, not to={to!r}")
     if to == "dcp":
-        given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
-                                ("max_shard_size", max_shard_size),
-                                ("distributed_config", distributed_config)) if v is not None]
+        given = _given(tp=tp, target_maps=target_maps, max_shard_size=max_shard_size,
+                       distributed_config=distributed_config)
         if given:
             raise ValueError(f"to=\"dcp\" takes no {', '.join(given)}: a DCP checkpoint holds "
                              "each tensor in dim-0 chunks, one file per rank")
@@ -249,8 +252,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
         if to != "universal":
             raise ValueError(f"to={to!r}: the other outputs convert writes are "
                              "to=\"universal\" (DeepSpeed's universal checkpoint) and to=\"dcp\"")
-        given = [k for k, v in (("tp", tp), ("target_maps", target_maps),
-                                ("max_shard_size", max_shard_size)) if v is not None]
+        given = _given(tp=tp, target_maps=target_maps, max_shard_size=max_shard_size)
         if weights_only:
             given.append("weights_only")
         if given:
