@@ -384,6 +384,8 @@ steps = [base.state[p]["step"] for g in base.param_groups for p in g["params"]]
 groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
 if torch.distributed.get_rank() == 0:
     torch.save({"held": held, "steps": steps, "groups": groups}, out)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # gloo can abort at exit with a group still open
 """
 
 
