@@ -31,7 +31,7 @@ import reshard
 from reshard.distributed import _torch_dtype
 from reshard.vllm._group import StoreGroup
 from store_procs import process_store
-from reshard.vllm.sync import level_groups, plan_stages, run_stages, stage_bytes, engine_ranks
+from reshard.vllm.sync import lane_groups, plan_stages, run_stages, stage_bytes, engine_ranks
 rank, port_file, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 spec = json.loads(open(out + ".spec").read())
 plan, fulls = spec["plan"], {n: torch.tensor(v) for n, v in spec["fulls"].items()}
@@ -41,7 +41,7 @@ store = process_store(rank, port_file)
 comm = StoreGroup(store, "t/pg", rank, size, "gloo", 60)
 made = [comm]
 stages = plan_stages(plan["source"], plan, trainers,
-                     level_groups(store, "t", rank, comm, "gloo", 60, made), None)
+                     lane_groups(store, "t", rank, comm, "gloo", 60, made), None)
 engine, me = -1, rank
 for e in range(len(workers)):
     if rank in engine_ranks(trainers, workers, e):

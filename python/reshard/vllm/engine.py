@@ -42,7 +42,7 @@ from vllm.logger import init_logger
 
 from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from .sync import (AnyRedistributor, Stage, engine_ranks, level_groups, plan_stages,
+from .sync import (AnyRedistributor, Stage, engine_ranks, lane_groups, plan_stages,
                    raw_exchange, run_stages)
 
 logger = init_logger(__name__)
@@ -255,7 +255,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[AnyRedistributor] = None  # the first exchange (one engine: the only)
         self._stages: list[Stage] = []
-        self._comms: list[StoreGroup] = []  # the sync's group, then the relay levels' groups
+        self._comms: list[StoreGroup] = []  # the sync's group, then its other lanes' groups
         self._trainers = 0
         self._engine, self._engines, self._first = 0, 1, 0  # this engine, of how many; rank 0's
         self._timeout = 600.0
@@ -302,8 +302,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             self._comms = [comm]
             self._stages = plan_stages(
                 plan["source"], plan, init_info.trainers,
-                level_groups(store, init_info.prefix, comm.rank, comm, init_info.backend,
-                             init_info.timeout_s, self._comms), error)
+                lane_groups(store, init_info.prefix, comm.rank, comm, init_info.backend,
+                            init_info.timeout_s, self._comms), error)
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)

@@ -166,8 +166,10 @@ AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
 class Stage:
     """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
     ``source`` send the workers of engine ``engine`` the pieces of the schedule's steps of wave
-    ``wave`` at depth ``level`` (:func:`_step_levels`), over the group of that level. ``source == engine``: the
-    engine's workers hand replicated pieces from their primary holders to the others."""
+    ``wave`` at depth ``level`` (:func:`_step_levels`), over the group of its ``lane`` (one per
+    depth, sender and receiver: the exchanges of different lanes run at once). ``source ==
+    engine``: the engine's workers hand replicated pieces from their primary holders to the
+    others."""
 
     source: int
     engine: int
@@ -175,6 +177,7 @@ class Stage:
     wave: int = 0
     level: int = 0
     prepare: bool = False  # the trainer processes quantize FP8 blocks before any exchange
+    lane: int = 0
 
 
 # The waves a relayed push is cut into: an engine relays wave w while it receives wave w + 1,
@@ -313,8 +316,11 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
                 group_of: Callable[[int], Any], error: Optional[str]) -> list[Stage]:
     """The exchanges of an agreed plan (a collective: every process of the group builds them, in
     order): the schedule's steps (:func:`sync_schedule`), grouped per wave, depth, sending and
-    receiving engine, each depth over a group of its own (``group_of(level)``, called in
-    increasing order of levels). FP8 blocks are quantized at the trainer where the plan says
+    receiving engine. The exchanges of one depth, sender and receiver form a lane, which runs
+    its waves in order over a group of its own (``group_of(lane)``, called in increasing order
+    of lanes), while the other lanes run theirs: the trainer processes feed every root engine
+    at once, and the engines relay to each other at once, each link carrying its own bytes as
+    the schedule's simulation has it. FP8 blocks are quantized at the trainer where the plan says
     ``quantize`` (one engine: the trainer sends every holder its piece)."""
     workers = plan["workers"]
     options: dict[str, Any] = dict(bucket_bytes=plan["bucket_bytes"], _error=error)
@@ -363,12 +369,14 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
         steps = schedule.steps(i)
         for k, ((_, sender, receiver, _), level) in enumerate(zip(steps, _step_levels(steps))):
             groups.setdefault((wave_of[entry.name], level, sender, receiver), []).append((i, k))
+    lanes = {lane: i for i, lane in enumerate(sorted({(k[1], k[2], k[3]) for k in groups}))}
     comms: dict[int, Any] = {}
     stages = []
-    for key in sorted(groups, key=lambda k: (k[1], k[0], k[2], k[3])):
+    for key in sorted(groups, key=lambda k: (k[1], k[2], k[3], k[0])):
         wave, level, sender, receiver = key
-        if level not in comms:
-            comms[level] = group_of(level)
+        lane = lanes[(level, sender, receiver)]
+        if lane not in comms:
+            comms[lane] = group_of(lane)
         chosen = {entries[i].name: (i, k) for i, k in groups[key]}
         maps = src if sender < 0 else targets[sender]
         sent = {n: maps[n] for n in chosen}
@@ -377,22 +385,22 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
             sent, wanted,
             source_ranks=range(trainers) if sender < 0 else
             engine_ranks(trainers, workers, sender),
-            target_ranks=engine_ranks(trainers, workers, receiver), group=comms[level],
+            target_ranks=engine_ranks(trainers, workers, receiver), group=comms[lane],
             dtypes=torch_dtypes({n: plan["dtypes"][receiver][n] for n in chosen}),
             _plans=functools.partial(_plans_of, schedule, chosen), **options)
-        stages.append(Stage(sender, receiver, sync, wave, level))
+        stages.append(Stage(sender, receiver, sync, wave, level, lane=lane))
     return stages
 
 
-def level_groups(store: Any, prefix: str, rank: int, comm: StoreGroup, backend: str,
-                 timeout_s: float, made: list[StoreGroup]) -> Callable[[int], StoreGroup]:
-    """The group of each depth of the schedule for :func:`plan_stages`: ``comm`` for depth 0,
-    a group of its own over the same processes for each deeper one (made when first asked
+def lane_groups(store: Any, prefix: str, rank: int, comm: StoreGroup, backend: str,
+                timeout_s: float, made: list[StoreGroup]) -> Callable[[int], StoreGroup]:
+    """The group of each lane of the schedule for :func:`plan_stages`: ``comm`` for the first,
+    a group of its own over the same processes for each other one (made when first asked
     for: a collective), appended to ``made``."""
-    def group_of(level: int) -> StoreGroup:
-        if level == 0:
+    def group_of(lane: int) -> StoreGroup:
+        if lane == 0:
             return comm
-        group = StoreGroup(store, f"{prefix}/pg{level}", rank, len(comm.members), backend,
+        group = StoreGroup(store, f"{prefix}/lane{lane}", rank, len(comm.members), backend,
                            timeout_s)
         made.append(group)
         return group
@@ -475,9 +483,12 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     sync's groups): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
     from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
     ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
-    Each depth runs on a thread of its own (over a group of its own), so that an engine relays
-    what it has received of wave w (every exchange into it of that wave at a lesser depth)
-    while wave w + 1 arrives. A failure in one exchange is told to the later ones as an agreed
+    Each lane (:func:`plan_stages`) runs on a thread of its own over a group of its own, so
+    that the trainer processes feed every engine at once and an engine relays what it has
+    received of wave w (every exchange into it of that wave at a lesser depth) while wave w + 1
+    arrives. An exchange waits only for exchanges of earlier lanes on this process (what its
+    engine sends must have arrived; a buffer staged through a copy is written by one exchange
+    at a time), so no two processes can wait on each other. A failure in one exchange is told to the later ones as an agreed
     error, so that no process waits for a peer that gave up; the first failure is raised (a
     refusal before a transport error). Once a peer is lost, the exchanges not yet begun are
     skipped: each would only wait out the timeout on the broken group."""
@@ -506,21 +517,49 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
         with lock:
             return any(not isinstance(f, RedistributeError) for f in failures)
 
-    def level_body(level: int) -> None:
+    def staged(sync: AnyRedistributor) -> set[str]:
+        """This worker's target shards of ``sync`` that a run writes through a staging copy
+        (not contiguous where the transport reads): two exchanges writing one must not
+        overlap, as each copies the whole shard back."""
+        if out is None:
+            return set()
+        plain = sync._gather if isinstance(sync, QuantizingRedistributor) else sync
+        device = plain._comm.device()
+        return {k for k in _keys(sync, rank, "target")
+                if k in out and not (out[k].is_contiguous() and out[k].device == device)}
+
+    def waits(i: int) -> list[int]:
+        """The exchanges (of earlier lanes) that exchange ``i`` waits for on this process."""
+        st = stages[i]
+        if engine < 0:
+            return []
+        out_of = []
+        if st.source == engine:  # what this engine sends has arrived: every exchange into it
+            # of the wave at a lesser depth (and for handing on within the engine, those into
+            # it at the same depth from elsewhere)
+            out_of = [j for j, b in enumerate(stages)
+                      if j != i and b.engine == engine and b.wave == st.wave and
+                      (b.level < st.level or (b.level == st.level and b.source != engine and
+                                              st.engine == engine))]
+        into = []
+        if st.engine == engine and staged_keys[i]:
+            into = [j for j, b in enumerate(stages[:i]) if b.lane != st.lane and
+                    b.engine == engine and b.wave == st.wave and staged_keys[j] & staged_keys[i]]
+        return sorted(set(out_of + into))
+
+    def lane_body(lane: int) -> None:
         for i, st in enumerate(stages):
-            if st.level != level or lost():
+            if st.lane != lane or lost():
                 continue
             sync = st.redistributor
             try:
+                for j in waits(i):
+                    received[j].wait()
+                if lost():
+                    continue
                 mine: Mapping[str, Any] = {}
                 if st.source == engine:
-                    if engine >= 0:  # a relay: once this engine has received what it sends
-                        for j, before in enumerate(stages):
-                            if before.engine == engine and before.wave == st.wave and \
-                                    before.level < st.level:
-                                received[j].wait()
-                        if lost():
-                            continue
+                    if engine >= 0:  # a relay, or pieces handed on within this engine
                         mine = held(sync, "source")
                     else:  # the stage's shards (the first wave's also any the plan lacks,
                         # which its checks refuse)
@@ -530,7 +569,6 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                     assert finished is not None
                     sync.run(mine, out=held(sync, "target"), on_ready=finished.done,
                              _error=why())
-                    received[i].set()
                 else:
                     sync.run(mine, _error=why())
                 if st.source == engine and finished is not None:
@@ -540,16 +578,21 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                     failures.append(e)
                 for event in received:
                     event.set()
+            finally:
+                received[i].set()
 
     extra = set(shards) - {k for st in stages if st.source < 0
                            for k in _keys(st.redistributor, rank, "source")} \
         if engine < 0 else set()
-    levels = sorted({st.level for st in stages})
-    threads = [threading.Thread(target=level_body, args=(level,), daemon=True)
-               for level in levels[1:]]
+    staged_keys = [staged(st.redistributor) if st.engine == engine else set()
+                   for st in stages]
+    lanes = sorted({st.lane for st in stages})
+    threads = [threading.Thread(target=lane_body, args=(lane,), daemon=True)
+               for lane in lanes[1:]]
     for t in threads:
         t.start()
-    level_body(levels[0])
+    if lanes:
+        lane_body(lanes[0])
     for t in threads:
         t.join()
     if failures:
@@ -737,7 +780,7 @@ class WeightSync:
             self._comms = [comm]
             self._stages = plan_stages(
                 source_maps, plan, self._trainers,
-                level_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
+                lane_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
                 plan["error"])
             self._sync = self._stages[0].redistributor
         except RedistributeError as e:

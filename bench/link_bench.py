@@ -1,0 +1,315 @@
+"""A push into several engines over links of their own (DESIGN 21; docs/benchmarks.md): every
+process of the sync (the trainer processes, each engine's workers) runs in a network namespace
+of its own, joined to the others by a virtual Ethernet link through one bridge, rate-limited to
+--rate-mbit in each direction (one NIC per process, as `reshard sync-plan`'s `"nic": "gpu"`).
+The links are then independent and slower than the CPU's copies, as a cluster's NICs are, where
+on loopback every byte costs the same shared cores (fleet_bench.py). The processes run
+reshard.vllm.sync's stages (plan_stages, run_stages: what WeightSync and vLLM's workers run),
+the engines' workers as stand-ins that receive into tensors (no vLLM processing).
+
+The model is the Llama of vllm_sync_bench.py (--mb MB, float32), held by 2 trainer processes
+at TP 2 (transformers' plan); the engines' maps are vLLM's at each --engine-tp. Pushed:
+
+  one engine    into engine 0 alone, then into engine 1 alone (two syncs: the two one after
+                the other, every byte out of the trainer twice)
+  two engines   into both with one schedule (--waves waves): each byte out of the trainer once,
+                the engines relaying
+
+and beside each, what `reshard.plan_sync` predicts for the same maps on the same links (its
+simulation of the schedule) and its lower bound (the busiest link's bytes over its rate), and
+whether the bytes on every link are the plan's.
+
+  bar (DESIGN 21): two engines <= 1.4x the time of one (the slower engine's push alone);
+  trainer egress one copy.
+
+Needs root with CAP_NET_ADMIN (ip netns, tc); the namespaces and links are removed at the end.
+
+    .venv-vllm/bin/python bench/link_bench.py [--mb 64] [--rate-mbit 800] [--engine-tp 1,1]
+                                              [--waves 4] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+NET = "10.77.0"  # the bridge is .1, process p is .(10 + p)
+BRIDGE = "rsbr0"
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def address(p: int) -> str:
+    return f"{NET}.{10 + p}"
+
+
+def namespace(p: int) -> str:
+    return f"rsp{p}"
+
+
+def build_links(count: int, rate_mbit: int) -> None:
+    """``count`` namespaces, each with an ``eth0`` at :func:`address` on the bridge, its link
+    shaped to ``rate_mbit`` out (in the namespace) and in (the bridge's end)."""
+    tear_down(count)
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{NET}.1/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+    shape = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", "50ms"]
+    for p in range(count):
+        ns, outer = namespace(p), f"rsv{p}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", outer, "type", "veth", "peer", "name", f"rse{p}")
+        sh("ip", "link", "set", f"rse{p}", "netns", ns)
+        inside = ["ip", "netns", "exec", ns]
+        sh(*inside, "ip", "link", "set", f"rse{p}", "name", "eth0")
+        sh(*inside, "ip", "addr", "add", f"{address(p)}/24", "dev", "eth0")
+        sh(*inside, "ip", "link", "set", "eth0", "up")
+        sh(*inside, "ip", "link", "set", "lo", "up")
+        sh("ip", "link", "set", outer, "master", BRIDGE)
+        sh("ip", "link", "set", outer, "up")
+        sh("tc", "qdisc", "add", "dev", outer, "root", *shape)
+        sh(*inside, "tc", "qdisc", "add", "dev", "eth0", "root", *shape)
+
+
+def tear_down(count: int) -> None:
+    for p in range(count):
+        subprocess.run(["ip", "netns", "del", namespace(p)], stderr=subprocess.DEVNULL)
+        subprocess.run(["ip", "link", "del", f"rsv{p}"], stderr=subprocess.DEVNULL)
+    subprocess.run(["ip", "link", "del", BRIDGE], stderr=subprocess.DEVNULL)
+
+
+def topology(trainers: int, workers: list[int], rate_mbit: int) -> dict:
+    """The sync-plan topology of the namespaces: a host per process, one GPU each, its NIC at
+    the links' rate (GB/s per direction)."""
+    count = trainers + sum(workers)
+    names = [f"p{p}" for p in range(count)]
+    engines, at = [], trainers
+    for w in workers:
+        engines.append(names[at:at + w])
+        at += w
+    return {"hosts": [{"name": n, "gpus": 1} for n in names], "nic": "gpu",
+            "nic_gbps": rate_mbit / 8000, "nvlink_gbps": 450,
+            "placement": {"trainer": names[:trainers], "engines": engines}}
+
+
+def make_plan(source: dict, docs: list[dict], workers: list[int], dtype: str, waves: int,
+              topo: dict) -> dict:
+    """The plan WeightSync's first trainer process agrees (WeightSync._plan) for these maps."""
+    import torch
+
+    from reshard._maps import read_maps
+    from reshard.distributed import DEFAULT_BUCKET_BYTES
+    from reshard.vllm.sync import cut_waves
+    targets = [{n: json.loads(m.to_json()) for n, m in read_maps(d).items()} for d in docs]
+    types = [{n: dtype for n in t} for t in targets]
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    sizes = {n: size * int(torch.Size(m["logical_shape"]).numel()) for n, m in source.items()}
+    return {"error": None, "source": source, "targets": targets, "dtypes": types,
+            "bucket_bytes": DEFAULT_BUCKET_BYTES, "quantize": None,
+            "workers": workers,
+            "waves": cut_waves([source, *targets], sizes, waves) if len(docs) > 1 else None,
+            "topology": json.dumps(topo)}
+
+
+# -- one process of the sync -------------------------------------------------------------------
+
+def process(args: argparse.Namespace) -> None:
+    """Process ``--rank`` of a run: joins the others (the store served by process 0), builds
+    the stages of the plan in ``--work``/plan.json, pushes ``--repeat`` + 1 times (the first
+    untimed) between two barriers; process 0 writes the times and the bytes per link."""
+    import torch
+
+    import reshard
+    from reshard.distributed import _torch_dtype
+    from reshard.vllm._group import join_store, serve_store
+    from reshard.vllm._group import StoreGroup
+    from reshard.vllm.sync import engine_ranks, lane_groups, plan_stages, run_stages, \
+        stage_bytes
+    torch.set_num_threads(1)
+    with open(os.path.join(args.work, "plan.json")) as f:
+        plan = json.load(f)
+    trainers, workers, rank = 2, plan["workers"], args.rank
+    size = trainers + sum(workers)
+    port_file = os.path.join(args.work, "port")
+    if rank == 0:
+        store = serve_store(address(0), 120)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        while not os.path.exists(port_file):
+            time.sleep(0.01)
+        with open(port_file) as f:
+            store = join_store(address(0), int(f.read()), 120)
+    comm = StoreGroup(store, "b/pg", rank, size, "gloo", 120)
+    made = [comm]
+    stages = plan_stages(plan["source"], plan, trainers,
+                         lane_groups(store, "b", rank, comm, "gloo", 120, made), None)
+    engine, me = -1, rank
+    for e in range(len(workers)):
+        if rank in engine_ranks(trainers, workers, e):
+            engine, me = e, rank - engine_ranks(trainers, workers, e).start
+    shards, outs = {}, {}
+    if engine < 0:
+        shards = reshard.checkpoint.load_rank(args.sharded, rank)[1]
+    else:
+        for st in stages:
+            if st.engine == engine:
+                sync = st.redistributor
+                for n, m, d in zip(sync._names, sync._dst, sync._dtypes):
+                    outs.setdefault(m.buffer(me) or n,
+                                    torch.zeros(m.shard_shape(me), dtype=_torch_dtype(d)))
+    times = []
+    for _ in range(args.repeat + 1):
+        comm.any_flag(False)
+        start = time.perf_counter()
+        run_stages(stages, engine, me, shards, outs if engine >= 0 else None, None, None)
+        comm.any_flag(False)
+        times.append(time.perf_counter() - start)
+    sent, _, relayed, links = stage_bytes(stages, trainers, workers, rank)
+    if rank == 0:
+        with open(os.path.join(args.work, "result.json"), "w") as f:
+            json.dump({"seconds": statistics.median(times[1:]), "all": times[1:],
+                       "sent": sent, "relayed": relayed,
+                       "links": [[a, b, n] for (a, b), n in sorted(links.items())]}, f)
+    comm.any_flag(False)
+    for g in made:
+        g.shutdown()
+
+
+def run(plan: dict, sharded: str, repeat: int, timeout_s: float) -> dict:
+    """Every process of ``plan`` in its namespace; process 0's result."""
+    work = tempfile.mkdtemp(prefix="link-bench-")
+    with open(os.path.join(work, "plan.json"), "w") as f:
+        json.dump(plan, f)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "build", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    count = 2 + sum(plan["workers"])
+    logs = [open(os.path.join(work, f"p{p}.log"), "w") for p in range(count)]
+    procs = [subprocess.Popen(["ip", "netns", "exec", namespace(p), sys.executable,
+                               os.path.abspath(__file__), "--rank", str(p), "--work", work,
+                               "--sharded", sharded, "--repeat", str(repeat)],
+                              env=env, stdout=logs[p], stderr=subprocess.STDOUT,
+                              start_new_session=True) for p in range(count)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    path = os.path.join(work, "result.json")
+    if any(p.returncode for p in procs) or not os.path.exists(path):
+        sys.exit(f"a process of the sync failed; see {work}/p*.log")
+    with open(path) as f:
+        return json.load(f)
+
+
+def predicted(topo: dict, source: dict, docs: list[dict], dtype: str) -> dict:
+    import reshard
+    plan = reshard.plan_sync(topo, source={"version": 1, **source}, targets=docs,
+                             dtype={"float32": "F32", "bfloat16": "BF16"}[dtype],
+                             transfers=True)
+    links: dict[tuple[int, int], int] = {}
+    assert plan.transfers is not None
+    for _, a, b, n, *_ in plan.transfers:
+        links[(a, b)] = links.get((a, b), 0) + n
+    return {"predicted": plan.predicted_s, "lower": plan.lower_bound_s,
+            "one_copy": plan.one_copy_bytes,
+            "links": sorted([a, b, n] for (a, b), n in links.items()),
+            "busiest": plan.busiest_link.name if plan.busiest_link else ""}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--rate-mbit", type=int, default=800,
+                    help="each process's link, per direction (800 Mbit/s = 100 MB/s)")
+    ap.add_argument("--engine-tp", default="1,1", help="the two engines' degrees")
+    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sharded", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank is not None:
+        process(args)
+        return
+    if os.geteuid() != 0:
+        sys.exit("link_bench.py makes network namespaces and shapes their links: run it as "
+                 "root (with CAP_NET_ADMIN)")
+    import shutil
+
+    from reshard._maps import maps_to_json
+    from reshard.vllm import layout
+    from vllm_sync_bench import config_for, write_model
+    import reshard
+    tps = [int(t) for t in args.engine_tp.split(",")]
+    if len(tps) != 2:
+        sys.exit("--engine-tp takes two degrees, one per engine (e.g. 1,1 or 2,1)")
+    config = config_for(args.mb)
+    root = tempfile.mkdtemp(prefix="link-bench-model-")
+    full, sharded = write_model(root, config)
+    source = json.loads(maps_to_json(reshard.checkpoint.load_rank(sharded, 0)[0]))
+    source = {n: m for n, m in source.items() if n != "version"}
+    docs = [layout(full, tp, dtype="float32") for tp in tps]
+    count = 2 + sum(tps)
+    results = {}
+    try:
+        build_links(count, args.rate_mbit)
+        for name, engines in (("one engine 0", [0]), ("one engine 1", [1]), ("two", [0, 1])):
+            mine = [docs[e] for e in engines]
+            workers = [tps[e] for e in engines]
+            topo = topology(2, workers, args.rate_mbit)
+            plan = make_plan(source, mine, workers, "float32", args.waves, topo)
+            got = run(plan, sharded, args.repeat, 1800)
+            results[name] = {**got, **{"plan_" + k: v for k, v in
+                                       predicted(topo, source, mine, "float32").items()}}
+    finally:
+        tear_down(count)
+        shutil.rmtree(root, ignore_errors=True)
+    one, other, two = results["one engine 0"], results["one engine 1"], results["two"]
+    model = one["sent"]
+    print(f"model {model / 1e6:.1f} MB float32 ({config['num_hidden_layers']} layers), trainer "
+          f"TP 2 -> engines at TP {tps[0]} and {tps[1]}, links {args.rate_mbit} Mbit/s "
+          f"({args.rate_mbit / 8:.0f} MB/s) per process and direction, median of "
+          f"{args.repeat}")
+    rows = [("one engine (0)", one), ("one engine (1)", other),
+            (f"two engines, one sync, {args.waves} waves", two)]
+    for label, r in rows:
+        same = "equal" if r["links"] == r["plan_links"] else "DIFFER"
+        print(f"  {label:34s} {r['seconds']:.3f} s  predicted {r['plan_predicted']:.3f} s, "
+              f"lower bound {r['plan_lower']:.3f} s; trainer egress {r['sent'] / 1e6:.1f} MB, "
+              f"relayed {r['relayed'] / 1e6:.1f} MB; bytes per link {same} to the plan's")
+    syncs = one["seconds"] + other["seconds"]
+    print(f"  two syncs, one after the other    {syncs:.3f} s  trainer egress "
+          f"{(one['sent'] + other['sent']) / 1e6:.1f} MB")
+    alone = max(one["seconds"], other["seconds"])  # the slower engine's push alone
+    ratio = two["seconds"] / alone
+    copy = two["plan_one_copy"]
+    print(f"  two engines: {ratio:.2f}x the time of the slower engine's push alone (bar <= "
+          f"1.4x), {syncs / two['seconds']:.2f}x faster than two syncs, "
+          f"{two['seconds'] / two['plan_predicted']:.2f}x the predicted time; trainer egress "
+          f"{two['sent'] / copy:.3f}x one copy ({copy / 1e6:.1f} MB)")
+    print("  bars:", "met" if ratio <= 1.4 and two["sent"] == copy else "NOT met")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if "links" not in kk}
+                      for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
