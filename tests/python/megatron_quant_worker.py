@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node 4 megatron_quant_worker.py OUT_DIR SPEC_JSON CONFIG_JSON QUANT_JSON
 
-builds the model of megatron_model.py at the spec's TP x PP (gloo, float32) and, in the same four
+builds the model of megatron_model.py at the spec's TP x PP (gloo), in bf16, and, in the same four
 processes, pushes its Hugging Face tensors to processes 2 and 3: the tensors QUANT_JSON names
 ({name: {"scale": name, "block": [r, c]}}) as FP8 data and float32 scales, each replicated on
 both but the first named, split by rows at its second block row; every other tensor as it is,
@@ -72,6 +72,7 @@ def main(out_dir, spec_path, config_path, quant_path):
     torch.manual_seed(spec["seed"])
     model = megatron_model._model(spec, megatron_model._config(spec, tp, pp, ep))
     megatron_model._draw_biases(model)
+    model.bfloat16()  # a bf16 trainer, as FP8 engines are fed
     shapes = {n: m.logical_shape for n, m in rt.megatron_maps(model, config).maps.items()}
     maps = target_maps(shapes, quantize)
     sync = QuantizingRedistributor(source=model, config=config, target_maps=maps,
