@@ -549,9 +549,10 @@ def split_block_bytes(shape, block, split):
 
 def test_a_live_model_quantized_into_fp8_blocks_from_its_fused_buffers(tmp_path, saved):
     """QuantizingRedistributor(source=model, config=..., quantize=...) in the Megatron processes
-    (TP 2 x PP 2): q/k/v out of linear_qkv and gate/up out of linear_fc1 arrive on processes 2
-    and 3 as FP8 data and scales equal, byte for byte, to a reference quantization (the test's
-    own FP8 rounding) of the Hugging Face tensors sliced from Megatron's own TP-1 weights; the
+    (a bf16 model at TP 2 x PP 2): q/k/v out of linear_qkv and gate/up out of linear_fc1 arrive
+    on processes 2 and 3 as FP8 data and scales equal, byte for byte, to a reference
+    quantization (the test's own FP8 rounding) of the Hugging Face tensors sliced from
+    Megatron's own TP-1 weights (in bf16); the
     tensors not quantized (in the same buffers or not) arrive as they are; the blocks split
     between the TP ranks are gathered first, their bytes counted independently; after the
     weights change in place, run() sends the new ones; a bad block is refused alike on every
