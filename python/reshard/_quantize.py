@@ -280,14 +280,20 @@ def _owned_runs(owner: "torch.Tensor", rank: int, block: Sequence[int],
 Run = tuple[int, int, tuple[int, ...]]  # (element offset in the shard, blocks, block extents)
 
 
-def stacked_blocks_map(owner: "torch.Tensor", block: Sequence[int], logical: Sequence[int]
+def _world_of(owner: "torch.Tensor", world: Optional[int]) -> int:
+    return world if world is not None else int(owner.max()) + 1 if owner.numel() else 0
+
+
+def stacked_blocks_map(owner: "torch.Tensor", block: Sequence[int], logical: Sequence[int],
+                       world: Optional[int] = None
                        ) -> tuple[dict[str, Any], dict[int, list[Run]]]:
     """The map of the blocks each rank owns, one after another in row-major grid order in a
     flat shard (an edge block takes only its own elements), and each rank's runs of blocks
-    of one extent, for :func:`quantize_blocks`."""
+    of one extent, for :func:`quantize_blocks`. ``world``: the ranks of the map (default: up
+    to the last owner; a rank that owns no block holds an empty shard)."""
     fs = _row_major(logical)
     ranks, runs_of = {}, {}
-    for r in range(int(owner.max()) + 1 if owner.numel() else 0):
+    for r in range(_world_of(owner, world)):
         pieces, runs, at = [], [], 0
         for g, count, _ in _owned_runs(owner, r, block, logical):
             start = [j * n for j, n in zip(g, block)]
@@ -319,13 +325,14 @@ def quantize_runs(blocks: "torch.Tensor", runs: list[Run]
                   torch.empty(0, dtype=torch.float32, device=blocks.device))
 
 
-def stacked_scales_map(owner: "torch.Tensor", scale_shape: Sequence[int]) -> dict[str, Any]:
+def stacked_scales_map(owner: "torch.Tensor", scale_shape: Sequence[int],
+                       world: Optional[int] = None) -> dict[str, Any]:
     """The map of the scales of the blocks each rank owns, ``[n]`` in the order of
     :func:`stacked_blocks_map`, over the scale tensor as stored (``scale_shape``: the grid up
-    to unit dimensions, same row-major order)."""
+    to unit dimensions, same row-major order), over ``world`` ranks as there."""
     flat_owner = owner.reshape(-1)
     ranks = {}
-    for r in range(int(owner.max()) + 1 if owner.numel() else 0):
+    for r in range(_world_of(owner, world)):
         flat = (flat_owner == r).nonzero().reshape(-1).tolist()
         pieces: list[dict[str, Any]] = []
         for i, f in enumerate(flat):
@@ -360,9 +367,6 @@ def _plan_tensor(spec: BlockQuant, source: ParamMap, data: ParamMap, scale: Para
     if source.valid_shape != source.logical_shape:
         raise RedistributeError(f"{what}: its source map pads the tensor (valid shape "
                                 f"{list(source.valid_shape)}); block-quantized data has none")
-    if any(source.buffer(r) for r in range(source.world_size)):
-        raise RedistributeError(f"{what}: its source map keeps it in a buffer; quantizing at "
-                                "the source takes a shard per tensor")
     try:  # the engine's scales must be the block image of its data (ir/block_grid.h)
         _core.check_block_tie(data._handle, scale._handle, list(spec.block))
     except ValueError as e:
@@ -372,8 +376,9 @@ def _plan_tensor(spec: BlockQuant, source: ParamMap, data: ParamMap, scale: Para
         owner, _ = block_owners(source, spec.block)
     except RedistributeError as e:
         raise RedistributeError(f"{what}: {e}") from None
-    blocks, runs = stacked_blocks_map(owner, spec.block, source.logical_shape)
-    return _Planned(spec, blocks, runs, stacked_scales_map(owner, scale.logical_shape))
+    world = source.world_size
+    blocks, runs = stacked_blocks_map(owner, spec.block, source.logical_shape, world)
+    return _Planned(spec, blocks, runs, stacked_scales_map(owner, scale.logical_shape, world))
 
 
 def _check_scale_buffers(planned: list[_Planned], target: Mapping[str, ParamMap]) -> None:
@@ -406,6 +411,22 @@ def _check_scale_buffers(planned: list[_Planned], target: Mapping[str, ParamMap]
             first[mine > 0] = i
 
 
+def _check_buffer_names(planned: list[_Planned], source: Mapping[str, ParamMap]) -> None:
+    """Refuses a source buffer of tensors that are not quantized named as a quantized tensor or
+    its scales: the final exchange keys the quantized tensor's FP8 blocks by its name, so the
+    two shards would take one key."""
+    made = {n for p in planned for n in (p.spec.data, p.spec.scale)}
+    quantized = {p.spec.data for p in planned}
+    for name, m in sorted(source.items()):
+        if name in quantized:
+            continue
+        clash = sorted({m.buffer(r) for r in range(m.world_size)} & made)
+        if clash:
+            raise RedistributeError(f"the source map of \"{name}\" keeps it in a buffer named "
+                                    f"\"{clash[0]}\", the name of a quantized tensor or its "
+                                    "scales; name the buffer otherwise")
+
+
 def check_quantized_targets(quantize: Any, source_maps: Mapping[str, Any],
                             target_maps: Mapping[str, Any]) -> list[str]:
     """The tensors ``quantize`` quantizes into ``target_maps`` (sorted), after the checks
@@ -415,6 +436,7 @@ def check_quantized_targets(quantize: Any, source_maps: Mapping[str, Any],
                             targets[spec.scale])
                for spec in quant_specs(quantize, source_maps, target_maps)]
     _check_scale_buffers(planned, targets)
+    _check_buffer_names(planned, {n: as_map(m) for n, m in source_maps.items()})
     return sorted(p.spec.data for p in planned)
 
 
@@ -428,8 +450,11 @@ class QuantizingRedistributor:
     ``{"block": [128, 128]}`` for every ``X`` whose target maps have ``X_scale_inv``
     (``"scale_suffix"`` to name it otherwise) and whose source maps do not. ``target_maps``
     names the data and its scales (the scales' map must be the block image of the data's,
-    ir/block_grid.h); ``source_maps`` the data alone, not in a buffer. ``dtypes`` covers the
-    tensors that are not quantized (the quantized move as float8_e4m3fn and float32).
+    ir/block_grid.h); ``source_maps`` the data, unpadded, alone or in a buffer (a fused QKV:
+    :meth:`run` then takes that rank's shard by the buffer's name, its quantized tensors'
+    pieces gathered into blocks from it and the others sent from it as they are). ``dtypes``
+    covers the tensors that are not quantized (the quantized move as float8_e4m3fn and
+    float32).
 
     ``last_stats`` is the final exchange's, with ``gathered_sent`` / ``gathered_received``:
     the bytes of split blocks sent to their owners before quantizing (source dtype).
@@ -438,9 +463,11 @@ class QuantizingRedistributor:
     :class:`~reshard.distributed.Redistributor`: the trainer's model or state dict of DTensors
     as it lies (every process passes it, ``{}`` where it holds none), ``source_ranks``
     defaulting to the processes that hold any tensor and ``dtypes`` to the tensors'; :meth:`run`
-    then takes the model (by default the one given here, as it is then). The quantized tensors'
-    source maps must keep them out of buffers, so a Megatron-Core model's fused buffers are
-    refused for them.
+    then takes the model (by default the one given here, as it is then). A Megatron-Core
+    model (with ``config`` its Hugging Face config.json) is read as
+    :func:`reshard.torch.megatron_maps` reads it: ``q_proj``, ``k_proj`` and ``v_proj`` are
+    quantized out of its fused ``linear_qkv``, ``gate_proj`` and ``up_proj`` out of
+    ``linear_fc1``, each block at one owner as for any other source.
     """
 
     def __init__(self, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -495,6 +522,7 @@ class QuantizingRedistributor:
                 self._planned.append(_plan_tensor(spec, src, targets[spec.data],
                                                   targets[spec.scale]))
             _check_scale_buffers(self._planned, targets)
+            _check_buffer_names(self._planned, self._source_maps)
             for p in self._planned:
                 gather_src[p.spec.data] = source_maps[p.spec.data]
                 gather_dst[p.spec.data] = final_src[p.spec.data] = p.blocks
@@ -561,21 +589,30 @@ class QuantizingRedistributor:
 
     def _split(self, shards: Mapping[str, "torch.Tensor"]
                ) -> "tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]":
-        """This process's shards -> (those quantized, the rest), the quantized checked to be
-        floats that widen exactly to float32."""
+        """This process's shards (by tensor, or by buffer where its source map keeps one: a
+        Megatron-Core model's fused ``linear_qkv``) -> (those the split blocks' gather reads,
+        those the final exchange sends), the first checked to be floats that widen exactly to
+        float32. A buffer holding quantized tensors and others goes to both."""
         import torch
         if not isinstance(shards, Mapping):
             raise RedistributeError(f"shards must be a mapping {{name: tensor}}, got "
                                     f"{type(shards).__name__}")
+        rank = self._source_ranks.index(self._me) if self._me in self._source_ranks else None
+
+        def key(name: str) -> str:
+            m = self._source_maps.get(name)
+            return (m.buffer(rank) if m is not None and rank is not None else "") or name
         names = {p.spec.data for p in self._planned}
-        mine = {n: t for n, t in shards.items() if n in names}
+        gathered = {key(n) for n in names}
+        sent = {key(n) for n in self._source_maps if n not in names}
+        mine = {n: t for n, t in shards.items() if n in gathered}
         for name, t in mine.items():
             kind = str(getattr(t, "dtype", type(t).__name__)).replace("torch.", "")
             if not isinstance(t, torch.Tensor) or kind not in _SOURCE_DTYPES:
                 raise RedistributeError(
                     f"shards[\"{name}\"] is {kind}; quantizing it to FP8 blocks takes "
                     f"{', '.join(_SOURCE_DTYPES)}")
-        return mine, {n: t for n, t in shards.items() if n not in names}
+        return mine, {n: t for n, t in shards.items() if n not in gathered or n in sent}
 
     def _empty_stacks(self) -> dict[str, "torch.Tensor"]:
         import torch

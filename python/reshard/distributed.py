@@ -210,6 +210,17 @@ class _SourceLayout:
     megatron: bool
 
 
+def _megatron_dtypes(buffers: Any) -> dict[str, Any]:
+    """{Hugging Face name: torch dtype} of a Megatron model's maps (a BufferSet): its buffer's,
+    also for the processes whose pipeline stage holds none of it (an empty shard)."""
+    dtypes: dict[str, Any] = {}
+    for name, m in buffers.maps.items():
+        held_in = [m.buffer(r) for r in range(m.world_size) if m.buffer(r)]
+        if held_in:
+            dtypes[name] = _torch_dtype(buffers[held_in[0]].dtype)
+    return dtypes
+
+
 def _layout_of_source(comm: Transport, source: "TorchSource", ranks: Optional[Sequence[int]],
                       config: Any) -> _SourceLayout:
     """The maps of every process's tensors, merged over ``comm`` (a collective), and the
@@ -233,14 +244,9 @@ def _layout_of_source(comm: Transport, source: "TorchSource", ranks: Optional[Se
         if ranks is not None and len(ranks) != len(found):
             raise RedistributeError(f"source_ranks names {len(ranks)} processes; "
                                     f"{len(found)} hold the Megatron model's tensors")
-        maps = buffers.maps
-        dtypes: dict[str, Any] = {}
-        for name, m in maps.items():
-            held_in = [m.buffer(r) for r in range(m.world_size) if m.buffer(r)]
-            if held_in:
-                dtypes[name] = _torch_dtype(buffers[held_in[0]].dtype)
-        return _SourceLayout(dict(maps), [int(r) for r in ranks] if ranks is not None else found,
-                             dtypes, True)
+        return _SourceLayout(dict(buffers.maps),
+                             [int(r) for r in ranks] if ranks is not None else found,
+                             _megatron_dtypes(buffers), True)
     if config is not None:
         raise RedistributeError("config= names the tensors of a Megatron-Core source; "
                                 "the source here is DTensors")

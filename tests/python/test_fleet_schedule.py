@@ -7,6 +7,7 @@ worker's shards reach on_ready only once nothing more is sent from them (process
 must not leak into a relay); trainer egress is one copy."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -52,7 +53,12 @@ for push in range(2):
     shards, outs, ready = {}, {}, []
     if engine < 0:
         for n, m in plan["source"].items():
-            shards[n] = reshard.extract(reshard.ParamMap.from_dict(m), fulls[n] * scale, rank)
+            pm = reshard.ParamMap.from_dict(m)
+            if pm.buffer(rank):  # a fused buffer: every tensor's pieces written into it
+                buf = shards.setdefault(pm.buffer(rank), torch.zeros(pm.shard_shape(rank)))
+                reshard.extract(pm, fulls[n] * scale, rank, out=buf)
+            else:
+                shards[n] = reshard.extract(pm, fulls[n] * scale, rank)
     else:
         for st in stages:
             if st.engine == engine:
@@ -214,3 +220,56 @@ def test_fp8_engines_share_one_quantizing_at_the_trainer(tmp_path):
                     if key != "x":  # twice the weights: the same FP8 data, twice the scales
                         want = want * scale
                     assert torch.equal(torch.tensor(value), want), (e, w, key)
+
+
+def test_fp8_engines_quantize_out_of_a_fused_trainer_buffer(tmp_path):
+    """quantize= into two FP8 engines from trainer maps that keep tensors in a fused buffer (a
+    Megatron-Core linear_qkv: "a" and "b" quantized, "c" not, each split by rows between the
+    two trainer processes, every rank's slices stacked in one buffer): the quantized tensors'
+    blocks are gathered out of the buffer (4 x 4 blocks straddle the trainers' row split in
+    both), "c" is sent from the same buffer as it is, and a tensor replicated on both trainer
+    processes is quantized at one of them (the other owns none of its blocks). Every worker
+    holds the reference quantization of the full tensors (its own rounding), byte for byte."""
+    import reshard
+    from quantized_sync_worker import fused_rows, reference_quantize
+    block = (4, 4)
+    shapes = {"a": [12, 8], "b": [6, 8], "c": [4, 8], "r": [4, 4]}
+    g = torch.Generator().manual_seed(5)
+    fulls = {n: torch.randn(s, generator=g) * 0.05 for n, s in shapes.items()}
+    source = {**fused_rows([(n, shapes[n]) for n in "abc"], "fused"),
+              "r": replicated_map([4, 4], 2)}
+    targets = [{"a": split_map([12, 8], 0, [8, 4]), "a_scale_inv": split_map([3, 2], 0, [2, 1]),
+                "b": replicated_map([6, 8], 2), "b_scale_inv": replicated_map([2, 2], 2),
+                "c": split_map([4, 8], 1, [4, 4]), "r": replicated_map([4, 4], 2),
+                "r_scale_inv": replicated_map([1, 1], 2)},
+               {"a": split_map([12, 8], 0, [12]), "a_scale_inv": split_map([3, 2], 0, [3]),
+                "b": split_map([6, 8], 0, [6]), "b_scale_inv": split_map([2, 2], 0, [2]),
+                "c": split_map([4, 8], 0, [4]), "r": split_map([4, 4], 0, [4]),
+                "r_scale_inv": split_map([1, 1], 0, [1])}]
+    dtypes = {n: "float8_e4m3fn" for n in "abr"}
+    dtypes.update({n + "_scale_inv": "float32" for n in "abr"}, c="float32")
+    plan = {"error": None, "source": source, "targets": targets,
+            "dtypes": [dict(dtypes), dict(dtypes)], "bucket_bytes": 4096,
+            "quantize": {"block": list(block)}, "workers": WORKERS,
+            "waves": [["a", "b", "c"], ["r"]],
+            "topology": json.dumps({"hosts": [{"name": "a", "gpus": 5}]})}
+    results = _run(tmp_path, plan, fulls, process=False)
+    wants = {"c": fulls["c"]}
+    for n in "abr":
+        data, scales = reference_quantize(fulls[n], block)
+        wants[n], wants[n + "_scale_inv"] = data.float(), scales
+    grid = sum(math.prod(-(-s // b) for s, b in zip(shapes[n], block)) for n in "abr")
+    for push, scale in enumerate((1.0, 2.0)):
+        first = results[0]["pushes"][push]
+        # FP8 data, one scale per block, "c" in float32: once out of the trainer processes.
+        assert first["sent"] == sum(math.prod(shapes[n]) for n in "abr") + 4 * grid + 4 * 32
+        for e, count in enumerate(WORKERS):
+            for w in range(count):
+                got = results[TRAINERS + sum(WORKERS[:e]) + w]["pushes"][push]
+                assert sorted(got["out"]) == sorted(targets[e])
+                for key, value in got["out"].items():
+                    want = reshard.extract(reshard.ParamMap.from_dict(targets[e][key]),
+                                           wants[key], w)
+                    if key not in "abr":  # twice the weights: the same FP8 data
+                        want = want * scale
+                    assert torch.equal(torch.tensor(value), want), (push, e, w, key)

@@ -507,3 +507,99 @@ def test_inspect_reads_the_run_from_the_boxes_and_their_writers(reshard_bin, sav
         assert (run_["vpp"], run_["unknown"], run_["optimizer"]) == (1, ["cp"], "none")
         info = reshard.checkpoint.inspect(ckpt)
         assert info["parallelism"] == run_
+
+
+# Blocks per quantized tensor of LLAMA_BIAS (TP 2 x PP 2): Megatron splits q, k, v, gate, up
+# and the vocabulary by rows between the two TP ranks (q at row 32, k and v at 16, gate and up
+# at 48, the padded vocabulary at 56), o_proj and down_proj by columns (32, 48). Most blocks
+# fall at those splits; v_proj's 12 rows, up_proj's 10, o_proj's 12 columns and the
+# embedding's 16 rows straddle them (the gather's work). Layer 1 quantizes q_proj and gate_proj
+# only: its linear_qkv and linear_fc1 also hold tensors sent as they are.
+QUANT_BLOCKS = {
+    "model.embed_tokens.weight": [16, 16], "lm_head.weight": [8, 8],
+    "model.layers.0.self_attn.q_proj.weight": [8, 8],
+    "model.layers.0.self_attn.k_proj.weight": [8, 8],
+    "model.layers.0.self_attn.v_proj.weight": [12, 8],
+    "model.layers.0.self_attn.o_proj.weight": [8, 12],
+    "model.layers.0.mlp.gate_proj.weight": [8, 8],
+    "model.layers.0.mlp.up_proj.weight": [10, 8],
+    "model.layers.0.mlp.down_proj.weight": [8, 8],
+    "model.layers.1.self_attn.q_proj.weight": [16, 16],
+    "model.layers.1.mlp.gate_proj.weight": [8, 8],
+    "model.layers.1.mlp.down_proj.weight": [4, 4],
+}
+# Where Megatron's TP 2 splits each quantized tensor: (dim, index).
+TP_SPLIT = {"embed_tokens": (0, 56), "lm_head": (0, 56), "q_proj": (0, 32), "k_proj": (0, 16),
+            "v_proj": (0, 16), "o_proj": (1, 32), "gate_proj": (0, 48), "up_proj": (0, 48),
+            "down_proj": (1, 48)}
+
+
+def split_block_bytes(shape, block, split):
+    """Bytes (bf16) of each block that the TP rank holding less of it sends the other."""
+    dim, at = split
+    total = 0
+    for i in range(0, shape[0], block[0]):
+        for j in range(0, shape[1], block[1]):
+            lo, hi = (i, j), (min(i + block[0], shape[0]), min(j + block[1], shape[1]))
+            whole = (hi[0] - lo[0]) * (hi[1] - lo[1])
+            first = max(0, min(hi[dim], at) - lo[dim]) * whole // (hi[dim] - lo[dim])
+            total += 2 * min(first, whole - first)
+    return total
+
+
+def test_a_live_model_quantized_into_fp8_blocks_from_its_fused_buffers(tmp_path, saved):
+    """QuantizingRedistributor(source=model, config=..., quantize=...) in the Megatron processes
+    (a bf16 model at TP 2 x PP 2): q/k/v out of linear_qkv and gate/up out of linear_fc1 arrive
+    on processes 2 and 3 as FP8 data and scales equal, byte for byte, to a reference
+    quantization (the test's own FP8 rounding) of the Hugging Face tensors sliced from
+    Megatron's own TP-1 weights (in bf16); the
+    tensors not quantized (in the same buffers or not) arrive as they are; the blocks split
+    between the TP ranks are gathered first, their bytes counted independently; after the
+    weights change in place, run() sends the new ones; a bad block is refused alike on every
+    process."""
+    from quantized_sync_worker import reference_quantize
+
+    ckpt, config, ref = saved("llama_bias")
+    spec, cfg = MODELS["llama_bias"]
+    quantize = {n: {"scale": n + "_scale_inv", "block": b} for n, b in QUANT_BLOCKS.items()}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "quant.json").write_text(json.dumps(quantize))
+    path = str(pathlib.Path(reshard.__file__).resolve().parents[1])
+    cmd = [megatron_python(), "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=4", str(HERE / "megatron_quant_worker.py"), str(tmp_path / "out"),
+           str(tmp_path / "spec.json"), str(config), str(tmp_path / "quant.json")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    ranks = [torch.load(tmp_path / "out" / f"quant{r}.pt") for r in range(4)]
+    # The trainer holds Megatron's weights in bf16 (a pipeline stage's empty shards too).
+    want = {n: w.to(torch.bfloat16).contiguous()
+            for n, w in expected_hf(ref["state"], spec, cfg).items()}
+    maps = ranks[0]["maps"]
+    assert ranks[0]["quantized"] == sorted(QUANT_BLOCKS)
+    assert sorted(maps) == sorted([*want, *(n + "_scale_inv" for n in QUANT_BLOCKS)])
+    for key, shift in (("first", 0.0), ("after", 1.0)):
+        made = {n: w + shift for n, w in want.items()}
+        for n, block in QUANT_BLOCKS.items():
+            made[n], made[n + "_scale_inv"] = reference_quantize(made[n], block)
+        for t, proc in enumerate((2, 3)):
+            got = ranks[proc][key]
+            assert sorted(got) == sorted(maps), (key, proc)
+            for n, m in maps.items():
+                w = reshard.extract(reshard.ParamMap.from_dict(m), made[n], t)
+                assert same_bits(got[n], w), (key, proc, n)
+        assert ranks[0][key] == {} and ranks[1][key] == {}
+    # Only the split blocks' pieces travel before quantizing: what the TP rank holding less of
+    # each block holds of it, in bf16.
+    gathered = sum(split_block_bytes(want[n].shape, b, TP_SPLIT[n.split(".")[-2]])
+                   for n, b in QUANT_BLOCKS.items())
+    assert gathered > 0
+    print(f"split blocks gathered: {gathered} bytes; sent to the targets: "
+          f"{sum(r['stats'][0]['sent'] for r in ranks)} bytes")
+    for push in range(2):
+        stats = [r["stats"][push] for r in ranks]
+        assert sum(s["gathered_sent"] for s in stats) == gathered, stats
+        assert sum(s["gathered_received"] for s in stats) == gathered, stats
+    refusals = {r["refusals"].get("block") for r in ranks}
+    assert len(refusals) == 1 and None not in refusals, refusals
+    assert "q_proj.bias" in refusals.pop()

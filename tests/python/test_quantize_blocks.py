@@ -147,3 +147,34 @@ def test_one_process_quantizes_into_its_own_fp8_buffers():
     assert torch.equal(got["w_scale_inv"], scale)
     assert sync.last_stats["sent"] == sync.last_stats["gathered_sent"] == 0
     assert sync.gathered() == 0 and [q.scale for q in sync.quantized] == ["w_scale_inv"]
+
+
+def test_one_process_quantizes_out_of_a_buffer_it_also_sends_from():
+    """A source buffer holding a quantized tensor and one that is not (a Megatron-Core
+    linear_qkv with only q quantized): the shard is given by the buffer's name; the quantized
+    tensor's blocks are read out of it, the other is sent from it as it is. A buffer of
+    tensors that are not quantized named as a quantized tensor's scales is refused."""
+    from quantized_sync_worker import fused_rows
+    shapes = {"a": [12, 8], "c": [4, 8]}
+    maps = fused_rows([(n, shapes[n]) for n in "ac"], "fused", tp=1)
+    target = {"a": split_map([12, 8], 0, [12]), "a_scale_inv": split_map([3, 2], 0, [3]),
+              "c": split_map([4, 8], 0, [4])}
+    quantize = {"block": [4, 4]}
+    assert _quantize.check_quantized_targets(quantize, maps, target) == ["a"]
+    sync = rd.QuantizingRedistributor(maps, target, quantize=quantize, source_ranks=[0],
+                                      target_ranks=[0], group=OneProcess())
+    g = torch.Generator().manual_seed(9)
+    fulls = {n: (torch.randn(s, generator=g) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
+    buf = torch.cat([fulls["a"], fulls["c"]])
+    got = sync.run({"fused": buf})
+    data, scale = reference_quantize(fulls["a"], (4, 4))
+    assert sorted(got) == ["a", "a_scale_inv", "c"]
+    assert torch.equal(got["a"].view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(got["a_scale_inv"], scale)
+    assert torch.equal(got["c"], fulls["c"])
+    clash = fused_rows([(n, shapes[n]) for n in "ac"], "a_scale_inv", tp=1)
+    with pytest.raises(rd.RedistributeError, match="keeps it in a buffer named \"a_scale_inv\""):
+        _quantize.check_quantized_targets(quantize, clash, target)
+    with pytest.raises(rd.RedistributeError, match="keeps it in a buffer named \"a_scale_inv\""):
+        rd.QuantizingRedistributor(clash, target, quantize=quantize, source_ranks=[0],
+                                   target_ranks=[0], group=OneProcess())

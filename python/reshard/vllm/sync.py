@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Un
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
 from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
-                           Redistributor, _message, _torch_dtype)
+                           Redistributor, _megatron_dtypes, _message, _torch_dtype)
 from ._group import StoreGroup, join_store, serve_store
 
 if TYPE_CHECKING:
@@ -736,6 +736,7 @@ class WeightSync:
         self._source = source
         self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         self._source_maps: dict[str, ParamMap] = {}
+        self._source_dtypes: dict[str, Any] = {}  # a Megatron model's, by tensor
         if source is not None:  # a collective over the trainer processes, raising alike
             try:
                 source_maps = self._source_maps_of(source, config)
@@ -834,7 +835,9 @@ class WeightSync:
                               "others DTensors; give the same kind on every trainer process")
         self._megatron = kinds == {True}
         if self._megatron:
-            return gather_megatron(source, config, self._trainer_gather, self._rank)[0].maps
+            buffers = gather_megatron(source, config, self._trainer_gather, self._rank)[0]
+            self._source_dtypes = _megatron_dtypes(buffers)
+            return buffers.maps
         if config is not None:
             raise LayoutError("config= names the tensors of a Megatron-Core source; the "
                               "source here is DTensors")
@@ -1042,7 +1045,8 @@ class WeightSync:
                     if n not in quantized:
                         types.setdefault(n, torch_dtype_of(d))
         try:
-            if self._megatron:
+            if self._megatron:  # a quantized tensor's empty shard: in the trainer's dtype
+                types = {**self._source_dtypes, **types}
                 return megatron_source_shards(given, self._source_maps, self._rank, types), None
             return shards_of(given, self._source_maps, self._rank, types), None
         except Exception as e:
