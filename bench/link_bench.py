@@ -28,8 +28,8 @@ three ways, with vLLM's loading and processing of every layer included.
 
 Needs root with CAP_NET_ADMIN (ip netns, tc); the namespaces and links are removed at the end.
 
-    .venv-vllm/bin/python bench/link_bench.py [--mb 64] [--rate-mbit 800] [--engine-tp 1,1]
-                                              [--waves 4] [--repeat 3] [--serve]
+    PYTHONPATH=build/python .venv-vllm/bin/python bench/link_bench.py [--mb 64] [--rate-mbit 800]
+        [--engine-tp 1,1] [--waves 4] [--repeat 3] [--serve]
 """
 
 from __future__ import annotations
