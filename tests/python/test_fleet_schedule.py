@@ -47,7 +47,11 @@ engine, me = -1, rank
 for e in range(len(workers)):
     if rank in engine_ranks(trainers, workers, e):
         engine, me = e, rank - engine_ranks(trainers, workers, e).start
-result = {"levels": sorted({st.level for st in stages}), "pushes": []}
+lanes = {}
+for st in stages:
+    lanes.setdefault(st.lane, set()).add(st.source)
+result = {"levels": sorted({st.level for st in stages}), "pushes": [],
+          "lane_senders": sorted(len(v) for v in lanes.values())}
 for push in range(2):
     scale = 1.0 + push
     shards, outs, ready = {}, {}, []
@@ -129,7 +133,7 @@ def _run(tmp_path, plan, fulls, process=True, strided=False):
          "fulls": {n: t.tolist() for n, t in fulls.items()}}))
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    size = TRAINERS + sum(WORKERS)
+    size = TRAINERS + sum(plan["workers"])
     procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
                                str(tmp_path / "port"), str(tmp_path / "out"), str(HERE)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -180,6 +184,55 @@ def test_a_push_into_two_engines_runs_the_sync_schedule(tmp_path, strided):
                 assert sorted(got["ready"]) == sorted(got["out"])  # each shard once
                 for key, value in got["out"].items():
                     want = 2 * scale * _expected(key, e, w, fulls, targets)
+                    assert torch.equal(torch.tensor(value), want), (e, w, key)
+
+
+def test_relays_two_deep_into_four_engines(tmp_path):
+    """Four engines on two hosts: the cost model relays within a host over NVLink, so a tensor
+    reaches the far host once and is relayed on there (two deep); an engine's lane at one
+    depth takes relays from more than one engine in turn. Every worker holds the full
+    tensors' shards, each link carries plan_sync's bytes, one copy leaves the trainer."""
+    import reshard
+    shapes = {"w": [8, 6], "v": [6, 8], "u": [4, 4], "norm": [6]}
+    fulls = {n: torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) + i * 100
+             for i, (n, s) in enumerate(shapes.items())}
+    source = {"w": split_map([8, 6], 0, [4, 4]), "v": split_map([6, 8], 1, [5, 3]),
+              "u": split_map([4, 4], 0, [1, 3]), "norm": replicated_map([6], 2)}
+    whole = {n: split_map(s, 0, [s[0]]) for n, s in shapes.items()}
+    split = {"w": split_map([8, 6], 1, [3, 3]), "v": split_map([6, 8], 0, [2, 4]),
+             "u": split_map([4, 4], 1, [2, 2]), "norm": replicated_map([6], 2)}
+    targets = [whole, whole, whole, split]
+    workers = [1, 1, 1, 2]
+    topology = {"hosts": [{"name": "t", "gpus": 2}, {"name": "b", "gpus": 2},
+                          {"name": "c", "gpus": 3}], "nic_gbps": 50, "nvlink_gbps": 450,
+                "placement": {"trainer": ["t:0", "t:1"], "engines": [["b:0"], ["b:1"],
+                                                                     ["c:0"], ["c:1", "c:2"]]}}
+    plan = {"error": None, "source": source, "targets": targets,
+            "dtypes": [{n: "float32" for n in t} for t in targets], "bucket_bytes": 4096,
+            "quantize": None, "workers": workers, "waves": [["w", "v"], ["u", "norm"]],
+            "topology": json.dumps(topology)}
+    results = _run(tmp_path, plan, fulls)
+    report = reshard.plan_sync(topology, source={"version": 1, **source},
+                               targets=[{"version": 1, **t} for t in targets], dtype="F32",
+                               transfers=True)
+    planned: dict[tuple[int, int], int] = {}
+    assert report.transfers is not None
+    for _, a, b, n, *_ in report.transfers:
+        planned[(a, b)] = planned.get((a, b), 0) + n
+    assert max(results[0]["levels"]) >= 2  # relayed on at the far host
+    assert max(results[0]["lane_senders"]) >= 2  # relays from two engines into one lane
+    for push, scale in enumerate((1.0, 2.0)):
+        first = results[0]["pushes"][push]
+        assert {(a, b): n for a, b, n in first["links"]} == planned
+        assert first["sent"] == report.one_copy_bytes == 4 * sum(t.numel() for t in
+                                                                 fulls.values())
+        for e, count in enumerate(workers):
+            for w in range(count):
+                got = results[TRAINERS + sum(workers[:e]) + w]["pushes"][push]
+                assert sorted(got["ready"]) == sorted(got["out"])
+                for key, value in got["out"].items():
+                    want = 2 * scale * reshard.extract(
+                        reshard.ParamMap.from_dict(targets[e][key]), fulls[key], w)
                     assert torch.equal(torch.tensor(value), want), (e, w, key)
 
 

@@ -167,9 +167,9 @@ class Stage:
     """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
     ``source`` send the workers of engine ``engine`` the pieces of the schedule's steps of wave
     ``wave`` at depth ``level`` (:func:`_step_levels`), over the group of its ``lane`` (one per
-    depth, sender and receiver: the exchanges of different lanes run at once). ``source ==
-    engine``: the engine's workers hand replicated pieces from their primary holders to the
-    others."""
+    depth and receiving engine, :func:`plan_stages`: the exchanges of different lanes run at
+    once). ``source == engine``: the engine's workers hand replicated pieces from their primary
+    holders to the others."""
 
     source: int
     engine: int
@@ -316,11 +316,13 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
                 group_of: Callable[[int], Any], error: Optional[str]) -> list[Stage]:
     """The exchanges of an agreed plan (a collective: every process of the group builds them, in
     order): the schedule's steps (:func:`sync_schedule`), grouped per wave, depth, sending and
-    receiving engine. The exchanges of one depth, sender and receiver form a lane, which runs
-    its waves in order over a group of its own (``group_of(lane)``, called in increasing order
-    of lanes), while the other lanes run theirs: the trainer processes feed every root engine
-    at once, and the engines relay to each other at once, each link carrying its own bytes as
-    the schedule's simulation has it. FP8 blocks are quantized at the trainer where the plan says
+    receiving engine. The exchanges into one engine at one depth form a lane (those handing
+    pieces on within the engine one of their own), which runs its exchanges in order (by wave,
+    then sender) over a group of its own (``group_of(lane)``, called in increasing order of
+    lanes), while the other lanes run theirs: the trainer processes feed every root engine at
+    once, and the engines relay to each other at once, each link carrying its own bytes as the
+    schedule's simulation has it; what shares a receiving engine's links takes turns. FP8
+    blocks are quantized at the trainer where the plan says
     ``quantize`` (one engine: the trainer sends every holder its piece)."""
     workers = plan["workers"]
     options: dict[str, Any] = dict(bucket_bytes=plan["bucket_bytes"], _error=error)
@@ -369,12 +371,15 @@ def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: in
         steps = schedule.steps(i)
         for k, ((_, sender, receiver, _), level) in enumerate(zip(steps, _step_levels(steps))):
             groups.setdefault((wave_of[entry.name], level, sender, receiver), []).append((i, k))
-    lanes = {lane: i for i, lane in enumerate(sorted({(k[1], k[2], k[3]) for k in groups}))}
+    def lane_of(key: tuple[int, int, int, int]) -> tuple[int, int, bool]:
+        _, level, sender, receiver = key
+        return level, receiver, sender == receiver
+    lanes = {lane: i for i, lane in enumerate(sorted({lane_of(k) for k in groups}))}
     comms: dict[int, Any] = {}
     stages = []
-    for key in sorted(groups, key=lambda k: (k[1], k[2], k[3], k[0])):
+    for key in sorted(groups, key=lambda k: (lane_of(k), k[0], k[2])):
         wave, level, sender, receiver = key
-        lane = lanes[(level, sender, receiver)]
+        lane = lanes[lane_of(key)]
         if lane not in comms:
             comms[lane] = group_of(lane)
         chosen = {entries[i].name: (i, k) for i, k in groups[key]}
