@@ -73,6 +73,25 @@ def timed_collective(fn, repeats):
     return statistics.median(times)
 
 
+def kill_all(procs):
+    """Kills each process (started with ``start_new_session``) and whatever it started."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def wait_all(procs, timeout_s):
+    """Waits up to ``timeout_s`` for each process, then :func:`kill_all`."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        kill_all(procs)
+
+
 def run_ranks(script, args, work, env, timeout_s, ranks=2):
     """``python SCRIPT --rank R --work WORK ARGS...`` for each rank, each in a session of its
     own with its output in WORK/trainerR.log; waited for up to ``timeout_s``, then they and
@@ -84,15 +103,7 @@ def run_ranks(script, args, work, env, timeout_s, ranks=2):
                                "--work", work, *args], env=env, stdout=logs[r],
                               stderr=subprocess.STDOUT, start_new_session=True)
              for r in range(ranks)]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout_s)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    wait_all(procs, timeout_s)
     path = os.path.join(work, "result.json")
     if not os.path.exists(path):
         sys.exit(f"the trainer processes failed; see {work}/trainer*.log")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from _measure import kill_all, wait_all  # noqa: E402
 NET = "10.77.0"  # the bridge is .1, process p is .(10 + p)
 BRIDGE = "rsbr0"
 
@@ -208,15 +208,7 @@ def run(plan: dict, sharded: str, repeat: int, timeout_s: float) -> dict:
                                "--sharded", sharded, "--repeat", str(repeat)],
                               env=env, stdout=logs[p], stderr=subprocess.STDOUT,
                               start_new_session=True) for p in range(count)]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout_s)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    wait_all(procs, timeout_s)
     path = os.path.join(work, "result.json")
     if any(p.returncode for p in procs) or not os.path.exists(path):
         sys.exit(f"a process of the sync failed; see {work}/p*.log")
@@ -274,19 +266,10 @@ def start_servers(model: str, namespaces: list[int], work: str) -> list[subproce
     for p, proc in zip(namespaces, procs):
         while not healthy(f"http://{address(p)}:8000"):
             if proc.poll() is not None or time.monotonic() > deadline:
-                stop(procs)
+                kill_all(procs)
                 sys.exit(f"vllm serve did not come up; see {work}/server{p}.log")
             time.sleep(0.5)  # polling the servers' start, not timing a result
     return procs
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def serve_trainer(args: argparse.Namespace) -> None:
@@ -347,18 +330,14 @@ def serve_main(args: argparse.Namespace) -> None:
              "--rate-mbit", str(args.rate_mbit)], env=env, start_new_session=True,
             stdout=open(os.path.join(work, f"trainer{r}.log"), "w"), stderr=subprocess.STDOUT)
             for r in range(2)]
-        try:
-            for proc in procs:
-                proc.wait(timeout=3600)
-        finally:
-            stop(procs)
+        wait_all(procs, 3600)
         path = os.path.join(work, "result.json")
         if not os.path.exists(path):
             sys.exit(f"the trainer processes failed; see {work}/trainer*.log")
         with open(path) as f:
             r = json.load(f)
     finally:
-        stop(servers)
+        kill_all(servers)
         tear_down(4)
     shutil.rmtree(work, ignore_errors=True)
     one, other, two = r["one"], r["other"], r["two"]
