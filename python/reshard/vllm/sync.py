@@ -741,7 +741,7 @@ class WeightSync:
         self._source = source
         self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         self._source_maps: dict[str, ParamMap] = {}
-        self._source_dtypes: dict[str, Any] = {}  # a Megatron model's, by tensor
+        self._source_dtypes: dict[str, Any] = {}  # the trainer's tensors', by name
         if source is not None:  # a collective over the trainer processes, raising alike
             try:
                 source_maps = self._source_maps_of(source, config)
@@ -833,7 +833,7 @@ class WeightSync:
         merged over the trainer processes: its DTensors', or a Megatron-Core model's tensors
         named by ``config`` (the same kind on every trainer process)."""
         import torch.distributed as dist
-        from ..torch import gather_megatron, is_megatron, maps_of
+        from ..torch import _entries, gather_megatron, is_megatron, maps_of
         kinds = set(self._trainer_gather(is_megatron(source)))
         if len(kinds) > 1:
             raise LayoutError("some trainer processes gave a Megatron-Core model as source=, "
@@ -850,7 +850,13 @@ class WeightSync:
         if dist.is_initialized():
             ranks = (list(range(dist.get_world_size())) if self._group is None else
                      [int(r) for r in dist.get_process_group_ranks(self._group)])
-        return maps_of(source, ranks=ranks, merge=True, group=self._group)
+        maps = maps_of(source, ranks=ranks, merge=True, group=self._group)
+        import torch
+        for held in self._trainer_gather({n: str(t.dtype).replace("torch.", "")
+                                          for n, t in _entries(source)}):
+            for name, dtype in held.items():  # for the processes that hold none of a tensor
+                self._source_dtypes.setdefault(name, getattr(torch, dtype))
+        return maps
 
     def _trainer_gather(self, value: Any) -> list[Any]:
         import torch.distributed as dist
@@ -1050,8 +1056,9 @@ class WeightSync:
                     if n not in quantized:
                         types.setdefault(n, torch_dtype_of(d))
         try:
-            if self._megatron:  # a quantized tensor's empty shard: in the trainer's dtype
-                types = {**self._source_dtypes, **types}
+            # a quantized tensor's empty shard (a process holding none): the trainer's dtype
+            types = {**self._source_dtypes, **types}
+            if self._megatron:
                 return megatron_source_shards(given, self._source_maps, self._rank, types), None
             return shards_of(given, self._source_maps, self._rank, types), None
         except Exception as e:
