@@ -15,7 +15,10 @@ group on CPU, three ways, each --repeat times (median):
     VLLM_CPU_OMP_THREADS_BIND=nobind python bench/fleet_bench.py [--engine-tp 1] [--mb 160]
                                                                  [--waves 4]
 
-Process r of the two trainer processes owns engine r.
+Process r of the two trainer processes owns engine r. On a GPU machine (bench/gpu_check.sh):
+--gpu-each puts engine r on GPU r; --backend nccl moves everything over NCCL, every process on
+a GPU of its own (engine r's worker on GPU r, trainer process r on GPU 2 + r: four GPUs), so the
+schedule's lanes run as concurrent NCCL communicators.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from vllm_sync_bench import config_for, write_model  # noqa: E402
 
 def trainer(args: argparse.Namespace) -> None:
     """One trainer process (``--rank``), owning engine ``--rank``."""
+    nccl = args.backend == "nccl"
+    if nccl:  # the engine's worker (a process of its own) takes cuda:0, this process cuda:1
+        os.environ["CUDA_VISIBLE_DEVICES"] = f"{args.rank},{2 + args.rank}"
+    elif args.gpu_each:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.rank)
     import torch
     import torch.distributed as dist
 
@@ -40,26 +48,32 @@ def trainer(args: argparse.Namespace) -> None:
     from reshard.vllm import WeightSync
     from vllm import LLM
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(args.work, "pg"),
+    if nccl:
+        torch.cuda.set_device(1)
+    dist.init_process_group(args.backend, init_method="file://" + os.path.join(args.work, "pg"),
                             rank=args.rank, world_size=2)
     llm = LLM(model=args.model, tensor_parallel_size=args.engine_tp, enforce_eager=True,
               skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
               max_model_len=128, weight_transfer_config={"backend": "reshard"})
     maps, shards = reshard.checkpoint.load_rank(args.sharded, args.rank)
+    if nccl:
+        shards = {k: v.cuda() for k, v in shards.items()}
+    backend = args.backend
     mine = [llm if r == args.rank else None for r in range(2)]
     times: dict[str, list[float]] = {"one": [], "two": [], "syncs": [], "second": []}
     egress: dict[str, int] = {}
     relayed = 0
     for i in range(args.repeat + 1):  # the first round untimed (one-time costs)
-        one = WeightSync(mine[0], maps)
+        one = WeightSync(mine[0], maps, backend=backend)
         one.push(shards)
         got = one.push(shards)
         one.close()
-        fleet = WeightSync(engines=mine, source_maps=maps, relay_waves=args.waves)
+        fleet = WeightSync(engines=mine, source_maps=maps, relay_waves=args.waves,
+                           backend=backend)
         fleet.push(shards)
         both = fleet.push(shards)
         fleet.close()
-        each = [WeightSync(e, maps) for e in mine]
+        each = [WeightSync(e, maps, backend=backend) for e in mine]
         for s in each:
             s.push(shards)
         apart = [s.push(shards) for s in each]
@@ -88,15 +102,20 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=160)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--waves", type=int, default=4, help="relay_waves of the two-engine sync")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--gpu-each", action="store_true", help="engine r on GPU r (gloo)")
     trainer_arguments(ap)
     args = ap.parse_args()
     config = config_for(args.mb)
     r = live_sync_main(__file__, args, trainer, lambda work: write_model(work, config),
                        "fleet-bench-", ["--engine-tp", str(args.engine_tp), "--repeat",
-                                        str(args.repeat), "--waves", str(args.waves)], 1800)
+                                        str(args.repeat), "--waves", str(args.waves),
+                                        "--backend", args.backend,
+                                        *(["--gpu-each"] if args.gpu_each else [])], 1800)
     e = r["egress"]
     print(f"model {r['model_bytes'] / 1e6:.0f} MB float32 ({config['num_hidden_layers']} layers), "
-          f"trainer TP 2 -> 2 engines at TP {r['engine_tp']}, gloo, median of {args.repeat}")
+          f"trainer TP 2 -> 2 engines at TP {r['engine_tp']}, {args.backend}, median of "
+          f"{args.repeat}")
     print(f"  one engine   {r['one']:.3f} s   trainer egress {e['one'] / 1e6:.1f} MB")
     print(f"  two engines  {r['two']:.3f} s ({args.waves} waves)   trainer egress {e['two'] / 1e6:.1f} MB "
           f"({e['two'] / e['one']:.2f}x), relayed by the engines "

@@ -6,7 +6,9 @@
 #   3. with at least two GPUs, one sync into two engines (tests/vllm/test_sync.py's two-engine
 #      test and bench/fleet_bench.py), an engine on each GPU;
 #   4. with at least three GPUs, the benchmark over NCCL (two trainer processes and one worker,
-#      each on a GPU of its own: NCCL refuses two processes of one group on the same GPU).
+#      each on a GPU of its own: NCCL refuses two processes of one group on the same GPU);
+#   5. with at least four GPUs, one sync into two engines over NCCL (bench/fleet_bench.py: the
+#      schedule's lanes as concurrent NCCL communicators, every process on a GPU of its own).
 #
 # Needs a Python with a CUDA build of vLLM 0.32 and reshard installed in it (pip install
 # --no-deps a wheel of this checkout), given as VLLM_PYTHON (default: python3). Run from the
@@ -45,7 +47,8 @@ timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3
 
 if [ "$GPUS" -ge 2 ]; then
   step "one sync into two engines (one GPU each), against one engine and two syncs"
-  timeout 300 env CUDA_VISIBLE_DEVICES=0,1 "$PY" bench/fleet_bench.py --engine-tp 1 --mb 320 --repeat 3
+  timeout 300 env CUDA_VISIBLE_DEVICES=0,1 "$PY" bench/fleet_bench.py --engine-tp 1 --mb 320 --repeat 3 \
+    --gpu-each
 fi
 
 if [ "$GPUS" -ge 3 ]; then
@@ -53,5 +56,12 @@ if [ "$GPUS" -ge 3 ]; then
   timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3 --backend nccl
 else
   step "NCCL benchmark skipped: $GPUS GPU(s), NCCL needs one per process (3)"
+fi
+if [ "$GPUS" -ge 4 ]; then
+  step "one sync into two engines over NCCL (engines on GPUs 0 and 1, trainer processes on 2 and 3)"
+  timeout 300 env CUDA_VISIBLE_DEVICES=0,1,2,3 "$PY" bench/fleet_bench.py --engine-tp 1 --mb 320 \
+    --repeat 3 --backend nccl
+else
+  step "NCCL two-engine benchmark skipped: $GPUS GPU(s), it needs 4"
 fi
 echo; echo "gpu_check: done ($OUT)"
