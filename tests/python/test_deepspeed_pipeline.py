@@ -528,6 +528,30 @@ def test_pipeline_degrees_that_do_not_fit_are_refused(pipes, tmp_path, reshard_b
     assert not out.exists()
 
 
+def test_replicas_that_disagree_stop_a_new_tp_degree(pipes, tmp_path, reshard_bin):
+    """At a new TP degree each shard is moved from only the source shards it overlaps, so a
+    replica no move reads must still be compared: TP rank 1's first moment of one norm weight
+    (whole on every TP rank) changed in its optimizer partition stops `--pp 1 --tp 1`, with
+    or without `--no-verify-replicas` (files of another run or step), naming the parameter and
+    both ranks, with nothing written."""
+    save, tag = copy_of(pipes[TP2], tmp_path / "replicas")
+    path = tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt"  # stage 0, TP rank 1
+    optim = torch.load(path, weights_only=False)
+    sd = optim["optimizer_state_dict"]
+    mappings = sd["param_slice_mappings"][0]
+    name = next(n for n in mappings if n.endswith("norm.weight"))
+    sd["base_optimizer_state"]["state"][0]["exp_avg"][mappings[name].start + 1] += 1.0
+    torch.save(optim, path)
+    out = tmp_path / "out"
+    for flags in ([], ["--no-verify-replicas"]):
+        r = run(reshard_bin, "convert", save, "--pp", 1, "--tp", 1, *flags, "-o", out)
+        assert r.returncode in (1, 2), r.stderr
+        assert f'parameter "{name}"' in r.stderr and "element 1 of its exp_avg" in r.stderr, \
+            r.stderr
+        assert "on TP rank 1 but" in r.stderr, r.stderr
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
 def test_the_python_package_writes_the_pipeline_output_as_the_cli_does(pipes, pipe_outputs,
                                                                        tmp_path):
     import reshard.checkpoint

@@ -5,8 +5,9 @@
 // new stage's parameters in the order DeepSpeed's engine lists them (its tied modules first,
 // by first use, then its layers' parameters by layer), and every parameter's map at the new
 // TP degree. Each output file is one job: a layer file or a ZeRO partition takes each TP
-// shard it needs rebuilt from the source's shards (through the full tensor when the TP degree
-// changes), and the metadata is the source's with the stage's own entries.
+// shard it needs from the source's shards (moved by the parameter's composed plan when the TP
+// degree changes, reading only the source shards it overlaps), and the metadata is the
+// source's with the stage's own entries.
 #include "reshard/checkpoint/deepspeed/pipeline_writer.h"
 
 #include <fmt/format.h>
@@ -16,6 +17,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <utility>
@@ -24,6 +26,7 @@
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/universal/universal_files.h"
 #include "reshard/exec/executor.h"
+#include "reshard/ir/compose.h"
 #include "reshard/io/torch_writer.h"
 #include "reshard/layouts/descriptor.h"
 
@@ -291,7 +294,11 @@ class PipelineWriter {
  public:
   PipelineWriter(const DeepSpeedCheckpoint& c, const PipelinePlan& plan,
                  const CheckpointOptions& options)
-      : c_(c), plan_(plan), options_(options) {}
+      : c_(c),
+        plan_(plan),
+        options_(options),
+        plans_(plan.maps.size()),
+        verified_(plan.maps.size() * kNumDeepSpeedStates) {}
 
   Status WriteLayer(int layer, Rank t, const std::string& path, const TorchWriteOptions& o) const;
   Status WriteModelStates(int stage, Rank t, const std::string& path,
@@ -305,10 +312,29 @@ class PipelineWriter {
   Status FillShard(size_t i, DeepSpeedState state, Rank t, std::span<std::byte> out) const;
   Status FillPartition(int stage, Rank t, int d, DeepSpeedState state,
                        std::span<std::byte> out) const;
+  Result<ParamPlan> MovesInto(size_t i, Rank t) const;
+  Status ReadSourceShards(size_t i, DeepSpeedState state, const std::vector<bool>* reads,
+                          std::vector<std::vector<std::byte>>& data,
+                          std::vector<ConstBuffer>& views) const;
+
+  // A parameter's plan from the source's TP degree to the new one, composed by the first file
+  // that needs it (files are written on several threads).
+  struct ComposedOnce {
+    std::once_flag once;
+    ParamPlan plan;
+    Status status;
+  };
+  // Whether a parameter's replicas in one state agree, checked once.
+  struct VerifiedOnce {
+    std::once_flag once;
+    Status status;
+  };
 
   const DeepSpeedCheckpoint& c_;
   const PipelinePlan& plan_;
   const CheckpointOptions& options_;
+  mutable std::vector<ComposedOnce> plans_;
+  mutable std::vector<VerifiedOnce> verified_;
 };
 
 std::pair<Index, Index> PipelineWriter::Partition(int stage, Rank t) const {
@@ -320,11 +346,57 @@ std::pair<Index, Index> PipelineWriter::Partition(int stage, Rank t) const {
   return {n, padded / plan_.dp};
 }
 
+// The moves of parameter i from the source's TP shards into the new degree's TP rank t,
+// composed once per parameter (Compose: no full tensor) and kept for every file that needs one.
+Result<ParamPlan> PipelineWriter::MovesInto(size_t i, Rank t) const {
+  std::call_once(plans_[i].once, [&] {
+    Result<ParamPlan> composed = Compose(plan_.maps[i], c_.params()[i].tp_map);
+    if (composed.ok()) {
+      plans_[i].plan = *std::move(composed);
+    } else {
+      plans_[i].status = composed.status().Annotate(c_.params()[i].name);
+    }
+  });
+  RESHARD_RETURN_IF_ERROR(plans_[i].status);
+  const ParamPlan& all = plans_[i].plan;
+  ParamPlan mine;
+  mine.source_world = all.source_world;
+  mine.target_world = all.target_world;
+  for (const Move& m : all.moves) {
+    if (m.dst_rank == t) mine.moves.push_back(m);
+  }
+  for (const UnwrittenBlock& u : all.unwritten) {
+    if (u.dst_rank == t) mine.unwritten.push_back(u);
+  }
+  return mine;
+}
+
+// The source's TP shards of parameter i in `state` that `reads` names (all of them when null),
+// read into `data`; the others are empty.
+Status PipelineWriter::ReadSourceShards(size_t i, DeepSpeedState state,
+                                        const std::vector<bool>* reads,
+                                        std::vector<std::vector<std::byte>>& data,
+                                        std::vector<ConstBuffer>& views) const {
+  const ParamMap& source = c_.params()[i].tp_map;
+  const size_t size = DTypeSize(c_.StateDType(state));
+  data.assign(static_cast<size_t>(source.world_size()), {});
+  views.assign(static_cast<size_t>(source.world_size()), {});
+  for (Rank r = 0; r < source.world_size(); ++r) {
+    if (reads != nullptr && !(*reads)[static_cast<size_t>(r)]) continue;
+    const Index n = source.shard_num_elements(r);
+    data[static_cast<size_t>(r)].resize(static_cast<size_t>(n) * size);
+    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {data[static_cast<size_t>(r)].data(), n}));
+    views[static_cast<size_t>(r)] = {data[static_cast<size_t>(r)].data(), n};
+  }
+  return Status::Ok();
+}
+
 // TP rank t's shard of parameter i at the new degree, in the state's dtype: the source's shard
-// where the degree is the same, else cut from the full tensor rebuilt from the source's shards.
+// where the degree is the same, else moved from the source shards it overlaps by the composed
+// plan (only those are read). With verify_replicas, the replicas of each parameter and state are
+// compared once (P2), by the first file to need them.
 Status PipelineWriter::FillShard(size_t i, DeepSpeedState state, Rank t,
                                  std::span<std::byte> out) const {
-  const DeepSpeedParam& p = c_.params()[i];
   const DType dtype = c_.StateDType(state);
   const Index shard = plan_.maps[i].shard_num_elements(t);
   if (plan_.tp == c_.tp()) return c_.ReadTpShard(i, state, t, {out.data(), shard});
@@ -333,20 +405,24 @@ Status PipelineWriter::FillShard(size_t i, DeepSpeedState state, Rank t,
   o.scale_power = DeepSpeedScalePower(state);
   o.allow_scaled_optimizer_state = true;
   o.allow_lossy_scale = options_.allow_lossy_scale;
-  o.verify_replicas = options_.verify_replicas;
-  const size_t size = DTypeSize(dtype);
-  std::vector<std::vector<std::byte>> shards;
+  std::vector<std::vector<std::byte>> data;
   std::vector<ConstBuffer> views;
-  for (Rank r = 0; r < p.tp_map.world_size(); ++r) {
-    const Index n = p.tp_map.shard_num_elements(r);
-    shards.emplace_back(static_cast<size_t>(n) * size);
-    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, r, {shards.back().data(), n}));
-    views.push_back({shards.back().data(), n});
+  if (options_.verify_replicas) {
+    VerifiedOnce& v = verified_[i * kNumDeepSpeedStates + static_cast<size_t>(state)];
+    std::call_once(v.once, [&] {
+      v.status = ReadSourceShards(i, state, nullptr, data, views);
+      if (v.status.ok()) v.status = VerifyReplicas(c_.params()[i].tp_map, dtype, views, o);
+      if (!v.status.ok()) v.status = v.status.Annotate(c_.params()[i].name);
+    });
+    RESHARD_RETURN_IF_ERROR(v.status);
   }
-  const Index full_n = p.tp_map.num_elements();
-  std::vector<std::byte> full(static_cast<size_t>(full_n) * size);
-  RESHARD_RETURN_IF_ERROR(Rebuild(p.tp_map, dtype, views, {full.data(), full_n}, o));
-  return Extract(plan_.maps[i], dtype, t, {full.data(), full_n}, {out.data(), shard}, o);
+  RESHARD_ASSIGN_OR_RETURN(const ParamPlan mine, MovesInto(i, t));
+  std::vector<bool> reads(static_cast<size_t>(mine.source_world), false);
+  for (const Move& m : mine.moves) reads[static_cast<size_t>(m.src_rank)] = true;
+  if (views.empty()) RESHARD_RETURN_IF_ERROR(ReadSourceShards(i, state, &reads, data, views));
+  std::vector<MutableBuffer> targets(static_cast<size_t>(mine.target_world));
+  targets[static_cast<size_t>(t)] = {out.data(), shard};
+  return ExecutePlan(mine, dtype, views, targets, o);
 }
 
 Status PipelineWriter::WriteLayer(int layer, Rank t, const std::string& path,
