@@ -21,12 +21,21 @@ Compared, each a complete move of every tensor:
 Prints the median time of each (after a warm-up), the speed-up, and the bytes on the wire: for
 reshard what the processes sent beside the plan minimum (the bytes of each target shard that no
 source shard in its process holds); for the baseline what its collectives must move at least.
-Every result is checked against the baseline's, bit for bit.
+Every result is checked bit for bit against the shard torch computes from the full tensor
+(``distribute_tensor(full, mesh, placements, src_data_rank=None)``, no communication) and
+against the baseline's.
 
     PYTHONPATH=build/python python -m torch.distributed.run --nproc_per_node 6 bench/dtensor_bench.py
+
+On a GPU machine, ``--device cuda`` puts both meshes on CUDA (process r on GPU r modulo the
+GPUs): ``--backend nccl`` needs a GPU per process (6); ``--backend gloo`` (any number of GPUs)
+makes reshard stage the shards through host memory. Where torch's own path cannot run on the
+backend and device (gloo's collectives on CUDA tensors), the baseline is reported as not run
+and reshard's results are still checked against torch's shards.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -45,17 +54,19 @@ def fsdp_over_tp_rows(full, mesh):
     if coord is not None:
         dp, tp = coord
         local = torch.chunk(torch.chunk(full, mesh.size(1))[tp], mesh.size(0))[dp].clone()
+    local = local.to(mesh.device_type)
     return DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=mesh.size(1)), Shard(0)],
                               run_check=False, shape=full.shape, stride=full.stride())
 
 
 def model(args, source, me):
-    """The source DTensors and their target placements: even tensors column-parallel (rows
-    split), odd ones row-parallel (columns split)."""
-    state, placements = {}, {}
+    """The source DTensors, their target placements and the full tensors (on the CPU): even
+    tensors column-parallel (rows split), odd ones row-parallel (columns split)."""
+    state, placements, fulls = {}, {}, {}
     for i in range(args.tensors):
         gen = torch.Generator().manual_seed(i)
         full = torch.randn(args.size, args.size, generator=gen)
+        fulls[f"w{i}"] = full
         rows = i % 2 == 0
         if source.ndim == 2:
             state[f"w{i}"] = fsdp_over_tp_rows(full, source) if rows else \
@@ -64,7 +75,7 @@ def model(args, source, me):
             state[f"w{i}"] = distribute_tensor(full, source, [Shard(0 if rows else 1)],
                                                src_data_rank=None)
         placements[f"w{i}"] = [Shard(0 if rows else 1)]
-    return state, placements
+    return state, placements, fulls
 
 
 def baseline(state, target, placements, me):
@@ -73,37 +84,64 @@ def baseline(state, target, placements, me):
         ranks = t.device_mesh.mesh.flatten().tolist()
         first, into = ranks[0], target.mesh.flatten().tolist()[0]
         full = t.full_tensor() if me in ranks else None
+        device = t.device_mesh.device_type
         if into not in ranks:  # the target's first process has it already when it is a source
             if me == first:
                 dist.send(full, into)
             elif me == into:
-                full = torch.empty(t.shape, dtype=t.dtype)
+                full = torch.empty(t.shape, dtype=t.dtype, device=device)
                 dist.recv(full, first)
-        if full is None:
-            full = torch.empty(t.shape, dtype=t.dtype)  # not read: scattered from `into`
+        if full is None:  # not read: scattered from `into`
+            full = torch.empty(t.shape, dtype=t.dtype, device=device)
         out[name] = distribute_tensor(full, target, placements[name])
     return out
 
 
+def synced(fn):
+    """`fn`, then (on CUDA) every kernel it queued finished, so that a time covers them."""
+    def call():
+        fn()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    return call
+
+
 def run_case(title, source, target, args, me):
-    state, placements = model(args, source, me)
+    state, placements, fulls = model(args, source, me)
     ours_out, theirs_out, stats = {}, {}, {}
 
+    @synced
     def with_reshard():
         ours_out.clear()
         ours_out.update(rdt.redistribute(state, target, placements, stats=stats))
 
+    @synced
     def with_baseline():
         theirs_out.clear()
         theirs_out.update(baseline(state, target, placements, me))
 
     with_reshard()  # warm-up (and the results compared below)
-    with_baseline()
     for name, got in ours_out.items():
-        if got is not None and not torch.equal(got.to_local(), theirs_out[name].to_local()):
+        if got is None:
+            continue
+        want = distribute_tensor(fulls[name], target, placements[name], src_data_rank=None)
+        if not torch.equal(got.to_local().cpu(), want.to_local().cpu()):
+            raise SystemExit(f"process {me}: {name} differs from torch's shard of the full tensor")
+    # torch's own path, where it runs on this backend and device (every process agrees)
+    failed = None
+    try:
+        with_baseline()
+    except Exception as e:  # gloo's collectives refusing CUDA tensors, say
+        failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failed)
+    failed = next((f for f in failures if f), None)
+    for name, got in ours_out.items():
+        if failed is None and got is not None and \
+                not torch.equal(got.to_local(), theirs_out[name].to_local()):
             raise SystemExit(f"process {me}: {name} differs from distribute_tensor's")
     ours = timed_collective(with_reshard, args.repeats)
-    theirs = timed_collective(with_baseline, args.repeats)
+    theirs = None if failed else timed_collective(with_baseline, args.repeats)
     figures = [None] * dist.get_world_size()
     dist.all_gather_object(figures, (stats["sent"], stats["lower_bound"]))
     if me != 0:
@@ -120,10 +158,15 @@ def run_case(title, source, target, args, me):
     sent = sum(s for s, _ in figures)
     bound = sum(b for _, b in figures)
     print(f"{title}: {args.tensors} x {args.size} x {args.size} fp32 "
-          f"({total / 2**20:.0f} MiB), 6 processes, gloo, median of {args.repeats}")
-    print(f"  reshard.dtensor.redistribute:          {ours * 1e3:8.1f} ms")
-    print(f"  full_tensor + send + distribute_tensor: {theirs * 1e3:8.1f} ms")
-    print(f"  speedup: {theirs / ours:.2f}x (target >= 1.5x)")
+          f"({total / 2**20:.0f} MiB), 6 processes, {args.backend} on {args.device}, "
+          f"median of {args.repeats}")
+    print(f"  reshard.dtensor.redistribute:          {ours * 1e3:8.1f} ms "
+          f"(equal to torch's shards of the full tensors)")
+    if theirs is None:
+        print(f"  full_tensor + send + distribute_tensor: not run here ({failed})")
+    else:
+        print(f"  full_tensor + send + distribute_tensor: {theirs * 1e3:8.1f} ms")
+        print(f"  speedup: {theirs / ours:.2f}x (target >= 1.5x)")
     print(f"  on the wire: reshard {sent / 2**20:.1f} MiB, plan minimum {bound / 2**20:.1f} MiB "
           f"({'equal' if sent == bound else 'NOT equal'}); full_tensor path at least "
           f"{their_bytes / 2**20:.1f} MiB")
@@ -134,15 +177,23 @@ def main():
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--size", type=int, default=2560)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="the meshes' device (cuda: process r on GPU r modulo the GPUs)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl needs --device cuda and a GPU per process")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    elif args.backend == "nccl":
+        raise SystemExit("--backend nccl needs --device cuda")
+    dist.init_process_group(args.backend)
     me = dist.get_rank()
     if dist.get_world_size() != 6:
         raise SystemExit("run with --nproc_per_node 6")
-    square = DeviceMesh("cpu", [[0, 1], [2, 3]])
-    three = DeviceMesh("cpu", [3, 4, 5])
-    four = DeviceMesh("cpu", [0, 1, 2, 3])
-    two = DeviceMesh("cpu", [4, 5])
+    square = DeviceMesh(args.device, [[0, 1], [2, 3]])
+    three = DeviceMesh(args.device, [3, 4, 5])
+    four = DeviceMesh(args.device, [0, 1, 2, 3])
+    two = DeviceMesh(args.device, [4, 5])
     run_case("(2, 2) on 0-3 -> (3,) on 3-5", square, three, args, me)
     run_case("(4,) on 0-3 -> (2,) on 4-5", four, two, args, me)
     dist.barrier()  # nobody tears gloo down while a peer is still talking

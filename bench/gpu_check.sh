@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The live-sync checks on a GPU machine, in one go (under 5 minutes on one GPU):
 #   1. the live tests (tests/vllm/test_sync.py: the toy Llama and the toy Qwen3-MoE) with the
-#      engine on the GPU, at TP 1;
+#      engine on the GPU, at TP 1, the trainer's DTensors on the GPU too;
+#   1b. DTensors between device meshes on the GPU (bench/dtensor_bench.py --device cuda: six
+#      processes, gloo staging through host memory on any number of GPUs; with six GPUs or
+#      more, NCCL, a GPU per process);
 #   2. the benchmark (bench/vllm_sync_bench.py), engine TP 1 on the GPU;
 #   3. with at least two GPUs, one sync into two engines (tests/vllm/test_sync.py's two-engine
 #      test and bench/fleet_bench.py), an engine on each GPU;
@@ -39,8 +42,19 @@ step "live tests, engine on the GPU (TP 1)"
 # One sync into two engines needs a GPU for each (both at TP 1).
 FLEET=(-k "not two_engines")
 if [ "$GPUS" -ge 2 ]; then FLEET=(); fi
-RESHARD_VLLM_ENGINE_TPS=1 RESHARD_FLEET_GPU_EACH=1 timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
+RESHARD_VLLM_ENGINE_TPS=1 RESHARD_FLEET_GPU_EACH=1 RESHARD_TRAINER_DEVICE=cuda timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
   tests/vllm/test_sync.py --basetemp="$OUT/tests" -x "${FLEET[@]}"
+
+step "DTensors between meshes on the GPU (6 processes, gloo)"
+DTENSOR=(-m torch.distributed.run --nproc_per_node 6 --master_addr 127.0.0.1 bench/dtensor_bench.py
+  --device cuda --size 2048)
+timeout 150 "$PY" "${DTENSOR[@]}" --backend gloo
+if [ "$GPUS" -ge 6 ]; then
+  step "DTensors between meshes over NCCL (a GPU per process)"
+  timeout 150 "$PY" "${DTENSOR[@]}" --backend nccl
+else
+  step "NCCL DTensor benchmark skipped: $GPUS GPU(s), it needs 6"
+fi
 
 step "benchmark, engine TP 1 on the GPU, gloo between trainer processes and worker"
 timeout 150 "$PY" bench/vllm_sync_bench.py --engine-tp 1 --mb 320 --repeat 3

@@ -57,26 +57,35 @@ def push_dtensors(spec: dict, step: dict, llm: Any, syncs: dict) -> dict:
     """The full weights distributed as DTensors over a 1-D mesh of the trainer processes
     (alternately row and column splits, uneven where the sizes are; vectors replicated),
     pushed by a WeightSync built from them (``source=``), then, the same tensors changed in
-    place to the other weights, pushed again: the sync reads the model as it is."""
+    place to the other weights, pushed again: the sync reads the model as it is.
+
+    ``spec["trainer_device"]`` (``"cuda"`` on a GPU machine) puts the mesh and the DTensors on
+    that device: each process cuts its own shards (``src_data_rank=None``), so that no gloo
+    collective sees a CUDA tensor, and the sync stages them through host memory."""
     import torch
     from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from reshard.vllm import WeightSync
     import torch.distributed as dist
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device = spec.get("trainer_device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     first, then = step["weights"], step["then"]
     full = load_file(os.path.join(spec["full"][first], "model.safetensors"))
-    state = {n: distribute_tensor(t, mesh, [Shard(i % 2)] if t.dim() == 2 else [Replicate()])
+    state = {n: distribute_tensor(t, mesh, [Shard(i % 2)] if t.dim() == 2 else [Replicate()],
+                                  src_data_rank=None)
              for i, (n, t) in enumerate(sorted(full.items()))}
+    devices = sorted({t.to_local().device.type for t in state.values()})
     syncs["sync"] = sync = WeightSync(llm, source=state)
-    out: dict = {"stats": sync.push().__dict__}
+    out: dict = {"stats": sync.push().__dict__, "trainer_devices": devices}
     if llm is not None:
         out["tokens_first"] = generate_with(llm, spec)
     other = load_file(os.path.join(spec["full"][then], "model.safetensors"))
     with torch.no_grad():
         for n, t in state.items():
-            t.copy_(distribute_tensor(other[n], mesh, t.placements))
+            t.copy_(distribute_tensor(other[n], mesh, t.placements, src_data_rank=None))
     out["stats_then"] = sync.push().__dict__
     return out
 

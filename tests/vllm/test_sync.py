@@ -92,12 +92,12 @@ def run_trainers(script, spec, tmp_path, timeout_s):
         pytest.fail(f"trainer processes failed ({codes}):\n{tail}")
 
 
-def run_session(models, engine_tp, tmp_path, steps=STEPS):
+def run_session(models, engine_tp, tmp_path, steps=STEPS, **extra):
     spec = {"model": models["model"], "engine_tp": engine_tp, "trainers": 2,
             "sharded": models["sharded"], "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
             "full": {k: os.path.join(models["root"], k) for k in ("A", "B")},
             "steps": steps, "rendezvous": str(tmp_path / "rendezvous"),
-            "out": str(tmp_path / "result.json")}
+            "out": str(tmp_path / "result.json"), **extra}
     run_trainers("sync_trainer.py", spec, tmp_path, 480)
     main = json.loads((tmp_path / "result.json").read_text())["steps"]
     other = json.loads((tmp_path / "result.json.1").read_text())["steps"]
@@ -106,6 +106,8 @@ def run_session(models, engine_tp, tmp_path, steps=STEPS):
 
 # RESHARD_VLLM_ENGINE_TPS="1" for a machine with one GPU (bench/gpu_check.sh).
 ENGINE_TPS = [int(t) for t in os.environ.get("RESHARD_VLLM_ENGINE_TPS", "1,2").split(",")]
+# RESHARD_TRAINER_DEVICE=cuda (bench/gpu_check.sh): the trainer's DTensors on the GPU.
+TRAINER_DEVICE = os.environ.get("RESHARD_TRAINER_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", params=ENGINE_TPS, ids=[f"engine_tp{t}" for t in ENGINE_TPS])
@@ -218,11 +220,14 @@ def test_trainer_dtensors_push_without_maps(models, tmp_path):
     """WeightSync(llm, source=state) over the trainer processes' DTensors (row and column
     splits, uneven ones included, and replicated vectors): each push gives transformers' tokens
     of the weights the DTensors hold, at the plan's minimum bytes; changing the DTensors in place
-    and pushing again (no arguments) sends the new weights."""
+    and pushing again (no arguments) sends the new weights. On a GPU machine the DTensors live
+    on the trainer processes' GPU (RESHARD_TRAINER_DEVICE=cuda)."""
     steps = [{"name": "DTensors B then A", "kind": "dtensors", "weights": "B", "then": "A"}]
-    main, other = run_session(models, 2, tmp_path, steps)
+    main, other = run_session(models, max(ENGINE_TPS), tmp_path, steps,
+                              trainer_device=TRAINER_DEVICE)
     step = main[1]
     assert "error" not in step, step
+    assert step["trainer_devices"] == [TRAINER_DEVICE], step
     assert step["tokens_first"] == models["expected"]["B"]
     assert step["tokens"] == models["expected"]["A"]
     for stats in (step["stats"], step["stats_then"]):
