@@ -26,8 +26,8 @@
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/universal/universal_files.h"
 #include "reshard/exec/executor.h"
-#include "reshard/ir/compose.h"
 #include "reshard/io/torch_writer.h"
+#include "reshard/ir/compose.h"
 #include "reshard/layouts/descriptor.h"
 
 namespace reshard {
