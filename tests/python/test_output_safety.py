@@ -148,6 +148,34 @@ def test_force_replaces_only_an_output_reshard_wrote_or_an_empty_directory(resha
     assert r.returncode == 2 and "--force" in r.stderr
 
 
+def test_force_replaces_outputs_that_carry_the_models_side_files(reshard_bin, tmp_path):
+    """scatter --config and the dequantizing commands write config.json (and copy the
+    tokenizer's files) beside the tensors: that output is still reshard's to replace."""
+    import quant_models
+
+    src = tmp_path / "fp8"
+    quant_models.qwen3_fp8(src, kv_heads=4)
+    (src / "tokenizer_config.json").write_text("{}")
+    commands = (
+        ("scatter", src, "--config", src / "config.json", "--tp", 2),
+        ("scatter", src, "--config", src / "config.json", "--tp", 2, "--dequantize"),
+        ("gather", src, "--dequantize"),
+    )
+    for i, command in enumerate(commands):
+        out = tmp_path / f"out{i}"
+        r = run(reshard_bin, *command, "-o", out)
+        assert r.returncode == 0, r.stderr
+        assert (out / "config.json").is_file()
+        r = run(reshard_bin, *command, "-o", out, "--force")
+        assert r.returncode == 0, r.stderr
+        # A file the commands never write is still in the way.
+        (out / "notes.txt").write_text("mine")
+        before = tree_hash(tmp_path)
+        r = run(reshard_bin, *command, "-o", out, "--force")
+        assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+        assert tree_hash(tmp_path) == before
+
+
 def test_unusable_output_paths_are_refused_before_any_work(reshard_bin, tmp_path, full):
     sharded = scatter(reshard_bin, tmp_path, full, 2)
     work = tmp_path / "work"

@@ -249,14 +249,7 @@ Status WriteManifest(const OutputDirectory& out, const Manifest& m, bool sync) {
 // the commit. The manifest's file lists are filled in.
 using ShardFill = std::function<Status(size_t param, Rank rank, std::span<std::byte> buffer)>;
 
-// The files beside a model's weights that loaders read from the same directory (vLLM's
-// sharded-state loader among them: the output must stand for the model).
-constexpr const char* kModelSideFiles[] = {
-    "config.json",     "generation_config.json",  "tokenizer.json",     "tokenizer_config.json",
-    "tokenizer.model", "special_tokens_map.json", "added_tokens.json",  "vocab.json",
-    "merges.txt",      "chat_template.jinja",     "chat_template.json", "preprocessor_config.json"};
-
-// Copies those of `kModelSideFiles` that `from_dir` holds (regular files) into `out`; a
+// Copies those of `ModelSideFiles()` that `from_dir` holds (regular files) into `out`; a
 // non-empty `config` is written as config.json instead.
 Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& out, bool sync,
                           const std::string& config = {}) {
@@ -266,7 +259,7 @@ Status CopyModelSideFiles(const std::string& from_dir, const OutputDirectory& ou
   }
   std::error_code ec;
   if (from_dir.empty() || !std::filesystem::is_directory(from_dir, ec)) return Status::Ok();
-  for (const char* name : kModelSideFiles) {
+  for (const char* name : ModelSideFiles()) {
     if (!config.empty() && std::string_view(name) == "config.json") continue;
     const std::filesystem::path path = std::filesystem::path(from_dir) / name;
     if (!std::filesystem::is_regular_file(path, ec)) continue;

@@ -63,6 +63,11 @@ bool IsFullPartName(const std::string& name) {
   return true;
 }
 
+bool IsModelSideFile(const fs::path& dir, const std::string& name) {
+  const auto files = ModelSideFiles();
+  return std::find(files.begin(), files.end(), name) != files.end() && IsRegularFile(dir / name);
+}
+
 Status NotOurs(const std::string& path, std::string_view why) {
   return AlreadyExistsError(fmt::format(
       "\"{}\" exists and is not an output of reshard ({}); refusing to replace it: remove it "
@@ -83,6 +88,7 @@ Status CheckShardedOutput(const std::string& path, const fs::path& dir,
   std::set<std::string> allowed = {kManifestName};
   for (const auto& files : manifest->files) allowed.insert(files.begin(), files.end());
   for (const std::string& name : names) {
+    if (IsModelSideFile(dir, name)) continue;
     if (!allowed.count(name) || !IsRegularFile(dir / name)) {
       return NotOurs(path, fmt::format("it holds \"{}\", which its manifest does not list", name));
     }
@@ -95,6 +101,7 @@ Status CheckFullOutput(const std::string& path, const fs::path& dir,
                        const std::vector<std::string>& names) {
   bool any_weights = false;
   for (const std::string& name : names) {
+    if (IsModelSideFile(dir, name)) continue;
     const bool weights = name == "model.safetensors" || IsFullPartName(name);
     if ((!weights && name != kIndexName) || !IsRegularFile(dir / name)) {
       return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
@@ -160,6 +167,16 @@ Status CheckDcpOutput(const std::string& path, const fs::path& dir,
 }
 
 }  // namespace
+
+std::span<const char* const> ModelSideFiles() {
+  static constexpr const char* kFiles[] = {"config.json",        "generation_config.json",
+                                           "tokenizer.json",     "tokenizer_config.json",
+                                           "tokenizer.model",    "special_tokens_map.json",
+                                           "added_tokens.json",  "vocab.json",
+                                           "merges.txt",         "chat_template.jinja",
+                                           "chat_template.json", "preprocessor_config.json"};
+  return kFiles;
+}
 
 const std::map<std::string, std::string>& ProducerMetadata() {
   static const std::map<std::string, std::string> metadata = {{"format", "pt"},

@@ -4,11 +4,12 @@
 // Replacing (`overwrite`) is allowed only for
 //   - an empty directory;
 //   - a sharded checkpoint that reshard wrote: reshard.json (a manifest that parses) and
-//     exactly the files its "files" lists, nothing else;
+//     exactly the files its "files" lists, and the model's side files (ModelSideFiles()),
+//     nothing else;
 //   - a full checkpoint that reshard wrote: model.safetensors, or model-NNNNN-of-NNNNN
-//     parts and model.safetensors.index.json, nothing else, each safetensors file marked in
-//     its header's __metadata__ with "producer": "reshard" (kProducerMetadata; every
-//     safetensors file the checkpoint operations write carries it);
+//     parts and model.safetensors.index.json, and the model's side files, nothing else, each
+//     safetensors file marked in its header's __metadata__ with "producer": "reshard"
+//     (kProducerMetadata; every safetensors file the checkpoint operations write carries it);
 //   - a universal checkpoint: latest_universal naming the one folder beside it, which holds
 //     only *_model_states.pt files and zero/, which holds only optimizer_state.pt and folders
 //     of {fp32,exp_avg,exp_avg_sq,step}.pt (DeepSpeed's format: its files carry no mark);
@@ -45,6 +46,12 @@ namespace reshard {
 /// The __metadata__ of every safetensors file reshard's checkpoint operations write:
 /// {"format": "pt", "producer": "reshard"} ("format": "pt" is what transformers expects).
 const std::map<std::string, std::string>& ProducerMetadata();
+
+/// The files beside a model's weights that loaders read from the same directory (vLLM's
+/// sharded-state loader among them: an output must stand for the model), which the checkpoint
+/// commands copy (or, config.json, write) beside the tensors they write: config.json,
+/// tokenizer files, chat templates. An output holding them is still reshard's to replace.
+std::span<const char* const> ModelSideFiles();
 
 /// OK when the existing `path` may be replaced (rules above); AlreadyExists otherwise, naming
 /// the first entry reshard did not write. OK when `path` does not exist.
