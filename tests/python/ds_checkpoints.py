@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 
+import filelock
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -260,9 +261,17 @@ def ds_checkpoint(tmp_path_factory):
     a module-scoped fixture when a module uses several specs). Do not write into what it
     returns: copy the save dir first."""
     env_dir = os.environ.get("RESHARD_DS_CHECKPOINT_CACHE")
-    base = pathlib.Path(env_dir) if env_dir else tmp_path_factory.mktemp("ds_checkpoints")
+    base = pathlib.Path(env_dir) if env_dir else shared_tmp_dir(tmp_path_factory, "ds_checkpoints")
     base.mkdir(parents=True, exist_ok=True)
     return _Factory(base)
+
+
+def shared_tmp_dir(tmp_path_factory, name):
+    """A temporary directory every pytest-xdist worker of this run shares (one per session
+    without xdist): what one worker trained, the others find there."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.getbasetemp().parent / name
+    return tmp_path_factory.mktemp(name)
 
 
 class _Factory:
@@ -271,7 +280,13 @@ class _Factory:
         self.made = {}
 
     def prepare(self, specs):
-        self.made.update(make_checkpoints([s for s in specs if s not in self.made], self.base))
+        todo = [s for s in specs if s not in self.made]
+        if not todo:
+            return
+        # One trainer at a time across the run's workers: a spec another worker is training is
+        # found done once the lock is ours.
+        with filelock.FileLock(str(self.base / ".lock")):
+            self.made.update(make_checkpoints(todo, self.base))
 
     def __call__(self, spec):
         self.prepare([spec])

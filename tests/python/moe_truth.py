@@ -181,7 +181,19 @@ def run_transformers(root):
 
 @pytest.fixture(scope="session")
 def moe_truth(tmp_path_factory):
-    return run_transformers(tmp_path_factory.mktemp("moe_truth"))
+    """Made once per run: pytest-xdist workers share it (the first to ask makes it)."""
+    import filelock  # imported here: conftest imports this module
+
+    from ds_checkpoints import shared_tmp_dir
+
+    root = shared_tmp_dir(tmp_path_factory, "moe_truth")
+    root.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(root) + ".lock"):
+        if (root / "done").exists():
+            return MoeTruth(root / "models", root / "dumps")
+        truth = run_transformers(root)
+        (root / "done").write_text("")
+        return truth
 
 
 def main():

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Runs clang-tidy over the translation units whose input changed since its last clean run.
+
+    scripts/tidy_changed.py BUILD_DIR CACHE JOBS < FILES   (NUL-separated paths)
+
+A translation unit's key is the SHA-256 of what decides clang-tidy's verdict on it: the
+clang-tidy version, `.clang-tidy`, the extra arguments, and the unit as clang's preprocessor
+sees it (`clang++ -E` with the unit's own compile command, every header expanded, the checkout's
+path replaced so that clones anywhere agree). CACHE (committed, `.ci/clang-tidy-passed`) lists
+`path key` for every unit of the last clean run; a unit whose key is listed passed clang-tidy
+with exactly this input and is not checked again. The others go to run-clang-tidy; when it
+passes, CACHE is rewritten with every unit's key, so a clean run leaves it current and the next
+commit carries it. A unit that cannot be preprocessed is checked, never skipped.
+
+Exits with run-clang-tidy's status (its log in BUILD_DIR/clang-tidy.log).
+"""
+
+import concurrent.futures
+import hashlib
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+EXTRA_ARGS = ["-Wno-overlength-strings"]
+
+
+def compile_commands(build: pathlib.Path) -> dict[str, list[str]]:
+    entries = json.loads((build / "compile_commands.json").read_text())
+    commands = {}
+    for entry in entries:
+        path = str(pathlib.Path(entry["directory"], entry["file"]).resolve())
+        args = entry.get("arguments") or shlex.split(entry["command"])
+        commands[path] = args
+    return commands
+
+
+def preprocess_args(args: list[str], path: str) -> list[str]:
+    """The unit's compile command as a clang++ -E to stdout."""
+    out = ["clang++", "-E", "-P", "-Wno-unknown-warning-option"]
+    skip = False
+    for arg in args[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-o", "-MF", "-MT", "-MQ"):
+            skip = True
+            continue
+        if arg in ("-c", "-MD", "-MMD") or arg == path:
+            continue
+        out.append(arg)
+    return out + EXTRA_ARGS + [path]
+
+
+def unit_key(root: str, salt: bytes, args: list[str], path: str, cwd: str) -> str | None:
+    run = subprocess.run(preprocess_args(args, path), cwd=cwd, capture_output=True)
+    if run.returncode != 0:
+        return None
+    text = run.stdout.replace(root.encode(), b"@ROOT@")
+    return hashlib.sha256(salt + text).hexdigest()
+
+
+def main() -> int:
+    build, cache, jobs = pathlib.Path(sys.argv[1]).resolve(), pathlib.Path(sys.argv[2]), sys.argv[3]
+    files = [str(pathlib.Path(f).resolve()) for f in sys.stdin.read().split("\0") if f]
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    version = subprocess.run(["clang-tidy", "--version"], capture_output=True, check=True).stdout
+    salt = version + pathlib.Path(root, ".clang-tidy").read_bytes() + " ".join(EXTRA_ARGS).encode()
+    commands = compile_commands(build)
+    # As run-clang-tidy itself does, a file the build does not compile (the MPI runner without
+    # MPI) is not checked.
+    files = [f for f in files if f in commands]
+
+    def key_of(f: str) -> str | None:
+        return unit_key(root, salt, commands[f], f, str(build))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=int(jobs)) as pool:
+        keys = dict(zip(files, pool.map(key_of, files)))
+    passed = {}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            rel, _, key = line.partition(" ")
+            passed[rel] = key
+
+    def rel(f: str) -> str:
+        return str(pathlib.Path(f).relative_to(root))
+
+    todo = [f for f in files if keys[f] is None or passed.get(rel(f)) != keys[f]]
+    print(f"clang-tidy: {len(todo)} of {len(files)} units changed since its last clean run")
+    status = 0
+    if todo:
+        log = build / "clang-tidy.log"
+        with open(log, "wb") as out:
+            status = subprocess.run(
+                ["run-clang-tidy", "-p", str(build), "-j", jobs, "-quiet"]
+                + [f"-extra-arg={a}" for a in EXTRA_ARGS]
+                + ["^" + re.escape(f) + "$" for f in todo],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            ).returncode
+    if status == 0:
+        lines = sorted(f"{rel(f)} {k}" for f, k in keys.items() if k is not None)
+        text = "\n".join(lines) + "\n"
+        if not cache.exists() or cache.read_text() != text:
+            cache.write_text(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
