@@ -59,6 +59,23 @@ Index BandElements(const Shape& valid, Index n, size_t elem_bytes, uint64_t band
   return std::min(n, target);
 }
 
+// A band's bytes, kept from tensor to tensor: allocated once at the largest band, and never
+// zero-filled (every byte is written before it is read).
+class BandBuffer {
+ public:
+  std::byte* Reserve(size_t bytes) {
+    if (bytes > capacity_) {
+      data_.reset(new std::byte[bytes]);
+      capacity_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  size_t capacity_ = 0;
+};
+
 // One side of a tensor's comparison: its shards and the plan that copies each band out of them.
 class Side {
  public:
@@ -77,32 +94,51 @@ class Side {
 
   DType dtype() const { return param_->dtype; }
 
-  // Band `k` (`len` elements) of F in this side's dtype: read in place where it is one
-  // contiguous run of a shard, else copied into `buffer`.
-  Result<const std::byte*> Band(size_t k, Index len, std::vector<std::byte>& buffer,
-                                int num_threads) const {
-    const size_t elem = DTypeSize(dtype());
+  // Band `k` (`len` elements) of F where it is one contiguous run of a shard, read in place;
+  // null otherwise.
+  const std::byte* InPlace(size_t k, Index len) const {
     const std::vector<size_t>& moves = moves_of_band_[k];
-    if (moves.size() == 1) {
-      const Move& m = plan_.moves[moves.front()];
-      const bool unit = m.shape.empty() ||
-                        (m.shape.size() == 1 && m.src.strides[0] == 1 && m.dst.strides[0] == 1);
-      const bool unscaled = m.factor == 1.0 || param_->scale_power == 0;
-      const ConstBuffer& shard = shards_.shards()[static_cast<size_t>(m.src_rank)];
-      if (unit && unscaled && m.dst.offset == 0 && m.num_elements() == len && m.src.offset >= 0 &&
-          m.src.offset + len <= shard.num_elements) {
-        return shard.data + static_cast<size_t>(m.src.offset) * elem;
-      }
+    if (moves.size() != 1) return nullptr;
+    const Move& m = plan_.moves[moves.front()];
+    const bool unit =
+        m.shape.empty() || (m.shape.size() == 1 && m.src.strides[0] == 1 && m.dst.strides[0] == 1);
+    const ConstBuffer& shard = shards_.shards()[static_cast<size_t>(m.src_rank)];
+    if (unit && Unscaled(m) && m.dst.offset == 0 && m.num_elements() == len && m.src.offset >= 0 &&
+        m.src.offset + len <= shard.num_elements) {
+      return shard.data + static_cast<size_t>(m.src.offset) * DTypeSize(dtype());
     }
+    return nullptr;
+  }
+
+  // Whether band `k` equals `band` (the band in this side's dtype) bit for bit, compared
+  // straight from the shards with no copy; nullopt when a move is scaled.
+  Result<std::optional<bool>> SameAs(size_t k, const std::byte* band, int num_threads) const {
+    const size_t elem = DTypeSize(dtype());
+    std::vector<StridedCompareMove> compares;
+    for (size_t i : moves_of_band_[k]) {
+      const Move& m = plan_.moves[i];
+      if (!Unscaled(m)) return std::optional<bool>();
+      const ConstBuffer& shard = shards_.shards()[static_cast<size_t>(m.src_rank)];
+      compares.push_back({m.shape, shard.data + static_cast<size_t>(m.src.offset) * elem,
+                          m.src.strides, band + static_cast<size_t>(m.dst.offset) * elem,
+                          m.dst.strides, ScaleOp::None()});
+    }
+    RESHARD_ASSIGN_OR_RETURN(const std::optional<CompareMismatch> mismatch,
+                             StridedCompare(dtype(), compares, {}, num_threads));
+    return std::optional<bool>(!mismatch.has_value());
+  }
+
+  // Band `k` (`len` elements) of F in this side's dtype, copied out of the shards into
+  // `buffer` through the band's moves (scales undone as gather undoes them).
+  Result<const std::byte*> Copy(size_t k, Index len, BandBuffer& buffer, int num_threads) const {
     ParamPlan band;
     band.source_world = plan_.source_world;
     band.target_world = 1;
-    for (size_t i : moves) {
+    for (size_t i : moves_of_band_[k]) {
       band.moves.push_back(plan_.moves[i]);
       band.moves.back().dst_rank = 0;
     }
-    buffer.resize(static_cast<size_t>(len) * elem);
-    const MutableBuffer target{buffer.data(), len};
+    const MutableBuffer target{buffer.Reserve(static_cast<size_t>(len) * DTypeSize(dtype())), len};
     ExecOptions exec;
     exec.scale_power = param_->scale_power;
     // F's values, as gather gives them: scales undone whatever they round.
@@ -110,10 +146,12 @@ class Side {
     exec.allow_lossy_scale = true;
     exec.num_threads = num_threads;
     RESHARD_RETURN_IF_ERROR(ExecutePlan(band, dtype(), shards_.shards(), {&target, 1}, exec));
-    return static_cast<const std::byte*>(buffer.data());
+    return static_cast<const std::byte*>(target.data);
   }
 
  private:
+  bool Unscaled(const Move& m) const { return m.factor == 1.0 || param_->scale_power == 0; }
+
   const ShardedParam* param_;
   AcquiredShards shards_;
   ParamPlan plan_;
@@ -212,9 +250,14 @@ Shape Unravel(Index flat, const Shape& shape) {
 
 // Compares parameter `ia` of `a` with parameter `ib` of `b` (same name, dtype and valid shape, or
 // dtypes compared by value): the first differing element, if any.
+// The band buffers of both sides.
+struct BandBuffers {
+  BandBuffer a, b;
+};
+
 Result<std::optional<TensorDifference>> DiffValues(ShardSource& a, size_t ia, ShardSource& b,
                                                    size_t ib, const DiffOptions& options,
-                                                   int64_t& elements) {
+                                                   BandBuffers& buffers, int64_t& elements) {
   const ShardedParam& pa = a.manifest().params[ia];
   const ShardedParam& pb = b.manifest().params[ib];
   const Shape& valid = pa.map.valid_shape();
@@ -227,13 +270,29 @@ Result<std::optional<TensorDifference>> DiffValues(ShardSource& a, size_t ia, Sh
   RESHARD_RETURN_IF_ERROR(sa.Plan(bands).Annotate("A"));
   Side sb(b, ib);
   RESHARD_RETURN_IF_ERROR(sb.Plan(bands).Annotate("B"));
-  std::vector<std::byte> buffer_a, buffer_b;
+  const bool bits = !options.atol && !options.rtol && pa.dtype == pb.dtype;
   for (Index k = 0; k * band < n; ++k) {
     const Index len = std::min(band, n - k * band);
-    RESHARD_ASSIGN_OR_RETURN(const std::byte* va,
-                             sa.Band(static_cast<size_t>(k), len, buffer_a, options.num_threads));
-    RESHARD_ASSIGN_OR_RETURN(const std::byte* vb,
-                             sb.Band(static_cast<size_t>(k), len, buffer_b, options.num_threads));
+    const auto kk = static_cast<size_t>(k);
+    const std::byte* va = sa.InPlace(kk, len);
+    const std::byte* vb = sb.InPlace(kk, len);
+    if (bits && (va == nullptr) != (vb == nullptr)) {
+      // One side in place: the other's moves compared against it, with no copy; only a band
+      // that differs is copied, to find its first differing element in F's order.
+      RESHARD_ASSIGN_OR_RETURN(const std::optional<bool> same,
+                               va != nullptr ? sb.SameAs(kk, va, options.num_threads)
+                                             : sa.SameAs(kk, vb, options.num_threads));
+      if (same.value_or(false)) {
+        elements += len;
+        continue;
+      }
+    }
+    if (va == nullptr) {
+      RESHARD_ASSIGN_OR_RETURN(va, sa.Copy(kk, len, buffers.a, options.num_threads));
+    }
+    if (vb == nullptr) {
+      RESHARD_ASSIGN_OR_RETURN(vb, sb.Copy(kk, len, buffers.b, options.num_threads));
+    }
     const Index at = FirstDifference(va, pa.dtype, vb, pb.dtype, len, options);
     if (at < 0) {
       elements += len;
@@ -277,6 +336,7 @@ Result<DiffReport> DiffSources(ShardSource& a, ShardSource& b, const DiffOptions
   std::map<std::string_view, size_t> in_a;
   for (size_t i = 0; i < ma.params.size(); ++i) in_a.emplace(ma.params[i].name, i);
   DiffReport report;
+  BandBuffers buffers;
   for (size_t ia = 0; ia < ma.params.size(); ++ia) {
     const ShardedParam& pa = ma.params[ia];
     TensorDifference d;
@@ -301,7 +361,7 @@ Result<DiffReport> DiffSources(ShardSource& a, ShardSource& b, const DiffOptions
       report.differences.push_back(std::move(d));
     } else {
       Result<std::optional<TensorDifference>> v =
-          DiffValues(a, ia, b, found->second, options, report.elements_compared);
+          DiffValues(a, ia, b, found->second, options, buffers, report.elements_compared);
       if (!v.ok()) return v.status().Annotate(fmt::format("tensor \"{}\"", pa.name));
       if (*v) report.differences.push_back(**std::move(v));
     }
