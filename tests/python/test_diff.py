@@ -166,6 +166,10 @@ def test_unreadable_input_exits_2(ckpts, tmp_path):
     r = run(ckpts.bin, "diff", bad, ckpts.tp2)
     assert r.returncode == 2 and "model.safetensors" in r.stderr
     assert r.stdout == ""
+    pt = tmp_path / "model.pt"
+    torch.save(model(), str(pt))
+    r = run(ckpts.bin, "diff", pt, ckpts.hf)
+    assert r.returncode == 2 and "model.pt" in r.stderr
     with pytest.raises((reshard.CheckpointError, FileNotFoundError)):
         reshard.diff(ckpts.hf, tmp_path / "nowhere")
 
