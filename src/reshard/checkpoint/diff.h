@@ -61,7 +61,8 @@ struct DiffReport {
   /// A's tensors in its order (missing, dtype, shape and value differences), then B's extras in
   /// B's order.
   std::vector<TensorDifference> differences;
-  /// Tensors both hold, and the elements of those compared value by value.
+  /// Tensors both hold, and the elements of those compared (a tensor's comparison stops at its
+  /// first difference).
   int64_t tensors_compared = 0;
   int64_t elements_compared = 0;
   bool equal() const { return differences.empty(); }
