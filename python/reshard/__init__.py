@@ -9,7 +9,8 @@ holds (DESIGN 6.1; DeepSpeed's ``ParamAffineMap.to_dict()`` form reads too). Wit
 - a :class:`BufferSet` declares rank tensors that hold pieces of many checkpoint tensors (an
   MoE layer's fused experts, a fused QKV: DESIGN 16) and checks them with the maps over them;
 - :mod:`reshard.checkpoint` does the same for whole checkpoints on disk (the CLI's scatter,
-  gather, convert, inspect), and :func:`degree` answers which tensor-parallel degrees a model's
+  gather, convert, inspect), :func:`diff` compares two checkpoints in any formats and layouts
+  tensor by tensor, and :func:`degree` answers which tensor-parallel degrees a model's
   config.json allows; :func:`plan_sync` plans and simulates a weight sync from a trainer into
   many inference engines on a cluster.
 
@@ -29,15 +30,16 @@ from ._tensors import extract, rebuild, transfer  # noqa: E402
 from ._buffers import Block, Buffer, BufferSet, read_buffers  # noqa: E402
 from ._degree import DegreeConstraint, DegreeReport, degree  # noqa: E402
 from ._sync import SyncLink, SyncPlan, plan_sync  # noqa: E402
+from ._diff import DiffReport, TensorDifference, diff  # noqa: E402
 from . import checkpoint  # noqa: E402
 
 __version__: str = _core.__version__
 
 __all__ = [
     "Block", "Buffer", "BufferSet", "read_buffers",
-    "CheckpointError", "DegreeConstraint", "DegreeError", "DegreeReport", "LayoutError",
+    "CheckpointError", "DegreeConstraint", "DiffReport", "DegreeError", "DegreeReport", "LayoutError",
     "MapError", "Move",
     "ParamMap", "Piece", "Plan", "ReshardError", "SyncLink", "SyncPlan", "__version__", "checkpoint",
-    "compose", "degree",
+    "TensorDifference", "compose", "degree", "diff",
     "extract", "infer", "maps_to_json", "plan_sync", "read_maps", "rebuild", "transfer",
 ]

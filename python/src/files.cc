@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/deepspeed/pipeline_writer.h"
+#include "reshard/checkpoint/diff.h"
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/checkpoint/megatron/megatron.h"
@@ -361,6 +363,45 @@ std::string PyInspect(const std::string& path, bool json) {
   return *std::move(report);
 }
 
+// reshard diff: (tensors compared, elements compared, differences), each difference a tuple
+// (name, kind, dtype_a, dtype_b, shape_a, shape_b, index, multi_index, value_a, value_b) with
+// None for what the side lacks (and for the element of a difference that is not of values).
+using PyDifference =
+    std::tuple<std::string, std::string, std::optional<std::string>, std::optional<std::string>,
+               std::optional<Shape>, std::optional<Shape>, std::optional<Index>,
+               std::optional<Shape>, std::optional<std::string>, std::optional<std::string>>;
+
+std::tuple<int64_t, int64_t, std::vector<PyDifference>> PyDiff(
+    const std::string& a, const std::string& b, std::optional<double> atol,
+    std::optional<double> rtol, const std::optional<std::string>& dequantize) {
+  const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
+  DiffOptions options;
+  options.atol = atol;
+  options.rtol = rtol;
+  if ((atol && !(*atol >= 0 && std::isfinite(*atol))) ||
+      (rtol && !(*rtol >= 0 && std::isfinite(*rtol)))) {
+    throw py::value_error("atol and rtol are finite numbers >= 0");
+  }
+  Result<DiffReport> report = [&] {
+    py::gil_scoped_release release;
+    return DiffCheckpoints(a, b, deq, options);
+  }();
+  if (!report.ok()) Raise(report.status(), ErrorKind::kCheckpoint);
+  auto name = [](const std::optional<DType>& d) {
+    return d ? std::optional<std::string>(DTypeName(*d)) : std::nullopt;
+  };
+  std::vector<PyDifference> out;
+  for (const TensorDifference& d : report->differences) {
+    const bool value = d.kind == DiffKind::kValue;
+    out.emplace_back(d.name, std::string(DiffKindName(d.kind)), name(d.dtype_a), name(d.dtype_b),
+                     d.shape_a, d.shape_b, value ? std::optional<Index>(d.index) : std::nullopt,
+                     value ? std::optional<Shape>(d.multi_index) : std::nullopt,
+                     value ? std::optional<std::string>(d.value_a) : std::nullopt,
+                     value ? std::optional<std::string>(d.value_b) : std::nullopt);
+  }
+  return {report->tensors_compared, report->elements_compared, std::move(out)};
+}
+
 // A reshard sharded checkpoint opened as `reshard gather` opens it (ShardedCheckpoint::Open:
 // the manifest read strictly, every rank's files checked against it before any data is read),
 // for reshard.checkpoint.load_rank. Its files stay mapped while the object lives.
@@ -488,6 +529,8 @@ void BindFiles(py::module_& m) {
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));
+  m.def("diff", &PyDiff, py::arg("a"), py::arg("b"), py::arg("atol"), py::arg("rtol"),
+        py::arg("dequantize"));
   py::class_<PyShardedCheckpoint, std::shared_ptr<PyShardedCheckpoint>>(m, "ShardedCheckpoint")
       .def_static("open", &PyShardedCheckpoint::Open, py::arg("dir"))
       .def_property_readonly("world_size", &PyShardedCheckpoint::world_size)

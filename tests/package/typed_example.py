@@ -38,6 +38,10 @@ def deepspeed_outputs(save_dir: str) -> None:
     reshard.checkpoint.gather(save_dir, "hf", fp32=True)
     reshard.checkpoint.convert(save_dir, "tp1", tp=1, weights_only=True)
     reshard.checkpoint.convert(save_dir, "universal", to="universal", sync=False)
+    report: reshard.DiffReport = reshard.diff(save_dir, "hf", rtol=1e-3)
+    first: Optional[reshard.TensorDifference] = next(iter(report.differences), None)
+    index: Optional[int] = None if first is None else first.index
+    print(report.equal, report.elements_compared, index)
 
 
 def main() -> None:

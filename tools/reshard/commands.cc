@@ -66,6 +66,15 @@ constexpr CommandEntry kCommands[] = {
      "weights, fp32 master weights (<param>.fp32) and Adam moments (<param>.exp_avg, "
      "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
      ConvertCommand},
+    {"diff",
+     "Compare two checkpoints tensor by tensor, in any formats reshard reads and any layouts "
+     "(a Hugging Face directory against a reshard sharded checkpoint at TP 8, a DeepSpeed or DCP "
+     "checkpoint against either), without building any full tensor. Exit 0 when every tensor is "
+     "bit-identical, 1 listing each tensor that differs (missing from B, extra in B, dtype, "
+     "shape, or its first differing element in row-major order: the index in the full tensor "
+     "and both values), 2 when an input cannot be read. --atol/--rtol compare values instead "
+     "(bf16 against fp32); --dequantize reads block-quantized tensors as numbers.",
+     DiffCommand},
     {"degree",
      "The largest tensor-parallel degree a model supports, from its config.json and "
      "transformers' plans (docs/degree.md). With --tp N, confirm N (exit 0) or refuse it "

@@ -50,6 +50,7 @@ CommandBody SyncPlanCommand();
 CommandBody ScatterCommand();
 CommandBody GatherCommand();
 CommandBody ConvertCommand();
+CommandBody DiffCommand();
 CommandBody DegreeCommand();
 CommandBody InspectCommand();
 CommandBody ExportCommand();

@@ -512,7 +512,58 @@ Status ConvertDequantized(const std::string& path, const SourceOptions& source, 
   return ConvertFrom(*d.view, world_size, target, out_dir, d.options);
 }
 
+// A side of a diff: its source, through a dequantized view when asked and it has block-quantized
+// tensors.
+struct DiffSide {
+  OpenedCheckpoint opened;
+  std::optional<DequantizedCheckpoint> dequantized;
+  ShardSource& source() { return dequantized ? *dequantized->view : *opened.source; }
+};
+
+// Whether the checkpoint has block-quantized tensors that a dequantizing read would turn into
+// numbers: block scales recorded, or a quantization_config in its config.json.
+Result<bool> HasQuantizedTensors(const OpenedCheckpoint& opened) {
+  const Manifest& m = opened.source->manifest();
+  if (!m.block_scales.empty()) return true;
+  std::string config = m.model_config;
+  for (const ExtraFile& f : opened.extra_files) {
+    if (f.name == "config.json") config = f.contents;
+  }
+  if (config.empty()) return false;
+  RESHARD_ASSIGN_OR_RETURN(const std::optional<QuantScheme> scheme, ReadQuantScheme(config));
+  return scheme.has_value();
+}
+
+Result<DiffSide> OpenDiffSide(const std::string& path,
+                              const std::optional<DequantizeOptions>& dequantize) {
+  SourceOptions s;
+  s.use = SourceUse::kConvert;
+  // The weights only, where the format holds more (a DeepSpeed checkpoint's optimizer state).
+  s.weights_only = true;
+  if (!CheckSourceOptions(path, s).ok()) s.weights_only = false;
+  DiffSide side;
+  RESHARD_ASSIGN_OR_RETURN(side.opened, OpenCheckpoint(path, s));
+  if (side.opened.source == nullptr) return InvalidArgumentError(side.opened.not_convertible);
+  if (!dequantize) return side;
+  RESHARD_ASSIGN_OR_RETURN(const bool quantized, HasQuantizedTensors(side.opened));
+  if (!quantized) return side;
+  CheckpointOptions o;
+  o.dequantize = dequantize;
+  RESHARD_ASSIGN_OR_RETURN(side.dequantized, OpenDequantized(path, s, o));
+  return side;
+}
+
 }  // namespace
+
+Result<DiffReport> DiffCheckpoints(const std::string& a, const std::string& b,
+                                   const std::optional<DequantizeOptions>& dequantize,
+                                   const DiffOptions& options) {
+  Result<DiffSide> side_a = OpenDiffSide(a, dequantize);
+  if (!side_a.ok()) return side_a.status().Annotate(fmt::format("A \"{}\"", a));
+  Result<DiffSide> side_b = OpenDiffSide(b, dequantize);
+  if (!side_b.ok()) return side_b.status().Annotate(fmt::format("B \"{}\"", b));
+  return DiffSources(side_a->source(), side_b->source(), options);
+}
 
 Status ScatterDequantized(const std::string& full_dir, const ScatterLayoutOf& layout,
                           const std::string& out_dir, const CheckpointOptions& options) {

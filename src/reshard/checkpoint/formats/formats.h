@@ -15,6 +15,7 @@
 
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
+#include "reshard/checkpoint/diff.h"
 #include "reshard/checkpoint/source.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/ir/map_json.h"
@@ -68,6 +69,18 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source, i
 Status ConvertCheckpoint(const std::string& path, const SourceOptions& source,
                          const ParallelRun& target, const std::optional<MapDocument>& target_maps,
                          const std::string& out_dir, const CheckpointOptions& options = {});
+
+/// reshard diff: the checkpoints at `a` and `b` (any formats, any layouts) compared tensor by
+/// tensor (DiffSources), each read as a weights-only convert reads it (a DeepSpeed or universal
+/// checkpoint: the module's weights; a reshard sharded checkpoint: every tensor it holds). With
+/// `dequantize`, a side with block-quantized tensors (recorded block scales, or a config.json
+/// with a quantization_config) has them read as numbers of that dtype, as gather --dequantize
+/// writes them; a side with none is read as it is.
+/// \error InvalidArgument  a format that cannot be read so (an AutoEP DeepSpeed checkpoint), or
+///        --dequantize of a format it does not take
+Result<DiffReport> DiffCheckpoints(const std::string& a, const std::string& b,
+                                   const std::optional<DequantizeOptions>& dequantize,
+                                   const DiffOptions& options = {});
 
 /// The target run of a reshard sharded checkpoint at `world_size` (a rank per tensor rank), and
 /// of a DCP saved for `world_size` ranks (a flat world).
