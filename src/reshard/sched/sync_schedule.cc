@@ -119,6 +119,24 @@ struct SyncPlanner::State {
   std::vector<std::vector<Index>> primary_assigned;  // per engine, per worker
   std::vector<Index> engine_work;  // per engine: bytes taken from the trainer and relayed
   SyncSchedule schedule;
+  // Lists of ints by a small index, kept from tensor to tensor (emptied, not freed).
+  struct Lists {
+    std::vector<std::vector<int>> lists;
+    std::vector<int> used;
+    explicit Lists(size_t n = 0) : lists(n) {}
+    std::vector<int>& at(int k) {
+      auto& list = lists[static_cast<size_t>(k)];
+      if (list.empty()) used.push_back(k);
+      return list;
+    }
+    void Clear() {
+      for (int k : used) lists[static_cast<size_t>(k)].clear();
+      used.clear();
+    }
+  };
+  Lists on_host;
+  Lists on_nic_out;
+  Lists steps_into;
   int64_t parents_costed = 0;       // candidate parents whose cost the relays computed
   std::vector<int> nic_out_loaded;  // NIC out links Commit loaded (since the caller cleared it)
 
@@ -178,7 +196,14 @@ struct SyncPlanner::State {
     int transfer;
     int round;
   };
-  std::unordered_map<int, std::vector<Arrival>> arrived;
+  // Kept from tensor to tensor (emptied, not freed): one list per process of the sync.
+  std::vector<std::vector<Arrival>> arrived;
+  std::vector<int> arrived_at;  // the processes whose list is not empty
+
+  void ClearArrivals() {
+    for (int p : arrived_at) arrived[static_cast<size_t>(p)].clear();
+    arrived_at.clear();
+  }
 
   // Records step `step_index` of `tensor` (index `t`): its transfers, their dependencies and
   // rounds, the loads.
@@ -203,16 +228,13 @@ struct SyncPlanner::State {
                      0};
       if (step.from_engine != kTrainer) {
         const auto [begin, end] = Span(m.shape, m.src);
-        auto it = arrived.find(a);
-        if (it != arrived.end()) {
-          for (const Arrival& got : it->second) {
-            if (got.end <= begin || end <= got.begin) continue;
-            if (std::find(step.after.begin(), step.after.end(), got.step) == step.after.end())
-              continue;
-            schedule.dependencies.push_back(got.transfer);
-            ++x.num_dependencies;
-            round = std::max(round, got.round + 1);
-          }
+        for (const Arrival& got : arrived[static_cast<size_t>(a)]) {
+          if (got.end <= begin || end <= got.begin) continue;
+          if (std::find(step.after.begin(), step.after.end(), got.step) == step.after.end())
+            continue;
+          schedule.dependencies.push_back(got.transfer);
+          ++x.num_dependencies;
+          round = std::max(round, got.round + 1);
         }
       }
       x.round = round;
@@ -233,7 +255,11 @@ struct SyncPlanner::State {
       schedule.transfers.push_back(x);
       schedule.rounds = std::max(schedule.rounds, round);
     }
-    for (auto& [process, arrival] : fresh) arrived[process].push_back(arrival);
+    for (auto& [process, arrival] : fresh) {
+      auto& list = arrived[static_cast<size_t>(process)];
+      if (list.empty()) arrived_at.push_back(process);
+      list.push_back(arrival);
+    }
   }
 
   // The relays of the tensor being planned: the holders so far and what the parent search
@@ -246,10 +272,10 @@ struct SyncPlanner::State {
     std::vector<int> holders;                  // engines holding the tensor, in that order
     std::vector<int> classes;                  // the holders' classes, in order of first holder
     std::map<int, std::vector<int>> of_class;  // class -> its holders' positions
-    std::unordered_map<int, std::vector<int>> on_host;     // host -> holders with a worker there
-    std::unordered_map<int, std::vector<int>> on_nic_out;  // NIC out link -> holders sending on it
-    std::unordered_map<int, std::vector<int>> steps_into;  // engine -> steps into it
-    std::map<std::pair<int, int>, RemoteParents> remote;   // (to class, from class)
+    Lists* on_host = nullptr;                  // used host -> holders with a worker there
+    Lists* on_nic_out = nullptr;               // NIC out link -> holders sending on it
+    Lists* steps_into = nullptr;               // engine -> steps into it
+    std::map<std::pair<int, int>, RemoteParents> remote;          // (to class, from class)
     std::map<int, std::vector<std::pair<int, int>>> remote_from;  // from class -> keys of remote
     std::vector<char> local;                                      // scratch: holders costed in full
   };
@@ -318,8 +344,8 @@ struct SyncPlanner::State {
     r.of_class[c].push_back(pos);
     for (int w = 0; w < topo->engine_workers(e); ++w) {
       const int process = topo->engine_process(e, w);
-      for (auto* list :
-           {&r.on_host[topo->slot(process).host], &r.on_nic_out[topo->NicOutLink(process)]}) {
+      for (auto* list : {&r.on_host->at(topo->UsedHost(process)),
+                         &r.on_nic_out->at(topo->NicOutLink(process))}) {
         if (list->empty() || list->back() != pos) list->push_back(pos);
       }
     }
@@ -332,9 +358,7 @@ struct SyncPlanner::State {
     nic_out_links.erase(std::unique(nic_out_links.begin(), nic_out_links.end()),
                         nic_out_links.end());
     for (int l : nic_out_links) {
-      auto it = r.on_nic_out.find(l);
-      if (it == r.on_nic_out.end()) continue;
-      for (int pos : it->second) {
+      for (int pos : r.on_nic_out->at(l)) {
         const int c = (*r.cls)[static_cast<size_t>(r.holders[static_cast<size_t>(pos)])];
         for (const auto& key : r.remote_from[c]) {
           RemoteParents& set = r.remote.at(key);
@@ -392,9 +416,7 @@ struct SyncPlanner::State {
     Choice best;
     std::vector<int> marked;
     for (int w = 0; w < topo->engine_workers(child); ++w) {
-      auto it = r.on_host.find(topo->slot(topo->engine_process(child, w)).host);
-      if (it == r.on_host.end()) continue;
-      for (int pos : it->second) {
+      for (int pos : r.on_host->at(topo->UsedHost(topo->engine_process(child, w)))) {
         if (r.local[static_cast<size_t>(pos)]) continue;
         r.local[static_cast<size_t>(pos)] = 1;
         marked.push_back(pos);
@@ -432,11 +454,17 @@ struct SyncPlanner::State {
   Status AddRelays(const SyncTensorInput& in, const std::vector<int>& needed,
                    const std::vector<int>& cls, int root, int t, SyncTensor& tensor) {
     Relays r;
+    on_host.Clear();
+    on_nic_out.Clear();
+    steps_into.Clear();
+    r.on_host = &on_host;
+    r.on_nic_out = &on_nic_out;
+    r.steps_into = &steps_into;
     r.in = &in;
     r.cls = &cls;
     r.tensor = &tensor;
     for (size_t i = 0; i < tensor.steps.size(); ++i) {
-      r.steps_into[tensor.steps[i].to_engine].push_back(static_cast<int>(i));
+      r.steps_into->at(tensor.steps[i].to_engine).push_back(static_cast<int>(i));
     }
     AddHolder(r, root);
     // Per engine holding the tensor: the engines it relays to, and its depth in the tree.
@@ -451,11 +479,11 @@ struct SyncPlanner::State {
           exhaustive ? ChooseEveryHolder(r, c, children, depth) : ChoosePruned(r, c);
       if (!choice.ok()) return choice.status();
       const int parent = r.holders[static_cast<size_t>(choice->pos)];
-      std::vector<int> after = r.steps_into[parent];
+      std::vector<int> after = r.steps_into->at(parent);
       const int step = static_cast<int>(tensor.steps.size());
       tensor.steps.push_back(
           SyncStep{choice->plan, parent, c, SyncStep::Kind::kRelay, std::move(after)});
-      r.steps_into[c].push_back(step);
+      r.steps_into->at(c).push_back(step);
       nic_out_loaded.clear();
       Commit(tensor, t, step);
       if (!exhaustive) Rekey(r, nic_out_loaded);
@@ -481,6 +509,10 @@ SyncPlanner::SyncPlanner(const Topology& topology, SyncOptions options)
   const auto n = static_cast<size_t>(topology.num_links());
   state_->load.assign(n, 0.0);
   state_->delta.assign(n, 0.0);
+  state_->arrived.resize(static_cast<size_t>(topology.num_processes()));
+  state_->on_host = State::Lists(static_cast<size_t>(topology.num_used_hosts()));
+  state_->on_nic_out = State::Lists(n);
+  state_->steps_into = State::Lists(static_cast<size_t>(topology.num_engines()));
   for (int l = 0; l < topology.num_links(); ++l) {
     state_->inv_bw.push_back(1.0 / topology.LinkBandwidth(l));
   }
@@ -583,7 +615,7 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
     }
   }
   s.engine_work[static_cast<size_t>(root)] += tensor.bytes;
-  s.arrived.clear();
+  s.ClearArrivals();
   const int root_cls = cls[static_cast<size_t>(root)];
   tensor.steps.push_back(
       SyncStep{trainer_plan[root_cls], kTrainer, root, SyncStep::Kind::kFromTrainer, {}});

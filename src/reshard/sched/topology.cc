@@ -267,12 +267,11 @@ void Topology::NumberLinks() {
   }
   for (const Slot& s : slots_) {
     const auto g = std::lower_bound(gpus_.begin(), gpus_.end(), s, before) - gpus_.begin();
+    const auto h =
+        std::lower_bound(nic_hosts_.begin(), nic_hosts_.end(), s.host) - nic_hosts_.begin();
     gpu_of_.push_back(static_cast<int>(g));
-    nic_of_.push_back(
-        spec_.nic == NicKind::kPerGpu
-            ? static_cast<int>(g)
-            : static_cast<int>(std::lower_bound(nic_hosts_.begin(), nic_hosts_.end(), s.host) -
-                               nic_hosts_.begin()));
+    host_of_.push_back(static_cast<int>(h));
+    nic_of_.push_back(static_cast<int>(spec_.nic == NicKind::kPerGpu ? g : h));
   }
 }
 

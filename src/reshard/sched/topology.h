@@ -103,6 +103,9 @@ class Topology {
   /// The NIC links of process `process` (what Route uses towards or from another host).
   int NicOutLink(int process) const;
   int NicInLink(int process) const;
+  /// The hosts processes run on, and the index among them of process `process`'s host.
+  int num_used_hosts() const { return static_cast<int>(nic_hosts_.size()); }
+  int UsedHost(int process) const { return host_of_[static_cast<size_t>(process)]; }
 
  private:
   void NumberLinks();  // gpus_, gpu_of_, nic_hosts_, nic_of_ from slots_
@@ -111,7 +114,8 @@ class Topology {
   std::vector<Slot> slots_;
   std::vector<Slot> gpus_;      // the GPUs processes run on, in host and GPU order
   std::vector<int> gpu_of_;     // per process: its index in gpus_
-  std::vector<int> nic_hosts_;  // with one NIC per host: the hosts processes run on, in order
+  std::vector<int> nic_hosts_;  // the hosts processes run on, in order
+  std::vector<int> host_of_;    // per process: its host's index in nic_hosts_
   std::vector<int> nic_of_;     // per process: its NIC's index (in nic_hosts_, or in gpus_)
   int trainer_ranks_ = 0;
   std::vector<int> engine_first_;
