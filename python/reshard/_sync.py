@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from . import _core
-from ._degree import _json_text
+from ._errors import MapError
 
 JsonSource = Union[str, "os.PathLike[str]", Mapping[str, Any]]
 
@@ -105,9 +105,43 @@ class SyncPlan:
         return copy.deepcopy(dict(self._report))
 
 
+# The most engines one plan takes, as `reshard sync-plan --engines` (and any degree).
+_MAX_ENGINES = 1 << 16
+
+
+def _json_text(source: JsonSource, what: str) -> str:
+    """A dict as JSON, or the text of the file at a path, read as the CLI reads it (a FIFO
+    nobody writes is refused at once, never waited on)."""
+    if isinstance(source, Mapping):
+        return json.dumps(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise MapError(f"{what}: expected a path or a dict, got {type(source).__name__}")
+    path = os.fspath(source)
+    if not isinstance(path, str):
+        raise MapError(f"{what}: expected a path or a dict, got {type(path).__name__}")
+    if "\0" in path:
+        raise MapError(f"{what}: embedded null byte in path {path!r}")
+    data: bytes = _core.read_text_file(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MapError(f"{what} \"{path}\": not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _count(value: object, what: str) -> int:
+    """An integer from 1 to 65536 (a bool is no count), or MapError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_ENGINES:
+        raise MapError(f"{what}: expected an integer from 1 to {_MAX_ENGINES}, got {value!r}")
+    return value
+
+
 def _grid(trainer: Union[str, Mapping[str, int]]) -> str:
     if isinstance(trainer, str):
         return trainer
+    if not isinstance(trainer, Mapping):
+        raise MapError(f"trainer: expected \"tp=..,pp=..,ep=..\" or a dict, got {trainer!r}")
+    for k, v in trainer.items():
+        _count(v, f"trainer[{k!r}]")
     return ",".join(f"{k}={v}" for k, v in trainer.items())
 
 
@@ -136,28 +170,42 @@ def plan_sync(topology: JsonSource, *, config: Optional[JsonSource] = None,
     tensor names and each tensor's steps and plans (``tensor_plans``). Its :meth:`SyncPlan.json`
     is the report `reshard sync-plan --json` prints, :meth:`SyncPlan.to_dict` that report as a
     dict. Raises MapError for a malformed topology (naming the JSON path), layouts that do not
-    fit it, or a model that cannot be split as asked; FileNotFoundError for a missing file."""
-    topology_json = _json_text(topology)
+    fit it, a model that cannot be split as asked, or an argument of the wrong kind (naming it:
+    ``engines`` and each degree are integers from 1 to 65536, as the CLI takes them);
+    FileNotFoundError for a missing file. Paths are read as the CLI reads them: a FIFO nobody
+    writes is refused at once."""
     if config is not None:
         if source is not None or targets is not None:
-            raise ValueError("config lays out both sides: give no source or targets with it")
+            raise MapError("config lays out both sides: give no source or targets with it")
         if trainer is None or engine_tp is None:
-            raise ValueError("a config needs trainer and engine_tp")
+            raise MapError("a config needs trainer and engine_tp")
+        if engines is not None:
+            _count(engines, "engines")
+        if isinstance(engine_tp, (str, bytes)) or not isinstance(engine_tp, (int, Sequence)):
+            raise MapError(f"engine_tp: expected an integer or a list of them, got {engine_tp!r}")
         tps = [engine_tp] if isinstance(engine_tp, int) else list(engine_tp)
+        if not 1 <= len(tps) <= _MAX_ENGINES:
+            raise MapError(f"engine_tp: expected 1 to {_MAX_ENGINES} degrees, got {len(tps)}")
+        for i, t in enumerate(tps):
+            _count(t, "engine_tp" if isinstance(engine_tp, int) else f"engine_tp[{i}]")
         if engines is not None:
             if len(tps) == 1:
                 tps = tps * engines
             elif len(tps) != engines:
-                raise ValueError(f"engine_tp gives {len(tps)} degrees for {engines} engines")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tps):
-            raise ValueError(f"engine_tp must be positive integers, not {engine_tp!r}")
-        text = _core.plan_sync(topology_json, _json_text(config), _grid(trainer), tps, None, [],
+                raise MapError(f"engine_tp gives {len(tps)} degrees for {engines} engines")
+        grid = _grid(trainer)
+        topology_json = _json_text(topology, "topology")
+        text = _core.plan_sync(topology_json, _json_text(config, "config"), grid, tps, None, [],
                                dtype, transfers)
     else:
         if source is None or not targets:
-            raise ValueError("give a config, or a source and one target per engine")
+            raise MapError("give a config, or a source and one target per engine")
         if trainer is not None or engine_tp is not None or engines is not None:
-            raise ValueError("trainer, engines and engine_tp go with a config")
-        text = _core.plan_sync(topology_json, None, None, [], _json_text(source),
-                               [_json_text(t) for t in targets], dtype, transfers)
+            raise MapError("trainer, engines and engine_tp go with a config")
+        if len(targets) > _MAX_ENGINES:
+            raise MapError(f"targets: at most {_MAX_ENGINES} engines, got {len(targets)}")
+        topology_json = _json_text(topology, "topology")
+        text = _core.plan_sync(topology_json, None, None, [], _json_text(source, "source"),
+                               [_json_text(t, f"targets[{i}]") for i, t in enumerate(targets)],
+                               dtype, transfers)
     return SyncPlan.from_json(text)

@@ -3,6 +3,7 @@ many engines, end to end through the CLI and the package (the schedule's invaria
 in src/reshard/sched/sched_test.cc)."""
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -135,6 +136,11 @@ def test_fp8_moves_fewer_bytes_than_bf16(tmp_path):
     ({"hosts": [{"name": "a", "gpus": 8}], "nic": "rack"}, "nic: expected \"host\" or \"gpu\""),
     ({"hosts": [{"name": "a", "gpus": 8}], "nic_gbps": -1}, "nic_gbps: expected a bandwidth"),
     ({"hosts": [{"name": "a", "gpus": 8, "nics": 2}]}, "hosts[0].nics: unknown key"),
+    # Bandwidths name their rule: from 1 MB/s (below, a sync's seconds mean nothing) to 1e9.
+    ({"hosts": [{"name": "a", "gpus": 8}], "nvlink_gbps": 1e10},
+     "nvlink_gbps: expected a bandwidth in GB/s from 0.001 (1 MB/s) to 1e9, got 10000000000"),
+    ({"hosts": [{"name": "a", "gpus": 8}], "nic_gbps": 1e-300},
+     "nic_gbps: expected a bandwidth in GB/s from 0.001 (1 MB/s) to 1e9, got 1e-300"),
 ])
 def test_bad_topology_is_exit_2_naming_the_path(reshard_bin, tmp_path, doc, path):
     topo = topology(tmp_path, doc)
@@ -219,3 +225,76 @@ def test_the_typed_plan(reshard_bin, tmp_path):
     assert plan.to_dict()["links"] and plan.links
     with pytest.raises(AttributeError):
         plan.rounds = 0  # type: ignore[misc]
+
+
+def _qwen3_with(**changes):
+    cfg = json.loads(QWEN3.read_text())
+    cfg.update(changes)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"model_type": "bert"}, '"model_type" "bert" is not a model sync-plan lays out'),
+    ({"model_type": None}, '"model_type" is missing'),
+    ({"num_key_value_heads": 0}, '"num_key_value_heads" is 0'),
+    ({"head_dim": 0}, '"head_dim" is 0'),
+    # A 1 KB config claiming 2^40 columns: refused before anything is laid out by it.
+    ({"hidden_size": 2**40}, "more than 2^44 bytes (16 TiB)"),
+])
+def test_a_config_it_cannot_lay_out_is_exit_2(reshard_bin, tmp_path, changes, needle):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_qwen3_with(**changes)))
+    topo = topology(tmp_path, {"hosts": [{"name": "a", "count": 2, "gpus": 8}]})
+    r = run(reshard_bin, "--config", config, "--trainer", "tp=2,pp=2", "--engines", 4,
+            "--engine-tp", 1, "--topology", topo)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert r.stdout == ""
+    with pytest.raises(reshard.MapError, match=re.escape(needle)):
+        reshard.plan_sync(topo, config=config, trainer="tp=2,pp=2", engines=4, engine_tp=1)
+
+
+def test_a_grid_degree_given_twice_is_refused(reshard_bin, tmp_path):
+    topo = topology(tmp_path, {"hosts": [{"name": "a", "count": 2, "gpus": 8}]})
+    r = run(reshard_bin, "--config", QWEN3, "--trainer", "tp=2,tp=4", "--engines", 2,
+            "--engine-tp", 1, "--topology", topo)
+    assert r.returncode == 2 and "tp is given twice" in r.stderr, r.stderr
+    with pytest.raises(reshard.MapError, match="tp is given twice"):
+        reshard.plan_sync(topo, config=QWEN3, trainer="tp=2,tp=4", engines=2, engine_tp=1)
+
+
+def test_a_large_topology_plans_the_sync_processes_links_only(reshard_bin, tmp_path):
+    # 2^24 GPUs declared, 12 processes: only the links of the GPUs and NICs in use exist.
+    doc = {"hosts": [{"name": "h", "count": 256, "gpus": 65536}], "nic": "gpu"}
+    plan = reshard.plan_sync(doc, config=QWEN3, trainer="tp=2,pp=2", engines=4, engine_tp=2)
+    assert plan.trainer_ranks == 4 and plan.engines == (2, 2, 2, 2) and plan.hosts == 256
+    assert plan.trainer_egress_bytes == plan.one_copy_bytes
+    assert all(name.startswith("h0:") for name in plan.links)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"engines": True}, "engines: expected an integer from 1 to 65536, got True"),
+    ({"engines": 2.5}, "engines: expected an integer from 1 to 65536, got 2.5"),
+    ({"engines": 0}, "engines: expected an integer from 1 to 65536, got 0"),
+    ({"engines": 65537}, "engines: expected an integer from 1 to 65536, got 65537"),
+    ({"engine_tp": 2**31}, "engine_tp: expected an integer from 1 to 65536, got 2147483648"),
+    ({"engine_tp": [1, True]}, "engine_tp[1]: expected an integer from 1 to 65536, got True"),
+    ({"engine_tp": "2"}, "engine_tp: expected an integer or a list of them, got '2'"),
+    ({"trainer": {"tp": 2.0}}, "trainer['tp']: expected an integer from 1 to 65536, got 2.0"),
+])
+def test_plan_sync_arguments_are_refused_naming_them(kwargs, needle):
+    args = {"config": QWEN3, "trainer": "tp=2", "engines": 2, "engine_tp": 1, **kwargs}
+    with pytest.raises(reshard.MapError, match=re.escape(needle)):
+        reshard.plan_sync({"hosts": [{"name": "a", "gpus": 8}]}, **args)
+
+
+@pytest.mark.parametrize("which", ["topology", "config"])
+def test_plan_sync_refuses_a_fifo_nobody_writes_at_once(tmp_path, which):
+    # As the CLI reads its inputs: a blocking open of a FIFO with no writer would never return.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    topo = {"hosts": [{"name": "a", "gpus": 8}]}
+    args = {"topology": fifo if which == "topology" else topo,
+            "config": fifo if which == "config" else QWEN3}
+    with pytest.raises(reshard.MapError, match="is a FIFO with no writer"):
+        reshard.plan_sync(args["topology"], config=args["config"], trainer="tp=2", engines=2,
+                          engine_tp=1)

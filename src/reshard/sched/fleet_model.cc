@@ -1,7 +1,9 @@
 #include "reshard/sched/fleet_model.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <utility>
@@ -15,6 +17,47 @@ namespace {
 using json::Json;
 
 constexpr Index kMaxDim = Index{1} << 40;
+
+// The model types whose tensors the layout below is (names and shapes): refused otherwise,
+// rather than laid out as a Llama.
+constexpr std::string_view kModelTypes[] = {"llama",   "mistral",   "qwen2",       "qwen3",
+                                            "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"};
+
+// A config's sizes are claims: the most one copy of the model may weigh on the wire (16 TiB,
+// eight times the largest open models in BF16), checked before anything is planned by them.
+constexpr Index kMaxModelBytes = Index{1} << 44;
+
+Status CheckModelType(const std::string& model_type, bool given) {
+  for (std::string_view t : kModelTypes) {
+    if (model_type == t) return Status::Ok();
+  }
+  const std::string known = fmt::format("{}", fmt::join(kModelTypes, ", "));
+  if (!given) {
+    return InvalidArgumentError(
+        fmt::format("config.json: \"model_type\" is missing; sync-plan lays out {}", known));
+  }
+  return InvalidArgumentError(
+      fmt::format("config.json: \"model_type\" {} is not a model sync-plan lays out ({})",
+                  json::QuoteShort(model_type), known));
+}
+
+// One copy of the model within kMaxModelBytes (and every size within int64).
+Status CheckModelBytes(const std::vector<ModelTensor>& tensors) {
+  Index total = 0;
+  for (const ModelTensor& t : tensors) {
+    Result<Index> n = CheckedProduct(t.shape);
+    std::optional<Index> bytes = n.ok() ? CheckedMul(*n, t.element_bytes) : std::optional<Index>();
+    std::optional<Index> sum = bytes ? CheckedAdd(total, *bytes) : std::optional<Index>();
+    if (!sum || *sum > kMaxModelBytes) {
+      return InvalidArgumentError(fmt::format(
+          "config.json: the model weighs more than 2^44 bytes (16 TiB) on the wire (at tensor "
+          "\"{}\", [{}]): its sizes are not a model's",
+          t.name, fmt::join(t.shape, ", ")));
+    }
+    total = *sum;
+  }
+  return Status::Ok();
+}
 
 // A positive integer member of the config, or `fallback` when absent or null.
 Result<std::optional<Index>> OptionalSize(const Json& cfg, std::string_view key) {
@@ -30,6 +73,15 @@ Result<Index> RequiredSize(const Json& cfg, std::string_view key) {
     return InvalidArgumentError(fmt::format("config.json: \"{}\" is missing or not positive", key));
   }
   return *v;
+}
+
+// A member that, when given, must be a positive size (0 would lay out tensors of no rows).
+Result<std::optional<Index>> PositiveIfGiven(const Json& cfg, std::string_view key) {
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> v, OptionalSize(cfg, key));
+  if (v && *v < 1) {
+    return InvalidArgumentError(fmt::format("config.json: \"{}\" is 0; expected at least 1", key));
+  }
+  return v;
 }
 
 struct Builder {
@@ -119,16 +171,19 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
   RESHARD_ASSIGN_OR_RETURN(Json cfg, json::ParseJson(config_json));
   if (!cfg.is_object()) return json::TypeError("config.json", "an object", cfg);
   ModelSpec spec;
-  if (const Json* mt = json::Find(cfg, "model_type")) {
+  const Json* mt = json::Find(cfg, "model_type");
+  if (mt != nullptr) {
     RESHARD_ASSIGN_OR_RETURN(spec.model_type, json::ReadString(*mt, "model_type"));
   }
+  RESHARD_RETURN_IF_ERROR(CheckModelType(spec.model_type, mt != nullptr));
   RESHARD_ASSIGN_OR_RETURN(Index hidden, RequiredSize(cfg, "hidden_size"));
   RESHARD_ASSIGN_OR_RETURN(Index layers, RequiredSize(cfg, "num_hidden_layers"));
   RESHARD_ASSIGN_OR_RETURN(Index vocab, RequiredSize(cfg, "vocab_size"));
   RESHARD_ASSIGN_OR_RETURN(Index heads, RequiredSize(cfg, "num_attention_heads"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv_heads, OptionalSize(cfg, "num_key_value_heads"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, OptionalSize(cfg, "head_dim"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> inter, OptionalSize(cfg, "intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv_heads,
+                           PositiveIfGiven(cfg, "num_key_value_heads"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, PositiveIfGiven(cfg, "head_dim"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> inter, PositiveIfGiven(cfg, "intermediate_size"));
   RESHARD_ASSIGN_OR_RETURN(std::optional<Index> moe_inter,
                            OptionalSize(cfg, "moe_intermediate_size"));
   std::optional<Index> experts;
@@ -174,6 +229,11 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
     return InvalidArgumentError("config.json: \"intermediate_size\" is missing");
   const Index nkv = kv_heads.value_or(heads);
   const Index hd = head_dim.value_or(hidden / heads);
+  if (hd < 1) {
+    return InvalidArgumentError(fmt::format(
+        "config.json: no \"head_dim\", and \"hidden_size\" {} is below \"num_attention_heads\" {}",
+        hidden, heads));
+  }
   const Index expert_inter = mixtral ? inter.value_or(0) : moe_inter.value_or(inter.value_or(0));
   std::vector<Index> mlp_only;
   if (const Json* v = json::Find(cfg, "mlp_only_layers"); v && v->is_array()) {
@@ -223,6 +283,7 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
   }
   b.Add("model.norm.weight", {hidden}, -1, 0, -2);
   if (!tie) b.Add("lm_head.weight", {vocab, hidden}, 0, vocab, -2);
+  RESHARD_RETURN_IF_ERROR(CheckModelBytes(b.out));
   spec.num_layers = static_cast<int>(layers);
   spec.tensors = std::move(b.out);
   return spec;
@@ -230,6 +291,7 @@ Result<ModelSpec> ModelFromConfigJson(std::string_view config_json, SyncFormat f
 
 Result<GridLayout> ParseGridLayout(std::string_view text) {
   GridLayout g;
+  std::vector<std::string_view> seen;
   size_t pos = 0;
   while (pos <= text.size()) {
     size_t comma = text.find(',', pos);
@@ -252,6 +314,11 @@ Result<GridLayout> ParseGridLayout(std::string_view text) {
           "\"{}\"",
           text, part));
     }
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      return InvalidArgumentError(
+          fmt::format("parallel layout \"{}\": {} is given twice", text, key));
+    }
+    seen.push_back(key);
     *slot = value;
     pos = comma + 1;
   }

@@ -13,6 +13,7 @@
 #include "reshard/exec/executor.h"
 #include "reshard/sched/fleet_model.h"
 #include "reshard/sched/simulate.h"
+#include "reshard/sched/sync_plan.h"
 #include "reshard/sched/sync_report.h"
 #include "reshard/sched/sync_schedule.h"
 #include "reshard/sched/topology.h"
@@ -276,6 +277,156 @@ TEST(Topology, ExplicitPlacementAndLinks) {
   EXPECT_EQ(t->LinkName(in), "a:1 nic in");
 }
 
+// The schedule of `engine_tp` engines of the MoE model, with the parent search pruned or not.
+struct Planned {
+  SyncSchedule schedule;
+  int64_t parents_costed = 0;
+};
+
+Planned PlanMoe(const Topology& topo, const std::vector<int>& engine_tp, bool prune) {
+  Result<ModelSpec> model = ModelFromConfigJson(kMoeConfig, SyncFormat::kBf16);
+  EXPECT_TRUE(model.ok()) << model.status().message();
+  SyncOptions options = OptionsFor(engine_tp.size());
+  options.prune_parents = prune;
+  options.max_transfer_bytes = 1000;  // several moves per plan
+  SyncPlanner planner(topo, options);
+  for (const ModelTensor& t : model->tensors) {
+    const ParamMap source = *GridMap(t, GridLayout{2, 1, 1}, model->num_layers);
+    std::vector<ParamMap> maps;
+    maps.reserve(engine_tp.size());
+    SyncTensorInput in{t.name, 2, &source, {}};
+    for (int tp : engine_tp) {
+      maps.push_back(*GridMap(t, GridLayout{tp, 1, 1}, model->num_layers));
+      in.engines.push_back(&maps.back());
+    }
+    EXPECT_TRUE(planner.Add(in).ok());
+  }
+  const int64_t costed = planner.parents_costed();
+  return {std::move(planner).Finish(), costed};
+}
+
+void ExpectSameSchedule(const SyncSchedule& a, const SyncSchedule& b) {
+  ASSERT_EQ(a.transfers.size(), b.transfers.size());
+  for (size_t i = 0; i < a.transfers.size(); ++i) {
+    const SyncTransfer& x = a.transfers[i];
+    const SyncTransfer& y = b.transfers[i];
+    EXPECT_TRUE(x.from == y.from && x.to == y.to && x.bytes == y.bytes && x.round == y.round &&
+                x.step == y.step && x.move == y.move && x.tensor == y.tensor)
+        << "transfer " << i;
+  }
+  EXPECT_EQ(a.dependencies, b.dependencies);
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (size_t t = 0; t < a.tensors.size(); ++t) {
+    ASSERT_EQ(a.tensors[t].steps.size(), b.tensors[t].steps.size());
+    for (size_t k = 0; k < a.tensors[t].steps.size(); ++k) {
+      const SyncStep& x = a.tensors[t].steps[k];
+      const SyncStep& y = b.tensors[t].steps[k];
+      EXPECT_TRUE(x.plan == y.plan && x.from_engine == y.from_engine &&
+                  x.to_engine == y.to_engine && x.after == y.after)
+          << a.tensors[t].name << " step " << k;
+    }
+    EXPECT_EQ(a.tensors[t].plans.size(), b.tensors[t].plans.size());
+  }
+}
+
+TEST(SyncSchedule, PrunedParentSearchPicksTheSameParentsForLessWork) {
+  // Many engines: costing every holder for every relay is quadratic in the engines; the pruned
+  // search costs the holders on the child's host and a few of the rest, and must choose the
+  // same parents (host NICs, GPU NICs, a host shared by many engines, several degrees).
+  const std::vector<int> tp1(64, 1);
+  const Topology hosts = Place(R"({"hosts": [{"name": "n", "count": 9, "gpus": 8}],
+                                   "nic_gbps": 50})",
+                               2, tp1);
+  Planned pruned = PlanMoe(hosts, tp1, true);
+  Planned every = PlanMoe(hosts, tp1, false);
+  ExpectSameSchedule(pruned.schedule, every.schedule);
+  const auto tensors = static_cast<int64_t>(every.schedule.tensors.size());
+  EXPECT_EQ(every.parents_costed, tensors * 63 * 64 / 2);
+  // The 7 other engines of the child's host and about one more per relay.
+  EXPECT_LE(pruned.parents_costed, tensors * 63 * 10);
+
+  std::vector<int> mixed;
+  for (int e = 0; e < 24; ++e) mixed.push_back(e % 3 == 0 ? 4 : (e % 3 == 1 ? 2 : 1));
+  const Topology gpu_nics = Place(R"({"hosts": [{"name": "t", "gpus": 2},
+                                                {"name": "n", "count": 10, "gpus": 6}],
+                                      "nic": "gpu", "nic_gbps": 25})",
+                                  2, mixed);
+  ExpectSameSchedule(PlanMoe(gpu_nics, mixed, true).schedule,
+                     PlanMoe(gpu_nics, mixed, false).schedule);
+  const std::vector<int> tp2(30, 2);
+  const Topology shared = Place(R"({"hosts": [{"name": "big", "gpus": 40},
+                                              {"name": "n", "count": 4, "gpus": 6}]})",
+                                2, tp2);
+  ExpectSameSchedule(PlanMoe(shared, tp2, true).schedule, PlanMoe(shared, tp2, false).schedule);
+}
+
+TEST(Topology, LinksOnlyForTheSyncsOwnGpus) {
+  // 2^24 GPUs declared, 12 processes: the links are those of the GPUs and NICs in use, so a
+  // topology's size costs nothing beyond the sync's processes.
+  for (const char* nic : {"host", "gpu"}) {
+    const Topology t =
+        Place(std::string(R"({"hosts": [{"name": "h", "count": 256, "gpus": 65536}], "nic": ")") +
+                  nic + "\"}",
+              4, {2, 2, 2, 2});
+    EXPECT_EQ(t.num_processes(), 12);
+    EXPECT_EQ(t.num_links(), std::string(nic) == "host" ? 2 * 12 + 2 : 4 * 12) << nic;
+  }
+  // Placed apart: the links keep host and GPU order and their names.
+  const Topology t = Place(R"({"hosts": [{"name": "a", "gpus": 4}, {"name": "b", "gpus": 4}],
+                               "placement": {"trainer": ["b:3"], "engines": [["a:2"]]}})",
+                           1, {1});
+  ASSERT_EQ(t.num_links(), 2 * 2 + 2 * 2);
+  EXPECT_EQ(t.LinkName(0), "a:2 nvlink out");
+  EXPECT_EQ(t.LinkName(3), "b:3 nvlink in");
+  int out = 0;
+  int in = 0;
+  t.Route(0, 1, &out, &in);
+  EXPECT_EQ(t.LinkName(out), "b nic out");
+  EXPECT_EQ(t.LinkName(in), "a nic in");
+}
+
+TEST(Topology, BandwidthsWithinTheirRule) {
+  for (const char* bad :
+       {R"("nvlink_gbps": 1e10)", R"("nic_gbps": 1e-300)", R"("nic_gbps": 0.0009)"}) {
+    Result<TopologySpec> spec =
+        ParseTopologyJson(std::string(R"({"hosts": [{"name": "a", "gpus": 2}], )") + bad + "}");
+    ASSERT_FALSE(spec.ok()) << bad;
+    EXPECT_NE(spec.status().message().find(
+                  "expected a bandwidth in GB/s from 0.001 (1 MB/s) to 1e9, got"),
+              std::string::npos)
+        << spec.status().message();
+  }
+  EXPECT_TRUE(ParseTopologyJson(R"({"hosts": [{"name": "a", "gpus": 2}], "nic_gbps": 0.001,
+                                    "nvlink_gbps": 1e9})")
+                  .ok());
+}
+
+TEST(FleetModel, RefusesConfigsItCannotLayOut) {
+  const std::string base =
+      R"("hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 128, "intermediate_size": 96)";
+  auto refusal = [&](const std::string& extra) {
+    Result<ModelSpec> m = ModelFromConfigJson("{" + base + extra + "}", SyncFormat::kBf16);
+    EXPECT_FALSE(m.ok()) << extra;
+    return m.ok() ? std::string() : m.status().message();
+  };
+  EXPECT_NE(refusal(R"(, "model_type": "bert")").find("\"model_type\" \"bert\" is not a model"),
+            std::string::npos);
+  EXPECT_NE(refusal("").find("\"model_type\" is missing"), std::string::npos);
+  EXPECT_NE(refusal(R"(, "model_type": "llama", "num_key_value_heads": 0)")
+                .find("\"num_key_value_heads\" is 0"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"(, "model_type": "qwen3", "head_dim": 0)").find("\"head_dim\" is 0"),
+            std::string::npos);
+  // A claim of 2^40 columns: refused before anything is laid out by it.
+  EXPECT_NE(
+      refusal(R"(, "model_type": "llama", "head_dim": 1099511627776)").find("more than 2^44 bytes"),
+      std::string::npos);
+  Result<ModelSpec> ok =
+      ModelFromConfigJson(R"({"model_type": "llama", )" + base + "}", SyncFormat::kBf16);
+  EXPECT_TRUE(ok.ok()) << ok.status().message();
+}
+
 TEST(GridLayout, ParsesAndRefuses) {
   Result<GridLayout> g = ParseGridLayout("tp=8,pp=4,ep=2");
   ASSERT_TRUE(g.ok());
@@ -283,6 +434,9 @@ TEST(GridLayout, ParsesAndRefuses) {
   EXPECT_FALSE(ParseGridLayout("tp=8,dp=2").ok());
   EXPECT_FALSE(ParseGridLayout("tp=0").ok());
   EXPECT_FALSE(ParseGridLayout("").ok());
+  Result<GridLayout> twice = ParseGridLayout("tp=2,tp=4");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("tp is given twice"), std::string::npos);
 }
 
 }  // namespace

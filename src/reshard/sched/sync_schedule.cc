@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -118,6 +119,34 @@ struct SyncPlanner::State {
   std::vector<std::vector<Index>> primary_assigned;  // per engine, per worker
   std::vector<Index> engine_work;  // per engine: bytes taken from the trainer and relayed
   SyncSchedule schedule;
+  // Lists of ints by a small index, kept from tensor to tensor (emptied, not freed).
+  struct Lists {
+    std::vector<std::vector<int>> lists;
+    std::vector<int> used;
+    explicit Lists(size_t n = 0) : lists(n) {}
+    std::vector<int>& at(int k) {
+      auto& list = lists[static_cast<size_t>(k)];
+      if (list.empty()) used.push_back(k);
+      return list;
+    }
+    void Clear() {
+      for (int k : used) lists[static_cast<size_t>(k)].clear();
+      used.clear();
+    }
+  };
+  Lists on_host;
+  Lists on_nic_out;
+  Lists steps_into;
+  int64_t parents_costed = 0;       // candidate parents whose cost the relays computed
+  std::vector<int> nic_out_loaded;  // NIC out links Commit loaded (since the caller cleared it)
+
+  // The holders that could send a tensor's relay to a child of one class from hosts the child
+  // is not on, by their busiest NIC out link after the relay's plan (then holder position).
+  struct RemoteParents {
+    int plan = -1;
+    std::set<std::pair<double, int>> by_load;
+    std::unordered_map<int, double> key;  // holder position -> its entry's load
+  };
 
   // The process a move's source / target rank is.
   int SourceProcess(int from_engine, Rank r) const {
@@ -153,8 +182,10 @@ struct SyncPlanner::State {
   // receiving links) broken by the busiest sending link.
   double Cost(const ParamPlan& plan, int from_engine, int to_engine, Index element_bytes) {
     const auto [out, in] = Loads(plan, from_engine, to_engine, element_bytes);
-    return std::max(out, in) + 1e-3 * out;
+    return CostOf(out, in);
   }
+
+  static double CostOf(double out, double in) { return std::max(out, in) + 1e-3 * out; }
 
   // What has arrived of the tensor being planned: per process, (step, first and one past the
   // last element of the target region, transfer index, round).
@@ -165,7 +196,14 @@ struct SyncPlanner::State {
     int transfer;
     int round;
   };
-  std::unordered_map<int, std::vector<Arrival>> arrived;
+  // Kept from tensor to tensor (emptied, not freed): one list per process of the sync.
+  std::vector<std::vector<Arrival>> arrived;
+  std::vector<int> arrived_at;  // the processes whose list is not empty
+
+  void ClearArrivals() {
+    for (int p : arrived_at) arrived[static_cast<size_t>(p)].clear();
+    arrived_at.clear();
+  }
 
   // Records step `step_index` of `tensor` (index `t`): its transfers, their dependencies and
   // rounds, the loads.
@@ -190,16 +228,13 @@ struct SyncPlanner::State {
                      0};
       if (step.from_engine != kTrainer) {
         const auto [begin, end] = Span(m.shape, m.src);
-        auto it = arrived.find(a);
-        if (it != arrived.end()) {
-          for (const Arrival& got : it->second) {
-            if (got.end <= begin || end <= got.begin) continue;
-            if (std::find(step.after.begin(), step.after.end(), got.step) == step.after.end())
-              continue;
-            schedule.dependencies.push_back(got.transfer);
-            ++x.num_dependencies;
-            round = std::max(round, got.round + 1);
-          }
+        for (const Arrival& got : arrived[static_cast<size_t>(a)]) {
+          if (got.end <= begin || end <= got.begin) continue;
+          if (std::find(step.after.begin(), step.after.end(), got.step) == step.after.end())
+            continue;
+          schedule.dependencies.push_back(got.transfer);
+          ++x.num_dependencies;
+          round = std::max(round, got.round + 1);
         }
       }
       x.round = round;
@@ -209,6 +244,7 @@ struct SyncPlanner::State {
       int out_link = 0;
       int in_link = 0;
       topo->Route(a, b, &out_link, &in_link);
+      if (topo->slot(a).host != topo->slot(b).host) nic_out_loaded.push_back(out_link);
       load[static_cast<size_t>(out_link)] +=
           static_cast<double>(x.bytes) * inv_bw[static_cast<size_t>(out_link)];
       load[static_cast<size_t>(in_link)] +=
@@ -219,61 +255,241 @@ struct SyncPlanner::State {
       schedule.transfers.push_back(x);
       schedule.rounds = std::max(schedule.rounds, round);
     }
-    for (auto& [process, arrival] : fresh) arrived[process].push_back(arrival);
+    for (auto& [process, arrival] : fresh) {
+      auto& list = arrived[static_cast<size_t>(process)];
+      if (list.empty()) arrived_at.push_back(process);
+      list.push_back(arrival);
+    }
+  }
+
+  // The relays of the tensor being planned: the holders so far and what the parent search
+  // keeps of them.
+  struct Relays {
+    const SyncTensorInput* in = nullptr;
+    const std::vector<int>* cls = nullptr;
+    SyncTensor* tensor = nullptr;
+    std::map<std::pair<int, int>, int> plan;   // (to class, from class) -> plan index
+    std::vector<int> holders;                  // engines holding the tensor, in that order
+    std::vector<int> classes;                  // the holders' classes, in order of first holder
+    std::map<int, std::vector<int>> of_class;  // class -> its holders' positions
+    Lists* on_host = nullptr;                  // used host -> holders with a worker there
+    Lists* on_nic_out = nullptr;               // NIC out link -> holders sending on it
+    Lists* steps_into = nullptr;               // engine -> steps into it
+    std::map<std::pair<int, int>, RemoteParents> remote;          // (to class, from class)
+    std::map<int, std::vector<std::pair<int, int>>> remote_from;  // from class -> keys of remote
+    std::vector<char> local;                                      // scratch: holders costed in full
+  };
+
+  // The plan from class `from` to class `to` of the tensor, composed the first time it is asked.
+  Result<int> PlanFor(Relays& r, int to, int from) {
+    auto it = r.plan.find({to, from});
+    if (it != r.plan.end()) return it->second;
+    Result<ParamPlan> plan =
+        Compose(*r.in->engines[static_cast<size_t>(to)], *r.in->engines[static_cast<size_t>(from)]);
+    if (!plan.ok()) {
+      return FailedPreconditionError(
+          fmt::format("tensor \"{}\": {}", r.in->name, plan.status().message()));
+    }
+    CutMoves(&*plan, r.in->element_bytes, options.max_transfer_bytes);
+    r.tensor->plans.push_back(*std::move(plan));
+    const int index = static_cast<int>(r.tensor->plans.size()) - 1;
+    r.plan.emplace(std::make_pair(to, from), index);
+    return index;
+  }
+
+  // The busiest NIC out link after `plan` ran from `from_engine` to an engine on other hosts
+  // (Loads' sending side, which then depends on the sender only), and the busiest NIC in link
+  // of `to_engine` after `plan` ran into it from other hosts (the same for every such sender).
+  double RemoteLoad(const ParamPlan& plan, int engine, bool sending, Index element_bytes) {
+    double worst = 0;
+    for (const Move& m : plan.moves) {
+      const auto l =
+          static_cast<size_t>(sending ? topo->NicOutLink(SourceProcess(engine, m.src_rank))
+                                      : topo->NicInLink(topo->engine_process(engine, m.dst_rank)));
+      if (delta[l] == 0) touched.push_back(static_cast<int>(l));
+      delta[l] += static_cast<double>(m.num_elements() * element_bytes) * inv_bw[l];
+      worst = std::max(worst, load[l] + delta[l]);
+    }
+    for (int l : touched) delta[static_cast<size_t>(l)] = 0;
+    touched.clear();
+    return worst;
+  }
+
+  void InsertRemote(Relays& r, RemoteParents& set, int pos) {
+    const double key = RemoteLoad(r.tensor->plans[static_cast<size_t>(set.plan)],
+                                  r.holders[static_cast<size_t>(pos)], true, r.in->element_bytes);
+    set.key[pos] = key;
+    set.by_load.emplace(key, pos);
+  }
+
+  // The remote candidates from class `from` for a child of class `to`, made the first time.
+  Result<RemoteParents*> RemoteFor(Relays& r, int to, int from) {
+    auto it = r.remote.find({to, from});
+    if (it != r.remote.end()) return &it->second;
+    RESHARD_ASSIGN_OR_RETURN(const int plan, PlanFor(r, to, from));
+    RemoteParents& set = r.remote[{to, from}];
+    set.plan = plan;
+    for (int pos : r.of_class[from]) InsertRemote(r, set, pos);
+    r.remote_from[from].emplace_back(to, from);
+    return &set;
+  }
+
+  // Makes engine `e` a holder of the tensor.
+  void AddHolder(Relays& r, int e) {
+    const int pos = static_cast<int>(r.holders.size());
+    const int c = (*r.cls)[static_cast<size_t>(e)];
+    r.holders.push_back(e);
+    r.local.push_back(0);
+    if (!r.of_class.count(c)) r.classes.push_back(c);
+    r.of_class[c].push_back(pos);
+    for (int w = 0; w < topo->engine_workers(e); ++w) {
+      const int process = topo->engine_process(e, w);
+      for (auto* list : {&r.on_host->at(topo->UsedHost(process)),
+                         &r.on_nic_out->at(topo->NicOutLink(process))}) {
+        if (list->empty() || list->back() != pos) list->push_back(pos);
+      }
+    }
+    for (const auto& key : r.remote_from[c]) InsertRemote(r, r.remote.at(key), pos);
+  }
+
+  // After a step: the holders whose NIC out links it loaded get their remote keys again.
+  void Rekey(Relays& r, std::vector<int>& nic_out_links) {
+    std::sort(nic_out_links.begin(), nic_out_links.end());
+    nic_out_links.erase(std::unique(nic_out_links.begin(), nic_out_links.end()),
+                        nic_out_links.end());
+    for (int l : nic_out_links) {
+      for (int pos : r.on_nic_out->at(l)) {
+        const int c = (*r.cls)[static_cast<size_t>(r.holders[static_cast<size_t>(pos)])];
+        for (const auto& key : r.remote_from[c]) {
+          RemoteParents& set = r.remote.at(key);
+          set.by_load.erase({set.key.at(pos), pos});
+          InsertRemote(r, set, pos);
+        }
+      }
+    }
+  }
+
+  struct Choice {
+    double cost = std::numeric_limits<double>::infinity();
+    int pos = 0;
+    int plan = -1;
+    void Offer(double c, int p, int pl) {
+      if (c < cost || (c == cost && p < pos)) {
+        cost = c;
+        pos = p;
+        plan = pl;
+      }
+    }
+  };
+
+  // The parent of engine `child` by cost over every holder (in holder order, the first of the
+  // cheapest), among those within the fan-out and depth caps when any is.
+  Result<Choice> ChooseEveryHolder(Relays& r, int child, const std::vector<int>& children,
+                                   const std::vector<int>& depth) {
+    auto eligible = [&](int p) {
+      const auto e = static_cast<size_t>(p);
+      return (options.max_fanout <= 0 || children[e] < options.max_fanout) &&
+             (options.max_depth <= 0 || depth[e] + 1 <= options.max_depth);
+    };
+    const bool any_eligible = std::any_of(r.holders.begin(), r.holders.end(), eligible);
+    Choice best;
+    for (size_t pos = 0; pos < r.holders.size(); ++pos) {
+      const int p = r.holders[pos];
+      if (any_eligible && !eligible(p)) continue;
+      RESHARD_ASSIGN_OR_RETURN(const int plan, PlanFor(r, (*r.cls)[static_cast<size_t>(child)],
+                                                       (*r.cls)[static_cast<size_t>(p)]));
+      ++parents_costed;
+      best.Offer(Cost(r.tensor->plans[static_cast<size_t>(plan)], p, child, r.in->element_bytes),
+                 static_cast<int>(pos), plan);
+    }
+    return best;
+  }
+
+  // The same choice without costing every holder: the holders with a worker on one of the
+  // child's hosts are costed in full; every other holder sends over its NICs into the child's
+  // NICs, so its cost is a non-decreasing function of its own busiest NIC out link after the
+  // plan (the receiving side is the child's, the same for all of them), and the holders of each
+  // class are kept ordered by it: the scan stops at the first whose cost exceeds the best.
+  Result<Choice> ChoosePruned(Relays& r, int child) {
+    const int to = (*r.cls)[static_cast<size_t>(child)];
+    for (int from : r.classes) RESHARD_RETURN_IF_ERROR(PlanFor(r, to, from).status());
+    Choice best;
+    std::vector<int> marked;
+    for (int w = 0; w < topo->engine_workers(child); ++w) {
+      for (int pos : r.on_host->at(topo->UsedHost(topo->engine_process(child, w)))) {
+        if (r.local[static_cast<size_t>(pos)]) continue;
+        r.local[static_cast<size_t>(pos)] = 1;
+        marked.push_back(pos);
+        const int p = r.holders[static_cast<size_t>(pos)];
+        const int plan = r.plan.at({to, (*r.cls)[static_cast<size_t>(p)]});
+        ++parents_costed;
+        best.Offer(Cost(r.tensor->plans[static_cast<size_t>(plan)], p, child, r.in->element_bytes),
+                   pos, plan);
+      }
+    }
+    for (int from : r.classes) {
+      RESHARD_ASSIGN_OR_RETURN(RemoteParents * set, RemoteFor(r, to, from));
+      const ParamPlan& plan = r.tensor->plans[static_cast<size_t>(set->plan)];
+      const double in = RemoteLoad(plan, child, false, r.in->element_bytes);
+      auto it = set->by_load.begin();
+      while (it != set->by_load.end()) {
+        if (r.local[static_cast<size_t>(it->second)]) {
+          ++it;
+          continue;
+        }
+        const double out = it->first;
+        const double cost = CostOf(out, in);
+        ++parents_costed;
+        if (cost > best.cost) break;
+        best.Offer(cost, it->second, set->plan);
+        // The rest of this load costs the same and comes later among the holders.
+        it = set->by_load.upper_bound({out, std::numeric_limits<int>::max()});
+      }
+    }
+    for (int pos : marked) r.local[static_cast<size_t>(pos)] = 0;
+    return best;
   }
 
   // Every engine but the root, from an engine holding the tensor that reaches it most cheaply.
   Status AddRelays(const SyncTensorInput& in, const std::vector<int>& needed,
                    const std::vector<int>& cls, int root, int t, SyncTensor& tensor) {
-    // Every other engine from the engine holding the tensor that reaches it most cheaply.
-    std::map<std::pair<int, int>, int> relay_plan;  // (to class, from class) -> plan index
-    std::vector<int> holders = {root};
-    std::map<int, int> children;  // per engine holding the tensor: engines it relays to
-    std::map<int, int> depth = {{root, 0}};
+    Relays r;
+    on_host.Clear();
+    on_nic_out.Clear();
+    steps_into.Clear();
+    r.on_host = &on_host;
+    r.on_nic_out = &on_nic_out;
+    r.steps_into = &steps_into;
+    r.in = &in;
+    r.cls = &cls;
+    r.tensor = &tensor;
+    for (size_t i = 0; i < tensor.steps.size(); ++i) {
+      r.steps_into->at(tensor.steps[i].to_engine).push_back(static_cast<int>(i));
+    }
+    AddHolder(r, root);
+    // Per engine holding the tensor: the engines it relays to, and its depth in the tree.
+    std::vector<int> children(static_cast<size_t>(topo->num_engines()), 0);
+    std::vector<int> depth(static_cast<size_t>(topo->num_engines()), 0);
+    const bool exhaustive =
+        !options.prune_parents || options.max_fanout > 0 || options.max_depth > 0;
     const auto root_pos = std::find(needed.begin(), needed.end(), root) - needed.begin();
     for (size_t k = 1; k < needed.size(); ++k) {
       const int c = needed[(static_cast<size_t>(root_pos) + k) % needed.size()];
-      int parent = holders[0];
-      int parent_plan = -1;
-      double best = std::numeric_limits<double>::infinity();
-      // Among the holders with room (fan-out) that keep the tree within its depth.
-      auto eligible = [&](int p) {
-        return (options.max_fanout <= 0 || children[p] < options.max_fanout) &&
-               (options.max_depth <= 0 || depth[p] + 1 <= options.max_depth);
-      };
-      const bool any_eligible = std::any_of(holders.begin(), holders.end(), eligible);
-      for (int p : holders) {
-        if (any_eligible && !eligible(p)) continue;
-        const std::pair<int, int> key{cls[static_cast<size_t>(c)], cls[static_cast<size_t>(p)]};
-        auto it = relay_plan.find(key);
-        if (it == relay_plan.end()) {
-          Result<ParamPlan> plan =
-              Compose(*in.engines[static_cast<size_t>(c)], *in.engines[static_cast<size_t>(p)]);
-          if (!plan.ok())
-            return FailedPreconditionError(
-                fmt::format("tensor \"{}\": {}", in.name, plan.status().message()));
-          CutMoves(&*plan, in.element_bytes, options.max_transfer_bytes);
-          it = relay_plan.emplace(key, static_cast<int>(tensor.plans.size())).first;
-          tensor.plans.push_back(*std::move(plan));
-        }
-        const double cost =
-            Cost(tensor.plans[static_cast<size_t>(it->second)], p, c, in.element_bytes);
-        if (cost < best) {
-          best = cost;
-          parent = p;
-          parent_plan = it->second;
-        }
-      }
-      std::vector<int> after;
-      for (size_t i = 0; i < tensor.steps.size(); ++i) {
-        if (tensor.steps[i].to_engine == parent) after.push_back(static_cast<int>(i));
-      }
+      Result<Choice> choice =
+          exhaustive ? ChooseEveryHolder(r, c, children, depth) : ChoosePruned(r, c);
+      if (!choice.ok()) return choice.status();
+      const int parent = r.holders[static_cast<size_t>(choice->pos)];
+      std::vector<int> after = r.steps_into->at(parent);
+      const int step = static_cast<int>(tensor.steps.size());
       tensor.steps.push_back(
-          SyncStep{parent_plan, parent, c, SyncStep::Kind::kRelay, std::move(after)});
-      Commit(tensor, t, static_cast<int>(tensor.steps.size()) - 1);
-      holders.push_back(c);
-      ++children[parent];
-      depth[c] = depth[parent] + 1;
+          SyncStep{choice->plan, parent, c, SyncStep::Kind::kRelay, std::move(after)});
+      r.steps_into->at(c).push_back(step);
+      nic_out_loaded.clear();
+      Commit(tensor, t, step);
+      if (!exhaustive) Rekey(r, nic_out_loaded);
+      AddHolder(r, c);
+      ++children[static_cast<size_t>(parent)];
+      depth[static_cast<size_t>(c)] = depth[static_cast<size_t>(parent)] + 1;
     }
     return Status::Ok();
   }
@@ -293,6 +509,10 @@ SyncPlanner::SyncPlanner(const Topology& topology, SyncOptions options)
   const auto n = static_cast<size_t>(topology.num_links());
   state_->load.assign(n, 0.0);
   state_->delta.assign(n, 0.0);
+  state_->arrived.resize(static_cast<size_t>(topology.num_processes()));
+  state_->on_host = State::Lists(static_cast<size_t>(topology.num_used_hosts()));
+  state_->on_nic_out = State::Lists(n);
+  state_->steps_into = State::Lists(static_cast<size_t>(topology.num_engines()));
   for (int l = 0; l < topology.num_links(); ++l) {
     state_->inv_bw.push_back(1.0 / topology.LinkBandwidth(l));
   }
@@ -321,6 +541,7 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
   }
   std::vector<int> needed;
   std::vector<int> cls(static_cast<size_t>(num_engines), -1);  // first engine of equal layout
+  std::vector<int> firsts;                                     // the first engine of each layout
   for (int e = 0; e < num_engines; ++e) {
     const ParamMap* m = in.engines[static_cast<size_t>(e)];
     if (m == nullptr) continue;
@@ -331,13 +552,14 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
     }
     needed.push_back(e);
     cls[static_cast<size_t>(e)] = e;
-    for (int f : needed) {
+    for (int f : firsts) {
       const ParamMap* o = in.engines[static_cast<size_t>(f)];
-      if (f < e && (o == m || *o == *m)) {
-        cls[static_cast<size_t>(e)] = cls[static_cast<size_t>(f)];
+      if (o == m || *o == *m) {
+        cls[static_cast<size_t>(e)] = f;
         break;
       }
     }
+    if (cls[static_cast<size_t>(e)] == e) firsts.push_back(e);
   }
   if (needed.empty()) return Status::Ok();
   const int t = static_cast<int>(s.schedule.tensors.size());
@@ -393,7 +615,7 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
     }
   }
   s.engine_work[static_cast<size_t>(root)] += tensor.bytes;
-  s.arrived.clear();
+  s.ClearArrivals();
   const int root_cls = cls[static_cast<size_t>(root)];
   tensor.steps.push_back(
       SyncStep{trainer_plan[root_cls], kTrainer, root, SyncStep::Kind::kFromTrainer, {}});
@@ -420,5 +642,7 @@ Status SyncPlanner::Add(const SyncTensorInput& in) {
 }
 
 SyncSchedule SyncPlanner::Finish() && { return std::move(state_->schedule); }
+
+int64_t SyncPlanner::parents_costed() const { return state_->parents_costed; }
 
 }  // namespace reshard

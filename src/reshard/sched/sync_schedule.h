@@ -111,6 +111,11 @@ struct SyncOptions {
   /// holder its copy (no step within the root: one exchange into a lone engine, as a push into
   /// one engine runs).
   bool hand_on_within_root = true;
+  /// A relay's parent is the cheapest holder; with this on, holders on other hosts than the
+  /// child are kept ordered by their sending load, so that finding it costs about the holders
+  /// on the child's hosts rather than every holder. The choice is the same either way (off:
+  /// every holder is costed, as with the caps above).
+  bool prune_parents = true;
 };
 
 /// Builds a SyncSchedule one tensor at a time (maps of a large model need not all be held).
@@ -127,6 +132,9 @@ class SyncPlanner {
   Status Add(const SyncTensorInput& tensor);
   /// The schedule of everything added.
   SyncSchedule Finish() &&;
+  /// How many candidate parents the relays of everything added were costed against (the
+  /// planning's work: about the engines per tensor, not their square, with prune_parents).
+  int64_t parents_costed() const;
 
  private:
   struct State;

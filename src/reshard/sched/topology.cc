@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <utility>
@@ -20,8 +21,10 @@ constexpr Index kMaxGpus = Index{1} << 24;  // GPUs of all hosts together
 
 Result<double> ReadBandwidth(const Json& j, std::string_view path) {
   RESHARD_ASSIGN_OR_RETURN(double v, json::ReadNumber(j, path));
-  if (!(v > 0) || v > 1e9) {
-    return json::ErrorAt(path, fmt::format("expected a bandwidth in GB/s above 0, got {}", v));
+  if (!(v >= kMinGbps) || v > kMaxGbps) {
+    // The bounds as kMinGbps and kMaxGbps say.
+    return json::ErrorAt(
+        path, fmt::format("expected a bandwidth in GB/s from 0.001 (1 MB/s) to 1e9, got {}", v));
   }
   return v;
 }
@@ -69,13 +72,12 @@ Status ReadHosts(const Json& hosts, std::string_view path, TopologySpec* spec) {
   return Status::Ok();
 }
 
+using HostIndex = std::map<std::string_view, int>;
+
 Result<std::vector<PlacementEntry>> ReadPlacementList(
-    const Json& list, std::string_view path, const TopologySpec& spec,
+    const Json& list, std::string_view path, const TopologySpec& spec, const HostIndex& host_index,
     std::map<std::pair<int, int>, std::string>* used) {
   if (!list.is_array()) return json::TypeError(path, "an array of \"host\" or \"host:gpu\"", list);
-  std::map<std::string_view, int> host_index;
-  for (size_t h = 0; h < spec.host_names.size(); ++h)
-    host_index[spec.host_names[h]] = static_cast<int>(h);
   std::vector<PlacementEntry> out;
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string p = json::Element(path, i);
@@ -119,17 +121,21 @@ Status ReadPlacement(const Json& j, std::string_view path, TopologySpec* spec) {
   if (!j.is_object()) return json::TypeError(path, "an object", j);
   RESHARD_RETURN_IF_ERROR(json::CheckKeys(j, path, {"trainer", "engines"}, "a placement"));
   std::map<std::pair<int, int>, std::string> used;
+  // Built once: a placement may list many engines, a topology many hosts.
+  HostIndex host_index;
+  for (size_t h = 0; h < spec->host_names.size(); ++h)
+    host_index[spec->host_names[h]] = static_cast<int>(h);
   if (const Json* t = json::Find(j, "trainer")) {
-    RESHARD_ASSIGN_OR_RETURN(spec->trainer,
-                             ReadPlacementList(*t, json::Member(path, "trainer"), *spec, &used));
+    RESHARD_ASSIGN_OR_RETURN(spec->trainer, ReadPlacementList(*t, json::Member(path, "trainer"),
+                                                              *spec, host_index, &used));
   }
   if (const Json* e = json::Find(j, "engines")) {
     const std::string p = json::Member(path, "engines");
     if (!e->is_array()) return json::TypeError(p, "an array (one list per engine)", *e);
     std::vector<std::vector<PlacementEntry>> engines;
     for (size_t i = 0; i < e->size(); ++i) {
-      RESHARD_ASSIGN_OR_RETURN(auto list,
-                               ReadPlacementList((*e)[i], json::Element(p, i), *spec, &used));
+      RESHARD_ASSIGN_OR_RETURN(
+          auto list, ReadPlacementList((*e)[i], json::Element(p, i), *spec, host_index, &used));
       engines.push_back(std::move(list));
     }
     spec->engines = std::move(engines);
@@ -180,17 +186,15 @@ Result<Topology> Topology::Place(TopologySpec spec, int trainer_ranks,
                                  const std::vector<int>& engine_workers) {
   Topology t;
   t.trainer_ranks_ = trainer_ranks;
-  int total = trainer_ranks;
+  Index total = trainer_ranks;
   for (int w : engine_workers) total += w;
-  for (size_t h = 0; h < spec.host_gpus.size(); ++h) {
-    t.host_first_slot_.push_back(t.total_gpus_);
-    t.total_gpus_ += spec.host_gpus[h];
-  }
-  if (total > t.total_gpus_) {
+  Index total_gpus = 0;
+  for (int g : spec.host_gpus) total_gpus += g;
+  if (total > total_gpus) {
     return json::ErrorAt(
         "hosts", fmt::format("{} trainer ranks and {} engines ({} processes) need "
                              "{} GPUs, but the hosts have {}",
-                             trainer_ranks, engine_workers.size(), total, total, t.total_gpus_));
+                             trainer_ranks, engine_workers.size(), total, total, total_gpus));
   }
   std::set<std::pair<int, int>> explicit_slots;
   if (spec.trainer) {
@@ -247,7 +251,28 @@ Result<Topology> Topology::Place(TopologySpec spec, int trainer_ranks,
     }
   }
   t.spec_ = std::move(spec);
+  t.NumberLinks();
   return t;
+}
+
+void Topology::NumberLinks() {
+  auto before = [](const Slot& a, const Slot& b) {
+    return a.host != b.host ? a.host < b.host : a.gpu < b.gpu;
+  };
+  gpus_ = slots_;
+  std::sort(gpus_.begin(), gpus_.end(), before);
+  gpus_.erase(std::unique(gpus_.begin(), gpus_.end()), gpus_.end());
+  for (const Slot& g : gpus_) {
+    if (nic_hosts_.empty() || nic_hosts_.back() != g.host) nic_hosts_.push_back(g.host);
+  }
+  for (const Slot& s : slots_) {
+    const auto g = std::lower_bound(gpus_.begin(), gpus_.end(), s, before) - gpus_.begin();
+    const auto h =
+        std::lower_bound(nic_hosts_.begin(), nic_hosts_.end(), s.host) - nic_hosts_.begin();
+    gpu_of_.push_back(static_cast<int>(g));
+    host_of_.push_back(static_cast<int>(h));
+    nic_of_.push_back(static_cast<int>(spec_.nic == NicKind::kPerGpu ? g : h));
+  }
 }
 
 std::string Topology::SlotName(int process) const {
@@ -256,48 +281,45 @@ std::string Topology::SlotName(int process) const {
 }
 
 int Topology::num_links() const {
-  const int nics =
-      spec_.nic == NicKind::kPerHost ? static_cast<int>(spec_.host_gpus.size()) : total_gpus_;
-  return 2 * total_gpus_ + 2 * nics;
+  const size_t nics = spec_.nic == NicKind::kPerHost ? nic_hosts_.size() : gpus_.size();
+  return static_cast<int>(2 * gpus_.size() + 2 * nics);
 }
 
 double Topology::LinkBandwidth(int link) const {
-  return (link < 2 * total_gpus_ ? spec_.nvlink_gbps : spec_.nic_gbps) * 1e9;
+  return (link < 2 * static_cast<int>(gpus_.size()) ? spec_.nvlink_gbps : spec_.nic_gbps) * 1e9;
 }
 
 std::string Topology::LinkName(int link) const {
   const char* dir = link % 2 == 0 ? "out" : "in";
   auto gpu_name = [&](int g) {
-    size_t h = 0;
-    while (h + 1 < host_first_slot_.size() && host_first_slot_[h + 1] <= g) ++h;
-    return fmt::format("{}:{}", spec_.host_names[h], g - host_first_slot_[h]);
+    const Slot& s = gpus_[static_cast<size_t>(g)];
+    return fmt::format("{}:{}", spec_.host_names[static_cast<size_t>(s.host)], s.gpu);
   };
-  if (link < 2 * total_gpus_) return fmt::format("{} nvlink {}", gpu_name(link / 2), dir);
-  const int n = (link - 2 * total_gpus_) / 2;
+  const int nvlinks = 2 * static_cast<int>(gpus_.size());
+  if (link < nvlinks) return fmt::format("{} nvlink {}", gpu_name(link / 2), dir);
+  const int n = (link - nvlinks) / 2;
   if (spec_.nic == NicKind::kPerHost) {
-    return fmt::format("{} nic {}", spec_.host_names[static_cast<size_t>(n)], dir);
+    return fmt::format("{} nic {}",
+                       spec_.host_names[static_cast<size_t>(nic_hosts_[static_cast<size_t>(n)])],
+                       dir);
   }
   return fmt::format("{} nic {}", gpu_name(n), dir);
 }
 
+int Topology::NicOutLink(int process) const {
+  return 2 * static_cast<int>(gpus_.size()) + 2 * nic_of_[static_cast<size_t>(process)];
+}
+
+int Topology::NicInLink(int process) const { return NicOutLink(process) + 1; }
+
 void Topology::Route(int from, int to, int* out_link, int* in_link) const {
-  const Slot& a = slot(from);
-  const Slot& b = slot(to);
-  const int ga = host_first_slot_[static_cast<size_t>(a.host)] + a.gpu;
-  const int gb = host_first_slot_[static_cast<size_t>(b.host)] + b.gpu;
-  if (a.host == b.host) {
-    *out_link = 2 * ga;
-    *in_link = 2 * gb + 1;
+  if (slot(from).host == slot(to).host) {
+    *out_link = 2 * gpu_of_[static_cast<size_t>(from)];
+    *in_link = 2 * gpu_of_[static_cast<size_t>(to)] + 1;
     return;
   }
-  const int base = 2 * total_gpus_;
-  if (spec_.nic == NicKind::kPerHost) {
-    *out_link = base + 2 * a.host;
-    *in_link = base + 2 * b.host + 1;
-  } else {
-    *out_link = base + 2 * ga;
-    *in_link = base + 2 * gb + 1;
-  }
+  *out_link = NicOutLink(from);
+  *in_link = NicInLink(to);
 }
 
 }  // namespace reshard

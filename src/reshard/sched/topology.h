@@ -28,6 +28,11 @@ namespace reshard {
 
 enum class NicKind { kPerHost, kPerGpu };
 
+/// The bandwidths a topology may give a link, in GB/s: from 1 MB/s (below that a sync's
+/// seconds stop meaning anything) to 10^9 GB/s.
+inline constexpr double kMinGbps = 1e-3;
+inline constexpr double kMaxGbps = 1e9;
+
 /// A process's place: a GPU of a host.
 struct Slot {
   int host = 0;
@@ -57,7 +62,7 @@ struct TopologySpec {
 /// Parses and validates a topology document. InvalidArgument naming the JSON path: unknown
 /// keys, a host named twice, a GPU count or bandwidth that is not positive, a placement that
 /// names a host that does not exist, a GPU the host does not have, or a GPU twice; more
-/// than 2^24 GPUs in all.
+/// than 2^24 GPUs in all; a bandwidth outside [kMinGbps, kMaxGbps].
 Result<TopologySpec> ParseTopologyJson(std::string_view text);
 
 /// The kinds of link a transfer uses.
@@ -86,19 +91,32 @@ class Topology {
   /// "node3:5".
   std::string SlotName(int process) const;
 
-  /// Links: every GPU's NVLink out and in, and every NIC's out and in.
+  /// Links: the NVLink out and in of every GPU a process runs on, and the out and in of every
+  /// NIC such a GPU uses (GPUs and NICs no process uses have no link: a topology's size costs
+  /// nothing beyond the sync's own processes). Numbered in host and GPU order, NVLink first.
   int num_links() const;
   double LinkBandwidth(int link) const;  // bytes per second
   std::string LinkName(int link) const;  // "node3:5 nvlink out", "node3 nic in"
   /// The two links a transfer from process `from` to process `to` (distinct) uses: NVLink
   /// out and in on one host, NIC out and in across hosts.
   void Route(int from, int to, int* out_link, int* in_link) const;
+  /// The NIC links of process `process` (what Route uses towards or from another host).
+  int NicOutLink(int process) const;
+  int NicInLink(int process) const;
+  /// The hosts processes run on, and the index among them of process `process`'s host.
+  int num_used_hosts() const { return static_cast<int>(nic_hosts_.size()); }
+  int UsedHost(int process) const { return host_of_[static_cast<size_t>(process)]; }
 
  private:
+  void NumberLinks();  // gpus_, gpu_of_, nic_hosts_, nic_of_ from slots_
+
   TopologySpec spec_;
   std::vector<Slot> slots_;
-  std::vector<int> host_first_slot_;  // link numbering of per-GPU links
-  int total_gpus_ = 0;
+  std::vector<Slot> gpus_;      // the GPUs processes run on, in host and GPU order
+  std::vector<int> gpu_of_;     // per process: its index in gpus_
+  std::vector<int> nic_hosts_;  // the hosts processes run on, in order
+  std::vector<int> host_of_;    // per process: its host's index in nic_hosts_
+  std::vector<int> nic_of_;     // per process: its NIC's index (in nic_hosts_, or in gpus_)
   int trainer_ranks_ = 0;
   std::vector<int> engine_first_;
   std::vector<int> engine_size_;
