@@ -1193,6 +1193,9 @@ class WeightSync:
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
         makes the others raise it within ``timeout_s``; this sync cannot push again.
+        Before any byte moves the trainer processes agree that they make the same push
+        (:func:`push_refusal`): one push of the sync at a time (another, from another thread,
+        raises at once), the same tensors held whole on every process equal.
         Built with ``source=``, ``shards`` defaults to that source as it is now (a module's
         current weights); a module or state dict of DTensors is taken too (each DTensor's
         ``to_local()``)."""
