@@ -1086,7 +1086,7 @@ class WeightSync:
             hosts.append([str(r.get("host", "")) for r in mine])
         text = schedule_topology(topology, trainer_hosts, hosts)
         if quantize is not None and count > 1:  # one quantizing at the trainer serves all
-            from .._quantize import check_quantized_targets
+            from ..distributed._quantize import check_quantized_targets
             sets = []
             for e, target in enumerate(targets):
                 try:
