@@ -19,6 +19,7 @@ waiting in a collective.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -137,7 +138,7 @@ def _source_views(tensors: Any) -> tuple[Optional[bool], dict[str, View]]:
     return single, views
 
 
-def _say(tensors: Any, mesh: Any, placements: Any) -> _Said:
+def _say(tensors: Any, mesh: Any, placements: Any, stats: Any) -> _Said:
     """This process's account of its call (an error in place of what it could not read)."""
     single: Optional[bool] = None
     views: dict[str, View] = {}
@@ -146,6 +147,9 @@ def _say(tensors: Any, mesh: Any, placements: Any) -> _Said:
     one: Optional[list[Any]] = None
     device = ""
     try:
+        if stats is not None and not isinstance(stats, dict):
+            raise RedistributeError(f"stats must be a dict (filled with this process's "
+                                    f"figures) or None, got {type(stats).__name__} {stats!r}")
         ranks = _mesh_ranks(mesh)
         device = str(mesh.device_type)
         if isinstance(placements, Mapping):
@@ -160,6 +164,25 @@ def _say(tensors: Any, mesh: Any, placements: Any) -> _Said:
         return None, single, views, ranks, per_name, one, device
     except Exception as e:  # told to every process by the agreement
         return _message(e), single, views, ranks, per_name, one, device
+
+
+def _told(comm: Any, said: _Said) -> list[_Said]:
+    """Every process's account of its call (a collective). An account that cannot be pickled
+    (a placement that is a lambda) or unpickled elsewhere is told as that process's error, so
+    that every process raises the same error instead of one raising and the others waiting."""
+    try:
+        data = pickle.dumps(said)
+    except Exception as e:
+        data = pickle.dumps((f"its arguments cannot be sent to the other processes "
+                             f"({_message(e)})", None, {}, [], None, None, ""))
+    told = []
+    for payload in comm.gather_object(data):
+        try:
+            told.append(pickle.loads(payload))
+        except Exception as e:
+            told.append((f"its arguments cannot be read by the other processes "
+                         f"({_message(e)})", None, {}, [], None, None, ""))
+    return told
 
 
 def _agree(said: list[_Said], members: list[int]
@@ -252,11 +275,21 @@ def redistribute(tensors: Any, mesh: Any,
     dims, the wrong number for the mesh) or that hold addends (``Partial`` as a target), a
     tensor that is not a DTensor, shapes, dtypes or layouts of one tensor that differ between
     processes, a process of a source mesh that passes no tensors, and ``placements`` by name
-    that miss or add a name.
+    that miss or add a name, ``stats`` that is not a dict, arguments that cannot be pickled
+    (to be compared), and a process of the group lost during the move (the others raise it).
     """
+    try:
+        return _redistribute(tensors, mesh, placements, group, bucket_bytes, stats)
+    except RuntimeError as e:  # the transport: a process of the group lost (gloo, NCCL)
+        raise RedistributeError(f"the move failed in a collective, a process of the group "
+                                f"lost or failing ({_message(e)})") from e
+
+
+def _redistribute(tensors: Any, mesh: Any, placements: Union[Placements, Mapping[str, Placements]],
+                  group: Any, bucket_bytes: int, stats: Optional[dict[str, Any]]) -> Any:
     from .distributed import _TorchGroup
     comm = _TorchGroup(group)
-    said = comm.gather_object(_say(tensors, mesh, placements))
+    said = _told(comm, _say(tensors, mesh, placements, stats))
     single, views, grid, by_name = _agree(said, comm.members)
     source_ranks = sorted({r for _, by_rank, _ in views.values() for r in by_rank})
     flat_target = sorted(int(r) for r in torch.as_tensor(grid).flatten().tolist())

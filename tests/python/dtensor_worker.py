@@ -167,6 +167,12 @@ def main() -> None:
             "placements_miss_a_name": refused(lambda: rdt.redistribute(
                 src, three, {n: p for n, p in into.items() if n != "b"})),
         }
+        # what one process alone gets wrong: a placement that cannot be pickled (to be
+        # compared), stats that is not a dict
+        result["refused"]["unpicklable_placement"] = refused(lambda: rdt.redistribute(
+            src["w"], three, [lambda: 0] if me == 1 else [Shard(0)]))
+        result["refused"]["stats_not_a_dict"] = refused(lambda: rdt.redistribute(
+            src["w"], three, [Shard(0)], stats=[] if me == 0 else None))
         result["refused"]["holder_passes_none"] = refused(lambda: rdt.redistribute(
             None if me == 2 else src2, two, [Shard(0)]))
         partial = DTensor.from_local(torch.ones(2, 2), four, [Partial()], run_check=False)

@@ -99,6 +99,10 @@ def test_one_dtensor_in_one_out(live):
                            "tensors"),
     ("partial_source", 'processes 0, 1, 2, 3, 4, 5: tensor "p" has placements [Partial(sum)]: '
                        "a Partial placement holds"),
+    ("unpicklable_placement", "process 1: its arguments cannot be sent to the other processes "
+                              "("),
+    ("stats_not_a_dict", "process 0: stats must be a dict (filled with this process's figures) "
+                         "or None, got list []"),
 ])
 def test_a_bad_argument_raises_the_same_error_everywhere(live, kind, text):
     got = [r["refused"][kind] for r in live]
@@ -128,3 +132,40 @@ def test_target_maps_hold_what_torch_splits_give():
         rdt.target_maps({"w": [7, 10]}, [0, 1], [Shard(-3)])
     with pytest.raises(rdt.RedistributeError, match=r'no target placements for tensor "w"'):
         rdt.target_maps({"w": [7, 10]}, [0, 1], {"v": [Shard(0)]})
+
+
+LOST_PEER = r'''
+import json, os, sys, datetime
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+import reshard.dtensor as rdt
+me, out = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=me, world_size=3,
+                        timeout=datetime.timedelta(seconds=60))
+w = distribute_tensor(torch.arange(12.0).reshape(6, 2), DeviceMesh("cpu", [0, 1, 2]), [Shard(0)])
+if me == 2:  # lost before the move
+    os._exit(0)
+try:
+    rdt.redistribute(w, DeviceMesh("cpu", [0, 1]), [Shard(1)])
+    result = {"type": None}
+except Exception as e:
+    result = {"type": type(e).__name__, "message": str(e)}
+open(out + f".{me}", "w").write(json.dumps(result))
+os._exit(0)  # the group is broken: nothing to tear down
+'''
+
+
+def test_a_process_lost_raises_redistribute_error_on_the_others(tmp_path):
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_PEER)
+    env = dict(os.environ, PYTHONPATH=str(BUILD / "python"), OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "out")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"out.{r}").read_text()) if \
+            (tmp_path / f"out.{r}").exists() else logs[r][-3000:]
+        assert isinstance(got, dict) and got["type"] == "RedistributeError", got
+        assert "a process of the group lost or failing" in got["message"], got

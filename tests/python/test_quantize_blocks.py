@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import reshard  # noqa: E402
 import reshard.distributed as rd  # noqa: E402
-from reshard import _quantize  # noqa: E402
+from reshard.distributed import _quantize  # noqa: E402
 from quantized_sync_worker import reference_quantize, round_e4m3  # noqa: E402
 
 

@@ -110,3 +110,155 @@ def test_weight_sync_learns_the_engine_layout_at_the_dtype_the_engine_runs(monke
     target, dtypes = sync.WeightSync._engine_plan(None, reports, {"w": m}, None, None, 0)
     assert learned == [("/models/m", 2, "float32")]
     assert dtypes == {"w": "float32"} and sorted(target) == ["w"]
+
+
+ARGUMENTS = r'''
+import datetime, gc, json, os, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from reshard.vllm import WeightSync
+from reshard.vllm import sync as sync_module
+rank, out = int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+URL = "http://127.0.0.1:9"  # nothing listens there: the engine cannot join
+cases = {"inf": {"timeout_s": float("inf")}, "nan": {"timeout_s": float("nan")},
+         "negative": {"timeout_s": -5}, "zero": {"timeout_s": 0}, "string": {"timeout_s": "20"},
+         "unresolvable": {"host": "no-such-host.invalid", "timeout_s": 20},
+         "not_here": {"host": "192.0.2.1", "timeout_s": 20},
+         "no_engine_joins": {"timeout_s": 20}}
+
+
+def attempt(kwargs):
+    try:
+        WeightSync(URL if rank == 0 else None, {}, **kwargs)
+        return {"type": None}
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+
+
+results = {name: attempt(kwargs) for name, kwargs in cases.items()}
+# The engine refuses to join and process 0 unwinds its constructor (dropping the store it
+# serves) while process 1 is as slow as it can be: any store read it makes waits until
+# process 0 has returned.
+done = out + ".done0"
+if rank == 1:
+    join = sync_module.join_store
+
+    class Slow:
+        def __init__(self, store):
+            self._store = store
+
+        def get(self, key):
+            while not os.path.exists(done):
+                pass
+            return self._store.get(key)
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+    sync_module.join_store = lambda *a: Slow(join(*a))
+results["store_gone"] = attempt({"timeout_s": 20})
+if rank == 0:
+    gc.collect()
+    open(done, "w").close()
+open(out + f".{rank}", "w").write(json.dumps(results))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("case,text", [
+    ("inf", "timeout_s must be a number of seconds above 0 and at most 1e+09 (it bounds every "
+            "wait), got inf (trainer process 0); "),
+    ("nan", "got nan (trainer process 0)"), ("negative", "got -5 (trainer process 0)"),
+    ("zero", "got 0 (trainer process 0)"), ("string", "got '20' (trainer process 0)"),
+    ("unresolvable", "trainer process 0 could not serve the sync's store on host "
+                     "'no-such-host.invalid': OSError: it does not resolve"),
+    ("not_here", "trainer process 0 could not serve the sync's store on host '192.0.2.1': "
+                 "OSError: it is not an address of this machine (192.0.2.1: "),
+    ("no_engine_joins", "the engine could not join: http://127.0.0.1:9/"),
+    ("store_gone", "the engine could not join: http://127.0.0.1:9/"),
+])
+def test_weight_sync_refuses_alike_on_every_trainer_process(weight_sync_arguments, case, text):
+    """A bad timeout_s or host, or an engine that cannot join, raises the same WeightSyncError
+    on both trainer processes (none waits for the other in a collective), also when the
+    process serving the store unwinds while the other is slow to read it."""
+    got = [r[case] for r in weight_sync_arguments]
+    assert got[0] == got[1], got
+    assert got[0]["type"] == "WeightSyncError", got[0]
+    assert text in got[0]["message"], got[0]
+
+
+@pytest.fixture(scope="module")
+def weight_sync_arguments(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("arguments")
+    script = tmp / "worker.py"
+    script.write_text(ARGUMENTS)
+    procs = [subprocess.Popen([sys.executable, str(script), str(BUILD / "python"), str(r),
+                               str(tmp / "out")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [json.loads((tmp / f"out.{r}").read_text()) for r in range(2)]
+
+
+def test_a_push_is_refused_unless_every_trainer_process_makes_the_same_one():
+    """The agreement before any byte moves: a push overlapped by another (from another
+    thread) on any process, pushes of other numbers, or tensors every process holds whole
+    that differ between processes are refused on all; the same push goes ahead."""
+    from reshard.vllm.sync import PushClaim, push_refusal
+    same = [PushClaim(None, 3, {"norm": "aa"}, False), PushClaim(None, 3, {"norm": "aa"}, False)]
+    assert push_refusal(same) is None
+    mixed = [PushClaim(None, 3, {"norm": "aa", "b": "1"}, False),
+             PushClaim(None, 3, {"norm": "bb", "b": "1"}, False)]
+    assert push_refusal(mixed).startswith('trainer processes 0 and 1 push different weights: '
+                                          'tensor "norm", which every trainer process holds '
+                                          'whole, differs between them')
+    overlapped = [PushClaim(None, 3, {}, False), PushClaim(None, 3, {}, True)]
+    assert push_refusal(overlapped).startswith(
+        "trainer process 1 began another push of this WeightSync (from another thread) while "
+        "push 3 began")
+    assert push_refusal([PushClaim(None, 3, {}, False), PushClaim(None, 4, {}, False)]) == (
+        "the trainer processes are at different pushes of this WeightSync (process 0: push 3, "
+        "process 1: push 4); every trainer process pushes each time")
+    refused = [PushClaim(None, 3, {}, True), PushClaim("the engine did not start", 3, {}, False)]
+    assert push_refusal(refused) == "the engine did not start"
+
+
+def test_the_tensors_every_trainer_process_holds_whole_are_digested():
+    """Replicated tensors (norms at TP) are compared between trainer processes, split ones
+    are not; the digest is of the bytes."""
+    from maps import replicated_map
+    from reshard.vllm.sync import whole_digests, whole_tensors
+    maps = {"norm": replicated_map([6], 2), "w": split_map([8, 6], 0, [4, 4])}
+    assert whole_tensors(maps, 2) == ["norm"]
+    assert whole_tensors(maps, 1) == []
+    a = whole_digests({"norm": torch.ones(6), "w": torch.ones(4, 6)}, ["norm"])
+    b = whole_digests({"norm": torch.ones(6, dtype=torch.bfloat16)}, ["norm"])
+    c = whole_digests({"norm": torch.ones(6)}, ["norm"])
+    assert list(a) == ["norm"] and a == c and a != b
+    assert whole_digests({}, ["norm"]) == {}
+
+
+def test_a_push_overlapping_another_marks_it_and_is_refused_at_once(monkeypatch):
+    """A second push while one is in progress raises at once and marks the one in progress as
+    overlapped (which the agreement then refuses on every process); the next push is
+    unmarked."""
+    import threading
+    from reshard.vllm import WeightSyncError
+    from reshard.vllm.sync import WeightSync
+    sync = WeightSync.__new__(WeightSync)
+    sync._guard, sync._in_push, sync._overlapped = threading.Lock(), False, False
+    seen = []
+
+    def alone(update, send, digest):
+        if not seen:
+            with pytest.raises(WeightSyncError, match="a push of this WeightSync is in "
+                                                      "progress"):
+                sync._push({"mode": "plan"}, send)
+        seen.append(sync._overlapped)
+        return None
+    monkeypatch.setattr(sync, "_push_alone", alone)
+    sync._push({"mode": "plan"}, lambda: None)
+    sync._push({"mode": "plan"}, lambda: None)
+    assert seen == [True, False]

@@ -19,15 +19,16 @@ import toy
 
 
 class DuringPush(Mapping):
-    """Shards that call ``during()`` when the push first reads one (the push is then under
-    way), once."""
+    """Shards that call ``during()`` when the push first reads the shard ``name`` (one split
+    between the trainer processes: read by the transfer, once the push has been agreed), once."""
 
-    def __init__(self, shards: dict, during: Callable[[], None]) -> None:
-        self._shards, self._during = shards, during
+    def __init__(self, shards: dict, during: Callable[[], None], name: str) -> None:
+        self._shards, self._during, self._name = shards, during, name
 
     def __getitem__(self, name: str) -> Any:
-        during, self._during = self._during, None
+        during = self._during if name == self._name else None
         if during is not None:
+            self._during = None
             during()
         return self._shards[name]
 
@@ -50,6 +51,26 @@ def push_in_thread(sync: Any, shards: dict) -> dict:
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
+    return out
+
+
+def two_threads(sync: Any, shards: list, names: list) -> list:
+    """``sync.push(shards[i])`` on two threads started together (a barrier releases both at
+    once), in the order given: what each returned or raised, with ``names[i]``."""
+    gate = threading.Barrier(len(shards))
+    out: list = [{"weights": n} for n in names]
+
+    def body(i: int) -> None:
+        gate.wait()
+        try:
+            out[i]["stats"] = sync.push(shards[i]).__dict__
+        except Exception as e:
+            out[i]["error"] = f"{type(e).__name__}: {e}"
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(shards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return out
 
 
@@ -151,9 +172,15 @@ def run(spec: dict, rank: int) -> None:
                 other = loaded[step["second"]][1]
                 second: dict = {}
                 stats = syncs["sync"].push(DuringPush(
-                    shards, lambda second=second, other=other: second.update(push_in_thread(syncs["sync"], other))))
+                    shards, lambda second=second, other=other: second.update(push_in_thread(
+                        syncs["sync"], other)), "model.layers.1.mlp.down_proj.weight"))
                 entry["stats"] = stats.__dict__
                 entry["second"] = second
+            elif kind == "pushes_differ":  # process 0 pushes these weights, the others "other"
+                syncs["sync"].push(shards if rank == 0 else loaded[step["other"]][1])
+            elif kind == "two_threads":  # at once, in opposite orders on the two processes
+                pair = [weights, step["other"]][::1 if rank == 0 else -1]
+                entry["threads"] = two_threads(syncs["sync"], [loaded[k][1] for k in pair], pair)
             elif kind == "extra_name":  # the trainer has a tensor the engine lacks
                 bad = dict(maps)
                 bad["model.layers.0.mlp.extra.weight"] = maps["model.norm.weight"]

@@ -41,6 +41,11 @@ STEPS = [
     {"name": "push B, and A from another thread mid-push", "kind": "two_at_once",
      "weights": "B", "second": "A"},
     {"name": "push A after two at once", "kind": "push", "weights": "A"},
+    {"name": "process 0 pushes B, process 1 A", "kind": "pushes_differ", "weights": "B",
+     "other": "A"},
+    {"name": "two threads push B and A at once, in opposite orders", "kind": "two_threads",
+     "weights": "B", "other": "A"},
+    {"name": "push B after the threads", "kind": "push", "weights": "B"},
 ]
 
 
@@ -214,6 +219,35 @@ def test_a_second_push_mid_push_is_refused_on_every_process(session, models):
     assert main[15]["tokens"] == models["expected"]["B"]
     assert "error" not in main[16], main[16]
     assert main[16]["tokens"] == models["expected"]["A"]
+
+
+def test_processes_pushing_different_weights_are_refused_on_every_process(session, models):
+    """Process 0 pushes B while process 1 pushes A (what two threads racing on each process can
+    amount to): refused on both before any byte moves, naming a tensor both hold whole; the
+    engine keeps A, never a mix of the two."""
+    main, other = session
+    for step in (main[17], other[16]):
+        assert step.get("error", "").startswith("trainer processes 0 and 1 push different "
+                                                "weights: tensor "), step
+    assert main[17]["tokens"] == models["expected"]["A"]
+
+
+def test_two_threads_pushing_at_once_never_leave_a_mix(session, models):
+    """Each process starts two threads pushing at once, B then A on process 0 and A then B on
+    process 1: whichever way the race goes, each process makes the same push or none, the
+    engine serves B or A (what it had), never a mix; the next push works."""
+    main, other = session
+    won = [sorted(t["weights"] for t in step["threads"] if "error" not in t)
+           for step in (main[18], other[17])]
+    assert won[0] == won[1], (main[18], other[17])  # the same pushes made on both processes
+    for step in (main[18], other[17]):
+        for t in step["threads"]:
+            assert "error" not in t or t["error"].startswith("WeightSyncError: "), t
+    # A push made on both (or, had the threads not overlapped, both pushes), or none: A kept.
+    served = [k for k in ("A", "B") if main[18]["tokens"] == models["expected"][k]]
+    assert served and (served[0] in won[0] or (not won[0] and served == ["A"])), \
+        (main[18], won)
+    assert "error" not in main[19] and main[19]["tokens"] == models["expected"]["B"]
 
 
 def test_trainer_dtensors_push_without_maps(models, tmp_path):

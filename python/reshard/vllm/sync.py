@@ -16,6 +16,7 @@ each byte out of the trainer processes once, the engines' workers relaying the r
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import socket
@@ -24,7 +25,8 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence,
+                    Union)
 
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
@@ -611,6 +613,121 @@ def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]
     return None if names is None else {n: getattr(torch, d) for n, d in names.items()}
 
 
+class PushClaim(NamedTuple):
+    """What one trainer process says of the push it is about to make, before any byte moves:
+    why it cannot (an engine that did not start an update, a shard it cannot read), which
+    push of the sync it is, the digests of the tensors every trainer process holds whole
+    (:func:`whole_digests`), and whether another push was asked for (from another thread)
+    while it began."""
+
+    refused: Optional[str]
+    number: int
+    digests: Optional[dict[str, str]]
+    overlapped: bool
+
+
+def push_refusal(claims: Sequence[PushClaim]) -> Optional[str]:
+    """Why the trainer processes (``claims``, by process) must not make their push, or None
+    when each makes the same one: every process refuses alike, before any byte moves. Two
+    threads pushing at once may each win on some process, which would push one set of
+    weights from some processes and the other from the rest (an engine serving a mix): a
+    push overlapped by another one on any process is refused, and so is one whose tensors
+    held whole everywhere differ between processes."""
+    refusals = [c.refused for c in claims if c.refused is not None]
+    if refusals:
+        return refusals[0]
+    overlapped = [p for p, c in enumerate(claims) if c.overlapped]
+    if overlapped:
+        return (f"trainer process{'es' if len(overlapped) > 1 else ''} "
+                f"{', '.join(map(str, overlapped))} began another push of this WeightSync (from "
+                f"another thread) while push {claims[overlapped[0]].number} began; which of the "
+                "two each process makes could differ, so every trainer process refuses it and "
+                "the engines keep the weights they had: push from one thread at a time")
+    numbers = [c.number for c in claims]
+    if len(set(numbers)) > 1:
+        return (f"the trainer processes are at different pushes of this WeightSync "
+                f"({', '.join(f'process {p}: push {n}' for p, n in enumerate(numbers))}); "
+                "every trainer process pushes each time")
+    first = claims[0].digests
+    for p, c in enumerate(claims[1:], 1):
+        if first is None or c.digests is None:
+            continue
+        differ = sorted(n for n in first if n in c.digests and first[n] != c.digests[n])
+        if differ:
+            return (f"trainer processes 0 and {p} push different weights: tensor "
+                    f"\"{differ[0]}\", which every trainer process holds whole, differs between "
+                    f"them ({len(differ)} such tensors differ); the engines keep the weights "
+                    "they had. Push the same weights from every process (pushes from two "
+                    "threads at once can pair one thread's weights on one process with the "
+                    "other's elsewhere)")
+    return None
+
+
+def whole_tensors(maps: Mapping[str, MapLike], trainers: int) -> list[str]:
+    """The tensors of ``maps`` that every one of ``trainers`` processes (at least two) holds
+    whole and laid out alike: their shards must be equal byte for byte."""
+    if trainers < 2:
+        return []
+    out = []
+    for name, m in maps.items():
+        ranks = as_map(m).to_dict().get("ranks", {})
+        first = ranks.get("0")
+        if first is None or len(ranks) != trainers or \
+                any(r.get("buffer") for r in ranks.values()):
+            continue
+        pieces = first.get("pieces") or []
+        if pieces and all(len(p.get("locations", [])) == trainers for p in pieces) and \
+                all(r.get("pieces") == pieces for r in ranks.values()):
+            out.append(name)
+    return out
+
+
+def whole_digests(shards: Mapping[str, Any], names: Sequence[str]) -> dict[str, str]:
+    """A digest of the bytes of each of ``names`` among ``shards`` (those missing or not
+    tensors are left to the push's own checks)."""
+    import torch
+    out = {}
+    for name in names:
+        t = shards.get(name)
+        if isinstance(t, torch.Tensor):
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+            out[name] = hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+    return out
+
+
+# The longest wait a sync takes (the store's and the group's timeouts are timedeltas, in
+# milliseconds in C++): about 31 years.
+_MAX_TIMEOUT_S = 1e9
+
+
+def _seconds_problem(timeout_s: Any) -> Optional[str]:
+    """Why ``timeout_s`` is not a wait the sync can bound itself by, or None."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not math.isfinite(timeout_s) or not 0 < timeout_s <= _MAX_TIMEOUT_S:
+        return (f"timeout_s must be a number of seconds above 0 and at most {_MAX_TIMEOUT_S:g} "
+                f"(it bounds every wait), got {timeout_s!r}")
+    return None
+
+
+def _check_host(host: str) -> None:
+    """Raises OSError unless ``host`` resolves to an address of this machine (one a socket can
+    be bound to): the store is served there, and its own client would otherwise wait out the
+    timeout connecting to it."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"it does not resolve ({e})") from None
+    problems = []
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0) + tuple(address[2:]))
+            return
+        except OSError as e:
+            problems.append(f"{address[0]}: {e.strerror or e}")
+    raise OSError(f"it is not an address of this machine ({'; '.join(problems)})")
+
+
 class _Background:
     """A call on a thread of its own, its exception kept for :meth:`result`."""
 
@@ -698,8 +815,11 @@ class WeightSync:
             import torch
             backend = "nccl" if torch.cuda.is_available() and \
                 dist.is_initialized() and "nccl" in str(dist.get_backend(group)) else "gloo"
-        self._steps = 0
-        self._pushing = threading.Lock()  # held by the push in progress (one at a time)
+        self._steps = 0  # pushes begun: agreed among the trainer processes in each push
+        self._guard = threading.Lock()  # over the two below
+        self._in_push = False  # a push in progress (one at a time)
+        self._overlapped = False  # another push was asked for while it was in progress
+        self._whole: list[str] = []  # the tensors every trainer process holds whole
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
         self._comm: Optional[StoreGroup] = None
         self._sync: Optional[AnyRedistributor] = None
@@ -719,6 +839,11 @@ class WeightSync:
         elif overlap_processing is not None and not isinstance(overlap_processing, bool):
             bad = (f"overlap_processing must be True, False or None, got "
                    f"{overlap_processing!r} (trainer process {self._rank})")
+        elif _seconds_problem(timeout_s) is not None:
+            bad = f"{_seconds_problem(timeout_s)} (trainer process {self._rank})"
+        elif not isinstance(host, str) or not host:
+            bad = (f"host must be the name or address of this machine that the engine's "
+                   f"workers reach, got {host!r} (trainer process {self._rank})")
         elif (source is None) == (source_maps is None):
             bad = (f"give the trainer's layout as source= (its module or state dict) or as "
                    f"source_maps=, one of the two (trainer process {self._rank})")
@@ -755,18 +880,30 @@ class WeightSync:
         prefix = f"reshard-{uuid.uuid4().hex}"
         store, where = None, None
         if self._rank == self._drivers[0]:  # the store is served by the first engine's driver
-            store = serve_store(host, timeout_s)
-            where = (host, int(store.port), prefix)
+            try:  # a host that is not this machine's is refused before the store waits on it
+                _check_host(host)
+                store = serve_store(host, timeout_s)
+                where = (host, int(store.port), prefix)
+            except Exception as e:  # agreed: every trainer process raises it
+                where = ("", 0, f"trainer process {self._rank} could not serve the sync's "
+                         f"store on host {host!r}: {_message(e)}")
         host, port, prefix = [w for w in self._trainer_gather(where) if w is not None][0]
+        if not port:
+            raise WeightSyncError(prefix)
+        joined: Optional[str] = None  # why this process could not reach the store
         if store is None:
-            store = join_store(host, port, timeout_s)
+            try:
+                store = join_store(host, port, timeout_s)
+            except Exception as e:  # agreed once the engines have joined or failed to
+                joined = (f"trainer process {self._rank} could not reach the sync's store at "
+                          f"{host}:{port}: {_message(e)}")
         self._store = store
         inits = {k: client.later("init_weight_transfer_engine", {"init_info": {
             "host": host, "port": port, "prefix": prefix, "trainers": self._trainers,
             "backend": backend, "timeout_s": timeout_s, "engine": k, "engines": self._engines}})
-            for k, client in self._clients.items()}
+            for k, client in self._clients.items()} if joined is None else {}
         try:
-            self._workers = self._workers_of(store, prefix, inits, timeout_s)
+            self._workers = self._workers_of(store, prefix, inits, timeout_s, joined)
             comm = StoreGroup(store, prefix + "/pg", self._rank,
                               self._trainers + sum(self._workers), backend, timeout_s)
             self._comm = comm
@@ -789,6 +926,7 @@ class WeightSync:
                 lane_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
                 plan["error"])
             self._sync = self._stages[0].redistributor
+            self._whole = whole_tensors(source_maps, self._trainers)
         except RedistributeError as e:
             self._finish_all(inits)
             raise WeightSyncError(str(e)) from None
@@ -867,28 +1005,55 @@ class WeightSync:
         return out
 
     def _workers_of(self, store: Any, prefix: str, inits: Mapping[int, "_Background"],
-                    timeout_s: float) -> list[int]:
+                    timeout_s: float, problem: Optional[str]) -> list[int]:
         """Each engine's worker count, which its worker 0 publishes on joining; an engine's
-        driver publishes the engine's refusal instead when its init call fails first."""
+        driver publishes the engine's refusal instead when its init call fails first. Read
+        from the store by the process that serves it alone, and agreed among the trainer
+        processes (a collective), with ``problem`` (this process could not reach the store)
+        and any store error: a process that read the store earlier never reads it after the
+        serving process has gone, and every trainer process raises the same
+        WeightSyncError."""
         keys = [f"{prefix}/workers/{e}" for e in range(self._engines)]
-        deadline = time.monotonic() + timeout_s
-        while not store.check(keys):
-            for e, init in inits.items():
-                if not init.running() and not store.check([keys[e]]):
-                    store.set(keys[e], f"error: {init.result()}")  # the engine refused to join
-            if time.monotonic() > deadline:
-                late = [e for e, k in enumerate(keys) if not store.check([k])]
-                which = self._which(late[0]) if len(late) == 1 else f"engines {late}"
-                raise WeightSyncError(f"the workers of {which} did not join within "
-                                      f"{timeout_s} s")
-            time.sleep(0.05)
-        values = [store.get(k).decode() for k in keys]
+        serving = self._rank == self._drivers[0]
+        seen: Union[None, str, list[str]] = problem
+        if problem is None and (serving or inits):
+            try:  # the serving process waits for every engine, a driver for its own
+                seen = self._joined(store, keys, inits, timeout_s, serving)
+            except WeightSyncError as e:
+                seen = str(e)
+            except Exception as e:  # the store's process gone, or its timeout
+                seen = (f"trainer process {self._rank} lost the sync's store while the "
+                        f"engines joined: {_message(e)}")
+        told = self._trainer_gather(seen)
+        errors = [t for t in told if isinstance(t, str)]
+        if errors:
+            raise WeightSyncError(errors[0])
+        values = told[self._drivers[0]]
         refusals = [f"{self._which(e)} could not join: {v[7:]}" if self._engines > 1 else
                     f"the engine could not join: {v[7:]}"
                     for e, v in enumerate(values) if v.startswith("error: ")]
         if refusals:
             raise WeightSyncError("; ".join(refusals))
         return [int(v) for v in values]
+
+    def _joined(self, store: Any, keys: list[str], inits: Mapping[int, "_Background"],
+                timeout_s: float, serving: bool) -> Optional[list[str]]:
+        """(the serving process, or an engine's driver) Polls the store until every engine
+        (the serving process) or this process's engines have joined or refused: the values
+        of the keys (the serving process), else None."""
+        wanted = keys if serving else [keys[e] for e in inits]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(wanted):
+            for e, init in inits.items():
+                if not init.running() and not store.check([keys[e]]):
+                    store.set(keys[e], f"error: {init.result()}")  # the engine refused to join
+            if time.monotonic() > deadline:
+                late = [e for e, k in enumerate(keys) if k in wanted and not store.check([k])]
+                which = self._which(late[0]) if len(late) == 1 else f"engines {late}"
+                raise WeightSyncError(f"the workers of {which} did not join within "
+                                      f"{timeout_s} s")
+            time.sleep(0.05)
+        return [store.get(k).decode() for k in keys] if serving else None
 
     @staticmethod
     def _finish(call: Optional[_Background]) -> Optional[BaseException]:
@@ -921,7 +1086,7 @@ class WeightSync:
             hosts.append([str(r.get("host", "")) for r in mine])
         text = schedule_topology(topology, trainer_hosts, hosts)
         if quantize is not None and count > 1:  # one quantizing at the trainer serves all
-            from .._quantize import check_quantized_targets
+            from ..distributed._quantize import check_quantized_targets
             sets = []
             for e, target in enumerate(targets):
                 try:
@@ -1028,6 +1193,9 @@ class WeightSync:
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
         makes the others raise it within ``timeout_s``; this sync cannot push again.
+        Before any byte moves the trainer processes agree that they make the same push
+        (:func:`push_refusal`): one push of the sync at a time (another, from another thread,
+        raises at once), the same tensors held whole on every process equal.
         Built with ``source=``, ``shards`` defaults to that source as it is now (a module's
         current weights); a module or state dict of DTensors is taken too (each DTensor's
         ``to_local()``)."""
@@ -1072,41 +1240,62 @@ class WeightSync:
 
         def send() -> None:  # the schedule: from the trainer processes, then between the engines
             run_stages(self._stages, -1, self._rank, local, None, None, error)
-        return self._push({"step": self._steps, "mode": "plan", "overlap": overlap}, send)
 
-    def _push(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
+        def digests() -> Optional[dict[str, str]]:  # compared among the trainer processes
+            return whole_digests(local, self._whole) if error is None else None
+        return self._push({"mode": "plan", "overlap": overlap}, send, digests)
+
+    def _push(self, update: dict[str, Any], send: Callable[[], Any],
+              digest: Callable[[], Optional[dict[str, str]]] = lambda: None) -> SyncStats:
         # A second push while one is in progress (another thread) is refused at once, before
-        # it touches the engine or the group: on every process that starts one, each refusing
-        # its own, while the push in progress goes on.
-        if not self._pushing.acquire(blocking=False):
-            raise WeightSyncError("a push of this WeightSync is in progress (in another "
-                                  "thread); push again once it has returned")
+        # it touches the engine or the group; and the push in progress, if it has not been
+        # agreed among the trainer processes yet, is refused on every one of them (which of
+        # two racing calls won may differ between processes: each would push other weights).
+        with self._guard:
+            if self._in_push:
+                self._overlapped = True
+                raise WeightSyncError("a push of this WeightSync is in progress (in another "
+                                      "thread); push again once it has returned")
+            self._in_push, self._overlapped = True, False
         try:
-            return self._push_alone(update, send)
+            return self._push_alone(update, send, digest)
         finally:
-            self._pushing.release()
+            with self._guard:
+                self._in_push = False
 
-    def _push_alone(self, update: dict[str, Any], send: Callable[[], Any]) -> SyncStats:
+    def _push_alone(self, update: dict[str, Any], send: Callable[[], Any],
+                    digest: Callable[[], Optional[dict[str, str]]]) -> SyncStats:
         comm = self.transport
         if self._lost is not None:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
         start = time.perf_counter()
         self._steps += 1
+        update["step"] = self._steps
         refused: Optional[str] = None
+        try:
+            digests = digest()
+        except Exception as ex:  # a shard that cannot be read: refused alike
+            digests, refused = None, f"trainer process {self._rank}: {_message(ex)}"
         started = []
         for e, client in self._clients.items():
+            if refused is not None:
+                break
             try:
                 client.call("start_weight_update")
                 started.append(client)
             except Exception as ex:
                 refused = f"{self._which(e)} did not start an update: {_message(ex)}"
                 break
-        # Agreed among the trainer processes before any sends (the workers wait for none).
-        refusals = [r for r in self._trainer_gather(refused) if r is not None]
-        if refusals:
+        # Agreed among the trainer processes before any sends (the workers wait for none):
+        # every engine started, the same push on every process.
+        with self._guard:
+            overlapped = self._overlapped
+        told = self._trainer_gather(PushClaim(refused, self._steps, digests, overlapped))
+        problem = push_refusal(told)
+        if problem is not None:
             for client in started:  # the engines that did start close their update
                 client.call("finish_weight_update")
-            raise WeightSyncError(refusals[0])
+            raise WeightSyncError(problem)
         calls = {k: client.later("update_weights", {"update_info": update})
                  for k, client in self._clients.items()}
         try:
@@ -1197,7 +1386,7 @@ class WeightSync:
         ex = self.redistributor._exchange
         assert ex is not None
         transfers = ex.sends(self._rank)
-        return self._push({"step": self._steps, "mode": "raw"},
+        return self._push({"mode": "raw"},
                           lambda: raw_exchange(comm, transfers, sending=True))
 
     def _push_full(self, maps: Mapping[str, MapLike], shards: Mapping[str, "torch.Tensor"]
@@ -1229,7 +1418,7 @@ class WeightSync:
                     full = rebuild(as_map(maps[n]), parts)
                     for w in comm.exchange([(full, p) for p in workers], []):
                         w.wait()
-        return self._push({"step": self._steps, "mode": "full", "tensors": tensors}, send)
+        return self._push({"mode": "full", "tensors": tensors}, send)
 
     def _one_engine(self, what: str) -> None:
         if self._engines > 1:

@@ -28,16 +28,16 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import _core
-from ._maps import MapLike, ParamMap, as_map
-from ._tensors import extract
-from .distributed import (DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, Transport,
+from .. import _core
+from .._maps import MapLike, ParamMap, as_map
+from .._tensors import extract
+from ._redistributor import (DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, Transport,
                           _layout_of_source, _message, _shards_of_source, _TorchGroup)
 
 if TYPE_CHECKING:
     import torch
 
-    from .torch import TorchSource
+    from ..torch import TorchSource
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 AMAX_FLOOR = 1e-4  # a block's amax is clamped below at this (vLLM's per_block_cast_to_fp8)

@@ -1,40 +1,6 @@
-"""Live re-sharding between processes over torch.distributed (DESIGN 14).
-
-Processes that hold a model's weights laid out by one set of maps (a trainer at TP 4) hand
-them to processes that need them laid out by another (an inference engine at TP 2) without
-any process building a full tensor: every process of the group calls :func:`redistribute`
-(or :meth:`Redistributor.run` to plan once and sync many times) with the source shards it
-holds, and gets back the target shards it holds.
-
-How the bytes move:
-
-- the maps of every parameter are composed once into a plan; a replicated source block is
-  read from a holder in the target's own process when there is one, otherwise from the holder
-  whose process has been given the fewest bytes to send so far over the whole model;
-- moves inside one process are copies; every other move joins the byte stream of its
-  (source process, target process) pair. Streams are cut into chunks so that each process
-  stages about ``bucket_bytes`` of outgoing and of incoming data per round; the strided-copy
-  engine packs a chunk from the shards (applying scale factors) and unpacks it into the
-  targets, with the GIL released;
-- round k sends chunk k of every stream with ``torch.distributed.batch_isend_irecv`` while
-  the process packs round k + 1 (and, in round 0, makes its local copies);
-- padding is never sent: a target's padding is zero-filled where it lies.
-
-Before any byte moves, the processes agree: the constructor checks every argument (maps, rank
-lists, dtypes, bucket size, options) on every process and compares them between processes,
-and every run checks each process's shards and ``out`` (type, shape, dtype, device, writable,
-no negative bit, no grad) and runs the moves that carry a scale factor into scratch memory on
-the process that holds their data, so that a scale that would lose values is found there
-before anything is sent. A failure anywhere, whatever the exception, raises
-:class:`RedistributeError` on every process, naming the process and the values, instead of
-leaving the others waiting. An ``out`` that overlaps the process's own source shards is
-handled by reading those shards from a copy.
-
-Tensors are packed in host memory. Shards on another device (CUDA with NCCL) are staged
-through host memory explicitly: copied to the CPU to be packed, the chunks copied to the
-device the group's backend communicates from, and the results copied to the device of
-``out`` (or of the shards).
-"""
+"""The re-sharding itself (:class:`Redistributor`, :func:`redistribute`) and the transport it
+runs over; the package's :mod:`reshard.distributed` describes how the bytes move. FP8 block
+quantization at the source builds on it (:mod:`._quantize`), never the other way round."""
 
 from __future__ import annotations
 
@@ -46,16 +12,16 @@ import json
 from typing import (TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional,
                     Sequence, Union, overload)
 
-from . import _core
-from ._errors import ReshardError
-from ._maps import MapLike, ParamMap, as_map
-from ._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
+from .. import _core
+from .._errors import ReshardError
+from .._maps import MapLike, ParamMap, as_map
+from .._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
     check_writable
 
 if TYPE_CHECKING:
     import torch
 
-    from .torch import TorchSource
+    from ..torch import TorchSource
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -229,7 +195,7 @@ def _layout_of_source(comm: Transport, source: "TorchSource", ranks: Optional[Se
     ``config`` their Hugging Face config."""
     import torch
 
-    from .torch import build_all, gather_megatron, gather_views, is_megatron
+    from ..torch import build_all, gather_megatron, gather_views, is_megatron
     members = list(comm.members)
     kind = "megatron" if is_megatron(source) else \
         "none" if isinstance(source, Mapping) and not source else "torch"
@@ -264,7 +230,7 @@ def _shards_of_source(source: "TorchSource", megatron: bool, maps: Mapping[str, 
     """Process ``me``'s shards of a torch source under its ``maps`` (``{}`` when it is none of
     ``source_ranks``): DTensors' ``to_local()``, a Megatron model's own tensors; the tensors it
     lacks as the empty shards of ``dtypes`` its maps give it."""
-    from .torch import megatron_source_shards, shards_of
+    from ..torch import megatron_source_shards, shards_of
     if me not in source_ranks:
         return {}
     rank = list(source_ranks).index(me)
@@ -1016,9 +982,6 @@ def redistribute(source_maps: Mapping[str, MapLike], target_maps: Mapping[str, M
     return r.run(shards, out, dry_run=dry_run)
 
 
-# Targets holding FP8 blocks of tensors the sources hold in bf16 (below Redistributor, which it
-# builds on).
-from ._quantize import QuantizingRedistributor, quantize_fp8_blocks  # noqa: E402
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "QuantizingRedistributor", "RedistributeError",
-           "Redistributor", "Transport", "quantize_fp8_blocks", "redistribute"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "RedistributeError", "Redistributor", "Transport",
+           "redistribute"]
