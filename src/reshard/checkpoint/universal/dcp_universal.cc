@@ -146,7 +146,8 @@ Status DcpParamsPlanner::CollectStates() {
     by_key_.emplace(key, i);
     const auto state = StateKey(key);
     if (!state) continue;
-    const auto& [name, s] = *state;
+    const std::string& name = state->first;
+    const std::string& s = state->second;
     UniversalParam& p = params_[name];
     p.name = name;
     if (s == "step" || std::any_of(std::begin(kMoments), std::end(kMoments),
@@ -320,19 +321,24 @@ Result<std::vector<UniversalParam>> DcpParamsPlanner::Plan() {
 // A value of a param group: a bytes item's object, a tensor item, or the dict or list that
 // the deeper keys of its items nest into ("<opt>.param_groups.<g>.my.a": {"my": {"a": ...}}).
 struct GroupValue {
-  std::optional<size_t> bytes;   // index into the checkpoint's bytes items
-  std::optional<size_t> tensor;  // index into the source's manifest
-  bool list = false;             // children keyed by list index
-  std::vector<std::pair<std::string, GroupValue>> children;  // in the order first seen
+  std::optional<size_t> bytes;       // index into the checkpoint's bytes items
+  std::optional<size_t> tensor;      // index into the source's manifest
+  bool list = false;                 // children keyed by list index
+  std::vector<std::string> keys;     // the children's keys, in the order first seen
+  std::vector<GroupValue> children;  // parallel to keys
 
-  GroupValue& Child(const std::string& key, bool index) {
-    list = index;
-    for (auto& [k, v] : children) {
-      if (k == key) return v;
-    }
-    return children.emplace_back(key, GroupValue{}).second;
-  }
+  GroupValue& Child(const std::string& key, bool index);
 };
+
+// The child at `key` (made when new); `index`: the children are a list's items.
+GroupValue& GroupValue::Child(const std::string& key, bool index) {
+  list = index;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (keys[k] == key) return children[k];
+  }
+  keys.push_back(key);
+  return children.emplace_back();
+}
 
 // Adds the item at `path[3..]` of group `groups[g]`; false if it clashes with another.
 bool AddGroupItem(std::map<int64_t, GroupValue>& groups, std::span<const std::string> path,
@@ -384,8 +390,9 @@ class GroupValueWriter {
     }
     std::vector<std::pair<PickleNodeId, PickleNodeId>> entries;
     std::vector<PickleNodeId> items(v.list ? v.children.size() : 0, kNoPickleNode);
-    for (const auto& [key, child] : v.children) {
-      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId value, Write(child));
+    for (size_t j = 0; j < v.children.size(); ++j) {
+      const std::string& key = v.keys[j];
+      RESHARD_ASSIGN_OR_RETURN(const PickleNodeId value, Write(v.children[j]));
       if (!v.list) {
         entries.emplace_back(b_.Str(key), value);
         continue;
