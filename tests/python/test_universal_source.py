@@ -319,6 +319,11 @@ def test_dcp_to_universal_keeps_frozen_parameters_and_amsgrad(reshard_bin, tmp_p
     assert sorted(p.name for p in (zero / "frozen.weight").iterdir()) == ["fp32.pt"]
     assert sorted(p.name for p in (zero / "head.weight").iterdir()) == [
         "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "max_exp_avg_sq.pt", "step.pt"]
+    import json
+    report = json.loads(ok(reshard_bin, "inspect", "--json", tmp_path / "uc").stdout)["universal"]
+    assert report["parameters"] == 4
+    assert report["optimizer_states"] == {"exp_avg": 2, "exp_avg_sq": 2, "fp32": 4,
+                                          "max_exp_avg_sq": 2}
     ok(reshard_bin, "convert", tmp_path / "uc", "--to", "dcp", "--world", "2", "-o",
        tmp_path / "back")
     torch.manual_seed(1)
