@@ -243,6 +243,10 @@ def test_refusals_name_the_file(sources, reshard_bin, tmp_path):
     assert not (tmp_path / "hf").exists()
     r = run(reshard_bin, "gather", sources["reshard"], "--optimizer-state", "-o", tmp_path / "o")
     assert r.returncode == 2, r.stderr
+    # --drop leaves out what a DCP checkpoint holds and a universal one cannot; nothing else.
+    r = run(reshard_bin, "convert", sources["deepspeed"], "--to", "universal", "--drop", "x",
+            "-o", tmp_path / "d")
+    assert r.returncode == 2 and "--drop applies" in r.stderr, r.stderr
 
 
 def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):
@@ -313,6 +317,9 @@ def test_dcp_to_universal_keeps_frozen_parameters_and_amsgrad(reshard_bin, tmp_p
     r = run(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "--drop", "model.nope",
             "-o", tmp_path / "uc")
     assert r.returncode == 2 and "model.nope" in r.stderr, r.stderr
+    r = run(reshard_bin, "convert", tmp_path / "src", "--to", "dcp", "--world", "2", "--drop",
+            "model.stat", "-o", tmp_path / "d")
+    assert r.returncode == 2 and "--drop applies" in r.stderr, r.stderr
     ok(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "--drop", "model.stat", "-o",
        tmp_path / "uc")
     zero = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text() / "zero"
