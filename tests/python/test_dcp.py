@@ -399,6 +399,38 @@ def test_zstd_item_memory_follows_the_stream_not_its_growth(dcp_root, reshard_bi
     assert not (tmp_path / "out").exists()
 
 
+PEAK_RSS = """
+import resource, subprocess, sys
+limit = int(sys.argv[1])
+r = subprocess.run(sys.argv[2:], capture_output=True, text=True,
+                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+sys.stderr.write(r.stderr)
+print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+@pytest.mark.parametrize("command", [["gather"], ["convert", "--tp", "2"],
+                                     ["convert", "--to", "dcp", "--world", "2"]])
+def test_zstd_item_that_is_no_archive_stops_at_its_first_window(dcp_root, reshard_bin, tmp_path,
+                                                                command):
+    # The 32 KiB stream of 1 GiB of zeros under its 1 GiB claim: the zip entry a torch.save
+    # archive begins with is not there, which the first decompressed window shows, so the item
+    # is refused (exit 2, naming it) having cost that window: peak RSS far below the claim
+    # (the whole stream was decompressed before: 1.06 GB for gather, 2.1 GB for the others).
+    ckpt = tmp_path / "bomb"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=8192)
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS, str(3 << 30), str(reshard_bin), *command,
+                        str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    rc, peak_kib = map(int, r.stdout.split())
+    assert rc == 2, r.stderr
+    assert '"model.huge" chunk 0' in r.stderr, r.stderr
+    assert "no zip entry at byte 0 of its zstd stream" in r.stderr, r.stderr
+    assert peak_kib < 256 << 10, peak_kib
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command", [["gather"], ["convert", "--tp", "2"]])
 def test_a_tensor_no_memory_can_hold_exits_2_naming_it(dcp_root, reshard_bin, tmp_path, command):
     # The same stream under a claim of 256 GiB: the output needs the tensor (or its shard),

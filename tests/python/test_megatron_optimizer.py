@@ -345,6 +345,50 @@ def test_a_state_missing_or_no_state_at_all_is_refused(reshard_bin, tmp_path, sa
         assert r.returncode == 0, r.stderr
 
 
+def test_a_parameter_without_any_state_keeps_its_weight(reshard_bin, tmp_path, saved):
+    """A parameter whose distributed-optimizer state is absent while the others' is there (a
+    frozen output layer): --to universal keeps its weight as a folder with fp32.pt alone (as
+    from DCP, no step.pt), the others as before; gather --optimizer-state, which would write it
+    without states, refuses naming it (exit 2); its weights alone still gather."""
+    ckpt, config, state = saved("tp2pp2")
+    want = expected(state)
+    bad = tmp_path / "frozen"
+    shutil.copytree(ckpt, bad)
+    script = ("import pickle, sys, torch\n"
+              "meta = pickle.load(open(sys.argv[1], 'rb'))\n"
+              "md = meta.state_dict_metadata\n"
+              "gone = [k for k in md if k.startswith('optimizer.state.')\n"
+              "        and k.endswith('.output_layer.weight')]\n"
+              "assert len(gone) == 3, gone\n"
+              "[md.pop(k) for k in gone]\n"
+              "pickle.dump(meta, open(sys.argv[1], 'wb'))\n")
+    r = subprocess.run([megatron_python(), "-c", script, str(bad / ".metadata")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = tmp_path / "uc"
+    r = run(reshard_bin, "convert", bad, "--config", config, "--to", "universal", "-o", out)
+    assert r.returncode == 0, r.stderr
+    zero = out / (out / "latest_universal").read_text() / "zero"
+    params = sorted(p.name for p in zero.iterdir() if p.is_dir())
+    assert params == sorted(k[:-len(".fp32")] for k in want if k.endswith(".fp32"))
+    assert sorted(p.name for p in (zero / "lm_head.weight").iterdir()) == ["fp32.pt"]
+    f = torch.load(zero / "lm_head.weight" / "fp32.pt", weights_only=True)
+    assert same_bits(f["param"], want["lm_head.weight.fp32"])
+    assert sorted(p.name for p in (zero / "model.norm.weight").iterdir()) == [
+        "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+    r = run(reshard_bin, "gather", bad, "-o", tmp_path / "hf", "--config", config,
+            "--optimizer-state")
+    assert r.returncode == 2 and '"output_layer.weight"' in r.stderr, r.stderr
+    assert "frozen" in r.stderr and not (tmp_path / "hf").exists()
+    r = run(reshard_bin, "gather", bad, "-o", tmp_path / "w", "--config", config)
+    assert r.returncode == 0, r.stderr
+    # The universal checkpoint reads back: the frozen weight beside the others.
+    r = run(reshard_bin, "gather", out, "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    assert same_bits(load_file(str(tmp_path / "back" / "model.safetensors"))["lm_head.weight"],
+                     want["lm_head.weight.fp32"])
+
+
 def test_megatrons_dp_reshardable_buckets_are_refused(reshard_bin, tmp_path, saved):
     """The dp_reshardable sharding type saves each DP rank's flat bucket buffers, which do not
     name their parameters: refused when the state is asked for, the weights still read."""

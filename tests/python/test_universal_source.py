@@ -243,6 +243,10 @@ def test_refusals_name_the_file(sources, reshard_bin, tmp_path):
     assert not (tmp_path / "hf").exists()
     r = run(reshard_bin, "gather", sources["reshard"], "--optimizer-state", "-o", tmp_path / "o")
     assert r.returncode == 2, r.stderr
+    # --drop leaves out what a DCP checkpoint holds and a universal one cannot; nothing else.
+    r = run(reshard_bin, "convert", sources["deepspeed"], "--to", "universal", "--drop", "x",
+            "-o", tmp_path / "d")
+    assert r.returncode == 2 and "--drop applies" in r.stderr, r.stderr
 
 
 def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):
@@ -275,3 +279,173 @@ def test_inspect_reports_a_universal_checkpoint(sources, reshard_bin, which):
     run_ = json.loads(ok(reshard_bin, "inspect", "--json", out).stdout)["parallelism"]
     assert (run_["world"], run_["axes"], run_["optimizer"]) == (1, [], "whole")
     assert "parallelism: 1 rank (DeepSpeed universal: whole tensors), whole tensors" in text
+
+
+class FrozenNet(torch.nn.Module):
+    """A frozen layer (in the optimizer's group, without state: it gets no gradient), a
+    trained one, and a buffer."""
+
+    def __init__(self, buffer=True):
+        super().__init__()
+        self.frozen = torch.nn.Linear(6, 4)
+        self.head = torch.nn.Linear(4, 3)
+        self.frozen.requires_grad_(False)
+        if buffer:
+            self.register_buffer("stat", torch.arange(3.0))
+
+    def forward(self, x):
+        return self.head(self.frozen(x))
+
+
+def test_dcp_to_universal_keeps_frozen_parameters_and_amsgrad(reshard_bin, tmp_path):
+    """DCP -> universal -> DCP keeps a frozen parameter (its folder holds fp32.pt alone) and
+    AdamW(amsgrad=True)'s max_exp_avg_sq; a buffer, which a universal checkpoint has no place
+    for, is refused by name unless --drop names it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = FrozenNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    model(torch.randn(5, 6)).square().sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    r = run(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 1 and '"model.stat"' in r.stderr and "--drop model.stat" in r.stderr, \
+        r.stderr
+    assert not (tmp_path / "uc").exists()
+    r = run(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "--drop", "model.nope",
+            "-o", tmp_path / "uc")
+    assert r.returncode == 2 and "model.nope" in r.stderr, r.stderr
+    r = run(reshard_bin, "convert", tmp_path / "src", "--to", "dcp", "--world", "2", "--drop",
+            "model.stat", "-o", tmp_path / "d")
+    assert r.returncode == 2 and "--drop applies" in r.stderr, r.stderr
+    ok(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "--drop", "model.stat", "-o",
+       tmp_path / "uc")
+    zero = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text() / "zero"
+    assert sorted(p.name for p in (zero / "frozen.weight").iterdir()) == ["fp32.pt"]
+    assert sorted(p.name for p in (zero / "head.weight").iterdir()) == [
+        "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "max_exp_avg_sq.pt", "step.pt"]
+    import json
+    report = json.loads(ok(reshard_bin, "inspect", "--json", tmp_path / "uc").stdout)["universal"]
+    assert report["parameters"] == 4
+    assert report["optimizer_states"] == {"exp_avg": 2, "exp_avg_sq": 2, "fp32": 4,
+                                          "max_exp_avg_sq": 2}
+    ok(reshard_bin, "convert", tmp_path / "uc", "--to", "dcp", "--world", "2", "-o",
+       tmp_path / "back")
+    torch.manual_seed(1)
+    fresh = FrozenNet(buffer=False)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5, amsgrad=True)
+    load_as_a_trainer(tmp_path / "back", fresh, fresh_optim)
+    params = dict(fresh.named_parameters())
+    for k, v in dict(model.named_parameters()).items():
+        assert torch.equal(params[k].detach(), v.detach()), k
+        want = optim.state[v]
+        assert sorted(fresh_optim.state[params[k]]) == sorted(want), k
+        for s, t in want.items():
+            assert torch.equal(fresh_optim.state[params[k]][s], t), (k, s)
+    assert "frozen.weight" in dict(model.named_parameters()) and not optim.state[model.frozen.weight]
+
+
+def test_dcp_to_universal_keeps_tensor_and_nested_param_group_entries(reshard_bin, tmp_path):
+    """`lr` as a tensor (a tensor item of the DCP) and a nested entry ("my.a") come through
+    universal (zero/optimizer_state.pt holds them as the optimizer had them) and back, so that
+    dcp.load of the whole trainer state finds every key."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def trainer():
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+        optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), foreach=False)
+        optim.param_groups[0]["my"] = {"a": [1, None, "s"]}
+        return model, optim
+
+    torch.manual_seed(0)
+    model, optim = trainer()
+    model(torch.randn(5, 6)).square().sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    ok(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "-o", tmp_path / "uc")
+    folder = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text()
+    group = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=False)[
+        "param_groups"][0]
+    assert torch.equal(group["lr"], torch.tensor(0.01)) and group["my"] == {"a": [1, None, "s"]}
+    ok(reshard_bin, "convert", tmp_path / "uc", "--to", "dcp", "--world", "2", "-o",
+       tmp_path / "back")
+    torch.manual_seed(1)
+    fresh, fresh_optim = trainer()
+    fresh_optim.param_groups[0]["my"] = {"a": [0]}
+    fresh_optim.param_groups[0]["lr"] = torch.tensor(0.5)
+    load_as_a_trainer(tmp_path / "back", fresh, fresh_optim)
+    assert fresh_optim.param_groups[0]["my"] == {"a": [1, None, "s"]}
+    assert torch.equal(torch.as_tensor(fresh_optim.param_groups[0]["lr"]), torch.tensor(0.01))
+
+
+def save_state(path, state):
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def adam_state(params, **changes):
+    """A model of `params` ({name: shape}) and Adam's state for each, as get_state_dict nests
+    them; `changes` replace entries by dotted key ("optim.state.a.exp_avg") or drop them
+    (None)."""
+    torch.manual_seed(0)
+    sd = {"model": {}, "optim": {"state": {}, "param_groups": [
+        {"lr": 0.1, "params": sorted(params)}]}}
+    for name, shape in params.items():
+        sd["model"][name] = torch.randn(shape)
+        sd["optim"]["state"][name] = {"exp_avg": torch.randn(shape),
+                                      "exp_avg_sq": torch.rand(shape), "step": torch.tensor(2.0)}
+    for key, value in changes.items():
+        if key.startswith("optim.state."):
+            name, last = key.removeprefix("optim.state.").rsplit(".", 1)
+            node = sd["optim"]["state"][name]
+        else:
+            *parents, last = key.split(".")
+            node = sd
+            for p in parents:
+                node = node[int(p)] if isinstance(node, list) else node[p]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    return sd
+
+
+@pytest.mark.parametrize("case", [
+    "moment_transposed", "moment_flat", "step_missing_for_one", "group_names_a_stranger",
+    "group_leaves_one_out", "group_names_one_twice"])
+def test_dcp_to_universal_refuses_an_inconsistent_training_state(reshard_bin, tmp_path, case):
+    """Adam's state that does not belong to its parameters is refused (exit 1) naming what
+    differs, and nothing is written: a moment of another shape, a step on one parameter only,
+    param groups that name a tensor the checkpoint lacks, leave a parameter out or name one
+    twice."""
+    shapes = {"a.weight": (4, 3), "b.weight": (2,)}
+    changes = {
+        "moment_transposed": ({"optim.state.a.weight.exp_avg": torch.zeros(3, 4)}, "[3, 4]"),
+        "moment_flat": ({"optim.state.a.weight.exp_avg_sq": torch.zeros(12)}, "[12]"),
+        "step_missing_for_one": ({"optim.state.b.weight.step": None}, '"b.weight" has no step'),
+        "group_names_a_stranger": (
+            {"optim.param_groups.0.params": ["a.weight", "b.weight", "c.weight"]}, '"c.weight"'),
+        "group_leaves_one_out": (
+            {"optim.param_groups.0.params": ["a.weight"]}, '"b.weight" has optimizer state'),
+        "group_names_one_twice": (
+            {"optim.param_groups.0.params": ["a.weight", "b.weight", "a.weight"]},
+            '"a.weight" is in param group 0 and again'),
+    }[case]
+    save_state(tmp_path / "src", adam_state(shapes, **changes[0]))
+    r = run(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "-o", tmp_path / "uc")
+    assert r.returncode == 1 and changes[1] in r.stderr, r.stderr
+    assert not (tmp_path / "uc").exists()
+
+
+def test_dcp_to_universal_writes_a_step_stored_as_a_number(reshard_bin, tmp_path):
+    """A step stored as a Python int (a bytes item) is written as step.pt, the 0-d fp32 tensor
+    torch's Adam keeps, and comes back as optim.state.<param>.step."""
+    sd = adam_state({"a.weight": (4, 3)})
+    sd["optim"]["state"]["a.weight"]["step"] = 7
+    save_state(tmp_path / "src", sd)
+    ok(reshard_bin, "convert", tmp_path / "src", "--to", "universal", "-o", tmp_path / "uc")
+    folder = tmp_path / "uc" / (tmp_path / "uc" / "latest_universal").read_text()
+    step = torch.load(folder / "zero" / "a.weight" / "step.pt", weights_only=False)
+    assert step.dtype == torch.float32 and step.shape == () and step.item() == 7

@@ -215,6 +215,7 @@ struct ConvertArgs : CommonArgs {
   std::string target_maps;
   bool weights_only = false;
   std::string config;
+  std::vector<std::string> drop;  // --to universal: tensors left out, by name
 };
 
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
@@ -407,6 +408,10 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
     return InvalidArgumentError(
         "--config applies to --to universal from a Megatron-Core checkpoint");
   }
+  if (!dcp && !args.drop.empty()) {
+    return InvalidArgumentError(
+        "--drop applies to --to universal from a PyTorch Distributed Checkpoint");
+  }
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
       megatron ? ConvertMegatronToUniversal(args.input, args.config, args.output, options)
@@ -494,7 +499,8 @@ Status RunConvert(const ConvertArgs& args) {
                                         {"--pp", std::to_string(args.pp)},
                                         {"--pp-stages",
                                          fmt::format("{}", fmt::join(args.pp_stages, ","))},
-                                        {"--dp", std::to_string(args.dp)}},
+                                        {"--dp", std::to_string(args.dp)},
+                                        {"--drop", fmt::format("{}", fmt::join(args.drop, ","))}},
                          DistributedConfigInput(args.distributed_config),
                          OptionalInput("--target-maps", args.target_maps),
                          OptionalInput("--config", args.config),
@@ -506,6 +512,11 @@ Status RunConvert(const ConvertArgs& args) {
     return InvalidArgumentError("--dequantize converts to a reshard sharded checkpoint, not --to " +
                                 args.to);
   }
+  if (!args.drop.empty() && args.to != "universal") {
+    return InvalidArgumentError(
+        "--drop applies to --to universal (which cannot hold every tensor of a checkpoint)");
+  }
+  options.drop = args.drop;
   if (args.pp != 0) return RunConvertToPipeline(args, options);
   if (!args.pp_stages.empty() || args.dp != 0)
     return InvalidArgumentError("--pp-stages and --dp apply to --pp (a DeepSpeed pipeline output)");
@@ -677,6 +688,11 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "universal_checkpoint_info)");
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "read each replicated block from one holder without comparing the others");
+  cmd->add_option("--drop", args->drop,
+                  "with --to universal: leave out this tensor of the input (repeatable), one the "
+                  "universal checkpoint cannot hold (a buffer; optimizer state other than Adam's), "
+                  "which is refused otherwise")
+      ->allow_extra_args(false);
   AddDequantizeFlags(cmd, *args,
                      "; --target-maps then name the dequantized tensors; a checkpoint scattered "
                      "with --config is laid out from that config without quantization_config");

@@ -120,6 +120,11 @@ struct CheckpointOptions {
   /// scatter: the scale tensors of block-quantized tensors and their ties, recorded in the
   /// manifest (Manifest::block_scales).
   std::map<std::string, BlockScales> block_scales;
+  /// convert --to universal: tensors of the input to leave out, by the names the input gives
+  /// them (a DCP key, a Megatron Hugging Face name), where the universal checkpoint cannot hold
+  /// them (a buffer, a parameter's state it has no file for), which are refused otherwise. A
+  /// name the input does not hold is refused.
+  std::vector<std::string> drop;
 };
 
 /// A tensor's layout for scatter: its map at the target world size, and the descriptor it came

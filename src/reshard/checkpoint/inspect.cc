@@ -568,7 +568,8 @@ Result<ordered_json> UniversalSummary(const std::string& path) {
     const std::string& name = p.name;
     const size_t dot = name.rfind('.');
     const std::string suffix = dot == std::string::npos ? "" : name.substr(dot);
-    if (suffix == ".fp32" || suffix == ".exp_avg" || suffix == ".exp_avg_sq") {
+    if (suffix == ".fp32" || suffix == ".exp_avg" || suffix == ".exp_avg_sq" ||
+        suffix == ".max_exp_avg_sq") {
       ++states[suffix.substr(1)];
       continue;
     }

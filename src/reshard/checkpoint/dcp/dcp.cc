@@ -210,13 +210,58 @@ Result<DcpMetadata> ReadHfShards(const std::string& dir, const std::string& shar
   return out;
 }
 
+// Where the next zip entry of a torch.save archive starts, as its bytes arrive: the archive's
+// entries come first, each a local header ("PK\3\4", its stored size at byte 18, name and extra
+// lengths at 26 and 28) and its bytes, then the central directory ("PK\1\2") and its end.
+struct ZipEntryWalk {
+  uint64_t next = 0;
+  bool done = false;  // at the central directory, or sizes the local header does not give
+};
+
+uint32_t LittleEndianAt(std::span<const std::byte> b, uint64_t at, int bytes) {
+  uint32_t v = 0;
+  for (int k = bytes - 1; k >= 0; --k) v = v << 8 | std::to_integer<uint32_t>(b[at + k]);
+  return v;
+}
+
+// Walks the entries `out` now holds; DataLoss at the first bytes that are no zip entry, so a
+// stream that is no archive stops at its first window instead of filling all its claim.
+Status WalkZipEntries(std::span<const std::byte> out, ZipEntryWalk& w, std::string_view what) {
+  while (!w.done && out.size() >= w.next + 4) {
+    const uint32_t signature = LittleEndianAt(out, w.next, 4);
+    if (signature == 0x02014b50 || signature == 0x06054b50 || signature == 0x06064b50) {
+      w.done = true;  // the central directory, or an archive without entries
+      break;
+    }
+    if (signature != 0x04034b50) {
+      return DataLossError(
+          fmt::format("{}: not a torch.save archive (no zip entry at byte {} of its zstd stream)",
+                      what, w.next));
+    }
+    if (out.size() < w.next + 30) break;
+    const uint32_t flags = LittleEndianAt(out, w.next + 6, 2);
+    const uint32_t size = LittleEndianAt(out, w.next + 18, 4);
+    if ((flags & 8) != 0 || size == 0xFFFFFFFF) {  // a data descriptor, or zip64 sizes
+      w.done = true;
+      break;
+    }
+    w.next += 30 + uint64_t{LittleEndianAt(out, w.next + 26, 2)} +
+              LittleEndianAt(out, w.next + 28, 2) + size;
+  }
+  return Status::Ok();
+}
+
 // Decompresses `in` into `out`, which ends up no larger than what the stream holds and never
-// beyond `max_bytes` (what the chunk needs). Memory follows the stream, bounded twice: by the
-// file (ZSTD_decompressBound: what these compressed bytes can hold at most) and by the claim;
-// `out` is reserved once at the smaller bound and filled through a small window, so it never
-// doubles or copies. A bound this process cannot allocate is refused naming the item.
+// beyond `max_bytes` (what the chunk needs). With `archive` (a torch.save archive is what the
+// stream holds), its zip entries are checked as they arrive (WalkZipEntries). Memory follows the
+// stream, bounded twice: by the file (ZSTD_decompressBound: what these compressed bytes can hold at
+// most) and by the claim; `out` is reserved once at the smaller bound and filled through a small
+// window, so it never doubles or copies. A bound this process cannot allocate is refused naming the
+// item.
 Status DecompressZstd(std::span<const std::byte> in, uint64_t max_bytes, std::string_view what,
-                      std::vector<std::byte>& out) {
+                      bool archive, std::vector<std::byte>& out) {
+  ZipEntryWalk walk;
+  walk.done = !archive;
   out.clear();
   const unsigned long long bound = ZSTD_decompressBound(in.data(), in.size());
   if (bound == ZSTD_CONTENTSIZE_ERROR) {
@@ -255,6 +300,8 @@ Status DecompressZstd(std::span<const std::byte> in, uint64_t max_bytes, std::st
       break;
     }
     out.insert(out.end(), window.begin(), window.begin() + static_cast<std::ptrdiff_t>(output.pos));
+    status = WalkZipEntries(out, walk, what);
+    if (!status.ok()) break;
     if (ret == 0 && input.pos == input.size) break;
     if (input.pos == input.size && output.pos < window.size()) {
       status = DataLossError(fmt::format("{}: its zstd stream is truncated", what));
@@ -374,8 +421,9 @@ Result<std::span<const std::byte>> DcpCheckpoint::ItemBytes(const DcpItemLocatio
                       what, files_[loc.file]->path, *t));
     }
     std::vector<std::byte> out;
+    const bool archive = storage_ == "torch_save" && t + 1 == loc.transforms.rend();
     RESHARD_RETURN_IF_ERROR(DecompressZstd(
-        bytes, max_bytes, fmt::format("{} in {}", what, files_[loc.file]->path), out));
+        bytes, max_bytes, fmt::format("{} in {}", what, files_[loc.file]->path), archive, out));
     owned = std::move(out);
     bytes = owned;
   }

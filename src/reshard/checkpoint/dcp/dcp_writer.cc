@@ -264,28 +264,13 @@ struct PlannedTensor {
   std::vector<std::vector<size_t>> moves_into;
 };
 
-// Groups the plan's moves by the chunk they write (one pass over the moves).
+// Groups the plan's moves by the chunk they write (one pass over the moves): the plan's target
+// rank c is chunk c (ChunkMap).
 void GroupMovesByChunk(PlannedTensor& t) {
   t.moves_into.assign(t.dcp.chunks.size(), {});
-  // A 0-d tensor's target is replicated: rank 0's copy is the chunk.
-  if (t.dcp.shape.empty()) {
-    for (size_t i = 0; i < t.plan.moves.size(); ++i) {
-      if (t.plan.moves[i].dst_rank == 0 && !t.moves_into.empty()) t.moves_into[0].push_back(i);
-    }
-    return;
-  }
-  // An empty tensor has no plan (target_world 0) but still its chunks.
-  size_t ranks = static_cast<size_t>(t.plan.target_world);
-  for (const DcpWriteChunk& chunk : t.dcp.chunks) {
-    ranks = std::max(ranks, static_cast<size_t>(chunk.rank) + 1);
-  }
-  std::vector<size_t> chunk_of(ranks, t.dcp.chunks.size());
-  for (size_t c = 0; c < t.dcp.chunks.size(); ++c) {
-    chunk_of[static_cast<size_t>(t.dcp.chunks[c].rank)] = c;
-  }
   for (size_t i = 0; i < t.plan.moves.size(); ++i) {
-    const size_t c = chunk_of[static_cast<size_t>(t.plan.moves[i].dst_rank)];
-    if (c < t.dcp.chunks.size()) t.moves_into[c].push_back(i);
+    const size_t c = static_cast<size_t>(t.plan.moves[i].dst_rank);
+    if (c < t.moves_into.size()) t.moves_into[c].push_back(i);
   }
 }
 
@@ -296,10 +281,7 @@ ParamPlan ChunkPlan(const PlannedTensor& t, size_t c) {
   moves.source_world = t.plan.source_world;
   moves.target_world = 1;
   moves.source_buffers = t.plan.source_buffers;
-  const Rank target = t.dcp.shape.empty() ? 0 : t.dcp.chunks[c].rank;
-  if (!t.plan.target_buffers.empty()) {
-    moves.target_buffers = {t.plan.target_buffers[static_cast<size_t>(target)]};
-  }
+  if (!t.plan.target_buffers.empty()) moves.target_buffers = {t.plan.target_buffers[c]};
   moves.moves.reserve(t.moves_into[c].size());
   for (size_t i : t.moves_into[c]) {
     moves.moves.push_back(t.plan.moves[i]);
@@ -308,12 +290,14 @@ ParamPlan ChunkPlan(const PlannedTensor& t, size_t c) {
   return moves;
 }
 
-// The map whose rank-r shard is rank r's chunk (a 0-d tensor: replicated, of which rank 0's
-// copy is taken).
-Result<ParamMap> ChunkMap(const DcpTensorToWrite& t, int world_size) {
-  if (t.shape.empty()) return ReplicatedMap(t.shape, world_size);
-  std::vector<Index> rows(static_cast<size_t>(world_size), 0);
-  for (const DcpWriteChunk& c : t.chunks) rows[static_cast<size_t>(c.rank)] = c.sizes[0];
+// The map whose shard c is chunk c: a world of the chunks alone, not of the ranks (most of
+// which hold no rows of a small tensor at a large world size), so that planning costs in
+// proportion to the chunks written (a 0-d tensor: one rank, its one chunk).
+Result<ParamMap> ChunkMap(const DcpTensorToWrite& t) {
+  if (t.shape.empty()) return ReplicatedMap(t.shape, 1);
+  std::vector<Index> rows;
+  rows.reserve(t.chunks.size());
+  for (const DcpWriteChunk& c : t.chunks) rows.push_back(c.sizes[0]);
   return SplitMap(t.shape, 0, rows);
 }
 
@@ -332,7 +316,7 @@ Result<std::vector<PlannedTensor>> PlanWrite(const Manifest& m, int world_size,
     const std::string where = fmt::format("parameter \"{}\"", p.name);
     PlannedTensor planned{std::move(t), {}, {}};
     if (ProductOf(planned.dcp.shape) > 0) {
-      Result<ParamMap> target = ChunkMap(planned.dcp, world_size);
+      Result<ParamMap> target = ChunkMap(planned.dcp);
       if (!target.ok()) return target.status().Annotate(where);
       Result<ParamPlan> plan = Compose(*target, p.map);
       if (!plan.ok()) return plan.status().Annotate(where);

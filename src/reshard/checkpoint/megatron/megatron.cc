@@ -493,7 +493,8 @@ class MegatronShardSource : public ShardSource {
     for (const ChunkRef& c : chunks_of_[i]) ReleaseChunk(c);
   }
 
-  Status Build(const MegatronModelConfig& config, const std::string& dir, bool optimizer_state);
+  Status Build(const MegatronModelConfig& config, const std::string& dir, bool optimizer_state,
+               bool stateless);
 
  private:
   struct ChunkRef {
@@ -835,9 +836,10 @@ std::optional<std::string_view> OptimizerKey(std::string_view key) {
 // parameter's shape, sharded as the parameter is); InvalidArgument naming the checkpoint for
 // the other layouts Megatron saves (per-bucket flat buffers, "optimizer.distributed.*";
 // flattened ranges of the parameters' shards, a state whose shape is not its parameter's), a
-// state of a key that is not a model tensor, or a parameter missing some of its states.
+// state of a key that is not a model tensor, or a parameter missing some of its states (all of
+// them, while others have theirs, unless `stateless`).
 Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool optimizer_state,
-                                                 const std::string& dir) {
+                                                 bool stateless, const std::string& dir) {
   constexpr std::string_view kState = "optimizer.state.";
   std::map<std::string, const DcpTensor*> model;
   for (const DcpTensor& t : ckpt.tensors()) {
@@ -918,11 +920,20 @@ Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool
                       dir, key, fmt::join(suffixes, ", ")));
     }
   }
+  for (const auto& [key, t] : model) {
+    if (!optimizer_state || stateless || found.empty() || found.contains(key)) continue;
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": \"{}\" has none of the distributed optimizer's state (.fp32, .exp_avg, "
+        ".exp_avg_sq) while the other parameters have theirs (a frozen parameter): the "
+        "checkpoint does not hold its state; leave the optimizer state out, or convert --to "
+        "universal, which keeps it as a parameter without state",
+        dir, key));
+  }
   return out;
 }
 
 Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::string& dir,
-                                  bool optimizer_state) {
+                                  bool optimizer_state, bool stateless) {
   const int world = ckpt_->world_size();
   std::set<std::string> names;
   bool have_output_layer = false;
@@ -933,7 +944,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   std::vector<bool> used(ckpt_->tensors().size(), false);
   std::vector<std::optional<Shape>> blocks(ckpt_->tensors().size());
   RESHARD_ASSIGN_OR_RETURN(const std::vector<StateKey> states,
-                           OptimizerStateKeys(*ckpt_, optimizer_state, dir));
+                           OptimizerStateKeys(*ckpt_, optimizer_state, stateless, dir));
   for (size_t t = 0; t < states.size(); ++t) blocks[t] = states[t].block;
   for (size_t t = 0; t < ckpt_->tensors().size(); ++t) {
     const DcpTensor& tensor = ckpt_->tensors()[t];
@@ -1057,7 +1068,8 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
-  RESHARD_RETURN_IF_ERROR(source->Build(config, dir, options.optimizer_state));
+  RESHARD_RETURN_IF_ERROR(
+      source->Build(config, dir, options.optimizer_state, options.stateless_parameters));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 

@@ -144,6 +144,11 @@ struct MegatronSourceOptions {
   bool optimizer_state = false;
   /// Where to put the run that wrote it (MegatronRunOf), when not null.
   ParallelRun* run = nullptr;
+  /// With optimizer_state: take a parameter the optimizer holds none of the state of while it
+  /// holds the others' (a frozen one) as its weight alone. Otherwise such a parameter is
+  /// refused (InvalidArgument naming it): a gather or convert of the optimizer's state would
+  /// write it without any.
+  bool stateless_parameters = false;
 };
 
 /// The checkpoint in `path` (see MegatronCheckpointDir) as a source of Hugging Face tensors

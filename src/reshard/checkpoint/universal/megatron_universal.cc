@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,7 @@
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/checkpoint/universal/universal_files.h"
+#include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_file.h"
 #include "reshard/io/torch_writer.h"
@@ -40,16 +42,69 @@ namespace {
 
 constexpr const char* kStates[] = {"fp32", "exp_avg", "exp_avg_sq"};
 
-// The files, largest first: per Hugging Face tensor with optimizer state, its three states.
+// fp32.pt of a parameter without optimizer state (a frozen one): its weight, rebuilt whole and
+// widened to fp32 (exactly: bf16 and fp16 values are fp32 values).
+UniversalFile FrozenWeightFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
+                               bool verify) {
+  const ShardedParam& p = source->manifest().params[i];
+  const uint64_t bytes = static_cast<uint64_t>(p.map.num_elements()) * 4;
+  return {std::move(name), bytes,
+          [source, i, verify](const std::string& path, const TorchWriteOptions& options) {
+            const ShardedParam& t = source->manifest().params[i];
+            TorchTreeBuilder b;
+            const PickleNodeId tensor = b.Tensor(
+                DType::kF32, t.map.valid_shape(),
+                [&](std::span<std::byte> out) -> Status {
+                  if (t.dtype == DType::kF32) return FillFull(*source, i, verify, out);
+                  const size_t n = out.size() / 4;
+                  std::vector<uint16_t> narrow(n);
+                  RESHARD_RETURN_IF_ERROR(
+                      FillFull(*source, i, verify, std::as_writable_bytes(std::span(narrow))));
+                  auto* f = reinterpret_cast<float*>(out.data());
+                  for (size_t k = 0; k < n; ++k) {
+                    f[k] = t.dtype == DType::kBF16 ? BFloat16ToFloat(narrow[k])
+                                                   : HalfToFloat(narrow[k]);
+                  }
+                  return Status::Ok();
+                },
+                true);
+            return b.Write(path, b.Dict({{b.Str("param"), tensor}}), options);
+          }};
+}
+
+// The files, largest first: per Hugging Face tensor with optimizer state, its three states; per
+// one without (a frozen parameter), its weight as fp32.pt alone.
 Result<std::vector<UniversalFile>> PlanMegatronUniversal(const std::shared_ptr<ShardSource>& source,
                                                          const std::string& folder,
                                                          const std::string& dir, bool verify) {
   const Manifest& m = source->manifest();
   std::map<std::string, size_t> by_name;
   for (size_t i = 0; i < m.params.size(); ++i) by_name.emplace(m.params[i].name, i);
+  const auto is_state = [&](const std::string& name) {
+    return std::any_of(std::begin(kStates), std::end(kStates), [&](const char* s) {
+      const std::string suffix = std::string(".") + s;
+      return name.ends_with(suffix) &&
+             by_name.contains(name.substr(0, name.size() - suffix.size()));
+    });
+  };
   std::vector<UniversalFile> files;
-  for (const ShardedParam& p : m.params) {
-    if (!by_name.contains(p.name + ".fp32")) continue;  // a state itself, or no state
+  size_t stateful = 0;
+  for (size_t j = 0; j < m.params.size(); ++j) {
+    const ShardedParam& p = m.params[j];
+    if (is_state(p.name)) continue;
+    if (!by_name.contains(p.name + ".fp32")) {
+      const DType d = p.dtype;
+      if (d != DType::kF32 && d != DType::kBF16 && d != DType::kF16) {
+        return FailedPreconditionError(fmt::format(
+            "\"{}\": \"{}\" (without optimizer state) is {}; a universal checkpoint holds fp32 "
+            "weights",
+            dir, p.name, DTypeName(d)));
+      }
+      files.push_back(
+          FrozenWeightFile(source, j, fmt::format("{}/zero/{}/fp32.pt", folder, p.name), verify));
+      continue;
+    }
+    ++stateful;
     for (const char* state : kStates) {
       const size_t i = by_name.at(fmt::format("{}.{}", p.name, state));
       if (m.params[i].dtype != DType::kF32) {
@@ -63,7 +118,7 @@ Result<std::vector<UniversalFile>> PlanMegatronUniversal(const std::shared_ptr<S
                                  true, fp32, verify));
     }
   }
-  if (files.empty()) {
+  if (stateful == 0) {
     return FailedPreconditionError(fmt::format(
         "\"{}\" holds no distributed-optimizer state (\"optimizer.state.exp_avg.<key>\"), which a "
         "universal checkpoint is made of",
@@ -185,8 +240,9 @@ Status ConvertMegatronToUniversal(const std::string& path, const std::string& co
   Result<std::string> config =
       config_path.empty() ? Result<std::string>(std::string()) : ReadFileToString(config_path);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, config.status()));
-  Result<std::unique_ptr<ShardSource>> opened =
-      OpenMegatronSource(path, MegatronSourceOptions{*config, config_path, true});
+  MegatronSourceOptions source_options{*config, config_path, true};
+  source_options.stateless_parameters = true;  // a frozen parameter: fp32.pt alone
+  Result<std::unique_ptr<ShardSource>> opened = OpenMegatronSource(path, source_options);
   RESHARD_RETURN_IF_ERROR(AgreeOnStatus(comm, opened.status()));
   std::shared_ptr<ShardSource> source = *std::move(opened);
   std::string base = fs::path(*dir).filename().string();
@@ -199,9 +255,10 @@ Status ConvertMegatronToUniversal(const std::string& path, const std::string& co
   std::vector<std::string> inputs = source->inputs();
   if (common) {
     auto shared = std::make_shared<const MegatronCommon>(*std::move(common));
-    std::set<std::string> params;
+    std::set<std::string> params;  // those with optimizer state: a frozen one has no step
     for (const UniversalFile& f : files) {
-      params.insert(fs::path(f.name).parent_path().string());  // <folder>/zero/<param>
+      if (fs::path(f.name).filename() == "exp_avg.pt")
+        params.insert(fs::path(f.name).parent_path().string());  // <folder>/zero/<param>
     }
     for (const std::string& p : params) files.push_back(StepFile(shared->step, p + "/step.pt"));
     files.push_back(MegatronOptimizerStateFile(shared, folder + "/zero/optimizer_state.pt"));

@@ -32,11 +32,16 @@ Status ConvertDeepSpeedToUniversal(const std::string& ckpt_dir, const std::strin
 /// ConvertDeepSpeedToUniversal lays them out: OUT/latest_universal naming
 /// "<dcp dir name>_universal", in it zero/<param>/fp32.pt, exp_avg.pt, exp_avg_sq.pt
 /// ({"param": the full tensor}) and step.pt (the step tensor), and zero/optimizer_state.pt
-/// ({"param_groups": [...]}, each value copied from its bytes item). A parameter is a name P
-/// with optimizer state "<optim>.state.P.<state>" and a model tensor "model.P" or "P"; tensors
-/// without optimizer state (buffers, frozen weights) are not written, nor model-states files
-/// (DCP has none). FailedPrecondition without optimizer state, for state without its model
-/// tensor or without both moments, and for a tensor that is not fp32.
+/// ({"param_groups": [...]}: bytes items copied as pickled, tensor items as tensors, deeper keys
+/// nested back), max_exp_avg_sq.pt where AdamW(amsgrad=True) keeps one. A parameter is a name P
+/// with optimizer state "<optim>.state.P.<state>" and a model tensor "model.P" or "P"; a model
+/// tensor without state that a param group lists (a frozen parameter) has fp32.pt alone; no
+/// model-states files (DCP has none). FailedPrecondition (naming the key) without optimizer
+/// state, for state without its model tensor or without both moments, a state of another
+/// shape, a step on some parameters only, param groups that repeat, invent or leave out a
+/// parameter, a tensor that is not fp32, and for a model tensor no group lists (a buffer) or a
+/// state the folder has no file for, unless options.drop names its key; InvalidArgument for a
+/// dropped key the checkpoint does not hold.
 Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_dir,
                              const CheckpointOptions& options = {});
 
@@ -45,7 +50,8 @@ Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_
 /// by the Hugging Face tensors the model's config.json gives (`config_path`, as
 /// OpenMegatronSource reads them): OUT/latest_universal naming "<checkpoint dir name>_universal",
 /// in it zero/<hf name>/fp32.pt (the fp32 main weight), exp_avg.pt and exp_avg_sq.pt
-/// ({"param": the full fp32 tensor}), and from Megatron's pickled common state (common.pt,
+/// ({"param": the full fp32 tensor}; a parameter without any state while the others have
+/// theirs, a frozen one: fp32.pt alone, its weight widened to fp32), and from Megatron's pickled common state (common.pt,
 /// read by reshard's pickle reader, no pickle code run) step.pt (the step of its param groups,
 /// a 0-d fp32 tensor) and zero/optimizer_state.pt ({"param_groups": its param groups copied
 /// as pickled, "ds_version": the DeepSpeed release whose layout the folder follows}, what
@@ -68,12 +74,13 @@ bool IsUniversalCheckpoint(const std::string& path);
 /// weights rounded to the module's dtype, which the model-states copy's module weights give; fp32
 /// without a copy, as from a DCP source) or, with `master_weights`, the masters; for a convert,
 /// the module's weights and, unless `weights_only`, "<param>.fp32", "<param>.exp_avg" and
-/// "<param>.exp_avg_sq" from fp32.pt, exp_avg.pt and exp_avg_sq.pt. Each parameter's layout at
+/// "<param>.exp_avg_sq" from fp32.pt, exp_avg.pt and exp_avg_sq.pt (and "<param>.max_exp_avg_sq"
+/// where there is one; a folder with fp32.pt alone, a frozen parameter, has no states). Each parameter's layout at
 /// another TP degree is the one the model-states copy's universal_checkpoint_info gives it
 /// (DeepSpeedLayoutsOf); none without it. For a trainer's state dict (options.
 /// trainer_state_dict, a DCP output; not weights_only), what get_state_dict gives an FSDP2
 /// model and torch's AdamW, as `state_dict`: the fp32 masters as "<param>" at "model.<param>",
-/// the moments at "optim.state.<param>.<state>", each step.pt's step as a 0-d fp32
+/// the moments (and max_exp_avg_sq) at "optim.state.<param>.<state>", each step.pt's step as a 0-d fp32
 /// "<param>.step" at "optim.state.<param>.step", and zero/optimizer_state.pt's param_groups as
 /// the bytes items "optim.param_groups.<g>.<key>" (values copied as pickled; "params" the
 /// parameters' names: kept when the file names them, else the model-states copy's

@@ -17,10 +17,6 @@ namespace reshard {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-// A full tensor of parameter `i` of `source` (its own dtype) rebuilt into `out`, replicas
-// compared when `verify`.
 Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte> out) {
   const ShardedParam& p = source.manifest().params[i];
   AcquiredShards shards(source, i);
@@ -31,8 +27,6 @@ Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte>
   return Rebuild(p.map, p.dtype, shards.shards(), {out.data(), p.map.num_elements()}, e)
       .Annotate(fmt::format("tensor \"{}\"", p.name));
 }
-
-}  // namespace
 
 UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
                          bool in_dict, bool requires_grad, bool verify) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,6 +29,10 @@ struct UniversalFile {
   uint64_t bytes = 0;
   std::function<Status(const std::string& path, const TorchWriteOptions& options)> write;
 };
+
+// A full tensor of parameter `i` of `source` (its own dtype) rebuilt into `out`, replicas
+// compared when `verify`.
+Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte> out);
 
 // A file of tensor `i` of `source` rebuilt whole (its chunks straight into the writer's buffer,
 // replicas compared when `verify`): {"param": tensor} when `in_dict` (with requires_grad, as

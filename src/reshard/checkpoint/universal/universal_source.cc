@@ -21,6 +21,7 @@
 #include <array>
 #include <bit>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -48,9 +49,12 @@ using internal::Get;
 using internal::IntAt;
 using internal::IsNone;
 
-// A parameter's files: its fp32 master weight (which the module's weights are read from too) and
-// Adam's moments.
-constexpr const char* kStateFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"};
+// A parameter's files: its fp32 master weight (which the module's weights are read from too),
+// Adam's moments and AdamW(amsgrad=True)'s maximum of the second (optional). A frozen
+// parameter's folder (from a DCP source) holds fp32.pt alone.
+constexpr const char* kStateFiles[] = {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt",
+                                       "max_exp_avg_sq.pt"};
+constexpr size_t kMaxExpAvgSq = 3;
 
 struct UniversalTensor {
   std::unique_ptr<TorchFile> file;
@@ -62,8 +66,8 @@ struct UniversalParamFiles {
   std::string name;
   Shape shape;
   std::optional<LayoutDescriptor> layout;
-  // [state]: fp32, exp_avg, exp_avg_sq (null when not opened).
-  std::array<UniversalTensor, 3> tensors;
+  // [state]: fp32, exp_avg, exp_avg_sq, max_exp_avg_sq (null when not opened or absent).
+  std::array<UniversalTensor, 4> tensors;
   std::optional<float> step;  // step.pt's, read for a trainer's state dict
 };
 
@@ -183,15 +187,18 @@ Result<UniversalTensor> OpenStateFile(const fs::path& path,
 }
 
 // Parameter `name`'s files, their shapes checked against each other (and the flat form's
-// against param_shapes).
+// against param_shapes). Without either of Adam's moments the parameter is a frozen one (fp32.pt
+// alone); one without the other is refused.
 Result<UniversalParamFiles> OpenParam(const fs::path& dir, const std::string& name,
                                       const std::map<std::string, Shape>& flat,
                                       bool optimizer_state) {
   UniversalParamFiles p;
   p.name = name;
-  const int states = optimizer_state ? 3 : 1;
+  const bool frozen = !HasFile(dir / kStateFiles[1]) && !HasFile(dir / kStateFiles[2]);
+  const int states = !optimizer_state ? 1 : frozen ? 1 : 4;
   for (int s = 0; s < states; ++s) {
     const fs::path path = dir / kStateFiles[s];
+    if (static_cast<size_t>(s) == kMaxExpAvgSq && !HasFile(path)) continue;
     if (!HasFile(path)) {
       return NotFoundError(
           fmt::format("\"{}\" is missing: parameter \"{}\" of the universal checkpoint has no {}",
@@ -300,6 +307,8 @@ class UniversalShardSource : public ShardSource {
  public:
   // The tensors of `states` for every parameter (the first under the parameter's name, the
   // others as "<param>.<state>"), then with `steps` each step read as "<param>.step" (0-d).
+  // A frozen parameter (no moments) has its first tensor only; max_exp_avg_sq follows the
+  // states where a parameter has one (as "<param>.max_exp_avg_sq", scaled as exp_avg_sq).
   UniversalShardSource(std::shared_ptr<const UniversalCheckpoint> ckpt,
                        std::vector<DeepSpeedState> states, bool steps)
       : ckpt_(std::move(ckpt)) {
@@ -307,14 +316,25 @@ class UniversalShardSource : public ShardSource {
     for (const DeepSpeedState s : states) {
       for (size_t i = 0; i < ckpt_->params.size(); ++i) {
         const UniversalParamFiles& p = ckpt_->params[i];
+        const size_t slot = s == DeepSpeedState::kModule ? 0 : static_cast<size_t>(s) - 1;
+        if (s != states.front() && p.tensors[slot].tensor == nullptr) continue;
         const std::string name =
             s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
         const DType dtype = s == DeepSpeedState::kModule ? ckpt_->module_dtype : DType::kF32;
         Result<ParamMap> map = ReplicatedMap(p.shape, 1);  // a valid shape: cannot fail
         manifest_.params.push_back(
             ShardedParam{name, dtype, *std::move(map), p.layout, DeepSpeedScalePower(s)});
-        which_.push_back({i, s, false});
+        which_.push_back({i, slot, false});
       }
+    }
+    for (size_t i = 0; states.size() > 1 && i < ckpt_->params.size(); ++i) {
+      const UniversalParamFiles& p = ckpt_->params[i];
+      if (p.tensors[kMaxExpAvgSq].tensor == nullptr) continue;
+      Result<ParamMap> map = ReplicatedMap(p.shape, 1);  // a valid shape: cannot fail
+      manifest_.params.push_back(ShardedParam{p.name + ".max_exp_avg_sq", DType::kF32,
+                                              *std::move(map), p.layout,
+                                              DeepSpeedScalePower(DeepSpeedState::kExpAvgSq)});
+      which_.push_back({i, kMaxExpAvgSq, false});
     }
     for (size_t i = 0; steps && i < ckpt_->params.size(); ++i) {
       const UniversalParamFiles& p = ckpt_->params[i];
@@ -322,19 +342,18 @@ class UniversalShardSource : public ShardSource {
       Result<ParamMap> map = ReplicatedMap({}, 1);  // a 0-d tensor: cannot fail
       manifest_.params.push_back(
           ShardedParam{p.name + ".step", DType::kF32, *std::move(map), std::nullopt, 1});
-      which_.push_back({i, DeepSpeedState::kMaster, true});
+      which_.push_back({i, 0, true});
     }
   }
   const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override { return ckpt_->inputs; }
 
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
-    const auto [param, state, step] = which_[i];
+    const auto [param, slot, step] = which_[i];
     if (step) {
       return std::vector<ConstBuffer>{
           {reinterpret_cast<const std::byte*>(&*ckpt_->params[param].step), 1}};
     }
-    const size_t slot = state == DeepSpeedState::kModule ? 0 : static_cast<size_t>(state) - 1;
     const UniversalTensor& u = ckpt_->params[param].tensors[slot];
     const TorchTensor& t = *u.tensor;
     const Index n = t.numel();
@@ -369,8 +388,8 @@ class UniversalShardSource : public ShardSource {
   Manifest manifest_;
   struct Which {
     size_t param;
-    DeepSpeedState state;
-    bool step;  // the parameter's step, not a state's tensor
+    size_t slot;  // into UniversalParamFiles::tensors
+    bool step;    // the parameter's step, not a state's tensor
   };
   std::vector<Which> which_;
   ShardCache cache_;
@@ -434,22 +453,56 @@ Status AddParamGroups(const UniversalCheckpoint& c, StateDictStructure& out) {
         fmt::format("\"{}\" holds no list \"param_groups\"", path.string()));
   }
   const std::vector<PickleNodeId>& items = t.node(groups).items;
-  const auto add = [&](size_t g, const std::string& key, TorchTreeBuilder& b,
-                       PickleNodeId value) -> Status {
+  // Keys are the value's path as DCP flattens a state dict (torch's traverse_state_dict):
+  // into every dict, and into a list holding a dict, a list or a tensor; the rest is a leaf.
+  std::vector<std::string> keys = {"optim", "param_groups", "", ""};
+  std::vector<bool> is_index = {false, false, true, false};
+  const auto add = [&](TorchTreeBuilder& b, PickleNodeId value) -> Status {
     Result<std::shared_ptr<const std::string>> bytes = ArchiveOf(b, value);
     if (!bytes.ok()) {
       return bytes.status().Annotate(
-          fmt::format("\"{}\": param_groups[{}][\"{}\"]", path.string(), g, key));
+          fmt::format("\"{}\": {}", path.string(), fmt::join(keys, ".")));
     }
-    out.objects.push_back(ObjectOf({"optim", "param_groups", std::to_string(g), key},
-                                   {false, false, true, false}, *std::move(bytes)));
+    out.objects.push_back(ObjectOf(keys, is_index, *std::move(bytes)));
     return Status::Ok();
+  };
+  const std::function<Status(PickleNodeId)> add_value = [&](PickleNodeId v) -> Status {
+    const PickleNode& n = t.node(v);
+    const bool dict = n.kind == PickleKind::kDict &&
+                      std::all_of(n.entries.begin(), n.entries.end(), [&](const auto& e) {
+                        return t.node(e.first).kind == PickleKind::kStr;
+                      });
+    const bool list =
+        n.kind == PickleKind::kList &&
+        std::any_of(n.items.begin(), n.items.end(), [&](PickleNodeId i) {
+          const PickleKind k = t.node(i).kind;
+          return k == PickleKind::kDict || k == PickleKind::kList || f->TensorAt(i) != nullptr;
+        });
+    if (dict || list) {
+      for (size_t j = 0; j < (dict ? n.entries.size() : n.items.size()); ++j) {
+        keys.push_back(dict ? t.node(n.entries[j].first).text : std::to_string(j));
+        is_index.push_back(!dict);
+        const Status s = add_value(dict ? n.entries[j].second : n.items[j]);
+        keys.pop_back();
+        is_index.pop_back();
+        RESHARD_RETURN_IF_ERROR(s);
+      }
+      return Status::Ok();
+    }
+    TorchTreeBuilder b;
+    Result<PickleNodeId> copied = b.Copy(*f, v);
+    if (!copied.ok()) {
+      return copied.status().Annotate(
+          fmt::format("\"{}\": {}", path.string(), fmt::join(keys, ".")));
+    }
+    return add(b, *copied);
   };
   for (size_t g = 0; g < items.size(); ++g) {
     if (t.node(items[g]).kind != PickleKind::kDict) {
       return InvalidArgumentError(
           fmt::format("\"{}\": param_groups[{}] is no dict", path.string(), g));
     }
+    keys[2] = std::to_string(g);
     PickleNodeId params = kNoPickleNode;
     for (const auto& [k, v] : t.node(items[g]).entries) {
       if (t.node(k).kind != PickleKind::kStr) continue;
@@ -458,20 +511,16 @@ Status AddParamGroups(const UniversalCheckpoint& c, StateDictStructure& out) {
         params = v;
         continue;
       }
-      TorchTreeBuilder b;
-      Result<PickleNodeId> copied = b.Copy(*f, v);
-      if (!copied.ok()) {
-        return copied.status().Annotate(
-            fmt::format("\"{}\": param_groups[{}][\"{}\"]", path.string(), g, key));
-      }
-      RESHARD_RETURN_IF_ERROR(add(g, key, b, *copied));
+      keys[3] = key;
+      RESHARD_RETURN_IF_ERROR(add_value(v));
     }
     if (const std::optional<std::vector<std::string>> names =
             GroupParams(c, t, params, g, items.size())) {
       TorchTreeBuilder b;
       std::vector<PickleNodeId> list;
       for (const std::string& name : *names) list.push_back(b.Str(name));
-      RESHARD_RETURN_IF_ERROR(add(g, "params", b, b.List(std::move(list))));
+      keys[3] = "params";
+      RESHARD_RETURN_IF_ERROR(add(b, b.List(std::move(list))));
     }
   }
   return Status::Ok();
@@ -487,7 +536,9 @@ Result<std::shared_ptr<const StateDictStructure>> TrainerStateDict(const Univers
   };
   for (const UniversalParamFiles& p : c.params) {
     out->tensor_paths.emplace(p.name, StateDictPath{{"model", p.name}, {false, false}});
-    for (const char* s : {"exp_avg", "exp_avg_sq"}) {
+    for (size_t k = 1; k < p.tensors.size(); ++k) {
+      if (p.tensors[k].tensor == nullptr) continue;  // a frozen parameter, Adam without amsgrad
+      const std::string s = fs::path(kStateFiles[k]).stem().string();
       out->tensor_paths.emplace(fmt::format("{}.{}", p.name, s), state(p.name, s));
     }
     if (p.step) out->tensor_paths.emplace(p.name + ".step", state(p.name, "step"));
