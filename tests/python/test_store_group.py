@@ -240,6 +240,24 @@ def test_the_tensors_every_trainer_process_holds_whole_are_digested():
     assert whole_digests({}, ["norm"]) == {}
 
 
+def test_a_large_tensor_is_digested_by_an_evenly_spaced_sample(monkeypatch):
+    """Above the digest's element budget a tensor is sampled, its last element included: equal
+    tensors agree, a change at a sampled element (or the last) is seen, and the digest does not
+    read the whole tensor."""
+    from reshard.vllm import sync
+    monkeypatch.setattr(sync, "_DIGEST_ELEMENTS", 16)
+    base = torch.arange(100, dtype=torch.float32)
+    digest = sync.whole_digests({"w": base}, ["w"])
+    assert sync.whole_digests({"w": base.clone()}, ["w"]) == digest
+    for at in (0, 7, 98, 99):  # step 7: 0, 7, ..., 98 sampled, and the last element
+        changed = base.clone()
+        changed[at] = -1
+        assert sync.whole_digests({"w": changed}, ["w"]) != digest, at
+    unsampled = base.clone()
+    unsampled[1] = -1
+    assert sync.whole_digests({"w": unsampled}, ["w"]) == digest
+
+
 def test_a_push_overlapping_another_marks_it_and_is_refused_at_once(monkeypatch):
     """A second push while one is in progress raises at once and marks the one in progress as
     overlapped (which the agreement then refuses on every process); the next push is
