@@ -251,13 +251,20 @@ def with_module_entry(ckpt, save, name, value_of):
     return save
 
 
-def test_a_frozen_parameter_below_zero_2_is_refused_not_dropped(ds_checkpoint, tmp_path,
-                                                                 reshard_bin):
+# ZeRO 0 keeps no param_shapes: its parameters are the module's tensors, counted against the
+# optimizer's param_groups.
+FROZEN = [(LLAMA_Z1, "module.model.frozen_proj.weight"),
+          (Spec("llama", tp=2, dp=2, stage=0, dtype="bfloat16"), "param_groups list")]
+
+
+@pytest.mark.parametrize("spec,named", FROZEN, ids=["zero1", "zero0"])
+def test_a_frozen_parameter_below_zero_2_is_refused_not_dropped(ds_checkpoint, spec, named,
+                                                                 tmp_path, reshard_bin):
     """Below ZeRO 2 DeepSpeed saves a frozen parameter (requires_grad False) in `module`
     only: param_shapes, the optimizer and frozen_param_shapes (None) do not name it. It is in
     no optimizer state, so every command refuses the checkpoint naming it (exit 2, nothing
     written) rather than write an output without it."""
-    ckpt = ds_checkpoint(LLAMA_Z1)
+    ckpt = ds_checkpoint(spec)
     save = with_module_entry(ckpt, tmp_path / "ckpt", "model.frozen_proj.weight",
                              lambda module: torch.ones(8, 8))
     for command in (["gather"], ["gather", "--fp32"], ["convert", "--tp", "1"],
@@ -267,7 +274,7 @@ def test_a_frozen_parameter_below_zero_2_is_refused_not_dropped(ds_checkpoint, t
         r = run(reshard_bin, command[0], save, *(["-o", out] if command[0] != "inspect" else []),
                 *command[1:])
         assert r.returncode == 2, (command, r.stderr)
-        assert "module.model.frozen_proj.weight" in r.stderr and "frozen" in r.stderr, r.stderr
+        assert named in r.stderr and "frozen parameter" in r.stderr, (command, r.stderr)
         assert not out.exists() and not list(tmp_path.glob(".out*")), command
 
 

@@ -1149,8 +1149,9 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
     }
     if (keys.size() != mine.size()) {
       return InvalidArgumentError(fmt::format(
-          "\"{}\": the optimizer's param_groups list {} parameters but the module has {}", Where(f),
-          keys.size(), mine.size()));
+          "\"{}\": the optimizer's param_groups list {} parameters but the module has {} (a "
+          "frozen parameter, which no param group holds? frozen parameters are not read yet)",
+          Where(f), keys.size(), mine.size()));
     }
     for (size_t j = 0; j < mine.size(); ++j) {
       const size_t i = mine[j];
