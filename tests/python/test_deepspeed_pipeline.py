@@ -366,6 +366,83 @@ def test_a_layer_file_whose_shape_disagrees_is_named(pipes, tmp_path, reshard_bi
     refused(reshard_bin, save, tmp_path / "out", "layer_03-model_states.pt", "up.weight")
 
 
+def refused_by_every_command(reshard_bin, save_dir, out, blamed, *names):
+    """`refused`, and convert --pp 1 and --tp 2 too."""
+    refused(reshard_bin, save_dir, out, blamed, *names)
+    for args in (["--pp", 1], ["--tp", 2]):
+        r = run(reshard_bin, "convert", save_dir, *args, "-o", out)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.split('"')[1].endswith(blamed), (args, r.stderr)
+        for name in names:
+            assert name in r.stderr, (args, r.stderr)
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}*")), args
+
+
+def test_a_layer_buffer_or_frozen_parameter_is_refused_not_dropped(pipes, tmp_path, reshard_bin):
+    """A layer file's tensors that no stage lists as a parameter (a persistent buffer, which
+    buffer_names lists; a frozen parameter, which no param group holds and which DeepSpeed's
+    pipeline engine does not record in frozen_param_shapes) are in no other file: every command
+    refuses the checkpoint, naming the file and the tensor, rather than write an output
+    without them (DeepSpeed's strict load of it would then miss them)."""
+    ckpt = pipes[FP32]
+    # Layer 2 (a block) is on stage 0.
+    save, tag = copy_of(ckpt, tmp_path / "buffer")
+    layer = torch.load(tag / "layer_02-model_states.pt", weights_only=True)
+    layer["running"] = torch.zeros(4)
+    torch.save(layer, tag / "layer_02-model_states.pt")
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    states["buffer_names"] = [*(states.get("buffer_names") or []), "2.running"]
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    refused_by_every_command(reshard_bin, save, tmp_path / "out-buffer",
+                             "layer_02-model_states.pt", '"running"',
+                             'a module buffer (buffer_names lists "2.running")')
+    save, tag = copy_of(ckpt, tmp_path / "frozen")
+    layer = torch.load(tag / "layer_02-model_states.pt", weights_only=True)
+    layer["extra_norm.weight"] = torch.ones(16)
+    torch.save(layer, tag / "layer_02-model_states.pt")
+    refused_by_every_command(reshard_bin, save, tmp_path / "out-frozen",
+                             "layer_02-model_states.pt", '"extra_norm.weight"',
+                             "a frozen parameter")
+
+
+def test_stray_layer_files_are_refused(pipes, tmp_path, reshard_bin):
+    """DeepSpeed's loader globs a layer's files, so a file the checkpoint's stages do not
+    account for is refused, naming it: a second copy of the tied embedding's file, a layer
+    no stage lists holding tensors, a TP rank past the checkpoint's, and a file named without
+    a TP rank beside files that name one."""
+    ckpt = pipes[FP32]
+    save, tag = copy_of(ckpt, tmp_path / "tied")
+    shutil.copy(tag / "layer_00-model_states.pt", tag / "layer_05-model_states.pt")
+    refused(reshard_bin, save, tmp_path / "out-tied", "layer_00-model_states.pt",
+            "layer_05-model_states.pt", 'could both hold tied module "embed"')
+    save, tag = copy_of(ckpt, tmp_path / "layer")
+    shutil.copy(tag / "layer_02-model_states.pt", tag / "layer_09-model_states.pt")
+    refused(reshard_bin, save, tmp_path / "out-layer", "layer_09-model_states.pt",
+            "none a stage lists parameters of")
+    tp2 = pipes[TP2]
+    for name, stray in (("rank", "layer_02-model_02-model_states.pt"),
+                        ("plain", "layer_02-model_states.pt")):
+        save, tag = copy_of(tp2, tmp_path / name)
+        shutil.copy(tag / "layer_02-model_01-model_states.pt", tag / stray)
+        refused(reshard_bin, save, tmp_path / f"out-{name}", stray, "no layer file of a checkpoint")
+
+
+def test_partitioning_the_files_do_not_have_is_refused(pipes, tmp_path, reshard_bin):
+    """partition_count and group_paddings are what DeepSpeed's loader cuts the partitions by:
+    values every optimizer file records alike but that disagree with the files (DP 2, each
+    rank's partition) are refused, naming the key."""
+    ckpt = pipes[FP32]
+    for key, value, message in (("partition_count", 2**31, "partition_count[0] is 2147483648"),
+                                ("group_paddings", 2**40, "group_paddings[0] is 1099511627776")):
+        save, tag = copy_of(ckpt, tmp_path / key)
+        for f in sorted(tag.glob("zero_pp_rank_*_optim_states.pt")):
+            states = torch.load(f, weights_only=False)
+            states["optimizer_state_dict"][key] = [value]
+            torch.save(states, f)
+        refused(reshard_bin, save, tmp_path / f"out-{key}",
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt", message)
+
+
 # ---- convert --pp: a DeepSpeed pipeline checkpoint at another PP x TP x DP ------------------
 
 # (source, pp, tp, dp, --pp-stages, the partition_method that gives those stages on resume)
@@ -512,6 +589,10 @@ def test_pipeline_degrees_that_do_not_fit_are_refused(pipes, tmp_path, reshard_b
         (["--pp", 2, "--pp-stages", "6,0"], "--pp-stages"),
         (["--pp", 2, "--to", "universal"], "--pp"),
         (["--pp-stages", "3,3", "--tp", 1], "--pp-stages and --dp apply to --pp"),
+        (["--pp", 2, "--pp-stages", "3,3,"], 'is not a layer count from 1 to 1048576'),
+        (["--pp", 2, "--pp-stages", ",3,3"], 'is not a layer count from 1 to 1048576'),
+        (["--pp", 1, "--dequantize"], "no --dequantize"),
+        (["--pp", 1, "--dp", 65537], "--dp"),
     ]
     for args, message in cases:
         r = run(reshard_bin, "convert", save, *args, "-o", out)

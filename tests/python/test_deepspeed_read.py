@@ -240,6 +240,56 @@ def test_bad_checkpoints_are_refused_naming_the_file(checkpoints, victim, spoil,
         assert not out.exists() and not list(tmp_path.glob(".out*")), command
 
 
+def with_module_entry(ckpt, save, name, value_of):
+    """A copy of `ckpt` at `save` whose every TP rank's `module` has one more entry."""
+    shutil.copytree(ckpt.save_dir, save)
+    for victim in sorted((save / ckpt.tag).glob("mp_rank_*_model_states.pt")):
+        states = torch.load(victim, weights_only=False)
+        assert states["frozen_param_shapes"] is None
+        states["module"][name] = value_of(states["module"])
+        torch.save(states, victim)
+    return save
+
+
+# ZeRO 0 keeps no param_shapes: its parameters are the module's tensors, counted against the
+# optimizer's param_groups.
+FROZEN = [(LLAMA_Z1, "module.model.frozen_proj.weight"),
+          (Spec("llama", tp=2, dp=2, stage=0, dtype="bfloat16"), "param_groups list")]
+
+
+@pytest.mark.parametrize("spec,named", FROZEN, ids=["zero1", "zero0"])
+def test_a_frozen_parameter_below_zero_2_is_refused_not_dropped(ds_checkpoint, spec, named,
+                                                                 tmp_path, reshard_bin):
+    """Below ZeRO 2 DeepSpeed saves a frozen parameter (requires_grad False) in `module`
+    only: param_shapes, the optimizer and frozen_param_shapes (None) do not name it. It is in
+    no optimizer state, so every command refuses the checkpoint naming it (exit 2, nothing
+    written) rather than write an output without it."""
+    ckpt = ds_checkpoint(spec)
+    save = with_module_entry(ckpt, tmp_path / "ckpt", "model.frozen_proj.weight",
+                             lambda module: torch.ones(8, 8))
+    for command in (["gather"], ["gather", "--fp32"], ["convert", "--tp", "1"],
+                    ["convert", "--to", "universal"], ["convert", "--to", "dcp", "--world", "2"],
+                    ["inspect"]):
+        out = tmp_path / "out"
+        r = run(reshard_bin, command[0], save, *(["-o", out] if command[0] != "inspect" else []),
+                *command[1:])
+        assert r.returncode == 2, (command, r.stderr)
+        assert named in r.stderr and "frozen parameter" in r.stderr, (command, r.stderr)
+        assert not out.exists() and not list(tmp_path.glob(".out*")), command
+
+
+def test_a_second_name_of_a_parameter_in_the_module_is_no_frozen_parameter(
+        ds_checkpoint, tmp_path, reshard_bin):
+    """state_dict names a shared (tied) parameter under each of its names, param_shapes once:
+    the second name shares the first's storage, and is read as the tie it is, not refused as a
+    frozen parameter."""
+    ckpt = ds_checkpoint(LLAMA_Z1)
+    save = with_module_entry(ckpt, tmp_path / "ckpt", "tied_head.weight",
+                             lambda module: module["model.embed_tokens.weight"])
+    got = gather(reshard_bin, save, tmp_path / "out")
+    assert_same(got, gather(reshard_bin, ckpt.save_dir, tmp_path / "want"))
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
 def test_mpirun_shares_out_deepspeed_conversions_byte_identically(checkpoints, tmp_path,
                                                                   reshard_bin):

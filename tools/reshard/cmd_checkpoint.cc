@@ -207,9 +207,10 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string distributed_config;
-  std::string to;  // "universal" or "dcp": that format instead of a sharded dir
-  int world = 0;   // --to dcp: the world size it is saved for
-  int pp = 0;      // a DeepSpeed pipeline checkpoint of that many stages
+  std::string to;              // "universal" or "dcp": that format instead of a sharded dir
+  int world = 0;               // --to dcp: the world size it is saved for
+  int pp = 0;                  // a DeepSpeed pipeline checkpoint of that many stages
+  std::string pp_stages_text;  // --pp-stages as given: read into pp_stages by RunConvert
   std::vector<int> pp_stages;
   int dp = 0;
   std::string target_maps;
@@ -457,10 +458,11 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
 // which DeepSpeed's load_checkpoint reads as its own.
 Status RunConvertToPipeline(const ConvertArgs& args, const CheckpointOptions& options) {
   if (!args.to.empty() || args.world != 0 || !args.target_maps.empty() || args.weights_only ||
-      !args.max_shard_size.empty() || !args.distributed_config.empty() || !args.config.empty()) {
+      !args.max_shard_size.empty() || !args.distributed_config.empty() || !args.config.empty() ||
+      args.dequantize) {
     return InvalidArgumentError(
         "--pp takes only --tp, --dp and --pp-stages: it writes a DeepSpeed pipeline checkpoint "
-        "with its optimizer state");
+        "with its optimizer state (in the source's dtypes: no --dequantize)");
   }
   if (!IsDeepSpeedCheckpoint(args.input)) {
     return InvalidArgumentError(
@@ -486,7 +488,33 @@ Status RunConvertToPipeline(const ConvertArgs& args, const CheckpointOptions& op
   return Status::Ok();
 }
 
-Status RunConvert(const ConvertArgs& args) {
+// --pp-stages: layer counts, comma-separated, each 1..2^20 (an empty one, as a trailing
+// comma leaves, is refused rather than skipped).
+Result<std::vector<int>> PpStagesOf(const std::string& text) {
+  std::vector<int> stages;
+  if (text.empty()) return stages;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string part = text.substr(begin, end - begin);
+    const bool digits = !part.empty() && part.size() <= 7 &&
+                        part.find_first_not_of("0123456789") == std::string::npos;
+    const int value = digits ? std::stoi(part) : 0;
+    if (value < 1 || value > (1 << 20)) {
+      return InvalidArgumentError(fmt::format(
+          "--pp-stages {}: \"{}\" is not a layer count from 1 to {} (give each stage's layer "
+          "count, comma-separated, e.g. 2,1,1,2)",
+          text, part, 1 << 20));
+    }
+    stages.push_back(value);
+    if (end == text.size()) return stages;
+    begin = end + 1;
+  }
+}
+
+Status RunConvert(const ConvertArgs& given) {
+  ConvertArgs args = given;
+  RESHARD_ASSIGN_OR_RETURN(args.pp_stages, PpStagesOf(given.pp_stages_text));
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
@@ -661,15 +689,13 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                             "of this many stages (with --tp, --dp, --pp-stages), which "
                             "load_checkpoint resumes from (docs/deepspeed_checkpoints.md)")
                 ->check(IntegerIn(1, 1 << 16));
-  cmd->add_option("--pp-stages", args->pp_stages,
+  cmd->add_option("--pp-stages", args->pp_stages_text,
                   "with --pp: the layers of each stage, comma-separated (e.g. 2,1,1,2; default: "
-                  "DeepSpeed's uniform partition)")
-      ->delimiter(',')
-      ->check(IntegerIn(1, 1 << 20));
+                  "DeepSpeed's uniform partition)");
   cmd->add_option("--dp", args->dp,
                   "with --pp: the data-parallel ranks of each stage, over which the ZeRO "
-                  "optimizer state is partitioned (default 1)")
-      ->check(IntegerIn(1, 1 << 20));
+                  "optimizer state is partitioned (default 1; at most 65536)")
+      ->check(IntegerIn(1, 1 << 16));
   pp->excludes("--to");
   cmd->add_option("--world", args->world,
                   "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "

@@ -337,7 +337,8 @@ Status WriteTorchTree(const std::string& path, const PickleTree& tree, PickleNod
       AtomicFileWriter out,
       AtomicFileWriter::Create(path, {.overwrite = options.overwrite,
                                       .sync = options.sync,
-                                      .start_writeback = options.start_writeback}));
+                                      .start_writeback = options.start_writeback,
+                                      .in_fresh_directory = options.in_fresh_directory}));
   RESHARD_RETURN_IF_ERROR(
       AppendArchive(SinkOf(out), checked.pickle, storages, options.root, buffer.get()).status());
   return out.Commit();

@@ -49,6 +49,9 @@ struct TorchWriteOptions {
   bool sync = true;
   /// See WriteOptions::start_writeback.
   bool start_writeback = false;
+  /// See WriteOptions::in_fresh_directory (an output directory's temporary: no earlier run's
+  /// temporaries are looked for, which would list the directory once per file written).
+  bool in_fresh_directory = false;
 };
 
 /// Writes `tensors` (in the given order, each its own storage, dense row-major) as the state

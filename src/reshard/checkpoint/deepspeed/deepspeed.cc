@@ -465,6 +465,8 @@ class DeepSpeedReader {
   Status ReadTopology();
   Status CheckDpModelStates();
   Status ReadParams();
+  Status CheckModuleTensorsListed(const TorchFile* f,
+                                  const std::vector<std::pair<std::string, Shape>>& listed) const;
   Status ReadExperts();
   Status ReadPartitions();
   Status ReadTorchOptimizer();
@@ -474,10 +476,12 @@ class DeepSpeedReader {
   Status CheckTpReplicasAgree() const;
   Status ReadPipelineTopology(const TorchFile& first);
   Status ReadLayerWeights();
+  Status CheckLayerFilesRead(const std::map<const TorchFile*, std::set<std::string>>& read);
   Result<std::map<std::string, int>> TiedModuleKeys();
   Result<const TorchFile*> LayerFile(int layer, Rank t);
   Status CheckTiedCopies();  // after c_.params_ is set
   Result<FlatGroup> ReadFlatGroup(Rank t, size_t g);
+  Status CheckPartitionCounts(const TorchFile* f, size_t g, Index partition) const;
   Status Place(Rank t, size_t i, const std::vector<FragmentSpan>& spans,
                const std::vector<Index>& flat_offsets, const FlatGroup& group);
   Status CheckSliceMappings(Rank t, size_t g, const FlatGroup& group) const;
@@ -716,6 +720,7 @@ Status DeepSpeedReader::ReadParams() {
           groups.push_back(g);
         }
       }
+      if (layer_files_.empty()) RESHARD_RETURN_IF_ERROR(CheckModuleTensorsListed(f, found));
     } else if (!layer_files_.empty()) {
       return UnimplementedError(fmt::format(
           "\"{}\" has no param_shapes (ZeRO 0), so which parameters a pipeline stage holds, "
@@ -800,6 +805,49 @@ Status DeepSpeedReader::ReadParams() {
   return Status::Ok();
 }
 
+// ZeRO 0-2 save the module's state_dict whole: its tensors are the parameters param_shapes
+// lists, the persistent buffers buffer_names lists (not read), ties (state_dict names a shared
+// parameter twice; param_shapes once) and frozen parameters, which no param group holds. Below
+// ZeRO 2 DeepSpeed records no frozen_param_shapes (None), so a frozen parameter is told by
+// its absence from param_shapes. Its weights are in no optimizer state, so reading on would
+// drop them from every output: it is refused.
+Status DeepSpeedReader::CheckModuleTensorsListed(
+    const TorchFile* f, const std::vector<std::pair<std::string, Shape>>& listed) const {
+  const PickleTree& t = f->tree();
+  const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
+  if (!IsNone(t, frozen) && !t.node(frozen).entries.empty()) return Status::Ok();  // ReadParams
+  // AutoEP keeps module tensors no group holds (its router's alias), read by its own reader.
+  if (!IsNone(t, Get(t, t.root(), "ds_autoep_layers"))) return Status::Ok();
+  std::set<std::string> params;
+  for (const auto& entry : listed) params.insert(entry.first);
+  std::set<std::string> buffers;
+  const PickleNodeId b = Get(t, t.root(), "buffer_names");
+  if (!IsNone(t, b)) {
+    for (PickleNodeId c : t.node(b).items) buffers.insert(t.node(c).text);
+  }
+  std::set<std::tuple<size_t, Index, Shape>> held;  // the listed parameters' storage
+  std::vector<const TorchTensor*> unlisted;
+  for (const TorchTensor& tensor : f->tensors()) {
+    if (!tensor.name.starts_with("module.")) continue;
+    const std::string name = tensor.name.substr(7);
+    if (params.contains(name)) {
+      held.emplace(tensor.storage, tensor.storage_offset, tensor.shape);
+    } else if (!buffers.contains(name)) {
+      unlisted.push_back(&tensor);
+    }
+  }
+  for (const TorchTensor* tensor : unlisted) {
+    if (held.contains({tensor->storage, tensor->storage_offset, tensor->shape})) continue;
+    return UnimplementedError(fmt::format(
+        "\"{}\": {} is a module tensor that param_shapes does not list (a frozen parameter, "
+        "which no param group holds: DeepSpeed below ZeRO 2 does not record it in "
+        "frozen_param_shapes) and buffer_names does not list; frozen parameters are not read "
+        "yet, and are refused rather than dropped",
+        Where(f), tensor->name));
+  }
+  return Status::Ok();
+}
+
 // AutoEP's experts (deepspeed_moe.h): read there, and left out of the dense parameters.
 Status DeepSpeedReader::ReadExperts() {
   AutoEpInput in;
@@ -878,8 +926,37 @@ Result<FlatGroup> DeepSpeedReader::ReadFlatGroup(Rank t, size_t g) {
       }
       group.flat[Slot(s)].push_back({f, tensor, 0});
     }
+    if (!z3)
+      RESHARD_RETURN_IF_ERROR(CheckPartitionCounts(
+          f, g, group.flat[Slot(DeepSpeedState::kExpAvg)].back().tensor->numel()));
   }
   return group;
+}
+
+// ZeRO 1/2: what a DP rank's file records of group g's partitioning agrees with its files:
+// partition_count[g] is the DP degree and group_paddings[g] (the zeros that end the flat
+// group, on the ranks its padding reaches) lies inside the rank's partition of `partition`
+// elements (its moments keep the padding).
+Status DeepSpeedReader::CheckPartitionCounts(const TorchFile* f, size_t g, Index partition) const {
+  const PickleTree& tree = f->tree();
+  const PickleNodeId count =
+      Walk(tree, tree.root(), fmt::format("optimizer_state_dict.partition_count.{}", g));
+  if (count != kNoPickleNode && IntAt(tree, count) != std::optional<int64_t>(c_.dp_)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": optimizer_state_dict.partition_count[{}] is {}, but the checkpoint has {} DP "
+        "ranks (a file of another DP degree?)",
+        Where(f), g, ToJson(tree, count).dump(), c_.dp_));
+  }
+  const PickleNodeId padding =
+      Walk(tree, tree.root(), fmt::format("optimizer_state_dict.group_paddings.{}", g));
+  const std::optional<int64_t> pad = IntAt(tree, padding);
+  if (padding != kNoPickleNode && (!pad || *pad < 0 || *pad > partition)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\": optimizer_state_dict.group_paddings[{}] is {}, but the rank's partition of "
+        "group {} has {} elements",
+        Where(f), g, ToJson(tree, padding).dump(), g, partition));
+  }
+  return Status::Ok();
 }
 
 // ZeRO 1/2: every DP rank's param_slice_mappings[g] names only parameters of group g, and
@@ -1072,8 +1149,9 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
     }
     if (keys.size() != mine.size()) {
       return InvalidArgumentError(fmt::format(
-          "\"{}\": the optimizer's param_groups list {} parameters but the module has {}", Where(f),
-          keys.size(), mine.size()));
+          "\"{}\": the optimizer's param_groups list {} parameters but the module has {} (a "
+          "frozen parameter, which no param group holds? frozen parameters are not read yet)",
+          Where(f), keys.size(), mine.size()));
     }
     for (size_t j = 0; j < mine.size(); ++j) {
       const size_t i = mine[j];
@@ -1234,7 +1312,16 @@ Result<std::map<std::string, int>> DeepSpeedReader::TiedModuleKeys() {
           "layer owns which)",
           Where(f), matched[0], matched[1]));
     }
-    if (matched.size() == 1) owner.emplace(matched[0], layer);  // the lowest layer stays
+    if (matched.size() == 1) {
+      auto [it, fresh] = owner.emplace(matched[0], layer);
+      if (!fresh) {
+        RESHARD_ASSIGN_OR_RETURN(const TorchFile* first, LayerFile(it->second, 0));
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" and \"{}\" could both hold tied module \"{}\" (the checkpoint does not say "
+            "which layer owns it; a stray copy?)",
+            Where(first), Where(f), matched[0]));
+      }
+    }
   }
   return owner;
 }
@@ -1248,6 +1335,7 @@ Status DeepSpeedReader::ReadLayerWeights() {
   for (size_t i = 0; i < names_in_order_.size(); ++i)
     c_.stage_params_[static_cast<size_t>(stage_of_[i])].push_back(names_in_order_[i]);
   bool first = true;
+  std::map<const TorchFile*, std::set<std::string>> read;  // the tensors read of each file
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& param = params_[i].name;
     std::optional<std::pair<int, std::string>> at = LayerName(param);
@@ -1269,6 +1357,7 @@ Status DeepSpeedReader::ReadLayerWeights() {
     for (Rank t = 0; t < c_.tp_; ++t) {
       RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, LayerFile(at->first, t));
       const TorchTensor* tensor = TensorNamed(*f, at->second);
+      read[f].insert(at->second);
       const Shape& shape = tp_shapes_[i][static_cast<size_t>(t)];
       if (tensor == nullptr || tensor->shape != shape || !tensor->dtype.dtype) {
         return InvalidArgumentError(fmt::format(
@@ -1289,6 +1378,68 @@ Status DeepSpeedReader::ReadLayerWeights() {
       if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
         slots[Slot(DeepSpeedState::kMaster)] = parts;
       slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
+    }
+  }
+  return CheckLayerFilesRead(read);
+}
+
+// Every layer file is one a parameter was read from, and every tensor in it a parameter read
+// (DeepSpeed's loader globs layer_XX-*model_states.pt, so a stray file is not harmless):
+// files of a TP rank the checkpoint does not have, or named with and without TP ranks, are
+// refused; so are a file of a layer no stage lists and no tied module owns that holds
+// tensors, and tensors that are not parameters of the optimizer's (persistent buffers, which
+// buffer_names lists, and frozen parameters), which are not read yet: refused rather than
+// dropped from every output.
+Status DeepSpeedReader::CheckLayerFilesRead(
+    const std::map<const TorchFile*, std::set<std::string>>& read) {
+  static const std::regex kLayerFile(R"(layer_(\d+)-(model_(\d+)-)?model_states\.pt)");
+  std::set<std::string> buffers;
+  for (const TorchFile* f : model_) {
+    const PickleTree& t = f->tree();
+    const PickleNodeId b = Get(t, t.root(), "buffer_names");
+    if (IsNone(t, b)) continue;
+    for (PickleNodeId c : t.node(b).items) buffers.insert(t.node(c).text);
+  }
+  for (const std::string& name : layer_files_) {
+    std::smatch m;
+    if (!std::regex_match(name, m, kLayerFile)) continue;  // layer_files_ holds only matches
+    const std::string path = (fs::path(c_.tag_dir_) / name).string();
+    if (m[2].matched != layer_files_name_tp_ ||
+        (m[2].matched && (m[3].length() > 6 || std::stoi(m[3].str()) >= c_.tp_))) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" is no layer file of a checkpoint of {} TP ranks whose layer files are named "
+          "{} (a stray file? DeepSpeed's loader would read it)",
+          path, c_.tp_,
+          layer_files_name_tp_ ? "layer_XX-model_YY-model_states.pt" : "layer_XX-model_states.pt"));
+    }
+    auto opened = opened_layers_.find(name);
+    const TorchFile* f = nullptr;
+    if (opened != opened_layers_.end()) {
+      f = opened->second;
+    } else {
+      RESHARD_ASSIGN_OR_RETURN(f, OpenFile(name));
+      opened_layers_.emplace(name, f);
+    }
+    auto it = read.find(f);
+    for (const TorchTensor& tensor : f->tensors()) {
+      if (it != read.end() && it->second.contains(tensor.name)) continue;
+      if (it == read.end()) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" holds \"{}\", but its layer is none a stage lists parameters of and holds no "
+            "tied module (a stray file? DeepSpeed's loader would read it)",
+            path, tensor.name));
+      }
+      std::string layer = m[1].str();  // the engine's name: "<layer index>.<name>"
+      layer.erase(0, std::min(layer.find_first_not_of('0'), layer.size() - 1));
+      layer += "." + tensor.name;
+      return UnimplementedError(fmt::format(
+          "\"{}\" holds \"{}\", which is no parameter of its stage's optimizer: {}; module "
+          "buffers and frozen parameters of a pipeline checkpoint are not read yet, and are "
+          "refused rather than dropped",
+          path, tensor.name,
+          buffers.contains(layer)
+              ? fmt::format("a module buffer (buffer_names lists \"{}\")", layer)
+              : "a frozen parameter (one no param group holds) or a buffer"));
     }
   }
   return Status::Ok();
@@ -1927,6 +2078,51 @@ std::optional<ConstBuffer> DeepSpeedCheckpoint::TpShardView(size_t i, DeepSpeedS
     return ConstBuffer{base + static_cast<size_t>(t.storage_offset + f.offset) * size, n};
   }
   return std::nullopt;
+}
+
+Status DeepSpeedCheckpoint::ReadTpShardRange(size_t i, DeepSpeedState state, Rank tp_rank,
+                                             Index begin, MutableBuffer out) const {
+  const DeepSpeedParam& p = (*params_)[i];
+  const auto& slot = p.parts[static_cast<size_t>(tp_rank)][Slot(state)];
+  const Index n = p.tp_map.shard_num_elements(tp_rank);
+  const Index end = begin + out.num_elements;
+  if (begin < 0 || end > n) {
+    return InternalError(
+        fmt::format("parameter \"{}\": elements [{}, {}) of a shard of {}", p.name, begin, end, n));
+  }
+  const size_t size = DTypeSize(StateDType(state));
+  // The fragments as FragmentMap lays them out: rank d holds elements [start, start + length)
+  // of the flat shard in one contiguous piece. Anything else is read whole.
+  bool direct = slot.has_value();
+  for (Rank d = 0; direct && d < slot->dp_map.world_size(); ++d) {
+    const auto& pieces = slot->dp_map.rank(d).pieces;
+    const TorchTensor& t = *slot->fragments[static_cast<size_t>(d)].tensor;
+    direct = pieces.empty() ||
+             (pieces.size() == 1 && pieces[0].shape.size() == 1 &&
+              pieces[0].source.strides == Shape{1} && pieces[0].dest.offset == 0 &&
+              pieces[0].dest.strides == Shape{1} && pieces[0].scale == 1.0 && t.is_contiguous());
+  }
+  if (!direct) {
+    std::vector<std::byte> whole(static_cast<size_t>(n) * size);
+    RESHARD_RETURN_IF_ERROR(ReadTpShard(i, state, tp_rank, {whole.data(), n}));
+    std::memcpy(out.data, whole.data() + static_cast<size_t>(begin) * size,
+                static_cast<size_t>(out.num_elements) * size);
+    return Status::Ok();
+  }
+  for (Rank d = 0; d < slot->dp_map.world_size(); ++d) {
+    const auto& pieces = slot->dp_map.rank(d).pieces;
+    if (pieces.empty()) continue;
+    const Index start = pieces[0].source.offset;
+    const Index lo = std::max(begin, start), hi = std::min(end, start + pieces[0].shape[0]);
+    if (lo >= hi) continue;
+    const DeepSpeedFragment& f = slot->fragments[static_cast<size_t>(d)];
+    const TorchTensor& t = *f.tensor;
+    const std::byte* base = f.file->storages()[t.storage].bytes.data();
+    std::memcpy(out.data + static_cast<size_t>(lo - begin) * size,
+                base + static_cast<size_t>(t.storage_offset + f.offset + (lo - start)) * size,
+                static_cast<size_t>(hi - lo) * size);
+  }
+  return Status::Ok();
 }
 
 // ---- as a shard source ------------------------------------------------------------------

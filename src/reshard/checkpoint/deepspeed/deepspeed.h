@@ -203,6 +203,11 @@ class DeepSpeedCheckpoint {
   /// dense and in order (ZeRO 1/2: every parameter but the one a DP boundary cuts), so that
   /// reading it needs no copy; nullopt otherwise (read it with ReadTpShard).
   std::optional<ConstBuffer> TpShardView(size_t i, DeepSpeedState state, Rank tp_rank) const;
+  /// Elements [begin, begin + out.num_elements) of the flattened shard ReadTpShard reads, read
+  /// from the DP fragments that hold them alone (a partition of a flat vector takes a part of
+  /// a parameter in time proportional to that part, not to the parameter).
+  Status ReadTpShardRange(size_t i, DeepSpeedState state, Rank tp_rank, Index begin,
+                          MutableBuffer out) const;
   DType StateDType(DeepSpeedState state) const;
 
  private:

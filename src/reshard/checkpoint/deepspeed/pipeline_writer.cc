@@ -218,6 +218,12 @@ Result<PipelinePlan> Plan(const DeepSpeedCheckpoint& c, const DeepSpeedPipelineT
   }
   if (target.pp < 1 || target.dp < 1 || target.tp < 0)
     return InvalidArgumentError("pipeline degrees must be positive");
+  if (target.dp > kMaxPipelineDp) {
+    return InvalidArgumentError(
+        fmt::format("a DP degree of {} is more than {}, the most a DeepSpeed checkpoint's "
+                    "dp_world_size is read with",
+                    target.dp, kMaxPipelineDp));
+  }
   PipelinePlan plan;
   plan.tag = fs::path(c.tag_dir()).filename().string();
   plan.tp = target.tp == 0 ? c.tp() : target.tp;
@@ -483,7 +489,10 @@ Status PipelineWriter::FillPartition(int stage, Rank t, int d, DeepSpeedState st
   for (const size_t i : plan_.stage[static_cast<size_t>(stage)]) {
     const Index n = plan_.maps[i].shard_num_elements(t);
     const Index lo = std::max(offset, begin), hi = std::min(offset + n, end);
-    if (lo < hi) {
+    if (lo < hi && plan_.tp == c_.tp()) {  // only the part in this partition is read
+      RESHARD_RETURN_IF_ERROR(
+          c_.ReadTpShardRange(i, state, t, lo - offset, {out.data() + (lo - begin) * 4, hi - lo}));
+    } else if (lo < hi) {
       std::vector<std::byte> shard(static_cast<size_t>(n) * 4);
       RESHARD_RETURN_IF_ERROR(FillShard(i, state, t, shard));
       std::memcpy(out.data() + (lo - begin) * 4, shard.data() + (lo - offset) * 4,

@@ -29,6 +29,9 @@
 
 namespace reshard {
 
+/// The most DP ranks a pipeline output takes (what DeepSpeedCheckpoint::Open reads back).
+inline constexpr int kMaxPipelineDp = 65536;
+
 struct DeepSpeedPipelineTarget {
   int pp = 1;
   int tp = 0;  // 0: the source's
@@ -39,14 +42,15 @@ struct DeepSpeedPipelineTarget {
 };
 
 /// DeepSpeed PipelineModule checkpoint -> the same at `target`'s degrees, into `out_dir`
-/// (atomically; nothing is written on error). InvalidArgument for a source that is not a
+/// (atomically; nothing is written on error), in time proportional to the output. InvalidArgument
+/// for a DP degree above kMaxPipelineDp, for a source that is not a
 /// PipelineModule checkpoint with ZeRO 1/2 optimizer partitions, for a stage list that is not
 /// pp long, does not sum to the layer count or gives a stage no layer, for more stages than
 /// layers, for a stage that would hold no parameter, for a tied module used by stages other
 /// than its owner's and the last, and for a parameter whose layout at another TP degree is
 /// unknown; Unimplemented for several parameter groups; what DeepSpeedCheckpoint::Open
-/// refuses. Layer files are written with the layers' parameters only (a layer's persistent
-/// buffers are not in the source's records of its stage).
+/// refuses (among it, a layer file with a tensor that is no parameter of its stage: a
+/// persistent buffer or a frozen parameter, which the output would not hold).
 Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
                                   const DeepSpeedPipelineTarget& target, const std::string& out_dir,
                                   const CheckpointOptions& options = {});

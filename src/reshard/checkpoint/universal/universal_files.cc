@@ -54,6 +54,7 @@ TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptio
   o.root = fs::path(path).stem().string();
   o.sync = false;
   o.start_writeback = options.sync;
+  o.in_fresh_directory = true;  // every file goes into the output's temporary (OpenOutput)
   return o;
 }
 
