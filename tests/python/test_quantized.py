@@ -681,3 +681,239 @@ def test_show_draws_which_rank_holds_each_block(reshard_bin, tmp_path):
     plus = sum(line.count("+") for picture in cut.values() for line in picture)
     assert plus == 12  # o_proj's 4 blocks, and k_proj's and v_proj's (64 rows a rank)
     assert svg.startswith("<?xml") and svg.count("several ranks: a block cut") == plus
+
+
+def tampered_copy(src, dst, tamper, config=None):
+    """A copy of the one-file checkpoint `src` with its tensors passed through `tamper` (and its
+    config.json through `config`)."""
+    t = load_file(str(src / "model.safetensors"))
+    tamper(t)
+    dst.mkdir()
+    save_file(t, str(dst / "model.safetensors"))
+    c = json.loads((src / "config.json").read_text())
+    if config is not None:
+        config(c)
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def assert_refused(reshard_bin, tmp_path, cmd, code, *named):
+    out = tmp_path / "refused-out"
+    r = run(reshard_bin, *cmd, "-o", out, ok=False)
+    assert r.returncode == code, (cmd, r.returncode, r.stderr)
+    for name in named:
+        assert name in r.stderr, (cmd, name, r.stderr)
+    assert not out.exists(), cmd
+    return r.stderr
+
+
+UP = "model.layers.0.mlp.up_proj."
+
+
+def _drop(*names):
+    def tamper(t):
+        for n in names:
+            del t[n]
+    return tamper
+
+
+def _fp8_without_scale_beside_activation_scale(t):
+    del t[UP + "weight_scale_inv"]
+    t[UP + "activation_scale"] = torch.tensor(0.5)
+
+
+# A quantized weight whose block scale is gone, with per-tensor scalars still beside it.
+MISSING_SCALE = {
+    "fp8-activation-scale": (lambda p: quant_models.qwen3_fp8(p, kv_heads=4),
+                             _fp8_without_scale_beside_activation_scale, "weight_scale_inv"),
+    "fp8-input-scale": (lambda p: quant_models.qwen3_fp8(p, kv_heads=4),
+                        lambda t: (t.pop(UP + "weight_scale_inv"),
+                                   t.__setitem__(UP + "input_scale", torch.tensor(0.5))),
+                        "weight_scale_inv"),
+    "nvfp4-modelopt": (quant_models.llama_nvfp4, _drop(UP + "weight_scale"), "weight_scale"),
+    "nvfp4-compressed-tensors": (quant_models.llama_nvfp4_compressed, _drop(UP + "weight_scale"),
+                                 "weight_scale"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING_SCALE))
+def test_a_quantized_weight_without_its_scale_is_refused_by_every_command(reshard_bin, tmp_path,
+                                                                          case):
+    make, tamper, scale = MISSING_SCALE[case]
+    bad = tampered_copy(make(tmp_path / "m"), tmp_path / "bad", tamper)
+    data = UP + ("weight_packed" if case == "nvfp4-compressed-tensors" else "weight")
+    for cmd in (["gather", bad, "--dequantize"],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2, "--dequantize"],
+                ["convert", bad, "--tp", 1, "--dequantize"]):
+        assert_refused(reshard_bin, tmp_path, cmd, 1, f'"{data}"', f'"{UP}{scale}"')
+
+
+def test_modelopt_nvfp4_without_weight_scale_2_is_refused(reshard_bin, tmp_path):
+    """ModelOpt's NVFP4 values are FP4 x per-16 scale x weight_scale_2: without the last the
+    numbers are unknown (taking 1.0 would write them 1 / weight_scale_2 times too large)."""
+    src = quant_models.llama_nvfp4(tmp_path / "m")
+    bad = tampered_copy(src, tmp_path / "bad", _drop(UP + "weight_scale_2"))
+    for cmd in (["gather", bad, "--dequantize"],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2, "--dequantize"]):
+        assert_refused(reshard_bin, tmp_path, cmd, 1, f'"{UP}weight"', f'"{UP}weight_scale_2"')
+    # From shards whose manifest no longer ties it: refused too.
+    tp2 = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", tp2)
+    m = manifest(tp2)
+    del m["params"][UP + "weight_scale_2"]["block_scales"]
+    (tp2 / "reshard.json").write_text(json.dumps(m))
+    assert_refused(reshard_bin, tmp_path, ["gather", tp2, "--dequantize"], 1,
+                   f'"{UP}weight_scale_2"')
+
+
+@pytest.mark.parametrize("tamper", ["no-block-scales", "not-dequantizing"])
+def test_a_manifest_that_unties_a_block_scale_is_refused(reshard_bin, tmp_path, tamper):
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    tp2 = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--config", src / "config.json", "--tp", 2, "-o", tp2)
+    m = manifest(tp2)
+    param = m["params"][UP + "weight_scale_inv"]
+    if tamper == "no-block-scales":
+        del param["block_scales"]
+    else:
+        param["block_scales"]["dequantizes"] = False
+    (tp2 / "reshard.json").write_text(json.dumps(m))
+    # Plain gather too: the output would hold the scales untied under a quantization_config.
+    for cmd in (["gather", tp2, "--dequantize"], ["gather", tp2], ["convert", tp2, "--tp", 1],
+                ["convert", tp2, "--tp", 4, "--dequantize"]):
+        assert_refused(reshard_bin, tmp_path, cmd, 1, f'"{UP}weight_scale_inv"', f'"{UP}weight"')
+
+
+def test_fp8_data_without_a_recorded_scale_is_not_dequantized_into_raw_numbers(reshard_bin,
+                                                                               tmp_path):
+    """Shards scattered without a config.json: only the manifest says what scales what, and FP8
+    data it ties to no scale has no numbers to write."""
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    tp2 = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--layouts", half_block_layouts(tmp_path / "l.json"), "--tp",
+        2, "-o", tp2)
+    m = manifest(tp2)
+    assert not m.get("model_config")
+    (tp2 / "config.json").unlink()
+    del m["params"][UP + "weight_scale_inv"]["block_scales"]
+    (tp2 / "reshard.json").write_text(json.dumps(m))
+    assert_refused(reshard_bin, tmp_path, ["gather", tp2, "--dequantize"], 1, f'"{UP}weight"',
+                   "F8_E4M3")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_mxfp4_scales_that_are_not_e8m0_bytes_are_refused(reshard_bin, tmp_path, dtype):
+    """MXFP4 scales are E8M0 exponents, one U8 each. A float tensor holding 127 is no exponent
+    (transformers would truncate it to one, reshard would have multiplied by it): refused."""
+    e = "model.layers.0.mlp.experts.gate_up_proj_scales"
+
+    def tamper(t):
+        t[e] = t[e].to(dtype) if dtype != torch.int8 else t[e].view(torch.int8)
+
+    bad = tampered_copy(quant_models.gpt_oss_mxfp4(tmp_path / "m"), tmp_path / "bad", tamper)
+    for cmd in (["gather", bad, "--dequantize"],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2]):
+        err = assert_refused(reshard_bin, tmp_path, cmd, 1, f'"{e}"', "U8")
+        assert "nan" not in err, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_fp8_scales_of_a_dtype_the_format_does_not_store_are_named(reshard_bin, tmp_path, dtype):
+    s = UP + "weight_scale_inv"
+    bad = tampered_copy(quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4), tmp_path / "bad",
+                        lambda t: t.__setitem__(s, t[s].to(dtype)))
+    name = {torch.float64: "F64", torch.int32: "I32"}[dtype]
+    err = assert_refused(reshard_bin, tmp_path, ["gather", bad, "--dequantize"], 1, f'"{s}"', name,
+                         "F32, BF16, F16")
+    assert "nan" not in err, err
+
+
+def test_a_block_scale_beside_a_one_dimensional_tensor_names_it(reshard_bin, tmp_path):
+    w = "model.layers.0.post_attention_layernorm.weight"
+
+    def tamper(t):
+        t[w] = t[w].to(torch.float8_e4m3fn)
+        t[w + "_scale_inv"] = torch.ones(2)
+
+    bad = tampered_copy(quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4), tmp_path / "bad",
+                        tamper)
+    assert_refused(reshard_bin, tmp_path, ["gather", bad, "--dequantize"], 1, f'"{w}"',
+                   f'"{w}_scale_inv"')
+
+
+def test_compressed_tensors_nvfp4_with_weight_and_weight_packed_is_refused(reshard_bin, tmp_path):
+    def tamper(t):
+        t[UP + "weight"] = t[UP + "weight_packed"].clone()
+
+    bad = tampered_copy(quant_models.llama_nvfp4_compressed(tmp_path / "m"), tmp_path / "bad",
+                        tamper)
+    for cmd in (["gather", bad, "--dequantize"],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2]):
+        assert_refused(reshard_bin, tmp_path, cmd, 1, f'"{UP}weight"', f'"{UP}weight_packed"')
+
+
+def _modelopt_group_32(c):
+    c["quantization_config"]["group_size"] = 32
+
+
+def _compressed_group_32(c):
+    c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+
+
+@pytest.mark.parametrize("make,config", [(quant_models.llama_nvfp4, _modelopt_group_32),
+                                         (quant_models.llama_nvfp4_compressed,
+                                          _compressed_group_32)],
+                         ids=["modelopt", "compressed-tensors"])
+def test_nvfp4_group_size_that_is_not_the_scales_grid_is_refused(reshard_bin, tmp_path, make,
+                                                                 config):
+    bad = tampered_copy(make(tmp_path / "m"), tmp_path / "bad", lambda t: None, config)
+    for cmd in (["gather", bad, "--dequantize"],
+                ["scatter", bad, "--config", bad / "config.json", "--tp", 2]):
+        assert_refused(reshard_bin, tmp_path, cmd, 1, "not the block grid", "weight_scale")
+    # A group size that is not a whole number of bytes is malformed.
+    text = (bad / "config.json").read_text().replace('"group_size": 32', '"group_size": 15')
+    (bad / "config.json").write_text(text)
+    assert_refused(reshard_bin, tmp_path, ["gather", bad, "--dequantize"], 2, "group_size", "15")
+
+
+def test_fused_layouts_keep_whole_blocks_or_are_refused_as_a_split_that_cuts_one(reshard_bin,
+                                                                                tmp_path):
+    """A fused layout gives each rank a run of every part. Parts of whole blocks at TP 2 keep each
+    local block inside one block of the data; parts of 1.5 blocks make a local block take rows of
+    two (exit 1, as any split that cuts a block)."""
+    g = "model.layers.0.mlp.gate_proj.weight"
+    layouts = tmp_path / "l.json"
+    layouts.write_text(json.dumps({"version": 1, "*": {"family": "replicated"},
+                                   g: {"family": "fused", "dim": 0, "parts": 2}}))
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4, intermediate=512)
+    full = load_file(str(src / "model.safetensors"))
+    out = tmp_path / "tp2"
+    run(reshard_bin, "scatter", src, "--layouts", layouts, "--tp", 2, "-o", out)
+    for r in range(2):
+        # Rank r: rows 128r..128r+127 of each 256-row part: block rows r and 2 + r.
+        assert torch.equal(rank_tensors(out, r)[g + "_scale_inv"],
+                           full[g + "_scale_inv"][[r, 2 + r]])
+    run(reshard_bin, "gather", out, "-o", tmp_path / "g")
+    assert_same_tensors(load_file(str(tmp_path / "g" / "model.safetensors")), full)
+    cut = quant_models.qwen3_fp8(tmp_path / "m384", kv_heads=4, intermediate=384)
+    assert_refused(reshard_bin, tmp_path, ["scatter", cut, "--layouts", layouts, "--tp", 2], 1,
+                   g + "_scale_inv")
+
+
+@pytest.mark.parametrize("field,value", [("head_dim", 2 ** 61), ("num_key_value_heads", 2 ** 62)])
+def test_fp8_configs_whose_head_widths_overflow_are_refused(reshard_bin, tmp_path, field, value):
+    config = dict(QWEN3_30B_A3B_FP8, **{field: value})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    for cmd in (["degree", path], ["degree", path, "--engine", "vllm", "--tp", 4]):
+        r = run(reshard_bin, *cmd, ok=False)
+        assert r.returncode == 2, (cmd, r.returncode, r.stdout, r.stderr)
+        assert field in r.stderr and str(value) in r.stderr, r.stderr
+    src = quant_models.qwen3_fp8(tmp_path / "m", kv_heads=4)
+    c = json.loads((src / "config.json").read_text())
+    c[field] = value
+    (tmp_path / "big.json").write_text(json.dumps(c))
+    assert_refused(reshard_bin, tmp_path, ["scatter", src, "--config", tmp_path / "big.json",
+                                           "--tp", 2], 2, field)

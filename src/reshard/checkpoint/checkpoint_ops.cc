@@ -827,6 +827,7 @@ Result<GatherOutput> DequantizedOutput(const Manifest& m, size_t d, size_t s,
   const ShardedParam& scales = m.params[s];
   GatherOutput o{data.name, dtype, data.map.valid_shape(), d, s, std::nullopt, {}, false};
   o.spec = DequantizeSpec{data.dtype, data.map.valid_shape(), scales.dtype, tie.block, 1.0f};
+  RESHARD_RETURN_IF_ERROR(CheckBlockScaleDType(tie.format, scales.name, data.name, scales.dtype));
   const bool packed = tie.format == "mxfp4" || tie.format == "nvfp4";
   if (packed != (data.dtype == DType::kU8)) {
     return FailedPreconditionError(fmt::format("\"{}\" is {}, which {} does not store", data.name,
@@ -897,6 +898,14 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m,
     const ShardedParam& p = m.params[i];
     auto sc = scales_of.find(i);
     if (sc == scales_of.end()) {
+      // FP8 numbers mean nothing without their scales: written as they are under a config
+      // without quantization_config, they would load as the wrong weights.
+      if (p.dtype == DType::kF8E4M3 || p.dtype == DType::kF8E5M2) {
+        return FailedPreconditionError(fmt::format(
+            "\"{}\" is {} but the checkpoint records no block scale for it (no scale tensor "
+            "whose block_scales names it and dequantizes): its numbers are unknown",
+            p.name, DTypeName(p.dtype)));
+      }
       out.push_back(
           {p.name, p.dtype, p.map.valid_shape(), i, std::nullopt, std::nullopt, {}, false});
       continue;
@@ -904,7 +913,15 @@ Result<std::vector<GatherOutput>> GatherOutputs(const Manifest& m,
     RESHARD_ASSIGN_OR_RETURN(
         GatherOutput o,
         DequantizedOutput(m, i, sc->second.first, sc->second.second, options.dequantize->dtype));
-    if (auto g = global_of.find(i); g != global_of.end()) o.global = g->second;
+    if (auto g = global_of.find(i); g != global_of.end()) {
+      o.global = g->second;
+    } else if (sc->second.second.format == "nvfp4" && p.name.ends_with(".weight")) {
+      // ModelOpt's NVFP4 (compressed-tensors' is `weight_packed`): a per-tensor factor too.
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" is ModelOpt NVFP4, whose values are the FP4 value times its per-16 scale "
+          "times \"{}_scale_2\", which the checkpoint does not hold",
+          p.name, p.name));
+    }
     out.push_back(std::move(o));
   }
   return out;

@@ -147,6 +147,18 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   if (out_dtype != DType::kBF16 && out_dtype != DType::kF16 && out_dtype != DType::kF32) {
     return InvalidArgumentError(fmt::format("cannot dequantize into {}", DTypeName(out_dtype)));
   }
+  switch (spec.scale_dtype) {
+    case DType::kF32:
+    case DType::kBF16:
+    case DType::kF16:
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+    case DType::kU8:
+      break;
+    default:
+      return InvalidArgumentError(
+          fmt::format("cannot read scales stored as {}", DTypeName(spec.scale_dtype)));
+  }
   const size_t nd = spec.data_shape.size();
   if (spec.block.size() != nd || nd == 0) {
     return InvalidArgumentError(

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "reshard/base/index.h"
 #include "reshard/hf/degree.h"
 
 namespace reshard {
@@ -52,7 +53,10 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
     std::string what;
     if (e.meaning == "attention heads" || e.meaning == "key/value heads") {
       if (mla || !head_dim) continue;
-      features = *e.count * *head_dim;
+      // model_config.cc refuses counts whose widths leave int64 (CheckDerivedWidths).
+      const std::optional<Index> product = CheckedMul(*e.count, *head_dim);
+      if (!product) continue;
+      features = *product;
       what = fmt::format("{} x {} {}", *e.count, *head_dim, e.meaning);
     } else if (e.meaning.find("expert intermediate features") != std::string::npos) {
       // Counted in 16-byte groups for grouped_mm under transformers: the width itself here.
@@ -78,7 +82,8 @@ void AddBlockEntries(const ModelConfig& config, ModelPlan& plan) {
       if (rows && (last == "v_proj" || last == "up_proj") && !experts) continue;
       // Replicated key/value heads hold head_dim rows each: whole blocks when it is a multiple.
       if (e.replicate_above && *head_dim % bn == 0) continue;
-      if (experts) block = std::lcm(bn, bk);
+      // lcm(bn, bk), or a block no width here is a multiple of.
+      if (experts) block = CheckedMul(bn / std::gcd(bn, bk), bk).value_or(kMaxIndex);
       why = experts ? "vLLM's fused experts (validate_fp8_block_shape_moe)"
             : rows  ? "vLLM's validate_fp8_block_shape, block_n"
                     : "vLLM's validate_fp8_block_shape, block_k";

@@ -439,5 +439,35 @@ TEST(VersionTest, ParsesReleasesAndDevSuffixes) {
   EXPECT_FALSE(ParseVersion("five").ok());
 }
 
+TEST(DegreeTest, CountsWhoseWidthsLeaveInt64AreRefusedNamingTheFields) {
+  // head_dim 2^61 x (4 + 2 x 4) heads, 2^62 key/value heads x 2, an MLP of 2^62 x 2 (gate and
+  // up): each a width the planner forms, more than 2^62 elements.
+  const std::string fp8 =
+      R"("quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]})";
+  for (const auto& [fields, named] : std::vector<std::pair<std::string, std::string>>{
+           {R"("head_dim": 2305843009213693952, "num_key_value_heads": 4)", "head_dim"},
+           {R"("head_dim": 64, "num_key_value_heads": 4611686018427387904)", "num_key_value_heads"},
+           {R"("head_dim": 64, "num_key_value_heads": 4, "intermediate_size": 4611686018427387904)",
+            "intermediate_size"}}) {
+    const std::string json = fmt::format(
+        R"({{"model_type": "qwen3", "hidden_size": 256, "num_attention_heads": 4,
+            "intermediate_size": 512, "vocab_size": 512, {}, {}}})",
+        fields, fp8);
+    Result<ModelConfig> config = ReadModelConfigJson(BuiltinTpRegistry(), json);
+    ASSERT_FALSE(config.ok()) << fields;
+    EXPECT_EQ(config.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(config.status().message().find(named), std::string::npos)
+        << config.status().message();
+  }
+  // 2^60 x 4 heads fits: planned as before.
+  Result<ModelConfig> fits = ReadModelConfigJson(
+      BuiltinTpRegistry(), fmt::format(R"({{"model_type": "qwen3", "hidden_size": 256,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 1152921504606846976,
+          "intermediate_size": 512, "vocab_size": 512, {}}})",
+                                       fp8));
+  ASSERT_TRUE(fits.ok()) << fits.status().message();
+  EXPECT_FALSE(PlanDegree(ResolvePlan(BuiltinTpRegistry(), *fits, {}), 2).degrees.empty());
+}
+
 }  // namespace
 }  // namespace reshard

@@ -1,11 +1,17 @@
 #include "reshard/hf/model_config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "reshard/base/index.h"
 #include "reshard/base/json_reader.h"
 #include "reshard/hf/quantization.h"
 
@@ -130,6 +136,81 @@ Result<Values> ReadValues(const Json& object, const ModelTypeInfo* info, std::st
                              ReadCount(*found, key, fmt::format("{}{}", path, stored)));
   }
   return values;
+}
+
+// One factor of a width the degree planner derives: its config key and value.
+struct Factor {
+  std::string_view key;
+  int64_t value;
+};
+
+// The product of `factors` (each `multiple` times its value, summed) times `last`, refused
+// when it is more than 2^62 elements: such a config describes no model, and the planner's
+// arithmetic on it would overflow.
+Status CheckWidth(std::string_view path, std::initializer_list<std::pair<int64_t, Factor>> terms,
+                  std::optional<Factor> last) {
+  Index sum = 0;
+  std::vector<std::string> named;
+  for (const auto& [multiple, f] : terms) {
+    named.push_back(multiple == 1 ? fmt::format("{}{} ({})", path, f.key, f.value)
+                                  : fmt::format("{} x {}{} ({})", multiple, path, f.key, f.value));
+    const std::optional<Index> times = CheckedMul(multiple, f.value);
+    const std::optional<Index> next = times ? CheckedAdd(sum, *times) : std::nullopt;
+    sum = next.value_or(-1);
+    if (!next) break;
+  }
+  std::string what = fmt::format("{}", fmt::join(named, " + "));
+  std::optional<Index> total = sum < 0 ? std::nullopt : std::optional<Index>(sum);
+  if (last) {
+    what = fmt::format("{}{} ({}) x {}", path, last->key, last->value,
+                       named.size() > 1 ? "(" + what + ")" : what);
+    if (total) total = CheckedMul(*total, last->value);
+  }
+  if (total) return Status::Ok();
+  return InvalidArgumentError(fmt::format(
+      "{} is more than 2^62 features: the config's counts are out of range for any model", what));
+}
+
+// The widths the degree planner forms from the counts (degree.cc, degree_blocks.cc): attention
+// heads times head_dim, the MLP widths times two (gate and up) and times the dtype's bytes,
+// the shared experts' width times their count, four times the hidden size.
+Status CheckDerivedWidths(const Values& v, std::string_view path) {
+  const auto get = [&](std::string_view key) -> std::optional<Factor> {
+    const std::optional<int64_t> value = ConfigValue(v, key);
+    if (!value) return std::nullopt;
+    return Factor{key, *value};
+  };
+  const std::optional<Factor> heads = get("num_attention_heads");
+  const std::optional<Factor> kv = get("num_key_value_heads");
+  std::optional<Factor> head_dim = get("head_dim");
+  const std::optional<Factor> hidden = get("hidden_size");
+  if (!head_dim && heads && heads->value > 0 && hidden) {
+    head_dim = Factor{"hidden_size / num_attention_heads", hidden->value / heads->value};
+  }
+  if (heads && kv) {
+    RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{1, *heads}, {2, *kv}}, head_dim));
+  } else if (heads || kv) {
+    RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{3, heads ? *heads : *kv}}, head_dim));
+  }
+  if (hidden) RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{4, *hidden}}, std::nullopt));
+  const std::optional<Factor> bytes = get("dtype_bytes");
+  for (std::string_view key :
+       {"intermediate_size", "intermediate_size_mlp", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"}) {
+    const std::optional<Factor> width = get(key);
+    if (!width) continue;
+    RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{2, *width}}, std::nullopt));
+    if (bytes) RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{1, *width}}, bytes));
+  }
+  if (const std::optional<Factor> moe = get("moe_intermediate_size")) {
+    for (std::string_view key :
+         {"n_shared_experts", "num_shared_experts", "moe_num_shared_experts"}) {
+      if (const std::optional<Factor> count = get(key)) {
+        RESHARD_RETURN_IF_ERROR(CheckWidth(path, {{1, *moe}}, count));
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 Result<Plan> ParsePlanObject(const Json& j, std::string_view key) {
@@ -276,6 +357,7 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
   RESHARD_ASSIGN_OR_RETURN(config.values, ReadValues(j, config.info, ""));
   const std::optional<int64_t> dtype_bytes = DtypeBytes(j);
   if (dtype_bytes) config.values["dtype_bytes"] = dtype_bytes;
+  RESHARD_RETURN_IF_ERROR(CheckDerivedWidths(config.values, ""));
   // Block rules (degree_blocks.cc) apply to the FP8 block formats; other quantization
   // configs are the checkpoint readers' to refuse.
   if (Result<std::optional<QuantScheme>> q = ReadQuantScheme(text); q.ok() && *q) {
@@ -293,6 +375,7 @@ Result<ModelConfig> ReadModelConfigJson(const TpRegistry& registry, std::string_
     const std::optional<int64_t> sub_bytes = DtypeBytes(sub);
     if (sub_bytes || dtype_bytes)
       config.text_values["dtype_bytes"] = sub_bytes ? sub_bytes : dtype_bytes;
+    RESHARD_RETURN_IF_ERROR(CheckDerivedWidths(config.text_values, key + "."));
   }
   return config;
 }

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
@@ -32,6 +33,25 @@ Status ReadNotConverted(const Json& q, QuantScheme& scheme) {
   return Status::Ok();
 }
 
+// An NVFP4 group size (FP4 values one scale covers) at `path`, when the config gives one: a
+// positive even integer (two values a byte), 16 in every NVFP4 checkpoint known.
+Status ReadNvfp4GroupSize(const Json* g, const std::string& path, QuantScheme& scheme) {
+  if (g == nullptr || g->is_null()) return Status::Ok();
+  RESHARD_ASSIGN_OR_RETURN(const Index group, json::ReadInt(*g, path, json::kPositive));
+  if (group % 2 != 0) {
+    return json::ErrorAt(path, fmt::format("{} is odd: NVFP4 packs two FP4 values a byte, so a "
+                                           "group of values is a whole number of bytes",
+                                           group));
+  }
+  if (scheme.block.empty()) {
+    scheme.block = {group};
+  } else if (scheme.block[0] != group) {
+    return json::ErrorAt(
+        path, fmt::format("group size {}, where another group says {}", group, scheme.block[0]));
+  }
+  return Status::Ok();
+}
+
 // compressed-tensors: the weights' scheme of its (one kind of) config groups.
 Status ReadCompressedTensors(const Json& q, QuantScheme& scheme) {
   std::string format;
@@ -40,6 +60,18 @@ Status ReadCompressedTensors(const Json& q, QuantScheme& scheme) {
   }
   if (format == "nvfp4-pack-quantized") {
     scheme.format = QuantFormat::kNvfp4;
+    if (const Json* groups = json::Find(q, "config_groups");
+        groups != nullptr && groups->is_object()) {
+      for (const auto& [name, group] : groups->items()) {
+        const Json* w = group.is_object() ? json::Find(group, "weights") : nullptr;
+        if (w == nullptr || !w->is_object()) continue;
+        RESHARD_RETURN_IF_ERROR(ReadNvfp4GroupSize(
+            json::Find(*w, "group_size"),
+            json::Member("quantization_config.config_groups", name) + ".weights.group_size",
+            scheme));
+      }
+    }
+    if (scheme.block.empty()) scheme.block = {16};
     return Status::Ok();
   }
   if (format != "float-quantized" && format != "naive-quantized") {
@@ -124,17 +156,62 @@ std::optional<Candidate> DataOfScale(const QuantScheme& scheme, std::string_view
   return std::nullopt;
 }
 
+// "X" of "X.weight" / "X.weight_packed" (the name itself otherwise).
+std::string ModuleOf(std::string_view data) {
+  for (std::string_view w : {".weight_packed", ".weight"}) {
+    if (data.size() > w.size() && data.ends_with(w)) {
+      return std::string(data.substr(0, data.size() - w.size()));
+    }
+  }
+  return std::string(data);
+}
+
+// The block scale quantized data `data` needs under `scheme`, by name (for messages).
+std::string ExpectedScaleName(const QuantScheme& scheme, std::string_view data) {
+  if (scheme.format == QuantFormat::kMxfp4 && data.ends_with("_blocks")) {
+    return std::string(data.substr(0, data.size() - 7)) + "_scales";
+  }
+  if (scheme.format == QuantFormat::kFp8Block) return std::string(data) + "_scale_inv";
+  if (data.ends_with(".weight") || data.ends_with(".weight_packed")) {
+    return ModuleOf(data) + ".weight_scale";
+  }
+  return std::string(data) + "_scale";
+}
+
+// Whether `t` is quantized data under `scheme`, by its dtype (and MXFP4's name).
+bool IsQuantizedData(const QuantScheme& scheme, const QuantTensor& t) {
+  switch (scheme.format) {
+    case QuantFormat::kMxfp4:
+      return t.name.ends_with("_blocks");
+    case QuantFormat::kNvfp4:
+      return t.dtype == DType::kU8 &&
+             (t.name.ends_with(".weight") || t.name.ends_with(".weight_packed"));
+    default:
+      return IsFp8(t.dtype);
+  }
+}
+
 // The block of the scale `scale` over the data `data` under `scheme`.
 Result<Shape> BlockOf(const QuantScheme& scheme, const QuantTensor& data, const QuantTensor& scale,
                       bool per_tensor) {
   const Shape& L = data.shape;
   const size_t d = L.size();
   if (per_tensor || ProductOf(scale.shape) == 1) return L;
-  if (d == 0) return InvalidArgumentError("a 0-d quantized tensor");
+  if (d == 0) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\" is 0-d, so \"{}\" (shape {}) cannot be one scale per block of it",
+                    data.name, scale.name, FormatShape(scale.shape)));
+  }
   Shape block(d, 1);
   switch (scheme.format) {
     case QuantFormat::kFp8Block:
-      if (d < scheme.block.size()) return InvalidArgumentError("fewer dimensions than the block");
+      if (d < scheme.block.size()) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\" has shape {}, fewer dimensions than the block {}, so \"{}\" (shape {}) "
+            "cannot be its block scales",
+            data.name, FormatShape(L), FormatShape(scheme.block), scale.name,
+            FormatShape(scale.shape)));
+      }
       for (size_t i = 0; i < scheme.block.size(); ++i)
         block[d - scheme.block.size() + i] = scheme.block[i];
       return block;
@@ -158,7 +235,7 @@ Result<Shape> BlockOf(const QuantScheme& scheme, const QuantTensor& data, const 
         return InvalidArgumentError(fmt::format("NVFP4 data \"{}\" is {}, not packed U8", data.name,
                                                 DTypeName(data.dtype)));
       }
-      block[d - 1] = 8;  // 16 FP4 values, two a byte
+      block[d - 1] = (scheme.block.empty() ? 16 : scheme.block[0]) / 2;  // two values a byte
       return block;
   }
   return InvalidArgumentError("unknown format");
@@ -219,6 +296,9 @@ Result<std::optional<QuantScheme>> ReadQuantScheme(std::string_view config_json)
       scheme.format = QuantFormat::kFp8Tensor;
     } else if (algo == "NVFP4") {
       scheme.format = QuantFormat::kNvfp4;
+      RESHARD_RETURN_IF_ERROR(ReadNvfp4GroupSize(json::Find(*q, "group_size"),
+                                                 "quantization_config.group_size", scheme));
+      if (scheme.block.empty()) scheme.block = {16};
     } else {
       return InvalidArgumentError(
           fmt::format("quantization_config.quant_algo {}: reshard reads ModelOpt's FP8 and NVFP4",
@@ -238,7 +318,9 @@ Result<std::vector<QuantTie>> TieQuantizedTensors(const QuantScheme& scheme,
   std::map<std::string, size_t, std::less<>> index;
   for (size_t i = 0; i < tensors.size(); ++i) index.emplace(tensors[i].name, i);
   std::vector<QuantTie> ties;
-  std::map<std::string, size_t, std::less<>> block_scale_of;  // data -> its block scale tie
+  std::set<std::string, std::less<>> scales;               // every tensor tied as a scale
+  std::set<std::string, std::less<>> block_scaled;         // data with its block scale
+  std::set<std::string, std::less<>> second_level_scaled;  // data with a weight_scale_2
   for (const QuantTensor& s : tensors) {
     std::optional<Candidate> c = DataOfScale(scheme, s.name, index);
     if (!c) continue;
@@ -262,22 +344,42 @@ Result<std::vector<QuantTie>> TieQuantizedTensors(const QuantScheme& scheme,
           FormatShape(*block), QuantFormatName(scheme.format), scheme.method));
     }
     const bool dequantizes = !c->per_tensor;
-    if (dequantizes) block_scale_of.emplace(d.name, ties.size());
+    if (dequantizes) {
+      RESHARD_RETURN_IF_ERROR(
+          CheckBlockScaleDType(QuantFormatName(scheme.format), s.name, d.name, s.dtype));
+      block_scaled.insert(d.name);
+    } else if (s.name.ends_with(".weight_scale_2")) {
+      second_level_scaled.insert(d.name);
+    }
+    scales.insert(s.name);
     ties.push_back(QuantTie{s.name, d.name, *block, scheme.format, dequantizes});
   }
-  // Quantized data must come with its scales.
+  // Quantized data must come with its scales: per-tensor activation scalars beside it are no
+  // block scale, and a "dequantized" copy of data without one would be its raw numbers.
   for (const QuantTensor& t : tensors) {
-    const bool quantized_dtype =
-        (scheme.format == QuantFormat::kMxfp4 && t.name.ends_with("_blocks")) ||
-        (scheme.format != QuantFormat::kMxfp4 && scheme.format != QuantFormat::kNvfp4 &&
-         IsFp8(t.dtype) && t.shape.size() >= 2);
-    if (quantized_dtype && !block_scale_of.contains(t.name)) {
-      bool per_tensor_only = false;
-      for (const QuantTie& tie : ties) per_tensor_only |= tie.data == t.name;
-      if (per_tensor_only && scheme.format != QuantFormat::kMxfp4) continue;
+    if (scales.contains(t.name) || !IsQuantizedData(scheme, t)) continue;
+    if (t.name.ends_with(".weight_packed")) {
+      const std::string plain = t.name.substr(0, t.name.size() - 7);
+      if (index.contains(plain)) {
+        return FailedPreconditionError(fmt::format(
+            "\"{}\" and \"{}\" are both the data of module \"{}\" ({}): one of them is "
+            "not what its scales scale",
+            plain, t.name, plain.substr(0, plain.size() - 7), QuantFormatName(scheme.format)));
+      }
+    }
+    if (!block_scaled.contains(t.name)) {
       return FailedPreconditionError(fmt::format(
-          "\"{}\" ({} {}) is quantized ({}) but the checkpoint holds no scales for it", t.name,
-          DTypeName(t.dtype), FormatShape(t.shape), QuantFormatName(scheme.format)));
+          "\"{}\" ({} {}) is quantized ({}, quantization_config {}) but the checkpoint holds no "
+          "\"{}\", its block scales: its numbers are unknown",
+          t.name, DTypeName(t.dtype), FormatShape(t.shape), QuantFormatName(scheme.format),
+          scheme.method, ExpectedScaleName(scheme, t.name)));
+    }
+    if (scheme.format == QuantFormat::kNvfp4 && scheme.method == "modelopt" &&
+        !second_level_scaled.contains(t.name)) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" ({} {}) is ModelOpt NVFP4, whose values are the FP4 value times its per-16 "
+          "scale times \"{}\", which the checkpoint does not hold",
+          t.name, DTypeName(t.dtype), FormatShape(t.shape), ModuleOf(t.name) + ".weight_scale_2"));
     }
   }
   return ties;

@@ -41,7 +41,8 @@ struct QuantScheme {
   QuantFormat format = QuantFormat::kFp8Block;
   /// The quant_method as written ("fp8", "compressed-tensors", "modelopt", "mxfp4").
   std::string method;
-  /// fp8 block: weight_block_size [bn, bk].
+  /// fp8 block: weight_block_size [bn, bk]. nvfp4: [group_size] in FP4 values (16 unless the
+  /// config says otherwise: ModelOpt's `group_size`, compressed-tensors' `weights.group_size`).
   Shape block;
   /// Module name patterns left unquantized (modules_to_not_convert, ignore, exclude_modules).
   std::vector<std::string> not_converted;
@@ -77,9 +78,18 @@ struct QuantTie {
 };
 
 /// The ties of a checkpoint's tensors under `scheme`, in tensor order of the scales.
-/// \error FailedPrecondition  a quantized data tensor without its scale, a scale without its
-///        data, or a scale whose shape is not the data's block grid under the scheme (the
-///        message names both tensors, their shapes and the block).
+///
+/// A tensor is quantized data when its dtype says so under the scheme: F8_E4M3 / F8_E5M2 under
+/// the FP8 formats, U8 `X.weight` / `X.weight_packed` under NVFP4, `X_blocks` under MXFP4
+/// (modules_to_not_convert / ignore name tensors stored unquantized; a list naming quantized
+/// data does not make it numbers). Each needs the block scale dequantization multiplies by
+/// (per-tensor activation scalars beside it are no such scale), and ModelOpt NVFP4 data its
+/// `weight_scale_2` too.
+/// \error FailedPrecondition  quantized data without its block scale (or ModelOpt NVFP4 without
+///        `weight_scale_2`; the message names the data and the missing tensor), a scale without
+///        its data, a scale whose shape is not the data's block grid under the scheme or whose
+///        dtype the format does not store (the message names both tensors), NVFP4 `X.weight`
+///        beside `X.weight_packed`.
 Result<std::vector<QuantTie>> TieQuantizedTensors(const QuantScheme& scheme,
                                                   const std::vector<QuantTensor>& tensors);
 

@@ -147,11 +147,29 @@ Status PieceAxes(const Piece& p, const Shape& data_shape, const Shape& data_bloc
       axes.push_back(std::move(a));
       continue;
     }
+    const Index src_step = src_steps[k].step, dst_step = dst_steps[k].step;
+    if (src_blocked && dst_blocked && dj == sj + lead && src_step > 1 && dst_step > 1 &&
+        src_step % data_block[sj] == 0 && dst_step % dest_block[dj] == 0) {
+      // Runs whole blocks apart in the data and in the shard (a fused layout's parts): each
+      // repeats the first's blocks, shifted by whole blocks.
+      Axis a;
+      a.arithmetic = true;
+      a.count = p.shape[k];
+      a.grid_step = src_step / data_block[sj] * gs[sj];
+      a.local_step = dst_step / dest_block[dj] * ls[dj];
+      axes.push_back(std::move(a));
+      continue;
+    }
     if (!src_blocked || !dst_blocked || dj != sj + lead || src_steps[k].step != 1 ||
         dst_steps[k].step != 1 || run_of_dim[sj] >= 0) {
-      return UnimplementedError(fmt::format(
-          "rank {}: a piece ({}) splits blocked dimension {} of the data other than in one "
-          "contiguous run onto the same dimension of the shard",
+      // Exactness is checked run by run: a piece that takes the dimension in several runs,
+      // strided, or onto another dimension of the shard is refused as a local block over two
+      // blocks is (a check the map fails, not a malformed map).
+      return FailedPreconditionError(fmt::format(
+          "rank {}: a piece ({}) takes blocked dimension {} of the data other than in one "
+          "contiguous run onto the same dimension of the shard, so its local blocks may hold "
+          "elements of several blocks of the data; reshard gives a rank a block's scale only "
+          "where each of its local blocks lies inside one block",
           rank, FormatShape(p.shape), sj));
     }
     run_of_dim[sj] = static_cast<int>(k);
@@ -240,6 +258,31 @@ Result<Shape> BlockGridShape(const Shape& shape, const Shape& block) {
   Shape grid(shape.size());
   for (size_t j = 0; j < shape.size(); ++j) grid[j] = CeilDiv(shape[j], aligned[j]);
   return grid;
+}
+
+Status CheckBlockScaleDType(std::string_view format, std::string_view scale, std::string_view data,
+                            DType dtype) {
+  std::vector<DType> stored;
+  if (format == "fp8-block" || format == "fp8-tensor" || format == "fp8-channel") {
+    stored = {DType::kF32, DType::kBF16, DType::kF16};
+  } else if (format == "mxfp4") {
+    stored = {DType::kU8};
+  } else if (format == "nvfp4") {
+    stored = {DType::kF8E4M3, DType::kF32, DType::kBF16, DType::kF16};
+  } else {
+    return InvalidArgumentError(
+        fmt::format("the scales \"{}\" of \"{}\" are of format \"{}\", which reshard does not know "
+                    "(fp8-block, fp8-tensor, fp8-channel, mxfp4, nvfp4)",
+                    scale, data, format));
+  }
+  if (std::find(stored.begin(), stored.end(), dtype) != stored.end()) return Status::Ok();
+  std::vector<std::string_view> names;
+  for (DType d : stored) names.push_back(DTypeName(d));
+  return FailedPreconditionError(
+      fmt::format("the scales \"{}\" of \"{}\" are {}, which {} does not store its block scales "
+                  "in (it stores {}{})",
+                  scale, data, DTypeName(dtype), format, fmt::join(names, ", "),
+                  format == "mxfp4" ? ": E8M0 exponents, one byte each" : ""));
 }
 
 bool MatchesGrid(const Shape& stored, const Shape& grid) {

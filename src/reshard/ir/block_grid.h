@@ -17,7 +17,9 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 
+#include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
 #include "reshard/ir/param_map.h"
@@ -47,6 +49,16 @@ struct BlockScales {
   friend bool operator==(const BlockScales&, const BlockScales&) = default;
 };
 
+/// Checks that the block scales `scale` of `data` are stored in a dtype `format` stores them in:
+/// F32, BF16 or F16 for the FP8 formats ("fp8-block", "fp8-tensor", "fp8-channel"); U8 for
+/// "mxfp4" (E8M0 exponents: a number of another dtype is no exponent, and transformers would
+/// truncate it to one); F8_E4M3, F32, BF16 or F16 for "nvfp4".
+/// \error FailedPrecondition  another dtype (the message names both tensors, the dtype and
+///        those the format stores).
+/// \error InvalidArgument  a format of another name.
+Status CheckBlockScaleDType(std::string_view format, std::string_view scale, std::string_view data,
+                            DType dtype);
+
 struct BlockImageOptions {
   /// The name of the buffer that holds rank `rank`'s scales when its data pieces write into the
   /// buffer `data_buffer` (DESIGN 16). Unset: buffered ranks are refused.
@@ -61,9 +73,10 @@ struct BlockImageOptions {
 /// \error InvalidArgument  `scale_shape` is not the block grid of data's logical shape; a
 ///        buffered rank without options.scale_buffer.
 /// \error FailedPrecondition  a local block would take elements of two blocks of the data
-///        (the message names the rank, the dimension, the local block and both blocks).
-/// \error Unimplemented  a piece that is not a box along a blocked dimension (a strided or
-///        transposed split of a blocked dimension).
+///        (the message names the rank, the dimension, the local block and both blocks), or a
+///        piece takes a blocked dimension other than in contiguous runs whole blocks apart in
+///        the data and in the shard (a strided or transposed split of a blocked dimension).
+/// \error Unimplemented  a piece whose dimensions do not each step along one dimension.
 Result<ParamMap> BlockImage(const ParamMap& data, const Shape& block, const Shape& scale_shape,
                             const BlockImageOptions& options = {});
 

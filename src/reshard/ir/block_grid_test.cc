@@ -223,5 +223,70 @@ TEST(BlockGridTest, RandomSplitsMatchTheElementOracle) {
   }
 }
 
+// A fused layout over [parts * part_rows, cols]: rank r holds rows [r q, (r + 1) q) of every
+// part (q = part_rows / world), as one piece [parts, q, cols] stepping whole parts.
+ParamMap FusedRows(Index parts, Index part_rows, Index cols, int world) {
+  const Index q = part_rows / world;
+  ParamMapBuilder b;
+  b.set_logical_shape({parts * part_rows, cols}).set_world_size(world);
+  for (Rank r = 0; r < world; ++r) {
+    b.set_shard_shape(r, {parts * q, cols});
+    b.add_piece(r, Piece{{parts, q, cols},
+                         {r * q * cols, {part_rows * cols, cols, 1}},
+                         {0, {q * cols, cols, 1}},
+                         {r},
+                         1.0});
+  }
+  Result<ParamMap> m = b.Finalize();
+  EXPECT_TRUE(m.ok()) << m.status().message();
+  return *m;
+}
+
+TEST(BlockGridTest, FusedPartsWholeBlocksApartKeepTheirBlocks) {
+  // 512 rows as two parts at TP 2, blocks of 128: rank r takes block rows r and 2 + r.
+  const ParamMap data = FusedRows(2, 256, 256, 2);
+  Result<ParamMap> image = BlockImage(data, {128, 128}, {4, 2});
+  ASSERT_TRUE(image.ok()) << image.status().message();
+  EXPECT_EQ(ExpandSourceOffsets(*image),
+            (std::vector<std::vector<Index>>{{0, 1, 4, 5}, {2, 3, 6, 7}}));
+  // 384 rows as two parts: rank 0's local block 0 takes rows 0-95 and 192-223 (blocks 0 and
+  // 1): a check the map fails (exit 1), not a malformed map.
+  Result<ParamMap> cut = BlockImage(FusedRows(2, 192, 256, 2), {128, 128}, {3, 2});
+  ASSERT_FALSE(cut.ok());
+  EXPECT_EQ(cut.status().code(), StatusCode::kFailedPrecondition) << cut.status().message();
+}
+
+TEST(BlockGridTest, RandomFusedPartsMatchTheElementOracleWhereTheyAreWholeBlocksApart) {
+  for (uint64_t seed : PropertyTestSeeds(300)) {
+    SCOPED_TRACE(testing::Message() << "RESHARD_SEED=" << seed);
+    std::mt19937_64 rng(seed);
+    auto pick = [&](Index lo, Index hi) {
+      return std::uniform_int_distribution<Index>(lo, hi)(rng);
+    };
+    const Shape block{pick(1, 6), pick(1, 3)};
+    const int world = static_cast<int>(pick(1, 4));
+    const Index parts = pick(1, 4), cols = pick(1, 8);
+    // Parts of whole local blocks half of the time, any size otherwise.
+    const Index q = pick(0, 1) == 0 ? block[0] * pick(1, 3) : pick(1, 9);
+    const ParamMap data = FusedRows(parts, q * world, cols, world);
+    const Shape grid = *BlockGridShape(data.logical_shape(), block);
+    Result<ParamMap> image = BlockImage(data, block, grid);
+    auto oracle = OracleScaleIndex(data, block);
+    if (ProductOf(grid) == 1) continue;  // per tensor: every rank holds it
+    if (image.ok()) {
+      ASSERT_TRUE(oracle.has_value());
+      EXPECT_EQ(ExpandSourceOffsets(*image), *oracle);
+    } else {
+      EXPECT_EQ(image.status().code(), StatusCode::kFailedPrecondition) << image.status().message();
+    }
+    if (!oracle) {
+      EXPECT_FALSE(image.ok());
+    }
+    if (q % block[0] == 0 && q * world % block[0] == 0) {
+      EXPECT_TRUE(image.ok()) << image.status().message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace reshard

@@ -99,6 +99,62 @@ Status RefuseDistributedConfig(const std::string& path, const SourceOptions& opt
   return Status::Ok();
 }
 
+// ---- block-quantized checkpoints --------------------------------------------------------
+
+std::string DescribeTie(const BlockScales& tie) {
+  return fmt::format("the {} of \"{}\" (format {}, block {})",
+                     tie.dequantizes ? "block scales" : "per-tensor scale", tie.data, tie.format,
+                     FormatShape(tie.block));
+}
+
+// Under a config.json whose quantization_config reshard reads, the checkpoint's tensors tie as
+// the config says (TieQuantizedTensors: every quantized tensor with its scales), and a sharded
+// checkpoint's manifest (`recorded`) records exactly those ties, so that no command moves,
+// gathers or dequantizes quantized data apart from its scales. A quantization_config reshard
+// does not read is left to the commands that need it (scatter --config, --dequantize).
+Status CheckQuantizedTies(const std::string& where, std::string_view config, const Manifest& m,
+                          const std::map<std::string, BlockScales>* recorded) {
+  if (config.empty()) return Status::Ok();
+  Result<std::optional<QuantScheme>> scheme = ReadQuantScheme(config);
+  if (!scheme.ok() || !*scheme) return Status::Ok();
+  std::vector<QuantTensor> tensors;
+  for (const ShardedParam& p : m.params) tensors.push_back({p.name, p.dtype, p.map.valid_shape()});
+  Result<std::vector<QuantTie>> ties = TieQuantizedTensors(**scheme, tensors);
+  if (!ties.ok()) return ties.status().Annotate(where);
+  if (recorded == nullptr) return Status::Ok();
+  std::map<std::string, BlockScales> derived;
+  for (const QuantTie& t : *ties) {
+    derived.emplace(t.scale, BlockScales{t.data, t.block, std::string(QuantFormatName(t.format)),
+                                         t.dequantizes});
+  }
+  for (const auto& [scale, tie] : derived) {
+    auto it = recorded->find(scale);
+    if (it == recorded->end()) {
+      return FailedPreconditionError(fmt::format(
+          "{}: params[\"{}\"] records no block_scales, but the model's quantization_config ({}) "
+          "makes it {}",
+          where, scale, (*scheme)->method, DescribeTie(tie)));
+    }
+    if (it->second != tie) {
+      return FailedPreconditionError(fmt::format(
+          "{}: params[\"{}\"].block_scales records {}{}, but the model's quantization_config "
+          "({}) makes it {}",
+          where, scale, DescribeTie(it->second),
+          it->second.dequantizes ? "" : " (\"dequantizes\": false)", (*scheme)->method,
+          DescribeTie(tie)));
+    }
+  }
+  for (const auto& [scale, tie] : *recorded) {
+    if (!derived.contains(scale)) {
+      return FailedPreconditionError(fmt::format(
+          "{}: params[\"{}\"].block_scales records {}, which the model's quantization_config ({}) "
+          "does not",
+          where, scale, DescribeTie(tie), (*scheme)->method));
+    }
+  }
+  return Status::Ok();
+}
+
 // ---- reshard sharded checkpoints --------------------------------------------------------
 
 bool DetectSharded(const std::string& path) { return HasFile(path, kManifestName); }
@@ -121,6 +177,15 @@ Result<OpenedCheckpoint> OpenSharded(const std::string& path, const SourceOption
   out.source =
       SourceOfShardedDir(path, std::make_shared<const ShardedCheckpoint>(std::move(opened)));
   out.run = ShardedRunOf(out.source->manifest());
+  // The model's config: the one the manifest keeps, else the config.json beside it.
+  const Manifest& m = out.source->manifest();
+  std::string config = m.model_config;
+  if (config.empty() && HasFile(path, "config.json")) {
+    RESHARD_ASSIGN_OR_RETURN(config, ReadFileToString((fs::path(path) / "config.json").string()));
+  }
+  RESHARD_RETURN_IF_ERROR(
+      CheckQuantizedTies(fmt::format("\"{}\"", (fs::path(path) / kManifestName).string()), config,
+                         m, &m.block_scales));
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
   const bool require = !options.distributed_config.empty();
   // Scattered from a config.json: the target layout from the model's plans again (MoE experts
@@ -160,6 +225,8 @@ Result<OpenedCheckpoint> OpenFull(const std::string& path, const SourceOptions&)
   if (HasFile(path, "config.json")) {
     RESHARD_ASSIGN_OR_RETURN(std::string config,
                              ReadFileToString((fs::path(path) / "config.json").string()));
+    RESHARD_RETURN_IF_ERROR(
+        CheckQuantizedTies(fmt::format("\"{}\"", path), config, out.source->manifest(), nullptr));
     out.extra_files.push_back({"config.json", std::move(config)});
   }
   return out;
