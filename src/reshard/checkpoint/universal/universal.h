@@ -51,11 +51,11 @@ Status ConvertDcpToUniversal(const std::string& dcp_dir, const std::string& out_
 /// OpenMegatronSource reads them): OUT/latest_universal naming "<checkpoint dir name>_universal",
 /// in it zero/<hf name>/fp32.pt (the fp32 main weight), exp_avg.pt and exp_avg_sq.pt
 /// ({"param": the full fp32 tensor}; a parameter without any state while the others have
-/// theirs, a frozen one: fp32.pt alone, its weight widened to fp32), and from Megatron's pickled common state (common.pt,
-/// read by reshard's pickle reader, no pickle code run) step.pt (the step of its param groups,
-/// a 0-d fp32 tensor) and zero/optimizer_state.pt ({"param_groups": its param groups copied
-/// as pickled, "ds_version": the DeepSpeed release whose layout the folder follows}, what
-/// DeepSpeed's universal loader reads); neither without a common.pt (a checkpoint that keeps
+/// theirs, a frozen one: fp32.pt alone, its weight widened to fp32), and from Megatron's pickled
+/// common state (common.pt, read by reshard's pickle reader, no pickle code run) step.pt (the step
+/// of its param groups, a 0-d fp32 tensor) and zero/optimizer_state.pt ({"param_groups": its param
+/// groups copied as pickled, "ds_version": the DeepSpeed release whose layout the folder follows},
+/// what DeepSpeed's universal loader reads); neither without a common.pt (a checkpoint that keeps
 /// its common state elsewhere). FailedPrecondition for a checkpoint without the optimizer's
 /// state; InvalidArgument, naming common.pt, for one without param groups or whose groups
 /// disagree on the step; what OpenMegatronSource refuses.
@@ -75,12 +75,13 @@ bool IsUniversalCheckpoint(const std::string& path);
 /// without a copy, as from a DCP source) or, with `master_weights`, the masters; for a convert,
 /// the module's weights and, unless `weights_only`, "<param>.fp32", "<param>.exp_avg" and
 /// "<param>.exp_avg_sq" from fp32.pt, exp_avg.pt and exp_avg_sq.pt (and "<param>.max_exp_avg_sq"
-/// where there is one; a folder with fp32.pt alone, a frozen parameter, has no states). Each parameter's layout at
-/// another TP degree is the one the model-states copy's universal_checkpoint_info gives it
-/// (DeepSpeedLayoutsOf); none without it. For a trainer's state dict (options.
-/// trainer_state_dict, a DCP output; not weights_only), what get_state_dict gives an FSDP2
-/// model and torch's AdamW, as `state_dict`: the fp32 masters as "<param>" at "model.<param>",
-/// the moments (and max_exp_avg_sq) at "optim.state.<param>.<state>", each step.pt's step as a 0-d fp32
+/// where there is one; a folder with fp32.pt alone, a frozen parameter, has no states). Each
+/// parameter's layout at another TP degree is the one the model-states copy's
+/// universal_checkpoint_info gives it (DeepSpeedLayoutsOf); none without it. For a trainer's state
+/// dict (options. trainer_state_dict, a DCP output; not weights_only), what get_state_dict gives an
+/// FSDP2 model and torch's AdamW, as `state_dict`: the fp32 masters as "<param>" at
+/// "model.<param>", the moments (and max_exp_avg_sq) at "optim.state.<param>.<state>", each
+/// step.pt's step as a 0-d fp32
 /// "<param>.step" at "optim.state.<param>.step", and zero/optimizer_state.pt's param_groups as
 /// the bytes items "optim.param_groups.<g>.<key>" (values copied as pickled; "params" the
 /// parameters' names: kept when the file names them, else the model-states copy's
