@@ -158,45 +158,6 @@ class Side {
   std::vector<std::vector<size_t>> moves_of_band_;
 };
 
-double ToDouble(DType dtype, const std::byte* p) {
-  auto load = [&](auto v) {
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-  };
-  switch (dtype) {
-    case DType::kF64:
-      return load(double{});
-    case DType::kF32:
-      return load(float{});
-    case DType::kF16:
-      return HalfToFloat(load(uint16_t{}));
-    case DType::kBF16:
-      return BFloat16ToFloat(load(uint16_t{}));
-    case DType::kI64:
-      return static_cast<double>(load(int64_t{}));
-    case DType::kI32:
-      return load(int32_t{});
-    case DType::kI16:
-      return load(int16_t{});
-    case DType::kI8:
-      return load(int8_t{});
-    case DType::kU64:
-      return static_cast<double>(load(uint64_t{}));
-    case DType::kU32:
-      return load(uint32_t{});
-    case DType::kU16:
-      return load(uint16_t{});
-    case DType::kU8:
-      return load(uint8_t{});
-    case DType::kBool:
-      return load(uint8_t{}) != 0 ? 1.0 : 0.0;
-    case DType::kF8E4M3:
-    case DType::kF8E5M2:
-      return Float8ToFloat(dtype, load(uint8_t{}));
-  }
-  return 0.0;
-}
-
 // Whether a (A's) and b (B's) agree within the tolerance.
 bool Agree(double a, double b, double atol, double rtol) {
   if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
@@ -233,7 +194,8 @@ Index FirstDifference(const std::byte* a, DType da, const std::byte* b, DType db
   for (Index i = from; i < len; ++i) {
     const auto u = static_cast<size_t>(i);
     if (da == db && std::memcmp(a + u * ea, b + u * eb, ea) == 0) continue;
-    if (!Agree(ToDouble(da, a + u * ea), ToDouble(db, b + u * eb), atol, rtol)) return i;
+    if (!Agree(ElementToDouble(da, a + u * ea), ElementToDouble(db, b + u * eb), atol, rtol))
+      return i;
   }
   return -1;
 }

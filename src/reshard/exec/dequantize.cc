@@ -226,4 +226,43 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
   return Status::Ok();
 }
 
+double ElementToDouble(DType dtype, const std::byte* bytes) {
+  auto load = [&](auto v) {
+    std::memcpy(&v, bytes, sizeof(v));
+    return v;
+  };
+  switch (dtype) {
+    case DType::kF64:
+      return load(double{});
+    case DType::kF32:
+      return load(float{});
+    case DType::kF16:
+      return HalfToFloat(load(uint16_t{}));
+    case DType::kBF16:
+      return BFloat16ToFloat(load(uint16_t{}));
+    case DType::kI64:
+      return static_cast<double>(load(int64_t{}));
+    case DType::kI32:
+      return load(int32_t{});
+    case DType::kI16:
+      return load(int16_t{});
+    case DType::kI8:
+      return load(int8_t{});
+    case DType::kU64:
+      return static_cast<double>(load(uint64_t{}));
+    case DType::kU32:
+      return load(uint32_t{});
+    case DType::kU16:
+      return load(uint16_t{});
+    case DType::kU8:
+      return load(uint8_t{});
+    case DType::kBool:
+      return load(uint8_t{}) != 0 ? 1.0 : 0.0;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      return Float8ToFloat(dtype, load(uint8_t{}));
+  }
+  return 0.0;
+}
+
 }  // namespace reshard

@@ -67,6 +67,10 @@ Status Dequantize(const DequantizeSpec& spec, std::span<const std::byte> data,
 /// The float value of an FP8 byte (E4M3 "fn": no infinities, S.1111.111 is NaN; E5M2: IEEE).
 float Float8ToFloat(DType dtype, uint8_t bits);
 
+/// The value of one element of `dtype` stored at `bytes`, as a double: exact for every
+/// floating-point dtype and for integers up to 2^53; bool is 0 or 1.
+double ElementToDouble(DType dtype, const std::byte* bytes);
+
 }  // namespace reshard
 
 #endif  // RESHARD_EXEC_DEQUANTIZE_H_

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "reshard/exec/dequantize.h"
 #include "reshard/exec/strided_copy.h"
 
 namespace reshard {
@@ -95,26 +96,6 @@ Status ZeroPadding(const ParamMap& map, DType dtype, std::byte* full, int num_th
   return Status::Ok();
 }
 
-// The value of an element of a floating-point dtype.
-double AsDouble(DType dtype, const std::byte* bytes) {
-  auto load = [&](auto v) {
-    std::memcpy(&v, bytes, sizeof(v));
-    return v;
-  };
-  switch (dtype) {
-    case DType::kF64:
-      return load(double{});
-    case DType::kF32:
-      return load(float{});
-    case DType::kF16:
-      return HalfToFloat(load(uint16_t{}));
-    case DType::kBF16:
-      return BFloat16ToFloat(load(uint16_t{}));
-    default:
-      return 0.0;
-  }
-}
-
 // The smallest positive normal value of a floating-point dtype.
 double SmallestNormal(DType dtype) {
   switch (dtype) {
@@ -131,7 +112,7 @@ double SmallestNormal(DType dtype) {
 // element, `op` is what was applied.
 Status InexactError(std::string_view where, std::string_view element, DType dtype,
                     const ScaleOp& op, const InexactElement& e) {
-  const double after = AsDouble(dtype, e.after);
+  const double after = ElementToDouble(dtype, e.after);
   std::string why = "it rounds";
   if (std::isinf(after)) {
     why = fmt::format("it overflows {} to infinity", DTypeName(dtype));
