@@ -925,8 +925,8 @@ Result<std::vector<StateKey>> OptimizerStateKeys(const DcpCheckpoint& ckpt, bool
     return InvalidArgumentError(fmt::format(
         "\"{}\": \"{}\" has none of the distributed optimizer's state (.fp32, .exp_avg, "
         ".exp_avg_sq) while the other parameters have theirs (a frozen parameter): the "
-        "checkpoint does not hold its state; leave the optimizer state out, or convert --to "
-        "universal, which keeps it as a parameter without state",
+        "checkpoint does not hold its state; leave the optimizer state out, or convert to a "
+        "universal checkpoint, which keeps it as a parameter without state",
         dir, key));
   }
   return out;

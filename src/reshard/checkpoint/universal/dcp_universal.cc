@@ -235,8 +235,8 @@ Result<std::vector<UniversalParam>> DcpParamsPlanner::Plan() {
   RESHARD_RETURN_IF_ERROR(CollectStates());
   for (const std::string& d : drop_) {
     if (!dropped_.contains(d)) {
-      return InvalidArgumentError(
-          fmt::format("--drop \"{}\": \"{}\" holds no tensor or state of that key", d, dir));
+      return InvalidArgumentError(fmt::format(
+          "\"{}\", asked to be dropped: \"{}\" holds no tensor or state of that key", d, dir));
     }
   }
   std::set<size_t> claimed;
@@ -262,8 +262,8 @@ Result<std::vector<UniversalParam>> DcpParamsPlanner::Plan() {
     const std::string& key = *unknown_.begin();
     return FailedPreconditionError(fmt::format(
         "\"{}\": optimizer state \"{}\" has no place in a universal checkpoint (a parameter's "
-        "folder holds fp32, exp_avg, exp_avg_sq, max_exp_avg_sq and step); --drop {} leaves it "
-        "out",
+        "folder holds fp32, exp_avg, exp_avg_sq, max_exp_avg_sq and step); dropping \"{}\" by name "
+        "leaves it out",
         dir, key, key));
   }
   if (out.empty()) {
@@ -297,7 +297,7 @@ Result<std::vector<UniversalParam>> DcpParamsPlanner::Plan() {
       return FailedPreconditionError(fmt::format(
           "\"{}\": tensor \"{}\" has no optimizer state and no param group lists it (a buffer, "
           "or a parameter the optimizer does not hold): a universal checkpoint holds the "
-          "optimizer's parameters only; --drop {} leaves it out",
+          "optimizer's parameters only; dropping \"{}\" by name leaves it out",
           dir, key, key));
     }
     if (m_.params[i].dtype != DType::kF32) {
