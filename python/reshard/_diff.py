@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from . import _core
+from .checkpoint import _path
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -52,15 +53,6 @@ def _shape(shape: Optional[list[int]]) -> Optional[tuple[int, ...]]:
     return None if shape is None else tuple(shape)
 
 
-def _text_path(path: PathLike, what: str) -> str:
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(text).__name__}")
-    if "\0" in text:
-        raise ValueError(f"{what}: embedded null byte in path {text!r}")
-    return text
-
-
 def _tolerance(value: Optional[float], what: str) -> Optional[float]:
     if value is None:
         return None
@@ -90,7 +82,7 @@ def diff(a: PathLike, b: PathLike, *, atol: Optional[float] = None,
     else:
         raise TypeError(f"dequantize must be a bool or a dtype name, got {dequantize!r}")
     tensors, elements, found = _core.diff(
-        _text_path(a, "a"), _text_path(b, "b"), _tolerance(atol, "atol"),
+        _path(a, "a"), _path(b, "b"), _tolerance(atol, "atol"),
         _tolerance(rtol, "rtol"), mode)
     differences = tuple(
         TensorDifference(name, kind, dtype_a, dtype_b, _shape(shape_a), _shape(shape_b), index,
