@@ -244,8 +244,8 @@ def test_a_large_tensor_is_digested_by_an_evenly_spaced_sample(monkeypatch):
     """Above the digest's element budget a tensor is sampled, its last element included: equal
     tensors agree, a change at a sampled element (or the last) is seen, and the digest does not
     read the whole tensor."""
-    from reshard.vllm import sync
-    monkeypatch.setattr(sync, "_DIGEST_ELEMENTS", 16)
+    from reshard.vllm import _agreement, sync
+    monkeypatch.setattr(_agreement, "_DIGEST_ELEMENTS", 16)
     base = torch.arange(100, dtype=torch.float32)
     digest = sync.whole_digests({"w": base}, ["w"])
     assert sync.whole_digests({"w": base.clone()}, ["w"]) == digest

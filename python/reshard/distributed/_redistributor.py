@@ -288,7 +288,7 @@ class Redistributor:
                  config: Any = None, _error: Optional[str] = None,
                  _plans: Optional[Callable[[list[str]], Any]] = None) -> None:
         # _plans: the composed plans of the names, in order (a PlanSet), instead of composing
-        # the maps here: a sync schedule's steps (reshard.vllm.sync).
+        # the maps here: a sync schedule's steps (reshard.vllm._schedule).
         self._plans_of = _plans
         self._comm = group if isinstance(group, Transport) else _TorchGroup(group)
         self._me = self._comm.rank

@@ -42,8 +42,8 @@ from vllm.logger import init_logger
 
 from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from .sync import (AnyRedistributor, Stage, engine_ranks, lane_groups, plan_stages,
-                   raw_exchange, run_stages)
+from ._exchange import lane_groups, raw_exchange, run_stages
+from ._schedule import AnyRedistributor, Stage, engine_ranks, plan_stages
 
 logger = init_logger(__name__)
 
@@ -386,7 +386,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
     def _transfer(self, out: dict[str, torch.Tensor], layers: "_Layers",
                   error: Optional[str]) -> None:
-        """Every exchange of the push (:func:`reshard.vllm.sync.run_stages`): the workers
+        """Every exchange of the push (:func:`reshard.vllm._exchange.run_stages`): the workers
         receive in their engine's own, send what they received on in those where their engine
         relays to another, and take part in the others."""
         comm = self._comm

@@ -10,29 +10,46 @@ chunks of at most ``bucket_bytes`` per round, and written straight into its (fus
 parameters; then vLLM's post-load processing runs (see :mod:`reshard.vllm.engine`). Into
 several engines, the push executes the sync schedule ``reshard.plan_sync`` plans (DESIGN 21):
 each byte out of the trainer processes once, the engines' workers relaying the rest
-(:func:`plan_stages`, :func:`run_stages`).
+(:mod:`reshard.vllm._schedule` plans the exchanges, :mod:`reshard.vllm._exchange` runs them).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 import socket
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence,
-                    Union)
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
 from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
-                           Redistributor, _megatron_dtypes, _message, _torch_dtype)
+                           _megatron_dtypes, _message, _torch_dtype)
+from ._agreement import PushClaim as PushClaim
+from ._agreement import push_refusal as push_refusal
+from ._agreement import whole_digests as whole_digests
+from ._agreement import whole_tensors as whole_tensors
+from ._client import WeightSyncError as WeightSyncError
+from ._client import _Background, _Client
+from ._exchange import lane_groups as lane_groups
+from ._exchange import raw_exchange as raw_exchange
+from ._exchange import run_stages as run_stages
 from ._group import StoreGroup, join_store, serve_store
+from ._schedule import RELAY_WAVES as RELAY_WAVES
+from ._schedule import AnyRedistributor as AnyRedistributor
+from ._schedule import Stage as Stage
+from ._schedule import _step_levels as _step_levels
+from ._schedule import cut_waves as cut_waves
+from ._schedule import default_topology as default_topology
+from ._schedule import engine_ranks as engine_ranks
+from ._schedule import plan_stages as plan_stages
+from ._schedule import schedule_topology as schedule_topology
+from ._schedule import stage_bytes as stage_bytes
+from ._schedule import sync_schedule as sync_schedule
+from ._schedule import torch_dtypes as torch_dtypes
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +60,6 @@ if TYPE_CHECKING:
 def torch_dtype_of(name: str) -> "torch.dtype":
     """A library dtype name ("BF16") as torch's."""
     return _torch_dtype(name)
-
-
-class WeightSyncError(RedistributeError):
-    """A weight sync that cannot run; raised on every trainer process alike, the engine left
-    serving the weights it had."""
 
 
 @dataclass(frozen=True)
@@ -78,60 +90,6 @@ class SyncStats:
     busiest_link: Optional[str] = None
 
 
-class _Client:
-    """The engine's four weight-transfer calls: on an ``LLM`` object, or as the HTTP routes of
-    a ``vllm serve`` server (started with ``VLLM_SERVER_DEV_MODE=1``)."""
-
-    def __init__(self, engine: Any, timeout_s: float) -> None:
-        self._engine = engine
-        self._timeout = timeout_s
-
-    def _post(self, route: str, body: dict[str, Any]) -> None:
-        url = str(self._engine).rstrip("/") + "/" + route
-        request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as reply:
-                reply.read()
-        except urllib.error.HTTPError as e:
-            raise WeightSyncError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
-        except OSError as e:
-            raise WeightSyncError(f"{url}: {e}; is it a vllm serve server started with "
-                                  "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
-                                  "'{\"backend\": \"reshard\"}'?") from e
-
-    def call(self, method: str, body: Optional[dict[str, Any]] = None) -> None:
-        if isinstance(self._engine, str):
-            self._post(method, body or {})
-        elif body is None:
-            getattr(self._engine, method)()
-        else:
-            getattr(self._engine, method)(body)
-
-    def later(self, method: str, body: Optional[dict[str, Any]] = None) -> "_Background":
-        """:meth:`call` on a thread of its own (the engine's RPC returns once the trainer
-        processes have done their part)."""
-        return _Background(lambda: self.call(method, body))
-
-    def reset_caches(self) -> None:
-        """Drops what the engine computed with the weights it had: its prefix cache (requests
-        in flight are preempted and computed again) and its encoder cache."""
-        if isinstance(self._engine, str):
-            self._post("reset_prefix_cache?reset_running_requests=true", {})
-            self._post("reset_encoder_cache", {})
-            return
-        self._engine.reset_prefix_cache(reset_running_requests=True)
-        reset_encoder = getattr(getattr(self._engine, "llm_engine", None),
-                                "reset_encoder_cache", None)
-        if reset_encoder is not None:
-            reset_encoder()
-
-    def tensor_parallel_size(self) -> Optional[int]:
-        if isinstance(self._engine, str):
-            return None
-        return int(self._engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
-
-
 def engine_maps(model_dir: str, tensor_parallel_size: int, dtype: str = "auto"
                 ) -> dict[str, Any]:
     """The maps of every checkpoint tensor of the model in ``model_dir`` onto vLLM's workers
@@ -140,572 +98,6 @@ def engine_maps(model_dir: str, tensor_parallel_size: int, dtype: str = "auto"
     from .._maps import read_maps
     from .layout import layout
     return dict(read_maps(layout(model_dir, tensor_parallel_size, dtype=dtype)))
-
-
-def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
-                 sending: bool) -> None:
-    """The plan's chunks ``[(round, peer, bytes)]`` as scratch bytes, round by round: sent, or
-    received and dropped (the transport alone, for measuring a push against)."""
-    import torch
-    by_round: dict[int, list[tuple[int, int]]] = {}
-    for k, peer, n in transfers:
-        by_round.setdefault(k, []).append((peer, n))
-    top = max((sum(n for _, n in r) for r in by_round.values()), default=0)
-    scratch = torch.zeros(top, dtype=torch.uint8, device=comm.device())
-    for k in sorted(by_round):
-        at, parts = 0, []
-        for peer, n in by_round[k]:
-            parts.append((scratch[at:at + n], peer))
-            at += n
-        for w in comm.exchange(parts, []) if sending else comm.exchange([], parts):
-            w.wait()
-
-
-AnyRedistributor = Union[Redistributor, QuantizingRedistributor]
-
-
-@dataclass
-class Stage:
-    """One exchange of a push: the trainer processes (``source`` -1) or the workers of engine
-    ``source`` send the workers of engine ``engine`` the pieces of the schedule's steps of wave
-    ``wave`` at depth ``level`` (:func:`_step_levels`), over the group of its ``lane`` (one per
-    depth and receiving engine, :func:`plan_stages`: the exchanges of different lanes run at
-    once). ``source == engine``: the engine's workers hand replicated pieces from their primary
-    holders to the others."""
-
-    source: int
-    engine: int
-    redistributor: AnyRedistributor
-    wave: int = 0
-    level: int = 0
-    prepare: bool = False  # the trainer processes quantize FP8 blocks before any exchange
-    lane: int = 0
-
-
-# The waves a relayed push is cut into: an engine relays wave w while it receives wave w + 1,
-# so a tree of depth D takes about (W + D - 1) / W of one exchange's time.
-RELAY_WAVES = 4
-
-
-def engine_ranks(trainers: int, workers: Sequence[int], engine: int) -> range:
-    """The sync group's ranks of ``engine``'s workers: the trainer processes come first
-    (0 .. T-1), then each engine's workers in the engines' order."""
-    start = trainers + sum(workers[:engine])
-    return range(start, start + workers[engine])
-
-
-def default_topology(trainer_hosts: Sequence[str], worker_hosts: Sequence[Sequence[str]]
-                     ) -> dict[str, Any]:
-    """The topology of the sync's processes from their host names (the trainer processes',
-    each engine's workers'), for the schedule's cost model: one GPU per process, the hosts in
-    the order they first appear, the default bandwidths."""
-    used: dict[str, int] = {}
-
-    def slot(host: str) -> str:
-        used[host] = used.get(host, 0) + 1
-        return f"{host}:{used[host] - 1}"
-    placement = {"trainer": [slot(h) for h in trainer_hosts],
-                 "engines": [[slot(h) for h in hosts] for hosts in worker_hosts]}
-    return {"hosts": [{"name": h, "gpus": n} for h, n in used.items()],
-            "placement": placement}
-
-
-def schedule_topology(topology: Any, trainer_hosts: Sequence[str],
-                      worker_hosts: Sequence[Sequence[str]]) -> str:
-    """The topology JSON the schedule places the sync's processes by: ``topology`` (a
-    sync-plan topology: its path, text or dict) or, when None, :func:`default_topology` of the
-    processes' host names. MapError naming the JSON path for one that cannot hold them."""
-    from .. import _core
-    from .._degree import _json_text
-    text = _json_text(topology) if topology is not None else \
-        json.dumps(default_topology(trainer_hosts, worker_hosts))
-    _core.place_processes(text, len(trainer_hosts), [len(w) for w in worker_hosts])
-    return text
-
-
-@dataclass
-class _Entry:
-    """One tensor of the schedule: ``name`` into the engines that take it as ``dtype``."""
-
-    name: str
-    dtype: str
-    engines: list[int]
-
-
-def sync_schedule(source: Mapping[str, ParamMap], targets: Sequence[Mapping[str, ParamMap]],
-                  dtypes: Sequence[Mapping[str, str]], trainers: int, workers: Sequence[int],
-                  topology: str) -> tuple[Any, list[_Entry]]:
-    """The schedule of a push (``reshard.plan_sync``'s planner, DESIGN 21): each tensor of
-    ``source`` (in its order) into the engines whose ``targets`` have it, the engines that take
-    it at one dtype sharing one copy from the trainer processes (a root per tensor, replicated
-    pieces to one holder, relays between engines chosen by the cost model of ``topology``, the
-    JSON of a sync-plan topology). Every process builds the same from the same plan."""
-    import torch
-
-    from .. import _core
-    schedule = _core.SyncSchedule(topology, trainers, list(workers))
-    entries = []
-    for name, m in source.items():
-        classes: dict[str, list[int]] = {}
-        for e, target in enumerate(targets):
-            if name in target:
-                classes.setdefault(dtypes[e][name], []).append(e)
-        for dtype, engines in classes.items():
-            size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            schedule.add(name, size, m._handle,
-                         [targets[e][name]._handle if e in engines else None
-                          for e in range(len(targets))])
-            entries.append(_Entry(name, dtype, engines))
-    schedule.finish()
-    return schedule, entries
-
-
-def _step_levels(steps: Sequence[tuple[str, int, int, list[int]]]) -> list[int]:
-    """Each step's depth: 0 from the trainer processes; handing replicated pieces on within
-    the root, the depth of what it comes after (run after it on the same thread: a peer lost
-    there skips it at once); a relay, one more than the deepest step into its sender."""
-    levels: list[int] = []
-    for kind, _, _, after in steps:
-        deepest = max((levels[a] for a in after), default=0)
-        levels.append(0 if kind == "from_trainer" else
-                      deepest if kind == "within_root" else deepest + 1)
-    return levels
-
-
-def cut_waves(map_sets: Sequence[Mapping[str, Any]], sizes: Mapping[str, int],
-                count: int) -> list[list[str]]:
-    """The tensors cut into at most ``count`` waves of about equal bytes (``sizes``), in the
-    order of the first map set, such that tensors sharing a rank tensor (a buffer of any of
-    ``map_sets``: a fused QKV, an MoE layer's experts) travel in the same wave."""
-    names = list(map_sets[0])
-    index = {n: i for i, n in enumerate(names)}
-    root = list(range(len(names)))
-
-    def find(i: int) -> int:
-        while root[i] != i:
-            root[i] = root[root[i]]
-            i = root[i]
-        return i
-    for maps in map_sets:
-        owner: dict[str, int] = {}
-        for name, m in maps.items():
-            ranks = m.get("ranks", {}) if isinstance(m, Mapping) else {}
-            for r in ranks.values():
-                buffer = r.get("buffer")
-                if buffer and name in index:
-                    first = owner.setdefault(buffer, index[name])
-                    root[find(index[name])] = find(first)
-    groups: dict[int, list[str]] = {}
-    for n in names:
-        groups.setdefault(find(index[n]), []).append(n)
-    total = sum(sizes.get(n, 0) for n in names)
-    waves: list[list[str]] = [[]]
-    done = 0
-    for group in groups.values():  # in the order of each group's first tensor
-        if waves[-1] and done >= total * len(waves) / count and len(waves) < count:
-            waves.append([])
-        waves[-1].extend(group)
-        done += sum(sizes.get(n, 0) for n in group)
-    return waves
-
-
-def _plans_of(schedule: Any, chosen: Mapping[str, tuple[int, int]], names: list[str]) -> Any:
-    """The schedule's plans of ``names`` (their (entry, step) in ``chosen``), in order."""
-    return schedule.plans([chosen[n] for n in names])
-
-
-def plan_stages(source: Mapping[str, Any], plan: Mapping[str, Any], trainers: int,
-                group_of: Callable[[int], Any], error: Optional[str]) -> list[Stage]:
-    """The exchanges of an agreed plan (a collective: every process of the group builds them, in
-    order): the schedule's steps (:func:`sync_schedule`), grouped per wave, depth, sending and
-    receiving engine. The exchanges into one engine at one depth form a lane (those handing
-    pieces on within the engine one of their own), which runs its exchanges in order (by wave,
-    then sender) over a group of its own (``group_of(lane)``, called in increasing order of
-    lanes), while the other lanes run theirs: the trainer processes feed every root engine at
-    once, and the engines relay to each other at once, each link carrying its own bytes as the
-    schedule's simulation has it; what shares a receiving engine's links takes turns. FP8
-    blocks are quantized at the trainer where the plan says
-    ``quantize`` (one engine: the trainer sends every holder its piece)."""
-    workers = plan["workers"]
-    options: dict[str, Any] = dict(bucket_bytes=plan["bucket_bytes"], _error=error)
-    quantize = plan.get("quantize")
-    if error is None and quantize is not None and len(plan["targets"]) > 1 and source:
-        # FP8 engines: the trainer processes quantize each block once (at its owner), and the
-        # schedule moves the FP8 data and scales from there.
-        q = QuantizingRedistributor(source, plan["targets"][0], quantize=quantize,
-                                    source_ranks=range(trainers), target_ranks=[],
-                                    group=group_of(0), _prepare_only=True, **options)
-        scale_of = {spec.data: spec.scale for spec in q.quantized}
-        waves = [[m for n in names for m in (n, scale_of.get(n)) if m is not None]
-                 for names in plan.get("waves") or [list(source)]]
-        return [Stage(-1, -1, q, prepare=True)] + plan_stages(
-            q.prepared_maps, {**plan, "quantize": None, "waves": waves}, trainers, group_of,
-            None)
-    if error is not None or quantize is not None or not source:
-        comm = group_of(0)
-        stages = []
-        for e, target in enumerate(plan["targets"]):
-            sync: AnyRedistributor
-            if plan.get("quantize") is not None:
-                sync = QuantizingRedistributor(source, target, quantize=plan["quantize"],
-                                               source_ranks=range(trainers),
-                                               target_ranks=engine_ranks(trainers, workers, e),
-                                               group=comm, dtypes=torch_dtypes(plan["dtypes"][e]),
-                                               **options)
-            else:
-                sync = Redistributor(source, target, source_ranks=range(trainers),
-                                     target_ranks=engine_ranks(trainers, workers, e), group=comm,
-                                     dtypes=torch_dtypes(plan["dtypes"][e]), **options)
-            stages.append(Stage(-1, e, sync))
-        return stages
-    try:  # the same on every process: a refusal (maps of different tensors) agreed as such
-        src = {n: as_map(m) for n, m in source.items()}
-        targets = [{n: as_map(m) for n, m in t.items()} for t in plan["targets"]]
-        schedule, entries = sync_schedule(src, targets, plan["dtypes"], trainers, workers,
-                                          plan["topology"])
-    except Exception as e:
-        return plan_stages(source, plan, trainers, group_of, _message(e))
-    wave_of = {n: w for w, names in enumerate(plan.get("waves") or [list(source)])
-               for n in names}
-    # (wave, level, from, to) -> [(entry, step)]
-    groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
-    for i, entry in enumerate(entries):
-        steps = schedule.steps(i)
-        for k, ((_, sender, receiver, _), level) in enumerate(zip(steps, _step_levels(steps))):
-            groups.setdefault((wave_of[entry.name], level, sender, receiver), []).append((i, k))
-    def lane_of(key: tuple[int, int, int, int]) -> tuple[int, int, bool]:
-        _, level, sender, receiver = key
-        return level, receiver, sender == receiver
-    lanes = {lane: i for i, lane in enumerate(sorted({lane_of(k) for k in groups}))}
-    comms: dict[int, Any] = {}
-    stages = []
-    for key in sorted(groups, key=lambda k: (lane_of(k), k[0], k[2])):
-        wave, level, sender, receiver = key
-        lane = lanes[lane_of(key)]
-        if lane not in comms:
-            comms[lane] = group_of(lane)
-        chosen = {entries[i].name: (i, k) for i, k in groups[key]}
-        maps = src if sender < 0 else targets[sender]
-        sent = {n: maps[n] for n in chosen}
-        wanted = {n: targets[receiver][n] for n in chosen}
-        sync = Redistributor(
-            sent, wanted,
-            source_ranks=range(trainers) if sender < 0 else
-            engine_ranks(trainers, workers, sender),
-            target_ranks=engine_ranks(trainers, workers, receiver), group=comms[lane],
-            dtypes=torch_dtypes({n: plan["dtypes"][receiver][n] for n in chosen}),
-            _plans=functools.partial(_plans_of, schedule, chosen), **options)
-        stages.append(Stage(sender, receiver, sync, wave, level, lane=lane))
-    return stages
-
-
-def lane_groups(store: Any, prefix: str, rank: int, comm: StoreGroup, backend: str,
-                timeout_s: float, made: list[StoreGroup]) -> Callable[[int], StoreGroup]:
-    """The group of each lane of the schedule for :func:`plan_stages`: ``comm`` for the first,
-    a group of its own over the same processes for each other one (made when first asked
-    for: a collective), appended to ``made``."""
-    def group_of(lane: int) -> StoreGroup:
-        if lane == 0:
-            return comm
-        group = StoreGroup(store, f"{prefix}/lane{lane}", rank, len(comm.members), backend,
-                           timeout_s)
-        made.append(group)
-        return group
-    return group_of
-
-
-def stage_bytes(stages: Sequence[Stage], trainers: int, workers: Sequence[int], me: int
-                ) -> tuple[int, int, int, dict[tuple[int, int], int]]:
-    """What the exchanges of a push move: bytes out of the trainer processes, out of process
-    ``me``, out of engines' workers (relays, and replicated pieces handed on within an
-    engine), and per (sending, receiving) process of the group."""
-    sent = here = relayed = 0
-    links: dict[tuple[int, int], int] = {}
-    for stage in stages:
-        if stage.prepare:
-            continue
-        ex = stage.redistributor._exchange
-        assert ex is not None
-        senders = range(trainers) if stage.source < 0 else \
-            engine_ranks(trainers, workers, stage.source)
-        for p in senders:
-            n = int(ex.stats(p)["sent"])
-            if stage.source < 0:
-                sent += n
-            else:
-                relayed += n
-            if p == me:
-                here += n
-            for _, peer, count in ex.sends(p):
-                if peer != p:
-                    links[(p, peer)] = links.get((p, peer), 0) + int(count)
-    return sent, here, relayed, links
-
-
-def _keys(sync: AnyRedistributor, rank: int, side: str) -> set[str]:
-    """The shards (by tensor or buffer name) map rank ``rank`` holds on one side of an
-    exchange."""
-    if side == "target":
-        return {m.buffer(rank) or n for n, m in zip(sync._names, sync._dst)}
-    assert isinstance(sync, Redistributor)  # relays and waves: plain exchanges only
-    maps = sync._src
-    return {m.buffer(rank) or n for n, m in zip(sync._names, maps)}
-
-
-class _Finished:
-    """Hands a worker's shards on (``on_ready``) once every exchange of the push that writes or
-    reads each has done so on this worker: the shard has arrived whole and no later exchange
-    sends from it, so the engine may process it in place. Thread-safe (each tree level runs
-    on a thread of its own)."""
-
-    def __init__(self, stages: Sequence[Stage], engine: int, rank: int,
-                 on_ready: Optional[Callable[[dict[str, Any]], None]]) -> None:
-        self._on_ready = on_ready
-        self._lock = threading.Lock()
-        self._left: dict[str, int] = {}
-        for st in stages:
-            for side, who in (("target", st.engine), ("source", st.source)):
-                if who == engine:
-                    for k in _keys(st.redistributor, rank, side):
-                        self._left[k] = self._left.get(k, 0) + 1
-
-    def done(self, shards: Mapping[str, Any]) -> None:
-        if self._on_ready is None:
-            return
-        with self._lock:
-            ready = {}
-            for k, t in shards.items():
-                self._left[k] -= 1
-                if self._left[k] == 0:
-                    ready[k] = t
-            if ready:
-                self._on_ready(ready)
-
-
-def run_stages(stages: Sequence[Stage], engine: int, rank: int,
-               shards: Mapping[str, Any], out: Optional[dict[str, Any]],
-               on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str]
-               ) -> None:
-    """Every exchange of a push, as this process takes part in it (a collective over the
-    sync's groups): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
-    from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
-    ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
-    Each lane (:func:`plan_stages`) runs on a thread of its own over a group of its own, so
-    that the trainer processes feed every engine at once and an engine relays what it has
-    received of wave w (every exchange into it of that wave at a lesser depth) while wave w + 1
-    arrives. An exchange waits only for exchanges of earlier lanes on this process (what its
-    engine sends must have arrived; a buffer staged through a copy is written by one exchange
-    at a time), so no two processes can wait on each other. A failure in one exchange is told to the later ones as an agreed
-    error, so that no process waits for a peer that gave up; the first failure is raised (a
-    refusal before a transport error). Once a peer is lost, the exchanges not yet begun are
-    skipped: each would only wait out the timeout on the broken group."""
-    if stages and stages[0].prepare:  # FP8 blocks quantized where the trainer holds them
-        quantizer = stages[0].redistributor
-        assert isinstance(quantizer, QuantizingRedistributor)
-        shards, failed = quantizer.prepare(shards if engine < 0 else {}, _error=error)
-        error = error or failed  # agreed by the exchanges that would send them
-        stages = stages[1:]
-    received = [threading.Event() for _ in stages]
-    failures: list[BaseException] = []
-    lock = threading.Lock()
-    finished = _Finished(stages, engine, rank, on_ready) if engine >= 0 else None
-
-    def why() -> Optional[str]:
-        with lock:
-            if error is not None or not failures:
-                return error
-            first = failures[0]
-            return f"an earlier exchange of this push failed ({type(first).__name__}: {first})"
-
-    def held(sync: AnyRedistributor, side: str) -> dict[str, Any]:
-        return {k: out[k] for k in _keys(sync, rank, side) if out is not None and k in out}
-
-    def lost() -> bool:  # a peer lost: the group is unusable, later exchanges only wait
-        with lock:
-            return any(not isinstance(f, RedistributeError) for f in failures)
-
-    def staged(sync: AnyRedistributor) -> set[str]:
-        """This worker's target shards of ``sync`` that a run writes through a staging copy
-        (not contiguous where the transport reads): two exchanges writing one must not
-        overlap, as each copies the whole shard back."""
-        if out is None:
-            return set()
-        plain = sync._gather if isinstance(sync, QuantizingRedistributor) else sync
-        device = plain._comm.device()
-        return {k for k in _keys(sync, rank, "target")
-                if k in out and not (out[k].is_contiguous() and out[k].device == device)}
-
-    def waits(i: int) -> list[int]:
-        """The exchanges (of earlier lanes) that exchange ``i`` waits for on this process."""
-        st = stages[i]
-        if engine < 0:
-            return []
-        out_of = []
-        if st.source == engine:  # what this engine sends has arrived: every exchange into it
-            # of the wave at a lesser depth (and for handing on within the engine, those into
-            # it at the same depth from elsewhere)
-            out_of = [j for j, b in enumerate(stages)
-                      if j != i and b.engine == engine and b.wave == st.wave and
-                      (b.level < st.level or (b.level == st.level and b.source != engine and
-                                              st.engine == engine))]
-        into = []
-        if st.engine == engine and staged_keys[i]:
-            into = [j for j, b in enumerate(stages[:i]) if b.lane != st.lane and
-                    b.engine == engine and b.wave == st.wave and staged_keys[j] & staged_keys[i]]
-        return sorted(set(out_of + into))
-
-    def lane_body(lane: int) -> None:
-        for i, st in enumerate(stages):
-            if st.lane != lane or lost():
-                continue
-            sync = st.redistributor
-            try:
-                for j in waits(i):
-                    received[j].wait()
-                if lost():
-                    continue
-                mine: Mapping[str, Any] = {}
-                if st.source == engine:
-                    if engine >= 0:  # a relay, or pieces handed on within this engine
-                        mine = held(sync, "source")
-                    else:  # the stage's shards (the first wave's also any the plan lacks,
-                        # which its checks refuse)
-                        keys = _keys(sync, rank, "source") | (extra if st.wave == 0 else set())
-                        mine = {k: v for k, v in shards.items() if k in keys}
-                if st.engine == engine:
-                    assert finished is not None
-                    sync.run(mine, out=held(sync, "target"), on_ready=finished.done,
-                             _error=why())
-                else:
-                    sync.run(mine, _error=why())
-                if st.source == engine and finished is not None:
-                    finished.done(mine)
-            except BaseException as e:  # later exchanges are told, and the first is raised
-                with lock:
-                    failures.append(e)
-                for event in received:
-                    event.set()
-            finally:
-                received[i].set()
-
-    extra = set(shards) - {k for st in stages if st.source < 0
-                           for k in _keys(st.redistributor, rank, "source")} \
-        if engine < 0 else set()
-    staged_keys = [staged(st.redistributor) if st.engine == engine else set()
-                   for st in stages]
-    lanes = sorted({st.lane for st in stages})
-    threads = [threading.Thread(target=lane_body, args=(lane,), daemon=True)
-               for lane in lanes[1:]]
-    for t in threads:
-        t.start()
-    if lanes:
-        lane_body(lanes[0])
-    for t in threads:
-        t.join()
-    if failures:
-        refusals = [f for f in failures if isinstance(f, RedistributeError)]
-        raise (refusals or failures)[0]
-
-
-def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]:
-    """{name: "bfloat16"} -> {name: torch.bfloat16}."""
-    import torch
-    return None if names is None else {n: getattr(torch, d) for n, d in names.items()}
-
-
-class PushClaim(NamedTuple):
-    """What one trainer process says of the push it is about to make, before any byte moves:
-    why it cannot (an engine that did not start an update, a shard it cannot read), which
-    push of the sync it is, the digests of the tensors every trainer process holds whole
-    (:func:`whole_digests`), and whether another push was asked for (from another thread)
-    while it began."""
-
-    refused: Optional[str]
-    number: int
-    digests: Optional[dict[str, str]]
-    overlapped: bool
-
-
-def push_refusal(claims: Sequence[PushClaim]) -> Optional[str]:
-    """Why the trainer processes (``claims``, by process) must not make their push, or None
-    when each makes the same one: every process refuses alike, before any byte moves. Two
-    threads pushing at once may each win on some process, which would push one set of
-    weights from some processes and the other from the rest (an engine serving a mix): a
-    push overlapped by another one on any process is refused, and so is one whose tensors
-    held whole everywhere differ between processes."""
-    refusals = [c.refused for c in claims if c.refused is not None]
-    if refusals:
-        return refusals[0]
-    overlapped = [p for p, c in enumerate(claims) if c.overlapped]
-    if overlapped:
-        return (f"trainer process{'es' if len(overlapped) > 1 else ''} "
-                f"{', '.join(map(str, overlapped))} began another push of this WeightSync (from "
-                f"another thread) while push {claims[overlapped[0]].number} began; which of the "
-                "two each process makes could differ, so every trainer process refuses it and "
-                "the engines keep the weights they had: push from one thread at a time")
-    numbers = [c.number for c in claims]
-    if len(set(numbers)) > 1:
-        return (f"the trainer processes are at different pushes of this WeightSync "
-                f"({', '.join(f'process {p}: push {n}' for p, n in enumerate(numbers))}); "
-                "every trainer process pushes each time")
-    first = claims[0].digests
-    for p, c in enumerate(claims[1:], 1):
-        if first is None or c.digests is None:
-            continue
-        differ = sorted(n for n in first if n in c.digests and first[n] != c.digests[n])
-        if differ:
-            return (f"trainer processes 0 and {p} push different weights: tensor "
-                    f"\"{differ[0]}\", which every trainer process holds whole, differs between "
-                    f"them ({len(differ)} such tensors differ); the engines keep the weights "
-                    "they had. Push the same weights from every process (pushes from two "
-                    "threads at once can pair one thread's weights on one process with the "
-                    "other's elsewhere)")
-    return None
-
-
-def whole_tensors(maps: Mapping[str, MapLike], trainers: int) -> list[str]:
-    """The tensors of ``maps`` that every one of ``trainers`` processes (at least two) holds
-    whole and laid out alike: their shards must be equal byte for byte."""
-    if trainers < 2:
-        return []
-    out = []
-    for name, m in maps.items():
-        ranks = as_map(m).to_dict().get("ranks", {})
-        first = ranks.get("0")
-        if first is None or len(ranks) != trainers or \
-                any(r.get("buffer") for r in ranks.values()):
-            continue
-        pieces = first.get("pieces") or []
-        if pieces and all(len(p.get("locations", [])) == trainers for p in pieces) and \
-                all(r.get("pieces") == pieces for r in ranks.values()):
-            out.append(name)
-    return out
-
-
-# The most elements of one tensor a push's agreement digests: a tensor above it is sampled at
-# evenly spaced elements (its last one included), so the check costs the same for a model held
-# whole on every process (data parallel) as for the few norms of tensor parallelism. Two pushes
-# of different weights differ in a share of the elements (an optimizer step changes a few percent
-# of bf16 values), which a sample this large misses with a vanishing chance.
-_DIGEST_ELEMENTS = 1 << 20
-
-
-def whole_digests(shards: Mapping[str, Any], names: Sequence[str]) -> dict[str, str]:
-    """A digest of the elements of each of ``names`` among ``shards`` (all of them, or an
-    evenly spaced sample of ``_DIGEST_ELEMENTS`` of a larger tensor; those missing or not
-    tensors are left to the push's own checks)."""
-    import torch
-    out = {}
-    for name in names:
-        t = shards.get(name)
-        if isinstance(t, torch.Tensor):
-            flat = t.detach().reshape(-1)
-            if flat.numel() > _DIGEST_ELEMENTS:
-                step = -(-flat.numel() // _DIGEST_ELEMENTS)
-                flat = torch.cat([flat[::step], flat[-1:]])
-            data = flat.contiguous().view(torch.uint8).cpu().numpy()
-            out[name] = hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
-    return out
 
 
 # The longest wait a sync takes (the store's and the group's timeouts are timedeltas, in
@@ -739,28 +131,6 @@ def _check_host(host: str) -> None:
         except OSError as e:
             problems.append(f"{address[0]}: {e.strerror or e}")
     raise OSError(f"it is not an address of this machine ({'; '.join(problems)})")
-
-
-class _Background:
-    """A call on a thread of its own, its exception kept for :meth:`result`."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._error: Optional[BaseException] = None
-
-        def body() -> None:
-            try:
-                fn()
-            except BaseException as e:  # handed to result()
-                self._error = e
-        self._thread = threading.Thread(target=body, daemon=True)
-        self._thread.start()
-
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def result(self) -> Optional[BaseException]:
-        self._thread.join()
-        return self._error
 
 
 class WeightSync:
