@@ -62,7 +62,8 @@ def _tolerance(value: Optional[float], what: str) -> Optional[float]:
 
 
 def diff(a: PathLike, b: PathLike, *, atol: Optional[float] = None,
-         rtol: Optional[float] = None, dequantize: Union[bool, str] = False) -> DiffReport:
+         rtol: Optional[float] = None, dequantize: Union[bool, str] = False,
+         config: Optional[PathLike] = None) -> DiffReport:
     """Compare checkpoint ``a`` with checkpoint ``b`` tensor by tensor, in any formats reshard
     reads and any layouts, without building any full tensor (``reshard diff``).
 
@@ -71,7 +72,8 @@ def diff(a: PathLike, b: PathLike, *, atol: Optional[float] = None,
     infinities, agree) and tensors of different dtypes are compared by value. ``dequantize``
     (True for bf16, or ``"bf16"``, ``"fp16"``, ``"fp32"``) reads each side's block-quantized
     tensors as numbers, as ``gather(dequantize=...)`` writes them; a side without any is read
-    as it is. Raises :class:`reshard.CheckpointError` (or FileNotFoundError) for an input that
+    as it is. ``config`` (a model's config.json) is given to a side whose format needs one (a
+    Megatron-Core dist-ckpt). Raises :class:`reshard.CheckpointError` (or FileNotFoundError) for an input that
     cannot be read, ValueError for a negative tolerance or an unknown dtype."""
     if dequantize is True:
         mode: Optional[str] = "bf16"
@@ -83,7 +85,7 @@ def diff(a: PathLike, b: PathLike, *, atol: Optional[float] = None,
         raise TypeError(f"dequantize must be a bool or a dtype name, got {dequantize!r}")
     tensors, elements, found = _core.diff(
         _path(a, "a"), _path(b, "b"), _tolerance(atol, "atol"),
-        _tolerance(rtol, "rtol"), mode)
+        _tolerance(rtol, "rtol"), mode, None if config is None else _path(config, "config"))
     differences = tuple(
         TensorDifference(name, kind, dtype_a, dtype_b, _shape(shape_a), _shape(shape_b), index,
                          _shape(multi_index), value_a, value_b)

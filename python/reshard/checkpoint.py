@@ -163,6 +163,16 @@ def _given(**options: Any) -> list[str]:
     return [k for k, v in options.items() if v is not None]
 
 
+def _drop_list(drop: Optional[Sequence[str]]) -> list[str]:
+    """`drop=` as the tensor names it lists (a str is one name, not its characters)."""
+    if drop is None:
+        return []
+    names = [drop] if isinstance(drop, str) else list(drop)
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"drop= must list tensor names (non-empty str); got {drop!r}")
+    return names
+
+
 def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = None,
             to: Optional[str] = None, world: Optional[int] = None,
             target_maps: Union[None, PathLike, Mapping[str, MapLike]] = None,
@@ -174,7 +184,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             distributed_config: Union[None, str, Mapping[str, Any]] = None,
             config: Optional[PathLike] = None, dequantize: Optional[str] = None,
             pp: Optional[int] = None, dp: Optional[int] = None,
-            pp_stages: Optional[Sequence[int]] = None) -> None:
+            pp_stages: Optional[Sequence[int]] = None,
+            drop: Optional[Sequence[str]] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -190,7 +201,9 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     resumes from at any TP x DP (``reshard convert --to universal``). A PyTorch Distributed
     Checkpoint with Adam's state (FSDP2, TorchTitan) converts to the universal checkpoint's
     per-parameter files too, and so does a Megatron-Core dist-ckpt with its distributed
-    optimizer's state (with ``config``, its model's config.json; docs/formats.md).
+    optimizer's state (with ``config``, its model's config.json; docs/formats.md). What the
+    universal checkpoint has no place for (a module buffer; DCP state other than Adam's) is
+    refused unless ``drop`` names it (``reshard convert --drop KEY``).
 
     With ``to="dcp"`` and ``world`` (no ``tp``, ``target_maps``, ``max_shard_size`` or
     ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``
@@ -212,6 +225,9 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if drop is not None and to != "universal":
+        raise ValueError("drop= applies to to=\"universal\" (which cannot hold every tensor of "
+                         "a checkpoint)")
     if pp is not None or dp is not None or pp_stages is not None:
         given = _given(to=to, world=world, target_maps=target_maps,
                        max_shard_size=max_shard_size, config=config,
@@ -259,7 +275,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             raise ValueError(f"to=\"universal\" takes no {', '.join(given)}: the universal "
                              "checkpoint holds full tensors of every optimizer state")
         _core.convert_to_universal(src, dst, None if config is None else _path(config, "config"),
-                                   o)
+                                   _drop_list(drop), o)
         return
     if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"convert needs tp= (a world size of at least 1; got {tp!r}) or "

@@ -245,7 +245,8 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
 // a Megatron-Core dist-ckpt (with its model's config.json) -> the universal checkpoint
 // DeepSpeed resumes from at any TP x DP.
 void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
-                          const std::optional<std::string>& config, const PyCheckpointOptions& o) {
+                          const std::optional<std::string>& config,
+                          const std::vector<std::string>& drop, const PyCheckpointOptions& o) {
   const bool megatron = IsMegatronCheckpoint(dir);
   const bool dcp = !megatron && IsDcpCheckpoint(dir);
   if (!IsDeepSpeedCheckpoint(dir) && !dcp && !megatron) {
@@ -261,7 +262,13 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
                                    : std::string("config= applies to to=\"universal\" from a "
                                                  "Megatron-Core checkpoint"));
   }
+  if (megatron && !drop.empty()) {
+    throw py::value_error(
+        "drop= applies to to=\"universal\" from a PyTorch Distributed Checkpoint or a DeepSpeed "
+        "checkpoint");
+  }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    options.drop = drop;
     if (megatron) return ConvertMegatronToUniversal(dir, *config, out_dir, options);
     return dcp ? ConvertDcpToUniversal(dir, out_dir, options)
                : ConvertDeepSpeedToUniversal(dir, out_dir, options);
@@ -373,7 +380,8 @@ using PyDifference =
 
 std::tuple<int64_t, int64_t, std::vector<PyDifference>> PyDiff(
     const std::string& a, const std::string& b, std::optional<double> atol,
-    std::optional<double> rtol, const std::optional<std::string>& dequantize) {
+    std::optional<double> rtol, const std::optional<std::string>& dequantize,
+    const std::optional<std::string>& config) {
   const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
   DiffOptions options;
   options.atol = atol;
@@ -384,7 +392,7 @@ std::tuple<int64_t, int64_t, std::vector<PyDifference>> PyDiff(
   }
   Result<DiffReport> report = [&] {
     py::gil_scoped_release release;
-    return DiffCheckpoints(a, b, deq, options);
+    return DiffCheckpoints(a, b, deq, options, config.value_or(""));
   }();
   if (!report.ok()) Raise(report.status(), ErrorKind::kCheckpoint);
   auto name = [](const std::optional<DType>& d) {
@@ -530,7 +538,7 @@ void BindFiles(py::module_& m) {
         py::arg("transformers_version"), py::arg("distributed_config_json"));
   m.def("inspect", &PyInspect, py::arg("path"), py::arg("json"));
   m.def("diff", &PyDiff, py::arg("a"), py::arg("b"), py::arg("atol"), py::arg("rtol"),
-        py::arg("dequantize"));
+        py::arg("dequantize"), py::arg("config"));
   py::class_<PyShardedCheckpoint, std::shared_ptr<PyShardedCheckpoint>>(m, "ShardedCheckpoint")
       .def_static("open", &PyShardedCheckpoint::Open, py::arg("dir"))
       .def_property_readonly("world_size", &PyShardedCheckpoint::world_size)

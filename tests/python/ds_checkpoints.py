@@ -63,6 +63,8 @@ class Spec:
     ep: int = 1
     vocab: int = 250
     seed: int = 20261130
+    frozen: str = ""  # a regex: the parameters it matches (re.search) train with requires_grad False
+    buffer: bool = False  # the model holds a persistent buffer, model.running_mean
 
     @property
     def world_size(self):
@@ -73,12 +75,15 @@ class Spec:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
         vocab = "" if self.vocab == 250 else f"-v{self.vocab}"
         ep = "" if self.ep == 1 else f"-ep{self.ep}"
-        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}{ep}-z{self.stage}-{dtype}"
+        extra = ("-frozen" if self.frozen else "") + ("-buffer" if self.buffer else "")
+        return f"{self.family}{vocab}-tp{self.tp}-dp{self.dp}{ep}-z{self.stage}-{dtype}{extra}"
 
     def to_json(self):
         fields = dataclasses.asdict(self)
-        if self.ep == 1:  # the checkpoints of dense specs keep their cache keys
-            del fields["ep"]
+        # The checkpoints of dense specs keep their cache keys.
+        for key, default in (("ep", 1), ("frozen", ""), ("buffer", False)):
+            if fields[key] == default:
+                del fields[key]
         return json.dumps(fields, sort_keys=True)
 
 

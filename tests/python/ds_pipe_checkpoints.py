@@ -36,6 +36,8 @@ class PipeSpec:
     blocks: int = 3
     seed: int = 20261203
     partition: str = "parameters"
+    frozen: str = ""  # a regex: the parameters it matches ("2.norm.weight") are not trained
+    buffers: bool = False  # each block keeps a persistent buffer, "running"
 
     @property
     def world_size(self):
@@ -46,7 +48,8 @@ class PipeSpec:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}[self.dtype]
         seed = "" if self.seed == PipeSpec.seed else f"-s{self.seed}"
         tp = "" if self.tp == 1 else f"-tp{self.tp}"
-        return f"pipe-pp{self.pp}{tp}-dp{self.dp}-z{self.stage}-{dtype}{seed}"
+        extra = ("-frozen" if self.frozen else "") + ("-buffers" if self.buffers else "")
+        return f"pipe-pp{self.pp}{tp}-dp{self.dp}-z{self.stage}-{dtype}{seed}{extra}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ The micro-batch m of step s on DP rank d is drawn from seed + 1000 * s + 10 * d 
 """
 
 import pathlib
+import re
 import sys
 
 import torch
@@ -70,6 +71,10 @@ def project(embed, hidden):
     return hidden @ embed.weight.t()
 
 
+# Whether each Block keeps a persistent buffer (spec "buffers"): set by build_model.
+BLOCK_BUFFER = {"on": False}
+
+
 class Block(nn.Module):
     def __init__(self, seed, layer):
         super().__init__()
@@ -77,8 +82,14 @@ class Block(nn.Module):
         self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
         self.down = nn.Linear(2 * HIDDEN, HIDDEN)
         _init(self, seed, layer)
+        if BLOCK_BUFFER["on"]:  # a running mean of the block's input, as BatchNorm keeps one
+            self.register_buffer("running", torch.zeros(HIDDEN))
 
     def forward(self, x):
+        if BLOCK_BUFFER["on"] and self.training:
+            with torch.no_grad():
+                self.running.mul_(0.5).add_(x.detach().float().mean(dim=(0, 1)).to(
+                    self.running.dtype) * 0.5)
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
@@ -157,6 +168,7 @@ def build_model(spec):
 
     global HIDDEN
     HIDDEN = spec.get("hidden", 16)  # larger for the benchmark (bench/universal_bench.py --pp)
+    BLOCK_BUFFER["on"] = bool(spec.get("buffers"))
     seed, blocks, tp = spec["seed"], spec["blocks"], spec.get("tp", 1)
     topology = None
     if tp > 1:  # the layer files then name their TP rank: layer_XX-model_YY-model_states.pt
@@ -173,6 +185,10 @@ def build_model(spec):
                             partition_method=spec.get("partition", "parameters"))
     if tp > 1:
         TP["group"] = module._grid.get_slice_parallel_group()
+    if spec.get("frozen"):  # the pipeline engine's names: "<layer index>.<name>"
+        for name, param in module.named_parameters():
+            if re.search(spec["frozen"], name):
+                param.requires_grad_(False)
     return module
 
 
@@ -219,7 +235,8 @@ def make_engine(spec, config):
 
     model = build_model(spec)
     model.universal_checkpoint_info = universal_info(spec)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
                                            config=config)
     return engine
 
@@ -255,6 +272,7 @@ def train(spec, out):
         return facts
     facts["next_loss"] = next_losses(engine, spec, spec["steps"])
     local = {n: p.detach().clone().contiguous() for n, p in engine.module.named_parameters()}
+    local.update({n: b.detach().clone().contiguous() for n, b in engine.module.named_buffers()})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (TP["rank"], local if dp_rank == 0 else {}))
     if dist.get_rank() == 0:

@@ -32,6 +32,7 @@ be computed again from any resumed engine.
 import datetime
 import json
 import pathlib
+import re
 import sys
 import time
 import traceback
@@ -96,7 +97,18 @@ def build_model(spec):
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.05 + (param.dim() == 1))
+    if spec.get("buffer"):  # persistent: in the state dict, and in buffer_names
+        model.model.register_buffer("running_mean", torch.randn(64, generator=gen))
+    if spec.get("frozen"):
+        for name, param in model.named_parameters():
+            if re.search(spec["frozen"], name):
+                param.requires_grad_(False)
     return model
+
+
+def trainable(model):
+    """The parameters the optimizer holds: the frozen ones are left out."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def batch(spec, step, dp_rank):
@@ -159,7 +171,7 @@ def train(spec, out):
 
     rank = dist.get_rank()
     model = build_model(spec)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model),
                                            config=ds_config(spec))
     tp_rank = engine.mpu.get_tensor_model_parallel_rank() if spec["tp"] > 1 else 0
     dp_rank = engine.mpu.get_data_parallel_rank() if spec["tp"] > 1 else rank
@@ -278,7 +290,7 @@ def resume(spec, out, source, universal):
         convert_to_universal(source, load_dir)
         config["checkpoint"] = {"load_universal": True}
     model = build_model(spec)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model),
                                            config=config)
     dp_rank = engine.mpu.get_data_parallel_rank() if spec["tp"] > 1 else dist.get_rank()
     engine.load_checkpoint(str(load_dir))

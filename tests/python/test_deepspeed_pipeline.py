@@ -378,31 +378,39 @@ def refused_by_every_command(reshard_bin, save_dir, out, blamed, *names):
         assert not out.exists() and not list(out.parent.glob(f".{out.name}*")), args
 
 
-def test_a_layer_buffer_or_frozen_parameter_is_refused_not_dropped(pipes, tmp_path, reshard_bin):
+def test_a_layer_buffer_or_frozen_parameter_is_kept_but_a_tied_modules_is_refused(
+        pipes, tmp_path, reshard_bin):
     """A layer file's tensors that no stage lists as a parameter (a persistent buffer, which
     buffer_names lists; a frozen parameter, which no param group holds and which DeepSpeed's
-    pipeline engine does not record in frozen_param_shapes) are in no other file: every command
-    refuses the checkpoint, naming the file and the tensor, rather than write an output
-    without them (DeepSpeed's strict load of it would then miss them)."""
+    pipeline engine does not record in frozen_param_shapes) are read from the layer file
+    (test_deepspeed_frozen.py trains real ones). In a tied module's file they are refused,
+    naming the file and the tensor, rather than dropped."""
     ckpt = pipes[FP32]
     # Layer 2 (a block) is on stage 0.
     save, tag = copy_of(ckpt, tmp_path / "buffer")
     layer = torch.load(tag / "layer_02-model_states.pt", weights_only=True)
-    layer["running"] = torch.zeros(4)
+    layer["running"] = torch.arange(4.0)
+    layer["extra_norm.weight"] = torch.ones(16)
     torch.save(layer, tag / "layer_02-model_states.pt")
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
     states["buffer_names"] = [*(states.get("buffer_names") or []), "2.running"]
     torch.save(states, tag / "mp_rank_00_model_states.pt")
-    refused_by_every_command(reshard_bin, save, tmp_path / "out-buffer",
-                             "layer_02-model_states.pt", '"running"',
-                             'a module buffer (buffer_names lists "2.running")')
-    save, tag = copy_of(ckpt, tmp_path / "frozen")
-    layer = torch.load(tag / "layer_02-model_states.pt", weights_only=True)
-    layer["extra_norm.weight"] = torch.ones(16)
-    torch.save(layer, tag / "layer_02-model_states.pt")
-    refused_by_every_command(reshard_bin, save, tmp_path / "out-frozen",
-                             "layer_02-model_states.pt", '"extra_norm.weight"',
-                             "a frozen parameter")
+    r = run(reshard_bin, "gather", save, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(got["2.running"], torch.arange(4.0))
+    assert torch.equal(got["2.extra_norm.weight"], torch.ones(16))
+    r = run(reshard_bin, "inspect", save)
+    assert "2.running" in r.stdout and "(buffer, F32)" in r.stdout, r.stdout
+    assert "2.extra_norm.weight" in r.stdout and "(frozen, F32)" in r.stdout, r.stdout
+    save, tag = copy_of(ckpt, tmp_path / "tied")
+    embed = torch.load(tag / "layer_00-model_states.pt", weights_only=True)
+    embed["scale"] = torch.ones(1)
+    torch.save(embed, tag / "layer_00-model_states.pt")
+    refused_by_every_command(reshard_bin, save, tmp_path / "out-tied",
+                             "layer_00-model_states.pt", '"scale"', "a tied module's")
 
 
 def test_stray_layer_files_are_refused(pipes, tmp_path, reshard_bin):

@@ -167,11 +167,35 @@ def test_unreadable_input_exits_2(ckpts, tmp_path):
     assert r.returncode == 2 and "model.safetensors" in r.stderr
     assert r.stdout == ""
     pt = tmp_path / "model.pt"
-    torch.save(model(), str(pt))
+    pt.write_bytes(b"PK\x03\x04" + b"\0" * 60)  # a zip that is not one
     r = run(ckpts.bin, "diff", pt, ckpts.hf)
     assert r.returncode == 2 and "model.pt" in r.stderr
     with pytest.raises((reshard.CheckpointError, FileNotFoundError)):
         reshard.diff(ckpts.hf, tmp_path / "nowhere")
+
+
+def test_a_torch_save_file_is_compared_as_its_state_dict(ckpts, tmp_path):
+    """A .pt file's tensors by their dotted paths, whole, read without running its pickle: a
+    tensor saved as a view with other strides (a transpose) compares by its values."""
+    state = model()
+    name = next(n for n, t in state.items() if t.dim() == 2 and t.shape[0] != t.shape[1])
+    as_view = dict(state)
+    as_view[name] = state[name].t().contiguous().t()  # the same values, column-major storage
+    assert not as_view[name].is_contiguous()
+    pt = tmp_path / "model.pt"
+    torch.save(as_view, str(pt))
+    code, report = diff_json(ckpts, pt, ckpts.tp4)
+    assert code == 0 and report["tensors_compared"] == len(state), report
+    changed = dict(as_view)
+    changed[name] = as_view[name].clone()
+    changed[name][1, 0] += 1
+    torch.save(changed, str(tmp_path / "changed.pt"))
+    code, report = diff_json(ckpts, ckpts.hf, tmp_path / "changed.pt")
+    assert code == 1 and [d["name"] for d in report["differences"]] == [name]
+    assert report["differences"][0]["multi_index"] == [1, 0]
+    assert reshard.diff(tmp_path / "changed.pt", pt).differences[0].multi_index == (1, 0)
+    r = run(ckpts.bin, "gather", pt, "-o", tmp_path / "out")  # whole tensors already
+    assert r.returncode == 2 and "export" in r.stderr, r.stderr
 
 
 def test_python_diff_returns_the_cli_report(ckpts, tmp_path):

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import reshard
 from test_checkpoints import run
@@ -204,6 +204,30 @@ def test_convert_to_tp2_and_back_is_the_same_checkpoint(reshard_bin, tmp_path, s
         assert sorted(a) == sorted(b)
         for k in a:
             assert same_bits(a[k], b[k]), (src.name, k)
+
+
+def test_diff_reads_a_megatron_checkpoint_with_its_config(reshard_bin, tmp_path, saved):
+    """reshard diff of the dist-ckpt (named and split by --config) against its own gather: equal;
+    against a copy with one element changed: that element. Without --config: exit 2."""
+    ckpt, config, _ = saved("qwen3_moe")
+    direct = tmp_path / "direct"
+    assert run(reshard_bin, "gather", ckpt, "-o", direct, "--config", config).returncode == 0
+    r = run(reshard_bin, "diff", ckpt, direct, "--config", config)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tensors = load_file(str(direct / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name][3, 5] += 1
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    save_file(tensors, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    r = run(reshard_bin, "diff", changed, ckpt, "--config", config, "--json")
+    assert r.returncode == 1, r.stderr
+    found = json.loads(r.stdout)["differences"]
+    assert [(d["name"], d["multi_index"]) for d in found] == [(name, [3, 5])]
+    r = run(reshard_bin, "diff", ckpt, direct)
+    assert r.returncode == 2 and "config" in r.stderr, r.stderr
+    r = run(reshard_bin, "diff", direct, changed, "--config", config)
+    assert r.returncode == 2 and "neither" in r.stderr, r.stderr
 
 
 def test_python_gather_takes_the_config(tmp_path, saved):

@@ -409,9 +409,10 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
     return InvalidArgumentError(
         "--config applies to --to universal from a Megatron-Core checkpoint");
   }
-  if (!dcp && !args.drop.empty()) {
+  if (megatron && !args.drop.empty()) {
     return InvalidArgumentError(
-        "--drop applies to --to universal from a PyTorch Distributed Checkpoint");
+        "--drop applies to --to universal from a PyTorch Distributed Checkpoint or a DeepSpeed "
+        "checkpoint");
   }
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(

@@ -24,6 +24,7 @@ struct DiffArgs {
   std::optional<double> rtol;
   bool dequantize = false;
   std::string dtype = "bf16";
+  std::string config;
 };
 
 nlohmann::ordered_json DifferenceJson(const TensorDifference& d) {
@@ -54,7 +55,7 @@ Status RunDiff(const DiffArgs& args) {
   DiffOptions options;
   options.atol = args.atol;
   options.rtol = args.rtol;
-  Result<DiffReport> report = DiffCheckpoints(args.a, args.b, dequantize, options);
+  Result<DiffReport> report = DiffCheckpoints(args.a, args.b, dequantize, options, args.config);
   if (!report.ok()) {
     // Exit 1 means "they differ": an input that cannot be read as a checkpoint (a map that
     // does not fit its tensor included) is a malformed input, exit 2.
@@ -98,6 +99,10 @@ void AddDiffOptions(CLI::App* cmd, DiffArgs* args) {
       "as gather --dequantize writes them; a side without any is read as it is");
   cmd->add_option("--dtype", args->dtype, "with --dequantize: bf16 (default), fp16 or fp32")
       ->needs(dequantize);
+  cmd->add_option("--config", args->config,
+                  "a model's config.json, for a side that needs one to name and split its "
+                  "tensors (a Megatron-Core dist-ckpt)")
+      ->check(CLI::ExistingFile);
 }
 
 }  // namespace

@@ -175,6 +175,8 @@ Result<std::optional<MapDocument>> DeepSpeedConfigMaps(const std::string& dir, i
   MapDocument doc;
   for (const std::string& suffix : suffixes) {
     for (const DeepSpeedParam& p : params) {
+      // A frozen parameter or a buffer has no optimizer state.
+      if (!suffix.empty() && p.kind != DeepSpeedParamKind::kTrained) continue;
       Result<TensorMap> m = maps->Map(p.name, p.tp_map.valid_shape());
       if (!m.ok()) return m.status().Annotate(fmt::format("\"{}\"", ckpt.config_path()));
       doc.params.emplace_back(p.name + suffix, std::move(m->map));

@@ -43,6 +43,18 @@ std::string_view DeepSpeedStateName(DeepSpeedState state) {
   return "?";
 }
 
+std::string_view DeepSpeedParamKindName(DeepSpeedParamKind kind) {
+  switch (kind) {
+    case DeepSpeedParamKind::kTrained:
+      return "trained";
+    case DeepSpeedParamKind::kFrozen:
+      return "frozen";
+    case DeepSpeedParamKind::kBuffer:
+      return "buffer";
+  }
+  return "?";
+}
+
 namespace {
 
 constexpr size_t Slot(DeepSpeedState s) { return static_cast<size_t>(s); }
@@ -450,6 +462,15 @@ struct FlatGroup {
   std::vector<PickleNodeId> step;  // per DP rank: the optimizer's step of the group, if any
 };
 
+// What a parameter is (a module tensor no param group holds: its kind and dtype).
+struct ModuleOnlyKind {
+  DeepSpeedParamKind kind = DeepSpeedParamKind::kTrained;
+  std::optional<DType> dtype;  // a frozen parameter's or a buffer's own
+};
+
+// The group of a parameter no param group holds.
+constexpr size_t kNoGroup = static_cast<size_t>(-1);
+
 }  // namespace
 
 // ---- the reader -------------------------------------------------------------------------
@@ -465,8 +486,12 @@ class DeepSpeedReader {
   Status ReadTopology();
   Status CheckDpModelStates();
   Status ReadParams();
-  Status CheckModuleTensorsListed(const TorchFile* f,
-                                  const std::vector<std::pair<std::string, Shape>>& listed) const;
+  Status ReadListed(const TorchFile* f, std::vector<std::pair<std::string, Shape>>& found,
+                    std::vector<size_t>& groups, std::vector<ModuleOnlyKind>& kinds) const;
+  Status AppendModuleOnly(const TorchFile* f, std::vector<std::pair<std::string, Shape>>& found,
+                          std::vector<ModuleOnlyKind>& kinds) const;
+  Status AppendLayerModuleOnly();
+  void AddParam(std::string name, size_t group, int stage, ModuleOnlyKind kind);
   Status ReadExperts();
   Status ReadPartitions();
   Status ReadTorchOptimizer();
@@ -508,7 +533,8 @@ class DeepSpeedReader {
   std::map<std::string, const TorchFile*> opened_layers_;
   std::vector<std::string> names_in_order_;    // a tied parameter once per stage holding it
   std::vector<int> stage_of_;                  // per parameter: its pipeline stage
-  std::vector<size_t> group_of_;               // per parameter: its group
+  std::vector<size_t> group_of_;               // per parameter: its group (kNoGroup)
+  std::vector<ModuleOnlyKind> kind_of_;        // per parameter
   std::vector<std::vector<Shape>> tp_shapes_;  // [param][tp]
   std::vector<DeepSpeedParam> params_;
 };
@@ -693,8 +719,73 @@ Status DeepSpeedReader::CheckDpModelStates() {
   return Status::Ok();
 }
 
-// Names, groups and TP shard shapes: param_shapes (one dict per group) when the checkpoint has
-// it, else the module's tensors that are not buffers.
+// The names, groups and kinds one model-states file lists, with its TP shard shapes:
+// param_shapes (one dict per group) when the checkpoint has it, then the module tensors no
+// group holds (AppendModuleOnly); without it (ZeRO 0), the module's tensors, buffer_names
+// telling the buffers.
+Status DeepSpeedReader::ReadListed(const TorchFile* f,
+                                   std::vector<std::pair<std::string, Shape>>& found,
+                                   std::vector<size_t>& groups,
+                                   std::vector<ModuleOnlyKind>& kinds) const {
+  const PickleTree& t = f->tree();
+  const PickleNodeId shapes = Get(t, t.root(), "param_shapes");
+  if (!IsNone(t, shapes)) {
+    const PickleNode& list = t.node(shapes);
+    for (size_t g = 0; g < list.items.size(); ++g) {
+      const PickleNode& dict = t.node(list.items[g]);
+      for (const auto& [k, v] : dict.entries) {
+        std::optional<Shape> s = ShapeAt(t, v);
+        if (t.node(k).kind != PickleKind::kStr || !s) {
+          return InvalidArgumentError(
+              fmt::format("\"{}\": param_shapes[{}] is not a dict of shapes", Where(f), g));
+        }
+        found.emplace_back(t.node(k).text, *s);
+        groups.push_back(g);
+        kinds.emplace_back();
+      }
+    }
+    if (!layer_files_.empty()) return Status::Ok();  // AppendLayerModuleOnly
+    RESHARD_RETURN_IF_ERROR(AppendModuleOnly(f, found, kinds));
+    groups.resize(found.size(), kNoGroup);
+    return Status::Ok();
+  }
+  if (!layer_files_.empty()) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" has no param_shapes (ZeRO 0), so which parameters a pipeline stage holds, "
+        "by name, is not recorded; pipeline checkpoints are read at ZeRO 1 and 2",
+        Where(f)));
+  }
+  std::set<std::string> buffers;
+  const PickleNodeId b = Get(t, t.root(), "buffer_names");
+  if (!IsNone(t, b)) {
+    for (PickleNodeId c : t.node(b).items) buffers.insert(t.node(c).text);
+  }
+  for (const TorchTensor& tensor : f->tensors()) {
+    if (!tensor.name.starts_with("module.")) continue;
+    std::string name = tensor.name.substr(7);
+    const bool buffer = buffers.contains(name);
+    if (buffer && !tensor.dtype.dtype) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": buffer {} has no dtype reshard reads", Where(f), tensor.name));
+    }
+    found.emplace_back(std::move(name), tensor.shape);
+    groups.push_back(buffer ? kNoGroup : 0);
+    kinds.push_back(buffer ? ModuleOnlyKind{DeepSpeedParamKind::kBuffer, tensor.dtype.dtype}
+                           : ModuleOnlyKind{});
+  }
+  return Status::Ok();
+}
+
+void DeepSpeedReader::AddParam(std::string name, size_t group, int stage, ModuleOnlyKind kind) {
+  names_in_order_.push_back(std::move(name));
+  group_of_.push_back(group);
+  stage_of_.push_back(stage);
+  kind_of_.push_back(kind);
+  tp_shapes_.emplace_back();
+}
+
+// Names, groups and TP shard shapes of every stage's parameters (ReadListed), each TP rank's
+// file listing the same.
 Status DeepSpeedReader::ReadParams() {
   tp_shapes_.clear();
   size_t stage_begin = 0;  // the first parameter of the stage being read
@@ -702,52 +793,16 @@ Status DeepSpeedReader::ReadParams() {
     const Rank r = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
     const TorchFile* f = model_[slice];
     const TorchFile* base = model_[slice - static_cast<size_t>(r)];  // the stage's TP rank 0
-    const PickleTree& t = f->tree();
     std::vector<std::pair<std::string, Shape>> found;
     std::vector<size_t> groups;
-    const PickleNodeId shapes = Get(t, t.root(), "param_shapes");
-    if (!IsNone(t, shapes)) {
-      const PickleNode& list = t.node(shapes);
-      for (size_t g = 0; g < list.items.size(); ++g) {
-        const PickleNode& dict = t.node(list.items[g]);
-        for (const auto& [k, v] : dict.entries) {
-          std::optional<Shape> s = ShapeAt(t, v);
-          if (t.node(k).kind != PickleKind::kStr || !s) {
-            return InvalidArgumentError(
-                fmt::format("\"{}\": param_shapes[{}] is not a dict of shapes", Where(f), g));
-          }
-          found.emplace_back(t.node(k).text, *s);
-          groups.push_back(g);
-        }
-      }
-      if (layer_files_.empty()) RESHARD_RETURN_IF_ERROR(CheckModuleTensorsListed(f, found));
-    } else if (!layer_files_.empty()) {
-      return UnimplementedError(fmt::format(
-          "\"{}\" has no param_shapes (ZeRO 0), so which parameters a pipeline stage holds, "
-          "by name, is not recorded; pipeline checkpoints are read at ZeRO 1 and 2",
-          Where(f)));
-    } else {
-      std::vector<std::string> buffers;
-      const PickleNodeId b = Get(t, t.root(), "buffer_names");
-      if (!IsNone(t, b)) {
-        for (PickleNodeId c : t.node(b).items) buffers.push_back(t.node(c).text);
-      }
-      for (const TorchTensor& tensor : f->tensors()) {
-        if (!tensor.name.starts_with("module.")) continue;
-        std::string name = tensor.name.substr(7);
-        if (std::find(buffers.begin(), buffers.end(), name) != buffers.end()) continue;
-        found.emplace_back(std::move(name), tensor.shape);
-        groups.push_back(0);
-      }
-    }
+    std::vector<ModuleOnlyKind> kinds;
+    RESHARD_RETURN_IF_ERROR(ReadListed(f, found, groups, kinds));
     if (r == 0) {
       stage_begin = names_in_order_.size();
       for (size_t k = 0; k < found.size(); ++k) {
-        names_in_order_.push_back(found[k].first);
-        group_of_.push_back(groups[k]);
-        stage_of_.push_back(static_cast<int>(slice / static_cast<size_t>(c_.tp_)));
+        AddParam(found[k].first, groups[k], static_cast<int>(slice / static_cast<size_t>(c_.tp_)),
+                 kinds[k]);
       }
-      tp_shapes_.resize(names_in_order_.size());
     } else if (found.size() != names_in_order_.size() - stage_begin) {
       return InvalidArgumentError(fmt::format("\"{}\" lists {} parameters but \"{}\" lists {}",
                                               Where(f), found.size(), Where(base),
@@ -762,22 +817,27 @@ Status DeepSpeedReader::ReadParams() {
       tp_shapes_[stage_begin + k].push_back(found[k].second);
     }
   }
-  for (const TorchFile* f : model_) {  // every pipeline stage's
-    const PickleTree& t = f->tree();
-    const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
-    if (!IsNone(t, frozen) && !t.node(frozen).entries.empty()) {
-      return UnimplementedError(fmt::format(
-          "\"{}\" has frozen parameters (frozen_param_shapes), which this reader does not read "
-          "yet",
-          Where(f)));
-    }
-  }
+  if (!layer_files_.empty()) RESHARD_RETURN_IF_ERROR(AppendLayerModuleOnly());
   const PickleTree& t0 = model_[0]->tree();
   if (c_.pp_ == 1) RESHARD_RETURN_IF_ERROR(ReadExperts());
   RESHARD_ASSIGN_OR_RETURN(UcInfo uc, ReadUcInfo(t0, t0.root()));
   for (size_t i = 0; i < names_in_order_.size(); ++i) {
     const std::string& name = names_in_order_[i];
-    Result<TpLayout> tp = BuildTpMap(uc, name, tp_shapes_[i]);
+    const std::vector<Shape>& shapes = tp_shapes_[i];
+    const DeepSpeedParamKind kind = kind_of_[i].kind;
+    const bool alike =
+        std::all_of(shapes.begin(), shapes.end(), [&](const Shape& s) { return s == shapes[0]; });
+    // AutoTP cuts modules' parameters, frozen ones too, never their buffers: a buffer every TP
+    // rank holds in one shape is a replica, whatever the patterns (written for parameters)
+    // say; so is a frozen parameter no rule names. CheckTpReplicasAgree compares the ranks'
+    // values.
+    Result<TpLayout> tp = InvalidArgumentError("");
+    if (kind != DeepSpeedParamKind::kBuffer || !alike || c_.tp_ == 1)
+      tp = BuildTpMap(uc, name, shapes);
+    if (!tp.ok() && kind != DeepSpeedParamKind::kTrained && alike) {
+      Result<ParamMap> map = ReplicatedMap(shapes.front(), c_.tp_);
+      if (map.ok()) tp = TpLayout{*std::move(map), LayoutDescriptor{}, "replicated (no rule)"};
+    }
     if (!tp.ok()) {
       return tp.status().Annotate(fmt::format("\"{}\": parameter \"{}\"", Where(model_[0]), name));
     }
@@ -797,53 +857,75 @@ Status DeepSpeedReader::ReadParams() {
       return keys.status().Annotate(
           fmt::format("\"{}\": parameter \"{}\"", Where(model_[0]), name));
     }
-    params_.push_back(DeepSpeedParam{
-        name, std::move(tp->map), std::move(tp->layout), std::move(tp->source), {}, *keys, {}});
+    params_.push_back(DeepSpeedParam{name,
+                                     kind_of_[i].kind,
+                                     kind_of_[i].dtype,
+                                     std::move(tp->map),
+                                     std::move(tp->layout),
+                                     std::move(tp->source),
+                                     {},
+                                     *keys,
+                                     {}});
     params_.back().parts.resize(static_cast<size_t>(c_.tp_));
     params_.back().steps.resize(static_cast<size_t>(c_.tp_));
   }
   return Status::Ok();
 }
 
-// ZeRO 0-2 save the module's state_dict whole: its tensors are the parameters param_shapes
-// lists, the persistent buffers buffer_names lists (not read), ties (state_dict names a shared
-// parameter twice; param_shapes once) and frozen parameters, which no param group holds. Below
-// ZeRO 2 DeepSpeed records no frozen_param_shapes (None), so a frozen parameter is told by
-// its absence from param_shapes. Its weights are in no optimizer state, so reading on would
-// drop them from every output: it is refused.
-Status DeepSpeedReader::CheckModuleTensorsListed(
-    const TorchFile* f, const std::vector<std::pair<std::string, Shape>>& listed) const {
+// ZeRO 1 and 2 save the module's state_dict whole: its tensors are the parameters param_shapes
+// lists, the persistent buffers buffer_names lists, ties (state_dict names a shared parameter
+// twice; param_shapes once) and frozen parameters, which no param group holds. Below ZeRO 2
+// DeepSpeed records no frozen_param_shapes (None), so a frozen parameter is told by its
+// absence from param_shapes (and from buffer_names). Frozen parameters and buffers are read
+// from the module alone, in their own dtypes; a second name of a tensor already read (its
+// storage, offset and shape) is the tie it is. ZeRO 3 partitions frozen parameters over the
+// DP ranks (frozen_param_fragments), which is not read: refused, as is a module tensor it
+// does not account for.
+Status DeepSpeedReader::AppendModuleOnly(const TorchFile* f,
+                                         std::vector<std::pair<std::string, Shape>>& found,
+                                         std::vector<ModuleOnlyKind>& kinds) const {
   const PickleTree& t = f->tree();
-  const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
-  if (!IsNone(t, frozen) && !t.node(frozen).entries.empty()) return Status::Ok();  // ReadParams
   // AutoEP keeps module tensors no group holds (its router's alias), read by its own reader.
   if (!IsNone(t, Get(t, t.root(), "ds_autoep_layers"))) return Status::Ok();
+  const PickleNodeId frozen = Get(t, t.root(), "frozen_param_shapes");
+  if (c_.stage_ == 3 && !IsNone(t, frozen) && !t.node(frozen).entries.empty()) {
+    return UnimplementedError(fmt::format(
+        "\"{}\" has frozen parameters (frozen_param_shapes), which ZeRO 3 partitions over the "
+        "DP ranks; those partitions are not read yet, and the checkpoint is refused rather than "
+        "read without them",
+        Where(f)));
+  }
   std::set<std::string> params;
-  for (const auto& entry : listed) params.insert(entry.first);
+  for (const auto& entry : found) params.insert(entry.first);
   std::set<std::string> buffers;
   const PickleNodeId b = Get(t, t.root(), "buffer_names");
   if (!IsNone(t, b)) {
     for (PickleNodeId c : t.node(b).items) buffers.insert(t.node(c).text);
   }
-  std::set<std::tuple<size_t, Index, Shape>> held;  // the listed parameters' storage
-  std::vector<const TorchTensor*> unlisted;
+  std::set<std::tuple<size_t, Index, Shape>> held;  // the storage of the tensors read
+  for (const TorchTensor& tensor : f->tensors()) {
+    if (tensor.name.starts_with("module.") && params.contains(tensor.name.substr(7)))
+      held.emplace(tensor.storage, tensor.storage_offset, tensor.shape);
+  }
   for (const TorchTensor& tensor : f->tensors()) {
     if (!tensor.name.starts_with("module.")) continue;
-    const std::string name = tensor.name.substr(7);
-    if (params.contains(name)) {
-      held.emplace(tensor.storage, tensor.storage_offset, tensor.shape);
-    } else if (!buffers.contains(name)) {
-      unlisted.push_back(&tensor);
+    std::string name = tensor.name.substr(7);
+    if (params.contains(name)) continue;
+    if (!held.emplace(tensor.storage, tensor.storage_offset, tensor.shape).second) continue;
+    const bool buffer = buffers.contains(name);
+    if (!buffer && c_.stage_ == 3) {
+      return UnimplementedError(fmt::format(
+          "\"{}\": {} is a module tensor that neither param_shapes nor buffer_names lists (a "
+          "frozen parameter, which ZeRO 3 partitions over the DP ranks, is not read yet)",
+          Where(f), tensor.name));
     }
-  }
-  for (const TorchTensor* tensor : unlisted) {
-    if (held.contains({tensor->storage, tensor->storage_offset, tensor->shape})) continue;
-    return UnimplementedError(fmt::format(
-        "\"{}\": {} is a module tensor that param_shapes does not list (a frozen parameter, "
-        "which no param group holds: DeepSpeed below ZeRO 2 does not record it in "
-        "frozen_param_shapes) and buffer_names does not list; frozen parameters are not read "
-        "yet, and are refused rather than dropped",
-        Where(f), tensor->name));
+    if (!tensor.dtype.dtype) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": {} has no dtype reshard reads", Where(f), tensor.name));
+    }
+    found.emplace_back(std::move(name), tensor.shape);
+    kinds.push_back(
+        {buffer ? DeepSpeedParamKind::kBuffer : DeepSpeedParamKind::kFrozen, tensor.dtype.dtype});
   }
   return Status::Ok();
 }
@@ -875,11 +957,13 @@ Status DeepSpeedReader::ReadExperts() {
     if (ClaimsName(*experts, names_in_order_[i])) continue;
     names_in_order_[kept] = names_in_order_[i];
     group_of_[kept] = group_of_[i];
+    kind_of_[kept] = kind_of_[i];
     tp_shapes_[kept] = tp_shapes_[i];
     ++kept;
   }
   names_in_order_.resize(kept);
   group_of_.resize(kept);
+  kind_of_.resize(kept);
   tp_shapes_.resize(kept);
   stage_of_.resize(kept);
   c_.experts_ = std::make_shared<const DeepSpeedExperts>(*std::move(experts));
@@ -1074,8 +1158,10 @@ Status DeepSpeedReader::Place(Rank t, size_t i, const std::vector<FragmentSpan>&
 
 // ZeRO 1/2 (param_slice_mappings) and ZeRO 3 (ceil(n / DP) per rank, in order).
 Status DeepSpeedReader::ReadPartitions() {
-  const size_t groups =
-      group_of_.empty() ? 0 : *std::max_element(group_of_.begin(), group_of_.end()) + 1;
+  size_t groups = 0;
+  for (const size_t g : group_of_) {
+    if (g != kNoGroup) groups = std::max(groups, g + 1);
+  }
   for (size_t slice = 0; slice < optim_.size(); ++slice) {
     const Rank t = static_cast<Rank>(slice % static_cast<size_t>(c_.tp_));
     const Rank s = static_cast<Rank>(slice);  // the files' index
@@ -1129,7 +1215,8 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
     const TorchFile* f = model_[slice];
     std::vector<size_t> mine;  // the parameters of this file's stage, in order
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (SliceOf(i, t) == slice) mine.push_back(i);
+      if (SliceOf(i, t) == slice && params_[i].kind == DeepSpeedParamKind::kTrained)
+        mine.push_back(i);
     }
     const PickleTree& tree = f->tree();
     const bool wrapped = !IsNone(tree, Walk(tree, tree.root(), "optimizer.optimizer_state_dict"));
@@ -1150,7 +1237,8 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
     if (keys.size() != mine.size()) {
       return InvalidArgumentError(fmt::format(
           "\"{}\": the optimizer's param_groups list {} parameters but the module has {} (a "
-          "frozen parameter, which no param group holds? frozen parameters are not read yet)",
+          "frozen parameter, which no param group holds? ZeRO 0 records no param_shapes to "
+          "tell one by)",
           Where(f), keys.size(), mine.size()));
     }
     for (size_t j = 0; j < mine.size(); ++j) {
@@ -1186,7 +1274,8 @@ Status DeepSpeedReader::ReadTorchOptimizer() {
 // and the module state is read from the master weights).
 Status DeepSpeedReader::ReadModuleFragments() {
   if (!layer_files_.empty()) return ReadLayerWeights();
-  if (c_.stage_ == 3) {
+  const bool zero3 = c_.stage_ == 3;
+  if (zero3) {
     const PickleTree& tree = model_[0]->tree();
     const PickleNodeId cfg = Get(tree, tree.root(), "ds_config");
     auto enabled = [&](const char* key) {
@@ -1195,13 +1284,15 @@ Status DeepSpeedReader::ReadModuleFragments() {
              tree.node(e).bool_value;
     };
     c_.module_dtype_ = enabled("bf16") ? DType::kBF16 : enabled("fp16") ? DType::kF16 : DType::kF32;
-    return Status::Ok();
   }
+  bool first = true;
   for (Rank t = 0; t < c_.tp_; ++t) {
     const TorchFile* f = model_[static_cast<size_t>(t)];
     std::map<std::string, const TorchTensor*> by_name;
     for (const TorchTensor& tensor : f->tensors()) by_name.emplace(tensor.name, &tensor);
     for (size_t i = 0; i < params_.size(); ++i) {
+      const bool trained = params_[i].kind == DeepSpeedParamKind::kTrained;
+      if (zero3 && trained) continue;  // empty: the module state is the masters, rounded
       const std::string key = "module." + params_[i].name;
       auto it = by_name.find(key);
       const Shape& shape = tp_shapes_[i][static_cast<size_t>(t)];
@@ -1210,18 +1301,21 @@ Status DeepSpeedReader::ReadModuleFragments() {
             fmt::format("\"{}\": {} is missing or is not a tensor of shape {}", Where(f), key,
                         FormatShape(shape)));
       }
-      if (t == 0 && i == 0) c_.module_dtype_ = *it->second->dtype.dtype;
-      if (*it->second->dtype.dtype != c_.module_dtype_) {
-        return InvalidArgumentError(
-            fmt::format("\"{}\": {} is {}, but the module's first weight is {}", Where(f), key,
-                        DTypeName(*it->second->dtype.dtype), DTypeName(c_.module_dtype_)));
+      const DType dtype = *it->second->dtype.dtype;
+      if (trained && first) c_.module_dtype_ = dtype;
+      if (trained) first = false;
+      const DType want = trained ? c_.module_dtype_ : params_[i].own_dtype.value_or(dtype);
+      if (dtype != want) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": {} is {}, but {} {}", Where(f), key, DTypeName(dtype),
+            trained ? "the module's first weight is" : "TP rank 0 holds it as", DTypeName(want)));
       }
       const Index n = ProductOf(shape);
       RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
       DeepSpeedShardParts parts{whole, {{f, it->second, 0}}};
       auto& slots = params_[i].parts[static_cast<size_t>(t)];
       // Without a separate master copy (fp32 ZeRO 0), the module's weights are the master.
-      if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
+      if (trained && c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
         slots[Slot(DeepSpeedState::kMaster)] = parts;
       slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
     }
@@ -1326,6 +1420,62 @@ Result<std::map<std::string, int>> DeepSpeedReader::TiedModuleKeys() {
   return owner;
 }
 
+// A PipelineModule's layer files hold, beside the parameters its stages list, the persistent
+// buffers (buffer_names lists them as "<layer>.<name>") and the frozen parameters (no param
+// group holds them; the pipeline engine records no frozen_param_shapes) of their layers. Each
+// is read as a tensor of the stage whose parameters its layer holds, from the module alone, in
+// its own dtype. What a tied module's file or a layer no stage lists holds beside that is left
+// to CheckLayerFilesRead.
+Status DeepSpeedReader::AppendLayerModuleOnly() {
+  std::set<std::string> buffers;
+  for (const TorchFile* f : model_) {
+    const PickleTree& t = f->tree();
+    const PickleNodeId b = Get(t, t.root(), "buffer_names");
+    if (IsNone(t, b)) continue;
+    for (PickleNodeId c : t.node(b).items) buffers.insert(t.node(c).text);
+  }
+  const std::set<std::string> listed(names_in_order_.begin(), names_in_order_.end());
+  std::map<int, int> stage_of_layer;
+  for (size_t i = 0; i < names_in_order_.size(); ++i) {
+    if (auto l = LayerName(names_in_order_[i])) stage_of_layer.emplace(l->first, stage_of_[i]);
+  }
+  for (const auto& [layer, stage] : stage_of_layer) {
+    const size_t begin = names_in_order_.size();
+    const TorchFile* first = nullptr;
+    for (Rank t = 0; t < c_.tp_; ++t) {
+      RESHARD_ASSIGN_OR_RETURN(const TorchFile* f, LayerFile(layer, t));
+      size_t k = begin;
+      for (const TorchTensor& tensor : f->tensors()) {
+        std::string name = fmt::format("{}.{}", layer, tensor.name);
+        if (listed.contains(name)) continue;
+        if (!tensor.dtype.dtype) {
+          return InvalidArgumentError(
+              fmt::format("\"{}\": \"{}\" has no dtype reshard reads", Where(f), tensor.name));
+        }
+        if (t == 0) {
+          const bool buffer = buffers.contains(name);
+          AddParam(std::move(name), kNoGroup, stage,
+                   {buffer ? DeepSpeedParamKind::kBuffer : DeepSpeedParamKind::kFrozen,
+                    tensor.dtype.dtype});
+        } else if (k >= names_in_order_.size() || names_in_order_[k] != name) {
+          return InvalidArgumentError(fmt::format(
+              "\"{}\" holds \"{}\" beside its stage's parameters, which \"{}\" does not hold "
+              "there",
+              Where(f), tensor.name, Where(first)));
+        }
+        tp_shapes_[k++].push_back(tensor.shape);
+      }
+      if (t == 0) first = f;
+      if (k != names_in_order_.size()) {
+        return InvalidArgumentError(
+            fmt::format("\"{}\" lacks \"{}\", which \"{}\" holds beside its stage's parameters",
+                        Where(f), LayerName(names_in_order_[k])->second, Where(first)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 // Pipeline stages: each parameter's module weights from its layer's file (TiedModuleKeys for
 // the tied modules'), in the module's dtype, which every layer shares.
 Status DeepSpeedReader::ReadLayerWeights() {
@@ -1364,18 +1514,21 @@ Status DeepSpeedReader::ReadLayerWeights() {
             "\"{}\": \"{}\" (parameter \"{}\") is missing or is not a tensor of shape {}", Where(f),
             at->second, param, FormatShape(shape)));
       }
-      if (first) c_.module_dtype_ = *tensor->dtype.dtype;
-      first = false;
-      if (*tensor->dtype.dtype != c_.module_dtype_) {
-        return InvalidArgumentError(
-            fmt::format("\"{}\": \"{}\" is {}, but the module's first weight is {}", Where(f),
-                        at->second, DTypeName(*tensor->dtype.dtype), DTypeName(c_.module_dtype_)));
+      const bool trained = params_[i].kind == DeepSpeedParamKind::kTrained;
+      if (first && trained) c_.module_dtype_ = *tensor->dtype.dtype;
+      if (trained) first = false;
+      const DType want = trained ? c_.module_dtype_ : params_[i].own_dtype.value_or(DType::kF32);
+      if (*tensor->dtype.dtype != want) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": \"{}\" is {}, but {} {}", Where(f), at->second,
+            DTypeName(*tensor->dtype.dtype),
+            trained ? "the module's first weight is" : "TP rank 0 holds it as", DTypeName(want)));
       }
       const Index n = ProductOf(shape);
       RESHARD_ASSIGN_OR_RETURN(ParamMap whole, FragmentMap(n, 1, {{0, 0, n}}));
       DeepSpeedShardParts parts{whole, {{f, tensor, 0}}};
       auto& slots = params_[i].parts[static_cast<size_t>(t)];
-      if (c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
+      if (trained && c_.module_dtype_ == DType::kF32 && !slots[Slot(DeepSpeedState::kMaster)])
         slots[Slot(DeepSpeedState::kMaster)] = parts;
       slots[Slot(DeepSpeedState::kModule)] = std::move(parts);
     }
@@ -1387,9 +1540,9 @@ Status DeepSpeedReader::ReadLayerWeights() {
 // (DeepSpeed's loader globs layer_XX-*model_states.pt, so a stray file is not harmless):
 // files of a TP rank the checkpoint does not have, or named with and without TP ranks, are
 // refused; so are a file of a layer no stage lists and no tied module owns that holds
-// tensors, and tensors that are not parameters of the optimizer's (persistent buffers, which
-// buffer_names lists, and frozen parameters), which are not read yet: refused rather than
-// dropped from every output.
+// tensors, and a tied module's tensors that are not parameters of the optimizer's (persistent
+// buffers, which buffer_names lists, and frozen parameters), which are not read yet: refused
+// rather than dropped from every output. (Other layers' are read: AppendLayerModuleOnly.)
 Status DeepSpeedReader::CheckLayerFilesRead(
     const std::map<const TorchFile*, std::set<std::string>>& read) {
   static const std::regex kLayerFile(R"(layer_(\d+)-(model_(\d+)-)?model_states\.pt)");
@@ -1433,9 +1586,9 @@ Status DeepSpeedReader::CheckLayerFilesRead(
       layer.erase(0, std::min(layer.find_first_not_of('0'), layer.size() - 1));
       layer += "." + tensor.name;
       return UnimplementedError(fmt::format(
-          "\"{}\" holds \"{}\", which is no parameter of its stage's optimizer: {}; module "
-          "buffers and frozen parameters of a pipeline checkpoint are not read yet, and are "
-          "refused rather than dropped",
+          "\"{}\" holds \"{}\", which is no parameter of its stage's optimizer: {}; a tied "
+          "module's buffers and frozen parameters are not read yet, and are refused rather than "
+          "dropped",
           path, tensor.name,
           buffers.contains(layer)
               ? fmt::format("a module buffer (buffer_names lists \"{}\")", layer)
@@ -1848,7 +2001,9 @@ Status DeepSpeedReader::CheckTpReplicasAgree() const {
       }
       std::sort(positions.begin(), positions.end());
       positions.erase(std::unique(positions.begin(), positions.end()), positions.end());
-      const size_t size = DTypeSize(c_.StateDType(state));
+      const DType dtype =
+          state == DeepSpeedState::kModule && p.own_dtype ? *p.own_dtype : c_.StateDType(state);
+      const size_t size = DTypeSize(dtype);
       for (const Index k : positions) {
         std::vector<std::pair<Rank, const std::byte*>> at;
         for (const ShardElements& r : elements) at.push_back(r.At(k));
@@ -1878,8 +2033,8 @@ Status DeepSpeedReader::CheckTpReplicasAgree() const {
                                                               : "exp_avg_sq";
         const std::string values =
             fmt::format("element {} of its {} is {} on TP rank {} but {} on TP rank {}", k, what,
-                        FormatElement(c_.StateDType(state), at[blamed].second), blamed,
-                        FormatElement(c_.StateDType(state), at[witness].second), witness);
+                        FormatElement(dtype, at[blamed].second), blamed,
+                        FormatElement(dtype, at[witness].second), witness);
         if (at.size() >= 3) {
           return InvalidArgumentError(fmt::format(
               "\"{}\" does not belong with the other TP ranks' files: parameter \"{}\" is held "
@@ -1916,7 +2071,7 @@ Status DeepSpeedReader::CheckTiedCopies() {
         if (!mine || !theirs) continue;
         const DeepSpeedState state = static_cast<DeepSpeedState>(s);
         const Index n = params[j].tp_map.shard_num_elements(t);
-        const size_t size = DTypeSize(c_.StateDType(state));
+        const size_t size = DTypeSize(c_.ParamDType(j, state));
         std::vector<std::byte> a(static_cast<size_t>(n) * size), b(a.size());
         RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(j, state, t, {a.data(), n}));
         RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, state, t, {b.data(), n}));
@@ -1932,8 +2087,8 @@ Status DeepSpeedReader::CheckTiedCopies() {
             Where(theirs->fragments[static_cast<size_t>(dj)].file),
             Where(mine->fragments[static_cast<size_t>(di)].file), params[i].name, stage_of_[j],
             stage_of_[i], k, DeepSpeedStateName(state),
-            FormatElement(c_.StateDType(state), a.data() + k * size),
-            FormatElement(c_.StateDType(state), b.data() + k * size)));
+            FormatElement(c_.ParamDType(j, state), a.data() + k * size),
+            FormatElement(c_.ParamDType(j, state), b.data() + k * size)));
       }
     }
   }
@@ -1998,6 +2153,16 @@ DType DeepSpeedCheckpoint::StateDType(DeepSpeedState state) const {
   return state == DeepSpeedState::kModule ? module_dtype_ : DType::kF32;
 }
 
+DType DeepSpeedCheckpoint::ParamDType(size_t i, DeepSpeedState state) const {
+  const DeepSpeedParam& p = (*params_)[i];
+  return state == DeepSpeedState::kModule && p.own_dtype ? *p.own_dtype : StateDType(state);
+}
+
+bool DeepSpeedCheckpoint::Holds(size_t i, DeepSpeedState state) const {
+  if (state == DeepSpeedState::kModule) return true;
+  return has_optimizer_ && (*params_)[i].kind == DeepSpeedParamKind::kTrained;
+}
+
 bool IsDeepSpeedCheckpoint(const std::string& path) {
   std::error_code ec;
   const fs::path dir(path);
@@ -2019,7 +2184,7 @@ Status DeepSpeedCheckpoint::ReadTpShard(size_t i, DeepSpeedState state, Rank tp_
     return NotFoundError(fmt::format("the checkpoint holds no {} for parameter \"{}\"",
                                      DeepSpeedStateName(state), p.name));
   }
-  const DType dtype = rounded ? DType::kF32 : StateDType(state);
+  const DType dtype = rounded ? DType::kF32 : ParamDType(i, state);
   const size_t size = DTypeSize(dtype);
   std::vector<std::byte> temp;
   MutableBuffer dest = out;
@@ -2074,7 +2239,7 @@ std::optional<ConstBuffer> DeepSpeedCheckpoint::TpShardView(size_t i, DeepSpeedS
     const TorchTensor& t = *f.tensor;
     if (!t.is_contiguous()) return std::nullopt;
     const std::byte* base = f.file->storages()[t.storage].bytes.data();
-    const size_t size = DTypeSize(StateDType(state));
+    const size_t size = DTypeSize(ParamDType(i, state));
     return ConstBuffer{base + static_cast<size_t>(t.storage_offset + f.offset) * size, n};
   }
   return std::nullopt;
@@ -2090,7 +2255,7 @@ Status DeepSpeedCheckpoint::ReadTpShardRange(size_t i, DeepSpeedState state, Ran
     return InternalError(
         fmt::format("parameter \"{}\": elements [{}, {}) of a shard of {}", p.name, begin, end, n));
   }
-  const size_t size = DTypeSize(StateDType(state));
+  const size_t size = DTypeSize(ParamDType(i, state));
   // The fragments as FragmentMap lays them out: rank d holds elements [start, start + length)
   // of the flat shard in one contiguous piece. Anything else is read whole.
   bool direct = slot.has_value();
@@ -2140,11 +2305,19 @@ class DeepSpeedShardSource : public ShardSource {
     for (DeepSpeedState s : states) {
       for (size_t i = 0; i < ckpt_->params().size(); ++i) {
         const DeepSpeedParam& p = ckpt_->params()[i];
+        const bool first = s == states.front();
+        // A frozen parameter or a buffer has its module tensor alone: that is its tensor in a
+        // gather of the masters, and it has no optimizer state to convert.
+        DeepSpeedState held = s;
+        if (!ckpt_->Holds(i, s)) {
+          if (!first) continue;
+          held = DeepSpeedState::kModule;
+        }
         const std::string name =
-            s == states.front() ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
-        manifest_.params.push_back(
-            ShardedParam{name, ckpt_->StateDType(s), p.tp_map, p.layout, DeepSpeedScalePower(s)});
-        which_.emplace_back(i, s);
+            first ? p.name : fmt::format("{}.{}", p.name, DeepSpeedStateName(s));
+        manifest_.params.push_back(ShardedParam{name, ckpt_->ParamDType(i, held), p.tp_map,
+                                                p.layout, DeepSpeedScalePower(held)});
+        which_.emplace_back(i, held);
       }
     }
   }
@@ -2287,6 +2460,8 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
     nlohmann::ordered_json shards = nlohmann::ordered_json::array();
     for (Rank r = 0; r < c.tp(); ++r) shards.push_back(p.tp_map.rank(r).shard_shape);
     entry["tp_shard_shapes"] = shards;
+    entry["kind"] = std::string(DeepSpeedParamKindName(p.kind));
+    if (p.own_dtype) entry["dtype"] = std::string(DTypeName(*p.own_dtype));
     params.push_back(entry);
   }
   doc["params"] = params;
@@ -2303,9 +2478,14 @@ std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
       c.has_optimizer_state() ? "fp32 master weights and Adam moments" : "no optimizer state",
       c.params().size());
   for (const DeepSpeedParam& p : c.params()) {
-    out += fmt::format("  {}  {}  {}{}\n", p.name, FormatShape(p.tp_map.valid_shape()),
+    // A frozen parameter or a buffer says so, with its dtype: it has no optimizer state.
+    const std::string kind = p.kind == DeepSpeedParamKind::kTrained
+                                 ? ""
+                                 : fmt::format("  ({}, {})", DeepSpeedParamKindName(p.kind),
+                                               DTypeName(p.own_dtype.value_or(c.module_dtype())));
+    out += fmt::format("  {}  {}  {}{}{}\n", p.name, FormatShape(p.tp_map.valid_shape()),
                        p.layout ? LayoutToJson(*p.layout) : std::string("(no layout rule)"),
-                       fmt::format("  [{}]", p.layout_source));
+                       fmt::format("  [{}]", p.layout_source), kind);
   }
   if (c.experts() != nullptr) out += AutoEpSummaryText(*c.experts());
   return out;

@@ -138,8 +138,21 @@ struct DeepSpeedStep {
   PickleNodeId node = kNoPickleNode;
 };
 
+/// What the optimizer holds of a module tensor.
+enum class DeepSpeedParamKind {
+  kTrained,  // a parameter of a param group: module weights, fp32 master, Adam's moments
+  kFrozen,   // a parameter no param group holds (requires_grad False): module weights only
+  kBuffer,   // a persistent buffer (buffer_names): module tensor only, in its own dtype
+};
+
+/// "trained", "frozen", "buffer".
+std::string_view DeepSpeedParamKindName(DeepSpeedParamKind kind);
+
 struct DeepSpeedParam {
   std::string name;
+  DeepSpeedParamKind kind = DeepSpeedParamKind::kTrained;
+  /// A buffer's dtype (its module tensor's); unset for parameters, which are in the module's.
+  std::optional<DType> own_dtype;
   ParamMap tp_map;  // F -> TP shards
   /// The rule that lays the parameter out at any TP degree, when one is known (lowered from
   /// the pattern lists, or recognised in the affine map).
@@ -209,6 +222,11 @@ class DeepSpeedCheckpoint {
   Status ReadTpShardRange(size_t i, DeepSpeedState state, Rank tp_rank, Index begin,
                           MutableBuffer out) const;
   DType StateDType(DeepSpeedState state) const;
+  /// The dtype of parameter i's tensors in `state` (a buffer's own for its module state).
+  DType ParamDType(size_t i, DeepSpeedState state) const;
+  /// Whether the checkpoint holds `state` of parameter i: every state of a trained parameter
+  /// (with optimizer state), the module's alone of a frozen parameter or a buffer.
+  bool Holds(size_t i, DeepSpeedState state) const;
 
  private:
   friend class DeepSpeedReader;

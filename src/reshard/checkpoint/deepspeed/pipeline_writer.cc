@@ -249,15 +249,18 @@ Result<PipelinePlan> Plan(const DeepSpeedCheckpoint& c, const DeepSpeedPipelineT
       if (first) tied.emplace_back(*first, key);
     }
     std::sort(tied.begin(), tied.end());
+    // The optimizer's parameters: a layer's frozen parameters and buffers are in its file only.
     std::vector<size_t> params;
-    for (const auto& [first, key] : tied) {
-      const LayerUnit& unit = plan.layers.at(c.tied_owners().at(key));
-      params.insert(params.end(), unit.params.begin(), unit.params.end());
-    }
+    auto add = [&](const LayerUnit& unit) {
+      for (const size_t i : unit.params) {
+        if (c.params()[i].kind == DeepSpeedParamKind::kTrained) params.push_back(i);
+      }
+    };
+    for (const auto& [first, key] : tied) add(plan.layers.at(c.tied_owners().at(key)));
     for (auto it = plan.layers.lower_bound(begin); it != plan.layers.end() && it->first < end;
          ++it) {
       if (!TiedKey(c.params()[it->second.params.front()].name).empty()) continue;  // above
-      params.insert(params.end(), it->second.params.begin(), it->second.params.end());
+      add(it->second);
     }
     if (params.empty()) {
       return InvalidArgumentError(fmt::format(
@@ -384,7 +387,7 @@ Status PipelineWriter::ReadSourceShards(size_t i, DeepSpeedState state,
                                         std::vector<std::vector<std::byte>>& data,
                                         std::vector<ConstBuffer>& views) const {
   const ParamMap& source = c_.params()[i].tp_map;
-  const size_t size = DTypeSize(c_.StateDType(state));
+  const size_t size = DTypeSize(c_.ParamDType(i, state));
   data.assign(static_cast<size_t>(source.world_size()), {});
   views.assign(static_cast<size_t>(source.world_size()), {});
   for (Rank r = 0; r < source.world_size(); ++r) {
@@ -403,7 +406,7 @@ Status PipelineWriter::ReadSourceShards(size_t i, DeepSpeedState state,
 // compared once (P2), by the first file to need them.
 Status PipelineWriter::FillShard(size_t i, DeepSpeedState state, Rank t,
                                  std::span<std::byte> out) const {
-  const DType dtype = c_.StateDType(state);
+  const DType dtype = c_.ParamDType(i, state);
   const Index shard = plan_.maps[i].shard_num_elements(t);
   if (plan_.tp == c_.tp()) return c_.ReadTpShard(i, state, t, {out.data(), shard});
   ExecOptions o;
@@ -439,7 +442,7 @@ Status PipelineWriter::WriteLayer(int layer, Rank t, const std::string& path,
   for (size_t k = 0; k < unit.params.size(); ++k) {
     const size_t i = unit.params[k];
     b.Insert(root, b.Str(unit.local[k]),
-             b.Tensor(c_.module_dtype(), plan_.maps[i].rank(t).shard_shape,
+             b.Tensor(c_.ParamDType(i, DeepSpeedState::kModule), plan_.maps[i].rank(t).shard_shape,
                       [this, i, t](std::span<std::byte> out) {
                         return FillShard(i, DeepSpeedState::kModule, t, out);
                       }));
@@ -464,6 +467,19 @@ Status PipelineWriter::WriteModelStates(int stage, Rank t, const std::string& pa
       for (const size_t i : plan_.stage[static_cast<size_t>(stage)])
         b.Insert(shapes, b.Str(c_.params()[i].name), b.Size(plan_.maps[i].rank(t).shard_shape));
       value = b.List({shapes});
+    } else if (key == "buffer_names" && tree.node(v).kind == PickleKind::kList) {
+      // The persistent buffers of the stage's layers ("<layer>.<name>").
+      std::vector<PickleNodeId> names;
+      const int begin = plan_.parts[static_cast<size_t>(stage)];
+      const int end = plan_.parts[static_cast<size_t>(stage) + 1];
+      for (auto it = plan_.layers.lower_bound(begin); it != plan_.layers.end() && it->first < end;
+           ++it) {
+        for (const size_t i : it->second.params) {
+          if (c_.params()[i].kind == DeepSpeedParamKind::kBuffer)
+            names.push_back(b.Str(c_.params()[i].name));
+        }
+      }
+      value = b.List(std::move(names));
     } else if (key == "dp_world_size") {
       value = b.Int(plan_.dp);
     } else if (key == "mp_world_size") {
@@ -604,13 +620,14 @@ Status ConvertDeepSpeedToPipeline(const std::string& ckpt_dir,
   const PipelineWriter writer(c, plan, options);
   std::vector<UniversalFile> files;
   const std::string dir = plan.tag + "/";
-  const size_t module_size = DTypeSize(c.module_dtype());
   for (const auto& [index, unit] : plan.layers) {
     const int layer = index;  // a lambda captures no structured binding before C++20's clang 16
     for (Rank t = 0; t < plan.tp; ++t) {
       uint64_t bytes = 0;
-      for (const size_t i : unit.params)
-        bytes += static_cast<uint64_t>(plan.maps[i].shard_num_elements(t)) * module_size;
+      for (const size_t i : unit.params) {
+        bytes += static_cast<uint64_t>(plan.maps[i].shard_num_elements(t)) *
+                 DTypeSize(c.ParamDType(i, DeepSpeedState::kModule));
+      }
       const std::string name =
           plan.tp > 1 ? fmt::format("layer_{:02d}-model_{:02d}-model_states.pt", layer, t)
                       : fmt::format("layer_{:02d}-model_states.pt", layer);

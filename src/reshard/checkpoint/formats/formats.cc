@@ -25,6 +25,8 @@
 #include "reshard/hf/quantization.h"
 #include "reshard/hf/registry.h"
 #include "reshard/io/file.h"
+#include "reshard/io/torch_file.h"
+#include "reshard/layouts/basic.h"
 
 namespace reshard {
 namespace {
@@ -232,6 +234,98 @@ Result<OpenedCheckpoint> OpenFull(const std::string& path, const SourceOptions&)
   return out;
 }
 
+// ---- a single torch.save file -----------------------------------------------------------
+
+bool DetectTorchSaveFile(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return false;
+  const std::string name = fs::path(path).filename().string();
+  return name.ends_with(".pt") || name.ends_with(".pth") || name.ends_with(".bin");
+}
+
+Status CheckTorchSaveFile(const std::string& path, const SourceOptions& options) {
+  if (options.use == SourceUse::kGather) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is one torch.save file of whole tensors: there is nothing to gather (export "
+        "writes its tensors as safetensors)",
+        path));
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseDeepSpeedOptions(path, options, "a torch.save file"));
+  RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a torch.save file"));
+  return RefuseDistributedConfig(path, options, "a torch.save file");
+}
+
+// The tensors of one torch.save file (a state dict: each tensor named by its dotted path in
+// the object tree) at world size 1, each one rank's whole shard: read in place where it is
+// stored dense, else copied (a view with other strides) while acquired. No pickle code runs.
+class TorchSaveSource : public ShardSource {
+ public:
+  static Result<std::unique_ptr<ShardSource>> Open(const std::string& path) {
+    RESHARD_ASSIGN_OR_RETURN(TorchFile f, TorchFile::Open(path));
+    auto source = std::unique_ptr<TorchSaveSource>(new TorchSaveSource(path, std::move(f)));
+    RESHARD_RETURN_IF_ERROR(source->ListTensors());
+    return std::unique_ptr<ShardSource>(std::move(source));
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override { return {path_}; }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    const TorchTensor& t = *tensors_[i];
+    if (t.is_contiguous()) {
+      const std::byte* base = file_.storages()[t.storage].bytes.data();
+      return std::vector<ConstBuffer>{
+          {base + static_cast<size_t>(t.storage_offset) * DTypeSize(*t.dtype.dtype),
+           static_cast<Index>(t.numel())}};
+    }
+    return cache_.Acquire(i, manifest_.params[i].map,
+                          [&](std::vector<std::vector<std::byte>>& data) {
+                            data[0].resize(t.num_bytes());
+                            return file_.CopyTo(t, data[0]);
+                          });
+  }
+  void ReleaseShards(size_t i) override {
+    if (!tensors_[i]->is_contiguous()) cache_.Release(i);
+  }
+
+ private:
+  TorchSaveSource(std::string path, TorchFile f) : path_(std::move(path)), file_(std::move(f)) {}
+
+  Status ListTensors() {
+    manifest_.world_size = 1;
+    std::set<std::string_view> names;
+    for (const TorchTensor& t : file_.tensors()) {
+      if (!t.dtype.dtype) {
+        return UnimplementedError(
+            fmt::format("\"{}\": tensor \"{}\" is {}, which reshard does "
+                        "not read",
+                        path_, t.name, t.dtype.name));
+      }
+      if (!names.insert(t.name).second) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": two tensors are both named \"{}\" (dotted paths collide)", path_, t.name));
+      }
+      RESHARD_ASSIGN_OR_RETURN(ParamMap map, ReplicatedMap(t.shape, 1));
+      manifest_.params.push_back(
+          ShardedParam{t.name, *t.dtype.dtype, std::move(map), std::nullopt, 1});
+      tensors_.push_back(&t);
+    }
+    return Status::Ok();
+  }
+
+  std::string path_;
+  TorchFile file_;
+  Manifest manifest_;
+  std::vector<const TorchTensor*> tensors_;  // by manifest parameter
+  ShardCache cache_;
+};
+
+Result<OpenedCheckpoint> OpenTorchSaveFile(const std::string& path, const SourceOptions&) {
+  OpenedCheckpoint out;
+  out.format = "pt";
+  out.run = HuggingFaceRun();
+  RESHARD_ASSIGN_OR_RETURN(out.source, TorchSaveSource::Open(path));
+  return out;
+}
+
 // ---- DeepSpeed --------------------------------------------------------------------------
 
 Status CheckDeepSpeed(const std::string& path, const SourceOptions& options) {
@@ -431,6 +525,8 @@ constexpr std::array kFormats = {
     CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
                      OpenDcp},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
+    CheckpointFormat{"pt", "a torch.save file", DetectTorchSaveFile, CheckTorchSaveFile,
+                     OpenTorchSaveFile},
 };
 
 }  // namespace
@@ -601,13 +697,22 @@ Result<bool> HasQuantizedTensors(const OpenedCheckpoint& opened) {
   return scheme.has_value();
 }
 
+// Whether the format of `path` takes a model's config.json.
+bool TakesConfig(const std::string& path, const SourceOptions& s, const std::string& config) {
+  SourceOptions with = s;
+  with.config_path = config;
+  return !config.empty() && CheckSourceOptions(path, with).ok();
+}
+
 Result<DiffSide> OpenDiffSide(const std::string& path,
-                              const std::optional<DequantizeOptions>& dequantize) {
+                              const std::optional<DequantizeOptions>& dequantize,
+                              const std::string& config) {
   SourceOptions s;
   s.use = SourceUse::kConvert;
   // The weights only, where the format holds more (a DeepSpeed checkpoint's optimizer state).
   s.weights_only = true;
   if (!CheckSourceOptions(path, s).ok()) s.weights_only = false;
+  if (TakesConfig(path, s, config)) s.config_path = config;
   DiffSide side;
   RESHARD_ASSIGN_OR_RETURN(side.opened, OpenCheckpoint(path, s));
   if (side.opened.source == nullptr) return InvalidArgumentError(side.opened.not_convertible);
@@ -624,10 +729,19 @@ Result<DiffSide> OpenDiffSide(const std::string& path,
 
 Result<DiffReport> DiffCheckpoints(const std::string& a, const std::string& b,
                                    const std::optional<DequantizeOptions>& dequantize,
-                                   const DiffOptions& options) {
-  Result<DiffSide> side_a = OpenDiffSide(a, dequantize);
+                                   const DiffOptions& options, const std::string& config_path) {
+  if (!config_path.empty()) {
+    SourceOptions s;
+    s.use = SourceUse::kConvert;
+    if (!TakesConfig(a, s, config_path) && !TakesConfig(b, s, config_path)) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\" names a model's config.json, which neither checkpoint's format takes",
+                      config_path));
+    }
+  }
+  Result<DiffSide> side_a = OpenDiffSide(a, dequantize, config_path);
   if (!side_a.ok()) return side_a.status().Annotate(fmt::format("A \"{}\"", a));
-  Result<DiffSide> side_b = OpenDiffSide(b, dequantize);
+  Result<DiffSide> side_b = OpenDiffSide(b, dequantize, config_path);
   if (!side_b.ok()) return side_b.status().Annotate(fmt::format("B \"{}\"", b));
   return DiffSources(side_a->source(), side_b->source(), options);
 }

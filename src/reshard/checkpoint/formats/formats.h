@@ -76,11 +76,14 @@ Status ConvertCheckpoint(const std::string& path, const SourceOptions& source,
 /// `dequantize`, a side with block-quantized tensors (recorded block scales, or a config.json
 /// with a quantization_config) has them read as numbers of that dtype, as gather --dequantize
 /// writes them; a side with none is read as it is.
-/// \error InvalidArgument  a format that cannot be read so (an AutoEP DeepSpeed checkpoint), or
-///        --dequantize of a format it does not take
+/// `config_path` (a model's config.json, "" for none) is given to each side whose format takes
+/// one (a Megatron-Core dist-ckpt needs it to name and split its tensors).
+/// \error InvalidArgument  a format that cannot be read so (an AutoEP DeepSpeed checkpoint),
+///        dequantizing a format it does not take, a config.json neither side takes
 Result<DiffReport> DiffCheckpoints(const std::string& a, const std::string& b,
                                    const std::optional<DequantizeOptions>& dequantize,
-                                   const DiffOptions& options = {});
+                                   const DiffOptions& options = {},
+                                   const std::string& config_path = "");
 
 /// The target run of a reshard sharded checkpoint at `world_size` (a rank per tensor rank), and
 /// of a DCP saved for `world_size` ranks (a flat world).

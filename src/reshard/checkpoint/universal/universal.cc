@@ -28,6 +28,7 @@
 #include "reshard/checkpoint/deepspeed/moe.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/universal/universal_files.h"
+#include "reshard/exec/dequantize.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_writer.h"
 
@@ -66,6 +67,7 @@ class UniversalWriter {
  private:
   Status WriteState(size_t i, DeepSpeedState state, const std::string& path) const;
   Status FillState(size_t i, DeepSpeedState state, std::span<std::byte> out) const;
+  Status FillFrozen(size_t i, std::span<std::byte> out) const;
   Status WriteStep(size_t i, const std::string& path) const;
   Status WriteOptimizerState(const std::string& path) const;
 
@@ -90,6 +92,7 @@ Shape UniversalShape(const DeepSpeedCheckpoint& c, const DeepSpeedParam& p) {
 }
 
 Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std::byte> out) const {
+  if (!c_.Holds(i, state)) return FillFrozen(i, out);
   const DeepSpeedParam& p = c_.params()[i];
   const ParamMap& map = p.tp_map;
   // Every byte of these buffers is written before it is read: none is zeroed first.
@@ -120,6 +123,35 @@ Status UniversalWriter::FillState(size_t i, DeepSpeedState state, std::span<std:
   o.verify_replicas = options_.verify_replicas;
   RESHARD_RETURN_IF_ERROR(Rebuild(map, DType::kF32, views, dest, o));
   if (scratch) std::memcpy(out.data(), scratch.get(), out.size());
+  return Status::Ok();
+}
+
+// A frozen parameter's fp32.pt: its module weights, rebuilt in their dtype and widened to fp32
+// (exact from bf16 and fp16).
+Status UniversalWriter::FillFrozen(size_t i, std::span<std::byte> out) const {
+  const ParamMap& map = c_.params()[i].tp_map;
+  const DType dtype = c_.ParamDType(i, DeepSpeedState::kModule);
+  const size_t size = DTypeSize(dtype);
+  std::vector<std::vector<std::byte>> shards(static_cast<size_t>(map.world_size()));
+  std::vector<ConstBuffer> views;
+  for (Rank r = 0; r < map.world_size(); ++r) {
+    const Index n = map.shard_num_elements(r);
+    auto& bytes = shards[static_cast<size_t>(r)];
+    bytes.resize(static_cast<size_t>(n) * size);
+    RESHARD_RETURN_IF_ERROR(c_.ReadTpShard(i, DeepSpeedState::kModule, r, {bytes.data(), n}));
+    views.push_back({bytes.data(), n});
+  }
+  const Index full = ProductOf(map.logical_shape());
+  std::vector<std::byte> whole(static_cast<size_t>(full) * size);
+  ExecOptions o;
+  o.num_threads = 1;
+  o.verify_replicas = options_.verify_replicas;
+  RESHARD_RETURN_IF_ERROR(Rebuild(map, dtype, views, {whole.data(), full}, o));
+  const Index kept = static_cast<Index>(out.size() / sizeof(float));  // a vocabulary cut short
+  for (Index k = 0; k < kept; ++k) {
+    const auto v = static_cast<float>(ElementToDouble(dtype, whole.data() + k * size));
+    std::memcpy(out.data() + k * sizeof(float), &v, sizeof v);
+  }
   return Status::Ok();
 }
 
@@ -302,6 +334,8 @@ Result<std::vector<UniversalJob>> PlanUniversal(
   const DeepSpeedCheckpoint& c = *ckpt;
   std::vector<UniversalJob> jobs;
   const std::string zero = folder + "/zero";
+  // The tensors the caller asks to leave out: buffers, which the folder has no place for.
+  std::set<std::string> dropped(options.drop.begin(), options.drop.end());
   for (size_t i = 0; i < c.params().size(); ++i) {
     const DeepSpeedParam& p = c.params()[i];
     if (p.name.empty() || p.name == "." || p.name == ".." ||
@@ -309,16 +343,31 @@ Result<std::vector<UniversalJob>> PlanUniversal(
       return InvalidArgumentError(
           fmt::format("parameter \"{}\" cannot name a folder of the universal checkpoint", p.name));
     }
+    if (p.kind == DeepSpeedParamKind::kBuffer || dropped.contains(p.name)) {
+      if (dropped.erase(p.name) == 1) continue;
+      return FailedPreconditionError(fmt::format(
+          "\"{}\": \"{}\" is a module buffer (buffer_names lists it): a universal checkpoint "
+          "holds the optimizer's parameters only; dropping \"{}\" by name leaves it out",
+          c.tag_dir(), p.name, p.name));
+    }
     const uint64_t bytes = static_cast<uint64_t>(ProductOf(UniversalShape(c, p))) * 4;
     for (DeepSpeedState s : kUniversalStates) {
+      // A frozen parameter, which no param group holds: fp32.pt alone (DeepSpeed's loader
+      // visits its optimizer's parameters' folders only).
+      if (s != DeepSpeedState::kMaster && !c.Holds(i, s)) continue;
       jobs.push_back({UniversalJob::kState, i, s, "",
                       fmt::format("{}/{}/{}.pt", zero, p.name, DeepSpeedStateName(s)), bytes});
     }
-    if (c.stage() != 3 && p.steps.front().file != nullptr &&
-        p.steps.front().node != kNoPickleNode) {
+    if (p.kind == DeepSpeedParamKind::kTrained && c.stage() != 3 &&
+        p.steps.front().file != nullptr && p.steps.front().node != kNoPickleNode) {
       jobs.push_back({UniversalJob::kStep, i, DeepSpeedState::kMaster, "",
                       fmt::format("{}/{}/step.pt", zero, p.name), 4});
     }
+  }
+  if (!dropped.empty()) {
+    return InvalidArgumentError(
+        fmt::format("\"{}\", asked to be dropped: \"{}\" holds no buffer or parameter of that name",
+                    *dropped.begin(), c.tag_dir()));
   }
   jobs.push_back(
       {UniversalJob::kOptimizer, 0, DeepSpeedState::kMaster, "", zero + "/optimizer_state.pt", 0});
