@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -386,7 +387,8 @@ def test_zstd_item_memory_follows_the_stream_not_its_growth(dcp_root, reshard_bi
     # stream is decompressed into memory reserved once (it grew by doubling, past the chunk,
     # and ended in std::bad_alloc: exit 3, or std::terminate from a worker thread). The zeros
     # are no torch.save archive: exit 2 naming the item (or, where the output's own buffers
-    # leave no room for the reservation, the item refused by name before decompressing).
+    # leave no room for the reservation, the item refused by name before decompressing; now the
+    # claim is also held against the item's 32 KiB, which refuses it before any reservation).
     ckpt = tmp_path / "bomb"
     shutil.copytree(dcp_root / "mesh", ckpt)
     add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=8192)
@@ -395,7 +397,8 @@ def test_zstd_item_memory_follows_the_stream_not_its_growth(dcp_root, reshard_bi
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert '"model.huge" chunk 0' in r.stderr, r.stderr
     assert ("not a torch.save archive" in r.stderr
-            or "more memory than this process" in r.stderr), r.stderr
+            or "more memory than this process" in r.stderr
+            or "more than 256 times its own size" in r.stderr), r.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -413,13 +416,14 @@ print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
                                      ["convert", "--to", "dcp", "--world", "2"]])
 def test_zstd_item_that_is_no_archive_stops_at_its_first_window(dcp_root, reshard_bin, tmp_path,
                                                                 command):
-    # The 32 KiB stream of 1 GiB of zeros under its 1 GiB claim: the zip entry a torch.save
-    # archive begins with is not there, which the first decompressed window shows, so the item
-    # is refused (exit 2, naming it) having cost that window: peak RSS far below the claim
-    # (the whole stream was decompressed before: 1.06 GB for gather, 2.1 GB for the others).
+    # A 2 KiB stream of 64 MiB of zeros (the most a zstd item may hold whatever its size) under
+    # a 1 GiB claim: the zip entry a torch.save archive begins with is not there, which the
+    # first decompressed window shows, so the item is refused (exit 2, naming it) having cost
+    # that window: peak RSS far below the claim (the whole stream was decompressed before: 1.06
+    # GB for gather, 2.1 GB for the others, with 1 GiB of zeros).
     ckpt = tmp_path / "bomb"
     shutil.copytree(dcp_root / "mesh", ckpt)
-    add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=8192)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=512)
     r = subprocess.run([sys.executable, "-c", PEAK_RSS, str(3 << 30), str(reshard_bin), *command,
                         str(ckpt), "-o", str(tmp_path / "out")],
                        capture_output=True, text=True, cwd=tmp_path)
@@ -427,6 +431,49 @@ def test_zstd_item_that_is_no_archive_stops_at_its_first_window(dcp_root, reshar
     assert rc == 2, r.stderr
     assert '"model.huge" chunk 0' in r.stderr, r.stderr
     assert "no zip entry at byte 0 of its zstd stream" in r.stderr, r.stderr
+    assert peak_kib < 256 << 10, peak_kib
+    assert not (tmp_path / "out").exists()
+
+
+def zstd_archive_bomb(entry, entry_bytes, blocks):
+    """A zstd frame that begins as a torch.save archive would: a zip local header (stored, no
+    data descriptor) for `entry` declaring `entry_bytes`, in a raw block, then `blocks` RLE
+    blocks of 128 KiB zeros for its contents, and nothing after: no central directory."""
+    name = entry.encode()
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, 0, entry_bytes, entry_bytes,
+                        len(name), 0) + name
+    raw = struct.pack("<I", len(local) << 3)[:3] + local  # a raw block, not the last
+    return zstd_zeros(blocks)[:6] + raw + zstd_zeros(blocks)[6:]
+
+
+@pytest.mark.parametrize("entry", ["bomb/data.pkl", "bomb/data/0"])
+@pytest.mark.parametrize("command", [["gather"], ["convert", "--tp", "2"]])
+def test_zstd_archive_whose_entry_claims_the_chunk_is_refused_before_it_is_held(
+        dcp_root, reshard_bin, tmp_path, command, entry):
+    # A 32 KiB stream whose first zip entry declares the whole 1 GiB chunk, its bytes the
+    # stream's 1 GiB of zeros, no archive after them: the walk of the archive's entries cannot
+    # tell it from a real archive until its end, so it was held whole (1.1 GB peak RSS for
+    # gather, 2.1 GB for convert). The claim is held against the item's real size: past 64 MiB,
+    # at most 256 bytes per byte of stream, so the item is refused (exit 2, naming it) before
+    # any byte is decompressed.
+    ckpt = tmp_path / "bomb"
+    shutil.copytree(dcp_root / "mesh", ckpt)
+    add_zstd_bomb(ckpt, claimed_elements=1 << 28, blocks=8192)
+    stream = zstd_archive_bomb(entry, 1 << 30, blocks=8192)
+    (ckpt / "__0_1.distcp").write_bytes(stream)
+    md = load_metadata(ckpt)
+    for index, info in md.storage_data.items():
+        if index.fqn == "model.huge":
+            info.length = len(stream)
+    save_metadata(ckpt, md)
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS, str(3 << 30), str(reshard_bin), *command,
+                        str(ckpt), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path)
+    rc, peak_kib = map(int, r.stdout.split())
+    assert rc == 2, r.stderr
+    assert '"model.huge" chunk 0' in r.stderr, r.stderr
+    assert re.search(f"its zstd stream of {len(stream)} bytes may decompress to [0-9]+ bytes, "
+                     "more than 256 times its own size", r.stderr), r.stderr
     assert peak_kib < 256 << 10, peak_kib
     assert not (tmp_path / "out").exists()
 

@@ -28,28 +28,21 @@ from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
 from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
                            _megatron_dtypes, _message, _torch_dtype)
-from ._agreement import PushClaim as PushClaim
-from ._agreement import push_refusal as push_refusal
-from ._agreement import whole_digests as whole_digests
-from ._agreement import whole_tensors as whole_tensors
-from ._client import WeightSyncError as WeightSyncError
 from ._client import _Background, _Client
-from ._exchange import lane_groups as lane_groups
-from ._exchange import raw_exchange as raw_exchange
-from ._exchange import run_stages as run_stages
 from ._group import StoreGroup, join_store, serve_store
-from ._schedule import RELAY_WAVES as RELAY_WAVES
-from ._schedule import AnyRedistributor as AnyRedistributor
-from ._schedule import Stage as Stage
-from ._schedule import _step_levels as _step_levels
-from ._schedule import cut_waves as cut_waves
-from ._schedule import default_topology as default_topology
-from ._schedule import engine_ranks as engine_ranks
-from ._schedule import plan_stages as plan_stages
-from ._schedule import schedule_topology as schedule_topology
-from ._schedule import stage_bytes as stage_bytes
-from ._schedule import sync_schedule as sync_schedule
-from ._schedule import torch_dtypes as torch_dtypes
+
+# What the sync is made of, offered here as before (the names are the modules' own).
+from ._agreement import (PushClaim as PushClaim, push_refusal as push_refusal,
+                         whole_digests as whole_digests, whole_tensors as whole_tensors)
+from ._client import WeightSyncError as WeightSyncError
+from ._exchange import (lane_groups as lane_groups, raw_exchange as raw_exchange,
+                        run_stages as run_stages)
+from ._schedule import (RELAY_WAVES as RELAY_WAVES, AnyRedistributor as AnyRedistributor,
+                        Stage as Stage, _step_levels as _step_levels, cut_waves as cut_waves,
+                        default_topology as default_topology, engine_ranks as engine_ranks,
+                        plan_stages as plan_stages, schedule_topology as schedule_topology,
+                        stage_bytes as stage_bytes, sync_schedule as sync_schedule,
+                        torch_dtypes as torch_dtypes)
 
 if TYPE_CHECKING:
     import torch
