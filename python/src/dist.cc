@@ -27,6 +27,9 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
+#include <set>
+#include <span>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -35,6 +38,7 @@
 #include "core.h"
 #include "reshard/base/dtype.h"
 #include "reshard/exec/executor.h"
+#include "reshard/exec/fingerprint.h"
 
 namespace reshard::python {
 namespace {
@@ -224,10 +228,11 @@ class Exchange {
         }
       }
     }
+    plans_ = plans.plans;
     Status status;
     {
       py::gil_scoped_release release;
-      status = Schedule(plans.plans, chunk_bytes);
+      status = Schedule(plans_, chunk_bytes);
     }
     if (!status.ok()) Raise(status, ErrorKind::kMap);
   }
@@ -388,7 +393,104 @@ class Exchange {
     if (!status.ok()) Raise(status, ErrorKind::kData);
   }
 
+  // One fingerprint request: (parameter, target process, lo, hi, buckets): positions [lo, hi)
+  // of the target's shard in `buckets` buckets (exec/fingerprint.h).
+  using Request = std::tuple<size_t, int, Index, Index, Index>;
+  using Sums = std::tuple<size_t, int, std::vector<uint64_t>>;
+
+  // The fingerprints of what process `proc` holds of each (parameter, target process), keyed by
+  // the elements' flat indices in the target's shard (or buffer): on the source side
+  // (`source`), over every move it sends or copies there, the values of its source `shards`
+  // after the move's factor (replicas are counted once: each element comes from the one holder
+  // the plan reads); on the target side, over every move into it, the values its target
+  // `shards` hold (padding, which no move writes, is left out). Parts that the source
+  // processes compute add up to the target's. `requests` empty: every pair this side of `proc`
+  // touches, whole, in one bucket.
+  std::vector<Sums> Fingerprints(int proc, bool source,
+                                 const std::vector<std::pair<uintptr_t, Index>>& shards,
+                                 uint64_t key, std::vector<Request> requests,
+                                 const ExecOptions& options) const {
+    if (shards.size() != plans_.size()) {
+      throw py::value_error(std::to_string(shards.size()) + " shards for " +
+                            std::to_string(plans_.size()) + " parameters");
+    }
+    if (requests.empty()) {
+      std::set<std::pair<size_t, int>> pairs;
+      for (size_t i = 0; i < plans_.size(); ++i) {
+        for (const Move& m : plans_[i].moves) {
+          if (m.num_elements() > 0 && Holds(proc, source, m)) pairs.insert({i, ProcOf(m, false)});
+        }
+      }
+      for (const auto& [i, target] : pairs) requests.emplace_back(i, target, 0, kMaxIndex, 1);
+    }
+    for (const auto& [param, target, lo, hi, count] : requests) {
+      if (param >= plans_.size()) throw py::index_error("no parameter " + std::to_string(param));
+      if (count < 1 || count > (Index{1} << 20)) throw py::value_error("1 to 2^20 buckets");
+    }
+    std::vector<Sums> out;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      for (const auto& [param, target, lo, hi, count] : requests) {
+        std::vector<uint64_t> sums(static_cast<size_t>(count), 0);
+        status = FingerprintOf(proc, source, shards[param], key, param, target, {lo, hi, count},
+                               options, sums)
+                     .Annotate("\"" + names_[param] + "\": fingerprinting what process " +
+                               std::to_string(target) + " holds");
+        if (!status.ok()) break;
+        out.emplace_back(param, target, std::move(sums));
+      }
+    }
+    if (!status.ok()) Raise(status, ErrorKind::kData);
+    return out;
+  }
+
  private:
+  int ProcOf(const Move& m, bool source) const {
+    return source ? src_proc_[static_cast<size_t>(m.src_rank)]
+                  : dst_proc_[static_cast<size_t>(m.dst_rank)];
+  }
+
+  bool Holds(int proc, bool source, const Move& m) const { return ProcOf(m, source) == proc; }
+
+  // One (parameter, target process) pair's fingerprint on one side (see Fingerprints).
+  Status FingerprintOf(int proc, bool source, std::pair<uintptr_t, Index> shard, uint64_t key,
+                       size_t param, int target, const FingerprintBuckets& buckets,
+                       const ExecOptions& options, std::span<uint64_t> sums) const {
+    const DType dtype = dtypes_[param];
+    const Index item = static_cast<Index>(DTypeSize(dtype));
+    const auto* base = reinterpret_cast<const std::byte*>(shard.first);
+    std::vector<FingerprintView> views;
+    std::vector<std::vector<uint64_t>> scaled;  // a scaled move's values, row-major
+    for (const Move& m : plans_[param].moves) {
+      if (m.num_elements() == 0 || !Holds(proc, source, m) || ProcOf(m, false) != target) continue;
+      const StridedView& read = source ? m.src : m.dst;
+      const std::optional<Index> last = LastOffset(read.offset, m.shape, read.strides);
+      if (read.offset < 0 || !last || *last >= shard.second ||
+          std::any_of(read.strides.begin(), read.strides.end(), [](Index s) { return s < 0; })) {
+        return OutOfRangeError("a move reaches past the end of a shard of " +
+                               std::to_string(shard.second) + " elements");
+      }
+      if (!source || m.factor == 1.0) {
+        views.push_back({m.shape, base + read.offset * item, read.strides, m.dst.offset,
+                         m.dst.strides});
+        continue;
+      }
+      ParamPlan one;  // the target's values: the source's through the move's factor
+      one.source_world = one.target_world = 1;
+      one.moves.push_back({0, 0, m.shape, m.src, StridedView{0, RowMajor(m.shape)}, m.factor});
+      std::vector<uint64_t>& values =
+          scaled.emplace_back(static_cast<size_t>((m.num_elements() * item + 7) / 8));
+      const ConstBuffer in[] = {{base, shard.second}};
+      const MutableBuffer into[] = {
+          {reinterpret_cast<std::byte*>(values.data()), m.num_elements()}};
+      RESHARD_RETURN_IF_ERROR(ExecutePlan(one, dtype, in, into, options));
+      views.push_back({m.shape, reinterpret_cast<const std::byte*>(values.data()),
+                       RowMajor(m.shape), m.dst.offset, m.dst.strides});
+    }
+    return AddFingerprints(dtype, views, key, buckets, sums, options.num_threads);
+  }
+
   static Index Lookup(const std::map<int, Index>& m, int key) {
     auto it = m.find(key);
     return it == m.end() ? 0 : it->second;
@@ -466,7 +568,8 @@ class Exchange {
       if (!plan.ok()) return plan.status().Annotate("\"" + names_[i] + "\"");
       plans.push_back(*std::move(plan));
     }
-    return Schedule(plans, chunk_bytes);
+    plans_ = std::move(plans);
+    return Schedule(plans_, chunk_bytes);
   }
 
   // The streams, local copies and scale checks of composed plans (one per name).
@@ -635,6 +738,7 @@ class Exchange {
   std::map<int, std::vector<Step>> checks_;  // scaled moves by source process (CheckSources)
   std::map<int, Index> local_bytes_, lower_bound_;
   size_t rounds_ = 0;
+  std::vector<ParamPlan> plans_;  // the composed plans, one per name (fingerprints)
 };
 
 }  // namespace
@@ -666,7 +770,9 @@ void BindDist(py::module_& m) {
       .def("check_sources", &Exchange::CheckSources, py::arg("proc"), py::arg("sources"),
            py::arg("options"))
       .def("copy_local", &Exchange::CopyLocal, py::arg("proc"), py::arg("sources"),
-           py::arg("targets"), py::arg("options"));
+           py::arg("targets"), py::arg("options"))
+      .def("fingerprints", &Exchange::Fingerprints, py::arg("proc"), py::arg("source"),
+           py::arg("shards"), py::arg("key"), py::arg("requests"), py::arg("options"));
 }
 
 }  // namespace reshard::python

@@ -32,7 +32,8 @@ from .. import _core
 from .._maps import MapLike, ParamMap, as_map
 from .._tensors import extract
 from ._redistributor import (DEFAULT_BUCKET_BYTES, RedistributeError, Redistributor, Transport,
-                          _layout_of_source, _message, _shards_of_source, _TorchGroup)
+                             _alive, _layout_of_source, _message, _shards_of_source, _TorchGroup,
+                             _weak)
 
 if TYPE_CHECKING:
     import torch
@@ -491,6 +492,7 @@ class QuantizingRedistributor:
         self._source_dtypes: dict[str, Any] = {}
         self._megatron = False
         self.last_stats: Optional[dict[str, int]] = None
+        self._last_shards: Optional[dict[str, Any]] = None  # weakly, for verify()
         error, gather_src, gather_dst, final_src = _error, {}, {}, {}
         if source is not None:  # a collective: every process's tensors, before any check
             try:
@@ -652,6 +654,8 @@ class QuantizingRedistributor:
         ``shards`` is a module or state dict of DTensors (default: the ``source`` given then,
         as it is now)."""
         prepared, error = self._prepare(shards, dry_run, _error)
+        if not dry_run and isinstance(shards, Mapping):
+            self._last_shards = _weak(shards)
         gathered = dict(self._gather.last_stats or {})
         final = self._final_one()
         result = final.run(prepared, out, dry_run=dry_run, on_ready=on_ready, _error=error)
@@ -660,6 +664,25 @@ class QuantizingRedistributor:
                                "gathered_sent": int(gathered.get("sent", 0)),
                                "gathered_received": int(gathered.get("received", 0))}
         return result
+
+    def verify(self, out: Optional[Mapping[str, "torch.Tensor"]] = None,
+               shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None, *,
+               _error: Optional[str] = None) -> int:
+        """As :meth:`Redistributor.verify`: checks without sending them that the targets hold
+        the FP8 data and scales (and the tensors not quantized) that the sources' shards give
+        now. The sources quantize their blocks again (the split blocks' gather among the source
+        processes included, as in :meth:`run`), then the fingerprints of the final exchange are
+        compared; nothing reaches the targets. ``shards`` defaults to the last run's (held by
+        weak reference) or, built with ``source=``, to that source as it is now; ``out`` to
+        the last run's target shards."""
+        error = _error
+        if shards is None and self._source is None and error is None:
+            try:
+                shards = _alive(self._last_shards, "source shards", "shards")
+            except RedistributeError as e:  # agreed by the gather in _prepare
+                error = str(e)
+        prepared, error = self._prepare(shards, False, error)
+        return self._final_one().verify(out, prepared, _error=error)
 
     def prepare(self, shards: Mapping[str, "torch.Tensor"], *, _error: Optional[str] = None
                 ) -> "tuple[dict[str, torch.Tensor], Optional[str]]":

@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
+import weakref
 from typing import (TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional,
                     Sequence, Union, overload)
 
@@ -17,6 +19,7 @@ from .._errors import ReshardError
 from .._maps import MapLike, ParamMap, as_map
 from .._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
     check_writable
+from . import _proof
 
 if TYPE_CHECKING:
     import torch
@@ -316,6 +319,10 @@ class Redistributor:
         self._force_torch_copies = False
         self._boxes_allow_torch: Optional[bool] = None
         self._last_rounds_cache: Optional[list[int]] = None  # see _last_rounds
+        # What the last run read and wrote, by weak reference (no copy, nothing kept alive):
+        # what verify() checks by default.
+        self._last_shards: Optional[dict[str, Any]] = None
+        self._last_out: Optional[dict[str, Any]] = None
         error, fingerprint = _error, None
         try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
             if error is not None:
@@ -683,6 +690,8 @@ class Redistributor:
                 raise RedistributeError("run() needs this process's shards (it was built with "
                                         "source_maps, not source=)")
             local = self._check_shards(given)
+            if not dry_run:
+                self._last_shards = _weak(given)
         except Exception as e:  # told to every process by the agreement
             error = _message(e)
         if self._exchange is None:
@@ -748,11 +757,190 @@ class Redistributor:
             except BaseException as e:  # raised once the transfer is through
                 failure.append(e)
 
+        self._last_out = None
         self._move(sources, dense, comm, on_device, finished)
         deliver([n for n in targets if n not in answer])
+        self._last_out = _weak(answer)
         if failure:
             raise failure[0]
         return answer
+
+    # -- a proof of what the targets hold --------------------------------------------------
+
+    def verify(self, out: Optional[Mapping[str, "torch.Tensor"]] = None,
+               shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None, *,
+               _error: Optional[str] = None) -> int:
+        """Checks, without sending the tensors, that every target process holds what the
+        source processes' shards give (DESIGN 22), and returns how many (tensor, target
+        process) pairs were compared. Every process of the group calls it.
+
+        ``out`` is this process's target shards as :meth:`run` returns them, ``shards`` its
+        source shards; each defaults to those of the last run (held by weak reference: the
+        tensors as they are now, if the caller still holds them), and, built with ``source=``,
+        ``shards`` to that source as it is now.
+
+        Each source process computes, for every target process, a fingerprint of the elements
+        it sends (or copies) there: a sum modulo 2^64 of a keyed term of each element's flat
+        index in the target's shard and its bits, after the plan's scale factor; replicas count
+        once (the holder the plan reads) and padding not at all. Each target computes the same
+        over what it holds. The parts travel (a few integers per pair), not the tensors. Where a
+        pair differs, sub-boxes narrow it: the positions are cut into 64 buckets whose sums are
+        compared again, until one element is left. A difference raises
+        :class:`RedistributeError` on every process, naming the tensor, the target process and
+        rank, and the first differing element (in the shard and in the full tensor) with the
+        value the target holds. Two different shards give the same fingerprint with probability
+        about 2^-64 (a fresh random key each time; see docs/design.md)."""
+        error = _error
+        sources: list[Optional["torch.Tensor"]] = [None] * len(self._names)
+        targets: list[Optional["torch.Tensor"]] = [None] * len(self._names)
+        try:
+            if error is not None:
+                raise RedistributeError(error)
+            if self._exchange is None:
+                raise RedistributeError("nothing to verify yet: the dtypes are unknown until "
+                                        "dtypes= is given or a first run has moved the tensors")
+            given: Any = shards
+            if self._source is not None:
+                given = self._local_of(self._source if shards is None else shards)
+            elif given is None:
+                given = _alive(self._last_shards, "source shards", "shards")
+            local = self._check_shards(given)
+            sources = [None if t is None else t.detach().to("cpu").contiguous() for t in local]
+            held = out if out is not None else _alive(self._last_out, "target shards", "out")
+            targets = self._held_targets(held)
+        except Exception as e:  # agreed below, with the key
+            error = _message(e)
+        gathered = self._gather((error, _proof.new_key()))
+        self._raise_any([e for e, _ in gathered])
+        key = int(gathered[0][1])
+        want, have = self._fingerprint_parts(sources, targets, key, [])
+        found = _proof.differing(want, have)
+        if found:
+            self._narrow_and_raise(sources, targets, key, found)
+        return len(set(want) | set(have))
+
+    def _held_targets(self, out: Any) -> list[Optional["torch.Tensor"]]:
+        """This process's target shards as dense host tensors, per parameter (a buffer's for
+        every parameter over it), checked against the maps; [None...] on other processes."""
+        import torch
+        me = self._me
+        if me not in self._target_ranks:
+            if out:
+                raise RedistributeError("holds no target rank but was given target shards")
+            return [None] * len(self._names)
+        if not isinstance(out, Mapping):
+            raise RedistributeError(f"out must be a mapping {{name: tensor}}, got "
+                                    f"{type(out).__name__}")
+        rank = self._target_ranks.index(me)
+        assert self._dtypes is not None
+        host: dict[str, torch.Tensor] = {}
+        result: list[Optional[torch.Tensor]] = []
+        for i, param in enumerate(self._names):
+            key = self._dst[i].buffer(rank) or param
+            if key not in host:
+                t = out.get(key)
+                shape = self._dst[i].shard_shape(rank)
+                dtype = _torch_dtype(self._dtypes[i])
+                if not isinstance(t, torch.Tensor):
+                    raise RedistributeError(f"out[\"{key}\"] is missing or not a tensor")
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise RedistributeError(f"out[\"{key}\"] is {t.dtype} of shape "
+                                            f"{list(t.shape)}; target rank {rank} holds {dtype} "
+                                            f"of shape {list(shape)}")
+                if t.device.type == "meta":
+                    raise RedistributeError(f"out[\"{key}\"] is on the meta device: it holds "
+                                            "no values to check")
+                host[key] = t.detach().resolve_neg().resolve_conj().to("cpu").contiguous()
+            result.append(host[key])
+        return result
+
+    def _fingerprint_parts(self, sources: list[Optional["torch.Tensor"]],
+                           targets: list[Optional["torch.Tensor"]], key: int,
+                           requests: list[tuple[int, int, int, int, int]]
+                           ) -> tuple[dict[_proof.Pair, list[int]], dict[_proof.Pair, list[int]]]:
+        """Every process's fingerprint parts (a collective), added up: (what the sources give,
+        what the targets hold) per (parameter, target process)."""
+        ex = self._exchange
+        assert ex is not None
+        me, error = self._me, None
+        source: _proof.Parts = []
+        target: _proof.Parts = []
+        try:
+            if me in self._source_ranks:
+                source = ex.fingerprints(me, True, _addresses(sources), key, requests,
+                                         self._options)
+            if me in self._target_ranks:
+                mine = [r for r in requests if r[1] == me]
+                if mine or not requests:
+                    target = ex.fingerprints(me, False, _addresses(targets), key, mine,
+                                             self._options)
+        except Exception as e:  # agreed just below
+            error = _message(e)
+        gathered = self._gather((error, source, target))
+        self._raise_any([e for e, _, _ in gathered])
+        return _proof.add_parts(gathered)
+
+    def _narrow_and_raise(self, sources: list[Optional["torch.Tensor"]],
+                          targets: list[Optional["torch.Tensor"]], key: int,
+                          found: dict[_proof.Pair, int]) -> None:
+        """Narrows the first differing pairs to one element by sub-boxes (collectives that
+        every process runs alike), then raises on every process."""
+        ranges: dict[_proof.Pair, tuple[int, int]] = {}
+        for param, proc in list(found)[:_proof.MAX_NAMED]:
+            rank = self._target_ranks.index(proc)
+            ranges[(param, proc)] = (0, math.prod(self._dst[param].shard_shape(rank)))
+        while True:
+            active = [(p, t, lo, hi, _proof.BUCKETS) for (p, t), (lo, hi) in ranges.items()
+                      if hi - lo > 1]
+            if not active:
+                break
+            want, have = self._fingerprint_parts(sources, targets, key, active)
+            first = _proof.differing(want, have)
+            for p, t, lo, hi, _ in active:
+                k = first.get((p, t))
+                if k is None:  # the buckets agree: changed meanwhile, or sums that cancel
+                    ranges[(p, t)] = (lo, lo)
+                    continue
+                w = _proof.width(lo, hi)
+                ranges[(p, t)] = (lo + k * w, min(hi, lo + (k + 1) * w))
+        values = self._held_values(targets, ranges)
+        parts = []
+        for (param, proc), (lo, hi) in ranges.items():
+            parts.append(self._difference(param, proc, lo, hi, values))
+        more = len(found) - len(ranges)
+        if more:
+            parts.append(f"{more} more (tensor, process) pairs differ")
+        raise RedistributeError("the targets do not hold what the sources have: "
+                                + "; ".join(parts))
+
+    def _held_values(self, targets: list[Optional["torch.Tensor"]],
+                     ranges: dict[_proof.Pair, tuple[int, int]]) -> dict[_proof.Pair, str]:
+        """The values the targets hold at the narrowed elements (a collective)."""
+        mine = {}
+        for (param, proc), (lo, hi) in ranges.items():
+            t = targets[param]
+            if proc == self._me and t is not None and hi - lo == 1:
+                mine[(param, proc)] = _element(t.reshape(-1)[lo])
+        out: dict[_proof.Pair, str] = {}
+        for values in self._gather(mine):
+            out.update(values)
+        return out
+
+    def _difference(self, param: int, proc: int, lo: int, hi: int,
+                    values: dict[_proof.Pair, str]) -> str:
+        name, rank = self._names[param], self._target_ranks.index(proc)
+        m = self._dst[param]
+        buffer = m.buffer(rank)
+        where = f"\"{name}\" on target process {proc} (target rank {rank}" + \
+            (f", in buffer \"{buffer}\")" if buffer else ")")
+        if hi - lo != 1:
+            return (f"{where}: its fingerprint differs from the sources', but no single element "
+                    "could be named (did the shards change during the check?)")
+        shape = m.shard_shape(rank)
+        at = _proof.full_index(m, rank, lo)
+        return (f"{where}: first differing element {_proof.unravel(lo, shape)} of its shard "
+                f"(flat {lo})" + (f", element {at} of the tensor" if at is not None else "")
+                + (f", holds {values[(param, proc)]}" if (param, proc) in values else ""))
 
     def _last_rounds(self) -> list[int]:
         """Per parameter, the last round in which this process receives any of its bytes (-1:
@@ -940,6 +1128,34 @@ def _bytes_of(t: Optional["torch.Tensor"]) -> "torch.Tensor":
     import torch
     assert t is not None and t.is_contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def _weak(tensors: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """Weak references to a mapping's tensors (None when one cannot be referenced weakly)."""
+    try:
+        return {n: weakref.ref(t) for n, t in tensors.items()}
+    except TypeError:
+        return None
+
+
+def _alive(refs: Optional[dict[str, Any]], what: str, argument: str) -> dict[str, Any]:
+    """The tensors that weak references still reach; RedistributeError when any is gone."""
+    if refs is None:
+        raise RedistributeError(f"no {what} to check: give {argument}= (no run has kept them)")
+    out = {n: r() for n, r in refs.items()}
+    gone = sorted(n for n, t in out.items() if t is None)
+    if gone:
+        raise RedistributeError(f"the {what} of the last run are gone ({gone[:4]}); give "
+                                f"{argument}=")
+    return out
+
+
+def _element(v: "torch.Tensor") -> str:
+    """One element as a message shows it: its value, an FP8 element's bits."""
+    import torch
+    if v.element_size() == 1 and v.dtype.is_floating_point:
+        return f"0x{int(v.view(torch.uint8).item()):02x}"
+    return str(v.item())
 
 
 def _addresses(ts: list[Optional["torch.Tensor"]]) -> list[tuple[int, int]]:

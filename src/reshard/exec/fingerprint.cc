@@ -1,0 +1,229 @@
+#include "reshard/exec/fingerprint.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fmt/format.h"
+
+namespace reshard {
+namespace {
+
+// A view with extent-1 dimensions dropped and its dimensions ordered by value stride
+// (innermost smallest), cut into rows along every dimension but the innermost.
+struct Normal {
+  Shape shape, value_strides, position_strides;
+  const std::byte* values = nullptr;
+  Index position = 0;
+  Index rows = 0;  // the product of every extent but the innermost
+};
+
+Normal Normalize(const FingerprintView& v) {
+  std::vector<size_t> dims;
+  for (size_t k = 0; k < v.shape.size(); ++k) {
+    if (v.shape[k] != 1) dims.push_back(k);
+  }
+  std::stable_sort(dims.begin(), dims.end(),
+                   [&](size_t a, size_t b) { return v.value_strides[a] > v.value_strides[b]; });
+  Normal n;
+  n.values = v.values;
+  n.position = v.position;
+  for (size_t k : dims) {
+    n.shape.push_back(v.shape[k]);
+    n.value_strides.push_back(v.value_strides[k]);
+    n.position_strides.push_back(v.position_strides[k]);
+  }
+  if (n.shape.empty()) {  // one element
+    n.shape = {1};
+    n.value_strides = n.position_strides = {0};
+  }
+  n.rows = 1;
+  for (size_t k = 0; k + 1 < n.shape.size(); ++k) n.rows *= n.shape[k];
+  return n;
+}
+
+// The sum of the terms of one run of `count` elements (all positions taken).
+template <typename Bits>
+uint64_t SumRun(const std::byte* values, Index value_stride, uint64_t position,
+                uint64_t position_stride, Index count, uint64_t key) {
+  uint64_t acc = 0;
+  const uint64_t first = position * kPositionMultiplier;
+  const uint64_t step = position_stride * kPositionMultiplier;
+  for (Index i = 0; i < count; ++i) {
+    Bits bits;
+    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)),
+                sizeof(Bits));
+    acc += FingerprintMix((key ^ (first + static_cast<uint64_t>(i) * step)) +
+                          static_cast<uint64_t>(bits));
+  }
+  return acc;
+}
+
+// The terms of one run into buckets, positions outside the range skipped.
+template <typename Bits>
+void BucketRun(const std::byte* values, Index value_stride, Index position,
+               Index position_stride, Index count, uint64_t key, const FingerprintBuckets& b,
+               Index width, uint64_t* sums) {
+  for (Index i = 0; i < count; ++i) {
+    const Index at = position + i * position_stride;
+    if (at < b.lo || at >= b.hi) continue;
+    Bits bits;
+    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)),
+                sizeof(Bits));
+    sums[(at - b.lo) / width] +=
+        FingerprintTerm(key, static_cast<uint64_t>(at), static_cast<uint64_t>(bits));
+  }
+}
+
+template <typename Bits>
+void AddRows(const Normal& n, Index row_begin, Index row_end, uint64_t key,
+             const FingerprintBuckets& b, Index width, uint64_t* sums) {
+  const size_t inner = n.shape.size() - 1;
+  Shape index(inner, 0);
+  Index rest = row_begin;  // the multi-index of the first row
+  for (size_t k = inner; k-- > 0;) {
+    index[k] = rest % n.shape[k];
+    rest /= n.shape[k];
+  }
+  const bool all = b.count == 1 && b.lo <= 0 && b.hi >= kMaxIndex;
+  for (Index row = row_begin; row < row_end; ++row) {
+    Index value = 0, position = n.position;
+    for (size_t k = 0; k < inner; ++k) {
+      value += index[k] * n.value_strides[k];
+      position += index[k] * n.position_strides[k];
+    }
+    const std::byte* at = n.values + value * static_cast<Index>(sizeof(Bits));
+    if (all) {
+      sums[0] += SumRun<Bits>(at, n.value_strides[inner], static_cast<uint64_t>(position),
+                              static_cast<uint64_t>(n.position_strides[inner]), n.shape[inner],
+                              key);
+    } else {
+      BucketRun<Bits>(at, n.value_strides[inner], position, n.position_strides[inner],
+                      n.shape[inner], key, b, width, sums);
+    }
+    for (size_t k = inner; k-- > 0;) {  // the next row
+      if (++index[k] < n.shape[k]) break;
+      index[k] = 0;
+    }
+  }
+}
+
+Status CheckView(const FingerprintView& v, size_t i) {
+  const std::string what = fmt::format("views[{}]", i);
+  if (v.value_strides.size() != v.shape.size() || v.position_strides.size() != v.shape.size()) {
+    return InvalidArgumentError(what + ": shape and strides have different ranks");
+  }
+  for (size_t k = 0; k < v.shape.size(); ++k) {
+    if (v.shape[k] < 0 || v.value_strides[k] < 0 || v.position_strides[k] < 0) {
+      return InvalidArgumentError(what + ": a negative extent or stride");
+    }
+  }
+  if (v.values == nullptr && ProductOf(v.shape) != 0) {
+    return InvalidArgumentError(what + ": a null address with elements");
+  }
+  if (ProductOf(v.shape) != 0 &&
+      !LastOffset(v.position, v.shape, v.position_strides).has_value()) {
+    return InvalidArgumentError(what + ": its positions overflow");
+  }
+  return Status::Ok();
+}
+
+struct Task {
+  size_t view = 0;
+  Index row_begin = 0, row_end = 0;
+};
+
+// Cuts the views into tasks of about `grain` elements.
+std::vector<Task> Tasks(const std::vector<Normal>& views, Index grain) {
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < views.size(); ++i) {
+    const Normal& n = views[i];
+    const Index per_row = std::max<Index>(n.shape.back(), 1);
+    const Index rows_per_task = std::max<Index>(grain / per_row, 1);
+    for (Index r = 0; r < n.rows; r += rows_per_task) {
+      tasks.push_back({i, r, std::min(n.rows, r + rows_per_task)});
+    }
+  }
+  return tasks;
+}
+
+template <typename Bits>
+void AddAll(const std::vector<Normal>& views, uint64_t key, const FingerprintBuckets& b,
+            Index width, std::span<uint64_t> sums, int threads) {
+  Index total = 0;
+  for (const Normal& n : views) total += n.rows * n.shape.back();
+  constexpr Index kInlineElements = Index{1} << 20;
+  if (threads <= 1 || total <= kInlineElements) {
+    for (const Normal& n : views) AddRows<Bits>(n, 0, n.rows, key, b, width, sums.data());
+    return;
+  }
+  const std::vector<Task> tasks =
+      Tasks(views, std::max<Index>(total / (Index{threads} * 8), Index{1} << 16));
+  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), tasks.size()));
+  std::vector<std::vector<uint64_t>> partial(static_cast<size_t>(threads),
+                                             std::vector<uint64_t>(sums.size(), 0));
+  std::atomic<size_t> next{0};
+  auto worker = [&](size_t t) {
+    for (size_t k = next++; k < tasks.size(); k = next++) {
+      const Task& task = tasks[k];
+      AddRows<Bits>(views[task.view], task.row_begin, task.row_end, key, b, width,
+                    partial[t].data());
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < static_cast<size_t>(threads); ++t) pool.emplace_back(worker, t);
+  worker(0);
+  for (std::thread& th : pool) th.join();
+  for (const std::vector<uint64_t>& p : partial) {
+    for (size_t k = 0; k < sums.size(); ++k) sums[k] += p[k];
+  }
+}
+
+}  // namespace
+
+Status AddFingerprints(DType dtype, std::span<const FingerprintView> views, uint64_t key,
+                       const FingerprintBuckets& buckets, std::span<uint64_t> sums,
+                       int num_threads) {
+  if (buckets.count < 1 || buckets.lo < 0 || buckets.hi <= buckets.lo) {
+    return InvalidArgumentError(fmt::format("fingerprint buckets: [{}, {}) in {} buckets",
+                                            buckets.lo, buckets.hi, buckets.count));
+  }
+  if (sums.size() != static_cast<size_t>(buckets.count)) {
+    return InvalidArgumentError(
+        fmt::format("{} sums for {} fingerprint buckets", sums.size(), buckets.count));
+  }
+  std::vector<Normal> normal;
+  normal.reserve(views.size());
+  for (size_t i = 0; i < views.size(); ++i) {
+    RESHARD_RETURN_IF_ERROR(CheckView(views[i], i));
+    if (ProductOf(views[i].shape) != 0) normal.push_back(Normalize(views[i]));
+  }
+  const Index width = (buckets.hi - buckets.lo + buckets.count - 1) / buckets.count;
+  const int threads =
+      num_threads > 0 ? num_threads
+                      : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  switch (DTypeSize(dtype)) {
+    case 1:
+      AddAll<uint8_t>(normal, key, buckets, width, sums, threads);
+      break;
+    case 2:
+      AddAll<uint16_t>(normal, key, buckets, width, sums, threads);
+      break;
+    case 4:
+      AddAll<uint32_t>(normal, key, buckets, width, sums, threads);
+      break;
+    case 8:
+      AddAll<uint64_t>(normal, key, buckets, width, sums, threads);
+      break;
+    default:
+      return InvalidArgumentError(
+          fmt::format("no fingerprint for elements of {} bytes", DTypeSize(dtype)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace reshard

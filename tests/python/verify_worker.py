@@ -1,0 +1,126 @@
+"""Runs Redistributor.verify cases between live processes and records what each saw.
+
+Run under torchrun (one process per rank, gloo on CPU):
+
+    torchrun --nproc_per_node 4 verify_worker.py CASES.json OUT_DIR
+
+For every case, in order, each process builds the full tensors from the case's seed, runs the
+re-sharding, then (as the case says) alters one element of a target shard, of a target's
+padding, or of a source shard, and calls verify() on every process. OUT_DIR/NAME/rank-R.json
+records the pairs checked or the error raised, and the full-tensor index of every element of
+the altered target shard (index markers moved by the same maps), so that the test can check
+the element the error names. The next case starting in step shows no process was left waiting.
+"""
+
+import datetime
+import json
+import math
+import pathlib
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import reshard
+import reshard.distributed as rd
+
+
+def full_tensor(shape, dtype, generator):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+def shards_of(maps, fulls, rank):
+    """A rank's shards: one per tensor, or one buffer (by its name) shared by several."""
+    out = {}
+    for name, m in maps.items():
+        buffer = m.buffer(rank)
+        if buffer:
+            out.setdefault(buffer, torch.zeros(m.shard_shape(rank), dtype=fulls[name].dtype))
+            reshard.extract(m, fulls[name], rank, out=out[buffer])
+        else:
+            out[name] = reshard.extract(m, fulls[name], rank)
+    return out
+
+
+def flip(t, flat):
+    """Changes one element's lowest bit, in place."""
+    raw = t.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                           8: torch.int64}[t.element_size()])
+    raw[flat] ^= 1
+
+
+def full_indices(m, rank):
+    """The flat index in F of every element of rank's shard (-1 where none is: padding or
+    another tensor's place in a buffer), moved by reshard.extract from an index marker."""
+    marker = torch.arange(math.prod(m.logical_shape), dtype=torch.int64).reshape(m.logical_shape)
+    valid = tuple(slice(0, v) for v in m.valid_shape)
+    masked = torch.full(m.logical_shape, -1, dtype=torch.int64)
+    masked[valid] = marker[valid]
+    out = torch.full(m.shard_shape(rank), -1, dtype=torch.int64)
+    return reshard.extract(m, masked, rank, out=out, scale_power=0).reshape(-1).tolist()
+
+
+def build(case, me):
+    src = {n: reshard.ParamMap.from_dict(p["source"]) for n, p in case["params"].items()}
+    dst = {n: reshard.ParamMap.from_dict(p["target"]) for n, p in case["params"].items()}
+    for n in case.get("target_only", []):
+        dst[n] = reshard.ParamMap.from_dict(case["target_only"][n])
+    g = torch.Generator().manual_seed(case["seed"])
+    fulls = {n: full_tensor(src[n].logical_shape, getattr(torch, p.get("dtype", "float32")), g)
+             for n, p in sorted(case["params"].items())}
+    return src, dst, fulls
+
+
+def run_case(case, me):
+    result = {"error": None, "checked": None, "indices": None}
+    sources, targets = case["source_ranks"], case["target_ranks"]
+    try:
+        src, dst, fulls = build(case, me)
+        shards = shards_of(src, fulls, sources.index(me)) if me in sources else {}
+        if "quantize" in case:
+            sync = rd.QuantizingRedistributor(src, dst, quantize=case["quantize"],
+                                              source_ranks=sources, target_ranks=targets,
+                                              dtypes=torch.bfloat16, bucket_bytes=1 << 12)
+        else:
+            sync = rd.Redistributor(src, dst, source_ranks=sources, target_ranks=targets,
+                                    bucket_bytes=case.get("bucket_bytes", 1 << 12))
+        got = sync.run(shards)
+        alter = case.get("alter")
+        if alter and alter["process"] == me:
+            where = got if alter["side"] == "target" else shards
+            flip(where[alter["param"]], alter["flat"])
+        if alter and alter["side"] == "target" and alter["process"] == me:
+            name = alter["param"]
+            m = dst[name] if name in dst else None
+            if m is not None:
+                result["indices"] = full_indices(m, targets.index(me))
+        if case.get("explicit"):
+            result["checked"] = sync.verify(got, shards)
+        else:
+            result["checked"] = sync.verify()
+    except Exception as e:  # recorded for the test to judge
+        result["error"] = f"{type(e).__name__}: {e}"
+        if not isinstance(e, rd.RedistributeError):
+            result["traceback"] = traceback.format_exc(limit=8)
+    return result
+
+
+def main():
+    cases = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    out_dir = pathlib.Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    me = dist.get_rank()
+    for case in cases:
+        result = run_case(case, me)
+        case_dir = out_dir / case["name"]
+        case_dir.mkdir(parents=True, exist_ok=True)
+        (case_dir / f"rank-{me}.json").write_text(json.dumps(result, indent=1, default=str))
+        dist.barrier()  # the processes start every case together
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
