@@ -46,10 +46,20 @@ Normal Normalize(const FingerprintView& v) {
   return n;
 }
 
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+// The terms' 64-bit multiplies vectorise with AVX-512 (vpmullq): about 4x the scalar rate.
+#define RESHARD_FINGERPRINT_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define RESHARD_FINGERPRINT_CLONES
+#endif
+
 // The sum of the terms of one run of `count` elements (all positions taken).
 template <typename Bits>
-uint64_t SumRun(const std::byte* values, Index value_stride, uint64_t position,
-                uint64_t position_stride, Index count, uint64_t key) {
+[[gnu::always_inline]] inline uint64_t SumRunOf(const std::byte* values, Index value_stride,
+                                                uint64_t position, uint64_t position_stride,
+                                                Index count, uint64_t key) {
   uint64_t acc = 0;
   const uint64_t first = position * kPositionMultiplier;
   const uint64_t step = position_stride * kPositionMultiplier;
@@ -61,6 +71,33 @@ uint64_t SumRun(const std::byte* values, Index value_stride, uint64_t position,
                           static_cast<uint64_t>(bits));
   }
   return acc;
+}
+
+// One clone set per element size (target_clones takes no templates).
+#define RESHARD_SUM_RUN(NAME, BITS)                                                          \
+  RESHARD_FINGERPRINT_CLONES uint64_t NAME(const std::byte* values, Index value_stride,     \
+                                           uint64_t position, uint64_t position_stride,     \
+                                           Index count, uint64_t key) {                     \
+    return SumRunOf<BITS>(values, value_stride, position, position_stride, count, key);     \
+  }
+RESHARD_SUM_RUN(SumRun8, uint8_t)
+RESHARD_SUM_RUN(SumRun16, uint16_t)
+RESHARD_SUM_RUN(SumRun32, uint32_t)
+RESHARD_SUM_RUN(SumRun64, uint64_t)
+#undef RESHARD_SUM_RUN
+
+template <typename Bits>
+uint64_t SumRun(const std::byte* values, Index value_stride, uint64_t position,
+                uint64_t position_stride, Index count, uint64_t key) {
+  if constexpr (sizeof(Bits) == 1) {
+    return SumRun8(values, value_stride, position, position_stride, count, key);
+  } else if constexpr (sizeof(Bits) == 2) {
+    return SumRun16(values, value_stride, position, position_stride, count, key);
+  } else if constexpr (sizeof(Bits) == 4) {
+    return SumRun32(values, value_stride, position, position_stride, count, key);
+  } else {
+    return SumRun64(values, value_stride, position, position_stride, count, key);
+  }
 }
 
 // The terms of one run into buckets, positions outside the range skipped.
