@@ -1,13 +1,17 @@
-"""What a proof of the targets costs beside a push (DESIGN 22; docs/benchmarks.md): a
-Redistributor from 2 trainer processes (TP 2, rows) to 2 engine processes (TP 2, columns), each
-process in a network namespace of its own on the link bench's shaped links (link_bench.py:
---rate-mbit each direction), and the same processes' Redistributor.verify() against it.
+"""What a proof of the targets and a delta push cost beside a full push (DESIGN 22;
+docs/benchmarks.md): a Redistributor from 2 trainer processes (TP 2, rows) to 2 engine processes
+(TP 2, columns), each process in a network namespace of its own on the link bench's shaped links
+(link_bench.py: --rate-mbit each direction).
 
 The model: --layers matrices of 4096 x 4096 bf16 (32 MiB each) and one norm vector replicated on
 every process. Timed: run() (a full push) and verify() (fingerprints on every process, a few
-integers sent), medians of --repeat after one untimed of each, between barriers.
+integers sent), and run(delta=True) after --changed of the elements changed (each element's
+lowest bit flipped, at random places) and after all of them changed; medians of --repeat after
+one untimed of each, between barriers.
 
-  bar (issue 38): a verify takes <= 10 % of a full push on these links.
+  bars (issue 38): a verify takes <= 10 % of a full push on these links; a delta push at the
+  changed fraction of a bf16 AdamW step is >= 3x faster than a full push and moves <= 15 % of
+  its bytes; at 100 % changed it takes <= 1.1x a full push.
 
 --loopback runs the four processes on this host's loopback instead (no namespaces, no root):
 what the fingerprints cost where the cores, not the links, set the push's time.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -73,24 +79,48 @@ def process(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(rank)
     shards = {n: torch.randn([SIZE // 2, SIZE], generator=g).to(torch.bfloat16)
               for n in names} if rank in SOURCES else {}
-    pushes, verifies = [], []
-    out = None
+    times: dict[str, list[float]] = {"push": [], "verify": [], "delta": [], "delta_all": []}
+    sent: dict[str, list[int]] = {"push": [], "delta": [], "delta_all": []}
+
+    def change(fraction: float) -> None:
+        for t in shards.values():
+            bits = t.view(-1).view(torch.int16)
+            if fraction >= 1:
+                bits ^= 1
+            else:
+                at = torch.randint(0, bits.numel(), (int(fraction * bits.numel()),), generator=g)
+                bits[at] ^= 1
+
+    def timed(what: str, call: Any) -> Any:
+        dist.barrier()
+        start = time.perf_counter()
+        result = call()
+        dist.barrier()
+        times[what].append(time.perf_counter() - start)
+        if what in sent:
+            moved = torch.tensor([sync.last_stats["sent"]], dtype=torch.int64)
+            dist.all_reduce(moved)
+            sent[what].append(int(moved))
+        return result
+    checked = 0
+    out = sync.run(shards)
     for _ in range(args.repeat + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        out = sync.run(shards, out)
-        dist.barrier()
-        pushes.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        checked = sync.verify()
-        dist.barrier()
-        verifies.append(time.perf_counter() - start)
+        timed("push", functools.partial(sync.run, shards, out))
+        checked = timed("verify", sync.verify)
+    sync.run(shards, out, delta=True)  # the chunks each process keeps
+    for _ in range(args.repeat + 1):
+        change(args.changed)
+        timed("delta", functools.partial(sync.run, shards, out, delta=True))
+    for _ in range(args.repeat + 1):
+        change(1.0)
+        timed("delta_all", functools.partial(sync.run, shards, out, delta=True))
     if rank == 0:
-        push, verify = statistics.median(pushes[1:]), statistics.median(verifies[1:])
+        r = {k: statistics.median(v[1:]) for k, v in times.items()}
         with open(os.path.join(args.work, "result.json"), "w") as f:
-            json.dump({"push_s": push, "verify_s": verify, "ratio": verify / push,
+            json.dump({**{f"{k}_s": v for k, v in r.items()},
+                       **{f"{k}_sent": statistics.median(v[1:]) for k, v in sent.items()},
                        "pairs": checked, "bytes": args.layers * SIZE * SIZE * 2,
-                       "pushes": pushes[1:], "verifies": verifies[1:]}, f)
+                       "changed": args.changed, "all": times}, f)
     dist.destroy_process_group()
 
 
@@ -101,6 +131,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rate-mbit", type=int, default=800)
     parser.add_argument("--loopback", action="store_true")
+    parser.add_argument("--changed", type=float, default=0.025)
     parser.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--work", default="", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29533, help=argparse.SUPPRESS)
@@ -119,7 +150,8 @@ def main() -> None:
             (lambda p: ["ip", "netns", "exec", namespace(p)])
         procs = [subprocess.Popen([*prefix(p), sys.executable, os.path.abspath(__file__),
                                    "--rank", str(p), "--work", work, "--port", str(args.port),
-                                   "--layers", str(args.layers), "--repeat", str(args.repeat)]
+                                   "--layers", str(args.layers), "--repeat", str(args.repeat),
+                                   "--changed", str(args.changed)]
                                   + (["--loopback"] if args.loopback else []),
                                   env=env, stdout=logs[p], stderr=subprocess.STDOUT,
                                   start_new_session=True) for p in range(4)]
@@ -133,9 +165,16 @@ def main() -> None:
     with open(path) as f:
         r = json.load(f)
     where = "loopback" if args.loopback else f"{args.rate_mbit} Mbit/s links"
-    print(f"{r['bytes'] / 1e6:.1f} MB bf16, TP 2 rows -> TP 2 columns, {where}: push "
-          f"{r['push_s']:.3f} s, verify {r['verify_s']:.3f} s ({r['pairs']} pairs): "
-          f"{100 * r['ratio']:.1f} % of the push")
+    push = r["push_s"]
+    print(f"{r['bytes'] / 1e6:.1f} MB bf16, TP 2 rows -> TP 2 columns, {where}:")
+    print(f"  full push      {push:.3f} s, {r['push_sent'] / 1e6:.1f} MB sent")
+    print(f"  verify         {r['verify_s']:.3f} s ({r['pairs']} pairs): "
+          f"{100 * r['verify_s'] / push:.1f} % of the push")
+    print(f"  delta, {100 * r['changed']:.1f} % changed: {r['delta_s']:.3f} s "
+          f"({push / r['delta_s']:.2f}x faster), {r['delta_sent'] / 1e6:.1f} MB sent "
+          f"({100 * r['delta_sent'] / r['push_sent']:.1f} % of the push's)")
+    print(f"  delta, all changed: {r['delta_all_s']:.3f} s ({r['delta_all_s'] / push:.2f}x the "
+          f"push), {r['delta_all_sent'] / 1e6:.1f} MB sent")
 
 
 if __name__ == "__main__":

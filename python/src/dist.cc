@@ -472,8 +472,8 @@ class Exchange {
                                std::to_string(shard.second) + " elements");
       }
       if (!source || m.factor == 1.0) {
-        views.push_back({m.shape, base + read.offset * item, read.strides, m.dst.offset,
-                         m.dst.strides});
+        views.push_back(
+            {m.shape, base + read.offset * item, read.strides, m.dst.offset, m.dst.strides});
         continue;
       }
       ParamPlan one;  // the target's values: the source's through the move's factor

@@ -62,6 +62,15 @@ def cases(reshard_bin, tmp):
     fp8_case = {"params": fp8, "source_ranks": [0, 1], "target_ranks": [2, 3], "seed": 7,
                 "target_only": {"w_scale_inv": split_map([2, 2], 1, [1, 1])},
                 "quantize": {"w": {"scale": "w_scale_inv", "block": [32, 32]}}}
+    # The AdamW model's tensors: rows over the sources, columns (or halves) over the targets.
+    adamw = {"up.weight": {"source": split_map([128, 64], 0, [64, 64]),
+                           "target": split_map([128, 64], 1, [32, 32])},
+             "up.bias": {"source": replicated_map([128], 2),
+                         "target": split_map([128], 0, [64, 64])},
+             "down.weight": {"source": split_map([64, 128], 0, [32, 32]),
+                             "target": split_map([64, 128], 1, [96, 32])},
+             "down.bias": {"source": split_map([64], 0, [40, 24]),
+                           "target": replicated_map([64], 2)}}
     everyone = [0, 1, 2, 3]
     return [
         {"name": "rows_to_columns", "params": rows_to_cols, "source_ranks": [0, 1],
@@ -99,6 +108,11 @@ def cases(reshard_bin, tmp):
          "alter": {"side": "target", "process": 3, "param": "w", "flat": 64 * 32 - 1}},
         {"name": "fp8_scale_altered", **fp8_case,
          "alter": {"side": "target", "process": 2, "param": "w_scale_inv", "flat": 1}},
+        {"name": "delta_adamw", "delta": True, "steps": 10, "lr": 1e-5, "seed": 11,
+         "params": adamw, "source_ranks": [0, 1], "target_ranks": [2, 3]},
+        {"name": "delta_adamw_overlapping_copy_lost", "delta": True, "steps": 6, "lr": 1e-4,
+         "seed": 12, "params": adamw, "source_ranks": [0, 1], "target_ranks": [1, 2],
+         "lose_copy_at": 4, "lose_copy_on": 2},
         {"name": "after_errors", "params": rows_to_cols, "source_ranks": [0, 1],
          "target_ranks": [2, 3], "seed": 8},
     ]
@@ -124,6 +138,7 @@ def launch(tmp_path_factory, reshard_bin):
 PASSING = {  # name: (tensor, target process) pairs compared
     "rows_to_columns": 6, "rows_to_columns_explicit": 6, "replicas": 8,
     "padding_garbage_passes": 4, "scaled_pieces": 2, "fp8": 6, "after_errors": 6}
+
 
 
 @pytest.mark.parametrize("name", sorted(PASSING))
@@ -189,3 +204,37 @@ def test_a_source_changed_after_the_run_is_found_at_its_target(launch):
 def test_fp8_target_error_shows_the_bits_held(launch):
     _, ranks = launch["fp8_data_altered"]
     assert re.search(r"holds 0x[0-9a-f]{2}\b", ranks[0]["error"]), ranks[0]["error"]
+
+
+def test_delta_pushes_equal_full_pushes_after_every_adamw_step(launch):
+    """Ten AdamW steps (bf16 weights from fp32 masters): after every delta push each target
+    shard is bit-equal to a full push's, and verify passes; the first push sends whole chunks,
+    the others only what changed, in fewer bytes."""
+    case, ranks = launch["delta_adamw"]
+    for p, r in enumerate(ranks):
+        assert r["error"] is None, (p, r["error"], r.get("traceback"))
+        assert len(r["steps"]) == case["steps"]
+        for step, s in enumerate(r["steps"]):
+            assert s["equal"] and s["verified"] == 8, (p, step, s)
+            assert s["stats"]["delta"] == (step > 0), (p, step, s["stats"])
+    sent = [sum(r["steps"][step]["stats"]["sent"] for r in ranks) for step in range(10)]
+    changed = [ranks[0]["steps"][step]["changed"] for step in range(1, 10)]
+    print("changed per step:", [f"{100 * c:.2f}%" for c in changed], "bytes sent:", sent)
+    assert all(0 < c < 1 for c in changed), changed
+    # Words compared as travelled: what changed is what the targets lacked, no more.
+    for step in range(1, 10):
+        words = sum(r["steps"][step]["stats"]["words"] for r in ranks)
+        moved = sum(r["steps"][step]["stats"]["changed_words"] for r in ranks)
+        assert moved <= words and sent[step] < sent[0], (step, moved, words, sent)
+
+
+def test_a_process_without_the_last_chunks_makes_the_next_push_whole(launch):
+    """Process 2 lost its copy of the chunks before step 4: that push sends whole chunks on
+    every process (never a delta against a state one process lacks), the next is a delta
+    again, and every target is bit-equal to a full push throughout."""
+    case, ranks = launch["delta_adamw_overlapping_copy_lost"]
+    for p, r in enumerate(ranks):
+        assert r["error"] is None, (p, r["error"], r.get("traceback"))
+        kinds = [s["stats"]["delta"] for s in r["steps"]]
+        assert kinds == [False, True, True, True, False, True], (p, kinds)
+        assert all(s["equal"] and s["verified"] == 8 for s in r["steps"]), p

@@ -646,19 +646,22 @@ class QuantizingRedistributor:
     def run(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *, dry_run: bool = False,
             on_ready: Optional[Callable[[dict[str, "torch.Tensor"]], None]] = None,
-            _error: Optional[str] = None) -> Any:
+            delta: bool = False, _error: Optional[str] = None) -> Any:
         """As :meth:`Redistributor.run`: this process's source shards (the quantized ones in
         their source dtype) -> its target shards (the quantized ones as FP8 data and float32
         scales). Every process of the group calls it. Nothing reaches a target before every
         process has checked its shards and quantized its blocks. Built with ``source=``,
         ``shards`` is a module or state dict of DTensors (default: the ``source`` given then,
-        as it is now)."""
+        as it is now). ``delta=True``: the final exchange sends only what changed (every block
+        is quantized again at its owner; a block whose elements did not change gives the same
+        FP8 bytes and scale, which do not travel)."""
         prepared, error = self._prepare(shards, dry_run, _error)
         if not dry_run and isinstance(shards, Mapping):
             self._last_shards = _weak(shards)
         gathered = dict(self._gather.last_stats or {})
         final = self._final_one()
-        result = final.run(prepared, out, dry_run=dry_run, on_ready=on_ready, _error=error)
+        result = final.run(prepared, out, dry_run=dry_run, on_ready=on_ready, delta=delta,
+                           _error=error)
         if not dry_run:
             self.last_stats = {**(final.last_stats or {}),
                                "gathered_sent": int(gathered.get("sent", 0)),

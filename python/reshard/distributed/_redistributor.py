@@ -19,7 +19,7 @@ from .._errors import ReshardError
 from .._maps import MapLike, ParamMap, as_map
 from .._tensors import _DTYPES, _SIZES, _dtype_key, _extent, _overlap, check_options, \
     check_writable
-from . import _proof
+from . import _delta, _proof
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,10 @@ class Transport:
         """Whether any member passed True (a collective)."""
         return any(self.gather_object(bool(flag)))
 
+    def max_of(self, value: int) -> int:
+        """The largest ``value`` any member passed (a collective)."""
+        return max(int(v) for v in self.gather_object(int(value)))
+
     def device(self) -> "torch.device":
         """Where the chunks sent and received live (the CPU for gloo, the GPU for NCCL)."""
         import torch
@@ -92,6 +96,13 @@ class _TorchGroup(Transport):
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device())
         dist.all_reduce(t, group=self._group)
         return bool(int(t.item()))
+
+    def max_of(self, value: int) -> int:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return int(t.item())
 
     def device(self) -> "torch.device":
         import torch
@@ -323,6 +334,9 @@ class Redistributor:
         # what verify() checks by default.
         self._last_shards: Optional[dict[str, Any]] = None
         self._last_out: Optional[dict[str, Any]] = None
+        # The chunks of the last delta run as they travelled: ("send" | "recv", peer, round)
+        # -> uint8 (see _move_delta); None: the next delta run sends them whole.
+        self._delta_base: Optional[dict[tuple[str, int, int], "torch.Tensor"]] = None
         error, fingerprint = _error, None
         try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
             if error is not None:
@@ -660,7 +674,7 @@ class Redistributor:
             out: Optional[Mapping[str, "torch.Tensor"]] = None, *,
             dry_run: bool = False,
             on_ready: Optional[Callable[[dict[str, "torch.Tensor"]], None]] = None,
-            _error: Optional[str] = None) -> Any:
+            delta: bool = False, _error: Optional[str] = None) -> Any:
         """This process's source shards ``{name: tensor}`` (empty when it holds none) -> its
         target shards ``{name: tensor}`` (empty when it holds none), written into ``out`` where
         given. With ``dry_run`` the shards are checked and :meth:`schedule` is returned;
@@ -676,7 +690,15 @@ class Redistributor:
 
         Built with ``source=``, ``shards`` is a module or state dict of DTensors and tensors
         (default: the ``source`` given then, as it is now), each DTensor giving its
-        ``to_local()``; the tensors this process lacks are the empty shards its maps give it."""
+        ``to_local()``; the tensors this process lacks are the empty shards its maps give it.
+
+        ``delta=True`` (on every process) sends, between each pair of processes, only what
+        changed since the last completed run with ``delta=True`` (see :mod:`._delta`): each
+        process keeps a copy of the chunks it sent and received then (memory: its bytes sent
+        plus received per run), and the targets come out bit-equal to a full run's. The first
+        such run, and any run after a failed one or one without ``delta`` on some process, sends
+        the chunks whole (and keeps them). A delta that some process could not apply fails the
+        run on every process, and the next one sends whole chunks."""
         comm = self._comm_device()
         error = None
         local: list[Optional[torch.Tensor]] = [None] * len(self._names)
@@ -706,7 +728,7 @@ class Redistributor:
         if error is None:
             try:
                 self._written = []
-                on_device = self._torch_copies(local, out, comm)
+                on_device = not delta and self._torch_copies(local, out, comm)
                 if on_device:
                     results, dense = self._targets(out, comm, comm)
                     sources = self._device_sources(local, dense)
@@ -722,6 +744,12 @@ class Redistributor:
         self._agree_on_run(error, comm)
         if dry_run:
             return self.schedule()
+        # Every process: 0 when it asks for a delta and holds the last chunks, 1 when it asks
+        # without them, 2 when it does not ask. The worst decides, alike everywhere.
+        mode = self._comm.max_of(0 if delta and self._delta_base is not None else
+                                 1 if delta else 2)
+        if mode == 2:
+            self._delta_base = None
         keys = getattr(self, "_target_keys", None) or self._names
         # Each target shard once (a buffer stands for every parameter over it), with the round
         # after which it is complete: the last of its parameters'.
@@ -758,7 +786,10 @@ class Redistributor:
                 failure.append(e)
 
         self._last_out = None
-        self._move(sources, dense, comm, on_device, finished)
+        if mode == 2:
+            self._move(sources, dense, comm, on_device, finished)
+        else:
+            self._move_delta(sources, dense, comm, mode == 0, finished)
         deliver([n for n in targets if n not in answer])
         self._last_out = _weak(answer)
         if failure:
@@ -942,6 +973,95 @@ class Redistributor:
                 f"(flat {lo})" + (f", element {at} of the tensor" if at is not None else "")
                 + (f", holds {values[(param, proc)]}" if (param, proc) in values else ""))
 
+    def _move_delta(self, sources: list[Optional["torch.Tensor"]],
+                    targets: list[Optional["torch.Tensor"]], comm: "torch.device",
+                    base_ok: bool, finished: Callable[[int], None]) -> None:
+        """Every round's chunks packed whole by the host executor, each sent as what changed
+        since it last travelled between the pair (``base_ok``: every process holds the chunks
+        of the last delta run; else whole), rebuilt in the receiver's copy of the chunk and
+        unpacked whole from it, so that the targets equal a full run's whatever they held. A
+        round's headers (encoding, changed words, bytes per pair) travel before its payloads.
+        A chunk that cannot be applied fails the run on every process once every round has
+        travelled, and no chunk is kept: the next delta run sends whole chunks."""
+        import torch
+        ex = self._exchange
+        assert ex is not None
+        me, options = self._me, self._options
+        src, dst = _addresses(sources), _addresses(targets)
+        previous = self._delta_base if base_ok else None
+        self._delta_base = None  # kept again only once this run has completed everywhere
+        kept: dict[tuple[str, int, int], torch.Tensor] = {}
+        sends: list[list[tuple[int, int]]] = [[] for _ in range(ex.num_rounds)]
+        receives: list[list[tuple[int, int]]] = [[] for _ in range(ex.num_rounds)]
+        for k, peer, n in ex.sends(me):
+            sends[k].append((peer, n))
+        for k, peer, n in ex.receives(me):
+            receives[k].append((peer, n))
+        run = _DeltaRun()
+
+        def travel(out: "list[tuple[torch.Tensor, int]]",
+                   into: "list[tuple[torch.Tensor, int]]") -> None:
+            """Sends and receives host tensors (through the transport's device)."""
+            on = [(t.to(comm), p) for t, p in out]
+            staged = [(torch.empty(t.shape, dtype=t.dtype, device=comm), p) for t, p in into]
+            for request in self._comm.exchange(on, staged):
+                request.wait()
+            for (t, _), (s, _) in zip(into, staged):
+                if s is not t:
+                    t.copy_(s)
+
+        ex.copy_local(me, src, dst, options)
+        finished(-1)
+        for k in range(ex.num_rounds):
+            headers, payloads = [], []
+            for peer, n in sends[k]:
+                chunk = torch.zeros(_even(n), dtype=torch.uint8)
+                ex.pack(me, peer, k, int(chunk.data_ptr()), n, src, options, False)
+                before = previous.get(("send", peer, k)) if previous is not None else None
+                kind, count, payload = (_delta.WHOLE, _even(n) // 2, chunk) if before is None \
+                    else _delta.encode(before, chunk)
+                kept[("send", peer, k)] = chunk
+                headers.append((torch.tensor([kind, count, payload.numel()]), peer))
+                payloads.append((payload.contiguous(), peer))
+                run.sent += payload.numel() + 24  # and the header
+                run.changed += count
+                run.words += _even(n) // 2
+                run.encodings[_delta.NAMES[kind]] = run.encodings.get(_delta.NAMES[kind], 0) + 1
+            told = [(torch.empty(3, dtype=torch.int64), peer) for peer, _ in receives[k]]
+            travel(headers, told)
+            arriving = [(torch.empty(int(h[2]), dtype=torch.uint8), peer) for h, peer in told]
+            travel(payloads, arriving)
+            for (h, peer), (payload, _), (_, n) in zip(told, arriving, receives[k]):
+                run.received += payload.numel() + 24
+                if run.failure is not None:
+                    continue
+                try:
+                    kind, count = int(h[0]), int(h[1])
+                    held = previous.get(("recv", peer, k)) if previous is not None else None
+                    if held is None:
+                        if kind != _delta.WHOLE:
+                            raise RedistributeError(f"a delta from process {peer} in round {k} "
+                                                    "against a chunk this process does not hold")
+                        held = torch.zeros(_even(n), dtype=torch.uint8)
+                    _delta.decode(held, kind, count, payload)
+                    kept[("recv", peer, k)] = held
+                    ex.unpack(me, peer, k, int(held.data_ptr()), n, dst, options, False)
+                except Exception as e:  # agreed once every round has travelled
+                    run.failure = _message(e)
+            if run.failure is None:
+                finished(k)
+        if self._comm.any_flag(run.failure is not None):
+            failures = [f for f in self._gather(run.failure)]
+            self._raise_any(failures)
+        self._delta_base = kept
+        stats = ex.stats(me)
+        self.last_stats = {"sent": run.sent, "received": run.received, "sent_direct": 0,
+                           "received_direct": 0, "local": int(stats["local"]),
+                           "lower_bound": int(stats["lower_bound"]), "rounds": ex.num_rounds,
+                           "on_device": False, "delta": base_ok,
+                           "changed_words": run.changed, "words": run.words,
+                           **{f"chunks_{n}": c for n, c in sorted(run.encodings.items())}}
+
     def _last_rounds(self) -> list[int]:
         """Per parameter, the last round in which this process receives any of its bytes (-1:
         none; its elements come from local copies and padding). Planned once."""
@@ -1121,6 +1241,19 @@ class Redistributor:
                            "local": int(stats["local"]),
                            "lower_bound": int(stats["lower_bound"]), "rounds": rounds,
                            "on_device": on_device}
+
+
+class _DeltaRun:
+    """What one delta run moved: bytes on the wire, and words changed of words compared."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = self.changed = self.words = 0
+        self.encodings: dict[str, int] = {}
+        self.failure: Optional[str] = None
+
+
+def _even(n: int) -> int:
+    return n + n % 2
 
 
 def _bytes_of(t: Optional["torch.Tensor"]) -> "torch.Tensor":

@@ -65,8 +65,7 @@ template <typename Bits>
   const uint64_t step = position_stride * kPositionMultiplier;
   for (Index i = 0; i < count; ++i) {
     Bits bits;
-    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)),
-                sizeof(Bits));
+    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)), sizeof(Bits));
     acc += FingerprintMix((key ^ (first + static_cast<uint64_t>(i) * step)) +
                           static_cast<uint64_t>(bits));
   }
@@ -74,11 +73,11 @@ template <typename Bits>
 }
 
 // One clone set per element size (target_clones takes no templates).
-#define RESHARD_SUM_RUN(NAME, BITS)                                                          \
-  RESHARD_FINGERPRINT_CLONES uint64_t NAME(const std::byte* values, Index value_stride,     \
-                                           uint64_t position, uint64_t position_stride,     \
-                                           Index count, uint64_t key) {                     \
-    return SumRunOf<BITS>(values, value_stride, position, position_stride, count, key);     \
+#define RESHARD_SUM_RUN(NAME, BITS)                                                     \
+  RESHARD_FINGERPRINT_CLONES uint64_t NAME(const std::byte* values, Index value_stride, \
+                                           uint64_t position, uint64_t position_stride, \
+                                           Index count, uint64_t key) {                 \
+    return SumRunOf<BITS>(values, value_stride, position, position_stride, count, key); \
   }
 RESHARD_SUM_RUN(SumRun8, uint8_t)
 RESHARD_SUM_RUN(SumRun16, uint16_t)
@@ -102,15 +101,14 @@ uint64_t SumRun(const std::byte* values, Index value_stride, uint64_t position,
 
 // The terms of one run into buckets, positions outside the range skipped.
 template <typename Bits>
-void BucketRun(const std::byte* values, Index value_stride, Index position,
-               Index position_stride, Index count, uint64_t key, const FingerprintBuckets& b,
-               Index width, uint64_t* sums) {
+void BucketRun(const std::byte* values, Index value_stride, Index position, Index position_stride,
+               Index count, uint64_t key, const FingerprintBuckets& b, Index width,
+               uint64_t* sums) {
   for (Index i = 0; i < count; ++i) {
     const Index at = position + i * position_stride;
     if (at < b.lo || at >= b.hi) continue;
     Bits bits;
-    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)),
-                sizeof(Bits));
+    std::memcpy(&bits, values + i * value_stride * static_cast<Index>(sizeof(Bits)), sizeof(Bits));
     sums[(at - b.lo) / width] +=
         FingerprintTerm(key, static_cast<uint64_t>(at), static_cast<uint64_t>(bits));
   }
@@ -135,9 +133,9 @@ void AddRows(const Normal& n, Index row_begin, Index row_end, uint64_t key,
     }
     const std::byte* at = n.values + value * static_cast<Index>(sizeof(Bits));
     if (all) {
-      sums[0] += SumRun<Bits>(at, n.value_strides[inner], static_cast<uint64_t>(position),
-                              static_cast<uint64_t>(n.position_strides[inner]), n.shape[inner],
-                              key);
+      sums[0] +=
+          SumRun<Bits>(at, n.value_strides[inner], static_cast<uint64_t>(position),
+                       static_cast<uint64_t>(n.position_strides[inner]), n.shape[inner], key);
     } else {
       BucketRun<Bits>(at, n.value_strides[inner], position, n.position_strides[inner],
                       n.shape[inner], key, b, width, sums);
@@ -162,8 +160,7 @@ Status CheckView(const FingerprintView& v, size_t i) {
   if (v.values == nullptr && ProductOf(v.shape) != 0) {
     return InvalidArgumentError(what + ": a null address with elements");
   }
-  if (ProductOf(v.shape) != 0 &&
-      !LastOffset(v.position, v.shape, v.position_strides).has_value()) {
+  if (ProductOf(v.shape) != 0 && !LastOffset(v.position, v.shape, v.position_strides).has_value()) {
     return InvalidArgumentError(what + ": its positions overflow");
   }
   return Status::Ok();
@@ -240,9 +237,9 @@ Status AddFingerprints(DType dtype, std::span<const FingerprintView> views, uint
     if (ProductOf(views[i].shape) != 0) normal.push_back(Normalize(views[i]));
   }
   const Index width = (buckets.hi - buckets.lo + buckets.count - 1) / buckets.count;
-  const int threads =
-      num_threads > 0 ? num_threads
-                      : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = num_threads > 0
+                          ? num_threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   switch (DTypeSize(dtype)) {
     case 1:
       AddAll<uint8_t>(normal, key, buckets, width, sums, threads);

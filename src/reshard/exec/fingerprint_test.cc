@@ -45,9 +45,9 @@ TEST(FingerprintTest, PartsHeldElsewhereAddUpToTheWhole) {
   const std::vector<uint16_t> v = RandomHalves(6 * 5, 2);
   const uint64_t whole = Sum(DType::kBF16, {Whole(v, 6, 5)}, 99);
   const std::vector<FingerprintView> parts = {
-      {{2, 5}, At(v, 0), {5, 1}, 0, {5, 1}},             // rows 0-1
+      {{2, 5}, At(v, 0), {5, 1}, 0, {5, 1}},    // rows 0-1
       {{4, 4}, At(v, 10), {1, 5}, 10, {1, 5}},  // rows 2-5, columns 0-3, transposed
-      {{4}, At(v, 14), {5}, 14, {5}},                    // column 4 of rows 2-5
+      {{4}, At(v, 14), {5}, 14, {5}},           // column 4 of rows 2-5
   };
   uint64_t added = 0;
   for (const FingerprintView& p : parts) added += Sum(DType::kBF16, {p}, 99);
