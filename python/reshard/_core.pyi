@@ -172,3 +172,9 @@ class Exchange:
     def fingerprints(self, proc: int, source: bool, shards: Sequence[tuple[int, int]],
                      key: int, requests: Sequence[tuple[int, int, int, int, int]],
                      options: ExecOptions) -> list[tuple[int, int, list[int]]]: ...
+
+
+def delta_encode(previous: int, current: int, words: int, payload: int,
+                 capacity: int) -> tuple[int, int, int]: ...
+def delta_apply(previous: int, words: int, encoding: int, changed: int, payload: int,
+                bytes: int) -> None: ...

@@ -37,6 +37,7 @@
 
 #include "core.h"
 #include "reshard/base/dtype.h"
+#include "reshard/exec/delta.h"
 #include "reshard/exec/executor.h"
 #include "reshard/exec/fingerprint.h"
 
@@ -744,6 +745,39 @@ class Exchange {
 }  // namespace
 
 void BindDist(py::module_& m) {
+  // A delta push's chunks (exec/delta.h), addresses of uint16 words.
+  m.def(
+      "delta_encode",
+      [](uintptr_t previous, uintptr_t current, Index words, uintptr_t payload, Index capacity) {
+        Result<DeltaChunk> chunk = DeltaChunk{};
+        {
+          py::gil_scoped_release release;
+          chunk = EncodeDelta(reinterpret_cast<const uint16_t*>(previous),
+                              reinterpret_cast<const uint16_t*>(current), words,
+                              reinterpret_cast<std::byte*>(payload), capacity);
+        }
+        if (!chunk.ok()) Raise(chunk.status(), ErrorKind::kData);
+        return std::make_tuple(static_cast<int>(chunk->encoding), chunk->changed, chunk->bytes);
+      },
+      py::arg("previous"), py::arg("current"), py::arg("words"), py::arg("payload"),
+      py::arg("capacity"));
+  m.def(
+      "delta_apply",
+      [](uintptr_t previous, Index words, int encoding, Index changed, uintptr_t payload,
+         Index bytes) {
+        if (encoding < 0 || encoding > 2)
+          throw py::value_error("no delta encoding " + std::to_string(encoding));
+        Status status;
+        {
+          py::gil_scoped_release release;
+          status = ApplyDelta(reinterpret_cast<uint16_t*>(previous), words,
+                              static_cast<DeltaEncoding>(encoding), changed,
+                              reinterpret_cast<const std::byte*>(payload), bytes);
+        }
+        if (!status.ok()) Raise(status, ErrorKind::kData);
+      },
+      py::arg("previous"), py::arg("words"), py::arg("encoding"), py::arg("changed"),
+      py::arg("payload"), py::arg("bytes"));
   py::class_<Exchange>(m, "Exchange")
       .def(py::init<std::vector<MapHandle*>, std::vector<MapHandle*>, std::vector<std::string>,
                     std::vector<std::string>, std::vector<int>, std::vector<int>, Index>(),

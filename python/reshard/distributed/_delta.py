@@ -1,4 +1,4 @@
-"""How a delta push encodes a chunk (DESIGN 22): what changed since the chunk last travelled,
+"""How a delta push encodes a chunk (DESIGN 22; the encodings are src/reshard/exec/delta.h): what changed since the chunk last travelled,
 found by the sender against its own copy of what it sent, rebuilt by the receiver from its own
 copy of what it received.
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .. import _core
+
 if TYPE_CHECKING:
     import torch
 
@@ -27,62 +29,21 @@ WHOLE, MASK, INDICES = 0, 1, 2
 NAMES = {WHOLE: "whole", MASK: "mask", INDICES: "indices"}
 
 
-def words(n: int) -> int:
-    """The 16-bit words of a chunk of ``n`` bytes (an odd last byte rounds up: staging is
-    64-byte aligned, so the word is there on both sides)."""
-    return (n + 1) // 2
-
-
-def _mask_head(words: int) -> int:
-    """The bytes of the changed-word bits of a mask encoding, even (the words follow)."""
-    return ((words + 7) // 8 + 1) // 2 * 2
-
-
 def encode(previous: "torch.Tensor", current: "torch.Tensor"
            ) -> "tuple[int, int, torch.Tensor]":
-    """(encoding, changed words, payload bytes) of ``current`` against ``previous`` (two uint8
-    tensors of one even length: the chunk's words)."""
+    """(encoding, changed words, payload bytes) of ``current`` against ``previous`` (two dense
+    uint8 tensors of one even length: the chunk's words); the payload is ``current`` itself
+    when the chunk travels whole."""
     import torch
-    old, new = previous.view(torch.int16), current.view(torch.int16)
-    changed = old != new
-    count = int(changed.sum())
-    n = current.numel()
-    mask_bytes = _mask_head(old.numel()) + 2 * count
-    if n <= min(mask_bytes, 6 * count):
-        return WHOLE, count, current
-    values = new[changed].view(torch.uint8)
-    if 6 * count <= mask_bytes:
-        where = changed.nonzero().reshape(-1).to(torch.int32).view(torch.uint8)
-        return INDICES, count, torch.cat([where, values])
-    bits = torch.nn.functional.pad(changed, (0, _mask_head(old.numel()) * 8 - old.numel()))
-    bits = bits.view(-1, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    packed = (bits.to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
-    return MASK, count, torch.cat([packed, values])
-
-
-def payload_bytes(kind: int, count: int, n: int) -> int:
-    """The bytes an encoded chunk of ``n`` bytes with ``count`` changed words travels as."""
-    if kind == WHOLE:
-        return n
-    if kind == INDICES:
-        return 6 * count
-    return _mask_head(n // 2) + 2 * count
+    payload = torch.empty(current.numel(), dtype=torch.uint8)
+    kind, count, n = _core.delta_encode(int(previous.data_ptr()), int(current.data_ptr()),
+                                        current.numel() // 2, int(payload.data_ptr()),
+                                        payload.numel())
+    return kind, count, current if kind == WHOLE else payload[:n]
 
 
 def decode(previous: "torch.Tensor", kind: int, count: int, payload: "torch.Tensor") -> None:
-    """Applies an encoded chunk to ``previous`` (the receiver's copy, uint8, even length), in
-    place: afterwards it holds the chunk as the sender packed it."""
-    import torch
-    old = previous.view(torch.int16)
-    if kind == WHOLE:
-        previous.copy_(payload)
-        return
-    if kind == INDICES:
-        where = payload[:4 * count].view(torch.int32).to(torch.int64)
-        old[where] = payload[4 * count:].view(torch.int16)
-        return
-    head = _mask_head(old.numel())
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    bits = (payload[:head].reshape(-1, 1) & weights) != 0
-    old[bits.reshape(-1)[:old.numel()]] = payload[head:].view(torch.int16)
+    """Applies an encoded chunk to ``previous`` (the receiver's copy: dense uint8, even length),
+    in place: afterwards it holds the chunk as the sender packed it."""
+    _core.delta_apply(int(previous.data_ptr()), previous.numel() // 2, kind, count,
+                      int(payload.data_ptr()), payload.numel())

@@ -999,38 +999,58 @@ class Redistributor:
             receives[k].append((peer, n))
         run = _DeltaRun()
 
-        def travel(out: "list[tuple[torch.Tensor, int]]",
-                   into: "list[tuple[torch.Tensor, int]]") -> None:
-            """Sends and receives host tensors (through the transport's device)."""
-            on = [(t.to(comm), p) for t, p in out]
-            staged = [(torch.empty(t.shape, dtype=t.dtype, device=comm), p) for t, p in into]
-            for request in self._comm.exchange(on, staged):
-                request.wait()
-            for (t, _), (s, _) in zip(into, staged):
-                if s is not t:
-                    t.copy_(s)
+        on_cpu = comm.type == "cpu"
 
-        ex.copy_local(me, src, dst, options)
-        finished(-1)
-        for k in range(ex.num_rounds):
+        def post(out: "list[tuple[torch.Tensor, int]]",
+                 into: "list[tuple[torch.Tensor, int]]") -> Callable[[], None]:
+            """Starts sending and receiving host tensors (through the transport's device);
+            the call returned waits for them."""
+            if on_cpu:
+                sent = self._comm.exchange(out, into)
+
+                def wait() -> None:
+                    for r in sent:
+                        r.wait()
+                return wait
+            staged = [(torch.empty(t.shape, dtype=t.dtype, device=comm), p) for t, p in into]
+            requests = self._comm.exchange([(t.to(comm), p) for t, p in out], staged)
+
+            def settle() -> None:
+                for r in requests:
+                    r.wait()
+                for (t, _), (d, _) in zip(into, staged):
+                    t.copy_(d)
+            return settle
+
+        def prepare(k: int) -> "tuple[list[tuple[torch.Tensor, int]], list[Any]]":
+            """Round k's chunks packed, compared and encoded: (headers, payloads)."""
             headers, payloads = [], []
             for peer, n in sends[k]:
-                chunk = torch.zeros(_even(n), dtype=torch.uint8)
+                chunk = torch.empty(_even(n), dtype=torch.uint8)
+                if n % 2:  # an odd chunk's last word is half padding, alike everywhere
+                    chunk[-1] = 0
                 ex.pack(me, peer, k, int(chunk.data_ptr()), n, src, options, False)
                 before = previous.get(("send", peer, k)) if previous is not None else None
                 kind, count, payload = (_delta.WHOLE, _even(n) // 2, chunk) if before is None \
                     else _delta.encode(before, chunk)
                 kept[("send", peer, k)] = chunk
                 headers.append((torch.tensor([kind, count, payload.numel()]), peer))
-                payloads.append((payload.contiguous(), peer))
+                payloads.append((payload, peer))
                 run.sent += payload.numel() + 24  # and the header
                 run.changed += count
                 run.words += _even(n) // 2
                 run.encodings[_delta.NAMES[kind]] = run.encodings.get(_delta.NAMES[kind], 0) + 1
+            return headers, payloads
+
+        def told_of(k: int, headers: "list[tuple[torch.Tensor, int]]"
+                    ) -> "list[tuple[torch.Tensor, int]]":
             told = [(torch.empty(3, dtype=torch.int64), peer) for peer, _ in receives[k]]
-            travel(headers, told)
-            arriving = [(torch.empty(int(h[2]), dtype=torch.uint8), peer) for h, peer in told]
-            travel(payloads, arriving)
+            post(headers, told)()
+            return told
+
+        def apply(k: int, told: "list[tuple[torch.Tensor, int]]",
+                  arriving: "list[tuple[torch.Tensor, int]]") -> None:
+            """Round k's payloads into the copies of its chunks, unpacked into the targets."""
             for (h, peer), (payload, _), (_, n) in zip(told, arriving, receives[k]):
                 run.received += payload.numel() + 24
                 if run.failure is not None:
@@ -1038,18 +1058,40 @@ class Redistributor:
                 try:
                     kind, count = int(h[0]), int(h[1])
                     held = previous.get(("recv", peer, k)) if previous is not None else None
-                    if held is None:
-                        if kind != _delta.WHOLE:
-                            raise RedistributeError(f"a delta from process {peer} in round {k} "
-                                                    "against a chunk this process does not hold")
-                        held = torch.zeros(_even(n), dtype=torch.uint8)
-                    _delta.decode(held, kind, count, payload)
+                    if kind == _delta.WHOLE and payload.numel() == _even(n):
+                        held = payload  # received into a chunk of its own
+                    elif held is None:
+                        raise RedistributeError(f"a delta from process {peer} in round {k} "
+                                                "against a chunk this process does not hold")
+                    else:
+                        _delta.decode(held, kind, count, payload)
                     kept[("recv", peer, k)] = held
                     ex.unpack(me, peer, k, int(held.data_ptr()), n, dst, options, False)
                 except Exception as e:  # agreed once every round has travelled
                     run.failure = _message(e)
             if run.failure is None:
                 finished(k)
+
+        # Round k travels while round k + 1 is packed and encoded and round k - 1 applied.
+        ex.copy_local(me, src, dst, options)
+        finished(-1)
+        rounds = ex.num_rounds
+        headers, payloads = prepare(0) if rounds else ([], [])
+        told = told_of(0, headers) if rounds else []
+        pending: Optional[tuple[int, Any, Any]] = None
+        for k in range(rounds):
+            arriving = [(torch.empty(int(h[2]), dtype=torch.uint8), peer) for h, peer in told]
+            settle = post(payloads, arriving)
+            if pending is not None:
+                apply(*pending)
+            if k + 1 < rounds:
+                headers, payloads = prepare(k + 1)
+            settle()
+            pending = (k, told, arriving)
+            if k + 1 < rounds:
+                told = told_of(k + 1, headers)
+        if pending is not None:
+            apply(*pending)
         if self._comm.any_flag(run.failure is not None):
             failures = [f for f in self._gather(run.failure)]
             self._raise_any(failures)
