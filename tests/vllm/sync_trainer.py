@@ -161,7 +161,7 @@ def run(spec: dict, rank: int) -> None:
                 if "sync" not in syncs:
                     syncs["sync"] = WeightSync(llm, maps,
                                                overlap_processing=step.get("overlap"))
-                stats = syncs["sync"].push(shards)
+                stats = syncs["sync"].push(shards, delta=step.get("delta", False))
                 entry["stats"] = stats.__dict__
             elif kind == "dtensors":  # the trainer's own DTensors, no maps written
                 entry.update(push_dtensors(spec, step, llm, syncs))
@@ -205,7 +205,7 @@ def run(spec: dict, rank: int) -> None:
                 dist.barrier()
                 if "overlap" in step:
                     syncs["sync"] = WeightSync(llm, maps, overlap_processing=step["overlap"])
-                syncs["sync"].push(shards)
+                syncs["sync"].push(shards, delta=step.get("delta", False))
             elif kind == "single":  # trainer at TP 1: process 0 alone, full tensors
                 solo = dist.new_group([0])
                 syncs.pop("sync", None)  # the engine now listens to the other sync

@@ -328,3 +328,32 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     assert sum(v for k, v in links.items() if k.startswith("trainer")) == stats["bytes_sent"]
     assert sum(v for k, v in links.items() if k.startswith("engine")) == stats["bytes_relayed"]
     assert links[stats["busiest_link"]] == max(links.values())
+
+
+DELTA_STEPS = [
+    {"name": "delta push B (the first: whole)", "kind": "push", "weights": "B", "delta": True},
+    {"name": "delta push A", "kind": "push", "weights": "A", "delta": True},
+    {"name": "delta push A again (nothing changed)", "kind": "push", "weights": "A",
+     "delta": True},
+    {"name": "processing fails on one worker, delta B", "kind": "processing_fails",
+     "weights": "B", "delta": True},
+    {"name": "delta push B after the failure", "kind": "push", "weights": "B", "delta": True},
+    {"name": "full push A", "kind": "push", "weights": "A"},
+    {"name": "delta push B after a full push", "kind": "push", "weights": "B", "delta": True},
+]
+
+
+def test_delta_pushes_give_transformers_tokens(models, tmp_path):
+    """push(delta=True) into an engine at TP 2: after every push, failed ones included, the
+    engine serves transformers' tokens of the weights it should hold; a push of unchanged
+    weights sends only headers; the push after a failed one, and after a full one, sends
+    everything again."""
+    main, _ = run_session(models, 2, tmp_path, steps=DELTA_STEPS)
+    want = [models["expected"][k] for k in ("B", "A", "A", "A", "B", "A", "B")]
+    for entry, tokens in zip(main[1:], want):
+        assert entry["tokens"] == tokens, entry["step"]
+    sent = [e.get("stats", {}).get("bytes_sent_here") for e in main[1:]]
+    assert main[4].get("error") and "processing" in main[4]["error"], main[4]
+    whole = sent[0]
+    assert sent[2] < whole // 100, sent  # nothing changed: headers only
+    assert sent[4] == whole and sent[6] == whole, sent  # after a failure, after a full push

@@ -91,10 +91,11 @@ class _Finished:
 
 def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                shards: Mapping[str, Any], out: Optional[dict[str, Any]],
-               on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str]
-               ) -> None:
+               on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str],
+               delta: bool = False) -> None:
     """Every exchange of a push, as this process takes part in it (a collective over the
-    sync's groups): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
+    sync's groups; ``delta``: each exchange sends only what changed since the last delta push,
+    :meth:`reshard.distributed.Redistributor.run`): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
     from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
     ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
     Each lane (:func:`reshard.vllm._schedule.plan_stages`) runs on a thread of its own over a
@@ -183,9 +184,9 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                 if st.engine == engine:
                     assert finished is not None
                     sync.run(mine, out=held(sync, "target"), on_ready=finished.done,
-                             _error=why())
+                             delta=delta, _error=why())
                 else:
-                    sync.run(mine, _error=why())
+                    sync.run(mine, delta=delta, _error=why())
                 if st.source == engine and finished is not None:
                     finished.done(mine)
             except BaseException as e:  # later exchanges are told, and the first is raised

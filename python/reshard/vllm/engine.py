@@ -74,6 +74,8 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     # transfer (False); None: overlapped on a GPU, after on CPU (see _Layers).
     overlap: Optional[bool] = None
     tensors: list[list[Any]] = field(default_factory=list)  # "full": [name, dtype, shape]
+    # "plan": only what changed since the last delta push travels (targets rewritten whole).
+    delta: bool = False
 
 
 def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
@@ -385,14 +387,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return self._worst_of_workers(worst)
 
     def _transfer(self, out: dict[str, torch.Tensor], layers: "_Layers",
-                  error: Optional[str]) -> None:
+                  error: Optional[str], delta: bool = False) -> None:
         """Every exchange of the push (:func:`reshard.vllm._exchange.run_stages`): the workers
         receive in their engine's own, send what they received on in those where their engine
         relays to another, and take part in the others."""
         comm = self._comm
         assert comm is not None
         run_stages(self._stages, self._engine, comm.rank - self._first, {}, out,
-                   layers.arrived, error)
+                   layers.arrived, error, delta)
 
     def _abandon(self, what: str) -> None:
         """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
@@ -434,7 +436,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 error = f"worker {rank}: {type(e).__name__}: {e}"
             times.append(time.perf_counter())
             with _experts_processed_again(layers.modules()):
-                self._transfer(out, layers, error)
+                self._transfer(out, layers, error, update_info.delta)
                 times.append(time.perf_counter())
                 layers.process_the_rest()
         except RedistributeError as e:  # agreed: every trainer process raises it

@@ -70,7 +70,9 @@ class SyncStats:
     left the trainer processes (one copy of what the engines lack, however many engines),
     ``bytes_relayed`` what engines' workers sent on to other engines' workers, ``links`` the
     bytes of each (sender -> receiver) pair of processes (``"trainer 0 -> engine 1 worker
-    0"``), and ``busiest_link`` the pair that moved the most."""
+    0"``), and ``busiest_link`` the pair that moved the most. After ``push(..., delta=True)``,
+    ``bytes_sent_here`` is what this process sent (the changes, encoded, and 24 bytes of header
+    per chunk); the others stay the plan's."""
 
     bytes_sent: int
     plan_minimum: int
@@ -562,8 +564,8 @@ class WeightSync:
         return sent, here, relayed, {f"{self._process_name(a)} -> {self._process_name(b)}": n
                                      for (a, b), n in links.items()}
 
-    def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
-             ) -> SyncStats:
+    def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
+             *, delta: bool = False) -> SyncStats:
         """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
@@ -574,8 +576,22 @@ class WeightSync:
         raises at once), the same tensors held whole on every process equal.
         Built with ``source=``, ``shards`` defaults to that source as it is now (a module's
         current weights); a module or state dict of DTensors is taken too (each DTensor's
-        ``to_local()``)."""
-        return self._push_plan(shards, self._overlap)
+        ``to_local()``).
+
+        ``delta=True``: between each pair of processes of every exchange of the schedule (the
+        trainer's sends, the engines' relays) only what changed since the last delta push
+        travels (:meth:`reshard.distributed.Redistributor.run`); every worker's parameters
+        come out bit-equal to a full push's. The first delta push, and one after a push that
+        failed anywhere, sends everything."""
+        try:
+            return self._push_plan(shards, self._overlap, delta)
+        except WeightSyncError:
+            # A push that failed anywhere (even once every byte had arrived) makes the next one
+            # whole: this process asks for no delta, and the exchanges agree on that.
+            for stage in self._stages:
+                if hasattr(stage.redistributor, "_delta_base"):
+                    stage.redistributor._delta_base = None
+            raise
 
     def _local_shards(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]]
                       ) -> tuple[Mapping[str, "torch.Tensor"], Optional[str]]:
@@ -609,17 +625,17 @@ class WeightSync:
             return {}, f"trainer process {self._rank}: {_message(e)}"
 
     def _push_plan(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]],
-                   overlap: Optional[bool]) -> SyncStats:
+                   overlap: Optional[bool], delta: bool = False) -> SyncStats:
         """A push, the workers processing layers during the transfer or after it (``overlap``,
         None: the engine's default; the benchmark forces each way)."""
         local, error = self._local_shards(shards)
 
         def send() -> None:  # the schedule: from the trainer processes, then between the engines
-            run_stages(self._stages, -1, self._rank, local, None, None, error)
+            run_stages(self._stages, -1, self._rank, local, None, None, error, delta)
 
         def digests() -> Optional[dict[str, str]]:  # compared among the trainer processes
             return whole_digests(local, self._whole) if error is None else None
-        return self._push({"mode": "plan", "overlap": overlap}, send, digests)
+        return self._push({"mode": "plan", "overlap": overlap, "delta": delta}, send, digests)
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any],
               digest: Callable[[], Optional[dict[str, str]]] = lambda: None) -> SyncStats:
@@ -718,6 +734,9 @@ class WeightSync:
             raise WeightSyncError(outcomes[0])
         seconds = time.perf_counter() - start
         sent, here, relayed, links = self._moved()
+        if update.get("delta"):  # what this process sent: the encoded chunks and headers
+            here = sum(int((st.redistributor.last_stats or {}).get("sent", 0))
+                       for st in self._stages if not st.prepare)
         sync = self.redistributor
         gathered = sync.gathered() if isinstance(sync, QuantizingRedistributor) else 0
         busiest = max(links, key=lambda k: links[k]) if links else None
