@@ -161,8 +161,16 @@ def run(spec: dict, rank: int) -> None:
                 if "sync" not in syncs:
                     syncs["sync"] = WeightSync(llm, maps,
                                                overlap_processing=step.get("overlap"))
-                stats = syncs["sync"].push(shards, delta=step.get("delta", False))
+                stats = syncs["sync"].push(shards, delta=step.get("delta", False),
+                                           verify=step.get("verify", False))
                 entry["stats"] = stats.__dict__
+            elif kind == "corrupted":  # a worker's tensor altered after it arrived, verified
+                if rank == 0:
+                    hit = llm.collective_rpc(toy.corrupt_before_verify_once, args=(
+                        spec["engine_tp"] - 1, step["tensor"]))
+                    assert sum(hit) == 1, hit
+                dist.barrier()
+                syncs["sync"].push(shards, delta=step.get("delta", False), verify=True)
             elif kind == "dtensors":  # the trainer's own DTensors, no maps written
                 entry.update(push_dtensors(spec, step, llm, syncs))
             elif kind == "nan":  # every element NaN: generating fills KV blocks with NaN

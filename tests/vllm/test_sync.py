@@ -340,6 +340,12 @@ DELTA_STEPS = [
     {"name": "delta push B after the failure", "kind": "push", "weights": "B", "delta": True},
     {"name": "full push A", "kind": "push", "weights": "A"},
     {"name": "delta push B after a full push", "kind": "push", "weights": "B", "delta": True},
+    {"name": "delta push A, verified", "kind": "push", "weights": "A", "delta": True,
+     "verify": True},
+    {"name": "delta push B, a worker's tensor altered before the verify", "kind": "corrupted",
+     "weights": "B", "delta": True, "tensor": "model.layers.1.mlp.down_proj.weight"},
+    {"name": "delta push B after the failed verify, verified", "kind": "push", "weights": "B",
+     "delta": True, "verify": True},
 ]
 
 
@@ -347,9 +353,11 @@ def test_delta_pushes_give_transformers_tokens(models, tmp_path):
     """push(delta=True) into an engine at TP 2: after every push, failed ones included, the
     engine serves transformers' tokens of the weights it should hold; a push of unchanged
     weights sends only headers; the push after a failed one, and after a full one, sends
-    everything again."""
-    main, _ = run_session(models, 2, tmp_path, steps=DELTA_STEPS)
-    want = [models["expected"][k] for k in ("B", "A", "A", "A", "B", "A", "B")]
+    everything again. push(verify=True) passes, and fails on every trainer process, the old
+    weights kept, when a worker's received tensor is altered before its verify, naming the
+    tensor and its element."""
+    main, other = run_session(models, 2, tmp_path, steps=DELTA_STEPS)
+    want = [models["expected"][k] for k in ("B", "A", "A", "A", "B", "A", "B", "A", "A", "B")]
     for entry, tokens in zip(main[1:], want):
         assert entry["tokens"] == tokens, entry["step"]
     sent = [e.get("stats", {}).get("bytes_sent_here") for e in main[1:]]
@@ -357,3 +365,9 @@ def test_delta_pushes_give_transformers_tokens(models, tmp_path):
     whole = sent[0]
     assert sent[2] < whole // 100, sent  # nothing changed: headers only
     assert sent[4] == whole and sent[6] == whole, sent  # after a failure, after a full push
+    corrupted = [main[9], other[8]]
+    for e in corrupted:
+        assert "the targets do not hold what the sources have" in e.get("error", ""), e
+        assert "model.layers.1.mlp.down_proj.weight" in e["error"], e
+        assert "first differing element [0, 0]" in e["error"], e
+    assert "error" not in main[8] and "error" not in main[10], (main[8], main[10])

@@ -156,6 +156,26 @@ def fail_processing_once(worker: Any, rank: int, module: str) -> bool:
     return True
 
 
+def corrupt_before_verify_once(worker: Any, rank: int, name: str) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, the next
+    verify of a push that received ``name`` finds its element 0 with one bit flipped (as if the
+    tensor had been altered behind the sync's back). Whether this worker is it."""
+    import torch
+    import torch.distributed as dist
+    from reshard.distributed import Redistributor
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    original = Redistributor.verify
+
+    def verify(self: Any, out: Any = None, shards: Any = None, **kw: Any) -> Any:
+        if out and name in out:
+            Redistributor.verify = original  # type: ignore[method-assign]  # once
+            out[name].view(-1)[:1].view(torch.uint8)[0] ^= 1
+        return original(self, out, shards, **kw)
+    Redistributor.verify = verify  # type: ignore[method-assign]
+    return True
+
+
 def die_at_first_exchange(worker: Any) -> bool:
     """(``LLM.collective_rpc``) The engine's worker 0 dies by SIGKILL at its next exchange of
     bytes with the sync's group (an engine lost in the middle of a push). Whether this worker

@@ -92,10 +92,11 @@ class _Finished:
 def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                shards: Mapping[str, Any], out: Optional[dict[str, Any]],
                on_ready: Optional[Callable[[dict[str, Any]], None]], error: Optional[str],
-               delta: bool = False) -> None:
+               delta: bool = False, verify: bool = False) -> None:
     """Every exchange of a push, as this process takes part in it (a collective over the
     sync's groups; ``delta``: each exchange sends only what changed since the last delta push,
-    :meth:`reshard.distributed.Redistributor.run`): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
+    :meth:`reshard.distributed.Redistributor.run`; ``verify``: each exchange is followed by
+    :meth:`~reshard.distributed.Redistributor.verify` of what its targets received): a trainer process (``engine`` -1) sends its ``shards`` in the exchanges
     from the trainer processes; a worker (map rank ``rank`` of its ``engine``) receives into
     ``out`` in its engine's exchanges and sends from ``out`` in those where its engine relays.
     Each lane (:func:`reshard.vllm._schedule.plan_stages`) runs on a thread of its own over a
@@ -187,6 +188,8 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
                              delta=delta, _error=why())
                 else:
                     sync.run(mine, delta=delta, _error=why())
+                if verify:  # what the targets received, before any processing of it
+                    sync.verify(held(sync, "target") if st.engine == engine else {}, mine)
                 if st.source == engine and finished is not None:
                     finished.done(mine)
             except BaseException as e:  # later exchanges are told, and the first is raised

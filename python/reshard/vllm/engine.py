@@ -76,6 +76,8 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     tensors: list[list[Any]] = field(default_factory=list)  # "full": [name, dtype, shape]
     # "plan": only what changed since the last delta push travels (targets rewritten whole).
     delta: bool = False
+    # "plan": every exchange's targets verified (fingerprints) before any layer is processed.
+    verify: bool = False
 
 
 def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
@@ -387,14 +389,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         return self._worst_of_workers(worst)
 
     def _transfer(self, out: dict[str, torch.Tensor], layers: "_Layers",
-                  error: Optional[str], delta: bool = False) -> None:
+                  error: Optional[str], delta: bool = False, verify: bool = False) -> None:
         """Every exchange of the push (:func:`reshard.vllm._exchange.run_stages`): the workers
         receive in their engine's own, send what they received on in those where their engine
         relays to another, and take part in the others."""
         comm = self._comm
         assert comm is not None
         run_stages(self._stages, self._engine, comm.rank - self._first, {}, out,
-                   layers.arrived, error, delta)
+                   layers.arrived, error, delta, verify)
 
     def _abandon(self, what: str) -> None:
         """A peer was lost mid-transfer: the group is unusable. Shut down, so that the trainer
@@ -415,7 +417,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         assert self._sync is not None and comm is not None
         model = self.model
         rank = comm.rank - self._first
-        overlap = update_info.overlap
+        # A verified push checks what arrived before any layer is processed.
+        overlap = False if update_info.verify else update_info.overlap
         # A layer is processed once each of its tensors has arrived whole and every exchange
         # that sends from it on this worker (a relay to another engine, a replicated piece to
         # another holder) is done (run_stages).
@@ -436,7 +439,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 error = f"worker {rank}: {type(e).__name__}: {e}"
             times.append(time.perf_counter())
             with _experts_processed_again(layers.modules()):
-                self._transfer(out, layers, error, update_info.delta)
+                self._transfer(out, layers, error, update_info.delta, update_info.verify)
                 times.append(time.perf_counter())
                 layers.process_the_rest()
         except RedistributeError as e:  # agreed: every trainer process raises it

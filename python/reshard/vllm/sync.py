@@ -565,7 +565,7 @@ class WeightSync:
                                      for (a, b), n in links.items()}
 
     def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
-             *, delta: bool = False) -> SyncStats:
+             *, delta: bool = False, verify: bool = False) -> SyncStats:
         """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
@@ -582,9 +582,19 @@ class WeightSync:
         trainer's sends, the engines' relays) only what changed since the last delta push
         travels (:meth:`reshard.distributed.Redistributor.run`); every worker's parameters
         come out bit-equal to a full push's. The first delta push, and one after a push that
-        failed anywhere, sends everything."""
+        failed anywhere, sends everything.
+
+        ``verify=True``: after each exchange of the push, before any layer is processed (the
+        workers then process every layer after the transfer), every worker's received tensors
+        are checked against the trainer's shards by fingerprints
+        (:meth:`reshard.distributed.Redistributor.verify`: a few integers travel, not the
+        tensors). What is proven is what each worker loaded, before vLLM's post-load processing
+        (which may repack, transpose or requantize it: that the proof cannot see). A difference
+        fails the push on every trainer process, naming the tensor, the worker (its process in
+        the sync's group and its rank in the engine) and the first differing element; the
+        engine keeps serving the weights it had."""
         try:
-            return self._push_plan(shards, self._overlap, delta)
+            return self._push_plan(shards, self._overlap, delta, verify)
         except WeightSyncError:
             # A push that failed anywhere (even once every byte had arrived) makes the next one
             # whole: this process asks for no delta, and the exchanges agree on that.
@@ -625,17 +635,19 @@ class WeightSync:
             return {}, f"trainer process {self._rank}: {_message(e)}"
 
     def _push_plan(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]],
-                   overlap: Optional[bool], delta: bool = False) -> SyncStats:
+                   overlap: Optional[bool], delta: bool = False,
+                   verify: bool = False) -> SyncStats:
         """A push, the workers processing layers during the transfer or after it (``overlap``,
         None: the engine's default; the benchmark forces each way)."""
         local, error = self._local_shards(shards)
 
         def send() -> None:  # the schedule: from the trainer processes, then between the engines
-            run_stages(self._stages, -1, self._rank, local, None, None, error, delta)
+            run_stages(self._stages, -1, self._rank, local, None, None, error, delta, verify)
 
         def digests() -> Optional[dict[str, str]]:  # compared among the trainer processes
             return whole_digests(local, self._whole) if error is None else None
-        return self._push({"mode": "plan", "overlap": overlap, "delta": delta}, send, digests)
+        return self._push({"mode": "plan", "overlap": overlap, "delta": delta,
+                           "verify": verify}, send, digests)
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any],
               digest: Callable[[], Optional[dict[str, str]]] = lambda: None) -> SyncStats:
