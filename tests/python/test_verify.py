@@ -104,6 +104,7 @@ def cases(reshard_bin, tmp):
          "alter": {"side": "target", "process": 1, "param": "experts.gate_up_proj",
                    "flat": 20}},
         {"name": "fp8", **fp8_case},
+        {"name": "fp8_delta", **fp8_case, "delta_after": [[5, 7], [40, 50]]},
         {"name": "fp8_data_altered", **fp8_case,
          "alter": {"side": "target", "process": 3, "param": "w", "flat": 64 * 32 - 1}},
         {"name": "fp8_scale_altered", **fp8_case,
@@ -137,7 +138,8 @@ def launch(tmp_path_factory, reshard_bin):
 
 PASSING = {  # name: (tensor, target process) pairs compared
     "rows_to_columns": 6, "rows_to_columns_explicit": 6, "replicas": 8,
-    "padding_garbage_passes": 4, "scaled_pieces": 2, "fp8": 6, "after_errors": 6}
+    "padding_garbage_passes": 4, "scaled_pieces": 2, "fp8": 6, "fp8_delta": 6,
+    "after_errors": 6}
 
 
 
@@ -238,3 +240,17 @@ def test_a_process_without_the_last_chunks_makes_the_next_push_whole(launch):
         kinds = [s["stats"]["delta"] for s in r["steps"]]
         assert kinds == [False, True, True, True, False, True], (p, kinds)
         assert all(s["equal"] and s["verified"] == 8 for s in r["steps"]), p
+
+
+def test_fp8_delta_sends_only_the_changed_blocks_bytes(launch):
+    """Into FP8 targets quantized at the source: after one element of the bf16 weight changes,
+    a delta run leaves the targets equal to the block quantization of the whole new weight and
+    sends a small part of what the first (whole) run sent: the changed block's FP8 bytes and
+    its scale (each block quantized again at its owner; unchanged blocks give the same bytes)."""
+    _, ranks = launch["fp8_delta"]
+    for p, r in enumerate(ranks):
+        assert r["error"] is None, (p, r["error"], r.get("traceback"))
+        assert [s["equal"] for s in r["delta"]] == [True] * 3, (p, r["delta"])
+        assert [s["delta"] for s in r["delta"]] == [False, True, True], (p, r["delta"])
+    sent = [sum(r["delta"][k]["sent"] for r in ranks) for k in range(3)]
+    assert 0 < sent[1] < sent[0] // 2 and 0 < sent[2] < sent[0] // 2, sent

@@ -74,6 +74,32 @@ def build(case, me):
     return src, dst, fulls
 
 
+def delta_steps(case, me, sync, src, dst, fulls, out):
+    """After a first delta run, one element of the full bf16 weight changed per step (each
+    in another FP8 block): a delta run, its targets compared bit for bit with the block
+    quantization of the whole new weight (rd.quantize_fp8_blocks), and the bytes it sent."""
+    sources, targets = case["source_ranks"], case["target_ranks"]
+    spec = case["quantize"]["w"]
+    steps = []
+    for at in [None] + case["delta_after"]:
+        if at is not None:
+            fulls["w"][tuple(at)] += 1.0
+        shards = shards_of(src, fulls, sources.index(me)) if me in sources else {}
+        out = sync.run(shards, out, delta=True)
+        equal = True
+        if me in targets:
+            t = targets.index(me)
+            data, scales = rd.quantize_fp8_blocks(fulls["w"], spec["block"])
+            want = {"w": reshard.extract(dst["w"], data, t),
+                    spec["scale"]: reshard.extract(dst[spec["scale"]], scales, t),
+                    "n": reshard.extract(dst["n"], fulls["n"], t)}
+            equal = all(torch.equal(out[n].view(torch.uint8), w.view(torch.uint8))
+                        for n, w in want.items())
+        steps.append({"equal": equal, "delta": sync._final.last_stats["delta"],
+                      "sent": sync.last_stats["sent"]})
+    return steps
+
+
 def run_case(case, me):
     result = {"error": None, "checked": None, "indices": None}
     sources, targets = case["source_ranks"], case["target_ranks"]
@@ -101,6 +127,8 @@ def run_case(case, me):
             result["checked"] = sync.verify(got, shards)
         else:
             result["checked"] = sync.verify()
+        if case.get("delta_after"):
+            result["delta"] = delta_steps(case, me, sync, src, dst, fulls, got)
     except Exception as e:  # recorded for the test to judge
         result["error"] = f"{type(e).__name__}: {e}"
         if not isinstance(e, rd.RedistributeError):
