@@ -77,7 +77,8 @@ def run(spec: dict, rank: int) -> None:
             dist.barrier()
         start = time.monotonic()
         try:
-            entry["stats"] = sync.push(loaded[step["weights"]][1]).__dict__
+            entry["stats"] = sync.push(loaded[step["weights"]][1], delta=step.get("delta", False),
+                                       verify=step.get("verify", False)).__dict__
         except WeightSyncError as e:
             entry["error"] = str(e)
         entry["seconds"] = time.monotonic() - start

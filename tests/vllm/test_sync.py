@@ -270,9 +270,10 @@ def test_trainer_dtensors_push_without_maps(models, tmp_path):
     assert other[0]["stats"]["bytes_sent"] == step["stats"]["bytes_sent"]
 
 
-FLEET_STEPS = [{"kind": "push", "weights": "B"},
-               {"kind": "processing_fails", "weights": "A", "engine": 1},
-               {"kind": "push", "weights": "A"},
+FLEET_STEPS = [{"kind": "push", "weights": "B", "delta": True},
+               {"kind": "processing_fails", "weights": "A", "engine": 1, "delta": True},
+               {"kind": "push", "weights": "A", "delta": True},
+               {"kind": "push", "weights": "B", "delta": True, "verify": True},
                {"kind": "engine_lost", "weights": "B", "engine": 1}]
 FLEET_TIMEOUT_S = 20  # how long a lost engine can hold the others' commit
 
@@ -283,9 +284,10 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     pushed; the trainer processes send one copy (the sync schedule roots each tensor at one
     engine) and the engines' workers relay the rest to each other. A worker of the second engine failing
     its processing fails the push on every trainer process and both engines keep serving what
-    the last push gave them; the next push lands on both. A worker of the second engine lost
-    mid-push (SIGKILL) fails the push on every trainer process, and the first engine keeps
-    serving the weights it had."""
+    the last push gave them; the next push lands on both. The pushes are deltas (the first
+    whole, the one after the failure whole, then a verified delta relayed between the engines).
+    A worker of the second engine lost mid-push (SIGKILL) fails the push on every trainer
+    process, and the first engine keeps serving the weights it had."""
     # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
     # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
     spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
@@ -307,12 +309,16 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
         assert steps[2]["tokens"] == expected["B"]  # neither engine took A
         assert "error" not in steps[3], steps[3]
         assert steps[3]["tokens"] == expected["A"]
+        # A delta through the schedule (the engines relaying the changes), verified on every
+        # worker of both engines.
+        assert "error" not in steps[4], steps[4]
+        assert steps[4]["tokens"] == expected["B"]
     # Engine 1's worker 0 dies in the push of B: both trainer processes raise, within the
-    # sync's timeout, and engine 0 still serves A.
+    # sync's timeout, and engine 0 still serves B.
     for steps in runs:
-        assert steps[4]["error"].startswith("a push failed in the transfer"), steps[4]
-        assert steps[4]["seconds"] < 1.5 * FLEET_TIMEOUT_S, steps[4]
-    assert runs[0][4]["tokens"] == expected["A"]
+        assert steps[5]["error"].startswith("a push failed in the transfer"), steps[5]
+        assert steps[5]["seconds"] < 1.5 * FLEET_TIMEOUT_S, steps[5]
+    assert runs[0][5]["tokens"] == expected["B"]
     stats = runs[0][1]["stats"]
     assert stats == {**runs[1][1]["stats"], "bytes_sent_here": stats["bytes_sent_here"],
                      "seconds": stats["seconds"]}
