@@ -376,4 +376,5 @@ def test_delta_pushes_give_transformers_tokens(models, tmp_path):
         assert "the targets do not hold what the sources have" in e.get("error", ""), e
         assert "model.layers.1.mlp.down_proj.weight" in e["error"], e
         assert "first differing element [0, 0]" in e["error"], e
+        assert "on target engine 0 worker 1 (target rank 1" in e["error"], e
     assert "error" not in main[8] and "error" not in main[10], (main[8], main[10])

@@ -337,6 +337,8 @@ class Redistributor:
         # The chunks of the last delta run as they travelled: ("send" | "recv", peer, round)
         # -> uint8 (see _move_delta); None: the next delta run sends them whole.
         self._delta_base: Optional[dict[tuple[str, int, int], "torch.Tensor"]] = None
+        # How verify's messages name a process of the group (a sync names engines' workers).
+        self._process_name: Callable[[int], str] = lambda p: f"process {p}"
         error, fingerprint = _error, None
         try:  # every check, so that a mistake on one process is told to all (DESIGN 14)
             if error is not None:
@@ -962,7 +964,7 @@ class Redistributor:
         name, rank = self._names[param], self._target_ranks.index(proc)
         m = self._dst[param]
         buffer = m.buffer(rank)
-        where = f"\"{name}\" on target process {proc} (target rank {rank}" + \
+        where = f"\"{name}\" on target {self._process_name(proc)} (target rank {rank}" + \
             (f", in buffer \"{buffer}\")" if buffer else ")")
         if hi - lo != 1:
             return (f"{where}: its fingerprint differs from the sources', but no single element "

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Un
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
 from ..distributed import (DEFAULT_BUCKET_BYTES, QuantizingRedistributor, RedistributeError,
-                           _megatron_dtypes, _message, _torch_dtype)
+                           Redistributor, _megatron_dtypes, _message, _torch_dtype)
 from ._client import _Background, _Client
 from ._group import StoreGroup, join_store, serve_store
 
@@ -304,6 +304,10 @@ class WeightSync:
                 lane_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
                 plan["error"])
             self._sync = self._stages[0].redistributor
+            for stage in self._stages:  # verify's messages name engines and workers
+                for r in (stage.redistributor, getattr(stage.redistributor, "_final", None)):
+                    if isinstance(r, Redistributor):
+                        r._process_name = self._process_name
             self._whole = whole_tensors(source_maps, self._trainers)
         except RedistributeError as e:
             self._finish_all(inits)
