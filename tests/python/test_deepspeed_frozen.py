@@ -165,6 +165,11 @@ def test_universal_keeps_a_frozen_parameter_and_refuses_a_buffer_unless_dropped(
     r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "--drop", "model.nothing",
             "--drop", BUFFER, "-o", tmp_path / "bad")
     assert r.returncode == 2 and "model.nothing" in r.stderr, r.stderr
+    for held in (EMBED, "model.norm.weight"):  # parameters the folder holds: never dropped
+        r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "--drop", BUFFER,
+                "--drop", held, "-o", tmp_path / "param")
+        assert r.returncode == 1 and "which the universal checkpoint holds" in r.stderr, r.stderr
+        assert not (tmp_path / "param").exists()
     out = tmp_path / "uc"
     r = run(reshard_bin, "convert", ckpt.save_dir, "--to", "universal", "--drop", BUFFER, "-o", out)
     assert r.returncode == 0, r.stderr
@@ -188,6 +193,7 @@ def test_inspect_names_what_has_no_optimizer_state(checkpoints, reshard_bin):
     assert r.returncode == 0, r.stderr
     assert f"{EMBED}  [250, 64]" in r.stdout and "(frozen, F32)" in r.stdout, r.stdout
     assert "(buffer, F32)" in r.stdout, r.stdout
+    assert "parameters (1 frozen) and 1 buffer\n" in r.stdout, r.stdout
     summary = reshard.checkpoint.inspect(ckpt.save_dir)["deepspeed"]
     kinds = {p["name"]: p["kind"] for p in summary["params"]}
     assert kinds[EMBED] == "frozen" and kinds[BUFFER] == "buffer"

@@ -157,6 +157,13 @@ def test_tolerances_compare_bf16_against_fp32(ckpts, tmp_path):
         reshard.diff(fp32, sharded, atol=-1.0)
 
 
+def test_a_tolerance_must_be_finite_and_not_negative(ckpts):
+    for bad in ("inf", "-1", "nan", "x"):
+        r = run(ckpts.bin, "diff", ckpts.hf, ckpts.tp2, "--atol", bad)
+        assert r.returncode == 2 and f"finite number >= 0, not {bad}" in r.stderr, r.stderr
+        assert len(r.stderr) < 400, r.stderr
+
+
 def test_unreadable_input_exits_2(ckpts, tmp_path):
     r = run(ckpts.bin, "diff", ckpts.hf, tmp_path / "nowhere")
     assert r.returncode == 2 and "nowhere" in r.stderr
@@ -196,6 +203,10 @@ def test_a_torch_save_file_is_compared_as_its_state_dict(ckpts, tmp_path):
     assert reshard.diff(tmp_path / "changed.pt", pt).differences[0].multi_index == (1, 0)
     r = run(ckpts.bin, "gather", pt, "-o", tmp_path / "out")  # whole tensors already
     assert r.returncode == 2 and "export" in r.stderr, r.stderr
+    # An expanded view claims far more than its storage: refused, not allocated.
+    torch.save({"big": torch.zeros(1).expand(2**30)}, str(tmp_path / "expanded.pt"))
+    r = run(ckpts.bin, "diff", tmp_path / "expanded.pt", tmp_path / "expanded.pt")
+    assert r.returncode == 2 and "storage's size plus 1 GiB" in r.stderr, r.stderr
 
 
 def test_python_diff_returns_the_cli_report(ckpts, tmp_path):

@@ -243,10 +243,10 @@ def test_refusals_name_the_file(sources, reshard_bin, tmp_path):
     assert not (tmp_path / "hf").exists()
     r = run(reshard_bin, "gather", sources["reshard"], "--optimizer-state", "-o", tmp_path / "o")
     assert r.returncode == 2, r.stderr
-    # --drop leaves out what a DCP checkpoint holds and a universal one cannot; nothing else.
+    # --drop leaves out what the checkpoint holds and a universal one cannot; nothing else.
     r = run(reshard_bin, "convert", sources["deepspeed"], "--to", "universal", "--drop", "x",
             "-o", tmp_path / "d")
-    assert r.returncode == 2 and "--drop applies" in r.stderr, r.stderr
+    assert r.returncode == 2 and '"x", asked to be dropped' in r.stderr, r.stderr
 
 
 def test_python_api_reads_it_as_the_cli_does(sources, reshard_bin, tmp_path):

@@ -2,6 +2,8 @@
 // compared tensor by tensor without building full tensors (logic in checkpoint/diff.h).
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -82,6 +84,18 @@ Status RunDiff(const DiffArgs& args) {
   return report->equal() ? Status::Ok() : AlreadyReportedCheckFailure();
 }
 
+// A tolerance: a finite number >= 0 (the message says so in those words).
+CLI::Validator Tolerance() {
+  return {[](const std::string& text) -> std::string {
+            char* end = nullptr;
+            const double v = std::strtod(text.c_str(), &end);
+            if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < 0)
+              return "a tolerance is a finite number >= 0, not " + text;
+            return "";
+          },
+          "TOLERANCE"};
+}
+
 void AddDiffOptions(CLI::App* cmd, DiffArgs* args) {
   cmd->add_option("A", args->a, "a checkpoint (any format reshard reads)")->required();
   cmd->add_option("B", args->b, "the checkpoint to compare it with (any format, any layout)")
@@ -90,9 +104,8 @@ void AddDiffOptions(CLI::App* cmd, DiffArgs* args) {
   cmd->add_option("--atol", args->atol,
                   "compare values, not bits: elements agree when |a - b| <= atol + rtol * |b| "
                   "(tensors of different dtypes are then compared by value)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--rtol", args->rtol, "relative tolerance (see --atol)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(Tolerance());
+  cmd->add_option("--rtol", args->rtol, "relative tolerance (see --atol)")->check(Tolerance());
   auto dequantize = cmd->add_flag(
       "--dequantize", args->dequantize,
       "read block-quantized tensors (FP8 with block scales, MXFP4) of either side as numbers, "

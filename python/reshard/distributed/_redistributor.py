@@ -1083,7 +1083,9 @@ class Redistributor:
         pending: Optional[tuple[int, Any, Any]] = None
         for k in range(rounds):
             arriving = [(torch.empty(int(h[2]), dtype=torch.uint8), peer) for h, peer in told]
-            settle = post(payloads, arriving)
+            # An unchanged chunk's payload is empty: its header says so, and nothing travels.
+            settle = post([(p, peer) for p, peer in payloads if p.numel()],
+                          [(t, peer) for t, peer in arriving if t.numel()])
             if pending is not None:
                 apply(*pending)
             if k + 1 < rounds:

@@ -1579,7 +1579,9 @@ Status DeepSpeedReader::CheckLayerFilesRead(
       if (it == read.end()) {
         return InvalidArgumentError(fmt::format(
             "\"{}\" holds \"{}\", but its layer is none a stage lists parameters of and holds no "
-            "tied module (a stray file? DeepSpeed's loader would read it)",
+            "tied module (a stray file? DeepSpeed's loader would read it; or a layer, or a tied "
+            "module, all of whose tensors are frozen parameters or buffers: which stage holds "
+            "it is not recorded, and it is not read)",
             path, tensor.name));
       }
       std::string layer = m[1].str();  // the engine's name: "<layer index>.<name>"
@@ -2471,12 +2473,20 @@ std::string DeepSpeedSummaryJson(const DeepSpeedCheckpoint& c) {
 }
 
 std::string DeepSpeedSummaryText(const DeepSpeedCheckpoint& c) {
+  size_t frozen = 0, buffers = 0;
+  for (const DeepSpeedParam& p : c.params()) {
+    frozen += p.kind == DeepSpeedParamKind::kFrozen ? 1 : 0;
+    buffers += p.kind == DeepSpeedParamKind::kBuffer ? 1 : 0;
+  }
+  std::string counts = fmt::format("{} parameters", c.params().size() - buffers);
+  if (frozen > 0) counts += fmt::format(" ({} frozen)", frozen);
+  if (buffers > 0) counts += fmt::format(" and {} buffer{}", buffers, buffers == 1 ? "" : "s");
   std::string out = fmt::format(
-      "DeepSpeed checkpoint \"{}\": {}, {}TP {} x DP {}, {} module weights, {}; {} parameters\n",
-      c.tag_dir(), ZeroName(c), c.pp() > 1 ? fmt::format("PP {} x ", c.pp()) : "", c.tp(), c.dp(),
+      "DeepSpeed checkpoint \"{}\": {}, {}TP {} x DP {}, {} module weights, {}; {}\n", c.tag_dir(),
+      ZeroName(c), c.pp() > 1 ? fmt::format("PP {} x ", c.pp()) : "", c.tp(), c.dp(),
       DTypeName(c.module_dtype()),
       c.has_optimizer_state() ? "fp32 master weights and Adam moments" : "no optimizer state",
-      c.params().size());
+      counts);
   for (const DeepSpeedParam& p : c.params()) {
     // A frozen parameter or a buffer says so, with its dtype: it has no optimizer state.
     const std::string kind = p.kind == DeepSpeedParamKind::kTrained

@@ -303,6 +303,16 @@ class TorchSaveSource : public ShardSource {
         return InvalidArgumentError(fmt::format(
             "\"{}\": two tensors are both named \"{}\" (dotted paths collide)", path_, t.name));
       }
+      // A view with other strides is copied dense while it is read: at most its storage's size
+      // plus 1 GiB, so that an expanded view (stride 0) cannot claim memory its file lacks.
+      const uint64_t stored = file_.storages()[t.storage].bytes.size();
+      if (!t.is_contiguous() && t.num_bytes() > stored + (uint64_t{1} << 30)) {
+        return InvalidArgumentError(fmt::format(
+            "\"{}\": tensor \"{}\" (size {}, stride {}) is {} bytes read dense, from a storage "
+            "of {} bytes: a view may be read dense up to its storage's size plus 1 GiB (save it "
+            "with .contiguous())",
+            path_, t.name, FormatShape(t.shape), FormatShape(t.strides), t.num_bytes(), stored));
+      }
       RESHARD_ASSIGN_OR_RETURN(ParamMap map, ReplicatedMap(t.shape, 1));
       manifest_.params.push_back(
           ShardedParam{t.name, *t.dtype.dtype, std::move(map), std::nullopt, 1});

@@ -343,7 +343,14 @@ Result<std::vector<UniversalJob>> PlanUniversal(
       return InvalidArgumentError(
           fmt::format("parameter \"{}\" cannot name a folder of the universal checkpoint", p.name));
     }
-    if (p.kind == DeepSpeedParamKind::kBuffer || dropped.contains(p.name)) {
+    if (p.kind != DeepSpeedParamKind::kBuffer && dropped.contains(p.name)) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\": \"{}\", asked to be dropped, is a {} parameter, which the universal "
+          "checkpoint holds (DeepSpeed's loader would miss its folder); only a buffer, which it "
+          "has no place for, is dropped",
+          c.tag_dir(), p.name, DeepSpeedParamKindName(p.kind)));
+    }
+    if (p.kind == DeepSpeedParamKind::kBuffer) {
       if (dropped.erase(p.name) == 1) continue;
       return FailedPreconditionError(fmt::format(
           "\"{}\": \"{}\" is a module buffer (buffer_names lists it): a universal checkpoint "
