@@ -651,7 +651,7 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "checkpoint directory: reshard sharded, DeepSpeed (or its universal "
-                   "checkpoint), PyTorch DCP, Megatron torch_dist (docs/formats.md)",
+                   "checkpoint), PyTorch DCP, Megatron torch_dist, Orbax (docs/formats.md)",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed or universal input: write the optimizer's fp32 master weights "
@@ -659,7 +659,7 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   cmd->add_flag("--optimizer-state", args->optimizer_state,
                 "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...); "
                 "Megatron input: the distributed optimizer's, as <name>.fp32, .exp_avg, "
-                ".exp_avg_sq");
+                ".exp_avg_sq; Orbax input: the optimizer's leaves (opt_state...), by their names");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");
@@ -671,10 +671,11 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
-                   "torch_dist, Hugging Face (docs/formats.md)",
+                   "torch_dist, Orbax, Hugging Face (docs/formats.md)",
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
-                "DeepSpeed, DCP or Megatron input: the model's weights only, no optimizer state");
+                "DeepSpeed, DCP, Megatron or Orbax input: the model's weights only, no optimizer "
+                "state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "

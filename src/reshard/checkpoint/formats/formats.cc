@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -524,6 +525,8 @@ constexpr std::array kFormats = {
                      OpenDeepSpeedWithMaps},
     CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
                      OpenDcp},
+    CheckpointFormat{"orbax", "an Orbax checkpoint", IsOrbaxCheckpoint, CheckOrbaxOptions,
+                     OpenOrbax},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
     CheckpointFormat{"pt", "a torch.save file", DetectTorchSaveFile, CheckTorchSaveFile,
                      OpenTorchSaveFile},
