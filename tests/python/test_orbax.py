@@ -143,6 +143,10 @@ def test_optimizer_state_comes_along_in_convert_not_in_gather(reshard_bin, orbax
     weights = {k: v for k, v in want.items() if not k.startswith("opt_state.")}
     assert len(weights) < len(want)
     assert_equal_to_truth(gathered(tmp_path / "hf"), weights)
+    r = run(reshard_bin, "gather", orbax_dir / "optimizer", "--optimizer-state", "-o",
+            tmp_path / "hf-all")
+    assert r.returncode == 0, r.stderr
+    assert_equal_to_truth(gathered(tmp_path / "hf-all"), want)
     r = run(reshard_bin, "convert", orbax_dir / "optimizer", "--tp", 2, "-o", tmp_path / "tp2")
     assert r.returncode == 0, r.stderr
     r = run(reshard_bin, "gather", tmp_path / "tp2", "-o", tmp_path / "all")
