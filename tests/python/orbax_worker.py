@@ -11,9 +11,13 @@ import json
 import os
 import pathlib
 import shutil
+import socket
+import subprocess
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# `orbax_worker.py multi PROCESS PORT OUT`: one of two jax.distributed processes of 4 devices
+MULTI = len(sys.argv) > 1 and sys.argv[1] == "multi"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if MULTI else 8}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -92,9 +96,17 @@ def save(path, tree, **handler_args):
     ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args(tree)))
 
 
-def write_truth(item, out):
-    """Orbax's own restore of `item`, leaf by leaf."""
-    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(item)
+def write_truth(item, out, as_numpy=False):
+    """Orbax's own restore of `item`, leaf by leaf (as numpy arrays with `as_numpy`: a checkpoint
+    saved on devices this process does not have)."""
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    if as_numpy:
+        tree = ckptr.metadata(item).item_metadata.tree
+        args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                                      is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+        restored = ckptr.restore(item, args=ocp.args.PyTreeRestore(restore_args=args))
+    else:
+        restored = ckptr.restore(item)
     out.mkdir(parents=True, exist_ok=True)
     index = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
@@ -117,7 +129,40 @@ def uncompress(item, name):
     new.write(data).result()
 
 
+def save_from_two_processes(out):
+    """Two jax.distributed processes of 4 CPU devices each (ids 0-3 and 2048-2051) save one
+    checkpoint: a database per process, merged."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, __file__, "multi", str(i), str(port), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    for p in procs:
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, log.decode()[-4000:]
+
+
+def multi_process_main(process, port, out):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                               process_id=process)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tensor"))
+    rng = np.random.default_rng(20)
+
+    def put(shape, dtype, spec):
+        x = np.asarray(values(rng, shape, dtype))
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+    tree = {"w": put((64, 64), "float32", P("fsdp", "tensor")),
+            "v": put((32, 8), "bfloat16", P(("fsdp", "tensor"), None)),
+            "b": put((64,), "float16", P())}
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(out, tree)
+
+
 def main():
+    if MULTI:
+        return multi_process_main(int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4]))
     out = pathlib.Path(sys.argv[1])
     devices = np.array(jax.devices())
     mesh24 = Mesh(devices.reshape(2, 4), ("fsdp", "tensor"))
@@ -146,6 +191,8 @@ def main():
             mngr.save(step, args=ocp.args.PyTreeSave(tree_on(mesh24, 10 + step)))
         mngr.wait_until_finished()
     write_truth(out / "root" / "2" / "default", out / "root.truth")
+    save_from_two_processes(out / "two_processes")
+    write_truth(out / "two_processes", out / "two_processes.truth", as_numpy=True)
 
 
 if __name__ == "__main__":

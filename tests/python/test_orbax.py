@@ -3,7 +3,8 @@
 orbax-checkpoint (in .venv-jax, see orbax_worker.py) saves pytrees of every dtype reshard reads
 on (2, 4) and (8,) meshes of 8 CPU devices, with sharded, multi-axis, replicated and
 sub-chunked (chunk_byte_size) arrays, in the three storage variants (OCDBT + zarr v2, OCDBT +
-zarr v3, per-array zarr with zstd and uncompressed chunks), and restores each itself: what
+zarr v3, per-array zarr with zstd and uncompressed chunks), once from two jax.distributed
+processes (a database per process, merged), and restores each itself: what
 reshard gathers is bit-equal to Orbax's own restore, also through a convert at another world
 size and through a PyTorch Distributed Checkpoint (read back by torch's own dcp_to_torch_save).
 """
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-CASES = ["ocdbt_zarr2", "ocdbt_zarr3", "zarr2", "zarr3", "root"]
+CASES = ["ocdbt_zarr2", "ocdbt_zarr3", "zarr2", "zarr3", "root", "two_processes"]
 
 
 def run(reshard_bin, *args):
@@ -154,14 +155,19 @@ def test_optimizer_state_comes_along_in_convert_not_in_gather(reshard_bin, orbax
     assert_equal_to_truth(gathered(tmp_path / "all"), want)
 
 
-def test_per_process_databases_without_the_merged_manifest(reshard_bin, orbax_dir, tmp_path):
+@pytest.mark.parametrize("case", ["ocdbt_zarr2", "two_processes"])
+def test_per_process_databases_without_the_merged_manifest(reshard_bin, orbax_dir, tmp_path,
+                                                           case):
     item = tmp_path / "item"
-    shutil.copytree(orbax_dir / "ocdbt_zarr2", item)
+    shutil.copytree(orbax_dir / case, item)
     (item / "manifest.ocdbt").unlink()
     shutil.rmtree(item / "d")
+    r = run(reshard_bin, "inspect", "--json", item)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["orbax"]["storage"] == "ocdbt (per process)+zarr2"
     r = run(reshard_bin, "gather", item, "-o", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
-    assert_equal_to_truth(gathered(tmp_path / "hf"), truth(orbax_dir, "ocdbt_zarr2"))
+    assert_equal_to_truth(gathered(tmp_path / "hf"), truth(orbax_dir, case))
 
 
 def corrupt(item, how):
