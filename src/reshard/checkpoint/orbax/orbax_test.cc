@@ -1,9 +1,13 @@
+#include "reshard/checkpoint/orbax/orbax.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "reshard/base/temp_dir_testing.h"
 #include "reshard/checkpoint/orbax/ocdbt.h"
 #include "reshard/checkpoint/orbax/zarr.h"
 
@@ -200,6 +204,92 @@ TEST(ZarrTest, RawChunkOfTheWrongSizeIsDataLoss) {
   EXPECT_EQ(out, stored);
   EXPECT_TRUE(DecodeZarrChunk(*a, {}, true, "c", out).ok());
   EXPECT_EQ(out, std::vector<std::byte>(16));
+}
+
+void Write(const std::filesystem::path& p, std::string_view text) {
+  std::filesystem::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << text;
+}
+
+// An item without OCDBT, written by hand: "w", int32 [10, 6] on a mesh x=4 with P('x'): the
+// boxes JAX would give an uneven split (ceil: rows 3, 3, 3, 1), stored in zarr chunks of 3 x 6
+// whose third is not stored (the fill value), and "r", replicated, on a (2, 2) mesh.
+class OrbaxItemTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Write(dir_ / "_METADATA",
+          R"j({"tree_metadata": {"('w',)": {"key_metadata": [{"key": "w", "key_type": 2}],)j"
+          R"j( "value_metadata": {"value_type": "jax.Array", "write_shape": [3, 6]}},)j"
+          R"j( "('r', '0')": {"key_metadata": [{"key": "r", "key_type": 2}, {"key": "0",)j"
+          R"j( "key_type": 1}], "value_metadata": {"value_type": "jax.Array"}},)j"
+          R"j( "('note',)": {"key_metadata": [{"key": "note", "key_type": 2}],)j"
+          R"j( "value_metadata": {"value_type": "string"}}}})j");
+    const std::string mesh4 =
+        R"j({\"sharding_type\": \"NamedSharding\", \"shape\": [4], \"axis_names\": [\"x\"],)j"
+        R"j( \"partition_spec\": [\"x\"], \"device_mesh\": {\"mesh\": [{\"id\": 0}, {\"id\": 1},)j"
+        R"j( {\"id\": 2}, {\"id\": 3}]}})j";
+    const std::string mesh22 =
+        R"j({\"sharding_type\": \"NamedSharding\", \"shape\": [2, 2], \"axis_names\": [\"a\",)j"
+        R"j( \"b\"], \"partition_spec\": [], \"device_mesh\": {\"mesh\": [[{\"id\": 0}, {\"id\":)j"
+        R"j( 1}], [{\"id\": 2}, {\"id\": 3}]]}})j";
+    Write(dir_ / "_sharding", R"({"dw==": ")" + mesh4 + R"(", "ci4w": ")" + mesh22 + R"("})");
+    Write(dir_ / "w" / ".zarray",
+          R"({"zarr_format": 2, "shape": [10, 6], "chunks": [3, 6], "dtype": "<i4",)"
+          R"( "compressor": null, "fill_value": null, "order": "C", "filters": null})");
+    for (int c : {0, 1, 3}) {  // chunk 2 is not stored
+      std::vector<int32_t> v(18);
+      for (int i = 0; i < 18; ++i) v[static_cast<size_t>(i)] = c * 18 + i;
+      Write(dir_ / "w" / (std::to_string(c) + ".0"),
+            std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+    }
+    Write(dir_ / "r.0" / ".zarray",
+          R"({"zarr_format": 2, "shape": [2], "chunks": [2], "dtype": "|u1", "compressor": null})");
+    Write(dir_ / "r.0" / "0", "\x07\x09");
+  }
+  test_support::TempDir dir_;
+};
+
+TEST_F(OrbaxItemTest, UnevenBoxesMissingChunksAndReplicas) {
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const OrbaxCheckpoint& ck = **c;
+  ASSERT_EQ(ck.world_size(), 4);
+  ASSERT_EQ(ck.arrays().size(), 2u);
+  EXPECT_EQ(ck.others().size(), 1u);
+  const size_t w = ck.arrays()[0].name == "w" ? 0 : 1;
+  const size_t r = 1 - w;
+  EXPECT_EQ(ck.arrays()[r].name, "r.0");
+  EXPECT_EQ(ck.arrays()[r].path_is_index, (std::vector<bool>{false, true}));
+  EXPECT_EQ(ck.Box(w, 2), (std::pair<Shape, Shape>{{6, 0}, {3, 6}}));
+  EXPECT_EQ(ck.Box(w, 3), (std::pair<Shape, Shape>{{9, 0}, {1, 6}}));
+  // Every device holds the replicated array whole.
+  EXPECT_EQ(ck.map(r).num_elements(), 2);
+  for (Rank rank = 0; rank < 4; ++rank) EXPECT_EQ(ck.map(r).shard_num_elements(rank), 2);
+  std::vector<int32_t> box(18, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {6, 0}, {3, 6}, std::as_writable_bytes(std::span(box))).ok());
+  EXPECT_EQ(box, std::vector<int32_t>(18, 0));  // the fill value
+  std::vector<int32_t> last(6, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {9, 0}, {1, 6}, std::as_writable_bytes(std::span(last))).ok());
+  EXPECT_EQ(last, (std::vector<int32_t>{54, 55, 56, 57, 58, 59}));
+  // A box across chunks: rows 2..4.
+  std::vector<int32_t> across(12, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {2, 0}, {2, 6}, std::as_writable_bytes(std::span(across))).ok());
+  EXPECT_EQ(across[0], 12);
+  EXPECT_EQ(across[6], 18);
+}
+
+TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
+  std::ifstream in(dir_ / "_sharding");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string spec = R"(\"partition_spec\": [\"x\"])";
+  ASSERT_NE(text.find(spec), std::string::npos);
+  text.replace(text.find(spec), spec.size(), R"(\"partition_spec\": [\"y\"])");
+  Write(dir_ / "_sharding", text);
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(c.status().message().find("\"y\" is not an axis of the mesh"), std::string::npos)
+      << c.status().message();
 }
 
 }  // namespace
