@@ -208,3 +208,16 @@ def test_corrupt_checkpoints_exit_2_and_write_nothing(reshard_bin, orbax_dir, tm
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "item" in r.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_codec_reshard_does_not_read_is_refused_with_exit_1(reshard_bin, orbax_dir, tmp_path):
+    item = tmp_path / "item"
+    shutil.copytree(orbax_dir / "zarr2", item)
+    zarray = item / "params.decoder.q" / ".zarray"
+    meta = json.loads(zarray.read_text())
+    meta["compressor"] = {"id": "blosc", "cname": "lz4"}
+    zarray.write_text(json.dumps(meta))
+    r = run(reshard_bin, "gather", item, "-o", tmp_path / "hf")
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "params.decoder.q/.zarray" in r.stderr and "blosc" in r.stderr
+    assert not (tmp_path / "hf").exists()

@@ -9,7 +9,6 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <mutex>
 #include <new>
 #include <set>
 #include <utility>
@@ -200,15 +199,16 @@ struct OrbaxCheckpoint::Item {
   std::string storage;
   std::vector<std::shared_ptr<OcdbtDatabase>> dbs;
   std::map<std::string, size_t> key_db;  // key -> dbs index
-  mutable std::mutex mu;
-  mutable std::map<std::string, std::shared_ptr<MappedFile>> files;
 
   bool Has(const std::string& key) const {
     if (!dbs.empty()) return key_db.count(key) > 0;
     return IsFile(fs::path(dir) / key);
   }
-  // A key's bytes; `missing` when it is not stored.
-  Result<std::span<const std::byte>> Read(const std::string& key, bool& missing) const {
+  // A key's bytes; `missing` when it is not stored. A database's are a view into its mapped
+  // data file; a plain file is read into `owned` (never mapped: several threads may read one
+  // chunk at once, and a checkpoint of many chunks would need a mapping each).
+  Result<std::span<const std::byte>> Read(const std::string& key, bool& missing,
+                                          std::string& owned) const {
     missing = false;
     if (!dbs.empty()) {
       auto it = key_db.find(key);
@@ -218,27 +218,18 @@ struct OrbaxCheckpoint::Item {
       }
       return dbs[it->second]->Read(key);
     }
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = files.find(key);
-    if (it == files.end()) {
-      const fs::path p = fs::path(dir) / key;
-      if (!IsFile(p)) {
-        missing = true;
-        return std::span<const std::byte>();
-      }
-      RESHARD_ASSIGN_OR_RETURN(MappedFile m, MappedFile::Open(p.string()));
-      it = files.emplace(key, std::make_shared<MappedFile>(std::move(m))).first;
+    const fs::path p = fs::path(dir) / key;
+    if (!IsFile(p)) {
+      missing = true;
+      return std::span<const std::byte>();
     }
-    return it->second->bytes();
+    RESHARD_ASSIGN_OR_RETURN(owned, ReadFileToString(p.string()));
+    return std::as_bytes(std::span<const char>(owned.data(), owned.size()));
   }
   void Release(const std::string& key) const {
-    if (!dbs.empty()) {
-      auto it = key_db.find(key);
-      if (it != key_db.end()) dbs[it->second]->Release(key);
-      return;
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    files.erase(key);
+    if (dbs.empty()) return;
+    auto it = key_db.find(key);
+    if (it != key_db.end()) dbs[it->second]->Release(key);
   }
 };
 
@@ -375,7 +366,8 @@ Status OrbaxCheckpoint::OpenItem(const std::string& dir_text, const std::string&
       continue;
     }
     bool missing = false;
-    RESHARD_ASSIGN_OR_RETURN(const auto meta, item->Read(meta_key, missing));
+    std::string owned;
+    RESHARD_ASSIGN_OR_RETURN(const auto meta, item->Read(meta_key, missing, owned));
     const std::string where = fmt::format("\"{}\": {}", dir_text, meta_key);
     if (meta.size() > kMaxMetadataBytes) return DataLossError(where + ": too large");
     Result<ZarrArray> z = ParseZarrMetadata(
@@ -543,12 +535,13 @@ Status OrbaxCheckpoint::ReadBox(size_t i, const Shape& offsets, const Shape& siz
   const std::string stored = Join(a.path);
   const size_t esize = DTypeSize(a.zarr.dtype);
   std::vector<std::byte> chunk;
+  std::string owned;
   Shape at = lo;
   while (true) {
     const std::string key = stored + "/" + ZarrChunkKey(a.zarr, at);
     const std::string what = fmt::format("\"{}\": chunk {}", item.dir, json::Quote(key));
     bool missing = false;
-    RESHARD_ASSIGN_OR_RETURN(const auto bytes, item.Read(key, missing));
+    RESHARD_ASSIGN_OR_RETURN(const auto bytes, item.Read(key, missing, owned));
     RESHARD_RETURN_IF_ERROR(DecodeZarrChunk(a.zarr, bytes, missing, what, chunk));
     item.Release(key);
     Shape origin(rank);
