@@ -197,7 +197,7 @@ class OrbaxShardSource : public ShardSource {
         try {
           data.resize(static_cast<size_t>(n) * esize);
         } catch (const std::bad_alloc&) {
-          return ResourceExhaustedError(
+          return DataLossError(
               fmt::format("{}: a box of {} bytes is more memory than this process can have",
                           manifest_.params[i].name, static_cast<size_t>(n) * esize));
         }

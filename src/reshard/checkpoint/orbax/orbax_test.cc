@@ -206,6 +206,20 @@ TEST(ZarrTest, RawChunkOfTheWrongSizeIsDataLoss) {
   EXPECT_EQ(out, std::vector<std::byte>(16));
 }
 
+TEST(ZarrTest, AChunkClaimingMoreThanItsBytesCanHoldIsRefusedBeforeAllocating) {
+  // 2^40 bytes claimed by the metadata; 10 stored bytes of zstd can hold at most 512 KiB.
+  auto a = ParseZarrMetadata(
+      R"({"zarr_format":2,"shape":[1099511627776],"chunks":[1099511627776],"dtype":"|u1",)"
+      R"("compressor":{"id":"zstd","level":1}})",
+      "m");
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  std::vector<std::byte> out;
+  const Status s = DecodeZarrChunk(*a, std::vector<std::byte>(10), false, "c", out);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("cannot hold"), std::string::npos) << s.message();
+  EXPECT_TRUE(out.empty());
+}
+
 void Write(const std::filesystem::path& p, std::string_view text) {
   std::filesystem::create_directories(p.parent_path());
   std::ofstream(p, std::ios::binary) << text;

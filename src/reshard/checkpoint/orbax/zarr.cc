@@ -361,10 +361,20 @@ Shape ZarrChunkGrid(const ZarrArray& a) {
 Status DecodeZarrChunk(const ZarrArray& a, std::span<const std::byte> stored, bool missing,
                        std::string_view what, std::vector<std::byte>& out) {
   const size_t bytes = static_cast<size_t>(ProductOf(a.chunk_shape)) * DTypeSize(a.dtype);
+  // What the stored bytes can hold, checked before the chunk's claimed size is allocated: a
+  // raw chunk is exactly its bytes; a zstd frame yields at most 128 KiB per block of at least
+  // 3 bytes.
+  if (!missing && !a.sharded) {
+    const uint64_t most = a.zstd ? (stored.size() / 3 + 1) * (uint64_t{128} << 10) : stored.size();
+    if ((a.zstd && bytes > most) || (!a.zstd && bytes != most)) {
+      return DataLossError(fmt::format("{}: {} bytes stored cannot hold a chunk of {} bytes", what,
+                                       stored.size(), bytes));
+    }
+  }
   try {
     out.assign(bytes, std::byte{0});
   } catch (const std::bad_alloc&) {
-    return ResourceExhaustedError(fmt::format(
+    return DataLossError(fmt::format(
         "{}: a chunk of {} bytes is more memory than this process can have", what, bytes));
   }
   if (missing) {
