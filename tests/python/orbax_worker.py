@@ -1,6 +1,7 @@
 """Orbax checkpoints saved by Orbax itself, and what Orbax restores from them (run in .venv-jax).
 
     orbax_worker.py OUT
+    orbax_worker.py restore ITEM OUT   (Orbax's restore of ITEM into OUT, as truth/ below)
 
 writes, under OUT, one checkpoint per case (see CASES) and, beside each, `truth/`: every leaf
 as Orbax restores it (`<name>.bin`, its bytes row-major) and `truth.json` ({name: [dtype,
@@ -163,6 +164,8 @@ def multi_process_main(process, port, out):
 def main():
     if MULTI:
         return multi_process_main(int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4]))
+    if sys.argv[1] == "restore":  # `orbax_worker.py restore ITEM OUT`: Orbax's restore of ITEM
+        return write_truth(pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))
     out = pathlib.Path(sys.argv[1])
     devices = np.array(jax.devices())
     mesh24 = Mesh(devices.reshape(2, 4), ("fsdp", "tensor"))

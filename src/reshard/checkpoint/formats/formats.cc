@@ -825,6 +825,19 @@ Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, 
   return WriteDcp(*opened.source, world_size, out_dir, options, opened.state_dict.get());
 }
 
+Status WriteOrbaxCheckpoint(const std::string& path, const SourceOptions& source,
+                            const OrbaxTarget& target, const std::string& out_dir,
+                            const CheckpointOptions& options) {
+  if (options.communicator != nullptr && options.communicator->size() > 1) {
+    return InvalidArgumentError("an Orbax checkpoint is written by one process");
+  }
+  SourceOptions s = source;
+  s.use = SourceUse::kConvert;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenCheckpoint(path, s));
+  if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
+  return WriteOrbax(*opened.source, target, out_dir, options);
+}
+
 namespace {
 
 // A target the output formats can hold: valid, and one flat axis of ranks (the reshard sharded

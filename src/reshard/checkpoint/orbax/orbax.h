@@ -151,6 +151,32 @@ Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions&
 /// The run that saved it: a flat world of its devices.
 ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c);
 
+/// The mesh and partition specs an Orbax checkpoint is written for: the devices are ids 0..N-1,
+/// row-major over mesh_shape.
+struct OrbaxTarget {
+  Shape mesh_shape;
+  std::vector<std::string> axis_names;
+  /// Array name patterns ("*": any run of characters) and their specs (per dimension the mesh
+  /// axes it is split over), the first match wins; an array no pattern matches is replicated.
+  std::vector<std::pair<std::string, std::vector<std::vector<std::string>>>> specs;
+};
+
+/// `mesh` "fsdp=2,tensor=4"; `specs_json` ("" for none) a JSON object of name patterns -> a
+/// partition spec ([null | "axis" | ["a", "b"], ...] or null). InvalidArgument naming what is
+/// malformed: a mesh that is not axis=size pairs, an axis given twice, a spec naming an axis
+/// the mesh lacks or one axis twice.
+Result<OrbaxTarget> ParseOrbaxTarget(std::string_view mesh, std::string_view specs_json);
+
+/// Writes the tensors of `source` as an Orbax checkpoint item (PyTreeCheckpointHandler's,
+/// without OCDBT) on `target`: `_CHECKPOINT_METADATA`, `_METADATA` (each name's dot-separated
+/// parts as dict keys), `_sharding`, `array_metadatas/process_0`, and per array a zarr v2
+/// directory (`<name>/.zarray`, zstd chunks of one device box each). Memory: one full tensor.
+/// InvalidArgument for a name that cannot be a pytree path (empty parts, quotes, "/", or a
+/// prefix of another) or a spec longer than its array's rank; FailedPrecondition for a split
+/// that does not divide a dimension (JAX refuses uneven NamedShardings).
+Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::string& out_dir,
+                  const CheckpointOptions& options);
+
 }  // namespace reshard
 
 #endif  // RESHARD_CHECKPOINT_ORBAX_ORBAX_H_

@@ -340,6 +340,13 @@ Result<ZarrArray> ParseZarrMetadata(std::string_view text, std::string_view what
   return a;
 }
 
+std::string ZarrV2DtypeName(DType dtype) {
+  for (const DtypeName& d : kDtypes) {
+    if (d.dtype == dtype) return std::string(d.v2);
+  }
+  return std::string(DTypeName(dtype));
+}
+
 std::string ZarrChunkKey(const ZarrArray& a, std::span<const Index> grid) {
   std::string key = a.key_prefix;
   if (grid.empty()) return key.empty() ? "0" : key;

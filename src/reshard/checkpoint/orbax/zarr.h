@@ -61,6 +61,9 @@ struct ZarrArray {
 /// other than those above, big-endian or Fortran-order data, filters, a dtype reshard lacks.
 Result<ZarrArray> ParseZarrMetadata(std::string_view text, std::string_view what);
 
+/// zarr v2's name of `dtype` ("<f4", "bfloat16", "|b1", ...), as tensorstore writes it.
+std::string ZarrV2DtypeName(DType dtype);
+
 /// The key of chunk `grid` (one index per dimension), relative to the array.
 std::string ZarrChunkKey(const ZarrArray& a, std::span<const Index> grid);
 
