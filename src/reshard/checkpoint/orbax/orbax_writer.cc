@@ -196,11 +196,11 @@ Status WriteChunks(const OutputDirectory& out, const std::string& name, const Sh
       key += (d ? "." : "") + std::to_string(grid[d]);
     }
     if (shape.empty()) key = "0";
+    key.insert(0, name + "/");
     CopyChunkIntoBox(Shape(shape.size(), 0), shape, full, offsets, l.box, esize, box);
     const size_t n = ZSTD_compress(packed.data(), packed.size(), box.data(), box.size(), 1);
     if (ZSTD_isError(n)) return InternalError(fmt::format("zstd: {}", ZSTD_getErrorName(n)));
-    RESHARD_RETURN_IF_ERROR(
-        WriteText(out, name + "/" + key, std::string_view(packed.data(), n), options));
+    RESHARD_RETURN_IF_ERROR(WriteText(out, key, std::string_view(packed.data(), n), options));
   }
   return Status::Ok();
 }
