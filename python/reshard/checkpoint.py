@@ -142,8 +142,9 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     weights are written, or with ``fp32=True`` the optimizer's fp32 master weights (the CLI's
     ``--fp32``), with the save dir's config.json copied. Any format of docs/formats.md is
     read; ``config`` is the model's config.json for a format that needs one (Megatron). From a
-    PyTorch Distributed Checkpoint, the optimizer's state is left out unless
-    ``optimizer_state=True`` (``--optimizer-state``), which writes it by its keys; from a
+    PyTorch Distributed Checkpoint or an Orbax checkpoint (docs/jax.md), the optimizer's state
+    is left out unless ``optimizer_state=True`` (``--optimizer-state``), which writes it by its
+    keys (an Orbax leaf's pytree path joined with "."); from a
     Megatron-Core checkpoint it writes the distributed optimizer's state as "<name>.fp32",
     "<name>.exp_avg" and "<name>.exp_avg_sq" beside each Hugging Face tensor.
 

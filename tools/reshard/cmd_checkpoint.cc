@@ -207,9 +207,9 @@ struct ScatterArgs : CommonArgs {
 struct ConvertArgs : CommonArgs {
   int tp = 0;
   std::string distributed_config;
-  std::string to;              // "universal" or "dcp": that format instead of a sharded dir
-  int world = 0;               // --to dcp: the world size it is saved for
-  int pp = 0;                  // a DeepSpeed pipeline checkpoint of that many stages
+  std::string to;  // "universal", "dcp" or "orbax": that format instead of a sharded dir
+  int world = 0;   // --to dcp: the world size it is saved for
+  int pp = 0;      // a DeepSpeed pipeline checkpoint of that many stages
   std::string pp_stages_text;  // --pp-stages as given: read into pp_stages by RunConvert
   std::vector<int> pp_stages;
   int dp = 0;
@@ -217,6 +217,8 @@ struct ConvertArgs : CommonArgs {
   bool weights_only = false;
   std::string config;
   std::vector<std::string> drop;  // --to universal: tensors left out, by name
+  std::string mesh;               // --to orbax: "fsdp=2,tensor=4"
+  std::string partition_specs;    // --to orbax: a JSON file of name patterns -> specs
 };
 
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
@@ -455,6 +457,42 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
   return Status::Ok();
 }
 
+// convert --to orbax: any checkpoint into an Orbax checkpoint item on --mesh, which
+// orbax.checkpoint restores into jax arrays on that mesh.
+Status RunConvertToOrbax(const ConvertArgs& args, const CheckpointOptions& options) {
+  if (args.world != 0 || !args.target_maps.empty() || !args.max_shard_size.empty() ||
+      !args.distributed_config.empty()) {
+    return InvalidArgumentError(
+        "--to orbax takes no --world, --target-maps, --distributed-config or --max-shard-size: "
+        "the mesh and the partition specs say how each array is split");
+  }
+  if (args.mesh.empty()) {
+    return InvalidArgumentError("--to orbax needs --mesh (e.g. --mesh fsdp=2,tensor=4)");
+  }
+  std::string specs;
+  if (!args.partition_specs.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(specs, ReadFileToString(args.partition_specs));
+  }
+  Result<OrbaxTarget> target = ParseOrbaxTarget(args.mesh, specs);
+  if (!target.ok()) {
+    return target.status().Annotate(
+        args.partition_specs.empty() ? "--mesh" : "--mesh / \"" + args.partition_specs + "\"");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = args.weights_only;
+  source.config_path = args.config;
+  RESHARD_RETURN_IF_ERROR(WithForceHint(
+      WriteOrbaxCheckpoint(args.input, source, *target, args.output, options), args.force));
+  const double seconds = Seconds(t0);
+  Report(args,
+         fmt::format("converted \"{}\" to an Orbax checkpoint on mesh {} in \"{}\" ({:.2f} s)",
+                     args.input, args.mesh, args.output, seconds),
+         seconds);
+  return Status::Ok();
+}
+
 // convert --pp: a DeepSpeed PipelineModule checkpoint into one at other PP x TP x DP degrees,
 // which DeepSpeed's load_checkpoint reads as its own.
 Status RunConvertToPipeline(const ConvertArgs& args, const CheckpointOptions& options) {
@@ -519,23 +557,26 @@ Status RunConvert(const ConvertArgs& given) {
   ProgressBar bar("convert", args.progress);
   RESHARD_ASSIGN_OR_RETURN(
       CheckpointOptions options,
-      Options(args, bar,
-              Describe(
-                  "convert", args,
-                  Joined(RunDescription{{"--tp", std::to_string(args.tp)},
-                                        {"--to", args.to},
-                                        {"--world", std::to_string(args.world)},
-                                        {"--pp", std::to_string(args.pp)},
-                                        {"--pp-stages",
-                                         fmt::format("{}", fmt::join(args.pp_stages, ","))},
-                                        {"--dp", std::to_string(args.dp)},
-                                        {"--drop", fmt::format("{}", fmt::join(args.drop, ","))}},
-                         DistributedConfigInput(args.distributed_config),
-                         OptionalInput("--target-maps", args.target_maps),
-                         OptionalInput("--config", args.config),
-                         RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
-                                        {"--dequantize", args.dequantize ? args.dtype : "off"}}))));
-  RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.target_maps, args.config}));
+      Options(
+          args, bar,
+          Describe("convert", args,
+                   Joined(RunDescription{{"--tp", std::to_string(args.tp)},
+                                         {"--to", args.to},
+                                         {"--world", std::to_string(args.world)},
+                                         {"--pp", std::to_string(args.pp)},
+                                         {"--pp-stages",
+                                          fmt::format("{}", fmt::join(args.pp_stages, ","))},
+                                         {"--dp", std::to_string(args.dp)},
+                                         {"--drop", fmt::format("{}", fmt::join(args.drop, ","))}},
+                          DistributedConfigInput(args.distributed_config),
+                          OptionalInput("--target-maps", args.target_maps),
+                          OptionalInput("--config", args.config),
+                          OptionalInput("--partition-specs", args.partition_specs),
+                          RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
+                                         {"--dequantize", args.dequantize ? args.dtype : "off"},
+                                         {"--mesh", args.mesh}}))));
+  RESHARD_RETURN_IF_ERROR(
+      CheckOutputOutsideInputs(args, {args.target_maps, args.config, args.partition_specs}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
   if (options.dequantize && !args.to.empty()) {
     return InvalidArgumentError("--dequantize converts to a reshard sharded checkpoint, not --to " +
@@ -550,6 +591,10 @@ Status RunConvert(const ConvertArgs& given) {
   if (!args.pp_stages.empty() || args.dp != 0)
     return InvalidArgumentError("--pp-stages and --dp apply to --pp (a DeepSpeed pipeline output)");
   if (args.to == "dcp") return RunConvertToDcp(args, options);
+  if (args.to == "orbax") return RunConvertToOrbax(args, options);
+  if (!args.mesh.empty() || !args.partition_specs.empty()) {
+    return InvalidArgumentError("--mesh and --partition-specs apply to --to orbax");
+  }
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
   if (args.tp < 1)
@@ -651,7 +696,7 @@ void AddScatterOptions(CLI::App* cmd, ScatterArgs* args) {
 void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "checkpoint directory: reshard sharded, DeepSpeed (or its universal "
-                   "checkpoint), PyTorch DCP, Megatron torch_dist (docs/formats.md)",
+                   "checkpoint), PyTorch DCP, Megatron torch_dist, Orbax (docs/formats.md)",
                    "write parts of at most this size and an index (e.g. 5GB)");
   cmd->add_flag("--fp32", args->fp32,
                 "DeepSpeed or universal input: write the optimizer's fp32 master weights "
@@ -659,7 +704,7 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
   cmd->add_flag("--optimizer-state", args->optimizer_state,
                 "DCP input: write the optimizer's state too, by its keys (optim.state.<fqn>...); "
                 "Megatron input: the distributed optimizer's, as <name>.fp32, .exp_avg, "
-                ".exp_avg_sq");
+                ".exp_avg_sq; Orbax input: the optimizer's leaves (opt_state...), by their names");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
                   "tensors (Megatron)");
@@ -671,10 +716,11 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
 void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   AddCommonOptions(cmd, *args, "SHARDED_DIR",
                    "checkpoint directory: reshard sharded, DeepSpeed, PyTorch DCP, Megatron "
-                   "torch_dist, Hugging Face (docs/formats.md)",
+                   "torch_dist, Orbax, Hugging Face (docs/formats.md)",
                    "split each rank's file into parts of at most this size");
   cmd->add_flag("--weights-only", args->weights_only,
-                "DeepSpeed, DCP or Megatron input: the model's weights only, no optimizer state");
+                "DeepSpeed, DCP, Megatron or Orbax input: the model's weights only, no optimizer "
+                "state");
   auto tp = cmd->add_option("--tp", args->tp, "target world size")->check(IntegerIn(1, 1 << 20));
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
@@ -682,8 +728,9 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "per-parameter files of one from a DCP checkpoint with Adam's state or a "
                   "Megatron-Core checkpoint with its distributed optimizer's; dcp: a "
                   "PyTorch Distributed Checkpoint saved for --world ranks (from a DCP checkpoint: "
-                  "its keys and non-tensor values kept)")
-      ->check(CLI::IsMember({"universal", "dcp"}))
+                  "its keys and non-tensor values kept); orbax: an Orbax checkpoint item on "
+                  "--mesh (docs/jax.md)")
+      ->check(CLI::IsMember({"universal", "dcp", "orbax"}))
       ->excludes(tp);
   auto pp = cmd->add_option("--pp", args->pp,
                             "DeepSpeed PipelineModule input: write a DeepSpeed pipeline checkpoint "
@@ -698,6 +745,13 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "optimizer state is partitioned (default 1; at most 65536)")
       ->check(IntegerIn(1, 1 << 16));
   pp->excludes("--to");
+  cmd->add_option("--mesh", args->mesh,
+                  "with --to orbax: the device mesh, axis=size pairs (e.g. fsdp=2,tensor=4; "
+                  "devices 0..N-1 row-major)");
+  cmd->add_option("--partition-specs", args->partition_specs,
+                  "with --to orbax: a JSON file of array name patterns (* any characters) -> "
+                  "partition specs ([null, \"tensor\"], ...), the first match wins; default: "
+                  "replicated");
   cmd->add_option("--world", args->world,
                   "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
                   "shards); torch loads it at any world size")

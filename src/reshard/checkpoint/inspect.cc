@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/io/file.h"
@@ -676,6 +677,15 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
       doc["dcp"] = ordered_json::parse(DcpSummaryJson(*dcp));
     } else {
       out += DcpSummaryText(*dcp);
+    }
+  }
+  if (IsOrbaxCheckpoint(dir.string())) {
+    RESHARD_ASSIGN_OR_RETURN(const auto orbax, OrbaxCheckpoint::Open(dir.string()));
+    run = OrbaxRunOf(*orbax);
+    if (json) {
+      doc["orbax"] = ordered_json::parse(OrbaxSummaryJson(*orbax));
+    } else {
+      out += OrbaxSummaryText(*orbax);
     }
   }
   ordered_json listed = ordered_json::array();

@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -534,6 +535,8 @@ constexpr std::array kFormats = {
                      OpenDeepSpeedWithMaps},
     CheckpointFormat{"dcp", "a PyTorch Distributed Checkpoint", IsDcpCheckpoint, CheckDcpOptions,
                      OpenDcp},
+    CheckpointFormat{"orbax", "an Orbax checkpoint", IsOrbaxCheckpoint, CheckOrbaxOptions,
+                     OpenOrbax},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
     CheckpointFormat{"pt", "a torch.save file", DetectTorchSaveFile, CheckTorchSaveFile,
                      OpenTorchSaveFile},
@@ -830,6 +833,19 @@ Status WriteDcpCheckpoint(const std::string& path, const SourceOptions& source, 
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenEverywhere(path, s, options));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
   return WriteDcp(*opened.source, world_size, out_dir, options, opened.state_dict.get());
+}
+
+Status WriteOrbaxCheckpoint(const std::string& path, const SourceOptions& source,
+                            const OrbaxTarget& target, const std::string& out_dir,
+                            const CheckpointOptions& options) {
+  if (options.communicator != nullptr && options.communicator->size() > 1) {
+    return InvalidArgumentError("an Orbax checkpoint is written by one process");
+  }
+  SourceOptions s = source;
+  s.use = SourceUse::kConvert;
+  RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenCheckpoint(path, s));
+  if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
+  return WriteOrbax(*opened.source, target, out_dir, options);
 }
 
 namespace {

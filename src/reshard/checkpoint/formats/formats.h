@@ -16,6 +16,7 @@
 #include "reshard/base/result.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/diff.h"
+#include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/source.h"
 #include "reshard/hf/model_maps.h"
 #include "reshard/ir/map_json.h"
@@ -84,6 +85,12 @@ Result<DiffReport> DiffCheckpoints(const std::string& a, const std::string& b,
                                    const std::optional<DequantizeOptions>& dequantize,
                                    const DiffOptions& options = {},
                                    const std::string& config_path = "");
+
+/// Any checkpoint -> Orbax checkpoint item on `target`'s mesh (WriteOrbax: its tensors as a
+/// convert opens them, optimizer state included unless weights_only). One process.
+Status WriteOrbaxCheckpoint(const std::string& path, const SourceOptions& source,
+                            const OrbaxTarget& target, const std::string& out_dir,
+                            const CheckpointOptions& options = {});
 
 /// The target run of a reshard sharded checkpoint at `world_size` (a rank per tensor rank), and
 /// of a DCP saved for `world_size` ranks (a flat world).

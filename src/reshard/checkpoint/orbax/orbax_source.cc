@@ -1,0 +1,279 @@
+// Orbax checkpoints as the library takes every format: detection, inspect's summary, the
+// ShardSource, and the opener of the table of formats.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/dcp/dcp.h"
+#include "reshard/checkpoint/orbax/orbax.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool HasFile(const fs::path& dir, const char* name) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / name, ec);
+}
+
+bool ItemOrStep(const fs::path& dir) {
+  return HasFile(dir, "_METADATA") || HasFile(dir, "_CHECKPOINT_METADATA");
+}
+
+std::string SpecText(const OrbaxArray& a) {
+  if (!a.sharding) return "(no sharding recorded)";
+  if (a.sharding->type != "NamedSharding") return a.sharding->type;
+  std::string out = "P(";
+  for (size_t d = 0; d < a.sharding->spec.size(); ++d) {
+    const auto& axes = a.sharding->spec[d];
+    if (d > 0) out += ", ";
+    if (axes.empty()) out += "None";
+    if (axes.size() == 1) out += "'" + axes[0] + "'";
+    if (axes.size() > 1) {
+      out += "(";
+      for (size_t k = 0; k < axes.size(); ++k) out += (k ? ", '" : "'") + axes[k] + "'";
+      out += ")";
+    }
+  }
+  return out + ")";
+}
+
+std::string MeshText(const OrbaxSharding& s) {
+  std::string out;
+  for (size_t a = 0; a < s.axis_names.size(); ++a) {
+    out += fmt::format("{}{}={}", a ? "," : "", s.axis_names[a], s.mesh_shape[a]);
+  }
+  return out;
+}
+
+}  // namespace
+
+bool IsOrbaxCheckpoint(const std::string& path) {
+  const fs::path dir(path);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return false;
+  if (ItemOrStep(dir)) return true;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::error_code type_error;
+    if (!e.is_directory(type_error)) continue;
+    if (ItemOrStep(e.path())) return true;
+  }
+  return false;
+}
+
+std::string OrbaxSummaryText(const OrbaxCheckpoint& c) {
+  std::string out = fmt::format("Orbax checkpoint \"{}\": {}, {} array{}, {} device{}\n", c.path(),
+                                c.storage(), c.arrays().size(), c.arrays().size() == 1 ? "" : "s",
+                                c.world_size(), c.world_size() == 1 ? "" : "s");
+  std::string last_mesh;
+  for (const OrbaxArray& a : c.arrays()) {
+    if (a.sharding && a.sharding->type == "NamedSharding") {
+      const std::string mesh = MeshText(*a.sharding);
+      if (mesh != last_mesh) out += fmt::format("  mesh {}\n", mesh);
+      last_mesh = mesh;
+    }
+    out += fmt::format("  {}  {} {}  {}  write {} chunk {}{}{}\n", a.name, DTypeName(a.zarr.dtype),
+                       FormatShape(a.zarr.shape), SpecText(a), FormatShape(a.write_shape),
+                       FormatShape(a.zarr.chunk_shape),
+                       a.zarr.sharded ? " inner " + FormatShape(a.zarr.inner_shape) : "",
+                       a.optimizer_state ? "  (optimizer state)" : "");
+  }
+  for (const auto& [name, type] : c.others()) {
+    out += fmt::format("  {}  {} (not an array: left out)\n", name, type);
+  }
+  return out;
+}
+
+std::string OrbaxSummaryJson(const OrbaxCheckpoint& c) {
+  nlohmann::ordered_json doc = {{"path", c.path()},
+                                {"storage", c.storage()},
+                                {"items", c.items()},
+                                {"devices", c.device_ids()}};
+  nlohmann::ordered_json arrays = nlohmann::ordered_json::array();
+  for (const OrbaxArray& a : c.arrays()) {
+    nlohmann::ordered_json one = {{"name", a.name},
+                                  {"path", a.path},
+                                  {"value_type", a.value_type},
+                                  {"dtype", DTypeName(a.zarr.dtype)},
+                                  {"shape", a.zarr.shape},
+                                  {"write_shape", a.write_shape},
+                                  {"chunk_shape", a.zarr.chunk_shape},
+                                  {"zarr_format", a.zarr.zarr_format},
+                                  {"zstd", a.zarr.zstd},
+                                  {"optimizer_state", a.optimizer_state}};
+    if (a.zarr.sharded) one["inner_chunk_shape"] = a.zarr.inner_shape;
+    if (a.sharding) {
+      nlohmann::ordered_json s = {{"type", a.sharding->type}};
+      if (a.sharding->type == "NamedSharding") {
+        s["mesh_shape"] = a.sharding->mesh_shape;
+        s["axis_names"] = a.sharding->axis_names;
+        s["partition_spec"] = a.sharding->spec;
+        s["device_ids"] = a.sharding->device_ids;
+      }
+      one["sharding"] = std::move(s);
+    }
+    arrays.push_back(std::move(one));
+  }
+  doc["arrays"] = std::move(arrays);
+  nlohmann::ordered_json others = nlohmann::ordered_json::array();
+  for (const auto& [name, type] : c.others())
+    others.push_back({{"name", name}, {"value_type", type}});
+  doc["left_out"] = std::move(others);
+  return doc.dump();
+}
+
+namespace {
+
+class OrbaxShardSource : public ShardSource {
+ public:
+  OrbaxShardSource(std::shared_ptr<const OrbaxCheckpoint> ckpt, bool weights_only)
+      : ckpt_(std::move(ckpt)) {
+    manifest_.world_size = ckpt_->world_size();
+    for (size_t i = 0; i < ckpt_->arrays().size(); ++i) {
+      const OrbaxArray& a = ckpt_->arrays()[i];
+      if (weights_only && a.optimizer_state) continue;
+      manifest_.params.push_back(
+          ShardedParam{a.name, a.zarr.dtype, ckpt_->map(i), DcpDefaultLayout(a.zarr.shape), 1});
+      which_.push_back(i);
+    }
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  std::vector<std::string> inputs() const override { return ckpt_->inputs(); }
+
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = cache_.find(i);
+      if (it != cache_.end()) {
+        ++it->second->users;
+        return it->second->buffers;
+      }
+    }
+    auto e = std::make_shared<Entry>();
+    RESHARD_RETURN_IF_ERROR(Read(i, *e));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [it, inserted] = cache_.emplace(i, e);
+    ++it->second->users;
+    return it->second->buffers;
+  }
+
+  void ReleaseShards(size_t i) override {
+    std::shared_ptr<Entry> done;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find(i);
+    if (it == cache_.end() || --it->second->users > 0) return;
+    done = std::move(it->second);
+    cache_.erase(it);
+  }
+
+ private:
+  struct Entry {
+    int users = 0;
+    std::vector<ConstBuffer> buffers;                                 // per rank
+    std::map<std::pair<Shape, Shape>, std::vector<std::byte>> boxes;  // each box read once
+  };
+
+  Status Read(size_t i, Entry& e) {
+    const size_t a = which_[i];
+    const size_t esize = DTypeSize(ckpt_->arrays()[a].zarr.dtype);
+    const auto world = static_cast<size_t>(manifest_.world_size);
+    e.buffers.assign(world, {});
+    for (size_t r = 0; r < world; ++r) {
+      auto box = ckpt_->Box(a, static_cast<Rank>(r));
+      const Index n = ProductOf(box.second);
+      if (n == 0 || manifest_.params[i].map.shard_num_elements(static_cast<Rank>(r)) == 0) {
+        continue;
+      }
+      auto it = e.boxes.find(box);
+      if (it == e.boxes.end()) {
+        std::vector<std::byte> data;
+        try {
+          data.resize(static_cast<size_t>(n) * esize);
+        } catch (const std::bad_alloc&) {
+          return DataLossError(
+              fmt::format("{}: a box of {} bytes is more memory than this process can have",
+                          manifest_.params[i].name, static_cast<size_t>(n) * esize));
+        }
+        RESHARD_RETURN_IF_ERROR(ckpt_->ReadBox(a, box.first, box.second, data));
+        it = e.boxes.emplace(box, std::move(data)).first;
+      }
+      e.buffers[r] = {it->second.data(), n};
+    }
+    return Status::Ok();
+  }
+
+  std::shared_ptr<const OrbaxCheckpoint> ckpt_;
+  Manifest manifest_;
+  std::vector<size_t> which_;
+  std::mutex mu_;
+  std::map<size_t, std::shared_ptr<Entry>> cache_;
+};
+
+}  // namespace
+
+std::unique_ptr<ShardSource> OrbaxSource(std::shared_ptr<const OrbaxCheckpoint> ckpt,
+                                         bool weights_only) {
+  return std::make_unique<OrbaxShardSource>(std::move(ckpt), weights_only);
+}
+
+Status CheckOrbaxOptions(const std::string& path, const SourceOptions& options) {
+  if (options.master_weights) {
+    return InvalidArgumentError(fmt::format(
+        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is an "
+        "Orbax checkpoint",
+        path));
+  }
+  if (!options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is an Orbax checkpoint, which names and shapes its arrays itself: it takes no "
+        "config.json",
+        path));
+  }
+  if (!options.distributed_config.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "a distributed config applies to a checkpoint scattered from a model's config.json; "
+        "\"{}\" is an Orbax checkpoint: give the target layout as maps instead",
+        path));
+  }
+  if (options.weights_only && options.use == SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a gather of an Orbax checkpoint writes the model's arrays only already");
+  }
+  if (options.optimizer_state && options.use != SourceUse::kGather) {
+    return InvalidArgumentError(
+        "a convert carries the optimizer's state already (unless it is to leave it out)");
+  }
+  return Status::Ok();
+}
+
+ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c) {
+  ParallelRun run = FlatRun(c.world_size(), ParallelDim::kRank, "JAX devices in id order");
+  const bool states = std::any_of(c.arrays().begin(), c.arrays().end(),
+                                  [](const OrbaxArray& a) { return a.optimizer_state; });
+  run.optimizer = states ? OptimizerSharding::kAsTensors : OptimizerSharding::kNone;
+  run.unknown = {"tp", "dp", "pp"};
+  run.files = "zarr chunks of each array (a box of its NamedSharding per device)";
+  return run;
+}
+
+Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions& options) {
+  RESHARD_RETURN_IF_ERROR(CheckOrbaxOptions(path, options));
+  RESHARD_ASSIGN_OR_RETURN(std::shared_ptr<const OrbaxCheckpoint> ckpt,
+                           OrbaxCheckpoint::Open(path));
+  OpenedCheckpoint out;
+  out.format = "orbax";
+  out.run = OrbaxRunOf(*ckpt);
+  const bool weights_only =
+      options.use == SourceUse::kGather ? !options.optimizer_state : options.weights_only;
+  out.source = OrbaxSource(std::move(ckpt), weights_only);
+  return out;
+}
+
+}  // namespace reshard

@@ -1,0 +1,310 @@
+#include "reshard/checkpoint/orbax/orbax.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "reshard/base/temp_dir_testing.h"
+#include "reshard/checkpoint/orbax/ocdbt.h"
+#include "reshard/checkpoint/orbax/zarr.h"
+
+namespace reshard {
+namespace {
+
+std::vector<std::byte> Bytes(std::string_view s) {
+  std::vector<std::byte> out(s.size());
+  std::memcpy(out.data(), s.data(), s.size());
+  return out;
+}
+
+// An encoded structure: magic, length, version 0, compression 0, `body`, CRC-32C.
+std::vector<std::byte> Structure(uint32_t magic, std::string_view body) {
+  std::vector<std::byte> out;
+  for (int i = 3; i >= 0; --i) out.push_back(static_cast<std::byte>((magic >> (8 * i)) & 0xff));
+  const uint64_t length = 4 + 8 + 2 + body.size() + 4;
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::byte>((length >> (8 * i)) & 0xff));
+  out.push_back(std::byte{0});
+  out.push_back(std::byte{0});
+  for (char c : body) out.push_back(static_cast<std::byte>(c));
+  const uint32_t crc = Crc32c(out);
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::byte>((crc >> (8 * i)) & 0xff));
+  return out;
+}
+
+TEST(Crc32cTest, MatchesTheCheckValueOfTheCastagnoliPolynomial) {
+  EXPECT_EQ(Crc32c(Bytes("123456789")), 0xe3069283u);
+  EXPECT_EQ(Crc32c({}), 0u);
+}
+
+TEST(OcdbtTest, StructureRoundTripsItsBody) {
+  const auto s = Structure(0x0cdb20de, "hello");
+  auto body = DecodeOcdbtStructure(s, 0x0cdb20de, "node");
+  ASSERT_TRUE(body.ok()) << body.status().ToString();
+  EXPECT_EQ(*body, Bytes("hello"));
+}
+
+// One kind of corrupt structure per case, each refused as DataLoss.
+TEST(OcdbtTest, CorruptStructuresAreDataLoss) {
+  const auto good = Structure(0x0cdb20de, "some body");
+  std::vector<std::pair<std::string, std::vector<std::byte>>> cases;
+  cases.emplace_back("wrong magic", Structure(0x0cdb1234, "some body"));
+  auto flipped = good;
+  flipped[15] ^= std::byte{1};
+  cases.emplace_back("flipped body byte", flipped);
+  auto truncated = good;
+  truncated.pop_back();
+  cases.emplace_back("truncated", truncated);
+  auto longer = good;
+  longer.push_back(std::byte{0});
+  cases.emplace_back("extra byte", longer);
+  cases.emplace_back("too short", std::vector<std::byte>(good.begin(), good.begin() + 10));
+  auto version = good;
+  version[12] = std::byte{1};
+  cases.emplace_back("version 1", version);
+  for (const auto& [name, bytes] : cases) {
+    auto r = DecodeOcdbtStructure(bytes, 0x0cdb20de, "node");
+    ASSERT_FALSE(r.ok()) << name;
+    EXPECT_EQ(r.status().code(), StatusCode::kDataLoss) << name << ": " << r.status().ToString();
+  }
+}
+
+TEST(OcdbtTest, LeafNodeWithInlineAndOutOfLineValues) {
+  // height 0; data file table: 1 file "d/x" (no prefix entries, suffix 3, base 2); 2 entries:
+  // keys "ab", "ac" (prefix 1, suffixes 2 and 1), values: 3 bytes inline "xyz", 7 bytes at
+  // offset 5 of file 0.
+  std::string body;
+  body += '\0';   // height
+  body += '\1';   // one data file
+  body += '\3';   // suffix length
+  body += '\2';   // base path length
+  body += "d/x";  // path
+  body += '\2';   // two entries
+  body += '\1';   // key prefix of entry 1
+  body += '\2';   // key suffix lengths
+  body += '\1';
+  body += "abc";  // suffixes "ab", "c"
+  body += '\3';   // value lengths
+  body += '\7';
+  body += '\0';  // kinds: inline, out of line
+  body += '\1';
+  body += '\0';   // data file id
+  body += '\5';   // offset
+  body += "xyz";  // the inline value
+  const auto node = ParseOcdbtNode(Structure(0x0cdb20de, body), "", "node");
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  ASSERT_EQ(node->values.size(), 2u);
+  EXPECT_EQ(node->values[0].first, "ab");
+  EXPECT_TRUE(node->values[0].second.is_inline);
+  EXPECT_EQ(node->values[0].second.inline_bytes, "xyz");
+  EXPECT_EQ(node->values[1].first, "ac");
+  EXPECT_FALSE(node->values[1].second.is_inline);
+  EXPECT_EQ(node->values[1].second.offset, 5u);
+  EXPECT_EQ(node->values[1].second.length, 7u);
+  EXPECT_EQ(node->files, std::vector<std::string>{"d/x"});
+  EXPECT_EQ(node->base_paths, std::vector<std::string>{"d/"});
+}
+
+TEST(OcdbtTest, DataFilePathsThatLeaveTheDatabaseAreRefused) {
+  for (std::string path : {"../x", "/etc/passwd", "d/../../x"}) {
+    std::string body;
+    body += '\0';
+    body += '\1';
+    body += static_cast<char>(path.size());
+    body += '\0';
+    body += path;
+    body += '\0';  // no entries
+    const auto node = ParseOcdbtNode(Structure(0x0cdb20de, body), "", "node");
+    ASSERT_FALSE(node.ok()) << path;
+    EXPECT_EQ(node.status().code(), StatusCode::kDataLoss) << path;
+  }
+}
+
+TEST(OcdbtTest, CountsBeyondTheBytesLeftAreRefusedBeforeAllocating) {
+  std::string body;
+  body += '\0';
+  body += "\xff\xff\xff\xff\x0f";  // 2^32 - 1 data files in a few bytes
+  const auto node = ParseOcdbtNode(Structure(0x0cdb20de, body), "", "node");
+  ASSERT_FALSE(node.ok());
+  EXPECT_NE(node.status().message().find("more than the"), std::string::npos)
+      << node.status().message();
+}
+
+TEST(ZarrTest, ReadsV2AndV3Metadata) {
+  auto v2 = ParseZarrMetadata(
+      R"({"chunks":[4,3],"compressor":{"id":"zstd","level":1},"dimension_separator":".",)"
+      R"("dtype":"bfloat16","fill_value":null,"filters":null,"order":"C","shape":[8,12],)"
+      R"("zarr_format":2})",
+      ".zarray");
+  ASSERT_TRUE(v2.ok()) << v2.status().ToString();
+  EXPECT_EQ(v2->dtype, DType::kBF16);
+  EXPECT_TRUE(v2->zstd);
+  EXPECT_EQ(ZarrChunkKey(*v2, Shape{1, 2}), "1.2");
+  EXPECT_EQ(ZarrChunkGrid(*v2), (Shape{2, 4}));
+  auto v3 = ParseZarrMetadata(
+      R"({"chunk_grid":{"configuration":{"chunk_shape":[4,4]},"name":"regular"},)"
+      R"("chunk_key_encoding":{"name":"default"},"codecs":[{"configuration":{"chunk_shape":[2,4],)"
+      R"("codecs":[{"configuration":{"endian":"little"},"name":"bytes"},{"configuration":)"
+      R"({"checksum":false,"level":3},"name":"zstd"}],"index_codecs":[{"configuration":)"
+      R"({"endian":"little"},"name":"bytes"},{"name":"crc32c"}]},"name":"sharding_indexed"}],)"
+      R"("data_type":"float8_e4m3fn","fill_value":0.0,"node_type":"array","shape":[8,4],)"
+      R"("zarr_format":3})",
+      "zarr.json");
+  ASSERT_TRUE(v3.ok()) << v3.status().ToString();
+  EXPECT_EQ(v3->dtype, DType::kF8E4M3);
+  EXPECT_TRUE(v3->sharded);
+  EXPECT_TRUE(v3->index_crc32c);
+  EXPECT_EQ(v3->inner_shape, (Shape{2, 4}));
+  EXPECT_EQ(ZarrChunkKey(*v3, Shape{1, 0}), "c/1/0");
+  EXPECT_EQ(ZarrChunkKey(*v3, Shape{}), "c");
+}
+
+TEST(ZarrTest, RefusesWhatItDoesNotRead) {
+  const char* cases[] = {
+      R"({"zarr_format":2,"shape":[4],"chunks":[4],"dtype":"<f4","compressor":{"id":"blosc"}})",
+      R"({"zarr_format":2,"shape":[4],"chunks":[4],"dtype":">f4","compressor":null})",
+      R"({"zarr_format":2,"shape":[4],"chunks":[4],"dtype":"<c8","compressor":null})",
+      R"({"zarr_format":2,"shape":[4],"chunks":[4],"dtype":"<f4","order":"F"})",
+  };
+  for (const char* text : cases) {
+    auto r = ParseZarrMetadata(text, "m");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status().ToString();
+  }
+  for (const char* text : {R"({"zarr_format":2,"shape":[4],"chunks":[0],"dtype":"<f4"})",
+                           R"({"zarr_format":2,"shape":[4,4],"chunks":[4],"dtype":"<f4"})",
+                           R"({"zarr_format":4})", "[1]", "{"}) {
+    auto r = ParseZarrMetadata(text, "m");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  }
+}
+
+TEST(ZarrTest, CopyChunkIntoBoxTakesTheOverlap) {
+  // A 2x3 chunk at (2, 3) of an array; the box (3, 2) of size 2x3 overlaps its row 1, columns
+  // 3 and 4.
+  std::vector<int32_t> chunk = {0, 1, 2, 10, 11, 12};
+  std::vector<int32_t> box(6, -1);
+  CopyChunkIntoBox(Shape{2, 3}, Shape{2, 3}, std::as_bytes(std::span(chunk)), Shape{3, 2},
+                   Shape{2, 3}, 4, std::as_writable_bytes(std::span(box)));
+  EXPECT_EQ(box, (std::vector<int32_t>{-1, 10, 11, -1, -1, -1}));
+}
+
+TEST(ZarrTest, RawChunkOfTheWrongSizeIsDataLoss) {
+  auto a = ParseZarrMetadata(
+      R"({"zarr_format":2,"shape":[4],"chunks":[4],"dtype":"<i4","compressor":null})", "m");
+  ASSERT_TRUE(a.ok());
+  std::vector<std::byte> out;
+  std::vector<std::byte> stored(15);
+  EXPECT_EQ(DecodeZarrChunk(*a, stored, false, "c", out).code(), StatusCode::kDataLoss);
+  stored.resize(16, std::byte{7});
+  EXPECT_TRUE(DecodeZarrChunk(*a, stored, false, "c", out).ok());
+  EXPECT_EQ(out, stored);
+  EXPECT_TRUE(DecodeZarrChunk(*a, {}, true, "c", out).ok());
+  EXPECT_EQ(out, std::vector<std::byte>(16));
+}
+
+TEST(ZarrTest, AChunkClaimingMoreThanItsBytesCanHoldIsRefusedBeforeAllocating) {
+  // 2^40 bytes claimed by the metadata; 10 stored bytes of zstd can hold at most 512 KiB.
+  auto a = ParseZarrMetadata(
+      R"({"zarr_format":2,"shape":[1099511627776],"chunks":[1099511627776],"dtype":"|u1",)"
+      R"("compressor":{"id":"zstd","level":1}})",
+      "m");
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  std::vector<std::byte> out;
+  const Status s = DecodeZarrChunk(*a, std::vector<std::byte>(10), false, "c", out);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("cannot hold"), std::string::npos) << s.message();
+  EXPECT_TRUE(out.empty());
+}
+
+void Write(const std::filesystem::path& p, std::string_view text) {
+  std::filesystem::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << text;
+}
+
+// An item without OCDBT, written by hand: "w", int32 [10, 6] on a mesh x=4 with P('x'): the
+// boxes JAX would give an uneven split (ceil: rows 3, 3, 3, 1), stored in zarr chunks of 3 x 6
+// whose third is not stored (the fill value), and "r", replicated, on a (2, 2) mesh.
+class OrbaxItemTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Write(dir_ / "_METADATA",
+          R"j({"tree_metadata": {"('w',)": {"key_metadata": [{"key": "w", "key_type": 2}],)j"
+          R"j( "value_metadata": {"value_type": "jax.Array", "write_shape": [3, 6]}},)j"
+          R"j( "('r', '0')": {"key_metadata": [{"key": "r", "key_type": 2}, {"key": "0",)j"
+          R"j( "key_type": 1}], "value_metadata": {"value_type": "jax.Array"}},)j"
+          R"j( "('note',)": {"key_metadata": [{"key": "note", "key_type": 2}],)j"
+          R"j( "value_metadata": {"value_type": "string"}}}})j");
+    const std::string mesh4 =
+        R"j({\"sharding_type\": \"NamedSharding\", \"shape\": [4], \"axis_names\": [\"x\"],)j"
+        R"j( \"partition_spec\": [\"x\"], \"device_mesh\": {\"mesh\": [{\"id\": 0}, {\"id\": 1},)j"
+        R"j( {\"id\": 2}, {\"id\": 3}]}})j";
+    const std::string mesh22 =
+        R"j({\"sharding_type\": \"NamedSharding\", \"shape\": [2, 2], \"axis_names\": [\"a\",)j"
+        R"j( \"b\"], \"partition_spec\": [], \"device_mesh\": {\"mesh\": [[{\"id\": 0}, {\"id\":)j"
+        R"j( 1}], [{\"id\": 2}, {\"id\": 3}]]}})j";
+    Write(dir_ / "_sharding", R"({"dw==": ")" + mesh4 + R"(", "ci4w": ")" + mesh22 + R"("})");
+    Write(dir_ / "w" / ".zarray",
+          R"({"zarr_format": 2, "shape": [10, 6], "chunks": [3, 6], "dtype": "<i4",)"
+          R"( "compressor": null, "fill_value": null, "order": "C", "filters": null})");
+    for (int c : {0, 1, 3}) {  // chunk 2 is not stored
+      std::vector<int32_t> v(18);
+      for (int i = 0; i < 18; ++i) v[static_cast<size_t>(i)] = c * 18 + i;
+      Write(dir_ / "w" / (std::to_string(c) + ".0"),
+            std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+    }
+    Write(dir_ / "r.0" / ".zarray",
+          R"({"zarr_format": 2, "shape": [2], "chunks": [2], "dtype": "|u1", "compressor": null})");
+    Write(dir_ / "r.0" / "0", "\x07\x09");
+  }
+  test_support::TempDir dir_;
+};
+
+TEST_F(OrbaxItemTest, UnevenBoxesMissingChunksAndReplicas) {
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const OrbaxCheckpoint& ck = **c;
+  ASSERT_EQ(ck.world_size(), 4);
+  ASSERT_EQ(ck.arrays().size(), 2u);
+  EXPECT_EQ(ck.others().size(), 1u);
+  const size_t w = ck.arrays()[0].name == "w" ? 0 : 1;
+  const size_t r = 1 - w;
+  EXPECT_EQ(ck.arrays()[r].name, "r.0");
+  EXPECT_EQ(ck.arrays()[r].path_is_index, (std::vector<bool>{false, true}));
+  EXPECT_EQ(ck.Box(w, 2), (std::pair<Shape, Shape>{{6, 0}, {3, 6}}));
+  EXPECT_EQ(ck.Box(w, 3), (std::pair<Shape, Shape>{{9, 0}, {1, 6}}));
+  // Every device holds the replicated array whole.
+  EXPECT_EQ(ck.map(r).num_elements(), 2);
+  for (Rank rank = 0; rank < 4; ++rank) EXPECT_EQ(ck.map(r).shard_num_elements(rank), 2);
+  std::vector<int32_t> box(18, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {6, 0}, {3, 6}, std::as_writable_bytes(std::span(box))).ok());
+  EXPECT_EQ(box, std::vector<int32_t>(18, 0));  // the fill value
+  std::vector<int32_t> last(6, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {9, 0}, {1, 6}, std::as_writable_bytes(std::span(last))).ok());
+  EXPECT_EQ(last, (std::vector<int32_t>{54, 55, 56, 57, 58, 59}));
+  // A box across chunks: rows 2..4.
+  std::vector<int32_t> across(12, -1);
+  ASSERT_TRUE(ck.ReadBox(w, {2, 0}, {2, 6}, std::as_writable_bytes(std::span(across))).ok());
+  EXPECT_EQ(across[0], 12);
+  EXPECT_EQ(across[6], 18);
+}
+
+TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
+  std::ifstream in(dir_ / "_sharding");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string spec = R"(\"partition_spec\": [\"x\"])";
+  ASSERT_NE(text.find(spec), std::string::npos);
+  text.replace(text.find(spec), spec.size(), R"(\"partition_spec\": [\"y\"])");
+  Write(dir_ / "_sharding", text);
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(c.status().message().find("\"y\" is not an axis of the mesh"), std::string::npos)
+      << c.status().message();
+}
+
+}  // namespace
+}  // namespace reshard
