@@ -11,6 +11,7 @@
 #include <set>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
 #include "reshard/ir/map_json_value.h"
@@ -393,8 +394,12 @@ Result<FullCheckpoint> FullCheckpoint::Open(const std::string& dir) {
   if (!fs::is_directory(root, ec)) {
     return NotFoundError(fmt::format("\"{}\" is not a directory", dir));
   }
-  const fs::path single = root / "model.safetensors";
+  fs::path single = root / "model.safetensors";
   const fs::path index = root / "model.safetensors.index.json";
+  // A PEFT adapter directory: its tensors are one file of its own name.
+  if (!fs::exists(single, ec) && !fs::exists(index, ec) && IsPeftAdapterDir(dir)) {
+    single = root / kAdapterWeightsName;
+  }
   const bool has_single = fs::exists(single, ec);
   const bool has_index = fs::exists(index, ec);
   if (has_single && has_index) {

@@ -13,6 +13,7 @@
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/ir/block_grid.h"
 #include "reshard/layouts/basic.h"
 
@@ -33,8 +34,9 @@ using internal::WriteOwnFiles;
 
 namespace {
 
-// The files of a full output: model.safetensors, or parts of at most max_bytes.
-std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
+// The files of a full output: `single` (model.safetensors), or parts of at most max_bytes.
+std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes,
+                                  const std::string& single) {
   std::vector<uint64_t> sizes;
   uint64_t total = 0;
   for (const ShardedParam& p : m.params) {
@@ -45,12 +47,12 @@ std::vector<OutputFile> FullFiles(const Manifest& m, uint64_t max_bytes) {
   const auto parts = SplitIntoParts(sizes, split ? max_bytes : 0);
   std::vector<OutputFile> files;
   for (size_t part = 0; part < parts.size(); ++part) {
-    OutputFile f{!split ? std::string("model.safetensors")
-                        : fmt::format("model-{:05d}-of-{:05d}.safetensors", part + 1, parts.size()),
-                 0,
-                 parts[part],
-                 0,
-                 {}};
+    OutputFile f{
+        !split ? single : fmt::format("model-{:05d}-of-{:05d}.safetensors", part + 1, parts.size()),
+        0,
+        parts[part],
+        0,
+        {}};
     for (size_t i : f.params) f.bytes += sizes[i];
     files.push_back(std::move(f));
   }
@@ -359,7 +361,13 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
   }
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
                            OpenOutput(comm, out_dir, options, source.inputs()));
-  const std::vector<OutputFile> files = FullFiles(written_m, options.max_shard_bytes);
+  // A PEFT adapter (its adapter_config.json among the extra files) is one file of its own name,
+  // as PEFT reads it.
+  const bool adapter = std::any_of(extra_files.begin(), extra_files.end(),
+                                   [](const ExtraFile& f) { return f.name == kAdapterConfigName; });
+  const std::string single = adapter ? kAdapterWeightsName : "model.safetensors";
+  const std::vector<OutputFile> files =
+      FullFiles(written_m, adapter ? 0 : options.max_shard_bytes, single);
   const std::vector<int> owners = OwnersOf(files, comm.size());
   uint64_t total = 0;
   for (const OutputFile& f : files) total += f.bytes;
@@ -388,7 +396,7 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
   mine.bytes_read = counters.read;
   mine.bytes_verified = counters.verified;
   return FinishOutput(comm, out, synced, std::move(mine), options, [&]() -> Status {
-    if (files.front().name != "model.safetensors") {
+    if (files.front().name != single) {
       RESHARD_RETURN_IF_ERROR(WriteFullIndex(out, written_m, options.sync, files));
     }
     for (const ExtraFile& f : extra_files) {

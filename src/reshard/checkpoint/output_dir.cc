@@ -16,6 +16,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/dcp/dcp_writer.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/io/file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/temporaries.h"
@@ -102,7 +103,8 @@ Status CheckFullOutput(const std::string& path, const fs::path& dir,
   bool any_weights = false;
   for (const std::string& name : names) {
     if (IsModelSideFile(dir, name)) continue;
-    const bool weights = name == "model.safetensors" || IsFullPartName(name);
+    const bool weights =
+        name == "model.safetensors" || name == kAdapterWeightsName || IsFullPartName(name);
     if ((!weights && name != kIndexName) || !IsRegularFile(dir / name)) {
       return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write", name));
     }
@@ -174,7 +176,8 @@ std::span<const char* const> ModelSideFiles() {
                                            "tokenizer.model",    "special_tokens_map.json",
                                            "added_tokens.json",  "vocab.json",
                                            "merges.txt",         "chat_template.jinja",
-                                           "chat_template.json", "preprocessor_config.json"};
+                                           "chat_template.json", "preprocessor_config.json",
+                                           kAdapterConfigName};
   return kFiles;
 }
 

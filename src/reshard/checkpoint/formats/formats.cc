@@ -20,6 +20,7 @@
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/hf/checkpoint_maps.h"
 #include "reshard/hf/model_config.h"
@@ -189,6 +190,12 @@ Result<OpenedCheckpoint> OpenSharded(const std::string& path, const SourceOption
   RESHARD_RETURN_IF_ERROR(
       CheckQuantizedTies(fmt::format("\"{}\"", (fs::path(path) / kManifestName).string()), config,
                          m, &m.block_scales));
+  // A scattered PEFT adapter gathers back into one (its adapter_config.json beside).
+  if (HasFile(path, kAdapterConfigName)) {
+    RESHARD_ASSIGN_OR_RETURN(std::string adapter,
+                             ReadFileToString((fs::path(path) / kAdapterConfigName).string()));
+    out.extra_files.push_back({kAdapterConfigName, std::move(adapter)});
+  }
   RESHARD_ASSIGN_OR_RETURN(PlanOptions plan, PlanOptionsOf(options));
   const bool require = !options.distributed_config.empty();
   // Scattered from a config.json: the target layout from the model's plans again (MoE experts
@@ -232,6 +239,40 @@ Result<OpenedCheckpoint> OpenFull(const std::string& path, const SourceOptions&)
         CheckQuantizedTies(fmt::format("\"{}\"", path), config, out.source->manifest(), nullptr));
     out.extra_files.push_back({"config.json", std::move(config)});
   }
+  return out;
+}
+
+// ---- PEFT LoRA adapters ----------------------------------------------------------------
+
+bool DetectPeft(const std::string& path) { return !DetectSharded(path) && IsPeftAdapterDir(path); }
+
+Status CheckPeft(const std::string& path, const SourceOptions& options) {
+  if (options.use == SourceUse::kGather) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is a PEFT adapter of full tensors already ({}, no {}): there is nothing to "
+        "gather",
+        path, kAdapterWeightsName, kManifestName));
+  }
+  RESHARD_RETURN_IF_ERROR(RefuseDeepSpeedOptions(path, options, "a PEFT adapter"));
+  RESHARD_RETURN_IF_ERROR(RefuseConfig(path, options, "a PEFT adapter"));
+  return RefuseDistributedConfig(path, options, "a PEFT adapter");
+}
+
+Result<OpenedCheckpoint> OpenPeft(const std::string& path, const SourceOptions&) {
+  RESHARD_ASSIGN_OR_RETURN(std::string text,
+                           ReadFileToString((fs::path(path) / kAdapterConfigName).string()));
+  Result<LoraConfig> config = ParseLoraConfigJson(text);
+  if (!config.ok()) return config.status().Annotate(fmt::format("\"{}\"", path));
+  RESHARD_ASSIGN_OR_RETURN(FullCheckpoint opened, FullCheckpoint::Open(path));
+  std::vector<std::pair<std::string, Shape>> shapes;
+  for (const TensorRef& t : opened.tensors()) shapes.emplace_back(t.info->name, t.info->shape);
+  RESHARD_RETURN_IF_ERROR(CheckLoraTensors(*config, shapes).Annotate(fmt::format("\"{}\"", path)));
+  OpenedCheckpoint out;
+  out.format = "peft";
+  out.run = HuggingFaceRun();
+  RESHARD_ASSIGN_OR_RETURN(
+      out.source, SourceOfFullDir(path, std::make_shared<const FullCheckpoint>(std::move(opened))));
+  out.extra_files.push_back({kAdapterConfigName, std::move(text)});
   return out;
 }
 
@@ -538,6 +579,7 @@ constexpr std::array kFormats = {
     CheckpointFormat{"orbax", "an Orbax checkpoint", IsOrbaxCheckpoint, CheckOrbaxOptions,
                      OpenOrbax},
     CheckpointFormat{"hf", "a Hugging Face checkpoint", DetectFull, CheckFull, OpenFull},
+    CheckpointFormat{"peft", "a PEFT LoRA adapter", DetectPeft, CheckPeft, OpenPeft},
     CheckpointFormat{"pt", "a torch.save file", DetectTorchSaveFile, CheckTorchSaveFile,
                      OpenTorchSaveFile},
 };

@@ -1,0 +1,93 @@
+// PEFT LoRA adapters on disk: a directory of adapter_config.json and adapter_model.safetensors.
+//
+// An adapter's tensors are named after the base model's modules:
+//   base_model.model.M.lora_A.weight      [r, in]     (a Linear, or a Conv1D with
+//   base_model.model.M.lora_B.weight      [out, r]     fan_in_fan_out, whose weight is [in, out])
+//   base_model.model.M.lora_embedding_A   [r, vocab]  (an Embedding: weight [vocab, dim])
+//   base_model.model.M.lora_embedding_B   [dim, r]
+//   base_model.model.M.weight, M.base_layer.weight    a whole copy of the base's M.weight
+//                                                      (modules_to_save, saved embeddings)
+// and W + scaling * B @ A (transposed for an embedding and for fan_in_fan_out) is the merged
+// weight, scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+#ifndef RESHARD_CHECKPOINT_PEFT_H_
+#define RESHARD_CHECKPOINT_PEFT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/base/index.h"
+#include "reshard/base/result.h"
+
+namespace reshard {
+
+inline constexpr char kAdapterConfigName[] = "adapter_config.json";
+inline constexpr char kAdapterWeightsName[] = "adapter_model.safetensors";
+
+/// What reshard reads of adapter_config.json.
+struct LoraConfig {
+  int64_t r = 0;
+  double alpha = 0;
+  bool use_rslora = false;
+  bool use_dora = false;
+  bool lora_bias = false;
+  bool fan_in_fan_out = false;
+  /// target_modules: a list of module names, or one regular expression (then in
+  /// `target_regex`).
+  std::vector<std::string> target_modules;
+  std::string target_regex;
+  std::vector<std::string> modules_to_save;
+  /// Whether rank_pattern or alpha_pattern give some modules another r or alpha.
+  bool has_patterns = false;
+
+  /// lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+  double Scaling() const;
+  /// "alpha/r" or "alpha/sqrt(r)".
+  std::string_view ScalingRule() const;
+};
+
+/// Parses adapter_config.json. \error InvalidArgument  not JSON, not a LoRA adapter
+/// (peft_type), or r / lora_alpha missing or not positive numbers.
+Result<LoraConfig> ParseLoraConfigJson(std::string_view text);
+
+/// Whether `dir` holds adapter_config.json and adapter_model.safetensors.
+bool IsPeftAdapterDir(const std::string& dir);
+
+/// The part of a LoRA pair, or a whole copy of a base tensor.
+enum class LoraPart { kA, kB, kEmbeddingA, kEmbeddingB, kBaseCopy };
+
+/// An adapter tensor's module and the base weight it belongs to.
+struct LoraTensorName {
+  std::string module;  // "model.layers.0.self_attn.q_proj"
+  std::string base;    // "model.layers.0.self_attn.q_proj.weight"
+  LoraPart part = LoraPart::kA;
+};
+
+/// The module and base weight of an adapter tensor; nullopt for a name outside
+/// base_model.model. or a LoRA tensor reshard does not lay out (lora_B.bias, DoRA's
+/// lora_magnitude_vector).
+std::optional<LoraTensorName> ParseLoraTensorName(std::string_view name);
+
+/// The dimension of a LoRA tensor that runs along dimension `base_dim` of its 2-D base weight
+/// (the other one is r), or nullopt when it runs along none (A along the weight's output, B
+/// along its input). `fan_in_fan_out`: the base weight is stored [in, out].
+std::optional<int> LoraDimAlong(LoraPart part, int base_dim, bool fan_in_fan_out);
+
+/// Checks the tensors of an adapter (name, shape) against its config: every LoRA tensor's r
+/// is the config's, A and B of a module agree, and no module has one without the other.
+/// \error FailedPrecondition  DoRA, lora_bias, rank or alpha patterns, a tensor reshard cannot
+///        lay out; DataLoss  an r that disagrees, a pair that does not match (naming the
+///        tensor).
+Status CheckLoraTensors(const LoraConfig& config,
+                        const std::vector<std::pair<std::string, Shape>>& tensors);
+
+/// The base weight's shape a module's A and B imply ([out, in]; [in, out] with
+/// fan_in_fan_out; [vocab, dim] for an embedding).
+Shape LoraBaseShape(LoraPart a_part, const Shape& a_shape, const Shape& b_shape,
+                    bool fan_in_fan_out);
+
+}  // namespace reshard
+
+#endif  // RESHARD_CHECKPOINT_PEFT_H_
