@@ -66,6 +66,13 @@ constexpr CommandEntry kCommands[] = {
      "weights, fp32 master weights (<param>.fp32) and Adam moments (<param>.exp_avg, "
      "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
      ConvertCommand},
+    {"merge-lora",
+     "Merge a PEFT LoRA adapter into a Hugging Face checkpoint: every targeted weight W becomes "
+     "W + scaling * B @ A (in PEFT's arithmetic: bit for bit its merge_and_unload()), the "
+     "adapter's whole copies of base weights replace them; one tensor in memory at a time. "
+     "Exit 1 for an adapter that cannot be merged as asked (DoRA, a target the base lacks), 2 "
+     "for an unreadable or inconsistent one; each names the tensor.",
+     MergeLoraCommand},
     {"diff",
      "Compare two checkpoints tensor by tensor, in any formats reshard reads and any layouts "
      "(a Hugging Face directory against a reshard sharded checkpoint at TP 8, a DeepSpeed or DCP "

@@ -51,6 +51,7 @@ CommandBody ScatterCommand();
 CommandBody GatherCommand();
 CommandBody ConvertCommand();
 CommandBody DiffCommand();
+CommandBody MergeLoraCommand();
 CommandBody DegreeCommand();
 CommandBody InspectCommand();
 CommandBody ExportCommand();

@@ -20,6 +20,7 @@
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/io/file.h"
 #include "reshard/io/mapped_file.h"
@@ -600,6 +601,37 @@ std::string UniversalSummaryText(const ordered_json& u) {
   return out;
 }
 
+// A LoRA adapter's config (adapter_config.json beside its tensors, or beside a scattered
+// adapter's shards): rank, alpha, scaling and targets; null where there is none.
+Result<ordered_json> AdapterSummary(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / kAdapterConfigName, ec)) return ordered_json(nullptr);
+  RESHARD_ASSIGN_OR_RETURN(const std::string text,
+                           ReadFileToString((dir / kAdapterConfigName).string()));
+  Result<LoraConfig> c = ParseLoraConfigJson(text);
+  if (!c.ok()) return c.status().Annotate((dir / kAdapterConfigName).string());
+  ordered_json targets =
+      c->target_regex.empty() ? ordered_json(c->target_modules) : ordered_json(c->target_regex);
+  return ordered_json{{"r", c->r},
+                      {"lora_alpha", c->alpha},
+                      {"scaling", c->Scaling()},
+                      {"scaling_rule", c->ScalingRule()},
+                      {"target_modules", std::move(targets)},
+                      {"modules_to_save", c->modules_to_save},
+                      {"use_dora", c->use_dora},
+                      {"fan_in_fan_out", c->fan_in_fan_out}};
+}
+
+std::string AdapterSummaryText(const ordered_json& a) {
+  return fmt::format(
+      "LoRA adapter: r {}, alpha {}, scaling {} ({}), targets {}{}{}\n", a["r"].get<int64_t>(),
+      a["lora_alpha"].get<double>(), a["scaling"].get<double>(),
+      a["scaling_rule"].get<std::string>(), a["target_modules"].dump(),
+      a["modules_to_save"].empty() ? std::string()
+                                   : ", modules saved whole " + a["modules_to_save"].dump(),
+      a["use_dora"].get<bool>() ? ", DoRA" : "");
+}
+
 bool IsTensorFile(const std::filesystem::path& p) {
   const std::string ext = p.extension().string();
   return ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".safetensors";
@@ -687,6 +719,12 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
     } else {
       out += OrbaxSummaryText(*orbax);
     }
+  }
+  RESHARD_ASSIGN_OR_RETURN(const ordered_json adapter, AdapterSummary(dir));
+  if (!adapter.is_null() && json) {
+    doc["adapter"] = adapter;
+  } else if (!adapter.is_null()) {
+    out += AdapterSummaryText(adapter);
   }
   ordered_json listed = ordered_json::array();
   const ModelDir model_dir = ModelDirOf(dir.string());

@@ -96,7 +96,8 @@ Result<ConfigScatter> AdapterScatterMaps(const std::string& dir, const FullCheck
     tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
     shapes.emplace_back(t.info->name, t.info->shape);
   }
-  RESHARD_RETURN_IF_ERROR(CheckLoraTensors(lora, shapes));
+  RESHARD_RETURN_IF_ERROR(
+      CheckLoraTensors(lora, shapes).Annotate(fmt::format("the adapter \"{}\"", dir)));
   RESHARD_ASSIGN_OR_RETURN(auto base, AdapterBaseTensors(tensors, lora.fan_in_fan_out));
   std::vector<StoredTensor> base_tensors;
   for (auto& [name, t] : base) base_tensors.push_back(t);

@@ -1,0 +1,287 @@
+"""PEFT LoRA adapters as checkpoints, against PEFT and transformers.
+
+A toy Llama (transformers) with a rank-8 adapter made by PEFT on q, k, v, o, gate, up, down and
+the embedding (random A and B). `scatter ADAPTER --config BASE/config.json --tp 2` must lay the
+adapter out so that every rank merges its own shard of the base weight: W_j + s * B_j @ A_j
+(transposed for the embedding) equals rank j's shard of PEFT's `merge_and_unload()` model, which
+the same scatter lays out from the same config. Gather gives the adapter back bit for bit (PEFT
+loads it), convert moves it between degrees, inspect shows r, alpha and scaling, and what cannot
+be laid out is refused naming the tensor, with nothing written.
+"""
+
+import json
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "embed_tokens"]
+ALPHA, R = 16, 8
+
+
+def run(reshard_bin, *args):
+    return subprocess.run([reshard_bin, *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(20261206)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(root / "base")
+    lora = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+                           init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, lora)
+    peft_model.save_pretrained(root / "adapter")
+    ids = torch.arange(3, 19).reshape(1, -1)
+    with torch.no_grad():
+        logits = peft_model(ids).logits
+    merged = peft_model.merge_and_unload()
+    merged.save_pretrained(root / "merged")
+    return root, ids, logits
+
+
+def rank_tensors(directory, rank):
+    out = {}
+    for f in sorted(directory.glob(f"model-rank-{rank}-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_scattered_adapter_merges_shard_by_shard(toy, reshard_bin):
+    root, _, _ = toy
+    config = root / "base" / "config.json"
+    for name in ("base", "adapter", "merged"):
+        r = run(reshard_bin, "scatter", root / name, "--config", config, "--tp", 2,
+                "-o", root / f"{name}-tp2")
+        assert r.returncode == 0, r.stderr
+    scaling = ALPHA / R
+    checked = set()
+    for rank in range(2):
+        base = rank_tensors(root / "base-tp2", rank)
+        adapter = rank_tensors(root / "adapter-tp2", rank)
+        merged = rank_tensors(root / "merged-tp2", rank)
+        for name, a in adapter.items():
+            if name.endswith(".lora_A.weight"):
+                module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = adapter[name.replace("lora_A", "lora_B")]
+                delta = b @ a
+            elif name.endswith(".lora_embedding_A"):
+                module = name.removeprefix("base_model.model.").removesuffix(".lora_embedding_A")
+                delta = (adapter[name.replace("_A", "_B")] @ a).T
+            else:
+                continue
+            w = base[module + ".weight"]
+            # Each rank's B_j @ A_j has its shard's shape: column-parallel B is split as W's
+            # rows (A whole), row-parallel A as W's columns (B whole).
+            assert delta.shape == w.shape, name
+            torch.testing.assert_close(w + scaling * delta, merged[module + ".weight"],
+                                       rtol=1e-5, atol=1e-6)
+            checked.add(module.split(".")[-1])
+    assert checked == set(TARGETS)
+    # The adapter is really split: a column-parallel B and a row-parallel A are halves.
+    r0 = rank_tensors(root / "adapter-tp2", 0)
+    full = load_file(root / "adapter" / "adapter_model.safetensors")
+    q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    o_a = "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert r0[q_b].shape[0] * 2 == full[q_b].shape[0]
+    assert r0[o_a].shape[1] * 2 == full[o_a].shape[1]
+    assert torch.equal(r0[q_a], full[q_a])
+
+
+def test_gather_and_convert_give_the_adapter_back(toy, reshard_bin, tmp_path):
+    root, ids, logits = toy
+    config = root / "base" / "config.json"
+    r = run(reshard_bin, "scatter", root / "adapter", "--config", config, "--tp", 2,
+            "-o", tmp_path / "tp2")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", tmp_path / "tp2", "--tp", 1, "-o", tmp_path / "tp1")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "convert", tmp_path / "tp1", "--tp", 2, "-o", tmp_path / "tp2b")
+    assert r.returncode == 0, r.stderr
+    for rank in range(2):
+        a, b = rank_tensors(tmp_path / "tp2", rank), rank_tensors(tmp_path / "tp2b", rank)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    original = load_file(root / "adapter" / "adapter_model.safetensors")
+    for source in ("tp2", "tp1", "tp2b"):
+        out = tmp_path / f"back-{source}"
+        r = run(reshard_bin, "gather", tmp_path / source, "-o", out)
+        assert r.returncode == 0, r.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                         "adapter_model.safetensors"]
+        back = load_file(out / "adapter_model.safetensors")
+        assert back.keys() == original.keys()
+        assert all(torch.equal(back[k], original[k]) for k in back), source
+    # PEFT loads the gathered adapter and computes what it computed before.
+    base = transformers.LlamaForCausalLM.from_pretrained(root / "base")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "back-tp1")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+
+
+def test_inspect_shows_rank_alpha_scaling_and_targets(toy, reshard_bin, tmp_path):
+    root, _, _ = toy
+    r = run(reshard_bin, "inspect", root / "adapter")
+    assert r.returncode == 0, r.stderr
+    assert f"LoRA adapter: r {R}, alpha {ALPHA}, scaling {ALPHA / R:g} (alpha/r)" in r.stdout
+    assert all(t in r.stdout for t in TARGETS)
+    rs = tmp_path / "rslora"
+    shutil.copytree(root / "adapter", rs)
+    cfg = json.loads((rs / "adapter_config.json").read_text())
+    cfg["use_rslora"] = True
+    (rs / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run(reshard_bin, "inspect", rs, "--json")
+    assert r.returncode == 0, r.stderr
+    adapter = json.loads(r.stdout)["adapter"]
+    # PEFT's own scaling of the adapter it loads with this config.
+    base = transformers.LlamaForCausalLM.from_pretrained(root / "base")
+    loaded = peft.PeftModel.from_pretrained(base, rs)
+    q = loaded.base_model.model.model.layers[0].self_attn.q_proj
+    assert math.isclose(adapter["scaling"], q.scaling["default"], rel_tol=1e-15)
+    assert adapter["scaling"] != ALPHA / R
+    assert adapter["scaling_rule"] == "alpha/sqrt(r)"
+
+
+def edited(root, tmp_path, config=None, tensors=None):
+    out = tmp_path / "edited"
+    shutil.copytree(root / "adapter", out)
+    if config:
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        cfg.update(config)
+        (out / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors:
+        t = load_file(out / "adapter_model.safetensors")
+        tensors(t)
+        save_file(t, out / "adapter_model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("case, code, words", [
+    ("dora", 1, "DoRA"),
+    ("rank", 2, "embed_tokens.lora_embedding_A\" has rank 8 (shape [8, 128]), but "
+             "adapter_config.json says r = 4"),
+    ("unpaired", 2, "has no B beside it"),
+    ("pattern", 1, "rank_pattern"),
+])
+def test_refusals_name_the_tensor_and_write_nothing(toy, reshard_bin, tmp_path, case, code,
+                                                     words):
+    root, _, _ = toy
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    adapter = {
+        "dora": lambda: edited(root, tmp_path, config={"use_dora": True}),
+        "rank": lambda: edited(root, tmp_path, config={"r": 4}),
+        "unpaired": lambda: edited(root, tmp_path,
+                                   tensors=lambda t: t.pop(q + ".lora_B.weight")),
+        "pattern": lambda: edited(root, tmp_path, config={"rank_pattern": {"q_proj": 4}}),
+    }[case]()
+    r = run(reshard_bin, "scatter", adapter, "--config", root / "base" / "config.json",
+            "--tp", 2, "-o", tmp_path / "out")
+    assert r.returncode == code, r.stderr
+    assert words in r.stderr
+    if case == "unpaired":
+        assert q + ".lora_A.weight" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def ulp_distance(x, y):
+    """The largest distance between x and y in units in the last place (their bit patterns in
+    sign-magnitude order)."""
+    ints = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF)}
+    view, mask = ints[x.dtype]
+
+    def ordered(t):
+        i = t.contiguous().view(view).to(torch.int64)
+        return torch.where(i < 0, -(i & mask), i)
+
+    return int((ordered(x) - ordered(y)).abs().max())
+
+
+# PEFT keeps a 16-bit model's adapter in float32 (autocast_adapter_dtype) unless told not to.
+@pytest.mark.parametrize("dtype, autocast, max_ulp", [
+    (torch.float32, True, 2), (torch.bfloat16, True, 1), (torch.bfloat16, False, 1)])
+def test_merge_lora_equals_peft_merge_and_unload(reshard_bin, tmp_path, dtype, autocast,
+                                                 max_ulp):
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS[:-1],
+                           init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, lora, autocast_adapter_dtype=autocast)
+    adapter_dtype = torch.float32 if autocast else dtype
+    assert peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_A[
+        "default"].weight.dtype == adapter_dtype
+    # PEFT's random init leaves B small; scale it so that B @ A moves W by many of its ulps.
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(50)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = torch.arange(3, 11).reshape(1, -1)
+    merged = peft_model.merge_and_unload()
+    want = merged.state_dict()
+    # Both generate from directories loaded the same way (a model cast in memory keeps its
+    # rotary frequencies in the cast dtype, a loaded one in float32).
+    merged.save_pretrained(tmp_path / "peft-merged")
+    expected_tokens = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "peft-merged", dtype=dtype).generate(ids, max_new_tokens=8, do_sample=False)
+
+    r = run(reshard_bin, "merge-lora", tmp_path / "base", tmp_path / "adapter",
+            "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert "14 weights took B @ A" in r.stdout  # 7 modules in each of 2 layers
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    worst = 0
+    moved = 0
+    for name, w in base.items():
+        assert got[name].dtype == dtype
+        if not name.endswith(tuple(f"{t}.weight" for t in TARGETS[:-1])):
+            assert torch.equal(got[name], w), name
+            continue
+        worst = max(worst, ulp_distance(got[name], want[name]))
+        moved += int((got[name] != w).sum())
+    print(f"{dtype} (adapter {adapter_dtype}): largest difference from PEFT's merge_and_unload: {worst} ulp")
+    assert worst <= max_ulp
+    assert moved > 0
+    # transformers loads the merged directory and generates PEFT's tokens.
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=dtype)
+    tokens = loaded.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens, expected_tokens)
+
+
+def test_merge_lora_refuses_a_target_the_base_lacks(toy, reshard_bin, tmp_path):
+    root, _, _ = toy
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+
+    def rename(t):
+        for part in ("lora_A", "lora_B"):
+            t[f"{q}_x.{part}.weight"] = t.pop(f"{q}.{part}.weight")
+
+    adapter = edited(root, tmp_path, tensors=rename)
+    r = run(reshard_bin, "merge-lora", root / "base", adapter, "-o", tmp_path / "out")
+    assert r.returncode == 1, r.stderr
+    assert "layers.1.self_attn.q_proj_x.weight\", which the base checkpoint does not hold" in (
+        r.stderr)
+    assert not (tmp_path / "out").exists()
+    dora = tmp_path / "dora"
+    shutil.copytree(root / "adapter", dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run(reshard_bin, "merge-lora", root / "base", dora, "-o", tmp_path / "out")
+    assert r.returncode == 1 and "DoRA" in r.stderr
+    assert not (tmp_path / "out").exists()
