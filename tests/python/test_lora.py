@@ -285,3 +285,27 @@ def test_merge_lora_refuses_a_target_the_base_lacks(toy, reshard_bin, tmp_path):
     r = run(reshard_bin, "merge-lora", root / "base", dora, "-o", tmp_path / "out")
     assert r.returncode == 1 and "DoRA" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_of_a_fan_in_fan_out_adapter(reshard_bin, tmp_path):
+    """GPT-2's Conv1D holds its weight [in, out]: B @ A is merged transposed."""
+    torch.manual_seed(11)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["c_attn", "c_proj", "c_fc"],
+                           fan_in_fan_out=True, init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    want = peft_model.merge_and_unload().state_dict()
+    r = run(reshard_bin, "merge-lora", tmp_path / "base", tmp_path / "adapter",
+            "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    changed = [k for k in got if not torch.equal(got[k], base[k])]
+    assert len(changed) == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj in each layer
+    worst = max(ulp_distance(got[k], want[k]) for k in changed)
+    print(f"GPT-2 fan_in_fan_out, float32: largest difference from PEFT: {worst} ulp")
+    assert worst <= 2
