@@ -309,3 +309,18 @@ def test_merge_lora_of_a_fan_in_fan_out_adapter(reshard_bin, tmp_path):
     worst = max(ulp_distance(got[k], want[k]) for k in changed)
     print(f"GPT-2 fan_in_fan_out, float32: largest difference from PEFT: {worst} ulp")
     assert worst <= 2
+
+
+def test_the_package_scatters_and_gathers_an_adapter(toy, tmp_path):
+    import reshard.checkpoint
+
+    root, _, _ = toy
+    reshard.checkpoint.scatter(root / "adapter", tmp_path / "tp2",
+                               config=root / "base" / "config.json", tp=2)
+    reshard.checkpoint.gather(tmp_path / "tp2", tmp_path / "back")
+    original = load_file(root / "adapter" / "adapter_model.safetensors")
+    back = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in back)
+    o_a = "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
+    assert rank_tensors(tmp_path / "tp2", 1)[o_a].shape[1] * 2 == original[o_a].shape[1]
