@@ -632,6 +632,17 @@ std::string AdapterSummaryText(const ordered_json& a) {
       a["use_dora"].get<bool>() ? ", DoRA" : "");
 }
 
+// The adapter summary of `dir`, if it has one, into `doc` (JSON) or `out` (text).
+Status AppendAdapter(const fs::path& dir, bool json, ordered_json& doc, std::string& out) {
+  RESHARD_ASSIGN_OR_RETURN(const ordered_json adapter, AdapterSummary(dir));
+  if (!adapter.is_null() && json) {
+    doc["adapter"] = adapter;
+  } else if (!adapter.is_null()) {
+    out += AdapterSummaryText(adapter);
+  }
+  return Status::Ok();
+}
+
 bool IsTensorFile(const std::filesystem::path& p) {
   const std::string ext = p.extension().string();
   return ext == ".pt" || ext == ".pth" || ext == ".bin" || ext == ".safetensors";
@@ -720,12 +731,7 @@ Status InspectDirectory(const std::string& path, bool json, const QuantizedPairs
       out += OrbaxSummaryText(*orbax);
     }
   }
-  RESHARD_ASSIGN_OR_RETURN(const ordered_json adapter, AdapterSummary(dir));
-  if (!adapter.is_null() && json) {
-    doc["adapter"] = adapter;
-  } else if (!adapter.is_null()) {
-    out += AdapterSummaryText(adapter);
-  }
+  RESHARD_RETURN_IF_ERROR(AppendAdapter(dir, json, doc, out));
   ordered_json listed = ordered_json::array();
   const ModelDir model_dir = ModelDirOf(dir.string());
   RESHARD_ASSIGN_OR_RETURN(ordered_json model, ModelView(dir.string(), model_dir, pairs, run));
