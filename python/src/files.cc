@@ -22,6 +22,7 @@
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -116,10 +117,17 @@ BufferSetBuilder BuffersOf(const std::string& buffers_json) {
 void ScatterWithMaps(const std::string& full_dir, const std::string& out_dir,
                      const std::vector<std::pair<std::string, MapHandle*>>& maps,
                      const std::string& buffers_json, const PyCheckpointOptions& o) {
-  const MapDocument doc = DocumentOf(maps);
+  MapDocument doc = DocumentOf(maps);
   if (doc.params.empty()) throw py::value_error("scatter: no maps given");
   const int world = doc.params.front().second.world_size();
-  const BufferSetBuilder buffers = BuffersOf(buffers_json);
+  BufferSetBuilder buffers = BuffersOf(buffers_json);
+  if (IsPeftAdapterDir(full_dir)) {  // the maps are the base model's
+    if (Status s = ValidateBuffers(doc, buffers); !s.ok()) Raise(s, ErrorKind::kMap);
+    Result<MapDocument> adapter = AdapterMapsFromDocument(full_dir, doc);
+    if (!adapter.ok()) Raise(adapter.status(), ErrorKind::kCheckpoint);
+    doc = *std::move(adapter);
+    buffers = BufferSetBuilder(doc.buffers);
+  }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     return Scatter(full_dir, world, MapsFromDocument(doc), buffers, out_dir, options);
   });

@@ -324,3 +324,80 @@ def test_the_package_scatters_and_gathers_an_adapter(toy, tmp_path):
     assert all(torch.equal(back[k], original[k]) for k in back)
     o_a = "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
     assert rank_tensors(tmp_path / "tp2", 1)[o_a].shape[1] * 2 == original[o_a].shape[1]
+
+
+def same_files(a, b):
+    """The names of the files of directory a whose bytes differ from b's (or that b lacks), and
+    b's files that a lacks."""
+    names = {p.name for p in a.iterdir()} | {p.name for p in b.iterdir()}
+    return sorted(n for n in names if not ((a / n).is_file() and (b / n).is_file()
+                                           and (a / n).read_bytes() == (b / n).read_bytes()))
+
+
+def test_merge_lora_into_a_sharded_base_shard_by_shard(toy, reshard_bin, tmp_path):
+    """A base scattered at TP 2 takes the adapter shard by shard (from its PEFT directory, or
+    scattered at TP 2 itself): the output is the Hugging Face merge scattered at TP 2, file for
+    file and byte for byte, and within 2 ulp of PEFT's merge_and_unload() on every rank."""
+    root, _, _ = toy
+    config = root / "base" / "config.json"
+
+    def scatter(src, out):
+        r = run(reshard_bin, "scatter", src, "--config", config, "--tp", 2, "-o", out)
+        assert r.returncode == 0, r.stderr
+
+    scatter(root / "base", tmp_path / "base-tp2")
+    scatter(root / "adapter", tmp_path / "adapter-tp2")
+    r = run(reshard_bin, "merge-lora", root / "base", root / "adapter", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    scatter(tmp_path / "hf", tmp_path / "want")
+    for adapter in ("adapter", "adapter-tp2"):
+        src = root / adapter if adapter == "adapter" else tmp_path / adapter
+        out = tmp_path / f"from-{adapter}"
+        r = run(reshard_bin, "merge-lora", tmp_path / "base-tp2", src, "-o", out)
+        assert r.returncode == 0, r.stderr
+        assert "15 weights took B @ A, 0 replaced whole, shard by shard at 2 ranks" in r.stdout
+        assert same_files(out, tmp_path / "want") == [], adapter
+    # Against PEFT's own merge, scattered alike: each rank's shards within 2 ulp.
+    scatter(root / "merged", tmp_path / "peft")
+    worst = 0
+    for rank in range(2):
+        got = rank_tensors(tmp_path / "from-adapter", rank)
+        want = rank_tensors(tmp_path / "peft", rank)
+        assert got.keys() == want.keys()
+        worst = max(worst, max(ulp_distance(got[k], want[k]) for k in got))
+    print(f"merge into TP 2 shards, float32: largest difference from PEFT: {worst} ulp")
+    assert worst <= 2
+    # The shards really were merged: rank 1's q_proj is not the base's.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(rank_tensors(tmp_path / "from-adapter", 1)[q],
+                           rank_tensors(tmp_path / "base-tp2", 1)[q])
+
+
+def test_merge_lora_into_shards_refuses_what_its_rank_lacks(toy, reshard_bin, tmp_path):
+    root, _, _ = toy
+    config = root / "base" / "config.json"
+    r = run(reshard_bin, "scatter", root / "base", "--config", config, "--tp", 2,
+            "-o", tmp_path / "base-tp2")
+    assert r.returncode == 0, r.stderr
+    # An adapter at another degree.
+    r = run(reshard_bin, "scatter", root / "adapter", "--config", config, "--tp", 1,
+            "-o", tmp_path / "adapter-tp1")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "merge-lora", tmp_path / "base-tp2", tmp_path / "adapter-tp1",
+            "-o", tmp_path / "out")
+    assert r.returncode == 1, r.stderr
+    assert "is scattered at 1 ranks, the base at 2" in r.stderr
+    # An adapter at the base's degree whose q_proj A is split as a row-parallel one's would be:
+    # the column-parallel q_proj shard needs every column of A.
+    q_a = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    (tmp_path / "layouts.json").write_text(json.dumps(
+        {"version": 1, q_a: {"family": "split", "dim": 1}, "*": {"family": "replicated"}}))
+    r = run(reshard_bin, "scatter", root / "adapter", "--layouts", tmp_path / "layouts.json",
+            "--tp", 2, "-o", tmp_path / "adapter-odd")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "merge-lora", tmp_path / "base-tp2", tmp_path / "adapter-odd",
+            "-o", tmp_path / "out")
+    assert r.returncode == 1, r.stderr
+    assert (f"rank 0's shard of \"model.layers.1.self_attn.q_proj.weight\" needs column 32 of "
+            f"\"{q_a}\", which the adapter's rank 0 does not hold") in r.stderr
+    assert not (tmp_path / "out").exists()

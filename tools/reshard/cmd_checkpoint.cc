@@ -24,6 +24,7 @@
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/megatron/megatron.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
 #include "reshard/hf/checkpoint_maps.h"
@@ -281,6 +282,11 @@ Result<ScatterMapsOf> ScatterMaps(const ScatterArgs& args, CheckpointOptions& op
     RESHARD_ASSIGN_OR_RETURN(MapDocument doc, ReadMapDocument(args.maps));
     if (doc.params.empty()) return InvalidArgumentError("the map document is empty");
     const int world = doc.params.front().second.world_size();
+    if (IsPeftAdapterDir(args.input)) {  // the maps are the base model's
+      Result<MapDocument> adapter = AdapterMapsFromDocument(args.input, doc);
+      if (!adapter.ok()) return adapter.status().Annotate(fmt::format("--maps \"{}\"", args.maps));
+      return ScatterMapsOf{MapsFromDocument(*adapter), world, BufferSetBuilder(adapter->buffers)};
+    }
     MapProvider provider = MapsFromDocument(doc);
     RESHARD_ASSIGN_OR_RETURN(options.block_scales, FollowBlockScales(args.input, provider));
     return ScatterMapsOf{std::move(provider), world, BufferSetBuilder(doc.buffers)};

@@ -67,9 +67,10 @@ constexpr CommandEntry kCommands[] = {
      "<param>.exp_avg_sq) become a sharded checkpoint at --tp.",
      ConvertCommand},
     {"merge-lora",
-     "Merge a PEFT LoRA adapter into a Hugging Face checkpoint: every targeted weight W becomes "
-     "W + scaling * B @ A (in PEFT's arithmetic: bit for bit its merge_and_unload()), the "
-     "adapter's whole copies of base weights replace them; one tensor in memory at a time. "
+     "Merge a PEFT LoRA adapter into a Hugging Face checkpoint, or into a reshard sharded one "
+     "shard by shard (the output has its layout; no full tensor is built): every targeted "
+     "weight W becomes W + scaling * B @ A (in PEFT's arithmetic: bit for bit its "
+     "merge_and_unload()), the adapter's whole copies of base weights replace them. "
      "Exit 1 for an adapter that cannot be merged as asked (DoRA, a target the base lacks), 2 "
      "for an unreadable or inconsistent one; each names the tensor.",
      MergeLoraCommand},

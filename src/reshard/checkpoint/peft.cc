@@ -3,10 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 namespace reshard {
 namespace {
@@ -43,6 +46,219 @@ bool Flag(const Json& doc, const char* key) {
 bool NonEmptyObject(const Json& doc, const char* key) {
   auto it = doc.find(key);
   return it != doc.end() && it->is_object() && !it->empty();
+}
+
+// A piece of a 2-D weight as a box: F's rows [f[0], f[0] + n[0]) and columns [f[1], f[1] + n[1])
+// at rows [e[0], ...) and columns [e[1], ...) of a 2-D rank tensor.
+struct PieceBox {
+  std::array<Index, 2> f{};
+  std::array<Index, 2> n{1, 1};
+  std::array<Index, 2> e{};
+};
+
+std::optional<PieceBox> BoxOf(const Piece& p, const Shape& logical, const Shape& dest) {
+  const Index f_cols = logical[1];
+  const Index d_cols = dest[1];
+  if (f_cols == 0 || d_cols == 0) return std::nullopt;
+  PieceBox b;
+  b.f = {p.source.offset / f_cols, p.source.offset % f_cols};
+  b.e = {p.dest.offset / d_cols, p.dest.offset % d_cols};
+  std::array<bool, 2> seen = {false, false};
+  for (size_t k = 0; k < p.shape.size(); ++k) {
+    if (p.shape[k] == 1) continue;
+    int dim = 0;
+    if (p.source.strides[k] == f_cols && p.dest.strides[k] == d_cols) {
+      dim = 0;
+    } else if (p.source.strides[k] == 1 && p.dest.strides[k] == 1) {
+      dim = 1;
+    } else {
+      return std::nullopt;
+    }
+    if (seen[static_cast<size_t>(dim)]) return std::nullopt;
+    seen[static_cast<size_t>(dim)] = true;
+    b.n[static_cast<size_t>(dim)] = p.shape[k];
+  }
+  if (b.f[1] + b.n[1] > f_cols || b.e[1] + b.n[1] > d_cols) return std::nullopt;
+  return b;
+}
+
+std::string_view LoraSuffix(LoraPart part) {
+  switch (part) {
+    case LoraPart::kA:
+      return ".lora_A.weight";
+    case LoraPart::kB:
+      return ".lora_B.weight";
+    case LoraPart::kEmbeddingA:
+      return ".lora_embedding_A";
+    case LoraPart::kEmbeddingB:
+      return ".lora_embedding_B";
+    case LoraPart::kBaseCopy:
+      break;
+  }
+  return "";
+}
+
+// The adapter buffer beside the base's buffer `buffer` ("M.qkv_proj.weight"): its pair part's
+// ("base_model.model.M.qkv_proj.lora_B.weight"), or a whole copy's.
+std::string AdapterBufferName(const std::string& buffer, LoraPart part) {
+  if (part == LoraPart::kBaseCopy) return std::string(kPrefix) + buffer;
+  std::string_view module = buffer;
+  if (EndsWith(module, ".weight")) module.remove_suffix(std::string_view(".weight").size());
+  return fmt::format("{}{}{}", kPrefix, module, LoraSuffix(part));
+}
+
+// An adapter buffer of A or B being laid out: per rank, its shape and the spans along the
+// shared dimension (start, length) that tensors fill.
+struct LoraBuffer {
+  DType dtype = DType::kF32;
+  int shared_dim = 0;
+  Index r = 0;
+  std::vector<Shape> shapes;
+  std::vector<std::vector<std::pair<Index, Index>>> filled;
+};
+
+// The map of A or B (`t`, part `part`) from its base weight's map `w`; the adapter buffers it
+// fills are recorded in `buffers`.
+Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_in_fan_out,
+                             const std::string& base_name, const ParamMap& w,
+                             std::map<std::string, LoraBuffer>& buffers) {
+  if (w.logical_shape().size() != 2 || t.shape.size() != 2) {
+    return FailedPreconditionError(fmt::format(
+        "adapter tensor \"{}\": its base weight \"{}\" is of {} dims, not 2", t.name, base_name,
+        w.logical_shape().size()));
+  }
+  int w_s = 0;  // the dimension of W that t runs along, and t's
+  int t_s = 0;
+  for (int d = 0; d < 2; ++d) {
+    if (std::optional<int> along = LoraDimAlong(part, d, fan_in_fan_out)) {
+      w_s = d;
+      t_s = *along;
+    }
+  }
+  const auto ws = static_cast<size_t>(w_s);
+  const auto ts = static_cast<size_t>(t_s);
+  const size_t tr = 1 - ts;
+  const Index r = t.shape[tr];
+  if (t.shape[ts] != w.valid_shape()[ws]) {
+    return FailedPreconditionError(fmt::format(
+        "adapter tensor \"{}\" [{}] does not fit its base weight \"{}\" [{}]", t.name,
+        fmt::join(t.shape, ", "), base_name, fmt::join(w.valid_shape(), ", ")));
+  }
+  Shape logical(2);
+  logical[ts] = w.logical_shape()[ws];
+  logical[tr] = r;
+  const int world = w.world_size();
+  // Per rank: the spans of W along the shared dimension, (start in F, length, start in the rank
+  // tensor), each once.
+  std::vector<std::set<std::array<Index, 3>>> spans(static_cast<size_t>(world));
+  for (Rank j = 0; j < world; ++j) {
+    const RankShard& shard = w.rank(j);
+    if (shard.shard_shape.size() != 2) {
+      return FailedPreconditionError(fmt::format(
+          "adapter tensor \"{}\": rank {} holds its base weight \"{}\" in a tensor of {} dims "
+          "(stacked experts), along which an adapter is not laid out",
+          t.name, j, base_name, shard.shard_shape.size()));
+    }
+    for (size_t k = 0; k < shard.pieces.size(); ++k) {
+      const Piece& p = shard.pieces[k];
+      if (p.num_elements() == 0) continue;
+      const std::optional<PieceBox> box = BoxOf(p, w.logical_shape(), shard.shard_shape);
+      if (!box) {
+        return FailedPreconditionError(fmt::format(
+            "adapter tensor \"{}\": piece {} of rank {} of its base weight \"{}\" is not a block "
+            "of rows and columns placed as one in its rank tensor, which an adapter's layout "
+            "does not follow",
+            t.name, k, j, base_name));
+      }
+      spans[static_cast<size_t>(j)].insert({box->f[ws], box->n[ws], box->e[ws]});
+    }
+  }
+  ParamMapBuilder b;
+  b.set_logical_shape(logical);
+  if (logical != t.shape) b.set_valid_shape(t.shape);
+  b.set_world_size(world);
+  for (Rank j = 0; j < world; ++j) {
+    const RankShard& shard = w.rank(j);
+    const Index extent = shard.shard_shape[ws];
+    Shape dest(2);
+    dest[ts] = extent;
+    dest[tr] = r;
+    b.set_shard_shape(j, dest);
+    Index filled = 0;
+    for (const auto& s : spans[static_cast<size_t>(j)]) filled += s[1];
+    // Part of a buffer along the shared dimension: the adapter's buffer beside it.
+    if (shard.is_buffered() && filled < extent) {
+      const std::string name = AdapterBufferName(shard.buffer, part);
+      LoraBuffer& buf = buffers[name];
+      if (buf.shapes.empty()) {
+        buf = {t.dtype, t_s, r, std::vector<Shape>(static_cast<size_t>(world)),
+               std::vector<std::vector<std::pair<Index, Index>>>(static_cast<size_t>(world))};
+      }
+      if (buf.shared_dim != t_s || buf.r != r || buf.dtype != t.dtype ||
+          (!buf.shapes[static_cast<size_t>(j)].empty() && buf.shapes[static_cast<size_t>(j)] != dest)) {
+        return FailedPreconditionError(fmt::format(
+            "adapter tensor \"{}\" ({} [{}]) goes into the adapter buffer \"{}\" beside its base "
+            "weight's, which another adapter tensor of another dtype, rank or orientation fills",
+            t.name, DTypeName(t.dtype), fmt::join(t.shape, ", "), name));
+      }
+      buf.shapes[static_cast<size_t>(j)] = dest;
+      for (const auto& s : spans[static_cast<size_t>(j)]) {
+        buf.filled[static_cast<size_t>(j)].emplace_back(s[2], s[1]);
+      }
+      b.set_buffer(j, name);
+    }
+    for (const auto& [f0, n, e0] : spans[static_cast<size_t>(j)]) {
+      Piece p;
+      p.shape = t_s == 0 ? Shape{n, r} : Shape{r, n};
+      p.source = {t_s == 0 ? f0 * logical[1] : f0, {logical[1], 1}};
+      p.dest = {t_s == 0 ? e0 * dest[1] : e0, {dest[1], 1}};
+      for (Rank i = 0; i < world; ++i) {
+        const auto& other = spans[static_cast<size_t>(i)];
+        if (std::any_of(other.begin(), other.end(),
+                        [&](const auto& o) { return o[0] == f0 && o[1] == n; })) {
+          p.locations.push_back(i);
+        }
+      }
+      b.add_piece(j, std::move(p));
+    }
+  }
+  Result<ParamMap> map = b.Finalize();
+  if (!map.ok()) {
+    return FailedPreconditionError(
+        fmt::format("adapter tensor \"{}\", laid out from the map of \"{}\": {}", t.name,
+                    base_name, map.status().message()));
+  }
+  return map;
+}
+
+// The declaration of an adapter buffer of A or B: what no tensor fills is padding.
+BufferDecl LoraBufferDecl(const std::string& name, const LoraBuffer& buf) {
+  BufferDecl decl{name, buf.dtype, {}, 0.0};
+  for (size_t j = 0; j < buf.shapes.size(); ++j) {
+    BufferRank rank;
+    rank.shape = buf.shapes[j].empty() ? Shape{0, 0} : buf.shapes[j];
+    if (!buf.shapes[j].empty()) {
+      const auto ts = static_cast<size_t>(buf.shared_dim);
+      const Index extent = rank.shape[ts];
+      const Index cols = rank.shape[1];
+      std::vector<std::pair<Index, Index>> filled = buf.filled[j];
+      std::sort(filled.begin(), filled.end());
+      Index at = 0;
+      auto pad = [&](Index start, Index length) {
+        if (length <= 0) return;
+        rank.padding.push_back(
+            {buf.shared_dim == 0 ? Shape{length, buf.r} : Shape{buf.r, length},
+             {buf.shared_dim == 0 ? start * cols : start, {cols, 1}}});
+      };
+      for (const auto& [start, length] : filled) {
+        pad(at, start - at);
+        at = std::max(at, start + length);
+      }
+      pad(at, extent - at);
+    }
+    decl.ranks.push_back(std::move(rank));
+  }
+  return decl;
 }
 
 }  // namespace
@@ -202,6 +418,71 @@ Status CheckLoraTensors(const LoraConfig& config,
     }
   }
   return Status::Ok();
+}
+
+Result<MapDocument> LoraMapsFromBase(const std::vector<LoraTensorToLay>& tensors,
+                                     bool fan_in_fan_out, const MapDocument& base) {
+  std::map<std::string, const ParamMap*> base_maps;
+  for (const auto& [name, map] : base.params) base_maps.emplace(name, &map);
+  std::map<std::string, LoraBuffer> lora_buffers;
+  std::map<std::string, BufferDecl> copy_buffers;
+  MapDocument doc;
+  std::vector<DType> dtypes;
+  for (const LoraTensorToLay& t : tensors) {
+    const std::optional<LoraTensorName> n = ParseLoraTensorName(t.name);
+    if (!n) {
+      return FailedPreconditionError(fmt::format(
+          "adapter tensor \"{}\" is not a LoRA A or B, nor a base module's weight", t.name));
+    }
+    auto it = base_maps.find(n->base);
+    if (it == base_maps.end()) {
+      return FailedPreconditionError(fmt::format(
+          "adapter tensor \"{}\": the base's maps have none for its base weight \"{}\"", t.name,
+          n->base));
+    }
+    const ParamMap& w = *it->second;
+    if (n->part != LoraPart::kBaseCopy) {
+      RESHARD_ASSIGN_OR_RETURN(ParamMap map,
+                               LoraPairMap(t, n->part, fan_in_fan_out, n->base, w, lora_buffers));
+      doc.params.emplace_back(t.name, std::move(map));
+      dtypes.push_back(t.dtype);
+      continue;
+    }
+    // A whole copy: the base weight's map, its buffers renamed as the adapter's.
+    if (t.shape != w.valid_shape()) {
+      return FailedPreconditionError(fmt::format(
+          "adapter tensor \"{}\" [{}] is a copy of \"{}\", which is [{}]", t.name,
+          fmt::join(t.shape, ", "), n->base, fmt::join(w.valid_shape(), ", ")));
+    }
+    ParamMapBuilder b(w);
+    for (Rank j = 0; j < w.world_size(); ++j) {
+      if (!w.rank(j).is_buffered()) continue;
+      const std::string name = AdapterBufferName(w.buffer(j), LoraPart::kBaseCopy);
+      b.set_buffer(j, name);
+      const BufferDecl* decl = base.buffers.Find(w.buffer(j));
+      if (decl != nullptr && !copy_buffers.contains(name)) {
+        BufferDecl copy = *decl;
+        copy.name = name;
+        copy.dtype = t.dtype;
+        copy_buffers.emplace(name, std::move(copy));
+      }
+    }
+    RESHARD_ASSIGN_OR_RETURN(ParamMap map, b.Finalize());
+    doc.params.emplace_back(t.name, std::move(map));
+    dtypes.push_back(t.dtype);
+  }
+  BufferSetBuilder buffers;
+  for (const auto& [name, buf] : lora_buffers) buffers.add(LoraBufferDecl(name, buf));
+  for (auto& [name, decl] : copy_buffers) buffers.add(std::move(decl));
+  std::vector<NamedMapRef> refs;
+  for (const auto& [name, map] : doc.params) refs.push_back({name, &map});
+  Result<BufferSet> set = buffers.Finalize(refs, dtypes);
+  if (!set.ok()) {
+    return FailedPreconditionError(fmt::format(
+        "the adapter's buffers beside the base's do not come out exact: {}", set.status().message()));
+  }
+  doc.buffers = *std::move(set);
+  return doc;
 }
 
 }  // namespace reshard

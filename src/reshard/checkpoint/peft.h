@@ -18,8 +18,10 @@
 #include <string_view>
 #include <vector>
 
+#include "reshard/base/dtype.h"
 #include "reshard/base/index.h"
 #include "reshard/base/result.h"
+#include "reshard/ir/map_json.h"
 
 namespace reshard {
 
@@ -87,6 +89,35 @@ Status CheckLoraTensors(const LoraConfig& config,
 /// fan_in_fan_out; [vocab, dim] for an embedding).
 Shape LoraBaseShape(LoraPart a_part, const Shape& a_shape, const Shape& b_shape,
                     bool fan_in_fan_out);
+
+/// One adapter tensor to lay out (LoraMapsFromBase): its name, dtype and shape.
+struct LoraTensorToLay {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+};
+
+/// The maps of an adapter's tensors derived, piece by piece, from the maps of their base
+/// weights in `base` (a map document over the base model's tensors, such as vLLM's layout,
+/// whose fused parameters are buffers), with the buffers they fill (DESIGN 23).
+///
+/// Every piece of a base weight W on rank j must be a box of W's rows and columns written as a
+/// box into a 2-D rank tensor (W's own shard, or a buffer). A tensor T of the pair holds, for
+/// each such piece, its elements along the dimension T shares with W (B's rows for W's rows,
+/// A's columns for W's columns; LoraDimAlong) over the whole of r, at the same place along that
+/// dimension of T's rank tensor. So a column-parallel W gives B its rows and A whole, a
+/// row-parallel W gives A its columns and B whole. Where W's pieces on a rank fill only part
+/// of a buffer along the shared dimension (vLLM's qkv_proj stacks q, k and v as rows), T goes
+/// into the matching adapter buffer, named after W's buffer with T's suffix
+/// ("base_model.model.M.qkv_proj.lora_B.weight"): the Bs of the fused weights stacked on each
+/// rank as the weights' rows are; rows no adapter tensor fills (a weight the adapter does not
+/// target) are its padding, zero. Otherwise T is its own shard. A whole copy of a base weight
+/// takes W's map (W's buffers, renamed under "base_model.model.").
+/// \error FailedPrecondition  a tensor whose base weight `base` lacks, a piece that is no box
+///        of rows and columns, a rank tensor that is not 2-D (stacked experts), layouts that
+///        do not make an exact map (naming the tensor and the rank).
+Result<MapDocument> LoraMapsFromBase(const std::vector<LoraTensorToLay>& tensors,
+                                     bool fan_in_fan_out, const MapDocument& base);
 
 }  // namespace reshard
 

@@ -124,6 +124,27 @@ Result<ConfigScatter> AdapterScatterMaps(const std::string& dir, const FullCheck
 
 }  // namespace
 
+Result<MapDocument> AdapterMapsFromDocument(const std::string& adapter_dir,
+                                            const MapDocument& base) {
+  RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint full, FullCheckpoint::Open(adapter_dir));
+  RESHARD_ASSIGN_OR_RETURN(
+      const std::string text,
+      ReadFileToString((std::filesystem::path(adapter_dir) / kAdapterConfigName).string()));
+  Result<LoraConfig> lora = ParseLoraConfigJson(text);
+  if (!lora.ok()) return lora.status().Annotate(fmt::format("\"{}\"", adapter_dir));
+  std::vector<LoraTensorToLay> tensors;
+  std::vector<std::pair<std::string, Shape>> shapes;
+  for (const TensorRef& t : full.tensors()) {
+    tensors.push_back({t.info->name, t.info->dtype, t.info->shape});
+    shapes.emplace_back(t.info->name, t.info->shape);
+  }
+  const std::string where = fmt::format("the adapter \"{}\"", adapter_dir);
+  RESHARD_RETURN_IF_ERROR(CheckLoraTensors(*lora, shapes).Annotate(where));
+  Result<MapDocument> doc = LoraMapsFromBase(tensors, lora->fan_in_fan_out, base);
+  if (!doc.ok()) return doc.status().Annotate(where);
+  return doc;
+}
+
 Result<ConfigScatter> ConfigScatterMaps(const std::string& full_dir, std::string_view config_json,
                                         int world, const PlanOptions& options) {
   RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(full_dir));

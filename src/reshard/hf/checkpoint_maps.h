@@ -62,6 +62,13 @@ Result<std::map<std::string, BlockScales>> BlockScalesOfDir(const std::string& f
 Result<std::map<std::string, BlockScales>> FollowBlockScales(const std::string& full_dir,
                                                              MapProvider& maps);
 
+/// The maps of the PEFT adapter in `adapter_dir` from `base`, the maps of the base model's
+/// tensors (a map document such as vLLM's layout): each adapter tensor laid out as its base
+/// weight is, B stacked in buffers beside fused ones (LoraMapsFromBase, checkpoint/peft.h).
+/// \error what CheckLoraTensors and LoraMapsFromBase refuse, naming the tensor.
+Result<MapDocument> AdapterMapsFromDocument(const std::string& adapter_dir,
+                                            const MapDocument& base);
+
 /// The target maps of a sharded checkpoint scattered with --config (its manifest keeps the
 /// model's config.json) at `world` processes under `options.distributed`; nullopt for a
 /// checkpoint that kept none (its recorded layout descriptors serve) unless `require` is set,
