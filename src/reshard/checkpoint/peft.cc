@@ -207,7 +207,10 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
       }
       b.set_buffer(j, name);
     }
-    for (const auto& [f0, n, e0] : spans[static_cast<size_t>(j)]) {
+    for (const std::array<Index, 3>& span : spans[static_cast<size_t>(j)]) {
+      const Index f0 = span[0];
+      const Index n = span[1];
+      const Index e0 = span[2];
       Piece p;
       p.shape = t_s == 0 ? Shape{n, r} : Shape{r, n};
       p.source = {t_s == 0 ? f0 * logical[1] : f0, {logical[1], 1}};
