@@ -401,3 +401,139 @@ def test_merge_lora_into_shards_refuses_what_its_rank_lacks(toy, reshard_bin, tm
     assert (f"rank 0's shard of \"model.layers.1.self_attn.q_proj.weight\" needs column 32 of "
             f"\"{q_a}\", which the adapter's rank 0 does not hold") in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def fused_maps(tp=2, layers=2, hidden=64, heads=4, kv_heads=2, inter=96, vocab=128):
+    """A map document of the toy Llama as vLLM lays it out at `tp`: q, k and v stacked as rows of
+    one qkv_proj buffer per rank, gate and up of one gate_up_proj, o and down split by columns,
+    the embedding and lm_head by rows, the norms whole."""
+    head = hidden // heads
+    doc = {"version": 2, "buffers": {}}
+
+    def rows_of(name, rows, cols, buffer=None, at=None):
+        n = rows // tp
+        ranks = {}
+        for j in range(tp):
+            dest = at(j) if at else 0
+            piece = {"shape": [n, cols], "source": [j * n * cols, [cols, 1]],
+                     "dest": [dest * cols, [cols, 1]], "locations": [j]}
+            ranks[str(j)] = {"shard_shape": [n, cols], "pieces": [piece]}
+            if buffer:
+                ranks[str(j)].update(buffer=buffer[0], shard_shape=[buffer[1], cols])
+        doc[name] = {"logical_shape": [rows, cols], "ranks": ranks}
+
+    def cols_of(name, rows, cols):
+        n = cols // tp
+        doc[name] = {"logical_shape": [rows, cols], "ranks": {
+            str(j): {"shard_shape": [rows, n], "pieces": [
+                {"shape": [rows, n], "source": [j * n, [cols, 1]], "dest": [0, [n, 1]],
+                 "locations": [j]}]} for j in range(tp)}}
+
+    def whole(name, size):
+        doc[name] = {"logical_shape": [size], "ranks": {
+            str(j): {"shard_shape": [size], "pieces": [
+                {"shape": [size], "source": [0, [1]], "dest": [0, [1]],
+                 "locations": list(range(tp))}]} for j in range(tp)}}
+
+    def fused(prefix, fused_name, parts, cols):
+        name = f"{prefix}.{fused_name}.weight"
+        total = sum(rows for _, rows in parts) // tp
+        doc["buffers"][name] = {"dtype": "F32", "ranks": {
+            str(j): {"shape": [total, cols]} for j in range(tp)}}
+        start = 0
+        for part, rows in parts:
+            rows_of(f"{prefix}.{part}.weight", rows, hidden, (name, total),
+                    lambda j, s=start: s)
+            start += rows // tp
+
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        fused(f"{p}.self_attn", "qkv_proj",
+              [("q_proj", heads * head), ("k_proj", kv_heads * head), ("v_proj", kv_heads * head)],
+              hidden)
+        fused(f"{p}.mlp", "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)], hidden)
+        cols_of(f"{p}.self_attn.o_proj.weight", hidden, heads * head)
+        cols_of(f"{p}.mlp.down_proj.weight", hidden, inter)
+        whole(f"{p}.input_layernorm.weight", hidden)
+        whole(f"{p}.post_attention_layernorm.weight", hidden)
+    rows_of("model.embed_tokens.weight", vocab, hidden)
+    rows_of("lm_head.weight", vocab, hidden)
+    whole("model.norm.weight", hidden)
+    return doc
+
+
+def test_an_adapter_at_a_fused_layout_stacks_b_as_the_base_rows(toy, reshard_bin, tmp_path):
+    """scatter ADAPTER --maps (the base's map document, fused as vLLM fuses): on each rank the
+    Bs of q, k and v are stacked as qkv_proj's rows are (each sliced as vLLM's column-parallel
+    LoRA layers slice lora_b), each A whole; row-parallel o and down have A split by columns and
+    B whole. The adapter gathers back bit for bit, and merging it into the base at that layout
+    gives the Hugging Face merge scattered alike, byte for byte."""
+    root, _, _ = toy
+    (tmp_path / "maps.json").write_text(json.dumps(fused_maps()))
+    r = run(reshard_bin, "scatter", root / "adapter", "--maps", tmp_path / "maps.json",
+            "-o", tmp_path / "adapter-v")
+    assert r.returncode == 0, r.stderr
+    full = load_file(root / "adapter" / "adapter_model.safetensors")
+    pre = "base_model.model.model.layers.1"
+    for j in range(2):
+        got = rank_tensors(tmp_path / "adapter-v", j)
+        b = {m: full[f"{pre}.self_attn.{m}.lora_B.weight"] for m in ("q_proj", "k_proj", "v_proj")}
+        want = torch.cat([t[j * (t.shape[0] // 2):(j + 1) * (t.shape[0] // 2)] for t in b.values()])
+        assert torch.equal(got[f"{pre}.self_attn.qkv_proj.lora_B.weight"], want)
+        assert f"{pre}.self_attn.q_proj.lora_B.weight" not in got
+        assert torch.equal(got[f"{pre}.self_attn.k_proj.lora_A.weight"],
+                           full[f"{pre}.self_attn.k_proj.lora_A.weight"])
+        gu = [full[f"{pre}.mlp.{m}.lora_B.weight"] for m in ("gate_proj", "up_proj")]
+        assert torch.equal(got[f"{pre}.mlp.gate_up_proj.lora_B.weight"],
+                           torch.cat([t[j * 48:(j + 1) * 48] for t in gu]))
+        assert torch.equal(got[f"{pre}.mlp.down_proj.lora_A.weight"],
+                           full[f"{pre}.mlp.down_proj.lora_A.weight"][:, j * 48:(j + 1) * 48])
+        assert torch.equal(got[f"{pre}.self_attn.o_proj.lora_B.weight"],
+                           full[f"{pre}.self_attn.o_proj.lora_B.weight"])
+    r = run(reshard_bin, "gather", tmp_path / "adapter-v", "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    back = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in back)
+    # Merged at the fused layout, shard by shard.
+    for src, out in ((root / "base", "base-v"), (root / "merged", "peft-v")):
+        r = run(reshard_bin, "scatter", src, "--maps", tmp_path / "maps.json", "-o", tmp_path / out)
+        assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "merge-lora", root / "base", root / "adapter", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    r = run(reshard_bin, "scatter", tmp_path / "hf", "--maps", tmp_path / "maps.json",
+            "-o", tmp_path / "want")
+    assert r.returncode == 0, r.stderr
+    for adapter in (root / "adapter", tmp_path / "adapter-v"):
+        r = run(reshard_bin, "merge-lora", tmp_path / "base-v", adapter, "-o", tmp_path / "got",
+                "--force")
+        assert r.returncode == 0, r.stderr
+        assert same_files(tmp_path / "got", tmp_path / "want") == [], adapter
+    worst = max(ulp_distance(a, rank_tensors(tmp_path / "peft-v", j)[k])
+                for j in range(2) for k, a in rank_tensors(tmp_path / "got", j).items())
+    print(f"merge into vLLM's fused layout at TP 2, float32: largest difference from PEFT: "
+          f"{worst} ulp")
+    assert worst <= 2
+
+
+def test_an_adapter_that_leaves_a_fused_weight_untargeted_pads_its_rows(toy, reshard_bin,
+                                                                        tmp_path):
+    """An adapter on q and v only: qkv_proj's lora_B holds zero rows where k's are (declared
+    padding), which gather drops again."""
+    root, _, _ = toy
+    (tmp_path / "maps.json").write_text(json.dumps(fused_maps()))
+    qv = edited(root, tmp_path, tensors=lambda t: [
+        t.pop(k) for k in list(t) if not any(m in k for m in ("q_proj", "v_proj"))])
+    cfg = json.loads((qv / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "v_proj"]
+    (qv / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run(reshard_bin, "scatter", qv, "--maps", tmp_path / "maps.json", "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    full = load_file(qv / "adapter_model.safetensors")
+    pre = "base_model.model.model.layers.0.self_attn"
+    got = rank_tensors(tmp_path / "out", 1)[f"{pre}.qkv_proj.lora_B.weight"]
+    q, v = full[f"{pre}.q_proj.lora_B.weight"], full[f"{pre}.v_proj.lora_B.weight"]
+    assert torch.equal(got, torch.cat([q[32:], torch.zeros(16, R), v[16:]]))
+    r = run(reshard_bin, "gather", tmp_path / "out", "-o", tmp_path / "back")
+    assert r.returncode == 0, r.stderr
+    back = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in back)

@@ -63,20 +63,34 @@ std::optional<PieceBox> BoxOf(const Piece& p, const Shape& logical, const Shape&
   PieceBox b;
   b.f = {p.source.offset / f_cols, p.source.offset % f_cols};
   b.e = {p.dest.offset / d_cols, p.dest.offset % d_cols};
-  std::array<bool, 2> seen = {false, false};
+  // The piece's dimensions (extent, source stride, dest stride); a contiguous run of whole rows
+  // in both (a flattened row block) as rows and columns.
+  std::vector<std::array<Index, 3>> dims;
   for (size_t k = 0; k < p.shape.size(); ++k) {
-    if (p.shape[k] == 1) continue;
+    const Index n = p.shape[k];
+    if (n == 1) continue;
+    if (p.source.strides[k] == 1 && p.dest.strides[k] == 1 && n > f_cols - b.f[1] &&
+        b.f[1] == 0 && b.e[1] == 0 && f_cols == d_cols && n % f_cols == 0) {
+      dims.push_back({n / f_cols, f_cols, d_cols});
+      dims.push_back({f_cols, 1, 1});
+    } else {
+      dims.push_back({n, p.source.strides[k], p.dest.strides[k]});
+    }
+  }
+  std::array<bool, 2> seen = {false, false};
+  for (const auto& [n, source, dest] : dims) {
+    if (n == 1) continue;
     int dim = 0;
-    if (p.source.strides[k] == f_cols && p.dest.strides[k] == d_cols) {
+    if (source == f_cols && dest == d_cols) {
       dim = 0;
-    } else if (p.source.strides[k] == 1 && p.dest.strides[k] == 1) {
+    } else if (source == 1 && dest == 1) {
       dim = 1;
     } else {
       return std::nullopt;
     }
     if (seen[static_cast<size_t>(dim)]) return std::nullopt;
     seen[static_cast<size_t>(dim)] = true;
-    b.n[static_cast<size_t>(dim)] = p.shape[k];
+    b.n[static_cast<size_t>(dim)] = n;
   }
   if (b.f[1] + b.n[1] > f_cols || b.e[1] + b.n[1] > d_cols) return std::nullopt;
   return b;
