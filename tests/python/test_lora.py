@@ -537,3 +537,22 @@ def test_an_adapter_that_leaves_a_fused_weight_untargeted_pads_its_rows(toy, res
     assert r.returncode == 0, r.stderr
     back = load_file(tmp_path / "back" / "adapter_model.safetensors")
     assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in back)
+
+
+def test_merge_lora_refuses_a_quantized_base_naming_the_tensor(toy, reshard_bin, tmp_path):
+    root, _, _ = toy
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(root / "base", fp8)
+    t = load_file(fp8 / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    t[q] = t[q].to(torch.float8_e4m3fn)
+    save_file(t, fp8 / "model.safetensors", metadata={"format": "pt"})
+    r = run(reshard_bin, "scatter", fp8, "--config", fp8 / "config.json", "--tp", 2,
+            "-o", tmp_path / "fp8-tp2")
+    assert r.returncode == 0, r.stderr
+    for base in (fp8, tmp_path / "fp8-tp2"):
+        r = run(reshard_bin, "merge-lora", base, root / "adapter", "-o", tmp_path / "out")
+        assert r.returncode == 1, r.stderr
+        assert f'"{q}" is F8_E4M3: merging takes float32, bfloat16 or float16 weights' in r.stderr
+        assert "dequantize" in r.stderr
+        assert not (tmp_path / "out").exists()
