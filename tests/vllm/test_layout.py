@@ -11,7 +11,7 @@ import torch
 
 import reshard
 import reshard.vllm
-from conftest import hf_tensors
+from conftest import hf_tensors, run_reshard
 
 LAYOUTS = {}
 
@@ -272,3 +272,77 @@ def test_a_model_of_the_transformers_backend_is_laid_out(olmo2, tp):
             assert torch.equal(got[p + name + ".weight"], cols(full[p + name + ".weight"], r, tp))
         assert torch.equal(got["model.norm.weight"], full["model.norm.weight"])
         assert all(t.dtype == torch.float32 for t in got.values())
+
+
+def _lora_layers(rank, tp):
+    """Rank `rank`'s LoRA layers of the toy Llama's qkv_proj, gate_up_proj and o_proj (down_proj
+    is another RowParallelLinear) as vLLM builds them, which slice a PEFT adapter's tensors."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.lora.layers import (MergedColumnParallelLinearWithLoRA,
+                                  MergedQKVParallelLinearWithLoRA, RowParallelLinearWithLoRA)
+    from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                                   RowParallelLinear)
+
+    from reshard.vllm.layout import _parallel_state
+    with set_current_vllm_config(VllmConfig()), _parallel_state(rank, tp), \
+            torch.device("meta"):
+        return (MergedQKVParallelLinearWithLoRA(QKVParallelLinear(64, 32, 2, 1, bias=False)),
+                MergedColumnParallelLinearWithLoRA(
+                    MergedColumnParallelLinear(64, [96, 96], bias=False)),
+                RowParallelLinearWithLoRA(RowParallelLinear(64, 64, bias=False)))
+
+
+def test_an_adapter_at_vllms_layout_is_what_vllms_lora_layers_slice(toy_llama, tmp_path):
+    """`scatter ADAPTER --maps` with vLLM's layout of the base: on each rank, the lora_B of
+    q, k and v stacked as qkv_proj's rows are is what vLLM's MergedQKVParallelLinearWithLoRA
+    slices out of them (one key/value head, replicated at TP 2), gate and up's what
+    MergedColumnParallelLinearWithLoRA slices, each A whole; o_proj's A is what
+    RowParallelLinearWithLoRA slices, its B whole."""
+    from safetensors.torch import load_file, save_file
+    doc = learned(toy_llama, 2)
+    g = torch.Generator().manual_seed(5)
+    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+              "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96)}
+    pre = "base_model.model.model.layers.{}.{}.{}"
+    adapter = {}
+    for layer in range(2):
+        for m, (out, inp) in shapes.items():
+            block = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            adapter[pre.format(layer, block, m) + ".lora_A.weight"] = torch.randn(4, inp, generator=g)
+            adapter[pre.format(layer, block, m) + ".lora_B.weight"] = torch.randn(out, 4, generator=g)
+    src = tmp_path / "adapter"
+    src.mkdir()
+    save_file(adapter, src / "adapter_model.safetensors")
+    (src / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(shapes)}))
+    (tmp_path / "maps.json").write_text(json.dumps(doc))
+    run_reshard("scatter", src, "--maps", tmp_path / "maps.json", "-o", tmp_path / "tp2")
+    manifest = json.loads((tmp_path / "tp2" / "reshard.json").read_text())
+    for rank in range(2):
+        got = {}
+        for f in manifest["files"][str(rank)]:
+            got.update(load_file(tmp_path / "tp2" / f))
+        qkv, gate_up, o = _lora_layers(rank, 2)
+        for layer in range(2):
+            a = {m: adapter[pre.format(layer, b, m) + ".lora_A.weight"] for m, b in (
+                ("q_proj", "self_attn"), ("k_proj", "self_attn"), ("v_proj", "self_attn"),
+                ("gate_proj", "mlp"), ("up_proj", "mlp"), ("o_proj", "self_attn"))}
+            b = {m: adapter[pre.format(layer, blk, m) + ".lora_B.weight"] for m, blk in (
+                ("q_proj", "self_attn"), ("k_proj", "self_attn"), ("v_proj", "self_attn"),
+                ("gate_proj", "mlp"), ("up_proj", "mlp"), ("o_proj", "self_attn"))}
+            fused = pre.format(layer, "self_attn", "qkv_proj") + ".lora_B.weight"
+            assert torch.equal(got[fused], torch.cat(qkv.slice_lora_b([b["q_proj"], b["k_proj"],
+                                                                        b["v_proj"]])))
+            for m, want in zip(("q_proj", "k_proj", "v_proj"),
+                               qkv.slice_lora_a([a["q_proj"], a["k_proj"], a["v_proj"]])):
+                assert torch.equal(got[pre.format(layer, "self_attn", m) + ".lora_A.weight"], want)
+            fused = pre.format(layer, "mlp", "gate_up_proj") + ".lora_B.weight"
+            assert torch.equal(got[fused], torch.cat(gate_up.slice_lora_b([b["gate_proj"],
+                                                                           b["up_proj"]])))
+            o_name = pre.format(layer, "self_attn", "o_proj")
+            assert torch.equal(got[o_name + ".lora_A.weight"], o.slice_lora_a(a["o_proj"]))
+            assert torch.equal(got[o_name + ".lora_B.weight"], o.slice_lora_b(b["o_proj"]))
+    # And it gathers back, bit for bit.
+    run_reshard("gather", tmp_path / "tp2", "-o", tmp_path / "back")
+    back = load_file(tmp_path / "back" / "adapter_model.safetensors")
+    assert back.keys() == adapter.keys() and all(torch.equal(back[k], adapter[k]) for k in back)

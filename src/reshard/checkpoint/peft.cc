@@ -131,6 +131,38 @@ struct LoraBuffer {
   std::vector<std::vector<std::pair<Index, Index>>> filled;
 };
 
+// Per rank, the spans of W's pieces along its dimension `dim`: (start in F, length, start in the
+// rank tensor), each once.
+using Spans = std::set<std::array<Index, 3>>;
+
+Result<std::vector<Spans>> SpansAlong(const std::string& name, const std::string& base_name,
+                                      const ParamMap& w, size_t dim) {
+  std::vector<Spans> spans(static_cast<size_t>(w.world_size()));
+  for (Rank j = 0; j < w.world_size(); ++j) {
+    const RankShard& shard = w.rank(j);
+    if (shard.shard_shape.size() != 2) {
+      return FailedPreconditionError(fmt::format(
+          "adapter tensor \"{}\": rank {} holds its base weight \"{}\" in a tensor of {} dims "
+          "(stacked experts), along which an adapter is not laid out",
+          name, j, base_name, shard.shard_shape.size()));
+    }
+    for (size_t k = 0; k < shard.pieces.size(); ++k) {
+      const Piece& p = shard.pieces[k];
+      if (p.num_elements() == 0) continue;
+      const std::optional<PieceBox> box = BoxOf(p, w.logical_shape(), shard.shard_shape);
+      if (!box) {
+        return FailedPreconditionError(fmt::format(
+            "adapter tensor \"{}\": piece {} of rank {} of its base weight \"{}\" is not a block "
+            "of rows and columns placed as one in its rank tensor, which an adapter's layout "
+            "does not follow",
+            name, k, j, base_name));
+      }
+      spans[static_cast<size_t>(j)].insert({box->f[dim], box->n[dim], box->e[dim]});
+    }
+  }
+  return spans;
+}
+
 // The map of A or B (`t`, part `part`) from its base weight's map `w`; the adapter buffers it
 // fills are recorded in `buffers`.
 Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_in_fan_out,
@@ -162,31 +194,7 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
   logical[ts] = w.logical_shape()[ws];
   logical[tr] = r;
   const int world = w.world_size();
-  // Per rank: the spans of W along the shared dimension, (start in F, length, start in the rank
-  // tensor), each once.
-  std::vector<std::set<std::array<Index, 3>>> spans(static_cast<size_t>(world));
-  for (Rank j = 0; j < world; ++j) {
-    const RankShard& shard = w.rank(j);
-    if (shard.shard_shape.size() != 2) {
-      return FailedPreconditionError(fmt::format(
-          "adapter tensor \"{}\": rank {} holds its base weight \"{}\" in a tensor of {} dims "
-          "(stacked experts), along which an adapter is not laid out",
-          t.name, j, base_name, shard.shard_shape.size()));
-    }
-    for (size_t k = 0; k < shard.pieces.size(); ++k) {
-      const Piece& p = shard.pieces[k];
-      if (p.num_elements() == 0) continue;
-      const std::optional<PieceBox> box = BoxOf(p, w.logical_shape(), shard.shard_shape);
-      if (!box) {
-        return FailedPreconditionError(fmt::format(
-            "adapter tensor \"{}\": piece {} of rank {} of its base weight \"{}\" is not a block "
-            "of rows and columns placed as one in its rank tensor, which an adapter's layout "
-            "does not follow",
-            t.name, k, j, base_name));
-      }
-      spans[static_cast<size_t>(j)].insert({box->f[ws], box->n[ws], box->e[ws]});
-    }
-  }
+  RESHARD_ASSIGN_OR_RETURN(const std::vector<Spans> spans, SpansAlong(t.name, base_name, w, ws));
   ParamMapBuilder b;
   b.set_logical_shape(logical);
   if (logical != t.shape) b.set_valid_shape(t.shape);
