@@ -150,9 +150,9 @@ class Adapter {
     Adapter a;
     a.dir_ = dir;
     RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(config_path.string()));
-    Result<LoraConfig> config = ParseLoraConfigJson(text);
-    if (!config.ok()) return config.status().Annotate(fmt::format("\"{}\"", dir));
-    a.config_ = *std::move(config);
+    Result<LoraConfig> parsed = ParseLoraConfigJson(text);
+    if (!parsed.ok()) return parsed.status().Annotate(fmt::format("\"{}\"", dir));
+    a.config_ = *std::move(parsed);
     if (fs::is_regular_file(fs::path(dir) / kManifestName, ec)) {
       RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint sharded, ShardedCheckpoint::Open(dir));
       a.sharded_ = std::make_shared<const ShardedCheckpoint>(std::move(sharded));
@@ -164,10 +164,10 @@ class Adapter {
     } else if (IsPeftAdapterDir(dir)) {
       RESHARD_ASSIGN_OR_RETURN(FullCheckpoint full, FullCheckpoint::Open(dir));
       a.full_ = std::make_shared<const FullCheckpoint>(std::move(full));
-      const std::vector<TensorRef>& tensors = a.full_->tensors();
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        a.tensors_.push_back({tensors[i].info->name, tensors[i].info->dtype, tensors[i].info->shape});
-        a.index_.emplace(tensors[i].info->name, i);
+      const std::vector<TensorRef>& refs = a.full_->tensors();
+      for (size_t i = 0; i < refs.size(); ++i) {
+        a.tensors_.push_back({refs[i].info->name, refs[i].info->dtype, refs[i].info->shape});
+        a.index_.emplace(refs[i].info->name, i);
       }
     } else {
       return InvalidArgumentError(fmt::format(
@@ -184,7 +184,7 @@ class Adapter {
 
   const LoraConfig& config() const { return config_; }
   const std::vector<NamedTensor>& tensors() const { return tensors_; }
-  const std::string& dir() const { return dir_; }
+  const std::string& directory() const { return dir_; }
   /// The world size it is scattered at; 0 for whole tensors.
   int world_size() const { return sharded_ ? sharded_->manifest().world_size : 0; }
 
@@ -206,14 +206,17 @@ class Adapter {
     const ShardedParam& p = sharded_->manifest().params[i];
     const size_t size = DTypeSize(p.dtype);
     const auto count = static_cast<size_t>(ProductOf(p.map.valid_shape()));
-    Held h{p.dtype, p.map.valid_shape(), {}, std::vector<std::byte>(count * size),
+    Held h{p.dtype,
+           p.map.valid_shape(),
+           {},
+           std::vector<std::byte>(count * size),
            std::vector<uint8_t>(count, 0)};
     const std::span<const std::byte> shard = sharded_->shard(i, rank);
     for (const Piece& piece : p.map.rank(rank).pieces) {
       if (piece.scale != 1.0 || p.scale_power != 1) {
         return FailedPreconditionError(fmt::format(
-            "the adapter's \"{}\" is held at a scale on rank {}, which merging does not undo",
-            name, rank));
+            "the adapter's \"{}\" is held at a scale on rank {}, which merging does not undo", name,
+            rank));
       }
       ForEachElement(piece, [&](Index s, Index d) {
         const std::optional<Index> v = ValidOffset(s, p.map);
@@ -348,15 +351,13 @@ Result<ModuleOnRank> LoadModule(const Adapter& adapter, const LoraPair& pair, Ra
 
 // W + scaling * B @ A into `out`: W [rows, cols]; B @ A is [rows, cols], or [cols, rows] when
 // transposed.
-void MergeInto(const TensorRef& w, const ModuleOnRank& m, float scaling,
-               std::span<std::byte> out) {
+void MergeInto(const TensorRef& w, const ModuleOnRank& m, float scaling, std::span<std::byte> out) {
   const DType dtype = w.info->dtype;
   const size_t size = DTypeSize(dtype);
   for (Index o = 0; o < m.out; ++o) {
     for (Index i = 0; i < m.in; ++i) {
-      const float delta =
-          Delta(&m.b[static_cast<size_t>(o * m.r)], &m.a[static_cast<size_t>(i)], m.in, m.r,
-                scaling, m.adapter_dtype);
+      const float delta = Delta(&m.b[static_cast<size_t>(o * m.r)], &m.a[static_cast<size_t>(i)],
+                                m.in, m.r, scaling, m.adapter_dtype);
       const Index at = m.transposed ? i * m.out + o : o * m.in + i;
       Store(ElementAt(dtype, w.data.data(), at) + delta, dtype,
             out.data() + static_cast<size_t>(at) * size);
@@ -371,7 +372,7 @@ Result<MergeLoraReport> MergeIntoFull(const std::string& base_dir, const Adapter
     return FailedPreconditionError(fmt::format(
         "the adapter \"{}\" is scattered at {} ranks, and the base \"{}\" is a Hugging Face "
         "checkpoint: merge it into the base scattered as the adapter is, or gather the adapter",
-        adapter.dir(), adapter.world_size(), base_dir));
+        adapter.directory(), adapter.world_size(), base_dir));
   }
   RESHARD_ASSIGN_OR_RETURN(const FullCheckpoint base, FullCheckpoint::Open(base_dir));
   std::map<std::string, NamedTensor> base_tensors;
@@ -538,7 +539,7 @@ Result<ShardedTargets> TargetsOfSharded(const Manifest& m, const Adapter& adapte
     return FailedPreconditionError(fmt::format(
         "the adapter \"{}\" is scattered at {} ranks, the base at {}: shard by shard, rank j "
         "merges rank j's adapter (convert the adapter to {} ranks, or give its PEFT directory)",
-        adapter.dir(), adapter.world_size(), m.world_size, m.world_size));
+        adapter.directory(), adapter.world_size(), m.world_size, m.world_size));
   }
   std::map<std::string, NamedTensor> base;
   for (const ShardedParam& p : m.params) {
@@ -648,11 +649,13 @@ Result<MergeLoraReport> MergeIntoSharded(const std::string& base_dir, const Adap
   RESHARD_RETURN_IF_ERROR(internal::WriteSharded(
       out_dir, inputs, manifest, options, files, internal::OwnersOf(files, comm.size()), counters,
       [&](size_t i, Rank r, std::span<std::byte> buffer) {
-        counters.read += internal::ElementBytes(m.params[i].map.shard_num_elements(r),
-                                                m.params[i].dtype);
+        counters.read +=
+            internal::ElementBytes(m.params[i].map.shard_num_elements(r), m.params[i].dtype);
         return MergeShard(m, i, r, targets, adapter, scaling, base->shard(i, r), buffer);
       },
-      [&](size_t i, Rank r) { return ranges.at({r, i}); }));
+      [&](size_t i, Rank r) {
+        return ranges.at({r, i});
+      }));
   MergeLoraReport report;
   report.merged = static_cast<int>(targets.targets.pairs.size());
   report.replaced = static_cast<int>(targets.targets.copies.size());

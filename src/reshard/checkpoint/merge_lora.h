@@ -21,8 +21,8 @@
 namespace reshard {
 
 struct MergeLoraReport {
-  int merged = 0;    // base weights that took an adapter's B @ A
-  int replaced = 0;  // base weights the adapter holds whole (modules_to_save)
+  int merged = 0;      // base weights that took an adapter's B @ A
+  int replaced = 0;    // base weights the adapter holds whole (modules_to_save)
   int world_size = 0;  // of a sharded base; 0 for a Hugging Face one
 };
 

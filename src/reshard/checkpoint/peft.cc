@@ -69,8 +69,8 @@ std::optional<PieceBox> BoxOf(const Piece& p, const Shape& logical, const Shape&
   for (size_t k = 0; k < p.shape.size(); ++k) {
     const Index n = p.shape[k];
     if (n == 1) continue;
-    if (p.source.strides[k] == 1 && p.dest.strides[k] == 1 && n > f_cols - b.f[1] &&
-        b.f[1] == 0 && b.e[1] == 0 && f_cols == d_cols && n % f_cols == 0) {
+    if (p.source.strides[k] == 1 && p.dest.strides[k] == 1 && n > f_cols - b.f[1] && b.f[1] == 0 &&
+        b.e[1] == 0 && f_cols == d_cols && n % f_cols == 0) {
       dims.push_back({n / f_cols, f_cols, d_cols});
       dims.push_back({f_cols, 1, 1});
     } else {
@@ -78,19 +78,18 @@ std::optional<PieceBox> BoxOf(const Piece& p, const Shape& logical, const Shape&
     }
   }
   std::array<bool, 2> seen = {false, false};
-  for (const auto& [n, source, dest] : dims) {
-    if (n == 1) continue;
+  for (const auto& [extent, src_stride, dst_stride] : dims) {
     int dim = 0;
-    if (source == f_cols && dest == d_cols) {
+    if (src_stride == f_cols && dst_stride == d_cols) {
       dim = 0;
-    } else if (source == 1 && dest == 1) {
+    } else if (src_stride == 1 && dst_stride == 1) {
       dim = 1;
     } else {
       return std::nullopt;
     }
     if (seen[static_cast<size_t>(dim)]) return std::nullopt;
     seen[static_cast<size_t>(dim)] = true;
-    b.n[static_cast<size_t>(dim)] = n;
+    b.n[static_cast<size_t>(dim)] = extent;
   }
   if (b.f[1] + b.n[1] > f_cols || b.e[1] + b.n[1] > d_cols) return std::nullopt;
   return b;
@@ -169,9 +168,9 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
                              const std::string& base_name, const ParamMap& w,
                              std::map<std::string, LoraBuffer>& buffers) {
   if (w.logical_shape().size() != 2 || t.shape.size() != 2) {
-    return FailedPreconditionError(fmt::format(
-        "adapter tensor \"{}\": its base weight \"{}\" is of {} dims, not 2", t.name, base_name,
-        w.logical_shape().size()));
+    return FailedPreconditionError(
+        fmt::format("adapter tensor \"{}\": its base weight \"{}\" is of {} dims, not 2", t.name,
+                    base_name, w.logical_shape().size()));
   }
   int w_s = 0;  // the dimension of W that t runs along, and t's
   int t_s = 0;
@@ -186,9 +185,9 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
   const size_t tr = 1 - ts;
   const Index r = t.shape[tr];
   if (t.shape[ts] != w.valid_shape()[ws]) {
-    return FailedPreconditionError(fmt::format(
-        "adapter tensor \"{}\" [{}] does not fit its base weight \"{}\" [{}]", t.name,
-        fmt::join(t.shape, ", "), base_name, fmt::join(w.valid_shape(), ", ")));
+    return FailedPreconditionError(
+        fmt::format("adapter tensor \"{}\" [{}] does not fit its base weight \"{}\" [{}]", t.name,
+                    fmt::join(t.shape, ", "), base_name, fmt::join(w.valid_shape(), ", ")));
   }
   Shape logical(2);
   logical[ts] = w.logical_shape()[ws];
@@ -217,7 +216,8 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
                std::vector<std::vector<std::pair<Index, Index>>>(static_cast<size_t>(world))};
       }
       if (buf.shared_dim != t_s || buf.r != r || buf.dtype != t.dtype ||
-          (!buf.shapes[static_cast<size_t>(j)].empty() && buf.shapes[static_cast<size_t>(j)] != dest)) {
+          (!buf.shapes[static_cast<size_t>(j)].empty() &&
+           buf.shapes[static_cast<size_t>(j)] != dest)) {
         return FailedPreconditionError(fmt::format(
             "adapter tensor \"{}\" ({} [{}]) goes into the adapter buffer \"{}\" beside its base "
             "weight's, which another adapter tensor of another dtype, rank or orientation fills",
@@ -250,8 +250,8 @@ Result<ParamMap> LoraPairMap(const LoraTensorToLay& t, LoraPart part, bool fan_i
   Result<ParamMap> map = b.Finalize();
   if (!map.ok()) {
     return FailedPreconditionError(
-        fmt::format("adapter tensor \"{}\", laid out from the map of \"{}\": {}", t.name,
-                    base_name, map.status().message()));
+        fmt::format("adapter tensor \"{}\", laid out from the map of \"{}\": {}", t.name, base_name,
+                    map.status().message()));
   }
   return map;
 }
@@ -271,9 +271,8 @@ BufferDecl LoraBufferDecl(const std::string& name, const LoraBuffer& buf) {
       Index at = 0;
       auto pad = [&](Index start, Index length) {
         if (length <= 0) return;
-        rank.padding.push_back(
-            {buf.shared_dim == 0 ? Shape{length, buf.r} : Shape{buf.r, length},
-             {buf.shared_dim == 0 ? start * cols : start, {cols, 1}}});
+        rank.padding.push_back({buf.shared_dim == 0 ? Shape{length, buf.r} : Shape{buf.r, length},
+                                {buf.shared_dim == 0 ? start * cols : start, {cols, 1}}});
       };
       for (const auto& [start, length] : filled) {
         pad(at, start - at);
@@ -461,9 +460,9 @@ Result<MapDocument> LoraMapsFromBase(const std::vector<LoraTensorToLay>& tensors
     }
     auto it = base_maps.find(n->base);
     if (it == base_maps.end()) {
-      return FailedPreconditionError(fmt::format(
-          "adapter tensor \"{}\": the base's maps have none for its base weight \"{}\"", t.name,
-          n->base));
+      return FailedPreconditionError(
+          fmt::format("adapter tensor \"{}\": the base's maps have none for its base weight \"{}\"",
+                      t.name, n->base));
     }
     const ParamMap& w = *it->second;
     if (n->part != LoraPart::kBaseCopy) {
@@ -475,9 +474,9 @@ Result<MapDocument> LoraMapsFromBase(const std::vector<LoraTensorToLay>& tensors
     }
     // A whole copy: the base weight's map, its buffers renamed as the adapter's.
     if (t.shape != w.valid_shape()) {
-      return FailedPreconditionError(fmt::format(
-          "adapter tensor \"{}\" [{}] is a copy of \"{}\", which is [{}]", t.name,
-          fmt::join(t.shape, ", "), n->base, fmt::join(w.valid_shape(), ", ")));
+      return FailedPreconditionError(
+          fmt::format("adapter tensor \"{}\" [{}] is a copy of \"{}\", which is [{}]", t.name,
+                      fmt::join(t.shape, ", "), n->base, fmt::join(w.valid_shape(), ", ")));
     }
     ParamMapBuilder b(w);
     for (Rank j = 0; j < w.world_size(); ++j) {
@@ -503,8 +502,9 @@ Result<MapDocument> LoraMapsFromBase(const std::vector<LoraTensorToLay>& tensors
   for (const auto& [name, map] : doc.params) refs.push_back({name, &map});
   Result<BufferSet> set = buffers.Finalize(refs, dtypes);
   if (!set.ok()) {
-    return FailedPreconditionError(fmt::format(
-        "the adapter's buffers beside the base's do not come out exact: {}", set.status().message()));
+    return FailedPreconditionError(
+        fmt::format("the adapter's buffers beside the base's do not come out exact: {}",
+                    set.status().message()));
   }
   doc.buffers = *std::move(set);
   return doc;

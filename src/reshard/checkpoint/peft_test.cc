@@ -84,15 +84,15 @@ TEST(LoraMapsFromBaseTest, APieceThatIsNoBlockOfRowsAndColumnsIsRefused) {
   b.add_piece(0, Piece{{2, 2}, {0, {2, 1}}, {0, {1, 2}}, {0}, 1.0});
   MapDocument base;
   base.params.emplace_back("L.o.weight", *b.Finalize());
-  Result<MapDocument> doc = LoraMapsFromBase(
-      {{"base_model.model.L.o.lora_B.weight", DType::kF32, {2, 1}}}, false, base);
+  Result<MapDocument> doc =
+      LoraMapsFromBase({{"base_model.model.L.o.lora_B.weight", DType::kF32, {2, 1}}}, false, base);
   ASSERT_FALSE(doc.ok());
   EXPECT_EQ(doc.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(doc.status().message().find("piece 0 of rank 0 of its base weight \"L.o.weight\""),
             std::string::npos)
       << doc.status().ToString();
-  Result<MapDocument> missing = LoraMapsFromBase(
-      {{"base_model.model.L.x.lora_B.weight", DType::kF32, {2, 1}}}, false, base);
+  Result<MapDocument> missing =
+      LoraMapsFromBase({{"base_model.model.L.x.lora_B.weight", DType::kF32, {2, 1}}}, false, base);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("\"L.x.weight\""), std::string::npos);
 }
