@@ -495,6 +495,9 @@ def test_an_adapter_at_a_fused_layout_stacks_b_as_the_base_rows(toy, reshard_bin
     assert r.returncode == 0, r.stderr
     back = load_file(tmp_path / "back" / "adapter_model.safetensors")
     assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in back)
+    import reshard.checkpoint  # the package lays it out alike
+    reshard.checkpoint.scatter(root / "adapter", tmp_path / "adapter-p", maps=tmp_path / "maps.json")
+    assert same_files(tmp_path / "adapter-p", tmp_path / "adapter-v") == []
     # Merged at the fused layout, shard by shard.
     for src, out in ((root / "base", "base-v"), (root / "merged", "peft-v")):
         r = run(reshard_bin, "scatter", src, "--maps", tmp_path / "maps.json", "-o", tmp_path / out)
