@@ -301,8 +301,7 @@ Result<AdapterTargets> PairAdapter(const Adapter& adapter, const FindBase& find)
       if (!Mergeable(t->dtype)) {
         return FailedPreconditionError(fmt::format(
             "\"{}\" is {}: merging takes float32, bfloat16 or float16 weights{}", t->name,
-            DTypeName(t->dtype),
-            t == &w ? " (a quantized base merges once dequantized: gather --dequantize)" : ""));
+            DTypeName(t->dtype), t == &w ? " (dequantize a quantized base first)" : ""));
       }
     }
   }
