@@ -724,7 +724,11 @@ class WeightSync:
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
-        makes the others raise it within ``timeout_s``; this sync cannot push again.
+        makes the others raise it within ``timeout_s``; this sync cannot push again. With
+        ``on_engine_lost="drop"``, an engine lost mid-push (or before it: one that cannot
+        start an update) is dropped instead and the push made again, whole, on the others
+        (:meth:`_recover`), which commit it; :attr:`SyncStats.dropped` names what was
+        dropped, a RuntimeWarning says so, and :attr:`last_stats` keeps the stats.
         Before any byte moves the trainer processes agree that they make the same push
         (:func:`push_refusal`): one push of the sync at a time (another, from another thread,
         raises at once), the same tensors held whole on every process equal.
@@ -1003,9 +1007,10 @@ class WeightSync:
            agree that the push is lost within ``timeout_s`` of the loss, put their old weights
            back and return; a dead engine's call fails, or is given up after three times
            ``timeout_s``): an engine whose call failed or did not return is lost.
-        2. The trainer processes check, through the sync's store (bounded by ``timeout_s``),
-           that every one of them is alive: a lost trainer process (or the store's) fails the
-           push as with "fail", and the sync cannot push again.
+        2. The trainer processes check, through the sync's store (at most four times
+           ``timeout_s``, the first verdict written read by all), that every one of them is
+           alive: a lost trainer process (or the store's) fails the push as with "fail", and
+           the sync cannot push again.
         3. They agree (over their own group, now known whole) on the lost engines, drop them,
            and join the others in a new group of the sync; an engine that does not join is
            dropped too. With no engine lost, the push fails (the new group is usable).
