@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from reshard.distributed import Transport
 from reshard.vllm.sync import (WeightSync, WeightSyncError, _step_levels, cut_waves,
                                default_topology, schedule_topology)
 
@@ -116,3 +117,93 @@ def test_fp8_engines_of_one_sync_hold_the_same_tensors_as_fp8_blocks():
     with pytest.raises(WeightSyncError, match=r"quantizes 2 tensors into engine 0 and 1 into "
                                               r"engine 1 \(first differing: \['y'\]\)"):
         _plan([both, {**plain, "x_scale_inv": both["x_scale_inv"]}], {"block": [128, 128]})
+
+
+class _Agreeing(Transport):
+    """One process standing in for its whole group: every collective hears this process's own
+    value from each member (every process plans the same, so each would say the same)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.members = rank, list(range(size))
+
+    def gather_object(self, value):
+        return [value] * len(self.members)
+
+    def max_of(self, value):
+        return int(value)
+
+    def any_flag(self, flag):
+        return bool(flag)
+
+
+
+def _fleet_plan(ids):
+    """Two trainer processes' row split into engines at TP 2 and TP 1 (numbered ``ids``)."""
+    from maps import replicated_map, split_map
+    source = {"w": split_map([8, 6], 0, [4, 4]), "u": split_map([8, 6], 0, [4, 4]),
+              "norm": replicated_map([6], 2)}
+    tp2 = {"w": split_map([8, 6], 1, [3, 3]), "u": split_map([8, 6], 0, [4, 4]),
+           "norm": replicated_map([6], 2)}
+    tp1 = {"w": split_map([8, 6], 0, [8]), "u": split_map([8, 6], 0, [8]),
+           "norm": replicated_map([6], 1)}
+    targets = [tp2, tp1]
+    reports = [{"engine": e, "tp": len(workers), "rank": r, "host": "h", "params": {}}
+               for e, workers in enumerate([[0, 1], [0]]) for r in workers]
+    sync = _sync_of(2, [2, 1])
+    plan = sync._plan(reports, source, targets, "float32", 1 << 20, None, 2, None, ["h", "h"])
+    plan["ids"] = ids
+    return plan
+
+
+def _stages_of(plan, me):
+    from reshard.vllm._schedule import plan_stages
+    size = 2 + sum(plan["workers"])
+    return plan_stages(plan["source"], plan, 2, lambda lane: _Agreeing(me, size), None)
+
+
+def _with_bases(stages, me):
+    """Every exchange of this process given delta state: its chunks as they travelled."""
+    import torch
+    for st in stages:
+        ex = st.redistributor._exchange
+        st.redistributor._delta_base = {
+            **{("send", p, k): torch.full([n], p, dtype=torch.uint8) for k, p, n in ex.sends(me)},
+            **{("recv", p, k): torch.full([n], p, dtype=torch.uint8)
+               for k, p, n in ex.receives(me)}}
+    return stages
+
+
+def test_a_join_keeps_the_delta_state_of_exchanges_left_as_they_were():
+    """Engines joined again (identities(): trainer processes, then each engine's workers by
+    number): an exchange of the new schedule that is the old one for a process keeps that
+    process's chunks, its peers renumbered; one into or out of an engine that is new to the sync
+    starts without; a process holds empty state in an exchange it takes no part in where it had
+    state in the same exchange before, or where it is new to the sync itself."""
+    from reshard.vllm._schedule import carry_delta, identities
+    old_plan, same_plan, new_plan = _fleet_plan([0, 1]), _fleet_plan([0, 1]), _fleet_plan([0, 2])
+    who = {k: identities(2, [2, 1], p["ids"]) for k, p in
+           (("old", old_plan), ("same", same_plan), ("new", new_plan))}
+    for me in range(5):  # trainer processes 0, 1; engine 0's workers 2, 3; engine 1's 4
+        old = _with_bases(_stages_of(old_plan, me), me)
+        same = _stages_of(same_plan, me)
+        carry_delta(old, who["old"], me, same, who["same"], me, fresh=False)
+        for a, b in zip(old, same):  # the same schedule: every state kept, as it was
+            assert b.redistributor._delta_base is not None
+            assert sorted(b.redistributor._delta_base) == sorted(a.redistributor._delta_base)
+        new = _stages_of(new_plan, me)
+        carry_delta(old, who["old"], me, new, who["new"], me, fresh=me == 4)
+        for st in new:
+            ex, base = st.redistributor._exchange, st.redistributor._delta_base
+            involved = bool(ex.sends(me) or ex.receives(me))
+            if not involved:  # empty where it had state (or is new itself); else none
+                new_engine = 1 in (st.source, st.engine)
+                assert base == ({} if me == 4 or not new_engine else None), (me, st.source)
+            elif 1 in (st.source, st.engine):  # engine 2, new: whole chunks once
+                assert base is None, (me, st.source, st.engine)
+            else:  # between the trainer and engine 0: as it was
+                assert base and all(t.numel() for t in base.values()), (me, st.source)
+    # A process that was not in the old group (engine 2's worker) is fresh: nothing carried.
+    fresh = _stages_of(new_plan, 4)
+    carry_delta([], [], -1, fresh, who["new"], 4, fresh=True)
+    assert all(st.redistributor._delta_base in ({}, None) for st in fresh)
+    assert any(st.redistributor._delta_base is None for st in fresh)

@@ -6,9 +6,16 @@ weights A and B (``reshard.checkpoint.load_rank``) and push through one
 ``WeightSync(engines=[...])`` into both engines. Steps (``spec["steps"]``): ``{"kind":
 "push", "weights": W}``, and ``{"kind": "processing_fails", "weights": W, "engine": E}``: the
 last worker of engine E fails its post-load processing of layer 1's MLP once, then W is
-pushed; ``{"kind": "engine_lost", "weights": W, "engine": E}``: worker 0 of engine E dies
-(SIGKILL) at its first exchange of the push of W (the process owning engine E records no
-tokens after it). After each step every process records its own engine's greedy tokens.
+pushed; ``{"kind": "engine_lost", "weights": W, "engine": E}``: worker 0 of the engine process
+E owns dies (SIGKILL) at its first exchange of the push of W (the process owning it records no
+tokens until it owns an engine again); ``{"kind": "add_engine", "owner": R}``: process R
+starts a fresh engine (weights A, TP 1) and every process adds it to the sync;
+``{"kind": "verify"}``: ``sync.verify()`` of the weights last pushed (``"weights"``);
+``{"kind": "corrupt_verify", "engine": E, "worker": W, "tensor": T}``: element 0 of the
+parameter T that worker W of process E's engine serves altered (one bit), then verify;
+``{"kind": "new_sync", "on_engine_lost": ...}``: a new WeightSync over the engines the
+processes own. The sync is built with ``spec["on_engine_lost"]``. After each step every
+process records its own engine's greedy tokens.
 First, a WeightSync whose engine lists differ between the processes, and one whose topology
 places an engine on a host it does not have, are refused. Process r writes
 ``{"steps": [{"step", "tokens", "stats", "error"}]}`` to ``spec["out"] + ".r"``.
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
+from typing import Any, Optional
 
 import toy
 
@@ -36,11 +45,16 @@ def run(spec: dict, rank: int) -> None:
     dist.init_process_group("gloo", init_method="file://" + spec["rendezvous"], rank=rank,
                             world_size=2)
     tp = spec["engine_tps"][rank]
-    llm = LLM(model=spec["model"], tensor_parallel_size=tp, enforce_eager=True,
-              skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
-              max_model_len=128, weight_transfer_config={"backend": "reshard"})
 
-    def generate() -> list:
+    def start(tp: int) -> Any:
+        return LLM(model=spec["model"], tensor_parallel_size=tp, enforce_eager=True,
+                   skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
+                   max_model_len=128, weight_transfer_config={"backend": "reshard"})
+    llm = start(tp)
+
+    def generate() -> Optional[list]:
+        if llm is None:
+            return None
         params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
                             use_tqdm=False)
@@ -62,35 +76,60 @@ def run(spec: dict, rank: int) -> None:
         results[0]["bad_topology"] = None
     except WeightSyncError as e:
         results[0]["bad_topology"] = str(e)
-    sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=spec["timeout_s"])
+    lost = spec.get("on_engine_lost", "fail")
+    sync = WeightSync(engines=engines, source_maps=loaded["A"][0], timeout_s=spec["timeout_s"],
+                      on_engine_lost=lost)
+    last = "A"
     for step in spec["steps"]:
-        entry: dict = {"step": step["kind"]}
-        if step["kind"] == "processing_fails":
-            if rank == step["engine"]:
-                hit = llm.collective_rpc(toy.fail_processing_once,
-                                         args=(tp - 1, "model.layers.1.mlp.down_proj"))
-                assert sum(hit) == 1, hit
-            dist.barrier()
-        elif step["kind"] == "engine_lost":
-            if rank == step["engine"]:
-                assert sum(llm.collective_rpc(toy.die_at_first_exchange)) == 1
-            dist.barrier()
-        start = time.monotonic()
+        entry: dict = {"step": step["kind"], "name": step.get("name")}
+        kind = step["kind"]
+        start_s = time.monotonic()
         try:
-            entry["stats"] = sync.push(loaded[step["weights"]][1], delta=step.get("delta", False),
-                                       verify=step.get("verify", False)).__dict__
+            if kind == "add_engine":
+                if rank == step["owner"]:
+                    llm = start(1)
+                entry["number"] = sync.add_engine(llm if rank == step["owner"] else None)
+                entry["engine_ids"] = sync.engine_ids
+            elif kind == "new_sync":
+                lost = step["on_engine_lost"]
+                sync.close()
+                sync = WeightSync(engines=[llm if r == rank else None for r in range(2)],
+                                  source_maps=loaded["A"][0], timeout_s=spec["timeout_s"],
+                                  on_engine_lost=lost)
+            elif kind in ("verify", "corrupt_verify"):
+                if kind == "corrupt_verify":
+                    if rank == step["engine"]:
+                        assert sum(llm.collective_rpc(toy.corrupt_served, args=(
+                            step["worker"], step["tensor"]))) == 1
+                    dist.barrier()
+                entry["verified"] = sync.verify(loaded[last][1]).__dict__
+            else:
+                if kind == "processing_fails" and rank == step["engine"]:
+                    hit = llm.collective_rpc(toy.fail_processing_once,
+                                             args=(tp - 1, "model.layers.1.mlp.down_proj"))
+                    assert sum(hit) == 1, hit
+                elif kind == "engine_lost" and rank == step["engine"]:
+                    assert sum(llm.collective_rpc(toy.die_at_first_exchange)) == 1
+                if kind != "push":
+                    dist.barrier()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    entry["stats"] = sync.push(loaded[step["weights"]][1],
+                                               delta=step.get("delta", False),
+                                               verify=step.get("verify", False)).__dict__
+                entry["warnings"] = [str(w.message) for w in caught]
+                entry["last_stats"] = sync.last_stats.__dict__ if sync.last_stats else None
+                entry["engine_ids"] = sync.engine_ids
+                last = step["weights"]
         except WeightSyncError as e:
             entry["error"] = str(e)
-        entry["seconds"] = time.monotonic() - start
-        if step["kind"] == "engine_lost" and rank == step["engine"]:
-            entry["tokens"] = None  # its engine is gone
-        else:
-            entry["tokens"] = generate()
+        entry["seconds"] = time.monotonic() - start_s
+        if kind == "engine_lost" and rank == step["engine"]:
+            llm = None  # its engine is gone
+        entry["tokens"] = generate()
         results.append(entry)
         with open(spec["out"] + f".{rank}", "w") as f:
             json.dump({"steps": results}, f)
-    if not any(step["kind"] == "engine_lost" for step in spec["steps"]):
-        sync.close()
     dist.barrier()
     dist.destroy_process_group()
 

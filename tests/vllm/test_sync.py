@@ -270,33 +270,56 @@ def test_trainer_dtensors_push_without_maps(models, tmp_path):
     assert other[0]["stats"]["bytes_sent"] == step["stats"]["bytes_sent"]
 
 
-FLEET_STEPS = [{"kind": "push", "weights": "B", "delta": True},
-               {"kind": "processing_fails", "weights": "A", "engine": 1, "delta": True},
-               {"kind": "push", "weights": "A", "delta": True},
-               {"kind": "push", "weights": "B", "delta": True, "verify": True},
-               {"kind": "engine_lost", "weights": "B", "engine": 1}]
+FLEET_STEPS = [
+    {"name": "B", "kind": "push", "weights": "B", "delta": True},
+    {"name": "processing fails", "kind": "processing_fails", "weights": "A", "engine": 1,
+     "delta": True},
+    {"name": "A", "kind": "push", "weights": "A", "delta": True},
+    {"name": "B verified", "kind": "push", "weights": "B", "delta": True, "verify": True},
+    {"name": "lost, dropped", "kind": "engine_lost", "weights": "A", "engine": 1,
+     "delta": True},
+    {"name": "B to one", "kind": "push", "weights": "B", "delta": True},
+    {"name": "add", "kind": "add_engine", "owner": 1},
+    {"name": "A after the add", "kind": "push", "weights": "A", "delta": True},
+    {"name": "B after the add", "kind": "push", "weights": "B", "delta": True},
+    {"name": "B unchanged", "kind": "push", "weights": "B", "delta": True},
+    {"name": "verify", "kind": "verify"},
+    {"name": "verify altered", "kind": "corrupt_verify", "engine": 0, "worker": 1,
+     "tensor": "model.norm.weight"},
+    {"name": "fail on loss", "kind": "new_sync", "on_engine_lost": "fail"},
+    {"name": "B again", "kind": "push", "weights": "B"},
+    {"name": "lost, failing", "kind": "engine_lost", "weights": "A", "engine": 1}]
 FLEET_TIMEOUT_S = 20  # how long a lost engine can hold the others' commit
 
 
+def _step(steps, name):
+    return next(s for s in steps if s.get("name") == name)
+
+
 def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
-    """WeightSync(engines=[engine at TP 2, engine at TP 1]) from two trainer processes (each
-    owning one engine): after a push both engines give transformers' tokens for the weights
-    pushed; the trainer processes send one copy (the sync schedule roots each tensor at one
-    engine) and the engines' workers relay the rest to each other. A worker of the second engine failing
-    its processing fails the push on every trainer process and both engines keep serving what
-    the last push gave them; the next push lands on both. The pushes are deltas (the first
-    whole, the one after the failure whole, then a verified delta relayed between the engines).
-    A worker of the second engine lost mid-push (SIGKILL) fails the push on every trainer
-    process, and the first engine keeps serving the weights it had."""
+    """WeightSync(engines=[engine at TP 2, engine at TP 1], on_engine_lost="drop") from two
+    trainer processes (each owning one engine): after a push both engines give transformers'
+    tokens for the weights pushed; the trainer processes send one copy (the sync schedule roots
+    each tensor at one engine) and the engines' workers relay the rest to each other. A worker
+    of the second engine failing its processing fails the push on every trainer process and
+    both engines keep serving what the last push gave them; the next push lands on both. The
+    pushes are deltas (the first whole, the one after the failure whole, then a verified delta
+    relayed between the engines). The second engine's worker 0 lost mid-push (SIGKILL): the
+    push completes on the first engine, which serves the new weights, the lost one is dropped
+    (reported in the stats and by a warning) and the next push goes to the first alone. A fresh
+    engine added: both serve what is pushed, deltas included. verify() passes, and catches a
+    parameter a worker serves altered behind the sync's back, naming engine, worker, tensor and
+    element. With on_engine_lost="fail" (the default), a lost engine fails the push on every
+    trainer process, and the first engine keeps serving the weights it had."""
     # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
     # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
     spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
             "gpu_each": os.environ.get("RESHARD_FLEET_GPU_EACH") == "1",
-            "sharded": models["sharded"],
+            "sharded": models["sharded"], "on_engine_lost": "drop",
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
             "timeout_s": FLEET_TIMEOUT_S,
             "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
-    run_trainers("fleet_trainer.py", spec, tmp_path, 600)
+    run_trainers("fleet_trainer.py", spec, tmp_path, 900)
     runs = [json.loads((tmp_path / f"result.json.{r}").read_text())["steps"] for r in range(2)]
     expected = models["expected"]
     for steps in runs:  # each process: its own engine's tokens
@@ -313,12 +336,58 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
         # worker of both engines.
         assert "error" not in steps[4], steps[4]
         assert steps[4]["tokens"] == expected["B"]
-    # Engine 1's worker 0 dies in the push of B: both trainer processes raise, within the
-    # sync's timeout, and engine 0 still serves B.
+    # Engine 1's worker 0 dies in the push of A: with "drop" the push completes on engine 0,
+    # engine 1 is dropped and reported, and the next push goes to engine 0 alone.
     for steps in runs:
-        assert steps[5]["error"].startswith("a push failed in the transfer"), steps[5]
-        assert steps[5]["seconds"] < 1.5 * FLEET_TIMEOUT_S, steps[5]
-    assert runs[0][5]["tokens"] == expected["B"]
+        lost = _step(steps, "lost, dropped")
+        assert "error" not in lost, lost
+        assert lost["stats"]["dropped"][0].startswith("engine 1 ("), lost
+        assert any("dropped engine 1 (" in w and "engines [0]" in w
+                   for w in lost["warnings"]), lost
+        assert lost["last_stats"] == lost["stats"] and lost["engine_ids"] == [0], lost
+        alone = _step(steps, "B to one")
+        assert "error" not in alone and alone["engine_ids"] == [0], alone
+        assert not alone["stats"]["dropped"], alone
+        assert all("engine 1" not in k for k in alone["stats"]["links"]), alone
+        assert alone["stats"]["bytes_sent"] == alone["stats"]["plan_minimum"] > 0, alone
+    assert _step(runs[0], "lost, dropped")["tokens"] == expected["A"]
+    assert _step(runs[1], "lost, dropped")["tokens"] is None
+    assert _step(runs[0], "B to one")["tokens"] == expected["B"]
+    # A fresh engine (number 2, in process 1) added: both serve every push after it.
+    for steps in runs:
+        added = _step(steps, "add")
+        assert "error" not in added and added["number"] == 2, added
+        assert added["engine_ids"] == [0, 2], added
+        for name, weights in (("A after the add", "A"), ("B after the add", "B"),
+                              ("B unchanged", "B")):
+            step = _step(steps, name)
+            assert "error" not in step, step
+            assert step["tokens"] == expected[weights], name
+        whole = _step(steps, "A after the add")["stats"]
+        assert whole["bytes_sent"] == whole["plan_minimum"] > 0
+        assert whole["bytes_relayed"] > 0  # the new engine takes part in the schedule
+        same = _step(steps, "B unchanged")["stats"]
+        assert same["bytes_sent_here"] < whole["bytes_sent_here"] // 50, (same, whole)
+        # verify(): every (tensor, worker) the engines serve as loaded is proven; a norm
+        # weight altered on engine 0's worker 1 is caught on every trainer process.
+        verified = _step(steps, "verify")
+        assert "error" not in verified, verified
+        assert verified["verified"]["pairs"] > 0, verified
+        assert "model.norm.weight" not in verified["verified"]["unverified"], verified
+        altered = _step(steps, "verify altered")
+        assert "the targets do not hold what the sources have" in altered["error"], altered
+        assert '"model.norm.weight" on target engine 0 worker 1' in altered["error"], altered
+        assert "first differing element [0]" in altered["error"], altered
+    # With on_engine_lost="fail": the new engine's worker 0 dies in a push of A; both trainer
+    # processes raise, within the sync's timeout, and engine 0 still serves B.
+    for steps in runs:
+        again = _step(steps, "B again")
+        assert "error" not in again, again
+        failed = _step(steps, "lost, failing")
+        assert failed["error"].startswith("a push failed in the transfer"), failed
+        assert failed["seconds"] < 1.5 * FLEET_TIMEOUT_S, failed
+    assert _step(runs[0], "B again")["tokens"] == expected["B"]
+    assert _step(runs[0], "lost, failing")["tokens"] == expected["B"]
     stats = runs[0][1]["stats"]
     assert stats == {**runs[1][1]["stats"], "bytes_sent_here": stats["bytes_sent_here"],
                      "seconds": stats["seconds"]}

@@ -176,6 +176,21 @@ def corrupt_before_verify_once(worker: Any, rank: int, name: str) -> bool:
     return True
 
 
+def corrupt_served(worker: Any, rank: int, name: str) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, element
+    0 of the parameter ``name`` it serves gets one bit flipped, behind the sync's back. Whether
+    this worker is it."""
+    import torch
+    import torch.distributed as dist
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    module, _, attr = name.rpartition(".")
+    t = getattr(worker.get_model().get_submodule(module), attr)
+    with torch.no_grad():
+        t.data.view(-1)[:1].view(torch.uint8)[0] ^= 1
+    return True
+
+
 def die_at_first_exchange(worker: Any) -> bool:
     """(``LLM.collective_rpc``) The engine's worker 0 dies by SIGKILL at its next exchange of
     bytes with the sync's group (an engine lost in the middle of a push). Whether this worker

@@ -16,7 +16,7 @@ and a :class:`WeightSync` that learns the engine's layout.
 """
 
 from .layout import LayoutError, cache_dir, check_engine, layout
-from .sync import SyncStats, WeightSync, WeightSyncError
+from .sync import SyncStats, VerifyStats, WeightSync, WeightSyncError
 
-__all__ = ["LayoutError", "SyncStats", "WeightSync", "WeightSyncError", "cache_dir",
-           "check_engine", "layout"]
+__all__ = ["LayoutError", "SyncStats", "VerifyStats", "WeightSync", "WeightSyncError",
+           "cache_dir", "check_engine", "layout"]

@@ -91,6 +91,11 @@ class _Background:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the call has returned, waiting at most ``timeout_s``."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def result(self) -> Optional[BaseException]:
         self._thread.join()
         return self._error

@@ -10,9 +10,14 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from .._maps import as_map
 from ..distributed import QuantizingRedistributor, RedistributeError, Redistributor
 from ._group import StoreGroup
-from ._schedule import AnyRedistributor, Stage
+from ._schedule import AnyRedistributor, Stage, engine_ranks, torch_dtypes
+
+# What a worker serves: {key: tensor} of the keys it can show as loaded, and the keys it cannot
+# (their served form is not their loading form), for {key: (shape, dtype name)} asked.
+Served = Callable[[Mapping[str, tuple[tuple[int, ...], str]]], tuple[dict[str, Any], list[str]]]
 
 
 def raw_exchange(comm: StoreGroup, transfers: list[tuple[int, int, int]], *,
@@ -217,3 +222,72 @@ def run_stages(stages: Sequence[Stage], engine: int, rank: int,
     if failures:
         refusals = [f for f in failures if isinstance(f, RedistributeError)]
         raise (refusals or failures)[0]
+
+
+def verify_engines(comm: StoreGroup, plan: Mapping[str, Any], trainers: int, engine: int,
+                   rank: int, shards: Mapping[str, Any], served: Optional[Served],
+                   cache: dict[Any, Redistributor], error: Optional[str],
+                   name_of: Optional[Callable[[int], str]] = None) -> tuple[int, list[str]]:
+    """What every engine's workers serve now, proven against the trainer processes' shards
+    (a collective over the sync's group, every process calling it alike: a trainer process,
+    ``engine`` -1, with its ``shards``; a worker, map rank ``rank`` of its ``engine``, with
+    ``served``, what it holds). Each worker first says which of its keys it cannot show (a
+    parameter whose served form vLLM's post-load processing changed: on CPU, a linear layer's
+    weight packed for oneDNN); then, per engine, the tensors every worker of it can show are
+    checked by :meth:`reshard.distributed.Redistributor.verify`, straight from the trainer
+    processes to that engine's workers (one exchange per engine and set of tensors, planned
+    once and kept in ``cache``). Returns the (tensor, worker) pairs compared and the tensors
+    no worker of some engine could show; raises RedistributeError, on every process alike,
+    naming each difference (engine, worker, tensor, first differing element)."""
+    workers = plan["workers"]
+    source = plan["source"]
+    hidden: list[str] = []
+    held: dict[str, Any] = {}
+    if engine >= 0 and served is not None and not plan.get("error"):
+        wanted: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, m in plan["targets"][engine].items():
+            pm = as_map(m)
+            wanted[pm.buffer(rank) or name] = (tuple(pm.shard_shape(rank)),
+                                               plan["dtypes"][engine][name])
+        try:
+            held, hidden = served(wanted)
+        except Exception as ex:  # agreed below: every process raises it
+            error = error or f"engine worker {rank}: {type(ex).__name__}: {ex}"
+    told = comm.gather_object((hidden, error))
+    error = next((why for _, why in told if why is not None), None)
+    if error is not None or plan.get("error"):
+        raise RedistributeError(error or plan["error"])
+    pairs, unseen, failures = 0, set(), []
+    for e, target in enumerate(plan["targets"]):
+        ranks = engine_ranks(trainers, workers, e)
+        maps = {n: as_map(m) for n, m in target.items()}
+        names = []
+        for n in source:
+            if n not in maps:
+                continue
+            if any((maps[n].buffer(w) or n) in told[p][0] for w, p in enumerate(ranks)):
+                unseen.add(n)
+            else:
+                names.append(n)
+        if not names:
+            continue
+        sync = cache.get((e, tuple(names)))
+        if sync is None:
+            sync = Redistributor({n: source[n] for n in names}, {n: target[n] for n in names},
+                                 source_ranks=range(trainers), target_ranks=ranks, group=comm,
+                                 dtypes=torch_dtypes({n: plan["dtypes"][e][n] for n in names}),
+                                 bucket_bytes=plan["bucket_bytes"])
+            cache[(e, tuple(names))] = sync
+            if name_of is not None:
+                sync._process_name = name_of
+        mine: dict[str, Any] = {}
+        if engine < 0:
+            keys = {as_map(source[n]).buffer(rank) or n for n in names}
+            mine = {k: v for k, v in shards.items() if k in keys}
+        try:
+            pairs += sync.verify(held if engine == e else {}, mine)
+        except RedistributeError as ex:  # the same on every process: the next engine's too
+            failures.append(str(ex))
+    if failures:
+        raise RedistributeError("; ".join(failures))
+    return pairs, sorted(unseen)

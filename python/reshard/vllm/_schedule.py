@@ -287,3 +287,87 @@ def torch_dtypes(names: Optional[Mapping[str, str]]) -> Optional[dict[str, Any]]
     """{name: "bfloat16"} -> {name: torch.bfloat16}."""
     import torch
     return None if names is None else {n: getattr(torch, d) for n, d in names.items()}
+
+
+def identities(trainers: int, workers: Sequence[int], ids: Sequence[int]
+               ) -> list[tuple[int, int]]:
+    """Each process of a sync's group as it stays while engines come and go: (-1, r) for
+    trainer process r, (number, w) for worker w of the engine of that number (``ids``, in the
+    engines' order)."""
+    out = [(-1, r) for r in range(trainers)]
+    for e, n in enumerate(workers):
+        out += [(ids[e], w) for w in range(n)]
+    return out
+
+
+def _stage_key(stage: Stage, who: Sequence[tuple[int, int]], ranks: Callable[[int], range]
+               ) -> tuple[Any, ...]:
+    """A stage by what it moves and between which engines (by number)."""
+    def number(e: int) -> int:
+        return -1 if e < 0 else who[ranks(e).start][0] if len(ranks(e)) else -2
+    names = tuple(getattr(stage.redistributor, "_names", ()))
+    return (number(stage.source), number(stage.engine), stage.wave, stage.level, names)
+
+
+def _traffic(sync: Redistributor, me: int, who: Sequence[tuple[int, int]]) -> Any:
+    """What process ``me`` sends and receives in an exchange, chunk by chunk, its peers by
+    identity: equal for two exchanges whose chunks between the same processes hold the same
+    elements in the same places."""
+    ex = sync._exchange
+    if ex is None:
+        return None
+    sends = sorted((k, who[p], n, ex.messages(me, p, k), ex.boxes(me, "pack", p, k))
+                   for k, p, n in ex.sends(me))
+    receives = sorted((k, who[p], n, ex.messages(p, me, k), ex.boxes(me, "unpack", p, k))
+                      for k, p, n in ex.receives(me))
+    return ex.num_rounds, sends, receives
+
+
+def carry_delta(old: Sequence[Stage], old_who: Sequence[tuple[int, int]], old_me: int,
+                new: Sequence[Stage], new_who: Sequence[tuple[int, int]], new_me: int, *,
+                fresh: bool) -> None:
+    """After the sync's group is joined again (engines added or removed), the delta state
+    (:meth:`reshard.distributed.Redistributor.run`, ``delta=True``) of each exchange of
+    ``old`` that ``new`` has again as it was for this process: the same engines, wave, depth
+    and tensors, and the same chunks to and from the same processes (``*_who``:
+    :func:`identities` of the two groups; ``*_me``: this process's rank in each). Such an
+    exchange sends a delta again where every process of it carried its chunks; any other sends
+    whole chunks once (the exchanges agree on it). A process that takes no part in an exchange
+    holds an empty state where it had one (``fresh``: it is new to the sync), so that it does
+    not make the others send whole chunks."""
+    def ranks_of(who: Sequence[tuple[int, int]]) -> Callable[[int], range]:
+        starts: dict[int, list[int]] = {}
+        order: list[int] = []
+        for p, (number, _) in enumerate(who):
+            if number >= 0:
+                if number not in starts:
+                    order.append(number)
+                starts.setdefault(number, []).append(p)
+
+        def ranks(e: int) -> range:
+            if e >= len(order):
+                return range(0)
+            ps = starts[order[e]]
+            return range(ps[0], ps[-1] + 1)
+        return ranks
+    old_ranks, new_ranks = ranks_of(old_who), ranks_of(new_who)
+    before = {_stage_key(st, old_who, old_ranks): st for st in old
+              if not st.prepare and isinstance(st.redistributor, Redistributor)}
+    at = {w: p for p, w in enumerate(new_who)}
+    for st in new:
+        sync = st.redistributor
+        if st.prepare or not isinstance(sync, Redistributor) or sync._exchange is None:
+            continue
+        ex = sync._exchange
+        was = before.get(_stage_key(st, new_who, new_ranks))
+        base = None if was is None else getattr(was.redistributor, "_delta_base", None)
+        if not ex.sends(new_me) and not ex.receives(new_me):
+            if fresh or base is not None:
+                sync._delta_base = {}
+            continue
+        if was is None or base is None or old_me < 0 or not isinstance(
+                was.redistributor, Redistributor) or \
+                _traffic(was.redistributor, old_me, old_who) != _traffic(sync, new_me, new_who):
+            continue
+        sync._delta_base = {(d, at[old_who[p]], k): t for (d, p, k), t in base.items()
+                            if old_who[p] in at}

@@ -42,8 +42,9 @@ from vllm.logger import init_logger
 
 from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
-from ._exchange import lane_groups, raw_exchange, run_stages
-from ._schedule import AnyRedistributor, Stage, engine_ranks, plan_stages
+from ._exchange import lane_groups, raw_exchange, run_stages, verify_engines
+from ._schedule import (AnyRedistributor, Stage, carry_delta, engine_ranks, identities,
+                        plan_stages)
 
 logger = init_logger(__name__)
 
@@ -60,13 +61,15 @@ class ReshardInitInfo(WeightTransferInitInfo):
     timeout_s: float = 600.0
     engine: int = 0  # this engine's index among the sync's engines
     engines: int = 1
+    sync: str = ""  # the sync's own prefix, the same through every join of its group
 
 
 @dataclass
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """One push: ``mode`` "plan" (the plan's bytes), or for measuring against other paths
-    "full" (full tensors from trainer process 0, loaded by vLLM's loaders) and "raw" (the
-    plan's bytes received and dropped)."""
+    """One push: ``mode`` "plan" (the plan's bytes), "verify" (no bytes: what the worker serves
+    proven against the trainer's shards), or for measuring against other paths "full" (full
+    tensors from trainer process 0, loaded by vLLM's loaders) and "raw" (the plan's bytes
+    received and dropped)."""
 
     step: int = 0
     mode: str = "plan"
@@ -264,6 +267,11 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._engine, self._engines, self._first = 0, 1, 0  # this engine, of how many; rank 0's
         self._timeout = 600.0
         self._open = False  # an update started and not finished (its trainer may be gone)
+        self._plan: dict[str, Any] = {}  # the agreed plan of the sync's group
+        self._sync_id = ""  # the sync this worker last joined (ReshardInitInfo.sync)
+        self._who: list[tuple[int, int]] = []  # the group's processes (identities())
+        self._who_me = -1  # this worker's rank among them
+        self._verifiers: dict[Any, Any] = {}  # verify_engines' exchanges
 
     # -- init: join the group, agree on one plan ---------------------------------------------
 
@@ -272,17 +280,30 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         import socket
 
         import torch.distributed as dist
+        # A group joined again by the same sync (engines came or went) keeps the delta state
+        # of the exchanges that stay as they were (carry_delta).
+        same = bool(init_info.sync) and init_info.sync == self._sync_id
+        old_stages, old_who = (self._stages, self._who) if same else ([], [])
+        old_me = self._who_me if same else -1
         self.shutdown()
+        self._verifiers = {}
+        self._sync_id = init_info.sync
         workers = self.parallel_config.world_size
         rank = dist.get_rank() if dist.is_initialized() else 0
         store = join_store(init_info.host, init_info.port, init_info.timeout_s)
         engine, engines = init_info.engine, init_info.engines
         keys = [f"{init_info.prefix}/workers/{e}" for e in range(engines)]
-        if rank == 0:  # the trainer processes (and the other engines) learn its size here
-            store.set(keys[engine], str(workers))
-        # The group's ranks: the trainer processes, then each engine's workers in turn.
-        store.wait(keys, datetime.timedelta(seconds=init_info.timeout_s))
+        if rank == 0:  # the trainer processes (and the other engines) learn its size here;
+            # set once: the trainer may have marked the engine refused (too late) already
+            store.compare_set(keys[engine], "", str(workers))
+        # The group's ranks: the trainer processes, then each engine's workers in turn. The
+        # trainer marks an engine that does not join in time, so this wait outlasts its own.
+        store.wait(keys, datetime.timedelta(seconds=2 * init_info.timeout_s))
         counts = [store.get(k).decode() for k in keys]
+        if not counts[engine].isdigit():  # refused, or dropped for joining late: stay out
+            logger.warning("reshard weight sync: this engine was left out of the sync's group "
+                           "(%s)", counts[engine])
+            return
         sizes = [int(c) if c.isdigit() else 0 for c in counts]
         self._trainers, self._engine, self._engines = init_info.trainers, engine, engines
         self._timeout = init_info.timeout_s
@@ -299,6 +320,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                   "params": _tensor_info(self.model), "open": self._open}
         comm.gather_object(report)
         plan = comm.gather_object(None)[0]
+        self._plan = plan
         error = plan.get("error") or self._check_targets(plan["targets"][engine], rank)
         # A refusal is agreed: every trainer process raises it. The RPC itself succeeds on
         # every worker (one failing worker's reply would be left unread by vLLM's executor).
@@ -309,6 +331,10 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
                 lane_groups(store, init_info.prefix, comm.rank, comm, init_info.backend,
                             init_info.timeout_s, self._comms), error)
             self._sync = self._stages[0].redistributor
+            who = identities(init_info.trainers, sizes, plan.get("ids") or range(engines))
+            carry_delta(old_stages, old_who, old_me, self._stages, who, comm.rank,
+                        fresh=not old_who)
+            self._who, self._who_me = who, comm.rank
         except RedistributeError as e:
             logger.warning("reshard weight sync refused: %s", e)
 
@@ -408,6 +434,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         if update_info.mode == "raw":
             return self._receive_raw()
+        if update_info.mode == "verify":
+            return self._verify_served()
         if update_info.mode == "full":
             return self._receive_full(update_info.tensors)
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -520,6 +548,44 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             layers.restore_state()
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
+
+    def _served(self, wanted: Mapping[str, tuple[tuple[int, ...], str]]
+                ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The parameters this worker serves that are still in their loading form (the shape
+        and dtype ``wanted`` gives each key), and the keys of those that are not (replaced or
+        repacked by vLLM's post-load processing)."""
+        held: dict[str, torch.Tensor] = {}
+        hidden = []
+        for key, (shape, dtype) in wanted.items():
+            module_name, _, name = key.rpartition(".")
+            try:
+                t = getattr(self.model.get_submodule(module_name), name, None)
+            except AttributeError:
+                t = None
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
+                    str(t.dtype).replace("torch.", "") == dtype and t.device.type != "meta":
+                held[key] = t.data
+            else:
+                hidden.append(key)
+        return held, hidden
+
+    def _verify_served(self) -> None:
+        """(update mode "verify") What this worker serves now, proven against the trainer
+        processes' shards (:func:`reshard.vllm._exchange.verify_engines`); nothing changes."""
+        comm = self._comm
+        assert comm is not None
+        rank = comm.rank - self._first
+        start = time.perf_counter()
+        try:
+            verify_engines(comm, self._plan, self._trainers, self._engine, rank, {},
+                           self._served, self._verifiers, None)
+        except RedistributeError as e:  # agreed: every trainer process raises it
+            logger.warning("reshard verify: %s", e)
+            return
+        except Exception as e:  # a peer lost
+            self._abandon(f"worker {rank} lost a peer while verifying: {type(e).__name__}: {e}")
+            return
+        self._report(comm, rank, None, [start, time.perf_counter()])
 
     def _receive_full(self, tensors: list[list[Any]]) -> None:
         """Full tensors from trainer process 0, one after another, through vLLM's own loaders

@@ -15,12 +15,14 @@ each byte out of the trainer processes once, the engines' workers relaying the r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -36,9 +38,10 @@ from ._agreement import (PushClaim as PushClaim, push_refusal as push_refusal,
                          whole_digests as whole_digests, whole_tensors as whole_tensors)
 from ._client import WeightSyncError as WeightSyncError
 from ._exchange import (lane_groups as lane_groups, raw_exchange as raw_exchange,
-                        run_stages as run_stages)
+                        run_stages as run_stages, verify_engines)
 from ._schedule import (RELAY_WAVES as RELAY_WAVES, AnyRedistributor as AnyRedistributor,
-                        Stage as Stage, _step_levels as _step_levels, cut_waves as cut_waves,
+                        Stage as Stage, _step_levels as _step_levels, carry_delta,
+                        cut_waves as cut_waves, identities,
                         default_topology as default_topology, engine_ranks as engine_ranks,
                         plan_stages as plan_stages, schedule_topology as schedule_topology,
                         stage_bytes as stage_bytes, sync_schedule as sync_schedule,
@@ -83,6 +86,27 @@ class SyncStats:
     bytes_relayed: int = 0
     links: Optional[dict[str, int]] = None
     busiest_link: Optional[str] = None
+    dropped: Optional[list[str]] = None
+
+
+@dataclass(frozen=True)
+class VerifyStats:
+    """One :meth:`WeightSync.verify`: the (tensor, engine worker) ``pairs`` whose served
+    values were proven equal to the trainer's, the tensors left ``unverified`` (on some
+    engine a worker serves them in a form its post-load processing made, not as loaded), and
+    the ``seconds`` it took."""
+
+    pairs: int
+    unverified: list[str]
+    seconds: float
+
+
+class _Regrouped(Exception):
+    """A push lost engines, which were dropped; the others joined again (``dropped``)."""
+
+    def __init__(self, dropped: list[str]) -> None:
+        super().__init__("; ".join(dropped))
+        self.dropped = dropped
 
 
 def engine_maps(model_dir: str, tensor_parallel_size: int, dtype: str = "auto"
@@ -168,6 +192,15 @@ class WeightSync:
     everything). ``topology`` (``reshard sync-plan``'s topology JSON: hosts, GPUs, placement;
     its path or a dict) says where the processes run, for the schedule's cost model; by
     default each process is a GPU of the host its host name says.
+
+    Engines come and go between pushes (:meth:`add_engine`, :meth:`remove_engine`): the
+    sync's own group over the trainer processes and the engines' workers is rebuilt over the
+    same store and the schedule planned anew for the engines present; the trainer's groups
+    are not touched. Each engine keeps the number it was given (the constructor's engines
+    0 .. M-1, then one more per added engine: :attr:`engine_ids`). ``on_engine_lost``:
+    "fail" (default) makes a push that loses an engine fail on every trainer process and the
+    sync unusable; "drop" drops the lost engine and completes the push on the others (see
+    :meth:`push`).
     """
 
     def __init__(self, engine: Any = None, source_maps: Optional[Mapping[str, MapLike]] = None,
@@ -180,7 +213,7 @@ class WeightSync:
                  host: str = "127.0.0.1", timeout_s: float = 600.0,
                  overlap_processing: Optional[bool] = None, quantize: Any = None,
                  config: Any = None, relay_waves: int = RELAY_WAVES,
-                 topology: Any = None) -> None:
+                 topology: Any = None, on_engine_lost: str = "fail") -> None:
         import torch.distributed as dist
         self._group = group
         self._overlap = overlap_processing
@@ -222,6 +255,9 @@ class WeightSync:
         elif not isinstance(host, str) or not host:
             bad = (f"host must be the name or address of this machine that the engine's "
                    f"workers reach, got {host!r} (trainer process {self._rank})")
+        elif on_engine_lost not in ("fail", "drop"):
+            bad = (f"on_engine_lost must be \"fail\" or \"drop\", got {on_engine_lost!r} "
+                   f"(trainer process {self._rank})")
         elif (source is None) == (source_maps is None):
             bad = (f"give the trainer's layout as source= (its module or state dict) or as "
                    f"source_maps=, one of the two (trainer process {self._rank})")
@@ -241,6 +277,16 @@ class WeightSync:
         self._engines = len(mine)
         self._drivers = [self._driver_of(e, [h[e] for h, _, _ in gathered], mine[e])
                          for e in range(self._engines)]
+        # The engines present, by number (stable while engines come and go), with this
+        # process's handle of each (its LLM, a URL, or None) and the process that drives it.
+        self._ids = list(range(self._engines))
+        self._next_id = self._engines
+        self._handles = dict(enumerate(mine))
+        self._driver_by_id = dict(enumerate(self._drivers))
+        self._target_arg = target_maps  # the constructor's engines' target maps
+        self._added_targets: dict[int, Any] = {}  # an added engine's, by number
+        self._on_lost = on_engine_lost
+        self.last_stats: Optional[SyncStats] = None
         self._source = source
         self._megatron = False  # source= is a Megatron-Core model (its maps are buffers)
         self._source_maps: dict[str, ParamMap] = {}
@@ -252,12 +298,23 @@ class WeightSync:
                 raise WeightSyncError(str(e)) from None
             self._source_maps = source_maps
         assert source_maps is not None
+        self._maps = source_maps
+        self._options = dict(backend=backend, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                             quantize=quantize, relay_waves=relay_waves, dtypes=dtypes)
+        self._topology = topology  # for the constructor's engines; later joins: given anew
+        self._timeout = float(timeout_s)
+        self._generation = 0  # joins of the sync's group
+        self._old_who: list[tuple[int, int]] = []  # the group's processes at the last join
+        self._comms: list[StoreGroup] = []
+        self._stages: list[Stage] = []
+        self._verifiers: dict[Any, Redistributor] = {}  # see verify()
         self._clients = {e: _Client(mine[e], timeout_s) for e, d in enumerate(self._drivers)
                          if d == self._rank}
         self._client = self._clients.get(0)
         prefix = f"reshard-{uuid.uuid4().hex}"
         store, where = None, None
-        if self._rank == self._drivers[0]:  # the store is served by the first engine's driver
+        self._serving = self._drivers[0]  # the trainer process serving the store, for good
+        if self._rank == self._serving:  # the store is served by the first engine's driver
             try:  # a host that is not this machine's is refused before the store waits on it
                 _check_host(host)
                 store = serve_store(host, timeout_s)
@@ -275,60 +332,137 @@ class WeightSync:
             except Exception as e:  # agreed once the engines have joined or failed to
                 joined = (f"trainer process {self._rank} could not reach the sync's store at "
                           f"{host}:{port}: {_message(e)}")
-        self._store = store
+        self._store, self._host, self._port, self._prefix = store, host, port, prefix
+        self._join(joined)
+
+    def _join(self, problem: Optional[str] = None, drop: bool = False) -> list[str]:
+        """(a collective over the trainer processes) The sync's group over the trainer
+        processes and the workers of the engines present (:attr:`_ids`), built over the
+        store under a prefix of its own, and the push's plan. ``drop``: an engine that does
+        not join (refuses, or does not join within ``timeout_s``) is dropped from the
+        membership and the others join again; what was dropped, and why, is returned.
+        Otherwise any refusal raises WeightSyncError on every trainer process."""
+        self._generation += 1
+        prefix = f"{self._prefix}/g{self._generation}"
+        self._engines = len(self._ids)
+        self._drivers = [self._driver_by_id[i] for i in self._ids]
+        self._clients = {e: _Client(self._handles[i], self._timeout)
+                         for e, i in enumerate(self._ids) if self._drivers[e] == self._rank}
+        self._client = self._clients.get(0)
+        self._verifiers = {}
+        backend, timeout_s = self._options["backend"], self._options["timeout_s"]
+        store, host, port = self._store, self._host, self._port
         inits = {k: client.later("init_weight_transfer_engine", {"init_info": {
             "host": host, "port": port, "prefix": prefix, "trainers": self._trainers,
-            "backend": backend, "timeout_s": timeout_s, "engine": k, "engines": self._engines}})
-            for k, client in self._clients.items()} if joined is None else {}
+            "backend": backend, "timeout_s": timeout_s, "engine": k, "engines": self._engines,
+            "sync": self._prefix}})
+            for k, client in self._clients.items()} if problem is None else {}
+        refused: dict[int, str] = {}  # (drop) engines that did not join, by position
         try:
-            self._workers = self._workers_of(store, prefix, inits, timeout_s, joined)
+            self._workers = self._workers_of(store, prefix, inits, timeout_s, problem,
+                                             refused if drop else None)
             comm = StoreGroup(store, prefix + "/pg", self._rank,
                               self._trainers + sum(self._workers), backend, timeout_s)
             self._comm = comm
+            self._comms = [comm]
             reports = [r for r in comm.gather_object(None) if r is not None]
             trainer_hosts = self._trainer_gather(socket.gethostname())
             plan = None
             if self._rank == 0:
                 try:
-                    plan = self._plan(reports, source_maps, target_maps, dtypes, bucket_bytes,
-                                      quantize, relay_waves, topology, trainer_hosts)
+                    if refused:  # the others join again, without them
+                        raise WeightSyncError("the engines join again without "
+                                              + ", ".join(map(self._which, refused)))
+                    plan = self._plan(reports, self._maps, self._given_targets(),
+                                      self._options["dtypes"], self._options["bucket_bytes"],
+                                      self._options["quantize"], self._options["relay_waves"],
+                                      self._topology, trainer_hosts)
                 except Exception as e:
                     plan = {"error": _message(e), "source": {}, "targets": [{}] * self._engines,
-                            "dtypes": [None] * self._engines, "bucket_bytes": bucket_bytes,
+                            "dtypes": [None] * self._engines,
+                            "bucket_bytes": self._options["bucket_bytes"],
                             "quantize": None, "workers": self._workers, "waves": None,
                             "topology": None}
             plan = comm.gather_object(plan)[0]
-            self._comms = [comm]
+            self._plan_json = plan
+            old = self._stages
             self._stages = plan_stages(
-                source_maps, plan, self._trainers,
+                self._maps, plan, self._trainers,
                 lane_groups(store, prefix, self._rank, comm, backend, timeout_s, self._comms),
                 plan["error"])
+            carry_delta(old, self._old_who, self._rank, self._stages,
+                        identities(self._trainers, self._workers, self._ids), self._rank,
+                        fresh=False)
+            self._old_who = identities(self._trainers, self._workers, self._ids)
             self._sync = self._stages[0].redistributor
             for stage in self._stages:  # verify's messages name engines and workers
                 for r in (stage.redistributor, getattr(stage.redistributor, "_final", None)):
                     if isinstance(r, Redistributor):
                         r._process_name = self._process_name
-            self._whole = whole_tensors(source_maps, self._trainers)
+            self._whole = whole_tensors(self._maps, self._trainers)
         except RedistributeError as e:
             self._finish_all(inits)
+            if refused:
+                return self._join_without(refused)
             raise WeightSyncError(str(e)) from None
         except BaseException as e:
-            problem = self._finish_all(inits)
-            if problem is not None:
-                raise WeightSyncError(f"the engine could not join: {problem}") from e
+            problem_ = self._finish_all(inits)
+            if problem_ is not None:
+                raise WeightSyncError(f"the engine could not join: {problem_}") from e
             raise
-        problem = self._finish_all(inits)
-        if problem is not None:
-            raise WeightSyncError(f"the engine could not join: {problem}")
+        problem_ = self._finish_all(inits)
+        if problem_ is not None:
+            raise WeightSyncError(f"the engine could not join: {problem_}")
         for k, client in self._clients.items():
             if any(r.get("open") for r in reports if r.get("engine", 0) == k):
                 # An update whose driving process was lost mid-push (the engine kept its old
                 # weights) is still open in vLLM, which refuses to start another until it is
                 # finished.
                 client.call("finish_weight_update")
+        return []
+
+    def _given_targets(self) -> Any:
+        """The target maps given for the engines present: the constructor's argument as it
+        was for the constructor's engines, else one map set (or None) per engine."""
+        if self._generation == 1:
+            return self._target_arg
+        given = self._target_arg
+        out = []
+        for i in self._ids:
+            if i in self._added_targets:
+                out.append(self._added_targets[i])
+            elif isinstance(given, Mapping) or given is None:
+                out.append(given)
+            else:
+                out.append(list(given)[i])
+        return out
+
+    def _join_without(self, refused: Mapping[int, str]) -> list[str]:
+        """The engines at positions ``refused`` dropped (their reasons agreed), the others
+        joined again: what was dropped, and why."""
+        self._shut_groups()
+        dropped = [f"{self._which(e)}: {why}" for e, why in sorted(refused.items())]
+        gone = {self._ids[e] for e in refused}
+        self._ids = [i for i in self._ids if i not in gone]
+        if not self._ids:
+            raise WeightSyncError("no engine is left to push to: " + "; ".join(dropped))
+        return dropped + self._join(drop=True)
+
+    def _shut_groups(self) -> None:
+        for group in self._comms:
+            group.shutdown()
+        self._comms = []
 
     def _which(self, e: int) -> str:
-        return "the engine" if self._engines == 1 else f"engine {e}"
+        """Engine at position ``e``, by its number."""
+        ids = getattr(self, "_ids", None)
+        number = ids[e] if ids is not None and e < len(ids) else e
+        return "the engine" if self._engines == 1 and number == 0 else f"engine {number}"
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """The numbers of the engines the next push goes to, in the schedule's order."""
+        return list(self._ids)
 
     def _driver_of(self, e: int, has: list[bool], engine: Any) -> int:
         """The trainer process that drives engine ``e``: the one given its LLM, or the first
@@ -387,20 +521,23 @@ class WeightSync:
         return out
 
     def _workers_of(self, store: Any, prefix: str, inits: Mapping[int, "_Background"],
-                    timeout_s: float, problem: Optional[str]) -> list[int]:
+                    timeout_s: float, problem: Optional[str],
+                    refused: Optional[dict[int, str]] = None) -> list[int]:
         """Each engine's worker count, which its worker 0 publishes on joining; an engine's
         driver publishes the engine's refusal instead when its init call fails first. Read
         from the store by the process that serves it alone, and agreed among the trainer
         processes (a collective), with ``problem`` (this process could not reach the store)
         and any store error: a process that read the store earlier never reads it after the
         serving process has gone, and every trainer process raises the same
-        WeightSyncError."""
+        WeightSyncError. ``refused`` (a dict, filled): an engine that refuses or does not join
+        within ``timeout_s`` is put there with its reason and counted as 0 workers, and the
+        others' counts returned (its workers read the refusal and stay out of the group)."""
         keys = [f"{prefix}/workers/{e}" for e in range(self._engines)]
-        serving = self._rank == self._drivers[0]
+        serving = self._rank == self._serving
         seen: Union[None, str, list[str]] = problem
         if problem is None and (serving or inits):
             try:  # the serving process waits for every engine, a driver for its own
-                seen = self._joined(store, keys, inits, timeout_s, serving)
+                seen = self._joined(store, keys, inits, timeout_s, serving, refused is not None)
             except WeightSyncError as e:
                 seen = str(e)
             except Exception as e:  # the store's process gone, or its timeout
@@ -410,28 +547,39 @@ class WeightSync:
         errors = [t for t in told if isinstance(t, str)]
         if errors:
             raise WeightSyncError(errors[0])
-        values = told[self._drivers[0]]
-        refusals = [f"{self._which(e)} could not join: {v[7:]}" if self._engines > 1 else
-                    f"the engine could not join: {v[7:]}"
-                    for e, v in enumerate(values) if v.startswith("error: ")]
-        if refusals:
-            raise WeightSyncError("; ".join(refusals))
-        return [int(v) for v in values]
+        values = told[self._serving]
+        refusals = {e: v[7:] for e, v in enumerate(values) if not v.isdigit()}
+        if refusals and refused is not None:
+            refused.update(refusals)
+        elif refusals:
+            raise WeightSyncError("; ".join(
+                f"{self._which(e)} could not join: {v}" if self._engines > 1 else
+                f"the engine could not join: {v}" for e, v in refusals.items()))
+        return [int(v) if v.isdigit() else 0 for v in values]
 
     def _joined(self, store: Any, keys: list[str], inits: Mapping[int, "_Background"],
-                timeout_s: float, serving: bool) -> Optional[list[str]]:
+                timeout_s: float, serving: bool, drop: bool = False) -> Optional[list[str]]:
         """(the serving process, or an engine's driver) Polls the store until every engine
         (the serving process) or this process's engines have joined or refused: the values
-        of the keys (the serving process), else None."""
+        of the keys (the serving process), else None. A key is set once (the first of the
+        engine's worker 0 and its refusal wins). ``drop``: an engine late at the deadline is
+        marked as refused rather than failing the join."""
         wanted = keys if serving else [keys[e] for e in inits]
         deadline = time.monotonic() + timeout_s
         while not store.check(wanted):
             for e, init in inits.items():
                 if not init.running() and not store.check([keys[e]]):
-                    store.set(keys[e], f"error: {init.result()}")  # the engine refused to join
+                    # the engine refused to join
+                    store.compare_set(keys[e], "", f"error: {init.result()}")
             if time.monotonic() > deadline:
                 late = [e for e, k in enumerate(keys) if k in wanted and not store.check([k])]
-                which = self._which(late[0]) if len(late) == 1 else f"engines {late}"
+                if drop and serving:
+                    for e in late:
+                        store.compare_set(keys[e], "", f"error: its workers did not join "
+                                          f"within {timeout_s} s")
+                    continue
+                which = self._which(late[0]) if len(late) == 1 else \
+                    f"engines {[self._ids[e] for e in late]}"
                 raise WeightSyncError(f"the workers of {which} did not join within "
                                       f"{timeout_s} s")
             time.sleep(0.05)
@@ -492,7 +640,8 @@ class WeightSync:
             waves = cut_waves([source, *targets], sizes, relay_waves)
         return {"error": None, "source": source, "targets": targets, "dtypes": types,
                 "bucket_bytes": bucket_bytes, "quantize": quantize, "workers": self._workers,
-                "waves": waves, "topology": text}
+                "waves": waves, "topology": text,
+                "ids": list(getattr(self, "_ids", range(count)))}
 
     def _engine_plan(self, reports: list[dict[str, Any]], source_maps: Mapping[str, MapLike],
                      target_maps: Optional[Mapping[str, MapLike]], dtypes: Any, e: int
@@ -554,10 +703,11 @@ class WeightSync:
     def _process_name(self, p: int) -> str:
         if p < self._trainers:
             return f"trainer {p}"
+        ids = getattr(self, "_ids", range(self._engines))
         for e in range(self._engines):
             ranks = engine_ranks(self._trainers, self._workers, e)
             if p in ranks:
-                return f"engine {e} worker {p - ranks.start}"
+                return f"engine {ids[e]} worker {p - ranks.start}"
         return f"process {p}"
 
     def _moved(self) -> tuple[int, int, int, dict[str, int]]:
@@ -574,7 +724,11 @@ class WeightSync:
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
         engine serving the weights it had. A process lost mid-push (see :meth:`_lost_peer`)
-        makes the others raise it within ``timeout_s``; this sync cannot push again.
+        makes the others raise it within ``timeout_s``; this sync cannot push again. With
+        ``on_engine_lost="drop"``, an engine lost mid-push (or before it: one that cannot
+        start an update) is dropped instead and the push made again, whole, on the others
+        (:meth:`_recover`), which commit it; :attr:`SyncStats.dropped` names what was
+        dropped, a RuntimeWarning says so, and :attr:`last_stats` keeps the stats.
         Before any byte moves the trainer processes agree that they make the same push
         (:func:`push_refusal`): one push of the sync at a time (another, from another thread,
         raises at once), the same tensors held whole on every process equal.
@@ -606,6 +760,33 @@ class WeightSync:
                 if hasattr(stage.redistributor, "_delta_base"):
                     stage.redistributor._delta_base = None
             raise
+
+    def verify(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
+               ) -> VerifyStats:
+        """Proves what every engine's workers serve now, without a push and without moving
+        the tensors (every trainer process calls it, between pushes, with its shards as for
+        :meth:`push`; built with ``source=``, the source as it is now): the fingerprints of
+        :meth:`push` (``verify=True``), computed by the trainer processes over what they hold
+        and by each worker over the parameters it serves. A worker can show a parameter only
+        where its served tensor still is in loading form (the shape and dtype the layout
+        loads): what vLLM's post-load processing replaced (on CPU, every linear layer's
+        weight, packed for oneDNN) is not compared, and is named in
+        :attr:`VerifyStats.unverified`. A difference raises WeightSyncError on every trainer
+        process, naming the engine, the worker, the tensor and the first differing element
+        with the value the worker holds; the engines' weights are left as they are."""
+        if self._options["quantize"] is not None:
+            raise WeightSyncError("verify() proves unquantized engines; with quantize=, "
+                                  "push(..., verify=True) proves what each worker loaded")
+        local, error = self._local_shards(shards)
+        found: dict[str, Any] = {}
+
+        def send() -> None:
+            found["pairs"], found["unverified"] = verify_engines(
+                self.transport, self._plan_json, self._trainers, -1, self._rank, local, None,
+                self._verifiers, error, self._process_name)
+        stats = self._push({"mode": "verify"}, send)
+        return VerifyStats(int(found.get("pairs", 0)), list(found.get("unverified", [])),
+                           stats.seconds)
 
     def _local_shards(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]]
                       ) -> tuple[Mapping[str, "torch.Tensor"], Optional[str]]:
@@ -665,11 +846,27 @@ class WeightSync:
                 raise WeightSyncError("a push of this WeightSync is in progress (in another "
                                       "thread); push again once it has returned")
             self._in_push, self._overlapped = True, False
+        dropped: list[str] = []
         try:
-            return self._push_alone(update, send, digest)
+            while True:
+                try:
+                    stats = self._push_alone(update, send, digest)
+                    break
+                except _Regrouped as r:  # an engine lost: the push again, on the others
+                    dropped += r.dropped
+                    self._warn_dropped(r.dropped)
+            if dropped:
+                stats = dataclasses.replace(stats, dropped=dropped)
+            if update.get("mode") == "plan":
+                self.last_stats = stats
+            return stats
         finally:
             with self._guard:
                 self._in_push = False
+
+    def _warn_dropped(self, dropped: Sequence[str]) -> None:
+        warnings.warn(f"reshard WeightSync dropped {'; '.join(dropped)}; later pushes go to "
+                      f"engines {self._ids}", RuntimeWarning, stacklevel=4)
 
     def _push_alone(self, update: dict[str, Any], send: Callable[[], Any],
                     digest: Callable[[], Optional[dict[str, str]]]) -> SyncStats:
@@ -685,6 +882,7 @@ class WeightSync:
         except Exception as ex:  # a shard that cannot be read: refused alike
             digests, refused = None, f"trainer process {self._rank}: {_message(ex)}"
         started = []
+        gone: dict[int, str] = {}  # (on_engine_lost="drop") engines that could not start
         for e, client in self._clients.items():
             if refused is not None:
                 break
@@ -692,18 +890,25 @@ class WeightSync:
                 client.call("start_weight_update")
                 started.append(client)
             except Exception as ex:
+                if self._on_lost == "drop" and update.get("mode") in ("plan", "verify"):
+                    gone[e] = f"it did not start an update: {_message(ex)}"
+                    continue
                 refused = f"{self._which(e)} did not start an update: {_message(ex)}"
                 break
         # Agreed among the trainer processes before any sends (the workers wait for none):
         # every engine started, the same push on every process.
         with self._guard:
             overlapped = self._overlapped
-        told = self._trainer_gather(PushClaim(refused, self._steps, digests, overlapped))
-        problem = push_refusal(told)
-        if problem is not None:
+        told = self._trainer_gather((PushClaim(refused, self._steps, digests, overlapped),
+                                     gone))
+        problem = push_refusal([claim for claim, _ in told])
+        lost = {e: why for _, g in told for e, why in g.items()}
+        if problem is not None or lost:
             for client in started:  # the engines that did start close their update
                 client.call("finish_weight_update")
-            raise WeightSyncError(problem)
+            if problem is not None:
+                raise WeightSyncError(problem)
+            raise self._regroup(lost)
         calls = {k: client.later("update_weights", {"update_info": update})
                  for k, client in self._clients.items()}
         try:
@@ -722,6 +927,9 @@ class WeightSync:
             replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
         except Exception as e:
             raise self._lost_peer(calls, e) from None
+        if update.get("mode") == "verify":
+            self._close_updates(calls)
+            return SyncStats(0, 0, 0, time.perf_counter() - start)
         # Every worker of every engine has committed, or (a worker's problem) every one kept
         # its old weights.
         failed = [r["error"] for r in replies if r["error"]]
@@ -736,7 +944,7 @@ class WeightSync:
         if problems:
             outcome = "; ".join(f"{self._which(k)}'s update failed: {p}"
                                 for k, p in problems.items())
-        elif update.get("mode") != "raw":
+        elif update.get("mode") not in ("raw", "verify"):
             # The new weights are served (each worker cleared its KV cache as it committed):
             # nothing computed with the old ones may answer a request.
             for k, client in self._clients.items():
@@ -771,11 +979,15 @@ class WeightSync:
                 problems[e] = problem
         return problems
 
-    def _lost_peer(self, calls: Mapping[int, "_Background"], e: Exception) -> WeightSyncError:
+    def _lost_peer(self, calls: Mapping[int, "_Background"], e: Exception) -> Exception:
         """A process of the group (a trainer process, a worker) was lost mid-push. The workers
         of all engines commit together, so each engine serves either the weights it had or,
         when every byte had reached every worker, the new ones; never a mix. The group is
-        unusable."""
+        unusable. With ``on_engine_lost="drop"`` and every trainer process alive, the engines
+        that were lost are dropped and the push is made again on the others
+        (:meth:`_recover`)."""
+        if self._on_lost == "drop":
+            return self._recover(calls, e)
         self._lost = (f"a push failed in the transfer, a process of the group lost "
                       f"({type(e).__name__}: {e}); the engine serves the weights it had, or "
                       "the new ones if every byte had reached it, never a mix")
@@ -786,6 +998,178 @@ class WeightSync:
                 except WeightSyncError:
                     pass  # the next WeightSync finishes it
         return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
+
+    def _recover(self, calls: Mapping[int, "_Background"], e: Exception) -> Exception:
+        """(on_engine_lost="drop") A push lost a process. Every step here waits at most a
+        bounded time, so that no trainer process is left waiting on one that is gone:
+
+        1. Each driving process waits for its engines' update calls (the survivors' workers
+           agree that the push is lost within ``timeout_s`` of the loss, put their old weights
+           back and return; a dead engine's call fails, or is given up after three times
+           ``timeout_s``): an engine whose call failed or did not return is lost.
+        2. The trainer processes check, through the sync's store (at most four times
+           ``timeout_s``, the first verdict written read by all), that every one of them is
+           alive: a lost trainer process (or the store's) fails the push as with "fail", and
+           the sync cannot push again.
+        3. They agree (over their own group, now known whole) on the lost engines, drop them,
+           and join the others in a new group of the sync; an engine that does not join is
+           dropped too. With no engine lost, the push fails (the new group is usable).
+        The caller then makes the push again, whole, on the engines left."""
+        why = f"{type(e).__name__}: {e}"
+        self._shut_groups()  # the workers still waiting on this process hear of it at once
+        deadline = time.monotonic() + 3 * self._timeout
+        dead: dict[int, str] = {}
+        for k, call in calls.items():
+            if not call.wait(max(0.0, deadline - time.monotonic())):
+                dead[k] = f"its update did not return within {3 * self._timeout:g} s"
+                continue
+            problem = call.result()
+            if problem is not None:
+                dead[k] = f"lost mid-push ({type(problem).__name__}: {problem})"
+                continue
+            try:  # the workers returned: close the update in vLLM
+                self._clients[k].call("finish_weight_update")
+            except Exception as ex:
+                dead[k] = f"lost mid-push ({_message(ex)})"
+        alive = self._trainers_alive()
+        if alive is not None:
+            self._lost = (f"a push failed in the transfer, a process of the group lost "
+                          f"({why}), and {alive}; the engines serve the weights they had, or "
+                          "the new ones if every byte had reached them, never a mix")
+            return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
+        return self._regroup({e_: w for d in self._trainer_gather(dead) for e_, w in d.items()},
+                             why)
+
+    def _regroup(self, lost: Mapping[int, str], why: Optional[str] = None) -> Exception:
+        """(a collective over the trainer processes) The engines at positions ``lost``
+        dropped, the others joined again: :class:`_Regrouped` for the caller to push again,
+        or the WeightSyncError to raise when nothing was dropped."""
+        for stage in self._stages:  # the push made again is whole
+            if hasattr(stage.redistributor, "_delta_base"):
+                stage.redistributor._delta_base = None
+        self._shut_groups()
+        self._topology = None  # a topology given for other engines: from host names now
+        dropped = [f"{self._which(e)} ({w})" for e, w in sorted(lost.items())]
+        gone = {self._ids[e] for e in lost}
+        self._ids = [i for i in self._ids if i not in gone]
+        if not self._ids:
+            self._lost = "every engine was lost: " + "; ".join(dropped)
+            return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
+        try:
+            dropped += self._join(drop=True)
+        except WeightSyncError as ex:
+            self._lost = f"the engines left could not join again: {ex}"
+            return WeightSyncError(f"{self._lost}; build a new WeightSync to push again")
+        if not dropped:
+            return WeightSyncError(f"a push failed in the transfer ({why}), and no engine was "
+                                   "lost; the engines keep the weights they had, and the "
+                                   "sync's group was joined again: push again")
+        return _Regrouped(dropped)
+
+    def _trainers_alive(self) -> Optional[str]:
+        """Every trainer process says it is alive through the store, and waits (at most four
+        times ``timeout_s``: the others may still be waiting for their engines' calls) to hear
+        the others; the verdict is the first one written, so that every trainer process reads
+        the same: None (all alive), or what is missing."""
+        import datetime
+        key = f"{self._prefix}/alive/{self._generation}/{self._steps}"
+        assert self._store is not None
+        try:
+            self._store.set(f"{key}/{self._rank}", "1")
+            try:
+                self._store.wait([f"{key}/{r}" for r in range(self._trainers)],
+                                 datetime.timedelta(seconds=4 * self._timeout))
+                verdict = "alive"
+            except Exception as e:  # a trainer process is missing
+                verdict = f"not every trainer process is alive ({_message(e)})"
+            verdict = self._store.compare_set(f"{key}/verdict", "", verdict).decode()
+        except Exception as e:  # the store's process is gone
+            verdict = f"the sync's store is lost ({_message(e)})"
+        return None if verdict == "alive" else verdict
+
+    # -- membership -------------------------------------------------------------------
+
+    def add_engine(self, engine: Any = None, *, target_maps: Optional[Mapping[str, MapLike]]
+                   = None, topology: Any = None) -> int:
+        """Adds an engine (a collective over the trainer processes, between pushes): its
+        ``LLM`` in the process that owns it (None in the others), or a server's URL (in one
+        process, or in all). The sync's group is joined again with it and the schedule
+        planned anew (``topology``: where the processes of the new membership run, None: from
+        their host names; ``target_maps``: the new engine's, None: learned from vLLM). The
+        next push sends the new engine the whole model; an exchange of the new schedule that
+        is the same as before for a process (same peers, same chunks) keeps its delta state,
+        so with ``delta=True`` the others take a delta there. Returns the engine's number. An
+        engine that cannot join raises WeightSyncError on every trainer process; the others
+        stay joined."""
+        number = self._next_id
+        flags = self._trainer_gather(engine is not None)
+        if not any(flags):
+            raise WeightSyncError("add_engine() was given no engine on any trainer process: "
+                                  "pass the LLM (or the server's URL) in the process that has "
+                                  "it, None in the others")
+        driver = self._driver_of(0, flags, engine)
+        self._check_between_pushes("add_engine")
+        self._next_id += 1
+        self._ids.append(number)
+        self._handles[number] = engine
+        self._driver_by_id[number] = driver
+        self._added_targets[number] = target_maps
+        self._topology = topology
+        self._shut_groups()
+        dropped = self._join(drop=True)
+        mine = [d for d in dropped if d.startswith(f"engine {number} ")
+                or d.startswith(f"engine {number}:")]
+        others = [d for d in dropped if d not in mine]
+        if others:
+            self._warn_dropped(others)
+        if mine:
+            raise WeightSyncError(f"the engine added could not join: {mine[0]}; the sync "
+                                  f"goes on with engines {self._ids}")
+        return number
+
+    def remove_engine(self, engine: Any = None, *, topology: Any = None) -> None:
+        """Removes an engine (a collective over the trainer processes, between pushes): its
+        number (:attr:`engine_ids`, what :meth:`add_engine` returned) in every process, or
+        its ``LLM`` / URL in the processes that have it (None in the others). The engine
+        leaves the sync's group (it keeps serving the weights it has); the others join a new
+        one and the schedule is planned anew for them (``topology`` as for
+        :meth:`add_engine`)."""
+        mine = None
+        if isinstance(engine, int) and not isinstance(engine, bool):
+            mine = engine
+        elif engine is not None:
+            mine = next((i for i in self._ids if self._handles.get(i) is engine or
+                         (isinstance(engine, str) and self._handles.get(i) == engine)), -1)
+        told = {m for m in self._trainer_gather(mine) if m is not None}
+        if len(told) != 1 or next(iter(told)) not in self._ids:
+            raise WeightSyncError(f"remove_engine() names no single engine of this sync "
+                                  f"(engines {self._ids}; given {sorted(told)}, -1: an engine "
+                                  "this sync does not have)")
+        if len(self._ids) == 1:
+            raise WeightSyncError("remove_engine() would leave no engine; close() the sync")
+        number = next(iter(told))
+        self._check_between_pushes("remove_engine")
+        e = self._ids.index(number)
+        if e in self._clients:
+            try:
+                self._clients[e].call("shutdown_weight_transfer_engine")
+            except Exception:  # gone already: it leaves the group all the same
+                pass
+        self._ids.remove(number)
+        self._topology = topology
+        self._shut_groups()
+        dropped = self._join(drop=True)
+        if dropped:
+            self._warn_dropped(dropped)
+
+    def _check_between_pushes(self, what: str) -> None:
+        with self._guard:
+            busy = self._in_push
+        if self._lost is not None:
+            raise WeightSyncError(f"{self._lost}; build a new WeightSync")
+        if any(self._trainer_gather(busy)):
+            raise WeightSyncError(f"{what}() while a push of this WeightSync is in progress; "
+                                  "call it between pushes")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
 
@@ -848,4 +1232,4 @@ class WeightSync:
         self._comm = None
 
 
-__all__ = ["SyncStats", "WeightSync", "WeightSyncError", "engine_maps"]
+__all__ = ["SyncStats", "VerifyStats", "WeightSync", "WeightSyncError", "engine_maps"]
