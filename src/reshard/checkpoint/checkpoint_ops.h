@@ -192,8 +192,9 @@ class ShardSource {
   virtual std::vector<std::string> inputs() const = 0;
   /// Whether ReadRegion reads its parameters: a source whose stored chunks are read straight
   /// into any box of a full tensor (Orbax's zarr chunks), so that a consumer needing one box (a
-  /// gather's tensor, a DCP chunk, a universal file) holds that box and one stored chunk rather
-  /// than every shard. Its shards hold no replicas to compare and no scaled pieces.
+  /// gather's tensor, a DCP chunk, a universal file, a convert's target shard that is a box)
+  /// holds that box and one stored chunk rather than every shard. Its shards hold no replicas
+  /// to compare and no scaled pieces.
   virtual bool ReadsRegions() const { return false; }
   /// The box [offsets, offsets + sizes) of parameter i's full tensor (valid shape, elements)
   /// into `out` (product(sizes) elements of its dtype, row-major): the values a Rebuild of
