@@ -29,7 +29,6 @@
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/checkpoint/universal/universal_files.h"
-#include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_file.h"
 #include "reshard/io/torch_writer.h"
