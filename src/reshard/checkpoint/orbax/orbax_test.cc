@@ -343,8 +343,8 @@ TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
       name += (name.empty() ? "" : ".") + k;
       text += (text.empty() ? "'" : ", '") + k + "'";
     }
-    tree += fmt::format(R"({}"({},)": {{"key_metadata": [{}], "value_metadata": {{"value_type": )"
-                        R"("jax.Array"}}}})",
+    tree += fmt::format(R"j({}"({},)": {{"key_metadata": [{}], "value_metadata": )j"
+                        R"j({{"value_type": "jax.Array"}}}})j",
                         tree.empty() ? "" : ", ", text, keys);
     Write(dir.path() / name / ".zarray",
           fmt::format(R"({{"zarr_format": 2, "shape": {}, "chunks": {}, "dtype": "{}", )"
