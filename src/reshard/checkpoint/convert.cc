@@ -174,7 +174,8 @@ std::optional<std::pair<Shape, Shape>> ShardAsBox(const ParamMap& map, Rank r) {
   Shape offsets(full.size());
   Index rest = p.source.offset;
   for (size_t k = 0; k < full.size(); ++k) {
-    if (p.shape[k] != 1 && (p.source.strides[k] != full_strides[k] || p.dest.strides[k] != dense[k]))
+    if (p.shape[k] != 1 &&
+        (p.source.strides[k] != full_strides[k] || p.dest.strides[k] != dense[k]))
       return std::nullopt;
     offsets[k] = rest / full_strides[k];
     rest %= full_strides[k];

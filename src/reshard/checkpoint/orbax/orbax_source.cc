@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <span>
-#include <nlohmann/json.hpp>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
@@ -150,7 +150,8 @@ namespace {
 // Whether `path` ends with `suffix`, element by element.
 bool EndsWith(const std::vector<std::string>& path, std::span<const std::string> suffix) {
   return suffix.size() <= path.size() &&
-         std::equal(suffix.begin(), suffix.end(), path.end() - static_cast<ptrdiff_t>(suffix.size()));
+         std::equal(suffix.begin(), suffix.end(),
+                    path.end() - static_cast<ptrdiff_t>(suffix.size()));
 }
 
 }  // namespace
@@ -180,8 +181,10 @@ OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c) {
       if (!a.path_is_index[k] && (a.path[k] == "mu" || a.path[k] == "nu")) break;
     }
     if (k == 0 || k + 1 >= a.path.size()) continue;
-    Moment m{i, std::vector<std::string>(a.path.begin(), a.path.begin() + static_cast<ptrdiff_t>(k)),
-             a.path[k] == "mu" ? "exp_avg" : "exp_avg_sq", {}};
+    Moment m{i,
+             std::vector<std::string>(a.path.begin(), a.path.begin() + static_cast<ptrdiff_t>(k)),
+             a.path[k] == "mu" ? "exp_avg" : "exp_avg_sq",
+             {}};
     const std::span<const std::string> param_path(a.path.begin() + static_cast<ptrdiff_t>(k) + 1,
                                                   a.path.end());
     for (size_t j = 0; j < arrays.size(); ++j) {
@@ -257,10 +260,9 @@ class OrbaxShardSource : public ShardSource {
     const size_t want = static_cast<size_t>(ProductOf(sizes)) * DTypeSize(array.zarr.dtype);
     if (offsets.size() != array.zarr.shape.size() || sizes.size() != offsets.size() ||
         out.size() < want) {
-      return InvalidArgumentError(fmt::format("\"{}\": a region of rank {} and {} bytes of {} {}",
-                                              array.name, sizes.size(), out.size(),
-                                              DTypeName(array.zarr.dtype),
-                                              FormatShape(array.zarr.shape)));
+      return InvalidArgumentError(
+          fmt::format("\"{}\": a region of rank {} and {} bytes of {} {}", array.name, sizes.size(),
+                      out.size(), DTypeName(array.zarr.dtype), FormatShape(array.zarr.shape)));
     }
     for (size_t d = 0; d < sizes.size(); ++d) {
       if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] + sizes[d] > array.zarr.shape[d]) {

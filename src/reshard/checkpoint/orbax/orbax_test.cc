@@ -1,8 +1,7 @@
 #include "reshard/checkpoint/orbax/orbax.h"
 
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
@@ -311,7 +310,6 @@ TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
   EXPECT_NE(c.status().message().find("\"y\" is not an axis of the mesh"), std::string::npos)
       << c.status().message();
 }
-
 
 // optax's Adam state for an optimizer given `params`' subtree: moments of "a.w" could be those
 // of "params.a.w" or "params.b.a.w" by their path; the prefix every moment shares ("params")

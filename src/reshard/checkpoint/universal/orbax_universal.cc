@@ -126,9 +126,8 @@ Result<std::vector<UniversalFile>> PlanOrbaxUniversal(const OrbaxCheckpoint& ckp
     const OrbaxArray& a = arrays[j];
     if (a.optimizer_state || drop.contains(a.name)) continue;
     if (a.name.empty() || a.name.find('/') != std::string::npos) {
-      return InvalidArgumentError(
-          fmt::format("\"{}\": \"{}\" cannot name a folder of the universal checkpoint", dir,
-                      a.name));
+      return InvalidArgumentError(fmt::format(
+          "\"{}\": \"{}\" cannot name a folder of the universal checkpoint", dir, a.name));
     }
     const std::string zero = fmt::format("{}/zero/{}", folder, a.name);
     if (!IsFp32Widenable(a.zarr.dtype)) {
@@ -137,25 +136,25 @@ Result<std::vector<UniversalFile>> PlanOrbaxUniversal(const OrbaxCheckpoint& ckp
     const auto it = states.find(j);
     const size_t n = it == states.end() ? 0 : it->second.size();
     if (n == 1) {
-      return FailedPreconditionError(fmt::format(
-          "\"{}\": \"{}\" has one of Adam's moments (\"{}\") without the other", dir, a.name,
-          arrays[it->second.begin()->second].name));
+      return FailedPreconditionError(
+          fmt::format("\"{}\": \"{}\" has one of Adam's moments (\"{}\") without the other", dir,
+                      a.name, arrays[it->second.begin()->second].name));
     }
     names.push_back(a.name);
     files.push_back(Fp32TensorFile(source, j, zero + "/fp32.pt", true, verify));
     if (n == 0) continue;  // a frozen parameter: fp32.pt alone
     for (const auto& [state, m] : it->second) {
       if (!IsFp32Widenable(arrays[m].zarr.dtype)) {
-        return FailedPreconditionError(
-            fmt::format("\"{}\": the {} of \"{}\" (\"{}\") is {}", dir, state, a.name,
-                        arrays[m].name, DTypeName(arrays[m].zarr.dtype)));
+        return FailedPreconditionError(fmt::format("\"{}\": the {} of \"{}\" (\"{}\") is {}", dir,
+                                                   state, a.name, arrays[m].name,
+                                                   DTypeName(arrays[m].zarr.dtype)));
       }
       used.insert(m);
-      files.push_back(Fp32TensorFile(source, m, fmt::format("{}/{}.pt", zero, state), false,
-                                     verify));
+      files.push_back(
+          Fp32TensorFile(source, m, fmt::format("{}/{}.pt", zero, state), false, verify));
     }
-    if (const auto count = found.counts.find(j); count != found.counts.end() &&
-                                                 !drop.contains(arrays[count->second].name)) {
+    if (const auto count = found.counts.find(j);
+        count != found.counts.end() && !drop.contains(arrays[count->second].name)) {
       used.insert(count->second);
       files.push_back(CountStepFile(source, count->second, zero + "/step.pt"));
     }

@@ -73,8 +73,8 @@ UniversalFile Fp32TensorFile(std::shared_ptr<ShardSource> source, size_t i, std:
                   for (size_t k = n; k-- > 0;) {
                     uint16_t narrow = 0;
                     std::memcpy(&narrow, out.data() + k * 2, 2);
-                    const float wide = t.dtype == DType::kBF16 ? BFloat16ToFloat(narrow)
-                                                               : HalfToFloat(narrow);
+                    const float wide =
+                        t.dtype == DType::kBF16 ? BFloat16ToFloat(narrow) : HalfToFloat(narrow);
                     std::memcpy(out.data() + k * 4, &wide, 4);
                   }
                   return Status::Ok();
