@@ -39,7 +39,8 @@ bool IsFp32Widenable(DType d) { return d == DType::kF32 || d == DType::kBF16 || 
 
 // step.pt: the integer count (a 0-d array, parameter `i` of `source`) as torch's Adam keeps its
 // step, a 0-d fp32 tensor.
-UniversalFile CountStepFile(std::shared_ptr<ShardSource> source, size_t i, std::string name) {
+UniversalFile CountStepFile(const std::shared_ptr<ShardSource>& source, size_t i,
+                            std::string name) {
   return {std::move(name), sizeof(float),
           [source, i](const std::string& path, const TorchWriteOptions& options) -> Status {
             const ShardedParam& c = source->manifest().params[i];
