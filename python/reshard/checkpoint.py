@@ -201,10 +201,11 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     ``max_shard_size``) it writes DeepSpeed's universal checkpoint instead, which DeepSpeed
     resumes from at any TP x DP (``reshard convert --to universal``). A PyTorch Distributed
     Checkpoint with Adam's state (FSDP2, TorchTitan) converts to the universal checkpoint's
-    per-parameter files too, and so does a Megatron-Core dist-ckpt with its distributed
-    optimizer's state (with ``config``, its model's config.json; docs/formats.md). What the
-    universal checkpoint has no place for (a module buffer; DCP state other than Adam's) is
-    refused unless ``drop`` names it (``reshard convert --drop KEY``).
+    per-parameter files too, and so do a Megatron-Core dist-ckpt with its distributed
+    optimizer's state (with ``config``, its model's config.json; docs/formats.md) and an Orbax
+    checkpoint with optax's Adam moments (docs/jax.md). What the universal checkpoint has no
+    place for (a module buffer; DCP state other than Adam's; an Orbax integer array) is refused
+    unless ``drop`` names it (``reshard convert --drop KEY``).
 
     With ``to="dcp"`` and ``world`` (no ``tp``, ``target_maps``, ``max_shard_size`` or
     ``distributed_config``) it writes a PyTorch Distributed Checkpoint saved for ``world``

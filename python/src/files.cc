@@ -249,18 +249,19 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
   });
 }
 
-// `reshard convert --to universal`: a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or
-// a Megatron-Core dist-ckpt (with its model's config.json) -> the universal checkpoint
-// DeepSpeed resumes from at any TP x DP.
+// `reshard convert --to universal`: a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint, a
+// Megatron-Core dist-ckpt (with its model's config.json) or an Orbax checkpoint with optax's
+// Adam moments -> the universal checkpoint DeepSpeed resumes from at any TP x DP.
 void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
                           const std::optional<std::string>& config,
                           const std::vector<std::string>& drop, const PyCheckpointOptions& o) {
   const bool megatron = IsMegatronCheckpoint(dir);
   const bool dcp = !megatron && IsDcpCheckpoint(dir);
-  if (!IsDeepSpeedCheckpoint(dir) && !dcp && !megatron) {
+  const bool orbax = !megatron && !dcp && IsOrbaxCheckpoint(dir);
+  if (!IsDeepSpeedCheckpoint(dir) && !dcp && !megatron && !orbax) {
     throw py::value_error(
-        "to=\"universal\" converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or "
-        "a Megatron-Core dist-ckpt; \"" +
+        "to=\"universal\" converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint, "
+        "a Megatron-Core dist-ckpt or an Orbax checkpoint with Adam's moments; \"" +
         dir + "\" is not one");
   }
   if (megatron != config.has_value()) {
@@ -272,12 +273,13 @@ void PyConvertToUniversal(const std::string& dir, const std::string& out_dir,
   }
   if (megatron && !drop.empty()) {
     throw py::value_error(
-        "drop= applies to to=\"universal\" from a PyTorch Distributed Checkpoint or a DeepSpeed "
-        "checkpoint");
+        "drop= applies to to=\"universal\" from a PyTorch Distributed Checkpoint, a DeepSpeed "
+        "checkpoint or an Orbax checkpoint");
   }
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     options.drop = drop;
     if (megatron) return ConvertMegatronToUniversal(dir, *config, out_dir, options);
+    if (orbax) return ConvertOrbaxToUniversal(dir, out_dir, options);
     return dcp ? ConvertDcpToUniversal(dir, out_dir, options)
                : ConvertDeepSpeedToUniversal(dir, out_dir, options);
   });

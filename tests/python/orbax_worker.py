@@ -84,11 +84,44 @@ def optimizer_tree(mesh, params):
     return {"params": params["params"], "opt_state": leaves, "step": params["step"]}
 
 
+def optax_tree(mesh, whole):
+    """A model's parameters and optax's AdamW state after two updates, as a trainer saves them:
+    {"params", "opt_state", "step"}. The optimizer holds the tree with its "params" key when
+    `whole` (Adam's moments at opt_state.0.mu.params.*), else the subtree under it
+    (opt_state.0.mu.*). bf16 and f16 parameters keep moments of their own dtype."""
+    import optax
+
+    rng = np.random.default_rng(30)
+    axes = mesh.axis_names
+    a0, a1 = axes[0], axes[-1]
+    both = tuple(axes) if len(axes) > 1 else axes[0]
+
+    def put(shape, dtype, spec):
+        return jax.device_put(values(rng, shape, dtype), NamedSharding(mesh, spec))
+
+    params = {"embed": {"embedding": put((16, 12), "float32", P(a0, a1 if a1 != a0 else None))},
+              "layers": [{"kernel": put((12, 8), "bfloat16", P(None, both))},
+                         {"kernel": put((8, 8), "float32", P(both, None)),
+                          "bias": put((8,), "float16", P())}],
+              "norm": {"scale": put((8,), "float32", P())}}
+    target = {"params": params} if whole else params
+    tx = optax.adamw(1e-2)
+    state = tx.init(target)
+    for _ in range(2):
+        grads = jax.tree_util.tree_map(
+            lambda x: jax.device_put(values(rng, x.shape, str(x.dtype)), x.sharding), target)
+        updates, state = tx.update(grads, state, target)
+        target = optax.apply_updates(target, updates)
+    return {"params": target["params"] if whole else target, "opt_state": state,
+            "step": put((), "int32", P())}
+
+
 def save_args(tree):
     """Orbax's default for every leaf but one, saved in chunks of at most 8 bytes (a row of
     the uneven (16, 6) kernel's box: chunks of 1 x 3 that tile it)."""
     args = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(), tree)
-    args["params"]["decoder"]["layers"][1]["kernel"] = ocp.SaveArgs(chunk_byte_size=8)
+    if "decoder" in args["params"]:
+        args["params"]["decoder"]["layers"][1]["kernel"] = ocp.SaveArgs(chunk_byte_size=8)
     return args
 
 
@@ -180,6 +213,9 @@ def main():
         "zarr3": (tree_on(mesh8, 4), {"use_ocdbt": False, "use_zarr3": True}),
         # with optimizer state
         "optimizer": (optimizer_tree(mesh24, tree_on(mesh24, 5)), {}),
+        # optax's AdamW state, the optimizer given the params' subtree / the whole tree
+        "optax": (optax_tree(mesh24, whole=False), {}),
+        "optax8": (optax_tree(mesh8, whole=True), {"use_zarr3": True}),
     }
     for name, (tree, args) in cases.items():
         item = out / name

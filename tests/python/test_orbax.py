@@ -275,3 +275,84 @@ def test_convert_to_orbax_refusals(reshard_bin, orbax_dir, tmp_path, mesh, specs
     assert r.returncode == code, (r.returncode, r.stderr)
     assert message in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# optax's AdamW state saved by Orbax (orbax_worker.optax_tree): what the optimizer's tree adds
+# before a parameter's path under "params." in the moments' paths.
+OPTAX = {"optax": "", "optax8": "params."}
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                "I32": torch.int32}
+
+
+def as_tensor(entry):
+    dtype, shape, data = entry
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
+
+
+def adam_states(want, case):
+    """{param: {"fp32": its value, "exp_avg": mu, "exp_avg_sq": nu}} from Orbax's restore, and
+    the count."""
+    out = {}
+    for p in (n for n in want if n.startswith("params.")):
+        rest = OPTAX[case] + p[len("params."):]
+        out[p] = {"fp32": as_tensor(want[p]),
+                  "exp_avg": as_tensor(want["opt_state.0.mu." + rest]),
+                  "exp_avg_sq": as_tensor(want["opt_state.0.nu." + rest])}
+    return out, as_tensor(want["opt_state.0.count"])
+
+
+@pytest.mark.parametrize("case", sorted(OPTAX))
+def test_optax_moments_to_universal(reshard_bin, orbax_dir, tmp_path, case):
+    """Adam's mu and nu become each parameter's exp_avg.pt and exp_avg_sq.pt, widened to fp32
+    as torch.load reads them, the count its step.pt; the top-level step has no file and is
+    refused until dropped."""
+    out = tmp_path / "universal"
+    r = run(reshard_bin, "convert", orbax_dir / case, "--to", "universal", "-o", out)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert '"step"' in r.stderr and "--drop" in r.stderr
+    assert not out.exists()
+    r = run(reshard_bin, "convert", orbax_dir / case, "--to", "universal", "--drop", "step",
+            "-o", out)
+    assert r.returncode == 0, r.stderr
+    states, count = adam_states(truth(orbax_dir, case), case)
+    assert len(states) == 5 and int(count) == 2
+    zero = out / (out / "latest_universal").read_text() / "zero"
+    for p, want in states.items():
+        for state, value in want.items():
+            t = torch.load(zero / p / f"{state}.pt", weights_only=True)["param"]
+            assert t.dtype == torch.float32, (p, state)
+            assert torch.equal(t, value.float()), (p, state)
+        step = torch.load(zero / p / "step.pt", weights_only=True)
+        assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == 2.0
+    groups = torch.load(zero / "optimizer_state.pt", weights_only=True)["param_groups"]
+    assert sorted(groups[0]["params"]) == sorted(states)
+    # reshard reads its output back: the fp32 weights
+    r = run(reshard_bin, "gather", out, "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    back = gathered(tmp_path / "hf")
+    assert sorted(back) == sorted(states)
+    assert all(torch.equal(back[p], states[p]["fp32"].float()) for p in states)
+
+
+def test_optax_moments_to_dcp_as_the_optimizers_state(reshard_bin, orbax_dir, tmp_path):
+    """Through DCP at 3 ranks (chunk by chunk from the zarr chunks): mu and nu at
+    optim.state.<param>.exp_avg / exp_avg_sq, in their own dtype, as torch reads them back."""
+    r = run(reshard_bin, "convert", orbax_dir / "optax", "--to", "dcp", "--world", 3, "-o",
+            tmp_path / "dcp")
+    assert r.returncode == 0, r.stderr
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "state.pt"))
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    want = truth(orbax_dir, "optax")
+    states, count = adam_states(want, "optax")
+    for p, s in states.items():
+        assert torch.equal(state[p], s["fp32"]), p
+        for moment in ("exp_avg", "exp_avg_sq"):
+            got = state["optim"]["state"][p][moment]
+            assert got.dtype == s[moment].dtype and torch.equal(got, s[moment]), (p, moment)
+    assert torch.equal(state["opt_state.0.count"], count)
+    assert sorted(state["optim"]["state"]) == sorted(states)
+    r = run(reshard_bin, "inspect", orbax_dir / "optax")
+    assert "(optimizer state: exp_avg_sq of params.layers.0.kernel)" in r.stdout, r.stdout
+    r = run(reshard_bin, "gather", orbax_dir / "optax8", "--optimizer-state", "-o", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    assert "params.layers.1.bias.exp_avg" in gathered(tmp_path / "hf")

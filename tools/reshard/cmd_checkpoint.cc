@@ -388,8 +388,8 @@ Status RunGather(const GatherArgs& args) {
   return Status::Ok();
 }
 
-// convert --to universal: a DeepSpeed checkpoint into the universal checkpoint DeepSpeed
-// resumes from at any TP x DP.
+// convert --to universal: a DeepSpeed, DCP, Megatron-Core or Orbax checkpoint into the universal
+// checkpoint DeepSpeed resumes from at any TP x DP.
 Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& options) {
   if (args.tp != 0 || args.world != 0 || !args.target_maps.empty() || args.weights_only ||
       !args.max_shard_size.empty()) {
@@ -401,10 +401,11 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   // Before DCP: a Megatron-Core checkpoint is a DCP checkpoint with a metadata.json.
   const bool megatron = IsMegatronCheckpoint(args.input);
   const bool dcp = !megatron && IsDcpCheckpoint(args.input);
-  if (!IsDeepSpeedCheckpoint(args.input) && !dcp && !megatron) {
+  const bool orbax = !megatron && !dcp && IsOrbaxCheckpoint(args.input);
+  if (!IsDeepSpeedCheckpoint(args.input) && !dcp && !megatron && !orbax) {
     return InvalidArgumentError(
-        "--to universal converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint or a "
-        "Megatron-Core dist-ckpt; \"" +
+        "--to universal converts a DeepSpeed checkpoint, a PyTorch Distributed Checkpoint, a "
+        "Megatron-Core dist-ckpt or an Orbax checkpoint with Adam's moments; \"" +
         args.input + "\" is not one");
   }
   if (megatron && args.config.empty()) {
@@ -419,13 +420,14 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
   }
   if (megatron && !args.drop.empty()) {
     return InvalidArgumentError(
-        "--drop applies to --to universal from a PyTorch Distributed Checkpoint or a DeepSpeed "
-        "checkpoint");
+        "--drop applies to --to universal from a PyTorch Distributed Checkpoint, a DeepSpeed "
+        "checkpoint or an Orbax checkpoint");
   }
   const auto t0 = std::chrono::steady_clock::now();
   RESHARD_RETURN_IF_ERROR(WithForceHint(
       megatron ? ConvertMegatronToUniversal(args.input, args.config, args.output, options)
       : dcp    ? ConvertDcpToUniversal(args.input, args.output, options)
+      : orbax  ? ConvertOrbaxToUniversal(args.input, args.output, options)
                : ConvertDeepSpeedToUniversal(args.input, args.output, options),
       args.force));
   const double seconds = Seconds(t0);
@@ -731,8 +733,9 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
   cmd->add_option("--to", args->to,
                   "universal: write the DeepSpeed universal checkpoint of a DeepSpeed checkpoint "
                   "(what ds_to_universal writes; OUT/latest_universal names its folder), or the "
-                  "per-parameter files of one from a DCP checkpoint with Adam's state or a "
-                  "Megatron-Core checkpoint with its distributed optimizer's; dcp: a "
+                  "per-parameter files of one from a DCP checkpoint with Adam's state, a "
+                  "Megatron-Core checkpoint with its distributed optimizer's or an Orbax "
+                  "checkpoint with optax's Adam moments; dcp: a "
                   "PyTorch Distributed Checkpoint saved for --world ranks (from a DCP checkpoint: "
                   "its keys and non-tensor values kept); orbax: an Orbax checkpoint item on "
                   "--mesh (docs/jax.md)")
@@ -777,7 +780,8 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                 "read each replicated block from one holder without comparing the others");
   cmd->add_option("--drop", args->drop,
                   "with --to universal: leave out this tensor of the input (repeatable), one the "
-                  "universal checkpoint cannot hold (a buffer; optimizer state other than Adam's), "
+                  "universal checkpoint cannot hold (a buffer, an integer array; optimizer state "
+                  "other than Adam's), "
                   "which is refused otherwise")
       ->allow_extra_args(false);
   AddDequantizeFlags(cmd, *args,

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -189,6 +190,20 @@ class ShardSource {
   virtual void ReleaseShards(size_t i) = 0;
   /// The paths it reads, which an output may not be, contain or lie inside.
   virtual std::vector<std::string> inputs() const = 0;
+  /// Whether ReadRegion reads its parameters: a source whose stored chunks are read straight
+  /// into any box of a full tensor (Orbax's zarr chunks), so that a consumer needing one box (a
+  /// gather's tensor, a DCP chunk, a universal file, a convert's target shard that is a box)
+  /// holds that box and one stored chunk rather than every shard. Its shards hold no replicas
+  /// to compare and no scaled pieces.
+  virtual bool ReadsRegions() const { return false; }
+  /// The box [offsets, offsets + sizes) of parameter i's full tensor (valid shape, elements)
+  /// into `out` (product(sizes) elements of its dtype, row-major): the values a Rebuild of
+  /// its shards gives there. Unimplemented unless ReadsRegions().
+  virtual Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
+                            std::span<std::byte> out) {
+    (void)i, (void)offsets, (void)sizes, (void)out;
+    return UnimplementedError("this source reads whole shards, not regions");
+  }
 };
 
 /// Acquires parameter i's shards from a source and releases them when it goes out of scope

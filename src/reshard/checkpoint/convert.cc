@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/collective_output.h"
@@ -149,6 +150,40 @@ std::vector<int> Verifiers(const Manifest& target, const std::vector<OutputFile>
   return verifier;
 }
 
+// The box of F (offsets, sizes) that rank r's shard of `map` is, row-major, when it is one: a
+// single unscaled piece filling the shard densely from its start, walking F with F's own
+// row-major strides (rows or columns of a split, a replica); nullopt otherwise (a buffered
+// shard, several pieces, an interleaved view, padding).
+std::optional<std::pair<Shape, Shape>> ShardAsBox(const ParamMap& map, Rank r) {
+  const RankShard& s = map.rank(r);
+  if (map.has_padding() || s.is_buffered() || s.pieces.size() != 1) return std::nullopt;
+  const Piece& p = s.pieces[0];
+  const Shape& full = map.valid_shape();
+  if (p.scale != 1.0 || p.shape.size() != full.size() || p.num_elements() == 0 ||
+      ProductOf(s.shard_shape) != p.num_elements() || p.dest.offset != 0) {
+    return std::nullopt;
+  }
+  Shape full_strides(full.size()), dense(full.size());
+  Index f = 1, d = 1;
+  for (size_t k = full.size(); k-- > 0;) {
+    full_strides[k] = f;
+    dense[k] = d;
+    f *= full[k];
+    d *= p.shape[k];
+  }
+  Shape offsets(full.size());
+  Index rest = p.source.offset;
+  for (size_t k = 0; k < full.size(); ++k) {
+    if (p.shape[k] != 1 &&
+        (p.source.strides[k] != full_strides[k] || p.dest.strides[k] != dense[k]))
+      return std::nullopt;
+    offsets[k] = rest / full_strides[k];
+    rest %= full_strides[k];
+    if (offsets[k] + p.shape[k] > full[k]) return std::nullopt;
+  }
+  return std::pair{std::move(offsets), p.shape};
+}
+
 }  // namespace
 
 Status Convert(const std::string& sharded_dir, int world_size,
@@ -196,6 +231,15 @@ Status ConvertFrom(ShardSource& source, int world_size,
   return WriteSharded(
       out_dir, source.inputs(), dst, options, files, owners, counters,
       [&](size_t i, Rank r, std::span<std::byte> buffer) -> Status {
+        // A source that reads regions fills a shard that is a box of F from the stored chunks
+        // it overlaps, without the source's shards (their replicas hold one copy each).
+        if (source.ReadsRegions()) {
+          if (buffer.empty()) return Status::Ok();
+          if (const auto box = ShardAsBox(dst.params[i].map, r)) {
+            counters.read += buffer.size();
+            return source.ReadRegion(i, box->first, box->second, buffer);
+          }
+        }
         AcquiredShards sources(source, i);
         RESHARD_RETURN_IF_ERROR(sources.status());
         if (options.verify_replicas && verifiers[i] == comm.rank()) {

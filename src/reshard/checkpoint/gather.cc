@@ -78,6 +78,10 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
                    std::span<std::byte> buffer, Counters& counters) {
   const ShardedParam& param = source.manifest().params[i];
   const ParamMap& map = param.map;
+  if (source.ReadsRegions()) {  // straight from the stored chunks, one at a time
+    counters.read += buffer.size();
+    return source.ReadRegion(i, Shape(map.valid_shape().size(), 0), map.valid_shape(), buffer);
+  }
   AcquiredShards shards(source, i);
   RESHARD_RETURN_IF_ERROR(shards.status());
   std::vector<std::byte> padded;

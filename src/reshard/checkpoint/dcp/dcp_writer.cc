@@ -513,6 +513,13 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
       const DcpWriteChunk& chunk = pt.dcp.chunks[c];
       const auto fill = [&](std::span<std::byte> buffer) -> Status {
         if (buffer.empty()) return Status::Ok();
+        if (source.ReadsRegions()) {  // the chunk's box alone, from the stored chunks
+          bytes_read += buffer.size();
+          RESHARD_RETURN_IF_ERROR(
+              source.ReadRegion(pt.dcp.param, chunk.offsets, chunk.sizes, buffer));
+          progress.Add(buffer.size());
+          return Status::Ok();
+        }
         AcquiredShards shards(source, pt.dcp.param);
         RESHARD_RETURN_IF_ERROR(shards.status());
         if (options.verify_replicas) {

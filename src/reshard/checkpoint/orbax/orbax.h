@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -132,10 +133,34 @@ bool IsOrbaxCheckpoint(const std::string& path);
 std::string OrbaxSummaryText(const OrbaxCheckpoint& c);
 std::string OrbaxSummaryJson(const OrbaxCheckpoint& c);
 
+/// Adam's moments in an optimizer's state, matched to the model's arrays they belong to: optax's
+/// ScaleByAdamState (what adam, adamw, lamb... keep) is saved as `<state path>.mu.<param path>`
+/// and `<state path>.nu.<param path>` beside `<state path>.count`, where `<param path>` is the
+/// path of the parameter inside the tree the optimizer was given (`params.decoder.kernel`'s
+/// moment: `opt_state.0.mu.decoder.kernel` when the optimizer holds `params`' subtree,
+/// `opt_state.0.mu.params.decoder.kernel` when it holds the tree with its `params` key). A moment
+/// is matched to the model array (one outside the optimizer's state) whose path ends with its
+/// `<param path>` and whose shape is its own; where several do, to the one under the prefix
+/// most moments share (the tree given to the optimizer).
+struct OrbaxMoments {
+  /// Per moment (an index of arrays()): its model array's index and its name as a state of that
+  /// parameter, "exp_avg" (mu) or "exp_avg_sq" (nu).
+  std::map<size_t, std::pair<size_t, std::string>> moments;
+  /// Per model array with a moment: the `count` beside its mu (a 0-d integer array), the
+  /// optimizer's step, when there is one.
+  std::map<size_t, size_t> counts;
+};
+OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c);
+
 /// The checkpoint's arrays as a ShardSource: one parameter per array (its name, the map of its
 /// devices' boxes, layout DcpDefaultLayout), world size = the devices; with `weights_only`,
-/// optimizer state left out. Memory: the array being worked on, each box read once for all
-/// the devices that hold it.
+/// optimizer state left out. Adam's moments (FindOrbaxMoments) are named as reshard names a
+/// parameter's optimizer state, "<param>.exp_avg" and "<param>.exp_avg_sq" (unless a model
+/// array has that name), so that a DCP output holds them as the optimizer's state of the
+/// parameter and a universal one as its exp_avg.pt and exp_avg_sq.pt; every other leaf keeps
+/// its own name. Memory: ReadRegion reads a box from the stored chunks it overlaps, one chunk
+/// at a time (ReadsRegions); AcquireShards holds the array's devices' boxes, each read once for
+/// all the devices that hold it.
 std::unique_ptr<ShardSource> OrbaxSource(std::shared_ptr<const OrbaxCheckpoint> ckpt,
                                          bool weights_only);
 

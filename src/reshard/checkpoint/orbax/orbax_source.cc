@@ -2,10 +2,14 @@
 // ShardSource, and the opener of the table of formats.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <span>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
@@ -73,7 +77,14 @@ std::string OrbaxSummaryText(const OrbaxCheckpoint& c) {
                                 c.storage(), c.arrays().size(), c.arrays().size() == 1 ? "" : "s",
                                 c.world_size(), c.world_size() == 1 ? "" : "s");
   std::string last_mesh;
-  for (const OrbaxArray& a : c.arrays()) {
+  const OrbaxMoments moments = FindOrbaxMoments(c);
+  for (size_t i = 0; i < c.arrays().size(); ++i) {
+    const OrbaxArray& a = c.arrays()[i];
+    std::string note = a.optimizer_state ? "  (optimizer state)" : "";
+    if (const auto it = moments.moments.find(i); it != moments.moments.end()) {
+      note = fmt::format("  (optimizer state: {} of {})", it->second.second,
+                         c.arrays()[it->second.first].name);
+    }
     if (a.sharding && a.sharding->type == "NamedSharding") {
       const std::string mesh = MeshText(*a.sharding);
       if (mesh != last_mesh) out += fmt::format("  mesh {}\n", mesh);
@@ -82,8 +93,7 @@ std::string OrbaxSummaryText(const OrbaxCheckpoint& c) {
     out += fmt::format("  {}  {} {}  {}  write {} chunk {}{}{}\n", a.name, DTypeName(a.zarr.dtype),
                        FormatShape(a.zarr.shape), SpecText(a), FormatShape(a.write_shape),
                        FormatShape(a.zarr.chunk_shape),
-                       a.zarr.sharded ? " inner " + FormatShape(a.zarr.inner_shape) : "",
-                       a.optimizer_state ? "  (optimizer state)" : "");
+                       a.zarr.sharded ? " inner " + FormatShape(a.zarr.inner_shape) : "", note);
   }
   for (const auto& [name, type] : c.others()) {
     out += fmt::format("  {}  {} (not an array: left out)\n", name, type);
@@ -97,7 +107,9 @@ std::string OrbaxSummaryJson(const OrbaxCheckpoint& c) {
                                 {"items", c.items()},
                                 {"devices", c.device_ids()}};
   nlohmann::ordered_json arrays = nlohmann::ordered_json::array();
-  for (const OrbaxArray& a : c.arrays()) {
+  const OrbaxMoments moments = FindOrbaxMoments(c);
+  for (size_t i = 0; i < c.arrays().size(); ++i) {
+    const OrbaxArray& a = c.arrays()[i];
     nlohmann::ordered_json one = {{"name", a.name},
                                   {"path", a.path},
                                   {"value_type", a.value_type},
@@ -109,6 +121,10 @@ std::string OrbaxSummaryJson(const OrbaxCheckpoint& c) {
                                   {"zstd", a.zarr.zstd},
                                   {"optimizer_state", a.optimizer_state}};
     if (a.zarr.sharded) one["inner_chunk_shape"] = a.zarr.inner_shape;
+    if (const auto it = moments.moments.find(i); it != moments.moments.end()) {
+      one["moment_of"] = {{"param", c.arrays()[it->second.first].name},
+                          {"state", it->second.second}};
+    }
     if (a.sharding) {
       nlohmann::ordered_json s = {{"type", a.sharding->type}};
       if (a.sharding->type == "NamedSharding") {
@@ -131,21 +147,132 @@ std::string OrbaxSummaryJson(const OrbaxCheckpoint& c) {
 
 namespace {
 
+// Whether `path` ends with `suffix`, element by element.
+bool EndsWith(const std::vector<std::string>& path, std::span<const std::string> suffix) {
+  return suffix.size() <= path.size() &&
+         std::equal(suffix.begin(), suffix.end(),
+                    path.end() - static_cast<ptrdiff_t>(suffix.size()));
+}
+
+}  // namespace
+
+OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c) {
+  const std::vector<OrbaxArray>& arrays = c.arrays();
+  // Per moment: where its state sits (the path before mu/nu), which, and the model arrays it
+  // may belong to, each with the prefix its parameter path is found under.
+  struct Candidate {
+    size_t array;
+    std::vector<std::string> prefix;
+  };
+  struct Moment {
+    size_t array;
+    std::vector<std::string> state;
+    std::string which;
+    std::vector<Candidate> candidates;
+  };
+  std::vector<Moment> moments;
+  std::map<std::vector<std::string>, size_t> prefix_votes;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const OrbaxArray& a = arrays[i];
+    if (!a.optimizer_state) continue;
+    // The last "mu" or "nu" dict key with a parameter path after it.
+    size_t k = a.path.size();
+    while (k-- > 1) {
+      if (!a.path_is_index[k] && (a.path[k] == "mu" || a.path[k] == "nu")) break;
+    }
+    if (k == 0 || k + 1 >= a.path.size()) continue;
+    Moment m{i,
+             std::vector<std::string>(a.path.begin(), a.path.begin() + static_cast<ptrdiff_t>(k)),
+             a.path[k] == "mu" ? "exp_avg" : "exp_avg_sq",
+             {}};
+    const std::span<const std::string> param_path(a.path.begin() + static_cast<ptrdiff_t>(k) + 1,
+                                                  a.path.end());
+    for (size_t j = 0; j < arrays.size(); ++j) {
+      const OrbaxArray& p = arrays[j];
+      if (p.optimizer_state || p.zarr.shape != a.zarr.shape || !EndsWith(p.path, param_path)) {
+        continue;
+      }
+      std::vector<std::string> prefix(p.path.begin(),
+                                      p.path.end() - static_cast<ptrdiff_t>(param_path.size()));
+      ++prefix_votes[prefix];
+      m.candidates.push_back({j, std::move(prefix)});
+    }
+    if (!m.candidates.empty()) moments.push_back(std::move(m));
+  }
+  OrbaxMoments out;
+  std::set<std::pair<size_t, std::string>> taken;  // (model array, state)
+  for (const Moment& m : moments) {
+    const Candidate* best = nullptr;
+    for (const Candidate& cand : m.candidates) {
+      if (best == nullptr || prefix_votes[cand.prefix] > prefix_votes[best->prefix] ||
+          (prefix_votes[cand.prefix] == prefix_votes[best->prefix] &&
+           cand.prefix.size() < best->prefix.size())) {
+        best = &cand;
+      }
+    }
+    if (!taken.emplace(best->array, m.which).second) continue;  // two claim it: the first has it
+    out.moments.emplace(m.array, std::pair{best->array, m.which});
+    if (m.which != "exp_avg") continue;
+    // The count beside mu: the optimizer's step.
+    for (size_t j = 0; j < arrays.size(); ++j) {
+      const OrbaxArray& n = arrays[j];
+      if (n.optimizer_state && n.path.size() == m.state.size() + 1 && n.path.back() == "count" &&
+          std::equal(m.state.begin(), m.state.end(), n.path.begin()) && n.zarr.shape.empty() &&
+          DTypeKindOf(n.zarr.dtype) == DTypeKind::kInt) {
+        out.counts.emplace(best->array, j);
+      }
+    }
+  }
+  return out;
+}
+
+namespace {
+
 class OrbaxShardSource : public ShardSource {
  public:
   OrbaxShardSource(std::shared_ptr<const OrbaxCheckpoint> ckpt, bool weights_only)
       : ckpt_(std::move(ckpt)) {
     manifest_.world_size = ckpt_->world_size();
-    for (size_t i = 0; i < ckpt_->arrays().size(); ++i) {
-      const OrbaxArray& a = ckpt_->arrays()[i];
+    const std::vector<OrbaxArray>& arrays = ckpt_->arrays();
+    std::set<std::string> names;
+    for (const OrbaxArray& a : arrays) names.insert(a.name);
+    const OrbaxMoments moments = FindOrbaxMoments(*ckpt_);
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      const OrbaxArray& a = arrays[i];
       if (weights_only && a.optimizer_state) continue;
-      manifest_.params.push_back(
-          ShardedParam{a.name, a.zarr.dtype, ckpt_->map(i), DcpDefaultLayout(a.zarr.shape), 1});
+      std::string name = a.name;
+      if (const auto it = moments.moments.find(i); it != moments.moments.end()) {
+        std::string state = arrays[it->second.first].name + "." + it->second.second;
+        if (!names.contains(state)) name = std::move(state);
+      }
+      manifest_.params.push_back(ShardedParam{std::move(name), a.zarr.dtype, ckpt_->map(i),
+                                              DcpDefaultLayout(a.zarr.shape), 1});
       which_.push_back(i);
     }
   }
   const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override { return ckpt_->inputs(); }
+  bool ReadsRegions() const override { return true; }
+  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
+                    std::span<std::byte> out) override {
+    const size_t a = which_[i];
+    const OrbaxArray& array = ckpt_->arrays()[a];
+    const size_t want = static_cast<size_t>(ProductOf(sizes)) * DTypeSize(array.zarr.dtype);
+    if (offsets.size() != array.zarr.shape.size() || sizes.size() != offsets.size() ||
+        out.size() < want) {
+      return InvalidArgumentError(
+          fmt::format("\"{}\": a region of rank {} and {} bytes of {} {}", array.name, sizes.size(),
+                      out.size(), DTypeName(array.zarr.dtype), FormatShape(array.zarr.shape)));
+    }
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] + sizes[d] > array.zarr.shape[d]) {
+        return OutOfRangeError(fmt::format("\"{}\": region at {} of {} is outside {}", array.name,
+                                           FormatShape(offsets), FormatShape(sizes),
+                                           FormatShape(array.zarr.shape)));
+      }
+    }
+    return ckpt_->ReadBox(a, offsets, sizes, out.first(want));
+  }
 
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
     {

@@ -1,9 +1,14 @@
 #include "reshard/checkpoint/orbax/orbax.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -304,6 +309,88 @@ TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
   EXPECT_EQ(c.status().code(), StatusCode::kDataLoss);
   EXPECT_NE(c.status().message().find("\"y\" is not an axis of the mesh"), std::string::npos)
       << c.status().message();
+}
+
+// optax's Adam state for an optimizer given `params`' subtree: moments of "a.w" could be those
+// of "params.a.w" or "params.b.a.w" by their path; the prefix every moment shares ("params")
+// decides. A moment of another shape than its parameter's is matched to nothing.
+TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
+  test_support::TempDir dir;
+  struct Leaf {
+    std::vector<std::string> path;
+    std::string shape, dtype;
+  };
+  const std::vector<Leaf> leaves = {
+      {{"params", "a", "w"}, "[2, 3]", "<f4"},
+      {{"params", "b", "a", "w"}, "[2, 3]", "<f4"},
+      {{"params", "c"}, "[4]", "<f4"},
+      {{"opt_state", "0", "count"}, "[]", "<i4"},
+      {{"opt_state", "0", "mu", "a", "w"}, "[2, 3]", "<f4"},
+      {{"opt_state", "0", "mu", "b", "a", "w"}, "[2, 3]", "<f4"},
+      {{"opt_state", "0", "mu", "c"}, "[5]", "<f4"},
+      {{"opt_state", "0", "nu", "a", "w"}, "[2, 3]", "<f4"},
+      {{"opt_state", "0", "nu", "b", "a", "w"}, "[2, 3]", "<f4"},
+  };
+  std::string tree;
+  for (const Leaf& l : leaves) {
+    std::string keys, name, text;
+    for (const std::string& k : l.path) {
+      const bool index = k == "0";
+      keys += fmt::format(R"({}{{"key": "{}", "key_type": {}}})", keys.empty() ? "" : ", ", k,
+                          index ? 1 : 2);
+      name += (name.empty() ? "" : ".") + k;
+      text += (text.empty() ? "'" : ", '") + k + "'";
+    }
+    tree += fmt::format(R"j({}"({},)": {{"key_metadata": [{}], "value_metadata": )j"
+                        R"j({{"value_type": "jax.Array"}}}})j",
+                        tree.empty() ? "" : ", ", text, keys);
+    Write(dir.path() / name / ".zarray",
+          fmt::format(R"({{"zarr_format": 2, "shape": {}, "chunks": {}, "dtype": "{}", )"
+                      R"("compressor": null, "fill_value": null, "order": "C", "filters": null}})",
+                      l.shape, l.shape == "[]" ? "[]" : l.shape, l.dtype));
+  }
+  Write(dir.path() / "_METADATA", R"({"tree_metadata": {)" + tree + "}}");
+  auto c = OrbaxCheckpoint::Open(dir.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < (*c)->arrays().size(); ++i) index[(*c)->arrays()[i].name] = i;
+  ASSERT_EQ(index.size(), leaves.size());
+  const OrbaxMoments m = FindOrbaxMoments(**c);
+  const auto of = [&](const std::string& name) -> std::pair<std::string, std::string> {
+    const auto it = m.moments.find(index.at(name));
+    if (it == m.moments.end()) return {};
+    return {(*c)->arrays()[it->second.first].name, it->second.second};
+  };
+  using Pair = std::pair<std::string, std::string>;
+  EXPECT_EQ(of("opt_state.0.mu.a.w"), (Pair{"params.a.w", "exp_avg"}));
+  EXPECT_EQ(of("opt_state.0.nu.a.w"), (Pair{"params.a.w", "exp_avg_sq"}));
+  EXPECT_EQ(of("opt_state.0.mu.b.a.w"), (Pair{"params.b.a.w", "exp_avg"}));
+  EXPECT_EQ(of("opt_state.0.nu.b.a.w"), (Pair{"params.b.a.w", "exp_avg_sq"}));
+  EXPECT_EQ(of("opt_state.0.mu.c"), Pair{});
+  EXPECT_EQ(m.moments.size(), 4u);
+  EXPECT_EQ(m.counts.at(index.at("params.a.w")), index.at("opt_state.0.count"));
+  EXPECT_EQ(m.counts.at(index.at("params.b.a.w")), index.at("opt_state.0.count"));
+  // The source names them as a parameter's moments; the count keeps its name.
+  auto source = OrbaxSource(*c, false);
+  std::set<std::string> names;
+  for (const ShardedParam& p : source->manifest().params) names.insert(p.name);
+  EXPECT_TRUE(names.contains("params.a.w.exp_avg"));
+  EXPECT_TRUE(names.contains("params.b.a.w.exp_avg_sq"));
+  EXPECT_TRUE(names.contains("opt_state.0.mu.c"));
+  EXPECT_TRUE(names.contains("opt_state.0.count"));
+  // and reads a region of any array from its chunks (none stored here: the fill value)
+  ASSERT_TRUE(source->ReadsRegions());
+  const std::vector<ShardedParam>& params = source->manifest().params;
+  const auto w = static_cast<size_t>(
+      std::find_if(params.begin(), params.end(),
+                   [](const ShardedParam& p) { return p.name == "params.a.w"; }) -
+      params.begin());
+  ASSERT_LT(w, params.size());
+  std::vector<float> box(4, -1.0f);
+  ASSERT_TRUE(source->ReadRegion(w, {0, 1}, {2, 2}, std::as_writable_bytes(std::span(box))).ok());
+  EXPECT_EQ(box, std::vector<float>(4, 0.0f));
+  EXPECT_EQ(source->ReadRegion(w, {1, 2}, {2, 2}, std::as_writable_bytes(std::span(box))).code(),
+            StatusCode::kOutOfRange);
 }
 
 }  // namespace

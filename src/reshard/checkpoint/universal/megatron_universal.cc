@@ -29,7 +29,6 @@
 #include "reshard/checkpoint/pickle_paths.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/checkpoint/universal/universal_files.h"
-#include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 #include "reshard/io/torch_file.h"
 #include "reshard/io/torch_writer.h"
@@ -41,36 +40,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kStates[] = {"fp32", "exp_avg", "exp_avg_sq"};
-
-// fp32.pt of a parameter without optimizer state (a frozen one): its weight, rebuilt whole and
-// widened to fp32 (exactly: bf16 and fp16 values are fp32 values).
-UniversalFile FrozenWeightFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
-                               bool verify) {
-  const ShardedParam& p = source->manifest().params[i];
-  const uint64_t bytes = static_cast<uint64_t>(p.map.num_elements()) * 4;
-  return {std::move(name), bytes,
-          [source, i, verify](const std::string& path, const TorchWriteOptions& options) {
-            const ShardedParam& t = source->manifest().params[i];
-            TorchTreeBuilder b;
-            const PickleNodeId tensor = b.Tensor(
-                DType::kF32, t.map.valid_shape(),
-                [&](std::span<std::byte> out) -> Status {
-                  if (t.dtype == DType::kF32) return FillFull(*source, i, verify, out);
-                  const size_t n = out.size() / 4;
-                  std::vector<uint16_t> narrow(n);
-                  RESHARD_RETURN_IF_ERROR(
-                      FillFull(*source, i, verify, std::as_writable_bytes(std::span(narrow))));
-                  auto* f = reinterpret_cast<float*>(out.data());
-                  for (size_t k = 0; k < n; ++k) {
-                    f[k] = t.dtype == DType::kBF16 ? BFloat16ToFloat(narrow[k])
-                                                   : HalfToFloat(narrow[k]);
-                  }
-                  return Status::Ok();
-                },
-                true);
-            return b.Write(path, b.Dict({{b.Str("param"), tensor}}), options);
-          }};
-}
 
 // The files, largest first: per Hugging Face tensor with optimizer state, its three states; per
 // one without (a frozen parameter), its weight as fp32.pt alone.
@@ -100,8 +69,9 @@ Result<std::vector<UniversalFile>> PlanMegatronUniversal(const std::shared_ptr<S
             "weights",
             dir, p.name, DTypeName(d)));
       }
-      files.push_back(
-          FrozenWeightFile(source, j, fmt::format("{}/zero/{}/fp32.pt", folder, p.name), verify));
+      // A frozen parameter: fp32.pt alone, its weight widened.
+      files.push_back(Fp32TensorFile(source, j, fmt::format("{}/zero/{}/fp32.pt", folder, p.name),
+                                     true, verify));
       continue;
     }
     ++stateful;

@@ -63,6 +63,21 @@ Status ConvertMegatronToUniversal(const std::string& path, const std::string& co
                                   const std::string& out_dir,
                                   const CheckpointOptions& options = {});
 
+/// An Orbax checkpoint with Adam's moments (optax's mu and nu) -> DeepSpeed's universal
+/// checkpoint, laid out as ConvertDcpToUniversal lays it out (universal.h): OUT/latest_universal
+/// naming "<name of `path`>_universal", in it per model array P with both moments
+/// zero/P/fp32.pt, exp_avg.pt and exp_avg_sq.pt ({"param": the full fp32 tensor; bf16 and f16
+/// widened exactly}) and step.pt (the count beside its mu, a 0-d fp32 tensor), per float model
+/// array without moments (a frozen parameter) fp32.pt alone, and zero/optimizer_state.pt
+/// ({"param_groups": [{"params": the parameters' names}], "ds_version"}: optax's state holds no
+/// hyperparameters). Each file is rebuilt from the chunks straight into the writer's buffer.
+/// FailedPrecondition, naming the leaf, for a checkpoint without moments, a parameter with one
+/// moment, and a leaf a universal checkpoint has no file for (a non-float model array, an
+/// optimizer leaf other than the moments and their counts) unless options.drop names it;
+/// InvalidArgument for a dropped name the checkpoint does not hold.
+Status ConvertOrbaxToUniversal(const std::string& path, const std::string& out_dir,
+                               const CheckpointOptions& options = {});
+
 /// Whether `path` looks like a universal checkpoint: a dir with latest_universal (but no
 /// `latest`: a DeepSpeed save dir with a universal folder beside its tags stays a DeepSpeed
 /// checkpoint), or the folder itself (zero/optimizer_state.pt); it may still fail to open.

@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/exec/executor.h"
+#include "reshard/exec/strided_copy.h"
 #include "reshard/io/file.h"
 
 namespace reshard {
@@ -19,6 +21,11 @@ namespace fs = std::filesystem;
 
 Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte> out) {
   const ShardedParam& p = source.manifest().params[i];
+  if (source.ReadsRegions()) {
+    const Shape& shape = p.map.valid_shape();
+    return source.ReadRegion(i, Shape(shape.size(), 0), shape, out)
+        .Annotate(fmt::format("tensor \"{}\"", p.name));
+  }
   AcquiredShards shards(source, i);
   RESHARD_RETURN_IF_ERROR(shards.status());
   ExecOptions e;
@@ -43,6 +50,37 @@ UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::str
                 requires_grad);
             const PickleNodeId root = in_dict ? b.Dict({{b.Str("param"), tensor}}) : tensor;
             return b.Write(path, root, options);
+          }};
+}
+
+UniversalFile Fp32TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
+                             bool requires_grad, bool verify) {
+  const ShardedParam& p = source->manifest().params[i];
+  const uint64_t bytes = static_cast<uint64_t>(p.map.num_elements()) * 4;
+  return {std::move(name), bytes,
+          [source, i, requires_grad, verify](const std::string& path,
+                                             const TorchWriteOptions& options) {
+            const ShardedParam& t = source->manifest().params[i];
+            TorchTreeBuilder b;
+            const PickleNodeId tensor = b.Tensor(
+                DType::kF32, t.map.valid_shape(),
+                [&](std::span<std::byte> out) -> Status {
+                  if (t.dtype == DType::kF32) return FillFull(*source, i, verify, out);
+                  // The 16-bit values into the buffer's first half, widened from the last one
+                  // down: value k's 4 bytes cover only values 2k and 2k + 1, widened already.
+                  const size_t n = out.size() / 4;
+                  RESHARD_RETURN_IF_ERROR(FillFull(*source, i, verify, out.first(n * 2)));
+                  for (size_t k = n; k-- > 0;) {
+                    uint16_t narrow = 0;
+                    std::memcpy(&narrow, out.data() + k * 2, 2);
+                    const float wide =
+                        t.dtype == DType::kBF16 ? BFloat16ToFloat(narrow) : HalfToFloat(narrow);
+                    std::memcpy(out.data() + k * 4, &wide, 4);
+                  }
+                  return Status::Ok();
+                },
+                requires_grad);
+            return b.Write(path, b.Dict({{b.Str("param"), tensor}}), options);
           }};
 }
 

@@ -40,6 +40,12 @@ Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte>
 UniversalFile TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
                          bool in_dict, bool requires_grad, bool verify);
 
+// {"param": tensor `i` of `source` rebuilt whole as fp32}: an fp32 tensor as it is, a bf16 or f16
+// one widened (exactly: their values are fp32 values); with requires_grad when `requires_grad`
+// (fp32.pt). The caller checks the dtype is one of those three.
+UniversalFile Fp32TensorFile(std::shared_ptr<ShardSource> source, size_t i, std::string name,
+                             bool requires_grad, bool verify);
+
 // How every universal file is saved: without syncing each file, its writeback started as it
 // is closed (when the options sync), all synced before the commit.
 TorchWriteOptions WriteOptionsFor(const std::string& path, const CheckpointOptions& options);
