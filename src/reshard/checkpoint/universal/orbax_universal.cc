@@ -104,7 +104,7 @@ Result<std::vector<UniversalFile>> PlanOrbaxUniversal(const OrbaxCheckpoint& ckp
     if (std::none_of(arrays.begin(), arrays.end(),
                      [&](const OrbaxArray& a) { return a.name == d; })) {
       return InvalidArgumentError(
-          fmt::format("--drop \"{}\": \"{}\" holds no array of that name", d, dir));
+          fmt::format("\"{}\", asked to be dropped: \"{}\" holds no array of that name", d, dir));
     }
   }
   const OrbaxMoments found = FindOrbaxMoments(ckpt);
@@ -119,8 +119,8 @@ Result<std::vector<UniversalFile>> PlanOrbaxUniversal(const OrbaxCheckpoint& ckp
   const bool verify = options.verify_replicas;
   const auto refuse = [&](const OrbaxArray& a, std::string_view why) {
     return FailedPreconditionError(fmt::format(
-        "\"{}\": \"{}\" ({} {}) {}: a universal checkpoint has no file for it; --drop \"{}\" "
-        "leaves it out",
+        "\"{}\": \"{}\" ({} {}) {}: a universal checkpoint has no file for it; dropping \"{}\" "
+        "by name leaves it out",
         dir, a.name, DTypeName(a.zarr.dtype), FormatShape(a.zarr.shape), why, a.name));
   };
   for (size_t j = 0; j < arrays.size(); ++j) {
