@@ -22,7 +22,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${2:-$root/build-fuzz}
 
 if [[ ! -f "$build/build.ninja" ]]; then
-  CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja -DRESHARD_FUZZ=ON \
+  # Through ccache where it is installed, as every other build of scripts/dev: a run after a
+  # small change recompiles what changed, not the whole instrumented library.
+  launcher=()
+  if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+  CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja -DRESHARD_FUZZ=ON "${launcher[@]}" \
     -DRESHARD_BUILD_TESTS=OFF -DRESHARD_BUILD_BENCH=OFF -DRESHARD_BUILD_PYTHON=OFF
 fi
 

@@ -15,7 +15,27 @@ Status CheckDim(const Shape& shape, int dim) {
   return Status::Ok();
 }
 
+// A map of more pieces, or of more holder entries (a replicated piece lists every rank), than
+// these would not fit in memory: such a layout is a typo (a count of parts or a world size),
+// refused before anything is allocated for it.
+constexpr Index kMaxSegmentedPieces = Index{1} << 22;
+constexpr Index kMaxSegmentedHolders = Index{1} << 24;
+
 }  // namespace
+
+Status CheckSegmentCount(Index count, Index replicated, int world_size) {
+  if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
+  const auto world = static_cast<Index>(world_size);
+  // Both counts are compared by division, so that neither product can overflow.
+  const bool too_many_pieces = count > kMaxSegmentedPieces / world;
+  const bool too_many_holders = replicated > 0 && replicated > kMaxSegmentedHolders / world / world;
+  if (too_many_pieces || too_many_holders) {
+    return InvalidArgumentError(fmt::format(
+        "{} segments at {} ranks make a map of more than {} pieces or {} holder entries", count,
+        world_size, kMaxSegmentedPieces, kMaxSegmentedHolders));
+  }
+  return Status::Ok();
+}
 
 Result<ParamMap> ReplicatedMap(const Shape& shape, int world_size, double scale) {
   if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
@@ -54,6 +74,10 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
   if (world_size < 1) return InvalidArgumentError("world size must be at least 1");
   // Every offset below is at most the tensor's element count: bound that once.
   RESHARD_RETURN_IF_ERROR(CheckedProduct(shape).status());
+  Index replicated = 0;
+  for (const Segment& seg : segments) replicated += seg.replicated ? 1 : 0;
+  RESHARD_RETURN_IF_ERROR(
+      CheckSegmentCount(static_cast<Index>(segments.size()), replicated, world_size));
   const auto d = static_cast<size_t>(dim);
   Index total = 0;
   for (size_t s = 0; s < segments.size(); ++s) {
@@ -91,6 +115,9 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
   const Shape full_strides = RowMajorStrides(shape);
   ParamMapBuilder b;
   b.set_logical_shape(shape).set_world_size(world_size);
+  // Where rank r's width of each segment starts within it: the widths of ranks 0..r-1, kept
+  // as the ranks are walked so that the map costs one pass per rank, not one per rank pair.
+  std::vector<Index> rank_offset(segments.size(), 0);
   for (Rank r = 0; r < world_size; ++r) {
     Shape shard = shape;
     shard[d] = 0;
@@ -100,12 +127,14 @@ Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Seg
     b.set_shard_shape(r, shard);
     Index seg_start = 0;
     Index dest_start = 0;
-    for (const Segment& seg : segments) {
+    for (size_t s = 0; s < segments.size(); ++s) {
+      const Segment& seg = segments[s];
       Index start = seg_start;
       Index width = seg.size;
       if (!seg.replicated) {
-        for (Rank q = 0; q < r; ++q) start += seg.widths[static_cast<size_t>(q)];
         width = seg.widths[static_cast<size_t>(r)];
+        start += rank_offset[s];
+        rank_offset[s] += width;
       }
       if (width > 0) {
         Shape piece_shape = shape;

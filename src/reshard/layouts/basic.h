@@ -33,8 +33,15 @@ struct Segment {
 /// A parameter made of consecutive segments along `dim` (a fused QKV: q, k and v segments
 /// split together; a multi-query QKV: q split, the key/value block replicated). A rank's
 /// shard holds its part of each segment in order; one piece per segment per rank.
+/// InvalidArgument for a count of segments that would make a map too large to hold: more
+/// than 2^22 pieces (a segment a rank) or 2^24 holder entries (a replicated segment lists
+/// every rank on each rank's piece). Checked before anything is allocated per segment.
 Result<ParamMap> SegmentedMap(const Shape& shape, int dim, const std::vector<Segment>& segments,
                               int world_size);
+
+/// SegmentedMap's bound on its size, for a caller to check before it builds `segments`
+/// (`replicated` of them held whole).
+Status CheckSegmentCount(Index segments, Index replicated, int world_size);
 
 /// F's `dim` cut into `num_blocks` equal blocks; rank r's shard holds the blocks
 /// `rank_blocks[r]` in that order (Yuan's shared-QK value heads, CodeGen's interleaved QKV).

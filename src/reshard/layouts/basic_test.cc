@@ -44,6 +44,28 @@ TEST(BasicLayoutsTest, BadSegmentsAreRefused) {
   EXPECT_EQ(SplitMap({4}, 1, {4}).status().message(), "dimension 1 is outside shape [4]");
 }
 
+TEST(BasicLayoutsTest, ManySegmentsAreBuiltInOnePassPerRankOrRefusedBeforeAllocating) {
+  // 1024 two-row segments at 64 ranks (2^16 pieces): each rank's
+  // rows of segment s start at 2s + (the widths of the ranks before it).
+  const int world = 64;
+  std::vector<Segment> segments(1024, Segment{128, false, std::vector<Index>(world, 2)});
+  Result<ParamMap> m = SegmentedMap({1024 * 128, 2}, 0, segments, world);
+  ASSERT_TRUE(m.ok()) << m.status().message();
+  ASSERT_EQ(m->rank(5).pieces.size(), 1024u);
+  EXPECT_EQ(m->rank(5).pieces[3].source.offset, (3 * 128 + 5 * 2) * 2);
+  EXPECT_EQ(m->rank(5).pieces[3].dest.offset, 3 * 2 * 2);
+  EXPECT_EQ(m->rank(63).pieces[1023].source.offset, (1023 * 128 + 63 * 2) * 2);
+
+  segments.assign(Index{1} << 17, Segment{});
+  EXPECT_EQ(SegmentedMap({0, 2}, 0, segments, world).status().message(),
+            "131072 segments at 64 ranks make a map of more than 4194304 pieces or 16777216 "
+            "holder entries");
+  EXPECT_FALSE(CheckSegmentCount(5, 5, 2048).ok());
+  EXPECT_TRUE(CheckSegmentCount(5, 4, 2048).ok());
+  EXPECT_TRUE(CheckSegmentCount(5, 0, 65536).ok());
+  EXPECT_FALSE(CheckSegmentCount(65, 0, 65536).ok());
+}
+
 TEST(BasicLayoutsTest, PreDividedBiasIsReplicatedAtAQuarter) {
   Result<ParamMap> m = ReplicatedMap({16}, 4, 0.25);
   ASSERT_TRUE(m.ok()) << m.status().message();

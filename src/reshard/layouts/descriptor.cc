@@ -325,6 +325,9 @@ Result<std::vector<Segment>> PartSegments(const LayoutDescriptor& d, const Shape
         fmt::format("the parts ({}) cover {} indices but dimension {} has {}",
                     fmt::join(sizes, " + "), total, d.dim, extent));
   }
+  Index replicated = 0;
+  for (const LayoutPart& p : parts) replicated += p.replicated ? 1 : 0;
+  RESHARD_RETURN_IF_ERROR(CheckSegmentCount(static_cast<Index>(parts.size()), replicated, world));
   std::vector<Segment> segments;
   for (size_t k = 0; k < parts.size(); ++k) {
     Segment seg{parts[k].size, parts[k].replicated, {}};
