@@ -21,6 +21,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/pickle_paths.h"
+#include "reshard/checkpoint/self_described.h"
 #include "reshard/io/mapped_file.h"
 #include "reshard/io/safetensors.h"
 #include "reshard/io/torch_file.h"
@@ -725,36 +726,6 @@ std::unique_ptr<ShardSource> DcpSource(std::shared_ptr<const DcpCheckpoint> ckpt
   return std::make_unique<DcpShardSource>(std::move(ckpt), options);
 }
 
-Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
-  if (options.master_weights) {
-    return InvalidArgumentError(fmt::format(
-        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is a "
-        "PyTorch Distributed Checkpoint",
-        path));
-  }
-  if (!options.config_path.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "\"{}\" is a PyTorch Distributed Checkpoint, which names and shapes its tensors itself: "
-        "it takes no config.json",
-        path));
-  }
-  if (!options.distributed_config.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "a distributed config applies to a checkpoint scattered from a model's config.json; "
-        "\"{}\" is a PyTorch Distributed Checkpoint: give the target layout as maps instead",
-        path));
-  }
-  if (options.weights_only && options.use == SourceUse::kGather) {
-    return InvalidArgumentError(
-        "a gather of a PyTorch Distributed Checkpoint writes the model's tensors only already");
-  }
-  if (options.optimizer_state && options.use != SourceUse::kGather) {
-    return InvalidArgumentError(
-        "a convert carries the optimizer's state already (unless it is to leave it out)");
-  }
-  return Status::Ok();
-}
-
 std::shared_ptr<const StateDictStructure> DcpStateDict(
     const std::shared_ptr<const DcpCheckpoint>& ckpt, bool weights_only) {
   auto out = std::make_shared<StateDictStructure>();
@@ -786,6 +757,11 @@ std::shared_ptr<const StateDictStructure> DcpStateDict(
     out->objects.push_back(std::move(object));
   }
   return out;
+}
+
+Status CheckDcpOptions(const std::string& path, const SourceOptions& options) {
+  return internal::CheckSelfDescribedOptions(path, options,
+                                             {"a PyTorch Distributed Checkpoint", "tensors"});
 }
 
 Result<OpenedCheckpoint> OpenDcp(const std::string& path, const SourceOptions& options) {

@@ -39,5 +39,45 @@ TEST(FormatsTest, ConvertTakesTheTargetRun) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// DCP and Orbax name and shape every tensor themselves: they refuse alike what such a source
+// cannot give, each naming itself and what it stores.
+TEST(FormatsTest, SelfDescribedFormatsRefuseTheSameOptionsNamingThemselves) {
+  const CheckpointFormat* dcp = nullptr;
+  const CheckpointFormat* orbax = nullptr;
+  for (const CheckpointFormat& f : CheckpointFormats()) {
+    if (f.name == "dcp") dcp = &f;
+    if (f.name == "orbax") orbax = &f;
+  }
+  ASSERT_NE(dcp, nullptr);
+  ASSERT_NE(orbax, nullptr);
+  SourceOptions config;
+  config.config_path = "config.json";
+  EXPECT_EQ(dcp->check("ck", config).message(),
+            "\"ck\" is a PyTorch Distributed Checkpoint, which names and shapes its tensors "
+            "itself: it takes no config.json");
+  EXPECT_EQ(orbax->check("ck", config).message(),
+            "\"ck\" is an Orbax checkpoint, which names and shapes its arrays itself: it takes "
+            "no config.json");
+  SourceOptions weights_only;
+  weights_only.weights_only = true;
+  EXPECT_EQ(orbax->check("ck", weights_only).message(),
+            "a gather of an Orbax checkpoint writes the model's arrays only already");
+  weights_only.use = SourceUse::kConvert;
+  EXPECT_TRUE(orbax->check("ck", weights_only).ok());
+  SourceOptions state;
+  state.optimizer_state = true;
+  EXPECT_TRUE(dcp->check("ck", state).ok());
+  state.use = SourceUse::kConvert;
+  EXPECT_EQ(dcp->check("ck", state).code(), StatusCode::kInvalidArgument);
+  SourceOptions master;
+  master.master_weights = true;
+  EXPECT_NE(dcp->check("ck", master).message().find("\"ck\" is a PyTorch Distributed Checkpoint"),
+            std::string::npos);
+  SourceOptions distributed;
+  distributed.distributed_config = "{}";
+  EXPECT_NE(orbax->check("ck", distributed).message().find("give the target layout as maps"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace reshard

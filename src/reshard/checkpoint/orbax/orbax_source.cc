@@ -15,6 +15,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/orbax/orbax.h"
+#include "reshard/checkpoint/self_described.h"
 
 namespace reshard {
 
@@ -350,36 +351,6 @@ std::unique_ptr<ShardSource> OrbaxSource(std::shared_ptr<const OrbaxCheckpoint> 
   return std::make_unique<OrbaxShardSource>(std::move(ckpt), weights_only);
 }
 
-Status CheckOrbaxOptions(const std::string& path, const SourceOptions& options) {
-  if (options.master_weights) {
-    return InvalidArgumentError(fmt::format(
-        "the fp32 master weights come from a DeepSpeed checkpoint's optimizer; \"{}\" is an "
-        "Orbax checkpoint",
-        path));
-  }
-  if (!options.config_path.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "\"{}\" is an Orbax checkpoint, which names and shapes its arrays itself: it takes no "
-        "config.json",
-        path));
-  }
-  if (!options.distributed_config.empty()) {
-    return InvalidArgumentError(fmt::format(
-        "a distributed config applies to a checkpoint scattered from a model's config.json; "
-        "\"{}\" is an Orbax checkpoint: give the target layout as maps instead",
-        path));
-  }
-  if (options.weights_only && options.use == SourceUse::kGather) {
-    return InvalidArgumentError(
-        "a gather of an Orbax checkpoint writes the model's arrays only already");
-  }
-  if (options.optimizer_state && options.use != SourceUse::kGather) {
-    return InvalidArgumentError(
-        "a convert carries the optimizer's state already (unless it is to leave it out)");
-  }
-  return Status::Ok();
-}
-
 ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c) {
   ParallelRun run = FlatRun(c.world_size(), ParallelDim::kRank, "JAX devices in id order");
   const bool states = std::any_of(c.arrays().begin(), c.arrays().end(),
@@ -388,6 +359,10 @@ ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c) {
   run.unknown = {"tp", "dp", "pp"};
   run.files = "zarr chunks of each array (a box of its NamedSharding per device)";
   return run;
+}
+
+Status CheckOrbaxOptions(const std::string& path, const SourceOptions& options) {
+  return internal::CheckSelfDescribedOptions(path, options, {"an Orbax checkpoint", "arrays"});
 }
 
 Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions& options) {
