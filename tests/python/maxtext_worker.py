@@ -1,9 +1,9 @@
 """A MaxText-named Orbax checkpoint restored by Orbax and run by a forward pass in jax.numpy
 (run in .venv-jax).
 
-    maxtext_worker.py ITEM CONFIG.json IDS.json OUT
+    maxtext_worker.py ITEM CONFIG.json IDS.json OUT [ITEM CONFIG.json IDS.json OUT ...]
 
-restores ITEM (an Orbax item whose tree is MaxText's TrainState params, `params.params...`) with
+restores each ITEM (an Orbax item whose tree is MaxText's TrainState params, `params.params...`) with
 Orbax on its own shardings (8 CPU devices), writes `OUT/logits.npy`: the logits of the token ids
 in IDS.json under MaxText's model semantics, written here from MaxText's layers (not from
 transformers): decoder layers stacked on axis 1 of every array (param_scan_axis), DenseGeneral
@@ -120,7 +120,13 @@ def resharded(tree, mesh):
 
 
 def main():
-    item, config_path, ids_path, out = sys.argv[1:5]
+    args = sys.argv[1:]
+    assert args and len(args) % 4 == 0, __doc__
+    for at in range(0, len(args), 4):
+        one(*args[at:at + 4])
+
+
+def one(item, config_path, ids_path, out):
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(pathlib.Path(config_path).read_text())

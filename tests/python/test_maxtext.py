@@ -64,25 +64,37 @@ def toy_model(out, family="llama", head_dim=16, seed=0):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model(request, reshard_bin, tmp_path_factory):
-    """The toy model, its Orbax conversion, the worker's logits and Orbax's own save."""
-    family = request.param
-    d = tmp_path_factory.mktemp(family)
-    hf_model = toy_model(d / "hf", family)
-    (d / "specs.json").write_text(json.dumps(SPECS))
-    r = run(reshard_bin, "convert", d / "hf", "--to", "orbax", "--names", "maxtext", "--mesh",
-            "fsdp=2,tensor=4", "--partition-specs", d / "specs.json", "-o", d / "orbax")
-    assert r.returncode == 0, r.stderr
-    (d / "ids.json").write_text(json.dumps(IDS))
+FAMILIES = ["llama", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def models(reshard_bin, tmp_path_factory):
+    """Per family: the toy model, its Orbax conversion, the worker's logits and Orbax's own save
+    (one JAX process for both)."""
+    out, jobs = {}, []
+    for family in FAMILIES:
+        d = tmp_path_factory.mktemp(family)
+        hf_model = toy_model(d / "hf", family)
+        (d / "specs.json").write_text(json.dumps(SPECS))
+        r = run(reshard_bin, "convert", d / "hf", "--to", "orbax", "--names", "maxtext",
+                "--mesh", "fsdp=2,tensor=4", "--partition-specs", d / "specs.json", "-o",
+                d / "orbax")
+        assert r.returncode == 0, r.stderr
+        (d / "ids.json").write_text(json.dumps(IDS))
+        jobs += [d / "orbax", d / "hf" / "config.json", d / "ids.json", d / "jax"]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([IDS])).logits[0].numpy()
+        out[family] = {"family": family, "dir": d, "logits": logits}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    w = subprocess.run([jax_python(), str(HERE / "maxtext_worker.py"), str(d / "orbax"),
-                        str(d / "hf" / "config.json"), str(d / "ids.json"), str(d / "jax")],
+    w = subprocess.run([jax_python(), str(HERE / "maxtext_worker.py"), *map(str, jobs)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert w.returncode == 0, w.stdout[-4000:] + w.stderr[-4000:]
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([IDS])).logits[0].numpy()
-    return {"family": family, "dir": d, "logits": logits}
+    return out
+
+
+@pytest.fixture(params=FAMILIES)
+def model(request, models):
+    return models[request.param]
 
 
 @pytest.fixture(scope="module")
