@@ -234,3 +234,18 @@ def test_a_query_scale_that_rounds_needs_allow_lossy_scale(reshard_bin, tmp_path
             torch.testing.assert_close(got[name], t, rtol=5e-7, atol=0)
         else:
             assert torch.equal(got[name], t), name
+
+
+def test_python_package_takes_names(llama, tmp_path):
+    import reshard
+    d = llama["dir"]
+    reshard.checkpoint.gather(d / "orbax", tmp_path / "hf", config=d / "hf" / "config.json",
+                   names="maxtext")
+    want = load_file(d / "hf" / "model.safetensors")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    reshard.checkpoint.convert(d / "orbax", tmp_path / "dcp", to="dcp", world=2, weights_only=True,
+                    config=d / "hf" / "config.json", names="maxtext")
+    assert (tmp_path / "dcp" / ".metadata").exists()
+    with pytest.raises(ValueError, match="config.json"):
+        reshard.checkpoint.gather(d / "orbax", tmp_path / "again", names="maxtext")

@@ -596,16 +596,31 @@ const CheckpointFormat& DetectFormat(const std::string& path) {
   return kFormats.front();
 }
 
+namespace {
+
+// MaxText's names (SourceOptions::names) are an Orbax checkpoint's.
+Status CheckNames(const std::string& path, const CheckpointFormat& format,
+                  const SourceOptions& options) {
+  if (!options.names.empty() && format.name != "orbax") {
+    return InvalidArgumentError(fmt::format(
+        "names \"{}\" are read from an Orbax checkpoint (a convert to Orbax writes them); \"{}\" "
+        "is {}",
+        options.names, path, format.description));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status CheckSourceOptions(const std::string& path, const SourceOptions& options) {
-  return DetectFormat(path).check(path, options);
+  const CheckpointFormat& format = DetectFormat(path);
+  RESHARD_RETURN_IF_ERROR(CheckNames(path, format, options));
+  return format.check(path, options);
 }
 
 Result<OpenedCheckpoint> OpenCheckpoint(const std::string& path, const SourceOptions& options) {
   const CheckpointFormat& format = DetectFormat(path);
-  if (!options.names.empty() && format.name != "orbax") {
-    return InvalidArgumentError(fmt::format("names \"{}\" are an Orbax checkpoint's; \"{}\" is {}",
-                                            options.names, path, format.description));
-  }
+  RESHARD_RETURN_IF_ERROR(CheckNames(path, format, options));
   RESHARD_RETURN_IF_ERROR(format.check(path, options));
   return format.open(path, options);
 }
