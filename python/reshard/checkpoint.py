@@ -135,7 +135,7 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
            verify_replicas: bool = True, allow_scaled_optimizer_state: bool = False,
            allow_lossy_scale: bool = False, progress: Optional[Progress] = None,
            warn: Optional[Warn] = None, sync: bool = True,
-           dequantize: Optional[str] = None) -> None:
+           dequantize: Optional[str] = None, names: Optional[str] = None) -> None:
     """Sharded checkpoint -> full checkpoint (model.safetensors, or parts of at most
     ``max_shard_size`` and an index), checking that replicas agree, dropping padding.
     ``sharded_dir`` may be a DeepSpeed checkpoint (as for ``reshard gather``): its module
@@ -151,12 +151,16 @@ def gather(sharded_dir: PathLike, out_dir: PathLike, *, fp32: bool = False,
     ``dequantize="bf16"`` (or ``"fp16"``, ``"fp32"``; the CLI's ``--dequantize --dtype``)
     writes block-quantized tensors (FP8, MXFP4, NVFP4) as numbers without their scales, and
     config.json without quantization_config (docs/quantization.md); ``sharded_dir`` may then
-    be a Hugging Face directory too."""
+    be a Hugging Face directory too.
+
+    ``names="maxtext"`` (``--names maxtext``) reads an Orbax checkpoint's arrays as MaxText's
+    model, with ``config`` its config.json, and writes the Hugging Face tensors they hold
+    (docs/jax.md)."""
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
     _core.gather(_path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir"), bool(fp32),
                  bool(optimizer_state), None if config is None else _path(config, "config"),
-                 dequantize, o)
+                 dequantize, names, o)
 
 
 def _given(**options: Any) -> list[str]:
@@ -186,7 +190,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             config: Optional[PathLike] = None, dequantize: Optional[str] = None,
             pp: Optional[int] = None, dp: Optional[int] = None,
             pp_stages: Optional[Sequence[int]] = None,
-            drop: Optional[Sequence[str]] = None) -> None:
+            drop: Optional[Sequence[str]] = None, names: Optional[str] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -223,10 +227,16 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     With ``pp`` (and ``tp``, default the source's; ``dp``, default 1; ``pp_stages``, each
     stage's layer count) a DeepSpeed PipelineModule checkpoint becomes one of ``pp`` stages x
     TP x DP that DeepSpeed's ``load_checkpoint`` resumes from (``reshard convert --pp``;
-    docs/deepspeed_checkpoints.md); the resuming model must partition its layers alike."""
+    docs/deepspeed_checkpoints.md); the resuming model must partition its layers alike.
+
+    ``names="maxtext"`` (with ``config``, the model's config.json) reads an Orbax checkpoint's
+    arrays as the Hugging Face tensors of MaxText's model, for ``tp`` or ``to="dcp"``
+    (docs/jax.md)."""
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if names is not None and (pp is not None or to == "universal"):
+        raise ValueError("names= applies to a convert with tp= or to=\"dcp\"")
     if drop is not None and to != "universal":
         raise ValueError("drop= applies to to=\"universal\" (which cannot hold every tensor of "
                          "a checkpoint)")
@@ -262,7 +272,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             raise ValueError(f"to=\"dcp\" needs world= (the ranks it is saved for, at least 1; "
                              f"got {world!r})")
         _core.convert_to_dcp(src, world, dst, bool(weights_only),
-                             None if config is None else _path(config, "config"), o)
+                             None if config is None else _path(config, "config"), names, o)
         return
     if world is not None:
         raise ValueError("world= applies to to=\"dcp\"; give tp= for a sharded checkpoint")
@@ -285,7 +295,7 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     targets, buffers = (None, "") if target_maps is None else _map_list(target_maps)
     _core.convert(src, tp, dst, targets, buffers, bool(weights_only),
                   _dc_text(distributed_config),
-                  None if config is None else _path(config, "config"), dequantize, o)
+                  None if config is None else _path(config, "config"), dequantize, names, o)
 
 
 def inspect(path: PathLike) -> dict[str, Any]:

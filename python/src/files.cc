@@ -198,12 +198,14 @@ std::optional<DequantizeOptions> DequantizeOptionsOf(const std::optional<std::st
 // checkpoint's module weights, or with `fp32` its optimizer's fp32 master weights.
 void PyGather(const std::string& dir, const std::string& out_dir, bool fp32, bool optimizer_state,
               const std::optional<std::string>& config,
-              const std::optional<std::string>& dequantize, const PyCheckpointOptions& o) {
+              const std::optional<std::string>& dequantize, const std::optional<std::string>& names,
+              const PyCheckpointOptions& o) {
   SourceOptions source;
   source.use = SourceUse::kGather;
   source.master_weights = fp32;
   source.optimizer_state = optimizer_state;
   source.config_path = config.value_or("");
+  source.names = names.value_or("");
   source.dequantize = dequantize.has_value();
   const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
   CheckOptions(dir, source);
@@ -220,7 +222,8 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
                const std::string& buffers_json, bool weights_only,
                const std::optional<std::string>& distributed_config_json,
                const std::optional<std::string>& config,
-               const std::optional<std::string>& dequantize, const PyCheckpointOptions& o) {
+               const std::optional<std::string>& dequantize,
+               const std::optional<std::string>& names, const PyCheckpointOptions& o) {
   const std::optional<DequantizeOptions> deq = DequantizeOptionsOf(dequantize);
   std::optional<MapDocument> target;
   if (target_maps) {
@@ -236,6 +239,7 @@ void PyConvert(const std::string& dir, int world, const std::string& out_dir,
   source.weights_only = weights_only;
   source.config_path = config.value_or("");
   source.distributed_config = distributed_config_json.value_or("");
+  source.names = names.value_or("");
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     options.dequantize = deq;
@@ -309,11 +313,12 @@ void PyConvertToPipeline(const std::string& dir, int pp, int tp, int dp,
 
 void PyConvertToDcp(const std::string& dir, int world, const std::string& out_dir,
                     bool weights_only, const std::optional<std::string>& config,
-                    const PyCheckpointOptions& o) {
+                    const std::optional<std::string>& names, const PyCheckpointOptions& o) {
   SourceOptions source;
   source.use = SourceUse::kConvert;
   source.weights_only = weights_only;
   source.config_path = config.value_or("");
+  source.names = names.value_or("");
   CheckOptions(dir, source);
   RunCheckpointOp(o, [&](CheckpointOptions& options) {
     return WriteDcpCheckpoint(dir, source, DcpTargetRun(world), out_dir, options);

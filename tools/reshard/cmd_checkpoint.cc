@@ -59,6 +59,7 @@ struct GatherArgs : CommonArgs {
   bool fp32 = false;
   bool optimizer_state = false;
   std::string config;
+  std::string names;  // an Orbax input's: "maxtext"
 };
 
 // --dequantize [--dtype bf16|fp16|fp32] as options.
@@ -220,6 +221,7 @@ struct ConvertArgs : CommonArgs {
   std::vector<std::string> drop;  // --to universal: tensors left out, by name
   std::string mesh;               // --to orbax: "fsdp=2,tensor=4"
   std::string partition_specs;    // --to orbax: a JSON file of name patterns -> specs
+  std::string names;              // the Orbax side's (input, or --to orbax): "maxtext"
 };
 
 // The maps scatter uses, their world size and the buffers they fill, from --maps, --layouts
@@ -369,7 +371,8 @@ Status RunGather(const GatherArgs& args) {
           Describe("gather", args,
                    Joined(RunDescription{{"--fp32", args.fp32 ? "on" : "off"},
                                          {"--optimizer-state", args.optimizer_state ? "on" : "off"},
-                                         {"--dequantize", args.dequantize ? args.dtype : "off"}},
+                                         {"--dequantize", args.dequantize ? args.dtype : "off"},
+                                         {"--names", args.names}},
                           OptionalInput("--config", args.config)))));
   RESHARD_RETURN_IF_ERROR(CheckOutputOutsideInputs(args, {args.config}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
@@ -379,6 +382,7 @@ Status RunGather(const GatherArgs& args) {
   source.master_weights = args.fp32;
   source.optimizer_state = args.optimizer_state;
   source.config_path = args.config;
+  source.names = args.names;
   RESHARD_RETURN_IF_ERROR(
       WithForceHint(GatherCheckpoint(args.input, source, args.output, options), args.force));
   const double seconds = Seconds(t0);
@@ -397,6 +401,11 @@ Status RunConvertToUniversal(const ConvertArgs& args, const CheckpointOptions& o
         "--to universal takes no --tp, --world, --target-maps, --weights-only or --max-shard-size: "
         "the "
         "universal checkpoint holds full tensors of every optimizer state");
+  }
+  if (!args.names.empty()) {
+    return InvalidArgumentError(
+        "--names applies to a gather, --tp, --to dcp and --to orbax: a universal checkpoint "
+        "needs optimizer state, which MaxText's names do not map");
   }
   // Before DCP: a Megatron-Core checkpoint is a DCP checkpoint with a metadata.json.
   const bool megatron = IsMegatronCheckpoint(args.input);
@@ -454,6 +463,7 @@ Status RunConvertToDcp(const ConvertArgs& args, const CheckpointOptions& options
   source.use = SourceUse::kConvert;
   source.weights_only = args.weights_only;
   source.config_path = args.config;
+  source.names = args.names;
   RESHARD_RETURN_IF_ERROR(WithForceHint(
       WriteDcpCheckpoint(args.input, source, DcpTargetRun(args.world), args.output, options),
       args.force));
@@ -486,6 +496,7 @@ Status RunConvertToOrbax(const ConvertArgs& args, const CheckpointOptions& optio
     return target.status().Annotate(
         args.partition_specs.empty() ? "--mesh" : "--mesh / \"" + args.partition_specs + "\"");
   }
+  target->names = args.names;
   const auto t0 = std::chrono::steady_clock::now();
   SourceOptions source;
   source.use = SourceUse::kConvert;
@@ -582,7 +593,8 @@ Status RunConvert(const ConvertArgs& given) {
                           OptionalInput("--partition-specs", args.partition_specs),
                           RunDescription{{"--weights-only", args.weights_only ? "on" : "off"},
                                          {"--dequantize", args.dequantize ? args.dtype : "off"},
-                                         {"--mesh", args.mesh}}))));
+                                         {"--mesh", args.mesh},
+                                         {"--names", args.names}}))));
   RESHARD_RETURN_IF_ERROR(
       CheckOutputOutsideInputs(args, {args.target_maps, args.config, args.partition_specs}));
   RESHARD_ASSIGN_OR_RETURN(options.dequantize, DequantizeOf(args.dequantize, args.dtype));
@@ -596,6 +608,9 @@ Status RunConvert(const ConvertArgs& given) {
   }
   options.drop = args.drop;
   if (args.pp != 0) return RunConvertToPipeline(args, options);
+  if (!args.names.empty() && args.pp != 0) {
+    return InvalidArgumentError("--names applies to an Orbax input or --to orbax");
+  }
   if (!args.pp_stages.empty() || args.dp != 0)
     return InvalidArgumentError("--pp-stages and --dp apply to --pp (a DeepSpeed pipeline output)");
   if (args.to == "dcp") return RunConvertToDcp(args, options);
@@ -622,6 +637,7 @@ Status RunConvert(const ConvertArgs& given) {
   source.weights_only = args.weights_only;
   source.config_path = args.config;
   source.distributed_config = distributed_config;
+  source.names = args.names;
   Status s = WithForceHint(ConvertCheckpoint(args.input, source, ShardedTargetRun(args.tp), target,
                                              args.output, options),
                            args.force);
@@ -715,7 +731,11 @@ void AddGatherOptions(CLI::App* cmd, GatherArgs* args) {
                 ".exp_avg_sq; Orbax input: the optimizer's leaves (opt_state...), by their names");
   cmd->add_option("--config", args->config,
                   "a model's config.json, for a checkpoint that needs one to name and split its "
-                  "tensors (Megatron)");
+                  "tensors (Megatron; Orbax with --names maxtext)");
+  cmd->add_option("--names", args->names,
+                  "maxtext: read an Orbax checkpoint's arrays as MaxText's model (with --config) "
+                  "and write the Hugging Face tensors they hold (docs/jax.md)")
+      ->check(CLI::IsMember({"maxtext"}));
   cmd->add_flag("--no-verify-replicas", args->no_verify_replicas,
                 "take replicated data from the lowest rank without comparing");
   AddDequantizeFlags(cmd, *args, "; takes a Hugging Face directory too");
@@ -761,6 +781,11 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "with --to orbax: a JSON file of array name patterns (* any characters) -> "
                   "partition specs ([null, \"tensor\"], ...), the first match wins; default: "
                   "replicated");
+  cmd->add_option("--names", args->names,
+                  "maxtext: the Orbax side holds MaxText's model: an Orbax input read as the "
+                  "Hugging Face tensors it holds (with --config), or with --to orbax a Hugging "
+                  "Face model (its config.json) written as MaxText's tree (docs/jax.md)")
+      ->check(CLI::IsMember({"maxtext"}));
   cmd->add_option("--world", args->world,
                   "with --to dcp: the ranks it is saved for (a file each; dim-0 chunks as FSDP2 "
                   "shards); torch loads it at any world size")

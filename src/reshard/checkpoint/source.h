@@ -42,6 +42,10 @@ struct SourceOptions {
   /// A Hugging Face config.json, for a format whose tensors need one to be named and split
   /// (Megatron); "" when none was given.
   std::string config_path;
+  /// Whose names and layouts an Orbax checkpoint's arrays have: "" their own (the pytree
+  /// paths), "maxtext" MaxText's, read as the Hugging Face tensors they hold (with the model's
+  /// config.json at config_path; checkpoint/orbax/maxtext.h).
+  std::string names;
   /// A distributed config (JSON text, "" for none) for the target layout of a checkpoint
   /// whose layout comes from a model's config.json.
   std::string distributed_config;

@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/dcp/dcp_writer.h"
 #include "reshard/checkpoint/deepspeed/deepspeed.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/orbax/maxtext.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/checkpoint/peft.h"
@@ -595,12 +596,31 @@ const CheckpointFormat& DetectFormat(const std::string& path) {
   return kFormats.front();
 }
 
+namespace {
+
+// MaxText's names (SourceOptions::names) are an Orbax checkpoint's.
+Status CheckNames(const std::string& path, const CheckpointFormat& format,
+                  const SourceOptions& options) {
+  if (!options.names.empty() && format.name != "orbax") {
+    return InvalidArgumentError(fmt::format(
+        "names \"{}\" are read from an Orbax checkpoint (a convert to Orbax writes them); \"{}\" "
+        "is {}",
+        options.names, path, format.description));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status CheckSourceOptions(const std::string& path, const SourceOptions& options) {
-  return DetectFormat(path).check(path, options);
+  const CheckpointFormat& format = DetectFormat(path);
+  RESHARD_RETURN_IF_ERROR(CheckNames(path, format, options));
+  return format.check(path, options);
 }
 
 Result<OpenedCheckpoint> OpenCheckpoint(const std::string& path, const SourceOptions& options) {
   const CheckpointFormat& format = DetectFormat(path);
+  RESHARD_RETURN_IF_ERROR(CheckNames(path, format, options));
   RESHARD_RETURN_IF_ERROR(format.check(path, options));
   return format.open(path, options);
 }
@@ -885,9 +905,35 @@ Status WriteOrbaxCheckpoint(const std::string& path, const SourceOptions& source
   }
   SourceOptions s = source;
   s.use = SourceUse::kConvert;
+  if (!target.names.empty() && target.names != "maxtext") {
+    return InvalidArgumentError(fmt::format(
+        "names \"{}\": an Orbax checkpoint is written with its tensors' names or MaxText's "
+        "(\"maxtext\")",
+        target.names));
+  }
+  if (!target.names.empty() && DetectFormat(path).name == "orbax") {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is an Orbax checkpoint: written again as one it keeps its own names (read it "
+        "with MaxText's names to convert it to another format)",
+        path));
+  }
   RESHARD_ASSIGN_OR_RETURN(OpenedCheckpoint opened, OpenCheckpoint(path, s));
   if (opened.source == nullptr) return UnimplementedError(opened.not_convertible);
-  return WriteOrbax(*opened.source, target, out_dir, options);
+  if (target.names.empty()) return WriteOrbax(*opened.source, target, out_dir, options);
+  const auto config = std::find_if(opened.extra_files.begin(), opened.extra_files.end(),
+                                   [](const ExtraFile& f) { return f.name == "config.json"; });
+  if (config == opened.extra_files.end()) {
+    return FailedPreconditionError(fmt::format(
+        "\"{}\" has no config.json, which MaxText's layout of its model needs (its shapes and "
+        "layers)",
+        path));
+  }
+  RESHARD_ASSIGN_OR_RETURN(
+      const MaxTextModelConfig model,
+      ParseMaxTextModelConfig(config->contents, fmt::format("the config.json of \"{}\"", path)));
+  Result<std::unique_ptr<ShardSource>> view = MaxTextViewOf(opened.source, model);
+  if (!view.ok()) return view.status().Annotate(fmt::format("\"{}\"", path));
+  return WriteOrbax(**view, target, out_dir, options);
 }
 
 namespace {

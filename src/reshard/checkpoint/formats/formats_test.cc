@@ -57,7 +57,7 @@ TEST(FormatsTest, SelfDescribedFormatsRefuseTheSameOptionsNamingThemselves) {
             "itself: it takes no config.json");
   EXPECT_EQ(orbax->check("ck", config).message(),
             "\"ck\" is an Orbax checkpoint, which names and shapes its arrays itself: it takes "
-            "no config.json");
+            "no config.json (unless it is read with MaxText's names)");
   SourceOptions weights_only;
   weights_only.weights_only = true;
   EXPECT_EQ(orbax->check("ck", weights_only).message(),

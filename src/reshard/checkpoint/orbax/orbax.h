@@ -184,6 +184,10 @@ struct OrbaxTarget {
   /// Array name patterns ("*": any run of characters) and their specs (per dimension the mesh
   /// axes it is split over), the first match wins; an array no pattern matches is replicated.
   std::vector<std::pair<std::string, std::vector<std::vector<std::string>>>> specs;
+  /// The tree written: "" the source's tensor names as its paths; "maxtext" MaxText's tree of the
+  /// Hugging Face model the source holds (checkpoint/orbax/maxtext.h; the specs then match
+  /// MaxText's names).
+  std::string names;
 };
 
 /// `mesh` "fsdp=2,tensor=4"; `specs_json` ("" for none) a JSON object of name patterns -> a

@@ -14,8 +14,10 @@
 
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
+#include "reshard/checkpoint/orbax/maxtext.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/self_described.h"
+#include "reshard/io/file.h"
 
 namespace reshard {
 
@@ -362,7 +364,34 @@ ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c) {
 }
 
 Status CheckOrbaxOptions(const std::string& path, const SourceOptions& options) {
-  return internal::CheckSelfDescribedOptions(path, options, {"an Orbax checkpoint", "arrays"});
+  if (!options.names.empty() && options.names != "maxtext") {
+    return InvalidArgumentError(
+        fmt::format("names \"{}\": an Orbax checkpoint's arrays have their own names or "
+                    "MaxText's (\"maxtext\")",
+                    options.names));
+  }
+  if (options.names == "maxtext") {
+    if (options.config_path.empty()) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" read with MaxText's names needs the model's config.json: it gives the Hugging "
+          "Face shapes and the layers",
+          path));
+    }
+    if (options.optimizer_state) {
+      return InvalidArgumentError(
+          "MaxText's names are read for the model's parameters: a gather with them writes no "
+          "optimizer state");
+    }
+  } else if (!options.config_path.empty()) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is an Orbax checkpoint, which names and shapes its arrays itself: it takes no "
+        "config.json (unless it is read with MaxText's names)",
+        path));
+  }
+  // The config, when MaxText's names take one, is checked above; the rest as DCP's.
+  SourceOptions rest = options;
+  rest.config_path.clear();
+  return internal::CheckSelfDescribedOptions(path, rest, {"an Orbax checkpoint", "arrays"});
 }
 
 Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions& options) {
@@ -372,6 +401,25 @@ Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions&
   OpenedCheckpoint out;
   out.format = "orbax";
   out.run = OrbaxRunOf(*ckpt);
+  if (options.names == "maxtext") {
+    RESHARD_ASSIGN_OR_RETURN(std::string config, ReadFileToString(options.config_path));
+    RESHARD_ASSIGN_OR_RETURN(
+        const MaxTextModelConfig model,
+        ParseMaxTextModelConfig(config, fmt::format("\"{}\"", options.config_path)));
+    const auto state = std::find_if(ckpt->arrays().begin(), ckpt->arrays().end(),
+                                    [](const OrbaxArray& a) { return a.optimizer_state; });
+    if (options.use == SourceUse::kConvert && !options.weights_only &&
+        state != ckpt->arrays().end()) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\" holds optimizer state (\"{}\"...), which MaxText's names do not map to Hugging "
+          "Face tensors: convert its weights alone",
+          path, state->name));
+    }
+    out.run.optimizer = OptimizerSharding::kNone;
+    RESHARD_ASSIGN_OR_RETURN(out.source, MaxTextSourceOf(std::move(ckpt), model));
+    out.extra_files.push_back({"config.json", std::move(config)});
+    return out;
+  }
   const bool weights_only =
       options.use == SourceUse::kGather ? !options.optimizer_state : options.weights_only;
   out.source = OrbaxSource(std::move(ckpt), weights_only);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "reshard/base/temp_dir_testing.h"
+#include "reshard/checkpoint/orbax/maxtext.h"
 #include "reshard/checkpoint/orbax/ocdbt.h"
 #include "reshard/checkpoint/orbax/zarr.h"
 
@@ -391,6 +392,80 @@ TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
   EXPECT_EQ(box, std::vector<float>(4, 0.0f));
   EXPECT_EQ(source->ReadRegion(w, {1, 2}, {2, 2}, std::as_writable_bytes(std::span(box))).code(),
             StatusCode::kOutOfRange);
+}
+
+// The offset in the Hugging Face tensor of MaxText's element at multi-index `at` of one layer.
+Index HfOffsetOf(const MaxTextTensor& t, const Shape& at) {
+  Index offset = 0;
+  for (size_t j = 0; j < t.factors.size(); ++j) {
+    Index rest = at[j];
+    for (const MaxTextFactor& f : t.factors[j]) {
+      offset += rest / f.inner * f.hf_stride;
+      rest %= f.inner;
+    }
+  }
+  return offset;
+}
+
+TEST(MaxTextLayoutTest, EveryTensorIsAPermutationOfItsArraysLayer) {
+  for (const char* type : {"llama", "qwen3"}) {
+    const auto config = ParseMaxTextModelConfig(
+        fmt::format(R"({{"model_type": "{}", "num_hidden_layers": 2, "hidden_size": 8,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+                       "intermediate_size": 6, "vocab_size": 10}})",
+                    type),
+        "config");
+    ASSERT_TRUE(config.ok()) << config.status().message();
+    const std::vector<MaxTextTensor> tensors = MaxTextTensors(*config);
+    EXPECT_EQ(tensors.size(), std::string_view(type) == "llama" ? 3 + 2 * 9 : 3 + 2 * 11);
+    for (const MaxTextTensor& t : tensors) {
+      ASSERT_EQ(ProductOf(t.layer_shape), ProductOf(t.hf_shape)) << t.hf_name;
+      std::vector<int> hits(static_cast<size_t>(ProductOf(t.hf_shape)), 0);
+      for (Index e = 0; e < ProductOf(t.layer_shape); ++e) {
+        const Index offset = HfOffsetOf(t, UnravelIndex(e, t.layer_shape));
+        ASSERT_GE(offset, 0);
+        ASSERT_LT(offset, ProductOf(t.hf_shape)) << t.hf_name;
+        ++hits[static_cast<size_t>(offset)];
+      }
+      EXPECT_TRUE(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; })) << t.hf_name;
+    }
+  }
+}
+
+TEST(MaxTextLayoutTest, LlamaQueryIsTransposedPerHeadWithRotaryPairsAndScaled) {
+  const auto config = ParseMaxTextModelConfig(
+      R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+          "num_attention_heads": 2, "head_dim": 4, "intermediate_size": 6, "vocab_size": 10})",
+      "config");
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  for (const MaxTextTensor& t : MaxTextTensors(*config)) {
+    if (t.hf_name != "model.layers.0.self_attn.q_proj.weight") continue;
+    EXPECT_EQ(t.leaf, "self_attention.query.kernel");
+    EXPECT_EQ(t.layer_shape, (Shape{8, 2, 4}));
+    EXPECT_EQ(t.hf_shape, (Shape{8, 8}));
+    EXPECT_DOUBLE_EQ(t.scale, 0.5);
+    // MaxText's [embed 3, head 1, d 1] is the odd half of rotary pair 0 of head 1: Hugging Face
+    // row 1 * 4 + (1 * 2 + 0), column 3.
+    EXPECT_EQ(HfOffsetOf(t, {3, 1, 1}), (4 + 2) * 8 + 3);
+    EXPECT_EQ(HfOffsetOf(t, {0, 0, 2}), 1 * 8);  // pair 1, even: row 1
+    return;
+  }
+  FAIL() << "no q_proj";
+}
+
+TEST(MaxTextLayoutTest, ConfigsWithoutALayoutAreRefused) {
+  const auto gemma = ParseMaxTextModelConfig(
+      R"({"model_type": "gemma", "num_hidden_layers": 1, "hidden_size": 8,
+          "num_attention_heads": 2, "intermediate_size": 6, "vocab_size": 10})",
+      "config");
+  EXPECT_EQ(gemma.status().code(), StatusCode::kFailedPrecondition);
+  const auto moe = ParseMaxTextModelConfig(
+      R"({"model_type": "qwen3", "num_hidden_layers": 1, "hidden_size": 8, "num_experts": 4,
+          "num_attention_heads": 2, "intermediate_size": 6, "vocab_size": 10})",
+      "config");
+  EXPECT_EQ(moe.status().code(), StatusCode::kFailedPrecondition);
+  const auto missing = ParseMaxTextModelConfig(R"({"model_type": "llama"})", "config");
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

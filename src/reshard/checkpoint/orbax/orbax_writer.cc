@@ -18,6 +18,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/output_dir.h"
+#include "reshard/checkpoint/sharded_io.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
 
@@ -285,9 +286,8 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
     {
       AcquiredShards shards(source, i);
       RESHARD_RETURN_IF_ERROR(shards.status());
-      ExecOptions exec;
-      exec.verify_replicas = options.verify_replicas;
-      exec.num_threads = options.num_threads;
+      internal::WarnAboutScales(options, p, "writing it applies");
+      const ExecOptions exec = internal::ExecOptionsFor(options, p.scale_power);
       RESHARD_RETURN_IF_ERROR(
           Rebuild(p.map, p.dtype, shards.shards(), {full.data(), p.map.num_elements()}, exec)
               .Annotate(json::Quote(p.name)));
