@@ -142,10 +142,9 @@ TEST(LoraTargetsModuleTest, SelectsModulesAsPeftDoes) {
   EXPECT_TRUE(Targets(saved, "model.q_proj"));
   EXPECT_TRUE(Targets(ConfigOf(head + R"("target_modules": null})"), "anything"));
   Result<bool> unreadable =
-      LoraTargetsModule(ConfigOf(head + R"("target_modules": "(?P<x>q)"
-})"), "q");
+      LoraTargetsModule(ConfigOf(head + R"j("target_modules": "(?P<x>q)"})j"), "q");
   ASSERT_FALSE(unreadable.ok());
-EXPECT_EQ(unreadable.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(unreadable.status().code(), StatusCode::kFailedPrecondition);
 }
 
 // Before: a second A (or B) of a module replaced the first, an embedding's B paired with a
