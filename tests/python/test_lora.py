@@ -194,6 +194,86 @@ def test_refusals_name_the_tensor_and_write_nothing(toy, reshard_bin, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+Q1 = "base_model.model.model.layers.1.self_attn.q_proj"
+
+
+def _nan_in_a(t):
+    t[Q1 + ".lora_A.weight"][0, 0] = float("nan")
+
+
+# What PEFT would not load as reshard read it, or what would merge to no finite weight: each
+# case merged silently otherwise than PEFT's own merge (or into NaN) before reshard refused it.
+@pytest.mark.parametrize("case, code, words", [
+    ("untargeted", 2, "v_proj.lora_A.weight\" is of the module \"model.layers.0.self_attn.v_proj\","
+                      " which adapter_config.json does not adapt"),
+    ("regex", 2, "embed_tokens.lora_embedding_A\" is of the module"),
+    ("excluded", 2, "q_proj.lora_A.weight\" is of the module"),
+    ("layers", 2, "embed_tokens.lora_embedding_A\" is of the module"),
+    ("saved", 2, "lm_head.lora_A.weight\" is of the module \"lm_head\""),
+    ("two_a", 2, "are both the A of \"model.layers.1.self_attn.q_proj\""),
+    ("mixed", 2, "pair an embedding's LoRA tensor with a linear layer's"),
+    ("two_copies", 2, "are both a whole copy of \"model.embed_tokens.weight\""),
+    ("copy_of_adapted", 2, "which PEFT saves as "
+                           "\"base_model.model.model.embed_tokens.base_layer.weight\""),
+    ("no_targets", 1, "records no target_modules"),
+    ("nan", 2, "gives nan at element (0, 0) of the update"),
+])
+def test_merge_lora_refuses_what_peft_would_not_merge(toy, reshard_bin, tmp_path, case, code,
+                                                      words):
+    root, _, _ = toy
+    embed = "base_model.model.model.embed_tokens"
+    config, tensors = {
+        "untargeted": ({"target_modules": [t for t in TARGETS if t != "v_proj"]}, None),
+        "regex": ({"target_modules": r".*\.(q|k|v|o|gate|up|down)_proj"}, None),
+        "excluded": ({"exclude_modules": ["q_proj"]}, None),
+        "layers": ({"layers_to_transform": [1], "layers_pattern": "layers"}, None),
+        "saved": ({"target_modules": TARGETS + ["lm_head"], "modules_to_save": ["lm_head"]},
+                  lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.ones(R, 64),
+                                      "base_model.model.lm_head.lora_B.weight":
+                                      torch.ones(128, R)})),
+        "two_a": (None, lambda t: t.update({Q1 + ".lora_embedding_A": torch.ones(R, 64)})),
+        "mixed": (None, lambda t: t.update(
+            {Q1 + ".lora_embedding_B": t.pop(Q1 + ".lora_B.weight")})),
+        "two_copies": (None, lambda t: t.update({embed + ".weight": torch.ones(128, 64)})),
+        "copy_of_adapted": (None, lambda t: t.update(
+            {embed + ".weight": t.pop(embed + ".base_layer.weight")})),
+        "no_targets": ({"target_modules": None}, None),
+        "nan": (None, _nan_in_a),
+    }[case]
+    adapter = edited(root, tmp_path, config=config, tensors=tensors)
+    r = run(reshard_bin, "merge-lora", root / "base", adapter, "-o", tmp_path / "out")
+    assert r.returncode == code, r.stderr
+    assert words in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_shard_by_shard_refuses_a_nan_and_writes_nothing(toy, reshard_bin, tmp_path):
+    root, _, _ = toy
+    r = run(reshard_bin, "scatter", root / "base", "--config", root / "base" / "config.json",
+            "--tp", 2, "-o", tmp_path / "base-tp2")
+    assert r.returncode == 0, r.stderr
+    adapter = edited(root, tmp_path, tensors=_nan_in_a)
+    r = run(reshard_bin, "merge-lora", tmp_path / "base-tp2", adapter, "-o", tmp_path / "out")
+    assert r.returncode == 2, r.stderr
+    assert "layers.1.self_attn.q_proj.lora_A.weight\" gives nan at element (" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_takes_a_linear_layer_as_peft_does_whatever_fan_in_fan_out_says(
+        toy, reshard_bin, tmp_path):
+    """PEFT sets fan_in_fan_out aside for a torch Linear (with a warning); the non-square
+    weights show that the modules are Linear ones, and the square q_proj and o_proj follow."""
+    root, _, _ = toy
+    adapter = edited(root, tmp_path, config={"fan_in_fan_out": True})
+    r = run(reshard_bin, "merge-lora", root / "base", adapter, "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want = load_file(root / "merged" / "model.safetensors")  # PEFT's merge_and_unload()
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
 def ulp_distance(x, y):
     """The largest distance between x and y in units in the last place (their bit patterns in
     sign-magnitude order)."""
@@ -271,7 +351,8 @@ def test_merge_lora_refuses_a_target_the_base_lacks(toy, reshard_bin, tmp_path):
         for part in ("lora_A", "lora_B"):
             t[f"{q}_x.{part}.weight"] = t.pop(f"{q}.{part}.weight")
 
-    adapter = edited(root, tmp_path, tensors=rename)
+    adapter = edited(root, tmp_path, config={"target_modules": TARGETS + ["q_proj_x"]},
+                     tensors=rename)
     r = run(reshard_bin, "merge-lora", root / "base", adapter, "-o", tmp_path / "out")
     assert r.returncode == 1, r.stderr
     assert "layers.1.self_attn.q_proj_x.weight\", which the base checkpoint does not hold" in (
@@ -309,6 +390,16 @@ def test_merge_lora_of_a_fan_in_fan_out_adapter(reshard_bin, tmp_path):
     worst = max(ulp_distance(got[k], want[k]) for k in changed)
     print(f"GPT-2 fan_in_fan_out, float32: largest difference from PEFT: {worst} ulp")
     assert worst <= 2
+    # PEFT takes a Conv1D as one whatever fan_in_fan_out says: so does the merge, the square
+    # attn.c_proj included (the other weights' shapes show that they are Conv1D ones).
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    cfg["fan_in_fan_out"] = False
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
+    r = run(reshard_bin, "merge-lora", tmp_path / "base", tmp_path / "adapter",
+            "-o", tmp_path / "unflagged")
+    assert r.returncode == 0, r.stderr
+    unflagged = load_file(tmp_path / "unflagged" / "model.safetensors")
+    assert all(torch.equal(unflagged[k], got[k]) for k in got)
 
 
 def test_the_package_scatters_and_gathers_an_adapter(toy, tmp_path):

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,26 @@ float Rounded(float f, DType dtype) {
   if (dtype == DType::kBF16) return BFloat16ToFloat(FloatToBFloat16(f));
   if (dtype == DType::kF16) return HalfToFloat(FloatToHalf(f));
   return f;
+}
+
+// One targeted module: the names of its A and B, and whether B @ A is the weight's transpose.
+struct LoraPair {
+  std::string a;
+  std::string b;
+  bool embedding = false;
+  bool transposed = false;
+};
+
+// W + delta rounded to W's dtype, or DataLoss where it is not finite and W was: the adapter holds
+// a NaN or an infinity, or a value whose update W's dtype cannot hold (PEFT's safe merge refuses
+// it alike). Element (o, i) of B @ A, for the message.
+Result<float> Merged(float w, float delta, DType dtype, const LoraPair& pair, Index o, Index i) {
+  const float sum = Rounded(w + delta, dtype);
+  if (std::isfinite(sum) || !std::isfinite(w)) return sum;
+  return DataLossError(fmt::format(
+      "merging \"{}\" @ \"{}\" gives {} at element ({}, {}) of the update, where the base "
+      "weight holds {}: the adapter holds a value that is not finite, or one too large for {}",
+      pair.b, pair.a, sum, o, i, w, DTypeName(dtype)));
 }
 
 void Store(float f, DType dtype, std::byte* at) {
@@ -153,6 +174,12 @@ class Adapter {
     Result<LoraConfig> parsed = ParseLoraConfigJson(text);
     if (!parsed.ok()) return parsed.status().Annotate(fmt::format("\"{}\"", dir));
     a.config_ = *std::move(parsed);
+    if (!a.config_.has_targets) {
+      return FailedPreconditionError(fmt::format(
+          "\"{}\": {} records no target_modules, so which modules PEFT adapts (its defaults for "
+          "the model's type) is not known",
+          dir, kAdapterConfigName));
+    }
     if (fs::is_regular_file(fs::path(dir) / kManifestName, ec)) {
       RESHARD_ASSIGN_OR_RETURN(ShardedCheckpoint sharded, ShardedCheckpoint::Open(dir));
       a.sharded_ = std::make_shared<const ShardedCheckpoint>(std::move(sharded));
@@ -239,13 +266,6 @@ class Adapter {
   std::shared_ptr<const ShardedCheckpoint> sharded_;
 };
 
-// One targeted module: the names of its A and B, and whether B @ A is the weight's transpose.
-struct LoraPair {
-  std::string a;
-  std::string b;
-  bool transposed = false;
-};
-
 // What the adapter does to the base, by base weight name.
 struct AdapterTargets {
   std::map<std::string, LoraPair> pairs;
@@ -282,16 +302,43 @@ Result<AdapterTargets> PairAdapter(const Adapter& adapter, const FindBase& find)
     LoraPair& pair = out.pairs[n.base];
     const bool is_a = n.part == LoraPart::kA || n.part == LoraPart::kEmbeddingA;
     (is_a ? pair.a : pair.b) = t.name;
-    pair.transposed =
-        config.fan_in_fan_out || n.part == LoraPart::kEmbeddingA || n.part == LoraPart::kEmbeddingB;
+    pair.embedding = n.part == LoraPart::kEmbeddingA || n.part == LoraPart::kEmbeddingB;
   }
+  // A linear layer's B @ A is its weight ([out, in], a Linear) or the weight's transpose
+  // ([in, out], a Conv1D). PEFT takes the module's own kind whatever fan_in_fan_out says, so
+  // here the shapes tell where they can; a square weight takes the kind the others show, or
+  // fan_in_fan_out where none shows one.
+  std::map<std::string, std::pair<bool, bool>> fits;  // linear pairs: (as [out, in], as [in, out])
+  std::set<bool> shown;
   for (const auto& [name, pair] : out.pairs) {
+    if (pair.embedding) continue;
+    const Shape& w = find(name)->shape;
+    const Shape& a = by_name.at(pair.a)->shape;
+    const Shape& b = by_name.at(pair.b)->shape;
+    const bool as_weight = w == Shape{b[0], a[1]};
+    const bool as_transpose = w == Shape{a[1], b[0]};
+    fits[name] = {as_weight, as_transpose};
+    if (as_weight != as_transpose) shown.insert(as_transpose);
+  }
+  for (auto& [name, pair] : out.pairs) {
     const NamedTensor& w = *find(name);
     const NamedTensor& a = *by_name.at(pair.a);
     const NamedTensor& b = *by_name.at(pair.b);
-    const Shape want = LoraBaseShape(
-        pair.transposed && !config.fan_in_fan_out ? LoraPart::kEmbeddingA : LoraPart::kA, a.shape,
-        b.shape, config.fan_in_fan_out);
+    if (pair.embedding) {
+      pair.transposed = true;
+    } else if (fits[name].first != fits[name].second) {
+      pair.transposed = fits[name].second;
+    } else if (fits[name].first && shown.size() > 1) {
+      return FailedPreconditionError(fmt::format(
+          "the base's \"{}\" is square, and the adapter's other weights are both of Linear "
+          "layers ([out, in]) and of Conv1D ones ([in, out]): whether \"{}\" @ \"{}\" or its "
+          "transpose is added to it is not known",
+          name, b.name, a.name));
+    } else {
+      pair.transposed = shown.empty() ? config.fan_in_fan_out : *shown.begin();
+    }
+    const Shape want = pair.embedding || pair.transposed ? Shape{a.shape[1], b.shape[0]}
+                                                         : Shape{b.shape[0], a.shape[1]};
     if (w.shape != want) {
       return FailedPreconditionError(fmt::format(
           "adapter tensors \"{}\" and \"{}\" make a [{}] update, but the base's \"{}\" is [{}]",
@@ -350,7 +397,8 @@ Result<ModuleOnRank> LoadModule(const Adapter& adapter, const LoraPair& pair, Ra
 
 // W + scaling * B @ A into `out`: W [rows, cols]; B @ A is [rows, cols], or [cols, rows] when
 // transposed.
-void MergeInto(const TensorRef& w, const ModuleOnRank& m, float scaling, std::span<std::byte> out) {
+Status MergeInto(const TensorRef& w, const ModuleOnRank& m, const LoraPair& pair, float scaling,
+                 std::span<std::byte> out) {
   const DType dtype = w.info->dtype;
   const size_t size = DTypeSize(dtype);
   for (Index o = 0; o < m.out; ++o) {
@@ -358,10 +406,12 @@ void MergeInto(const TensorRef& w, const ModuleOnRank& m, float scaling, std::sp
       const float delta = Delta(&m.b[static_cast<size_t>(o * m.r)], &m.a[static_cast<size_t>(i)],
                                 m.in, m.r, scaling, m.adapter_dtype);
       const Index at = m.transposed ? i * m.out + o : o * m.in + i;
-      Store(ElementAt(dtype, w.data.data(), at) + delta, dtype,
-            out.data() + static_cast<size_t>(at) * size);
+      RESHARD_ASSIGN_OR_RETURN(const float merged, Merged(ElementAt(dtype, w.data.data(), at),
+                                                          delta, dtype, pair, o, i));
+      Store(merged, dtype, out.data() + static_cast<size_t>(at) * size);
     }
   }
+  return Status::Ok();
 }
 
 Result<MergeLoraReport> MergeIntoFull(const std::string& base_dir, const Adapter& adapter,
@@ -405,8 +455,7 @@ Result<MergeLoraReport> MergeIntoFull(const std::string& base_dir, const Adapter
       ++report.merged;
       fill = [w, &adapter, lora = pair->second, scaling](std::span<std::byte> bytes) -> Status {
         RESHARD_ASSIGN_OR_RETURN(const ModuleOnRank m, LoadModule(adapter, lora, 0));
-        MergeInto(w, m, scaling, bytes);
-        return Status::Ok();
+        return MergeInto(w, m, lora, scaling, bytes);
       };
     } else {
       fill = [w](std::span<std::byte> bytes) {
@@ -475,7 +524,12 @@ Status MergePieces(const ShardedParam& w, Rank rank, const ModuleOnRank& m, cons
       const float delta = Delta(&m.b[static_cast<size_t>(o * m.r)], &m.a[static_cast<size_t>(i)],
                                 m.in, m.r, scaling, m.adapter_dtype);
       const float wv = w_copy != nullptr ? w_copy->At(*v) : ElementAt(w.dtype, base.data(), d);
-      Store(wv + delta, w.dtype, out.data() + at);
+      Result<float> merged = Merged(wv, delta, w.dtype, pair, o, i);
+      if (!merged.ok()) {
+        status = merged.status().Annotate(fmt::format("rank {}'s shard of \"{}\"", rank, w.name));
+        return false;
+      }
+      Store(*merged, w.dtype, out.data() + at);
       return true;
     });
     RESHARD_RETURN_IF_ERROR(status);

@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 
 namespace reshard {
@@ -36,6 +38,46 @@ Result<std::vector<std::string>> StringList(const Json& doc, const char* key) {
     out.push_back(v.get<std::string>());
   }
   return out;
+}
+
+// A config key that is a list of module names or one regular expression (then in `regex`).
+Status NamesOrRegex(const Json& doc, const char* key, std::vector<std::string>& names,
+                    std::string& regex) {
+  if (auto it = doc.find(key); it != doc.end() && it->is_string()) {
+    regex = it->get<std::string>();
+    return Status::Ok();
+  }
+  RESHARD_ASSIGN_OR_RETURN(names, StringList(doc, key));
+  return Status::Ok();
+}
+
+// Whether `key` is one of `names` or ends with one after a dot (PEFT's match of a list).
+bool NamedIn(const std::vector<std::string>& names, std::string_view key) {
+  return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+    return key == n ||
+           (key.size() > n.size() && EndsWith(key, n) && key[key.size() - n.size() - 1] == '.');
+  });
+}
+
+// Python's re.fullmatch (`whole`) or re.match of `pattern` (of config key `key`) against
+// `text`, read as ECMAScript; the first group's text, when it has one, in `group`. std::regex
+// reports a pattern it cannot read, or one too costly to match, only by throwing: caught here.
+Result<bool> RegexMatches(const std::string& pattern, const std::string& text, bool whole,
+                          std::string_view key, std::string* group = nullptr) {
+  try {
+    const std::regex re(pattern, std::regex::ECMAScript);
+    std::smatch m;
+    const bool found = whole
+                           ? std::regex_match(text, m, re)
+                           : std::regex_search(text, m, re, std::regex_constants::match_continuous);
+    if (found && group != nullptr && m.size() > 1) *group = m[1].str();
+    return found;
+  } catch (const std::regex_error& e) {
+    return FailedPreconditionError(
+        fmt::format("{}: the regular expression \"{}\" cannot be read as ECMAScript ({}), so "
+                    "which modules the adapter adapts is not known",
+                    key, pattern, e.what()));
+  }
 }
 
 bool Flag(const Json& doc, const char* key) {
@@ -325,13 +367,77 @@ Result<LoraConfig> ParseLoraConfigJson(std::string_view text) {
   c.lora_bias = Flag(doc, "lora_bias");
   c.fan_in_fan_out = Flag(doc, "fan_in_fan_out");
   c.has_patterns = NonEmptyObject(doc, "rank_pattern") || NonEmptyObject(doc, "alpha_pattern");
-  if (auto t = doc.find("target_modules"); t != doc.end() && t->is_string()) {
-    c.target_regex = t->get<std::string>();
+  auto targets = doc.find("target_modules");
+  c.has_targets = targets != doc.end() && !targets->is_null();
+  RESHARD_RETURN_IF_ERROR(NamesOrRegex(doc, "target_modules", c.target_modules, c.target_regex));
+  RESHARD_RETURN_IF_ERROR(NamesOrRegex(doc, "exclude_modules", c.exclude_modules, c.exclude_regex));
+  if (auto layers = doc.find("layers_to_transform"); layers != doc.end() && !layers->is_null()) {
+    const Json list = layers->is_array() ? *layers : Json::array({*layers});
+    for (const Json& v : list) {
+      if (!v.is_number_integer()) {
+        return InvalidArgumentError(
+            fmt::format("{}: layers_to_transform must be a layer index or a list of them, not {}",
+                        kAdapterConfigName, layers->dump()));
+      }
+      c.layers_to_transform.push_back(v.get<int64_t>());
+    }
+  }
+  if (auto pattern = doc.find("layers_pattern"); pattern != doc.end() && pattern->is_string()) {
+    if (!pattern->get<std::string>().empty()) c.layers_pattern = {pattern->get<std::string>()};
   } else {
-    RESHARD_ASSIGN_OR_RETURN(c.target_modules, StringList(doc, "target_modules"));
+    RESHARD_ASSIGN_OR_RETURN(c.layers_pattern, StringList(doc, "layers_pattern"));
   }
   RESHARD_ASSIGN_OR_RETURN(c.modules_to_save, StringList(doc, "modules_to_save"));
   return c;
+}
+
+Result<bool> LoraTargetsModule(const LoraConfig& config, const std::string& module) {
+  if (!config.exclude_regex.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(const bool excluded,
+                             RegexMatches(config.exclude_regex, module, true, "exclude_modules"));
+    if (excluded) return false;
+  } else if (NamedIn(config.exclude_modules, module)) {
+    return false;
+  }
+  // PEFT never adapts a module it saves whole.
+  for (const std::string& saved : config.modules_to_save) {
+    RESHARD_ASSIGN_OR_RETURN(
+        const bool is_saved,
+        RegexMatches(fmt::format("(^|.*\\.){}($|\\..*)", saved), module, false, "modules_to_save"));
+    if (is_saved) return false;
+  }
+  if (!config.has_targets) return true;
+  if (!config.target_regex.empty()) {
+    // "all-linear": PEFT's shorthand for every linear layer, read as it was saved.
+    std::string lower = config.target_regex;
+    std::transform(lower.begin(), lower.end(), lower.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    if (lower == "all-linear") return true;
+    return RegexMatches(config.target_regex, module, true, "target_modules");
+  }
+  const auto& targets = config.target_modules;
+  if (std::find(targets.begin(), targets.end(), module) != targets.end()) return true;
+  if (!NamedIn(targets, module)) return false;
+  if (config.layers_to_transform.empty()) return true;
+  // The module's layer: the first number after a layers_pattern (any name without one) that
+  // another name follows, as PEFT finds it.
+  std::string index;
+  if (config.layers_pattern.empty()) {
+    RESHARD_RETURN_IF_ERROR(
+        RegexMatches(R"(.*?\.[^.]*\.(\d+)\.)", module, false, "layers_pattern", &index).status());
+  } else {
+    for (const std::string& pattern : config.layers_pattern) {
+      RESHARD_ASSIGN_OR_RETURN(
+          const bool found, RegexMatches(fmt::format(R"((?:^|.*?\.){}\.(\d+)\.)", pattern), module,
+                                         false, "layers_pattern", &index));
+      if (found) break;
+    }
+  }
+  int64_t layer = 0;
+  const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), layer);
+  if (index.empty() || ec != std::errc() || end != index.data() + index.size()) return false;
+  return std::find(config.layers_to_transform.begin(), config.layers_to_transform.end(), layer) !=
+         config.layers_to_transform.end();
 }
 
 bool IsPeftAdapterDir(const std::string& dir) {
@@ -407,10 +513,10 @@ Status CheckLoraTensors(const LoraConfig& config,
         "the adapter gives some modules their own r or alpha (rank_pattern, alpha_pattern), "
         "which reshard does not read");
   }
-  // Per module: the A and the B seen, by tensor name.
-  std::map<std::string,
-           std::pair<const std::pair<std::string, Shape>*, const std::pair<std::string, Shape>*>>
-      pairs;
+  // Per module: the A and the B seen; per base weight, its whole copy.
+  using Tensor = std::pair<std::string, Shape>;
+  std::map<std::string, std::pair<const Tensor*, const Tensor*>> pairs;
+  std::map<std::string, const Tensor*> copies;
   for (const auto& t : tensors) {
     const std::optional<LoraTensorName> n = ParseLoraTensorName(t.first);
     if (!n) {
@@ -419,7 +525,15 @@ Status CheckLoraTensors(const LoraConfig& config,
           "reshard does not lay it out",
           t.first, kPrefix));
     }
-    if (n->part == LoraPart::kBaseCopy) continue;
+    if (n->part == LoraPart::kBaseCopy) {
+      auto [it, added] = copies.emplace(n->base, &t);
+      if (!added) {
+        return DataLossError(
+            fmt::format("adapter tensors \"{}\" and \"{}\" are both a whole copy of \"{}\"",
+                        it->second->first, t.first, n->base));
+      }
+      continue;
+    }
     if (t.second.size() != 2) {
       return DataLossError(
           fmt::format("adapter tensor \"{}\" has {} dims, not 2", t.first, t.second.size()));
@@ -432,13 +546,44 @@ Status CheckLoraTensors(const LoraConfig& config,
                       r, fmt::join(t.second, ", "), kAdapterConfigName, config.r));
     }
     auto& pair = pairs[n->module];
-    (is_a ? pair.first : pair.second) = &t;
+    const Tensor*& slot = is_a ? pair.first : pair.second;
+    if (slot != nullptr) {
+      return DataLossError(
+          fmt::format("adapter tensors \"{}\" and \"{}\" are both the {} of \"{}\"", slot->first,
+                      t.first, is_a ? "A" : "B", n->module));
+    }
+    slot = &t;
+    RESHARD_ASSIGN_OR_RETURN(const bool targeted, LoraTargetsModule(config, n->module));
+    if (!targeted) {
+      return DataLossError(fmt::format(
+          "adapter tensor \"{}\" is of the module \"{}\", which {} does not adapt "
+          "(target_modules, exclude_modules, layers_to_transform, modules_to_save): PEFT "
+          "would not load it",
+          t.first, n->module, kAdapterConfigName));
+    }
   }
   for (const auto& [module, pair] : pairs) {
     if (pair.first == nullptr || pair.second == nullptr) {
       return DataLossError(fmt::format("adapter tensor \"{}\" has no {} beside it",
                                        (pair.first ? pair.first : pair.second)->first,
                                        pair.first ? "B" : "A"));
+    }
+    const bool a_embedding = ParseLoraTensorName(pair.first->first)->part == LoraPart::kEmbeddingA;
+    const bool b_embedding = ParseLoraTensorName(pair.second->first)->part == LoraPart::kEmbeddingB;
+    if (a_embedding != b_embedding) {
+      return DataLossError(fmt::format(
+          "adapter tensors \"{}\" and \"{}\" pair an embedding's LoRA tensor with a linear "
+          "layer's",
+          pair.first->first, pair.second->first));
+    }
+    // The module's own weight, where PEFT adapts it, is its base layer's.
+    const std::string weight = module + ".weight";
+    if (auto copy = copies.find(weight);
+        copy != copies.end() && !EndsWith(copy->second->first, ".base_layer.weight")) {
+      return DataLossError(fmt::format(
+          "adapter tensor \"{}\" is a whole copy of \"{}\", the weight of a module the adapter "
+          "adapts, which PEFT saves as \"{}{}.base_layer.weight\": PEFT would not load it",
+          copy->second->first, weight, kPrefix, module));
     }
   }
   return Status::Ok();

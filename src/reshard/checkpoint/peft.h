@@ -40,6 +40,16 @@ struct LoraConfig {
   /// `target_regex`).
   std::vector<std::string> target_modules;
   std::string target_regex;
+  /// Whether target_modules is given at all (null or absent: which modules the adapter adapts
+  /// is not recorded, and no tensor is checked against it).
+  bool has_targets = false;
+  /// exclude_modules: a list of module names, or one regular expression (then in
+  /// `exclude_regex`).
+  std::vector<std::string> exclude_modules;
+  std::string exclude_regex;
+  /// layers_to_transform (empty: every layer) and layers_pattern (empty: any).
+  std::vector<int64_t> layers_to_transform;
+  std::vector<std::string> layers_pattern;
   std::vector<std::string> modules_to_save;
   /// Whether rank_pattern or alpha_pattern give some modules another r or alpha.
   bool has_patterns = false;
@@ -77,10 +87,22 @@ std::optional<LoraTensorName> ParseLoraTensorName(std::string_view name);
 /// along its input). `fan_in_fan_out`: the base weight is stored [in, out].
 std::optional<int> LoraDimAlong(LoraPart part, int base_dim, bool fan_in_fan_out);
 
+/// Whether PEFT puts a LoRA layer on module `module` ("model.layers.0.self_attn.q_proj") under
+/// `config`, as PEFT selects modules: not excluded (exclude_modules; modules_to_save, which
+/// PEFT never adapts), and named by target_modules (a name equal to the module or ending it
+/// after a dot, with layers_to_transform counting the module's layer; or a regular expression
+/// matching the whole name). True when the config records no target_modules.
+/// \error FailedPrecondition  a regular expression of the config that std::regex cannot read
+///        (it reads ECMAScript, which PEFT's configs' expressions are written in).
+Result<bool> LoraTargetsModule(const LoraConfig& config, const std::string& module);
+
 /// Checks the tensors of an adapter (name, shape) against its config: every LoRA tensor's r
-/// is the config's, A and B of a module agree, and no module has one without the other.
+/// is the config's, A and B of a module agree, no module has one without the other or two of
+/// either, every pair is of a module the config targets (PEFT would not load another), and no
+/// base weight has two whole copies.
 /// \error FailedPrecondition  DoRA, lora_bias, rank or alpha patterns, a tensor reshard cannot
-///        lay out; DataLoss  an r that disagrees, a pair that does not match (naming the
+///        lay out, a pattern that cannot be read; DataLoss  an r that disagrees, a pair that
+///        does not match, a module twice, a module the config does not target (naming the
 ///        tensor).
 Status CheckLoraTensors(const LoraConfig& config,
                         const std::vector<std::pair<std::string, Shape>>& tensors);

@@ -97,5 +97,84 @@ TEST(LoraMapsFromBaseTest, APieceThatIsNoBlockOfRowsAndColumnsIsRefused) {
   EXPECT_NE(missing.status().message().find("\"L.x.weight\""), std::string::npos);
 }
 
+LoraConfig ConfigOf(const std::string& json) {
+  Result<LoraConfig> c = ParseLoraConfigJson(json);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? *c : LoraConfig{};
+}
+
+bool Targets(const LoraConfig& c, const std::string& module) {
+  Result<bool> t = LoraTargetsModule(c, module);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() && *t;
+}
+
+// As PEFT's check_target_module_exists selects modules.
+TEST(LoraTargetsModuleTest, SelectsModulesAsPeftDoes) {
+  const std::string head = R"({"peft_type": "LORA", "r": 2, "lora_alpha": 4, )";
+  const LoraConfig list = ConfigOf(head + R"("target_modules": ["q_proj", "model.lm_head"]})");
+  EXPECT_TRUE(Targets(list, "model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(Targets(list, "q_proj"));
+  EXPECT_TRUE(Targets(list, "model.lm_head"));
+  EXPECT_FALSE(Targets(list, "model.layers.0.self_attn.xq_proj"));
+  EXPECT_FALSE(Targets(list, "model.layers.0.self_attn.v_proj"));
+  const LoraConfig regex = ConfigOf(head + R"("target_modules": ".*\\.(q|v)_proj"})");
+  EXPECT_TRUE(Targets(regex, "model.layers.3.self_attn.v_proj"));
+  EXPECT_FALSE(Targets(regex, "model.layers.3.self_attn.v_proj.x"));  // the whole name
+  const LoraConfig layers = ConfigOf(
+      head +
+      R"("target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": "layers"})");
+  EXPECT_TRUE(Targets(layers, "model.layers.1.self_attn.q_proj"));
+  EXPECT_FALSE(Targets(layers, "model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(Targets(layers, "model.layers.11.self_attn.q_proj"));
+  // No pattern: the first number after a name that another name follows.
+  const LoraConfig any =
+      ConfigOf(head + R"("target_modules": ["q_proj"], "layers_to_transform": 0})");
+  EXPECT_TRUE(Targets(any, "model.layers.0.experts.3.q_proj"));
+  EXPECT_FALSE(Targets(any, "model.layers.2.experts.0.q_proj"));
+  const LoraConfig excluded = ConfigOf(
+      head + R"("target_modules": ".*_proj", "exclude_modules": ["layers.0.self_attn.q_proj"]})");
+  EXPECT_FALSE(Targets(excluded, "model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(Targets(excluded, "model.layers.1.self_attn.q_proj"));
+  const LoraConfig saved = ConfigOf(
+      head + R"("target_modules": ["lm_head", "q_proj"], "modules_to_save": ["lm_head"]})");
+  EXPECT_FALSE(Targets(saved, "lm_head"));
+  EXPECT_TRUE(Targets(saved, "model.q_proj"));
+  EXPECT_TRUE(Targets(ConfigOf(head + R"("target_modules": null})"), "anything"));
+  Result<bool> unreadable =
+      LoraTargetsModule(ConfigOf(head + R"j("target_modules": "(?P<x>q)"})j"), "q");
+  ASSERT_FALSE(unreadable.ok());
+  EXPECT_EQ(unreadable.status().code(), StatusCode::kFailedPrecondition);
+}
+
+// Before: a second A (or B) of a module replaced the first, an embedding's B paired with a
+// linear layer's A, and of two whole copies of a weight the later one was merged.
+TEST(CheckLoraTensorsTest, RefusesAModuleTwiceAndTensorsPeftWouldNotLoad) {
+  const LoraConfig c =
+      ConfigOf(R"({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q", "e"]})");
+  const std::string q = "base_model.model.m.q";
+  auto code = [&](std::vector<std::pair<std::string, Shape>> tensors) {
+    return CheckLoraTensors(c, tensors).code();
+  };
+  EXPECT_EQ(code({{q + ".lora_A.weight", {2, 4}}, {q + ".lora_B.weight", {4, 2}}}),
+            StatusCode::kOk);
+  EXPECT_EQ(code({{q + ".lora_A.weight", {2, 4}},
+                  {q + ".lora_embedding_A", {2, 4}},
+                  {q + ".lora_B.weight", {4, 2}}}),
+            StatusCode::kDataLoss);
+  EXPECT_EQ(code({{q + ".lora_A.weight", {2, 4}}, {q + ".lora_embedding_B", {4, 2}}}),
+            StatusCode::kDataLoss);
+  EXPECT_EQ(code({{"base_model.model.m.e.base_layer.weight", {8, 4}},
+                  {"base_model.model.m.e.weight", {8, 4}}}),
+            StatusCode::kDataLoss);
+  EXPECT_EQ(code({{"base_model.model.m.v.lora_A.weight", {2, 4}},
+                  {"base_model.model.m.v.lora_B.weight", {4, 2}}}),
+            StatusCode::kDataLoss);
+  EXPECT_EQ(code({{q + ".lora_A.weight", {2, 4}},
+                  {q + ".lora_B.weight", {4, 2}},
+                  {q + ".weight", {4, 4}}}),
+            StatusCode::kDataLoss);
+}
+
 }  // namespace
 }  // namespace reshard

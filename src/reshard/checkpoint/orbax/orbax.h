@@ -141,7 +141,8 @@ std::string OrbaxSummaryJson(const OrbaxCheckpoint& c);
 /// `opt_state.0.mu.params.decoder.kernel` when it holds the tree with its `params` key). A moment
 /// is matched to the model array (one outside the optimizer's state) whose path ends with its
 /// `<param path>` and whose shape is its own; where several do, to the one under the prefix
-/// most moments share (the tree given to the optimizer).
+/// most moments share (the tree given to the optimizer). A state of a model array that two
+/// moments claim (two Adam states over one tree, as two chains keep) is matched to neither.
 struct OrbaxMoments {
   /// Per moment (an index of arrays()): its model array's index and its name as a state of that
   /// parameter, "exp_avg" (mu) or "exp_avg_sq" (nu).
@@ -154,13 +155,13 @@ OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c);
 
 /// The checkpoint's arrays as a ShardSource: one parameter per array (its name, the map of its
 /// devices' boxes, layout DcpDefaultLayout), world size = the devices; with `weights_only`,
-/// optimizer state left out. Adam's moments (FindOrbaxMoments) are named as reshard names a
-/// parameter's optimizer state, "<param>.exp_avg" and "<param>.exp_avg_sq" (unless a model
-/// array has that name), so that a DCP output holds them as the optimizer's state of the
-/// parameter and a universal one as its exp_avg.pt and exp_avg_sq.pt; every other leaf keeps
-/// its own name. Memory: ReadRegion reads a box from the stored chunks it overlaps, one chunk
-/// at a time (ReadsRegions); AcquireShards holds the array's devices' boxes, each read once for
-/// all the devices that hold it.
+/// optimizer state left out. Adam's moments (FindOrbaxMoments), where a parameter has both, are
+/// named as reshard names a parameter's optimizer state, "<param>.exp_avg" and
+/// "<param>.exp_avg_sq" (unless a model array has that name), so that a DCP output holds them as
+/// the optimizer's state of the parameter and a universal one as its exp_avg.pt and exp_avg_sq.pt;
+/// every other leaf keeps its own name. Memory: ReadRegion reads a box from the stored chunks it
+/// overlaps, one chunk at a time (ReadsRegions); AcquireShards holds the array's devices' boxes,
+/// each read once for all the devices that hold it.
 std::unique_ptr<ShardSource> OrbaxSource(std::shared_ptr<const OrbaxCheckpoint> ckpt,
                                          bool weights_only);
 

@@ -202,10 +202,14 @@ OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c) {
     }
     if (!m.candidates.empty()) moments.push_back(std::move(m));
   }
-  OrbaxMoments out;
-  std::set<std::pair<size_t, std::string>> taken;  // (model array, state)
-  for (const Moment& m : moments) {
-    const Candidate* best = nullptr;
+  // Each moment's model array; a state of a model array that two moments claim (two Adam
+  // states over the same parameters, as two chains keep) is no one's: which one an optimizer
+  // reading it back would take is not known.
+  std::vector<const Candidate*> best_of(moments.size(), nullptr);
+  std::map<std::pair<size_t, std::string>, int> claims;  // (model array, state)
+  for (size_t k = 0; k < moments.size(); ++k) {
+    const Moment& m = moments[k];
+    const Candidate*& best = best_of[k];
     for (const Candidate& cand : m.candidates) {
       if (best == nullptr || prefix_votes[cand.prefix] > prefix_votes[best->prefix] ||
           (prefix_votes[cand.prefix] == prefix_votes[best->prefix] &&
@@ -213,7 +217,13 @@ OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c) {
         best = &cand;
       }
     }
-    if (!taken.emplace(best->array, m.which).second) continue;  // two claim it: the first has it
+    ++claims[{best->array, m.which}];
+  }
+  OrbaxMoments out;
+  for (size_t k = 0; k < moments.size(); ++k) {
+    const Moment& m = moments[k];
+    const Candidate* best = best_of[k];
+    if (claims[{best->array, m.which}] != 1) continue;
     out.moments.emplace(m.array, std::pair{best->array, m.which});
     if (m.which != "exp_avg") continue;
     // The count beside mu: the optimizer's step.
@@ -240,11 +250,16 @@ class OrbaxShardSource : public ShardSource {
     std::set<std::string> names;
     for (const OrbaxArray& a : arrays) names.insert(a.name);
     const OrbaxMoments moments = FindOrbaxMoments(*ckpt_);
+    // A parameter's moments are its optimizer state only both together: one alone keeps its own
+    // name (an optimizer reading the parameter's state would find half of it).
+    std::map<size_t, int> found;
+    for (const auto& [m, of] : moments.moments) ++found[of.first];
     for (size_t i = 0; i < arrays.size(); ++i) {
       const OrbaxArray& a = arrays[i];
       if (weights_only && a.optimizer_state) continue;
       std::string name = a.name;
-      if (const auto it = moments.moments.find(i); it != moments.moments.end()) {
+      if (const auto it = moments.moments.find(i);
+          it != moments.moments.end() && found[it->second.first] == 2) {
         std::string state = arrays[it->second.first].name + "." + it->second.second;
         if (!names.contains(state)) name = std::move(state);
       }

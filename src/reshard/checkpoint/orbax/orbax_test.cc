@@ -315,12 +315,36 @@ TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
 // optax's Adam state for an optimizer given `params`' subtree: moments of "a.w" could be those
 // of "params.a.w" or "params.b.a.w" by their path; the prefix every moment shares ("params")
 // decides. A moment of another shape than its parameter's is matched to nothing.
+// A leaf of an item written by hand: its path, zarr shape and dtype (no chunk stored).
+struct Leaf {
+  std::vector<std::string> path;
+  std::string shape, dtype;
+};
+
+void WriteTree(const std::filesystem::path& dir, const std::vector<Leaf>& leaves) {
+  std::string tree;
+  for (const Leaf& l : leaves) {
+    std::string keys, name, text;
+    for (const std::string& k : l.path) {
+      const bool index = k.find_first_not_of("0123456789") == std::string::npos;
+      keys += fmt::format(R"({}{{"key": "{}", "key_type": {}}})", keys.empty() ? "" : ", ", k,
+                          index ? 1 : 2);
+      name += (name.empty() ? "" : ".") + k;
+      text += (text.empty() ? "'" : ", '") + k + "'";
+    }
+    tree += fmt::format(R"j({}"({},)": {{"key_metadata": [{}], "value_metadata": )j"
+                        R"j({{"value_type": "jax.Array"}}}})j",
+                        tree.empty() ? "" : ", ", text, keys);
+    Write(dir / name / ".zarray",
+          fmt::format(R"({{"zarr_format": 2, "shape": {}, "chunks": {}, "dtype": "{}", )"
+                      R"("compressor": null, "fill_value": null, "order": "C", "filters": null}})",
+                      l.shape, l.shape == "[]" ? "[]" : l.shape, l.dtype));
+  }
+  Write(dir / "_METADATA", R"({"tree_metadata": {)" + tree + "}}");
+}
+
 TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
   test_support::TempDir dir;
-  struct Leaf {
-    std::vector<std::string> path;
-    std::string shape, dtype;
-  };
   const std::vector<Leaf> leaves = {
       {{"params", "a", "w"}, "[2, 3]", "<f4"},
       {{"params", "b", "a", "w"}, "[2, 3]", "<f4"},
@@ -332,25 +356,7 @@ TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
       {{"opt_state", "0", "nu", "a", "w"}, "[2, 3]", "<f4"},
       {{"opt_state", "0", "nu", "b", "a", "w"}, "[2, 3]", "<f4"},
   };
-  std::string tree;
-  for (const Leaf& l : leaves) {
-    std::string keys, name, text;
-    for (const std::string& k : l.path) {
-      const bool index = k == "0";
-      keys += fmt::format(R"({}{{"key": "{}", "key_type": {}}})", keys.empty() ? "" : ", ", k,
-                          index ? 1 : 2);
-      name += (name.empty() ? "" : ".") + k;
-      text += (text.empty() ? "'" : ", '") + k + "'";
-    }
-    tree += fmt::format(R"j({}"({},)": {{"key_metadata": [{}], "value_metadata": )j"
-                        R"j({{"value_type": "jax.Array"}}}})j",
-                        tree.empty() ? "" : ", ", text, keys);
-    Write(dir.path() / name / ".zarray",
-          fmt::format(R"({{"zarr_format": 2, "shape": {}, "chunks": {}, "dtype": "{}", )"
-                      R"("compressor": null, "fill_value": null, "order": "C", "filters": null}})",
-                      l.shape, l.shape == "[]" ? "[]" : l.shape, l.dtype));
-  }
-  Write(dir.path() / "_METADATA", R"({"tree_metadata": {)" + tree + "}}");
+  WriteTree(dir.path(), leaves);
   auto c = OrbaxCheckpoint::Open(dir.path().string());
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   std::map<std::string, size_t> index;
@@ -466,6 +472,34 @@ TEST(MaxTextLayoutTest, ConfigsWithoutALayoutAreRefused) {
   EXPECT_EQ(moe.status().code(), StatusCode::kFailedPrecondition);
   const auto missing = ParseMaxTextModelConfig(R"({"model_type": "llama"})", "config");
   EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+}
+
+// Before: of two Adam states over one tree (two chains) the first was taken as the parameters'
+// moments, and a nu without its mu was named as the parameter's exp_avg_sq in a DCP output.
+TEST(OrbaxMomentsTest, TwoStatesOfOneParameterOrOneMomentAloneAreNoParametersState) {
+  test_support::TempDir dir;
+  WriteTree(dir.path(), {{{"params", "a", "w"}, "[2, 3]", "<f4"},
+                         {{"params", "c"}, "[4]", "<f4"},
+                         {{"opt_state", "0", "count"}, "[]", "<i4"},
+                         {{"opt_state", "0", "mu", "a", "w"}, "[2, 3]", "<f4"},
+                         {{"opt_state", "0", "nu", "a", "w"}, "[2, 3]", "<f4"},
+                         {{"opt_state", "1", "mu", "a", "w"}, "[2, 3]", "<f4"},
+                         {{"opt_state", "1", "nu", "a", "w"}, "[2, 3]", "<f4"},
+                         {{"opt_state", "0", "nu", "c"}, "[4]", "<f4"}});
+  auto c = OrbaxCheckpoint::Open(dir.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const OrbaxMoments m = FindOrbaxMoments(**c);
+  for (const auto& [moment, of] : m.moments) {
+    EXPECT_NE((*c)->arrays()[of.first].name, "params.a.w") << (*c)->arrays()[moment].name;
+  }
+  EXPECT_TRUE(m.counts.empty());
+  auto source = OrbaxSource(*c, false);
+  std::set<std::string> names;
+  for (const ShardedParam& p : source->manifest().params) names.insert(p.name);
+  EXPECT_EQ(names,
+            (std::set<std::string>{"params.a.w", "params.c", "opt_state.0.count",
+                                   "opt_state.0.mu.a.w", "opt_state.0.nu.a.w", "opt_state.1.mu.a.w",
+                                   "opt_state.1.nu.a.w", "opt_state.0.nu.c"}));
 }
 
 }  // namespace
