@@ -16,6 +16,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/megatron/megatron_names.h"
+#include "reshard/checkpoint/model_config.h"
 #include "reshard/checkpoint/parallel_runs.h"
 #include "reshard/io/file.h"
 
@@ -107,31 +108,18 @@ Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std:
   if (!parsed.ok()) return parsed.status().Annotate(what);
   const json::Json& j = *parsed;
   if (!j.is_object()) return json::TypeError(what, "an object", j);
-  const auto optional_int = [&](std::string_view key) -> Result<std::optional<Index>> {
-    const json::Json* v = json::Find(j, key);
-    if (v == nullptr || v->is_null()) return std::optional<Index>();
-    RESHARD_ASSIGN_OR_RETURN(Index n, json::ReadInt(*v, json::Member(what, key), json::kPositive));
-    return std::optional<Index>(n);
-  };
-  const auto required_int = [&](std::string_view key) -> Result<Index> {
-    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n, optional_int(key));
-    if (!n) {
-      return InvalidArgumentError(
-          fmt::format("{}: \"{}\" is missing (the Megatron layout needs it)", what, key));
-    }
-    return *n;
-  };
+  const internal::ConfigInts ints(j, what, "the Megatron layout");
   MegatronModelConfig c;
   if (const json::Json* t = json::Find(j, "model_type"); t != nullptr) {
     RESHARD_ASSIGN_OR_RETURN(c.model_type, json::ReadString(*t, json::Member(what, "model_type")));
   }
-  RESHARD_ASSIGN_OR_RETURN(c.layers, required_int("num_hidden_layers"));
-  RESHARD_ASSIGN_OR_RETURN(c.hidden, required_int("hidden_size"));
-  RESHARD_ASSIGN_OR_RETURN(c.heads, required_int("num_attention_heads"));
-  RESHARD_ASSIGN_OR_RETURN(c.vocab, required_int("vocab_size"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, optional_int("num_key_value_heads"));
+  RESHARD_ASSIGN_OR_RETURN(c.layers, ints.Required("num_hidden_layers"));
+  RESHARD_ASSIGN_OR_RETURN(c.hidden, ints.Required("hidden_size"));
+  RESHARD_ASSIGN_OR_RETURN(c.heads, ints.Required("num_attention_heads"));
+  RESHARD_ASSIGN_OR_RETURN(c.vocab, ints.Required("vocab_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, ints.Optional("num_key_value_heads"));
   c.kv_heads = kv.value_or(c.heads);
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, optional_int("head_dim"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, ints.Optional("head_dim"));
   if (!head_dim && c.hidden % c.heads != 0) {
     return InvalidArgumentError(fmt::format(
         "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
@@ -143,20 +131,20 @@ Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std:
         fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", what,
                     c.heads, c.kv_heads));
   }
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> ffn, optional_int("intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> ffn, ints.Optional("intermediate_size"));
   c.ffn = ffn.value_or(0);
   for (const char* key : {"num_local_experts", "num_experts", "n_routed_experts"}) {
-    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> e, optional_int(key));
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> e, ints.Optional(key));
     if (e) {
       c.experts = *e;
       break;
     }
   }
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> moe_ffn, optional_int("moe_intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> moe_ffn, ints.Optional("moe_intermediate_size"));
   c.moe_ffn = moe_ffn.value_or(c.ffn);
   RESHARD_ASSIGN_OR_RETURN(std::optional<Index> shared,
-                           optional_int("shared_expert_intermediate_size"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n_shared, optional_int("n_shared_experts"));
+                           ints.Optional("shared_expert_intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n_shared, ints.Optional("n_shared_experts"));
   c.shared_ffn = shared ? *shared : (n_shared ? *n_shared * c.moe_ffn : 0);
   if (const json::Json* t = json::Find(j, "tie_word_embeddings"); t != nullptr && !t->is_null()) {
     RESHARD_ASSIGN_OR_RETURN(bool tie,
@@ -167,9 +155,9 @@ Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std:
     RESHARD_ASSIGN_OR_RETURN(c.mlp_only_layers,
                              json::ReadIntArray(*m, json::Member(what, "mlp_only_layers"), 0));
   }
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> step, optional_int("decoder_sparse_step"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> step, ints.Optional("decoder_sparse_step"));
   c.sparse_step = step.value_or(1);
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> freq, optional_int("moe_layer_freq"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> freq, ints.Optional("moe_layer_freq"));
   c.moe_freq = freq.value_or(1);
   if (const json::Json* k = json::Find(j, "first_k_dense_replace"); k != nullptr && !k->is_null()) {
     RESHARD_ASSIGN_OR_RETURN(c.first_dense,

@@ -2,6 +2,8 @@
 
 #include <iterator>
 
+#include "reshard/checkpoint/model_config.h"
+
 namespace reshard::megatron {
 namespace {
 
@@ -60,23 +62,13 @@ constexpr NameFamily kFamilies[] = {
     {"", "mlp", "gate_proj", "up_proj", "down_proj", "shared_experts"},
 };
 
-bool ListNames(std::string_view list, std::string_view word) {
-  while (!list.empty()) {
-    const size_t space = list.find(' ');
-    if (list.substr(0, space) == word) return true;
-    if (space == std::string_view::npos) break;
-    list.remove_prefix(space + 1);
-  }
-  return false;
-}
-
 }  // namespace
 
 std::span<const NameRule> NameRules() { return kRules; }
 
 const NameFamily& FamilyOf(std::string_view model_type) {
   for (const NameFamily& f : kFamilies) {
-    if (ListNames(f.model_types, model_type)) return f;
+    if (internal::WordListHolds(f.model_types, model_type)) return f;
   }
   return kFamilies[std::size(kFamilies) - 1];
 }

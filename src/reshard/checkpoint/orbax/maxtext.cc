@@ -16,6 +16,7 @@
 #include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/megatron/regions.h"
+#include "reshard/checkpoint/model_config.h"
 #include "reshard/checkpoint/orbax/maxtext_names.h"
 #include "reshard/exec/executor.h"
 
@@ -31,7 +32,7 @@ using maxtext::Scope;
 bool HasRuleFor(std::string_view model_type) {
   return std::any_of(
       maxtext::LayoutRules().begin(), maxtext::LayoutRules().end(),
-      [&](const LayoutRule& r) { return maxtext::ListHolds(r.families, model_type); });
+      [&](const LayoutRule& r) { return internal::WordListHolds(r.families, model_type); });
 }
 
 // ---- the table's factors ----------------------------------------------------------------
@@ -536,20 +537,7 @@ Result<MaxTextModelConfig> ParseMaxTextModelConfig(std::string_view text, std::s
   if (!parsed.ok()) return parsed.status().Annotate(what);
   const json::Json& j = *parsed;
   if (!j.is_object()) return json::TypeError(what, "an object", j);
-  const auto optional_int = [&](std::string_view key) -> Result<std::optional<Index>> {
-    const json::Json* v = json::Find(j, key);
-    if (v == nullptr || v->is_null()) return std::optional<Index>();
-    RESHARD_ASSIGN_OR_RETURN(Index n, json::ReadInt(*v, json::Member(what, key), json::kPositive));
-    return std::optional<Index>(n);
-  };
-  const auto required_int = [&](std::string_view key) -> Result<Index> {
-    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> n, optional_int(key));
-    if (!n) {
-      return InvalidArgumentError(
-          fmt::format("{}: \"{}\" is missing (MaxText's layout needs it)", what, key));
-    }
-    return *n;
-  };
+  const internal::ConfigInts ints(j, what, "MaxText's layout");
   MaxTextModelConfig c;
   if (const json::Json* t = json::Find(j, "model_type"); t != nullptr) {
     RESHARD_ASSIGN_OR_RETURN(c.model_type, json::ReadString(*t, json::Member(what, "model_type")));
@@ -560,14 +548,14 @@ Result<MaxTextModelConfig> ParseMaxTextModelConfig(std::string_view text, std::s
         "norm offset and embedding normalizer are value transforms, not geometry",
         what, c.model_type, maxtext::KnownFamilies()));
   }
-  RESHARD_ASSIGN_OR_RETURN(c.layers, required_int("num_hidden_layers"));
-  RESHARD_ASSIGN_OR_RETURN(c.hidden, required_int("hidden_size"));
-  RESHARD_ASSIGN_OR_RETURN(c.heads, required_int("num_attention_heads"));
-  RESHARD_ASSIGN_OR_RETURN(c.vocab, required_int("vocab_size"));
-  RESHARD_ASSIGN_OR_RETURN(c.ffn, required_int("intermediate_size"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, optional_int("num_key_value_heads"));
+  RESHARD_ASSIGN_OR_RETURN(c.layers, ints.Required("num_hidden_layers"));
+  RESHARD_ASSIGN_OR_RETURN(c.hidden, ints.Required("hidden_size"));
+  RESHARD_ASSIGN_OR_RETURN(c.heads, ints.Required("num_attention_heads"));
+  RESHARD_ASSIGN_OR_RETURN(c.vocab, ints.Required("vocab_size"));
+  RESHARD_ASSIGN_OR_RETURN(c.ffn, ints.Required("intermediate_size"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, ints.Optional("num_key_value_heads"));
   c.kv_heads = kv.value_or(c.heads);
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, optional_int("head_dim"));
+  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, ints.Optional("head_dim"));
   if (!head_dim && c.hidden % c.heads != 0) {
     return InvalidArgumentError(fmt::format(
         "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
@@ -579,7 +567,7 @@ Result<MaxTextModelConfig> ParseMaxTextModelConfig(std::string_view text, std::s
         fmt::format("{}: head_dim {} is odd: rotary pairs need an even one", what, c.head_dim));
   }
   for (const char* key : {"num_local_experts", "num_experts", "n_routed_experts"}) {
-    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> e, optional_int(key));
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> e, ints.Optional(key));
     if (e && *e > 1) {
       return FailedPreconditionError(
           fmt::format("{}: {} {}: MaxText's mixture-of-experts layouts are not in reshard's table",
@@ -603,7 +591,7 @@ Result<MaxTextModelConfig> ParseMaxTextModelConfig(std::string_view text, std::s
 std::vector<MaxTextTensor> MaxTextTensors(const MaxTextModelConfig& config) {
   std::vector<MaxTextTensor> out;
   const auto applies = [&](const LayoutRule& rule) {
-    return maxtext::ListHolds(rule.families, config.model_type) &&
+    return internal::WordListHolds(rule.families, config.model_type) &&
            (rule.when != maxtext::When::kUntied || !config.tie_word_embeddings);
   };
   for (const LayoutRule& rule : maxtext::LayoutRules()) {

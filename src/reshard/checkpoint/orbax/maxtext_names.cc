@@ -44,16 +44,6 @@ constexpr LayoutRule kRules[] = {
 
 std::span<const LayoutRule> LayoutRules() { return kRules; }
 
-bool ListHolds(std::string_view list, std::string_view word) {
-  while (!list.empty()) {
-    const size_t space = list.find(' ');
-    if (list.substr(0, space) == word) return true;
-    if (space == std::string_view::npos) break;
-    list.remove_prefix(space + 1);
-  }
-  return false;
-}
-
 std::string_view KnownFamilies() { return "llama, qwen3"; }
 
 }  // namespace reshard::maxtext

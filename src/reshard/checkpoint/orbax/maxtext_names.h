@@ -45,9 +45,6 @@ struct LayoutRule {
 /// Every rule, in the order the Hugging Face tensors are listed (within a layer).
 std::span<const LayoutRule> LayoutRules();
 
-/// Whether a space-separated list holds `word`.
-bool ListHolds(std::string_view list, std::string_view word);
-
 /// The model_type values some rule applies to, space-separated, for messages.
 std::string_view KnownFamilies();
 
