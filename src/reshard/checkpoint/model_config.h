@@ -27,6 +27,14 @@ inline bool WordListHolds(std::string_view list, std::string_view word) {
   return false;
 }
 
+/// The attention's shape in a config.json: query and key/value head counts and the width of a
+/// head.
+struct AttentionHeads {
+  Index heads = 0;
+  Index kv_heads = 0;
+  Index head_dim = 0;
+};
+
 /// The positive integers of a config.json object `j` (read from `what`) that a layout (named
 /// in messages: "the Megatron layout") is built from.
 class ConfigInts {
@@ -51,6 +59,23 @@ class ConfigInts {
           fmt::format("{}: \"{}\" is missing ({} needs it)", what_, key, layout_));
     }
     return *n;
+  }
+
+  /// num_attention_heads; num_key_value_heads (num_attention_heads when absent); head_dim
+  /// (hidden / num_attention_heads when absent, which must then divide).
+  Result<AttentionHeads> Heads(Index hidden) const {
+    AttentionHeads h;
+    RESHARD_ASSIGN_OR_RETURN(h.heads, Required("num_attention_heads"));
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, Optional("num_key_value_heads"));
+    h.kv_heads = kv.value_or(h.heads);
+    RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, Optional("head_dim"));
+    if (!head_dim && hidden % h.heads != 0) {
+      return InvalidArgumentError(fmt::format(
+          "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
+          what_, hidden, h.heads));
+    }
+    h.head_dim = head_dim.value_or(hidden / h.heads);
+    return h;
   }
 
  private:

@@ -115,17 +115,11 @@ Result<MegatronModelConfig> ParseMegatronModelConfig(std::string_view text, std:
   }
   RESHARD_ASSIGN_OR_RETURN(c.layers, ints.Required("num_hidden_layers"));
   RESHARD_ASSIGN_OR_RETURN(c.hidden, ints.Required("hidden_size"));
-  RESHARD_ASSIGN_OR_RETURN(c.heads, ints.Required("num_attention_heads"));
+  RESHARD_ASSIGN_OR_RETURN(const internal::AttentionHeads heads, ints.Heads(c.hidden));
+  c.heads = heads.heads;
+  c.kv_heads = heads.kv_heads;
+  c.head_dim = heads.head_dim;
   RESHARD_ASSIGN_OR_RETURN(c.vocab, ints.Required("vocab_size"));
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> kv, ints.Optional("num_key_value_heads"));
-  c.kv_heads = kv.value_or(c.heads);
-  RESHARD_ASSIGN_OR_RETURN(std::optional<Index> head_dim, ints.Optional("head_dim"));
-  if (!head_dim && c.hidden % c.heads != 0) {
-    return InvalidArgumentError(fmt::format(
-        "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
-        what, c.hidden, c.heads));
-  }
-  c.head_dim = head_dim.value_or(c.hidden / c.heads);
   if (c.heads % c.kv_heads != 0) {
     return InvalidArgumentError(
         fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", what,
