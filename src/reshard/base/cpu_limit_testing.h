@@ -15,20 +15,32 @@
 
 namespace reshard::test_support {
 
-/// How much slower this build runs the code than an optimised one: a Debug build under
-/// AddressSanitizer takes 10-30x the time, so its bounds scale with it (they still catch a
-/// runaway cost, and the optimised build keeps the tight bound).
-#if defined(__SANITIZE_ADDRESS__) || !defined(NDEBUG)
-inline constexpr rlim_t kCpuLimitScale = 30;
+#if defined(__SANITIZE_ADDRESS__)
+#define RESHARD_TESTING_SANITIZED 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
+#define RESHARD_TESTING_SANITIZED 1
+#endif
+#endif
+
+#ifdef RESHARD_TESTING_SANITIZED
+/// How much slower this build runs the code than an optimised one: a Debug build under
+/// AddressSanitizer takes 10-30x the time, so its bounds scale with it.
 inline constexpr rlim_t kCpuLimitScale = 30;
+/// A sanitized build runs these tests' inputs at 1/16 of their size: it looks for memory errors
+/// along the same code (a smaller input walks the same paths), while the growth of the cost
+/// is the optimised build's to check, at full size under the tight bound.
+inline constexpr int kCostInputDivisor = 16;
+#elif !defined(NDEBUG)
+inline constexpr rlim_t kCpuLimitScale = 30;
+inline constexpr int kCostInputDivisor = 1;
 #else
 inline constexpr rlim_t kCpuLimitScale = 1;
+inline constexpr int kCostInputDivisor = 1;
 #endif
-#else
-inline constexpr rlim_t kCpuLimitScale = 1;
-#endif
+
+/// The size `n` of a cost test's input in this build (see kCostInputDivisor).
+constexpr int CostInput(int n) { return n / kCostInputDivisor; }
 
 /// Sets this process's CPU-time limit to `seconds`, runs `f` (returning whether it succeeded)
 /// and exits 0 when it did, 1 otherwise. For the statement of EXPECT_EXIT.

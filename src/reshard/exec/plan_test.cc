@@ -338,7 +338,7 @@ TEST(PlanTest, ExecutionRefusesBuffersThatDoNotFitThePlan) {
 // now; this takes well under a second.
 TEST(PlanDeathTest, ComposingManyPiecesIsLinearInThePieces) {
   const auto compose = [] {
-    constexpr Index n = 40000;
+    const Index n = test_support::CostInput(40000);
     ParamMapBuilder b;
     b.set_logical_shape({2 * n});
     b.set_world_size(2);

@@ -384,10 +384,13 @@ TEST(StackedExpertsDeathTest, LayingOutIsLinearInExpertsAndInTheWorld) {
     return doc.ok() && doc->params.size() == static_cast<size_t>(experts) &&
            !MapDocumentToJson(*doc).empty();
   };
-  EXPECT_EXIT(
-      test_support::RunUnderCpuLimit(
-          10, [&] { return lay_out(4, "linear", 65536) && lay_out(10000, "contiguous", 2); }),
-      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(test_support::RunUnderCpuLimit(
+                  10,
+                  [&] {
+                    return lay_out(4, "linear", test_support::CostInput(65536)) &&
+                           lay_out(test_support::CostInput(10240), "contiguous", 2);
+                  }),
+              ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

@@ -411,7 +411,8 @@ TEST(WriteDcpDeathTest, ALargeWorldCostsInProportionToTheChunksAndFiles) {
     Result<ParamMap> w = SplitMap({8, 1}, 0, {4, 4});
     if (!w.ok()) return false;
     source.Add("w", *w, 0);
-    return WriteDcp(source, 16384, out).ok() && fs::file_size(out + "/__7_0.distcp") > 0;
+    return WriteDcp(source, test_support::CostInput(16384), out).ok() &&
+           fs::file_size(out + "/__7_0.distcp") > 0;
   };
   EXPECT_EXIT(test_support::RunUnderCpuLimit(10, write), ::testing::ExitedWithCode(0), "");
 }
