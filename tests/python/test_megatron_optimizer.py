@@ -234,33 +234,35 @@ def test_python_convert_to_universal_takes_the_config(tmp_path, saved):
                      expected(state)["model.norm.weight.exp_avg_sq"])
 
 
-# Cuts one flattened-range chunk of a checkpoint in two at element AT of the range, the second
-# starting SHIFT elements later (< 0: the ranges overlap, > 0: a hole), as two DP ranks save one
-# parameter's shard: its .metadata (torch's pickle; Megatron 0.13's planner data in it needs
+# Cuts the first flattened-range chunk of each of KEYS in two at element AT of the range, the
+# second starting SHIFT elements later (< 0: the ranges overlap, > 0: a hole), as two DP ranks
+# save one parameter's shard: its .metadata (torch's pickle; Megatron 0.13's planner data in it needs
 # megatron importable) names two chunks, each saved as Megatron 0.13's writer saves an item (a
 # torch.save archive) in a further data file.
 SPLIT = r"""
 import io, os, pickle, sys, torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-path, key, at, shift = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+path, at, shift, keys = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 meta = pickle.load(open(path, "rb"))
-md = meta.state_dict_metadata[key]
-chunk = md.chunks[0]
-info = meta.storage_data.pop(MetadataIndex(key, chunk.offsets))
-with open(os.path.join(os.path.dirname(path), info.relative_path), "rb") as f:
-    f.seek(info.offset)
-    data = torch.load(io.BytesIO(f.read(info.length)))
-n, second = chunk.sizes[-1], at + shift
-parts = [(chunk.offsets, data[..., :at]),
-         (torch.Size([*chunk.offsets[:-1], chunk.offsets[-1] + second]), data[..., second:])]
-md.chunks[0:1] = [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in parts]
-name = "__split_" + str(len(meta.storage_data)) + ".distcp"
-with open(os.path.join(os.path.dirname(path), name), "wb") as f:
-    for o, t in parts:
-        b = io.BytesIO()
-        torch.save(t.clone(), b)
-        meta.storage_data[MetadataIndex(key, o)] = type(info)(name, f.tell(), len(b.getvalue()))
-        f.write(b.getvalue())
+for key in keys:
+    md = meta.state_dict_metadata[key]
+    chunk = md.chunks[0]
+    info = meta.storage_data.pop(MetadataIndex(key, chunk.offsets))
+    with open(os.path.join(os.path.dirname(path), info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = torch.load(io.BytesIO(f.read(info.length)))
+    n, second = chunk.sizes[-1], at + shift
+    parts = [(chunk.offsets, data[..., :at]),
+             (torch.Size([*chunk.offsets[:-1], chunk.offsets[-1] + second]), data[..., second:])]
+    md.chunks[0:1] = [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in parts]
+    name = "__split_" + str(len(meta.storage_data)) + ".distcp"
+    with open(os.path.join(os.path.dirname(path), name), "wb") as f:
+        for o, t in parts:
+            b = io.BytesIO()
+            torch.save(t.clone(), b)
+            meta.storage_data[MetadataIndex(key, o)] = type(info)(name, f.tell(),
+                                                                  len(b.getvalue()))
+            f.write(b.getvalue())
 pickle.dump(meta, open(path, "wb"))
 """
 FLAT_KEYS = ["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight",
@@ -271,11 +273,10 @@ FLAT_KEYS = ["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.w
 def split_ranges(ckpt, tmp_path, name, shift=0, keys=FLAT_KEYS, at=300):
     copy = tmp_path / name
     shutil.copytree(ckpt, copy)
-    for key in keys:
-        r = subprocess.run([megatron_python(), "-c", SPLIT, str(copy / ".metadata"), key, str(at),
-                            str(shift)], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=megatron_013()))
-        assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run([megatron_python(), "-c", SPLIT, str(copy / ".metadata"), str(at),
+                        str(shift), *keys], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=megatron_013()))
+    assert r.returncode == 0, r.stderr[-4000:]
     return copy
 
 
