@@ -236,9 +236,9 @@ def test_python_convert_to_universal_takes_the_config(tmp_path, saved):
 
 # Cuts the first flattened-range chunk of each of KEYS in two at element AT of the range, the
 # second starting SHIFT elements later (< 0: the ranges overlap, > 0: a hole), as two DP ranks
-# save one parameter's shard: its .metadata (torch's pickle; Megatron 0.13's planner data in it needs
-# megatron importable) names two chunks, each saved as Megatron 0.13's writer saves an item (a
-# torch.save archive) in a further data file.
+# save one parameter's shard: its .metadata (torch's pickle; Megatron 0.13's planner data in it
+# needs megatron importable) names two chunks, each saved as Megatron 0.13's writer saves an item
+# (a torch.save archive) in a further data file.
 SPLIT = r"""
 import io, os, pickle, sys, torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
