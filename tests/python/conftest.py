@@ -21,24 +21,6 @@ from ds_checkpoints import ds_checkpoint  # noqa: E402,F401
 from moe_truth import moe_truth  # noqa: E402,F401
 
 
-# The files that take longest, longest first (measured: about half of the suite's time). The
-# xdist workers take files in collection order (`scripts/dev` passes --no-loadscope-reorder;
-# xdist's own order is by number of tests, which put a 15-test file of Megatron training runs
-# last and left the other worker idle for minutes), so these start first and the many short
-# files fill the end. The third starts the shared DeepSpeed training while the other worker
-# runs the second.
-LONGEST_FIRST = ["test_megatron_optimizer.py", "test_megatron.py", "test_deepspeed_checkpoints.py",
-                 "test_transformers_tp.py", "test_no_exception_escapes.py",
-                 "test_deepspeed_frozen.py", "test_deepspeed_pipeline.py", "test_moe_reshard.py",
-                 "test_dcp_resume.py", "test_deepspeed_moe.py", "test_output_safety.py",
-                 "test_fleet_schedule.py"]
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
-
-
 @pytest.fixture(scope="session")
 def reshard_bin():
     path = BUILD / "tools" / "reshard" / "reshard"
