@@ -136,3 +136,37 @@ def test_pushed_adapters_serve_peft_tokens(live, models):
     sync.push(models["adapters"]["two"], lora="policy", config=ADAPTER_CONFIG)
     assert _generate(llm, request) == expected["two"]
     assert sync.adapter_names == ["policy"]
+
+
+def test_failed_adapter_pushes_leave_the_served_adapter_everywhere(live, models):
+    """A refused push (a B whose rows do not match its layer), then one whose staging fails on
+    the last worker after every byte arrived: each raises naming why, and every worker still
+    serves the adapter pushed before; the next push serves its own. A push of the base weights
+    keeps the pushed adapter served."""
+    from reshard.vllm import WeightSyncError
+    llm, sync = live["llm"], live["sync"]
+    expected = models["expected"]
+    sync.push_lora("policy", models["adapters"]["two"], config=ADAPTER_CONFIG)
+    request = sync.lora_request("policy")
+    bad = dict(models["adapters"]["one"])
+    name = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    bad[name] = bad[name][:-1]
+    with pytest.raises(WeightSyncError, match="up_proj.lora_B.weight"):
+        sync.push_lora("policy", bad, config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["two"]
+    assert any(llm.collective_rpc(toy.fail_adapter_staging_once, args=(live["tp"] - 1,)))
+    with pytest.raises(WeightSyncError, match="staging fails on purpose"):
+        sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["two"]
+    # A new name refused the same way is served nowhere.
+    assert any(llm.collective_rpc(toy.fail_adapter_staging_once, args=(0,)))
+    with pytest.raises(WeightSyncError, match="staging fails on purpose"):
+        sync.push_lora("other", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    from reshard.vllm import lora_id
+    held = llm.collective_rpc(toy.adapter_ids)
+    assert all(lora_id("policy") in ids and lora_id("other") not in ids for ids in held), held
+    sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["one"]
+    sync.push()  # the base weights again: the adapter stays served
+    assert _generate(llm, request) == expected["one"]
+    assert _generate(llm) == expected["base"]
