@@ -138,7 +138,7 @@ def adapter_targets(shapes: Mapping[str, Sequence[int]], base: Mapping[str, Any]
             raise LayoutError(f"\"{name}\" has shape {list(shape)}, which does not adapt "
                               f"\"{weight}\" {[out, inp]} (A: [r, {inp}], B: [{out}, r])")
         r = int(shape[0] if part == "A" else shape[1])
-        by_rank = {}
+        by_rank: dict[int, tuple[Runs, ...]] = {}
         for rank in range(workers):
             rows, cols = region_of(m, rank, weight)
             by_rank[rank] = (((0, r),), cols) if part == "A" else (rows, ((0, r),))
@@ -154,7 +154,7 @@ def adapter_state(adapter: Any, config: Any) -> tuple[dict[str, Any], dict[str, 
     fields): a PEFT model (its active adapter; plain, FSDP2 or TP: DTensors as they lie), or a
     mapping of tensors with ``config`` (a dict, JSON text or a path to adapter_config.json)."""
     if hasattr(adapter, "peft_config") and hasattr(adapter, "active_adapter"):
-        from peft import get_peft_model_state_dict
+        from peft import get_peft_model_state_dict  # type: ignore[import-not-found,unused-ignore]
         active = adapter.active_adapter
         if not isinstance(active, str):
             raise LayoutError("a PEFT model with several active adapters: push one at a time")

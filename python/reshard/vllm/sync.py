@@ -844,13 +844,14 @@ class WeightSync:
                      shards_of(tensors, source, self._rank, types).items()}
         except Exception as e:
             local, local_error = {}, f"trainer process {self._rank}: {_message(e)}"
-        update = {"mode": "lora", "lora": {
+        pushed: dict[str, Any] = {
             "name": name, "id": _lora.lora_id(name), "config": adapter_config, "plan": plan,
             "regions": regions, "key": key,
-            "prefix": f"{self._prefix}/g{self._generation}/lora{len(self._adapter_stages)}"}}
+            "prefix": f"{self._prefix}/g{self._generation}/lora{len(self._adapter_stages)}"}
+        update: dict[str, Any] = {"mode": "lora", "lora": pushed}
 
         def send() -> None:
-            stages = self._adapter_exchanges(update["lora"])
+            stages = self._adapter_exchanges(pushed)
             run_stages(stages, -1, self._rank, local, None, None, local_error)
         return self._push(update, send, stages=lambda: self._adapter_stages[key])
 
