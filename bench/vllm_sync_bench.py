@@ -16,6 +16,10 @@ ways, each --repeat times (median):
   bars: reshard >= 2x faster than full tensor; reshard <= 1.25x raw; bytes on the wire equal
   the plan minimum.
 
+With ``--lora R``, the engine runs with enable_lora and a rank-R adapter on q, k, v, o, gate,
+up and down (held whole by both trainer processes) is pushed with WeightSync.push_lora, --repeat
+times, beside the push of the whole (merged) model: its time and bytes (its plan minimum).
+
     VLLM_CPU_OMP_THREADS_BIND=nobind python bench/vllm_sync_bench.py [--engine-tp 2] [--mb 320]
 """
 
@@ -72,6 +76,25 @@ def write_model(root: str, config: dict) -> tuple[str, str]:
     return full, sharded
 
 
+def adapter_for(maps: dict, r: int) -> tuple[dict, dict]:
+    """A rank-``r`` adapter (PEFT's names, float32, drawn from one seed) on every attention and
+    MLP projection of the model whose maps are ``maps``, and its config."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, m in sorted(maps.items()):
+        module = name.removesuffix(".weight")
+        if module.rpartition(".")[2] in targets:
+            rows, cols = m.logical_shape
+            out[f"base_model.model.{module}.lora_A.weight"] = 0.01 * torch.randn(r, cols,
+                                                                                   generator=g)
+            out[f"base_model.model.{module}.lora_B.weight"] = 0.01 * torch.randn(rows, r,
+                                                                                   generator=g)
+    return out, {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules":
+                 list(targets)}
+
+
 def trainer(args: argparse.Namespace) -> None:
     """One trainer process (``--rank``): process 0 owns the engine."""
     import torch
@@ -88,7 +111,8 @@ def trainer(args: argparse.Namespace) -> None:
         from vllm import LLM
         llm = LLM(model=args.model, tensor_parallel_size=args.engine_tp, enforce_eager=True,
                   skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
-                  max_model_len=128, weight_transfer_config={"backend": "reshard"})
+                  max_model_len=128, weight_transfer_config={"backend": "reshard"},
+                  **({"enable_lora": True, "max_lora_rank": args.lora} if args.lora else {}))
     maps, shards = reshard.checkpoint.load_rank(args.sharded, args.rank)
     if args.backend == "nccl":
         shards = {k: v.cuda() for k, v in shards.items()}
@@ -121,6 +145,14 @@ def trainer(args: argparse.Namespace) -> None:
         times["full"].append(sync._push_full(maps, shards).seconds)
         times["raw"].append(sync._push_raw().seconds)
     assert stats is not None
+    lora: dict = {}
+    if args.lora:
+        adapter, config = adapter_for(maps, args.lora)
+        sync.push_lora("bench", adapter, config=config)  # untimed, as above
+        runs = [sync.push_lora("bench", adapter, config=config) for _ in range(args.repeat)]
+        lora = {"lora_seconds": statistics.median(r.seconds for r in runs),
+                "lora_bytes": runs[0].bytes_sent, "lora_minimum": runs[0].plan_minimum,
+                "adapter_bytes": sum(t.numel() * t.element_size() for t in adapter.values())}
     if args.rank == 0:
         model_bytes = sum(t.numel() * t.element_size() for t in shards.values()) * 2
         # full tensor: the gather to process 0 (half the model), then the model to each worker
@@ -131,7 +163,7 @@ def trainer(args: argparse.Namespace) -> None:
                   "full_bytes": full_wire,
                   **{k: statistics.median(v) for k, v in times.items()},
                   **{f"min_{k}": min(v) for k, v in times.items()},
-                  "all": times}
+                  "all": times, **lora}
         with open(os.path.join(args.work, "result.json"), "w") as f:
             json.dump(result, f)
     dist.barrier()
@@ -144,6 +176,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lora", type=int, default=0)
     trainer_arguments(ap)
     args = ap.parse_args()
     config = config_for(args.mb)
@@ -153,7 +186,8 @@ def main() -> None:
     r = live_sync_main(__file__, args, trainer, lambda work: write_model(work, config),
                        "vllm-sync-bench-", ["--engine-tp", str(args.engine_tp), "--repeat",
                                             str(args.repeat), "--backend", args.backend,
-                                            "--threads", str(args.threads)], 1200, gpus)
+                                            "--threads", str(args.threads),
+                                            "--lora", str(args.lora)], 1200, gpus)
     mb = r["model_bytes"] / 1e6
     print(f"model {mb:.0f} MB float32 ({config['num_hidden_layers']} layers), trainer TP 2 -> "
           f"engine TP {r['engine_tp']}, {args.backend}, median of {args.repeat}")
@@ -178,6 +212,11 @@ def main() -> None:
     ok = (r["bytes_sent"] == r["plan_minimum"] and r["full"] >= 2 * r["reshard"]
           and r["transfer"] <= 1.25 * r["raw"])
     print("  bars:", "met" if ok else "NOT met")
+    if args.lora:
+        print(f"  rank-{args.lora} adapter ({r['adapter_bytes'] / 1e6:.2f} MB): push_lora "
+              f"{r['lora_seconds']:.3f} s, {r['lora_bytes'] / 1e6:.2f} MB on the wire (plan "
+              f"minimum {r['lora_minimum'] / 1e6:.2f} MB); the merged model's push "
+              f"{r['reshard']:.3f} s, {r['bytes_sent'] / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

@@ -262,3 +262,25 @@ def plugin_path(tmp_path: Any) -> list[str]:
     (info / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nreshard = reshard.vllm.plugin:register\n")
     return [str(tmp_path / "plugin")]
+
+
+def fail_adapter_staging_once(worker: Any, rank: int) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, the next
+    adapter push fails as the worker stages the adapter (after every byte has arrived). Whether
+    this worker is it."""
+    import torch.distributed as dist
+    from reshard.vllm import _lora
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    original = _lora.stage
+
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        _lora.stage = original  # once
+        raise RuntimeError("staging fails on purpose")
+    _lora.stage = stage
+    return True
+
+
+def adapter_ids(worker: Any) -> list[int]:
+    """(``LLM.collective_rpc``) The ids of the LoRA adapters the worker holds."""
+    return sorted(worker.model_runner.lora_manager.list_adapters())

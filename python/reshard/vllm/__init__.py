@@ -9,14 +9,17 @@ sharded-state loader reads, and live weight sync into a running engine.
 - :class:`WeightSync`: trainer processes push their shards into a running engine, each worker
   receiving only the bytes it lacks (the engine side is the weight-transfer backend
   ``"reshard"``, :mod:`reshard.vllm.engine`, registered by the package's
-  ``vllm.general_plugins`` entry point).
+  ``vllm.general_plugins`` entry point). :meth:`WeightSync.push_lora` pushes a LoRA adapter
+  into engines started with ``enable_lora=True``, served under a name
+  (:meth:`WeightSync.lora_request`, its id :func:`lora_id`).
 
 Importing this package does not import vLLM; :func:`layout` does, and so do the engine's side
 and a :class:`WeightSync` that learns the engine's layout.
 """
 
 from .layout import LayoutError, cache_dir, check_engine, layout
+from ._lora import lora_id
 from .sync import SyncStats, VerifyStats, WeightSync, WeightSyncError
 
 __all__ = ["LayoutError", "SyncStats", "VerifyStats", "WeightSync", "WeightSyncError",
-           "cache_dir", "check_engine", "layout"]
+           "cache_dir", "check_engine", "layout", "lora_id"]

@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from vllm.logger import init_logger
 
+from .._maps import as_map as _as_map
 from ..distributed import RedistributeError
 from ._group import StoreGroup, join_store
 from ._exchange import lane_groups, raw_exchange, run_stages, verify_engines
@@ -81,6 +82,22 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     delta: bool = False
     # "plan": every exchange's targets verified (fingerprints) before any layer is processed.
     verify: bool = False
+    # "lora": the adapter pushed (WeightSync.push_lora): its name, id, config, the plan of its
+    # tensors and each rank's region of them.
+    lora: dict[str, Any] = field(default_factory=dict)
+
+
+def _served_name(module_name: str) -> str:
+    """A module's name as the checkpoint names its layer: vLLM's LoRA layers wrap the layer
+    they adapt as ``base_layer`` (``qkv_proj.base_layer.weight`` is ``qkv_proj.weight``)."""
+    return module_name.replace(".base_layer", "")
+
+
+def _layer(model: torch.nn.Module, module_name: str) -> torch.nn.Module:
+    """The module of ``module_name`` (a checkpoint's name), the layer inside a LoRA wrapper."""
+    module = model.get_submodule(module_name)
+    inner = getattr(module, "base_layer", None)
+    return inner if isinstance(inner, torch.nn.Module) else module
 
 
 def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
@@ -91,6 +108,7 @@ def _tensor_info(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS
     names: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
+        module_name = _served_name(module_name)
         names[id(module)] = min(names.get(id(module), module_name), module_name)
     live = SKIP_TENSORS - SKIP_LOAD_TENSORS  # loaded, but kept as they are through a reload
     out: dict[str, tuple[list[int], str]] = {}
@@ -188,7 +206,7 @@ class _Layers:
         out: dict[str, torch.Tensor] = {}
         for key in keys:
             module_name, _, name = key.rpartition(".")
-            module = model.get_submodule(module_name)
+            module = _layer(model, module_name)
             info = get_layerwise_info(module)
             if module_name not in self._by_name:
                 materialize_layer(module, info)
@@ -266,12 +284,14 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._trainers = 0
         self._engine, self._engines, self._first = 0, 1, 0  # this engine, of how many; rank 0's
         self._timeout = 600.0
+        self._backend = "gloo"
         self._open = False  # an update started and not finished (its trainer may be gone)
         self._plan: dict[str, Any] = {}  # the agreed plan of the sync's group
         self._sync_id = ""  # the sync this worker last joined (ReshardInitInfo.sync)
         self._who: list[tuple[int, int]] = []  # the group's processes (identities())
         self._who_me = -1  # this worker's rank among them
         self._verifiers: dict[Any, Any] = {}  # verify_engines' exchanges
+        self._adapter_stages: dict[str, list[Stage]] = {}  # push_lora's exchanges, by plan
 
     # -- init: join the group, agree on one plan ---------------------------------------------
 
@@ -307,6 +327,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         sizes = [int(c) if c.isdigit() else 0 for c in counts]
         self._trainers, self._engine, self._engines = init_info.trainers, engine, engines
         self._timeout = init_info.timeout_s
+        self._backend = init_info.backend
         self._first = engine_ranks(init_info.trainers, sizes, engine).start
         comm = StoreGroup(store, init_info.prefix + "/pg", self._first + rank,
                           init_info.trainers + sum(sizes), init_info.backend,
@@ -391,7 +412,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
         return int(flag.item())
 
-    def _worst_of_engines(self, worst: int, step: int) -> int:
+    def _worst_of_engines(self, worst: int, step: Any) -> int:
         """The worst outcome on any engine of the sync: one WeightSync into several engines
         commits on every engine or on none. Agreed through the sync's store: each engine's
         first worker posts its engine's outcome and every worker reads them all (one that
@@ -438,6 +459,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
             return self._verify_served()
         if update_info.mode == "full":
             return self._receive_full(update_info.tensors)
+        if update_info.mode == "lora":
+            return self._receive_lora(update_info.lora, update_info.step)
         from vllm.model_executor.model_loader.reload.layerwise import (
             _copy_and_restore_kernel_tensors, finalize_layerwise_reload, get_layerwise_info,
             initialize_layerwise_reload)
@@ -559,7 +582,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         for key, (shape, dtype) in wanted.items():
             module_name, _, name = key.rpartition(".")
             try:
-                t = getattr(self.model.get_submodule(module_name), name, None)
+                t = getattr(_layer(self.model, module_name), name, None)
             except AttributeError:
                 t = None
             if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
@@ -612,6 +635,110 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         raw_exchange(comm, ex.receives(comm.rank), sending=False)
         comm.gather_object(None)
 
+    def _adapter_exchanges(self, lora: Mapping[str, Any]) -> list[Stage]:
+        """The exchanges of an adapter's plan (a collective with the trainer processes, which
+        build them in the same order), kept for the next push of the same plan."""
+        stages = self._adapter_stages.get(lora["key"])
+        if stages is not None:
+            return stages
+        comm = self._comm
+        assert comm is not None
+        plan = lora["plan"]
+        made = len(self._comms)
+
+        def group_of(lane: int) -> StoreGroup:
+            if lane < made:  # the sync's own lanes, idle between pushes
+                return self._comms[lane]
+            group = StoreGroup(comm.store, f"{lora['prefix']}/lane{lane}", comm.rank,
+                               len(comm.members), self._backend, self._timeout)
+            self._comms.append(group)
+            return group
+        stages = plan_stages(plan["source"], plan, self._trainers, group_of, plan.get("error"))
+        self._adapter_stages[lora["key"]] = stages
+        return stages
+
+    def _receive_lora(self, lora: Mapping[str, Any], step: int) -> None:
+        """(update mode "lora") The adapter's tensors this worker lacks, received at its
+        layout; then, in two phases, made servable under the adapter's id: every worker of
+        every engine stages it (vLLM's LoRAModel built and checked, nothing served changes),
+        they agree, and only if all staged it does each commit it (the adapter it replaces,
+        if any, served until then and put back if a commit fails)."""
+        from . import _lora
+        comm = self._comm
+        assert comm is not None
+        rank = comm.rank - self._first
+        times = [time.perf_counter()]
+        try:
+            stages = self._adapter_exchanges(lora)
+        except RedistributeError as e:  # agreed: every trainer process raises it
+            logger.warning("reshard adapter push refused: %s", e)
+            return
+        plan = lora["plan"]
+        target = plan["targets"][self._engine]
+        types = plan["dtypes"][self._engine]
+        out: dict[str, torch.Tensor] = {}
+        error = None
+        try:
+            for name, m in target.items():
+                pm = _as_map(m)
+                out[name] = torch.empty(pm.shard_shape(rank), dtype=getattr(torch, types[name]))
+        except Exception as e:
+            error = f"worker {rank}: {type(e).__name__}: {e}"
+        times.append(time.perf_counter())
+        lost: Optional[Exception] = None
+        try:
+            run_stages(stages, self._engine, rank, {}, out, None, error)
+        except RedistributeError as e:
+            logger.warning("reshard adapter push refused: %s", e)
+            return
+        except Exception as e:  # a peer lost mid-transfer
+            lost = e
+        times.append(time.perf_counter())
+        staged, problem = None, None
+        if lost is None:
+            try:
+                shapes = {n: _as_map(m).logical_shape for n, m in target.items()}
+                whole = _lora.whole_tensors(out, lora["regions"][self._engine], shapes, rank)
+                vllm_config = self.vllm_config
+                staged = _lora.stage(self.model, vllm_config.lora_config, whole,
+                                     lora["config"], int(lora["id"]),
+                                     vllm_config.model_config.get_vocab_size(),
+                                     getattr(vllm_config.model_config.hf_config.get_text_config(),
+                                             "max_position_embeddings", None))
+            except Exception as e:
+                problem = f"worker {rank}: staging adapter {lora['name']!r}: " \
+                          f"{type(e).__name__}: {e}"
+        mine = _LOST if lost is not None else _UNPROCESSED if problem is not None else _READY
+        worst = self._worst_of_engines(self._worst_of_workers(mine), step)
+        if worst == _LOST:
+            why = f"{type(lost).__name__}: {lost}" if lost else \
+                "another worker lost a peer mid-transfer"
+            self._abandon(f"worker {rank} kept the adapters it served: {why}")
+            return
+        if worst != _READY:  # staged nowhere, or not everywhere: nothing served changes
+            if problem is not None:
+                logger.error("reshard adapter push failed, nothing served changed: %s", problem)
+            self._report(comm, rank, problem, times)
+            return
+        times.append(time.perf_counter())
+        committed, old = False, None
+        try:
+            old = _lora.commit(self.model, staged)
+            committed = True
+        except Exception as e:
+            problem = f"worker {rank}: committing adapter {lora['name']!r}: " \
+                      f"{type(e).__name__}: {e}"
+        # A commit that failed anywhere puts the replaced adapter back everywhere.
+        if self._worst_of_engines(self._worst_of_workers(
+                _READY if problem is None else _UNPROCESSED), f"{step}/commit") != _READY:
+            if committed:
+                _lora.uncommit(self.model, int(lora["id"]), old)
+            if problem is not None:
+                logger.error("reshard adapter push failed, the adapter it replaced is served: "
+                             "%s", problem)
+        times.append(time.perf_counter())
+        self._report(comm, rank, problem, times)
+
     def finish_weight_update(self) -> None:
         self._open = False  # update_weights has committed (or restored) already
 
@@ -621,4 +748,5 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._comms = []
         self._comm = None
         self._sync = None
+        self._adapter_stages = {}
 

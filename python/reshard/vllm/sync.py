@@ -308,6 +308,8 @@ class WeightSync:
         self._comms: list[StoreGroup] = []
         self._stages: list[Stage] = []
         self._verifiers: dict[Any, Redistributor] = {}  # see verify()
+        self._adapter_stages: dict[str, list[Stage]] = {}  # push_lora's exchanges, by plan
+        self._adapters: dict[str, None] = {}  # the names pushed, in order
         self._clients = {e: _Client(mine[e], timeout_s) for e, d in enumerate(self._drivers)
                          if d == self._rank}
         self._client = self._clients.get(0)
@@ -350,6 +352,7 @@ class WeightSync:
                          for e, i in enumerate(self._ids) if self._drivers[e] == self._rank}
         self._client = self._clients.get(0)
         self._verifiers = {}
+        self._adapter_stages = {}
         backend, timeout_s = self._options["backend"], self._options["timeout_s"]
         store, host, port = self._store, self._host, self._port
         inits = {k: client.later("init_weight_transfer_engine", {"init_info": {
@@ -688,12 +691,13 @@ class WeightSync:
         assert self._comm is not None
         return self._comm
 
-    def plan_minimum(self) -> int:
+    def plan_minimum(self, stages: Optional[Sequence[Stage]] = None) -> int:
         """The bytes the engine's workers lack (what any push must move at least out of the
         trainer processes): with several engines, one copy of every tensor per dtype the
-        engines take it at (the schedule's exchanges from the trainer processes)."""
+        engines take it at (the schedule's exchanges from the trainer processes). ``stages``:
+        an adapter push's (default the weights')."""
         total = 0
-        for stage in self._stages:
+        for stage in self._stages if stages is None else stages:
             ex = stage.redistributor._exchange
             if stage.source < 0 and ex is not None:
                 total += sum(int(ex.stats(p)["lower_bound"])
@@ -710,16 +714,19 @@ class WeightSync:
                 return f"engine {ids[e]} worker {p - ranks.start}"
         return f"process {p}"
 
-    def _moved(self) -> tuple[int, int, int, dict[str, int]]:
-        """The last push's bytes: out of the trainer processes, out of this process, relayed
-        by engines' workers, and per link (sender -> receiver)."""
-        sent, here, relayed, links = stage_bytes(self._stages, self._trainers, self._workers,
-                                                 self._rank)
+    def _moved(self, stages: Optional[Sequence[Stage]] = None
+               ) -> tuple[int, int, int, dict[str, int]]:
+        """The last push's bytes (of ``stages``, default the weights'): out of the trainer
+        processes, out of this process, relayed by engines' workers, and per link (sender ->
+        receiver)."""
+        sent, here, relayed, links = stage_bytes(self._stages if stages is None else stages,
+                                                 self._trainers, self._workers, self._rank)
         return sent, here, relayed, {f"{self._process_name(a)} -> {self._process_name(b)}": n
                                      for (a, b), n in links.items()}
 
     def push(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None,
-             *, delta: bool = False, verify: bool = False) -> SyncStats:
+             *, delta: bool = False, verify: bool = False, lora: Optional[str] = None,
+             config: Any = None) -> SyncStats:
         """This process's shards ``{checkpoint name (or buffer): tensor}`` -> the engine's
         weights. Every trainer process calls it; it returns once every worker holds the new
         weights, or raises :class:`WeightSyncError` on every trainer process with the
@@ -750,7 +757,14 @@ class WeightSync:
         (which may repack, transpose or requantize it: that the proof cannot see). A difference
         fails the push on every trainer process, naming the tensor, the worker (its process in
         the sync's group and its rank in the engine) and the first differing element; the
-        engine keeps serving the weights it had."""
+        engine keeps serving the weights it had.
+
+        ``lora="NAME"``: ``shards`` is a LoRA adapter (and ``config`` its config), pushed as
+        :meth:`push_lora` pushes it."""
+        if lora is not None:
+            if delta or verify:
+                raise WeightSyncError("an adapter push (lora=) takes no delta= or verify=")
+            return self.push_lora(lora, shards, config=config)
         try:
             return self._push_plan(shards, self._overlap, delta, verify)
         except WeightSyncError:
@@ -760,6 +774,150 @@ class WeightSync:
                 if hasattr(stage.redistributor, "_delta_base"):
                     stage.redistributor._delta_base = None
             raise
+
+    def push_lora(self, name: str, adapter: Any, *, config: Any = None) -> SyncStats:
+        """The trainer's LoRA adapter -> every engine, servable under ``name``
+        (:meth:`lora_request`). Every trainer process calls it with what it holds of the
+        adapter: a PEFT model (its active adapter; plain, under FSDP2 or TP, its DTensors read
+        as :func:`reshard.torch.maps_of` reads them), or a mapping of the adapter's tensors
+        under PEFT's saved names (``base_model.model.M.lora_A.weight``) with ``config`` (its
+        adapter_config.json: a dict, its text or its path). The engines run with
+        ``enable_lora=True``.
+
+        Each worker receives only its part of each adapter tensor, laid out as its base
+        weight is (A whole and B split by rows for a column-parallel layer, A split by columns
+        and B whole for a row-parallel one; fused qkv_proj / gate_up_proj as vLLM slices
+        them): the adapter's plan minimum, out of the trainer processes once, over the sync's
+        schedule (several engines: relayed as a push is). Then two phases: every worker of
+        every engine stages the adapter (vLLM's LoRAModel, checked as vLLM checks one it
+        loads), and only when all have is it committed on all, pinned in each worker's
+        adapter cache under :func:`lora_id` ``(name)``; a failure anywhere leaves the adapter
+        that was served under ``name`` (or none) served everywhere, and raises
+        WeightSyncError on every trainer process. A second push under the same name replaces
+        the adapter, on every engine or on none; what the engines computed with the old one
+        (their prefix caches) is dropped."""
+        from . import _lora
+        import hashlib
+
+        import torch
+        from ..torch import maps_of, shards_of
+        if self._lost is not None:
+            raise WeightSyncError(f"{self._lost}; build a new WeightSync")
+        problem = None
+        tensors: dict[str, Any] = {}
+        adapter_config: dict[str, Any] = {}
+        if not isinstance(name, str) or not name:
+            problem = f"push_lora() needs the adapter's name (a non-empty str), got {name!r}"
+        else:
+            try:
+                tensors, adapter_config = _lora.adapter_state(adapter, config)
+            except Exception as e:
+                problem = _message(e)
+        told = self._trainer_gather((problem, name, adapter_config))
+        problems = [f"trainer process {r}: {p}" for r, (p, _, _) in enumerate(told) if p]
+        if not problems and len({json.dumps([n, c], sort_keys=True) for _, n, c in told}) > 1:
+            problems = ["the trainer processes pushed different adapters (names or configs)"]
+        if problems:
+            raise WeightSyncError("; ".join(problems))
+        import torch.distributed as dist
+        ranks = [0]
+        if dist.is_initialized():
+            ranks = (list(range(dist.get_world_size())) if self._group is None else
+                     [int(r) for r in dist.get_process_group_ranks(self._group)])
+        try:
+            source = maps_of(tensors, ranks=ranks, merge=True, group=self._group)
+            shapes = {n: list(m.logical_shape) for n, m in source.items()}
+            plan = self._adapter_plan(source, shapes)
+            error = None
+        except (LayoutError, WeightSyncError) as e:
+            error = _message(e)
+        errors = [e for e in self._trainer_gather(error) if e is not None]
+        if errors:
+            raise WeightSyncError(f"adapter {name!r}: {errors[0]}")
+        regions = plan.pop("regions")
+        key = hashlib.sha256(json.dumps([self._generation, plan], sort_keys=True).encode()
+                             ).hexdigest()[:24]
+        types = {n: getattr(torch, d) for n, d in plan["dtypes"][0].items()}
+        local_error = None
+        try:
+            local = {n: t.to(types[n]) for n, t in
+                     shards_of(tensors, source, self._rank, types).items()}
+        except Exception as e:
+            local, local_error = {}, f"trainer process {self._rank}: {_message(e)}"
+        pushed: dict[str, Any] = {
+            "name": name, "id": _lora.lora_id(name), "config": adapter_config, "plan": plan,
+            "regions": regions, "key": key,
+            "prefix": f"{self._prefix}/g{self._generation}/lora{len(self._adapter_stages)}"}
+        update: dict[str, Any] = {"mode": "lora", "lora": pushed}
+
+        def send() -> None:
+            stages = self._adapter_exchanges(pushed)
+            run_stages(stages, -1, self._rank, local, None, None, local_error)
+        return self._push(update, send, stages=lambda: self._adapter_stages[key])
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The names of the adapters pushed with :meth:`push_lora`, in order."""
+        return list(self._adapters)
+
+    def lora_request(self, name: str) -> Any:
+        """vLLM's ``LoRARequest`` of the adapter pushed under ``name`` (its id
+        :func:`reshard.vllm.lora_id` of the name; its path a placeholder that vLLM requires
+        and never reads: the pushed adapter is pinned in every worker's cache)."""
+        from . import _lora
+        return _lora.lora_request(name)
+
+    def _adapter_plan(self, source: Mapping[str, ParamMap], shapes: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+        """The plan of an adapter push: the adapter's maps on every engine, derived from the
+        engine's maps of the base weights (the sync's plan), the dtypes it moves at (the base
+        weights'), and each worker's region of each adapter tensor."""
+        from . import _lora
+        base = self._plan_json
+        targets, types, regions = [], [], []
+        for e in range(self._engines):
+            t, d, r = _lora.adapter_targets(shapes, base["targets"][e], base["dtypes"][e],
+                                            self._workers[e])
+            targets.append(t)
+            types.append(d)
+            regions.append(r)
+        src = {n: json.loads(as_map(m).to_json()) for n, m in source.items()}
+        waves = None
+        if self._engines > 1:
+            import torch
+            sizes = {n: math.prod(shapes[n]) *
+                     torch.empty(0, dtype=getattr(torch, types[0][n])).element_size()
+                     for n in src}
+            waves = cut_waves([src, *targets], sizes, self._options["relay_waves"])
+        return {"error": None, "source": src, "targets": targets, "dtypes": types,
+                "bucket_bytes": self._options["bucket_bytes"], "quantize": None,
+                "workers": self._workers, "waves": waves, "topology": base.get("topology"),
+                "ids": list(self._ids), "regions": regions}
+
+    def _adapter_exchanges(self, lora: Mapping[str, Any]) -> list[Stage]:
+        """The exchanges of an adapter's plan (a collective with the engines' workers, which
+        build them in the same order), kept for the next push of the same plan."""
+        stages = self._adapter_stages.get(lora["key"])
+        if stages is not None:
+            return stages
+        comm = self.transport
+        made = len(self._comms)
+        backend, timeout_s = self._options["backend"], self._options["timeout_s"]
+
+        def group_of(lane: int) -> StoreGroup:
+            if lane < made:  # the sync's own lanes, idle between pushes
+                return self._comms[lane]
+            group = StoreGroup(self._store, f"{lora['prefix']}/lane{lane}", self._rank,
+                               len(comm.members), backend, timeout_s)
+            self._comms.append(group)
+            return group
+        plan = lora["plan"]
+        stages = plan_stages(plan["source"], plan, self._trainers, group_of, plan.get("error"))
+        for stage in stages:
+            if isinstance(stage.redistributor, Redistributor):
+                stage.redistributor._process_name = self._process_name
+        self._adapter_stages[lora["key"]] = stages
+        return stages
 
     def verify(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]] = None
                ) -> VerifyStats:
@@ -835,7 +993,8 @@ class WeightSync:
                            "verify": verify}, send, digests)
 
     def _push(self, update: dict[str, Any], send: Callable[[], Any],
-              digest: Callable[[], Optional[dict[str, str]]] = lambda: None) -> SyncStats:
+              digest: Callable[[], Optional[dict[str, str]]] = lambda: None,
+              stages: Optional[Callable[[], list[Stage]]] = None) -> SyncStats:
         # A second push while one is in progress (another thread) is refused at once, before
         # it touches the engine or the group; and the push in progress, if it has not been
         # agreed among the trainer processes yet, is refused on every one of them (which of
@@ -850,15 +1009,21 @@ class WeightSync:
         try:
             while True:
                 try:
-                    stats = self._push_alone(update, send, digest)
+                    stats = self._push_alone(update, send, digest, stages)
                     break
                 except _Regrouped as r:  # an engine lost: the push again, on the others
                     dropped += r.dropped
                     self._warn_dropped(r.dropped)
+                    if update.get("mode") == "lora":  # planned for the engines it had
+                        raise WeightSyncError(
+                            f"an adapter push lost engines, dropped: {'; '.join(r.dropped)}; "
+                            "no engine serves the new adapter: push it again") from None
             if dropped:
                 stats = dataclasses.replace(stats, dropped=dropped)
-            if update.get("mode") == "plan":
+            if update.get("mode") in ("plan", "lora"):
                 self.last_stats = stats
+            if update.get("mode") == "lora":
+                self._adapters.setdefault(update["lora"]["name"], None)
             return stats
         finally:
             with self._guard:
@@ -869,7 +1034,8 @@ class WeightSync:
                       f"engines {self._ids}", RuntimeWarning, stacklevel=4)
 
     def _push_alone(self, update: dict[str, Any], send: Callable[[], Any],
-                    digest: Callable[[], Optional[dict[str, str]]]) -> SyncStats:
+                    digest: Callable[[], Optional[dict[str, str]]],
+                    stages: Optional[Callable[[], list[Stage]]] = None) -> SyncStats:
         comm = self.transport
         if self._lost is not None:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
@@ -957,15 +1123,16 @@ class WeightSync:
         if outcomes:
             raise WeightSyncError(outcomes[0])
         seconds = time.perf_counter() - start
-        sent, here, relayed, links = self._moved()
+        used = self._stages if stages is None else stages()
+        sent, here, relayed, links = self._moved(used)
         if update.get("delta"):  # what this process sent: the encoded chunks and headers
             here = sum(int((st.redistributor.last_stats or {}).get("sent", 0))
                        for st in self._stages if not st.prepare)
         sync = self.redistributor
         gathered = sync.gathered() if isinstance(sync, QuantizingRedistributor) else 0
         busiest = max(links, key=lambda k: links[k]) if links else None
-        return SyncStats(sent, self.plan_minimum(), here, seconds, worker, gathered, relayed,
-                         links, busiest)
+        return SyncStats(sent, self.plan_minimum(used), here, seconds, worker, gathered,
+                         relayed, links, busiest)
 
     def _close_updates(self, calls: Mapping[int, "_Background"]) -> dict[int, BaseException]:
         """Wait for each engine's update call; finish the update of each whose call returned.

@@ -1,0 +1,172 @@
+"""LoRA adapters pushed live into vLLM engines (WeightSync.push_lora): a toy Llama with a rank-8
+adapter on q, k, v, o, gate, up and down (random A and B, PEFT's format), pushed into an engine
+started with enable_lora at TP 1 and at TP 2. After the push, vLLM's greedy tokens for the
+adapter's LoRARequest are PEFT's (computed in the main venv, which has PEFT); a second push under
+the same name gives the new adapter's tokens; the bytes moved are the adapter's plan minimum,
+each worker receiving its own part; a push refused or failing on one worker leaves the adapter
+served before served on every worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import toy  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1], [(7 * i + 3) % 250 for i in range(40)]]
+NEW_TOKENS = 8
+R, ALPHA = 8, 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapter(config, seed):
+    """A PEFT adapter's tensors (saved names) with A and B drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    out = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in TARGETS:
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            stem = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            fan_in, fan_out = dims[module]
+            out[f"{stem}.lora_A.weight"] = 0.2 * torch.randn(R, fan_in, generator=g)
+            out[f"{stem}.lora_B.weight"] = 0.2 * torch.randn(fan_out, R, generator=g)
+    return out
+
+
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": TARGETS,
+                  "bias": "none", "use_rslora": False, "use_dora": False,
+                  "fan_in_fan_out": False, "task_type": "CAUSAL_LM", "modules_to_save": None}
+
+
+def _main_python():
+    root = os.path.dirname(os.path.dirname(HERE))
+    python = os.environ.get("RESHARD_MAIN_PYTHON", os.path.join(root, ".venv", "bin", "python"))
+    assert os.path.exists(python), (
+        f"{python} is missing: scripts/dev test installs PEFT there, or point "
+        "RESHARD_MAIN_PYTHON at a Python that has PEFT and transformers")
+    return python
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The base model, adapters 1 and 2 (PEFT directories), and PEFT's tokens for each."""
+    from safetensors.torch import save_file
+    root = tmp_path_factory.mktemp("lora_push")
+    config = toy.llama_config()
+    base = toy.write(str(root / "base"), config, toy.weights(config, 1))
+    adapters, dirs = {}, {}
+    for key, seed in (("one", 11), ("two", 12)):
+        adapters[key] = _adapter(config, seed)
+        d = root / f"adapter-{key}"
+        d.mkdir()
+        save_file(adapters[key], str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps(
+            {**ADAPTER_CONFIG, "base_model_name_or_path": base}))
+        dirs[key] = str(d)
+    spec = root / "reference.json"
+    spec.write_text(json.dumps({"base": base, "adapters": dirs, "prompts": PROMPTS,
+                                "new_tokens": NEW_TOKENS, "out": str(root / "tokens.json")}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([_main_python(), os.path.join(HERE, "peft_reference.py"), str(spec)],
+                   check=True, env=env, capture_output=True, text=True)
+    expected = json.loads((root / "tokens.json").read_text())
+    assert len({json.dumps(expected[k]) for k in ("base", "one", "two")}) == 3
+    return {"base": base, "config": config, "adapters": adapters, "dirs": dirs,
+            "expected": expected, "state": toy.weights(config, 1), "root": root}
+
+
+def _generate(llm, request=None):
+    from vllm import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False, lora_request=request)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["engine_tp1", "engine_tp2"])
+def live(request, models, tmp_path_factory):
+    """An engine with enable_lora at TP 1 or 2, and a WeightSync into it from this process."""
+    from vllm import LLM
+
+    from reshard.vllm import WeightSync
+    extra = toy.plugin_path(tmp_path_factory.mktemp("plugin"))
+    sys.path.extend(extra)
+    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    llm = LLM(model=models["base"], tensor_parallel_size=request.param, enforce_eager=True,
+              dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20,
+              max_model_len=128, max_num_seqs=4, enable_lora=True, max_lora_rank=R,
+              max_loras=2, weight_transfer_config={"backend": "reshard"})
+    sync = WeightSync(llm, source=models["state"])
+    try:
+        yield {"llm": llm, "sync": sync, "tp": request.param}
+    finally:
+        sync.close()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_pushed_adapters_serve_peft_tokens(live, models):
+    llm, sync = live["llm"], live["sync"]
+    expected = models["expected"]
+    assert _generate(llm) == expected["base"]
+    stats = sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    request = sync.lora_request("policy")
+
+    assert _generate(llm, request) == expected["one"]
+    assert _generate(llm) == expected["base"]  # the base model is served as it was
+    # The adapter's plan minimum, once out of the trainer: each worker its part.
+    assert stats.bytes_sent == stats.plan_minimum > 0
+    whole = sum(t.numel() * 4 for t in models["adapters"]["one"].values())
+    if live["tp"] == 1:
+        assert stats.bytes_sent == whole
+    else:
+        assert whole < stats.bytes_sent < 2 * whole
+    # A second push under the same name: the new adapter, nothing of the old one cached.
+    sync.push(models["adapters"]["two"], lora="policy", config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["two"]
+    assert sync.adapter_names == ["policy"]
+
+
+def test_failed_adapter_pushes_leave_the_served_adapter_everywhere(live, models):
+    """A refused push (a B whose rows do not match its layer), then one whose staging fails on
+    the last worker after every byte arrived: each raises naming why, and every worker still
+    serves the adapter pushed before; the next push serves its own. A push of the base weights
+    keeps the pushed adapter served."""
+    from reshard.vllm import WeightSyncError
+    llm, sync = live["llm"], live["sync"]
+    expected = models["expected"]
+    sync.push_lora("policy", models["adapters"]["two"], config=ADAPTER_CONFIG)
+    request = sync.lora_request("policy")
+    bad = dict(models["adapters"]["one"])
+    name = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    bad[name] = bad[name][:-1]
+    with pytest.raises(WeightSyncError, match="up_proj.lora_B.weight"):
+        sync.push_lora("policy", bad, config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["two"]
+    assert any(llm.collective_rpc(toy.fail_adapter_staging_once, args=(live["tp"] - 1,)))
+    with pytest.raises(WeightSyncError, match="staging fails on purpose"):
+        sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["two"]
+    # A new name refused the same way is served nowhere.
+    assert any(llm.collective_rpc(toy.fail_adapter_staging_once, args=(0,)))
+    with pytest.raises(WeightSyncError, match="staging fails on purpose"):
+        sync.push_lora("other", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    from reshard.vllm import lora_id
+    held = llm.collective_rpc(toy.adapter_ids)
+    assert all(lora_id("policy") in ids and lora_id("other") not in ids for ids in held), held
+    sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    assert _generate(llm, request) == expected["one"]
+    sync.push()  # the base weights again: the adapter stays served
+    assert _generate(llm, request) == expected["one"]
+    assert _generate(llm) == expected["base"]
