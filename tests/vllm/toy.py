@@ -262,3 +262,127 @@ def plugin_path(tmp_path: Any) -> list[str]:
     (info / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nreshard = reshard.vllm.plugin:register\n")
     return [str(tmp_path / "plugin")]
+
+
+def adamw_bf16_steps(model_dir: str, config: dict[str, Any], steps: int, lr: float,
+                     seed: int) -> Any:
+    """Trains the saved model ``steps`` AdamW steps (fp32 master weights, weight decay 0.01,
+    next-token loss on random tokens drawn from ``seed``; alike in every process that asks),
+    yielding after each step its weights as bf16 (what a bf16 trainer pushes) and the fraction
+    of the bf16 elements that changed in that step (1.0 for the first: every element of the
+    weights the model had before, as bf16, is compared with what it holds after)."""
+    from safetensors.torch import load_file
+    model = _model(config)
+    model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    before = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    for _ in range(steps):
+        ids = torch.randint(3, config["vocab_size"], (4, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        now = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+        changed = sum(int((now[n].view(torch.int16) != before[n].view(torch.int16)).sum())
+                      for n in now) / sum(t.numel() for t in now.values())
+        before = now
+        yield now, changed
+
+
+def served_digest(worker: Any) -> dict[str, str]:
+    """(``LLM.collective_rpc``) A digest (SHA-256 of the bytes) of every parameter and buffer
+    the worker serves, by name: equal between two workers' states exactly when they hold the
+    same bits."""
+    import hashlib
+    model = worker.get_model()
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        data = t.detach().contiguous().view(-1).view(torch.uint8)
+        out[name] = hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
+def alter_delta_copy(worker: Any, rank: int) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, one bit
+    flipped in each of the first 64 words of the first chunk it keeps from the last delta push
+    (the copy the next delta is applied to: the worker's state altered behind the sync's back;
+    64 words, so that the next delta's changes cannot cover them all). Whether this worker is
+    it and held such a chunk."""
+    import torch.distributed as dist
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    engine = worker.weight_transfer_engine
+    for stage in engine._stages:
+        kept = getattr(stage.redistributor, "_delta_base", None) or {}
+        for key in sorted(k for k in kept if k[0] == "recv"):
+            kept[key][1:128:2] ^= 1
+            return True
+    return False
+
+
+def adamw_pushes(spec: dict[str, Any], step: dict[str, Any], llm: Any, sync: Any,
+                 maps: dict[str, Any], rank: int, generate: Callable[[], Any],
+                 then: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A trainer process's part of ``step["steps"]`` AdamW steps of the toy Llama from weights
+    ``spec["full"]["A"]`` (``adamw_bf16_steps``, learning rate ``step["lr"]``), each step's bf16
+    weights cut to this process's shards by ``maps`` and pushed with ``delta=True,
+    verify=True``; before the push of step ``step["alter_at"]`` (if given) the delta copy of
+    worker ``step["alter_worker"]`` of process ``step["alter_process"]``'s engine is altered
+    (``alter_delta_copy``). After every push, on a process owning an engine (``llm``): its
+    greedy tokens, transformers' for the weights it should serve (a failed push's: the step
+    before), and the digest of every worker's served state. Then each step's weights are pushed
+    again whole (``delta=False``) and the digests compared with the delta push's: per step, the
+    names of the tensors that differ on some worker, leaving out those ``sync.verify()`` lists as
+    unverified (vLLM serves them repacked, in a form that is not a function of their bytes
+    alone). Returns ``{"changed", "sent", "errors", "step_tokens", "expected", "differ",
+    "repacked"}``, a list each (one entry a step; ``step_tokens``, ``expected`` and ``differ``
+    empty without an engine);
+    afterwards the engines serve the shards ``then`` if given (pushed whole)."""
+    import torch.distributed as dist
+
+    import reshard
+    config = llama_config()
+    out: dict[str, list[Any]] = {k: [] for k in ("changed", "sent", "errors", "step_tokens",
+                                                  "expected", "differ")}
+    served, digests = [], []  # per step: the weights the engines should serve, their digests
+    trained = adamw_bf16_steps(spec["full"]["A"], config, step["steps"], step["lr"],
+                               step.get("seed", 0))
+    for k, (weights, changed) in enumerate(trained):
+        # The engines run float32: the bf16 weights travel widened, exactly (a changed bf16
+        # element is one changed 16-bit word, as it would be in bf16).
+        shards = {n: reshard.extract(maps[n], w.float(), rank) for n, w in weights.items()}
+        if k == step.get("alter_at"):
+            if rank == step["alter_process"]:
+                hit = llm.collective_rpc(alter_delta_copy, args=(step["alter_worker"],))
+                assert sum(hit) == 1, hit
+            dist.barrier()
+        out["changed"].append(changed)
+        try:
+            stats = sync.push(shards, delta=True, verify=True)
+            out["sent"].append(stats.bytes_sent_here)
+            out["errors"].append(None)
+            served.append(shards)
+        except Exception as e:  # WeightSyncError: recorded for the test to judge
+            out["sent"].append(None)
+            out["errors"].append(str(e))
+            served.append(served[-1] if served else None)
+        if llm is not None:
+            out["step_tokens"].append(generate())
+            full = {n: w.float() for n, w in weights.items()}
+            out["expected"].append(greedy(config, full, spec["prompts"], spec["new_tokens"])
+                                   if served[-1] is shards else
+                                   out["expected"][-1] if out["expected"] else None)
+            digests.append(llm.collective_rpc(served_digest))
+    out["repacked"] = sorted(sync.verify(served[-1]).unverified) if served[-1] else []
+    for k, shards in enumerate(served):  # what a full push of the same weights leaves
+        if shards is None:
+            continue
+        sync.push(shards)
+        if llm is not None:
+            full = llm.collective_rpc(served_digest)
+            out["differ"].append(sorted({n for d, f in zip(digests[k], full) for n in f
+                                         if d.get(n) != f[n] and n not in out["repacked"]}))
+    if then is not None:
+        sync.push(then)
+    return out
