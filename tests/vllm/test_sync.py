@@ -283,7 +283,8 @@ FLEET_STEPS = [
     {"name": "A after the add", "kind": "push", "weights": "A", "delta": True},
     {"name": "B after the add", "kind": "push", "weights": "B", "delta": True},
     {"name": "B unchanged", "kind": "push", "weights": "B", "delta": True},
-    {"name": "ten AdamW steps", "kind": "adamw", "steps": 10, "lr": 5e-6, "then": "B"},
+    {"name": "ten AdamW steps", "kind": "adamw", "steps": 10, "lr": 5e-6, "then": "B",
+     "compare_every": False},
     {"name": "verify", "kind": "verify"},
     {"name": "verify altered", "kind": "corrupt_verify", "engine": 0, "worker": 1,
      "tensor": "model.norm.weight"},
@@ -472,12 +473,13 @@ def test_delta_pushes_give_transformers_tokens(delta_session, models):
     assert "error" not in main[8] and "error" not in main[10], (main[8], main[10])
 
 
-def check_adamw_steps(entries, whole, altered_at=None):
+def check_adamw_steps(entries, whole, compared, altered_at=None):
     """The AdamW steps' results of every trainer process (``entries``; those owning an engine
     hold its tokens and digests): each push a verified delta that sends a small part of
     ``whole`` (the push of step 0, and the one after a failed push, whole), the engines serving
-    transformers' tokens of the weights pushed and every worker bit-equal to a full push of
-    them; the push after ``altered_at`` caught by its verify on every process."""
+    transformers' tokens of the last weights pushed and every worker bit-equal to a full push
+    of them after each of the ``compared`` steps compared; the push after ``altered_at`` caught
+    by its verify on every process."""
     changed = entries[0]["changed"]
     print("bf16 elements changed per AdamW step (%):", [round(100 * c, 2) for c in changed])
     assert all(0 < c < 0.1 for c in changed), changed
@@ -491,24 +493,24 @@ def check_adamw_steps(entries, whole, altered_at=None):
             assert error is None, (k, error)
             if k > 0 and k - 1 != altered_at:  # a delta against the last push
                 assert sent < whole[entry is not entries[0]] // 4, (k, sent, whole)
-        assert len(entry["step_tokens"]) == len(entry["expected"])
-        for k, (tokens, expected) in enumerate(zip(entry["step_tokens"], entry["expected"])):
-            assert tokens == expected, k
-        assert entry["differ"] == [[]] * len(entry["step_tokens"]), entry["differ"]
+        assert entry["step_tokens"] == entry["expected"]
+        if entry["step_tokens"]:  # a process owning an engine
+            assert entry["differ"] == [[]] * compared, entry["differ"]
     assert any(entry["step_tokens"] for entry in entries)
 
 
 def test_ten_adamw_steps_delta_pushed_equal_full_pushes(delta_session):
     """Ten AdamW steps of a bf16 model, each delta-pushed with verify: after every step each
     worker of the engine holds bit-for-bit what a full push of the same weights leaves (digests
-    of every served tensor), the engine gives transformers' greedy tokens of the trained
-    weights, and each delta sends under a quarter of a whole push (the changed elements). A
+    of every served tensor) and each delta sent under a quarter of a whole push (the changed
+    elements); after the last the engine gives transformers' greedy tokens of the trained
+    weights. A
     worker's delta copy altered behind the sync's back (the state the next delta applies to)
     fails that push's verify on every trainer process, naming the worker; the next push is
     whole by itself and lands."""
     main, other = delta_session
     whole = (main[1]["stats"]["bytes_sent_here"], other[0]["stats"]["bytes_sent_here"])
-    check_adamw_steps([main[-1], other[-1]], whole, ALTERED_AT)
+    check_adamw_steps([main[-1], other[-1]], whole, 10, ALTERED_AT)
     # The push after the caught one was whole on both processes.
     for entry, w in zip((main[-1], other[-1]), whole):
         assert entry["sent"][ALTERED_AT + 1] == w, entry["sent"]
@@ -517,9 +519,10 @@ def test_ten_adamw_steps_delta_pushed_equal_full_pushes(delta_session):
 def test_ten_adamw_steps_delta_pushed_into_two_engines(fleet):
     """The ten AdamW steps delta-pushed with verify into two engines (at TP 2 and TP 1, one
     owned by each trainer process) through the sync schedule, the engines relaying the changes:
-    after every step every worker of both engines holds bit-for-bit what a full push leaves,
-    and each engine gives transformers' tokens of the trained weights."""
+    every push proven on every worker of both engines by its verify; after the last, every
+    worker holds bit-for-bit what a full push leaves, and each engine gives transformers' tokens
+    of the trained weights."""
     steps = [_step(run, "ten AdamW steps") for run in fleet]
     whole = tuple(_step(run, "A after the add")["stats"]["bytes_sent_here"] for run in fleet)
-    check_adamw_steps(steps, whole)
-    assert all(len(step["step_tokens"]) == 10 for step in steps)  # each owns an engine
+    check_adamw_steps(steps, whole, 1)
+    assert all(step["step_tokens"] for step in steps)  # each process owns an engine

@@ -293,13 +293,20 @@ def adamw_bf16_steps(model_dir: str, config: dict[str, Any], steps: int, lr: flo
 def served_digest(worker: Any) -> dict[str, str]:
     """(``LLM.collective_rpc``) A digest (SHA-256 of the bytes) of every parameter and buffer
     the worker serves, by name: equal between two workers' states exactly when they hold the
-    same bits."""
+    same bits. A vocabulary-parallel layer's padding rows (past the vocabulary its shard holds:
+    never read, and left as the fresh tensor had them) are left out."""
     import hashlib
-    model = worker.get_model()
     out = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        data = t.detach().contiguous().view(-1).view(torch.uint8)
-        out[name] = hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()
+    for module_name, module in worker.get_model().named_modules():
+        indices = getattr(module, "shard_indices", None)
+        for name, t in [*module.named_parameters(recurse=False),
+                        *module.named_buffers(recurse=False)]:
+            if indices is not None and t.dim() > 0 and \
+                    t.shape[0] == indices.num_org_elements_padded:
+                t = t[:indices.num_org_elements]
+            data = t.detach().contiguous().view(-1).view(torch.uint8)
+            key = f"{module_name}.{name}" if module_name else name
+            out[key] = hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()
     return out
 
 
@@ -329,15 +336,15 @@ def adamw_pushes(spec: dict[str, Any], step: dict[str, Any], llm: Any, sync: Any
     weights cut to this process's shards by ``maps`` and pushed with ``delta=True,
     verify=True``; before the push of step ``step["alter_at"]`` (if given) the delta copy of
     worker ``step["alter_worker"]`` of process ``step["alter_process"]``'s engine is altered
-    (``alter_delta_copy``). After every push, on a process owning an engine (``llm``): its
-    greedy tokens, transformers' for the weights it should serve (a failed push's: the step
-    before), and the digest of every worker's served state. Then each step's weights are pushed
-    again whole (``delta=False``) and the digests compared with the delta push's: per step, the
-    names of the tensors that differ on some worker, leaving out those ``sync.verify()`` lists as
-    unverified (vLLM serves them repacked, in a form that is not a function of their bytes
-    alone). Returns ``{"changed", "sent", "errors", "step_tokens", "expected", "differ",
-    "repacked"}``, a list each (one entry a step; ``step_tokens``, ``expected`` and ``differ``
-    empty without an engine);
+    (``alter_delta_copy``). After every push, on a process owning an engine (``llm``), the
+    digest of every worker's served state; after the last, its greedy tokens and transformers'
+    for the weights it should serve. Then each step's weights (only the last step's with
+    ``step["compare_every"]`` false) are pushed again whole (``delta=False``) and the digests
+    compared with the delta push's: per step, the names of the tensors that differ on some
+    worker. Returns ``{"changed", "sent", "errors", "step_tokens", "expected", "differ"}``, a
+    list each (``changed``, ``sent`` and ``errors`` one entry a step; ``step_tokens`` and
+    ``expected`` the last step's, ``differ`` one entry a step compared; the last three empty
+    without an engine);
     afterwards the engines serve the shards ``then`` if given (pushed whole)."""
     import torch.distributed as dist
 
@@ -368,21 +375,21 @@ def adamw_pushes(spec: dict[str, Any], step: dict[str, Any], llm: Any, sync: Any
             out["errors"].append(str(e))
             served.append(served[-1] if served else None)
         if llm is not None:
-            out["step_tokens"].append(generate())
-            full = {n: w.float() for n, w in weights.items()}
-            out["expected"].append(greedy(config, full, spec["prompts"], spec["new_tokens"])
-                                   if served[-1] is shards else
-                                   out["expected"][-1] if out["expected"] else None)
             digests.append(llm.collective_rpc(served_digest))
-    out["repacked"] = sorted(sync.verify(served[-1]).unverified) if served[-1] else []
-    for k, shards in enumerate(served):  # what a full push of the same weights leaves
-        if shards is None:
+            if k == step["steps"] - 1 and served[-1] is shards:
+                out["step_tokens"].append(generate())
+                full = {n: w.float() for n, w in weights.items()}
+                out["expected"].append(greedy(config, full, spec["prompts"],
+                                              spec["new_tokens"]))
+    compared = served if step.get("compare_every", True) else served[-1:]
+    for k, shards in enumerate(compared, len(served) - len(compared)):
+        if shards is None:  # what a full push of the same weights leaves
             continue
         sync.push(shards)
         if llm is not None:
             full = llm.collective_rpc(served_digest)
             out["differ"].append(sorted({n for d, f in zip(digests[k], full) for n in f
-                                         if d.get(n) != f[n] and n not in out["repacked"]}))
+                                         if d.get(n) != f[n]}))
     if then is not None:
         sync.push(then)
     return out
