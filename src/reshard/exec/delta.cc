@@ -44,14 +44,14 @@ bool ForEachChangedWord(const uint16_t* previous, const uint16_t* current, Index
   for (; i + kBlock <= words; i += kBlock) {
     uint64_t differ = 0;  // bit 2w or 2w + 1 set: a byte of word w differs
 #if defined(__SSE2__)
-    for (int j = 0; j < 4; ++j) {
+    for (Index j = 0; j < 4; ++j) {
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(previous + i + 8 * j));
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(current + i + 8 * j));
       const auto same = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(a, b)));
       differ |= static_cast<uint64_t>(~same & 0xFFFFu) << (16 * j);
     }
 #else
-    for (int j = 0; j < 8; ++j) {
+    for (Index j = 0; j < 8; ++j) {
       uint64_t a = 0;
       uint64_t b = 0;
       std::memcpy(&a, previous + i + 4 * j, 8);
