@@ -96,6 +96,10 @@ def run(spec: dict, rank: int) -> None:
                 sync = WeightSync(engines=[llm if r == rank else None for r in range(2)],
                                   source_maps=loaded["A"][0], timeout_s=spec["timeout_s"],
                                   on_engine_lost=lost)
+            elif kind == "adamw":  # AdamW steps of a bf16 model, delta-pushed, then B whole
+                entry.update(toy.adamw_pushes(spec, step, llm, sync, loaded["A"][0], rank,
+                                              generate, then=loaded[step["then"]][1]))
+                last = step["then"]
             elif kind in ("verify", "corrupt_verify"):
                 if kind == "corrupt_verify":
                     if rank == step["engine"]:

@@ -171,6 +171,9 @@ def run(spec: dict, rank: int) -> None:
                     assert sum(hit) == 1, hit
                 dist.barrier()
                 syncs["sync"].push(shards, delta=step.get("delta", False), verify=True)
+            elif kind == "adamw":  # AdamW steps of a bf16 model, each delta-pushed, checked
+                entry.update(toy.adamw_pushes(spec, step, llm, syncs["sync"], maps, rank,
+                                              generate))
             elif kind == "dtensors":  # the trainer's own DTensors, no maps written
                 entry.update(push_dtensors(spec, step, llm, syncs))
             elif kind == "nan":  # every element NaN: generating fills KV blocks with NaN

@@ -283,6 +283,8 @@ FLEET_STEPS = [
     {"name": "A after the add", "kind": "push", "weights": "A", "delta": True},
     {"name": "B after the add", "kind": "push", "weights": "B", "delta": True},
     {"name": "B unchanged", "kind": "push", "weights": "B", "delta": True},
+    {"name": "ten AdamW steps", "kind": "adamw", "steps": 10, "lr": 5e-6, "then": "B",
+     "compare_every": False},
     {"name": "verify", "kind": "verify"},
     {"name": "verify altered", "kind": "corrupt_verify", "engine": 0, "worker": 1,
      "tensor": "model.norm.weight"},
@@ -296,7 +298,24 @@ def _step(steps, name):
     return next(s for s in steps if s.get("name") == name)
 
 
-def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    """Each trainer process's steps of FLEET_STEPS (its own engine's tokens)."""
+    tmp = tmp_path_factory.mktemp("fleet")
+    # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
+    # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
+    spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
+            "gpu_each": os.environ.get("RESHARD_FLEET_GPU_EACH") == "1",
+            "sharded": models["sharded"], "on_engine_lost": "drop",
+            "full": {k: os.path.join(models["root"], k) for k in ("A", "B")},
+            "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
+            "timeout_s": FLEET_TIMEOUT_S,
+            "rendezvous": str(tmp / "rendezvous"), "out": str(tmp / "result.json")}
+    run_trainers("fleet_trainer.py", spec, tmp, 900)
+    return [json.loads((tmp / f"result.json.{r}").read_text())["steps"] for r in range(2)]
+
+
+def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
     """WeightSync(engines=[engine at TP 2, engine at TP 1], on_engine_lost="drop") from two
     trainer processes (each owning one engine): after a push both engines give transformers'
     tokens for the weights pushed; the trainer processes send one copy (the sync schedule roots
@@ -311,16 +330,7 @@ def test_one_sync_into_two_engines_sends_each_byte_once(models, tmp_path):
     parameter a worker serves altered behind the sync's back, naming engine, worker, tensor and
     element. With on_engine_lost="fail" (the default), a lost engine fails the push on every
     trainer process, and the first engine keeps serving the weights it had."""
-    # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
-    # engine: RESHARD_FLEET_GPU_EACH=1) both at TP 1.
-    spec = {"model": models["model"], "engine_tps": [max(ENGINE_TPS), min(ENGINE_TPS)],
-            "gpu_each": os.environ.get("RESHARD_FLEET_GPU_EACH") == "1",
-            "sharded": models["sharded"], "on_engine_lost": "drop",
-            "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
-            "timeout_s": FLEET_TIMEOUT_S,
-            "rendezvous": str(tmp_path / "rendezvous"), "out": str(tmp_path / "result.json")}
-    run_trainers("fleet_trainer.py", spec, tmp_path, 900)
-    runs = [json.loads((tmp_path / f"result.json.{r}").read_text())["steps"] for r in range(2)]
+    runs = fleet
     expected = models["expected"]
     for steps in runs:  # each process: its own engine's tokens
         assert steps[0]["tokens"] == expected["A"]
@@ -424,14 +434,28 @@ DELTA_STEPS = [
 ]
 
 
-def test_delta_pushes_give_transformers_tokens(models, tmp_path):
+# Ten AdamW steps of the toy model trained as bf16 weights (fp32 masters; learning rate 5e-6:
+# 4.3 % of the bf16 elements change in the first step, 1.7 % in the tenth), each delta-pushed
+# and verified; before the seventh push a worker's delta copy is altered behind the sync's back.
+ADAMW = {"kind": "adamw", "steps": 10, "lr": 5e-6}
+ALTERED_AT = 6
+
+
+@pytest.fixture(scope="module")
+def delta_session(models, tmp_path_factory):
+    return run_session(models, 2, tmp_path_factory.mktemp("delta"), steps=DELTA_STEPS + [
+        {"name": "ten AdamW steps, delta-pushed", **ADAMW, "alter_at": ALTERED_AT,
+         "alter_process": 0, "alter_worker": 1}])
+
+
+def test_delta_pushes_give_transformers_tokens(delta_session, models):
     """push(delta=True) into an engine at TP 2: after every push, failed ones included, the
     engine serves transformers' tokens of the weights it should hold; a push of unchanged
     weights sends only headers; the push after a failed one, and after a full one, sends
     everything again. push(verify=True) passes, and fails on every trainer process, the old
     weights kept, when a worker's received tensor is altered before its verify, naming the
     tensor and its element."""
-    main, other = run_session(models, 2, tmp_path, steps=DELTA_STEPS)
+    main, other = delta_session
     want = [models["expected"][k] for k in ("B", "A", "A", "A", "B", "A", "B", "A", "A", "B")]
     for entry, tokens in zip(main[1:], want):
         assert entry["tokens"] == tokens, entry["step"]
@@ -447,3 +471,58 @@ def test_delta_pushes_give_transformers_tokens(models, tmp_path):
         assert "first differing element [0, 0]" in e["error"], e
         assert "on target engine 0 worker 1 (target rank 1" in e["error"], e
     assert "error" not in main[8] and "error" not in main[10], (main[8], main[10])
+
+
+def check_adamw_steps(entries, whole, compared, altered_at=None):
+    """The AdamW steps' results of every trainer process (``entries``; those owning an engine
+    hold its tokens and digests): each push a verified delta that sends a small part of
+    ``whole`` (the push of step 0, and the one after a failed push, whole), the engines serving
+    transformers' tokens of the last weights pushed and every worker bit-equal to a full push
+    of them after each of the ``compared`` steps compared; the push after ``altered_at`` caught
+    by its verify on every process."""
+    changed = entries[0]["changed"]
+    print("bf16 elements changed per AdamW step (%):", [round(100 * c, 2) for c in changed])
+    assert all(0 < c < 0.1 for c in changed), changed
+    for entry in entries:
+        assert entry["changed"] == changed
+        for k, (error, sent) in enumerate(zip(entry["errors"], entry["sent"])):
+            if k == altered_at:
+                assert "the targets do not hold what the sources have" in error, error
+                assert "on target engine 0 worker 1 (target rank 1" in error, error
+                continue
+            assert error is None, (k, error)
+            if k > 0 and k - 1 != altered_at:  # a delta against the last push
+                assert sent < whole[entry is not entries[0]] // 4, (k, sent, whole)
+        assert entry["step_tokens"] == entry["expected"]
+        if entry["step_tokens"]:  # a process owning an engine
+            assert entry["differ"] == [[]] * compared, entry["differ"]
+    assert any(entry["step_tokens"] for entry in entries)
+
+
+def test_ten_adamw_steps_delta_pushed_equal_full_pushes(delta_session):
+    """Ten AdamW steps of a bf16 model, each delta-pushed with verify: after every step each
+    worker of the engine holds bit-for-bit what a full push of the same weights leaves (digests
+    of every served tensor) and each delta sent under a quarter of a whole push (the changed
+    elements); after the last the engine gives transformers' greedy tokens of the trained
+    weights. A
+    worker's delta copy altered behind the sync's back (the state the next delta applies to)
+    fails that push's verify on every trainer process, naming the worker; the next push is
+    whole by itself and lands."""
+    main, other = delta_session
+    whole = (main[1]["stats"]["bytes_sent_here"], other[0]["stats"]["bytes_sent_here"])
+    check_adamw_steps([main[-1], other[-1]], whole, 10, ALTERED_AT)
+    # The push after the caught one was whole on both processes.
+    for entry, w in zip((main[-1], other[-1]), whole):
+        assert entry["sent"][ALTERED_AT + 1] == w, entry["sent"]
+
+
+def test_ten_adamw_steps_delta_pushed_into_two_engines(fleet):
+    """The ten AdamW steps delta-pushed with verify into two engines (at TP 2 and TP 1, one
+    owned by each trainer process) through the sync schedule, the engines relaying the changes:
+    every push proven on every worker of both engines by its verify; after the last, every
+    worker holds bit-for-bit what a full push leaves, and each engine gives transformers' tokens
+    of the trained weights."""
+    steps = [_step(run, "ten AdamW steps") for run in fleet]
+    whole = tuple(_step(run, "A after the add")["stats"]["bytes_sent_here"] for run in fleet)
+    check_adamw_steps(steps, whole, 1)
+    assert all(step["step_tokens"] for step in steps)  # each process owns an engine

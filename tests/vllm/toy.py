@@ -284,3 +284,134 @@ def fail_adapter_staging_once(worker: Any, rank: int) -> bool:
 def adapter_ids(worker: Any) -> list[int]:
     """(``LLM.collective_rpc``) The ids of the LoRA adapters the worker holds."""
     return sorted(worker.model_runner.lora_manager.list_adapters())
+
+
+def adamw_bf16_steps(model_dir: str, config: dict[str, Any], steps: int, lr: float,
+                     seed: int) -> Any:
+    """Trains the saved model ``steps`` AdamW steps (fp32 master weights, weight decay 0.01,
+    next-token loss on random tokens drawn from ``seed``; alike in every process that asks),
+    yielding after each step its weights as bf16 (what a bf16 trainer pushes) and the fraction
+    of the bf16 elements that changed in that step (1.0 for the first: every element of the
+    weights the model had before, as bf16, is compared with what it holds after)."""
+    from safetensors.torch import load_file
+    model = _model(config)
+    model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    before = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    for _ in range(steps):
+        ids = torch.randint(3, config["vocab_size"], (4, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        now = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+        changed = sum(int((now[n].view(torch.int16) != before[n].view(torch.int16)).sum())
+                      for n in now) / sum(t.numel() for t in now.values())
+        before = now
+        yield now, changed
+
+
+def served_digest(worker: Any) -> dict[str, str]:
+    """(``LLM.collective_rpc``) A digest (SHA-256 of the bytes) of every parameter and buffer
+    the worker serves, by name: equal between two workers' states exactly when they hold the
+    same bits. A vocabulary-parallel layer's padding rows (past the vocabulary its shard holds:
+    never read, and left as the fresh tensor had them) are left out."""
+    import hashlib
+    out = {}
+    for module_name, module in worker.get_model().named_modules():
+        indices = getattr(module, "shard_indices", None)
+        for name, t in [*module.named_parameters(recurse=False),
+                        *module.named_buffers(recurse=False)]:
+            if indices is not None and t.dim() > 0 and \
+                    t.shape[0] == indices.num_org_elements_padded:
+                t = t[:indices.num_org_elements]
+            data = t.detach().contiguous().view(-1).view(torch.uint8)
+            key = f"{module_name}.{name}" if module_name else name
+            out[key] = hashlib.sha256(data.cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
+def alter_delta_copy(worker: Any, rank: int) -> bool:
+    """(``LLM.collective_rpc``) On the engine's worker of tensor-parallel rank ``rank``, one bit
+    flipped in each of the first 64 words of the first chunk it keeps from the last delta push
+    (the copy the next delta is applied to: the worker's state altered behind the sync's back;
+    64 words, so that the next delta's changes cannot cover them all). Whether this worker is
+    it and held such a chunk."""
+    import torch.distributed as dist
+    if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+        return False
+    engine = worker.weight_transfer_engine
+    for stage in engine._stages:
+        kept = getattr(stage.redistributor, "_delta_base", None) or {}
+        for key in sorted(k for k in kept if k[0] == "recv"):
+            kept[key][1:128:2] ^= 1
+            return True
+    return False
+
+
+def adamw_pushes(spec: dict[str, Any], step: dict[str, Any], llm: Any, sync: Any,
+                 maps: dict[str, Any], rank: int, generate: Callable[[], Any],
+                 then: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """A trainer process's part of ``step["steps"]`` AdamW steps of the toy Llama from weights
+    ``spec["full"]["A"]`` (``adamw_bf16_steps``, learning rate ``step["lr"]``), each step's bf16
+    weights cut to this process's shards by ``maps`` and pushed with ``delta=True,
+    verify=True``; before the push of step ``step["alter_at"]`` (if given) the delta copy of
+    worker ``step["alter_worker"]`` of process ``step["alter_process"]``'s engine is altered
+    (``alter_delta_copy``). After every push, on a process owning an engine (``llm``), the
+    digest of every worker's served state; after the last, its greedy tokens and transformers'
+    for the weights it should serve. Then each step's weights (only the last step's with
+    ``step["compare_every"]`` false) are pushed again whole (``delta=False``) and the digests
+    compared with the delta push's: per step, the names of the tensors that differ on some
+    worker. Returns ``{"changed", "sent", "errors", "step_tokens", "expected", "differ"}``, a
+    list each (``changed``, ``sent`` and ``errors`` one entry a step; ``step_tokens`` and
+    ``expected`` the last step's, ``differ`` one entry a step compared; the last three empty
+    without an engine);
+    afterwards the engines serve the shards ``then`` if given (pushed whole)."""
+    import torch.distributed as dist
+
+    import reshard
+    config = llama_config()
+    out: dict[str, list[Any]] = {k: [] for k in ("changed", "sent", "errors", "step_tokens",
+                                                  "expected", "differ")}
+    served, digests = [], []  # per step: the weights the engines should serve, their digests
+    trained = adamw_bf16_steps(spec["full"]["A"], config, step["steps"], step["lr"],
+                               step.get("seed", 0))
+    for k, (weights, changed) in enumerate(trained):
+        # The engines run float32: the bf16 weights travel widened, exactly (a changed bf16
+        # element is one changed 16-bit word, as it would be in bf16).
+        shards = {n: reshard.extract(maps[n], w.float(), rank) for n, w in weights.items()}
+        if k == step.get("alter_at"):
+            if rank == step["alter_process"]:
+                hit = llm.collective_rpc(alter_delta_copy, args=(step["alter_worker"],))
+                assert sum(hit) == 1, hit
+            dist.barrier()
+        out["changed"].append(changed)
+        try:
+            stats = sync.push(shards, delta=True, verify=True)
+            out["sent"].append(stats.bytes_sent_here)
+            out["errors"].append(None)
+            served.append(shards)
+        except Exception as e:  # WeightSyncError: recorded for the test to judge
+            out["sent"].append(None)
+            out["errors"].append(str(e))
+            served.append(served[-1] if served else None)
+        if llm is not None:
+            digests.append(llm.collective_rpc(served_digest))
+            if k == step["steps"] - 1 and served[-1] is shards:
+                out["step_tokens"].append(generate())
+                full = {n: w.float() for n, w in weights.items()}
+                out["expected"].append(greedy(config, full, spec["prompts"],
+                                              spec["new_tokens"]))
+    compared = served if step.get("compare_every", True) else served[-1:]
+    for k, shards in enumerate(compared, len(served) - len(compared)):
+        if shards is None:  # what a full push of the same weights leaves
+            continue
+        sync.push(shards)
+        if llm is not None:
+            full = llm.collective_rpc(served_digest)
+            out["differ"].append(sorted({n for d, f in zip(digests[k], full) for n in f
+                                         if d.get(n) != f[n]}))
+    if then is not None:
+        sync.push(then)
+    return out

@@ -337,6 +337,11 @@ class Redistributor:
         # The chunks of the last delta run as they travelled: ("send" | "recv", peer, round)
         # -> uint8 (see _move_delta); None: the next delta run sends them whole.
         self._delta_base: Optional[dict[tuple[str, int, int], "torch.Tensor"]] = None
+        # Chunk buffers no delta run holds any more (a copy replaced by the next run's), by
+        # bytes: the next chunks are packed or received into them, whose pages are already
+        # mapped (a fresh buffer's first touch costs more than packing it). At most one a
+        # chunk size in the steady state.
+        self._delta_spare: dict[int, list["torch.Tensor"]] = {}
         # How verify's messages name a process of the group (a sync names engines' workers).
         self._process_name: Callable[[int], str] = lambda p: f"process {p}"
         error, fingerprint = _error, None
@@ -991,7 +996,18 @@ class Redistributor:
         me, options = self._me, self._options
         src, dst = _addresses(sources), _addresses(targets)
         previous = self._delta_base if base_ok else None
+        spare = self._delta_spare
+        if previous is None and self._delta_base:  # copies no run will compare with again
+            for t in self._delta_base.values():
+                spare.setdefault(t.numel(), []).append(t)
         self._delta_base = None  # kept again only once this run has completed everywhere
+
+        def take(n: int) -> "torch.Tensor":
+            free = spare.get(n)
+            return free.pop() if free else torch.empty(n, dtype=torch.uint8)
+
+        def give(t: "torch.Tensor") -> None:
+            spare.setdefault(t.numel(), []).append(t)
         kept: dict[tuple[str, int, int], torch.Tensor] = {}
         sends: list[list[tuple[int, int]]] = [[] for _ in range(ex.num_rounds)]
         receives: list[list[tuple[int, int]]] = [[] for _ in range(ex.num_rounds)]
@@ -1028,13 +1044,15 @@ class Redistributor:
             """Round k's chunks packed, compared and encoded: (headers, payloads)."""
             headers, payloads = [], []
             for peer, n in sends[k]:
-                chunk = torch.empty(_even(n), dtype=torch.uint8)
+                chunk = take(_even(n))
                 if n % 2:  # an odd chunk's last word is half padding, alike everywhere
                     chunk[-1] = 0
                 ex.pack(me, peer, k, int(chunk.data_ptr()), n, src, options, False)
                 before = previous.get(("send", peer, k)) if previous is not None else None
                 kind, count, payload = (_delta.WHOLE, _even(n) // 2, chunk) if before is None \
                     else _delta.encode(before, chunk)
+                if before is not None:
+                    give(before)  # compared: this run keeps the chunk just packed instead
                 kept[("send", peer, k)] = chunk
                 headers.append((torch.tensor([kind, count, payload.numel()]), peer))
                 payloads.append((payload, peer))
@@ -1074,6 +1092,15 @@ class Redistributor:
             if run.failure is None:
                 finished(k)
 
+        def arrival(k: int, h: "torch.Tensor", peer: int, n: int) -> "torch.Tensor":
+            """Where a payload of round k is received: a whole chunk into the copy it replaces
+            (or a spare chunk), the others into a buffer of their own."""
+            size = int(h[2])
+            if int(h[0]) != _delta.WHOLE or size != _even(n):
+                return torch.empty(size, dtype=torch.uint8)
+            held = previous.pop(("recv", peer, k), None) if previous is not None else None
+            return held if held is not None and held.numel() == size else take(size)
+
         # Round k travels while round k + 1 is packed and encoded and round k - 1 applied.
         ex.copy_local(me, src, dst, options)
         finished(-1)
@@ -1082,7 +1109,8 @@ class Redistributor:
         told = told_of(0, headers) if rounds else []
         pending: Optional[tuple[int, Any, Any]] = None
         for k in range(rounds):
-            arriving = [(torch.empty(int(h[2]), dtype=torch.uint8), peer) for h, peer in told]
+            arriving = [(arrival(k, h, peer, n), peer)
+                        for (h, peer), (_, n) in zip(told, receives[k])]
             # An unchanged chunk's payload is empty: its header says so, and nothing travels.
             settle = post([(p, peer) for p, peer in payloads if p.numel()],
                           [(t, peer) for t, peer in arriving if t.numel()])

@@ -1,8 +1,13 @@
 #include "reshard/exec/delta.h"
 
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <string>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace reshard {
 
@@ -24,6 +29,52 @@ Index CountChangedWords(const uint16_t* previous, const uint16_t* current, Index
   return changed;
 }
 
+namespace {
+
+// Calls emit(i) for every word i < words where previous and current differ, in ascending
+// order, until emit returns false (then returns false). Blocks of 32 words are compared at
+// once into a mask of the bytes that differ (SSE2, which every x86-64 has; else 64-bit XORs),
+// so a block that did not change costs a few instructions and each changed word is found from
+// the mask's bits, without a branch per word.
+template <typename Emit>
+bool ForEachChangedWord(const uint16_t* previous, const uint16_t* current, Index words,
+                        Emit&& emit) {
+  constexpr Index kBlock = 32;
+  Index i = 0;
+  for (; i + kBlock <= words; i += kBlock) {
+    uint64_t differ = 0;  // bit 2w or 2w + 1 set: a byte of word w differs
+#if defined(__SSE2__)
+    for (Index j = 0; j < 4; ++j) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(previous + i + 8 * j));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(current + i + 8 * j));
+      const auto same = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(a, b)));
+      differ |= static_cast<uint64_t>(~same & 0xFFFFu) << (16 * j);
+    }
+#else
+    for (Index j = 0; j < 8; ++j) {
+      uint64_t a = 0;
+      uint64_t b = 0;
+      std::memcpy(&a, previous + i + 4 * j, 8);
+      std::memcpy(&b, current + i + 4 * j, 8);
+      for (uint64_t d = a ^ b; d != 0; d &= d - 1) {
+        differ |= uint64_t{1} << (8 * j + std::countr_zero(d) / 8);  // little-endian bytes
+      }
+    }
+#endif
+    if (differ == 0) continue;
+    uint64_t changed = (differ | (differ >> 1)) & 0x5555555555555555u;  // bit 2w: word w
+    for (; changed != 0; changed &= changed - 1) {
+      if (!emit(i + std::countr_zero(changed) / 2)) return false;
+    }
+  }
+  for (; i < words; ++i) {
+    if (previous[i] != current[i] && !emit(i)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Result<DeltaChunk> EncodeDelta(const uint16_t* previous, const uint16_t* current, Index words,
                                std::byte* payload, Index capacity) {
   if (capacity < 2 * words) {
@@ -34,36 +85,45 @@ Result<DeltaChunk> EncodeDelta(const uint16_t* previous, const uint16_t* current
     return InvalidArgumentError("a chunk of more than 2^31 words");
   }
   DeltaChunk out;
-  out.changed = CountChangedWords(previous, current, words);
-  const Index indices = DeltaPayloadBytes(DeltaEncoding::kIndices, words, out.changed);
-  const Index mask = DeltaPayloadBytes(DeltaEncoding::kMask, words, out.changed);
-  if (2 * words <= indices && 2 * words <= mask) return out;  // whole
-  if (indices <= mask) {
+  // One pass while few words changed: the indices go to the front of the payload, the values
+  // to its second half, moved up behind the indices at the end. Past `most` changed words
+  // (4 * changed > the mask's bytes) the indices lose to the mask: the rest is only counted.
+  const Index head = DeltaMaskBytes(words);
+  const Index most = head / 4;
+  auto* at = payload;
+  std::byte* const values = payload + words;  // 6 * most <= words: the halves do not meet
+  Index found = 0;
+  const bool few = ForEachChangedWord(previous, current, words, [&](Index i) {
+    if (found == most) return false;
+    const auto index = static_cast<int32_t>(i);
+    std::memcpy(at, &index, 4);
+    std::memcpy(values + 2 * found, &current[i], 2);
+    at += 4;
+    ++found;
+    return true;
+  });
+  if (few) {
+    out.changed = found;
+    const Index indices = DeltaPayloadBytes(DeltaEncoding::kIndices, words, found);
+    if (2 * words <= indices) return out;  // whole: an empty or tiny chunk
     out.encoding = DeltaEncoding::kIndices;
-    auto* at = payload;
-    auto* values = payload + 4 * out.changed;
-    for (Index i = 0; i < words; ++i) {
-      if (previous[i] == current[i]) continue;
-      const auto index = static_cast<int32_t>(i);
-      std::memcpy(at, &index, 4);
-      std::memcpy(values, &current[i], 2);
-      at += 4;
-      values += 2;
-    }
+    std::memmove(at, values, static_cast<size_t>(2 * found));
     out.bytes = indices;
     return out;
   }
+  out.changed = CountChangedWords(previous, current, words);
+  const Index mask = DeltaPayloadBytes(DeltaEncoding::kMask, words, out.changed);
+  if (2 * words <= mask) return out;  // whole
   out.encoding = DeltaEncoding::kMask;
-  const Index head = DeltaMaskBytes(words);
   std::memset(payload, 0, static_cast<size_t>(head));
   auto* bits = reinterpret_cast<uint8_t*>(payload);
-  auto* values = payload + head;
-  for (Index i = 0; i < words; ++i) {
-    if (previous[i] == current[i]) continue;
+  std::byte* next = payload + head;
+  ForEachChangedWord(previous, current, words, [&](Index i) {
     bits[i / 8] = static_cast<uint8_t>(bits[i / 8] | (1u << (i % 8)));
-    std::memcpy(values, &current[i], 2);
-    values += 2;
-  }
+    std::memcpy(next, &current[i], 2);
+    next += 2;
+    return true;
+  });
   out.bytes = mask;
   return out;
 }

@@ -56,6 +56,68 @@ TEST(DeltaTest, EveryEncodingRebuildsTheChunkExactly) {
   }
 }
 
+// The encoding the header comment promises: whole when it is no larger than both others, else
+// the indices when no larger than the mask, else the mask.
+DeltaEncoding Smallest(Index words, Index changed) {
+  const Index whole = 2 * words;
+  const Index indices = DeltaPayloadBytes(DeltaEncoding::kIndices, words, changed);
+  const Index mask = DeltaPayloadBytes(DeltaEncoding::kMask, words, changed);
+  if (whole <= indices && whole <= mask) return DeltaEncoding::kWhole;
+  return indices <= mask ? DeltaEncoding::kIndices : DeltaEncoding::kMask;
+}
+
+TEST(DeltaTest, ChoosesTheSmallestEncodingAtEveryCount) {
+  const Index words = 4099;  // the indices stop winning at 128 changed words
+  std::vector<Index> counts;
+  for (Index c = 0; c <= words; c += 37) counts.push_back(c);
+  for (Index c = 120; c <= 136; ++c) counts.push_back(c);
+  counts.push_back(words);
+  std::vector<uint16_t> previous(static_cast<size_t>(words));
+  for (Index i = 0; i < words; ++i) previous[static_cast<size_t>(i)] = static_cast<uint16_t>(i);
+  for (Index c : counts) {
+    std::vector<uint16_t> current = previous;
+    for (Index j = 0; j < c; ++j) current[static_cast<size_t>(j * words / c)] ^= 0x4000;
+    std::vector<std::byte> payload(static_cast<size_t>(2 * words));
+    Result<DeltaChunk> chunk =
+        EncodeDelta(previous.data(), current.data(), words, payload.data(), 2 * words);
+    ASSERT_TRUE(chunk.ok());
+    EXPECT_EQ(chunk->changed, c);
+    EXPECT_EQ(chunk->encoding, Smallest(words, c)) << c;
+    if (chunk->encoding == DeltaEncoding::kWhole) continue;
+    std::vector<uint16_t> held = previous;
+    ASSERT_TRUE(ApplyDelta(held.data(), words, chunk->encoding, chunk->changed, payload.data(),
+                           chunk->bytes)
+                    .ok());
+    EXPECT_EQ(held, current) << c;
+  }
+}
+
+TEST(DeltaTest, FindsAChangedWordWhereverItSits) {
+  // Every word of chunks shorter, as long as and longer than the blocks compared at once, its
+  // lowest or its highest bit flipped.
+  for (Index words : {Index{31}, Index{32}, Index{33}, Index{70}}) {
+    std::vector<uint16_t> previous(static_cast<size_t>(words), 0x3f80);
+    for (Index i = 0; i < words; ++i) {
+      for (uint16_t bit : {uint16_t{0x0001}, uint16_t{0x8000}}) {
+        std::vector<uint16_t> current = previous;
+        current[static_cast<size_t>(i)] ^= bit;
+        std::vector<std::byte> payload(static_cast<size_t>(2 * words));
+        Result<DeltaChunk> chunk =
+            EncodeDelta(previous.data(), current.data(), words, payload.data(), 2 * words);
+        ASSERT_TRUE(chunk.ok());
+        ASSERT_EQ(chunk->changed, 1) << words << " " << i;
+        std::vector<uint16_t> held = previous;
+        const std::byte* sent = chunk->encoding == DeltaEncoding::kWhole
+                                    ? reinterpret_cast<const std::byte*>(current.data())
+                                    : payload.data();
+        const Index bytes = chunk->encoding == DeltaEncoding::kWhole ? 2 * words : chunk->bytes;
+        ASSERT_TRUE(ApplyDelta(held.data(), words, chunk->encoding, 1, sent, bytes).ok());
+        EXPECT_EQ(held, current) << words << " " << i;
+      }
+    }
+  }
+}
+
 TEST(DeltaTest, RefusesPayloadsThatDoNotMatchTheirHeader) {
   Case c = Changed(100, 0.0, 3);
   c.current[7] ^= 1;
