@@ -435,7 +435,7 @@ DELTA_STEPS = [
 
 
 # Ten AdamW steps of the toy model trained as bf16 weights (fp32 masters; learning rate 5e-6:
-# 4.3 % of the bf16 elements change in the first step, 1.7 % in the tenth), each delta-pushed
+# 4.5 % of the bf16 elements change in the first step, 1.66 % in the tenth), each delta-pushed
 # and verified; before the seventh push a worker's delta copy is altered behind the sync's back.
 ADAMW = {"kind": "adamw", "steps": 10, "lr": 5e-6}
 ALTERED_AT = 6
