@@ -269,7 +269,7 @@ def test_a_push_overlapping_another_marks_it_and_is_refused_at_once(monkeypatch)
     sync._guard, sync._in_push, sync._overlapped = threading.Lock(), False, False
     seen = []
 
-    def alone(update, send, digest):
+    def alone(update, send, digest, stages=None):
         if not seen:
             with pytest.raises(WeightSyncError, match="a push of this WeightSync is in "
                                                       "progress"):
