@@ -119,17 +119,20 @@ def ckpt(tmp_path_factory, reshard_bin):
     return d, commands, inputs
 
 
-def below_the_test():
-    """A run to be interrupted: no core dump, and at a lower priority than the test process
-    that watches its output, so that on a loaded machine the watcher is not descheduled while
-    a toy-sized run starts and ends (which left every try of a signal with nothing to catch)."""
+def below_the_test(ignored=()):
+    """A run to be interrupted: no core dump, at a lower priority than the test process that
+    watches its output, and every signal the tests send at its default action but `ignored`.
+    reshard keeps a signal ignored when it starts ignored (`nohup`), so a test run under nohup
+    would otherwise see every SIGHUP run to its end and nothing caught mid-way."""
     no_core_dumps()
     os.nice(10)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
 
 
-def start(reshard_bin, args):
+def start(reshard_bin, args, ignored=()):
     return subprocess.Popen([reshard_bin, *map(str, args)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, preexec_fn=below_the_test)
+                            stderr=subprocess.PIPE, preexec_fn=lambda: below_the_test(ignored))
 
 
 def signal_at(proc, out, fraction, total, sig):
@@ -192,6 +195,24 @@ def test_the_run_after_a_sigkill_removes_its_temporary(reshard_bin, ckpt, comman
     assert r.returncode == 0, r.stderr
     assert temporaries(out) == []
     assert same_tree(out, reference)
+
+
+def test_a_signal_ignored_at_start_stays_ignored(reshard_bin, ckpt):
+    """Under nohup (SIGHUP ignored when reshard starts) a SIGHUP mid-run changes nothing: the
+    run ends by itself, with the whole output."""
+    d, commands, _ = ckpt
+    reference = d / "ref-convert"
+    for i in range(12):  # a SIGHUP after the run ended would prove nothing
+        out = d / f"convert-nohup-{i}"
+        proc = start(reshard_bin, commands["convert"](out), ignored=(signal.SIGHUP,))
+        mid_run = signal_at(proc, out, 0.0, 1, signal.SIGHUP)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        assert same_tree(out, reference) and temporaries(out) == []
+        if mid_run:
+            break
+    else:
+        pytest.fail("no run was sent its SIGHUP mid-way")
 
 
 def test_a_file_size_limit_fails_cleanly_with_exit_3(reshard_bin, ckpt):
