@@ -1,6 +1,7 @@
 // reshard_exec_bench: executor throughput against memcpy of the same bytes in the same
 // process, and the cost of validating a param map of a billion-element tensor
-// (DESIGN.md section 9). Prints figures; asserts nothing.
+// (DESIGN.md section 9), and what a verify's fingerprints cost an element (DESIGN.md 22).
+// Prints figures; asserts nothing.
 //
 // Every executor figure is measured twice, with num_threads = 1 and num_threads = 2, and each
 // is compared with memcpy on the same number of threads (the 2-thread memcpy splits the bytes
@@ -21,6 +22,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/exec/executor.h"
+#include "reshard/exec/fingerprint.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/ir/param_map.h"
 
@@ -226,6 +228,31 @@ void ValidationBench() {
   }
 }
 
+// The fingerprint of a sub-box as a source process computes it for one target: half the
+// columns of a 4096 x 4096 tensor (runs of 2048 elements), read as elements of 1, 2, 4 and 8
+// bytes, on one thread and on every hardware thread.
+void FingerprintBench(const std::vector<uint16_t>& full) {
+  fmt::print("\nFingerprints (verify), 4096 x 2048 sub-box of a 4096 x 4096 tensor, best of {}:\n",
+             kRepeats);
+  const std::pair<DType, const char*> kinds[] = {
+      {DType::kU8, "1-byte"}, {DType::kBF16, "bf16"}, {DType::kF32, "fp32"}, {DType::kF64, "fp64"}};
+  for (const auto& [dtype, name] : kinds) {
+    const Index cols = 4096, rows = 4096;
+    const FingerprintView view{{rows, cols / 2}, B(full.data()), {cols, 1}, 0, {cols / 2, 1}};
+    for (const int threads : {1, 0}) {
+      uint64_t sum = 0;
+      const double secs = BestSeconds(kRepeats, [&] {
+        sum = 0;
+        Check(AddFingerprints(dtype, {&view, 1}, 0x1234, {}, {&sum, 1}, threads), "fingerprint");
+      });
+      const auto elements = static_cast<double>(rows * cols / 2);
+      fmt::print("  {:<7} {:<15} {:.3f} ns an element, {:.2f} GB/s\n", name,
+                 threads == 1 ? "1 thread" : "every thread", secs * 1e9 / elements,
+                 GBps(elements * static_cast<double>(DTypeSize(dtype)), secs));
+    }
+  }
+}
+
 int Main() {
   const unsigned hw = std::thread::hardware_concurrency();
   const std::vector<uint16_t> full = MakeTensor(kElements);
@@ -270,6 +297,7 @@ int Main() {
   // Cases smaller than the full tensor use its prefix.
   for (const Case& c : cases) RunCase(c, full, rebuilt, ref);
   ValidationBench();
+  FingerprintBench(full);
   return 0;
 }
 

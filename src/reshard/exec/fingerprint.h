@@ -1,22 +1,29 @@
 // Fingerprints of shards that add up across processes (DESIGN.md 22).
 //
-// The fingerprint of a set of elements is a sum, modulo 2^64, of one keyed term per element:
+// The fingerprint of a set of elements is a sum, modulo 2^64, of one keyed term per element of
+// (position, bits): `position` names the element (Python's verify uses its flat index in the
+// target shard that holds it, which the target's map ties to one element of F) and `bits` are
+// its bytes read as an unsigned integer (little-endian, DTypeSize(dtype) bytes). Elements of up
+// to 4 bytes, with p = position, the key's halves k_lo, k_hi, and 32-bit arithmetic:
 //
-//   term(key, position, bits) = Mix((key ^ position * kPositionMultiplier) + bits)
+//   a = (k_lo ^ hi32(p) * kPositionHigh1 ^ lo32(p) * kPositionLow1) + bits
+//   b = (k_hi ^ hi32(p) * kPositionHigh2 ^ lo32(p) * kPositionLow2) + rotl32(bits, 16)
+//   term = MixA(a) + MixB(b) * 2^32                                         (mod 2^64)
 //
-// where `position` names the element (Python's verify uses its flat index in the target shard
-// that holds it, which the target's map ties to one element of F), `bits` are the element's
-// bytes read as an unsigned integer (little-endian, DTypeSize(dtype) bytes) and Mix is a
-// bijection of 64-bit words (two multiply-xorshift rounds). Because the fingerprint is a sum,
-// it can be computed in parts by whoever holds the elements: the parts that the source
-// processes compute over the elements each one sends to a target add up to what the target
-// computes over its own shard.
+// with MixA, MixB bijections of 32-bit words (two multiply-xorshift rounds each). Its
+// multiplies are 32-bit, so eight lanes of AVX2 (or four of NEON) compute it at once. Elements
+// of 8 bytes take term = Mix64((key ^ p * kPositionMultiplier) + bits), Mix64 a bijection of
+// 64-bit words. Because the fingerprint is a sum, it can be computed in parts by whoever holds
+// the elements: the parts that the source processes compute over the elements each one sends
+// to a target add up to what the target computes over its own shard.
 //
-// What it can miss: for a fixed position the term is a bijection of the bits, so a single
-// element that differs always changes the sum. Several elements that differ change it unless
-// their changes of terms cancel modulo 2^64; with a fresh random key per comparison, that
-// happens with probability about 2^-64 for differences that do not depend on the key (this is
-// not a cryptographic hash: data chosen by someone who knows the key can cancel). Bits that do
+// What it can miss: for a fixed position the term is a bijection of the bits in its low 32
+// bits (MixA of a, a bijection of the bits) or in all 64 (Mix64), so a single element that
+// differs always changes the sum. Several elements that differ change it unless their changes
+// of terms cancel modulo 2^64; with a fresh random key per comparison, that happens with
+// probability about 2^-64 for differences that do not depend on the key (heuristically: the two
+// halves are independent mixes, each cancelling with probability about 2^-32; this is not a
+// cryptographic hash, and data chosen by someone who knows the key can cancel). Bits that do
 // not change, such as a NaN's payload rewritten into an equal pattern, are by definition no
 // difference.
 #ifndef RESHARD_EXEC_FINGERPRINT_H_
@@ -32,8 +39,12 @@
 
 namespace reshard {
 
-/// Odd multiplier that spreads positions over the word before mixing.
+/// Odd multipliers that spread positions over the words before mixing.
 inline constexpr uint64_t kPositionMultiplier = 0x9E3779B97F4A7C15ULL;
+inline constexpr uint32_t kPositionLow1 = 0x2545F491U;
+inline constexpr uint32_t kPositionLow2 = 0x9E3779B1U;
+inline constexpr uint32_t kPositionHigh1 = 0x7F4A7C15U;
+inline constexpr uint32_t kPositionHigh2 = 0xC2B2AE3DU;
 
 /// A bijection of 64-bit words (xorshift-multiply rounds; every step is invertible).
 constexpr uint64_t FingerprintMix(uint64_t x) {
@@ -45,9 +56,39 @@ constexpr uint64_t FingerprintMix(uint64_t x) {
   return x;
 }
 
-/// The keyed term of one element: `position` its key index, `bits` its bytes as an integer.
-constexpr uint64_t FingerprintTerm(uint64_t key, uint64_t position, uint64_t bits) {
-  return FingerprintMix((key ^ (position * kPositionMultiplier)) + bits);
+/// Two bijections of 32-bit words with unrelated constants (xorshift-multiply rounds).
+constexpr uint32_t FingerprintMixA(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352DU;
+  x ^= x >> 15;
+  x *= 0x846CA68BU;
+  x ^= x >> 16;
+  return x;
+}
+constexpr uint32_t FingerprintMixB(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6BU;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35U;
+  x ^= x >> 16;
+  return x;
+}
+
+constexpr uint32_t RotateLeft16(uint32_t x) { return (x << 16) | (x >> 16); }
+
+/// The keyed term of one element of `bytes` bytes (1, 2, 4 or 8): `position` its key index,
+/// `bits` its bytes as an integer.
+constexpr uint64_t FingerprintTerm(uint64_t key, uint64_t position, uint64_t bits, size_t bytes) {
+  if (bytes == 8) return FingerprintMix((key ^ (position * kPositionMultiplier)) + bits);
+  const auto low = static_cast<uint32_t>(position);
+  const auto high = static_cast<uint32_t>(position >> 32);
+  const auto word = static_cast<uint32_t>(bits);
+  const uint32_t a =
+      (static_cast<uint32_t>(key) ^ (high * kPositionHigh1) ^ (low * kPositionLow1)) + word;
+  const uint32_t b =
+      (static_cast<uint32_t>(key >> 32) ^ (high * kPositionHigh2) ^ (low * kPositionLow2)) +
+      RotateLeft16(word);
+  return FingerprintMixA(a) + (static_cast<uint64_t>(FingerprintMixB(b)) << 32);
 }
 
 /// A strided view of elements and the positions that name them: for every multi-index i inside

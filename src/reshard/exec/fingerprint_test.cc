@@ -35,8 +35,40 @@ FingerprintView Whole(const std::vector<uint16_t>& v, Index rows, Index cols) {
 TEST(FingerprintTest, EqualsTheSumOfEachElementsTerm) {
   const std::vector<uint16_t> v = RandomHalves(6 * 5, 1);
   uint64_t want = 0;
-  for (size_t i = 0; i < v.size(); ++i) want += FingerprintTerm(7, i, v[i]);
+  for (size_t i = 0; i < v.size(); ++i) want += FingerprintTerm(7, i, v[i], 2);
   EXPECT_EQ(Sum(DType::kBF16, {Whole(v, 6, 5)}, 7), want);
+}
+
+TEST(FingerprintTest, RunsAcrossTheHigh32BitsOfPositionsEqualTheirTerms) {
+  // Positions that cross 2^32 and 2^33 inside one run, at stride 1 and at a stride that skips
+  // a boundary's neighbourhood: the vectorised run is cut where the high bits change.
+  const std::vector<uint16_t> v = RandomHalves(4096, 9);
+  const std::pair<uint64_t, uint64_t> runs[] = {{(uint64_t{1} << 32) - 1000, 1},
+                                                {(uint64_t{1} << 32) - 5, 3},
+                                                {(uint64_t{1} << 31), 3000001},
+                                                {(uint64_t{1} << 33) - 2047, 1}};
+  for (const auto& [first, stride] : runs) {
+    uint64_t want = 0;
+    for (size_t i = 0; i < v.size(); ++i) want += FingerprintTerm(21, first + i * stride, v[i], 2);
+    const FingerprintView run{
+        {4096}, At(v, 0), {1}, static_cast<Index>(first), {static_cast<Index>(stride)}};
+    EXPECT_EQ(Sum(DType::kBF16, {run}, 21), want) << first << " " << stride;
+  }
+}
+
+TEST(FingerprintTest, EveryBitOfEveryElementSizeChangesTheTerm) {
+  // The term is a bijection of the bits for a fixed position, in its low half for elements of
+  // up to 4 bytes (so the sign bit of an fp32 counts) and in all of it for 8 bytes.
+  for (const size_t size : {size_t{1}, size_t{2}, size_t{4}, size_t{8}}) {
+    for (const uint64_t bits : {uint64_t{0}, uint64_t{0x0123456789ABCDEFULL}}) {
+      const uint64_t word = size == 8 ? bits : bits & ((uint64_t{1} << (8 * size)) - 1);
+      const uint64_t term = FingerprintTerm(3, 77, word, size);
+      for (size_t bit = 0; bit < 8 * size; ++bit) {
+        EXPECT_NE(FingerprintTerm(3, 77, word ^ (uint64_t{1} << bit), size), term)
+            << size << " " << bit;
+      }
+    }
+  }
 }
 
 TEST(FingerprintTest, PartsHeldElsewhereAddUpToTheWhole) {
@@ -120,7 +152,7 @@ TEST(FingerprintTest, EveryElementSizeReadsItsOwnBytes) {
     for (Index i = 0; i < n; ++i) {
       uint64_t bits = 0;
       std::memcpy(&bits, bytes + static_cast<size_t>(i) * size, size);
-      want += FingerprintTerm(8, static_cast<uint64_t>(i), bits);
+      want += FingerprintTerm(8, static_cast<uint64_t>(i), bits, size);
     }
     EXPECT_EQ(Sum(dtype, {view}, 8), want) << DTypeName(dtype);
   }
