@@ -56,22 +56,23 @@ constexpr uint64_t FingerprintMix(uint64_t x) {
   return x;
 }
 
-/// Two bijections of 32-bit words with unrelated constants (xorshift-multiply rounds).
-constexpr uint32_t FingerprintMixA(uint32_t x) {
+/// A bijection of 32-bit words: xorshift 16, multiply by odd `m1`, xorshift `shift`, multiply
+/// by odd `m2`, xorshift 16.
+constexpr uint32_t XorshiftMultiply32(uint32_t x, uint32_t m1, int shift, uint32_t m2) {
   x ^= x >> 16;
-  x *= 0x7FEB352DU;
-  x ^= x >> 15;
-  x *= 0x846CA68BU;
+  x *= m1;
+  x ^= x >> shift;
+  x *= m2;
   x ^= x >> 16;
   return x;
 }
+
+/// Two bijections of 32-bit words with unrelated constants.
+constexpr uint32_t FingerprintMixA(uint32_t x) {
+  return XorshiftMultiply32(x, 0x7FEB352DU, 15, 0x846CA68BU);
+}
 constexpr uint32_t FingerprintMixB(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6BU;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35U;
-  x ^= x >> 16;
-  return x;
+  return XorshiftMultiply32(x, 0x85EBCA6BU, 13, 0xC2B2AE35U);
 }
 
 constexpr uint32_t RotateLeft16(uint32_t x) { return (x << 16) | (x >> 16); }
