@@ -16,10 +16,11 @@ namespace reshard::test_support {
 
 class TempDir {
  public:
-  TempDir() {
+  /// A directory named after the running test; `suffix` tells apart two of one test.
+  explicit TempDir(const std::string& suffix = "") {
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
     std::string name = "reshard_" + std::string(test->test_suite_name()) + "_" + test->name() +
-                       "_" + std::to_string(::getpid());
+                       "_" + std::to_string(::getpid()) + suffix;
     std::replace(name.begin(), name.end(), '/', '_');  // parameterized: "Suite/Name/0"
     path_ = std::filesystem::temp_directory_path() / name;
     std::filesystem::remove_all(path_);

@@ -84,6 +84,9 @@ struct CheckpointOptions {
   /// Apply scales even where a value does not survive the round trip (see ExecOptions).
   bool allow_lossy_scale = false;
   int num_threads = 0;
+  /// gather from a source that reads regions (Orbax): each tensor is read and written in bands
+  /// of about this many bytes (whole stored chunk rows; ShardSource::RegionRows), two in memory.
+  uint64_t band_bytes = uint64_t{16} << 20;
   /// Flush every output file and directory to disk before the output appears (DESIGN 7). Off
   /// (`--no-sync`), the output still appears by one rename, but is in the page cache only: a
   /// crash of the machine soon after may leave it incomplete, as `cp` would.
@@ -203,6 +206,13 @@ class ShardSource {
                             std::span<std::byte> out) {
     (void)i, (void)offsets, (void)sizes, (void)out;
     return UnimplementedError("this source reads whole shards, not regions");
+  }
+  /// How many rows (first dimension) of parameter i a consumer reading it by bands of about
+  /// `band_bytes` should read together so that each stored chunk is decoded once: whole chunk
+  /// rows, as many as fit in band_bytes (at least one chunk row); 0: no preference.
+  virtual Index RegionRows(size_t i, uint64_t band_bytes) const {
+    (void)i, (void)band_bytes;
+    return 0;
   }
 };
 

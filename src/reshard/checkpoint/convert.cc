@@ -7,11 +7,14 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/sharded_io.h"
+#include "reshard/exec/strided_copy.h"
 #include "reshard/ir/block_grid.h"
 #include "reshard/ir/compose.h"
 
@@ -150,6 +153,38 @@ std::vector<int> Verifiers(const Manifest& target, const std::vector<OutputFile>
   return verifier;
 }
 
+// The box of F (offsets, sizes) that piece `p` reads, when it reads one: it walks F with F's
+// own row-major strides from a multi-index inside F.
+std::optional<std::pair<Shape, Shape>> PieceAsBox(const Piece& p, const Shape& full) {
+  if (p.shape.size() != full.size() || p.num_elements() == 0) return std::nullopt;
+  Shape full_strides(full.size());
+  Index f = 1;
+  for (size_t k = full.size(); k-- > 0;) {
+    full_strides[k] = f;
+    f *= full[k];
+  }
+  Shape offsets(full.size());
+  Index rest = p.source.offset;
+  for (size_t k = 0; k < full.size(); ++k) {
+    if (p.shape[k] != 1 && p.source.strides[k] != full_strides[k]) return std::nullopt;
+    offsets[k] = rest / full_strides[k];
+    rest %= full_strides[k];
+    if (offsets[k] + p.shape[k] > full[k]) return std::nullopt;
+  }
+  return std::pair{std::move(offsets), p.shape};
+}
+
+// Row-major strides of a dense tensor of `shape`.
+Shape DenseStrides(const Shape& shape) {
+  Shape strides(shape.size());
+  Index d = 1;
+  for (size_t k = shape.size(); k-- > 0;) {
+    strides[k] = d;
+    d *= shape[k];
+  }
+  return strides;
+}
+
 // The box of F (offsets, sizes) that rank r's shard of `map` is, row-major, when it is one: a
 // single unscaled piece filling the shard densely from its start, walking F with F's own
 // row-major strides (rows or columns of a split, a replica); nullopt otherwise (a buffered
@@ -158,30 +193,49 @@ std::optional<std::pair<Shape, Shape>> ShardAsBox(const ParamMap& map, Rank r) {
   const RankShard& s = map.rank(r);
   if (map.has_padding() || s.is_buffered() || s.pieces.size() != 1) return std::nullopt;
   const Piece& p = s.pieces[0];
-  const Shape& full = map.valid_shape();
-  if (p.scale != 1.0 || p.shape.size() != full.size() || p.num_elements() == 0 ||
-      ProductOf(s.shard_shape) != p.num_elements() || p.dest.offset != 0) {
+  if (p.scale != 1.0 || ProductOf(s.shard_shape) != p.num_elements() || p.dest.offset != 0) {
     return std::nullopt;
   }
-  Shape full_strides(full.size()), dense(full.size());
-  Index f = 1, d = 1;
-  for (size_t k = full.size(); k-- > 0;) {
-    full_strides[k] = f;
-    dense[k] = d;
-    f *= full[k];
-    d *= p.shape[k];
+  const Shape dense = DenseStrides(p.shape);
+  for (size_t k = 0; k < p.shape.size(); ++k) {
+    if (p.shape[k] != 1 && p.dest.strides[k] != dense[k]) return std::nullopt;
   }
-  Shape offsets(full.size());
-  Index rest = p.source.offset;
-  for (size_t k = 0; k < full.size(); ++k) {
-    if (p.shape[k] != 1 &&
-        (p.source.strides[k] != full_strides[k] || p.dest.strides[k] != dense[k]))
-      return std::nullopt;
-    offsets[k] = rest / full_strides[k];
-    rest %= full_strides[k];
-    if (offsets[k] + p.shape[k] > full[k]) return std::nullopt;
+  return PieceAsBox(p, map.valid_shape());
+}
+
+// Rank r's shard of several pieces (a fused or interleaved target layout) when each piece is an
+// unscaled box of F and together they fill the shard: each box read from the stored chunks it
+// overlaps into memory of its own and copied to its place, so that the shard and one piece are
+// held, not the array. nullopt when the shard is not so.
+std::optional<Status> ReadShardByPieces(ShardSource& source, size_t i, const ParamMap& map,
+                                        DType dtype, Rank r, std::span<std::byte> buffer) {
+  const RankShard& s = map.rank(r);
+  if (map.has_padding() || s.is_buffered() || s.pieces.size() < 2) return std::nullopt;
+  std::vector<std::pair<Shape, Shape>> boxes;
+  Index covered = 0;
+  for (const Piece& p : s.pieces) {
+    std::optional<std::pair<Shape, Shape>> box =
+        p.scale == 1.0 ? PieceAsBox(p, map.valid_shape()) : std::nullopt;
+    if (!box) return std::nullopt;
+    boxes.push_back(*std::move(box));
+    covered += p.num_elements();
   }
-  return std::pair{std::move(offsets), p.shape};
+  if (covered != ProductOf(s.shard_shape)) return std::nullopt;
+  const size_t esize = DTypeSize(dtype);
+  std::vector<std::byte> piece;
+  for (size_t k = 0; k < boxes.size(); ++k) {
+    const Piece& p = s.pieces[k];
+    piece.resize(static_cast<size_t>(p.num_elements()) * esize);
+    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, boxes[k].first, boxes[k].second, piece));
+    const StridedMove move{.shape = p.shape,
+                           .src = piece.data(),
+                           .src_strides = DenseStrides(p.shape),
+                           .dst = buffer.data() + static_cast<size_t>(p.dest.offset) * esize,
+                           .dst_strides = p.dest.strides,
+                           .op = ScaleOp::None()};
+    RESHARD_RETURN_IF_ERROR(StridedCopy(dtype, std::span(&move, 1), 1));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -238,6 +292,12 @@ Status ConvertFrom(ShardSource& source, int world_size,
           if (const auto box = ShardAsBox(dst.params[i].map, r)) {
             counters.read += buffer.size();
             return source.ReadRegion(i, box->first, box->second, buffer);
+          }
+          const ShardedParam& param = dst.params[i];
+          if (std::optional<Status> read =
+                  ReadShardByPieces(source, i, param.map, param.dtype, r, buffer)) {
+            counters.read += buffer.size();
+            return *read;
           }
         }
         AcquiredShards sources(source, i);

@@ -104,6 +104,25 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
   return Status::Ok();
 }
 
+// A tensor read by regions is written by bands of rows (TensorToWrite::fill_rows): two bands
+// in memory, not the tensor, and the next band read while the last is written.
+void AddBandedFill(ShardSource& source, const GatherOutput& o, uint64_t band_bytes,
+                   Counters& counters, ProgressCounter& progress, TensorToWrite& t) {
+  const Shape& valid = source.manifest().params[o.param].map.valid_shape();
+  if (valid.empty() || valid != o.shape) return;
+  t.band_rows = source.RegionRows(o.param, band_bytes);
+  t.fill_rows = [&source, &counters, &progress, i = o.param, valid](
+                    Index begin, Index end, std::span<std::byte> out) -> Status {
+    Shape offsets(valid.size(), 0), sizes = valid;
+    offsets[0] = begin;
+    sizes[0] = end - begin;
+    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, offsets, sizes, out));
+    counters.read += out.size();
+    progress.Add(out.size());
+    return Status::Ok();
+  };
+}
+
 Result<Rebuilt> RebuildOwned(ShardSource& source, size_t i, const CheckpointOptions& options,
                              Counters& counters) {
   const ShardedParam& p = source.manifest().params[i];
@@ -392,6 +411,9 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
                  progress.Add(buffer.size());
                  return Status::Ok();
                }});
+          if (!o.scales && source.ReadsRegions()) {
+            AddBandedFill(source, o, options.band_bytes, counters, progress, tensors.back());
+          }
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),
                                 OutputFileOptions(options));

@@ -9,6 +9,7 @@
 #include <new>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 #include <tuple>
 #include <unordered_set>
 #include <utility>
@@ -601,6 +602,52 @@ std::span<const std::byte> SafetensorsFile::data(const TensorInfo& tensor) const
 
 namespace {
 
+// The bytes of one band when `t` is written by bands of rows (TensorToWrite::fill_rows), else 0.
+uint64_t BandBytes(const TensorToWrite& t, const TensorCopy* copy, uint64_t size) {
+  if (!t.fill_rows || t.band_rows <= 0 || t.shape.empty() || t.shape[0] <= t.band_rows ||
+      (copy != nullptr && !copy->ranges.empty())) {
+    return 0;
+  }
+  return size / static_cast<uint64_t>(t.shape[0]) * static_cast<uint64_t>(t.band_rows);
+}
+
+// Fills and appends `t` band by band, two bands of `buffer` in turn: band b + 1 is filled on a
+// thread of its own while band b is appended.
+Status WriteTensorByBands(AtomicFileWriter& out, const TensorToWrite& t, uint64_t band_bytes,
+                          std::span<std::byte> buffer) {
+  const auto rows = t.shape[0];
+  const uint64_t row_bytes = band_bytes / static_cast<uint64_t>(t.band_rows);
+  auto band = [&](Index begin, int half) {
+    const Index end = std::min(rows, begin + t.band_rows);
+    return buffer.subspan(static_cast<size_t>(band_bytes) * static_cast<size_t>(half),
+                          static_cast<size_t>(static_cast<uint64_t>(end - begin) * row_bytes));
+  };
+  auto fill = [&](Index begin, std::span<std::byte> into) {
+    Status s = t.fill_rows(begin, std::min(rows, begin + t.band_rows), into);
+    return s.ok() ? s : s.Annotate(fmt::format("tensor \"{}\"", t.name));
+  };
+  std::span<std::byte> current = band(0, 0);
+  RESHARD_RETURN_IF_ERROR(fill(0, current));
+  int half = 0;
+  for (Index begin = 0; begin < rows; begin += t.band_rows) {
+    const Index next = begin + t.band_rows;
+    std::span<std::byte> following;
+    Status filled = Status::Ok();
+    std::thread filler;
+    if (next < rows) {
+      following = band(next, 1 - half);
+      filler = std::thread([&] { filled = fill(next, following); });
+    }
+    Status appended = out.Append(current);
+    if (filler.joinable()) filler.join();
+    RESHARD_RETURN_IF_ERROR(appended);
+    RESHARD_RETURN_IF_ERROR(filled);
+    current = following;
+    half = 1 - half;
+  }
+  return Status::Ok();
+}
+
 // Writes one tensor's bytes: its ranges copied file to file where the file system can, else
 // its fill into `buffer`, then appended. `inputs` keeps the files of ranges open across tensors.
 Status WriteTensorBytes(AtomicFileWriter& out, const TensorToWrite& t, const TensorCopy* copy,
@@ -708,7 +755,9 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
         fmt::format(R"(:{{"dtype":"{}","shape":[{}],"data_offsets":[{},{}]}})", DTypeName(t.dtype),
                     fmt::join(t.shape, ","), offset, offset + sizes[order[k]]);
     offset += sizes[order[k]];
-    largest = std::max(largest, sizes[order[k]]);
+    const uint64_t band =
+        BandBytes(t, copies.empty() ? nullptr : &copies[order[k]], sizes[order[k]]);
+    largest = std::max(largest, band > 0 ? std::min(2 * band, sizes[order[k]]) : sizes[order[k]]);
   }
   header.push_back('}');
   header.append((8 - header.size() % 8) % 8, ' ');
@@ -738,9 +787,14 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
   }
   std::map<std::string, FileHandle> inputs;
   for (const size_t i : order) {
+    const TensorCopy* copy = copies.empty() ? nullptr : &copies[i];
+    if (const uint64_t band = BandBytes(tensors[i], copy, sizes[i]); band > 0) {
+      const std::span<std::byte> bands(buffer.get(), std::min(2 * band, sizes[i]));
+      RESHARD_RETURN_IF_ERROR(WriteTensorByBands(out, tensors[i], band, bands));
+      continue;
+    }
     const std::span<std::byte> bytes(buffer.get(), static_cast<size_t>(sizes[i]));
-    RESHARD_RETURN_IF_ERROR(
-        WriteTensorBytes(out, tensors[i], copies.empty() ? nullptr : &copies[i], bytes, inputs));
+    RESHARD_RETURN_IF_ERROR(WriteTensorBytes(out, tensors[i], copy, bytes, inputs));
   }
   return out.Commit();
 }

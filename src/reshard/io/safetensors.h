@@ -109,6 +109,13 @@ struct TensorToWrite {
   Shape shape;
   /// Fills `out` (exactly numel * dtype size bytes) with the tensor's data.
   std::function<Status(std::span<std::byte> out)> fill;
+  /// Optional: fills rows [begin, end) of the first dimension into `out` (exactly their bytes).
+  /// With band_rows > 0 and more rows than one band, the writer fills and writes the tensor a
+  /// band of band_rows rows at a time, the next band filled on a thread of its own while the
+  /// last is written: two bands in memory rather than the tensor, and the filling beside the
+  /// kernel's copy into the file. `fill` is then not called.
+  std::function<Status(Index begin, Index end, std::span<std::byte> out)> fill_rows{};
+  Index band_rows = 0;
 };
 
 /// The bytes a tensor's fill gives, as ranges of files, in order, adding up to the tensor's
@@ -122,13 +129,13 @@ struct TensorCopy {
 /// Writes a safetensors file atomically (temporary name in the same directory, fsync, rename),
 /// tensors and header keys in the reference writer's order (above, whatever the order of
 /// `tensors`), header padded with spaces to 8 bytes. Each `fill` is called once, in file
-/// order, on one reused buffer as large as the largest tensor: that buffer is the writer's
-/// peak memory. InvalidArgument for duplicate or non-UTF-8 names, "__metadata__" as a name,
-/// a bad shape, a missing fill or copies that do not add up to their tensors (checked before
-/// anything is written); AlreadyExists if `path` exists and !options.overwrite;
-/// ResourceExhausted on a full disk; a failing fill's Status is returned. Nothing is left behind on
-/// failure. `copies`: none, or one per tensor (copies[i] for tensors[i]); used where
-/// options.copy_file_ranges allows.
+/// order, on one reused buffer as large as the largest tensor (or two bands of a tensor filled
+/// by rows): that buffer is the writer's peak memory. InvalidArgument for duplicate or non-UTF-8
+/// names, "__metadata__" as a name, a bad shape, a missing fill or copies that do not add up to
+/// their tensors (checked before anything is written); AlreadyExists if `path` exists and
+/// !options.overwrite; ResourceExhausted on a full disk; a failing fill's Status is returned.
+/// Nothing is left behind on failure. `copies`: none, or one per tensor (copies[i] for tensors[i]);
+/// used where options.copy_file_ranges allows.
 Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tensors,
                         const std::map<std::string, std::string>& metadata = {},
                         const WriteOptions& options = {}, std::vector<TensorCopy> copies = {});

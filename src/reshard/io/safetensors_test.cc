@@ -544,6 +544,50 @@ TEST_F(SafetensorsTest, FillsShareOneBufferInFileOrder) {
   EXPECT_EQ(buffers[1], buffers[2]);
 }
 
+// A tensor filled by rows gives the bytes its whole fill gives, band by band, in two bands
+// of memory, the fill itself never called.
+TEST_F(SafetensorsTest, TensorsFilledByBandsOfRowsGiveTheBytesOfTheirFill) {
+  const Shape shape = {23, 5};  // 7 bands of 3 rows and one of 2: the last band is short
+  TensorToWrite banded = Tensor("w", DType::kF32, shape);
+  const std::string whole = PatternFor("w", 23 * 5 * 4);
+  std::vector<std::pair<Index, Index>> bands;
+  std::set<const std::byte*> memory;
+  banded.fill = [](std::span<std::byte>) { return InternalError("the whole fill was called"); };
+  banded.band_rows = 3;
+  banded.fill_rows = [&](Index begin, Index end, std::span<std::byte> out) {
+    bands.emplace_back(begin, end);
+    memory.insert(out.data());
+    EXPECT_EQ(out.size(), static_cast<size_t>(end - begin) * 20);
+    std::memcpy(out.data(), whole.data() + begin * 20, out.size());
+    return Status::Ok();
+  };
+  ASSERT_TRUE(WriteSafetensors(Path("b.safetensors"), {banded, Tensor("s", DType::kU8, {3})}).ok());
+  ASSERT_TRUE(WriteSafetensors(Path("w.safetensors"),
+                               {Tensor("w", DType::kF32, shape), Tensor("s", DType::kU8, {3})})
+                  .ok());
+  EXPECT_EQ(Contents("b.safetensors"), Contents("w.safetensors"));
+  ASSERT_EQ(bands.size(), 8u);
+  for (size_t b = 0; b < bands.size(); ++b) {
+    EXPECT_EQ(bands[b].first, static_cast<Index>(3 * b));
+    EXPECT_EQ(bands[b].second, std::min<Index>(23, static_cast<Index>(3 * b + 3)));
+  }
+  EXPECT_EQ(memory.size(), 2u);  // two bands' buffers, used in turn
+}
+
+// A band that fails to fill (on the thread beside the writing) leaves nothing behind.
+TEST_F(SafetensorsTest, ABandThatFailsLeavesNothingBehind) {
+  TensorToWrite banded = Tensor("w", DType::kF32, {10, 4});
+  banded.band_rows = 2;
+  banded.fill_rows = [](Index begin, Index, std::span<std::byte> out) {
+    if (begin == 6) return UnavailableError("source went away");
+    std::memset(out.data(), 1, out.size());
+    return Status::Ok();
+  };
+  Status s = WriteSafetensors(Path("f.safetensors"), {banded});
+  EXPECT_EQ(s, Status(StatusCode::kUnavailable, "tensor \"w\": source went away"));
+  EXPECT_EQ(FileCount(), 0u);
+}
+
 TEST_F(SafetensorsTest, FailingFillLeavesNothingBehind) {
   TensorToWrite bad = Tensor("bad", DType::kU8, {4});
   bad.fill = [](std::span<std::byte>) { return UnavailableError("source went away"); };

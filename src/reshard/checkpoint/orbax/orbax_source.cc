@@ -292,6 +292,17 @@ class OrbaxShardSource : public ShardSource {
     return ckpt_->ReadBox(a, offsets, sizes, out.first(want));
   }
 
+  Index RegionRows(size_t i, uint64_t band_bytes) const override {
+    const ZarrArray& z = ckpt_->arrays()[which_[i]].zarr;
+    if (z.shape.empty() || z.chunk_shape.empty() || z.chunk_shape[0] <= 0) return 0;
+    const uint64_t row =
+        static_cast<uint64_t>(ProductOf(Shape(z.shape.begin() + 1, z.shape.end()))) *
+        DTypeSize(z.dtype);
+    const uint64_t chunk_rows = static_cast<uint64_t>(z.chunk_shape[0]);
+    const uint64_t per_band = std::max<uint64_t>(row * chunk_rows, 1);
+    return static_cast<Index>(chunk_rows * std::max<uint64_t>(1, band_bytes / per_band));
+  }
+
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -7,15 +7,21 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "reshard/base/temp_dir_testing.h"
+#include "reshard/checkpoint/checkpoint.h"
+#include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/orbax/maxtext.h"
 #include "reshard/checkpoint/orbax/ocdbt.h"
 #include "reshard/checkpoint/orbax/zarr.h"
+#include "reshard/io/file.h"
+#include "reshard/ir/map_json.h"
 
 namespace reshard {
 namespace {
@@ -296,6 +302,109 @@ TEST_F(OrbaxItemTest, UnevenBoxesMissingChunksAndReplicas) {
   ASSERT_TRUE(ck.ReadBox(w, {2, 0}, {2, 6}, std::as_writable_bytes(std::span(across))).ok());
   EXPECT_EQ(across[0], 12);
   EXPECT_EQ(across[6], 18);
+}
+
+// A source that reads regions only: a consumer that acquired its shards fails.
+class RegionsOnly : public ShardSource {
+ public:
+  explicit RegionsOnly(std::unique_ptr<ShardSource> inner) : inner_(std::move(inner)) {}
+  const Manifest& manifest() const override { return inner_->manifest(); }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t) override {
+    return InternalError("the shards were acquired, not regions read");
+  }
+  void ReleaseShards(size_t) override {}
+  std::vector<std::string> inputs() const override { return inner_->inputs(); }
+  bool ReadsRegions() const override { return true; }
+  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
+                    std::span<std::byte> out) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!offsets.empty()) regions_[manifest().params[i].name].emplace_back(offsets[0], sizes[0]);
+    return inner_->ReadRegion(i, offsets, sizes, out);
+  }
+  Index RegionRows(size_t i, uint64_t band_bytes) const override {
+    return inner_->RegionRows(i, band_bytes);
+  }
+  // The rows (first, count) of each region read, by parameter name.
+  std::map<std::string, std::vector<std::pair<Index, Index>>> regions() const { return regions_; }
+
+ private:
+  std::unique_ptr<ShardSource> inner_;
+  std::mutex mu_;
+  std::map<std::string, std::vector<std::pair<Index, Index>>> regions_;
+};
+
+// gather writes a tensor read by regions in bands of whole chunk rows: the same file as read
+// whole, each band read once, the stored chunk missing in the third band given as fill values.
+TEST_F(OrbaxItemTest, GatherInBandsOfChunkRowsWritesWhatAWholeReadWrites) {
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  test_support::TempDir out("_out");
+  CheckpointOptions whole;
+  whole.band_bytes = 1 << 20;  // more than w: one band, read whole
+  RegionsOnly a(OrbaxSource(*c, false)), b(OrbaxSource(*c, false));
+  ASSERT_TRUE(GatherFrom(a, (out.path() / "whole").string(), whole).ok());
+  CheckpointOptions banded;
+  banded.band_bytes = 1;  // one chunk row (3 rows of w) a band
+  const Status s = GatherFrom(b, (out.path() / "banded").string(), banded);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  using Rows = std::vector<std::pair<Index, Index>>;
+  EXPECT_EQ(a.regions().at("w"), (Rows{{0, 10}}));
+  EXPECT_EQ(b.regions().at("w"), (Rows{{0, 3}, {3, 3}, {6, 3}, {9, 1}}));
+  const auto read = [&](const char* name) {
+    return *ReadFileToString((out.path() / name / "model.safetensors").string());
+  };
+  EXPECT_EQ(read("banded"), read("whole"));
+}
+
+// A target layout of several pieces per shard (two row blocks, as a fused gate_up): each piece
+// is read from the chunks it overlaps and put in its place, without the array's shards.
+TEST_F(OrbaxItemTest, ATargetShardOfSeveralPiecesIsReadFromTheChunksItOverlaps) {
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  RegionsOnly source(OrbaxSource(*c, false));
+  auto doc = ReadMapDocumentJson(R"({"version": 1, "w": {"logical_shape": [10, 6], "ranks": {
+      "0": {"shard_shape": [4, 6], "pieces": [
+          {"shape": [2, 6], "source": [0, [6, 1]], "dest": [0, [6, 1]], "locations": [0]},
+          {"shape": [2, 6], "source": [30, [6, 1]], "dest": [12, [6, 1]], "locations": [0]}]},
+      "1": {"shard_shape": [6, 6], "pieces": [
+          {"shape": [3, 6], "source": [42, [6, 1]], "dest": [0, [6, 1]], "locations": [1]},
+          {"shape": [3, 6], "source": [12, [6, 1]], "dest": [18, [6, 1]], "locations": [1]}]}}},
+      "^r\\.0$": {"logical_shape": [2], "ranks": {
+      "0": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]},
+      "1": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]}}}})");
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  test_support::TempDir out("_out");
+  const std::string tp2 = (out.path() / "tp2").string();
+  const Status s = ConvertFrom(source, 2, *doc, tp2, {});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  auto converted = ShardedCheckpoint::Open(tp2);
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  const std::vector<ShardedParam>& params = converted->manifest().params;
+  const auto w =
+      static_cast<size_t>(std::find_if(params.begin(), params.end(),
+                                       [](const ShardedParam& p) { return p.name == "w"; }) -
+                          params.begin());
+  ASSERT_LT(w, params.size());
+  // F[row][col] = 6 * row + col, but rows 6-8 (a chunk not stored) hold the fill value 0.
+  auto rows = [](std::initializer_list<Index> which) {
+    std::vector<int32_t> v;
+    for (Index row : which) {
+      for (Index col = 0; col < 6; ++col) {
+        v.push_back(row >= 6 && row < 9 ? 0 : static_cast<int32_t>(6 * row + col));
+      }
+    }
+    return v;
+  };
+  auto shard = [&](Rank r) {
+    const std::span<const std::byte> bytes = converted->shard(w, r);
+    std::vector<int32_t> v(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  };
+  EXPECT_EQ(shard(0), rows({0, 1, 5, 6}));
+  EXPECT_EQ(shard(1), rows({7, 8, 9, 2, 3, 4}));
 }
 
 TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
