@@ -91,13 +91,15 @@ def _free_destroyed_groups() -> None:
     if functional is None:
         return
     import torch.distributed as dist
-    if dist.is_initialized():  # not destroyed: the caller's group, left as it is
-        return
+    live = dist.group.WORLD  # the default group now (None once destroyed): left as it is
+
+    def stale(d: Any) -> bool:
+        return isinstance(d, dist.ProcessGroup) and d is not live
     for fn in list(vars(functional).values()):
         defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
-                                    for d in defaults)
+        if defaults and any(stale(d) for d in defaults):
+            # None is what the defaults are when the module is imported before any group.
+            fn.__defaults__ = tuple(None if stale(d) else d for d in defaults)
 
 
 @functools.cache
