@@ -10,8 +10,11 @@ padding, or of a source shard, and calls verify() on every process. OUT_DIR/NAME
 records the pairs checked or the error raised, and the full-tensor index of every element of
 the altered target shard (index markers moved by the same maps), so that the test can check
 the element the error names. The next case starting in step shows no process was left waiting.
+OUT_DIR/exit/rank-R.json lists the threads the process still runs once reshard's exit handler
+has run, just before the interpreter finalizes.
 """
 
+import atexit
 import datetime
 import json
 import math
@@ -186,11 +189,21 @@ def run_delta(case, me):
     return result
 
 
+def threads_at_exit(path):
+    """Records the threads this process still runs once the exit handlers registered after
+    this one (reshard's among them) have run, just before the interpreter finalizes."""
+    names = [(pathlib.Path("/proc/self/task") / t / "comm").read_text().strip()
+             for t in sorted(os.listdir("/proc/self/task"))]
+    path.write_text(json.dumps(names))
+
+
 def main():
     cases = json.loads(pathlib.Path(sys.argv[1]).read_text())
     out_dir = pathlib.Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     me = dist.get_rank()
+    (out_dir / "exit").mkdir(parents=True, exist_ok=True)
+    atexit.register(threads_at_exit, out_dir / "exit" / f"rank-{me}.json")
     for case in cases:
         result = run_delta(case, me) if case.get("delta") else run_case(case, me)
         case_dir = out_dir / case["name"]
@@ -198,12 +211,6 @@ def main():
         (case_dir / f"rank-{me}.json").write_text(json.dumps(result, indent=1, default=str))
         dist.barrier()  # the processes start every case together
     dist.destroy_process_group()
-    # After the delta cases a process sometimes aborts in the interpreter's own shutdown, after
-    # every result is written and the group destroyed ("terminate called without an active
-    # exception"; not yet explained): leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

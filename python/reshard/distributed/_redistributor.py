@@ -4,6 +4,7 @@ quantization at the source builds on it (:mod:`._quantize`), never the other way
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import dataclasses
 import functools
@@ -76,9 +77,40 @@ class Transport:
         raise NotImplementedError
 
 
+def _free_destroyed_groups() -> None:
+    """At exit, before the interpreter finalizes: lets go of process groups that
+    ``destroy_process_group`` already dropped but that ``torch.distributed.nn.functional`` still
+    holds as its functions' ``group=`` defaults (bound when it is imported after
+    ``init_process_group``, as ``torch.optim``'s optimizers, ``torch.compile`` and FSDP import
+    it). Such a group is otherwise freed only while the interpreter finalizes, and a gloo worker
+    thread that is still letting go of a collective's tensors then needs the GIL and is ended by
+    the interpreter inside a destructor: ``terminate called without an active exception``.
+    Freed here, the group's threads are joined while the interpreter is whole."""
+    import sys
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is None:
+        return
+    import torch.distributed as dist
+    live = dist.group.WORLD  # the default group now (None once destroyed): left as it is
+
+    def stale(d: Any) -> bool:
+        return isinstance(d, dist.ProcessGroup) and d is not live
+    for fn in list(vars(functional).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(stale(d) for d in defaults):
+            # None is what the defaults are when the module is imported before any group.
+            fn.__defaults__ = tuple(None if stale(d) else d for d in defaults)
+
+
+@functools.cache
+def _free_destroyed_groups_at_exit() -> None:
+    atexit.register(_free_destroyed_groups)
+
+
 class _TorchGroup(Transport):
     def __init__(self, group: Any) -> None:
         import torch.distributed as dist
+        _free_destroyed_groups_at_exit()
         self._group = group
         self.rank = dist.get_rank()
         self.members = (list(range(dist.get_world_size())) if group is None else
