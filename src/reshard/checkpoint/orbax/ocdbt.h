@@ -162,8 +162,10 @@ struct OcdbtWriteOptions {
   /// (Orbax: 100,000,000).
   uint64_t max_decoded_node_bytes = 100000000;
   /// A node takes entries until its decoded size would pass this many bytes (at least one
-  /// entry each); more entries make more nodes under interior nodes.
-  size_t target_node_bytes = size_t{64} << 10;
+  /// entry each); more entries make more nodes under interior nodes. Orbax wants few nodes (a
+  /// single root "for faster traversal"); 1 MiB holds thousands of keys, and decoding one
+  /// stays cheap.
+  size_t target_node_bytes = size_t{1} << 20;
   /// Flush each file to disk before it is renamed into place.
   bool sync = true;
 };

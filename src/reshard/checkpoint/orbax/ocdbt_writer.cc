@@ -150,23 +150,22 @@ class TreeWriter {
 
   template <typename Entries>
   Result<std::optional<NodeRef>> Write(const Entries& entries) {
-    std::vector<NodeRef> level;
-    std::vector<typename Entries::const_iterator> run;
+    std::vector<std::vector<typename Entries::const_iterator>> runs(1);
     size_t bytes = 0;
     for (auto it = entries.begin(); it != entries.end(); ++it) {
       const size_t cost = it->first.size() + kLeafEntryOverhead +
                           (it->second.is_inline ? it->second.inline_bytes.size() : 0);
-      if (!run.empty() && bytes + cost > target_) {
-        RESHARD_ASSIGN_OR_RETURN(NodeRef leaf, Leaf(run));
-        level.push_back(std::move(leaf));
-        run.clear();
+      if (!runs.back().empty() && bytes + cost > target_) {
+        runs.emplace_back();
         bytes = 0;
       }
-      run.push_back(it);
+      runs.back().push_back(it);
       bytes += cost;
     }
-    if (!run.empty()) {
-      RESHARD_ASSIGN_OR_RETURN(NodeRef leaf, Leaf(run));
+    std::vector<NodeRef> level;
+    for (const auto& run : runs) {
+      if (run.empty()) continue;
+      RESHARD_ASSIGN_OR_RETURN(NodeRef leaf, Leaf(run, runs.size() == 1));
       level.push_back(std::move(leaf));
     }
     if (level.empty()) return std::optional<NodeRef>();
@@ -175,27 +174,27 @@ class TreeWriter {
       ++height;
       // Runs of children filling target_node_bytes, at least two a node (the last run joins
       // the one before it when alone), so that every level is smaller than the one below.
-      std::vector<std::pair<size_t, size_t>> runs;
+      std::vector<std::pair<size_t, size_t>> spans;
       size_t begin = 0;
       bytes = 0;
       for (size_t i = 0; i < level.size(); ++i) {
         const size_t cost = level[i].first_key.size() + kInteriorEntryOverhead;
         if (i - begin >= 2 && bytes + cost > target_) {
-          runs.emplace_back(begin, i);
+          spans.emplace_back(begin, i);
           begin = i;
           bytes = 0;
         }
         bytes += cost;
       }
-      runs.emplace_back(begin, level.size());
-      if (runs.size() > 1 && runs.back().second - runs.back().first < 2) {
-        runs[runs.size() - 2].second = level.size();
-        runs.pop_back();
+      spans.emplace_back(begin, level.size());
+      if (spans.size() > 1 && spans.back().second - spans.back().first < 2) {
+        spans[spans.size() - 2].second = level.size();
+        spans.pop_back();
       }
       std::vector<NodeRef> up;
-      for (const auto& [b, e] : runs) {
-        RESHARD_ASSIGN_OR_RETURN(NodeRef node,
-                                 Interior(height, std::span(level).subspan(b, e - b)));
+      for (const auto& [b, e] : spans) {
+        RESHARD_ASSIGN_OR_RETURN(
+            NodeRef node, Interior(height, std::span(level).subspan(b, e - b), spans.size() == 1));
         up.push_back(std::move(node));
       }
       level = std::move(up);
@@ -218,12 +217,14 @@ class TreeWriter {
     return ref;
   }
 
+  // A node's keys are relative to the prefix its subtree shares, which its parent records; the
+  // root's (no parent) are whole.
   template <typename It>
-  Result<NodeRef> Leaf(const std::vector<It>& run) {
+  Result<NodeRef> Leaf(const std::vector<It>& run, bool root) {
     NodeRef ref;
     ref.first_key = run.front()->first;
     ref.last_key = run.back()->first;
-    ref.prefix = CommonPrefix(ref.first_key, ref.last_key);
+    ref.prefix = root ? 0 : CommonPrefix(ref.first_key, ref.last_key);
     ref.num_keys = run.size();
     bool indirect = false;
     for (const It& it : run) indirect = indirect || !it->second.is_inline;
@@ -253,11 +254,11 @@ class TreeWriter {
     return Append(body, std::move(ref));
   }
 
-  Result<NodeRef> Interior(uint8_t height, std::span<const NodeRef> children) {
+  Result<NodeRef> Interior(uint8_t height, std::span<const NodeRef> children, bool root) {
     NodeRef ref;
     ref.first_key = children.front().first_key;
     ref.last_key = children.back().last_key;
-    ref.prefix = CommonPrefix(ref.first_key, ref.last_key);
+    ref.prefix = root ? 0 : CommonPrefix(ref.first_key, ref.last_key);
     std::string body;
     body += static_cast<char>(height);
     PutDataFileTable(body, {nodes_});
