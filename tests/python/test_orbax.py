@@ -337,10 +337,10 @@ def test_python_convert_to_orbax_takes_the_mesh_specs_and_storage(reshard_bin, o
     """reshard.convert(to="orbax") writes what the CLI writes (the mesh and specs as mappings,
     the storage by name), read back equal to the source; an unknown storage is a ValueError
     that writes nothing."""
-    import reshard
-    reshard.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "out", to="orbax",
-                    mesh={"fsdp": 2, "tensor": 4}, partition_specs=SPECS24,
-                    orbax_storage="zarr2")
+    import reshard.checkpoint
+    reshard.checkpoint.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "out", to="orbax",
+                               mesh={"fsdp": 2, "tensor": 4}, partition_specs=SPECS24,
+                               orbax_storage="zarr2")
     meta = json.loads((tmp_path / "out" / "_METADATA").read_text())
     assert (meta["use_ocdbt"], meta["use_zarr3"]) == (True, False)
     doc = json.loads(run(reshard_bin, "inspect", "--json", tmp_path / "out").stdout)["orbax"]
@@ -349,8 +349,8 @@ def test_python_convert_to_orbax_takes_the_mesh_specs_and_storage(reshard_bin, o
     assert run(reshard_bin, "gather", tmp_path / "out", "-o", tmp_path / "hf").returncode == 0
     assert_equal_to_truth(gathered(tmp_path / "hf"), truth(orbax_dir, "ocdbt_zarr3"))
     with pytest.raises(ValueError, match="orbax_storage='zarr4'"):
-        reshard.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "bad", to="orbax",
-                        mesh="data=8", orbax_storage="zarr4")
+        reshard.checkpoint.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "bad", to="orbax",
+                                   mesh="data=8", orbax_storage="zarr4")
     assert not (tmp_path / "bad").exists()
 
 
