@@ -390,7 +390,7 @@ Status OcdbtWriter::Put(const std::string& key, std::span<const std::byte> value
         fmt::format("\"{}\": key {} is put twice", dir_, json::QuoteShort(key)));
   }
   if (value.size() > options_.max_inline_value_bytes) {
-    const Status appended = s.data->Append(value);
+    Status appended = s.data->Append(value);
     if (!appended.ok()) {
       s.failed = true;
       return appended;
