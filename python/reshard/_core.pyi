@@ -94,6 +94,9 @@ def convert_to_universal(ckpt_dir: str, out_dir: str, config: Optional[str], dro
 def convert_to_dcp(ckpt_dir: str, world: int, out_dir: str, weights_only: bool,
                    config: Optional[str], names: Optional[str],
                    options: CheckpointOptions) -> None: ...
+def convert_to_orbax(ckpt_dir: str, mesh: str, specs_json: str, storage: str, out_dir: str,
+                     weights_only: bool, config: Optional[str], names: Optional[str],
+                     options: CheckpointOptions) -> None: ...
 def convert_to_pipeline(ckpt_dir: str, pp: int, tp: int, dp: int, stage_layers: list[int],
                         out_dir: str, options: CheckpointOptions) -> None: ...
 def degree(config_json: str, tp: Optional[int], engine: str,

@@ -190,7 +190,10 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
             config: Optional[PathLike] = None, dequantize: Optional[str] = None,
             pp: Optional[int] = None, dp: Optional[int] = None,
             pp_stages: Optional[Sequence[int]] = None,
-            drop: Optional[Sequence[str]] = None, names: Optional[str] = None) -> None:
+            drop: Optional[Sequence[str]] = None, names: Optional[str] = None,
+            mesh: Union[None, str, Mapping[str, int]] = None,
+            partition_specs: Union[None, PathLike, Mapping[str, Any]] = None,
+            orbax_storage: Optional[str] = None) -> None:
     """Sharded checkpoint -> sharded checkpoint at ``tp`` ranks through transfer plans, never
     building a full tensor. Target maps come from ``target_maps`` (maps, a BufferSet, or a map
     document path), from the model's plans when the checkpoint was scattered from a config
@@ -231,10 +234,45 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
 
     ``names="maxtext"`` (with ``config``, the model's config.json) reads an Orbax checkpoint's
     arrays as the Hugging Face tensors of MaxText's model, for ``tp`` or ``to="dcp"``
-    (docs/jax.md)."""
+    (docs/jax.md).
+
+    With ``to="orbax"`` and ``mesh`` (``"fsdp=2,tensor=4"`` or ``{"fsdp": 2, "tensor": 4}``) it
+    writes an Orbax checkpoint that ``orbax.checkpoint`` restores into jax arrays on that mesh
+    (``reshard convert --to orbax``; docs/jax.md): ``partition_specs`` (a JSON file, or its
+    mapping of array name patterns to specs) says how each array is split, replicated when none
+    matches; ``orbax_storage`` is ``"zarr3"`` (the default: an OCDBT database of zarr v3
+    arrays), ``"zarr2"`` (OCDBT + zarr v2) or ``"plain"`` (a zarr v2 directory per array);
+    ``names="maxtext"`` writes a Hugging Face model as MaxText's tree."""
     src, dst = _path(sharded_dir, "sharded_dir"), _path(out_dir, "out_dir")
     o = _options(overwrite, max_shard_size, verify_replicas, allow_scaled_optimizer_state,
                  allow_lossy_scale, progress, warn, sync)
+    if to == "orbax":
+        given = _given(tp=tp, world=world, target_maps=target_maps, max_shard_size=max_shard_size,
+                       distributed_config=distributed_config, dequantize=dequantize, pp=pp,
+                       dp=dp, pp_stages=pp_stages, drop=drop)
+        if given:
+            raise ValueError(f"to=\"orbax\" takes no {', '.join(given)}: the mesh and the "
+                             "partition specs say how each array is split")
+        if isinstance(mesh, Mapping):
+            mesh = ",".join(f"{axis}={size}" for axis, size in mesh.items())
+        if not isinstance(mesh, str) or not mesh:
+            raise ValueError(f"to=\"orbax\" needs mesh= (e.g. \"fsdp=2,tensor=4\"); got {mesh!r}")
+        if partition_specs is None:
+            specs = ""
+        elif isinstance(partition_specs, Mapping):
+            specs = json.dumps(dict(partition_specs))
+        else:
+            with open(_path(partition_specs, "partition_specs"), encoding="utf-8") as f:
+                specs = f.read()
+        storage = "zarr3" if orbax_storage is None else orbax_storage
+        if storage not in ("zarr3", "zarr2", "plain"):
+            raise ValueError(f"orbax_storage={orbax_storage!r}: expected \"zarr3\" (OCDBT + zarr "
+                             "v3, the default), \"zarr2\" (OCDBT + zarr v2) or \"plain\"")
+        _core.convert_to_orbax(src, mesh, specs, storage, dst, bool(weights_only),
+                               None if config is None else _path(config, "config"), names, o)
+        return
+    if mesh is not None or partition_specs is not None or orbax_storage is not None:
+        raise ValueError("mesh=, partition_specs= and orbax_storage= apply to to=\"orbax\"")
     if names is not None and (pp is not None or to == "universal"):
         raise ValueError("names= applies to a convert with tp= or to=\"dcp\"")
     if drop is not None and to != "universal":
@@ -279,7 +317,8 @@ def convert(sharded_dir: PathLike, out_dir: PathLike, *, tp: Optional[int] = Non
     if to is not None:
         if to != "universal":
             raise ValueError(f"to={to!r}: the other outputs convert writes are "
-                             "to=\"universal\" (DeepSpeed's universal checkpoint) and to=\"dcp\"")
+                             "to=\"universal\" (DeepSpeed's universal checkpoint), to=\"dcp\" "
+                             "and to=\"orbax\"")
         given = _given(tp=tp, target_maps=target_maps, max_shard_size=max_shard_size)
         if weights_only:
             given.append("weights_only")

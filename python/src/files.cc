@@ -22,6 +22,7 @@
 #include "reshard/checkpoint/formats/formats.h"
 #include "reshard/checkpoint/inspect.h"
 #include "reshard/checkpoint/megatron/megatron.h"
+#include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/peft.h"
 #include "reshard/checkpoint/universal/universal.h"
 #include "reshard/exec/dequantize.h"
@@ -325,6 +326,28 @@ void PyConvertToDcp(const std::string& dir, int world, const std::string& out_di
   });
 }
 
+// convert(to="orbax"): the mesh ("fsdp=2,tensor=4"), the partition specs as JSON text ("" for
+// none) and the storage ("zarr3", "zarr2", "plain"); ValueError for any of them malformed.
+void PyConvertToOrbax(const std::string& dir, const std::string& mesh, const std::string& specs,
+                      const std::string& storage, const std::string& out_dir, bool weights_only,
+                      const std::optional<std::string>& config,
+                      const std::optional<std::string>& names, const PyCheckpointOptions& o) {
+  SourceOptions source;
+  source.use = SourceUse::kConvert;
+  source.weights_only = weights_only;
+  source.config_path = config.value_or("");
+  CheckOptions(dir, source);
+  Result<OrbaxTarget> target = ParseOrbaxTarget(mesh, specs);
+  if (!target.ok()) throw py::value_error(target.status().message());
+  Result<OrbaxStorage> stored = ParseOrbaxStorage(storage);
+  if (!stored.ok()) throw py::value_error(stored.status().message());
+  target->storage = *stored;
+  target->names = names.value_or("");
+  RunCheckpointOp(o, [&](CheckpointOptions& options) {
+    return WriteOrbaxCheckpoint(dir, source, *target, out_dir, options);
+  });
+}
+
 py::object OptionalInt(const std::optional<int64_t>& v) {
   return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
@@ -548,6 +571,7 @@ void BindFiles(py::module_& m) {
   m.def("convert", &PyConvert);
   m.def("convert_to_universal", &PyConvertToUniversal);
   m.def("convert_to_dcp", &PyConvertToDcp);
+  m.def("convert_to_orbax", &PyConvertToOrbax);
   m.def("convert_to_pipeline", &PyConvertToPipeline);
   m.def("degree", &Degree, py::arg("config_json"), py::arg("tp"), py::arg("engine"),
         py::arg("transformers_version"), py::arg("distributed_config_json"));

@@ -1,7 +1,8 @@
 """Orbax checkpoints saved by Orbax itself, and what Orbax restores from them (run in .venv-jax).
 
     orbax_worker.py OUT
-    orbax_worker.py restore ITEM OUT   (Orbax's restore of ITEM into OUT, as truth/ below)
+    orbax_worker.py restore ITEM OUT [ITEM OUT ...]   (Orbax's restore of each ITEM into its
+                                                       OUT, as truth/ below)
 
 writes, under OUT, one checkpoint per case (see CASES) and, beside each, `truth/`: every leaf
 as Orbax restores it (`<name>.bin`, its bytes row-major) and `truth.json` ({name: [dtype,
@@ -151,6 +152,21 @@ def write_truth(item, out, as_numpy=False):
     (out / "truth.json").write_text(json.dumps(index, indent=1))
 
 
+def list_ocdbt(item, out):
+    """tensorstore's own reading of an item's OCDBT databases (its ocdbt kvstore driver), when it
+    has them: `ocdbt.json` in `out`, {database: {key: value length}} for the item's merged
+    database and each process's."""
+    found = {}
+    for db in [item, *sorted(item.glob("ocdbt.process_*"))]:
+        if not (db / "manifest.ocdbt").exists():
+            continue
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db}/"}).result()
+        found[db.name if db != item else ""] = {
+            key.decode(): len(kv.read(key).result().value) for key in kv.list().result()}
+    if found:
+        (out / "ocdbt.json").write_text(json.dumps(found, indent=1))
+
+
 def uncompress(item, name):
     """Rewrites one zarr v2 array of a checkpoint without OCDBT with uncompressed chunks."""
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(item / name)}}
@@ -197,8 +213,11 @@ def multi_process_main(process, port, out):
 def main():
     if MULTI:
         return multi_process_main(int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4]))
-    if sys.argv[1] == "restore":  # `orbax_worker.py restore ITEM OUT`: Orbax's restore of ITEM
-        return write_truth(pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))
+    if sys.argv[1] == "restore":  # `orbax_worker.py restore ITEM OUT ...`: Orbax's restores
+        for item, dest in zip(sys.argv[2::2], sys.argv[3::2]):
+            write_truth(pathlib.Path(item), pathlib.Path(dest))
+            list_ocdbt(pathlib.Path(item), pathlib.Path(dest))
+        return None
     out = pathlib.Path(sys.argv[1])
     devices = np.array(jax.devices())
     mesh24 = Mesh(devices.reshape(2, 4), ("fsdp", "tensor"))

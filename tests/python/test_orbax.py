@@ -223,15 +223,21 @@ def test_a_codec_reshard_does_not_read_is_refused_with_exit_1(reshard_bin, orbax
     assert not (tmp_path / "hf").exists()
 
 
-def orbax_restore(item, out):
-    """Orbax's own restore of `item` on the 8 CPU devices, leaf by leaf (as truth())."""
+def orbax_restore(*pairs):
+    """Orbax's own restore of each (item, out) on the 8 CPU devices, leaf by leaf (as truth()),
+    all in one process; with each, tensorstore's listing of the item's OCDBT databases, if any
+    (orbax_worker.list_ocdbt: `out/ocdbt.json`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run([jax_python(), str(HERE / "orbax_worker.py"), "restore", str(item),
-                        str(out)], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([jax_python(), str(HERE / "orbax_worker.py"), "restore",
+                        *[str(p) for pair in pairs for p in pair]],
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    index = json.loads((out / "truth.json").read_text())
-    return {name: (dtype, shape, (out / f"{name}.bin").read_bytes())
-            for name, (dtype, shape) in index.items()}
+    restored = []
+    for _, out in pairs:
+        index = json.loads((out / "truth.json").read_text())
+        restored.append({name: (dtype, shape, (out / f"{name}.bin").read_bytes())
+                         for name, (dtype, shape) in index.items()})
+    return restored
 
 
 def test_convert_to_orbax_is_restored_by_orbax(reshard_bin, orbax_dir, tmp_path):
@@ -242,11 +248,11 @@ def test_convert_to_orbax_is_restored_by_orbax(reshard_bin, orbax_dir, tmp_path)
                                  "params.decoder.layers.0.kernel": [None, "data"],
                                  "*.mlp": [["data"], None], "*": None}))
     r = run(reshard_bin, "convert", orbax_dir / "ocdbt_zarr2", "--to", "orbax", "--mesh",
-            "data=8", "--partition-specs", specs, "-o", tmp_path / "out")
+            "data=8", "--partition-specs", specs, "--orbax-storage", "plain", "-o",
+            tmp_path / "out")
     assert r.returncode == 0, r.stderr
-    want = truth(orbax_dir, "ocdbt_zarr2")
-    assert orbax_restore(tmp_path / "out", tmp_path / "restored") == want
     doc = json.loads(run(reshard_bin, "inspect", "--json", tmp_path / "out").stdout)["orbax"]
+    assert doc["storage"] == "zarr2"
     arrays = {a["name"]: a for a in doc["arrays"]}
     assert arrays["params.embed.embedding"]["sharding"]["partition_spec"] == [["data"], []]
     assert arrays["params.decoder.mlp"]["write_shape"] == [32, 64]
@@ -257,17 +263,66 @@ def test_convert_to_orbax_is_restored_by_orbax(reshard_bin, orbax_dir, tmp_path)
     r = run(reshard_bin, "convert", tmp_path / "hf", "--to", "orbax", "--mesh",
             "fsdp=2,tensor=4", "-o", tmp_path / "from_hf")
     assert r.returncode == 0, r.stderr
-    assert orbax_restore(tmp_path / "from_hf", tmp_path / "restored_hf") == truth(orbax_dir,
-                                                                                  "zarr3")
+    restored = orbax_restore((tmp_path / "out", tmp_path / "restored"),
+                             (tmp_path / "from_hf", tmp_path / "restored_hf"))
+    assert restored == [truth(orbax_dir, "ocdbt_zarr2"), truth(orbax_dir, "zarr3")]
 
 
-@pytest.mark.parametrize("mesh,specs,code,message", [
-    ("data=3", {"params.embed.embedding": ["data"]}, 1, "does not split into 3 equal parts"),
-    ("data=8", {"*": ["nope"]}, 2, "\"nope\" is not an axis of the mesh"),
-    ("data", None, 2, "axis=size pairs"),
+# Split over one axis, both, a pair of axes, or replicated (f32, bf16, int8; the rest and the
+# int32 step replicated); the mlp's boxes (128 x 16 f32, 8 KiB) land out of line in the
+# OCDBT data file.
+SPECS24 = {"params.decoder.mlp": ["fsdp", "tensor"], "params.embed.embedding": ["tensor", "fsdp"],
+           "params.decoder.layers.0.kernel": [None, "tensor"],
+           "params.decoder.q": [None, ["fsdp", "tensor"]], "*": None}
+
+
+def test_each_ocdbt_storage_is_restored_by_orbax_and_read_by_tensorstore(reshard_bin, orbax_dir,
+                                                                          tmp_path):
+    """Orbax checkpoint -> OCDBT + zarr v3 (the default) and Hugging Face safetensors -> OCDBT +
+    zarr v2, on a (2, 4) mesh: Orbax restores each bit-equal to the source, tensorstore's ocdbt
+    driver lists the same keys in the merged database and in process 0's, and reshard gathers
+    its own output back equal."""
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps(SPECS24))
+    want = truth(orbax_dir, "ocdbt_zarr3")
+    assert run(reshard_bin, "gather", orbax_dir / "ocdbt_zarr3", "-o",
+               tmp_path / "hf").returncode == 0
+    cases = {"zarr3": (orbax_dir / "ocdbt_zarr3", []),
+             "zarr2": (tmp_path / "hf", ["--orbax-storage", "zarr2"])}
+    for storage, (source, args) in cases.items():
+        r = run(reshard_bin, "convert", source, "--to", "orbax", "--mesh", "fsdp=2,tensor=4",
+                "--partition-specs", specs, *args, "-o", tmp_path / storage)
+        assert r.returncode == 0, r.stderr
+        meta = json.loads((tmp_path / storage / "_METADATA").read_text())
+        assert (meta["use_ocdbt"], meta["use_zarr3"]) == (True, storage == "zarr3")
+        doc = json.loads(run(reshard_bin, "inspect", "--json", tmp_path / storage).stdout)
+        assert doc["orbax"]["storage"] == f"ocdbt+{storage}"
+        r = run(reshard_bin, "gather", tmp_path / storage, "-o", tmp_path / f"{storage}.hf")
+        assert r.returncode == 0, r.stderr
+        assert_equal_to_truth(gathered(tmp_path / f"{storage}.hf"), want)
+    restored = orbax_restore(*[(tmp_path / s, tmp_path / f"{s}.restored") for s in cases])
+    assert restored == [want, want]
+    for storage in cases:
+        listed = json.loads((tmp_path / f"{storage}.restored" / "ocdbt.json").read_text())
+        assert sorted(listed) == ["", "ocdbt.process_0"]
+        assert listed[""] == listed["ocdbt.process_0"]
+        keys = listed[""]
+        last = "c/1/3" if storage == "zarr3" else "1.3"
+        assert keys[f"params.decoder.mlp/{last}"] > 1024  # out of line
+        assert ("params.decoder.mlp/zarr.json" in keys) == (storage == "zarr3")
+        assert len([k for k in keys if k.startswith("params.decoder.mlp/")]) == 1 + 8
+        assert len([k for k in keys if k.startswith("step/")]) == 2
+
+
+@pytest.mark.parametrize("mesh,specs,extra,code,message", [
+    ("data=3", {"params.embed.embedding": ["data"]}, [], 1, "does not split into 3 equal parts"),
+    ("data=8", {"*": ["nope"]}, [], 2, "\"nope\" is not an axis of the mesh"),
+    ("data", None, [], 2, "axis=size pairs"),
+    ("data=8", None, ["--orbax-storage", "zarr4"], 2, "zarr4 not in"),
 ])
-def test_convert_to_orbax_refusals(reshard_bin, orbax_dir, tmp_path, mesh, specs, code, message):
-    args = ["convert", orbax_dir / "ocdbt_zarr2", "--to", "orbax", "--mesh", mesh]
+def test_convert_to_orbax_refusals(reshard_bin, orbax_dir, tmp_path, mesh, specs, extra, code,
+                                   message):
+    args = ["convert", orbax_dir / "ocdbt_zarr2", "--to", "orbax", "--mesh", mesh, *extra]
     if specs is not None:
         (tmp_path / "specs.json").write_text(json.dumps(specs))
         args += ["--partition-specs", tmp_path / "specs.json"]
@@ -275,6 +330,28 @@ def test_convert_to_orbax_refusals(reshard_bin, orbax_dir, tmp_path, mesh, specs
     assert r.returncode == code, (r.returncode, r.stderr)
     assert message in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_python_convert_to_orbax_takes_the_mesh_specs_and_storage(reshard_bin, orbax_dir,
+                                                                   tmp_path):
+    """reshard.convert(to="orbax") writes what the CLI writes (the mesh and specs as mappings,
+    the storage by name), read back equal to the source; an unknown storage is a ValueError
+    that writes nothing."""
+    import reshard.checkpoint
+    reshard.checkpoint.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "out", to="orbax",
+                               mesh={"fsdp": 2, "tensor": 4}, partition_specs=SPECS24,
+                               orbax_storage="zarr2")
+    meta = json.loads((tmp_path / "out" / "_METADATA").read_text())
+    assert (meta["use_ocdbt"], meta["use_zarr3"]) == (True, False)
+    doc = json.loads(run(reshard_bin, "inspect", "--json", tmp_path / "out").stdout)["orbax"]
+    arrays = {a["name"]: a for a in doc["arrays"]}
+    assert arrays["params.decoder.mlp"]["write_shape"] == [128, 16]
+    assert run(reshard_bin, "gather", tmp_path / "out", "-o", tmp_path / "hf").returncode == 0
+    assert_equal_to_truth(gathered(tmp_path / "hf"), truth(orbax_dir, "ocdbt_zarr3"))
+    with pytest.raises(ValueError, match="orbax_storage='zarr4'"):
+        reshard.checkpoint.convert(orbax_dir / "ocdbt_zarr3", tmp_path / "bad", to="orbax",
+                                   mesh="data=8", orbax_storage="zarr4")
+    assert not (tmp_path / "bad").exists()
 
 
 # optax's AdamW state saved by Orbax (orbax_worker.optax_tree): what the optimizer's tree adds

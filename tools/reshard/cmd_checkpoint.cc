@@ -221,6 +221,7 @@ struct ConvertArgs : CommonArgs {
   std::vector<std::string> drop;  // --to universal: tensors left out, by name
   std::string mesh;               // --to orbax: "fsdp=2,tensor=4"
   std::string partition_specs;    // --to orbax: a JSON file of name patterns -> specs
+  std::string orbax_storage;      // --to orbax: "zarr3" (default), "zarr2", "plain"
   std::string names;              // the Orbax side's (input, or --to orbax): "maxtext"
 };
 
@@ -497,6 +498,9 @@ Status RunConvertToOrbax(const ConvertArgs& args, const CheckpointOptions& optio
         args.partition_specs.empty() ? "--mesh" : "--mesh / \"" + args.partition_specs + "\"");
   }
   target->names = args.names;
+  if (!args.orbax_storage.empty()) {
+    RESHARD_ASSIGN_OR_RETURN(target->storage, ParseOrbaxStorage(args.orbax_storage));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   SourceOptions source;
   source.use = SourceUse::kConvert;
@@ -615,8 +619,9 @@ Status RunConvert(const ConvertArgs& given) {
     return InvalidArgumentError("--pp-stages and --dp apply to --pp (a DeepSpeed pipeline output)");
   if (args.to == "dcp") return RunConvertToDcp(args, options);
   if (args.to == "orbax") return RunConvertToOrbax(args, options);
-  if (!args.mesh.empty() || !args.partition_specs.empty()) {
-    return InvalidArgumentError("--mesh and --partition-specs apply to --to orbax");
+  if (!args.mesh.empty() || !args.partition_specs.empty() || !args.orbax_storage.empty()) {
+    return InvalidArgumentError(
+        "--mesh, --partition-specs and --orbax-storage apply to --to orbax");
   }
   if (!args.to.empty()) return RunConvertToUniversal(args, options);
   if (args.world != 0) return InvalidArgumentError("--world applies to --to dcp; give --tp N");
@@ -781,6 +786,11 @@ void AddConvertOptions(CLI::App* cmd, ConvertArgs* args) {
                   "with --to orbax: a JSON file of array name patterns (* any characters) -> "
                   "partition specs ([null, \"tensor\"], ...), the first match wins; default: "
                   "replicated");
+  cmd->add_option("--orbax-storage", args->orbax_storage,
+                  "with --to orbax: how the arrays are stored: zarr3 (default: an OCDBT database "
+                  "of zarr v3 arrays), zarr2 (OCDBT + zarr v2, Orbax's default) or plain (a zarr "
+                  "v2 directory per array)")
+      ->check(CLI::IsMember({"zarr3", "zarr2", "plain"}));
   cmd->add_option("--names", args->names,
                   "maxtext: the Orbax side holds MaxText's model: an Orbax input read as the "
                   "Hugging Face tensors it holds (with --config), or with --to orbax a Hugging "

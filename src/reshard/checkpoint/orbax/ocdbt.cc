@@ -21,8 +21,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr uint32_t kManifestMagic = 0x0cdb3a2a;
-constexpr uint32_t kBtreeMagic = 0x0cdb20de;
+constexpr uint32_t kManifestMagic = kOcdbtManifestMagic;
+constexpr uint32_t kBtreeMagic = kOcdbtBtreeMagic;
 // A B+tree deeper than this is refused (tensorstore's trees are a few levels deep).
 constexpr int kMaxHeight = 32;
 // The most keys a database may list (each a chunk or a metadata file).

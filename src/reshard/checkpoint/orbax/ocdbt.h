@@ -1,5 +1,5 @@
-// OCDBT (tensorstore's Optionally-Cooperative Distributed B+Tree) databases, read-only: the
-// key-value store under an Orbax checkpoint saved with `use_ocdbt` (Orbax's default).
+// OCDBT (tensorstore's Optionally-Cooperative Distributed B+Tree) databases, read and written:
+// the key-value store under an Orbax checkpoint saved with `use_ocdbt` (Orbax's default).
 //
 // A database is a directory with
 //   manifest.ocdbt   the manifest: configuration and the tree of versions
@@ -56,6 +56,10 @@ namespace reshard {
 
 /// The largest decoded manifest or node read (tensorstore writes nodes of at most 8 MiB).
 inline constexpr uint64_t kMaxOcdbtNodeBytes = uint64_t{256} << 20;
+
+/// The magic numbers of the encoded structures.
+inline constexpr uint32_t kOcdbtManifestMagic = 0x0cdb3a2a;
+inline constexpr uint32_t kOcdbtBtreeMagic = 0x0cdb20de;
 
 /// CRC-32C (Castagnoli, reflected), as OCDBT and zarr's crc32c codec check it.
 uint32_t Crc32c(std::span<const std::byte> bytes);
@@ -143,6 +147,70 @@ class OcdbtDatabase {
   std::vector<std::string> files_;
   struct Mapped;
   std::shared_ptr<Mapped> mapped_;
+};
+
+/// Encodes a structure: the header (`magic`, length, version 0, compression), `body`
+/// (zstd-compressed when `compress`), the CRC-32C. What DecodeOcdbtStructure reads back.
+/// Internal for a zstd failure.
+Result<std::string> EncodeOcdbtStructure(uint32_t magic, std::string_view body, bool compress);
+
+/// How an OcdbtWriter writes: Orbax's configuration by default.
+struct OcdbtWriteOptions {
+  /// Values up to this many bytes are stored inline in their leaf node (Orbax: 1024).
+  uint64_t max_inline_value_bytes = 1024;
+  /// Recorded in the manifest as the largest decoded node a writer of the database may make
+  /// (Orbax: 100,000,000).
+  uint64_t max_decoded_node_bytes = 100000000;
+  /// A node takes entries until its decoded size would pass this many bytes (at least one
+  /// entry each); more entries make more nodes under interior nodes. Orbax wants few nodes (a
+  /// single root "for faster traversal"); 1 MiB holds thousands of keys, and decoding one
+  /// stays cheap.
+  size_t target_node_bytes = size_t{1} << 20;
+  /// Flush each file to disk before it is renamed into place.
+  bool sync = true;
+};
+
+/// Writes one OCDBT database of one version (generation 1) into the directory `dir`, as
+/// tensorstore lays one out: values longer than max_inline_value_bytes are appended to the data
+/// file `d/<32 random hex digits>` as they are put (so memory holds the keys and the inline
+/// values, never a large value after its Put); Finish appends the B+tree's nodes to the same
+/// file (leaves, then interior levels up to the root; each node's keys relative to the prefix
+/// its subtree shares, zstd-compressed), then writes `manifest.ocdbt` (zstd level 0
+/// configured, like Orbax's). Every file is written to a temporary name and renamed into place
+/// (io/file.h): a writer destroyed before Finish leaves no data file behind.
+class OcdbtWriter {
+ public:
+  /// Creates `dir` (and its `d/`) and opens the data file.
+  static Result<std::unique_ptr<OcdbtWriter>> Create(const std::string& dir,
+                                                     const OcdbtWriteOptions& options = {});
+  ~OcdbtWriter();
+  OcdbtWriter(const OcdbtWriter&) = delete;
+  OcdbtWriter& operator=(const OcdbtWriter&) = delete;
+
+  /// Stores `value` under `key`. InvalidArgument for a key put twice; the data file's errors.
+  Status Put(const std::string& key, std::span<const std::byte> value);
+  Status Put(const std::string& key, std::string_view value);
+
+  /// Writes the B+tree and the manifest. Once called (ok or not) the writer takes no more Puts.
+  Status Finish();
+
+  /// After Finish: writes, in `parent` (a directory above `dir` that holds it at the relative
+  /// path `relative`, e.g. "ocdbt.process_0"), a database of the same keys whose leaves name
+  /// this database's data file through `relative` (as base path): Orbax's merged manifest
+  /// beside its per-process databases. Its nodes go to a data file of its own in `parent`/d/.
+  Status WriteMerged(const std::string& parent, const std::string& relative) const;
+
+  /// The data file's path relative to `dir` ("d/...").
+  const std::string& data_file() const { return data_file_; }
+
+ private:
+  struct Entry;
+  struct State;
+  OcdbtWriter() = default;
+  std::string dir_;
+  std::string data_file_;
+  OcdbtWriteOptions options_;
+  std::unique_ptr<State> state_;
 };
 
 }  // namespace reshard

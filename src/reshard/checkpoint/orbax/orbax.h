@@ -177,6 +177,16 @@ Result<OpenedCheckpoint> OpenOrbax(const std::string& path, const SourceOptions&
 /// The run that saved it: a flat world of its devices.
 ParallelRun OrbaxRunOf(const OrbaxCheckpoint& c);
 
+/// How an Orbax checkpoint's arrays are stored (Orbax's `use_ocdbt` and `use_zarr3`).
+enum class OrbaxStorage {
+  kZarr3,  // an OCDBT database of zarr v3 arrays (MaxText's choice): use_ocdbt, use_zarr3
+  kZarr2,  // an OCDBT database of zarr v2 arrays (Orbax's default): use_ocdbt
+  kPlain,  // a zarr v2 directory per array, no OCDBT
+};
+
+/// "zarr3", "zarr2" or "plain"; InvalidArgument naming the choices otherwise.
+Result<OrbaxStorage> ParseOrbaxStorage(std::string_view name);
+
 /// The mesh and partition specs an Orbax checkpoint is written for: the devices are ids 0..N-1,
 /// row-major over mesh_shape.
 struct OrbaxTarget {
@@ -189,6 +199,7 @@ struct OrbaxTarget {
   /// Hugging Face model the source holds (checkpoint/orbax/maxtext.h; the specs then match
   /// MaxText's names).
   std::string names;
+  OrbaxStorage storage = OrbaxStorage::kZarr3;
 };
 
 /// `mesh` "fsdp=2,tensor=4"; `specs_json` ("" for none) a JSON object of name patterns -> a
@@ -197,13 +208,19 @@ struct OrbaxTarget {
 /// the mesh lacks or one axis twice.
 Result<OrbaxTarget> ParseOrbaxTarget(std::string_view mesh, std::string_view specs_json);
 
-/// Writes the tensors of `source` as an Orbax checkpoint item (PyTreeCheckpointHandler's,
-/// without OCDBT) on `target`: `_CHECKPOINT_METADATA`, `_METADATA` (each name's dot-separated
-/// parts as dict keys), `_sharding`, `array_metadatas/process_0`, and per array a zarr v2
-/// directory (`<name>/.zarray`, zstd chunks of one device box each). Memory: one full tensor.
+/// Writes the tensors of `source` as an Orbax checkpoint item (PyTreeCheckpointHandler's, as one
+/// process saves it) on `target`: `_CHECKPOINT_METADATA`, `_METADATA` (each name's dot-separated
+/// parts as dict keys; use_ocdbt and use_zarr3 as `target.storage` says), `_sharding`,
+/// `array_metadatas/process_0`, and per array its zarr metadata and one zstd chunk per device
+/// box (zarr.h's ZarrMetadataText): with OCDBT, keys `<name>/zarr.json` and `<name>/c/i/j`
+/// (zarr3) or `<name>/.zarray` and `<name>/i.j` (zarr2) of the database `ocdbt.process_0/`
+/// (OcdbtWriter) and the item's merged `manifest.ocdbt` over it; plain, files of those names
+/// (zarr v2). Memory: one chunk (one device box) and the OCDBT keys; each chunk is read from the
+/// source's stored chunks (ReadsRegions) or moved from its shards, and written before the next.
 /// InvalidArgument for a name that cannot be a pytree path (empty parts, quotes, "/", or a
 /// prefix of another) or a spec longer than its array's rank; FailedPrecondition for a split
-/// that does not divide a dimension (JAX refuses uneven NamedShardings).
+/// that does not divide a dimension (JAX refuses uneven NamedShardings). A failure leaves no
+/// output (OutputDirectory).
 Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::string& out_dir,
                   const CheckpointOptions& options);
 

@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -20,8 +22,10 @@
 #include "reshard/checkpoint/orbax/maxtext.h"
 #include "reshard/checkpoint/orbax/ocdbt.h"
 #include "reshard/checkpoint/orbax/zarr.h"
+#include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
 #include "reshard/ir/map_json.h"
+#include "reshard/layouts/basic.h"
 
 namespace reshard {
 namespace {
@@ -609,6 +613,203 @@ TEST(OrbaxMomentsTest, TwoStatesOfOneParameterOrOneMomentAloneAreNoParametersSta
             (std::set<std::string>{"params.a.w", "params.c", "opt_state.0.count",
                                    "opt_state.0.mu.a.w", "opt_state.0.nu.a.w", "opt_state.1.mu.a.w",
                                    "opt_state.1.nu.a.w", "opt_state.0.nu.c"}));
+}
+
+// An OCDBT database written with small nodes (a tree three levels deep), values inline and out
+// of line, put in reverse order: the reader finds every key and value, in the database and in
+// the merged one over it that names its data file through a base path.
+TEST(OcdbtWriterTest, RoundTripsThroughInteriorNodesAndTheMergedManifest) {
+  test_support::TempDir dir;
+  OcdbtWriteOptions options;
+  options.max_inline_value_bytes = 16;
+  options.target_node_bytes = 256;
+  options.sync = false;
+  auto w = OcdbtWriter::Create((dir / "ocdbt.process_0").string(), options);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  std::map<std::string, std::string> want;
+  for (int i = 299; i >= 0; --i) {
+    const std::string key = fmt::format("params.layer{}/c/{}/0", i / 7, i % 7);
+    std::string value(static_cast<size_t>(i % 40), '\0');
+    for (size_t k = 0; k < value.size(); ++k) value[k] = static_cast<char>(i * 31 + k);
+    ASSERT_TRUE((*w)->Put(key, value).ok());
+    want[key] = value;
+  }
+  EXPECT_EQ((*w)->Put("params.layer0/c/0/0", "again").code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->Finish().ok());
+  ASSERT_TRUE((*w)->WriteMerged(dir.path().string(), "ocdbt.process_0").ok());
+  for (const std::string db : {"ocdbt.process_0", ""}) {
+    const std::string path = (dir / db).string();
+    auto manifest = ReadFileToString(path + "/manifest.ocdbt");
+    ASSERT_TRUE(manifest.ok());
+    auto root = ParseOcdbtManifest(std::as_bytes(std::span(*manifest)), "manifest");
+    ASSERT_TRUE(root.ok()) << root.status().ToString();
+    EXPECT_GE(root->height, 2) << db;
+    EXPECT_EQ(root->generation, 1u);
+    auto opened = OcdbtDatabase::Open(path);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    const OcdbtDatabase& read = **opened;
+    ASSERT_EQ(read.keys().size(), want.size()) << db;
+    for (const auto& [key, value] : want) {
+      auto got = read.Read(key);
+      ASSERT_TRUE(got.ok()) << key << " " << got.status().ToString() << " first "
+                            << read.keys().begin()->first;
+      EXPECT_EQ(std::string(reinterpret_cast<const char*>(got->data()), got->size()), value)
+          << db << " " << key;
+      EXPECT_EQ(read.keys().at(key).is_inline, value.size() <= 16) << key;
+    }
+  }
+}
+
+TEST(OcdbtWriterTest, AnEmptyDatabaseOpensEmpty) {
+  test_support::TempDir dir;
+  auto w = OcdbtWriter::Create(dir.path().string());
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_TRUE((*w)->Finish().ok());
+  auto read = OcdbtDatabase::Open(dir.path().string());
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_TRUE((*read)->keys().empty());
+}
+
+// Parameters held in memory by a source's shards: int32 elements (plus `base`).
+class MemorySource : public ShardSource {
+ public:
+  void Add(std::string name, const ParamMap& map, int32_t base) {
+    manifest_.world_size = map.world_size();
+    std::vector<int32_t> full(static_cast<size_t>(map.num_elements()));
+    for (size_t i = 0; i < full.size(); ++i) {  // scattered bits: zstd cannot squeeze them
+      full[i] = base + static_cast<int32_t>(static_cast<uint32_t>(i) * 2654435761u);
+    }
+    std::vector<std::vector<int32_t>> shards;
+    for (Rank r = 0; r < map.world_size(); ++r) {
+      shards.emplace_back(static_cast<size_t>(map.shard_num_elements(r)));
+      EXPECT_TRUE(
+          Extract(map, DType::kI32, r,
+                  {reinterpret_cast<const std::byte*>(full.data()), map.num_elements()},
+                  {reinterpret_cast<std::byte*>(shards.back().data()), map.shard_num_elements(r)})
+              .ok());
+    }
+    manifest_.params.push_back({std::move(name), DType::kI32, map, std::nullopt, 1});
+    data_.push_back(std::move(shards));
+    full_.push_back(std::move(full));
+  }
+  const Manifest& manifest() const override { return manifest_; }
+  Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {
+    std::vector<ConstBuffer> out;
+    for (const std::vector<int32_t>& s : data_[i]) {
+      out.push_back({reinterpret_cast<const std::byte*>(s.data()), static_cast<Index>(s.size())});
+    }
+    return out;
+  }
+  void ReleaseShards(size_t) override {}
+  std::vector<std::string> inputs() const override { return {}; }
+  const std::vector<int32_t>& full(size_t i) const { return full_[i]; }
+
+ private:
+  Manifest manifest_;
+  std::vector<std::vector<std::vector<int32_t>>> data_;
+  std::vector<std::vector<int32_t>> full_;
+};
+
+// "a.w" [8, 6] in row halves on two ranks, written split over both axes of an x=2,y=2 mesh
+// (four chunks of 4 x 3), and "b" [5] replicated; `big` makes "a.w" [256, 6], chunks of
+// 3 KiB that land out of line in the data file.
+MemorySource TwoArrays(bool big = false) {
+  MemorySource source;
+  const Index rows = big ? 256 : 8;
+  auto w = SplitMap({rows, 6}, 0, {rows / 2, rows / 2});
+  EXPECT_TRUE(w.ok());
+  source.Add("a.w", *w, 100);
+  auto b = ReplicatedMap({5}, 2);
+  EXPECT_TRUE(b.ok());
+  source.Add("b", *b, -3);
+  return source;
+}
+
+OrbaxTarget MeshTarget(OrbaxStorage storage, std::string_view specs) {
+  auto t = ParseOrbaxTarget("x=2,y=2", specs);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  t->storage = storage;
+  return *t;
+}
+
+TEST(OrbaxWriterTest, EveryStorageReadsBackWhatItWrote) {
+  const std::pair<OrbaxStorage, std::string> storages[] = {{OrbaxStorage::kZarr3, "ocdbt+zarr3"},
+                                                           {OrbaxStorage::kZarr2, "ocdbt+zarr2"},
+                                                           {OrbaxStorage::kPlain, "zarr2"}};
+  for (const auto& [storage, name] : storages) {
+    for (const bool big : {false, true}) {
+      SCOPED_TRACE(name + (big ? " big" : ""));
+      test_support::TempDir dir;
+      MemorySource source = TwoArrays(big);
+      CheckpointOptions options;
+      options.sync = false;
+      const std::string out = (dir / "out").string();
+      const Status written =
+          WriteOrbax(source, MeshTarget(storage, R"({"a.w": ["x", "y"]})"), out, options);
+      ASSERT_TRUE(written.ok()) << written.ToString();
+      EXPECT_EQ(std::filesystem::exists(dir / "out" / "manifest.ocdbt"),
+                storage != OrbaxStorage::kPlain);
+      EXPECT_EQ(std::filesystem::exists(dir / "out" / "ocdbt.process_0" / "manifest.ocdbt"),
+                storage != OrbaxStorage::kPlain);
+      auto c = OrbaxCheckpoint::Open(out);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      EXPECT_EQ((*c)->storage(), name);
+      ASSERT_EQ((*c)->arrays().size(), 2u);
+      EXPECT_EQ((*c)->world_size(), 4);
+      for (size_t i = 0; i < 2; ++i) {
+        const OrbaxArray& a = (*c)->arrays()[i];
+        const size_t k = a.name == "a.w" ? 0 : 1;
+        const Shape chunk = k == 0 ? Shape{big ? 128 : 4, 3} : Shape{5};
+        EXPECT_EQ(a.zarr.chunk_shape, chunk);
+        EXPECT_EQ(a.zarr.zarr_format, storage == OrbaxStorage::kZarr3 ? 3 : 2);
+        std::vector<int32_t> got(source.full(k).size(), -1);
+        ASSERT_TRUE((*c)->ReadBox(i, Shape(a.zarr.shape.size(), 0), a.zarr.shape,
+                                  std::as_writable_bytes(std::span(got)))
+                        .ok());
+        EXPECT_EQ(got, source.full(k)) << a.name;
+      }
+      if (storage != OrbaxStorage::kPlain) {
+        auto db = OcdbtDatabase::Open((dir / "out" / "ocdbt.process_0").string());
+        ASSERT_TRUE(db.ok()) << db.status().ToString();
+        EXPECT_EQ((*db)->keys().size(), 2u + 4u + 1u);  // metadata of each, 4 + 1 chunks
+        EXPECT_EQ(
+            (*db)->keys().at(storage == OrbaxStorage::kZarr3 ? "a.w/c/1/1" : "a.w/1.1").is_inline,
+            !big);
+      }
+    }
+  }
+}
+
+// A failure part-way, after an array's chunks were written (a split of the second array that
+// JAX refuses; a file size limit the data file runs into), leaves nothing where the output
+// was to be: no output, no temporary.
+TEST(OrbaxWriterTest, AWriteThatFailsPartWayLeavesNothing) {
+  for (const OrbaxStorage storage :
+       {OrbaxStorage::kZarr3, OrbaxStorage::kZarr2, OrbaxStorage::kPlain}) {
+    test_support::TempDir dir;
+    MemorySource source = TwoArrays(true);
+    CheckpointOptions options;
+    options.sync = false;
+    const Status uneven =
+        WriteOrbax(source, MeshTarget(storage, R"({"b": ["x"]})"), (dir / "out").string(), options);
+    EXPECT_EQ(uneven.code(), StatusCode::kFailedPrecondition) << uneven.ToString();
+    EXPECT_TRUE(dir.Listing().empty());
+    // Writes past 4 KiB fail (EFBIG): the first out-of-line chunk is 3 KiB.
+    struct rlimit old {};
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+    void (*handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = old;
+    small.rlim_cur = 4096;
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+    const Status full = WriteOrbax(source, MeshTarget(storage, R"({"a.w": ["x", "y"]})"),
+                                   (dir / "out").string(), options);
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+    std::signal(SIGXFSZ, handler);
+    if (storage != OrbaxStorage::kPlain) {  // plain: each chunk a file of its own, under 4 KiB
+      EXPECT_EQ(full.code(), StatusCode::kResourceExhausted) << full.ToString();
+      EXPECT_TRUE(dir.Listing().empty());
+    }
+  }
 }
 
 }  // namespace

@@ -1,26 +1,30 @@
-// Orbax checkpoints written (WriteOrbax, orbax.h): one item without OCDBT, each array a zarr v2
-// directory of zstd chunks, one chunk per distinct device box of its NamedSharding.
+// Orbax checkpoints written (WriteOrbax, orbax.h): one item, each array a zarr array (v3 or v2)
+// of zstd chunks, one chunk per distinct device box of its NamedSharding, as keys of an OCDBT
+// database (ocdbt_writer.cc) or as files of per-array directories.
 #include <fmt/format.h>
-#include <zstd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <set>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/orbax/orbax.h"
 #include "reshard/checkpoint/output_dir.h"
 #include "reshard/checkpoint/sharded_io.h"
 #include "reshard/exec/executor.h"
 #include "reshard/io/file.h"
+#include "reshard/ir/compose.h"
 
 namespace reshard {
 
@@ -28,6 +32,9 @@ namespace fs = std::filesystem;
 using json::Json;
 
 namespace {
+
+// The database of process 0, beside the merged one in the item directory.
+constexpr char kProcessDatabase[] = "ocdbt.process_0";
 
 Result<std::vector<std::vector<std::string>>> ReadSpec(const Json& j, std::string_view path,
                                                        const OrbaxTarget& t) {
@@ -179,34 +186,91 @@ Status WriteText(const OutputDirectory& out, const std::string& name, std::strin
   return WriteFileAtomically(path, text, w);
 }
 
-// Writes every chunk of one array from its full data.
-Status WriteChunks(const OutputDirectory& out, const std::string& name, const Shape& shape,
-                   DType dtype, const ArrayLayout& l, std::span<const std::byte> full,
-                   const CheckpointOptions& options) {
-  const size_t esize = DTypeSize(dtype);
-  const size_t box_bytes = static_cast<size_t>(ProductOf(l.box)) * esize;
-  std::vector<std::byte> box(box_bytes);
-  std::string packed(ZSTD_compressBound(box_bytes), '\0');
+// Where an array's keys go: files of the item (plain) or keys of its OCDBT database.
+using PutValue = std::function<Status(const std::string& key, std::string_view value)>;
+
+// Writes every chunk of parameter i (one per device box), one at a time: each box is read from
+// the source's stored chunks (a source that reads regions) or moved out of its shards by the
+// plan into the boxes, encoded, and handed to `put` before the next is made.
+Status WriteChunks(ShardSource& source, size_t i, const Shape& shape, const ArrayLayout& l,
+                   int zarr_format, const PutValue& put, const CheckpointOptions& options) {
+  const ShardedParam& p = source.manifest().params[i];
   const Index chunks = ProductOf(shape) == 0 ? 0 : ProductOf(l.parts);
+  if (chunks == 0) return Status::Ok();
+  std::vector<DcpChunk> boxes;
   for (Index c = 0; c < chunks; ++c) {
     const Shape grid = UnravelIndex(c, l.parts);
     Shape offsets(shape.size());
-    std::string key;
-    for (size_t d = 0; d < shape.size(); ++d) {
-      offsets[d] = grid[d] * l.box[d];
-      key += (d ? "." : "") + std::to_string(grid[d]);
+    for (size_t d = 0; d < shape.size(); ++d) offsets[d] = grid[d] * l.box[d];
+    boxes.push_back(DcpChunk{offsets, l.box, static_cast<Rank>(c), {}});
+  }
+  std::vector<std::byte> box;
+  try {
+    box.resize(static_cast<size_t>(ProductOf(l.box)) * DTypeSize(p.dtype));
+  } catch (const std::bad_alloc&) {
+    return DataLossError(
+        fmt::format("{}: a chunk of {} elements is more memory than this "
+                    "process can have",
+                    json::Quote(p.name), ProductOf(l.box)));
+  }
+  // Without regions: the moves into each box, from the shards held while the array is written.
+  std::optional<AcquiredShards> shards;
+  std::vector<ParamPlan> plans;
+  if (!source.ReadsRegions()) {
+    RESHARD_ASSIGN_OR_RETURN(const ParamMap target,
+                             ChunksToMap(p.name, shape, boxes, static_cast<int>(chunks)));
+    Result<ParamPlan> composed = Compose(target, p.map);
+    if (!composed.ok()) return composed.status().Annotate(json::Quote(p.name));
+    const ParamPlan& plan = *composed;
+    plans.resize(static_cast<size_t>(chunks));
+    for (ParamPlan& one : plans) {
+      one.source_world = plan.source_world;
+      one.target_world = 1;
+      one.source_buffers = plan.source_buffers;
     }
-    if (shape.empty()) key = "0";
-    key.insert(0, name + "/");
-    CopyChunkIntoBox(Shape(shape.size(), 0), shape, full, offsets, l.box, esize, box);
-    const size_t n = ZSTD_compress(packed.data(), packed.size(), box.data(), box.size(), 1);
-    if (ZSTD_isError(n)) return InternalError(fmt::format("zstd: {}", ZSTD_getErrorName(n)));
-    RESHARD_RETURN_IF_ERROR(WriteText(out, key, std::string_view(packed.data(), n), options));
+    for (const Move& mv : plan.moves) {
+      plans[static_cast<size_t>(mv.dst_rank)].moves.push_back(mv);
+      plans[static_cast<size_t>(mv.dst_rank)].moves.back().dst_rank = 0;
+    }
+    for (const UnwrittenBlock& u : plan.unwritten) {
+      plans[static_cast<size_t>(u.dst_rank)].unwritten.push_back(u);
+      plans[static_cast<size_t>(u.dst_rank)].unwritten.back().dst_rank = 0;
+    }
+    shards.emplace(source, i);
+    RESHARD_RETURN_IF_ERROR(shards->status());
+    internal::WarnAboutScales(options, p, "writing it applies");
+  }
+  const ExecOptions exec = internal::ExecOptionsFor(options, p.scale_power);
+  const ZarrArray keys = ZarrKeysOf(zarr_format);
+  std::string packed;
+  for (Index c = 0; c < chunks; ++c) {
+    const DcpChunk& b = boxes[static_cast<size_t>(c)];
+    if (shards) {
+      const MutableBuffer target{box.data(), ProductOf(l.box)};
+      RESHARD_RETURN_IF_ERROR(ExecutePlan(plans[static_cast<size_t>(c)], p.dtype, shards->shards(),
+                                          std::span(&target, 1), exec)
+                                  .Annotate(json::Quote(p.name)));
+    } else {
+      RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, b.offsets, b.sizes, box));
+    }
+    RESHARD_RETURN_IF_ERROR(EncodeZarrChunk(zarr_format, box, packed));
+    const Shape grid = UnravelIndex(c, l.parts);
+    RESHARD_RETURN_IF_ERROR(put(p.name + "/" + ZarrChunkKey(keys, grid), packed));
   }
   return Status::Ok();
 }
 
 }  // namespace
+
+Result<OrbaxStorage> ParseOrbaxStorage(std::string_view name) {
+  if (name == "zarr3") return OrbaxStorage::kZarr3;
+  if (name == "zarr2") return OrbaxStorage::kZarr2;
+  if (name == "plain") return OrbaxStorage::kPlain;
+  return InvalidArgumentError(fmt::format(
+      "Orbax storage {}: expected zarr3 (OCDBT + zarr v3), zarr2 (OCDBT + zarr v2) or plain "
+      "(a zarr v2 directory per array)",
+      json::Quote(name)));
+}
 
 Result<OrbaxTarget> ParseOrbaxTarget(std::string_view mesh, std::string_view specs_json) {
   OrbaxTarget t;
@@ -269,6 +333,19 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
   }
   RESHARD_ASSIGN_OR_RETURN(OutputDirectory out,
                            OutputDirectory::Create(out_dir, options.overwrite, source.inputs()));
+  // OCDBT: one database of process 0 under ocdbt.process_0/, merged into the item's own
+  // manifest.ocdbt at the end, as Orbax leaves a checkpoint saved by one process.
+  std::unique_ptr<OcdbtWriter> db;
+  if (target.storage != OrbaxStorage::kPlain) {
+    OcdbtWriteOptions o;
+    o.sync = options.sync;
+    RESHARD_ASSIGN_OR_RETURN(db, OcdbtWriter::Create(out.FilePath(kProcessDatabase), o));
+  }
+  const int zarr_format = target.storage == OrbaxStorage::kZarr3 ? 3 : 2;
+  const PutValue put = [&](const std::string& key, std::string_view value) -> Status {
+    if (db) return db->Put(key, value);
+    return WriteText(out, key, value, options);
+  };
   nlohmann::ordered_json tree = nlohmann::ordered_json::object();
   nlohmann::ordered_json shardings = nlohmann::ordered_json::object();
   nlohmann::ordered_json array_metadatas = nlohmann::ordered_json::array();
@@ -276,33 +353,9 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
     const ShardedParam& p = m.params[i];
     const Shape shape = p.map.valid_shape();
     RESHARD_ASSIGN_OR_RETURN(const ArrayLayout l, LayoutOf(target, p.name, shape));
-    std::vector<std::byte> full;
-    try {
-      full.resize(static_cast<size_t>(p.map.num_elements()) * DTypeSize(p.dtype));
-    } catch (const std::bad_alloc&) {
-      return DataLossError(fmt::format("{}: {} elements are more memory than this process can have",
-                                       json::Quote(p.name), p.map.num_elements()));
-    }
-    {
-      AcquiredShards shards(source, i);
-      RESHARD_RETURN_IF_ERROR(shards.status());
-      internal::WarnAboutScales(options, p, "writing it applies");
-      const ExecOptions exec = internal::ExecOptionsFor(options, p.scale_power);
-      RESHARD_RETURN_IF_ERROR(
-          Rebuild(p.map, p.dtype, shards.shards(), {full.data(), p.map.num_elements()}, exec)
-              .Annotate(json::Quote(p.name)));
-    }
-    const nlohmann::ordered_json zarray = {{"chunks", l.box},
-                                           {"compressor", {{"id", "zstd"}, {"level", 1}}},
-                                           {"dimension_separator", "."},
-                                           {"dtype", ZarrV2DtypeName(p.dtype)},
-                                           {"fill_value", nullptr},
-                                           {"filters", nullptr},
-                                           {"order", "C"},
-                                           {"shape", shape},
-                                           {"zarr_format", 2}};
-    RESHARD_RETURN_IF_ERROR(WriteText(out, p.name + "/.zarray", zarray.dump(), options));
-    RESHARD_RETURN_IF_ERROR(WriteChunks(out, p.name, shape, p.dtype, l, full, options));
+    RESHARD_RETURN_IF_ERROR(put(p.name + (zarr_format == 3 ? "/zarr.json" : "/.zarray"),
+                                ZarrMetadataText(zarr_format, p.dtype, shape, l.box)));
+    RESHARD_RETURN_IF_ERROR(WriteChunks(source, i, shape, l, zarr_format, put, options));
     // _METADATA's key: the path as a Python tuple's repr.
     nlohmann::ordered_json keys = nlohmann::ordered_json::array();
     std::string tuple = "(";
@@ -327,8 +380,8 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
                                  {"ext_metadata", nullptr}}}});
   }
   const nlohmann::ordered_json metadata = {{"tree_metadata", tree},
-                                           {"use_ocdbt", false},
-                                           {"use_zarr3", false},
+                                           {"use_ocdbt", db != nullptr},
+                                           {"use_zarr3", zarr_format == 3},
                                            {"store_array_data_equal_to_fill_value", true},
                                            {"custom_metadata", nullptr}};
   const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -342,6 +395,10 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
       {"init_timestamp_nsecs", now},
       {"commit_timestamp_nsecs", now},
       {"custom_metadata", nlohmann::ordered_json::object()}};
+  if (db) {
+    RESHARD_RETURN_IF_ERROR(db->Finish());
+    RESHARD_RETURN_IF_ERROR(db->WriteMerged(out.temporary(), kProcessDatabase));
+  }
   RESHARD_RETURN_IF_ERROR(WriteText(out, "_METADATA", metadata.dump(), options));
   RESHARD_RETURN_IF_ERROR(WriteText(out, "_sharding", shardings.dump(), options));
   RESHARD_RETURN_IF_ERROR(

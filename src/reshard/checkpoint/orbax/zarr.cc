@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
 
@@ -345,6 +346,85 @@ std::string ZarrV2DtypeName(DType dtype) {
     if (d.dtype == dtype) return std::string(d.v2);
   }
   return std::string(DTypeName(dtype));
+}
+
+std::string ZarrV3DtypeName(DType dtype) {
+  for (const DtypeName& d : kDtypes) {
+    if (d.dtype == dtype) return std::string(d.v3);
+  }
+  return std::string(DTypeName(dtype));
+}
+
+std::string ZarrMetadataText(int zarr_format, DType dtype, const Shape& shape,
+                             const Shape& chunk_shape) {
+  using Ordered = nlohmann::ordered_json;
+  if (zarr_format == 2) {
+    return Ordered({{"chunks", chunk_shape},
+                    {"compressor", {{"id", "zstd"}, {"level", 1}}},
+                    {"dimension_separator", "."},
+                    {"dtype", ZarrV2DtypeName(dtype)},
+                    {"fill_value", nullptr},
+                    {"filters", nullptr},
+                    {"order", "C"},
+                    {"shape", shape},
+                    {"zarr_format", 2}})
+        .dump();
+  }
+  // tensorstore names no byte order for one-byte types.
+  const Ordered bytes = DTypeSize(dtype) == 1
+                            ? Ordered{{"name", "bytes"}}
+                            : Ordered{{"configuration", {{"endian", "little"}}}, {"name", "bytes"}};
+  const Ordered zstd = {{"configuration", {{"checksum", false}, {"level", 1}}}, {"name", "zstd"}};
+  const Ordered index =
+      Ordered::array({Ordered{{"configuration", {{"endian", "little"}}}, {"name", "bytes"}},
+                      Ordered{{"name", "crc32c"}}});
+  const Ordered sharding = {{"configuration",
+                             {{"chunk_shape", chunk_shape},
+                              {"codecs", Ordered::array({bytes, zstd})},
+                              {"index_codecs", index}}},
+                            {"name", "sharding_indexed"}};
+  Ordered fill = 0;
+  if (DTypeKindOf(dtype) == DTypeKind::kBool) fill = false;
+  if (DTypeKindOf(dtype) == DTypeKind::kFloat || DTypeKindOf(dtype) == DTypeKind::kFloat8) {
+    fill = 0.0;
+  }
+  return Ordered({{"chunk_grid",
+                   {{"configuration", {{"chunk_shape", chunk_shape}}}, {"name", "regular"}}},
+                  {"chunk_key_encoding", {{"name", "default"}}},
+                  {"codecs", Ordered::array({sharding})},
+                  {"data_type", ZarrV3DtypeName(dtype)},
+                  {"fill_value", fill},
+                  {"node_type", "array"},
+                  {"shape", shape},
+                  {"zarr_format", 3}})
+      .dump();
+}
+
+ZarrArray ZarrKeysOf(int zarr_format) {
+  ZarrArray a;
+  a.zarr_format = zarr_format;
+  if (zarr_format == 3) {
+    a.key_prefix.push_back('c');
+    a.separator = '/';
+  }
+  return a;
+}
+
+Status EncodeZarrChunk(int zarr_format, std::span<const std::byte> elements, std::string& out) {
+  out.resize(ZSTD_compressBound(elements.size()) + 20);
+  const size_t n = ZSTD_compress(out.data(), out.size(), elements.data(), elements.size(), 1);
+  if (ZSTD_isError(n)) return InternalError(fmt::format("zstd: {}", ZSTD_getErrorName(n)));
+  out.resize(n);
+  if (zarr_format == 3) {
+    std::string index;
+    for (const uint64_t v : {uint64_t{0}, uint64_t{n}}) {
+      for (int i = 0; i < 8; ++i) index += static_cast<char>((v >> (8 * i)) & 0xff);
+    }
+    const uint32_t crc = Crc32c(std::as_bytes(std::span(index.data(), index.size())));
+    for (int i = 0; i < 4; ++i) index += static_cast<char>((crc >> (8 * i)) & 0xff);
+    out += index;
+  }
+  return Status::Ok();
 }
 
 std::string ZarrChunkKey(const ZarrArray& a, std::span<const Index> grid) {

@@ -64,6 +64,26 @@ Result<ZarrArray> ParseZarrMetadata(std::string_view text, std::string_view what
 /// zarr v2's name of `dtype` ("<f4", "bfloat16", "|b1", ...), as tensorstore writes it.
 std::string ZarrV2DtypeName(DType dtype);
 
+/// zarr v3's data_type name of `dtype` ("float32", "bfloat16", "float8_e4m3fn", "bool", ...).
+std::string ZarrV3DtypeName(DType dtype);
+
+/// The metadata tensorstore writes for Orbax of an array of `dtype` and `shape` stored in chunks
+/// of `chunk_shape`, zstd-compressed (level 1): zarr v2's `.zarray` text (`zarr_format` 2;
+/// chunk keys "i.j", fill value null) or zarr v3's `zarr.json` (3; keys "c/i/j", fill value
+/// zero; one `sharding_indexed` codec whose one inner chunk is the whole chunk: `bytes` (little
+/// endian) then `zstd`, and its index at the end, CRC-32C'd, the layout Orbax saves).
+std::string ZarrMetadataText(int zarr_format, DType dtype, const Shape& shape,
+                             const Shape& chunk_shape);
+
+/// The chunk keys of metadata from ZarrMetadataText: `key_prefix` and `separator` set.
+ZarrArray ZarrKeysOf(int zarr_format);
+
+/// Encodes a chunk's elements (row-major, the full chunk) as ZarrMetadataText's metadata says:
+/// a zstd frame (v2), or the shard of one inner chunk (v3): the zstd frame, then the index
+/// (offset 0, its length; uint64 little-endian) and the index's CRC-32C. Internal for a zstd
+/// failure.
+Status EncodeZarrChunk(int zarr_format, std::span<const std::byte> elements, std::string& out);
+
 /// The key of chunk `grid` (one index per dimension), relative to the array.
 std::string ZarrChunkKey(const ZarrArray& a, std::span<const Index> grid);
 
