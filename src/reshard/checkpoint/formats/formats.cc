@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -535,7 +536,12 @@ std::string MegatronAdapterConfigJson(const Manifest& m, const MegatronPeftConfi
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";
   j["r"] = peft.dim;
-  j["lora_alpha"] = peft.alpha;
+  // An integer alpha (Megatron-Bridge's is an int) is written as one, as PEFT writes it.
+  if (peft.alpha == std::floor(peft.alpha) && peft.alpha < 1e15) {
+    j["lora_alpha"] = static_cast<int64_t>(peft.alpha);
+  } else {
+    j["lora_alpha"] = peft.alpha;
+  }
   j["lora_dropout"] = peft.dropout;
   j["target_modules"] = std::vector<std::string>(modules.begin(), modules.end());
   j["bias"] = "none";
@@ -581,6 +587,12 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   source_options.peft = &peft;
   RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardSource> source,
                            OpenMegatronSource(path, source_options));
+  if (peft && options.use == SourceUse::kGather && options.optimizer_state) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds LoRA adapters, gathered into a PEFT adapter, which keeps no optimizer "
+        "state: leave --optimizer-state out",
+        path));
+  }
   if (peft) return OpenedMegatronAdapter(path, std::move(source), *peft, std::move(run));
   if (options.use == SourceUse::kGather && options.optimizer_state &&
       std::none_of(source->manifest().params.begin(), source->manifest().params.end(),

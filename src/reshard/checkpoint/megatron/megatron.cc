@@ -355,7 +355,7 @@ Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std:
   }
   const bool adapter = IsMegatronAdapterKey(key);
   if (rules.empty() && adapter) {
-    return InvalidArgumentError(fmt::format(
+    return FailedPreconditionError(fmt::format(
         "Megatron tensor \"{}\" is part of an adapter the Megatron name table cannot map onto "
         "PEFT names: reshard reads Megatron-Bridge's LoRA (adapter.linear_in / linear_out) on "
         "linear_qkv, linear_proj, linear_fc1 and linear_fc2 of dense layers, not DoRA (its "
@@ -1086,7 +1086,7 @@ Result<MegatronPeftConfig> ReadAdapterConfig(const std::string& dir) {
     return target == cls || target.ends_with(fmt::format(".{}", cls));
   };
   if (!target.empty() && !kind_is("LoRA") && !kind_is("VLMLoRA")) {
-    return InvalidArgumentError(fmt::format(
+    return FailedPreconditionError(fmt::format(
         "\"{}\": the adapters are {} (peft._target_), which PEFT's LoRA does not hold as they "
         "are{}: reshard reads Megatron-Bridge's LoRA",
         path, json::QuoteShort(target),
@@ -1140,23 +1140,19 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   if (options.run != nullptr) *options.run = MegatronRunOf(*ckpt);
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
+  bool optimizer_state = options.optimizer_state;
   if (std::any_of(ckpt->tensors().begin(), ckpt->tensors().end(), [](const DcpTensor& t) {
         return !OptimizerKey(t.fqn) && IsMegatronAdapterKey(t.fqn);
       })) {
     RESHARD_ASSIGN_OR_RETURN(const MegatronPeftConfig peft, ReadAdapterConfig(dir));
-    if (options.optimizer_state) {
-      return InvalidArgumentError(fmt::format(
-          "\"{}\" holds LoRA adapters, read as a PEFT adapter, which keeps no optimizer state: "
-          "leave the optimizer state out",
-          dir));
-    }
     config.lora_rank = peft.dim;
+    optimizer_state = false;  // a PEFT adapter keeps none
     if (options.peft != nullptr) *options.peft = peft;
     extra.push_back((fs::path(dir) / kMegatronBridgeRunConfigName).string());
   }
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
   RESHARD_RETURN_IF_ERROR(
-      source->Build(config, dir, options.optimizer_state, options.stateless_parameters));
+      source->Build(config, dir, optimizer_state, options.stateless_parameters));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 

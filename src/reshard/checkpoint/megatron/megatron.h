@@ -181,10 +181,12 @@ struct MegatronSourceOptions {
 /// missing), or optimizer state asked for in a layout reshard does not read or not whole.
 /// A checkpoint of Megatron-Bridge LoRA adapters (IsMegatronAdapterKey) is read as a PEFT
 /// adapter's tensors, its rank and alpha from run_config.yaml; InvalidArgument also for one
-/// without a run_config.yaml peft: section, an adapter kind the name table cannot map (DoRA's
+/// without a run_config.yaml peft: section, a rank that disagrees with the tensors, and a
+/// checkpoint that holds the model's weights beside the adapters; DataLoss for a module with A
+/// or B alone; FailedPrecondition for an adapter kind the name table cannot map (DoRA's
 /// weight_magnitude, CanonicalLoRA's per-projection adapters, experts' adapters) naming the
-/// tensor, a rank that disagrees with the tensors, a module with A or B alone, and a checkpoint
-/// that holds the model's weights beside the adapters.
+/// tensor, or a PEFT class other than LoRA in run_config.yaml. An adapter checkpoint's
+/// optimizer state is never read (a PEFT adapter keeps none).
 Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
                                                         const MegatronSourceOptions& options);
 
