@@ -13,10 +13,12 @@ adapter.
 """
 
 import json
+import pickle
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_file
 
@@ -84,7 +86,7 @@ def megatron_adapters(ranks):
         m = f"decoder.layers.{l}."
         hf = f"base_model.model.model.layers.{l}."
 
-        def cat(key, dim):
+        def cat(key, dim, m=m):
             return torch.cat([r["adapters"][m + key] for r in ranks], dim=dim)
 
         a = cat("self_attention.linear_qkv.adapter.linear_in.weight", 0)
@@ -178,6 +180,19 @@ def test_adapters_it_cannot_map_are_refused_by_name(saved, reshard_bin, tmp_path
     shutil.copytree(d / "out" / "adapter", bare)
     r = gather(bare)
     assert r.returncode == 2 and "run_config.yaml" in r.stderr, r.stderr
+    # An adapter's TP shards after the first lost on save (what Megatron-Bridge's PEFT-filtered
+    # save did at TP > 1): the metadata's chunks no longer cover B of linear_qkv.
+    lost = as_save_dir(tmp_path, "lost", d / "out" / "adapter")
+    it = lost / "iter_0000010"
+    meta = dcp.FileSystemReader(it).read_metadata()
+    key = "decoder.layers.self_attention.linear_qkv.adapter.linear_out.weight"
+    chunks = meta.state_dict_metadata[key].chunks
+    meta.state_dict_metadata[key].chunks = [c for c in chunks if c.offsets[1] == 0]
+    for index in [i for i in meta.storage_data if i.fqn == key and i.offset[1] != 0]:
+        del meta.storage_data[index]
+    (it / ".metadata").write_bytes(pickle.dumps(meta))
+    r = gather(lost)
+    assert r.returncode == 2 and key in r.stderr and "incomplete" in r.stderr, r.stderr
     # convert lays an adapter out from its base model's layout: through its PEFT directory.
     r = run(reshard_bin, "convert", adapter, "--config", config, "-o", tmp_path / "c", "--tp", 2)
     assert r.returncode == 2 and "PEFT adapter directory" in r.stderr, r.stderr
