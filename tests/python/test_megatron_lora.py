@@ -193,6 +193,20 @@ def test_adapters_it_cannot_map_are_refused_by_name(saved, reshard_bin, tmp_path
     (it / ".metadata").write_bytes(pickle.dumps(meta))
     r = gather(lost)
     assert r.returncode == 2 and key in r.stderr and "incomplete" in r.stderr, r.stderr
+    # linear_proj's B gone: o_proj's A alone, which PEFT would not load.
+    lone = as_save_dir(tmp_path, "lone", d / "out" / "adapter")
+    meta = dcp.FileSystemReader(lone / "iter_0000010").read_metadata()
+    key = "decoder.layers.self_attention.linear_proj.adapter.linear_out.weight"
+    del meta.state_dict_metadata[key]
+    for index in [i for i in meta.storage_data if i.fqn == key]:
+        del meta.storage_data[index]
+    (lone / "iter_0000010" / ".metadata").write_bytes(pickle.dumps(meta))
+    r = gather(lone)
+    assert r.returncode == 2 and "o_proj.lora_A" in r.stderr, r.stderr
+    # A PEFT adapter keeps no optimizer state.
+    r = run(reshard_bin, "gather", adapter, "--config", config, "-o", tmp_path / "o",
+            "--optimizer-state")
+    assert r.returncode == 2 and "optimizer" in r.stderr, r.stderr
     # convert lays an adapter out from its base model's layout: through its PEFT directory.
     r = run(reshard_bin, "convert", adapter, "--config", config, "-o", tmp_path / "c", "--tp", 2)
     assert r.returncode == 2 and "PEFT adapter directory" in r.stderr, r.stderr
