@@ -19,11 +19,15 @@ Megatron's own dist-ckpt (`torch_dist`).
     python megatron_model.py logits CKPT_DIR SPEC_JSON TOKENS_JSON OUT_PT
         loads the checkpoint into the same model at TP 1 x PP 1 (Megatron reshards on load) and
         writes its logits for the tokens.
+    torchrun --nproc_per_node 2 megatron_model.py lora_save OUT_DIR SPEC_JSON TOKENS_JSON
+        builds the model at TP SPEC["tp"] with LoRA adapters (SPEC["lora"]) laid out as
+        Megatron-Bridge's, saves the weights and the adapters apart (lora_save below) and writes
+        each rank's adapter tensors and logits.
 
 Runs in .venv-megatron (megatron-core and its own torch; scripts/dev setup_megatron_venv), not
 in the test venv. SPEC_JSON: {"layers", "hidden", "heads", "groups", "ffn", "vocab", "experts",
 "moe_ffn", "moe_layers": [layer numbers, 1-based], "tp", "pp", "ep", "qk_norm", "qkv_bias",
-"bias" (every linear layer's), "kv_channels",
+"bias" (every linear layer's), "kv_channels", "lora": {"dim", "alpha"},
 "tie", "seed"}.
 """
 
@@ -434,6 +438,132 @@ def logits(ckpt_dir, spec, tokens, out_path):
     torch.distributed.destroy_process_group()
 
 
+def _with_lora(model, spec):
+    """Puts a LoRA adapter (SPEC["lora"]: {"dim", "alpha"}) on every linear layer of the
+    decoder, laid out and saved as Megatron-Bridge's LoRALinear / ParallelLinearAdapter lay them
+    out (megatron-bridge 0.6.2, megatron/bridge/peft/utils.py): under a column-parallel layer
+    (linear_qkv, linear_fc1) linear_in is a ColumnParallelLinear of `dim` outputs gathered
+    (A split along r) and linear_out a ColumnParallelLinear left split (B split along its rows);
+    under a row-parallel one (linear_proj, linear_fc2) linear_in is a RowParallelLinear taking
+    the layer's split input (A split along its columns) and linear_out a ColumnParallelLinear
+    gathered (B split along its rows); the adapter's keys are the layer's own plus "adapter.",
+    a SwiGLU linear_fc1's linear_out saved through Megatron's SwiGLU factory (gate rows, then
+    up rows), and its output, times alpha / dim, is added to the layer's. Megatron-Bridge itself
+    needs Transformer Engine and a newer Megatron-Core than runs here; these are Megatron-Core's
+    own layers, as the adapter builds them. Both matrices are drawn (Megatron-Bridge starts B at
+    zero), so that every element read from the wrong place shows."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    dim, alpha = spec["lora"]["dim"], spec["lora"]["alpha"]
+
+    def init(w):
+        return torch.nn.init.normal_(w, std=0.2)
+
+    def wrap(layer, row, swiglu):
+        config = layer.config
+        adapter = torch.nn.Module()
+        if row:
+            adapter.linear_in = RowParallelLinear(
+                layer.input_size, dim, config=config, init_method=init, bias=False,
+                input_is_parallel=True, skip_bias_add=True)
+        else:
+            adapter.linear_in = ColumnParallelLinear(
+                layer.input_size, dim, config=config, init_method=init, bias=False,
+                gather_output=True)
+        adapter.linear_out = ColumnParallelLinear(
+            dim, layer.output_size, config=config, init_method=init, bias=False,
+            gather_output=row)
+        own_sharded = type(layer).sharded_state_dict
+        own_forward = layer.forward
+        layer.adapter = adapter
+
+        def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+            del layer._modules["adapter"]
+            try:
+                out = own_sharded(layer, prefix, sharded_offsets, metadata)
+            finally:
+                layer._modules["adapter"] = adapter
+            out.update(adapter.linear_in.sharded_state_dict(
+                f"{prefix}adapter.linear_in.", sharded_offsets, metadata))
+            b = adapter.linear_out.sharded_state_dict(
+                f"{prefix}adapter.linear_out.", sharded_offsets, metadata)
+            if swiglu:
+                key = f"{prefix}adapter.linear_out.weight"
+                b[key] = apply_swiglu_sharded_factory(b[key], sharded_offsets)
+            out.update(b)
+            return out
+
+        def forward(x, *args, **kwargs):
+            out, bias = own_forward(x, *args, **kwargs)
+            a, _ = adapter.linear_in(x)
+            b, _ = adapter.linear_out(a)
+            return out + b * (alpha / dim), bias
+
+        layer.sharded_state_dict = sharded_state_dict
+        layer.forward = forward
+
+    for layer in model.decoder.layers:
+        wrap(layer.self_attention.linear_qkv, False, False)
+        wrap(layer.self_attention.linear_proj, True, False)
+        wrap(layer.mlp.linear_fc1, False, True)
+        wrap(layer.mlp.linear_fc2, True, False)
+    return model
+
+
+def _split_adapters(sharded):
+    """The model's sharded state dict apart from its adapters', and the adapters' alone as
+    Megatron-Bridge's PEFT save keeps them (no _extra_state)."""
+    base, adapters = {}, {}
+    for k, v in sharded.items():
+        if ".adapter." not in k:
+            base[k] = v
+        elif not k.endswith("_extra_state"):
+            adapters[k] = v
+    return base, adapters
+
+
+def lora_save(out_dir, spec, tokens):
+    """The model at the spec's TP with adapters: its weights into OUT_DIR/base, the adapters
+    alone into OUT_DIR/adapter (as Megatron-Bridge's PEFT save keeps them), and into
+    OUT_DIR/dora the adapters with a DoRA magnitude beside linear_qkv's (Megatron-Bridge's
+    ParallelLinearDoRAAdapter: "adapter.weight_magnitude", split as the layer's output). Each
+    rank writes OUT_DIR/rank{r}.pt: its own adapter tensors and the model's logits for the
+    tokens (its part of the vocabulary)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp = spec["tp"]
+    _init(tp, 1, 1)
+    torch.manual_seed(spec["seed"])
+    model = _with_lora(_model(spec, _config(spec, tp, 1, 1)), spec)
+    base, adapters = _split_adapters(model.sharded_state_dict())
+    dirs = [os.path.join(out_dir, d) for d in ("base", "adapter", "dora")]
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    dist_checkpointing.save(base, dirs[0], sharded_strategy=("torch_dist", 1))
+    dist_checkpointing.save(adapters, dirs[1], sharded_strategy=("torch_dist", 1))
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    rank = torch.distributed.get_rank()
+    key = "decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude"
+    adapters[key] = ShardedTensor.from_rank_offsets(
+        key, torch.ones(qkv.weight.shape[0]), (0, rank, tp), replica_id=0)
+    dist_checkpointing.save(adapters, dirs[2], sharded_strategy=("torch_dist", 1))
+    model.eval()
+    ids = torch.tensor([tokens], dtype=torch.long)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    # True where attention is masked (Megatron's default mask is built on a CUDA device).
+    mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1]), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        logits = model(ids, pos, attention_mask=mask)
+    torch.save({"logits": logits.float().contiguous(), "adapters": {
+        k: v.contiguous() for k, v in model.state_dict().items()
+        if ".adapter." in k and isinstance(v, torch.Tensor)}},
+        os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     spec = json.loads(open(sys.argv[3]).read())
@@ -445,6 +575,8 @@ if __name__ == "__main__":
         optim_state(sys.argv[2], spec, sys.argv[4])
     elif cmd == "live":
         live(sys.argv[2], spec, sys.argv[4])
+    elif cmd == "lora_save":
+        lora_save(sys.argv[2], spec, json.loads(open(sys.argv[4]).read()))
     elif cmd == "logits":
         logits(sys.argv[2], spec, json.loads(open(sys.argv[4]).read()), sys.argv[5])
     else:

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -520,6 +521,59 @@ void AlignStateMaps(const Manifest& m, const std::set<std::string_view>& names, 
   }
 }
 
+// adapter_config.json of the PEFT adapter a Megatron-Bridge LoRA checkpoint holds: its rank and
+// alpha, and as target_modules the projections its tensors adapt (as Megatron-Bridge's own
+// export names them).
+std::string MegatronAdapterConfigJson(const Manifest& m, const MegatronPeftConfig& peft) {
+  std::set<std::string> modules;
+  for (const ShardedParam& p : m.params) {
+    const std::optional<LoraTensorName> name = ParseLoraTensorName(p.name);
+    if (!name) continue;
+    const size_t dot = name->module.rfind('.');
+    modules.insert(name->module.substr(dot == std::string::npos ? 0 : dot + 1));
+  }
+  nlohmann::ordered_json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["r"] = peft.dim;
+  // An integer alpha (Megatron-Bridge's is an int) is written as one, as PEFT writes it.
+  if (peft.alpha == std::floor(peft.alpha) && peft.alpha < 1e15) {
+    j["lora_alpha"] = static_cast<int64_t>(peft.alpha);
+  } else {
+    j["lora_alpha"] = peft.alpha;
+  }
+  j["lora_dropout"] = peft.dropout;
+  j["target_modules"] = std::vector<std::string>(modules.begin(), modules.end());
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["use_rslora"] = false;
+  j["use_dora"] = false;
+  j["modules_to_save"] = nullptr;
+  j["base_model_name_or_path"] = nullptr;
+  j["inference_mode"] = true;
+  return j.dump(2) + "\n";
+}
+
+// A Megatron-Bridge LoRA checkpoint: its gather writes a PEFT adapter directory. convert lays an
+// adapter out from its base model's layout, which a PEFT directory's scatter does.
+Result<OpenedCheckpoint> OpenedMegatronAdapter(const std::string& path,
+                                               std::unique_ptr<ShardSource> source,
+                                               const MegatronPeftConfig& peft, ParallelRun run) {
+  OpenedCheckpoint out;
+  out.format = "megatron";
+  out.run = std::move(run);
+  out.extra_files.push_back(
+      {kAdapterConfigName, MegatronAdapterConfigJson(source->manifest(), peft)});
+  out.source = std::move(source);
+  out.target_maps = [path](int) -> Result<std::optional<MapDocument>> {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds LoRA adapters: gather it into a PEFT adapter directory, then scatter that "
+        "with the base model's config.json (--config) to lay it out at another degree",
+        path));
+  };
+  return out;
+}
+
 // The distributed optimizer's state is read for a gather that asks for it and for a convert
 // unless weights_only: "<name>.fp32", "<name>.exp_avg", "<name>.exp_avg_sq" beside each
 // Hugging Face tensor, laid out at the target as their parameter (ResolveMap's convention).
@@ -528,10 +582,18 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   const bool optimizer_state =
       options.use == SourceUse::kGather ? options.optimizer_state : !options.weights_only;
   ParallelRun run;
-  RESHARD_ASSIGN_OR_RETURN(
-      std::unique_ptr<ShardSource> source,
-      OpenMegatronSource(
-          path, MegatronSourceOptions{config, options.config_path, optimizer_state, &run}));
+  std::optional<MegatronPeftConfig> peft;
+  MegatronSourceOptions source_options{config, options.config_path, optimizer_state, &run};
+  source_options.peft = &peft;
+  RESHARD_ASSIGN_OR_RETURN(std::unique_ptr<ShardSource> source,
+                           OpenMegatronSource(path, source_options));
+  if (peft && options.use == SourceUse::kGather && options.optimizer_state) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds LoRA adapters, gathered into a PEFT adapter, which keeps no optimizer "
+        "state: leave --optimizer-state out",
+        path));
+  }
+  if (peft) return OpenedMegatronAdapter(path, std::move(source), *peft, std::move(run));
   if (options.use == SourceUse::kGather && options.optimizer_state &&
       std::none_of(source->manifest().params.begin(), source->manifest().params.end(),
                    [](const ShardedParam& p) { return p.name.ends_with(".exp_avg"); })) {

@@ -18,6 +18,7 @@
 #include "reshard/checkpoint/megatron/megatron_names.h"
 #include "reshard/checkpoint/model_config.h"
 #include "reshard/checkpoint/parallel_runs.h"
+#include "reshard/checkpoint/peft.h"
 #include "reshard/io/file.h"
 
 namespace reshard {
@@ -235,6 +236,7 @@ Index SymbolValue(const MegatronModelConfig& c, std::string_view sym) {
   if (sym == "S") return c.shared_ffn;
   if (sym == "E") return c.experts;
   if (sym == "V") return c.vocab;
+  if (sym == "R") return c.lora_rank;
   if (sym == "1") return 1;
   return 0;
 }
@@ -249,6 +251,7 @@ std::string_view SymbolSource(std::string_view sym) {
   if (sym == "S") return "the shared experts' intermediate size";
   if (sym == "E") return "the number of experts";
   if (sym == "V") return "vocab_size (or more: padding)";
+  if (sym == "R") return "the LoRA rank, run_config.yaml's peft.dim";
   return "";
 }
 
@@ -339,12 +342,25 @@ void AddLeafDims(const MegatronModelConfig& c, Part part, std::span<const Index>
 
 }  // namespace
 
+bool IsMegatronAdapterKey(std::string_view key) {
+  return key.find(".adapter.") != std::string_view::npos;
+}
+
 Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std::string_view key,
                                          const Shape& shape) {
   const ParsedKey pk = ParseKey(key);
   std::vector<const NameRule*> rules;
   for (const NameRule& rule : megatron::NameRules()) {
     if (rule.scope == pk.scope && rule.leaf == pk.leaf) rules.push_back(&rule);
+  }
+  const bool adapter = IsMegatronAdapterKey(key);
+  if (rules.empty() && adapter) {
+    return FailedPreconditionError(fmt::format(
+        "Megatron tensor \"{}\" is part of an adapter the Megatron name table cannot map onto "
+        "PEFT names: reshard reads Megatron-Bridge's LoRA (adapter.linear_in / linear_out) on "
+        "linear_qkv, linear_proj, linear_fc1 and linear_fc2 of dense layers, not DoRA (its "
+        "weight_magnitude), CanonicalLoRA (adapter.adapter_q ...) or adapters of experts",
+        key));
   }
   if (rules.empty()) {
     return InvalidArgumentError(fmt::format(
@@ -407,8 +423,10 @@ Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std:
   const Index experts = expert_stacked ? config.experts : 1;
   for (Index l = 0; l < layers; ++l) {
     for (Index e = 0; e < experts; ++e) {
+      int copies = 0;  // rules of the key that hold it whole
       for (const NameRule* rule : rules) {
         MegatronPart part;
+        if (rule->part == Part::kWhole) part.copy = copies++;
         if (layer_stacked) AddIndexDim(part.region, config.layers, l);
         if (expert_stacked) AddIndexDim(part.region, config.experts, e);
         AddLeafDims(config, rule->part, leaf, part.region, part.shape);
@@ -420,7 +438,9 @@ Result<MegatronKeyParts> MegatronPartsOf(const MegatronModelConfig& config, std:
             part.name = hf;
             break;
           case Scope::kLayer:
-            part.name = fmt::format("model.layers.{}.{}", layer, hf);
+            // PEFT names an adapter's tensors after the module under base_model.model.
+            part.name =
+                fmt::format("{}model.layers.{}.{}", adapter ? "base_model.model." : "", layer, hf);
             break;
           case Scope::kExpert:
             part.name =
@@ -652,42 +672,48 @@ struct ChunkSlotTable {
   }
 };
 
-std::string ChunkBufferName(const DcpCheckpoint& ckpt, size_t t, size_t c) {
+// The buffer of chunk c of tensor t that copy `copy` of its elements reads (MegatronPart::copy).
+std::string ChunkBufferName(const DcpCheckpoint& ckpt, size_t t, size_t c, int copy) {
   const DcpChunk& chunk = ckpt.tensors()[t].chunks[c];
-  return fmt::format("{}[{}]@{}", ckpt.tensors()[t].fqn, fmt::join(chunk.offsets, ","), chunk.rank);
+  std::string name =
+      fmt::format("{}[{}]@{}", ckpt.tensors()[t].fqn, fmt::join(chunk.offsets, ","), chunk.rank);
+  if (copy > 0) name += fmt::format("#copy{}", copy);
+  return name;
 }
 
-// Every chunk of every tensor used is a buffer, so one that no HF tensor fills is found; rows
+// Every chunk of every tensor used is a buffer (one per copy of its elements that HF tensors
+// hold: `copies[t]`, 0 for a tensor not read), so one that no HF tensor fills is found; rows
 // [padding_from, rows) of a padded vocabulary are zeros no HF tensor holds.
 BufferSetBuilder ChunkBuffers(const DcpCheckpoint& ckpt, const ChunkSlotTable& slots,
-                              const std::vector<bool>& used,
+                              const std::vector<int>& copies,
                               const std::vector<std::optional<Index>>& padding,
                               const std::vector<std::optional<Shape>>& blocks) {
   BufferSetBuilder buffers;
   for (size_t t = 0; t < ckpt.tensors().size(); ++t) {
-    if (!used[t]) continue;
     const DcpTensor& tensor = ckpt.tensors()[t];
-    for (size_t c = 0; c < tensor.chunks.size(); ++c) {
-      const DcpChunk& chunk = tensor.chunks[c];
-      if (ProductOf(chunk.sizes) == 0) continue;
-      BufferDecl decl{ChunkBufferName(ckpt, t, c), tensor.dtype, {}};
-      decl.ranks.resize(static_cast<size_t>(slots.world_size()), BufferRank{{0}, {}});
-      BufferRank& mine = decl.ranks[static_cast<size_t>(slots.Of(ckpt, t, c))];
-      mine.shape = {ProductOf(chunk.sizes)};
-      if (padding[t]) {
-        for (const ChunkBox& box : ChunkBoxes(chunk, blocks[t])) {
-          const Index lo = std::max(box.offsets[0], *padding[t]);
-          const Index hi = box.offsets[0] + box.sizes[0];
-          if (lo >= hi) continue;
-          BufferBlock block;
-          block.shape = box.sizes;
-          block.shape[0] = hi - lo;
-          block.view = {box.view.offset + (lo - box.offsets[0]) * box.view.strides[0],
-                        box.view.strides};
-          mine.padding.push_back(std::move(block));
+    for (int copy = 0; copy < copies[t]; ++copy) {
+      for (size_t c = 0; c < tensor.chunks.size(); ++c) {
+        const DcpChunk& chunk = tensor.chunks[c];
+        if (ProductOf(chunk.sizes) == 0) continue;
+        BufferDecl decl{ChunkBufferName(ckpt, t, c, copy), tensor.dtype, {}};
+        decl.ranks.resize(static_cast<size_t>(slots.world_size()), BufferRank{{0}, {}});
+        BufferRank& mine = decl.ranks[static_cast<size_t>(slots.Of(ckpt, t, c))];
+        mine.shape = {ProductOf(chunk.sizes)};
+        if (padding[t]) {
+          for (const ChunkBox& box : ChunkBoxes(chunk, blocks[t])) {
+            const Index lo = std::max(box.offsets[0], *padding[t]);
+            const Index hi = box.offsets[0] + box.sizes[0];
+            if (lo >= hi) continue;
+            BufferBlock block;
+            block.shape = box.sizes;
+            block.shape[0] = hi - lo;
+            block.view = {box.view.offset + (lo - box.offsets[0]) * box.view.strides[0],
+                          box.view.strides};
+            mine.padding.push_back(std::move(block));
+          }
         }
+        buffers.add(std::move(decl));
       }
-      buffers.add(std::move(decl));
     }
   }
   return buffers;
@@ -762,6 +788,20 @@ Status CheckWholeModel(const MegatronModelConfig& config, const std::set<std::st
     }
   }
   return Status::Ok();
+}
+
+// An adapter checkpoint's HF tensors (PEFT names) as PEFT loads an adapter: every module's A
+// and B both there, of rank `rank` (CheckLoraTensors).
+Status CheckAdapterPairs(const Manifest& m, Index rank, const std::string& dir) {
+  LoraConfig lora;
+  lora.r = rank;
+  lora.alpha = 1;
+  std::vector<std::pair<std::string, Shape>> tensors;
+  for (const ShardedParam& p : m.params) {
+    if (p.name.ends_with(".weight")) tensors.emplace_back(p.name, p.map.valid_shape());
+  }
+  return CheckLoraTensors(lora, tensors)
+      .Annotate(fmt::format("\"{}\": its LoRA adapters under PEFT's names", dir));
 }
 
 // What a checkpoint tensor is to the source: a model tensor (its own key, no suffix), a state of
@@ -923,7 +963,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   // Per tensor: each chunk's slot, and the vocabulary padding.
   ChunkSlotTable slots{world, 1, std::vector<std::vector<int>>(ckpt_->tensors().size())};
   std::vector<std::optional<Index>> padding(ckpt_->tensors().size());
-  std::vector<bool> used(ckpt_->tensors().size(), false);
+  std::vector<int> copies(ckpt_->tensors().size(), 0);
   std::vector<std::optional<Shape>> blocks(ckpt_->tensors().size());
   RESHARD_ASSIGN_OR_RETURN(const std::vector<StateKey> states,
                            OptimizerStateKeys(*ckpt_, optimizer_state, stateless, dir));
@@ -933,12 +973,19 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     const StateKey& state = states[t];
     // The optimizer's state (Megatron's "optimizer." keys) unless asked for.
     if (state.skip) continue;
+    if (config.lora_rank > 0 && !IsMegatronAdapterKey(state.model_key)) {
+      return InvalidArgumentError(fmt::format(
+          "\"{}\" holds LoRA adapters and the model's own tensor \"{}\" beside them: reshard "
+          "reads an adapter checkpoint (Megatron-Bridge's PEFT save, the adapters alone) as a PEFT "
+          "adapter, or a model's weights, not both at once",
+          dir, state.model_key));
+    }
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts,
                              MegatronPartsOf(config, state.model_key, state.model_shape));
     if (tensor.fqn == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;
     for (MegatronPart& part : parts.parts) part.name += state.suffix;
-    used[t] = true;
+    copies[t] = 1;
     padding[t] = parts.padding_from;
     const size_t first = planned.size();
     for (MegatronPart& part : parts.parts) {
@@ -950,6 +997,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
             "has a layer both stacked and on its own?)",
             tensor.fqn, part.name));
       }
+      copies[t] = std::max(copies[t], part.copy + 1);
       PlannedPart p{std::move(part), t, {}};
       for (size_t c = 0; c < tensor.chunks.size(); ++c) {
         const DcpChunk& chunk = tensor.chunks[c];
@@ -965,7 +1013,9 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
   const int vworld = slots.world_size();
   manifest_.world_size = vworld;
   const auto vrank = [&](size_t t, size_t c) { return slots.Of(*ckpt_, t, c); };
-  const auto buffer_name = [&](size_t t, size_t c) { return ChunkBufferName(*ckpt_, t, c); };
+  const auto buffer_name = [&](size_t t, size_t c, int copy) {
+    return ChunkBufferName(*ckpt_, t, c, copy);
+  };
   for (PlannedPart& p : planned) {
     const DcpTensor& tensor = ckpt_->tensors()[p.tensor];
     // The same box saved by several ranks is one piece they hold together.
@@ -987,7 +1037,7 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
         piece.locations = holders[{chunk.offsets, chunk.sizes}];
         b.add_piece(r, std::move(piece));
       }
-      b.set_buffer(r, buffer_name(p.tensor, c));
+      b.set_buffer(r, buffer_name(p.tensor, c, p.part.copy));
       b.set_shard_shape(r, {ProductOf(chunk.sizes)});
       refs.push_back({p.tensor, c, r});
     }
@@ -999,9 +1049,50 @@ Status MegatronShardSource::Build(const MegatronModelConfig& config, const std::
     manifest_.params.push_back(ShardedParam{p.part.name, tensor.dtype, *std::move(map), {}, 1});
     chunks_of_.push_back(std::move(refs));
   }
-  RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
-  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, used, padding, blocks))
+  if (config.lora_rank > 0) {
+    RESHARD_RETURN_IF_ERROR(CheckAdapterPairs(manifest_, config.lora_rank, dir));
+  } else {
+    RESHARD_RETURN_IF_ERROR(CheckWholeModel(config, names, have_output_layer, dir));
+  }
+  return ValidateManifestBuffers(manifest_, ChunkBuffers(*ckpt_, slots, copies, padding, blocks))
       .Annotate(fmt::format("\"{}\": the Hugging Face tensors over its Megatron tensors", dir));
+}
+
+}  // namespace
+
+namespace {
+
+// The PEFT config of an adapter checkpoint in `dir`: its run_config.yaml's peft: section, of a
+// LoRA kind the name table maps.
+Result<MegatronPeftConfig> ReadAdapterConfig(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kMegatronBridgeRunConfigName).string();
+  std::error_code ec;
+  if (!IsFile(path)) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" holds LoRA adapters, whose alpha only the {} Megatron-Bridge writes beside them "
+        "records, and there is none (\"{}\")",
+        dir, kMegatronBridgeRunConfigName, path));
+  }
+  constexpr uint64_t kMaxRunConfig = 16 << 20;
+  if (fs::file_size(path, ec) > kMaxRunConfig || ec) {
+    return InvalidArgumentError(fmt::format(
+        "\"{}\" is over {} bytes, or unreadable: not a run config", path, kMaxRunConfig));
+  }
+  RESHARD_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
+  RESHARD_ASSIGN_OR_RETURN(MegatronPeftConfig peft,
+                           ParseMegatronPeftConfig(text, fmt::format("\"{}\"", path)));
+  const std::string_view target = peft.target;
+  const auto kind_is = [&](std::string_view cls) {
+    return target == cls || target.ends_with(fmt::format(".{}", cls));
+  };
+  if (!target.empty() && !kind_is("LoRA") && !kind_is("VLMLoRA")) {
+    return FailedPreconditionError(fmt::format(
+        "\"{}\": the adapters are {} (peft._target_), which PEFT's LoRA does not hold as they "
+        "are{}: reshard reads Megatron-Bridge's LoRA",
+        path, json::QuoteShort(target),
+        kind_is("DoRA") ? " (DoRA scales each output by a learned magnitude)" : ""));
+  }
+  return peft;
 }
 
 }  // namespace
@@ -1049,9 +1140,19 @@ Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
   if (options.run != nullptr) *options.run = MegatronRunOf(*ckpt);
   std::vector<std::string> extra = {meta_path};
   if (!options.config_path.empty()) extra.push_back(options.config_path);
+  bool optimizer_state = options.optimizer_state;
+  if (std::any_of(ckpt->tensors().begin(), ckpt->tensors().end(), [](const DcpTensor& t) {
+        return !OptimizerKey(t.fqn) && IsMegatronAdapterKey(t.fqn);
+      })) {
+    RESHARD_ASSIGN_OR_RETURN(const MegatronPeftConfig peft, ReadAdapterConfig(dir));
+    config.lora_rank = peft.dim;
+    optimizer_state = false;  // a PEFT adapter keeps none
+    if (options.peft != nullptr) *options.peft = peft;
+    extra.push_back((fs::path(dir) / kMegatronBridgeRunConfigName).string());
+  }
   auto source = std::make_unique<MegatronShardSource>(std::move(ckpt), std::move(extra));
   RESHARD_RETURN_IF_ERROR(
-      source->Build(config, dir, options.optimizer_state, options.stateless_parameters));
+      source->Build(config, dir, optimizer_state, options.stateless_parameters));
   return std::unique_ptr<ShardSource>(std::move(source));
 }
 
@@ -1182,6 +1283,12 @@ Result<Manifest> MegatronLiveManifest(const MegatronModelConfig& config,
   std::map<std::string, std::optional<Index>> padding;  // per key read: its padding rows
   for (const auto& [key, of] : keys) {
     const Shape& shape = shards[of.front()].shape;
+    if (IsMegatronAdapterKey(key)) {
+      return InvalidArgumentError(fmt::format(
+          "{}: Megatron tensor \"{}\" is a LoRA adapter's: a live model's adapters are not read "
+          "(save them with Megatron-Bridge and gather the checkpoint into a PEFT adapter)",
+          what, key));
+    }
     RESHARD_ASSIGN_OR_RETURN(MegatronKeyParts parts, MegatronPartsOf(config, key, shape));
     if (key == "output_layer.weight") have_output_layer = true;
     if (parts.skipped) continue;

@@ -18,6 +18,16 @@
 // split needs (heads, query groups, head_dim, the MLP widths, experts) come from the model's
 // config.json, which the checkpoint does not carry.
 //
+// Megatron-Bridge's PEFT save holds a run's LoRA adapters alone, under the keys of the layers
+// they wrap (`<layer>.adapter.linear_in.weight`: A [r, in]; `<layer>.adapter.linear_out.weight`:
+// B [out, r]), at the training TP: for a column-parallel layer (linear_qkv, linear_fc1) A is
+// split along r and B along its rows, for a row-parallel one (linear_proj, linear_fc2) A along
+// its columns and B along its rows; dist-ckpt records each as one global tensor. Such a
+// checkpoint is read as a PEFT adapter: `base_model.model.<HF module>.lora_A.weight` and
+// `.lora_B.weight`, linear_qkv's B split into q, k and v as its weight is, linear_fc1's into
+// gate and up, and the fused layer's A given to each of its projections. Its rank and alpha come
+// from the run_config.yaml Megatron-Bridge writes beside it (megatron/run_config.h).
+//
 // In IR terms (DESIGN 16) every Hugging Face tensor is a parameter whose map puts its pieces into
 // the Megatron tensors' rank shards, which are buffers named by their Megatron key: the source's
 // manifest lists HF tensors with buffered maps over the DCP ranks, the buffer set validated
@@ -37,6 +47,7 @@
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/megatron/regions.h"
+#include "reshard/checkpoint/megatron/run_config.h"
 #include "reshard/layouts/parallel_run.h"
 
 namespace reshard {
@@ -74,6 +85,8 @@ struct MegatronModelConfig {
   Index sparse_step = 1;  // decoder_sparse_step
   Index first_dense = 0;  // first_k_dense_replace
   Index moe_freq = 1;     // moe_layer_freq
+  /// The rank of the LoRA adapters a checkpoint holds (0: none); not from config.json.
+  Index lora_rank = 0;
 };
 
 /// Whether the model config.json describes has experts in layer `layer` (as transformers builds
@@ -91,7 +104,13 @@ struct MegatronPart {
   std::string name;
   Shape shape;
   TensorRegion region;
+  /// 0, or k > 0 for the k-th further tensor that holds the same elements (the A of each
+  /// projection of a fused layer's adapter): each copy reads buffers of its own.
+  int copy = 0;
 };
+
+/// Whether Megatron key `key` is a LoRA adapter's tensor (Megatron-Bridge: "<layer>.adapter.").
+bool IsMegatronAdapterKey(std::string_view key);
 
 /// What a Megatron tensor holds under the name table and the config.
 struct MegatronKeyParts {
@@ -149,6 +168,9 @@ struct MegatronSourceOptions {
   /// refused (InvalidArgument naming it): a gather or convert of the optimizer's state would
   /// write it without any.
   bool stateless_parameters = false;
+  /// Where to put the PEFT config of a checkpoint of LoRA adapters (its run_config.yaml's
+  /// peft: section), when not null; left unset for a checkpoint of the model's weights.
+  std::optional<MegatronPeftConfig>* peft = nullptr;
 };
 
 /// The checkpoint in `path` (see MegatronCheckpointDir) as a source of Hugging Face tensors
@@ -157,6 +179,14 @@ struct MegatronSourceOptions {
 /// backend other than torch_dist, no config, a config that disagrees with the checkpoint's
 /// shapes, a model the checkpoint does not hold whole (a layer, an expert or the output layer
 /// missing), or optimizer state asked for in a layout reshard does not read or not whole.
+/// A checkpoint of Megatron-Bridge LoRA adapters (IsMegatronAdapterKey) is read as a PEFT
+/// adapter's tensors, its rank and alpha from run_config.yaml; InvalidArgument also for one
+/// without a run_config.yaml peft: section, a rank that disagrees with the tensors, and a
+/// checkpoint that holds the model's weights beside the adapters; DataLoss for a module with A
+/// or B alone; FailedPrecondition for an adapter kind the name table cannot map (DoRA's
+/// weight_magnitude, CanonicalLoRA's per-projection adapters, experts' adapters) naming the
+/// tensor, or a PEFT class other than LoRA in run_config.yaml. An adapter checkpoint's
+/// optimizer state is never read (a PEFT adapter keeps none).
 Result<std::unique_ptr<ShardSource>> OpenMegatronSource(const std::string& path,
                                                         const MegatronSourceOptions& options);
 

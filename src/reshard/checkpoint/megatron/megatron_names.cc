@@ -49,6 +49,37 @@ constexpr NameRule kRules[] = {
      "mlp.{shared}.down_proj.weight"},
     {kLayer, "mlp.shared_experts.gate_weight", kWhole, "1,H", "mlp.shared_expert_gate.weight"},
 
+    // LoRA adapters of Megatron-Bridge (its ParallelLinearAdapter under the wrapped layer's
+    // "adapter."): linear_in is A [R, in], linear_out is B [out, R], named as PEFT names the
+    // pair of the Hugging Face projection (under base_model.model.). A fused layer's A is
+    // every projection's A (a copy each); its B is fused as the layer's weight is.
+    {kLayer, "self_attention.linear_qkv.adapter.linear_in.weight", kWhole, "R,H",
+     "self_attn.q_proj.lora_A.weight"},
+    {kLayer, "self_attention.linear_qkv.adapter.linear_in.weight", kWhole, "R,H",
+     "self_attn.k_proj.lora_A.weight"},
+    {kLayer, "self_attention.linear_qkv.adapter.linear_in.weight", kWhole, "R,H",
+     "self_attn.v_proj.lora_A.weight"},
+    {kLayer, "self_attention.linear_qkv.adapter.linear_out.weight", kQ, "QKV,R",
+     "self_attn.q_proj.lora_B.weight"},
+    {kLayer, "self_attention.linear_qkv.adapter.linear_out.weight", kK, "QKV,R",
+     "self_attn.k_proj.lora_B.weight"},
+    {kLayer, "self_attention.linear_qkv.adapter.linear_out.weight", kV, "QKV,R",
+     "self_attn.v_proj.lora_B.weight"},
+    {kLayer, "self_attention.linear_proj.adapter.linear_in.weight", kWhole, "R,A",
+     "self_attn.o_proj.lora_A.weight"},
+    {kLayer, "self_attention.linear_proj.adapter.linear_out.weight", kWhole, "H,R",
+     "self_attn.o_proj.lora_B.weight"},
+    {kLayer, "mlp.linear_fc1.adapter.linear_in.weight", kWhole, "R,H",
+     "mlp.gate_proj.lora_A.weight"},
+    {kLayer, "mlp.linear_fc1.adapter.linear_in.weight", kWhole, "R,H", "mlp.up_proj.lora_A.weight"},
+    {kLayer, "mlp.linear_fc1.adapter.linear_out.weight", kGate, "2F,R",
+     "mlp.gate_proj.lora_B.weight"},
+    {kLayer, "mlp.linear_fc1.adapter.linear_out.weight", kUp, "2F,R", "mlp.up_proj.lora_B.weight"},
+    {kLayer, "mlp.linear_fc2.adapter.linear_in.weight", kWhole, "R,F",
+     "mlp.down_proj.lora_A.weight"},
+    {kLayer, "mlp.linear_fc2.adapter.linear_out.weight", kWhole, "H,R",
+     "mlp.down_proj.lora_B.weight"},
+
     {kExpert, "linear_fc1.weight", kGate, "2I,H", "{w1}.weight"},
     {kExpert, "linear_fc1.weight", kUp, "2I,H", "{w3}.weight"},
     {kExpert, "linear_fc1.weight_w", kWhole, "I,H", "{w1}.weight"},

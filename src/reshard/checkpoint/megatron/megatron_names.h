@@ -33,7 +33,8 @@ struct NameRule {
   /// config: H hidden_size, D head_dim, A heads * head_dim, QKV (heads + 2 * key/value heads) *
   /// head_dim, F intermediate_size, I the experts' intermediate size, S the shared experts', a
   /// leading 2 for two of them (2F), E experts, V the vocabulary (padded: any size >= vocab_size),
-  /// 1.
+  /// R a LoRA adapter's rank, 1. Several rules of one leaf with part kWhole are copies: each
+  /// Hugging Face tensor holds the whole Megatron tensor.
   std::string_view shape;
   /// The Hugging Face name: within `model.layers.{l}.` for layer scope, within
   /// `model.layers.{l}.{moe}.experts.{e}.` for expert scope; {moe}, {w1}, {w3}, {w2}, {shared}
