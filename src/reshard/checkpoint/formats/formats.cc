@@ -568,7 +568,7 @@ Result<OpenedCheckpoint> OpenedMegatronAdapter(const std::string& path,
   out.target_maps = [path](int) -> Result<std::optional<MapDocument>> {
     return InvalidArgumentError(fmt::format(
         "\"{}\" holds LoRA adapters: gather it into a PEFT adapter directory, then scatter that "
-        "with the base model's config.json (--config) to lay it out at another degree",
+        "with the base model's config.json to lay it out at another degree",
         path));
   };
   return out;
@@ -590,7 +590,7 @@ Result<OpenedCheckpoint> OpenMegatron(const std::string& path, const SourceOptio
   if (peft && options.use == SourceUse::kGather && options.optimizer_state) {
     return InvalidArgumentError(fmt::format(
         "\"{}\" holds LoRA adapters, gathered into a PEFT adapter, which keeps no optimizer "
-        "state: leave --optimizer-state out",
+        "state: gather its weights alone",
         path));
   }
   if (peft) return OpenedMegatronAdapter(path, std::move(source), *peft, std::move(run));
