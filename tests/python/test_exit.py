@@ -2,8 +2,11 @@
 group alive (torch.distributed.nn.functional imported after init_process_group, as torch.optim
 does): reshard's exit handler frees the group while the interpreter is whole. Without it, a gloo
 worker that lets go of a collective's tensor as the interpreter finalizes aborts the process
-("terminate called without an active exception"); exit_worker.py makes that happen every time."""
+("terminate called without an active exception"), which exit_worker.py provokes. Whether the
+abort happens depends on timing; whether a gloo thread is still running when the interpreter
+finalizes does not, so that is what the tests check (and the exit status)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -17,22 +20,32 @@ pytest.importorskip("torch")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def leave(mode):
+def leave(mode, out):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"), HERE]),
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_addr", "127.0.0.1", "--master_port",
-                           str(free_loopback_port()), os.path.join(HERE, "exit_worker.py"), mode],
+                           str(free_loopback_port()), os.path.join(HERE, "exit_worker.py"), mode, str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_a_process_that_used_reshard_leaves_cleanly():
-    r = leave("reshard")
+def gloo_threads_at_exit(out, ranks=(0, 1)):
+    return {r: [n for n in json.loads((out / f"rank-{r}.json").read_text()) if "gloo" in n]
+            for r in ranks}
+
+
+def test_a_process_that_used_reshard_leaves_cleanly(tmp_path):
+    r = leave("reshard", tmp_path)
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-3000:]
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}
 
 
-def test_without_reshard_the_same_exit_aborts():
-    """The case above is the one that aborts: without reshard's handler, process 0 dies."""
-    r = leave("plain")
-    assert r.returncode != 0 and "terminate called without an active exception" in r.stderr, \
+def test_without_reshard_the_destroyed_group_lives_into_finalization(tmp_path):
+    """The case above is the one that can abort: without reshard's handler, the destroyed
+    group's gloo threads are still running when the interpreter finalizes (and process 0 may
+    die of it, as it does when its worker is still letting go of the all_reduce's tensor)."""
+    r = leave("plain", tmp_path)
+    left = gloo_threads_at_exit(tmp_path, ranks=(0,))  # written before any abort
+    assert left[0], (left, r.stderr[-3000:])
+    assert r.returncode == 0 or "terminate called without an active exception" in r.stderr, \
         r.stderr[-3000:]
