@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "reshard/base/index.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/sharded_io.h"
@@ -157,12 +158,7 @@ std::vector<int> Verifiers(const Manifest& target, const std::vector<OutputFile>
 // own row-major strides from a multi-index inside F.
 std::optional<std::pair<Shape, Shape>> PieceAsBox(const Piece& p, const Shape& full) {
   if (p.shape.size() != full.size() || p.num_elements() == 0) return std::nullopt;
-  Shape full_strides(full.size());
-  Index f = 1;
-  for (size_t k = full.size(); k-- > 0;) {
-    full_strides[k] = f;
-    f *= full[k];
-  }
+  const Shape full_strides = RowMajorStrides(full);
   Shape offsets(full.size());
   Index rest = p.source.offset;
   for (size_t k = 0; k < full.size(); ++k) {
@@ -172,17 +168,6 @@ std::optional<std::pair<Shape, Shape>> PieceAsBox(const Piece& p, const Shape& f
     if (offsets[k] + p.shape[k] > full[k]) return std::nullopt;
   }
   return std::pair{std::move(offsets), p.shape};
-}
-
-// Row-major strides of a dense tensor of `shape`.
-Shape DenseStrides(const Shape& shape) {
-  Shape strides(shape.size());
-  Index d = 1;
-  for (size_t k = shape.size(); k-- > 0;) {
-    strides[k] = d;
-    d *= shape[k];
-  }
-  return strides;
 }
 
 // The box of F (offsets, sizes) that rank r's shard of `map` is, row-major, when it is one: a
@@ -196,7 +181,7 @@ std::optional<std::pair<Shape, Shape>> ShardAsBox(const ParamMap& map, Rank r) {
   if (p.scale != 1.0 || ProductOf(s.shard_shape) != p.num_elements() || p.dest.offset != 0) {
     return std::nullopt;
   }
-  const Shape dense = DenseStrides(p.shape);
+  const Shape dense = RowMajorStrides(p.shape);
   for (size_t k = 0; k < p.shape.size(); ++k) {
     if (p.shape[k] != 1 && p.dest.strides[k] != dense[k]) return std::nullopt;
   }
@@ -229,7 +214,7 @@ std::optional<Status> ReadShardByPieces(ShardSource& source, size_t i, const Par
     RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, boxes[k].first, boxes[k].second, piece));
     const StridedMove move{.shape = p.shape,
                            .src = piece.data(),
-                           .src_strides = DenseStrides(p.shape),
+                           .src_strides = RowMajorStrides(p.shape),
                            .dst = buffer.data() + static_cast<size_t>(p.dest.offset) * esize,
                            .dst_strides = p.dest.strides,
                            .op = ScaleOp::None()};
