@@ -3,10 +3,12 @@
 
     scripts/tidy_changed.py BUILD_DIR CACHE JOBS < FILES   (NUL-separated paths)
 
-A translation unit's key is the SHA-256 of what decides clang-tidy's verdict on it: the
-clang-tidy version, `.clang-tidy`, the extra arguments, and the unit as clang's preprocessor
-sees it (`clang++ -E` with the unit's own compile command, every header expanded, the checkout's
-path replaced so that clones anywhere agree). CACHE (committed, `.ci/clang-tidy-passed`) lists
+A translation unit's key is the SHA-256 of what decides clang-tidy's verdict on the project's
+code: the clang-tidy version, `.clang-tidy`, the extra arguments, the unit's compile flags, and
+the contents of the unit and of every header of the project it includes (`clang++ -MM` with the
+unit's own compile command: system and third-party headers left out, so that a machine whose
+packages are newer point releases agrees; the checkout's path replaced so that clones anywhere
+agree). CACHE (committed, `.ci/clang-tidy-passed`) lists
 `path key` for every unit of the last clean run; a unit whose key is listed passed clang-tidy
 with exactly this input and is not checked again. The others go to run-clang-tidy; when it
 passes, CACHE is rewritten with every unit's key, so a clean run leaves it current and the next
@@ -37,9 +39,11 @@ def compile_commands(build: pathlib.Path) -> dict[str, list[str]]:
     return commands
 
 
-def preprocess_args(args: list[str], path: str) -> list[str]:
-    """The unit's compile command as a clang++ -E to stdout."""
-    out = ["clang++", "-E", "-P", "-Wno-unknown-warning-option"]
+def depend_args(args: list[str], path: str) -> tuple[list[str], list[str]]:
+    """The unit's compile command as a clang++ -MM to stdout (the headers it includes, system
+    headers left out), and the flags that decide how it compiles."""
+    out = ["clang++", "-MM", "-Wno-unknown-warning-option"]
+    flags = []
     skip = False
     for arg in args[1:]:
         if skip:
@@ -51,15 +55,27 @@ def preprocess_args(args: list[str], path: str) -> list[str]:
         if arg in ("-c", "-MD", "-MMD") or arg == path:
             continue
         out.append(arg)
-    return out + EXTRA_ARGS + [path]
+        flags.append(arg)
+    return out + EXTRA_ARGS + [path], flags
 
 
 def unit_key(root: str, salt: bytes, args: list[str], path: str, cwd: str) -> str | None:
-    run = subprocess.run(preprocess_args(args, path), cwd=cwd, capture_output=True)
+    command, flags = depend_args(args, path)
+    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     if run.returncode != 0:
         return None
-    text = run.stdout.replace(root.encode(), b"@ROOT@")
-    return hashlib.sha256(salt + text).hexdigest()
+    rule = run.stdout.replace("\\\n", " ")
+    deps = sorted({str(pathlib.Path(cwd, d).resolve())
+                   for d in rule.partition(":")[2].split()})
+    h = hashlib.sha256(salt)
+    h.update(" ".join(flags).replace(root, "@ROOT@").encode() + b"\0")
+    for dep in deps:
+        try:
+            contents = pathlib.Path(dep).read_bytes()
+        except OSError:
+            return None
+        h.update(dep.replace(root, "@ROOT@").encode() + b"\0" + contents + b"\0")
+    return h.hexdigest()
 
 
 def main() -> int:

@@ -148,6 +148,48 @@ def test_force_replaces_only_an_output_reshard_wrote_or_an_empty_directory(resha
     assert r.returncode == 2 and "--force" in r.stderr
 
 
+@pytest.mark.parametrize("storage", ["zarr3", "zarr2", "plain"])
+def test_force_replaces_an_orbax_checkpoint_only_when_reshard_wrote_it(reshard_bin, tmp_path, full,
+                                                                       storage):
+    """convert --to orbax marks _CHECKPOINT_METADATA's custom_metadata; an Orbax checkpoint
+    without the mark (as Orbax itself saves one), or with a file reshard never writes, stays."""
+    sharded = scatter(reshard_bin, tmp_path, full, 2)
+    out = tmp_path / "orbax"
+    args = ("convert", sharded, "--to", "orbax", "--mesh", "x=2", "--orbax-storage", storage,
+            "-o", out)
+    assert run(reshard_bin, *args).returncode == 0
+    r = run(reshard_bin, *args)
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+    r = run(reshard_bin, *args, "--force")
+    assert r.returncode == 0, r.stderr
+    meta_path = out / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text())
+    assert meta["custom_metadata"] == {"producer": "reshard"}
+    strays = [out / "notes.txt"]
+    if storage != "plain":
+        strays += [out / "ocdbt.process_0" / "notes.txt"]
+    for stray in strays:
+        stray.write_text("mine")
+        before = tree_hash(tmp_path)
+        r = run(reshard_bin, *args, "--force")
+        assert r.returncode == 2 and "notes.txt" in r.stderr, r.stderr
+        assert tree_hash(tmp_path) == before
+        stray.unlink()
+    meta["custom_metadata"] = {}
+    meta_path.write_text(json.dumps(meta))
+    before = tree_hash(tmp_path)
+    for command in (args, ("gather", sharded, "-o", out)):
+        r = run(reshard_bin, *command, "--force")
+        assert r.returncode == 2 and "_CHECKPOINT_METADATA" in r.stderr, r.stderr
+        assert tree_hash(tmp_path) == before
+    # Marked again, another command's output may replace it.
+    meta["custom_metadata"] = {"producer": "reshard"}
+    meta_path.write_text(json.dumps(meta))
+    r = run(reshard_bin, "gather", sharded, "-o", out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors").is_file() and not meta_path.exists()
+
+
 def test_force_replaces_outputs_that_carry_the_models_side_files(reshard_bin, tmp_path):
     """scatter --config and the dequantizing commands write config.json (and copy the
     tokenizer's files) beside the tensors: that output is still reshard's to replace."""

@@ -201,10 +201,11 @@ class ShardSource {
   virtual bool ReadsRegions() const { return false; }
   /// The box [offsets, offsets + sizes) of parameter i's full tensor (valid shape, elements)
   /// into `out` (product(sizes) elements of its dtype, row-major): the values a Rebuild of
-  /// its shards gives there. Unimplemented unless ReadsRegions().
+  /// its shards gives there, read on up to `threads` threads (this one among them).
+  /// Unimplemented unless ReadsRegions().
   virtual Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
-                            std::span<std::byte> out) {
-    (void)i, (void)offsets, (void)sizes, (void)out;
+                            std::span<std::byte> out, int threads) {
+    (void)i, (void)offsets, (void)sizes, (void)out, (void)threads;
     return UnimplementedError("this source reads whole shards, not regions");
   }
   /// How many rows (first dimension) of parameter i a consumer reading it by bands of about

@@ -211,7 +211,7 @@ std::optional<Status> ReadShardByPieces(ShardSource& source, size_t i, const Par
   for (size_t k = 0; k < boxes.size(); ++k) {
     const Piece& p = s.pieces[k];
     piece.resize(static_cast<size_t>(p.num_elements()) * esize);
-    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, boxes[k].first, boxes[k].second, piece));
+    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, boxes[k].first, boxes[k].second, piece, 1));
     const StridedMove move{.shape = p.shape,
                            .src = piece.data(),
                            .src_strides = RowMajorStrides(p.shape),
@@ -276,7 +276,7 @@ Status ConvertFrom(ShardSource& source, int world_size,
           if (buffer.empty()) return Status::Ok();
           if (const auto box = ShardAsBox(dst.params[i].map, r)) {
             counters.read += buffer.size();
-            return source.ReadRegion(i, box->first, box->second, buffer);
+            return source.ReadRegion(i, box->first, box->second, buffer, 1);
           }
           const ShardedParam& param = dst.params[i];
           if (std::optional<Status> read =

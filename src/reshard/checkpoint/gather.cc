@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "reshard/checkpoint/collective_output.h"
 #include "reshard/checkpoint/output_dir.h"
@@ -73,6 +74,14 @@ Status WriteFullIndex(const OutputDirectory& out, const Manifest& m, bool sync,
                              {.sync = sync});
 }
 
+// The threads that read one region of a source that ReadsRegions: files are written one after
+// the other, so every core.
+int RegionThreads(const CheckpointOptions& options) {
+  return options.num_threads > 0
+             ? options.num_threads
+             : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 // Rebuilds parameter i of `source` (its valid region) into `buffer`.
 Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& options,
                    std::span<std::byte> buffer, Counters& counters) {
@@ -80,7 +89,8 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
   const ParamMap& map = param.map;
   if (source.ReadsRegions()) {  // straight from the stored chunks, one at a time
     counters.read += buffer.size();
-    return source.ReadRegion(i, Shape(map.valid_shape().size(), 0), map.valid_shape(), buffer);
+    return source.ReadRegion(i, Shape(map.valid_shape().size(), 0), map.valid_shape(), buffer,
+                             RegionThreads(options));
   }
   AcquiredShards shards(source, i);
   RESHARD_RETURN_IF_ERROR(shards.status());
@@ -106,17 +116,18 @@ Status RebuildInto(ShardSource& source, size_t i, const CheckpointOptions& optio
 
 // A tensor read by regions is written by bands of rows (TensorToWrite::fill_rows): two bands
 // in memory, not the tensor, and the next band read while the last is written.
-void AddBandedFill(ShardSource& source, const GatherOutput& o, uint64_t band_bytes,
+void AddBandedFill(ShardSource& source, const GatherOutput& o, const CheckpointOptions& options,
                    Counters& counters, ProgressCounter& progress, TensorToWrite& t) {
   const Shape& valid = source.manifest().params[o.param].map.valid_shape();
   if (valid.empty() || valid != o.shape) return;
-  t.band_rows = source.RegionRows(o.param, band_bytes);
-  t.fill_rows = [&source, &counters, &progress, i = o.param, valid](
-                    Index begin, Index end, std::span<std::byte> out) -> Status {
+  t.band_rows = source.RegionRows(o.param, options.band_bytes);
+  t.fill_rows = [&source, &counters, &progress, i = o.param, valid,
+                 threads = RegionThreads(options)](Index begin, Index end,
+                                                   std::span<std::byte> out) -> Status {
     Shape offsets(valid.size(), 0), sizes = valid;
     offsets[0] = begin;
     sizes[0] = end - begin;
-    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, offsets, sizes, out));
+    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, offsets, sizes, out, threads));
     counters.read += out.size();
     progress.Add(out.size());
     return Status::Ok();
@@ -412,7 +423,7 @@ Status GatherFrom(ShardSource& source, const std::string& out_dir,
                  return Status::Ok();
                }});
           if (!o.scales && source.ReadsRegions()) {
-            AddBandedFill(source, o, options.band_bytes, counters, progress, tensors.back());
+            AddBandedFill(source, o, options, counters, progress, tensors.back());
           }
         }
         return WriteSafetensors(out.FilePath(f.name), std::move(tensors), ProducerMetadata(),

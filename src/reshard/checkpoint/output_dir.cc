@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <functional>
 #include <regex>
 #include <set>
 #include <vector>
 
+#include "reshard/base/json_reader.h"
 #include "reshard/checkpoint/checkpoint.h"
 #include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/dcp/dcp_writer.h"
@@ -24,6 +26,7 @@
 namespace reshard {
 
 namespace fs = std::filesystem;
+using json::Json;
 
 namespace {
 
@@ -168,6 +171,75 @@ Status CheckDcpOutput(const std::string& path, const fs::path& dir,
   return Status::Ok();
 }
 
+// Whether every entry of `dir` is a regular file named by `ok`.
+bool OnlyFiles(const fs::path& dir, const std::function<bool(const std::string&)>& ok,
+               std::string& stray) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!ok(name) || !IsRegularFile(e.path())) {
+      stray = name;
+      return false;
+    }
+  }
+  return !ec;
+}
+
+// `names` (the entries of `dir`) are an Orbax checkpoint as convert --to orbax writes it and
+// nothing else: _CHECKPOINT_METADATA marked by reshard, the item's metadata files, its OCDBT
+// databases (manifest.ocdbt, d/, ocdbt.process_0/) or, stored plain, one zarr array directory
+// per array.
+Status CheckOrbaxOutput(const std::string& path, const fs::path& dir,
+                        const std::vector<std::string>& names) {
+  Result<std::string> text = ReadFileToString((dir / kOrbaxCheckpointMetadata).string());
+  Result<Json> j = text.ok() ? json::ParseJson(*text) : Result<Json>(text.status());
+  const Json* custom = j.ok() && j->is_object() ? json::Find(*j, "custom_metadata") : nullptr;
+  const Json* producer =
+      custom != nullptr && custom->is_object() ? json::Find(*custom, kOrbaxProducerKey) : nullptr;
+  if (producer == nullptr || !producer->is_string() || *producer != "reshard") {
+    return NotOurs(path,
+                   fmt::format("its {} was not written by reshard", kOrbaxCheckpointMetadata));
+  }
+  auto any = [](const std::string&) { return true; };
+  std::string stray;
+  for (const std::string& name : names) {
+    const fs::path p = dir / name;
+    std::error_code ec;
+    const bool is_dir = fs::is_directory(fs::symlink_status(p, ec));
+    bool ours = false;
+    if (name == kOrbaxCheckpointMetadata || name == "_METADATA" || name == "_sharding" ||
+        name == "manifest.ocdbt") {
+      ours = IsRegularFile(p);
+    } else if (name == "array_metadatas") {
+      ours =
+          is_dir && OnlyFiles(
+                        p, [](const std::string& f) { return f.starts_with("process_"); }, stray);
+    } else if (name == "d") {
+      ours = is_dir && OnlyFiles(p, any, stray);
+    } else if (name.starts_with("ocdbt.process_") && is_dir) {
+      ours = IsRegularFile(p / "manifest.ocdbt");
+      for (const fs::directory_entry& e : fs::directory_iterator(p, ec)) {
+        const std::string f = e.path().filename().string();
+        const bool data =
+            f == "d" && fs::is_directory(e.symlink_status(ec)) && OnlyFiles(e.path(), any, stray);
+        if (!data && !(f == "manifest.ocdbt" && IsRegularFile(e.path()))) {
+          stray = stray.empty() ? f : f + "/" + stray;
+          ours = false;
+          break;
+        }
+      }
+    } else if (is_dir) {  // stored plain: an array's zarr directory
+      ours = IsRegularFile(p / ".zarray") || IsRegularFile(p / "zarr.json");
+    }
+    if (!ours) {
+      return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write",
+                                       stray.empty() ? name : name + "/" + stray));
+    }
+    stray.clear();
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::span<const char* const> ModelSideFiles() {
@@ -275,6 +347,7 @@ Status CheckReplaceable(const std::string& path) {
     if (name == "latest_universal") return CheckUniversalOutput(path, target, names);
     if (name == "latest") return CheckPipelineOutput(path, target, names);
     if (name == kDcpMetadataName) return CheckDcpOutput(path, target, names);
+    if (name == kOrbaxCheckpointMetadata) return CheckOrbaxOutput(path, target, names);
   }
   return CheckFullOutput(path, target, names);
 }

@@ -18,7 +18,12 @@
 //     files (a save dir DeepSpeed wrote also holds zero_to_fp32.py, and is not replaced);
 //   - a DCP checkpoint that reshard wrote: a .metadata that reads as DCP metadata and carries
 //     reshard's StorageMeta.save_id (kDcpSaveId; torch records a uuid4 there), and exactly the
-//     data files it names and empty __{r}_0.distcp files (ranks without rows), nothing else.
+//     data files it names and empty __{r}_0.distcp files (ranks without rows), nothing else;
+//   - an Orbax checkpoint that reshard wrote (convert --to orbax): _CHECKPOINT_METADATA whose
+//     custom_metadata has "producer": "reshard" (kOrbaxProducerKey), _METADATA, _sharding,
+//     array_metadatas/process_*, and its OCDBT databases (manifest.ocdbt, d/, and
+//     ocdbt.process_*/ holding only manifest.ocdbt and d/) or, stored plain, zarr array
+//     directories, nothing else.
 // Anything else (a file, a symbolic link, a directory holding a file reshard did not write)
 // is refused with AlreadyExists naming what is in the way; nothing is ever removed but the
 // replaced output.
@@ -52,6 +57,12 @@ const std::map<std::string, std::string>& ProducerMetadata();
 /// commands copy (or, config.json, write) beside the tensors they write: config.json,
 /// tokenizer files, chat templates. An output holding them is still reshard's to replace.
 std::span<const char* const> ModelSideFiles();
+
+/// The file of an Orbax checkpoint's step metadata, and the key of its custom_metadata (a field
+/// Orbax keeps for its users) that convert --to orbax sets to "reshard": --force replaces an
+/// Orbax checkpoint only with that mark.
+inline constexpr char kOrbaxCheckpointMetadata[] = "_CHECKPOINT_METADATA";
+inline constexpr char kOrbaxProducerKey[] = "producer";
 
 /// OK when the existing `path` may be replaced (rules above); AlreadyExists otherwise, naming
 /// the first entry reshard did not write. OK when `path` does not exist.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -169,7 +170,8 @@ Result<AtomicFileWriter> AtomicFileWriter::Create(const std::string& path,
   std::string tmp = TemporaryPathFor(path);
   int fd = -1;
   RESHARD_RETURN_IF_ERROR(CreateTemporary(tmp, [&]() -> Status {
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    // Read and write: AppendInPlace maps it.
+    fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
     return Status::Ok();
   }));
@@ -182,7 +184,8 @@ AtomicFileWriter::AtomicFileWriter(AtomicFileWriter&& other) noexcept
       fd_(other.fd_),
       sync_(other.sync_),
       start_writeback_(other.start_writeback_),
-      copy_file_ranges_(other.copy_file_ranges_) {
+      copy_file_ranges_(other.copy_file_ranges_),
+      fill_in_place_(other.fill_in_place_) {
   other.fd_ = -1;
 }
 
@@ -216,6 +219,59 @@ Status AtomicFileWriter::Append(std::span<const std::byte> bytes) {
     done += static_cast<size_t>(n);
   }
   return Status::Ok();
+}
+
+Result<bool> AtomicFileWriter::AppendInPlace(
+    uint64_t length, uint64_t window,
+    const std::function<Status(uint64_t at, std::span<std::byte> bytes)>& fill) {
+  if (fd_ < 0) return InternalError(fmt::format("\"{}\" is no longer open for writing", tmp_));
+  if (!fill_in_place_) return false;
+  if (length == 0) return true;
+  const off_t start = ::lseek(fd_, 0, SEEK_CUR);
+  if (start < 0) return false;
+  // Reserved first, so that a full disk is an error here rather than a SIGBUS in a page fault.
+  int reserved = -1;
+  do {
+    reserved = ::fallocate(fd_, 0, start, static_cast<off_t>(length));
+  } while (reserved != 0 && errno == EINTR);
+  if (reserved != 0) {
+    const int err = errno;
+    if (err == EOPNOTSUPP || err == ENOSYS || err == EINVAL || err == ENODEV) return false;
+    Abandon();
+    return ErrnoStatus(err, "cannot write", tmp_);
+  }
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  window = std::max<uint64_t>(window, 1);
+  for (uint64_t at = 0; at < length; at += window) {
+    const uint64_t size = std::min(window, length - at);
+    const uint64_t begin = static_cast<uint64_t>(start) + at;
+    const uint64_t base = begin / page * page;
+    const size_t mapped = static_cast<size_t>(begin - base + size);
+    void* p =
+        ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(base));
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      if (at == 0 && ::ftruncate(fd_, start) == 0) return false;  // appended nothing
+      Abandon();
+      return ErrnoStatus(err, "cannot map", tmp_);
+    }
+    Status filled = fill(at, std::span(static_cast<std::byte*>(p) + (begin - base), size));
+    ::munmap(p, mapped);
+    if (!filled.ok()) {
+      Abandon();
+      return filled;
+    }
+    if (start_writeback_) {
+      (void)::sync_file_range(fd_, static_cast<off_t>(begin), static_cast<off_t>(size),
+                              SYNC_FILE_RANGE_WRITE);
+    }
+  }
+  if (::lseek(fd_, start + static_cast<off_t>(length), SEEK_SET) < 0) {
+    const int err = errno;
+    Abandon();
+    return ErrnoStatus(err, "cannot seek", tmp_);
+  }
+  return true;
 }
 
 Result<bool> CopyFileRange(int in, uint64_t in_offset, int out, uint64_t length,

@@ -7,6 +7,7 @@
 #define RESHARD_IO_FILE_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -75,6 +76,9 @@ struct WriteOptions {
   /// copy_file_range(2): in the kernel, a reflink where the file system has them). Off: every
   /// byte is written from memory; the bytes written are the same.
   bool copy_file_ranges = true;
+  /// Let a writer fill bytes straight into the file's pages (AppendInPlace: the range reserved
+  /// with fallocate(2), then mapped). Off: they are written from memory; the bytes are the same.
+  bool fill_in_place = true;
   /// The file's directory is an output directory's temporary that this operation made
   /// (checkpoint/output_dir.h): no earlier run left temporaries in it, so none is looked for.
   /// Looking lists the directory, so writing n files there would list n^2 entries.
@@ -117,6 +121,17 @@ class AtomicFileWriter {
   /// when options.copy_file_ranges allows it: true once appended, false when the caller is to
   /// Append them itself (nothing appended then).
   Result<bool> AppendCopyOf(int in, uint64_t offset, uint64_t length);
+  /// Appends `length` bytes written in place: the range is reserved on disk (fallocate), then
+  /// mapped `window` bytes at a time and `fill(at, bytes)` writes bytes [at, at + size) of it
+  /// straight into the page cache (no buffer of the caller's, no copy by write(); `fill` may
+  /// spread the window over threads). False, with nothing appended, where the file system
+  /// cannot reserve or map the range, or with WriteOptions::fill_in_place off: the caller then
+  /// Appends the bytes itself.
+  /// ResourceExhausted on a full disk or a file size limit (found before anything is mapped);
+  /// an error of `fill` abandons the file and is returned.
+  Result<bool> AppendInPlace(
+      uint64_t length, uint64_t window,
+      const std::function<Status(uint64_t at, std::span<std::byte> bytes)>& fill);
   /// Flushes to disk and renames into place. Once called (ok or not) the writer is spent.
   Status Commit();
 
@@ -127,7 +142,8 @@ class AtomicFileWriter {
         fd_(fd),
         sync_(options.sync),
         start_writeback_(!options.sync && options.start_writeback),
-        copy_file_ranges_(options.copy_file_ranges) {}
+        copy_file_ranges_(options.copy_file_ranges),
+        fill_in_place_(options.fill_in_place) {}
   void Abandon();
   std::string path_;
   std::string tmp_;
@@ -135,6 +151,7 @@ class AtomicFileWriter {
   bool sync_ = true;
   bool start_writeback_ = false;
   bool copy_file_ranges_ = true;
+  bool fill_in_place_ = true;
 };
 
 /// Has the kernel start writing `path` to disk without waiting (WriteOptions::start_writeback

@@ -611,6 +611,12 @@ uint64_t BandBytes(const TensorToWrite& t, const TensorCopy* copy, uint64_t size
   return size / static_cast<uint64_t>(t.shape[0]) * static_cast<uint64_t>(t.band_rows);
 }
 
+// Whether `t` can be filled in place (FillTensorInPlace): filled by rows, not copied.
+bool InPlaceable(const TensorToWrite& t, const TensorCopy* copy, uint64_t size) {
+  return t.fill_rows && t.band_rows > 0 && !t.shape.empty() && t.shape[0] > 0 && size > 0 &&
+         (copy == nullptr || copy->ranges.empty());
+}
+
 // Fills and appends `t` band by band, two bands of `buffer` in turn: band b + 1 is filled on a
 // thread of its own while band b is appended.
 Status WriteTensorByBands(AtomicFileWriter& out, const TensorToWrite& t, uint64_t band_bytes,
@@ -646,6 +652,21 @@ Status WriteTensorByBands(AtomicFileWriter& out, const TensorToWrite& t, uint64_
     half = 1 - half;
   }
   return Status::Ok();
+}
+
+// Fills `t` band by band straight into the file's pages (AtomicFileWriter::AppendInPlace): no
+// band in memory and no copy by write(); false where the file system cannot (the caller then
+// writes it by bands).
+Result<bool> FillTensorInPlace(AtomicFileWriter& out, const TensorToWrite& t, uint64_t band_bytes,
+                               uint64_t size) {
+  const auto rows = static_cast<uint64_t>(t.shape[0]);
+  const uint64_t row_bytes = size / rows;
+  return out.AppendInPlace(size, band_bytes, [&](uint64_t at, std::span<std::byte> bytes) {
+    const auto begin = static_cast<Index>(at / row_bytes);
+    const auto end = static_cast<Index>((at + bytes.size()) / row_bytes);
+    Status s = t.fill_rows(begin, end, bytes);
+    return s.ok() ? s : s.Annotate(fmt::format("tensor \"{}\"", t.name));
+  });
 }
 
 // Writes one tensor's bytes: its ranges copied file to file where the file system can, else
@@ -788,6 +809,14 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
   std::map<std::string, FileHandle> inputs;
   for (const size_t i : order) {
     const TensorCopy* copy = copies.empty() ? nullptr : &copies[i];
+    if (InPlaceable(tensors[i], copy, sizes[i])) {
+      const uint64_t rows = static_cast<uint64_t>(tensors[i].shape[0]);
+      const uint64_t window =
+          sizes[i] / rows * std::min(rows, static_cast<uint64_t>(tensors[i].band_rows));
+      RESHARD_ASSIGN_OR_RETURN(const bool in_place,
+                               FillTensorInPlace(out, tensors[i], window, sizes[i]));
+      if (in_place) continue;
+    }
     if (const uint64_t band = BandBytes(tensors[i], copy, sizes[i]); band > 0) {
       const std::span<std::byte> bands(buffer.get(), std::min(2 * band, sizes[i]));
       RESHARD_RETURN_IF_ERROR(WriteTensorByBands(out, tensors[i], band, bands));

@@ -110,10 +110,12 @@ struct TensorToWrite {
   /// Fills `out` (exactly numel * dtype size bytes) with the tensor's data.
   std::function<Status(std::span<std::byte> out)> fill;
   /// Optional: fills rows [begin, end) of the first dimension into `out` (exactly their bytes).
-  /// With band_rows > 0 and more rows than one band, the writer fills and writes the tensor a
-  /// band of band_rows rows at a time, the next band filled on a thread of its own while the
-  /// last is written: two bands in memory rather than the tensor, and the filling beside the
-  /// kernel's copy into the file. `fill` is then not called.
+  /// With band_rows > 0 the writer fills the tensor a band of band_rows rows at a time, each
+  /// band straight into the file's pages where the file system allows it
+  /// (AtomicFileWriter::AppendInPlace: no band in memory, no copy by write()); elsewhere, with
+  /// more rows than one band, into two bands of memory in turn, the next filled on a thread of
+  /// its own while the last is written. `fill` is then not called (it is for a tensor of one
+  /// band that cannot be filled in place).
   std::function<Status(Index begin, Index end, std::span<std::byte> out)> fill_rows{};
   Index band_rows = 0;
 };

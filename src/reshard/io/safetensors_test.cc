@@ -7,10 +7,14 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 
+#include "reshard/base/index.h"
 #include "reshard/base/temp_dir_testing.h"
 #include "reshard/io/file.h"
 
@@ -62,6 +66,9 @@ TensorToWrite Tensor(std::string name, DType dtype, Shape shape) {
   };
   return t;
 }
+
+// Tensors filled by rows written from memory, not in the file's pages.
+constexpr WriteOptions kThroughMemory{.fill_in_place = false};
 
 class SafetensorsTest : public ::testing::Test {
  protected:
@@ -544,8 +551,9 @@ TEST_F(SafetensorsTest, FillsShareOneBufferInFileOrder) {
   EXPECT_EQ(buffers[1], buffers[2]);
 }
 
-// A tensor filled by rows gives the bytes its whole fill gives, band by band, in two bands
-// of memory, the fill itself never called.
+// Writing through memory (WriteOptions::fill_in_place off, or a file system that cannot
+// reserve and map a range), a tensor filled by rows gives the bytes its whole fill gives, band
+// by band, in two bands of memory, the fill itself never called.
 TEST_F(SafetensorsTest, TensorsFilledByBandsOfRowsGiveTheBytesOfTheirFill) {
   const Shape shape = {23, 5};  // 7 bands of 3 rows and one of 2: the last band is short
   TensorToWrite banded = Tensor("w", DType::kF32, shape);
@@ -561,7 +569,9 @@ TEST_F(SafetensorsTest, TensorsFilledByBandsOfRowsGiveTheBytesOfTheirFill) {
     std::memcpy(out.data(), whole.data() + begin * 20, out.size());
     return Status::Ok();
   };
-  ASSERT_TRUE(WriteSafetensors(Path("b.safetensors"), {banded, Tensor("s", DType::kU8, {3})}).ok());
+  ASSERT_TRUE(WriteSafetensors(Path("b.safetensors"), {banded, Tensor("s", DType::kU8, {3})}, {},
+                               kThroughMemory)
+                  .ok());
   ASSERT_TRUE(WriteSafetensors(Path("w.safetensors"),
                                {Tensor("w", DType::kF32, shape), Tensor("s", DType::kU8, {3})})
                   .ok());
@@ -583,8 +593,92 @@ TEST_F(SafetensorsTest, ABandThatFailsLeavesNothingBehind) {
     std::memset(out.data(), 1, out.size());
     return Status::Ok();
   };
-  Status s = WriteSafetensors(Path("f.safetensors"), {banded});
-  EXPECT_EQ(s, Status(StatusCode::kUnavailable, "tensor \"w\": source went away"));
+  for (const WriteOptions& options : {kThroughMemory, WriteOptions{}}) {
+    Status s = WriteSafetensors(Path("f.safetensors"), {banded}, {}, options);
+    EXPECT_EQ(s, Status(StatusCode::kUnavailable, "tensor \"w\": source went away"));
+    EXPECT_EQ(FileCount(), 0u);
+  }
+}
+
+// The path of the file mapped at `address` in this process ("" where none is).
+std::string MappedFileAt(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream in(line);
+    std::string range, perms, offset, device, inode, path;
+    in >> range >> perms >> offset >> device >> inode >> path;
+    const size_t dash = range.find('-');
+    const uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    const uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (at >= lo && at < hi) return path;
+  }
+  return "";
+}
+
+// By default a tensor filled by rows is filled band by band straight into the pages of the
+// file being written (no band in memory), a tensor of one band too, and the file holds the
+// bytes its whole fill gives.
+TEST_F(SafetensorsTest, TensorsFilledByRowsAreFilledInTheFilesPages) {
+  const Shape shape = {23, 5};
+  std::map<std::string, std::vector<std::pair<Index, Index>>> bands;
+  std::set<std::string> mapped;
+  auto banded = [&](const std::string& name, Shape s, Index band_rows) {
+    TensorToWrite t = Tensor(name, DType::kF32, s);
+    const std::string whole = PatternFor(name, static_cast<size_t>(ProductOf(s)) * 4);
+    const auto row = static_cast<size_t>(ProductOf(s) / s[0]) * 4;
+    t.fill = [](std::span<std::byte>) { return InternalError("the whole fill was called"); };
+    t.band_rows = band_rows;
+    t.fill_rows = [&, name, whole, row](Index begin, Index end, std::span<std::byte> out) {
+      bands[name].emplace_back(begin, end);
+      mapped.insert(MappedFileAt(out.data()));
+      EXPECT_EQ(out.size(), static_cast<size_t>(end - begin) * row);
+      std::memcpy(out.data(), whole.data() + static_cast<size_t>(begin) * row, out.size());
+      return Status::Ok();
+    };
+    return t;
+  };
+  ASSERT_TRUE(WriteSafetensors(
+                  Path("b.safetensors"),
+                  {banded("w", shape, 3), Tensor("s", DType::kU8, {3}), banded("one", {2, 3}, 4)})
+                  .ok());
+  ASSERT_TRUE(WriteSafetensors(Path("w.safetensors"),
+                               {Tensor("w", DType::kF32, shape), Tensor("s", DType::kU8, {3}),
+                                Tensor("one", DType::kF32, {2, 3})})
+                  .ok());
+  EXPECT_EQ(Contents("b.safetensors"), Contents("w.safetensors"));
+  ASSERT_EQ(bands["w"].size(), 8u);  // the last band short
+  for (size_t b = 0; b < 8; ++b) {
+    EXPECT_EQ(bands["w"][b].first, static_cast<Index>(3 * b));
+    EXPECT_EQ(bands["w"][b].second, std::min<Index>(23, static_cast<Index>(3 * b + 3)));
+  }
+  EXPECT_EQ(bands["one"], (std::vector<std::pair<Index, Index>>{{0, 2}}));  // in one band
+  // Every band lay in a mapping of the file being written (its temporary beside the output).
+  ASSERT_EQ(mapped.size(), 1u);
+  EXPECT_EQ(fs::path(*mapped.begin()).parent_path(), dir_);
+  EXPECT_NE(*mapped.begin(), Path("b.safetensors"));
+}
+
+// A file size limit is found when the range is reserved, before any band is filled.
+TEST_F(SafetensorsTest, AFileSizeLimitStopsAnInPlaceFillBeforeItStarts) {
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  TensorToWrite banded = Tensor("w", DType::kF32, {64, 64});
+  int fills = 0;
+  banded.band_rows = 8;
+  banded.fill_rows = [&](Index, Index, std::span<std::byte>) {
+    ++fills;
+    return Status::Ok();
+  };
+  Status s = WriteSafetensors(Path("big.safetensors"), {banded});
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
+  EXPECT_EQ(fills, 0);
   EXPECT_EQ(FileCount(), 0u);
 }
 

@@ -516,7 +516,7 @@ Status WriteDcp(ShardSource& source, int world_size, const std::string& out_dir,
         if (source.ReadsRegions()) {  // the chunk's box alone, from the stored chunks
           bytes_read += buffer.size();
           RESHARD_RETURN_IF_ERROR(
-              source.ReadRegion(pt.dcp.param, chunk.offsets, chunk.sizes, buffer));
+              source.ReadRegion(pt.dcp.param, chunk.offsets, chunk.sizes, buffer, 1));
           progress.Add(buffer.size());
           return Status::Ok();
         }

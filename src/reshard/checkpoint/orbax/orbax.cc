@@ -5,12 +5,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <new>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "reshard/base/json_reader.h"
@@ -522,7 +525,7 @@ std::vector<std::string> OrbaxCheckpoint::inputs() const {
 }
 
 Status OrbaxCheckpoint::ReadBox(size_t i, const Shape& offsets, const Shape& sizes,
-                                std::span<std::byte> out) const {
+                                std::span<std::byte> out, int threads) const {
   const OrbaxArray& a = arrays_[i];
   const Item& item = *items_data_[item_of_[i]];
   const size_t rank = sizes.size();
@@ -532,28 +535,55 @@ Status OrbaxCheckpoint::ReadBox(size_t i, const Shape& offsets, const Shape& siz
     lo[d] = offsets[d] / a.zarr.chunk_shape[d];
     hi[d] = (offsets[d] + sizes[d] - 1) / a.zarr.chunk_shape[d] + 1;
   }
-  const std::string stored = Join(a.path);
-  const size_t esize = DTypeSize(a.zarr.dtype);
-  std::vector<std::byte> chunk;
-  std::string owned;
-  Shape at = lo;
-  while (true) {
-    const std::string key = stored + "/" + ZarrChunkKey(a.zarr, at);
-    const std::string what = fmt::format("\"{}\": chunk {}", item.dir, json::Quote(key));
-    bool missing = false;
-    RESHARD_ASSIGN_OR_RETURN(const auto bytes, item.Read(key, missing, owned));
-    RESHARD_RETURN_IF_ERROR(DecodeZarrChunk(a.zarr, bytes, missing, what, chunk));
-    item.Release(key);
-    Shape origin(rank);
-    for (size_t d = 0; d < rank; ++d) origin[d] = at[d] * a.zarr.chunk_shape[d];
-    CopyChunkIntoBox(origin, a.zarr.chunk_shape, chunk, offsets, sizes, esize, out);
+  // The chunks the box overlaps, row-major: each lands in a part of `out` of its own, so
+  // threads take them in turn, each with its own decode buffer.
+  std::vector<Shape> chunks;
+  for (Shape at = lo;;) {
+    chunks.push_back(at);
     size_t d = rank;
     while (d-- > 0) {
       if (++at[d] < hi[d]) break;
       at[d] = lo[d];
     }
-    if (d == static_cast<size_t>(-1)) return Status::Ok();
+    if (d == static_cast<size_t>(-1)) break;
   }
+  const std::string stored = Join(a.path);
+  const size_t esize = DTypeSize(a.zarr.dtype);
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  Status first = Status::Ok();
+  auto work = [&] {
+    std::vector<std::byte> chunk;
+    std::string owned;
+    for (size_t k = next++; k < chunks.size() && !failed; k = next++) {
+      const Shape& at = chunks[k];
+      const std::string key = stored + "/" + ZarrChunkKey(a.zarr, at);
+      Status s = [&]() -> Status {
+        const std::string what = fmt::format("\"{}\": chunk {}", item.dir, json::Quote(key));
+        bool missing = false;
+        RESHARD_ASSIGN_OR_RETURN(const auto bytes, item.Read(key, missing, owned));
+        RESHARD_RETURN_IF_ERROR(DecodeZarrChunk(a.zarr, bytes, missing, what, chunk));
+        item.Release(key);
+        Shape origin(rank);
+        for (size_t d = 0; d < rank; ++d) origin[d] = at[d] * a.zarr.chunk_shape[d];
+        CopyChunkIntoBox(origin, a.zarr.chunk_shape, chunk, offsets, sizes, esize, out);
+        return Status::Ok();
+      }();
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first.ok()) first = std::move(s);
+        failed = true;
+      }
+    }
+  };
+  const size_t helpers = std::min(chunks.size(), static_cast<size_t>(std::max(threads, 1))) - 1;
+  std::vector<std::thread> pool;
+  pool.reserve(helpers);
+  for (size_t t = 0; t < helpers; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  return first;
 }
 
 }  // namespace reshard

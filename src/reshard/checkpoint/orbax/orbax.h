@@ -101,9 +101,10 @@ class OrbaxCheckpoint {
   std::vector<std::string> inputs() const;
 
   /// Reads the box (offsets, sizes) of arrays()[i] into `out` (its elements row-major): from
-  /// every chunk it overlaps. DataLoss for a chunk that does not decode.
-  Status ReadBox(size_t i, const Shape& offsets, const Shape& sizes,
-                 std::span<std::byte> out) const;
+  /// every chunk it overlaps, decoded on up to `threads` threads (this one among them), each
+  /// holding one decoded chunk. DataLoss for a chunk that does not decode.
+  Status ReadBox(size_t i, const Shape& offsets, const Shape& sizes, std::span<std::byte> out,
+                 int threads = 1) const;
 
  private:
   OrbaxCheckpoint() = default;

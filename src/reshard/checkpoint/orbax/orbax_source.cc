@@ -271,8 +271,8 @@ class OrbaxShardSource : public ShardSource {
   const Manifest& manifest() const override { return manifest_; }
   std::vector<std::string> inputs() const override { return ckpt_->inputs(); }
   bool ReadsRegions() const override { return true; }
-  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
-                    std::span<std::byte> out) override {
+  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes, std::span<std::byte> out,
+                    int threads) override {
     const size_t a = which_[i];
     const OrbaxArray& array = ckpt_->arrays()[a];
     const size_t want = static_cast<size_t>(ProductOf(sizes)) * DTypeSize(array.zarr.dtype);
@@ -289,7 +289,7 @@ class OrbaxShardSource : public ShardSource {
                                            FormatShape(array.zarr.shape)));
       }
     }
-    return ckpt_->ReadBox(a, offsets, sizes, out.first(want));
+    return ckpt_->ReadBox(a, offsets, sizes, out.first(want), threads);
   }
 
   Index RegionRows(size_t i, uint64_t band_bytes) const override {

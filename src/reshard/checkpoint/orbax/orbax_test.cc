@@ -306,6 +306,13 @@ TEST_F(OrbaxItemTest, UnevenBoxesMissingChunksAndReplicas) {
   ASSERT_TRUE(ck.ReadBox(w, {2, 0}, {2, 6}, std::as_writable_bytes(std::span(across))).ok());
   EXPECT_EQ(across[0], 12);
   EXPECT_EQ(across[6], 18);
+  // The whole array decoded on one thread and on three: the same elements.
+  std::vector<int32_t> one(60, -1), three(60, -2);
+  ASSERT_TRUE(ck.ReadBox(w, {0, 0}, {10, 6}, std::as_writable_bytes(std::span(one)), 1).ok());
+  ASSERT_TRUE(ck.ReadBox(w, {0, 0}, {10, 6}, std::as_writable_bytes(std::span(three)), 3).ok());
+  EXPECT_EQ(one, three);
+  EXPECT_EQ(one[59], 59);
+  EXPECT_EQ(one[36], 0);  // the chunk not stored
 }
 
 // A source that reads regions only: a consumer that acquired its shards fails.
@@ -319,11 +326,11 @@ class RegionsOnly : public ShardSource {
   void ReleaseShards(size_t) override {}
   std::vector<std::string> inputs() const override { return inner_->inputs(); }
   bool ReadsRegions() const override { return true; }
-  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes,
-                    std::span<std::byte> out) override {
+  Status ReadRegion(size_t i, const Shape& offsets, const Shape& sizes, std::span<std::byte> out,
+                    int threads) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!offsets.empty()) regions_[manifest().params[i].name].emplace_back(offsets[0], sizes[0]);
-    return inner_->ReadRegion(i, offsets, sizes, out);
+    return inner_->ReadRegion(i, offsets, sizes, out, threads);
   }
   Index RegionRows(size_t i, uint64_t band_bytes) const override {
     return inner_->RegionRows(i, band_bytes);
@@ -507,9 +514,10 @@ TEST(OrbaxMomentsTest, MuAndNuMatchTheParameterUnderThePrefixTheyShare) {
       params.begin());
   ASSERT_LT(w, params.size());
   std::vector<float> box(4, -1.0f);
-  ASSERT_TRUE(source->ReadRegion(w, {0, 1}, {2, 2}, std::as_writable_bytes(std::span(box))).ok());
+  ASSERT_TRUE(
+      source->ReadRegion(w, {0, 1}, {2, 2}, std::as_writable_bytes(std::span(box)), 1).ok());
   EXPECT_EQ(box, std::vector<float>(4, 0.0f));
-  EXPECT_EQ(source->ReadRegion(w, {1, 2}, {2, 2}, std::as_writable_bytes(std::span(box))).code(),
+  EXPECT_EQ(source->ReadRegion(w, {1, 2}, {2, 2}, std::as_writable_bytes(std::span(box)), 2).code(),
             StatusCode::kOutOfRange);
 }
 

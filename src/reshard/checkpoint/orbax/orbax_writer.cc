@@ -251,7 +251,7 @@ Status WriteChunks(ShardSource& source, size_t i, const Shape& shape, const Arra
                                           std::span(&target, 1), exec)
                                   .Annotate(json::Quote(p.name)));
     } else {
-      RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, b.offsets, b.sizes, box));
+      RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, b.offsets, b.sizes, box, 1));
     }
     RESHARD_RETURN_IF_ERROR(EncodeZarrChunk(zarr_format, box, packed));
     const Shape grid = UnravelIndex(c, l.parts);
@@ -394,7 +394,7 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
       {"performance_metrics", nlohmann::ordered_json::object()},
       {"init_timestamp_nsecs", now},
       {"commit_timestamp_nsecs", now},
-      {"custom_metadata", nlohmann::ordered_json::object()}};
+      {"custom_metadata", {{kOrbaxProducerKey, "reshard"}}}};  // what --force looks for
   if (db) {
     RESHARD_RETURN_IF_ERROR(db->Finish());
     RESHARD_RETURN_IF_ERROR(db->WriteMerged(out.temporary(), kProcessDatabase));
@@ -404,7 +404,7 @@ Status WriteOrbax(ShardSource& source, const OrbaxTarget& target, const std::str
   RESHARD_RETURN_IF_ERROR(
       WriteText(out, "array_metadatas/process_0",
                 nlohmann::ordered_json({{"array_metadatas", array_metadatas}}).dump(), options));
-  RESHARD_RETURN_IF_ERROR(WriteText(out, "_CHECKPOINT_METADATA", checkpoint.dump(), options));
+  RESHARD_RETURN_IF_ERROR(WriteText(out, kOrbaxCheckpointMetadata, checkpoint.dump(), options));
   return out.Commit(options.sync);
 }
 

@@ -46,7 +46,7 @@ UniversalFile CountStepFile(const std::shared_ptr<ShardSource>& source, size_t i
             const ShardedParam& c = source->manifest().params[i];
             std::byte bytes[8] = {};
             RESHARD_RETURN_IF_ERROR(
-                source->ReadRegion(i, {}, {}, std::span(bytes, DTypeSize(c.dtype))));
+                source->ReadRegion(i, {}, {}, std::span(bytes, DTypeSize(c.dtype)), 1));
             double value = 0;
             if (c.dtype == DType::kI32) {
               int32_t v = 0;

@@ -23,7 +23,7 @@ Status FillFull(ShardSource& source, size_t i, bool verify, std::span<std::byte>
   const ShardedParam& p = source.manifest().params[i];
   if (source.ReadsRegions()) {
     const Shape& shape = p.map.valid_shape();
-    return source.ReadRegion(i, Shape(shape.size(), 0), shape, out)
+    return source.ReadRegion(i, Shape(shape.size(), 0), shape, out, 1)
         .Annotate(fmt::format("tensor \"{}\"", p.name));
   }
   AcquiredShards shards(source, i);
