@@ -215,6 +215,13 @@ class ShardSource {
     (void)i, (void)band_bytes;
     return 0;
   }
+  /// The boxes (offsets, sizes) of parameter i's stored chunks, which tile its full tensor:
+  /// each read by one ReadRegion decodes that chunk alone. Empty: not known (or not stored
+  /// in chunks).
+  virtual std::vector<std::pair<Shape, Shape>> StoredChunks(size_t i) const {
+    (void)i;
+    return {};
+  }
 };
 
 /// Acquires parameter i's shards from a source and releases them when it goes out of scope

@@ -14,6 +14,7 @@
 #include "reshard/base/index.h"
 #include "reshard/checkpoint/checkpoint_ops.h"
 #include "reshard/checkpoint/collective_output.h"
+#include "reshard/checkpoint/dcp/dcp.h"
 #include "reshard/checkpoint/sharded_io.h"
 #include "reshard/exec/strided_copy.h"
 #include "reshard/ir/block_grid.h"
@@ -223,6 +224,59 @@ std::optional<Status> ReadShardByPieces(ShardSource& source, size_t i, const Par
   return Status::Ok();
 }
 
+// Rank r's shard of any layout (pieces that are not boxes: a strided interleave, a transpose,
+// padding) from a source's stored chunks, one chunk at a time: the chunks taken as the shards
+// of a map of their own (chunk k the one piece of "rank" k) and composed with the target map;
+// each chunk that feeds rank r is read once and its moves executed, so that the shard and one
+// chunk are held. nullopt when the source does not list its chunks.
+std::optional<Status> ReadShardByChunks(ShardSource& source, size_t i, const ShardedParam& param,
+                                        Rank r, std::span<std::byte> buffer,
+                                        const CheckpointOptions& options) {
+  if (param.map.rank(r).is_buffered()) return std::nullopt;
+  const std::vector<std::pair<Shape, Shape>> boxes = source.StoredChunks(i);
+  if (boxes.empty()) return std::nullopt;
+  std::vector<DcpChunk> chunks;
+  for (size_t k = 0; k < boxes.size(); ++k) {
+    chunks.push_back(DcpChunk{boxes[k].first, boxes[k].second, static_cast<Rank>(k), {}});
+  }
+  const auto world = static_cast<int>(chunks.size());
+  Result<ParamMap> stored = ChunksToMap(param.name, param.map.valid_shape(), chunks, world);
+  if (!stored.ok()) return stored.status();
+  Result<ParamPlan> plan = Compose(param.map, *stored);
+  if (!plan.ok()) return plan.status();
+  std::map<Rank, ParamPlan> by_chunk;  // the moves into rank r, by the chunk they read
+  for (const Move& mv : plan->moves) {
+    if (mv.dst_rank == r) by_chunk[mv.src_rank].moves.push_back(mv);
+  }
+  ParamPlan padding;  // rank r's elements no chunk holds
+  for (const UnwrittenBlock& u : plan->unwritten) {
+    if (u.dst_rank == r) padding.unwritten.push_back(u);
+  }
+  const size_t esize = DTypeSize(param.dtype);
+  std::vector<MutableBuffer> targets(static_cast<size_t>(param.map.world_size()));
+  targets[static_cast<size_t>(r)] = {buffer.data(), param.map.shard_num_elements(r)};
+  std::vector<ConstBuffer> sources(static_cast<size_t>(world));
+  std::vector<std::byte> chunk;
+  const ExecOptions exec = ExecOptionsFor(options, param.scale_power);
+  for (auto& [k, part] : by_chunk) {
+    const auto& [offsets, sizes] = boxes[static_cast<size_t>(k)];
+    chunk.resize(static_cast<size_t>(ProductOf(sizes)) * esize);
+    RESHARD_RETURN_IF_ERROR(source.ReadRegion(i, offsets, sizes, chunk, 1));
+    part.source_world = world;
+    part.target_world = param.map.world_size();
+    sources.assign(sources.size(), ConstBuffer{});
+    sources[static_cast<size_t>(k)] = {chunk.data(), ProductOf(sizes)};
+    RESHARD_RETURN_IF_ERROR(ExecutePlan(part, param.dtype, sources, targets, exec));
+  }
+  if (!padding.unwritten.empty()) {
+    padding.source_world = world;
+    padding.target_world = param.map.world_size();
+    sources.assign(sources.size(), ConstBuffer{});
+    RESHARD_RETURN_IF_ERROR(ExecutePlan(padding, param.dtype, sources, targets, exec));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Convert(const std::string& sharded_dir, int world_size,
@@ -281,6 +335,11 @@ Status ConvertFrom(ShardSource& source, int world_size,
           const ShardedParam& param = dst.params[i];
           if (std::optional<Status> read =
                   ReadShardByPieces(source, i, param.map, param.dtype, r, buffer)) {
+            counters.read += buffer.size();
+            return *read;
+          }
+          if (std::optional<Status> read =
+                  ReadShardByChunks(source, i, param, r, buffer, per_file)) {
             counters.read += buffer.size();
             return *read;
           }

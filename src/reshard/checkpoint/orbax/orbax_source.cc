@@ -241,6 +241,9 @@ OrbaxMoments FindOrbaxMoments(const OrbaxCheckpoint& c) {
 
 namespace {
 
+// The most stored chunks of one array that StoredChunks lists (a plan over more is not made).
+constexpr Index kMaxPlannedChunks = 4096;
+
 class OrbaxShardSource : public ShardSource {
  public:
   OrbaxShardSource(std::shared_ptr<const OrbaxCheckpoint> ckpt, bool weights_only)
@@ -301,6 +304,35 @@ class OrbaxShardSource : public ShardSource {
     const uint64_t chunk_rows = static_cast<uint64_t>(z.chunk_shape[0]);
     const uint64_t per_band = std::max<uint64_t>(row * chunk_rows, 1);
     return static_cast<Index>(chunk_rows * std::max<uint64_t>(1, band_bytes / per_band));
+  }
+
+  std::vector<std::pair<Shape, Shape>> StoredChunks(size_t i) const override {
+    const ZarrArray& z = ckpt_->arrays()[which_[i]].zarr;
+    std::vector<std::pair<Shape, Shape>> out;
+    if (z.shape.empty() || z.chunk_shape.size() != z.shape.size() || ProductOf(z.shape) == 0) {
+      return out;
+    }
+    const size_t rank = z.shape.size();
+    Shape grid(rank);
+    for (size_t d = 0; d < rank; ++d) {
+      if (z.chunk_shape[d] <= 0) return {};
+      grid[d] = (z.shape[d] + z.chunk_shape[d] - 1) / z.chunk_shape[d];
+    }
+    if (ProductOf(grid) > kMaxPlannedChunks) return {};
+    for (Shape at(rank, 0);;) {
+      Shape offsets(rank), sizes(rank);
+      for (size_t d = 0; d < rank; ++d) {
+        offsets[d] = at[d] * z.chunk_shape[d];
+        sizes[d] = std::min(z.chunk_shape[d], z.shape[d] - offsets[d]);
+      }
+      out.emplace_back(std::move(offsets), std::move(sizes));
+      size_t d = rank;
+      while (d-- > 0) {
+        if (++at[d] < grid[d]) break;
+        at[d] = 0;
+      }
+      if (d == static_cast<size_t>(-1)) return out;
+    }
   }
 
   Result<std::vector<ConstBuffer>> AcquireShards(size_t i) override {

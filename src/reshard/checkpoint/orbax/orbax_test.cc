@@ -335,6 +335,9 @@ class RegionsOnly : public ShardSource {
   Index RegionRows(size_t i, uint64_t band_bytes) const override {
     return inner_->RegionRows(i, band_bytes);
   }
+  std::vector<std::pair<Shape, Shape>> StoredChunks(size_t i) const override {
+    return inner_->StoredChunks(i);
+  }
   // The rows (first, count) of each region read, by parameter name.
   std::map<std::string, std::vector<std::pair<Index, Index>>> regions() const { return regions_; }
 
@@ -416,6 +419,65 @@ TEST_F(OrbaxItemTest, ATargetShardOfSeveralPiecesIsReadFromTheChunksItOverlaps) 
   };
   EXPECT_EQ(shard(0), rows({0, 1, 5, 6}));
   EXPECT_EQ(shard(1), rows({7, 8, 9, 2, 3, 4}));
+}
+
+// A target shard of pieces that are not boxes (every other row; a transpose) is read from the
+// stored chunks one at a time, each chunk once, through a source that cannot give its shards.
+TEST_F(OrbaxItemTest, ATargetShardOfPiecesThatAreNotBoxesIsReadChunkByChunk) {
+  auto c = OrbaxCheckpoint::Open(dir_.path().string());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  RegionsOnly source(OrbaxSource(*c, false));
+  auto doc = ReadMapDocumentJson(R"({"version": 1, "w": {"logical_shape": [10, 6], "ranks": {
+      "0": {"shard_shape": [5, 6], "pieces": [
+          {"shape": [5, 6], "source": [0, [12, 1]], "dest": [0, [6, 1]], "locations": [0]}]},
+      "1": {"shard_shape": [6, 5], "pieces": [
+          {"shape": [6, 5], "source": [6, [1, 12]], "dest": [0, [5, 1]], "locations": [1]}]}}},
+      "^r\\.0$": {"logical_shape": [2], "ranks": {
+      "0": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]},
+      "1": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]}}}})");
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  test_support::TempDir out("_out");
+  const std::string tp2 = (out.path() / "tp2").string();
+  const Status s = ConvertFrom(source, 2, *doc, tp2, {});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  auto converted = ShardedCheckpoint::Open(tp2);
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  const std::vector<ShardedParam>& params = converted->manifest().params;
+  const auto w =
+      static_cast<size_t>(std::find_if(params.begin(), params.end(),
+                                       [](const ShardedParam& p) { return p.name == "w"; }) -
+                          params.begin());
+  ASSERT_LT(w, params.size());
+  // F[row][col] = 6 * row + col, but rows 6-8 (a chunk not stored) hold the fill value 0.
+  auto f = [](Index row, Index col) {
+    return row >= 6 && row < 9 ? 0 : static_cast<int32_t>(6 * row + col);
+  };
+  std::vector<int32_t> even, odd_transposed;
+  for (Index row = 0; row < 10; row += 2) {
+    for (Index col = 0; col < 6; ++col) even.push_back(f(row, col));
+  }
+  for (Index col = 0; col < 6; ++col) {
+    for (Index row = 1; row < 10; row += 2) odd_transposed.push_back(f(row, col));
+  }
+  auto shard = [&](Rank r) {
+    const std::span<const std::byte> bytes = converted->shard(w, r);
+    std::vector<int32_t> v(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+  };
+  EXPECT_EQ(shard(0), even);
+  EXPECT_EQ(shard(1), odd_transposed);
+  // Each rank read each stored chunk that feeds it once, a whole chunk of 3 rows (1 the last):
+  // rank 1 all four, rank 0 three (the last chunk, row 9, holds no even row).
+  const auto regions = source.regions().at("w");
+  EXPECT_EQ(regions.size(), 7u);
+  EXPECT_EQ(std::count(regions.begin(), regions.end(), std::pair<Index, Index>{9, 1}), 1);
+  for (const auto& [first, count] : regions) {
+    EXPECT_EQ(first % 3, 0);
+    EXPECT_EQ(count, first == 9 ? 1 : 3);
+  }
 }
 
 TEST_F(OrbaxItemTest, ASpecNamingAnAxisTheMeshLacksIsDataLoss) {
