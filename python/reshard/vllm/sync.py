@@ -795,7 +795,8 @@ class WeightSync:
         that was served under ``name`` (or none) served everywhere, and raises
         WeightSyncError on every trainer process. A second push under the same name replaces
         the adapter, on every engine or on none; what the engines computed with the old one
-        (their prefix caches) is dropped."""
+        (their prefix caches) is dropped. An engine added later (:meth:`add_engine`) holds
+        none of the adapters pushed before it joined: push them again."""
         from . import _lora
         import hashlib
 
