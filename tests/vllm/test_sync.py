@@ -354,7 +354,7 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
         assert 'placement.engines[1][0]: no host named "elsewhere"' in steps[0]["bad_topology"]
         assert "error" not in steps[1], steps[1]
         assert steps[1]["tokens"] == expected["B"]
-        assert "processing the new weights" in steps[2]["error"], steps[2]
+        assert "engine 1 worker 0: processing the new weights" in steps[2]["error"], steps[2]
         assert steps[2]["tokens"] == expected["B"]  # neither engine took A
         assert "error" not in steps[3], steps[3]
         assert steps[3]["tokens"] == expected["A"]
@@ -458,7 +458,10 @@ def test_adapters_of_fsdp2_and_tp_peft_models_pushed_into_two_engines(fleet, fle
             assert stats["bytes_sent"] == stats["plan_minimum"] == whole, (stats, whole)
             assert stats["bytes_relayed"] > 0, stats
         failed = _step(steps, "adapter one, staging fails on engine 1")
-        assert "staging fails on purpose" in failed["error"], failed
+        # The worker named with its engine (of two, "worker 0" alone names none).
+        assert failed["error"].startswith(
+            "engine 1 worker 0: staging adapter 'policy': RuntimeError: staging fails on "
+            "purpose"), failed
         assert failed["lora_tokens"] == reference["two"], failed
         assert failed["tokens"] == models["expected"]["B"], failed
     # Under FSDP2 every adapter tensor is split between the trainer processes: both send.
