@@ -175,8 +175,8 @@ def peft_model(directory: str, parallel: str) -> Any:
     config = toy.llama_config()
     mesh = init_device_mesh("cpu", (2,))
     model = toy._model(config)
-    columns, rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj",
-                                                                             "down_proj")
+    columns = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    rows = ("o_proj", "down_proj")
 
     def modules(names: tuple[str, ...]) -> list[str]:
         return [f"model.layers.{i}.{'mlp' if n in MLP else 'self_attn'}.{n}"
