@@ -14,7 +14,9 @@
 #      schedule's lanes as concurrent NCCL communicators, every process on a GPU of its own).
 #
 # Needs a Python with a CUDA build of vLLM 0.32 and reshard installed in it (pip install
-# --no-deps a wheel of this checkout), given as VLLM_PYTHON (default: python3). Run from the
+# --no-deps a wheel of this checkout), given as VLLM_PYTHON (default: python3); for step 3, PEFT
+# and accelerate too (pip install --no-deps peft==0.21.2 accelerate==1.15.0: the two-engine
+# test pushes LoRA adapters from PEFT models and computes PEFT's tokens). Run from the
 # repository root:  VLLM_PYTHON=/path/to/venv/bin/python bench/gpu_check.sh
 # Prints what each step gave; exits non-zero at the first step that fails.
 set -euo pipefail

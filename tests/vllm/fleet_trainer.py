@@ -14,7 +14,12 @@ starts a fresh engine (weights A, TP 1) and every process adds it to the sync;
 ``{"kind": "corrupt_verify", "engine": E, "worker": W, "tensor": T}``: element 0 of the
 parameter T that worker W of process E's engine serves altered (one bit), then verify;
 ``{"kind": "new_sync", "on_engine_lost": ...}``: a new WeightSync over the engines the
-processes own. The sync is built with ``spec["on_engine_lost"]``. After each step every
+processes own; ``{"kind": "lora_push", "adapter": K, "parallel": P, "lora_name": N}``: the PEFT
+model of the adapter saved in ``spec["lora_dirs"][K]``, split over the two processes as ``P``
+says (``peft_model``), pushed with ``sync.push_lora(N, model)``, then each engine's greedy
+tokens for ``sync.lora_request(N)`` recorded besides its base model's (with ``"fail_engine":
+E``, the last worker of the engine process E owns fails to stage it first). The engines run with
+``enable_lora``. The sync is built with ``spec["on_engine_lost"]``. After each step every
 process records its own engine's greedy tokens.
 First, a WeightSync whose engine lists differ between the processes, and one whose topology
 places an engine on a host it does not have, are refused. Process r writes
@@ -49,15 +54,16 @@ def run(spec: dict, rank: int) -> None:
     def start(tp: int) -> Any:
         return LLM(model=spec["model"], tensor_parallel_size=tp, enforce_eager=True,
                    skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=32 << 20,
-                   max_model_len=128, weight_transfer_config={"backend": "reshard"})
+                   max_model_len=128, weight_transfer_config={"backend": "reshard"},
+                   enable_lora=True, max_lora_rank=toy.LORA_R, max_loras=1)
     llm = start(tp)
 
-    def generate() -> Optional[list]:
+    def generate(lora: Any = None) -> Optional[list]:
         if llm is None:
             return None
         params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params,
-                            use_tqdm=False)
+                            use_tqdm=False, lora_request=lora)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     loaded = {key: reshard.checkpoint.load_rank(spec["sharded"][key], rank) for key in "AB"}
@@ -96,6 +102,15 @@ def run(spec: dict, rank: int) -> None:
                 sync = WeightSync(engines=[llm if r == rank else None for r in range(2)],
                                   source_maps=loaded["A"][0], timeout_s=spec["timeout_s"],
                                   on_engine_lost=lost)
+            elif kind == "lora_push":
+                model = peft_model(spec["lora_dirs"][step["adapter"]], step["parallel"])
+                if "fail_engine" in step:  # its last worker fails to stage the adapter
+                    if rank == step["fail_engine"]:
+                        assert sum(llm.collective_rpc(toy.fail_adapter_staging_once,
+                                                      args=(tp - 1,))) == 1
+                    dist.barrier()
+                entry["stats"] = sync.push_lora(step["lora_name"], model).__dict__
+                entry["adapter_names"] = sync.adapter_names
             elif kind == "adamw":  # AdamW steps of a bf16 model, delta-pushed, then B whole
                 entry.update(toy.adamw_pushes(spec, step, llm, sync, loaded["A"][0], rank,
                                               generate, then=loaded[step["then"]][1]))
@@ -131,11 +146,57 @@ def run(spec: dict, rank: int) -> None:
         if kind == "engine_lost" and rank == step["engine"]:
             llm = None  # its engine is gone
         entry["tokens"] = generate()
+        if kind == "lora_push" and step["lora_name"] in sync.adapter_names:
+            entry["lora_tokens"] = generate(sync.lora_request(step["lora_name"]))
         results.append(entry)
         with open(spec["out"] + f".{rank}", "w") as f:
             json.dump({"steps": results}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def peft_model(directory: str, parallel: str) -> Any:
+    """The toy Llama with the PEFT adapter saved in ``directory`` (``peft.PeftModel``), split
+    over the two trainer processes. ``"fsdp2"``: every decoder layer, then the whole model,
+    ``fully_shard``-ed over a mesh of both (every adapter tensor a DTensor, its rows split).
+    ``"tp"``: the base model parallelized by torch's tensor parallelism before PEFT wraps it
+    (q, k, v, gate and up column-wise, o and down row-wise), then each adapter split as its
+    layer is: B of a column-parallel layer by rows, A of a row-parallel layer by columns (as
+    ``ColwiseParallel`` / ``RowwiseParallel`` split a Linear's weight); the A of a
+    column-parallel layer and the B of a row-parallel one stay whole on both processes."""
+    import peft
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    config = toy.llama_config()
+    mesh = init_device_mesh("cpu", (2,))
+    model = toy._model(config)
+    columns = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    rows = ("o_proj", "down_proj")
+
+    def modules(names: tuple[str, ...]) -> list[str]:
+        return [f"model.layers.{i}.{'mlp' if n in MLP else 'self_attn'}.{n}"
+                for i in range(config["num_hidden_layers"]) for n in names]
+    if parallel == "tp":
+        parallelize_module(model, mesh, {**{m: ColwiseParallel() for m in modules(columns)},
+                                         **{m: RowwiseParallel() for m in modules(rows)}})
+    adapted = peft.PeftModel.from_pretrained(model, directory)
+    if parallel == "fsdp2":
+        for layer in adapted.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(adapted, mesh=mesh)
+    elif parallel == "tp":
+        stem = "base_model.model."
+        parallelize_module(adapted, mesh, {
+            **{f"{stem}{m}.lora_B.default": ColwiseParallel() for m in modules(columns)},
+            **{f"{stem}{m}.lora_A.default": RowwiseParallel() for m in modules(rows)}})
+    else:
+        raise ValueError(f"parallel is \"fsdp2\" or \"tp\", got {parallel!r}")
+    return adapted
 
 
 if __name__ == "__main__":

@@ -8,83 +8,30 @@ served before served on every worker."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import toy  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[5, 6, 7, 8], [17, 3, 240, 99, 1], [(7 * i + 3) % 250 for i in range(40)]]
 NEW_TOKENS = 8
-R, ALPHA = 8, 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _adapter(config, seed):
-    """A PEFT adapter's tensors (saved names) with A and B drawn from ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    h, i = config["hidden_size"], config["intermediate_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    out = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module in TARGETS:
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            stem = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            fan_in, fan_out = dims[module]
-            out[f"{stem}.lora_A.weight"] = 0.2 * torch.randn(R, fan_in, generator=g)
-            out[f"{stem}.lora_B.weight"] = 0.2 * torch.randn(fan_out, R, generator=g)
-    return out
-
-
-ADAPTER_CONFIG = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": TARGETS,
-                  "bias": "none", "use_rslora": False, "use_dora": False,
-                  "fan_in_fan_out": False, "task_type": "CAUSAL_LM", "modules_to_save": None}
-
-
-def _main_python():
-    root = os.path.dirname(os.path.dirname(HERE))
-    python = os.environ.get("RESHARD_MAIN_PYTHON", os.path.join(root, ".venv", "bin", "python"))
-    assert os.path.exists(python), (
-        f"{python} is missing: scripts/dev test installs PEFT there, or point "
-        "RESHARD_MAIN_PYTHON at a Python that has PEFT and transformers")
-    return python
+R = toy.LORA_R
+ADAPTER_CONFIG = toy.LORA_CONFIG
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The base model, adapters 1 and 2 (PEFT directories), and PEFT's tokens for each."""
-    from safetensors.torch import save_file
     root = tmp_path_factory.mktemp("lora_push")
     config = toy.llama_config()
     base = toy.write(str(root / "base"), config, toy.weights(config, 1))
-    adapters, dirs = {}, {}
-    for key, seed in (("one", 11), ("two", 12)):
-        adapters[key] = _adapter(config, seed)
-        d = root / f"adapter-{key}"
-        d.mkdir()
-        save_file(adapters[key], str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps(
-            {**ADAPTER_CONFIG, "base_model_name_or_path": base}))
-        dirs[key] = str(d)
-    spec = root / "reference.json"
-    spec.write_text(json.dumps({"base": base, "adapters": dirs, "prompts": PROMPTS,
-                                "new_tokens": NEW_TOKENS, "out": str(root / "tokens.json")}))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([_main_python(), os.path.join(HERE, "peft_reference.py"), str(spec)],
-                   check=True, env=env, capture_output=True, text=True)
-    expected = json.loads((root / "tokens.json").read_text())
-    assert len({json.dumps(expected[k]) for k in ("base", "one", "two")}) == 3
-    return {"base": base, "config": config, "adapters": adapters, "dirs": dirs,
-            "expected": expected, "state": toy.weights(config, 1), "root": root}
+    made = toy.peft_adapters(str(root), base, config, {"one": 11, "two": 12}, PROMPTS,
+                             NEW_TOKENS)
+    return {"base": base, "config": config, **made, "state": toy.weights(config, 1),
+            "root": root}
 
 
 def _generate(llm, request=None):

@@ -276,6 +276,12 @@ FLEET_STEPS = [
      "delta": True},
     {"name": "A", "kind": "push", "weights": "A", "delta": True},
     {"name": "B verified", "kind": "push", "weights": "B", "delta": True, "verify": True},
+    {"name": "adapter one, FSDP2", "kind": "lora_push", "adapter": "one", "parallel": "fsdp2",
+     "lora_name": "policy"},
+    {"name": "adapter two, TP", "kind": "lora_push", "adapter": "two", "parallel": "tp",
+     "lora_name": "policy"},
+    {"name": "adapter one, staging fails on engine 1", "kind": "lora_push", "adapter": "one",
+     "parallel": "fsdp2", "lora_name": "policy", "fail_engine": 1},
     {"name": "lost, dropped", "kind": "engine_lost", "weights": "A", "engine": 1,
      "delta": True},
     {"name": "B to one", "kind": "push", "weights": "B", "delta": True},
@@ -299,7 +305,16 @@ def _step(steps, name):
 
 
 @pytest.fixture(scope="module")
-def fleet(models, tmp_path_factory):
+def fleet_adapters(models, tmp_path_factory):
+    """Two LoRA adapters of the toy Llama in PEFT's format, and PEFT's greedy tokens of weights
+    B (what the engines serve when the fleet pushes them) with each."""
+    return toy.peft_adapters(str(tmp_path_factory.mktemp("fleet_adapters")),
+                             os.path.join(models["root"], "B"), toy.llama_config(),
+                             {"one": 11, "two": 12}, PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def fleet(models, fleet_adapters, tmp_path_factory):
     """Each trainer process's steps of FLEET_STEPS (its own engine's tokens)."""
     tmp = tmp_path_factory.mktemp("fleet")
     # Engine TPs 2 and 1 on the CPU; on a GPU machine (RESHARD_VLLM_ENGINE_TPS=1, one GPU per
@@ -309,6 +324,7 @@ def fleet(models, tmp_path_factory):
             "sharded": models["sharded"], "on_engine_lost": "drop",
             "full": {k: os.path.join(models["root"], k) for k in ("A", "B")},
             "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "steps": FLEET_STEPS,
+            "lora_dirs": fleet_adapters["dirs"],
             "timeout_s": FLEET_TIMEOUT_S,
             "rendezvous": str(tmp / "rendezvous"), "out": str(tmp / "result.json")}
     run_trainers("fleet_trainer.py", spec, tmp, 900)
@@ -338,7 +354,7 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
         assert 'placement.engines[1][0]: no host named "elsewhere"' in steps[0]["bad_topology"]
         assert "error" not in steps[1], steps[1]
         assert steps[1]["tokens"] == expected["B"]
-        assert "processing the new weights" in steps[2]["error"], steps[2]
+        assert "engine 1 worker 0: processing the new weights" in steps[2]["error"], steps[2]
         assert steps[2]["tokens"] == expected["B"]  # neither engine took A
         assert "error" not in steps[3], steps[3]
         assert steps[3]["tokens"] == expected["A"]
@@ -413,6 +429,45 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
     assert sum(v for k, v in links.items() if k.startswith("trainer")) == stats["bytes_sent"]
     assert sum(v for k, v in links.items() if k.startswith("engine")) == stats["bytes_relayed"]
     assert links[stats["busiest_link"]] == max(links.values())
+
+
+def test_adapters_of_fsdp2_and_tp_peft_models_pushed_into_two_engines(fleet, fleet_adapters,
+                                                                     models):
+    """push_lora from the two trainer processes into both engines of the fleet (TP 2 and TP 1,
+    started with enable_lora) through the sync schedule: adapter one from a live PEFT model
+    under FSDP2 (each process holding rows of every adapter tensor, DTensors), then, under the
+    same name, adapter two from PEFT over a model parallelized by torch's tensor parallelism
+    (B of q, k, v, gate, up split by rows, A of o, down by columns, the others whole on both).
+    After each, both engines give PEFT's greedy tokens of the served weights B with the
+    adapter for ``sync.lora_request("policy")``, and transformers' tokens of B without it: the
+    second push swapped the adapter on both. Each byte leaves the trainer processes once (the
+    whole adapter: its plan minimum); the engines' workers relay the rest. A third push whose
+    staging fails on the second engine's worker, after every byte arrived, raises on both
+    trainer processes, and neither engine commits it: both still serve adapter two."""
+    reference = fleet_adapters["expected"]
+    assert reference["base"] == models["expected"]["B"]  # PEFT's base model is transformers'
+    whole = sum(t.numel() * 4 for t in fleet_adapters["adapters"]["one"].values())
+    for steps in fleet:  # each process: its own engine's tokens
+        for name, key in (("adapter one, FSDP2", "one"), ("adapter two, TP", "two")):
+            step = _step(steps, name)
+            assert "error" not in step, step
+            assert step["adapter_names"] == ["policy"], step
+            assert step["lora_tokens"] == reference[key], name
+            assert step["tokens"] == models["expected"]["B"], name
+            stats = step["stats"]
+            assert stats["bytes_sent"] == stats["plan_minimum"] == whole, (stats, whole)
+            assert stats["bytes_relayed"] > 0, stats
+        failed = _step(steps, "adapter one, staging fails on engine 1")
+        # The worker named with its engine (of two, "worker 0" alone names none).
+        assert failed["error"].startswith(
+            "engine 1 worker 0: staging adapter 'policy': RuntimeError: staging fails on "
+            "purpose"), failed
+        assert failed["lora_tokens"] == reference["two"], failed
+        assert failed["tokens"] == models["expected"]["B"], failed
+    # Under FSDP2 every adapter tensor is split between the trainer processes: both send.
+    sent = [_step(steps, "adapter one, FSDP2")["stats"] for steps in fleet]
+    assert all(0 < s["bytes_sent_here"] < s["bytes_sent"] for s in sent), sent
+    assert sum(s["bytes_sent_here"] for s in sent) == sent[0]["bytes_sent"], sent
 
 
 DELTA_STEPS = [

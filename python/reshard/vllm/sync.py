@@ -714,6 +714,14 @@ class WeightSync:
                 return f"engine {ids[e]} worker {p - ranks.start}"
         return f"process {p}"
 
+    def _worker_problem(self, p: int, error: str) -> str:
+        """The problem a worker (process ``p`` of the group) reported, naming its engine where
+        there are several (a worker names itself by its rank in its engine alone)."""
+        name = self._process_name(p)
+        if self._engines > 1 and name.startswith("engine ") and error.startswith("worker "):
+            return f"{name.rsplit(' worker ', 1)[0]} {error}"
+        return error
+
     def _moved(self, stages: Optional[Sequence[Stage]] = None
                ) -> tuple[int, int, int, dict[str, int]]:
         """The last push's bytes (of ``stages``, default the weights'): out of the trainer
@@ -795,7 +803,8 @@ class WeightSync:
         that was served under ``name`` (or none) served everywhere, and raises
         WeightSyncError on every trainer process. A second push under the same name replaces
         the adapter, on every engine or on none; what the engines computed with the old one
-        (their prefix caches) is dropped."""
+        (their prefix caches) is dropped. An engine added later (:meth:`add_engine`) holds
+        none of the adapters pushed before it joined: push them again."""
         from . import _lora
         import hashlib
 
@@ -1090,7 +1099,7 @@ class WeightSync:
             self._finish_all(calls)
             raise
         try:
-            replies = [r for r in comm.gather_object(None) if isinstance(r, dict)]
+            returned = comm.gather_object(None)
         except Exception as e:
             raise self._lost_peer(calls, e) from None
         if update.get("mode") == "verify":
@@ -1098,7 +1107,9 @@ class WeightSync:
             return SyncStats(0, 0, 0, time.perf_counter() - start)
         # Every worker of every engine has committed, or (a worker's problem) every one kept
         # its old weights.
-        failed = [r["error"] for r in replies if r["error"]]
+        replies = [r for r in returned if isinstance(r, dict)]
+        failed = [self._worker_problem(p, r["error"]) for p, r in enumerate(returned)
+                  if isinstance(r, dict) and r["error"]]
         worker = {k: max(r["seconds"].get(k, 0.0) for r in replies)
                   for k in ("prepare", "transfer", "process", "commit")} if replies else {}
         problems = self._close_updates(calls)
