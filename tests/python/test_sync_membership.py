@@ -100,6 +100,27 @@ def test_an_engine_whose_model_the_plan_refuses_leaves_the_others_joined(monkeyp
     assert sync.add_engine(FakeLLM()) == 3  # numbers are never reused
 
 
+def test_a_topology_that_does_not_hold_the_engines_left_leaves_them_joined(monkeypatch):
+    """remove_engine(topology=...) whose topology the plan refuses: the engine has left, and
+    the others join again placed by their host names; a join that fails without a topology
+    makes the sync unusable, said at once rather than at the next push."""
+    from reshard.vllm import WeightSyncError
+    sync, joins, outcomes = _sync(monkeypatch, {0: FakeLLM(), 1: FakeLLM(), 2: FakeLLM()})
+    outcomes.append(WeightSyncError("topology: placement.engines[1][0]: no host named \"x\""))
+    with pytest.raises(WeightSyncError, match="engine 1 left the sync, but the topology given "
+                                              r"does not hold the engines left \(topology: .*\); "
+                                              "they joined again, placed by their host names: "
+                                              r"engines \[0, 2\]"):
+        sync.remove_engine(1, topology={"hosts": []})
+    assert joins == [[0, 2], [0, 2]] and sync._topology is None and sync._lost is None
+    outcomes += [None, WeightSyncError("the store is gone")]  # joins 2 and 3
+    with pytest.raises(WeightSyncError, match="the engines left could not join again: the store "
+                                              "is gone; build a new WeightSync"):
+        sync.remove_engine(2)
+    with pytest.raises(WeightSyncError, match="the engines left could not join again"):
+        sync.push({})
+
+
 def test_membership_changes_and_pushes_from_two_threads_refuse_each_other(monkeypatch):
     from reshard.vllm import WeightSyncError
     sync, _, _ = _sync(monkeypatch, {0: FakeLLM(), 1: FakeLLM()})

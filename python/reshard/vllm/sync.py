@@ -1411,7 +1411,24 @@ class WeightSync:
         self._ids.remove(number)
         self._topology = topology
         self._shut_groups()
-        dropped = self._join(drop=True)
+        try:
+            dropped = self._join(drop=True)
+        except WeightSyncError as e:  # agreed: the plan refused the membership left
+            if topology is None:
+                self._lost = f"the engines left could not join again: {e}"
+                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
+            self._topology = None
+            self._shut_groups()
+            try:
+                dropped = self._join(drop=True)
+            except WeightSyncError as ex:
+                self._lost = f"the engines left could not join again: {ex}"
+                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
+            if dropped:
+                self._warn_dropped(dropped)
+            raise WeightSyncError(f"engine {number} left the sync, but the topology given does "
+                                  f"not hold the engines left ({e}); they joined again, placed "
+                                  f"by their host names: engines {self._ids}") from None
         if dropped:
             self._warn_dropped(dropped)
 
