@@ -1038,6 +1038,7 @@ class WeightSync:
             self._in_push, self._overlapped = True, False
             self._busy = "a push"
         dropped: list[str] = []
+        began = time.perf_counter()
         try:
             while True:
                 try:
@@ -1050,8 +1051,9 @@ class WeightSync:
                         raise WeightSyncError(
                             f"an adapter push lost engines, dropped: {'; '.join(r.dropped)}; "
                             "no engine serves the new adapter: push it again") from None
-            if dropped:
-                stats = dataclasses.replace(stats, dropped=dropped)
+            if dropped:  # the seconds of the push made again, and of the loss before it
+                stats = dataclasses.replace(stats, dropped=dropped,
+                                            seconds=time.perf_counter() - began)
             if update.get("mode") in ("plan", "lora"):
                 self.last_stats = stats
             if update.get("mode") == "lora":
