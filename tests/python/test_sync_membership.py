@@ -84,6 +84,17 @@ def test_an_engine_the_sync_has_or_not_an_engine_is_refused_before_any_join(monk
     assert sync.add_engine(other) == 2 and sync.engine_ids == [0, 1, 2] and joins == [[0, 1, 2]]
 
 
+def test_an_engine_added_after_adapter_pushes_is_said_to_lack_them(monkeypatch):
+    """A request naming a pushed adapter on an engine that never received it ends that engine
+    (vLLM reads the placeholder path): add_engine says which adapters it lacks."""
+    sync, _, _ = _sync(monkeypatch, {0: FakeLLM()})
+    assert sync.add_engine(FakeLLM()) == 1  # no adapter pushed: nothing said
+    sync._adapters = {"policy": None, "ref": None}
+    with pytest.warns(RuntimeWarning, match="engine 2 serves none of the adapters pushed before "
+                                            r"it joined \('policy', 'ref'\)"):
+        assert sync.add_engine(FakeLLM()) == 2
+
+
 def test_an_engine_whose_model_the_plan_refuses_leaves_the_others_joined(monkeypatch):
     """The plan of the new membership fails (the engine's model lacks the trainer's tensors,
     or shapes differ): the engine added is left out and the others join again, under the

@@ -1377,6 +1377,12 @@ class WeightSync:
         if mine:
             raise WeightSyncError(f"the engine added could not join: {mine[0]}; the sync "
                                   f"goes on with engines {self._ids}")
+        if getattr(self, "_adapters", None):
+            warnings.warn(f"reshard WeightSync: engine {number} serves none of the adapters "
+                          f"pushed before it joined ({', '.join(map(repr, self._adapters))}); "
+                          "a request naming one there makes vLLM read its placeholder path, "
+                          "which fails and ends the engine: push_lora() them again first",
+                          RuntimeWarning, stacklevel=3)
         return number
 
     def remove_engine(self, engine: Any = None, *, topology: Any = None) -> None:
