@@ -9,7 +9,9 @@ last worker of engine E fails its post-load processing of layer 1's MLP once, th
 pushed; ``{"kind": "engine_lost", "weights": W, "engine": E}``: worker 0 of the engine process
 E owns dies (SIGKILL) at its first exchange of the push of W (the process owning it records no
 tokens until it owns an engine again); ``{"kind": "add_engine", "owner": R}``: process R
-starts a fresh engine (weights A, TP 1) and every process adds it to the sync;
+starts a fresh engine (weights A, TP 1) and every process adds it to the sync (``"again":
+true``: process R's engine, which the sync has already); ``{"kind": "add_other_model", "owner":
+R}``: process R starts an engine of a model whose MLP is narrower and every process adds it;
 ``{"kind": "verify"}``: ``sync.verify()`` of the weights last pushed (``"weights"``);
 ``{"kind": "corrupt_verify", "engine": E, "worker": W, "tensor": T}``: element 0 of the
 parameter T that worker W of process E's engine serves altered (one bit), then verify;
@@ -92,10 +94,27 @@ def run(spec: dict, rank: int) -> None:
         start_s = time.monotonic()
         try:
             if kind == "add_engine":
-                if rank == step["owner"]:
+                if rank == step["owner"] and not step.get("again"):
                     llm = start(1)
+                entry["engine_ids"] = sync.engine_ids  # as they were, should the add fail
                 entry["number"] = sync.add_engine(llm if rank == step["owner"] else None)
                 entry["engine_ids"] = sync.engine_ids
+            elif kind == "add_other_model":  # shapes the trainer's tensors do not take
+                other = None
+                if rank == step["owner"]:
+                    config = toy.llama_config(intermediate_size=96)
+                    path = toy.write(spec["out"] + ".other", config, toy.weights(config, 3))
+                    other = LLM(model=path, tensor_parallel_size=1, enforce_eager=True,
+                                skip_tokenizer_init=True, dtype="float32",
+                                kv_cache_memory_bytes=32 << 20, max_model_len=128,
+                                weight_transfer_config={"backend": "reshard"})
+                dist.barrier()
+                try:
+                    sync.add_engine(other)
+                finally:
+                    entry["engine_ids"] = sync.engine_ids
+                    if other is not None:
+                        other.llm_engine.engine_core.shutdown()
             elif kind == "new_sync":
                 lost = step["on_engine_lost"]
                 sync.close()

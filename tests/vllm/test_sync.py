@@ -294,6 +294,9 @@ FLEET_STEPS = [
     {"name": "verify", "kind": "verify"},
     {"name": "verify altered", "kind": "corrupt_verify", "engine": 0, "worker": 1,
      "tensor": "model.norm.weight"},
+    {"name": "add again", "kind": "add_engine", "owner": 1, "again": True},
+    {"name": "add another model", "kind": "add_other_model", "owner": 0},
+    {"name": "B after the refused adds", "kind": "push", "weights": "B", "delta": True},
     {"name": "fail on loss", "kind": "new_sync", "on_engine_lost": "fail"},
     {"name": "B again", "kind": "push", "weights": "B"},
     {"name": "lost, failing", "kind": "engine_lost", "weights": "A", "engine": 1}]
@@ -344,7 +347,8 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
     (reported in the stats and by a warning) and the next push goes to the first alone. A fresh
     engine added: both serve what is pushed, deltas included. verify() passes, and catches a
     parameter a worker serves altered behind the sync's back, naming engine, worker, tensor and
-    element. With on_engine_lost="fail" (the default), a lost engine fails the push on every
+    element. Adding an engine the sync has already is refused at once, and adding an engine of
+    a model the trainer's tensors do not fit is refused with the others still joined. With on_engine_lost="fail" (the default), a lost engine fails the push on every
     trainer process, and the first engine keeps serving the weights it had."""
     runs = fleet
     expected = models["expected"]
@@ -371,6 +375,8 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
         assert any("dropped engine 1 (" in w and "engines [0]" in w
                    for w in lost["warnings"]), lost
         assert lost["last_stats"] == lost["stats"] and lost["engine_ids"] == [0], lost
+        # The push's seconds count the loss and the push made again, not the latter alone.
+        assert lost["stats"]["seconds"] > 0.8 * lost["seconds"] > 1, lost
         alone = _step(steps, "B to one")
         assert "error" not in alone and alone["engine_ids"] == [0], alone
         assert not alone["stats"]["dropped"], alone
@@ -404,6 +410,19 @@ def test_one_sync_into_two_engines_sends_each_byte_once(fleet, models):
         assert "the targets do not hold what the sources have" in altered["error"], altered
         assert '"model.norm.weight" on target engine 0 worker 1' in altered["error"], altered
         assert "first differing element [0]" in altered["error"], altered
+        # An engine the sync has already is refused at once; one whose model the trainer's
+        # tensors do not fit is refused, and the others stay joined: the next push lands.
+        again = _step(steps, "add again")
+        assert "add_engine() was given engine 2, which the sync has already (trainer process " \
+            "1)" in again["error"], again
+        assert again["seconds"] < 5 and again["engine_ids"] == [0, 2], again
+        other = _step(steps, "add another model")
+        assert other["error"].startswith("the engine added could not join: "), other
+        assert other["error"].endswith("the sync goes on with engines [0, 2]"), other
+        assert other["engine_ids"] == [0, 2], other
+        after = _step(steps, "B after the refused adds")
+        assert "error" not in after and not after["stats"]["dropped"], after
+        assert after["engine_ids"] == [0, 2] and after["tokens"] == expected["B"], after
     # With on_engine_lost="fail": the new engine's worker 0 dies in a push of A; both trainer
     # processes raise, within the sync's timeout, and engine 0 still serves B.
     for steps in runs:

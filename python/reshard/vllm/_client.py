@@ -42,7 +42,7 @@ class _Client:
                                   "VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                                   "'{\"backend\": \"reshard\"}'?") from e
 
-    def call(self, method: str, body: Optional[dict[str, Any]] = None) -> None:
+    def _call(self, method: str, body: Optional[dict[str, Any]] = None) -> None:
         if isinstance(self._engine, str):
             self._post(method, body or {})
         elif body is None:
@@ -50,10 +50,28 @@ class _Client:
         else:
             getattr(self._engine, method)(body)
 
+    def call(self, method: str, body: Optional[dict[str, Any]] = None) -> None:
+        """The engine's RPC ``method``, waited for at most the sync's timeout: an ``LLM``
+        whose engine hangs (a worker stopped, not dead) never answers vLLM's own call, which
+        has no timeout; it is left running on a thread of its own."""
+        self._within(lambda: self._call(method, body), method)
+
+    def _within(self, fn: Callable[[], None], what: str) -> None:
+        if isinstance(self._engine, str):  # the server's socket is bounded by the timeout
+            fn()
+            return
+        call = _Background(fn)
+        if not call.wait(self._timeout):
+            raise WeightSyncError(f"the engine did not answer {what} within {self._timeout:g} "
+                                  "s (is it hung?)")
+        error = call.result()
+        if error is not None:
+            raise error
+
     def later(self, method: str, body: Optional[dict[str, Any]] = None) -> "_Background":
-        """:meth:`call` on a thread of its own (the engine's RPC returns once the trainer
-        processes have done their part)."""
-        return _Background(lambda: self.call(method, body))
+        """The engine's RPC on a thread of its own (it returns once the trainer processes
+        have done their part; the sync bounds its wait)."""
+        return _Background(lambda: self._call(method, body))
 
     def reset_caches(self) -> None:
         """Drops what the engine computed with the weights it had: its prefix cache (requests
@@ -62,11 +80,14 @@ class _Client:
             self._post("reset_prefix_cache?reset_running_requests=true", {})
             self._post("reset_encoder_cache", {})
             return
-        self._engine.reset_prefix_cache(reset_running_requests=True)
-        reset_encoder = getattr(getattr(self._engine, "llm_engine", None),
-                                "reset_encoder_cache", None)
-        if reset_encoder is not None:
-            reset_encoder()
+
+        def reset() -> None:
+            self._engine.reset_prefix_cache(reset_running_requests=True)
+            reset_encoder = getattr(getattr(self._engine, "llm_engine", None),
+                                    "reset_encoder_cache", None)
+            if reset_encoder is not None:
+                reset_encoder()
+        self._within(reset, "reset_prefix_cache")
 
     def tensor_parallel_size(self) -> Optional[int]:
         if isinstance(self._engine, str):

@@ -15,6 +15,7 @@ each byte out of the trainer processes once, the engines' workers relaying the r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,7 +25,8 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence,
+                    Union)
 
 from .._errors import LayoutError
 from .._maps import MapLike, ParamMap, as_map
@@ -94,11 +96,29 @@ class VerifyStats:
     """One :meth:`WeightSync.verify`: the (tensor, engine worker) ``pairs`` whose served
     values were proven equal to the trainer's, the tensors left ``unverified`` (on some
     engine a worker serves them in a form its post-load processing made, not as loaded), and
-    the ``seconds`` it took."""
+    the ``seconds`` it took; with ``on_engine_lost="drop"``, the engines it ``dropped`` (lost
+    before or during it: what it proved is of the others)."""
 
     pairs: int
     unverified: list[str]
     seconds: float
+    dropped: Optional[list[str]] = None
+
+
+def _calls_differ(what: str, told: Sequence[Any]) -> Optional[str]:
+    """Why the trainer processes cannot go on with the collective call ``what`` of a sync
+    (``told``: each process's ``(call, value)``, gathered over the trainer's group), or None:
+    a process that made another call of the sync (one calling remove_engine() while the
+    others push) is paired with theirs by the group, and none may read the other's value."""
+    calls = [t[0] if isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) else None
+             for t in told]
+    if all(c == what for c in calls):
+        return None
+    return ("the trainer processes made different calls of this WeightSync at once ("
+            + ", ".join(f"process {r}: {f'{c}()' if c else 'another call'}"
+                        for r, c in enumerate(calls))
+            + "); nothing was changed: every trainer process makes the same calls of the sync "
+            "in the same order")
 
 
 class _Regrouped(Exception):
@@ -229,6 +249,7 @@ class WeightSync:
         self._steps = 0  # pushes begun: agreed among the trainer processes in each push
         self._guard = threading.Lock()  # over the two below
         self._in_push = False  # a push in progress (one at a time)
+        self._busy = "a push"  # what holds _in_push: a push, or a membership change
         self._overlapped = False  # another push was asked for while it was in progress
         self._whole: list[str] = []  # the tensors every trainer process holds whole
         self._lost: Optional[str] = None  # why this sync's group broke (a process lost)
@@ -480,7 +501,16 @@ class WeightSync:
         return has.index(True)
 
     def _finish_all(self, calls: Mapping[int, "_Background"]) -> Optional[BaseException]:
-        problems = [p for p in (self._finish(c) for c in calls.values()) if p is not None]
+        """The first failure of ``calls`` (by engine position), each waited for at most the
+        sync's timeout in all: an engine that hangs never answers."""
+        deadline = time.monotonic() + self._timeout
+        problems: list[BaseException] = []
+        for e, call in calls.items():
+            if not call.wait(max(0.0, deadline - time.monotonic())):
+                problems.append(WeightSyncError(f"{self._which(e)} did not answer within "
+                                                f"{self._timeout:g} s (is it hung?)"))
+            elif call.result() is not None:
+                problems.append(call.result())  # type: ignore[arg-type]
         return problems[0] if problems else None
 
     # -- construction -------------------------------------------------------------------
@@ -953,7 +983,7 @@ class WeightSync:
                 self._verifiers, error, self._process_name)
         stats = self._push({"mode": "verify"}, send)
         return VerifyStats(int(found.get("pairs", 0)), list(found.get("unverified", [])),
-                           stats.seconds)
+                           stats.seconds, stats.dropped)
 
     def _local_shards(self, shards: Union[None, "TorchSource", Mapping[str, "torch.Tensor"]]
                       ) -> tuple[Mapping[str, "torch.Tensor"], Optional[str]]:
@@ -1011,10 +1041,13 @@ class WeightSync:
         with self._guard:
             if self._in_push:
                 self._overlapped = True
-                raise WeightSyncError("a push of this WeightSync is in progress (in another "
+                busy = getattr(self, "_busy", "a push")
+                raise WeightSyncError(f"{busy} of this WeightSync is in progress (in another "
                                       "thread); push again once it has returned")
             self._in_push, self._overlapped = True, False
+            self._busy = "a push"
         dropped: list[str] = []
+        began = time.perf_counter()
         try:
             while True:
                 try:
@@ -1027,8 +1060,9 @@ class WeightSync:
                         raise WeightSyncError(
                             f"an adapter push lost engines, dropped: {'; '.join(r.dropped)}; "
                             "no engine serves the new adapter: push it again") from None
-            if dropped:
-                stats = dataclasses.replace(stats, dropped=dropped)
+            if dropped:  # the seconds of the push made again, and of the loss before it
+                stats = dataclasses.replace(stats, dropped=dropped,
+                                            seconds=time.perf_counter() - began)
             if update.get("mode") in ("plan", "lora"):
                 self.last_stats = stats
             if update.get("mode") == "lora":
@@ -1045,9 +1079,9 @@ class WeightSync:
     def _push_alone(self, update: dict[str, Any], send: Callable[[], Any],
                     digest: Callable[[], Optional[dict[str, str]]],
                     stages: Optional[Callable[[], list[Stage]]] = None) -> SyncStats:
-        comm = self.transport
         if self._lost is not None:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
+        comm = self.transport
         start = time.perf_counter()
         self._steps += 1
         update["step"] = self._steps
@@ -1074,10 +1108,16 @@ class WeightSync:
         # every engine started, the same push on every process.
         with self._guard:
             overlapped = self._overlapped
-        told = self._trainer_gather((PushClaim(refused, self._steps, digests, overlapped),
-                                     gone))
-        problem = push_refusal([claim for claim, _ in told])
-        lost = {e: why for _, g in told for e, why in g.items()}
+        what = {"verify": "verify", "lora": "push_lora"}.get(update.get("mode", ""), "push")
+        told = self._trainer_gather((what, (PushClaim(refused, self._steps, digests,
+                                                      overlapped), gone)))
+        problem = _calls_differ(what, told)
+        if problem is not None:
+            self._steps -= 1  # not made anywhere: the processes stay at the same push
+        else:
+            told = [value for _, value in told]
+            problem = push_refusal([claim for claim, _ in told])
+        lost = {} if problem is not None else {e: why for _, g in told for e, why in g.items()}
         if problem is not None or lost:
             for client in started:  # the engines that did start close their update
                 client.call("finish_weight_update")
@@ -1169,8 +1209,9 @@ class WeightSync:
         self._lost = (f"a push failed in the transfer, a process of the group lost "
                       f"({type(e).__name__}: {e}); the engine serves the weights it had, or "
                       "the new ones if every byte had reached it, never a mix")
+        deadline = time.monotonic() + 3 * self._timeout  # a hung engine's call never returns
         for engine, call in calls.items():
-            if self._finish(call) is None:
+            if call.wait(max(0.0, deadline - time.monotonic())) and call.result() is None:
                 try:  # the workers returned: close the update in vLLM
                     self._clients[engine].call("finish_weight_update")
                 except WeightSyncError:
@@ -1277,24 +1318,68 @@ class WeightSync:
         next push sends the new engine the whole model; an exchange of the new schedule that
         is the same as before for a process (same peers, same chunks) keeps its delta state,
         so with ``delta=True`` the others take a delta there. Returns the engine's number. An
-        engine that cannot join raises WeightSyncError on every trainer process; the others
-        stay joined."""
-        number = self._next_id
-        flags = self._trainer_gather(engine is not None)
+        engine that cannot join (it refuses, does not answer, or its model does not take the
+        trainer's tensors) raises WeightSyncError on every trainer process; the others stay
+        joined. An engine the sync has already, or something that is not an engine, is
+        refused before any engine is touched."""
+        with self._between_pushes("add_engine"):
+            return self._add_engine(engine, target_maps, topology)
+
+    def _add_engine(self, engine: Any, target_maps: Optional[Mapping[str, MapLike]],
+                    topology: Any) -> int:
+        problem = None
+        if engine is not None and not isinstance(engine, str) and \
+                not callable(getattr(engine, "init_weight_transfer_engine", None)):
+            problem = (f"add_engine() takes the engine's vllm.LLM, a server's URL or None, got "
+                       f"{type(engine).__name__} (trainer process {self._rank})")
+        elif engine is not None:
+            present = next((i for i in self._ids if self._is_handle(i, engine)), None)
+            if present is not None:
+                problem = (f"add_engine() was given engine {present}, which the sync has "
+                           f"already (trainer process {self._rank})")
+        url = engine.rstrip("/") if isinstance(engine, str) else None
+        told = self._agree("add_engine", (engine is not None, url, problem))
+        problems = [p for _, _, p in told if p is not None]
+        if problems:
+            raise WeightSyncError("; ".join(problems))
+        flags = [f for f, _, _ in told]
         if not any(flags):
             raise WeightSyncError("add_engine() was given no engine on any trainer process: "
                                   "pass the LLM (or the server's URL) in the process that has "
                                   "it, None in the others")
-        driver = self._driver_of(0, flags, engine)
-        self._check_between_pushes("add_engine")
+        given = {u for f, u, _ in told if f}
+        if sum(flags) > 1 and (None in given or len(given) > 1):
+            raise WeightSyncError(
+                f"add_engine() was given an engine on trainer processes "
+                f"{[r for r, f in enumerate(flags) if f]}, not the same server's URL on each: "
+                "give the LLM in the process that owns it (None in the others), or one URL")
+        number = self._next_id
+        driver = flags.index(True)
+        self._check_usable()
         self._next_id += 1
         self._ids.append(number)
         self._handles[number] = engine
         self._driver_by_id[number] = driver
         self._added_targets[number] = target_maps
-        self._topology = topology
+        before, self._topology = self._topology, topology
         self._shut_groups()
-        dropped = self._join(drop=True)
+        try:
+            dropped = self._join(drop=True)
+        except WeightSyncError as e:  # agreed: the plan refused the new membership
+            if number not in self._ids:
+                raise
+            self._ids.remove(number)
+            self._topology = before
+            self._shut_groups()
+            try:
+                dropped = self._join(drop=True)
+            except WeightSyncError as ex:
+                self._lost = f"the engines could not join again without the one added: {ex}"
+                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
+            if dropped:
+                self._warn_dropped(dropped)
+            raise WeightSyncError(f"the engine added could not join: {e}; the sync goes on "
+                                  f"with engines {self._ids}") from None
         mine = [d for d in dropped if d.startswith(f"engine {number} ")
                 or d.startswith(f"engine {number}:")]
         others = [d for d in dropped if d not in mine]
@@ -1303,6 +1388,12 @@ class WeightSync:
         if mine:
             raise WeightSyncError(f"the engine added could not join: {mine[0]}; the sync "
                                   f"goes on with engines {self._ids}")
+        if getattr(self, "_adapters", None):
+            warnings.warn(f"reshard WeightSync: engine {number} serves none of the adapters "
+                          f"pushed before it joined ({', '.join(map(repr, self._adapters))}); "
+                          "a request naming one there makes vLLM read its placeholder path, "
+                          "which fails and ends the engine: push_lora() them again first",
+                          RuntimeWarning, stacklevel=3)
         return number
 
     def remove_engine(self, engine: Any = None, *, topology: Any = None) -> None:
@@ -1312,13 +1403,16 @@ class WeightSync:
         leaves the sync's group (it keeps serving the weights it has); the others join a new
         one and the schedule is planned anew for them (``topology`` as for
         :meth:`add_engine`)."""
+        with self._between_pushes("remove_engine"):
+            self._remove_engine(engine, topology)
+
+    def _remove_engine(self, engine: Any, topology: Any) -> None:
         mine = None
         if isinstance(engine, int) and not isinstance(engine, bool):
             mine = engine
         elif engine is not None:
-            mine = next((i for i in self._ids if self._handles.get(i) is engine or
-                         (isinstance(engine, str) and self._handles.get(i) == engine)), -1)
-        told = {m for m in self._trainer_gather(mine) if m is not None}
+            mine = next((i for i in self._ids if self._is_handle(i, engine)), -1)
+        told = {m for m in self._agree("remove_engine", mine) if m is not None}
         if len(told) != 1 or next(iter(told)) not in self._ids:
             raise WeightSyncError(f"remove_engine() names no single engine of this sync "
                                   f"(engines {self._ids}; given {sorted(told)}, -1: an engine "
@@ -1326,7 +1420,7 @@ class WeightSync:
         if len(self._ids) == 1:
             raise WeightSyncError("remove_engine() would leave no engine; close() the sync")
         number = next(iter(told))
-        self._check_between_pushes("remove_engine")
+        self._check_usable()
         e = self._ids.index(number)
         if e in self._clients:
             try:
@@ -1336,18 +1430,64 @@ class WeightSync:
         self._ids.remove(number)
         self._topology = topology
         self._shut_groups()
-        dropped = self._join(drop=True)
+        try:
+            dropped = self._join(drop=True)
+        except WeightSyncError as e:  # agreed: the plan refused the membership left
+            if topology is None:
+                self._lost = f"the engines left could not join again: {e}"
+                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
+            self._topology = None
+            self._shut_groups()
+            try:
+                dropped = self._join(drop=True)
+            except WeightSyncError as ex:
+                self._lost = f"the engines left could not join again: {ex}"
+                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
+            if dropped:
+                self._warn_dropped(dropped)
+            raise WeightSyncError(f"engine {number} left the sync, but the topology given does "
+                                  f"not hold the engines left ({e}); they joined again, placed "
+                                  f"by their host names: engines {self._ids}") from None
         if dropped:
             self._warn_dropped(dropped)
 
-    def _check_between_pushes(self, what: str) -> None:
+    def _is_handle(self, number: int, engine: Any) -> bool:
+        """Whether ``engine`` (an LLM or a URL) is this process's handle of engine ``number``."""
+        mine = self._handles.get(number)
+        if isinstance(engine, str):
+            return isinstance(mine, str) and mine.rstrip("/") == engine.rstrip("/")
+        return mine is engine
+
+    def _agree(self, what: str, value: Any) -> list[Any]:
+        """(a collective over the trainer processes) Each process's ``value`` of the call
+        ``what``; WeightSyncError on every process when some made another call of the sync
+        meanwhile (each raises, nothing changed, and their next calls pair up again)."""
+        told = self._trainer_gather((what, value))
+        problem = _calls_differ(what, told)
+        if problem is not None:
+            raise WeightSyncError(problem)
+        return [v for _, v in told]
+
+    @contextlib.contextmanager
+    def _between_pushes(self, what: str) -> Iterator[None]:
+        """A membership change: refused at once while a push of the sync runs on another
+        thread (which, not agreed yet, is refused on every trainer process), and refusing
+        a push asked for while it runs."""
         with self._guard:
-            busy = self._in_push
+            if self._in_push:
+                self._overlapped = True
+                raise WeightSyncError(f"{what}() while {self._busy} of this WeightSync is in "
+                                      "progress (in another thread); call it between pushes")
+            self._in_push, self._busy = True, f"{what}()"
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._in_push = False
+
+    def _check_usable(self) -> None:
         if self._lost is not None:
             raise WeightSyncError(f"{self._lost}; build a new WeightSync")
-        if any(self._trainer_gather(busy)):
-            raise WeightSyncError(f"{what}() while a push of this WeightSync is in progress; "
-                                  "call it between pushes")
 
     # -- the paths a push is measured against (bench/vllm_sync_bench.py) ------------------
 
@@ -1398,7 +1538,10 @@ class WeightSync:
             raise WeightSyncError(f"{what} measures a push into one engine")
 
     def close(self) -> None:
-        """Leave the group (the engines keep their weights and keep serving)."""
+        """Leave the group (the engines keep their weights and keep serving). The sync takes
+        no push, verify or membership change after it."""
+        if self._lost is None:
+            self._lost = "this WeightSync was closed"
         for client in self._clients.values():
             try:
                 client.call("shutdown_weight_transfer_engine")
