@@ -415,3 +415,76 @@ def adamw_pushes(spec: dict[str, Any], step: dict[str, Any], llm: Any, sync: Any
     if then is not None:
         sync.push(then)
     return out
+
+
+# LoRA adapters in PEFT's format for the toy Llama: rank 8 on every projection of attention and
+# MLP, A and B drawn from a seed (larger than PEFT's init, which leaves B zero), so that two
+# adapters, and an adapter and the base model, give different greedy tokens.
+LORA_R, LORA_ALPHA = 8, 16
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_CONFIG = {"peft_type": "LORA", "r": LORA_R, "lora_alpha": LORA_ALPHA,
+               "target_modules": LORA_TARGETS, "bias": "none", "use_rslora": False,
+               "use_dora": False, "fan_in_fan_out": False, "task_type": "CAUSAL_LM",
+               "modules_to_save": None}
+
+
+def lora_adapter(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT adapter's tensors (its saved names) with A and B drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    out = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in LORA_TARGETS:
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            stem = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            fan_in, fan_out = dims[module]
+            out[f"{stem}.lora_A.weight"] = 0.2 * torch.randn(LORA_R, fan_in, generator=g)
+            out[f"{stem}.lora_B.weight"] = 0.2 * torch.randn(fan_out, LORA_R, generator=g)
+    return out
+
+
+def main_python() -> str:
+    """The main venv's Python (PEFT and transformers, no vLLM), or RESHARD_MAIN_PYTHON."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    python = os.environ.get("RESHARD_MAIN_PYTHON", os.path.join(root, ".venv", "bin", "python"))
+    assert os.path.exists(python), (
+        f"{python} is missing: scripts/dev test installs PEFT there, or point "
+        "RESHARD_MAIN_PYTHON at a Python that has PEFT and transformers")
+    return python
+
+
+def peft_adapters(root: str, base: str, config: dict[str, Any], seeds: dict[str, int],
+                  prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """The adapters drawn from ``seeds`` ({key: seed}) for the model saved in ``base``, each
+    written as a PEFT directory under ``root``, and PEFT's greedy tokens of the model with
+    each (peft_reference.py in the main venv; "base": without an adapter). Returns
+    ``{"adapters": {key: tensors}, "dirs": {key: dir}, "expected": {key: tokens}}``."""
+    from safetensors.torch import save_file
+    adapters, dirs = {}, {}
+    for key, seed in seeds.items():
+        adapters[key] = lora_adapter(config, seed)
+        d = os.path.join(root, f"adapter-{key}")
+        os.makedirs(d)
+        save_file(adapters[key], os.path.join(d, "adapter_model.safetensors"))
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump({**LORA_CONFIG, "base_model_name_or_path": base}, f)
+        dirs[key] = d
+    spec, out = os.path.join(root, "reference.json"), os.path.join(root, "tokens.json")
+    with open(spec, "w") as f:
+        json.dump({"base": base, "adapters": dirs, "prompts": prompts, "new_tokens": n,
+                   "out": out}, f)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([main_python(), os.path.join(here, "peft_reference.py"), spec],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out) as f:
+        expected = json.load(f)
+    # The adapters, and the base model, can be told apart by their tokens.
+    assert len({json.dumps(expected[k]) for k in ("base", *seeds)}) == len(seeds) + 1
+    return {"adapters": adapters, "dirs": dirs, "expected": expected}

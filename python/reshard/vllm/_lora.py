@@ -12,6 +12,12 @@ the whole adapter when they load one from disk. The trainer side derives these m
 engine's maps of the base weights (the plan of the sync); the worker side builds vLLM's
 ``LoRAModel`` from what it received and registers it in the worker's LoRA manager, pinned, so
 that a request with :meth:`WeightSync.lora_request` finds it loaded and never reads its path.
+
+A ``vllm serve`` server numbers the adapters it serves by name itself: a request naming a
+pushed adapter (``"model": NAME``) reaches the workers with the placeholder path and the
+server's id, not :func:`lora_id`. The worker answers such a request from the adapter pushed
+under NAME, under the server's id (an alias sharing its tensors, dropped by the next push of
+that name); the server learns the name through :func:`resolver`.
 """
 
 from __future__ import annotations
@@ -282,6 +288,7 @@ def commit(model: Any, lora: Any) -> Any:
     cache[lora.id] = lora
     cache.pin(lora.id)
     pushed[lora.id] = lora
+    _drop_aliases(manager, lora.id)
     return old
 
 
@@ -295,9 +302,92 @@ def uncommit(model: Any, adapter_id: int, old: Any) -> None:
         manager._registered_adapters[adapter_id] = old
         manager._registered_adapters.pin(adapter_id)
         pushed[adapter_id] = old
+    _drop_aliases(manager, adapter_id)
 
 
 def lora_request(name: str) -> Any:
     """vLLM's LoRARequest of the adapter pushed under ``name``."""
     from vllm.lora.request import LoRARequest
     return LoRARequest(name, lora_id(name), PATH_PREFIX + name)
+
+
+# -- served by name (a vllm serve server) ----------------------------------------------------
+
+def _aliases(manager: Any) -> dict[int, int]:
+    """The ids under which this worker holds copies of pushed adapters for requests that came
+    with an id of their own: {that id: the pushed adapter's id}."""
+    aliases: Optional[dict[int, int]] = getattr(manager, "_reshard_aliases", None)
+    if aliases is None:
+        aliases = {}
+        manager._reshard_aliases = aliases
+    return aliases
+
+
+def _drop_aliases(manager: Any, adapter_id: int) -> None:
+    """The copies of the adapter ``adapter_id`` out of the worker's cache: a request under such
+    an id gets a copy of the adapter pushed now, at its next step."""
+    aliases = _aliases(manager)
+    for alias in [a for a, pushed_id in aliases.items() if pushed_id == adapter_id]:
+        del aliases[alias]
+        manager.remove_adapter(alias)
+
+
+def pushed_adapter(manager: Any, name: str, adapter_id: int) -> Any:
+    """The adapter pushed under ``name`` as vLLM's LoRAModel of id ``adapter_id`` (a copy that
+    shares its tensors where the id is not :func:`lora_id` ``(name)``), for the worker's LoRA
+    manager to register as it registers an adapter read from disk."""
+    own = lora_id(name)
+    lora = _pushed(manager).get(own)
+    if lora is None:
+        raise LookupError(f"no LoRA adapter was pushed under the name {name!r} "
+                          "(reshard.vllm.WeightSync.push_lora): nothing to serve")
+    if adapter_id == own:
+        return lora
+    cache = manager._registered_adapters
+    if adapter_id not in cache and len(cache) >= manager.capacity and \
+            all(k in cache.pinned_items for k in cache.order):
+        raise RuntimeError(
+            f"serving the pushed adapter {name!r} under the server's id {adapter_id} takes an "
+            f"entry of the worker's adapter cache, and all {len(cache)} (max_cpu_loras) hold "
+            f"pushed adapters, pinned: start the server with --max-cpu-loras {len(cache) + 1} "
+            "or more (one entry per adapter pushed, one per adapter served by name)")
+    _aliases(manager)[adapter_id] = own
+    return lora.clone(adapter_id)
+
+
+def serve_pushed_paths() -> None:
+    """vLLM's worker LoRA managers in this process answer a request whose path is the
+    placeholder of a pushed adapter (:data:`PATH_PREFIX` + NAME) with :func:`pushed_adapter`
+    instead of reading it from disk; other paths load as before. vLLM asks for it whenever a
+    request's id is not in the worker's cache (a server's id for a pushed adapter, or one
+    evicted); installed once per process, by the reshard backend's engine."""
+    import functools
+
+    from vllm.lora.worker_manager import WorkerLoRAManager
+    load = WorkerLoRAManager._load_adapter
+    if getattr(load, "_reshard_pushed_paths", False):
+        return
+
+    @functools.wraps(load)
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        path = lora_request.lora_path or ""
+        if not path.startswith(PATH_PREFIX):
+            return load(self, lora_request)
+        return pushed_adapter(self._adapter_manager, path[len(PATH_PREFIX):],
+                              int(lora_request.lora_int_id))
+    _load_adapter._reshard_pushed_paths = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+
+
+def resolver() -> Any:
+    """vLLM's LoRAResolver of pushed adapters (registered by the plugin; a ``vllm serve``
+    server asks it, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, for a model name it does not
+    serve): the name as a pushed adapter's :func:`lora_request`. The server gives the request
+    an id of its own and has the workers load it, which answers from the adapter pushed under
+    the name, or fails naming it if none was (the server replies 400)."""
+    from vllm.lora.resolver import LoRAResolver
+
+    class PushedAdapters(LoRAResolver):
+        async def resolve_lora(self, base_model_name: str, lora_name: str) -> Any:
+            return lora_request(lora_name)
+    return PushedAdapters()
