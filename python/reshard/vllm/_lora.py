@@ -17,8 +17,9 @@ it, has it registered again from what the worker keeps: never read from its path
 A ``vllm serve`` server numbers the adapters it serves by name itself: a request naming a
 pushed adapter (``"model": NAME``) reaches the workers with the placeholder path and the
 server's id, not :func:`lora_id`. The worker answers such a request from the adapter pushed
-under NAME, under the server's id (an alias sharing its tensors, dropped by the next push of
-that name); the server learns the name through :func:`resolver`.
+under NAME, under the server's id (a copy sharing its tensors; vLLM drops it, with every
+adapter, as each push finishes, and the next request loads the adapter pushed last); the server
+learns the name through :func:`resolver`.
 """
 
 from __future__ import annotations
@@ -287,7 +288,6 @@ def commit(model: Any, lora: Any) -> Any:
     manager.remove_adapter(lora.id)  # out of its slot: the next step activates the new one
     manager._registered_adapters[lora.id] = lora
     pushed[lora.id] = lora
-    _drop_aliases(manager, lora.id)
     return old
 
 
@@ -300,7 +300,6 @@ def uncommit(model: Any, adapter_id: int, old: Any) -> None:
     if old is not None:
         manager._registered_adapters[adapter_id] = old
         pushed[adapter_id] = old
-    _drop_aliases(manager, adapter_id)
 
 
 def lora_request(name: str) -> Any:
@@ -311,25 +310,6 @@ def lora_request(name: str) -> Any:
 
 # -- served by name (a vllm serve server) ----------------------------------------------------
 
-def _aliases(manager: Any) -> dict[int, int]:
-    """The ids under which this worker holds copies of pushed adapters for requests that came
-    with an id of their own: {that id: the pushed adapter's id}."""
-    aliases: Optional[dict[int, int]] = getattr(manager, "_reshard_aliases", None)
-    if aliases is None:
-        aliases = {}
-        manager._reshard_aliases = aliases
-    return aliases
-
-
-def _drop_aliases(manager: Any, adapter_id: int) -> None:
-    """The copies of the adapter ``adapter_id`` out of the worker's cache: a request under such
-    an id gets a copy of the adapter pushed now, at its next step."""
-    aliases = _aliases(manager)
-    for alias in [a for a, pushed_id in aliases.items() if pushed_id == adapter_id]:
-        del aliases[alias]
-        manager.remove_adapter(alias)
-
-
 def pushed_adapter(manager: Any, name: str, adapter_id: int) -> Any:
     """The adapter pushed under ``name`` as vLLM's LoRAModel of id ``adapter_id`` (a copy that
     shares its tensors where the id is not :func:`lora_id` ``(name)``), for the worker's LoRA
@@ -339,10 +319,7 @@ def pushed_adapter(manager: Any, name: str, adapter_id: int) -> Any:
     if lora is None:
         raise LookupError(f"no LoRA adapter was pushed under the name {name!r} "
                           "(reshard.vllm.WeightSync.push_lora): nothing to serve")
-    if adapter_id == own:
-        return lora
-    _aliases(manager)[adapter_id] = own
-    return lora.clone(adapter_id)
+    return lora if adapter_id == own else lora.clone(adapter_id)
 
 
 def serve_pushed_paths() -> None:
