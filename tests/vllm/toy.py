@@ -448,10 +448,16 @@ def lora_adapter(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
 
 
 def main_python() -> str:
-    """The main venv's Python (PEFT and transformers, no vLLM), or RESHARD_MAIN_PYTHON."""
+    """The Python that computes PEFT's reference tokens: RESHARD_MAIN_PYTHON, else the main
+    venv's (PEFT and transformers, no vLLM), else, where there is none (a GPU machine), this
+    one if it has PEFT."""
+    import importlib.util
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    python = os.environ.get("RESHARD_MAIN_PYTHON", os.path.join(root, ".venv", "bin", "python"))
+    python = os.path.join(os.path.dirname(os.path.dirname(here)), ".venv", "bin", "python")
+    if "RESHARD_MAIN_PYTHON" in os.environ:
+        python = os.environ["RESHARD_MAIN_PYTHON"]
+    elif not os.path.exists(python) and importlib.util.find_spec("peft") is not None:
+        return sys.executable
     assert os.path.exists(python), (
         f"{python} is missing: scripts/dev test installs PEFT there, or point "
         "RESHARD_MAIN_PYTHON at a Python that has PEFT and transformers")
