@@ -13,8 +13,12 @@ order against one :class:`reshard.vllm.WeightSync`:
   itself; so one worker can have every byte it lacks while another cannot. The others record
   the error they get and how long it took, then the server's tokens, and stop (their group
   has lost a member).
+- ``{"kind": "push_lora", "lora": N, "adapter": DIR}``: push the PEFT adapter saved in DIR
+  (its tensors, and its adapter_config.json by path) under the name N.
 
-Each process writes ``{"steps": [{"step", "tokens", "stats", "error", "seconds"}]}`` to
+Each push is followed by the server's greedy tokens (``/v1/completions``): ``tokens`` with no
+model named, and (process 0) ``served``, {model: tokens}, for each name in the step's ``ask``. Each process
+writes ``{"steps": [{"step", "tokens", "served", "stats", "error", "seconds"}]}`` to
 ``spec["out"] + ".RANK"`` after every step.
 """
 
@@ -31,10 +35,14 @@ import urllib.request
 import toy
 
 
-def completions(url: str, prompts: list, n: int, timeout: float = 60) -> list:
-    """The server's greedy continuations of ``prompts`` (token ids in, token ids out)."""
+def completions(url: str, prompts: list, n: int, timeout: float = 60,
+                model: str | None = None) -> list:
+    """The server's greedy continuations of ``prompts`` (token ids in, token ids out), by the
+    model named ``model`` (a base model's name or an adapter's; None: the base model)."""
     body = {"prompt": prompts, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
+    if model is not None:
+        body["model"] = model
     request = urllib.request.Request(url.rstrip("/") + "/v1/completions",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -81,18 +89,34 @@ def run(spec: dict, rank: int) -> None:
     maps = loaded["A"][0]
     sync = WeightSync(url, maps, timeout_s=spec["timeout_s"])  # the URL in every process
     for step in spec["steps"]:
-        shards = loaded[step["weights"]][1]
+        shards = loaded[step["weights"]][1] if "weights" in step else None
         entry: dict = {"step": step["name"]}
         if step["kind"] == "killed_push" and rank == step["victim"]:
             die_inside_the_transfer(sync, lambda peers, entry=entry: record({**entry, **peers}))
         start = time.monotonic()
         try:
-            entry["stats"] = sync.push(shards).__dict__
+            if step["kind"] == "push_lora":
+                from safetensors.torch import load_file
+                adapter = load_file(os.path.join(step["adapter"], "adapter_model.safetensors"))
+                entry["stats"] = sync.push_lora(
+                    step["lora"], adapter,
+                    config=os.path.join(step["adapter"], "adapter_config.json")).__dict__
+            else:
+                entry["stats"] = sync.push(shards).__dict__
         except Exception as e:  # what the surviving processes get
             traceback.print_exc()
             entry["error"] = f"{type(e).__name__}: {e}"
         entry["seconds"] = time.monotonic() - start
         entry["tokens"] = completions(url, spec["prompts"], spec["new_tokens"])
+        if step.get("ask"):
+            # Process 0 alone asks, one model at a time: vLLM's CPU LoRA ops apply the adapter
+            # in the last slot to the base model's rows of a batch that mixes both (its
+            # torch_ops index the no-adapter sentinel -1 as a slot).
+            dist.barrier()
+            if rank == 0:
+                entry["served"] = {model: completions(url, spec["prompts"],
+                                                      spec["new_tokens"], model=model)
+                                   for model in step["ask"]}
         record(entry)
         if step["kind"] == "killed_push":
             return  # the group lost a member: nothing more to do together

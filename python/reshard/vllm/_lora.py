@@ -10,8 +10,16 @@ each worker holds the rows of q, k and v that its base shard holds (the key/valu
 serves, replicated where vLLM replicates them), which is what vLLM's LoRA layers slice out of
 the whole adapter when they load one from disk. The trainer side derives these maps from the
 engine's maps of the base weights (the plan of the sync); the worker side builds vLLM's
-``LoRAModel`` from what it received and registers it in the worker's LoRA manager, pinned, so
-that a request with :meth:`WeightSync.lora_request` finds it loaded and never reads its path.
+``LoRAModel`` from what it received, keeps it and registers it in the worker's LoRA manager, so
+that a request with :meth:`WeightSync.lora_request` finds it loaded, or, once vLLM has evicted
+it, has it registered again from what the worker keeps: never read from its path.
+
+A ``vllm serve`` server numbers the adapters it serves by name itself: a request naming a
+pushed adapter (``"model": NAME``) reaches the workers with the placeholder path and the
+server's id, not :func:`lora_id`. The worker answers such a request from the adapter pushed
+under NAME, under the server's id (a copy sharing its tensors; vLLM drops it, with every
+adapter, as each push finishes, and the next request loads the adapter pushed last); the server
+learns the name through :func:`resolver`.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from typing import Any, Mapping, Optional, Sequence
 from .._errors import LayoutError
 from .._maps import ParamMap, as_map
 
-# What a served adapter's LoRARequest names as its path: vLLM requires one, and reads it only
-# to load an adapter it does not hold (a pushed one is pinned in the worker's cache).
+# What a served adapter's LoRARequest names as its path: vLLM requires one, and asks the
+# worker to load it when its cache lacks the request's id (serve_pushed_paths answers it).
 PATH_PREFIX = "reshard-pushed://"
 
 Runs = tuple[tuple[int, int], ...]  # (start, length) along one dimension
@@ -252,10 +260,10 @@ def stage(model: Any, lora_config: Any, tensors: Mapping[str, Any], config: Mapp
 
 
 def _pushed(manager: Any) -> dict[int, Any]:
-    """The adapters pushed into this worker, by id, kept across vLLM's removal of every adapter
-    after a weight update (its ``finish_weight_update`` drops the adapters it could load again
-    from their paths; a pushed adapter has none, and its tensors do not depend on the base
-    weights, so it is registered again at once)."""
+    """The adapters pushed into this worker, by id: what the worker serves under each pushed
+    name, whether or not vLLM's cache holds it now. vLLM removes every adapter after a weight
+    update (its ``finish_weight_update``); a pushed adapter's tensors do not depend on the base
+    weights, so it is registered again at once."""
     pushed: Optional[dict[int, Any]] = getattr(manager, "_reshard_pushed", None)
     if pushed is None:
         pushed = {}
@@ -265,22 +273,20 @@ def _pushed(manager: Any) -> dict[int, Any]:
             remove_all()
             for adapter_id, lora in pushed.items():
                 manager._registered_adapters[adapter_id] = lora
-                manager._registered_adapters.pin(adapter_id)
         manager.remove_all_adapters = remove_all_adapters
         manager._reshard_pushed = pushed
     return pushed
 
 
 def commit(model: Any, lora: Any) -> Any:
-    """The staged adapter served under its id, pinned in the worker's cache (never evicted, so
-    never loaded from its path); the adapter it replaces is returned (or None)."""
+    """The staged adapter served under its id: kept, and registered in the worker's cache (an
+    LRU cache: evicted, it is registered again from what the worker keeps, never loaded from
+    its path); the adapter it replaces is returned (or None)."""
     manager = model.lora_manager
     pushed = _pushed(manager)
-    cache = manager._registered_adapters
-    old = cache.get(lora.id)
+    old = pushed.get(lora.id)
     manager.remove_adapter(lora.id)  # out of its slot: the next step activates the new one
-    cache[lora.id] = lora
-    cache.pin(lora.id)
+    manager._registered_adapters[lora.id] = lora
     pushed[lora.id] = lora
     return old
 
@@ -293,7 +299,6 @@ def uncommit(model: Any, adapter_id: int, old: Any) -> None:
     pushed.pop(adapter_id, None)
     if old is not None:
         manager._registered_adapters[adapter_id] = old
-        manager._registered_adapters.pin(adapter_id)
         pushed[adapter_id] = old
 
 
@@ -301,3 +306,55 @@ def lora_request(name: str) -> Any:
     """vLLM's LoRARequest of the adapter pushed under ``name``."""
     from vllm.lora.request import LoRARequest
     return LoRARequest(name, lora_id(name), PATH_PREFIX + name)
+
+
+# -- served by name (a vllm serve server) ----------------------------------------------------
+
+def pushed_adapter(manager: Any, name: str, adapter_id: int) -> Any:
+    """The adapter pushed under ``name`` as vLLM's LoRAModel of id ``adapter_id`` (a copy that
+    shares its tensors where the id is not :func:`lora_id` ``(name)``), for the worker's LoRA
+    manager to register as it registers an adapter read from disk."""
+    own = lora_id(name)
+    lora = _pushed(manager).get(own)
+    if lora is None:
+        raise LookupError(f"no LoRA adapter was pushed under the name {name!r} "
+                          "(reshard.vllm.WeightSync.push_lora): nothing to serve")
+    return lora if adapter_id == own else lora.clone(adapter_id)
+
+
+def serve_pushed_paths() -> None:
+    """vLLM's worker LoRA managers in this process answer a request whose path is the
+    placeholder of a pushed adapter (:data:`PATH_PREFIX` + NAME) with :func:`pushed_adapter`
+    instead of reading it from disk; other paths load as before. vLLM asks for it whenever a
+    request's id is not in the worker's cache (a server's id for a pushed adapter, or an
+    adapter evicted); installed once per process, by the reshard backend's engine."""
+    import functools
+
+    from vllm.lora.worker_manager import WorkerLoRAManager
+    load = WorkerLoRAManager._load_adapter
+    if getattr(load, "_reshard_pushed_paths", False):
+        return
+
+    @functools.wraps(load)
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        path = lora_request.lora_path or ""
+        if not path.startswith(PATH_PREFIX):
+            return load(self, lora_request)
+        return pushed_adapter(self._adapter_manager, path[len(PATH_PREFIX):],
+                              int(lora_request.lora_int_id))
+    _load_adapter._reshard_pushed_paths = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+
+
+def resolver() -> Any:
+    """vLLM's LoRAResolver of pushed adapters (registered by the plugin; a ``vllm serve``
+    server asks it, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, for a model name it does not
+    serve): the name as a pushed adapter's :func:`lora_request`. The server gives the request
+    an id of its own and has the workers load it, which answers from the adapter pushed under
+    the name, or fails naming it if none was (the server replies 400)."""
+    from vllm.lora.resolver import LoRAResolver
+
+    class PushedAdapters(LoRAResolver):
+        async def resolve_lora(self, base_model_name: str, lora_name: str) -> Any:
+            return lora_request(lora_name)
+    return PushedAdapters()

@@ -292,6 +292,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self._who_me = -1  # this worker's rank among them
         self._verifiers: dict[Any, Any] = {}  # verify_engines' exchanges
         self._adapter_stages: dict[str, list[Stage]] = {}  # push_lora's exchanges, by plan
+        if getattr(vllm_config, "lora_config", None) is not None:
+            from . import _lora
+            _lora.serve_pushed_paths()  # requests that name a pushed adapter by its path
 
     # -- init: join the group, agree on one plan ---------------------------------------------
 

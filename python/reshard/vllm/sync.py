@@ -828,8 +828,9 @@ class WeightSync:
         them): the adapter's plan minimum, out of the trainer processes once, over the sync's
         schedule (several engines: relayed as a push is). Then two phases: every worker of
         every engine stages the adapter (vLLM's LoRAModel, checked as vLLM checks one it
-        loads), and only when all have is it committed on all, pinned in each worker's
-        adapter cache under :func:`lora_id` ``(name)``; a failure anywhere leaves the adapter
+        loads), and only when all have is it committed on all, kept by each worker and
+        registered in its adapter cache under :func:`lora_id` ``(name)`` (a ``vllm serve``
+        server serves it as ``"model": name``); a failure anywhere leaves the adapter
         that was served under ``name`` (or none) served everywhere, and raises
         WeightSyncError on every trainer process. A second push under the same name replaces
         the adapter, on every engine or on none; what the engines computed with the old one
@@ -901,8 +902,8 @@ class WeightSync:
 
     def lora_request(self, name: str) -> Any:
         """vLLM's ``LoRARequest`` of the adapter pushed under ``name`` (its id
-        :func:`reshard.vllm.lora_id` of the name; its path a placeholder that vLLM requires
-        and never reads: the pushed adapter is pinned in every worker's cache)."""
+        :func:`reshard.vllm.lora_id` of the name; its path a placeholder that vLLM requires,
+        which the workers answer from the adapter they keep, never reading it)."""
         from . import _lora
         return _lora.lora_request(name)
 
