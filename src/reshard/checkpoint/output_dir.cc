@@ -223,7 +223,7 @@ Status CheckOrbaxOutput(const std::string& path, const fs::path& dir,
         const bool data =
             f == "d" && fs::is_directory(e.symlink_status(ec)) && OnlyFiles(e.path(), any, stray);
         if (!data && !(f == "manifest.ocdbt" && IsRegularFile(e.path()))) {
-          stray = stray.empty() ? f : f + "/" + stray;
+          stray = stray.empty() ? f : fmt::format("{}/{}", f, stray);
           ours = false;
           break;
         }
@@ -233,7 +233,7 @@ Status CheckOrbaxOutput(const std::string& path, const fs::path& dir,
     }
     if (!ours) {
       return NotOurs(path, fmt::format("it holds \"{}\", which reshard did not write",
-                                       stray.empty() ? name : name + "/" + stray));
+                                       stray.empty() ? name : fmt::format("{}/{}", name, stray)));
     }
     stray.clear();
   }

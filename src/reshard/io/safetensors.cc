@@ -655,13 +655,15 @@ Status WriteTensorByBands(AtomicFileWriter& out, const TensorToWrite& t, uint64_
 }
 
 // Fills `t` band by band straight into the file's pages (AtomicFileWriter::AppendInPlace): no
-// band in memory and no copy by write(); false where the file system cannot (the caller then
-// writes it by bands).
-Result<bool> FillTensorInPlace(AtomicFileWriter& out, const TensorToWrite& t, uint64_t band_bytes,
-                               uint64_t size) {
+// band in memory and no copy by write(); false where `t` is not filled by rows or the file
+// system cannot (the caller then writes it otherwise).
+Result<bool> FillTensorInPlace(AtomicFileWriter& out, const TensorToWrite& t,
+                               const TensorCopy* copy, uint64_t size) {
+  if (!InPlaceable(t, copy, size)) return false;
   const auto rows = static_cast<uint64_t>(t.shape[0]);
   const uint64_t row_bytes = size / rows;
-  return out.AppendInPlace(size, band_bytes, [&](uint64_t at, std::span<std::byte> bytes) {
+  const uint64_t window = row_bytes * std::min(rows, static_cast<uint64_t>(t.band_rows));
+  return out.AppendInPlace(size, window, [&](uint64_t at, std::span<std::byte> bytes) {
     const auto begin = static_cast<Index>(at / row_bytes);
     const auto end = static_cast<Index>((at + bytes.size()) / row_bytes);
     Status s = t.fill_rows(begin, end, bytes);
@@ -696,6 +698,29 @@ Status WriteTensorBytes(AtomicFileWriter& out, const TensorToWrite& t, const Ten
   Status filled = t.fill(buffer);
   if (!filled.ok()) return filled.Annotate(fmt::format("tensor \"{}\"", t.name));
   return out.Append(buffer.subspan(static_cast<size_t>(done)));
+}
+
+}  // namespace
+
+namespace {
+
+// One buffer of `largest` bytes (the largest fill), which serves every fill in turn (its pages
+// touched only by the fills that use it); InvalidArgument naming the largest tensor when the
+// process cannot have it.
+Result<std::unique_ptr<std::byte[]>> FillBuffer(uint64_t largest,
+                                                const std::vector<TensorToWrite>& tensors,
+                                                const std::vector<uint64_t>& sizes) {
+  if (largest == 0) return std::unique_ptr<std::byte[]>();
+  try {
+    return std::make_unique_for_overwrite<std::byte[]>(largest);
+  } catch (const std::bad_alloc&) {
+    const auto i =
+        static_cast<size_t>(std::max_element(sizes.begin(), sizes.end()) - sizes.begin());
+    return InvalidArgumentError(fmt::format(
+        "tensor \"{}\" of shape [{}] needs {} bytes, more memory than this process can have "
+        "(is the shape its input declares real?)",
+        tensors[i].name, fmt::join(tensors[i].shape, ", "), largest));
+  }
 }
 
 }  // namespace
@@ -792,31 +817,14 @@ Status WriteSafetensors(const std::string& path, std::vector<TensorToWrite> tens
   for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>(header.size() >> (8 * i));
   RESHARD_RETURN_IF_ERROR(out.Append(length));
   RESHARD_RETURN_IF_ERROR(out.Append(header));
-  // One buffer, as large as the largest tensor, serves every fill in turn.
-  std::unique_ptr<std::byte[]> buffer;
-  if (largest > 0) {
-    try {
-      buffer = std::make_unique_for_overwrite<std::byte[]>(largest);
-    } catch (const std::bad_alloc&) {
-      const size_t i =
-          static_cast<size_t>(std::find(sizes.begin(), sizes.end(), largest) - sizes.begin());
-      return InvalidArgumentError(fmt::format(
-          "tensor \"{}\" of shape [{}] needs {} bytes, more memory than this process can have "
-          "(is the shape its input declares real?)",
-          tensors[i].name, fmt::join(tensors[i].shape, ", "), largest));
-    }
-  }
+  RESHARD_ASSIGN_OR_RETURN(const std::unique_ptr<std::byte[]> buffer,
+                           FillBuffer(largest, tensors, sizes));
   std::map<std::string, FileHandle> inputs;
   for (const size_t i : order) {
     const TensorCopy* copy = copies.empty() ? nullptr : &copies[i];
-    if (InPlaceable(tensors[i], copy, sizes[i])) {
-      const uint64_t rows = static_cast<uint64_t>(tensors[i].shape[0]);
-      const uint64_t window =
-          sizes[i] / rows * std::min(rows, static_cast<uint64_t>(tensors[i].band_rows));
-      RESHARD_ASSIGN_OR_RETURN(const bool in_place,
-                               FillTensorInPlace(out, tensors[i], window, sizes[i]));
-      if (in_place) continue;
-    }
+    RESHARD_ASSIGN_OR_RETURN(const bool in_place,
+                             FillTensorInPlace(out, tensors[i], copy, sizes[i]));
+    if (in_place) continue;
     if (const uint64_t band = BandBytes(tensors[i], copy, sizes[i]); band > 0) {
       const std::span<std::byte> bands(buffer.get(), std::min(2 * band, sizes[i]));
       RESHARD_RETURN_IF_ERROR(WriteTensorByBands(out, tensors[i], band, bands));
