@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -65,6 +66,21 @@ TensorToWrite Tensor(std::string name, DType dtype, Shape shape) {
     return Status::Ok();
   };
   return t;
+}
+
+// What `write` returns with the file size limit at `bytes` (SIGXFSZ ignored, so that a write
+// past it fails with EFBIG rather than killing the process).
+Status UnderFileSizeLimit(rlim_t bytes, const std::function<Status()>& write) {
+  struct rlimit old {};
+  if (getrlimit(RLIMIT_FSIZE, &old) != 0) return InternalError("getrlimit failed");
+  struct rlimit small = old;
+  small.rlim_cur = bytes;
+  if (setrlimit(RLIMIT_FSIZE, &small) != 0) return InternalError("setrlimit failed");
+  auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  Status s = write();
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  return s;
 }
 
 // Tensors filled by rows written from memory, not in the file's pages.
@@ -661,12 +677,6 @@ TEST_F(SafetensorsTest, TensorsFilledByRowsAreFilledInTheFilesPages) {
 
 // A file size limit is found when the range is reserved, before any band is filled.
 TEST_F(SafetensorsTest, AFileSizeLimitStopsAnInPlaceFillBeforeItStarts) {
-  struct rlimit old {};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
-  auto previous = std::signal(SIGXFSZ, SIG_IGN);
-  struct rlimit small = old;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
   TensorToWrite banded = Tensor("w", DType::kF32, {64, 64});
   int fills = 0;
   banded.band_rows = 8;
@@ -674,9 +684,8 @@ TEST_F(SafetensorsTest, AFileSizeLimitStopsAnInPlaceFillBeforeItStarts) {
     ++fills;
     return Status::Ok();
   };
-  Status s = WriteSafetensors(Path("big.safetensors"), {banded});
-  setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, previous);
+  Status s =
+      UnderFileSizeLimit(4096, [&] { return WriteSafetensors(Path("big.safetensors"), {banded}); });
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
   EXPECT_EQ(fills, 0);
   EXPECT_EQ(FileCount(), 0u);
@@ -691,17 +700,11 @@ TEST_F(SafetensorsTest, FailingFillLeavesNothingBehind) {
 }
 
 TEST_F(SafetensorsTest, FullDiskLeavesNothingBehind) {
-  // A file size limit makes write() fail part-way (SIGXFSZ ignored so it returns EFBIG).
-  struct rlimit old {};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
-  auto previous = std::signal(SIGXFSZ, SIG_IGN);
-  struct rlimit small = old;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  Status s = WriteSafetensors(Path("big.safetensors"),
-                              {Tensor("a", DType::kF32, {1024}), Tensor("b", DType::kF32, {1024})});
-  setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, previous);
+  // A file size limit makes write() fail part-way.
+  Status s = UnderFileSizeLimit(4096, [&] {
+    return WriteSafetensors(Path("big.safetensors"),
+                            {Tensor("a", DType::kF32, {1024}), Tensor("b", DType::kF32, {1024})});
+  });
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.ToString();
   EXPECT_EQ(FileCount(), 0u);
 }
