@@ -25,6 +25,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+# Imported before init_process_group, so that its functions' group defaults never hold the
+# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
+# into the interpreter's shutdown and can abort the process there.
+import torch.distributed.nn  # noqa: F401
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor

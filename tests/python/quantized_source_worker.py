@@ -20,6 +20,10 @@ import traceback
 
 import torch
 import torch.distributed as dist
+# Imported before init_process_group, so that its functions' group defaults never hold the
+# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
+# into the interpreter's shutdown and can abort the process there.
+import torch.distributed.nn  # noqa: F401
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
