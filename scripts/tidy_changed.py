@@ -4,15 +4,16 @@
     scripts/tidy_changed.py BUILD_DIR CACHE JOBS < FILES   (NUL-separated paths)
 
 A translation unit's key is the SHA-256 of what decides clang-tidy's verdict on the project's
-code: the clang-tidy version, `.clang-tidy`, the extra arguments, the unit's compile flags, and
-the contents of the unit and of every header of the project it includes (`clang++ -MM` with the
-unit's own compile command: system and third-party headers left out, so that a machine whose
-packages are newer point releases agrees; the checkout's path replaced so that clones anywhere
-agree). CACHE (committed, `.ci/clang-tidy-passed`) lists
-`path key` for every unit of the last clean run; a unit whose key is listed passed clang-tidy
-with exactly this input and is not checked again. The others go to run-clang-tidy; when it
-passes, CACHE is rewritten with every unit's key, so a clean run leaves it current and the next
-commit carries it. A unit that cannot be preprocessed is checked, never skipped.
+code: the clang-tidy version (not the host CPU it also names, so that machines of other CPUs
+agree), `.clang-tidy`, the extra arguments, the unit's compile flags, and the contents of the unit
+and of every header of the project it includes (`clang++ -MM` with the unit's own compile
+command: system and third-party headers left out, so that a machine whose packages are newer
+point releases agrees; the checkout's path replaced so that clones anywhere agree). CACHE
+(committed, `.ci/clang-tidy-passed`) lists `path key` for every unit of the last clean run; a unit
+whose key is listed passed clang-tidy with exactly this input and is not checked again. The
+others go to run-clang-tidy; when it passes, CACHE is rewritten with every unit's key, so a clean
+run leaves it current and the next commit carries it. A unit that cannot be preprocessed is
+checked, never skipped.
 
 Exits with run-clang-tidy's status (its log in BUILD_DIR/clang-tidy.log).
 """
@@ -82,7 +83,10 @@ def main() -> int:
     build, cache, jobs = pathlib.Path(sys.argv[1]).resolve(), pathlib.Path(sys.argv[2]), sys.argv[3]
     files = [str(pathlib.Path(f).resolve()) for f in sys.stdin.read().split("\0") if f]
     root = str(pathlib.Path(__file__).resolve().parents[1])
-    version = subprocess.run(["clang-tidy", "--version"], capture_output=True, check=True).stdout
+    # Its version, without the line naming the machine's CPU ("Host CPU: znver3").
+    version = b"".join(line for line in subprocess.run(
+        ["clang-tidy", "--version"], capture_output=True, check=True).stdout.splitlines(True)
+        if b"Host CPU" not in line)
     salt = version + pathlib.Path(root, ".clang-tidy").read_bytes() + " ".join(EXTRA_ARGS).encode()
     commands = compile_commands(build)
     # As run-clang-tidy itself does, a file the build does not compile (the MPI runner without
@@ -97,8 +101,8 @@ def main() -> int:
     passed = {}
     if cache.exists():
         for line in cache.read_text().splitlines():
-            rel, _, key = line.partition(" ")
-            passed[rel] = key
+            name, _, key = line.partition(" ")
+            passed[name] = key
 
     def rel(f: str) -> str:
         return str(pathlib.Path(f).relative_to(root))

@@ -17,14 +17,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group, so that its functions' group defaults never hold the
-# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
-# into the interpreter's shutdown and can abort the process there.
-import torch.distributed.nn  # noqa: F401
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from worker_exit import leave
 
 
 def bits(t):
@@ -74,8 +71,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.json").write_text(
         json.dumps({"checked": sorted(expected), "mismatch": mismatch}))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -45,12 +45,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group, so that its functions' group defaults never hold the
-# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
-# into the interpreter's shutdown and can abort the process there.
-import torch.distributed.nn  # noqa: F401
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from worker_exit import leave
 
 STEPS = 3
 VOCAB, DIM, HIDDEN = 13, 8, 14  # odd sizes: uneven chunks at 2 and 3 ranks
@@ -213,8 +210,7 @@ def main():
             result = resume(ckpt, model_and_optim_only=sys.argv[1] == "resume-optim")
             if dist.get_rank() == 0:
                 torch.save(result, pathlib.Path(sys.argv[2]) / f"{ckpt.name}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -25,13 +25,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group, so that its functions' group defaults never hold the
-# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
-# into the interpreter's shutdown and can abort the process there.
-import torch.distributed.nn  # noqa: F401
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from worker_exit import leave
 
 
 def full_tensors(seed):
@@ -134,7 +131,7 @@ def main():
     dist.barrier()
     if rank == 0:
         (out / "done").write_text("")
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import reshard
 import reshard.distributed as rd
+from worker_exit import leave
 
 
 def full_tensor(shape, dtype, generator):
@@ -272,7 +273,7 @@ def main():
         case_dir.mkdir(parents=True, exist_ok=True)
         (case_dir / f"rank-{me}.json").write_text(json.dumps(result, indent=1, default=str))
         dist.barrier()  # the processes start every case together
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from worker_exit import leave
 
 BATCH = 2  # sequences per DP rank and step
 SEQ = 8  # tokens per sequence
@@ -335,10 +336,11 @@ def main(train=train, resume=resume):
     init_distributed()
     rank = dist.get_rank()
     for job in jobs:
-        # After a failure the ranks may disagree on where they are: leave the rest to a new launch.
+        # After a failure the ranks may disagree on where they are: leave the rest to a new launch,
+        # without waiting for the others.
         if not run_job(job, rank, train, resume):
-            break
-    dist.destroy_process_group()
+            leave(wait=False)
+    leave()
 
 
 if __name__ == "__main__":

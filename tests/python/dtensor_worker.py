@@ -25,6 +25,7 @@ from torch.distributed.tensor import (DeviceMesh, DTensor, Partial, Replicate, S
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import reshard.dtensor as rdt
+from worker_exit import leave
 
 
 def strided_source(full, mesh):
@@ -198,8 +199,7 @@ def main() -> None:
     except Exception:
         result["errors"].append(traceback.format_exc())
     (out / f"rank-{me}.json").write_text(json.dumps(result))
-    dist.barrier()  # nobody tears gloo down while a peer is still talking
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from worker_exit import leave
 
 
 def _config(spec, tp, pp, ep):
@@ -194,8 +195,7 @@ def save(out_dir, spec):
     sharded = model.sharded_state_dict()
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save(sharded, out_dir, sharded_strategy=("torch_dist", 1))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 class _CudaTypeNames:
@@ -290,8 +290,7 @@ def train_save(out_dir, spec):
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, out_dir,
                             sharded_strategy=("torch_dist", 1))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def _prepare_for_load(inner):
@@ -379,7 +378,7 @@ def optim_state(ckpt_dir, spec, out_path):
             full.view(-1)[start:end] = t
     if torch.distributed.get_rank() == 0:
         torch.save(out, out_path)
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def live(out_dir, spec, config_path):
@@ -410,8 +409,7 @@ def live(out_dir, spec, config_path):
     torch.save({"maps": buffers.to_json(), "refusals": refusals,
                 "shards": {k: v.clone() for k, v in rt.megatron_shards(model).items()}},
                os.path.join(out_dir, f"live{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def logits(ckpt_dir, spec, tokens, out_path):
@@ -435,7 +433,7 @@ def logits(ckpt_dir, spec, tokens, out_path):
         out = model(ids, pos, attention_mask=mask)
     torch.save({"logits": out.float().contiguous(), "state": {k: v.contiguous() for k, v in
                 model.state_dict().items() if isinstance(v, torch.Tensor)}}, out_path)
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 def _with_lora(model, spec):
@@ -560,8 +558,7 @@ def lora_save(out_dir, spec, tokens):
         k: v.contiguous() for k, v in model.state_dict().items()
         if ".adapter." in k and isinstance(v, torch.Tensor)}},
         os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_model  # noqa: E402
+from worker_exit import leave
 
 
 def main(out_dir, spec_path, config_path):
@@ -58,8 +59,7 @@ def main(out_dir, spec_path, config_path):
     result["refusals"] = refusals
     os.makedirs(out_dir, exist_ok=True)
     torch.save(result, os.path.join(out_dir, f"sync{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -20,10 +20,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group, so that its functions' group defaults never hold the
-# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
-# into the interpreter's shutdown and can abort the process there.
-import torch.distributed.nn  # noqa: F401
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -32,6 +28,7 @@ import reshard.distributed as rd
 from maps import replicated_map, split_map
 from quantized_sync_worker import reference_quantize, same
 from torch_maps_worker import build
+from worker_exit import leave
 
 BLOCK = (4, 4)
 ENGINE = [2, 3]
@@ -113,7 +110,7 @@ def main() -> None:
         result["errors"].append(traceback.format_exc())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{me}.json").write_text(json.dumps(result, default=str))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import reshard
 import reshard.distributed as rd
 from maps import piece, replicated_map, split_map
+from worker_exit import leave
 
 BLOCK = (128, 128)
 TRAINERS, WORKERS = [0, 1], [2, 3]
@@ -258,7 +259,7 @@ def main():
         case_dir.mkdir(parents=True, exist_ok=True)
         (case_dir / f"rank-{me}.json").write_text(json.dumps(result, indent=1, default=str))
         dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -169,20 +169,11 @@ def test_torch_loads_it_at_world_3_as_dtensors_and_plain_tensors(written, sharde
               metadata={"plain": "norm.weight,optim.state.mlp.down.weight.exp_avg"})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BUILD / "python"), str(HERE)]),
                OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    def launch():
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
-             "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
-             str(HERE / "dcp_load_worker.py"), str(written), str(expected), str(tmp_path / "out")],
-            capture_output=True, text=True, timeout=300, env=env)
-
-    r = launch()
-    # The workers run torch alone (no reshard code). A worker of torch's gloo group has been
-    # seen to abort in C++ ("terminate called without an active exception", no Python
-    # traceback) about once in ten launches here; that launch is made once more. A mismatch
-    # or a Python error is never retried.
-    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
-        r = launch()
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
+         "--master_addr", "127.0.0.1", "--master_port", str(free_loopback_port()),
+         str(HERE / "dcp_load_worker.py"), str(written), str(expected), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(3):
         result = json.loads((tmp_path / "out" / f"rank-{rank}.json").read_text())

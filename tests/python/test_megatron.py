@@ -347,7 +347,7 @@ def test_an_unknown_sharded_backend_version_is_refused(reshard_bin, tmp_path, sa
 # two local shards cut inside a query group (rows [0, 7) and [7, 36)), so q_proj reads two
 # chunks of one rank; everything else is one chunk.
 TORCH_WRITER = r'''
-import json, sys, torch
+import json, os, sys, torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
@@ -375,6 +375,7 @@ json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}, open(out + "/metadata.json", "w"))
 torch.save(full, out + "/../full.pt")
 dist.destroy_process_group()
+os._exit(0)  # as worker_exit.py ends a worker, and why
 '''
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
          "hidden_size": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 3,

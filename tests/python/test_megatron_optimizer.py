@@ -430,7 +430,8 @@ groups = [{k: v for k, v in g.items() if k != "params"} for g in base.param_grou
 if torch.distributed.get_rank() == 0:
     torch.save({"held": held, "steps": steps, "groups": groups}, out)
 torch.distributed.barrier()
-torch.distributed.destroy_process_group()  # gloo can abort at exit with a group still open
+torch.distributed.destroy_process_group()
+os._exit(0)  # as worker_exit.py ends a worker, and why
 """
 
 

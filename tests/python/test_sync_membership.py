@@ -173,6 +173,27 @@ def test_processes_making_different_calls_are_refused_on_each():
                                                                      (None, "x", {})])
 
 
+def test_an_adapter_push_and_an_engine_added_at_once_are_refused_on_each(monkeypatch):
+    """push_lora() on one trainer process while the other adds an engine: push_lora's first
+    gather is tagged as add_engine's is, so each process refuses with the same message and
+    nothing is joined or planned (the other process's value is never read as its own)."""
+    from reshard.vllm import WeightSyncError
+    text = (r"the trainer processes made different calls of this WeightSync at once \(process "
+            r"0: {}\(\), process 1: {}\(\)\); nothing was changed")
+    sync, joins, _ = _sync(monkeypatch, {0: FakeLLM()})
+    sync._trainers = 2
+    monkeypatch.setattr(sync, "_trainer_gather",
+                        lambda value: [value, ("add_engine", (True, None, None))])
+    with pytest.raises(WeightSyncError, match=text.format("push_lora", "add_engine")):
+        sync.push_lora("a", {"base_model.model.w.lora_A.weight": torch.ones(2, 4)},
+                       config={"r": 2, "lora_alpha": 2, "target_modules": ["w"]})
+    monkeypatch.setattr(sync, "_trainer_gather",
+                        lambda value: [value, ("push_lora", (None, "a", {"r": 2}))])
+    with pytest.raises(WeightSyncError, match=text.format("add_engine", "push_lora")):
+        sync.add_engine(FakeLLM())
+    assert joins == [] and sync.engine_ids == [0]
+
+
 def test_a_closed_sync_refuses_every_call(monkeypatch):
     from reshard.vllm import WeightSyncError
     sync, joins, _ = _sync(monkeypatch, {0: FakeLLM(), 1: FakeLLM()})

@@ -22,10 +22,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-# Imported before init_process_group, so that its functions' group defaults never hold the
-# group this worker destroys (docs/python.md, "At exit"): held, its gloo threads outlive it
-# into the interpreter's shutdown and can abort the process there.
-import torch.distributed.nn  # noqa: F401
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -37,6 +33,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 import reshard
 import reshard.distributed as rd
 import reshard.torch as rt
+from worker_exit import leave
 
 # Sizes that split unevenly: 10 heads' rows over tp 2 are 5 per rank, which fsdp 2 cuts 3 + 2;
 # 22 MLP rows are 11 per tp rank; a vocabulary of 13 rows.
@@ -169,7 +166,7 @@ def main() -> None:
         result["errors"].append(traceback.format_exc())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{me}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

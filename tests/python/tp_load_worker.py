@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from worker_exit import leave
 
 PROMPT = [[1, 2, 3, 4, 5]]
 STUCK_AFTER = 60  # seconds; a case takes about one
@@ -109,7 +110,7 @@ def main():
         run_case(case, out_dir, rank)
         dist.barrier()  # the ranks start every case together
         faulthandler.cancel_dump_traceback_later()
-    dist.destroy_process_group()
+    leave()
 
 
 def finished(case, out_dir, world):

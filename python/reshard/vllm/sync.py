@@ -853,7 +853,9 @@ class WeightSync:
                 tensors, adapter_config = _lora.adapter_state(adapter, config)
             except Exception as e:
                 problem = _message(e)
-        told = self._trainer_gather((problem, name, adapter_config))
+        # Tagged: a process making another call of the sync meanwhile (add_engine) is
+        # refused with the others, on every process, before anything is planned.
+        told = self._agree("push_lora", (problem, name, adapter_config))
         problems = [f"trainer process {r}: {p}" for r, (p, _, _) in enumerate(told) if p]
         if not problems and len({json.dumps([n, c], sort_keys=True) for _, n, c in told}) > 1:
             problems = ["the trainer processes pushed different adapters (names or configs)"]
@@ -1371,14 +1373,7 @@ class WeightSync:
                 raise
             self._ids.remove(number)
             self._topology = before
-            self._shut_groups()
-            try:
-                dropped = self._join(drop=True)
-            except WeightSyncError as ex:
-                self._lost = f"the engines could not join again without the one added: {ex}"
-                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
-            if dropped:
-                self._warn_dropped(dropped)
+            self._join_again("the engines could not join again without the one added")
             raise WeightSyncError(f"the engine added could not join: {e}; the sync goes on "
                                   f"with engines {self._ids}") from None
         mine = [d for d in dropped if d.startswith(f"engine {number} ")
@@ -1438,17 +1433,23 @@ class WeightSync:
                 self._lost = f"the engines left could not join again: {e}"
                 raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
             self._topology = None
-            self._shut_groups()
-            try:
-                dropped = self._join(drop=True)
-            except WeightSyncError as ex:
-                self._lost = f"the engines left could not join again: {ex}"
-                raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
-            if dropped:
-                self._warn_dropped(dropped)
+            self._join_again("the engines left could not join again")
             raise WeightSyncError(f"engine {number} left the sync, but the topology given does "
                                   f"not hold the engines left ({e}); they joined again, placed "
                                   f"by their host names: engines {self._ids}") from None
+        if dropped:
+            self._warn_dropped(dropped)
+
+    def _join_again(self, lost: str) -> None:
+        """After a membership change the plan refused, the engines join again as they were (or
+        without the one that left): the sync goes on, or is lost (``lost`` says why) when they
+        cannot."""
+        self._shut_groups()
+        try:
+            dropped = self._join(drop=True)
+        except WeightSyncError as e:
+            self._lost = f"{lost}: {e}"
+            raise WeightSyncError(f"{self._lost}; build a new WeightSync") from None
         if dropped:
             self._warn_dropped(dropped)
 

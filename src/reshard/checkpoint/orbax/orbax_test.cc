@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "reshard/base/temp_dir_testing.h"
@@ -347,6 +349,44 @@ class RegionsOnly : public ShardSource {
   std::map<std::string, std::vector<std::pair<Index, Index>>> regions_;
 };
 
+// F[row][col] = 6 * row + col of OrbaxItemTest's w, but rows 6-8 (a chunk not stored) hold the
+// fill value 0.
+int32_t StoredW(Index row, Index col) {
+  return row >= 6 && row < 9 ? 0 : static_cast<int32_t>(6 * row + col);
+}
+
+// Converts through `source` to 2 ranks by a map document that gives w the ranks `w_ranks` (the
+// JSON of its "ranks" object) and r.0 whole on both ranks, and returns w's two shards.
+void ConvertW(ShardSource& source, std::string_view w_ranks,
+              std::array<std::vector<int32_t>, 2>* shards) {
+  auto doc = ReadMapDocumentJson(R"({"version": 1, "w": {"logical_shape": [10, 6], "ranks": )" +
+                                 std::string(w_ranks) +
+                                 R"(}, "^r\\.0$": {"logical_shape": [2], "ranks": {
+      "0": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]},
+      "1": {"shard_shape": [2], "pieces": [
+          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]}}}})");
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  test_support::TempDir out("_out");
+  const std::string tp2 = (out.path() / "tp2").string();
+  const Status s = ConvertFrom(source, 2, *doc, tp2, {});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  auto converted = ShardedCheckpoint::Open(tp2);
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  const std::vector<ShardedParam>& params = converted->manifest().params;
+  const auto w =
+      static_cast<size_t>(std::find_if(params.begin(), params.end(),
+                                       [](const ShardedParam& p) { return p.name == "w"; }) -
+                          params.begin());
+  ASSERT_LT(w, params.size());
+  for (Rank r = 0; r < 2; ++r) {
+    const std::span<const std::byte> bytes = converted->shard(w, r);
+    std::vector<int32_t>& v = (*shards)[static_cast<size_t>(r)];
+    v.resize(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+  }
+}
+
 // gather writes a tensor read by regions in bands of whole chunk rows: the same file as read
 // whole, each band read once, the stored chunk missing in the third band given as fill values.
 TEST_F(OrbaxItemTest, GatherInBandsOfChunkRowsWritesWhatAWholeReadWrites) {
@@ -376,49 +416,24 @@ TEST_F(OrbaxItemTest, ATargetShardOfSeveralPiecesIsReadFromTheChunksItOverlaps) 
   auto c = OrbaxCheckpoint::Open(dir_.path().string());
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   RegionsOnly source(OrbaxSource(*c, false));
-  auto doc = ReadMapDocumentJson(R"({"version": 1, "w": {"logical_shape": [10, 6], "ranks": {
+  std::array<std::vector<int32_t>, 2> shards;
+  ASSERT_NO_FATAL_FAILURE(ConvertW(source, R"({
       "0": {"shard_shape": [4, 6], "pieces": [
           {"shape": [2, 6], "source": [0, [6, 1]], "dest": [0, [6, 1]], "locations": [0]},
           {"shape": [2, 6], "source": [30, [6, 1]], "dest": [12, [6, 1]], "locations": [0]}]},
       "1": {"shard_shape": [6, 6], "pieces": [
           {"shape": [3, 6], "source": [42, [6, 1]], "dest": [0, [6, 1]], "locations": [1]},
-          {"shape": [3, 6], "source": [12, [6, 1]], "dest": [18, [6, 1]], "locations": [1]}]}}},
-      "^r\\.0$": {"logical_shape": [2], "ranks": {
-      "0": {"shard_shape": [2], "pieces": [
-          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]},
-      "1": {"shard_shape": [2], "pieces": [
-          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]}}}})");
-  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
-  test_support::TempDir out("_out");
-  const std::string tp2 = (out.path() / "tp2").string();
-  const Status s = ConvertFrom(source, 2, *doc, tp2, {});
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  auto converted = ShardedCheckpoint::Open(tp2);
-  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
-  const std::vector<ShardedParam>& params = converted->manifest().params;
-  const auto w =
-      static_cast<size_t>(std::find_if(params.begin(), params.end(),
-                                       [](const ShardedParam& p) { return p.name == "w"; }) -
-                          params.begin());
-  ASSERT_LT(w, params.size());
-  // F[row][col] = 6 * row + col, but rows 6-8 (a chunk not stored) hold the fill value 0.
+          {"shape": [3, 6], "source": [12, [6, 1]], "dest": [18, [6, 1]], "locations": [1]}]}})",
+                                   &shards));
   auto rows = [](std::initializer_list<Index> which) {
     std::vector<int32_t> v;
     for (Index row : which) {
-      for (Index col = 0; col < 6; ++col) {
-        v.push_back(row >= 6 && row < 9 ? 0 : static_cast<int32_t>(6 * row + col));
-      }
+      for (Index col = 0; col < 6; ++col) v.push_back(StoredW(row, col));
     }
     return v;
   };
-  auto shard = [&](Rank r) {
-    const std::span<const std::byte> bytes = converted->shard(w, r);
-    std::vector<int32_t> v(bytes.size() / 4);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
-    return v;
-  };
-  EXPECT_EQ(shard(0), rows({0, 1, 5, 6}));
-  EXPECT_EQ(shard(1), rows({7, 8, 9, 2, 3, 4}));
+  EXPECT_EQ(shards[0], rows({0, 1, 5, 6}));
+  EXPECT_EQ(shards[1], rows({7, 8, 9, 2, 3, 4}));
 }
 
 // A target shard of pieces that are not boxes (every other row; a transpose) is read from the
@@ -427,48 +442,22 @@ TEST_F(OrbaxItemTest, ATargetShardOfPiecesThatAreNotBoxesIsReadChunkByChunk) {
   auto c = OrbaxCheckpoint::Open(dir_.path().string());
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   RegionsOnly source(OrbaxSource(*c, false));
-  auto doc = ReadMapDocumentJson(R"({"version": 1, "w": {"logical_shape": [10, 6], "ranks": {
+  std::array<std::vector<int32_t>, 2> shards;
+  ASSERT_NO_FATAL_FAILURE(ConvertW(source, R"({
       "0": {"shard_shape": [5, 6], "pieces": [
           {"shape": [5, 6], "source": [0, [12, 1]], "dest": [0, [6, 1]], "locations": [0]}]},
       "1": {"shard_shape": [6, 5], "pieces": [
-          {"shape": [6, 5], "source": [6, [1, 12]], "dest": [0, [5, 1]], "locations": [1]}]}}},
-      "^r\\.0$": {"logical_shape": [2], "ranks": {
-      "0": {"shard_shape": [2], "pieces": [
-          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]},
-      "1": {"shard_shape": [2], "pieces": [
-          {"shape": [2], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]}}}})");
-  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
-  test_support::TempDir out("_out");
-  const std::string tp2 = (out.path() / "tp2").string();
-  const Status s = ConvertFrom(source, 2, *doc, tp2, {});
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  auto converted = ShardedCheckpoint::Open(tp2);
-  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
-  const std::vector<ShardedParam>& params = converted->manifest().params;
-  const auto w =
-      static_cast<size_t>(std::find_if(params.begin(), params.end(),
-                                       [](const ShardedParam& p) { return p.name == "w"; }) -
-                          params.begin());
-  ASSERT_LT(w, params.size());
-  // F[row][col] = 6 * row + col, but rows 6-8 (a chunk not stored) hold the fill value 0.
-  auto f = [](Index row, Index col) {
-    return row >= 6 && row < 9 ? 0 : static_cast<int32_t>(6 * row + col);
-  };
+          {"shape": [6, 5], "source": [6, [1, 12]], "dest": [0, [5, 1]], "locations": [1]}]}})",
+                                   &shards));
   std::vector<int32_t> even, odd_transposed;
   for (Index row = 0; row < 10; row += 2) {
-    for (Index col = 0; col < 6; ++col) even.push_back(f(row, col));
+    for (Index col = 0; col < 6; ++col) even.push_back(StoredW(row, col));
   }
   for (Index col = 0; col < 6; ++col) {
-    for (Index row = 1; row < 10; row += 2) odd_transposed.push_back(f(row, col));
+    for (Index row = 1; row < 10; row += 2) odd_transposed.push_back(StoredW(row, col));
   }
-  auto shard = [&](Rank r) {
-    const std::span<const std::byte> bytes = converted->shard(w, r);
-    std::vector<int32_t> v(bytes.size() / 4);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
-    return v;
-  };
-  EXPECT_EQ(shard(0), even);
-  EXPECT_EQ(shard(1), odd_transposed);
+  EXPECT_EQ(shards[0], even);
+  EXPECT_EQ(shards[1], odd_transposed);
   // Each rank read each stored chunk that feeds it once, a whole chunk of 3 rows (1 the last):
   // rank 1 all four, rank 0 three (the last chunk, row 9, holds no even row).
   const auto regions = source.regions().at("w");
