@@ -12,6 +12,7 @@ an active exception") after all its work is done: a run that passed reads as fai
 handler covers.
 """
 
+import multiprocessing
 import os
 import sys
 
@@ -23,6 +24,12 @@ def leave(wait: bool = True) -> None:
         if wait:
             dist.barrier()
         dist.destroy_process_group()
+    # The process's multiprocessing children (the Manager that Megatron's checkpoint writer
+    # starts) are ended first: left behind by os._exit they would live on, holding the
+    # launcher's output pipes open, and the test reading those would wait for its timeout.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(30)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
