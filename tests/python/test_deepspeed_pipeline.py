@@ -6,18 +6,20 @@ partitions), trained on the CPU in the test (ds_pipe_train.py, ds_pipe_checkpoin
 - `reshard convert --to universal` equals ds_to_universal's output file for file (PP 2 x DP 2
   in fp32, PP 2 x DP 1 in bf16, PP 2 x TP 2 with Megatron-style blocks; ZeRO 1), and
   DeepSpeed resumes from ours at another PP x TP x DP with the next step's loss of the
-  training run, bit for bit.
+  training run, bit for bit (within 4 float32 ulps where the TP degree changes).
 - `reshard convert --pp P [--tp M] [--dp D] [--pp-stages ...]` writes a DeepSpeed pipeline
   checkpoint laid out as DeepSpeed saves one at that topology (checked against DeepSpeed's own
   save of the same model at PP 1 x DP 2), holding every weight and optimizer state of the
   source, and DeepSpeed's load_checkpoint resumes from it at that PP x TP x DP (uneven stages
-  included) with the next step's loss of the training run, bit for bit.
+  included) with the next step's loss of the training run, bit for bit (within 4 float32 ulps
+  where the TP degree changes).
 - Bad input (a missing stage or layer file, a stage of another run or PP degree, a layer
   file of the wrong shape; stage lists that do not fit the layers) exits 1 or 2 naming the
   file or the list, and writes nothing.
 """
 
 import dataclasses
+import math
 import re
 import shutil
 import subprocess
@@ -285,14 +287,26 @@ def resumed(converted, tmp_path_factory):
             for spec, pp, tp, dp in RESUMES}
 
 
+def assert_next_loss(losses, want, run_tp, tp, dp):
+    """Each DP rank's next-step loss is the training run's: bit for bit at the run's TP degree.
+    At another one a row-parallel block's product is summed over another number of ranks, which
+    rounds differently on some CPUs (one float32 ulp on an AVX-512 machine, none on an AVX2
+    one): there it is within 4 ulps."""
+    assert sorted(losses) == list(range(dp)), losses
+    for d, loss in losses.items():
+        if tp == run_tp:
+            assert loss == want, (d, loss, want)
+        else:
+            ulp = 2.0 ** (math.floor(math.log2(abs(want))) - 23)
+            assert abs(loss - want) <= 4 * ulp, (d, loss, want)
+
+
 @pytest.mark.parametrize("spec,pp,tp,dp", RESUMES,
                          ids=lambda v: v.name if isinstance(v, PipeSpec) else str(v))
 def test_deepspeed_resumes_from_the_universal_output_at_another_topology(pipes, resumed, spec,
                                                                          pp, tp, dp):
-    """The next step's loss of the training run, bit for bit (at this size the blocks' products
-    round alike summed whole or over two TP ranks, so also where the TP degree changes)."""
-    want = pipes[spec].next_loss[0]
-    assert resumed[(spec, pp, tp, dp)] == {d: want for d in range(dp)}
+    """The next step's loss of the training run, bit for bit at the run's TP degree."""
+    assert_next_loss(resumed[(spec, pp, tp, dp)], pipes[spec].next_loss[0], spec.tp, tp, dp)
 
 
 def refused(reshard_bin, save_dir, out, blamed, *names):
@@ -580,9 +594,9 @@ def test_deepspeed_resumes_from_the_pipeline_output(pipes, resumed_from_pipeline
                                                     dp, stages):
     """DeepSpeed's own loader (layer files, the stage's ZeRO partitions) at the new PP x TP x
     DP, with the partition_method that gives the stages: the training run's next-step loss,
-    bit for bit, on every DP rank."""
-    want = pipes[spec].next_loss[0]
-    assert resumed_from_pipeline[(spec, pp, tp, dp, stages)] == {d: want for d in range(dp)}
+    bit for bit at the run's TP degree, on every DP rank."""
+    assert_next_loss(resumed_from_pipeline[(spec, pp, tp, dp, stages)], pipes[spec].next_loss[0],
+                     spec.tp, tp, dp)
 
 
 def test_pipeline_degrees_that_do_not_fit_are_refused(pipes, tmp_path, reshard_bin):
