@@ -3,9 +3,9 @@
 `leave()` waits for every rank (nobody tears gloo down while a peer still talks to it; not with
 `wait=False`, for a rank that may disagree with the others on where they are), destroys the
 process group and ends the process by `os._exit(0)`, without the interpreter's shutdown.
-Something in torch often keeps a destroyed gloo group alive: FSDP2's `fully_shard`, a
-`DeviceMesh`, Megatron's parallel state, `torch.distributed.nn.functional` imported after
-`init_process_group`. Its worker threads then outlive the interpreter, and one that lets go of a
+Something in torch often keeps a destroyed gloo group alive: a `DeviceMesh` (FSDP2's
+`fully_shard` builds one; DTensor's caches keep it), `torch.distributed.nn.functional` imported
+after `init_process_group`. Its worker threads then outlive the interpreter, and one that lets go of a
 collective's tensor while the interpreter finalizes aborts the process ("terminate called without
 an active exception") after all its work is done: a run that passed reads as failed. docs/python.md
 ("At exit") gives users the same advice. test_exit.py checks the case that reshard's own exit
